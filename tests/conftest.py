@@ -1,0 +1,1 @@
+"""Shared fixtures. Tests that boot VMs are marked ``qemu``; PostgreSQL ones ``postgres``."""

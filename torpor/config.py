@@ -1,0 +1,115 @@
+"""Where torpor keeps its files, and the limits it enforces.
+
+Everything lives under one home directory, ``$TORPOR_HOME`` (default
+``~/.local/share/torpor``)::
+
+    templates/<name>/      built guest images and each template's booted snapshot
+    sandboxes/<id>/        one directory per sandbox: RAM file, device state, disk overlay
+    snapshots/             snapshot manifests
+    chunks/                the content-addressed chunk store
+    volumes/<id>.img       volume disk images
+    drives/<id>/           shared host directories
+    registry.db            the server's SQLite registry
+    server.sock            the local server's unix socket
+    memory/<tenant>.db     the embedded memory store, one file per tenant
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from torpor.errors import InvalidName
+
+__all__ = ["Paths", "paths", "Limits", "LIMITS", "check_name", "NAME_RE"]
+
+#: Names of sandboxes, templates, snapshots, volumes and drives: 1–63 characters,
+#: lowercase letters, digits, ``-``, ``_`` and ``.``, starting with a letter or digit.
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """Return ``name`` if it is valid, else raise :class:`InvalidName`."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InvalidName(
+            f"invalid {what} {name!r}: use 1-63 characters of a-z, 0-9, '.', '_' and '-', "
+            "starting with a letter or digit",
+            name=str(name),
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sizes torpor refuses to go past, with a :class:`~torpor.errors.PayloadTooLarge`."""
+
+    max_file_bytes: int = 256 * 1024 * 1024
+    max_output_bytes: int = 128 * 1024 * 1024
+    max_code_bytes: int = 16 * 1024 * 1024
+    max_fork_count: int = 16
+    max_memory_text_chars: int = 32_000
+
+
+LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The layout of one torpor home directory."""
+
+    home: Path
+
+    @property
+    def templates(self) -> Path:
+        return self.home / "templates"
+
+    @property
+    def sandboxes(self) -> Path:
+        return self.home / "sandboxes"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.home / "snapshots"
+
+    @property
+    def chunks(self) -> Path:
+        return self.home / "chunks"
+
+    @property
+    def volumes(self) -> Path:
+        return self.home / "volumes"
+
+    @property
+    def drives(self) -> Path:
+        return self.home / "drives"
+
+    @property
+    def memory(self) -> Path:
+        return self.home / "memory"
+
+    @property
+    def registry(self) -> Path:
+        return self.home / "registry.db"
+
+    @property
+    def socket(self) -> Path:
+        return self.home / "server.sock"
+
+    @property
+    def cache(self) -> Path:
+        return self.home / "cache"
+
+    def ensure(self) -> Paths:
+        for d in (self.templates, self.sandboxes, self.snapshots, self.chunks, self.volumes,
+                  self.drives, self.memory, self.cache):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def paths(home: str | os.PathLike[str] | None = None) -> Paths:
+    """The paths for ``home``, else ``$TORPOR_HOME``, else ``~/.local/share/torpor``."""
+    if home is None:
+        home = os.environ.get("TORPOR_HOME") or Path.home() / ".local" / "share" / "torpor"
+    return Paths(Path(home).expanduser().resolve())

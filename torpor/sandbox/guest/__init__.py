@@ -1,0 +1,1 @@
+"""torpor.sandbox.guest"""

@@ -1,0 +1,117 @@
+"""The data that crosses layers: what a command, a file listing and an execution return.
+
+These are plain pydantic models so the same classes serve the library, the HTTP API and the
+client. Execution results follow Jupyter's MIME-bundle shape: ``result.data["text/plain"]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "SandboxState",
+    "CommandResult",
+    "ProcessInfo",
+    "EntryInfo",
+    "Result",
+    "ExecutionError",
+    "Execution",
+    "SandboxInfo",
+]
+
+
+class SandboxState(str, enum.Enum):
+    """The lifecycle of a sandbox (see ``torpor.sandbox.lifecycle`` for the transitions)."""
+
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    WAKING = "waking"
+    STOPPED = "stopped"
+    ERROR = "error"
+
+
+class CommandResult(BaseModel):
+    """A finished shell command."""
+
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    pid: int | None = None
+
+
+class ProcessInfo(BaseModel):
+    """A background process started with ``commands.run(..., background=True)``."""
+
+    pid: int
+    cmd: str
+
+
+class EntryInfo(BaseModel):
+    """One entry of a directory listing."""
+
+    name: str
+    path: str
+    type: str  # "file" | "dir" | "symlink" | "other"
+    size: int
+
+
+class Result(BaseModel):
+    """One displayed value: a MIME bundle such as ``{"text/plain": "42"}``."""
+
+    data: dict[str, Any] = Field(default_factory=dict)
+    is_main_result: bool = True
+
+    @property
+    def text(self) -> str | None:
+        value = self.data.get("text/plain")
+        return None if value is None else str(value)
+
+
+class ExecutionError(BaseModel):
+    """An exception raised by interpreted code."""
+
+    name: str
+    value: str
+    traceback: str
+
+
+class Execution(BaseModel):
+    """What ``interpreter.run(code)`` returns."""
+
+    results: list[Result] = Field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+    error: ExecutionError | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The ``text/plain`` of the main result, if any."""
+        for r in self.results:
+            if r.is_main_result:
+                return r.text
+        return None
+
+
+class SandboxInfo(BaseModel):
+    """What the registry knows about a sandbox."""
+
+    id: str
+    name: str
+    tenant: str = "default"
+    template: str
+    state: SandboxState
+    reused: bool = False
+    labels: dict[str, str] = Field(default_factory=dict)
+    vcpus: int = 1
+    memory_mib: int = 512
+    idle_pause_seconds: int | None = None
+    pause_retention_days: int = 30
+    created_at: datetime
+    last_active_at: datetime
+    error: str | None = None
