@@ -1,1 +1,37 @@
-"""Shared fixtures. Tests that boot VMs are marked ``qemu``; PostgreSQL ones ``postgres``."""
+"""Shared fixtures.
+
+Tests that boot VMs are marked ``qemu``. They reuse the one ``python`` template that
+``scripts/setup`` built into ``$TORPOR_HOME`` (or the default home), and each test gets a
+fresh home of its own whose ``templates/`` points at that shared one. A missing template is
+a failure with a clear message, never a silent skip (set TORPOR_SKIP_QEMU=1 to skip on purpose).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from torpor.config import paths
+
+
+@pytest.fixture(scope="session")
+def template_home() -> Path:
+    """The torpor home holding the built ``python`` template."""
+    if os.environ.get("TORPOR_SKIP_QEMU") == "1":
+        pytest.skip("TORPOR_SKIP_QEMU=1")
+    home = paths().home
+    if not (home / "templates" / "python" / "template.json").exists():
+        pytest.fail(f"no built 'python' template under {home}: run scripts/setup first")
+    return home
+
+
+@pytest.fixture
+def qemu_home(tmp_path: Path, template_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh torpor home for one test that shares the built templates (read-only)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "templates").symlink_to(template_home / "templates")
+    monkeypatch.setenv("TORPOR_HOME", str(home))
+    return home

@@ -1,0 +1,47 @@
+"""torpor: memory for AI agents.
+
+Two layers under one identity:
+
+* execution state — :class:`Sandbox`, a QEMU microVM that hibernates to disk with its RAM and
+  wakes where it was (plus :class:`Snapshot`, :class:`Volume`, :class:`Drive`);
+* knowledge — :class:`Memory`, a store of facts, episodes and profiles with hybrid recall.
+
+Every error is a :class:`TorporError` (see :mod:`torpor.errors`).
+The public names below are loaded lazily, so ``import torpor`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torpor.errors import *  # noqa: F403
+from torpor.errors import __all__ as _error_names
+
+__version__ = "0.1.0"
+
+#: public name -> module that defines it
+_LAZY = {
+    "Runtime": "torpor.client",
+    "Sandbox": "torpor.client",
+    "Snapshot": "torpor.client",
+    "Volume": "torpor.client",
+    "Drive": "torpor.client",
+    "Memory": "torpor.memory",
+    "SourceRef": "torpor.memory",
+}
+
+__all__ = [*_LAZY, *_error_names, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torpor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
