@@ -1,0 +1,3 @@
+from torpor.cli import main
+
+main()
