@@ -1,0 +1,140 @@
+"""A real PostgreSQL + pgvector server for tests, started with ``pgserver``.
+
+``pgserver`` (a pip package) ships PostgreSQL 16 binaries with pgvector, so a fresh machine
+needs nothing from apt. One server runs per pytest session (a few hundred milliseconds to
+start); each test gets a database of its own, dropped afterwards.
+
+Two kinds of connection string matter for row-level security:
+
+* ``admin_dsn(db)`` connects as the cluster's superuser, ``postgres``. It owns the schema
+  (migrations run as it) and bypasses RLS: tests use it only to look behind the backend.
+* ``login_dsn(db, role)`` connects as a plain login role (no superuser, owns nothing). The
+  server trusts local socket connections, so no password is needed.
+
+Import the fixtures into a conftest with ``from tests.pg import pg_cluster, pg_database``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PgCluster", "start_cluster", "pg_cluster", "pg_database"]
+
+
+@dataclass
+class PgCluster:
+    """A running PostgreSQL server reachable over a unix socket in ``socket_dir``."""
+
+    socket_dir: str
+    server: Any = None
+    _counter: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def dsn(self, database: str = "postgres", user: str = "postgres") -> str:
+        """A libpq URI for ``user`` on ``database`` over the server's socket."""
+        return f"postgresql://{quote(user)}@/{quote(database)}?host={quote(self.socket_dir)}"
+
+    def admin_dsn(self, database: str = "postgres") -> str:
+        """The superuser's connection string (bypasses row-level security)."""
+        return self.dsn(database, "postgres")
+
+    def login_dsn(self, database: str, role: str) -> str:
+        """A connection string for an ordinary login ``role`` (created if missing)."""
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.admin_dsn(), autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+            if not exists:
+                conn.execute(sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER").format(sql.Identifier(role)))
+        return self.dsn(database, role)
+
+    def create_database(self, prefix: str = "t") -> str:
+        """Create an empty database and return its name."""
+        import psycopg
+        from psycopg import sql
+
+        name = f"{prefix}_{os.getpid()}_{next(self._counter)}"
+        with psycopg.connect(self.admin_dsn(), autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        return name
+
+    def drop_database(self, name: str) -> None:
+        """Drop a database, closing whatever connections remain on it."""
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.admin_dsn(), autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+    def stop(self) -> None:
+        """Stop the server and delete its data directory."""
+        if self.server is not None:
+            self.server.cleanup()
+            self.server = None
+
+
+def start_cluster(base: Path) -> PgCluster:
+    """Start a throwaway server with its data under ``base`` and check that pgvector loads.
+
+    Raises ``RuntimeError`` with the server log when PostgreSQL or pgvector is unusable, so a
+    broken setup is a loud failure, never a skipped test.
+    """
+    import psycopg
+
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset; pgserver falls back to /tmp.
+        warnings.simplefilter("ignore")
+        import pgserver
+
+        server = pgserver.get_server(base / "data", cleanup_mode="delete")
+    info = server.get_postmaster_info()
+    cluster = PgCluster(socket_dir=str(info.socket_dir), server=server)
+    try:
+        with psycopg.connect(cluster.admin_dsn(), autocommit=True) as conn:
+            # vector is created per database by the backend's migration; this checks the
+            # extension files are present before any test relies on them.
+            row = conn.execute(
+                "SELECT default_version FROM pg_available_extensions WHERE name = 'vector'"
+            ).fetchone()
+    except Exception:
+        cluster.stop()
+        raise
+    if row is None:
+        cluster.stop()
+        raise RuntimeError("pgserver's PostgreSQL has no pgvector extension")
+    log.info("PostgreSQL with pgvector %s on %s", row[0], cluster.socket_dir)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgCluster]:
+    """One PostgreSQL + pgvector server for the whole test session."""
+    cluster = start_cluster(tmp_path_factory.mktemp("pg"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def pg_database(pg_cluster: PgCluster) -> Iterator[str]:
+    """The name of a fresh, empty database for one test (dropped afterwards)."""
+    name = pg_cluster.create_database()
+    try:
+        yield name
+    finally:
+        pg_cluster.drop_database(name)
