@@ -1,0 +1,342 @@
+"""The sandbox registry: one SQLite database (WAL) at ``paths().registry``.
+
+It holds one row per sandbox and an append-only log of every state transition. A state change
+and its log entry are written in one transaction, compare-and-set on the old state, with
+``synchronous=FULL`` so a committed state survives a power cut. The manager writes a state only
+after the files that back it are durable, so the registry never claims more than the disk holds.
+
+Names are unique per tenant among sandboxes that are not ``stopped`` (a partial unique index):
+a killed sandbox's name can be taken again, while the old row stays so calls on its id still get
+:class:`~torpor.errors.SandboxClosed` instead of "not found".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from torpor.config import check_name
+from torpor.errors import Conflict, InvalidArgument, InvalidState, SandboxNotFound, StorageError
+from torpor.sandbox.lifecycle import Transition, check_transition
+from torpor.sandbox.models import SandboxInfo, SandboxState
+
+__all__ = ["SCHEMA_VERSION", "SandboxRecord", "Registry"]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+_SCHEMA_V1 = """
+CREATE TABLE sandboxes (
+    id                   TEXT PRIMARY KEY,
+    tenant               TEXT NOT NULL,
+    name                 TEXT NOT NULL,
+    template             TEXT NOT NULL,
+    state                TEXT NOT NULL,
+    labels               TEXT NOT NULL DEFAULT '{}',
+    spec                 TEXT NOT NULL DEFAULT '{}',
+    idle_pause_seconds   INTEGER,
+    pause_retention_days INTEGER NOT NULL DEFAULT 30,
+    created_at           REAL NOT NULL,
+    last_active_at       REAL NOT NULL,
+    paused_at            REAL,
+    error                TEXT
+);
+CREATE UNIQUE INDEX sandboxes_live_name ON sandboxes (tenant, name) WHERE state != 'stopped';
+CREATE INDEX sandboxes_state ON sandboxes (state);
+CREATE TABLE transitions (
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+    sandbox_id TEXT NOT NULL,
+    src        TEXT,
+    dst        TEXT NOT NULL,
+    at         REAL NOT NULL,
+    reason     TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX transitions_sandbox ON transitions (sandbox_id, seq);
+"""
+
+#: user_version -> the script that brings the schema from the previous version to it.
+_MIGRATIONS = {1: _SCHEMA_V1}
+
+
+def _dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=timezone.utc)
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    """One row of the registry."""
+
+    id: str
+    tenant: str
+    name: str
+    template: str
+    state: SandboxState
+    labels: dict[str, str] = field(default_factory=dict)
+    vcpus: int = 1
+    memory_mib: int = 512
+    idle_pause_seconds: int | None = None
+    pause_retention_days: int = 30
+    created_at: float = field(default_factory=time.time)
+    last_active_at: float = field(default_factory=time.time)
+    paused_at: float | None = None
+    error: str | None = None
+
+    def to_info(self, *, reused: bool = False) -> SandboxInfo:
+        """The public :class:`SandboxInfo` for this row."""
+        return SandboxInfo(
+            id=self.id, name=self.name, tenant=self.tenant, template=self.template,
+            state=self.state, reused=reused, labels=dict(self.labels), vcpus=self.vcpus,
+            memory_mib=self.memory_mib, idle_pause_seconds=self.idle_pause_seconds,
+            pause_retention_days=self.pause_retention_days, created_at=_dt(self.created_at),
+            last_active_at=_dt(self.last_active_at), error=self.error,
+        )
+
+    def with_state(self, state: SandboxState, **changes: Any) -> SandboxRecord:
+        return replace(self, state=state, **changes)
+
+
+def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
+    spec = json.loads(row["spec"] or "{}")
+    return SandboxRecord(
+        id=row["id"], tenant=row["tenant"], name=row["name"], template=row["template"],
+        state=SandboxState(row["state"]), labels=json.loads(row["labels"] or "{}"),
+        vcpus=int(spec.get("vcpus", 1)), memory_mib=int(spec.get("memory_mib", 512)),
+        idle_pause_seconds=row["idle_pause_seconds"],
+        pause_retention_days=row["pause_retention_days"], created_at=row["created_at"],
+        last_active_at=row["last_active_at"], paused_at=row["paused_at"], error=row["error"],
+    )
+
+
+def _check_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in labels.items():
+        if not isinstance(key, str) or not isinstance(value, str) or not key:
+            raise InvalidArgument(f"labels must map non-empty strings to strings: {key!r}",
+                                  label=str(key))
+        out[key] = value
+    return out
+
+
+class Registry:
+    """The SQLite registry of sandboxes. Thread-safe (one connection behind a lock).
+
+    Every method raises :class:`StorageError` when SQLite fails; lookups raise
+    :class:`SandboxNotFound`; a taken name raises :class:`Conflict`.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # FULL: a committed state change is on disk before we act on it (crash safety).
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except (sqlite3.Error, OSError) as exc:
+            raise StorageError(f"cannot open the registry {self.path}: {exc}", exc=exc,
+                               path=str(self.path)) from exc
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One IMMEDIATE transaction; sqlite3 errors become StorageError (Conflict for a
+        taken name)."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            except sqlite3.IntegrityError as exc:
+                raise Conflict(f"registry constraint failed: {exc}", exc=exc) from exc
+            except sqlite3.Error as exc:
+                raise StorageError(f"registry error: {exc}", exc=exc,
+                                   path=str(self.path)) from exc
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            try:
+                return list(self._db.execute(sql, args))
+            except sqlite3.Error as exc:
+                raise StorageError(f"registry error: {exc}", exc=exc,
+                                   path=str(self.path)) from exc
+
+    def _migrate(self) -> None:
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise StorageError(
+                f"registry {self.path} has schema version {version}, newer than this torpor "
+                f"({SCHEMA_VERSION})", path=str(self.path))
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            log.info("registry %s: migrating schema to version %d", self.path, target)
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _MIGRATIONS[target].split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version={target}")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._query("PRAGMA user_version")[0][0])
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        with self._lock:
+            try:
+                self._db.close()
+            except sqlite3.Error as exc:  # pragma: no cover - close rarely fails
+                raise StorageError(f"registry close failed: {exc}", exc=exc) from exc
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def insert(self, rec: SandboxRecord, *, reason: str = "create") -> None:
+        """Add a sandbox and log its first state. Raises InvalidName, InvalidArgument,
+        Conflict (name taken by a live sandbox of the tenant) or StorageError."""
+        check_name(rec.name, "sandbox name")
+        labels = _check_labels(rec.labels)
+        spec = json.dumps({"vcpus": rec.vcpus, "memory_mib": rec.memory_mib})
+        try:
+            with self._tx() as db:
+                db.execute(
+                    "INSERT INTO sandboxes (id, tenant, name, template, state, labels, spec,"
+                    " idle_pause_seconds, pause_retention_days, created_at, last_active_at,"
+                    " paused_at, error) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (rec.id, rec.tenant, rec.name, rec.template, rec.state.value,
+                     json.dumps(labels, sort_keys=True), spec, rec.idle_pause_seconds,
+                     rec.pause_retention_days, rec.created_at, rec.last_active_at,
+                     rec.paused_at, rec.error))
+                db.execute("INSERT INTO transitions (sandbox_id, src, dst, at, reason)"
+                           " VALUES (?,?,?,?,?)",
+                           (rec.id, None, rec.state.value, rec.created_at, reason))
+        except Conflict as exc:
+            raise Conflict(f"a sandbox named {rec.name!r} already exists", exc=exc.exc,
+                           name=rec.name, tenant=rec.tenant) from exc
+
+    def set_state(
+        self,
+        sandbox_id: str,
+        src: SandboxState,
+        dst: SandboxState,
+        *,
+        reason: str = "",
+        at: float | None = None,
+        **columns: Any,
+    ) -> Transition:
+        """Move ``sandbox_id`` from ``src`` to ``dst`` (compare-and-set) and log it; ``columns``
+        (``paused_at``, ``error``, ``last_active_at``) are updated in the same transaction.
+
+        Raises InvalidState/SandboxClosed for an illegal move or when the row is no longer in
+        ``src`` (someone else moved it), SandboxNotFound, or StorageError.
+        """
+        check_transition(sandbox_id, src, dst)
+        allowed = {"paused_at", "error", "last_active_at"}
+        if not set(columns) <= allowed:
+            raise InvalidArgument(f"cannot set {sorted(set(columns) - allowed)}")
+        when = time.time() if at is None else at
+        sets = ", ".join(["state = ?"] + [f"{c} = ?" for c in columns])
+        with self._tx() as db:
+            cur = db.execute(f"UPDATE sandboxes SET {sets} WHERE id = ? AND state = ?",
+                             (dst.value, *columns.values(), sandbox_id, src.value))
+            if cur.rowcount != 1:
+                row = db.execute("SELECT state FROM sandboxes WHERE id = ?",
+                                 (sandbox_id,)).fetchone()
+                if row is None:
+                    raise SandboxNotFound(f"no sandbox {sandbox_id}", kind="sandbox",
+                                          name=sandbox_id)
+                check_transition(sandbox_id, SandboxState(row["state"]), dst)
+                raise _moved(sandbox_id, SandboxState(row["state"]), src)
+            db.execute("INSERT INTO transitions (sandbox_id, src, dst, at, reason)"
+                       " VALUES (?,?,?,?,?)", (sandbox_id, src.value, dst.value, when, reason))
+        return Transition(sandbox_id, src, dst, when, reason)
+
+    def touch(self, sandbox_id: str, at: float | None = None) -> None:
+        """Set ``last_active_at`` (the idle clock) to ``at`` (default: now)."""
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET last_active_at = ? WHERE id = ?",
+                       (time.time() if at is None else at, sandbox_id))
+
+    def set_labels(self, sandbox_id: str, labels: Mapping[str, str]) -> None:
+        """Replace a sandbox's labels. Raises InvalidArgument or StorageError."""
+        clean = _check_labels(labels)
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET labels = ? WHERE id = ?",
+                       (json.dumps(clean, sort_keys=True), sandbox_id))
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        """The row of ``sandbox_id``. Raises SandboxNotFound."""
+        rows = self._query("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,))
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
+        return _row_to_record(rows[0])
+
+    def find(self, tenant: str, id_or_name: str) -> SandboxRecord:
+        """A tenant's sandbox by id, else by name (the live one, else the latest killed one).
+        Raises SandboxNotFound (also for another tenant's id)."""
+        rows = self._query(
+            "SELECT * FROM sandboxes WHERE tenant = ? AND (id = ? OR name = ?)"
+            " ORDER BY (id = ?) DESC, (state != 'stopped') DESC, created_at DESC LIMIT 1",
+            (tenant, id_or_name, id_or_name, id_or_name))
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {id_or_name!r}", kind="sandbox",
+                                  name=id_or_name)
+        return _row_to_record(rows[0])
+
+    def list(
+        self,
+        *,
+        tenant: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        states: set[SandboxState] | None = None,
+    ) -> list[SandboxRecord]:
+        """Sandboxes, oldest first, filtered by tenant, states and labels (all must match)."""
+        sql, args = "SELECT * FROM sandboxes WHERE 1=1", []
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            args.append(tenant)
+        if states is not None:
+            sql += f" AND state IN ({','.join('?' * len(states))})"
+            args.extend(s.value for s in states)
+        for key, value in (labels or {}).items():
+            sql += " AND json_extract(labels, ?) = ?"
+            args.extend([f'$."{key}"', value])
+        return [_row_to_record(r) for r in self._query(sql + " ORDER BY created_at, id",
+                                                        tuple(args))]
+
+    def transitions(self, sandbox_id: str) -> list[Transition]:
+        """Every recorded transition of a sandbox, in order."""
+        rows = self._query("SELECT * FROM transitions WHERE sandbox_id = ? ORDER BY seq",
+                           (sandbox_id,))
+        return [Transition(r["sandbox_id"], SandboxState(r["src"]) if r["src"] else None,
+                           SandboxState(r["dst"]), r["at"], r["reason"]) for r in rows]
+
+
+def _moved(sandbox_id: str, actual: SandboxState, expected: SandboxState) -> InvalidState:
+    return InvalidState(
+        f"sandbox {sandbox_id} is {actual.value}, expected {expected.value}",
+        sandbox_id=sandbox_id, state=actual.value, required=[expected.value])
