@@ -1,0 +1,290 @@
+"""The storage interface every memory backend implements (SQLite, PostgreSQL).
+
+A :class:`MemoryBackend` holds many tenants and hands out one :class:`TenantStore` per tenant;
+every record operation goes through a ``TenantStore``, so code above the backend cannot name
+another tenant's data. Isolation is the backend's job: SQLite keeps one database file per
+tenant, PostgreSQL sets the tenant per transaction under row-level security.
+
+What stays *above* the backend (``torpor.memory.api`` and friends), so both backends behave the
+same: tokenizing queries, embedding, fusing and ranking hits, building context, checking
+grants, provenance hashing, policy arithmetic. What the backend owns: atomic writes
+(supersede), filtering by :class:`RecordFilter`, lexical and vector top-k, and durability.
+
+Conventions every backend follows (the shared tests in ``tests/memory`` check them):
+
+* Times cross this interface as the models' UTC datetimes and are stored as integer
+  microseconds (:func:`~torpor.memory.models.to_us`); comparisons use microseconds.
+* A record is *visible* under a filter exactly when :func:`visible` says so; lexical, vector,
+  scan, count, history and get never return a record that is expired (``expires_at <= now``).
+* Scores: higher is better. Lexical = the engine's relevance (SQLite ``-bm25()``, PostgreSQL
+  ``ts_rank_cd``), any positive scale; vector = cosine similarity in [-1, 1].
+* Errors: only :mod:`torpor.errors` classes leave a backend (``StorageError``, ``CorruptData``,
+  ``RecordNotFound``, ``InvalidArgument``); driver exceptions are wrapped with ``exc=``.
+
+Version 1 of this interface. Changes are announced in commit messages.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torpor.memory.models import (
+    AuditEntry,
+    Episode,
+    Fact,
+    Kind,
+    Policy,
+    Profile,
+    TokenInfo,
+    path_within,
+    to_us,
+)
+
+__all__ = [
+    "INTERFACE_VERSION",
+    "AnyRecord",
+    "Vector",
+    "RecordFilter",
+    "visible",
+    "TenantStore",
+    "MemoryBackend",
+]
+
+INTERFACE_VERSION = 1
+
+AnyRecord = Fact | Episode
+#: A dense vector: a sequence of floats (a float32 numpy array in practice), L2-normalized.
+Vector = Sequence[float]
+
+
+@dataclass(frozen=True)
+class RecordFilter:
+    """Which records a query may see.
+
+    ``scopes``: the exact scope paths visible (a scope and its ancestors), required.
+    ``now``: microseconds; records with ``expires_at <= now`` are never visible.
+    ``as_of``: microseconds; when set, only records with ``valid_from <= as_of`` and
+    (``valid_to`` null or ``> as_of``), superseded or not. When unset, only current records
+    (``valid_to`` null) unless ``include_history``.
+    ``kinds``, ``key``, ``session`` (episodes), ``metadata`` (equality on top-level keys, JSON
+    values), ``since``/``until`` (microseconds, on ``valid_from``: since <= valid_from < until).
+    """
+
+    scopes: Sequence[str]
+    now: int
+    kinds: Sequence[Kind] = ("fact", "episode")
+    as_of: int | None = None
+    include_history: bool = False
+    key: str | None = None
+    session: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    since: int | None = None
+    until: int | None = None
+
+
+def visible(record: AnyRecord, flt: RecordFilter) -> bool:
+    """The reference definition of :class:`RecordFilter`: True when ``record`` passes ``flt``.
+
+    Backends implement the same predicate in their query language; tests compare against this.
+    """
+    if record.scope not in flt.scopes or record.kind not in flt.kinds:
+        return False
+    if record.expires_at is not None and to_us(record.expires_at) <= flt.now:
+        return False
+    vf = to_us(record.valid_from)
+    vt = None if record.valid_to is None else to_us(record.valid_to)
+    if flt.as_of is not None:
+        if vf > flt.as_of or (vt is not None and vt <= flt.as_of):
+            return False
+    elif not flt.include_history and vt is not None:
+        return False
+    if flt.key is not None and (not isinstance(record, Fact) or record.key != flt.key):
+        return False
+    if flt.session is not None and (
+        not isinstance(record, Episode) or record.session != flt.session
+    ):
+        return False
+    if flt.since is not None and vf < flt.since:
+        return False
+    if flt.until is not None and vf >= flt.until:
+        return False
+    return all(record.metadata.get(k, _MISSING) == v for k, v in flt.metadata.items())
+
+
+_MISSING = object()
+
+
+class TenantStore(abc.ABC):
+    """All records, profiles and policies of one tenant. Thread-safe; usable across processes."""
+
+    tenant: str
+
+    @abc.abstractmethod
+    def schema_version(self) -> int:
+        """The migration version of this tenant's schema (raises :class:`StorageError`)."""
+
+    # -- writes ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def add(
+        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+    ) -> list[AnyRecord]:
+        """Insert ``records`` (with their optional embeddings) in one transaction, in order.
+
+        For each fact with a ``key``, the current fact with the same ``(scope, key)`` (if any)
+        is ended in the same transaction: its ``valid_to`` becomes the new fact's
+        ``valid_from`` and its ``superseded_by`` the new id. If the new ``valid_from`` is not
+        after the old one's, it is moved to old ``valid_from`` + 1 µs, so history is strictly
+        ordered even across processes. Nothing outside that scope and key changes.
+        Returns the stored records (with any adjusted ``valid_from``). All or nothing:
+        raises :class:`StorageError` (or :class:`InvalidArgument` for a duplicate id) and
+        leaves no partial state.
+        """
+
+    @abc.abstractmethod
+    def import_records(
+        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+    ) -> int:
+        """Insert records exactly as given (ids, validity, supersession kept), skipping ids
+        that already exist. Returns how many were inserted. One transaction."""
+
+    @abc.abstractmethod
+    def set_verification(
+        self, record_id: str, *, verified: bool, stale: bool, source_hash: str | None
+    ) -> None:
+        """Record the outcome of a provenance check (raises :class:`RecordNotFound`)."""
+
+    @abc.abstractmethod
+    def forget(self, ids: Sequence[str]) -> int:
+        """Erase records by id (text, index entries, vectors). Returns how many existed."""
+
+    @abc.abstractmethod
+    def forget_scope(self, prefix: str) -> int:
+        """Erase every record, profile and policy at ``prefix`` or below it (component-wise:
+        ``app/a`` covers ``app/a/user/u`` but not ``app/ab``; ``""`` is the whole tenant).
+        Returns how many records were erased."""
+
+    @abc.abstractmethod
+    def cap_expiry(self, scope: str, retention_us: int) -> int:
+        """Apply a retention period to the records of exactly ``scope``: each one's
+        ``expires_at`` becomes ``min(expires_at, created_at + retention_us)``. Returns how
+        many changed."""
+
+    @abc.abstractmethod
+    def purge_expired(self, now: int) -> int:
+        """Physically delete records with ``expires_at <= now``. Returns how many."""
+
+    # -- reads ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get(self, ids: Sequence[str], now: int) -> list[AnyRecord]:
+        """The records with these ids that exist and are not expired, in the order asked."""
+
+    @abc.abstractmethod
+    def history(self, scope: str, key: str, now: int) -> list[Fact]:
+        """Every unexpired fact with ``key`` in exactly ``scope``, oldest ``valid_from`` first."""
+
+    @abc.abstractmethod
+    def scan(self, flt: RecordFilter, limit: int, *, newest_first: bool = True) -> list[AnyRecord]:
+        """Visible records ordered by ``valid_from`` (newest first by default), up to ``limit``."""
+
+    @abc.abstractmethod
+    def count(self, flt: RecordFilter) -> int:
+        """How many records are visible under ``flt``."""
+
+    @abc.abstractmethod
+    def lexical_search(
+        self, terms: Sequence[str], flt: RecordFilter, limit: int
+    ) -> list[tuple[AnyRecord, float]]:
+        """Visible records matching ANY of ``terms`` (already lower-cased word tokens, no
+        operators), best first, with a positive relevance score. Empty ``terms`` -> ``[]``."""
+
+    @abc.abstractmethod
+    def vector_search(
+        self, vector: Vector, flt: RecordFilter, limit: int
+    ) -> list[tuple[AnyRecord, float]]:
+        """Visible records that have an embedding, by cosine similarity to ``vector``, best
+        first. Exact or approximate; approximate search must still apply ``flt`` exactly."""
+
+    @abc.abstractmethod
+    def iter_records(self, prefix: str) -> Iterator[tuple[AnyRecord, list[float] | None]]:
+        """Every record at ``prefix`` or below (expired included), with its embedding, in
+        insertion order: the export stream."""
+
+    # -- profiles, policies, metadata -----------------------------------------------------
+    @abc.abstractmethod
+    def get_profile(self, scope: str) -> Profile | None:
+        """The profile of exactly ``scope``, or None."""
+
+    @abc.abstractmethod
+    def put_profile(self, profile: Profile) -> Profile:
+        """Store ``profile`` (replacing the old one); the stored version is old version + 1."""
+
+    @abc.abstractmethod
+    def iter_profiles(self, prefix: str) -> Iterator[Profile]:
+        """Every profile at ``prefix`` or below."""
+
+    @abc.abstractmethod
+    def get_policy(self, scope: str) -> Policy | None:
+        """The policy set on exactly ``scope``, or None."""
+
+    @abc.abstractmethod
+    def set_policy(self, scope: str, policy: Policy) -> None:
+        """Set the policy of ``scope`` (replacing the old one)."""
+
+    @abc.abstractmethod
+    def get_meta(self, key: str) -> str | None:
+        """A tenant-level setting (e.g. ``embedding_model``, ``embedding_dim``), or None."""
+
+    @abc.abstractmethod
+    def set_meta(self, key: str, value: str) -> None:
+        """Set a tenant-level setting."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections. Later calls raise :class:`StorageError`."""
+
+
+class MemoryBackend(abc.ABC):
+    """A storage engine holding many tenants, plus the token table and the audit log."""
+
+    name: str
+
+    @abc.abstractmethod
+    def tenant(self, tenant: str) -> TenantStore:
+        """The store of ``tenant`` (a valid name, see ``check_name``), created and migrated
+        on first use. Raises :class:`InvalidName`, :class:`StorageError`, :class:`CorruptData`."""
+
+    @abc.abstractmethod
+    def tenants(self) -> list[str]:
+        """The names of tenants that have a store."""
+
+    @abc.abstractmethod
+    def put_token(self, token: TokenInfo) -> None:
+        """Store a token record (by its hash; replacing one with the same hash)."""
+
+    @abc.abstractmethod
+    def get_token(self, token_hash: str) -> TokenInfo | None:
+        """The token record with this hash, or None."""
+
+    @abc.abstractmethod
+    def revoke_token(self, token_hash: str) -> bool:
+        """Mark a token revoked. Returns False if it did not exist."""
+
+    @abc.abstractmethod
+    def append_audit(self, entry: AuditEntry) -> None:
+        """Append one entry to the audit log (never fails silently: raises StorageError)."""
+
+    @abc.abstractmethod
+    def audit_log(self, tenant: str | None = None, limit: int = 100) -> list[AuditEntry]:
+        """The newest ``limit`` audit entries, newest first, optionally for one tenant."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close every tenant store and the shared tables."""
+
+
+def scope_within(path: str, prefix: str) -> bool:
+    """True when ``path`` is ``prefix`` or below it (re-exported for backends)."""
+    return path_within(path, prefix)
