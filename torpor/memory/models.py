@@ -23,7 +23,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -32,26 +32,26 @@ from torpor.config import check_name
 from torpor.errors import InvalidArgument, InvalidName
 
 __all__ = [
-    "Kind",
-    "Durability",
     "SCOPE_LEVELS",
-    "to_us",
-    "from_us",
-    "now_us",
-    "new_id",
+    "AuditEntry",
+    "Durability",
+    "Episode",
+    "Fact",
+    "Grant",
+    "Hit",
+    "Kind",
+    "Policy",
+    "Profile",
+    "Record",
     "Scope",
+    "SourceRef",
+    "TokenInfo",
+    "from_us",
+    "new_id",
+    "now_us",
     "path_depth",
     "path_within",
-    "SourceRef",
-    "Policy",
-    "Record",
-    "Fact",
-    "Episode",
-    "Profile",
-    "Hit",
-    "Grant",
-    "TokenInfo",
-    "AuditEntry",
+    "to_us",
 ]
 
 Kind = Literal["fact", "episode"]
@@ -60,7 +60,7 @@ Durability = Literal["persistent", "cache"]
 #: Scope levels below the tenant, most general first.
 SCOPE_LEVELS: tuple[str, ...] = ("app", "user", "agent", "session")
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _clock_lock = threading.Lock()
 _last_us = 0
 
@@ -68,14 +68,14 @@ _last_us = 0
 def to_us(dt: datetime) -> int:
     """Microseconds since the epoch for ``dt`` (a naive datetime is taken as UTC)."""
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     delta = dt - _EPOCH
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def from_us(us: int) -> datetime:
     """The UTC datetime for ``us`` microseconds since the epoch."""
-    return datetime.fromtimestamp(us // 1_000_000, tz=timezone.utc).replace(
+    return datetime.fromtimestamp(us // 1_000_000, tz=UTC).replace(
         microsecond=us % 1_000_000
     )
 

@@ -10,7 +10,7 @@ from typing import cast
 from torpor.errors import InvalidArgument
 from torpor.memory.backends.base import MemoryBackend, RecordFilter, TenantStore
 
-__all__ = ["MemoryBackend", "TenantStore", "RecordFilter", "open_backend"]
+__all__ = ["MemoryBackend", "RecordFilter", "TenantStore", "open_backend"]
 
 
 def open_backend(spec: str, memory_dir: Path) -> MemoryBackend:

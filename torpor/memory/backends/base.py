@@ -46,11 +46,11 @@ from torpor.memory.models import (
 __all__ = [
     "INTERFACE_VERSION",
     "AnyRecord",
-    "Vector",
-    "RecordFilter",
-    "visible",
-    "TenantStore",
     "MemoryBackend",
+    "RecordFilter",
+    "TenantStore",
+    "Vector",
+    "visible",
 ]
 
 INTERFACE_VERSION = 1
