@@ -1,0 +1,124 @@
+"""The chunk store: round trips, deduplication, zero chunks, integrity checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torpor.errors import CorruptData, InvalidArgument
+from torpor.sandbox.chunks import ChunkStore, FileManifest
+
+CS = 4096
+
+
+def _store(root: Path) -> ChunkStore:
+    return ChunkStore(root / "chunks", chunk_size=CS)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=5 * CS + 17), zero_pages=st.lists(st.integers(0, 5), max_size=3))
+def test_file_round_trip(tmp_path: Path, data: bytes, zero_pages: list[int]) -> None:
+    raw = bytearray(data)
+    for page in zero_pages:  # make some chunks all-zero, as in a guest's RAM
+        raw[page * CS:(page + 1) * CS] = bytes(len(raw[page * CS:(page + 1) * CS]))
+    src = tmp_path / "src"
+    src.write_bytes(bytes(raw))
+    store = _store(tmp_path)
+    fm = store.put_file(src)
+    assert fm.size == len(raw)
+    assert len(fm.chunks) == -(-len(raw) // CS)
+    again = FileManifest.from_json(fm.to_json())
+    dst = tmp_path / "dst"
+    store.restore_file(again, dst)
+    assert dst.read_bytes() == bytes(raw)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(min_size=1, max_size=3 * CS))
+def test_same_content_is_stored_once(tmp_path: Path, data: bytes) -> None:
+    store = _store(tmp_path)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(data)
+    b.write_bytes(data)
+    store.put_file(a)
+    before = sorted(store)
+    second = store.put_file(b)
+    assert sorted(store) == before
+    assert second.new_bytes == 0
+
+
+def test_zero_chunks_and_holes_are_not_stored(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    sparse = tmp_path / "ram"
+    with open(sparse, "wb") as f:
+        f.truncate(64 * CS)
+        f.seek(10 * CS)
+        f.write(b"x" * 100)
+    fm = store.put_file(sparse)
+    assert [i for i, c in enumerate(fm.chunks) if c is not None] == [10]
+    assert len(list(store)) == 1
+    out = tmp_path / "out"
+    store.restore_file(fm, out)
+    assert out.read_bytes() == sparse.read_bytes()
+    assert os.stat(out).st_blocks * 512 < 64 * CS  # restored sparse, not filled with zeros
+
+
+def test_shared_chunks_across_files(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    base = os.urandom(8 * CS)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(base)
+    changed = bytearray(base)
+    changed[3 * CS] ^= 0xFF  # one chunk differs
+    b.write_bytes(bytes(changed))
+    fa, fb = store.put_file(a), store.put_file(b)
+    assert len(fa.hashes() & fb.hashes()) == 7
+    assert len(list(store)) == 9
+
+
+def test_flipped_byte_is_corrupt_data(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(2 * CS))
+    fm = store.put_file(src)
+    digest = fm.chunks[1]
+    assert digest is not None
+    path = store.path_of(digest)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+    dst = tmp_path / "dst"
+    with pytest.raises(CorruptData) as err:
+        store.restore_file(fm, dst, snapshot_id="snap-x")
+    assert err.value.data["snapshot_id"] == "snap-x"
+    assert "snap-x" in str(err.value)
+    assert not dst.exists()
+
+
+def test_missing_chunk_is_corrupt_data(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    digest, _ = store.put(b"hello")
+    store.remove(digest)
+    with pytest.raises(CorruptData):
+        store.get(digest, snapshot_id="snap-y")
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param({"size": 10, "chunk_size": 4096, "chunks": []}, id="count-mismatch"),
+    pytest.param({"size": 10, "chunk_size": 4096, "chunks": ["../etc"]}, id="bad-name"),
+    pytest.param({"size": 10}, id="missing-keys"),
+])
+def test_malformed_manifest_is_corrupt_data(bad: dict[str, object]) -> None:
+    with pytest.raises(CorruptData):
+        FileManifest.from_json(bad)
+
+
+def test_bad_chunk_size_and_name(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument):
+        ChunkStore(tmp_path, chunk_size=1000)
+    with pytest.raises(InvalidArgument):
+        _store(tmp_path).path_of("../../etc/passwd")
