@@ -1,0 +1,182 @@
+"""Running the server process: one per home, on a private unix socket or on TCP with tokens.
+
+A server holds an exclusive ``flock`` on ``<home>/server.pid`` for its whole life and writes its
+pid there, so two servers never own one home (the second one fails with
+:class:`~torpor.errors.Conflict`), and ``torpor server status/stop`` find the owner. The lock
+dies with the process, so a SIGKILLed server leaves nothing that blocks the next one: a stale
+socket file is removed by the next owner.
+
+The unix socket is created here rather than by uvicorn so it is ``0600`` from the first moment
+(uvicorn would make it world-writable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+from torpor.config import Paths, paths
+from torpor.errors import Conflict, InvalidArgument, ServerUnavailable, StorageError
+from torpor.server.auth import TokenStore
+
+__all__ = ["bind_unix_socket", "pidfile", "serve", "server_pid", "stop_server"]
+
+log = logging.getLogger(__name__)
+
+
+def pidfile(p: Paths) -> Path:
+    """Where the owning server's pid and lock live."""
+    return p.home / "server.pid"
+
+
+def _lock(p: Paths) -> IO[str]:
+    """Take the home's server lock and write our pid. Raises :class:`Conflict` if it is held."""
+    file = pidfile(p)
+    try:
+        handle = open(file, "a+")  # noqa: SIM115 - held for the life of the process
+    except OSError as exc:
+        raise StorageError(f"cannot open {file}: {exc}", exc=exc, path=str(file)) from exc
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip()
+        handle.close()
+        raise Conflict(f"another torpor server (pid {owner or '?'}) owns {p.home}",
+                       pid=int(owner) if owner.isdigit() else None, home=str(p.home)) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def server_pid(home: str | os.PathLike[str] | None = None) -> int | None:
+    """The pid of the server that owns ``home``, or None when none runs."""
+    file = pidfile(paths(home))
+    try:
+        with open(file) as handle:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                text = handle.read().strip()
+                return int(text) if text.isdigit() else None
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            return None
+    except FileNotFoundError:
+        return None
+
+
+def stop_server(home: str | os.PathLike[str] | None = None, *, timeout: float = 30.0) -> int | None:
+    """Ask the server that owns ``home`` to stop (SIGTERM) and wait until it has.
+
+    Returns its pid, or None if none was running. Raises :class:`ServerUnavailable` if it is
+    still running after ``timeout`` seconds.
+    """
+    pid = server_pid(home)
+    if pid is None:
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while server_pid(home) is not None:
+        if time.monotonic() > deadline:
+            raise ServerUnavailable(f"server pid {pid} did not stop within {timeout} s", pid=pid)
+        time.sleep(0.05)
+    return pid
+
+
+def bind_unix_socket(path: Path) -> socket.socket:
+    """A listening unix socket at ``path``, mode 0600, replacing a stale socket file."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # born 0600: no window in which another user could connect
+    try:
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise StorageError(f"cannot bind {path}: {exc}", exc=exc, path=str(path)) from exc
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    return sock
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it; exit cleanly at that point.
+    raise SystemExit(0)
+
+
+def serve(home: str | os.PathLike[str] | None = None, *, socket_path: Path | None = None,
+          host: str | None = None, port: int = 8765, token_file: Path | None = None,
+          manager: Any = None, log_level: str = "info") -> None:
+    """Run the server in this process until SIGTERM/SIGINT.
+
+    Listens on ``socket_path`` (default ``paths(home).socket``), or on ``host:port`` when
+    ``host`` is given — which needs ``token_file`` (tokens -> tenants). ``manager`` defaults to
+    a :class:`~torpor.sandbox.manager.SandboxManager` on ``home``.
+    Raises :class:`Conflict` when another server owns ``home``, :class:`InvalidArgument` for
+    TCP without tokens.
+    """
+    import uvicorn
+
+    from torpor.server.app import create_app
+
+    p = paths(home).ensure()
+    tokens = TokenStore.load(token_file) if token_file is not None else None
+    if host is not None and tokens is None:
+        raise InvalidArgument("a TCP server needs --token-file (bearer tokens -> tenants)")
+    lock = _lock(p)
+    sock_file = socket_path or p.socket
+    if manager is None:
+        from torpor.sandbox.manager import SandboxManager
+
+        manager = SandboxManager(p)
+
+    cleanup: list[Any] = []
+    if host is None:
+        sock = bind_unix_socket(sock_file)
+        ino = sock_file.stat().st_ino
+
+        def remove_socket() -> None:
+            # Only our own socket: a successor may already have bound a new one.
+            with contextlib.suppress(FileNotFoundError):
+                if sock_file.stat().st_ino == ino:
+                    sock_file.unlink()
+
+        cleanup.append(remove_socket)
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+
+    app = create_app(manager, tokens=tokens, on_shutdown=cleanup)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
+                            timeout_graceful_shutdown=10)
+    server = uvicorn.Server(config)
+    where = str(sock_file) if host is None else f"{host}:{sock.getsockname()[1]}"
+    log.info("torpor server pid %d for %s listening on %s", os.getpid(), p.home, where)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        server.run(sockets=[sock])
+        if not server.started:
+            raise ServerUnavailable("the server failed to start; see the log above")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for callback in cleanup:
+            callback()
+        sock.close()
+        lock.close()
+        sys.stdout.flush()

@@ -1,0 +1,212 @@
+"""Routes that act inside a sandbox: commands, files, the interpreter.
+
+Each wakes a paused sandbox first (the manager does that: wake-on-request). ::
+
+    POST   /v1/sandboxes/{id}/commands          run a shell command      -> CommandResult
+    POST   /v1/sandboxes/{id}/commands/stream   same, streamed as NDJSON lines:
+               {"type": "stdout"|"stderr", "data": "..."} ... then one
+               {"type": "result", "result": CommandResult} or {"type": "error", "error": {...}}
+    GET    /v1/sandboxes/{id}/files?path=       read                     -> raw bytes
+    PUT    /v1/sandboxes/{id}/files?path=       write (raw bytes body)   -> 204
+    DELETE /v1/sandboxes/{id}/files?path=       remove (file or tree)    -> 204
+    GET    /v1/sandboxes/{id}/files/list?path=  list                     -> [EntryInfo]
+    GET    /v1/sandboxes/{id}/files/exists?path= exists                  -> {"exists": bool}
+    POST   /v1/sandboxes/{id}/files/mkdir?path= make_dir                 -> 204
+    POST   /v1/sandboxes/{id}/interpreter       run code                 -> Execution
+
+Bodies over the limit (``app.state.max_file_bytes``, :data:`torpor.config.LIMITS`) are refused
+with :class:`~torpor.errors.PayloadTooLarge` (413) before they are read in full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from torpor.config import LIMITS
+from torpor.errors import PayloadTooLarge, TorporError
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution
+from torpor.server.deps import Manager, Tenant
+
+__all__ = ["RunCode", "RunCommand", "read_body", "router"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/sandboxes/{id_or_name}", tags=["exec"])
+
+#: ``?path=``: an absolute path, or one relative to the guest's working directory.
+PathQuery = Annotated[str, Query(min_length=1)]
+
+
+class RunCommand(BaseModel):
+    """A shell command to run through ``/bin/sh -c``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cmd: str = Field(min_length=1)
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    timeout: float | None = Field(default=60.0, gt=0)
+    background: bool = False
+
+
+class RunCode(BaseModel):
+    """Python code for the sandbox's long-lived interpreter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    code: str
+    timeout: float | None = Field(default=None, gt=0)
+
+
+def _command_kwargs(body: RunCommand) -> dict[str, Any]:
+    return {"cwd": body.cwd, "env": body.env, "timeout": body.timeout,
+            "background": body.background}
+
+
+@router.post("/commands")
+async def run_command(id_or_name: str, body: RunCommand, manager: Manager,
+                      tenant: Tenant) -> CommandResult:
+    """Run a command and answer when it ends (or at once with its pid, if ``background``)."""
+    result: CommandResult = await manager.run_command(id_or_name, body.cmd,
+                                                      **_command_kwargs(body), tenant=tenant)
+    return result
+
+
+def _text(chunk: str | bytes) -> str:
+    return chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
+
+
+@router.post("/commands/stream")
+async def run_command_stream(id_or_name: str, body: RunCommand, manager: Manager,
+                             tenant: Tenant) -> StreamingResponse:
+    """Run a command, streaming its output as it comes (NDJSON, see the module docstring).
+
+    Errors, including a missing sandbox, arrive as the last line, since the status line has
+    already gone out when the command starts.
+    """
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    def on_stdout(chunk: str | bytes) -> None:
+        queue.put_nowait({"type": "stdout", "data": _text(chunk)})
+
+    def on_stderr(chunk: str | bytes) -> None:
+        queue.put_nowait({"type": "stderr", "data": _text(chunk)})
+
+    async def work() -> None:
+        try:
+            result = await manager.run_command(id_or_name, body.cmd, **_command_kwargs(body),
+                                               on_stdout=on_stdout, on_stderr=on_stderr,
+                                               tenant=tenant)
+            queue.put_nowait({"type": "result", "result": result.model_dump(mode="json")})
+        except TorporError as exc:
+            queue.put_nowait({"type": "error", "error": exc.to_wire()})
+        except Exception as exc:  # a bug below us: log it, tell the caller something useful
+            log.exception("streamed command failed in sandbox %s", id_or_name)
+            wire = TorporError(f"internal server error: {type(exc).__name__}").to_wire()
+            queue.put_nowait({"type": "error", "error": wire})
+        finally:
+            queue.put_nowait(None)
+
+    async def lines() -> AsyncIterator[str]:
+        task = asyncio.create_task(work())
+        try:
+            while (item := await queue.get()) is not None:
+                yield json.dumps(item) + "\n"
+        finally:
+            if not task.done():  # the caller hung up: stop waiting for the command
+                task.cancel()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes.
+
+    Checks ``Content-Length`` first so an oversized upload is refused before it is read, then
+    counts while reading (a chunked body has no length). Raises :class:`PayloadTooLarge`.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes is over the {limit}-byte limit",
+                              size=int(declared), limit=limit)
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body is over the {limit}-byte limit", size=size, limit=limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _file_limit(request: Request) -> int:
+    return int(getattr(request.app.state, "max_file_bytes", LIMITS.max_file_bytes))
+
+
+@router.get("/files")
+async def read_file(id_or_name: str, manager: Manager, tenant: Tenant,
+                    path: PathQuery) -> Response:
+    """A file's bytes."""
+    data: bytes = await manager.read_file(id_or_name, path, tenant=tenant)
+    return Response(content=data, media_type="application/octet-stream")
+
+
+@router.put("/files", status_code=204)
+async def write_file(id_or_name: str, request: Request, manager: Manager, tenant: Tenant,
+                     path: PathQuery) -> Response:
+    """Write the raw body to ``path`` (parents created, replaced atomically)."""
+    data = await read_body(request, _file_limit(request))
+    await manager.write_file(id_or_name, path, data, tenant=tenant)
+    return Response(status_code=204)
+
+
+@router.delete("/files", status_code=204)
+async def remove(id_or_name: str, manager: Manager, tenant: Tenant,
+                 path: PathQuery) -> Response:
+    """Remove a file or a whole tree."""
+    await manager.remove(id_or_name, path, tenant=tenant)
+    return Response(status_code=204)
+
+
+@router.get("/files/list")
+async def list_dir(id_or_name: str, manager: Manager, tenant: Tenant,
+                   path: PathQuery) -> list[EntryInfo]:
+    """A directory's entries."""
+    entries: list[EntryInfo] = await manager.list_dir(id_or_name, path, tenant=tenant)
+    return entries
+
+
+@router.get("/files/exists")
+async def exists(id_or_name: str, manager: Manager, tenant: Tenant,
+                 path: PathQuery) -> dict[str, bool]:
+    """Whether ``path`` exists."""
+    return {"exists": bool(await manager.exists(id_or_name, path, tenant=tenant))}
+
+
+@router.post("/files/mkdir", status_code=204)
+async def make_dir(id_or_name: str, manager: Manager, tenant: Tenant,
+                   path: PathQuery) -> Response:
+    """Create a directory and its parents (no error if it exists)."""
+    await manager.make_dir(id_or_name, path, tenant=tenant)
+    return Response(status_code=204)
+
+
+@router.post("/interpreter")
+async def run_code(id_or_name: str, body: RunCode, manager: Manager,
+                   tenant: Tenant) -> Execution:
+    """Run code in the sandbox's interpreter; variables persist between calls and pauses."""
+    size = len(body.code.encode())
+    if size > LIMITS.max_code_bytes:
+        raise PayloadTooLarge(f"code of {size} bytes is over the limit", size=size,
+                              limit=LIMITS.max_code_bytes)
+    execution: Execution = await manager.run_code(id_or_name, body.code, timeout=body.timeout,
+                                                  tenant=tenant)
+    return execution
