@@ -30,7 +30,7 @@ import zstandard
 
 from torpor.errors import CorruptData, InvalidArgument, StorageError
 
-__all__ = ["ChunkStore", "FileManifest", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "ChunkStore", "FileManifest"]
 
 log = logging.getLogger(__name__)
 

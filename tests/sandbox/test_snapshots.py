@@ -1,0 +1,209 @@
+"""Stored snapshots without a VM: freeze, save, list, materialize, verification, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from torpor.errors import (
+    Conflict,
+    CorruptData,
+    InvalidArgument,
+    InvalidName,
+    SnapshotNotFound,
+    StorageError,
+)
+from torpor.sandbox import snapshots as snapmod
+from torpor.sandbox.chunks import ChunkStore
+from torpor.sandbox.snapshots import SnapshotStore, backing_chain, backing_file, freeze
+
+try:  # plain pytest puts this directory on sys.path; a package layout needs the relative form
+    from storage_helpers import make_home, make_machine, qemu_io
+except ImportError:  # pragma: no cover
+    from .storage_helpers import make_home, make_machine, qemu_io
+
+
+def _same_files(a: Path, b: Path, names: list[str]) -> None:
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
+def test_freeze_keeps_machine_and_makes_immutable_layer(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    ram_before = (m / "ram").read_bytes()
+    f = freeze(m, p.snapshots / "frozen")
+    assert (f / "ram").read_bytes() == ram_before
+    assert not (f / "console.log").exists()
+    # the machine now writes to a new overlay on top of the frozen layer
+    assert backing_file(m / "disk.qcow2") == f / "disk.qcow2"
+    qemu_io(m / "disk.qcow2", "write -P 0x99 2M 64k")
+    assert "read 65536" in qemu_io(f / "disk.qcow2", "read -P 0x42 2M 64k")
+    assert "read 65536" in qemu_io(m / "disk.qcow2", "read -P 0x99 2M 64k")
+
+
+def test_save_and_materialize_round_trip(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    f = freeze(m, store.frozen_root)
+    info = store.save(f, name="before", retention_days=30, sandbox_id="sb1", template="python")
+    assert [s.id for s in store.list()] == [info.id]
+    assert store.get("before").id == info.id
+    assert info.expires_at - info.created_at == timedelta(days=30)
+    out = store.materialize(info.id)
+    _same_files(f, out, ["ram", "state", "machine.json"])
+    # the disk layer is self-contained against the template disk
+    tdisk = p.templates / "python" / "snapshot" / "disk.qcow2"
+    assert backing_chain(out / "disk.qcow2") == [tdisk]
+    assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x42 2M 64k")
+    assert "read 1048576" in qemu_io(out / "disk.qcow2", "read -P 0x11 0 1M")
+
+
+def test_intermediate_layers_are_folded_in(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    freeze(m, store.frozen_root)  # first layer: fill 0x42 at 2M
+    qemu_io(m / "disk.qcow2", "write -P 0x77 4M 64k")
+    f2 = freeze(m, store.frozen_root)
+    assert len(backing_chain(f2 / "disk.qcow2")) == 2
+    info = store.save(f2, name="two")
+    out = store.materialize(info.id)
+    assert len(backing_chain(out / "disk.qcow2")) == 1
+    assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x42 2M 64k")
+    assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x77 4M 64k")
+
+
+def test_snapshots_of_one_template_share_chunks(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    a = store.save(freeze(make_machine(p, "a", fill=0x42), store.frozen_root), name="a")
+    b = store.save(freeze(make_machine(p, "b", fill=0x42), store.frozen_root), name="b")
+    assert b.stored_bytes < a.stored_bytes
+
+
+def test_flipped_byte_fails_restore_naming_the_snapshot(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    info = store.save(freeze(make_machine(p, "sb1"), store.frozen_root), name="s")
+    chunk = next(iter(store.chunks))
+    path = store.chunks.path_of(chunk)
+    blob = bytearray(path.read_bytes())
+    blob[-3] ^= 0x40
+    path.chmod(0o600)
+    path.write_bytes(bytes(blob))
+    before = set(store.frozen_root.iterdir())
+    with pytest.raises(CorruptData) as err:
+        store.materialize(info.id)
+    assert err.value.data["snapshot_id"] == info.id
+    assert set(store.frozen_root.iterdir()) == before  # nothing half-made left
+
+
+def test_tampered_manifest_is_not_listed(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    info = store.save(freeze(make_machine(p, "sb1"), store.frozen_root), name="s")
+    mpath = p.snapshots / f"{info.id}.json"
+    body = json.loads(mpath.read_text())
+    body["info"]["retention_days"] = 365
+    mpath.write_text(json.dumps(body))
+    assert store.list() == []
+    with pytest.raises(SnapshotNotFound):
+        store.materialize(info.id)
+
+
+def test_rebuilt_template_is_detected(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    info = store.save(freeze(make_machine(p, "sb1"), store.frozen_root), name="s")
+    tdisk = p.templates / "python" / "snapshot" / "disk.qcow2"
+    tdisk.unlink()
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tdisk), "32M"], check=True)
+    with pytest.raises(CorruptData, match="rebuilt"):
+        store.materialize(info.id)
+
+
+def test_names_unique_per_tenant(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    f = freeze(make_machine(p, "sb1"), store.frozen_root)
+    store.save(f, name="same")
+    with pytest.raises(Conflict):
+        store.save(f, name="same")
+    other = store.save(f, name="same", tenant="acme")
+    assert [s.id for s in store.list(tenant="acme")] == [other.id]
+    assert len(store.list()) == 1
+
+
+def test_expired_and_deleted_snapshots_cannot_be_restored(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    f = freeze(make_machine(p, "sb1"), store.frozen_root)
+    info = store.save(f, name="old", retention_days=1)
+    later = datetime.now(UTC) + timedelta(days=2)
+    assert store.list(now=later) == []
+    gone = store.save(f, name="gone")
+    store.delete("gone")
+    with pytest.raises(SnapshotNotFound):
+        store.materialize(gone.id)
+    with pytest.raises(SnapshotNotFound):
+        store.delete("gone")
+    assert store.get(info.id).id == info.id
+
+
+@pytest.mark.parametrize("kw, err", [
+    pytest.param({"name": "Bad Name"}, InvalidName, id="name"),
+    pytest.param({"name": "ok", "retention_days": 0}, InvalidArgument, id="retention-0"),
+    pytest.param({"name": "ok", "retention_days": 366}, InvalidArgument, id="retention-366"),
+])
+def test_bad_input(tmp_path: Path, kw: dict[str, object], err: type[Exception]) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    f = freeze(make_machine(p, "sb1"), store.frozen_root)
+    with pytest.raises(err):
+        store.save(f, **kw)  # type: ignore[arg-type]
+    assert store.list() == []
+
+
+def test_disk_full_during_snapshot_leaves_nothing_listed(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    f = freeze(make_machine(p, "sb1"), store.frozen_root)
+    calls = {"n": 0}
+    real = ChunkStore._put_known
+
+    def full(self: ChunkStore, digest: str, data: bytes) -> int:
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise StorageError("No space left on device", chunk=digest)
+        return real(self, digest, data)
+
+    monkeypatch.setattr(ChunkStore, "_put_known", full)
+    with pytest.raises(StorageError):
+        store.save(f, name="full")
+    assert store.list() == []
+    assert not list(p.snapshots.glob("*.work")) and not list(p.snapshots.glob("snap-*"))
+    monkeypatch.setattr(ChunkStore, "_put_known", real)
+    assert store.save(f, name="full").name == "full"  # the source is unharmed
+
+
+def test_freeze_failure_leaves_machine_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    before = sorted(x.name for x in m.iterdir())
+
+    def boom(*args: str) -> None:
+        raise snapmod.EngineError("qemu-img create failed")
+
+    monkeypatch.setattr(snapmod, "_qemu_img", boom)
+    with pytest.raises(snapmod.EngineError):
+        freeze(m, p.snapshots / "frozen")
+    assert sorted(x.name for x in m.iterdir()) == before
+    assert backing_file(m / "disk.qcow2") == p.templates / "python" / "snapshot" / "disk.qcow2"
+    assert list((p.snapshots / "frozen").iterdir()) == []

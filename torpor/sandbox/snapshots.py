@@ -1,0 +1,453 @@
+"""Snapshots: immutable, verified copies of a hibernated machine, kept in the chunk store.
+
+Two kinds of frozen machine directory exist:
+
+* a **frozen dir** (``snapshots/frozen/<id>/``) is a raw, local, never-run copy of a hibernated
+  machine: RAM file, device state, ``machine.json`` and the disk layer. :func:`freeze` makes one
+  from a paused sandbox in well under a second: the RAM file is copied (reflink where the file
+  system allows, sparse otherwise) and the sandbox's qcow2 overlay is *moved* into the frozen dir
+  and replaced by a fresh overlay on top of it, so the sandbox can run on while the frozen layer
+  stays immutable. Forks and restores clone a frozen dir (``qemu.clone_machine_dir``).
+* a **stored snapshot** is a frozen dir captured into the chunk store by :meth:`SnapshotStore.save`:
+  every file as hashed, compressed, deduplicated chunks plus a manifest ``snapshots/<id>.json``.
+  The disk layer is stored relative to the template's disk (``qemu-img rebase`` folds any
+  intermediate frozen layers in), so a stored snapshot depends on nothing but its template.
+
+The manifest is written last, atomically, after every chunk is durable, and carries a digest of
+its own body; :meth:`SnapshotStore.list` shows only manifests whose digest and chunks check, and
+:meth:`SnapshotStore.materialize` verifies every chunk's hash (a flipped byte -> CorruptData
+naming the snapshot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from torpor.config import Paths, check_name
+from torpor.errors import (
+    Conflict,
+    CorruptData,
+    EngineError,
+    InvalidArgument,
+    SnapshotNotFound,
+    StorageError,
+)
+from torpor.sandbox.chunks import ChunkStore, FileManifest
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SnapshotInfo",
+    "SnapshotStore",
+    "backing_chain",
+    "backing_file",
+    "check_retention",
+    "freeze",
+    "is_qcow2",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+#: files of a machine dir that are never captured: sockets, logs, pid and lock files
+_VOLATILE_SUFFIXES = (".sock", ".log", ".pid", ".lock", ".tmp")
+
+
+class SnapshotInfo(BaseModel):
+    """What a caller sees of a stored snapshot."""
+
+    id: str
+    name: str
+    tenant: str = "default"
+    sandbox_id: str | None = None
+    template: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    retention_days: int = 7
+    created_at: datetime
+    expires_at: datetime
+    #: logical bytes of the captured files, and bytes this snapshot added to the chunk store
+    size_bytes: int = 0
+    stored_bytes: int = 0
+    #: volumes that were attached to the source (not part of the snapshot: see checkpoints)
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+
+    def expired(self, now: datetime | None = None) -> bool:
+        return (now or datetime.now(UTC)) >= self.expires_at
+
+
+def check_retention(days: int, *, what: str = "retention_days") -> int:
+    """Return ``days`` if it is an int in 1..365, else raise InvalidArgument."""
+    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 365:
+        raise InvalidArgument(f"{what} must be a whole number of days from 1 to 365, not {days!r}",
+                              field=what, value=str(days))
+    return days
+
+
+# -- qcow2 headers ------------------------------------------------------------------------------
+
+def is_qcow2(path: Path) -> bool:
+    """True if ``path`` starts with the qcow2 magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"QFI\xfb"
+    except OSError:
+        return False
+
+
+def backing_file(path: Path) -> Path | None:
+    """The backing file named in a qcow2 header (resolved against its directory), or None.
+
+    Reads the header directly (offset 8: u64 name offset, offset 16: u32 name length) so a scan
+    of many overlays costs no ``qemu-img`` process. Raises StorageError if unreadable.
+    """
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+            if len(header) < 20 or header[:4] != b"QFI\xfb":
+                return None
+            offset, length = struct.unpack(">QI", header[8:20])
+            if not offset or not length:
+                return None
+            f.seek(offset)
+            name = f.read(length).decode()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StorageError(f"cannot read the qcow2 header of {path}: {exc}", exc=exc) from exc
+    target = Path(name)
+    return target if target.is_absolute() else path.parent / target
+
+
+def backing_chain(path: Path) -> list[Path]:
+    """Every backing file below ``path``, nearest first."""
+    chain: list[Path] = []
+    current: Path | None = path
+    while current is not None and len(chain) < 256:
+        current = backing_file(current) if current.exists() else None
+        if current is not None:
+            chain.append(current)
+    return chain
+
+
+def _qemu_img(*args: str) -> None:
+    try:
+        subprocess.run(["qemu-img", *args], check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        raise EngineError(f"qemu-img {args[0]} failed: {exc.stderr.strip()}", exc=exc) from exc
+    except OSError as exc:
+        raise EngineError(f"cannot run qemu-img: {exc}", exc=exc) from exc
+
+
+def _copy_sparse(src: Path, dst: Path) -> None:
+    # cp knows reflink (btrfs/xfs) and SEEK_HOLE (ext4) and is faster than a Python loop.
+    try:
+        subprocess.run(["cp", "--reflink=auto", "--sparse=always", "--", str(src), str(dst)],
+                       check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        raise StorageError(f"cannot copy {src.name}: {exc.stderr.strip()}", exc=exc) from exc
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- frozen dirs --------------------------------------------------------------------------------
+
+def freeze(machine_dir: Path, frozen_root: Path) -> Path:
+    """Make an immutable local copy of the hibernated machine in ``machine_dir``.
+
+    The machine must not be running. Returns the new frozen dir. Regular files are copied
+    sparsely; each qcow2 overlay is moved into the frozen dir and replaced in ``machine_dir`` by a
+    new overlay backed by it (same guest-visible content). On failure the machine dir is left as
+    it was and no frozen dir remains. Raises StorageError / EngineError.
+    """
+    frozen_root.mkdir(parents=True, exist_ok=True)
+    fid = f"frz-{uuid.uuid4().hex[:12]}"
+    tmp = frozen_root / f".{fid}.tmp"
+    final = frozen_root / fid
+    moved: list[tuple[Path, Path]] = []
+    try:
+        tmp.mkdir()
+        for entry in sorted(machine_dir.iterdir()):
+            if not entry.is_file() or entry.is_symlink() or entry.name.endswith(_VOLATILE_SUFFIXES):
+                continue
+            if not is_qcow2(entry):
+                _copy_sparse(entry, tmp / entry.name)
+        for entry in sorted(machine_dir.iterdir()):
+            if entry.is_file() and not entry.is_symlink() and is_qcow2(entry):
+                os.rename(entry, tmp / entry.name)
+                moved.append((entry, tmp / entry.name))
+        os.rename(tmp, final)
+        for original, _ in moved:
+            layer = final / original.name
+            _qemu_img("create", "-q", "-f", "qcow2", "-b", str(layer), "-F", "qcow2",
+                      str(original))
+        for f in final.iterdir():
+            f.chmod(0o400)  # a frozen layer is never written again
+        _fsync_dir(machine_dir)
+        _fsync_dir(frozen_root)
+    except (OSError, StorageError, EngineError) as exc:
+        base = final if final.exists() else tmp
+        for original, _ in moved:  # put the machine back as it was
+            with contextlib.suppress(OSError):
+                original.unlink(missing_ok=True)
+                os.rename(base / original.name, original)
+        shutil.rmtree(base, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise StorageError(f"cannot freeze {machine_dir.name}: {exc}", exc=exc) from exc
+        raise
+    log.info("froze %s into %s", machine_dir.name, fid)
+    return final
+
+
+def _anchor(layer: Path, local_roots: tuple[Path, ...]) -> Path | None:
+    """The first backing file of ``layer`` outside ``local_roots`` (the template's disk)."""
+    for b in backing_chain(layer):
+        if not any(b.resolve().is_relative_to(r.resolve()) for r in local_roots):
+            return b
+    return None
+
+
+def _identity(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+class SnapshotStore:
+    """Stored snapshots of one torpor home: manifests under ``snapshots/``, chunks in ``chunks/``."""
+
+    def __init__(self, paths: Paths, *, chunks: ChunkStore | None = None) -> None:
+        self.paths = paths
+        self.root = paths.snapshots
+        self.frozen_root = paths.snapshots / "frozen"
+        self.chunks = chunks or ChunkStore(paths.chunks)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- locking: saves share the store, GC takes it alone, names commit one at a time --------
+
+    @contextlib.contextmanager
+    def lock(self, *, exclusive: bool = False, name: str = "store") -> Iterator[None]:
+        """Hold ``snapshots/.<name>.lock`` (shared or exclusive) for the block."""
+        fd = os.open(self.root / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def save(self, frozen: Path, *, name: str, tenant: str = "default", retention_days: int = 7,
+             sandbox_id: str | None = None, template: str | None = None,
+             labels: dict[str, str] | None = None,
+             volumes: list[dict[str, Any]] | None = None) -> SnapshotInfo:
+        """Capture the frozen dir ``frozen`` into the chunk store as snapshot ``name``.
+
+        Raises InvalidName / InvalidArgument for bad input, Conflict if ``name`` is taken in
+        ``tenant``, StorageError / EngineError if capture fails (then nothing is listed; chunks
+        written so far are left for GC).
+        """
+        check_name(name, "snapshot name")
+        check_retention(retention_days)
+        self._check_free(name, tenant)
+        sid = f"snap-{uuid.uuid4().hex[:12]}"
+        created = datetime.now(UTC)
+        files: dict[str, Any] = {}
+        anchors: dict[str, Any] = {}
+        size = new = 0
+        local_roots = (self.frozen_root, self.paths.sandboxes)
+        work = self.root / f".{sid}.work"
+        with self.lock():
+            try:
+                for entry in sorted(frozen.iterdir()):
+                    if not entry.is_file() or entry.name.endswith(_VOLATILE_SUFFIXES):
+                        continue
+                    source = entry
+                    if is_qcow2(entry):
+                        anchor = _anchor(entry, local_roots)
+                        if backing_file(entry) != anchor:
+                            # fold the local frozen layers in: rebase onto the template's disk
+                            work.mkdir(exist_ok=True)
+                            source = work / entry.name
+                            _copy_sparse(entry, source)
+                            source.chmod(0o600)
+                            _qemu_img("rebase", "-q", "-f", "qcow2", "-F", "qcow2",
+                                      "-b", "" if anchor is None else str(anchor), str(source))
+                        anchors[entry.name] = None if anchor is None else _identity(anchor)
+                    fm = self.chunks.put_file(source)
+                    files[entry.name] = fm.to_json()
+                    size += fm.size
+                    new += fm.new_bytes
+                self.chunks.sync_dirs()
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            info = SnapshotInfo(
+                id=sid, name=name, tenant=tenant, sandbox_id=sandbox_id, template=template,
+                labels=dict(labels or {}), retention_days=retention_days, created_at=created,
+                expires_at=created + timedelta(days=retention_days), size_bytes=size,
+                stored_bytes=new, volumes=list(volumes or []))
+            body = {"version": FORMAT_VERSION, "info": info.model_dump(mode="json"),
+                    "files": files, "anchors": anchors}
+            with self.lock(exclusive=True, name="names"):
+                self._check_free(name, tenant)
+                self._write_manifest(sid, body)
+        log.info("snapshot %s (%s): %d bytes, %d new in the store", sid, name, size, new)
+        return info
+
+    def _check_free(self, name: str, tenant: str) -> None:
+        for info in self.list(tenant=tenant, include_expired=True):
+            if info.name == name:
+                raise Conflict(f"a snapshot named {name!r} already exists ({info.id})",
+                               kind="snapshot", name=name, id=info.id)
+
+    def _write_manifest(self, sid: str, body: dict[str, Any]) -> None:
+        # every chunk must be present before the manifest may name it
+        for fm in body["files"].values():
+            for digest in FileManifest.from_json(fm).hashes():
+                if not self.chunks.has(digest):
+                    raise StorageError(f"snapshot {sid}: chunk {digest[:12]} vanished before "
+                                       "the manifest was written", snapshot_id=sid)
+        body = dict(body, digest=_digest(body))
+        target = self.root / f"{sid}.json"
+        tmp = self.root / f".{sid}.json.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(body, f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            _fsync_dir(self.root)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(f"cannot write the manifest of {sid}: {exc}", exc=exc,
+                               snapshot_id=sid) from exc
+
+    def delete(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
+        """Remove a snapshot's manifest (its chunks go at the next GC). Raises SnapshotNotFound."""
+        info = self.get(id_or_name, tenant=tenant, include_expired=True)
+        try:
+            (self.root / f"{info.id}.json").unlink()
+            _fsync_dir(self.root)
+        except FileNotFoundError as exc:
+            raise SnapshotNotFound(f"snapshot {id_or_name!r} not found", kind="snapshot",
+                                   name=id_or_name) from exc
+        except OSError as exc:
+            raise StorageError(f"cannot delete snapshot {info.id}: {exc}", exc=exc) from exc
+        log.info("deleted snapshot %s (%s)", info.id, info.name)
+        return info
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _load(self, path: Path) -> dict[str, Any]:
+        """A manifest whose digest checks; raises CorruptData otherwise."""
+        try:
+            body = json.loads(path.read_text())
+            digest = body.pop("digest")
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            raise CorruptData(f"snapshot manifest {path.name} is unreadable", exc=exc,
+                              snapshot_id=path.stem) from exc
+        if digest != _digest(body) or body.get("version") != FORMAT_VERSION:
+            raise CorruptData(f"snapshot {path.stem}: its manifest fails its digest",
+                              snapshot_id=path.stem)
+        return dict(body)
+
+    def manifests(self) -> Iterator[tuple[SnapshotInfo, dict[str, Any]]]:
+        """Every manifest that checks (tenant-blind; for GC). Bad ones are logged and skipped."""
+        for path in sorted(self.root.glob("snap-*.json")):
+            try:
+                body = self._load(path)
+                yield SnapshotInfo.model_validate(body["info"]), body
+            except (CorruptData, ValueError) as exc:
+                log.warning("skipping snapshot manifest %s: %s", path.name, exc)
+
+    def list(self, *, tenant: str = "default", include_expired: bool = False,
+             now: datetime | None = None) -> list[SnapshotInfo]:
+        """The tenant's snapshots whose manifests check, oldest first."""
+        found = [info for info, _ in self.manifests() if info.tenant == tenant
+                 and (include_expired or not info.expired(now))]
+        return sorted(found, key=lambda i: i.created_at)
+
+    def get(self, id_or_name: str, *, tenant: str = "default",
+            include_expired: bool = False) -> SnapshotInfo:
+        """One snapshot by id or name. Raises SnapshotNotFound (also for an expired one)."""
+        return self._find(id_or_name, tenant, include_expired)[0]
+
+    def _find(self, id_or_name: str, tenant: str,
+              include_expired: bool) -> tuple[SnapshotInfo, dict[str, Any]]:
+        for info, body in self.manifests():
+            if info.tenant == tenant and id_or_name in (info.id, info.name):
+                if info.expired() and not include_expired:
+                    raise SnapshotNotFound(
+                        f"snapshot {id_or_name!r} expired on {info.expires_at:%Y-%m-%d %H:%M} UTC",
+                        kind="snapshot", name=id_or_name, expired=True)
+                return info, body
+        raise SnapshotNotFound(f"snapshot {id_or_name!r} not found", kind="snapshot",
+                               name=id_or_name)
+
+    def materialize(self, id_or_name: str, *, tenant: str = "default") -> Path:
+        """Rebuild the snapshot as a new frozen dir (every chunk verified) and return it.
+
+        Raises SnapshotNotFound (deleted or expired), CorruptData (a bad chunk, or the template
+        disk it was taken on changed), StorageError. Nothing is left behind on failure.
+        """
+        info, body = self._find(id_or_name, tenant, include_expired=False)
+        for name, ident in body.get("anchors", {}).items():
+            if ident is None:
+                continue
+            anchor = Path(ident["path"])
+            if not anchor.exists() or _identity(anchor) != ident:
+                raise CorruptData(
+                    f"snapshot {info.id}: the template disk it was taken on ({anchor}) is gone or "
+                    "was rebuilt since", snapshot_id=info.id, path=str(anchor))
+        self.frozen_root.mkdir(parents=True, exist_ok=True)
+        fid = f"frz-{uuid.uuid4().hex[:12]}"
+        tmp = self.frozen_root / f".{fid}.tmp"
+        try:
+            tmp.mkdir()
+            for name, fm in body["files"].items():
+                if "/" in name or name.startswith("."):
+                    raise CorruptData(f"snapshot {info.id}: bad file name {name!r}",
+                                      snapshot_id=info.id)
+                self.chunks.restore_file(FileManifest.from_json(fm), tmp / name,
+                                         snapshot_id=info.id)
+            final = self.frozen_root / fid
+            os.rename(tmp, final)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise StorageError(f"cannot restore snapshot {info.id}: {exc}", exc=exc,
+                               snapshot_id=info.id) from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for f in final.iterdir():
+            f.chmod(0o400)
+        log.info("materialized snapshot %s into %s", info.id, fid)
+        return final
+
+    def referenced_chunks(self) -> set[str]:
+        """Every chunk some manifest names (expired ones included: GC deletes those first)."""
+        refs: set[str] = set()
+        for _, body in self.manifests():
+            for fm in body["files"].values():
+                refs |= FileManifest.from_json(fm).hashes()
+        return refs
+
+
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
