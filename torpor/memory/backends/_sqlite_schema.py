@@ -1,0 +1,209 @@
+"""SQLite schema, migrations, row conversion and the SQL form of :class:`RecordFilter`.
+
+The schema version is ``PRAGMA user_version``; :data:`MIGRATIONS` lists the steps, each run in
+one transaction, so a database is always at a whole version. Records live in one table
+(facts and episodes together, so one FTS5 query ranks both), the FTS5 index is an external
+content table kept in sync by triggers, and embeddings sit in their own table so that scans of
+records do not drag vectors along.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from torpor.memory.backends.base import AnyRecord, RecordFilter
+from torpor.memory.models import Episode, Fact, SourceRef, from_us, to_us
+
+__all__ = [
+    "COLUMNS",
+    "MIGRATIONS",
+    "SYSTEM_MIGRATIONS",
+    "filter_sql",
+    "record_to_row",
+    "row_to_record",
+]
+
+MIGRATIONS: list[str] = [
+    # v1
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE records (
+        rid INTEGER PRIMARY KEY,
+        id TEXT NOT NULL UNIQUE,
+        kind TEXT NOT NULL CHECK (kind IN ('fact', 'episode')),
+        scope TEXT NOT NULL,
+        key TEXT,
+        text TEXT NOT NULL,
+        metadata TEXT NOT NULL DEFAULT '{}',
+        created_at INTEGER NOT NULL,
+        valid_from INTEGER NOT NULL,
+        valid_to INTEGER,
+        durability TEXT NOT NULL DEFAULT 'persistent',
+        expires_at INTEGER,
+        role TEXT,
+        session TEXT,
+        source TEXT,
+        source_hash TEXT,
+        verified INTEGER NOT NULL DEFAULT 0,
+        stale INTEGER NOT NULL DEFAULT 0,
+        superseded_by TEXT
+    );
+    CREATE INDEX records_scope_time ON records (scope, valid_from);
+    CREATE INDEX records_key ON records (scope, key, valid_from) WHERE key IS NOT NULL;
+    -- at most one current fact per (scope, key): the storage enforces supersession
+    CREATE UNIQUE INDEX records_current_key ON records (scope, key)
+        WHERE key IS NOT NULL AND valid_to IS NULL;
+    CREATE INDEX records_expiry ON records (expires_at) WHERE expires_at IS NOT NULL;
+    CREATE TABLE vectors (rid INTEGER PRIMARY KEY REFERENCES records (rid) ON DELETE CASCADE,
+                          vec BLOB NOT NULL);
+    CREATE VIRTUAL TABLE records_fts USING fts5 (
+        text, content='records', content_rowid='rid', tokenize='porter unicode61'
+    );
+    CREATE TRIGGER records_ai AFTER INSERT ON records BEGIN
+        INSERT INTO records_fts (rowid, text) VALUES (new.rid, new.text);
+    END;
+    CREATE TRIGGER records_ad AFTER DELETE ON records BEGIN
+        INSERT INTO records_fts (records_fts, rowid, text) VALUES ('delete', old.rid, old.text);
+        DELETE FROM vectors WHERE rid = old.rid;
+    END;
+    CREATE TRIGGER records_au AFTER UPDATE OF text ON records BEGIN
+        INSERT INTO records_fts (records_fts, rowid, text) VALUES ('delete', old.rid, old.text);
+        INSERT INTO records_fts (rowid, text) VALUES (new.rid, new.text);
+    END;
+    CREATE TABLE profiles (
+        scope TEXT PRIMARY KEY,
+        data TEXT NOT NULL,
+        json_schema TEXT,
+        updated_at INTEGER NOT NULL,
+        version INTEGER NOT NULL
+    );
+    CREATE TABLE policies (
+        scope TEXT PRIMARY KEY,
+        retention_seconds REAL,
+        cache_ttl_seconds REAL
+    );
+    """,
+]
+
+SYSTEM_MIGRATIONS: list[str] = [
+    # v1
+    """
+    CREATE TABLE tokens (
+        token_hash TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        grants TEXT NOT NULL,
+        name TEXT NOT NULL DEFAULT '',
+        created_at INTEGER NOT NULL,
+        revoked INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE TABLE audit (
+        seq INTEGER PRIMARY KEY,
+        at INTEGER NOT NULL,
+        tenant TEXT NOT NULL,
+        actor TEXT NOT NULL,
+        action TEXT NOT NULL,
+        scope TEXT NOT NULL DEFAULT '',
+        allowed INTEGER NOT NULL,
+        detail TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX audit_tenant ON audit (tenant, seq);
+    """,
+]
+
+COLUMNS = ("rid, id, kind, scope, key, text, metadata, created_at, valid_from, valid_to, "
+           "durability, expires_at, role, session, source, source_hash, verified, stale, "
+           "superseded_by")
+_INSERT_COLUMNS = COLUMNS.replace("rid, ", "")
+INSERT_SQL = (f"INSERT INTO records ({_INSERT_COLUMNS}) VALUES "
+              f"({', '.join('?' * len(_INSERT_COLUMNS.split(', ')))})")
+
+
+def _opt_us(value: Any) -> int | None:
+    return None if value is None else to_us(value)
+
+
+def record_to_row(r: AnyRecord) -> tuple[Any, ...]:
+    """The INSERT parameters for ``r`` (in :data:`INSERT_SQL` order)."""
+    common = (r.id, r.kind, r.scope)
+    times = (json.dumps(r.metadata, separators=(",", ":")), to_us(r.created_at),
+             to_us(r.valid_from), _opt_us(r.valid_to), r.durability, _opt_us(r.expires_at))
+    if isinstance(r, Fact):
+        source = r.source.model_dump_json(exclude_none=True) if r.source else None
+        return (*common, r.key, r.text, *times, None, None, source, r.source_hash,
+                int(r.verified), int(r.stale), r.superseded_by)
+    return (*common, None, r.text, *times, r.role, r.session, None, None, 0, 0, None)
+
+
+def row_to_record(row: tuple[Any, ...]) -> AnyRecord:
+    """A model from a row selected with :data:`COLUMNS` (trusted data: no re-validation)."""
+    (_rid, id_, kind, scope, key, text, metadata, created_at, valid_from, valid_to, durability,
+     expires_at, role, session, source, source_hash, verified, stale, superseded_by) = row[:19]
+    common: dict[str, Any] = {
+        "id": id_, "scope": scope, "text": text, "metadata": json.loads(metadata),
+        "created_at": from_us(created_at), "valid_from": from_us(valid_from),
+        "valid_to": None if valid_to is None else from_us(valid_to),
+        "durability": durability,
+        "expires_at": None if expires_at is None else from_us(expires_at),
+    }
+    if kind == "fact":
+        return Fact.model_construct(
+            kind="fact", key=key, source=None if source is None else SourceRef.model_validate_json(source),
+            source_hash=source_hash, verified=bool(verified), stale=bool(stale),
+            superseded_by=superseded_by, **common,
+        )
+    return Episode.model_construct(kind="episode", role=role or "user", session=session, **common)
+
+
+def _json_path(key: str) -> str:
+    return '$."' + key + '"'
+
+
+def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
+    """The WHERE clause (without ``WHERE``) and parameters equivalent to
+    :func:`~torpor.memory.backends.base.visible`."""
+    a = alias
+    scopes = list(flt.scopes)
+    kinds = list(flt.kinds)
+    if not scopes or not kinds:
+        return "0", []
+    parts = [f"{a}.scope IN ({','.join('?' * len(scopes))})",
+             f"{a}.kind IN ({','.join('?' * len(kinds))})",
+             f"({a}.expires_at IS NULL OR {a}.expires_at > ?)"]
+    params: list[Any] = [*scopes, *kinds, flt.now]
+    if flt.as_of is not None:
+        parts.append(f"{a}.valid_from <= ? AND ({a}.valid_to IS NULL OR {a}.valid_to > ?)")
+        params += [flt.as_of, flt.as_of]
+    elif not flt.include_history:
+        parts.append(f"{a}.valid_to IS NULL")
+    if flt.key is not None:
+        parts.append(f"{a}.key = ? AND {a}.kind = 'fact'")
+        params.append(flt.key)
+    if flt.session is not None:
+        parts.append(f"{a}.session = ? AND {a}.kind = 'episode'")
+        params.append(flt.session)
+    if flt.since is not None:
+        parts.append(f"{a}.valid_from >= ?")
+        params.append(flt.since)
+    if flt.until is not None:
+        parts.append(f"{a}.valid_from < ?")
+        params.append(flt.until)
+    for k, v in flt.metadata.items():
+        path = _json_path(k)
+        if v is None:
+            parts.append(f"json_type({a}.metadata, ?) = 'null'")
+            params.append(path)
+        elif isinstance(v, bool):
+            parts.append(f"json_type({a}.metadata, ?) = ?")
+            params += [path, "true" if v else "false"]
+        elif isinstance(v, (int, float)):
+            parts.append(f"json_type({a}.metadata, ?) IN ('integer', 'real') "
+                         f"AND json_extract({a}.metadata, ?) = ?")
+            params += [path, path, v]
+        elif isinstance(v, str):
+            parts.append(f"json_type({a}.metadata, ?) = 'text' AND json_extract({a}.metadata, ?) = ?")
+            params += [path, path, v]
+        else:
+            parts.append(f"json_extract({a}.metadata, ?) = json(?)")
+            params += [path, json.dumps(v, separators=(",", ":"))]
+    return " AND ".join(parts), params

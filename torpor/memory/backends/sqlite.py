@@ -1,0 +1,535 @@
+"""The embedded backend: one SQLite database file per tenant, plus ``_system.db`` for API
+tokens and the audit log.
+
+Isolation is by construction: a :class:`SQLiteTenantStore` holds a connection to exactly one
+tenant's file, so no query it runs can reach another tenant. Files live under
+``paths().memory`` as ``<tenant>.db`` (tenant names follow ``check_name``, so they can never
+collide with ``_system.db``).
+
+Concurrency: WAL journal, a 10 s busy timeout, and ``BEGIN IMMEDIATE`` for every write with a
+few retries, so several writer processes serialize instead of failing or losing writes. A
+partial unique index allows one current fact per ``(scope, key)``, so two processes racing to
+supersede the same key cannot both leave a current fact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torpor.config import check_name
+from torpor.errors import CorruptData, InvalidArgument, RecordNotFound, StorageError
+from torpor.memory.backends import _sqlite_schema as schema
+from torpor.memory.backends._vindex import VectorIndex
+from torpor.memory.backends.base import (
+    AnyRecord,
+    MemoryBackend,
+    RecordFilter,
+    TenantStore,
+    Vector,
+)
+from torpor.memory.models import (
+    AuditEntry,
+    Fact,
+    Grant,
+    Policy,
+    Profile,
+    TokenInfo,
+    from_us,
+    to_us,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SQLiteBackend", "SQLiteTenantStore", "connect"]
+
+_BUSY_TIMEOUT_MS = 10_000
+_BEGIN_RETRIES = 20
+_RCOLS = ", ".join(f"r.{c}" for c in schema.COLUMNS.split(", "))
+_MAX_INT = 2**63 - 1
+
+
+def _translate(exc: sqlite3.Error, path: Path, what: str) -> StorageError:
+    """A torpor error for a sqlite3 exception (corruption is told apart)."""
+    text = str(exc)
+    if isinstance(exc, sqlite3.DatabaseError) and (
+        "not a database" in text or "malformed" in text or "corrupt" in text
+    ):
+        return CorruptData(f"memory database {path} is corrupt ({what}): {text}",
+                           exc=exc, path=str(path))
+    return StorageError(f"memory database {path} failed ({what}): {text}", exc=exc,
+                        path=str(path))
+
+
+def connect(path: Path, migrations: list[str]) -> sqlite3.Connection:
+    """Open (creating if needed) the database at ``path``, in WAL mode, migrated to the latest
+    version. Raises :class:`CorruptData` or :class:`StorageError`."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"cannot create {path.parent}: {exc}", exc=exc) from exc
+    try:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                               timeout=_BUSY_TIMEOUT_MS / 1000)
+    except sqlite3.Error as exc:
+        raise _translate(exc, path, "open") from exc
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        _migrate(conn, migrations)
+    except sqlite3.Error as exc:
+        conn.close()
+        raise _translate(exc, path, "open") from exc
+    return conn
+
+
+def _split(script: str) -> list[str]:
+    statements, buf = [], ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            statements.append(buf.strip())
+            buf = ""
+    return [s for s in statements if s.strip(" ;\n")]
+
+
+def _migrate(conn: sqlite3.Connection, migrations: list[str]) -> None:
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > len(migrations):
+        raise sqlite3.DatabaseError(f"schema version {version} is newer than this torpor "
+                                    f"({len(migrations)})")
+    while version < len(migrations):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            # another process may have migrated while we waited for the lock
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version < len(migrations):
+                for statement in _split(migrations[version]):
+                    conn.execute(statement)
+                version += 1
+                conn.execute(f"PRAGMA user_version = {version}")
+                log.info("memory schema migrated to version %d", version)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+
+class _Conn:
+    """One connection with a lock, write transactions with retry, and error translation."""
+
+    def __init__(self, path: Path, migrations: list[str]) -> None:
+        self.path = path
+        self.lock = threading.RLock()
+        self.conn: sqlite3.Connection | None = connect(path, migrations)
+        self.writes = 0
+
+    def _live(self) -> sqlite3.Connection:
+        if self.conn is None:
+            raise StorageError(f"memory database {self.path} is closed", path=str(self.path))
+        return self.conn
+
+    @contextmanager
+    def read(self, what: str) -> Iterator[sqlite3.Connection]:
+        with self.lock:
+            conn = self._live()
+            try:
+                yield conn
+            except sqlite3.Error as exc:
+                raise _translate(exc, self.path, what) from exc
+
+    @contextmanager
+    def write(self, what: str) -> Iterator[sqlite3.Connection]:
+        with self.lock:
+            conn = self._live()
+            for attempt in range(_BEGIN_RETRIES):
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    break
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) and "busy" not in str(exc):
+                        raise _translate(exc, self.path, what) from exc
+                    if attempt == _BEGIN_RETRIES - 1:
+                        raise _translate(exc, self.path, what) from exc
+                    time.sleep(0.01 * (attempt + 1))
+                except sqlite3.Error as exc:
+                    raise _translate(exc, self.path, what) from exc
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    log.warning("rollback failed on %s", self.path, exc_info=True)
+                if isinstance(exc, sqlite3.IntegrityError):
+                    raise InvalidArgument(f"{what}: {exc}", exc=exc) from exc
+                if isinstance(exc, sqlite3.Error):
+                    raise _translate(exc, self.path, what) from exc
+                raise
+            self.writes += 1
+
+    def close(self) -> None:
+        with self.lock:
+            if self.conn is not None:
+                self.conn.close()
+                self.conn = None
+
+
+def _vec_blob(vector: Vector) -> bytes:
+    return np.asarray(vector, dtype=np.float32).tobytes()
+
+
+def _within_sql(prefix: str, column: str = "scope") -> tuple[str, list[Any]]:
+    if not prefix:
+        return "1", []
+    return f"({column} = ? OR substr({column}, 1, ?) = ?)", [prefix, len(prefix) + 1,
+                                                               prefix + "/"]
+
+
+class SQLiteTenantStore(TenantStore):
+    """The records of one tenant in one SQLite file (see the module docstring)."""
+
+    def __init__(self, tenant: str, path: Path) -> None:
+        self.tenant = tenant
+        self.path = path
+        self._db = _Conn(path, schema.MIGRATIONS)
+        self._index = VectorIndex()
+
+    def schema_version(self) -> int:
+        with self._db.read("schema version") as conn:
+            return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+    # -- writes ---------------------------------------------------------------------------
+    def add(
+        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+    ) -> list[AnyRecord]:
+        if vectors is not None and len(vectors) != len(records):
+            raise InvalidArgument("records and vectors differ in length")
+        stored: list[AnyRecord] = []
+        with self._db.write("add") as conn:
+            for i, rec in enumerate(records):
+                if isinstance(rec, Fact) and rec.key is not None:
+                    rec = self._supersede(conn, rec)
+                cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
+                vec = None if vectors is None else vectors[i]
+                if vec is not None:
+                    conn.execute("INSERT INTO vectors (rid, vec) VALUES (?, ?)",
+                                 (cur.lastrowid, _vec_blob(vec)))
+                stored.append(rec)
+        return stored
+
+    def _supersede(self, conn: sqlite3.Connection, rec: Fact) -> Fact:
+        row = conn.execute(
+            "SELECT rid, id, valid_from FROM records WHERE scope = ? AND key = ? "
+            "AND valid_to IS NULL", (rec.scope, rec.key)).fetchone()
+        if row is None:
+            return rec
+        vf = max(to_us(rec.valid_from), row[2] + 1)
+        conn.execute("UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
+                     (vf, rec.id, row[0]))
+        if vf != to_us(rec.valid_from):
+            rec = rec.model_copy(update={"valid_from": from_us(vf)})
+        return rec
+
+    def import_records(
+        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+    ) -> int:
+        inserted = 0
+        with self._db.write("import") as conn:
+            for i, rec in enumerate(records):
+                if conn.execute("SELECT 1 FROM records WHERE id = ?", (rec.id,)).fetchone():
+                    continue
+                if isinstance(rec, Fact) and rec.key is not None and rec.valid_to is None:
+                    row = conn.execute(
+                        "SELECT rid, id, valid_from FROM records WHERE scope = ? AND key = ? "
+                        "AND valid_to IS NULL", (rec.scope, rec.key)).fetchone()
+                    if row is not None and row[2] < to_us(rec.valid_from):
+                        conn.execute("UPDATE records SET valid_to = ?, superseded_by = ? "
+                                     "WHERE rid = ?", (to_us(rec.valid_from), rec.id, row[0]))
+                    elif row is not None:  # the existing fact is newer: import this one ended
+                        rec = rec.model_copy(update={"valid_to": from_us(row[2]),
+                                                     "superseded_by": row[1]})
+                cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
+                vec = None if vectors is None else vectors[i]
+                if vec is not None:
+                    conn.execute("INSERT INTO vectors (rid, vec) VALUES (?, ?)",
+                                 (cur.lastrowid, _vec_blob(vec)))
+                inserted += 1
+        return inserted
+
+    def set_verification(
+        self, record_id: str, *, verified: bool, stale: bool, source_hash: str | None
+    ) -> None:
+        with self._db.write("verify") as conn:
+            n = conn.execute("UPDATE records SET verified = ?, stale = ?, source_hash = ? "
+                             "WHERE id = ?", (int(verified), int(stale), source_hash,
+                                              record_id)).rowcount
+        if not n:
+            raise RecordNotFound(f"no record {record_id!r}", kind="record", name=record_id)
+
+    def forget(self, ids: Sequence[str]) -> int:
+        if not ids:
+            return 0
+        with self._db.write("forget") as conn:
+            return sum(conn.execute("DELETE FROM records WHERE id = ?", (i,)).rowcount
+                       for i in ids)
+
+    def forget_scope(self, prefix: str) -> int:
+        where, params = _within_sql(prefix)
+        with self._db.write("forget scope") as conn:
+            n = conn.execute(f"DELETE FROM records WHERE {where}", params).rowcount
+            conn.execute(f"DELETE FROM profiles WHERE {where}", params)
+            conn.execute(f"DELETE FROM policies WHERE {where}", params)
+        return int(n)
+
+    def cap_expiry(self, scope: str, retention_us: int) -> int:
+        with self._db.write("retention") as conn:
+            return int(conn.execute(
+                "UPDATE records SET expires_at = created_at + ? WHERE scope = ? AND "
+                "(expires_at IS NULL OR expires_at > created_at + ?)",
+                (retention_us, scope, retention_us)).rowcount)
+
+    def purge_expired(self, now: int) -> int:
+        with self._db.write("purge") as conn:
+            return int(conn.execute("DELETE FROM records WHERE expires_at <= ?",
+                                    (now,)).rowcount)
+
+    # -- reads ----------------------------------------------------------------------------
+    def get(self, ids: Sequence[str], now: int) -> list[AnyRecord]:
+        found: dict[str, AnyRecord] = {}
+        with self._db.read("get") as conn:
+            for start in range(0, len(ids), 500):
+                part = list(ids[start:start + 500])
+                for row in conn.execute(
+                    f"SELECT {schema.COLUMNS} FROM records WHERE id IN "
+                    f"({','.join('?' * len(part))}) AND (expires_at IS NULL OR expires_at > ?)",
+                    [*part, now],
+                ):
+                    rec = schema.row_to_record(row)
+                    found[rec.id] = rec
+        return [found[i] for i in ids if i in found]
+
+    def history(self, scope: str, key: str, now: int) -> list[Fact]:
+        with self._db.read("history") as conn:
+            rows = conn.execute(
+                f"SELECT {schema.COLUMNS} FROM records WHERE scope = ? AND key = ? AND "
+                "kind = 'fact' AND (expires_at IS NULL OR expires_at > ?) "
+                "ORDER BY valid_from, rid", (scope, key, now)).fetchall()
+        return [r for r in map(schema.row_to_record, rows) if isinstance(r, Fact)]
+
+    def scan(self, flt: RecordFilter, limit: int, *, newest_first: bool = True) -> list[AnyRecord]:
+        where, params = schema.filter_sql(flt)
+        order = "DESC" if newest_first else "ASC"
+        with self._db.read("scan") as conn:
+            rows = conn.execute(f"SELECT {_RCOLS} FROM records r WHERE {where} "
+                                f"ORDER BY r.valid_from {order}, r.rid {order} LIMIT ?",
+                                [*params, limit]).fetchall()
+        return [schema.row_to_record(r) for r in rows]
+
+    def count(self, flt: RecordFilter) -> int:
+        where, params = schema.filter_sql(flt)
+        with self._db.read("count") as conn:
+            return int(conn.execute(f"SELECT count(*) FROM records r WHERE {where}",
+                                    params).fetchone()[0])
+
+    def lexical_search(
+        self, terms: Sequence[str], flt: RecordFilter, limit: int
+    ) -> list[tuple[AnyRecord, float]]:
+        terms = [t for t in terms if t]
+        if not terms or limit <= 0:
+            return []
+        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+        where, params = schema.filter_sql(flt)
+        with self._db.read("lexical search") as conn:
+            rows = conn.execute(
+                f"SELECT {_RCOLS}, -bm25(records_fts) AS s FROM records_fts "
+                f"JOIN records r ON r.rid = records_fts.rowid "
+                f"WHERE records_fts MATCH ? AND {where} ORDER BY s DESC LIMIT ?",
+                [match, *params, limit]).fetchall()
+        return [(schema.row_to_record(r), float(r[-1])) for r in rows]
+
+    def vector_search(
+        self, vector: Vector, flt: RecordFilter, limit: int
+    ) -> list[tuple[AnyRecord, float]]:
+        if limit <= 0:
+            return []
+        where, params = schema.filter_sql(flt)
+        want = limit * 4 + 16
+        with self._db.read("vector search") as conn:
+            token = (conn.execute("PRAGMA data_version").fetchone()[0], self._db.writes)
+            while True:
+                cands = self._index.candidates(conn, token, vector, flt, want)
+                if not cands:
+                    return []
+                sims = dict(cands)
+                rids = list(sims)
+                rows = []
+                for start in range(0, len(rids), 500):
+                    part = rids[start:start + 500]
+                    rows += conn.execute(
+                        f"SELECT {_RCOLS} FROM records r WHERE r.rid IN "
+                        f"({','.join('?' * len(part))}) AND {where}", [*part, *params]
+                    ).fetchall()
+                # metadata/key/session filters may drop candidates: widen until enough
+                if len(rows) >= limit or len(cands) < want:
+                    break
+                want *= 4
+        rows.sort(key=lambda r: -sims[r[0]])
+        return [(schema.row_to_record(r), sims[r[0]]) for r in rows[:limit]]
+
+    def iter_records(self, prefix: str) -> Iterator[tuple[AnyRecord, list[float] | None]]:
+        where, params = _within_sql(prefix, "r.scope")
+        with self._db.read("export") as conn:
+            rows = conn.execute(f"SELECT {_RCOLS}, v.vec FROM records r LEFT JOIN vectors v "
+                                f"ON v.rid = r.rid WHERE {where} ORDER BY r.rid",
+                                params).fetchall()
+        for row in rows:
+            vec = None if row[-1] is None else np.frombuffer(row[-1], np.float32).tolist()
+            yield schema.row_to_record(row), vec
+
+    # -- profiles, policies, metadata -----------------------------------------------------
+    @staticmethod
+    def _profile(row: tuple[Any, ...]) -> Profile:
+        return Profile(scope=row[0], data=json.loads(row[1]),
+                       json_schema=None if row[2] is None else json.loads(row[2]),
+                       updated_at=from_us(row[3]), version=row[4])
+
+    def get_profile(self, scope: str) -> Profile | None:
+        with self._db.read("get profile") as conn:
+            row = conn.execute("SELECT scope, data, json_schema, updated_at, version FROM "
+                               "profiles WHERE scope = ?", (scope,)).fetchone()
+        return None if row is None else self._profile(row)
+
+    def put_profile(self, profile: Profile) -> Profile:
+        with self._db.write("set profile") as conn:
+            row = conn.execute("SELECT version FROM profiles WHERE scope = ?",
+                               (profile.scope,)).fetchone()
+            version = 1 if row is None else row[0] + 1
+            conn.execute(
+                "INSERT OR REPLACE INTO profiles (scope, data, json_schema, updated_at, version) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (profile.scope, json.dumps(profile.data),
+                 None if profile.json_schema is None else json.dumps(profile.json_schema),
+                 to_us(profile.updated_at), version))
+        return profile.model_copy(update={"version": version})
+
+    def iter_profiles(self, prefix: str) -> Iterator[Profile]:
+        where, params = _within_sql(prefix)
+        with self._db.read("export profiles") as conn:
+            rows = conn.execute("SELECT scope, data, json_schema, updated_at, version FROM "
+                                f"profiles WHERE {where} ORDER BY scope", params).fetchall()
+        yield from map(self._profile, rows)
+
+    def get_policy(self, scope: str) -> Policy | None:
+        with self._db.read("get policy") as conn:
+            row = conn.execute("SELECT retention_seconds, cache_ttl_seconds FROM policies "
+                               "WHERE scope = ?", (scope,)).fetchone()
+        return None if row is None else Policy(retention_seconds=row[0],
+                                               cache_ttl_seconds=row[1])
+
+    def set_policy(self, scope: str, policy: Policy) -> None:
+        with self._db.write("set policy") as conn:
+            conn.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?)",
+                         (scope, policy.retention_seconds, policy.cache_ttl_seconds))
+
+    def get_meta(self, key: str) -> str | None:
+        with self._db.read("get meta") as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._db.write("set meta") as conn:
+            conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def close(self) -> None:
+        self._db.close()
+
+
+class SQLiteBackend(MemoryBackend):
+    """Tenants as files under ``directory``; tokens and audit log in ``_system.db``."""
+
+    name = "sqlite"
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._lock = threading.Lock()
+        self._stores: dict[str, SQLiteTenantStore] = {}
+        self._system: _Conn | None = None
+
+    def _sys(self) -> _Conn:
+        with self._lock:
+            if self._system is None:
+                self._system = _Conn(self.directory / "_system.db", schema.SYSTEM_MIGRATIONS)
+            return self._system
+
+    def tenant(self, tenant: str) -> TenantStore:
+        check_name(tenant, "tenant name")
+        with self._lock:
+            store = self._stores.get(tenant)
+            if store is None:
+                store = SQLiteTenantStore(tenant, self.directory / f"{tenant}.db")
+                self._stores[tenant] = store
+            return store
+
+    def tenants(self) -> list[str]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(p.stem for p in self.directory.glob("*.db") if not p.stem.startswith("_"))
+
+    def put_token(self, token: TokenInfo) -> None:
+        with self._sys().write("put token") as conn:
+            conn.execute("INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?, ?, ?)",
+                         (token.token_hash, token.tenant,
+                          json.dumps([g.model_dump() for g in token.grants]), token.name,
+                          to_us(token.created_at), int(token.revoked)))
+
+    def get_token(self, token_hash: str) -> TokenInfo | None:
+        with self._sys().read("get token") as conn:
+            row = conn.execute("SELECT token_hash, tenant, grants, name, created_at, revoked "
+                               "FROM tokens WHERE token_hash = ?", (token_hash,)).fetchone()
+        if row is None:
+            return None
+        return TokenInfo(token_hash=row[0], tenant=row[1],
+                         grants=[Grant(**g) for g in json.loads(row[2])], name=row[3],
+                         created_at=from_us(row[4]), revoked=bool(row[5]))
+
+    def revoke_token(self, token_hash: str) -> bool:
+        with self._sys().write("revoke token") as conn:
+            return bool(conn.execute("UPDATE tokens SET revoked = 1 WHERE token_hash = ?",
+                                     (token_hash,)).rowcount)
+
+    def append_audit(self, entry: AuditEntry) -> None:
+        with self._sys().write("audit") as conn:
+            conn.execute("INSERT INTO audit (at, tenant, actor, action, scope, allowed, detail) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (to_us(entry.at), entry.tenant, entry.actor, entry.action, entry.scope,
+                          int(entry.allowed), json.dumps(entry.detail, default=str)))
+
+    def audit_log(self, tenant: str | None = None, limit: int = 100) -> list[AuditEntry]:
+        where, params = ("WHERE tenant = ?", [tenant]) if tenant is not None else ("", [])
+        with self._sys().read("audit log") as conn:
+            rows = conn.execute("SELECT at, tenant, actor, action, scope, allowed, detail FROM "
+                                f"audit {where} ORDER BY seq DESC LIMIT ?",
+                                [*params, limit]).fetchall()
+        return [AuditEntry(at=from_us(r[0]), tenant=r[1], actor=r[2], action=r[3], scope=r[4],
+                           allowed=bool(r[5]), detail=json.loads(r[6])) for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            for store in self._stores.values():
+                store.close()
+            self._stores.clear()
+            if self._system is not None:
+                self._system.close()
+                self._system = None
