@@ -1,0 +1,314 @@
+"""Volumes: disk images that outlive every sandbox that used them.
+
+A volume is a sparse raw file ``volumes/<id>.img`` holding an ext4 file system, plus a record
+``volumes/<id>.json`` (name, tenant, size, attachments). It is attached to a sandbox as an extra
+virtio-blk disk and mounted by the guest agent at a path:
+
+* read-write to **one** sandbox at a time, or read-only to **any number** — never both at once,
+  because ext4 has no cache coherence between two kernels (a second attach that would break this
+  is a :class:`~torpor.errors.Conflict`);
+* deleting a sandbox detaches its volumes; their data stays. Deleting a volume that is attached
+  is a Conflict.
+
+**Snapshots and volumes.** A volume is *not* part of a snapshot (it is shared, long-lived data;
+rolling it back with a sandbox would lose what others wrote). Because the guest's kernel has the
+volume mounted with cached state, a snapshot of a sandbox with a volume attached would restore a
+kernel that believes it has a disk that has moved on. So :mod:`torpor.sandbox.checkpoints` refuses
+to snapshot or fork such a sandbox with a Conflict that says how to proceed (detach the volume,
+or copy what you need into the sandbox's own disk). Nothing is lost either way.
+
+This module also holds :func:`check_mount_path` and the small JSON-record helpers that
+:mod:`torpor.sandbox.drives` shares.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import posixpath
+import subprocess
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from torpor.config import Paths, check_name
+from torpor.errors import (
+    Conflict,
+    EngineError,
+    InvalidArgument,
+    StorageError,
+    VolumeNotFound,
+)
+
+__all__ = [
+    "MAX_VOLUME_MIB",
+    "SYSTEM_DIRS",
+    "Attachment",
+    "VolumeInfo",
+    "VolumeStore",
+    "check_mount_path",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_VOLUME_MIB = 1024 * 1024  # 1 TiB: a sparse file costs nothing until written
+#: guest directories a volume or drive may not be mounted on or under
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt",
+               "/proc", "/root", "/run", "/sbin", "/sys", "/tmp", "/usr", "/var")
+
+
+def check_mount_path(path: str) -> str:
+    """Return the normalized absolute guest path, or raise InvalidArgument.
+
+    Refuses relative paths, ``..``, ``/`` and anything on or under a system directory.
+    """
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise InvalidArgument(f"mount path must be an absolute guest path, not {path!r}",
+                              field="path", value=str(path))
+    if ".." in path.split("/"):
+        raise InvalidArgument(f"mount path {path!r} may not contain '..'", field="path",
+                              value=path)
+    norm = posixpath.normpath(path)
+    if norm.startswith("//"):
+        norm = norm[1:]
+    for system in SYSTEM_DIRS:
+        if norm == "/" or norm == system or norm.startswith(system + "/"):
+            raise InvalidArgument(
+                f"mount path {path!r} collides with the system directory {system if norm != '/' else '/'}"
+                "; use a path such as /memory, /data or /mnt/<name>", field="path", value=path)
+    return norm
+
+
+class Attachment(BaseModel):
+    """One sandbox using a volume or drive."""
+
+    sandbox_id: str
+    path: str
+    read_only: bool = False
+
+
+class VolumeInfo(BaseModel):
+    """A volume as callers see it."""
+
+    id: str
+    name: str
+    tenant: str = "default"
+    size_mib: int
+    created_at: datetime
+    attachments: list[Attachment] = Field(default_factory=list)
+
+
+# -- JSON records shared with drives ------------------------------------------------------------
+
+def write_record(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (tmp + fsync + rename). Raises StorageError."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(f"cannot write {path.name}: {exc}", exc=exc) from exc
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Hold ``<directory>/.lock`` exclusively: serializes create/attach/delete across processes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def read_records(directory: Path, prefix: str) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every readable ``<prefix>-*.json`` record in ``directory``; bad ones are logged."""
+    for path in sorted(directory.glob(f"{prefix}-*.json")):
+        try:
+            yield path, json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("skipping unreadable record %s: %s", path, exc)
+
+
+def check_attach(kind: str, rid: str, attachments: list[Attachment], sandbox_id: str,
+                 read_only: bool, *, exclusive_writer: bool) -> None:
+    """Raise Conflict if attaching would break the sharing rule (see the module docstring)."""
+    for a in attachments:
+        if a.sandbox_id == sandbox_id:
+            raise Conflict(f"{kind} {rid} is already attached to sandbox {sandbox_id} at {a.path}",
+                           kind=kind, id=rid, sandbox_id=sandbox_id)
+    if not exclusive_writer:
+        return
+    writer = next((a for a in attachments if not a.read_only), None)
+    if writer is not None:
+        raise Conflict(
+            f"{kind} {rid} is attached read-write to sandbox {writer.sandbox_id}; detach it there "
+            "first, or attach it read-only after that", kind=kind, id=rid,
+            holder=writer.sandbox_id)
+    if not read_only and attachments:
+        raise Conflict(
+            f"{kind} {rid} is attached read-only to {len(attachments)} sandbox(es) "
+            f"({', '.join(a.sandbox_id for a in attachments)}); a read-write attach needs it to "
+            "be attached nowhere else", kind=kind, id=rid,
+            holders=[a.sandbox_id for a in attachments])
+
+
+class VolumeStore:
+    """The volumes of one torpor home."""
+
+    def __init__(self, paths: Paths) -> None:
+        self.root = paths.volumes
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def image(self, volume_id: str) -> Path:
+        """The disk image of a volume."""
+        return self.root / f"{volume_id}.img"
+
+    def _record(self, volume_id: str) -> Path:
+        return self.root / f"{volume_id}.json"
+
+    def _save(self, info: VolumeInfo) -> None:
+        write_record(self._record(info.id), info.model_dump(mode="json"))
+
+    def create(self, name: str, *, size_mib: int = 1024, tenant: str = "default") -> VolumeInfo:
+        """Make an empty ext4 volume of ``size_mib`` (sparse).
+
+        Raises InvalidName, InvalidArgument (size), Conflict (name taken in the tenant),
+        EngineError (mkfs failed), StorageError. Nothing is left behind on failure.
+        """
+        check_name(name, "volume name")
+        if isinstance(size_mib, bool) or not isinstance(size_mib, int) or \
+                not 16 <= size_mib <= MAX_VOLUME_MIB:
+            raise InvalidArgument(f"size_mib must be a whole number from 16 to {MAX_VOLUME_MIB}, "
+                                  f"not {size_mib!r}", field="size_mib", value=str(size_mib))
+        vid = f"vol-{uuid.uuid4().hex[:12]}"
+        image = self.image(vid)
+        with locked(self.root):
+            if any(v.name == name for v in self.list(tenant=tenant)):
+                raise Conflict(f"a volume named {name!r} already exists", kind="volume", name=name)
+            try:
+                with open(image, "wb") as f:
+                    f.truncate(size_mib << 20)
+                subprocess.run(["mkfs.ext4", "-q", "-F", "-L", name[:16], "-m", "0",
+                                "-E", "lazy_itable_init=1,lazy_journal_init=1", str(image)],
+                               check=True, capture_output=True, text=True)
+                info = VolumeInfo(id=vid, name=name, tenant=tenant, size_mib=size_mib,
+                                  created_at=datetime.now(UTC))
+                self._save(info)
+            except subprocess.CalledProcessError as exc:
+                image.unlink(missing_ok=True)
+                raise EngineError(f"mkfs.ext4 failed for volume {name!r}: {exc.stderr.strip()}",
+                                  exc=exc) from exc
+            except OSError as exc:
+                image.unlink(missing_ok=True)
+                raise StorageError(f"cannot create volume {name!r}: {exc}", exc=exc) from exc
+            except BaseException:
+                image.unlink(missing_ok=True)
+                raise
+        log.info("created volume %s (%s, %d MiB)", vid, name, size_mib)
+        return info
+
+    def list(self, *, tenant: str = "default") -> list[VolumeInfo]:
+        """The tenant's volumes, oldest first."""
+        found = []
+        for _, data in read_records(self.root, "vol"):
+            try:
+                info = VolumeInfo.model_validate(data)
+            except ValueError as exc:
+                log.warning("skipping bad volume record: %s", exc)
+                continue
+            if info.tenant == tenant and self.image(info.id).exists():
+                found.append(info)
+        return sorted(found, key=lambda v: v.created_at)
+
+    def get(self, id_or_name: str, *, tenant: str = "default") -> VolumeInfo:
+        """One volume by id or name. Raises VolumeNotFound."""
+        for v in self.list(tenant=tenant):
+            if id_or_name in (v.id, v.name):
+                return v
+        raise VolumeNotFound(f"volume {id_or_name!r} not found", kind="volume", name=id_or_name)
+
+    def attach(self, id_or_name: str, sandbox_id: str, path: str, *, read_only: bool = False,
+               tenant: str = "default") -> VolumeInfo:
+        """Record that ``sandbox_id`` uses the volume at ``path``.
+
+        Raises VolumeNotFound, InvalidArgument (path), Conflict (the sharing rule).
+        """
+        path = check_mount_path(path)
+        with locked(self.root):
+            info = self.get(id_or_name, tenant=tenant)
+            check_attach("volume", info.id, info.attachments, sandbox_id, read_only,
+                         exclusive_writer=True)
+            info.attachments.append(Attachment(sandbox_id=sandbox_id, path=path,
+                                               read_only=read_only))
+            self._save(info)
+        log.info("volume %s attached to %s at %s (%s)", info.id, sandbox_id, path,
+                 "ro" if read_only else "rw")
+        return info
+
+    def detach(self, id_or_name: str, sandbox_id: str, *, tenant: str = "default") -> VolumeInfo:
+        """Forget ``sandbox_id``'s attachment (no error if there was none). Raises VolumeNotFound."""
+        with locked(self.root):
+            info = self.get(id_or_name, tenant=tenant)
+            info.attachments = [a for a in info.attachments if a.sandbox_id != sandbox_id]
+            self._save(info)
+        return info
+
+    def attached_to(self, sandbox_id: str) -> builtins.list[tuple[VolumeInfo, Attachment]]:
+        """Every volume (any tenant) attached to ``sandbox_id``, with the attachment."""
+        out = []
+        for _, data in read_records(self.root, "vol"):
+            with contextlib.suppress(ValueError):
+                info = VolumeInfo.model_validate(data)
+                out += [(info, a) for a in info.attachments if a.sandbox_id == sandbox_id]
+        return out
+
+    def release(self, sandbox_ids: set[str] | None = None, *,
+                keep: set[str] | None = None) -> int:
+        """Drop attachments of the sandboxes in ``sandbox_ids`` (or of every sandbox not in
+        ``keep``). Returns how many were dropped. Used on kill and by GC."""
+        dropped = 0
+        with locked(self.root):
+            for _, data in list(read_records(self.root, "vol")):
+                try:
+                    info = VolumeInfo.model_validate(data)
+                except ValueError:
+                    continue
+                kept = [a for a in info.attachments
+                        if not ((sandbox_ids is not None and a.sandbox_id in sandbox_ids)
+                                or (keep is not None and a.sandbox_id not in keep))]
+                if len(kept) != len(info.attachments):
+                    dropped += len(info.attachments) - len(kept)
+                    info.attachments = kept
+                    self._save(info)
+        return dropped
+
+    def delete(self, id_or_name: str, *, tenant: str = "default") -> VolumeInfo:
+        """Delete a volume and its data. Raises VolumeNotFound, Conflict while attached."""
+        with locked(self.root):
+            info = self.get(id_or_name, tenant=tenant)
+            if info.attachments:
+                raise Conflict(
+                    f"volume {info.name!r} is attached to "
+                    f"{', '.join(a.sandbox_id for a in info.attachments)}; kill or detach those "
+                    "sandboxes first", kind="volume", id=info.id)
+            try:
+                self._record(info.id).unlink()
+                self.image(info.id).unlink(missing_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot delete volume {info.id}: {exc}", exc=exc) from exc
+        log.info("deleted volume %s (%s)", info.id, info.name)
+        return info
