@@ -48,7 +48,7 @@ class FakeManager:
         self.leak_tenants = leak_tenants
         self._lock = asyncio.Lock()
 
-    async def start(self) -> None:
+    async def start(self, *, supervise: bool = True, interval: float = 1.0) -> None:
         self.started = True
 
     async def close(self) -> None:
@@ -108,10 +108,11 @@ class FakeManager:
         self.calls.append(("get", tenant))
         return self._find(id_or_name, tenant).model_copy()
 
-    async def list(self, labels: dict[str, str] | None = None, *,
-                   tenant: str = "default") -> list[SandboxInfo]:
+    async def list(self, labels: dict[str, str] | None = None, *, tenant: str = "default",
+                   include_stopped: bool = False) -> list[SandboxInfo]:
         return [i.model_copy() for i in self.infos.values()
                 if (self.leak_tenants or i.tenant == tenant)
+                and (include_stopped or i.state != SandboxState.STOPPED)
                 and all(i.labels.get(k) == v for k, v in (labels or {}).items())]
 
     async def pause(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:

@@ -64,6 +64,8 @@ def test_create_get_list_pause_resume_kill(client: TestClient) -> None:
     assert client.post("/v1/sandboxes/agent-1/resume").json()["state"] == "running"
     assert client.delete("/v1/sandboxes/agent-1").status_code == 204
     assert client.get("/v1/sandboxes/agent-1").json()["state"] == "stopped"
+    assert [i["name"] for i in client.get("/v1/sandboxes").json()] == ["agent-2"]
+    assert len(client.get("/v1/sandboxes?all=true").json()) == 2
 
 
 def test_get_or_create_by_name_reuses(client: TestClient) -> None:

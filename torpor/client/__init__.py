@@ -1,1 +1,31 @@
-"""torpor.client"""
+"""The torpor SDK: a sync client for a torpor server, local or remote.
+
+``Runtime`` is the connection (local unix socket by default, started on demand);
+``Sandbox`` the handle on one machine; ``Snapshot``, ``Volume`` and ``Drive`` come from
+:mod:`torpor.client.checkpoints`.
+"""
+
+from __future__ import annotations
+
+from torpor.client.runtime import Runtime, default_runtime, set_default_runtime
+from torpor.client.sandbox import Commands, Files, Interpreter, Sandbox
+
+try:
+    from torpor.client.checkpoints import Drive, Snapshot, Volume
+except ModuleNotFoundError as _exc:  # the checkpoint SDK is not there yet
+    if _exc.name != "torpor.client.checkpoints":
+        raise
+    from torpor.client._placeholders import Drive, Snapshot, Volume
+
+__all__ = [
+    "Commands",
+    "Drive",
+    "Files",
+    "Interpreter",
+    "Runtime",
+    "Sandbox",
+    "Snapshot",
+    "Volume",
+    "default_runtime",
+    "set_default_runtime",
+]

@@ -114,7 +114,8 @@ def create_app(manager: Any, *, tokens: TokenStore | None = None, supervise: boo
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await manager.start()
+        # The server owns the supervisor (below) so its interval and lifetime follow the app.
+        await manager.start(supervise=False)
         task = asyncio.create_task(_supervise(manager, idle_interval)) if supervise else None
         log.info("torpor server ready (pid %d)", os.getpid())
         try:

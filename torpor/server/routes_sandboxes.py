@@ -101,9 +101,13 @@ async def get_or_create_sandbox(name: str, body: CreateSandbox, manager: Manager
 @router.get("")
 async def list_sandboxes(manager: Manager, tenant: Tenant,
                          label: Annotated[list[str] | None, Query()] = None,
+                         include_stopped: Annotated[bool, Query(alias="all")] = False,
                          ) -> list[SandboxInfo]:
-    """The tenant's sandboxes, optionally only those carrying every ``label=KEY=VALUE``."""
-    infos: list[SandboxInfo] = await manager.list(labels=parse_labels(label), tenant=tenant)
+    """The tenant's sandboxes, optionally only those carrying every ``label=KEY=VALUE``;
+    killed ones too with ``all=true``."""
+    extra = {"include_stopped": True} if include_stopped else {}
+    infos: list[SandboxInfo] = await manager.list(labels=parse_labels(label), tenant=tenant,
+                                                  **extra)
     return [i for i in infos if i.tenant == tenant]
 
 

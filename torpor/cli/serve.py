@@ -1,0 +1,86 @@
+"""``torpor serve`` and ``torpor server status|stop``: the process that owns engine state.
+
+The SDK starts the local server by itself when it is not running, so ``torpor serve`` is for
+running it in the foreground (a service manager, a remote host with ``--host`` and tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["register"]
+
+console = Console()
+
+server_app = typer.Typer(help="The local torpor server: status, stop.", no_args_is_help=True)
+
+
+def serve(
+    socket: Annotated[Path | None, typer.Option(help="unix socket (default: <home>/server.sock)")]
+    = None,
+    host: Annotated[str | None, typer.Option(help="listen on TCP instead (needs --token-file)")]
+    = None,
+    port: Annotated[int, typer.Option(help="TCP port, with --host")] = 8765,
+    token_file: Annotated[Path | None, typer.Option(
+        help='JSON {"tokens": {TOKEN: TENANT}} for bearer auth')] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+) -> None:
+    """Run the torpor server in the foreground until SIGTERM or Ctrl-C.
+
+    Example: torpor serve --host 0.0.0.0 --port 8765 --token-file tokens.json
+    """
+    from torpor.server.daemon import serve as run
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(socket_path=socket, host=host, port=port, token_file=token_file,
+        log_level=log_level.lower())
+
+
+@server_app.command("status")
+def status() -> None:
+    """Show whether the local server runs, its pid, home and sandboxes.
+
+    Example: torpor server status
+    """
+    from torpor.client import Runtime, Sandbox
+    from torpor.config import paths
+    from torpor.server.daemon import server_pid
+
+    pid = server_pid()
+    if pid is None:
+        console.print(f"no torpor server owns {paths().home}")
+        raise typer.Exit(1)
+    rt = Runtime(autostart=False)
+    health = rt.health()
+    table = Table(show_header=False)
+    table.add_row("pid", str(health["pid"]))
+    table.add_row("home", str(health["home"]))
+    table.add_row("socket", str(paths().socket))
+    table.add_row("version", str(health["version"]))
+    table.add_row("sandboxes", str(len(Sandbox.list(runtime=rt))))
+    console.print(table)
+
+
+@server_app.command("stop")
+def stop(timeout: Annotated[float, typer.Option(help="seconds to wait")] = 60.0) -> None:
+    """Stop the local server (running sandboxes are paused first, nothing is lost).
+
+    Example: torpor server stop
+    """
+    from torpor.server.daemon import stop_server
+
+    pid = stop_server(timeout=timeout)
+    console.print("no server was running" if pid is None else f"stopped server pid {pid}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` and the ``server`` group to the ``torpor`` command."""
+    app.command("serve")(serve)
+    app.add_typer(server_app, name="server")

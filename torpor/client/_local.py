@@ -1,0 +1,85 @@
+"""Starting the local server on demand, as Docker's and Ollama's clients do.
+
+With no URL the SDK talks to ``<home>/server.sock``. If nothing answers there, the first caller
+starts ``python -m torpor.cli serve`` as a detached daemon (its own session, stdio to
+``<home>/server.log``) and waits until it answers. An ``flock`` on ``<home>/server.start.lock``
+makes N processes that arrive at once start exactly one server: the others wait on the lock,
+then find it running.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from torpor.config import Paths
+from torpor.errors import ServerUnavailable
+
+__all__ = ["ensure_local_server", "is_alive"]
+
+log = logging.getLogger(__name__)
+
+
+def is_alive(socket_path: Path, *, timeout: float = 2.0) -> bool:
+    """True when a torpor server answers ``/v1/health`` on ``socket_path``."""
+    if not socket_path.exists():
+        return False
+    try:
+        transport = httpx.HTTPTransport(uds=str(socket_path))
+        with httpx.Client(transport=transport, base_url="http://torpor", timeout=timeout) as c:
+            return c.get("/v1/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _log_tail(log_file: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log_file.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def ensure_local_server(p: Paths, *, timeout: float = 120.0) -> None:
+    """Make sure a server answers on ``p.socket``, starting one if needed.
+
+    Raises :class:`ServerUnavailable` if the server exits or does not answer within
+    ``timeout`` seconds (the message carries the end of its log).
+    """
+    p.home.mkdir(parents=True, exist_ok=True)
+    with open(p.home / "server.start.lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # other starters queue here
+        if is_alive(p.socket):
+            return
+        log_file = p.home / "server.log"
+        env = {**os.environ, "TORPOR_HOME": str(p.home)}
+        log.info("starting a local torpor server for %s", p.home)
+        with open(log_file, "ab") as out:
+            proc = subprocess.Popen(  # our own interpreter and module
+                [sys.executable, "-m", "torpor.cli", "serve", "--socket", str(p.socket)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, cwd=p.home,
+                start_new_session=True, close_fds=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if is_alive(p.socket):
+                log.info("local torpor server pid %d is up", proc.pid)
+                return
+            if proc.poll() is not None:
+                # It may have lost the race to a server started by hand: that one will answer.
+                from torpor.server.daemon import server_pid
+
+                if server_pid(p.home) is None:
+                    raise ServerUnavailable(
+                        f"the local torpor server exited with code {proc.returncode}:\n"
+                        f"{_log_tail(log_file)}", log=str(log_file))
+            time.sleep(0.1)
+        raise ServerUnavailable(
+            f"the local torpor server did not answer within {timeout:.0f} s:\n"
+            f"{_log_tail(log_file)}", log=str(log_file))

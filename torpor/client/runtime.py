@@ -1,0 +1,185 @@
+"""The connection to a torpor server: local (unix socket, started on demand) or remote.
+
+::
+
+    rt = torpor.Runtime()                                    # local: <home>/server.sock
+    rt = torpor.Runtime(url="https://torpor.example", token="...")   # remote, one tenant
+    sbx = torpor.Sandbox.create(runtime=rt)
+
+Without ``runtime=``, SDK calls use :func:`default_runtime`, built once per process from
+``$TORPOR_URL`` / ``$TORPOR_TOKEN`` (remote) or ``$TORPOR_HOME`` (local).
+
+Every error the server sends is rebuilt as the same :mod:`torpor.errors` class; a server that
+cannot be reached is :class:`~torpor.errors.ServerUnavailable`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from torpor.client._local import ensure_local_server
+from torpor.config import Paths, paths
+from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
+
+__all__ = ["Runtime", "default_runtime", "set_default_runtime"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds to wait for an answer when the call has no timeout of its own. Generous: a call may
+#: first wake a paused sandbox, and under TCG a cold template boot takes a while.
+DEFAULT_TIMEOUT = 300.0
+
+
+class Runtime:
+    """A sync client for one torpor server.
+
+    ``url``: a remote server (``http(s)://host:port``); ``token``: its bearer token.
+    With neither (nor ``$TORPOR_URL``), the local server of ``home`` (default ``$TORPOR_HOME``)
+    is used over its unix socket and started if it is not running (``autostart``).
+    """
+
+    def __init__(self, url: str | None = None, token: str | None = None,
+                 home: str | os.PathLike[str] | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, autostart: bool = True) -> None:
+        url = url or (os.environ.get("TORPOR_URL") if home is None else None)
+        token = token or os.environ.get("TORPOR_TOKEN") if url else token
+        self.url = url
+        self.paths: Paths | None = None if url else paths(home)
+        self.autostart = autostart and url is None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        limits = httpx.Timeout(timeout, connect=10.0)
+        if self.paths is not None:
+            transport = httpx.HTTPTransport(uds=str(self.paths.socket))
+            self._http = httpx.Client(transport=transport, base_url="http://torpor",
+                                      headers=headers, timeout=limits)
+        else:
+            assert url is not None
+            self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=limits)
+        self._started = False
+        self._start_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        where = self.url or (self.paths.socket if self.paths else "?")
+        return f"Runtime({where})"
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _where(self) -> str:
+        return self.url or f"the local server at {self.paths.socket if self.paths else '?'}"
+
+    def _start_local(self) -> None:
+        assert self.paths is not None
+        with self._start_lock:
+            ensure_local_server(self.paths)
+            self._started = True
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, path, **kwargs)
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+            raise ServerUnavailable(f"cannot reach {self._where()}: {exc}", exc=exc) from exc
+        except httpx.TimeoutException as exc:
+            raise OperationTimeout(f"{method} {path}: no answer from {self._where()} in time",
+                                   exc=exc) from exc
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
+
+    @staticmethod
+    def _error(response: httpx.Response) -> TorporError:
+        try:
+            payload = response.json()["error"]
+            if not isinstance(payload, dict):
+                raise TypeError(payload)
+            return from_wire(payload)
+        except (ValueError, KeyError, TypeError):
+            err = TorporError(f"HTTP {response.status_code}: {response.text[:500]}",
+                              status=response.status_code)
+            return ServerUnavailable(err.message) if response.status_code in (502, 503) else err
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """Send one request (``kwargs`` as for :meth:`httpx.Client.request`), checked.
+
+        Starts the local server if it is not running. Raises the server's error as its
+        :mod:`torpor.errors` class, :class:`ServerUnavailable` when the server is unreachable,
+        :class:`OperationTimeout` when it does not answer in time.
+        """
+        try:
+            response = self._send(method, path, **kwargs)
+        except ServerUnavailable as exc:
+            # A refused or missing socket means the request was never delivered: safe to start
+            # the server and send it again.
+            if not (self.autostart and isinstance(exc.exc, httpx.ConnectError)):
+                raise
+            self._start_local()
+            response = self._send(method, path, **kwargs)
+        if response.status_code >= 400:
+            raise self._error(response)
+        return response
+
+    def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        """:meth:`request`, returning the decoded JSON body."""
+        return self.request(method, path, **kwargs).json()
+
+    @contextmanager
+    def stream_events(self, method: str, path: str, **kwargs: Any) -> Iterator[
+            Iterator[dict[str, Any]]]:
+        """Send a request whose answer is NDJSON and yield its events one by one."""
+        # Make sure the server is up first: a stream cannot be retried half-way.
+        self.request("GET", "/v1/health")
+        try:
+            with self._http.stream(method, path, **kwargs) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise self._error(response)
+                yield (json.loads(line) for line in response.iter_lines() if line.strip())
+        except httpx.TimeoutException as exc:
+            raise OperationTimeout(f"{method} {path}: no answer in time", exc=exc) from exc
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
+
+    # -- public -------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        """The server's identity: ``{"ok", "pid", "version", "tenant", "home"}``."""
+        result: dict[str, Any] = self.json("GET", "/v1/health")
+        return result
+
+    def close(self) -> None:
+        """Close the connection pool (the local server keeps running)."""
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+_default: Runtime | None = None
+_default_lock = threading.Lock()
+
+
+def default_runtime() -> Runtime:
+    """The process-wide runtime used when a call gets no ``runtime=`` (built on first use)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Runtime()
+        return _default
+
+
+def set_default_runtime(runtime: Runtime | None) -> None:
+    """Replace (or with None, forget) the process-wide runtime."""
+    global _default
+    with _default_lock:
+        _default = runtime

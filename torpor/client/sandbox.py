@@ -1,0 +1,265 @@
+"""``torpor.Sandbox``: an agent's machine, seen from the SDK.
+
+::
+
+    with torpor.Sandbox.create(name="scratch") as sbx:            # killed on exit
+        sbx.commands.run("echo hi").stdout                        # 'hi\\n'
+        sbx.files.write("/workspace/a.txt", "hello")
+        sbx.interpreter.run("x = 41")
+        sbx.interpreter.run("x + 1").text                         # '42'
+
+    sbx = torpor.Sandbox.get_or_create("agent-u-42", idle_pause_seconds=600)
+    sbx.pause()             # hibernate: RAM and processes to disk, no CPU, no RAM held
+    sbx.info.reused         # True when get_or_create found it
+
+Every call that acts inside a paused sandbox wakes it first (the server does it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Self
+from urllib.parse import quote
+
+from torpor.client.runtime import Runtime, default_runtime
+from torpor.errors import NotFound, SandboxClosed, ServerUnavailable, from_wire
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
+
+__all__ = ["Commands", "Files", "Interpreter", "Sandbox"]
+
+OutputCallback = Callable[[str], Any]
+
+#: Extra seconds the HTTP call may take beyond a command's own timeout (waking the sandbox).
+_SLACK = 120.0
+
+
+def _http_timeout(timeout: float | None) -> float | None:
+    return None if timeout is None else timeout + _SLACK
+
+
+class Commands:
+    """Shell commands in a sandbox (``sbx.commands``)."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sbx = sandbox
+
+    def run(self, cmd: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
+            timeout: float | None = 60.0, background: bool = False,
+            on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None) -> CommandResult:
+        """Run ``cmd`` with ``/bin/sh -c`` and return its exit code and output.
+
+        ``background=True`` returns at once with the pid; the process keeps running (and
+        survives pause/resume). ``on_stdout``/``on_stderr`` receive output as it comes.
+        A non-zero exit is not an error (see ``exit_code``). Raises
+        :class:`~torpor.errors.OperationTimeout` after ``timeout`` seconds (the process group
+        is killed), :class:`~torpor.errors.PayloadTooLarge` for output over the limit.
+        """
+        body = {"cmd": cmd, "cwd": cwd, "env": env, "timeout": timeout, "background": background}
+        rt = self._sbx._runtime
+        if on_stdout is None and on_stderr is None:
+            data = rt.json("POST", self._sbx._path("/commands"), json=body,
+                           timeout=_http_timeout(timeout))
+            return CommandResult.model_validate(data)
+        with rt.stream_events("POST", self._sbx._path("/commands/stream"), json=body,
+                              timeout=_http_timeout(timeout)) as events:
+            for event in events:
+                kind = event.get("type")
+                if kind == "stdout" and on_stdout is not None:
+                    on_stdout(event["data"])
+                elif kind == "stderr" and on_stderr is not None:
+                    on_stderr(event["data"])
+                elif kind == "result":
+                    return CommandResult.model_validate(event["result"])
+                elif kind == "error":
+                    raise from_wire(event["error"])
+        raise ServerUnavailable("the server closed the command stream without a result")
+
+
+class Files:
+    """The sandbox's file system (``sbx.files``). Paths are absolute or relative to the
+    guest's working directory."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sbx = sandbox
+
+    def _call(self, method: str, suffix: str, path: str, **kwargs: Any) -> Any:
+        return self._sbx._runtime.request(method, self._sbx._path("/files" + suffix),
+                                          params={"path": path}, **kwargs)
+
+    def read(self, path: str) -> bytes:
+        """The file's bytes. Raises :class:`~torpor.errors.PathNotFound`."""
+        content: bytes = self._call("GET", "", path).content
+        return content
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """The file decoded as text. Raises :class:`~torpor.errors.PathNotFound`."""
+        return self.read(path).decode(encoding)
+
+    def write(self, path: str, data: str | bytes) -> None:
+        """Write ``data`` (str is UTF-8 encoded), creating parent directories.
+
+        Raises :class:`~torpor.errors.PayloadTooLarge` over the server's file limit.
+        """
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        self._call("PUT", "", path, content=raw,
+                   headers={"content-type": "application/octet-stream"})
+
+    def list(self, path: str) -> list[EntryInfo]:
+        """The entries of a directory. Raises :class:`~torpor.errors.PathNotFound`."""
+        return [EntryInfo.model_validate(e) for e in self._call("GET", "/list", path).json()]
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
+        return bool(self._call("GET", "/exists", path).json()["exists"])
+
+    def remove(self, path: str) -> None:
+        """Remove a file or a directory tree. Raises :class:`~torpor.errors.PathNotFound`."""
+        self._call("DELETE", "", path)
+
+    def make_dir(self, path: str) -> None:
+        """Create a directory and its parents; an existing one is fine."""
+        self._call("POST", "/mkdir", path)
+
+
+class Interpreter:
+    """The sandbox's long-lived Python interpreter (``sbx.interpreter``)."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sbx = sandbox
+
+    def run(self, code: str, *, timeout: float | None = None) -> Execution:
+        """Run ``code``; variables persist between runs and across pause/resume.
+
+        The last expression's value is ``results[0].data["text/plain"]``; an exception in the
+        code is ``Execution.error`` (not raised). Raises
+        :class:`~torpor.errors.OperationTimeout` after ``timeout`` seconds (variables kept).
+        """
+        data = self._sbx._runtime.json("POST", self._sbx._path("/interpreter"),
+                                       json={"code": code, "timeout": timeout},
+                                       timeout=_http_timeout(timeout))
+        return Execution.model_validate(data)
+
+
+class Sandbox:
+    """A handle on one sandbox. Build it with :meth:`create`, :meth:`get_or_create` or
+    :meth:`get`; it is a context manager that kills the sandbox on exit."""
+
+    def __init__(self, info: SandboxInfo, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._info = info
+        self._reused = info.reused
+        self.commands = Commands(self)
+        self.files = Files(self)
+        self.interpreter = Interpreter(self)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.name!r} {self._info.state.value}>"
+
+    # -- constructors ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _options(**options: Any) -> dict[str, Any]:
+        return {k: v for k, v in options.items() if v is not None}
+
+    @classmethod
+    def create(cls, template: str = "python", *, name: str | None = None,
+               labels: dict[str, str] | None = None, idle_pause_seconds: int | None = None,
+               vcpus: int | None = None, memory_mib: int | None = None,
+               pause_retention_days: int | None = None,
+               runtime: Runtime | None = None) -> Sandbox:
+        """A new running sandbox from ``template`` (a fork of its booted snapshot).
+
+        ``idle_pause_seconds``: hibernate after that long without a call.
+        Raises :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
+        :class:`~torpor.errors.Conflict` (name taken).
+        """
+        rt = runtime or default_runtime()
+        body = cls._options(template=template, name=name, labels=labels,
+                            idle_pause_seconds=idle_pause_seconds, vcpus=vcpus,
+                            memory_mib=memory_mib, pause_retention_days=pause_retention_days)
+        return cls(SandboxInfo.model_validate(rt.json("POST", "/v1/sandboxes", json=body)), rt)
+
+    @classmethod
+    def get_or_create(cls, name: str, *, template: str | None = None,
+                      labels: dict[str, str] | None = None,
+                      idle_pause_seconds: int | None = None, vcpus: int | None = None,
+                      memory_mib: int | None = None, pause_retention_days: int | None = None,
+                      runtime: Runtime | None = None) -> Sandbox:
+        """The sandbox called ``name``, woken if paused (``info.reused`` is True), or a new one
+        made with the given options. Concurrent callers get one sandbox."""
+        rt = runtime or default_runtime()
+        body = cls._options(template=template, labels=labels,
+                            idle_pause_seconds=idle_pause_seconds, vcpus=vcpus,
+                            memory_mib=memory_mib, pause_retention_days=pause_retention_days)
+        data = rt.json("PUT", f"/v1/sandboxes/by-name/{quote(name, safe='')}", json=body)
+        return cls(SandboxInfo.model_validate(data), rt)
+
+    @classmethod
+    def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Sandbox:
+        """A handle on an existing sandbox (not woken). Raises
+        :class:`~torpor.errors.SandboxNotFound`."""
+        rt = runtime or default_runtime()
+        data = rt.json("GET", f"/v1/sandboxes/{quote(id_or_name, safe='')}")
+        return cls(SandboxInfo.model_validate(data), rt)
+
+    @classmethod
+    def list(cls, labels: dict[str, str] | None = None, *, include_stopped: bool = False,
+             runtime: Runtime | None = None) -> list[SandboxInfo]:
+        """The sandboxes of this tenant, optionally only those with all of ``labels``
+        (killed ones only with ``include_stopped``)."""
+        rt = runtime or default_runtime()
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if include_stopped:
+            params.append(("all", "true"))
+        return [SandboxInfo.model_validate(i) for i in rt.json("GET", "/v1/sandboxes",
+                                                               params=params)]
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _path(self, suffix: str = "") -> str:
+        return f"/v1/sandboxes/{quote(self._info.id, safe='')}{suffix}"
+
+    def _update(self, data: Any) -> SandboxInfo:
+        self._info = SandboxInfo.model_validate(data).model_copy(update={"reused": self._reused})
+        return self._info
+
+    @property
+    def id(self) -> str:
+        """The sandbox's id (stable for its life)."""
+        return self._info.id
+
+    @property
+    def name(self) -> str:
+        """The sandbox's name (its id when none was given)."""
+        return self._info.name
+
+    @property
+    def info(self) -> SandboxInfo:
+        """Fresh details from the server; ``reused`` is that of the call that made this
+        handle."""
+        return self._update(self._runtime.json("GET", self._path()))
+
+    def pause(self) -> SandboxInfo:
+        """Hibernate: RAM, processes and files go to disk; the sandbox holds no CPU or RAM.
+        Raises :class:`~torpor.errors.InvalidState` if it is not running."""
+        return self._update(self._runtime.json("POST", self._path("/pause")))
+
+    def resume(self) -> SandboxInfo:
+        """Wake a paused sandbox (any call inside it does this too)."""
+        return self._update(self._runtime.json("POST", self._path("/resume")))
+
+    def kill(self) -> None:
+        """Stop the sandbox for good and delete its machine files."""
+        self._runtime.request("DELETE", self._path())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self.kill()
+        except (NotFound, SandboxClosed):  # already gone: nothing left to clean up
+            pass
