@@ -201,7 +201,8 @@ class SourceRef(_Model):
     Exactly one of: ``sandbox`` + ``path``, ``volume`` + ``path``, ``url``, or a bare absolute
     ``path`` (a file on the host: valid until the sandbox layer serves files). Optionally a
     1-based ``line`` or ``lines=(first, last)``, or a byte range ``start``/``end`` (end
-    exclusive) narrows the cited content.
+    exclusive) narrows the cited content. ``quote``, when given, must occur in the cited
+    content (case and whitespace aside) for the fact to be verified.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -214,6 +215,7 @@ class SourceRef(_Model):
     lines: tuple[int, int] | None = None
     start: int | None = Field(default=None, ge=0)
     end: int | None = Field(default=None, ge=0)
+    quote: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _check(self) -> SourceRef:
