@@ -1,0 +1,122 @@
+"""Retention and GC without a VM: what expired or is unreferenced goes, nothing referenced does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from torpor.sandbox.drives import DriveStore
+from torpor.sandbox.gc import collect
+from torpor.sandbox.snapshots import SnapshotStore, freeze
+from torpor.sandbox.volumes import VolumeStore
+
+try:  # plain pytest puts this directory on sys.path; a package layout needs the relative form
+    from storage_helpers import make_home, make_machine, qemu_io
+except ImportError:  # pragma: no cover
+    from .storage_helpers import make_home, make_machine, qemu_io
+
+LATER = datetime.now(UTC) + timedelta(days=3)
+
+
+def test_expired_snapshot_goes_and_shared_chunks_stay(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    m = make_machine(p, "sb1")
+    short = store.save(freeze(m, store.frozen_root), name="short", retention_days=1)
+    short_chunks = store.referenced_chunks()
+    qemu_io(m / "disk.qcow2", "write -P 0x55 6M 64k")
+    with open(m / "ram", "r+b") as f:  # the sandbox moved on: some RAM changed
+        f.seek(5 << 20)
+        f.write(b"\x77" * 4096)
+    long = store.save(freeze(m, store.frozen_root), name="long", retention_days=30)
+    shared = short_chunks & _chunks_of(store, long.id)
+    assert shared  # the two snapshots share most chunks
+    report = collect(p, now=LATER)
+    assert report.expired_snapshots == [short.id]
+    assert report.removed_chunks > 0
+    assert set(store.chunks) == _chunks_of(store, long.id)
+    assert shared <= set(store.chunks)
+    assert [s.id for s in store.list()] == [long.id]
+    store.materialize(long.id)  # still whole: every chunk it needs survived
+
+
+def _chunks_of(store: SnapshotStore, sid: str) -> set[str]:
+    for info, body in store.manifests():
+        if info.id == sid:
+            from torpor.sandbox.chunks import FileManifest
+            out: set[str] = set()
+            for fm in body["files"].values():
+                out |= FileManifest.from_json(fm).hashes()
+            return out
+    return set()
+
+
+def test_nothing_referenced_is_removed(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    m = make_machine(p, "sb1")
+    info = store.save(freeze(m, store.frozen_root), name="keep", retention_days=30)
+    before = set(store.chunks)
+    report = collect(p)
+    assert report.expired_snapshots == [] and report.removed_chunks == 0
+    assert set(store.chunks) == before
+    assert report.removed_frozen == []  # sb1's overlay is backed by the frozen layer
+    store.materialize(info.id)
+
+
+def test_orphan_chunks_and_unused_frozen_dirs_go(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    orphan, _ = store.chunks.put(b"left by a snapshot that failed half-way")
+    keep = make_machine(p, "keep")
+    used = freeze(keep, store.frozen_root)
+    qemu_io(keep / "disk.qcow2", "write -P 0x66 8M 64k")
+    used2 = freeze(keep, store.frozen_root)  # chain: keep -> used2 -> used
+    gone = make_machine(p, "gone", fill=0x43)
+    unused = freeze(gone, store.frozen_root)
+    shutil.rmtree(gone)  # the sandbox was deleted
+    report = collect(p)
+    assert not store.chunks.has(orphan)
+    assert report.removed_frozen == [unused.name]
+    assert used.exists() and used2.exists()
+    assert "read 65536" in qemu_io(keep / "disk.qcow2", "read -P 0x42 2M 64k")
+
+
+def test_corrupt_manifest_still_protects_its_chunks(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    info = store.save(freeze(make_machine(p, "sb1"), store.frozen_root), name="s")
+    mpath = p.snapshots / f"{info.id}.json"
+    body = json.loads(mpath.read_text())
+    body["info"]["name"] = "tampered"
+    mpath.write_text(json.dumps(body))
+    before = set(store.chunks)
+    collect(p)
+    assert set(store.chunks) == before
+
+
+def test_dry_run_removes_nothing(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    store.save(freeze(make_machine(p, "sb1"), store.frozen_root), name="s", retention_days=1)
+    before = set(store.chunks)
+    report = collect(p, now=LATER, dry_run=True)
+    assert report.expired_snapshots and report.removed_chunks == len(before)
+    assert set(store.chunks) == before and len(store.list()) == 1
+
+
+def test_attachments_of_dead_sandboxes_are_released(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    make_machine(p, "alive")
+    vols, drives = VolumeStore(p), DriveStore(p)
+    v = vols.create("v", size_mib=16)
+    vols.attach(v.id, "dead", "/memory")
+    d = drives.create("d")
+    drives.attach(d.id, "alive", "/shared")
+    drives.attach(d.id, "dead", "/shared")
+    report = collect(p)
+    assert report.released_attachments == 2
+    assert vols.get("v").attachments == []
+    assert [a.sandbox_id for a in drives.get("d").attachments] == ["alive"]

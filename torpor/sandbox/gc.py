@@ -1,0 +1,194 @@
+"""Retention and garbage collection of snapshot storage.
+
+What goes, in this order (each step only removes what nothing references):
+
+1. **expired snapshots**: manifests past ``expires_at`` (retention 1-365 days, default 7);
+2. **frozen dirs** (``snapshots/frozen/<id>/``) that no sandbox's disk chain uses any more —
+   a fork's or restore's children run on qcow2 overlays backed by a frozen layer, so a frozen
+   layer lives exactly as long as some sandbox dir (or another live frozen layer) names it;
+3. **chunks** that no manifest names (a manifest that fails its digest still protects every
+   chunk it names: GC never turns a corrupt snapshot into a lost one);
+4. **attachments** of volumes and drives held by sandboxes that no longer exist;
+5. leftovers of interrupted work (``.*.tmp``, ``.*.work``) older than an hour.
+
+Expired *pauses* (a paused sandbox kept past its ``pause_retention_days``, default 30) are the
+manager's records; :func:`torpor.sandbox.checkpoints.collect_garbage` kills those first and then
+calls :func:`collect` here with the set of sandboxes still alive.
+
+GC holds the snapshot store's lock exclusively, so it never races a snapshot being written
+(which holds it shared) into deleting a chunk that snapshot is about to name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from torpor.config import Paths
+from torpor.errors import StorageError
+from torpor.sandbox.chunks import FileManifest
+from torpor.sandbox.drives import DriveStore
+from torpor.sandbox.snapshots import SnapshotStore, backing_chain, is_qcow2
+from torpor.sandbox.volumes import VolumeStore
+
+__all__ = ["GcReport", "collect", "referenced_frozen"]
+
+log = logging.getLogger(__name__)
+
+#: interrupted work younger than this may still be in progress in another process
+LEFTOVER_GRACE_SECONDS = 3600.0
+
+
+@dataclass
+class GcReport:
+    """What one GC pass removed."""
+
+    expired_snapshots: list[str] = field(default_factory=list)
+    expired_sandboxes: list[str] = field(default_factory=list)
+    removed_frozen: list[str] = field(default_factory=list)
+    removed_chunks: int = 0
+    freed_bytes: int = 0
+    released_attachments: int = 0
+    kept_chunks: int = 0
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "expired_snapshots": self.expired_snapshots,
+            "expired_sandboxes": self.expired_sandboxes,
+            "removed_frozen": self.removed_frozen,
+            "removed_chunks": self.removed_chunks,
+            "freed_bytes": self.freed_bytes,
+            "released_attachments": self.released_attachments,
+            "kept_chunks": self.kept_chunks,
+            "dry_run": self.dry_run,
+        }
+
+
+def _du(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_blocks * 512
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+def referenced_frozen(paths: Paths, frozen_root: Path) -> set[str]:
+    """Names of the frozen dirs some sandbox dir's disk chain passes through."""
+    refs: set[str] = set()
+    root = frozen_root.resolve()
+    if not paths.sandboxes.is_dir():
+        return refs
+    for sandbox in paths.sandboxes.iterdir():
+        if not sandbox.is_dir():
+            continue
+        for f in sandbox.iterdir():
+            if not f.is_file() or not is_qcow2(f):
+                continue
+            for layer in backing_chain(f):
+                resolved = layer.resolve()
+                if resolved.is_relative_to(root):
+                    refs.add(resolved.relative_to(root).parts[0])
+    return refs
+
+
+def _all_named_chunks(store: SnapshotStore) -> set[str]:
+    """Chunks named by any manifest file that parses as JSON, digest or not."""
+    refs: set[str] = set()
+    for path in store.root.glob("snap-*.json"):
+        try:
+            body = json.loads(path.read_text())
+            for fm in body["files"].values():
+                refs |= FileManifest.from_json(fm).hashes()
+        except Exception as exc:  # noqa: BLE001 - an unreadable manifest must not stop GC
+            log.warning("manifest %s unreadable during GC (%s); keeping nothing for it",
+                        path.name, exc)
+    return refs
+
+
+def _leftovers(root: Path, now: float) -> list[Path]:
+    found: list[Path] = []
+    for pattern in (".*.tmp", ".*.work", "*/.*.tmp"):
+        for p in root.glob(pattern):
+            try:
+                if now - p.stat().st_mtime > LEFTOVER_GRACE_SECONDS:
+                    found.append(p)
+            except FileNotFoundError:
+                pass
+    return found
+
+
+def collect(paths: Paths, *, now: datetime | None = None,
+            live_sandboxes: set[str] | None = None, dry_run: bool = False) -> GcReport:
+    """Remove expired snapshots and unreferenced frozen dirs, chunks and attachments.
+
+    ``live_sandboxes``: ids of sandboxes that still exist (default: the dirs under
+    ``sandboxes/``); attachments of any other sandbox are released. ``dry_run`` reports what
+    would go and removes nothing. Raises StorageError when the file system fails.
+    """
+    now = now or datetime.now(UTC)
+    report = GcReport(dry_run=dry_run)
+    store = SnapshotStore(paths)
+    if live_sandboxes is None:
+        live_sandboxes = ({d.name for d in paths.sandboxes.iterdir() if d.is_dir()}
+                          if paths.sandboxes.is_dir() else set())
+    try:
+        with store.lock(exclusive=True):
+            for info, _ in list(store.manifests()):
+                if info.expired(now):
+                    report.expired_snapshots.append(info.id)
+                    if not dry_run:
+                        (store.root / f"{info.id}.json").unlink(missing_ok=True)
+            frozen_root = store.frozen_root
+            if frozen_root.is_dir():
+                used = referenced_frozen(paths, frozen_root)
+                # a used frozen layer keeps the layers below it
+                for name in list(used):
+                    disk_files = [f for f in (frozen_root / name).iterdir() if is_qcow2(f)]
+                    for f in disk_files:
+                        for layer in backing_chain(f):
+                            r = layer.resolve()
+                            if r.is_relative_to(frozen_root.resolve()):
+                                used.add(r.relative_to(frozen_root.resolve()).parts[0])
+                for d in sorted(frozen_root.iterdir()):
+                    if d.is_dir() and d.name.startswith("frz-") and d.name not in used:
+                        report.removed_frozen.append(d.name)
+                        report.freed_bytes += _du(d)
+                        if not dry_run:
+                            shutil.rmtree(d)
+                for p in _leftovers(frozen_root, time.time()):
+                    report.freed_bytes += _du(p)
+                    if not dry_run:
+                        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            named = _all_named_chunks(store)
+            if dry_run:
+                expired = set(report.expired_snapshots)
+                named = set()
+                for info, body in store.manifests():
+                    if info.id not in expired:
+                        for fm in body["files"].values():
+                            named |= FileManifest.from_json(fm).hashes()
+            for digest in list(store.chunks):
+                if digest in named:
+                    report.kept_chunks += 1
+                    continue
+                report.removed_chunks += 1
+                if dry_run:
+                    report.freed_bytes += store.chunks.path_of(digest).stat().st_size
+                else:
+                    report.freed_bytes += store.chunks.remove(digest)
+            for p in _leftovers(store.root, time.time()) + _leftovers(paths.chunks, time.time()):
+                report.freed_bytes += _du(p)
+                if not dry_run:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        if not dry_run:
+            report.released_attachments += VolumeStore(paths).release(keep=live_sandboxes)
+            report.released_attachments += DriveStore(paths).release(keep=live_sandboxes)
+    except OSError as exc:
+        raise StorageError(f"garbage collection failed: {exc}", exc=exc) from exc
+    log.info("gc: %s", report.to_json())
+    return report
