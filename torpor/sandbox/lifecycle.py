@@ -7,14 +7,17 @@
         │           └───────────┘ (hibernate failed,  │ (wake failed before the guest ran:
         │                          machine still up)  │  the saved state is still whole)
         │                                             └──> paused
-        └─> error  <── pausing / waking                  any ──> stopped (kill)
+        └─> error  <── pausing / waking / running / paused
+                                                          any ──> stopped (kill)
                                                           error ──> stopped
 
 A transition is *recorded* (``record`` callback, the registry's transitions log) before the
 in-memory state changes, so a crash never leaves the registry behind what callers were told.
 Two rollback edges go beyond the bare cycle — ``pausing -> running`` and ``waking -> paused`` —
 because a failed pause or wake that destroyed nothing should leave the sandbox usable instead of
-in ``error``; ``error`` is reserved for lost state.
+in ``error``; ``error`` is reserved for lost state. For the same reason ``running -> error``
+(QEMU died under a running guest: RAM gone) and ``paused -> error`` (the saved state files were
+found missing on start) exist: the registry must never keep claiming state the files lack.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ S = SandboxState
 #: state -> the states it may move to. Everything else is an illegal transition.
 TRANSITIONS: dict[SandboxState, frozenset[SandboxState]] = {
     S.CREATING: frozenset({S.RUNNING, S.ERROR, S.STOPPED}),
-    S.RUNNING: frozenset({S.PAUSING, S.STOPPED}),
+    S.RUNNING: frozenset({S.PAUSING, S.STOPPED, S.ERROR}),
     S.PAUSING: frozenset({S.PAUSED, S.RUNNING, S.ERROR, S.STOPPED}),
-    S.PAUSED: frozenset({S.WAKING, S.STOPPED}),
+    S.PAUSED: frozenset({S.WAKING, S.STOPPED, S.ERROR}),
     S.WAKING: frozenset({S.RUNNING, S.PAUSED, S.ERROR, S.STOPPED}),
     S.ERROR: frozenset({S.STOPPED}),
     S.STOPPED: frozenset(),
@@ -138,7 +141,7 @@ class Lifecycle:
         sandbox_id: str,
         state: SandboxState,
         *,
-        record: Callable[[Transition], None] | None = None,
+        record: Callable[[Transition], object] | None = None,
     ) -> None:
         self.sandbox_id = sandbox_id
         self._state = state

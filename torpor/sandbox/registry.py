@@ -12,6 +12,7 @@ a killed sandbox's name can be taken again, while the old row stays so calls on 
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import sqlite3
@@ -307,13 +308,19 @@ class Registry:
                                   name=id_or_name)
         return _row_to_record(rows[0])
 
+    def live_by_name(self, tenant: str, name: str) -> SandboxRecord | None:
+        """The tenant's sandbox called ``name`` that is not stopped, or None."""
+        rows = self._query("SELECT * FROM sandboxes WHERE tenant = ? AND name = ?"
+                           " AND state != 'stopped'", (tenant, name))
+        return _row_to_record(rows[0]) if rows else None
+
     def list(
         self,
         *,
         tenant: str | None = None,
         labels: Mapping[str, str] | None = None,
         states: set[SandboxState] | None = None,
-    ) -> list[SandboxRecord]:
+    ) -> builtins.list[SandboxRecord]:
         """Sandboxes, oldest first, filtered by tenant, states and labels (all must match)."""
         sql, args = "SELECT * FROM sandboxes WHERE 1=1", []
         if tenant is not None:
@@ -322,13 +329,14 @@ class Registry:
         if states is not None:
             sql += f" AND state IN ({','.join('?' * len(states))})"
             args.extend(s.value for s in states)
-        for key, value in (labels or {}).items():
-            sql += " AND json_extract(labels, ?) = ?"
-            args.extend([f'$."{key}"', value])
-        return [_row_to_record(r) for r in self._query(sql + " ORDER BY created_at, id",
+        rows = [_row_to_record(r) for r in self._query(sql + " ORDER BY created_at, id",
                                                         tuple(args))]
+        # Labels are matched in Python: exact for any key text (SQLite JSON paths need
+        # quoting rules and stop at NUL), and a tenant has few enough sandboxes.
+        wanted = dict(labels or {})
+        return [r for r in rows if all(r.labels.get(k) == v for k, v in wanted.items())]
 
-    def transitions(self, sandbox_id: str) -> list[Transition]:
+    def transitions(self, sandbox_id: str) -> builtins.list[Transition]:
         """Every recorded transition of a sandbox, in order."""
         rows = self._query("SELECT * FROM transitions WHERE sandbox_id = ? ORDER BY seq",
                            (sandbox_id,))

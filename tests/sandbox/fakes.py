@@ -1,0 +1,247 @@
+"""An in-memory engine for fast unit tests of the manager's state logic (no QEMU).
+
+It keeps the contract of the real engine where the manager depends on it: a sandbox directory
+holds ``ram`` (here: the interpreter's variables as JSON) and, while hibernated, a whole
+``state`` file; wake loads both and deletes ``state`` before the guest runs; files written in
+the guest live in ``<dir>/disk/`` and survive a lost RAM. "QEMU processes" live in a
+:class:`FakeWorld` shared between engines, so a second manager on the same home can find the
+machines the first one left running (a manager restart). ``faults`` injects crashes at the same
+points the real crash tests hit with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import itertools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torpor.config import check_name
+from torpor.errors import EngineError, GuestError, PathNotFound, TemplateNotFound
+from torpor.sandbox.engine import DirStatus, MachineConfig
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution, Result
+
+_pids = itertools.count(90000)
+
+
+@dataclass
+class FakeProcess:
+    """A running fake QEMU: its pid and the guest's live RAM (interpreter variables)."""
+
+    pid: int
+    ram: dict[str, Any]
+    refreshes: list[tuple[bytes | None, float | None]] = field(default_factory=list)
+
+
+@dataclass
+class FakeWorld:
+    """Process table shared by engines: directory -> running fake QEMU."""
+
+    processes: dict[Path, FakeProcess] = field(default_factory=dict)
+
+
+class FakeEngine:
+    """The :class:`~torpor.sandbox.engine.Engine` protocol without VMs.
+
+    ``faults`` maps a point to the number of times it fires:
+    ``wake`` (QEMU dies before ``cont``: state kept), ``wake:after-cont`` (dies after the state
+    was consumed), ``hibernate:before-save`` (dies before the state is written),
+    ``hibernate:after-save`` (dies after the state is whole, before quitting cleanly),
+    ``connect`` (the guest does not answer), ``clone``.
+    """
+
+    def __init__(self, world: FakeWorld | None = None, templates: tuple[str, ...] = ("python",)):
+        self.world = world or FakeWorld()
+        self.templates = set(templates)
+        self.faults: dict[str, int] = {}
+        self.calls: list[str] = []
+
+    def _fault(self, point: str) -> bool:
+        left = self.faults.get(point, 0)
+        if left:
+            self.faults[point] = left - 1
+            return True
+        return False
+
+    def check_template(self, template: str) -> None:
+        check_name(template, "template name")
+        if template not in self.templates:
+            raise TemplateNotFound(f"no template {template!r}", kind="template", name=template)
+
+    async def clone(self, template: str, directory: Path, config: MachineConfig) -> None:
+        self.calls.append("clone")
+        if self._fault("clone"):
+            raise EngineError("clone failed (injected)")
+        (directory / "disk").mkdir(parents=True)
+        (directory / "ram").write_text(json.dumps({"template": template}))
+        (directory / "state").write_text("booted template")
+
+    def machine(self, directory: Path, config: MachineConfig) -> FakeMachine:
+        return FakeMachine(self, directory)
+
+    async def connect(self, machine: Any, directory: Path) -> FakeChannel:
+        self.calls.append("connect")
+        if self._fault("connect") or directory not in self.world.processes:
+            raise GuestError("the guest agent does not answer (injected)")
+        return FakeChannel(self, directory)
+
+    def inspect(self, directory: Path) -> DirStatus:
+        proc = self.world.processes.get(directory)
+        return DirStatus(exists=directory.is_dir(),
+                         has_state=(directory / "state").is_file()
+                         and (directory / "ram").is_file(),
+                         qemu_pid=proc.pid if proc else None)
+
+    async def attach(self, directory: Path, config: MachineConfig) -> FakeMachine:
+        self.calls.append("attach")
+        if directory not in self.world.processes:
+            raise EngineError("no QEMU to attach to")
+        return FakeMachine(self, directory)
+
+    def terminate(self, directory: Path) -> None:
+        self.world.processes.pop(directory, None)
+
+    def crash(self, directory: Path) -> None:
+        """SIGKILL the fake QEMU of ``directory``: RAM gone, files kept."""
+        self.world.processes.pop(directory, None)
+
+
+class FakeMachine:
+    """A fake QEMU on one directory."""
+
+    def __init__(self, engine: FakeEngine, directory: Path) -> None:
+        self.engine = engine
+        self.directory = directory
+
+    async def wake(self) -> None:
+        self.engine.calls.append("wake")
+        await asyncio.sleep(0)
+        state, ram = self.directory / "state", self.directory / "ram"
+        if not state.is_file():
+            raise EngineError(f"no saved state in {self.directory}")
+        if self.engine._fault("wake"):
+            raise EngineError("QEMU died while loading the state (injected)")
+        values = json.loads(ram.read_text())
+        state.unlink()  # consumed before the guest runs, as the real engine does
+        if self.engine._fault("wake:after-cont"):
+            raise EngineError("QEMU died right after cont (injected)")
+        self.engine.world.processes[self.directory] = FakeProcess(next(_pids), values)
+
+    async def hibernate(self) -> None:
+        self.engine.calls.append("hibernate")
+        await asyncio.sleep(0)
+        proc = self.engine.world.processes.get(self.directory)
+        if proc is None:
+            raise EngineError("QEMU is not running")
+        if self.engine._fault("hibernate:before-save"):
+            self.engine.crash(self.directory)
+            raise EngineError("QEMU died before the state was saved (injected)")
+        (self.directory / "ram").write_text(json.dumps(proc.ram))
+        tmp = self.directory / "state.tmp"
+        tmp.write_text("device state")
+        os.replace(tmp, self.directory / "state")
+        self.engine.crash(self.directory)
+        if self.engine._fault("hibernate:after-save"):
+            raise EngineError("QEMU died after the state was saved (injected)")
+
+    async def kill(self) -> None:
+        self.engine.crash(self.directory)
+
+    def is_running(self) -> bool:
+        return self.directory in self.engine.world.processes
+
+
+class FakeChannel:
+    """A fake guest agent: ``echo``/``sleep``/``exit N`` commands, files under ``disk/``,
+    an interpreter whose variables live in the fake RAM."""
+
+    def __init__(self, engine: FakeEngine, directory: Path) -> None:
+        self.engine = engine
+        self.directory = directory
+        self.closed = False
+
+    def _proc(self) -> FakeProcess:
+        proc = self.engine.world.processes.get(self.directory)
+        if self.closed or proc is None:
+            raise GuestError("the channel to the guest is closed")
+        return proc
+
+    def _path(self, path: str) -> Path:
+        return self.directory / "disk" / path.lstrip("/")
+
+    async def run_command(self, cmd: str, *, cwd: str | None = None,
+                          env: dict[str, str] | None = None, timeout: float | None = 60,
+                          background: bool = False, on_stdout: Any = None,
+                          on_stderr: Any = None) -> CommandResult:
+        self._proc()
+        word, _, rest = cmd.partition(" ")
+        if word == "sleep":
+            await asyncio.sleep(float(rest))
+        self._proc()  # the machine may have died meanwhile
+        if word == "echo":
+            return CommandResult(exit_code=0, stdout=rest + "\n")
+        if word == "exit":
+            return CommandResult(exit_code=int(rest))
+        return CommandResult(exit_code=0)
+
+    async def read_file(self, path: str) -> bytes:
+        self._proc()
+        try:
+            return self._path(path).read_bytes()
+        except FileNotFoundError:
+            raise PathNotFound(f"no such file: {path}", kind="path", name=path) from None
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        self._proc()
+        target = self._path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data.encode() if isinstance(data, str) else data)
+
+    async def list_dir(self, path: str) -> list[EntryInfo]:
+        self._proc()
+        base = self._path(path)
+        if not base.is_dir():
+            raise PathNotFound(f"no such directory: {path}", kind="path", name=path)
+        return [EntryInfo(name=p.name, path=f"{path.rstrip('/')}/{p.name}",
+                          type="dir" if p.is_dir() else "file",
+                          size=p.stat().st_size) for p in sorted(base.iterdir())]
+
+    async def exists(self, path: str) -> bool:
+        self._proc()
+        return self._path(path).exists()
+
+    async def remove(self, path: str) -> None:
+        self._proc()
+        target = self._path(path)
+        if not target.exists():
+            raise PathNotFound(f"no such path: {path}", kind="path", name=path)
+        target.unlink()
+
+    async def make_dir(self, path: str) -> None:
+        self._proc()
+        self._path(path).mkdir(parents=True, exist_ok=True)
+
+    async def run_code(self, code: str, *, timeout: float | None = None, on_stdout: Any = None,
+                       on_stderr: Any = None) -> Execution:
+        ns = self._proc().ram
+        tree = ast.parse(code)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, "<cell>", "exec"), {}, ns)  # noqa: S102 - test fake
+        if last is None:
+            return Execution()
+        value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), {}, ns)  # noqa: S307
+        return Execution(results=[Result(data={"text/plain": repr(value)})])
+
+    async def refresh(self, *, entropy: bytes | None = None,
+                      unix_time: float | None = None) -> None:
+        self._proc().refreshes.append((entropy, unix_time))
+
+    async def sync(self) -> None:
+        self._proc()
+
+    async def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,207 @@
+"""The seam between the sandbox manager and the machines it runs.
+
+The manager needs little from a backend: clone a template's booted snapshot into a sandbox
+directory, start (wake) / hibernate / kill the machine of a directory, open the guest channel,
+and — after a crash — say what the files in a directory can still back (:class:`DirStatus`) and
+re-attach to a QEMU that outlived its manager. :class:`Engine` is that interface;
+:class:`QemuEngine` is the real one (``torpor.sandbox.qemu``, ``template``, ``channel``), and
+``tests/sandbox/fakes.py`` has an in-memory one for fast unit tests of the state logic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from torpor.config import Paths
+from torpor.errors import EngineError
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution
+
+__all__ = ["MachineConfig", "DirStatus", "Machine", "Channel", "Engine", "QemuEngine"]
+
+log = logging.getLogger(__name__)
+
+OutputCallback = Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """What a sandbox's machine is made of."""
+
+    template: str
+    vcpus: int = 1
+    memory_mib: int = 512
+
+
+@dataclass(frozen=True)
+class DirStatus:
+    """What a sandbox directory holds, read from the files and the process table only.
+
+    ``has_state`` means a whole saved device state sits next to the RAM file, so the pair is
+    loadable (the engine guarantees a state file only ever appears whole). ``qemu_pid`` is a
+    QEMU process still running on this directory, or None.
+    """
+
+    exists: bool
+    has_state: bool
+    qemu_pid: int | None = None
+
+
+class Channel(Protocol):
+    """The host side of the guest agent (``torpor.sandbox.channel.GuestChannel``)."""
+
+    async def run_command(self, cmd: str, *, cwd: str | None = None,
+                          env: dict[str, str] | None = None, timeout: float | None = 60,
+                          background: bool = False, on_stdout: OutputCallback | None = None,
+                          on_stderr: OutputCallback | None = None) -> CommandResult: ...
+
+    async def read_file(self, path: str) -> bytes: ...
+
+    async def write_file(self, path: str, data: bytes | str) -> None: ...
+
+    async def list_dir(self, path: str) -> list[EntryInfo]: ...
+
+    async def exists(self, path: str) -> bool: ...
+
+    async def remove(self, path: str) -> None: ...
+
+    async def make_dir(self, path: str) -> None: ...
+
+    async def run_code(self, code: str, *, timeout: float | None = None,
+                       on_stdout: OutputCallback | None = None,
+                       on_stderr: OutputCallback | None = None) -> Execution: ...
+
+    async def refresh(self, *, entropy: bytes | None = None,
+                      unix_time: float | None = None) -> Any: ...
+
+    async def sync(self) -> Any: ...
+
+    async def close(self) -> None: ...
+
+
+class Machine(Protocol):
+    """One VM on one sandbox directory (``torpor.sandbox.qemu.Machine``)."""
+
+    async def wake(self) -> None: ...
+
+    async def hibernate(self) -> None: ...
+
+    async def kill(self) -> None: ...
+
+    def is_running(self) -> bool: ...
+
+
+class Engine(Protocol):
+    """What :class:`~torpor.sandbox.manager.SandboxManager` needs from a VM backend.
+
+    Every method raises :class:`~torpor.errors.EngineError` (or a subclass of
+    :class:`~torpor.errors.TorporError`) on failure, never a bare OSError.
+    """
+
+    def check_template(self, template: str) -> None:
+        """Raise InvalidName / TemplateNotFound unless ``template`` is built and usable."""
+
+    async def clone(self, template: str, directory: Path, config: MachineConfig) -> None:
+        """Make ``directory`` a copy of the template's hibernated, booted machine."""
+
+    def machine(self, directory: Path, config: MachineConfig) -> Machine:
+        """The (not yet started) machine of a sandbox directory."""
+
+    async def connect(self, machine: Machine, directory: Path) -> Channel:
+        """Open the guest channel of a running machine."""
+
+    def inspect(self, directory: Path) -> DirStatus:
+        """What the files (and any live QEMU) of ``directory`` can back."""
+
+    async def attach(self, directory: Path, config: MachineConfig) -> Machine:
+        """Re-attach to the live QEMU of ``directory`` (left by a manager that died) and make
+        sure its guest runs (``cont`` if a wake stopped short of it). Only called when the
+        directory has no whole state file. Raises EngineError when QEMU cannot be taken over."""
+
+    def terminate(self, directory: Path) -> None:
+        """Kill (SIGKILL) any QEMU still running on ``directory``; files are kept."""
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class QemuEngine:
+    """The real backend: QEMU machines from ``torpor.sandbox.qemu`` on templates from
+    ``torpor.sandbox.template``, talked to through ``torpor.sandbox.channel.GuestChannel``."""
+
+    def __init__(self, paths: Paths, *, accel: str | None = None) -> None:
+        self.paths = paths
+        self.accel = accel
+
+    def check_template(self, template: str) -> None:
+        from torpor.sandbox import template as templates
+
+        templates.get(template)
+
+    def _spec(self, config: MachineConfig) -> Any:
+        from torpor.sandbox.qemu import MachineSpec
+
+        return MachineSpec(vcpus=config.vcpus, memory_mib=config.memory_mib, accel=self.accel)
+
+    async def clone(self, template: str, directory: Path, config: MachineConfig) -> None:
+        import asyncio
+
+        from torpor.sandbox import template as templates
+        from torpor.sandbox.qemu import clone_machine_dir
+
+        info = templates.get(template)
+        await asyncio.to_thread(clone_machine_dir, Path(info.snapshot_dir), directory)
+
+    def machine(self, directory: Path, config: MachineConfig) -> Machine:
+        from torpor.sandbox import template as templates
+        from torpor.sandbox.qemu import Machine as QemuMachine
+
+        info = templates.get(config.template)
+        machine: Machine = QemuMachine(directory, info, self._spec(config))
+        return machine
+
+    async def connect(self, machine: Machine, directory: Path) -> Channel:
+        from torpor.sandbox.channel import GuestChannel
+
+        socket = getattr(machine, "agent_socket", directory / "agent.sock")
+        channel: Channel = await GuestChannel.connect(Path(socket))
+        return channel
+
+    def inspect(self, directory: Path) -> DirStatus:
+        from torpor.sandbox import qemu
+
+        if not directory.is_dir():
+            return DirStatus(exists=False, has_state=False)
+        status = getattr(qemu, "inspect_dir", None)
+        if status is not None:
+            found = status(directory)
+            return DirStatus(exists=True, has_state=bool(found.has_state),
+                             qemu_pid=found.qemu_pid)
+        return DirStatus(exists=True, has_state=(directory / "state").is_file())
+
+    async def attach(self, directory: Path, config: MachineConfig) -> Machine:
+        from torpor.sandbox import template as templates
+        from torpor.sandbox.qemu import Machine as QemuMachine
+
+        info = templates.get(config.template)
+        machine: Machine = await QemuMachine.attach(directory, info, self._spec(config))
+        return machine
+
+    def terminate(self, directory: Path) -> None:
+        pid = self.inspect(directory).qemu_pid
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            except OSError as exc:
+                raise EngineError(f"cannot kill QEMU {pid}: {exc}", exc=exc) from exc
