@@ -1,0 +1,389 @@
+"""The host's end of the guest agent: asyncio requests over the sandbox's ``agent.sock``.
+
+QEMU listens on the unix socket behind the guest's virtio-serial port; :meth:`GuestChannel.connect`
+connects and pings until the agent answers. Requests are framed by
+:mod:`torpor.sandbox.guest.protocol` and multiplexed by id, so several can be in flight.
+Errors the guest reports arrive as ``{type, message, data}`` and are raised as the matching
+:mod:`torpor.errors` class. A dropped connection fails every in-flight request with
+:class:`~torpor.errors.GuestError`; a request the guest does not answer in time raises
+:class:`~torpor.errors.OperationTimeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import inspect
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+from torpor.config import LIMITS, Limits
+from torpor.errors import GuestError, OperationTimeout, PayloadTooLarge, TorporError, from_wire
+from torpor.sandbox.guest import protocol as proto
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution, ExecutionError, Result
+
+__all__ = ["GuestChannel", "OutputCallback"]
+
+log = logging.getLogger(__name__)
+
+#: called with each decoded chunk of stdout/stderr; may return an awaitable
+OutputCallback = Callable[[str], Any]
+#: extra seconds the host waits past a command's own timeout (the guest enforces that one)
+TIMEOUT_GRACE = 15.0
+
+
+@dataclass
+class _Pending:
+    op: str
+    future: asyncio.Future[dict[str, Any]]
+    last_activity: float
+    data: bytearray = field(default_factory=bytearray)
+    data_limit: int = 0
+    streams: dict[str, list[str]] = field(default_factory=lambda: {"stdout": [], "stderr": []})
+    callbacks: dict[str, OutputCallback | None] = field(default_factory=dict)
+    decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
+
+    def on_output(self, stream: str, chunk: bytes, final: bool = False) -> None:
+        decoder = self.decoders.get(stream)
+        if decoder is None:
+            decoder = self.decoders[stream] = codecs.getincrementaldecoder("utf-8")("replace")
+        text = decoder.decode(chunk, final)
+        if not text:
+            return
+        self.streams.setdefault(stream, []).append(text)
+        callback = self.callbacks.get(stream)
+        if callback is None:
+            return
+        try:
+            outcome = callback(text)
+            if inspect.isawaitable(outcome):
+                asyncio.ensure_future(outcome)
+        except Exception:  # a user's callback must not break the channel
+            log.exception("%s callback failed", stream)
+
+    def text(self, stream: str) -> str:
+        self.on_output(stream, b"", final=True)
+        return "".join(self.streams.get(stream, []))
+
+
+class GuestChannel:
+    """One connection to one guest agent. Create it with :meth:`connect`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                 limits: Limits = LIMITS, op_timeout: float = 120.0) -> None:
+        self._reader, self._writer = reader, writer
+        self.limits = limits
+        self.op_timeout = op_timeout
+        self._pending: dict[int, _Pending] = {}
+        # Ids start at random so a stale reply from before a hibernate cannot match.
+        self._next_id = random.getrandbits(40)
+        self._decoder = proto.FrameDecoder()
+        self._closed: GuestError | None = None
+        self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    # -- connection ----------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, socket_path: Path, *, timeout: float = 30.0, limits: Limits = LIMITS,
+                      op_timeout: float = 120.0) -> GuestChannel:
+        """Connect to ``socket_path`` and wait until the agent answers a ping, retrying while
+        the socket does not exist yet or refuses. Raises :class:`OperationTimeout`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        last_exc: BaseException | None = None
+        while loop.time() < deadline:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(socket_path))
+            except OSError as exc:
+                last_exc = exc
+                await asyncio.sleep(0.02)
+                continue
+            channel = cls(reader, writer, limits=limits, op_timeout=op_timeout)
+            try:
+                await channel._first_ping(deadline)
+                return channel
+            except GuestError as exc:  # hung up before answering: try a new connection
+                last_exc = exc
+                await channel.close()
+                await asyncio.sleep(0.02)
+            except OperationTimeout as exc:
+                last_exc = exc
+                await channel.close()
+                break
+            except BaseException:
+                await channel.close()
+                raise
+        raise OperationTimeout(f"the guest agent at {socket_path} did not answer within "
+                               f"{timeout} s", exc=last_exc, seconds=timeout,
+                               path=str(socket_path))
+
+    async def _first_ping(self, deadline: float) -> None:
+        # The guest discards what arrived before its agent opened the port, so a ping sent
+        # during boot may be lost: ping again, more and more slowly, until one is answered.
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Task[dict[str, Any]]] = []
+        interval = 0.1
+        try:
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise OperationTimeout("the guest agent did not answer a ping",
+                                           seconds=left)
+                tasks.append(loop.create_task(self._request("ping", {}, idle=None)))
+                done, _ = await asyncio.wait(tasks, timeout=min(interval, left),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # a GuestError (hang-up) propagates
+                    return
+                interval = min(interval * 2, 2.0)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    async def close(self) -> None:
+        """Disconnect; in-flight requests fail with :class:`GuestError`. Idempotent."""
+        self._fail_all(GuestError("the guest channel was closed"))
+        self._read_task.cancel()
+        try:
+            await self._read_task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001, S110 - closing anyway
+            pass
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except OSError:
+            pass
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _fail_all(self, error: GuestError) -> None:
+        if self._closed is None:
+            self._closed = error
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(error)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                data = await self._reader.read(1 << 18)
+                if not data:
+                    break
+                for frame in self._decoder.feed(data):
+                    self._on_frame(frame)
+            error = GuestError("the guest agent hung up")
+        except OSError as exc:
+            error = GuestError(f"the connection to the guest agent broke: {exc}", exc=exc)
+        self._fail_all(error)
+
+    def _on_frame(self, frame: proto.Frame) -> None:
+        pending = self._pending.get(frame.id)
+        if pending is None or pending.future.done():
+            log.debug("dropping a frame for unknown request %s", frame.id)
+            return
+        pending.last_activity = time.monotonic()
+        kind = frame.type
+        if kind == proto.EVENT:
+            pending.on_output(str(frame.header.get("s", "stdout")), frame.payload)
+        elif kind == proto.DATA:
+            pending.data += frame.payload
+            if len(pending.data) > pending.data_limit:
+                pending.future.set_exception(PayloadTooLarge(
+                    f"{pending.op} returned over {pending.data_limit} bytes",
+                    size=len(pending.data), limit=pending.data_limit))
+                self._send_cancel(frame.id)
+        elif kind == proto.REPLY:
+            pending.future.set_result(frame.header)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _send_cancel(self, req_id: int) -> None:
+        if self._closed is None:
+            self._writer.write(proto.encode_frame({"i": req_id, "t": proto.CANCEL}))
+
+    async def _request(self, op: str, args: dict[str, Any], payload: bytes = b"", *,
+                       deadline: float | None = None, idle: float | None = -1.0,
+                       data_limit: int = 0, stdout: OutputCallback | None = None,
+                       stderr: OutputCallback | None = None,
+                       pending_out: list[_Pending] | None = None) -> dict[str, Any]:
+        """Send one request and return its ``result``. ``deadline`` bounds the whole request
+        (seconds from now), ``idle`` the silence between frames (-1: ``op_timeout``).
+        Raises the guest's error, :class:`GuestError` or :class:`OperationTimeout`."""
+        if self._closed is not None:
+            raise GuestError(f"cannot {op}: {self._closed.message}")
+        idle = self.op_timeout if idle is not None and idle < 0 else idle
+        self._next_id += 1
+        rid = self._next_id
+        loop = asyncio.get_running_loop()
+        pending = _Pending(op, loop.create_future(), time.monotonic(), data_limit=data_limit,
+                           callbacks={"stdout": stdout, "stderr": stderr})
+        if pending_out is not None:
+            pending_out.append(pending)
+        self._pending[rid] = pending
+        end = None if deadline is None else time.monotonic() + deadline
+        try:
+            for frame in proto.encode_request(rid, op, args, payload):
+                self._writer.write(frame)
+                await self._drain(op, idle)
+                pending.last_activity = time.monotonic()
+            while not pending.future.done():
+                limits = [t for t in (end, None if idle is None else pending.last_activity + idle)
+                          if t is not None]
+                wait = None if not limits else min(limits) - time.monotonic()
+                if wait is not None and wait <= 0:
+                    self._send_cancel(rid)
+                    seconds = deadline if end is not None and time.monotonic() >= end else idle
+                    raise OperationTimeout(f"the guest agent did not answer {op} within "
+                                           f"{seconds} s", seconds=seconds, op=op)
+                await asyncio.wait({pending.future}, timeout=wait)
+            reply = pending.future.result()
+        except asyncio.CancelledError:
+            self._send_cancel(rid)
+            raise
+        finally:
+            del self._pending[rid]
+        if not reply.get("ok"):
+            raise _guest_error(reply.get("error"))
+        result = reply.get("result")
+        return result if isinstance(result, dict) else {}
+
+    async def _drain(self, op: str, idle: float | None) -> None:
+        try:
+            await asyncio.wait_for(self._writer.drain(), idle)
+        except TimeoutError as exc:
+            raise OperationTimeout(f"the guest agent stopped reading during {op}",
+                                   seconds=idle, op=op) from exc
+        except (ConnectionError, OSError) as exc:
+            raise GuestError(f"the connection to the guest agent broke: {exc}", exc=exc) from exc
+
+    async def ping(self) -> dict[str, Any]:
+        """``{pid, boot_id, uptime, time, version}`` of the agent."""
+        return await self._request("ping", {})
+
+    async def run_command(self, cmd: str, *, cwd: str | None = None,
+                          env: dict[str, str] | None = None, timeout: float | None = 60,
+                          background: bool = False, on_stdout: OutputCallback | None = None,
+                          on_stderr: OutputCallback | None = None) -> CommandResult:
+        """Run ``cmd`` with /bin/sh in the guest. A non-zero exit is a result, not an error.
+        ``background=True`` returns at once with the pid (exit_code -1 while it runs).
+        Raises OperationTimeout (the process group is killed), PayloadTooLarge (output over
+        the limit), PathNotFound (``cwd`` missing)."""
+        args = {"cmd": cmd, "cwd": cwd, "env": env or {}, "timeout": timeout,
+                "background": background, "max_output": self.limits.max_output_bytes}
+        deadline = None if timeout is None else timeout + TIMEOUT_GRACE
+        got: list[_Pending] = []
+        result = await self._request("run", args, deadline=deadline, idle=None,
+                                     stdout=on_stdout, stderr=on_stderr, pending_out=got)
+        exit_code = result.get("exit_code")
+        return CommandResult(exit_code=-1 if exit_code is None else int(exit_code),
+                             stdout=got[0].text("stdout"), stderr=got[0].text("stderr"),
+                             pid=result.get("pid"))
+
+    async def run_code(self, code: str, *, timeout: float | None = None,
+                       on_stdout: OutputCallback | None = None,
+                       on_stderr: OutputCallback | None = None) -> Execution:
+        """Run Python ``code`` in the sandbox's long-lived interpreter. An exception in the
+        code is ``Execution.error``. Raises OperationTimeout (the code was interrupted; the
+        variables are kept), PayloadTooLarge (code or output over the limit)."""
+        raw = code.encode("utf-8")
+        if len(raw) > self.limits.max_code_bytes:
+            raise PayloadTooLarge(f"code of {len(raw)} bytes is over the limit",
+                                  size=len(raw), limit=self.limits.max_code_bytes)
+        args = {"timeout": timeout, "max_output": self.limits.max_output_bytes,
+                "max_bytes": self.limits.max_code_bytes}
+        deadline = None if timeout is None else timeout + TIMEOUT_GRACE
+        got: list[_Pending] = []
+        result = await self._request("run_code", args, raw, deadline=deadline, idle=None,
+                                     stdout=on_stdout, stderr=on_stderr, pending_out=got)
+        error = result.get("error")
+        return Execution(results=[Result(**r) for r in result.get("results") or []],
+                         stdout=got[0].text("stdout"), stderr=got[0].text("stderr"),
+                         error=None if not error else ExecutionError(**error))
+
+    async def restart_interpreter(self) -> None:
+        """Kill the interpreter (its variables are lost); the next run starts a fresh one."""
+        await self._request("restart_interpreter", {})
+
+    async def read_file(self, path: str) -> bytes:
+        """The bytes of ``path``. Raises PathNotFound, PayloadTooLarge, InvalidArgument
+        (a directory)."""
+        limit = self.limits.max_file_bytes
+        got: list[_Pending] = []
+        await self._request("read", {"path": path, "max_bytes": limit}, data_limit=limit,
+                            pending_out=got)
+        return bytes(got[0].data)
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        """Write ``data`` (str as UTF-8) to ``path`` atomically, creating parent directories.
+        Raises PayloadTooLarge (before sending anything), InvalidArgument, GuestError."""
+        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        if len(raw) > self.limits.max_file_bytes:
+            raise PayloadTooLarge(f"{len(raw)} bytes for {path} is over the limit",
+                                  size=len(raw), limit=self.limits.max_file_bytes)
+        await self._request("write", {"path": path, "max_bytes": self.limits.max_file_bytes},
+                            raw)
+
+    async def list_dir(self, path: str) -> list[EntryInfo]:
+        """The entries of directory ``path``, sorted by name. Raises PathNotFound."""
+        result = await self._request("list", {"path": path})
+        return [EntryInfo(**e) for e in result.get("entries", [])]
+
+    async def exists(self, path: str) -> bool:
+        """Whether ``path`` exists (a dangling symlink counts)."""
+        return bool((await self._request("exists", {"path": path})).get("exists"))
+
+    async def remove(self, path: str) -> None:
+        """Remove a file, a symlink or a whole tree. Raises PathNotFound."""
+        await self._request("remove", {"path": path})
+
+    async def make_dir(self, path: str) -> None:
+        """Create ``path`` and its parents (no error if it is a directory already).
+        Raises InvalidArgument when a file is in the way."""
+        await self._request("make_dir", {"path": path})
+
+    async def refresh(self, *, entropy: bytes | None = None,
+                      unix_time: float | None = None) -> dict[str, Any]:
+        """After a wake, fork or restore: mix host entropy into the guest's pool, set its
+        clock and reseed its interpreter's ``random``. Defaults: 64 fresh bytes, now."""
+        entropy = os.urandom(64) if entropy is None else entropy
+        unix_time = time.time() if unix_time is None else unix_time
+        return await self._request("refresh", {"unix_time": unix_time}, entropy)
+
+    async def sync(self) -> None:
+        """Flush the guest's file systems to their disks."""
+        await self._request("sync", {})
+
+    async def mount(self, source: str, target: str, *, fstype: str | None = None,
+                    options: str | None = None) -> None:
+        """``mount [-t fstype] [-o options] source target`` in the guest (creates target).
+        Raises GuestError with mount's message."""
+        await self._request("mount", {"source": source, "target": target, "fstype": fstype,
+                                      "options": options})
+
+    async def umount(self, target: str) -> None:
+        """``umount target`` in the guest. Raises GuestError."""
+        await self._request("umount", {"target": target})
+
+
+def _guest_error(payload: Any) -> TorporError:
+    if not isinstance(payload, dict):
+        return GuestError("the guest agent failed without saying why")
+    error = from_wire(payload)
+    if type(error) is TorporError:  # a type name this host does not know
+        return GuestError(error.message, **error.data)
+    return error

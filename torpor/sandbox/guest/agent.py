@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""The torpor guest agent: serves the host over a virtio-serial port (stdlib only).
+
+Runs inside the VM as ``python3 /opt/torpor/agent.py --port /dev/virtio-ports/org.torpor.agent``
+(tests run it on the host with ``--socket PATH``: it then listens on a unix socket, the way
+QEMU does for the real port, and the host connects). The wire format is in ``protocol.py``.
+
+The host hangs up on every hibernate and a new QEMU reconnects on wake, so a hang-up is normal:
+the agent drops the half-received frame, keeps every process and variable, and polls again
+every 10 ms. Each request runs on its own thread; replies to requests of an earlier connection
+are dropped (``generation``). It never exits on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+if __package__:  # imported as torpor.sandbox.guest.agent (type checks, host tools)
+    from . import interpreter, ops
+    from . import protocol as proto
+else:  # run as a script in the guest: the modules sit next to this file
+    import interpreter  # type: ignore[no-redef]
+    import ops  # type: ignore[no-redef]
+    import protocol as proto  # type: ignore[no-redef]
+
+log = logging.getLogger("torpor.agent")
+
+Failure = ops.Failure
+#: how long to wait before polling a hung-up port again (a wake must not wait longer)
+HANGUP_POLL = 0.01
+
+
+class Link:
+    """A byte stream to the host that survives hang-ups: ``read`` returns b"" on a hang-up,
+    and the next ``read`` waits for the host to come back."""
+
+    def read(self) -> bytes:
+        raise NotImplementedError
+
+    def write(self, data: bytes) -> bool:
+        """Write all of ``data``; False if the host hung up (the rest is dropped)."""
+        raise NotImplementedError
+
+
+class PortLink(Link):
+    """A virtio-serial character device. While no host is connected, poll() reports POLLHUP
+    and writes would block, so writes are non-blocking and abandoned on POLLHUP."""
+
+    def __init__(self, path: str) -> None:
+        while True:
+            try:
+                self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+                return
+            except OSError as exc:  # the device node may appear late in boot
+                log.warning("cannot open %s (%s); retrying", path, exc)
+                time.sleep(0.1)
+
+    def read(self) -> bytes:
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        while True:
+            events = poller.poll(1000)
+            if not events:
+                continue
+            mask = events[0][1]
+            if mask & select.POLLIN:
+                try:
+                    return os.read(self.fd, 1 << 18)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return b""
+            if mask & (select.POLLHUP | select.POLLERR):
+                return b""
+
+    def write(self, data: bytes) -> bool:
+        view = memoryview(data)
+        poller = select.poll()
+        poller.register(self.fd, select.POLLOUT)
+        while view:
+            try:
+                n = os.write(self.fd, view)
+                view = view[n:]
+                continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                return False
+            events = poller.poll(1000)
+            if events and events[0][1] & (select.POLLHUP | select.POLLERR):
+                return False
+        return True
+
+
+class SocketLink(Link):
+    """Test mode: listen on a unix socket and serve one host connection at a time."""
+
+    def __init__(self, path: str) -> None:
+        if os.path.exists(path):
+            os.unlink(path)
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        self.server.listen(4)
+        self.conn: socket.socket | None = None
+
+    def read(self) -> bytes:
+        if self.conn is None:
+            conn, _ = self.server.accept()
+            self.conn = conn
+        try:
+            data = self.conn.recv(1 << 18)
+        except OSError:
+            data = b""
+        if not data:
+            conn, self.conn = self.conn, None
+            conn.close()
+        return data
+
+    def write(self, data: bytes) -> bool:
+        conn = self.conn
+        if conn is None:
+            return False
+        try:
+            conn.sendall(data)
+            return True
+        except OSError:
+            return False
+
+
+class Request:
+    """One request being served: sends its events, data and reply on the right connection."""
+
+    def __init__(self, agent: Agent, generation: int, req_id: int, op: str,
+                 args: dict[str, Any]) -> None:
+        self.agent = agent
+        self.generation = generation
+        self.id = req_id
+        self.op = op
+        self.args = args
+        self.cancel_hook: Callable[[], None] | None = None
+        self.cancelled = False
+
+    def event(self, stream: str, chunk: bytes) -> None:
+        self.agent.send(self.generation, {"i": self.id, "t": proto.EVENT, "s": stream}, chunk)
+
+    def data(self, chunk: bytes) -> None:
+        self.agent.send(self.generation, {"i": self.id, "t": proto.DATA}, chunk)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.cancel_hook is not None:
+            self.cancel_hook()
+
+
+class Agent:
+    """Reads frames from the link and runs each request on a thread of its own."""
+
+    def __init__(self, link: Link, *, set_clock: bool = True) -> None:
+        self.link = link
+        self.generation = 0
+        self.connected = False
+        self._send_lock = threading.Lock()
+        self._active: dict[int, Request] = {}
+        self._uploads: dict[int, tuple[Request, ops.Upload]] = {}
+        self.kernel = interpreter.KernelClient()
+        self.ops = ops.Operations(self.kernel, set_clock=set_clock)
+
+    def send(self, generation: int, header: dict[str, Any], payload: bytes = b"") -> None:
+        """Send one frame, unless the connection it answers has hung up since."""
+        frame = proto.encode_frame(header, payload)
+        with self._send_lock:
+            if generation != self.generation or not self.connected:
+                return
+            if not self.link.write(frame):
+                log.info("host hung up while we were sending")
+
+    def serve_forever(self) -> None:
+        """Serve requests until the process is killed; host hang-ups are survived."""
+        decoder = proto.FrameDecoder()
+        while True:
+            data = self.link.read()
+            if not data:
+                if self.connected:
+                    self._hang_up()
+                decoder.reset()
+                time.sleep(HANGUP_POLL)
+                continue
+            if not self.connected:
+                with self._send_lock:
+                    self.connected = True
+                log.info("host connected (generation %d)", self.generation)
+            for frame in decoder.feed(data):
+                try:
+                    self._on_frame(frame)
+                except Exception:  # a bad frame must never stop the agent
+                    log.exception("failed to handle frame %r", frame.header)
+
+    def _hang_up(self) -> None:
+        with self._send_lock:
+            self.connected = False
+            self.generation += 1
+        for _, upload in self._uploads.values():
+            upload.abort()
+        self._uploads.clear()
+        log.info("host hung up; now generation %d", self.generation)
+
+    def _on_frame(self, frame: proto.Frame) -> None:
+        header, rid = frame.header, frame.id
+        if frame.type == proto.REQ:
+            req = Request(self, self.generation, rid, str(header.get("op", "")),
+                          dict(header.get("args") or {}))
+            if req.op == "write":
+                upload = self.ops.start_upload(req.id, req.args)
+                upload.add(frame.payload)
+                if header.get("more"):
+                    self._uploads[rid] = (req, upload)
+                else:
+                    self._start(req, upload)
+            elif header.get("more"):
+                upload = ops.Upload(None, int(req.args.get("max_bytes") or 1 << 26))
+                upload.add(frame.payload)
+                self._uploads[rid] = (req, upload)
+            else:
+                self._start(req, frame.payload)
+        elif frame.type == proto.DATA:
+            entry = self._uploads.get(rid)
+            if entry is None:
+                return
+            entry[1].add(frame.payload)
+            if not header.get("more"):
+                del self._uploads[rid]
+                self._start(entry[0], entry[1] if entry[0].op == "write" else entry[1].bytes())
+        elif frame.type == proto.CANCEL:
+            req_or_none = self._active.get(rid)
+            if req_or_none is not None:
+                req_or_none.cancel()
+
+    def _start(self, req: Request, payload: Any) -> None:
+        self._active[req.id] = req
+        threading.Thread(target=self._serve, args=(req, payload), daemon=True,
+                         name=f"req-{req.id}-{req.op}").start()
+
+    def _serve(self, req: Request, payload: Any) -> None:
+        header: dict[str, Any] = {"i": req.id, "t": proto.REPLY}
+        try:
+            handler = self.ops.handler(req.op)
+            header["result"] = handler(req, payload)
+            header["ok"] = True
+        except Failure as exc:
+            header.update(ok=False, error=exc.wire())
+        except OSError as exc:
+            header.update(ok=False, error=ops.os_failure(exc, str(req.args.get("path", ""))).wire())
+        except Exception as exc:
+            log.exception("%s failed", req.op)
+            header.update(ok=False, error=proto.error_dict(
+                "GuestError", f"{req.op} failed in the guest: {exc!r}", op=req.op,
+                traceback=traceback.format_exc()))
+        finally:
+            self._active.pop(req.id, None)
+        try:
+            self.send(req.generation, header)
+        except proto.ProtocolError as exc:
+            self.send(req.generation, {"i": req.id, "t": proto.REPLY, "ok": False,
+                                       "error": proto.error_dict("PayloadTooLarge", str(exc))})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments and serve forever."""
+    parser = argparse.ArgumentParser(description="torpor guest agent")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--port", help="virtio-serial device to serve")
+    where.add_argument("--socket", help="test mode: listen on this unix socket")
+    parser.add_argument("--no-clock", action="store_true",
+                        help="never set the system clock (tests on a real host)")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s torpor-agent %(levelname)s %(message)s")
+    link: Link = PortLink(args.port) if args.port else SocketLink(args.socket)
+    Agent(link, set_clock=not args.no_clock).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""What the guest agent can do: commands, files, the interpreter and machine upkeep (stdlib only).
+
+Each operation is ``op_<name>(req, payload) -> dict`` and runs on the request's own thread.
+It streams with ``req.event(stream, bytes)`` / ``req.data(bytes)`` and fails by raising
+:class:`Failure`, whose ``type`` names the :mod:`torpor.errors` class the host raises.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import selectors
+import shutil
+import signal
+import stat
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+if __package__:
+    from . import protocol as proto
+    from .interpreter import KernelClient
+else:
+    import protocol as proto  # type: ignore[no-redef]
+    from interpreter import KernelClient  # type: ignore[no-redef]
+
+log = logging.getLogger("torpor.agent.ops")
+
+DEFAULT_OUTPUT_LIMIT = 128 * 1024 * 1024
+DEFAULT_FILE_LIMIT = 256 * 1024 * 1024
+#: RNDADDENTROPY = _IOW('R', 0x03, int[2]) from <linux/random.h>
+RNDADDENTROPY = 0x40085203
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+class Failure(Exception):
+    """An error to send to the host as ``{type, message, data}``."""
+
+    def __init__(self, type_name: str, message: str, **data: Any) -> None:
+        super().__init__(message)
+        self.type_name = type_name
+        self.message = message
+        self.data = data
+
+    def wire(self) -> dict[str, Any]:
+        return proto.error_dict(self.type_name, self.message, **self.data)
+
+
+def os_failure(exc: OSError, path: str) -> Failure:
+    """Translate an OSError about ``path`` into the error the host should raise."""
+    if isinstance(exc, FileNotFoundError):
+        return Failure("PathNotFound", f"no such file or directory: {path}", kind="path", name=path)
+    if isinstance(exc, (NotADirectoryError, IsADirectoryError, FileExistsError)):
+        return Failure("InvalidArgument", f"{exc.strerror}: {path}", path=path)
+    return Failure("GuestError", f"{exc.strerror or exc}: {path}", path=path, errno=exc.errno)
+
+
+class Upload:
+    """The payload of a request arriving in chunks: into a temporary file (``write``) or into
+    memory, refusing more than ``limit`` bytes."""
+
+    def __init__(self, tmp_path: str | None, limit: int, *, target: str = "") -> None:
+        self.tmp_path, self.limit, self.target = tmp_path, limit, target
+        self.size = 0
+        self.failure: Failure | None = None
+        self.buffer = bytearray()
+        self.fd = -1
+        if tmp_path is not None:
+            try:
+                os.makedirs(os.path.dirname(tmp_path), exist_ok=True)
+                self.fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                                  0o644)
+            except OSError as exc:
+                self.failure = os_failure(exc, target)
+
+    def add(self, chunk: bytes) -> None:
+        if self.failure is not None:
+            return
+        self.size += len(chunk)
+        if self.size > self.limit:
+            self.failure = Failure("PayloadTooLarge", f"upload over {self.limit} bytes",
+                                   size=self.size, limit=self.limit)
+            self.abort()
+            return
+        if self.fd < 0:
+            self.buffer += chunk
+            return
+        try:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as exc:
+            self.failure = os_failure(exc, self.target)
+            self.abort()
+
+    def bytes(self) -> bytes:
+        return bytes(self.buffer)
+
+    def abort(self) -> None:
+        """Close and delete the temporary file (a failed or abandoned upload leaves nothing)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.tmp_path is not None:
+            try:
+                os.unlink(self.tmp_path)
+            except FileNotFoundError:
+                pass
+
+    def commit(self) -> None:
+        """Move the finished file into place atomically. Raises :class:`Failure`."""
+        if self.failure is not None:
+            raise self.failure
+        assert self.tmp_path is not None
+        os.close(self.fd)
+        self.fd = -1
+        try:
+            try:
+                os.chmod(self.tmp_path, stat.S_IMODE(os.stat(self.target).st_mode))
+            except FileNotFoundError:
+                pass
+            os.replace(self.tmp_path, self.target)
+        except OSError as exc:
+            self.abort()
+            raise os_failure(exc, self.target) from exc
+
+
+def _entry_type(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "file" if stat.S_ISREG(mode) else "other"
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Operations:
+    """The handlers, by op name. ``set_clock=False`` keeps ``refresh`` off the system clock."""
+
+    def __init__(self, kernel: KernelClient, *, set_clock: bool = True) -> None:
+        self.kernel = kernel
+        self.set_clock = set_clock
+        self.started = time.time()
+
+    def handler(self, op: str) -> Callable[[Any, Any], dict[str, Any]]:
+        """The function serving ``op``. Raises :class:`Failure` for an unknown op."""
+        fn = getattr(self, f"op_{op}", None)
+        if fn is None:
+            raise Failure("InvalidArgument", f"unknown guest operation {op!r}", op=op)
+        return fn  # type: ignore[no-any-return]
+
+    # -- machine -------------------------------------------------------------------------
+
+    def op_ping(self, req: Any, payload: bytes) -> dict[str, Any]:
+        try:
+            with open(_BOOT_ID) as f:
+                boot_id = f.read().strip()
+            with open("/proc/uptime") as f:
+                uptime = float(f.read().split()[0])
+        except OSError:
+            boot_id, uptime = "", time.monotonic()
+        return {"pid": os.getpid(), "boot_id": boot_id, "uptime": uptime, "time": time.time(),
+                "version": proto.PROTOCOL_VERSION}
+
+    def op_refresh(self, req: Any, payload: bytes) -> dict[str, Any]:
+        """Mix host entropy into the kernel pool, set the clock, reseed the interpreter."""
+        credited = False
+        if payload:
+            with open("/dev/urandom", "wb", buffering=0) as f:
+                f.write(payload)
+                try:  # credits the entropy too; needs CAP_SYS_ADMIN
+                    info = struct.pack("ii", len(payload) * 8, len(payload)) + payload
+                    fcntl.ioctl(f.fileno(), RNDADDENTROPY, info)
+                    credited = True
+                except OSError:
+                    pass
+        clock_set = False
+        unix_time = req.args.get("unix_time")
+        if unix_time is not None and self.set_clock:
+            try:
+                time.clock_settime(time.CLOCK_REALTIME, float(unix_time))
+                clock_set = True
+            except OSError as exc:
+                log.warning("cannot set the clock: %s", exc)
+        # A seed from host entropy *and* the (now mixed) pool: clones must diverge even if
+        # the host sent the same bytes twice.
+        seed = hashlib.sha512(payload + os.urandom(32)).digest()
+        reseeded = self.kernel.reseed(seed)
+        return {"entropy_bytes": len(payload), "credited": credited, "clock_set": clock_set,
+                "interpreter_reseeded": reseeded, "time": time.time()}
+
+    def op_sync(self, req: Any, payload: bytes) -> dict[str, Any]:
+        os.sync()
+        return {}
+
+    def _tool(self, argv: list[str]) -> None:
+        proc = subprocess.run(argv, check=False, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+        if proc.returncode != 0:
+            raise Failure("GuestError", f"{' '.join(argv)} failed: "
+                          f"{proc.stderr.decode(errors='replace').strip()}",
+                          exit_code=proc.returncode)
+
+    def op_mount(self, req: Any, payload: bytes) -> dict[str, Any]:
+        a = req.args
+        os.makedirs(a["target"], exist_ok=True)
+        argv = ["mount"]
+        if a.get("fstype"):
+            argv += ["-t", a["fstype"]]
+        if a.get("options"):
+            argv += ["-o", a["options"]]
+        self._tool(argv + [a["source"], a["target"]])
+        return {}
+
+    def op_umount(self, req: Any, payload: bytes) -> dict[str, Any]:
+        self._tool(["umount", req.args["target"]])
+        return {}
+
+    # -- commands ------------------------------------------------------------------------
+
+    def op_run(self, req: Any, payload: bytes) -> dict[str, Any]:
+        """Run ``cmd`` through /bin/sh in its own process group, streaming its output."""
+        a = req.args
+        cmd, cwd, timeout = str(a["cmd"]), a.get("cwd"), a.get("timeout")
+        env = dict(os.environ)
+        env.update({str(k): str(v) for k, v in (a.get("env") or {}).items()})
+        if cwd is not None and not os.path.isdir(cwd):
+            raise Failure("PathNotFound", f"working directory {cwd} does not exist",
+                          kind="path", name=cwd)
+        if a.get("background"):
+            proc = subprocess.Popen(["/bin/sh", "-c", cmd], cwd=cwd, env=env,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            self._keep(proc)
+            return {"pid": proc.pid, "exit_code": None}
+        limit = int(a.get("max_output") or DEFAULT_OUTPUT_LIMIT)
+        proc = subprocess.Popen(["/bin/sh", "-c", cmd], cwd=cwd, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        kill = lambda: _killpg(proc)
+        req.cancel_hook = kill
+        try:
+            self._pump(req, proc, limit, timeout)
+        finally:
+            req.cancel_hook = None
+        return {"pid": proc.pid, "exit_code": _exit_code(proc.wait())}
+
+    def _pump(self, req: Any, proc: subprocess.Popen[bytes], limit: int,
+              timeout: float | None) -> None:
+        sel = selectors.DefaultSelector()
+        assert proc.stdout is not None and proc.stderr is not None
+        sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
+        sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        total = 0
+        try:
+            while sel.get_map():
+                exited = proc.poll() is not None
+                # After the shell exits, take what is already in the pipes and stop: a
+                # background grandchild (`cmd &`) may hold them open for ever.
+                got = False
+                for key, _ in sel.select(0 if exited else 0.05):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        key.fileobj.close()  # type: ignore[union-attr]
+                        continue
+                    got = True
+                    total += len(chunk)
+                    if total > limit:
+                        _killpg(proc)
+                        raise Failure("PayloadTooLarge", f"command output over {limit} bytes",
+                                      size=total, limit=limit)
+                    req.event(key.data, chunk)
+                if req.cancelled:
+                    raise Failure("OperationTimeout", "command cancelled by the host",
+                                  seconds=timeout)
+                if deadline is not None and time.monotonic() > deadline:
+                    _killpg(proc)
+                    proc.wait()
+                    raise Failure("OperationTimeout", f"command timed out after {timeout} s",
+                                  seconds=timeout)
+                if exited and not got:
+                    break
+        finally:
+            left = [key.fileobj for key in sel.get_map().values()]
+            sel.close()
+            if left:  # keep draining for the grandchild so its writes never block or fail
+                threading.Thread(target=_drain, args=(left,), daemon=True).start()
+
+    def _keep(self, proc: subprocess.Popen[bytes]) -> None:
+        # Reap the shell when it exits so it does not stay a zombie.
+        threading.Thread(target=proc.wait, daemon=True, name=f"reap-{proc.pid}").start()
+
+    # -- files ---------------------------------------------------------------------------
+
+    def op_read(self, req: Any, payload: bytes) -> dict[str, Any]:
+        path = str(req.args["path"])
+        limit = int(req.args.get("max_bytes") or DEFAULT_FILE_LIMIT)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise Failure("InvalidArgument", f"{path} is a directory", path=path)
+            if st.st_size > limit:
+                raise Failure("PayloadTooLarge", f"{path} is {st.st_size} bytes, over {limit}",
+                              size=st.st_size, limit=limit, path=path)
+            total = 0
+            while chunk := os.read(fd, proto.CHUNK):
+                total += len(chunk)
+                if total > limit:
+                    raise Failure("PayloadTooLarge", f"{path} grew over {limit} bytes",
+                                  size=total, limit=limit, path=path)
+                req.data(chunk)
+        finally:
+            os.close(fd)
+        return {"size": total}
+
+    def start_upload(self, req_id: int, args: dict[str, Any]) -> Upload:
+        target = os.path.abspath(str(args.get("path", "")))
+        head, tail = os.path.split(target)
+        limit = int(args.get("max_bytes") or DEFAULT_FILE_LIMIT)
+        return Upload(os.path.join(head, f".{tail}.torpor-{req_id}.tmp"), limit, target=target)
+
+    def op_write(self, req: Any, upload: Upload) -> dict[str, Any]:
+        upload.commit()
+        return {"size": upload.size}
+
+    def op_list(self, req: Any, payload: bytes) -> dict[str, Any]:
+        path = str(req.args["path"])
+        entries: list[dict[str, Any]] = []
+        with os.scandir(path) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed while we listed
+                entries.append({"name": entry.name, "path": os.path.join(path, entry.name),
+                                "type": _entry_type(st.st_mode), "size": st.st_size})
+        entries.sort(key=lambda e: str(e["name"]))
+        return {"entries": entries}
+
+    def op_exists(self, req: Any, payload: bytes) -> dict[str, Any]:
+        return {"exists": os.path.lexists(str(req.args["path"]))}
+
+    def op_remove(self, req: Any, payload: bytes) -> dict[str, Any]:
+        path = str(req.args["path"])
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        return {}
+
+    def op_make_dir(self, req: Any, payload: bytes) -> dict[str, Any]:
+        path = str(req.args["path"])
+        if os.path.isdir(path):
+            return {"created": False}
+        os.makedirs(path)
+        return {"created": True}
+
+    # -- interpreter ---------------------------------------------------------------------
+
+    def op_run_code(self, req: Any, payload: bytes) -> dict[str, Any]:
+        code = payload.decode("utf-8") if payload else str(req.args.get("code", ""))
+        limit = int(req.args.get("max_output") or DEFAULT_OUTPUT_LIMIT)
+        outcome = self.kernel.run(code, req.args.get("timeout"), req.event, limit,
+                                  lambda hook: setattr(req, "cancel_hook", hook))
+        if outcome.get("timed_out"):
+            raise Failure("OperationTimeout", f"code timed out after {req.args.get('timeout')} s",
+                          seconds=req.args.get("timeout"), kernel_alive=outcome["kernel_alive"])
+        if outcome.get("too_large"):
+            raise Failure("PayloadTooLarge", f"output over {limit} bytes", size=outcome["size"],
+                          limit=limit)
+        return dict(outcome["reply"])
+
+    def op_restart_interpreter(self, req: Any, payload: bytes) -> dict[str, Any]:
+        self.kernel.stop()
+        return {}
+
+
+def _killpg(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _drain(files: list[Any]) -> None:
+    sel = selectors.DefaultSelector()
+    for f in files:
+        sel.register(f, selectors.EVENT_READ)
+    while sel.get_map():
+        for key, _ in sel.select():
+            if not os.read(key.fd, 1 << 16):
+                sel.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+    sel.close()
