@@ -1,0 +1,316 @@
+"""The shape of a QEMU machine: specs, machine.json, the command line, directory inspection.
+
+Pure functions (no QEMU process), used by :mod:`torpor.sandbox.qemu` and unit-tested alone.
+
+A sandbox directory holds everything its machine is::
+
+    ram            guest RAM (memory-backend-file, share=on): the RAM *is* this file
+    state          the saved device state (only while hibernated; appears whole or not at all)
+    disk.qcow2     the root disk: an overlay on the template's (or a snapshot's) frozen disk
+    machine.json   the machine's shape: accel, CPU, RAM size, kernel, every device with its id
+                   and PCI address (a wake must rebuild exactly this device set)
+    qmp.sock       QMP (QEMU's control socket), agent.sock (the guest agent's virtio-serial port)
+    console.log    the guest's serial console;  qemu.log  QEMU's own stderr;  qemu.pid
+
+Hibernate = ``stop`` + migrate device state only (capability ``x-ignore-shared``: the RAM stays
+in ``ram``) to ``state.tmp``, fsync, rename to ``state``, quit. Wake = a new QEMU on the same
+``ram`` with ``-incoming defer``, load ``state``, delete it, ``cont``. No RAM is copied either
+way, so both cost tens of milliseconds whatever the RAM size.
+
+The machine type is ``pc-i440fx-7.2`` (pinned: a migration stream needs the same machine type on
+both sides). Its root PCI bus takes ACPI hot-plug in every slot, so disks (virtio-blk) and shares
+(virtio-9p) can be added to a running guest and then put on the next wake's command line at the
+same address. Fixed devices use slots 3-4; hot-plugged ones get the first free slot from 8.
+
+Every QEMU file argument is relative (QEMU runs with the directory as its cwd), so a cloned
+directory's command line is the same and socket paths never hit the 108-byte limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torpor.config import check_name
+from torpor.errors import EngineError, InvalidArgument
+
+if TYPE_CHECKING:
+    from torpor.sandbox.template import TemplateInfo
+
+__all__ = [
+    "MACHINE_TYPE",
+    "QEMU_BINARY",
+    "DirInfo",
+    "DiskSpec",
+    "MachineSpec",
+    "ShareSpec",
+    "build_command",
+    "discard_state",
+    "inspect_dir",
+    "new_machine_config",
+    "read_machine_json",
+]
+
+log = logging.getLogger(__name__)
+
+QEMU_BINARY = "qemu-system-x86_64"
+MACHINE_TYPE = "pc-i440fx-7.2"
+#: The guest's kernel command line. ``panic=-1`` + ``-no-reboot``: a guest panic ends QEMU.
+KERNEL_APPEND = ("console=ttyS0 root=/dev/vda rw init=/opt/torpor/init.sh panic=-1 quiet "
+                 "i8042.noaux i8042.nokbd i8042.nopnp tsc=reliable")
+_SLOT_SERIAL = 3
+_SLOT_ROOT = 4
+_FIRST_HOTPLUG_SLOT = 8
+_LAST_SLOT = 31
+QMP_TIMEOUT = 30.0
+MIGRATE_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """An extra virtio-blk disk: ``id`` names the device, ``path`` is a qcow2 or raw image."""
+
+    id: str
+    path: Path
+    read_only: bool = False
+    format: str = "qcow2"
+    serial: str | None = None  # shown in the guest as /dev/disk/by-id/virtio-<serial>
+
+
+@dataclass(frozen=True)
+class ShareSpec:
+    """A host directory shared into the guest with virtio-9p under mount tag ``tag``."""
+
+    id: str
+    path: Path
+    tag: str
+    read_only: bool = False
+
+
+@dataclass
+class MachineSpec:
+    """The shape of a machine. ``accel`` None means: what :func:`torpor.sandbox.accel.probe`
+    says. ``disks``/``shares`` are extra devices present from the first boot."""
+
+    vcpus: int = 1
+    memory_mib: int = 512
+    accel: str | None = None
+    disks: list[DiskSpec] = field(default_factory=list)
+    shares: list[ShareSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DirInfo:
+    """What a machine directory holds: a whole saved state, and/or a QEMU still running on it."""
+
+    has_state: bool
+    qemu_pid: int | None
+
+
+# --------------------------------------------------------------------------------------------
+# machine.json and the command line (pure functions: unit-tested without a VM)
+
+
+def _device_record(dev: DiskSpec | ShareSpec, slot: int) -> dict[str, Any]:
+    kind = "disk" if isinstance(dev, DiskSpec) else "share"
+    rec = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(dev).items()}
+    rec.update(kind=kind, slot=slot)
+    return rec
+
+
+def new_machine_config(template: TemplateInfo, spec: MachineSpec, accel: str) -> dict[str, Any]:
+    """The machine.json content of a machine about to cold-boot."""
+    if spec.vcpus < 1 or spec.vcpus > 64:
+        raise InvalidArgument(f"vcpus must be 1-64, not {spec.vcpus}", vcpus=spec.vcpus)
+    if spec.memory_mib < 128 or spec.memory_mib > 1 << 20:
+        raise InvalidArgument(f"memory_mib must be >= 128, not {spec.memory_mib}",
+                              memory_mib=spec.memory_mib)
+    if accel not in ("kvm", "tcg"):
+        raise InvalidArgument(f"accel must be 'kvm' or 'tcg', not {accel!r}", accel=accel)
+    config: dict[str, Any] = {
+        "version": 1,
+        "machine": MACHINE_TYPE,
+        "accel": accel,
+        "vcpus": spec.vcpus,
+        "memory_mib": spec.memory_mib,
+        "kernel": str(template.kernel),
+        "initrd": str(template.initrd),
+        "append": KERNEL_APPEND,
+        "template": template.name,
+        "devices": [],
+    }
+    devices: list[DiskSpec | ShareSpec] = [*spec.disks, *spec.shares]
+    for dev in devices:
+        _add_device(config, dev)
+    return config
+
+
+def _add_device(config: dict[str, Any], dev: DiskSpec | ShareSpec) -> dict[str, Any]:
+    check_name(dev.id, "device id")
+    if any(d["id"] == dev.id for d in config["devices"]):
+        raise InvalidArgument(f"device id {dev.id!r} already in use", id=dev.id)
+    if isinstance(dev, DiskSpec) and dev.format not in ("qcow2", "raw"):
+        raise InvalidArgument(f"disk format must be qcow2 or raw, not {dev.format!r}")
+    used = {d["slot"] for d in config["devices"]}
+    free = [s for s in range(_FIRST_HOTPLUG_SLOT, _LAST_SLOT + 1) if s not in used]
+    if not free:
+        raise InvalidArgument("no free PCI slot for another device")
+    rec = _device_record(dev, free[0])
+    config["devices"].append(rec)
+    return rec
+
+
+def _disk_args(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    node = {"driver": rec["format"], "node-name": f"blk-{rec['id']}",
+            "read-only": bool(rec["read_only"]),
+            "file": {"driver": "file", "filename": rec["path"]}}
+    dev: dict[str, Any] = {"driver": "virtio-blk-pci", "id": rec["id"],
+                           "drive": f"blk-{rec['id']}", "bus": "pci.0",
+                           "addr": hex(rec["slot"])}
+    if rec.get("serial"):
+        dev["serial"] = rec["serial"]
+    return node, dev
+
+
+def _share_args(rec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    fsdev = (f"local,id=fs-{rec['id']},path={rec['path']},security_model=none"
+             + (",readonly=on" if rec["read_only"] else ""))
+    dev = {"driver": "virtio-9p-pci", "id": rec["id"], "fsdev": f"fs-{rec['id']}",
+           "mount_tag": rec["tag"], "bus": "pci.0", "addr": hex(rec["slot"])}
+    return fsdev, dev
+
+
+def _opts(d: dict[str, Any]) -> str:
+    return ",".join([d["driver"]] + [f"{k}={v}" for k, v in d.items() if k != "driver"])
+
+
+def build_command(config: dict[str, Any], *, incoming: bool,
+                  pending_shares: list[dict[str, Any]] | None = None) -> list[str]:
+    """The QEMU command line for a machine.json ``config`` (file arguments relative to the
+    machine directory). ``incoming``: wait for a migration stream (a wake) instead of booting.
+    ``pending_shares``: 9p backends to create without their device (hot-plugged after)."""
+    mem = f"{int(config['memory_mib'])}M"
+    if config["accel"] == "kvm":
+        accel = ["-accel", "kvm", "-cpu", "host"]
+    else:
+        accel = ["-accel", "tcg,thread=multi", "-cpu", "max"]
+    cmd = [
+        QEMU_BINARY, "-nodefaults", "-nographic", "-no-user-config", "-no-reboot",
+        "-name", "torpor", "-machine", f"{config['machine']},memory-backend=ram",
+        *accel, "-smp", str(int(config["vcpus"])), "-m", mem,
+        "-object", f"memory-backend-file,id=ram,size={mem},mem-path=ram,share=on",
+        "-kernel", config["kernel"], "-initrd", config["initrd"], "-append", config["append"],
+        "-blockdev", "driver=qcow2,node-name=root,file.driver=file,file.filename=disk.qcow2",
+        "-device", f"virtio-blk-pci,drive=root,id=vda,bus=pci.0,addr={hex(_SLOT_ROOT)}",
+        "-device", f"virtio-serial-pci,id=vser,bus=pci.0,addr={hex(_SLOT_SERIAL)}",
+        "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
+        "-device", "virtserialport,bus=vser.0,chardev=agent,name=org.torpor.agent,id=agentport",
+        "-device", "vmgenid,guid=auto,id=vmgenid0",
+        "-chardev", "file,id=console,path=console.log,append=on",
+        "-serial", "chardev:console",
+        "-chardev", "socket,id=qmp,path=qmp.sock,server=on,wait=off",
+        "-mon", "chardev=qmp,mode=control",
+        "-pidfile", "qemu.pid",
+    ]
+    for rec in config["devices"]:
+        if rec["kind"] == "disk":
+            node, dev = _disk_args(rec)
+            cmd += ["-blockdev", json.dumps(node), "-device", _opts(dev)]
+        else:
+            fsdev, dev = _share_args(rec)
+            cmd += ["-fsdev", fsdev, "-device", _opts(dev)]
+    for rec in pending_shares or []:
+        cmd += ["-fsdev", _share_args(rec)[0]]
+    if incoming:
+        cmd += ["-S", "-incoming", "defer"]
+    return cmd
+
+
+def read_machine_json(directory: Path) -> dict[str, Any]:
+    """The machine.json of ``directory``; raises EngineError if it is missing or unreadable."""
+    try:
+        data: dict[str, Any] = json.loads((directory / "machine.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"cannot read {directory / 'machine.json'}: {exc}", exc=exc) from exc
+    return data
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_machine_json(directory: Path, config: dict[str, Any]) -> None:
+    _write_atomic(directory / "machine.json", json.dumps(config, indent=2).encode())
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child is not running
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False
+
+
+def _qemu_pid(directory: Path) -> int | None:
+    """The pid of a QEMU still running on ``directory`` (from qemu.pid, checked in /proc)."""
+    try:
+        pid = int((directory / "qemu.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not _pid_alive(pid):
+        return None
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return pid  # cannot check (another user): trust the pid file
+    return pid if Path(cwd) == directory.resolve() else None
+
+
+def inspect_dir(directory: Path) -> DirInfo:
+    """What ``directory`` can back: a whole saved state (``state`` next to ``ram``), a live QEMU."""
+    has_state = (directory / "state").is_file() and (directory / "ram").is_file()
+    return DirInfo(has_state=has_state, qemu_pid=_qemu_pid(directory))
+
+
+def discard_state(directory: Path) -> None:
+    """Remove a saved state that no longer matches the RAM file. Raises EngineError on I/O."""
+    try:
+        for name in ("state", "state.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                (directory / name).unlink()
+        _fsync_dir(directory)
+    except OSError as exc:
+        raise EngineError(f"cannot remove the state of {directory}: {exc}", exc=exc) from exc
+

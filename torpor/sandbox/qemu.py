@@ -1,0 +1,520 @@
+"""The QEMU machine of one sandbox directory: cold boot, hibernate, wake, kill, hot-plug.
+
+A sandbox directory holds everything its machine is::
+
+    ram            guest RAM (memory-backend-file, share=on): the RAM *is* this file
+    state          the saved device state (only while hibernated; appears whole or not at all)
+    disk.qcow2     the root disk: an overlay on the template's (or a snapshot's) frozen disk
+    machine.json   the machine's shape: accel, CPU, RAM size, kernel, every device with its id
+                   and PCI address (a wake must rebuild exactly this device set)
+    qmp.sock       QMP (QEMU's control socket);  agent.sock  the guest agent's virtio-serial port
+    console.log    the guest's serial console;  qemu.log  QEMU's own stderr;  qemu.pid
+
+Hibernate = ``stop`` + migrate device state only (capability ``x-ignore-shared``: the RAM stays
+in ``ram``) to ``state.tmp``, fsync, rename to ``state``, quit. Wake = a new QEMU on the same
+``ram`` with ``-incoming defer``, load ``state``, delete it, ``cont``. No RAM is copied either
+way, so both cost tens of milliseconds whatever the RAM size.
+
+Crash safety: ``state`` only ever appears whole (tmp + fsync + rename), and a wake deletes it
+*before* ``cont``, so a QEMU killed at any point leaves either a loadable (ram, state) pair or
+no state file — never a state older than the RAM file.
+
+The machine type is ``pc-i440fx-7.2`` (pinned: a migration stream needs the same machine type on
+both sides). Its root PCI bus takes ACPI hot-plug in every slot, so disks (virtio-blk) and shares
+(virtio-9p) can be added to a running guest and then appear on the next wake's command line at
+the same address. QEMU has no QMP command to create a 9p backend, so :meth:`Machine.attach_share`
+hibernates and wakes once with the backend on the command line, then hot-plugs the device. Note
+that QEMU refuses to migrate while a 9p share is *mounted* in the guest: unmount before hibernate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qemu.qmp import QMPClient, QMPError
+
+from torpor.errors import EngineError, InvalidState
+from torpor.sandbox._qemucmd import (
+    MACHINE_TYPE,
+    MIGRATE_TIMEOUT,
+    QEMU_BINARY,
+    QMP_TIMEOUT,
+    DirInfo,
+    DiskSpec,
+    MachineSpec,
+    ShareSpec,
+    _add_device,
+    _disk_args,
+    _fsync_dir,
+    _qemu_pid,
+    _share_args,
+    _tail,
+    _write_machine_json,
+    build_command,
+    discard_state,
+    inspect_dir,
+    new_machine_config,
+    read_machine_json,
+)
+
+if TYPE_CHECKING:
+    from torpor.sandbox.template import TemplateInfo
+
+__all__ = [
+    "MACHINE_TYPE",
+    "QEMU_BINARY",
+    "DirInfo",
+    "DiskSpec",
+    "Machine",
+    "MachineSpec",
+    "ShareSpec",
+    "build_command",
+    "clone_machine_dir",
+    "discard_state",
+    "inspect_dir",
+    "read_machine_json",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Machine:
+    """One QEMU process on one directory. Not safe for concurrent use: one caller at a time
+    (the sandbox manager serialises operations per sandbox).
+
+    Every method raises :class:`~torpor.errors.EngineError` when QEMU or QMP fails, and
+    :class:`~torpor.errors.InvalidState` when called in the wrong state (``boot`` on a
+    running machine, ``hibernate`` on a stopped one ...).
+    """
+
+    def __init__(self, directory: Path, template: TemplateInfo, spec: MachineSpec) -> None:
+        self.directory = Path(directory).resolve()
+        self.template = template
+        self.spec = spec
+        self.agent_socket = self.directory / "agent.sock"
+        self.console_log = self.directory / "console.log"
+        self._qmp: QMPClient | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pid: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Machine({str(self.directory)!r}, running={self.is_running()})"
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def is_running(self) -> bool:
+        """True while a QEMU process of this machine is alive."""
+        if self._proc is not None:
+            return self._proc.poll() is None
+        if self._pid is not None:
+            return _qemu_pid(self.directory) == self._pid
+        return False
+
+    @property
+    def pid(self) -> int | None:
+        """The QEMU process id, while running."""
+        return self._pid if self.is_running() else None
+
+    def console_tail(self, lines: int = 30) -> str:
+        """The last lines of the guest's serial console (for error messages)."""
+        return _tail(self.console_log, lines)
+
+    def _require_stopped(self, op: str) -> None:
+        if self.is_running() or _qemu_pid(self.directory) is not None:
+            raise InvalidState(f"cannot {op}: a QEMU is already running on {self.directory}",
+                               state="running", required="stopped")
+
+    def _require_running(self, op: str) -> None:
+        if not self.is_running() or self._qmp is None:
+            raise InvalidState(f"cannot {op}: the machine of {self.directory} is not running",
+                               state="stopped", required="running")
+
+    # -- process + QMP -------------------------------------------------------------------------
+
+    async def _start(self, config: dict[str, Any], *, incoming: bool,
+                     pending_shares: list[dict[str, Any]] | None = None) -> None:
+        """Start QEMU on the directory and connect QMP. Raises EngineError if it dies."""
+        for name in ("qmp.sock", "agent.sock", "qemu.pid"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.directory / name).unlink()
+        cmd = build_command(config, incoming=incoming, pending_shares=pending_shares)
+        log.debug("starting %s", " ".join(cmd))
+        try:
+            with open(self.directory / "qemu.log", "ab") as errlog:  # noqa: ASYNC230
+                self._proc = subprocess.Popen(  # noqa: ASYNC220
+                    cmd, cwd=self.directory, stdin=subprocess.DEVNULL,
+                    stdout=errlog, stderr=errlog, start_new_session=True,
+                )
+        except OSError as exc:
+            raise EngineError(f"cannot start {QEMU_BINARY}: {exc}", exc=exc) from exc
+        self._pid = self._proc.pid
+        try:
+            await self._connect()
+        except BaseException:
+            await self._reap(force=True)
+            raise
+
+    async def _connect(self) -> None:
+        """Connect QMP to ``qmp.sock`` (waiting for QEMU to create it)."""
+        sock = self.directory / "qmp.sock"
+        address = str(sock)
+        holder: int | None = None
+        if len(address) > 100:  # AF_UNIX paths are limited to 108 bytes: go via /proc
+            holder = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            address = f"/proc/self/fd/{holder}/qmp.sock"
+        deadline = time.monotonic() + QMP_TIMEOUT
+        try:
+            while True:
+                if not self.is_running():
+                    raise EngineError(self._died_message("QEMU exited at start"))
+                if sock.exists():
+                    client = QMPClient(self.directory.name)
+                    try:
+                        await client.connect(address)
+                        self._qmp = client
+                        return
+                    except (QMPError, OSError) as exc:
+                        if time.monotonic() > deadline:
+                            raise EngineError(f"cannot connect QMP: {exc}", exc=exc) from exc
+                if time.monotonic() > deadline:
+                    raise EngineError(f"QEMU did not open {sock} within {QMP_TIMEOUT}s")
+                await asyncio.sleep(0.005)
+        finally:
+            if holder is not None:
+                os.close(holder)
+
+    def _died_message(self, what: str) -> str:
+        code = self._proc.poll() if self._proc is not None else None
+        return (f"{what} (exit status {code})\n--- qemu.log ---\n"
+                f"{_tail(self.directory / 'qemu.log', 15)}\n--- console.log ---\n"
+                f"{self.console_tail()}")
+
+    async def _qmp_exec(self, cmd: str, args: dict[str, Any] | None = None,
+                        timeout: float = QMP_TIMEOUT) -> Any:
+        """Run one QMP command; translate QMP failures into EngineError."""
+        if self._qmp is None:
+            raise EngineError(f"QMP not connected ({cmd})")
+        try:
+            return await asyncio.wait_for(self._qmp.execute(cmd, args), timeout)
+        except (TimeoutError, QMPError, OSError, EOFError) as exc:
+            detail = str(exc) or type(exc).__name__
+            if not self.is_running():
+                raise EngineError(self._died_message(f"QEMU died during {cmd}"),
+                                  exc=exc) from exc
+            raise EngineError(f"QMP {cmd} failed: {detail}", exc=exc) from exc
+
+    async def _disconnect(self) -> None:
+        if self._qmp is not None:
+            client, self._qmp = self._qmp, None
+            with contextlib.suppress(Exception):
+                await client.disconnect()
+
+    async def _reap(self, *, force: bool = False, timeout: float = 10.0) -> None:
+        """Wait for QEMU to exit (SIGKILL it if ``force`` or after ``timeout``)."""
+        await self._disconnect()
+        pid = self._pid
+        if pid is not None and force and self.is_running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while self.is_running():
+            if time.monotonic() > deadline:
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + timeout
+            await asyncio.sleep(0.005)
+        if self._proc is not None:
+            self._proc.wait()
+        self._proc = None
+        self._pid = None
+
+    async def _quit(self) -> None:
+        """Ask QEMU to quit over QMP and wait for the process to be gone."""
+        if self._qmp is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._qmp.execute("quit"), 5)
+        await self._reap(timeout=10.0)
+
+    async def _set_ignore_shared(self) -> None:
+        await self._qmp_exec("migrate-set-capabilities", {"capabilities": [
+            {"capability": "x-ignore-shared", "state": True}]})
+
+    async def _wait_migration(self, what: str) -> None:
+        deadline = time.monotonic() + MIGRATE_TIMEOUT
+        while True:
+            info = await self._qmp_exec("query-migrate")
+            status = info.get("status") if isinstance(info, dict) else None
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise EngineError(f"{what} failed: {info.get('error-desc', status)}",
+                                  status=status)
+            if time.monotonic() > deadline:
+                raise EngineError(f"{what} did not finish within {MIGRATE_TIMEOUT}s")
+            await asyncio.sleep(0.002)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def boot(self) -> None:
+        """Cold-boot the template's kernel on this directory (a template's first boot).
+
+        Creates ``ram``, ``disk.qcow2`` (an overlay on the template's base image) and
+        ``machine.json``; removes any stale ``state``. Returns once QEMU runs the guest (the
+        agent comes up later: wait for it on the channel). Raises EngineError, InvalidState.
+        """
+        from torpor.sandbox.accel import probe
+
+        self._require_stopped("boot")
+        accel = self.spec.accel or probe(kernel=Path(self.template.kernel)).accel
+        config = new_machine_config(self.template, self.spec, accel)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            discard_state(self.directory)
+            disk = self.directory / "disk.qcow2"
+            if not disk.exists():
+                _qemu_img(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
+                           str(self.template.base_image), str(disk)])
+            with open(self.directory / "ram", "wb") as f:  # noqa: ASYNC230 (a sparse RAM file)
+                f.truncate(config["memory_mib"] * 1024 * 1024)
+            _write_machine_json(self.directory, config)
+        except OSError as exc:
+            raise EngineError(f"cannot prepare {self.directory}: {exc}", exc=exc) from exc
+        await self._start(config, incoming=False)
+        log.info("booted %s (%s)", self.directory, accel)
+
+    async def hibernate(self) -> None:
+        """Stop the guest, save its device state to ``state`` and quit QEMU.
+
+        The RAM stays in ``ram``. If saving fails, the guest is resumed and EngineError is
+        raised (the machine is still running, no ``state`` was written).
+        """
+        self._require_running("hibernate")
+        t0 = time.monotonic()
+        tmp = self.directory / "state.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        await self._qmp_exec("stop")
+        try:
+            await self._set_ignore_shared()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                assert self._qmp is not None
+                self._qmp.send_fd_scm(fd)
+                await self._qmp_exec("getfd", {"fdname": "state"})
+                await self._qmp_exec("migrate", {"uri": "fd:state"})
+                await self._wait_migration("saving the device state")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if self.is_running():
+                with contextlib.suppress(Exception):
+                    await self._qmp_exec("cont")
+            raise
+        try:
+            os.replace(tmp, self.directory / "state")
+            _fsync_dir(self.directory)
+        except OSError as exc:
+            raise EngineError(f"cannot write the state file: {exc}", exc=exc) from exc
+        await self._quit()
+        log.info("hibernated %s in %.3fs", self.directory, time.monotonic() - t0)
+
+    async def wake(self) -> None:
+        """Start QEMU on the saved RAM file and device state, and resume the guest.
+
+        The consumed ``state`` is deleted before the guest runs. Raises InvalidState if there
+        is no state to load, EngineError if QEMU refuses it (then ``state`` is kept).
+        """
+        await self._wake()
+
+    async def _wake(self, pending_shares: list[dict[str, Any]] | None = None) -> None:
+        self._require_stopped("wake")
+        state = self.directory / "state"
+        if not state.is_file():
+            raise InvalidState(f"nothing to wake: no saved state in {self.directory}",
+                               state="no-state", required="hibernated")
+        t0 = time.monotonic()
+        config = read_machine_json(self.directory)
+        await self._start(config, incoming=True, pending_shares=pending_shares)
+        try:
+            await self._set_ignore_shared()
+            fd = os.open(state, os.O_RDONLY)
+            try:
+                assert self._qmp is not None
+                self._qmp.send_fd_scm(fd)
+                await self._qmp_exec("getfd", {"fdname": "state"})
+                await self._qmp_exec("migrate-incoming", {"uri": "fd:state"})
+                await self._wait_incoming()
+            finally:
+                os.close(fd)
+            # The guest is about to run on and change ``ram``: the state no longer matches it.
+            discard_state(self.directory)
+            await self._qmp_exec("cont")
+        except BaseException:
+            await self._reap(force=True)
+            raise
+        log.info("woke %s in %.3fs", self.directory, time.monotonic() - t0)
+
+    async def _wait_incoming(self) -> None:
+        deadline = time.monotonic() + MIGRATE_TIMEOUT
+        while True:
+            if not self.is_running():
+                raise EngineError(self._died_message("QEMU could not load the saved state"))
+            status = await self._qmp_exec("query-status")
+            migrate = await self._qmp_exec("query-migrate")
+            if migrate.get("status") == "completed" or status.get("status") == "paused":
+                return
+            if migrate.get("status") == "failed":
+                raise EngineError(f"loading the state failed: {migrate.get('error-desc')}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"loading the state took over {MIGRATE_TIMEOUT}s")
+            await asyncio.sleep(0.002)
+
+    async def kill(self) -> None:
+        """Kill QEMU at once (no state saved). Files are kept. A no-op when not running."""
+        if self._pid is None:
+            self._pid = _qemu_pid(self.directory)
+        await self._reap(force=True)
+
+    @classmethod
+    async def attach(cls, directory: Path, template: TemplateInfo,
+                     spec: MachineSpec) -> Machine:
+        """Take over the QEMU still running on ``directory`` (left by a process that died),
+        leaving its guest running. Raises EngineError if there is none or QMP will not answer."""
+        machine = cls(directory, template, spec)
+        pid = _qemu_pid(machine.directory)
+        if pid is None:
+            raise EngineError(f"no QEMU is running on {machine.directory}")
+        machine._pid = pid
+        await machine._connect()
+        return machine
+
+    # -- hot-plug ------------------------------------------------------------------------------
+
+    async def attach_disk(self, disk: DiskSpec) -> None:
+        """Hot-plug a virtio-blk disk into the running guest and record it in machine.json
+        (so every later wake has it). Raises InvalidArgument, EngineError, InvalidState."""
+        self._require_running("attach a disk")
+        config = read_machine_json(self.directory)
+        rec = _add_device(config, disk)
+        node, dev = _disk_args(rec)
+        await self._qmp_exec("blockdev-add", node)
+        try:
+            await self._qmp_exec("device_add", dev)
+        except EngineError:
+            with contextlib.suppress(EngineError):
+                await self._qmp_exec("blockdev-del", {"node-name": node["node-name"]})
+            raise
+        _write_machine_json(self.directory, config)
+
+    async def attach_share(self, share: ShareSpec) -> None:
+        """Share a host directory into the running guest (virtio-9p, tag ``share.tag``).
+
+        QEMU cannot create a 9p backend at run time, so this hibernates, wakes with the backend
+        on the command line, then hot-plugs the device (~a wake's cost). Raises
+        InvalidArgument, EngineError, InvalidState.
+        """
+        self._require_running("attach a share")
+        if not share.path.is_dir():
+            raise EngineError(f"share path {share.path} is not a directory")
+        config = read_machine_json(self.directory)
+        rec = _add_device(config, share)  # validates and picks the slot; saved after plug
+        await self.hibernate()
+        await self._wake(pending_shares=[rec])
+        _fsdev, dev = _share_args(rec)
+        await self._qmp_exec("device_add", dev)
+        _write_machine_json(self.directory, config)
+
+    async def qmp(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
+        """Run a raw QMP command on the running machine (for tests and diagnostics)."""
+        self._require_running(cmd)
+        return await self._qmp_exec(cmd, args)
+
+
+def _qemu_img(args: list[str]) -> None:
+    try:
+        proc = subprocess.run(["qemu-img", *args], capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise EngineError(f"cannot run qemu-img: {exc}", exc=exc) from exc
+    if proc.returncode != 0:
+        raise EngineError(f"qemu-img {args[0]} failed: {proc.stderr.strip()}")
+
+
+def _copy_sparse(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst``: a reflink if the file system can, else data extents only."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:
+            import fcntl
+
+            fcntl.ioctl(fout.fileno(), 0x40049409, fin.fileno())  # FICLONE
+            return
+        except OSError:
+            pass
+        size = os.fstat(fin.fileno()).st_size
+        fout.truncate(size)
+        ifd, ofd = fin.fileno(), fout.fileno()
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(ifd, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after pos
+                break
+            end = os.lseek(ifd, start, os.SEEK_HOLE)
+            off = start
+            while off < end:
+                n = os.copy_file_range(ifd, ofd, end - off, off, off)
+                if n == 0:
+                    break
+                off += n
+            pos = end
+
+
+def clone_machine_dir(src: Path, dst: Path) -> None:
+    """Make ``dst`` a hibernated copy of the hibernated machine in ``src``.
+
+    Copies ``ram`` (reflink or sparse copy), ``machine.json`` and ``state`` (last, atomically:
+    a clone interrupted half-way has no state and cannot be woken), and makes ``disk.qcow2``
+    a new overlay whose backing file is ``src/disk.qcow2`` — so ``src`` must never run again
+    (a template snapshot or a stored snapshot). Raises InvalidState if ``src`` holds no saved
+    state, EngineError on I/O failure.
+    """
+    src, dst = Path(src).resolve(), Path(dst).resolve()
+    if not (src / "state").is_file() or not (src / "ram").is_file():
+        raise InvalidState(f"{src} holds no hibernated machine to clone",
+                           state="no-state", required="hibernated")
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        discard_state(dst)
+        for name in ("disk.qcow2", "ram"):
+            with contextlib.suppress(FileNotFoundError):
+                (dst / name).unlink()
+        _copy_sparse(src / "ram", dst / "ram")
+        shutil.copyfile(src / "machine.json", dst / "machine.json")
+        _qemu_img(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(src / "disk.qcow2"),
+                   str(dst / "disk.qcow2")])
+        shutil.copyfile(src / "state", dst / "state.tmp")
+        with open(dst / "state.tmp", "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(dst / "state.tmp", dst / "state")
+        _fsync_dir(dst)
+    except OSError as exc:
+        raise EngineError(f"cannot clone {src} to {dst}: {exc}", exc=exc) from exc
+    log.info("cloned %s -> %s", src, dst)
+
+
+def machine_config(directory: Path) -> dict[str, Any]:
+    """machine.json of ``directory`` as a dict (alias of :func:`read_machine_json`)."""
+    return read_machine_json(directory)
+

@@ -1,0 +1,331 @@
+"""Guest templates: a Debian image with Python and the torpor agent, booted once and hibernated.
+
+A template is built in four steps, each cached or idempotent::
+
+    1. rootfs    debootstrap + the user's apt/pip packages  (cache/rootfs/<key>, minutes)
+    2. image     the rootfs + guest files -> base.qcow2      (cache/images/<key>, seconds)
+    3. boot      a cold boot of that image; wait until the agent answers a ping
+    4. snapshot  hibernate the booted machine into the build's snapshot/ directory
+
+Layout of ``templates/<name>/``::
+
+    template.json             written last, atomically: it is what makes the template exist
+    builds/<build-id>/        base.qcow2, vmlinuz, initrd.img, snapshot/ (ram, state, disk.qcow2)
+    snapshot -> builds/<build-id>/snapshot
+
+Every sandbox is a clone of ``snapshot/`` (see :func:`torpor.sandbox.qemu.clone_machine_dir`),
+and its disk overlay chains to that build's disk. A rebuild therefore makes a *new* build and
+leaves older ones in place, so sandboxes made from them keep working; :func:`remove` deletes all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from torpor.config import check_name, paths
+from torpor.errors import EngineError, GuestError, StorageError, TemplateNotFound, TorporError
+from torpor.sandbox import _rootfs
+from torpor.sandbox._rootfs import Progress
+
+__all__ = [
+    "AGENT_TIMEOUT",
+    "GUEST_DIR",
+    "TemplateInfo",
+    "build",
+    "get",
+    "list_templates",
+    "remove",
+]
+
+log = logging.getLogger(__name__)
+
+#: The guest files shipped in the package (agent, protocol, init.sh).
+GUEST_DIR = Path(__file__).parent / "guest"
+#: Seconds a cold boot gets until the agent answers (TCG boots take 10-30 s on 2 busy cores).
+AGENT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    """A built template: where its kernel, base disk and booted snapshot are."""
+
+    name: str
+    directory: Path
+    build_id: str
+    kernel: Path
+    initrd: Path
+    base_image: Path
+    snapshot_dir: Path
+    vcpus: int = 1
+    memory_mib: int = 512
+    accel: str = "tcg"
+    apt: list[str] = field(default_factory=list)
+    pip: list[str] = field(default_factory=list)
+    guest_hash: str = ""
+    rootfs_key: str = ""
+    created_at: str = ""
+    boot_seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TemplateInfo:
+        paths_ = ("directory", "kernel", "initrd", "base_image", "snapshot_dir")
+        known: dict[str, Any] = {k: (Path(v) if k in paths_ else v) for k, v in data.items()
+                 if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def _template_dir(name: str) -> Path:
+    return paths().templates / check_name(name, "template name")
+
+
+def get(name: str) -> TemplateInfo:
+    """The built template ``name``. Raises InvalidName, TemplateNotFound."""
+    tj = _template_dir(name) / "template.json"
+    try:
+        data = json.loads(tj.read_text())
+    except FileNotFoundError as exc:
+        raise TemplateNotFound(f"no template named {name!r} (build it: torpor template build "
+                               f"{name})", kind="template", name=name) from exc
+    except (OSError, ValueError) as exc:
+        raise StorageError(f"cannot read {tj}: {exc}", exc=exc) from exc
+    return TemplateInfo.from_json(data)
+
+
+def list_templates() -> list[TemplateInfo]:
+    """Every built template, by name."""
+    found = []
+    root = paths().templates
+    for tj in sorted(root.glob("*/template.json")) if root.is_dir() else []:
+        with contextlib.suppress(TorporError):
+            found.append(get(tj.parent.name))
+    return found
+
+
+def remove(name: str) -> None:
+    """Delete template ``name`` and all its builds (sandboxes cloned from it stop working).
+    Raises InvalidName, TemplateNotFound, StorageError."""
+    d = _template_dir(name)
+    if not d.is_dir():
+        raise TemplateNotFound(f"no template named {name!r}", kind="template", name=name)
+    with _lock(name):
+        try:
+            # template.json first: a half-deleted template must not look built.
+            with contextlib.suppress(FileNotFoundError):
+                (d / "template.json").unlink()
+            shutil.rmtree(d)
+        except OSError as exc:
+            raise StorageError(f"cannot remove template {name!r}: {exc}", exc=exc) from exc
+
+
+@contextlib.contextmanager
+def _lock(name: str) -> Iterator[None]:
+    """One builder per template name at a time (an flock on templates/.<name>.lock)."""
+    root = paths().templates
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def build(name: str = "python", *, apt: Sequence[str] = (), pip: Sequence[str] = (),
+          force: bool = False, progress: Progress | None = None, vcpus: int = 1,
+          memory_mib: int = 512, guest_dir: Path | None = None) -> TemplateInfo:
+    """Build template ``name`` (or return it unchanged if it is already up to date).
+
+    ``apt``/``pip``: extra packages installed in the guest. ``force``: rebuild every layer.
+    ``progress(step, detail)`` is called as the build goes. ``guest_dir`` replaces the
+    packaged guest files (for tests). Raises InvalidName, InvalidArgument (a bad package
+    name), EngineError (debootstrap, QEMU or the boot failed), GuestError (the agent never
+    answered).
+    """
+    check_name(name, "template name")
+    apt_l = _rootfs.check_packages(apt, "apt")
+    pip_l = _rootfs.check_packages(pip, "pip")
+    say = progress or (lambda step, detail: None)
+    p = paths().ensure()
+    files = _rootfs.guest_files(guest_dir or GUEST_DIR)
+    ghash = _rootfs.guest_hash(files)
+    rkey = _rootfs.rootfs_key(apt_l, pip_l)
+    with _lock(name):
+        if not force:
+            with contextlib.suppress(TemplateNotFound):
+                cur = get(name)
+                if (cur.guest_hash, cur.rootfs_key, cur.vcpus, cur.memory_mib) == (
+                        ghash, rkey, vcpus, memory_mib) and (cur.snapshot_dir / "state").exists():
+                    say("done", f"template {name!r} is up to date")
+                    return cur
+        try:
+            rootfs = _rootfs.ensure_rootfs(p.cache, apt_l, pip_l, force=force, progress=say)
+            image = _rootfs.ensure_image(p.cache, rootfs, files, force=force, progress=say)
+        except OSError as exc:
+            raise EngineError(f"building the image failed: {exc}", exc=exc) from exc
+        info = _new_build(name, image, rkey, ghash, apt_l, pip_l, vcpus, memory_mib)
+        say("boot", "cold boot of the guest (TCG: up to a minute)")
+        t0 = time.monotonic()
+        try:
+            accel = asyncio.run(_boot_and_snapshot(info, say, lines=guest_dir is not None))
+        except BaseException:
+            shutil.rmtree(info.directory / "builds" / info.build_id, ignore_errors=True)
+            raise
+        info = TemplateInfo.from_json({**info.to_json(), "accel": accel,
+                                       "boot_seconds": round(time.monotonic() - t0, 2)})
+        _publish(info)
+        say("done", f"template {name!r} built ({info.build_id})")
+        return info
+
+
+def _new_build(name: str, image: Path, rkey: str, ghash: str, apt: list[str], pip: list[str],
+               vcpus: int, memory_mib: int) -> TemplateInfo:
+    """Make builds/<id>/ with hard links to the cached image files."""
+    d = _template_dir(name)
+    build_id = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{rkey[:6]}-{ghash[:6]}"
+    bdir = d / "builds" / build_id
+    try:
+        shutil.rmtree(bdir, ignore_errors=True)
+        (bdir / "snapshot").mkdir(parents=True)
+        for fname in ("base.qcow2", "vmlinuz", "initrd.img"):
+            try:
+                os.link(image / fname, bdir / fname)
+            except OSError:
+                shutil.copyfile(image / fname, bdir / fname)
+    except OSError as exc:
+        raise StorageError(f"cannot prepare {bdir}: {exc}", exc=exc) from exc
+    return TemplateInfo(
+        name=name, directory=d, build_id=build_id, kernel=bdir / "vmlinuz",
+        initrd=bdir / "initrd.img", base_image=bdir / "base.qcow2",
+        snapshot_dir=bdir / "snapshot", vcpus=vcpus, memory_mib=memory_mib,
+        apt=apt, pip=pip, guest_hash=ghash, rootfs_key=rkey,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+
+
+async def _boot_and_snapshot(info: TemplateInfo, say: Progress, *, lines: bool) -> str:
+    """Cold-boot the build's image, wait for the agent, hibernate; return the accel used."""
+    from torpor.sandbox.accel import probe
+    from torpor.sandbox.qemu import Machine, MachineSpec
+
+    report = await asyncio.to_thread(probe, kernel=info.kernel, initrd=info.initrd)
+    say("accel", f"{report.accel}: {report.reason}")
+    machine = Machine(info.snapshot_dir, info,
+                      MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib,
+                                  accel=report.accel))
+    await machine.boot()
+    try:
+        say("agent", "waiting for the guest agent")
+        waited = await wait_for_agent(machine.agent_socket, machine.is_running,
+                                      AGENT_TIMEOUT, console=machine.console_log, lines=lines)
+        say("snapshot", f"agent answered after {waited:.1f}s; hibernating the booted guest")
+        await machine.hibernate()
+    except BaseException:
+        await machine.kill()
+        raise
+    return report.accel
+
+
+async def wait_for_agent(sock: Path, alive: Any, timeout: float, *,
+                         console: Path | None = None, lines: bool = False) -> float:
+    """Wait until the guest agent behind ``sock`` answers a ping; return the seconds waited.
+
+    Uses :class:`torpor.sandbox.channel.GuestChannel`, or with ``lines`` a newline-JSON ping
+    (the protocol of a throwaway test agent). Raises GuestError on timeout or if ``alive()`` turns
+    False (QEMU died), with the console tail in the message.
+    """
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while True:
+        if not alive():
+            raise EngineError("QEMU exited during boot\n" + _console_tail(console))
+        ok = await asyncio.to_thread(_ping_lines, sock) if lines else await _ping_once(sock)
+        if ok:
+            return time.monotonic() - t0
+        if time.monotonic() > deadline:
+            raise GuestError(f"the guest agent did not answer within {timeout:.0f}s\n"
+                             + _console_tail(console), seconds=timeout)
+        await asyncio.sleep(0.5)
+
+
+async def _ping_once(sock: Path) -> bool:
+    try:
+        from torpor.sandbox.channel import GuestChannel
+    except ImportError as exc:
+        raise EngineError("torpor.sandbox.channel is missing: cannot talk to the agent",
+                          exc=exc) from exc
+    try:
+        channel = await asyncio.wait_for(GuestChannel.connect(sock), 5)
+    except (TimeoutError, TorporError, OSError):
+        return False
+    try:
+        await asyncio.wait_for(channel.ping(), 5)
+        return True
+    except (TimeoutError, TorporError, OSError):
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            await channel.close()
+
+
+def _ping_lines(sock: Path) -> bool:
+    """The throwaway test agent's protocol: one JSON object per line."""
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(1.0)
+            s.connect(str(sock))
+            s.sendall(b'{"op": "ping", "id": 0}\n')
+            return b'"ok": true' in s.recv(4096)
+    except OSError:
+        return False
+
+
+def _console_tail(console: Path | None, lines: int = 25) -> str:
+    if console is None:
+        return ""
+    try:
+        text = console.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "--- console.log ---\n" + "\n".join(text)
+
+
+def _publish(info: TemplateInfo) -> None:
+    """Write template.json (atomically, last) and point ``snapshot`` at the new build."""
+    d = info.directory
+    try:
+        link_tmp = d / "snapshot.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            link_tmp.unlink()
+        link_tmp.symlink_to(Path("builds") / info.build_id / "snapshot")
+        if (d / "snapshot").is_dir() and not (d / "snapshot").is_symlink():
+            shutil.rmtree(d / "snapshot")
+        os.replace(link_tmp, d / "snapshot")
+        tmp = d / "template.json.tmp"
+        with open(tmp, "w") as f:
+            json.dump(info.to_json(), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / "template.json")
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise StorageError(f"cannot publish template {info.name!r}: {exc}", exc=exc) from exc
