@@ -1,0 +1,480 @@
+"""SandboxManager on the fake engine (state logic) and on real QEMU (marked ``qemu``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from fakes import FakeEngine, FakeWorld
+
+from torpor.config import paths
+from torpor.errors import (
+    Conflict,
+    EngineError,
+    GuestError,
+    InvalidArgument,
+    InvalidName,
+    InvalidState,
+    PathNotFound,
+    SandboxClosed,
+    SandboxNotFound,
+    StateLost,
+    TemplateNotFound,
+)
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.models import SandboxState as S
+
+T = TypeVar("T")
+
+CREATE = [(None, "creating"), ("creating", "running")]
+PAUSE = [("running", "pausing"), ("pausing", "paused")]
+WAKE = [("paused", "waking"), ("waking", "running")]
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+class Crash(BaseException):
+    """Stands in for the manager process dying at a step (nothing below catches it)."""
+
+
+def crash_at(step: str) -> Callable[[str, str], None]:
+    def hook(name: str, sandbox_id: str) -> None:
+        if name == step:
+            raise Crash(step)
+    return hook
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+def manager(home: Path, world: FakeWorld | None = None) -> tuple[SandboxManager, FakeEngine]:
+    engine = FakeEngine(world)
+    return SandboxManager(paths(home), engine=engine), engine
+
+
+def with_manager(home: Path, body: Callable[[SandboxManager, FakeEngine], Awaitable[T]]) -> T:
+    async def main() -> T:
+        mgr, engine = manager(home)
+        try:
+            return await body(mgr, engine)
+        finally:
+            await mgr.close(pause=False)
+    return run(main())
+
+
+# -- create / pause / wake ------------------------------------------------------------------
+
+def test_create_pause_wake_exact_transitions(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create(name="agent", labels={"user": "u-42"})
+        assert info.state is S.RUNNING and info.name == "agent" and not info.reused
+        assert mgr.transitions(info.id) == CREATE
+        assert engine.calls[:3] == ["clone", "wake", "connect"]  # a fork, never a cold boot
+        proc = engine.world.processes[mgr.directory(info.id)]
+        assert len(proc.refreshes) == 1 and len(proc.refreshes[0][0] or b"") == 64
+
+        paused = await mgr.pause("agent")
+        assert paused.state is S.PAUSED
+        assert mgr.transitions(info.id) == CREATE + PAUSE
+        status = engine.inspect(mgr.directory(info.id))
+        assert status.qemu_pid is None and status.has_state  # no process, only files
+
+        woken = await mgr.resume(info.id)
+        assert woken.state is S.RUNNING
+        assert mgr.transitions(info.id) == CREATE + PAUSE + WAKE
+        new_proc = engine.world.processes[mgr.directory(info.id)]
+        assert len(new_proc.refreshes) == 1  # every wake refreshes entropy and clock
+    with_manager(home, body)
+
+
+def test_pause_and_resume_are_idempotent(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.resume(info.id)
+        await mgr.pause(info.id)
+        await mgr.pause(info.id)
+        assert mgr.transitions(info.id) == CREATE + PAUSE
+    with_manager(home, body)
+
+
+def test_wake_on_request_keeps_ram(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create(name="agent")
+        await mgr.run_code("agent", "x = 41")
+        await mgr.write_file("agent", "/workspace/a.txt", "hello")
+        await mgr.pause("agent")
+        before = (await mgr.get("agent")).last_active_at
+        result = await mgr.run_code("agent", "x + 1")
+        assert result.text == "42"
+        assert await mgr.read_file("agent", "/workspace/a.txt") == b"hello"
+        assert mgr.transitions(info.id)[-2:] == WAKE
+        assert (await mgr.get("agent")).last_active_at >= before
+        assert mgr.registry.transitions(info.id)[-2].reason == "wake on request"
+    with_manager(home, body)
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda m, i: m.run_command(i, "echo hi"), id="run_command"),
+    pytest.param(lambda m, i: m.run_code(i, "1"), id="run_code"),
+    pytest.param(lambda m, i: m.write_file(i, "/f", b"x"), id="write_file"),
+    pytest.param(lambda m, i: m.list_dir(i, "/"), id="list_dir"),
+    pytest.param(lambda m, i: m.exists(i, "/f"), id="exists"),
+    pytest.param(lambda m, i: m.make_dir(i, "/d"), id="make_dir"),
+])
+def test_every_call_wakes_a_paused_sandbox(home: Path, call: Callable[..., Awaitable[Any]]) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.pause(info.id)
+        await call(mgr, info.id)
+        assert (await mgr.get(info.id)).state is S.RUNNING
+    with_manager(home, body)
+
+
+def test_concurrent_calls_on_paused_sandbox_wake_it_once(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.pause(info.id)
+        results = await asyncio.gather(*(mgr.run_command(info.id, f"echo {n}")
+                                         for n in range(8)))
+        assert sorted(r.stdout for r in results) == sorted(f"{n}\n" for n in range(8))
+        assert mgr.transitions(info.id).count(("paused", "waking")) == 1
+    with_manager(home, body)
+
+
+def test_pause_waits_for_calls_in_flight(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        slow = asyncio.create_task(mgr.run_command(info.id, "sleep 0.2"))
+        await asyncio.sleep(0.05)
+        await mgr.pause(info.id)
+        assert (await slow).exit_code == 0  # the command finished before the machine paused
+        assert (await mgr.get(info.id)).state is S.PAUSED
+    with_manager(home, body)
+
+
+# -- get_or_create --------------------------------------------------------------------------
+
+def test_get_or_create_concurrent_callers_get_one(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        infos = await asyncio.gather(*(mgr.get_or_create("agent-u-42") for _ in range(10)))
+        assert len({i.id for i in infos}) == 1
+        assert sorted(i.reused for i in infos) == [False] + [True] * 9
+        assert engine.calls.count("clone") == 1
+    with_manager(home, body)
+
+
+def test_get_or_create_reuses_and_wakes_paused(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        first = await mgr.get_or_create("agent", idle_pause_seconds=600)
+        await mgr.run_code("agent", "notes = ['weekly']")
+        await mgr.pause("agent")
+        again = await mgr.get_or_create("agent")
+        assert again.id == first.id and again.reused and again.state is S.RUNNING
+        assert (await mgr.run_code("agent", "notes")).text == "['weekly']"
+        await mgr.kill("agent")
+        fresh = await mgr.get_or_create("agent")
+        assert fresh.id != first.id and not fresh.reused
+    with_manager(home, body)
+
+
+# -- bad input: typed errors, nothing half-made, sandbox still usable -----------------------
+
+def test_bad_input(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        ok = await mgr.create(name="ok")
+        with pytest.raises(TemplateNotFound):
+            await mgr.create(template="nope")
+        with pytest.raises(InvalidName):
+            await mgr.create(template="Bad Name")
+        with pytest.raises(InvalidName):
+            await mgr.create(name="Not Valid")
+        with pytest.raises(InvalidName):
+            await mgr.get_or_create("../x")
+        with pytest.raises(InvalidArgument):
+            await mgr.create(memory_mib=1)
+        with pytest.raises(InvalidArgument):
+            await mgr.create(idle_pause_seconds=0)
+        with pytest.raises(InvalidArgument):
+            await mgr.create(labels={"n": 1})  # type: ignore[dict-item]
+        with pytest.raises(Conflict):
+            await mgr.create(name="ok")
+        with pytest.raises(SandboxNotFound):
+            await mgr.get("ghost")
+        with pytest.raises(SandboxNotFound):
+            await mgr.run_command("ghost", "echo")
+        with pytest.raises(SandboxNotFound):
+            await mgr.get(ok.id, tenant="someone-else")
+        with pytest.raises(PathNotFound):
+            await mgr.read_file("ok", "/nope")
+        # nothing half-made; the good sandbox still works
+        assert [i.id for i in await mgr.list(include_stopped=True)] == [ok.id]
+        assert sorted(p.name for p in mgr.paths.sandboxes.iterdir()) == [ok.id]
+        assert (await mgr.run_command("ok", "echo fine")).stdout == "fine\n"
+    with_manager(home, body)
+
+
+def test_killed_sandbox_is_closed(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create(name="gone")
+        await mgr.pause(info.id)
+        killed = await mgr.kill(info.id)
+        assert killed.state is S.STOPPED
+        assert not mgr.directory(info.id).exists()
+        for call in (mgr.run_command(info.id, "echo"), mgr.pause(info.id),
+                     mgr.resume(info.id), mgr.read_file(info.id, "/f")):
+            with pytest.raises(SandboxClosed):
+                await call
+        assert (await mgr.kill(info.id)).state is S.STOPPED  # idempotent
+        assert await mgr.list() == []
+        assert (await mgr.get("gone")).state is S.STOPPED
+        assert mgr.transitions(info.id)[-1] == ("paused", "stopped")
+    with_manager(home, body)
+
+
+def test_illegal_transition_is_invalid_state_then_usable(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        mgr.on_step = crash_at("wake:begin")  # leaves the registry in "waking"
+        info = await mgr.create()
+        await mgr.pause(info.id)
+        with pytest.raises(Crash):
+            await mgr.resume(info.id)
+        mgr.on_step = None
+        for call in (mgr.pause(info.id), mgr.resume(info.id), mgr.run_command(info.id, "echo")):
+            with pytest.raises(InvalidState) as err:
+                await call
+            assert err.value.data["state"] == "waking"
+        await mgr.start(supervise=False)  # reconcile: the state file is whole -> paused
+        assert (await mgr.get(info.id)).state is S.PAUSED
+        assert (await mgr.run_command(info.id, "echo back")).stdout == "back\n"
+    with_manager(home, body)
+
+
+# -- failures inside the engine -------------------------------------------------------------
+
+def test_failed_create_leaves_nothing(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        engine.faults["connect"] = 1
+        with pytest.raises(GuestError):
+            await mgr.create(name="agent")
+        assert await mgr.list() == []
+        assert list(mgr.paths.sandboxes.iterdir()) == []
+        assert engine.world.processes == {}
+        info = await mgr.create(name="agent")  # the name was freed
+        assert info.state is S.RUNNING
+    with_manager(home, body)
+
+
+def test_wake_failure_before_cont_stays_paused(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.run_code(info.id, "x = 7")
+        await mgr.pause(info.id)
+        engine.faults["wake"] = 1
+        with pytest.raises(EngineError, match="stays paused"):
+            await mgr.run_code(info.id, "x")
+        assert (await mgr.get(info.id)).state is S.PAUSED
+        assert (await mgr.run_code(info.id, "x")).text == "7"  # RAM intact
+    with_manager(home, body)
+
+
+def test_wake_failure_after_cont_is_state_lost(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.pause(info.id)
+        engine.faults["wake:after-cont"] = 1
+        with pytest.raises(StateLost) as err:
+            await mgr.resume(info.id)
+        assert "RAM and processes since" in err.value.data["lost"]
+        assert "disk kept" in err.value.data["lost"]
+        got = await mgr.get(info.id)
+        assert got.state is S.ERROR and got.error == err.value.data["lost"]
+        with pytest.raises(StateLost):
+            await mgr.run_command(info.id, "echo")
+        assert (await mgr.kill(info.id)).state is S.STOPPED  # error -> stopped
+    with_manager(home, body)
+
+
+@pytest.mark.parametrize(("fault", "outcome"), [
+    pytest.param("hibernate:before-save", S.ERROR, id="before-save"),
+    pytest.param("hibernate:after-save", S.PAUSED, id="after-save"),
+])
+def test_qemu_dies_during_pause(home: Path, fault: str, outcome: S) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.run_code(info.id, "x = 'kept'")
+        engine.faults[fault] = 1
+        if outcome is S.ERROR:
+            with pytest.raises(StateLost):
+                await mgr.pause(info.id)
+        else:
+            assert (await mgr.pause(info.id)).state is S.PAUSED
+            assert (await mgr.run_code(info.id, "x")).text == "'kept'"
+        assert mgr.transitions(info.id)[2:4] == [("running", "pausing"),
+                                                 ("pausing", outcome.value)]
+    with_manager(home, body)
+
+
+def test_qemu_dies_while_running(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        engine.crash(mgr.directory(info.id))
+        with pytest.raises(GuestError):
+            await mgr.run_command(info.id, "echo")
+        assert (await mgr.get(info.id)).state is S.ERROR
+        with pytest.raises(StateLost):
+            await mgr.run_command(info.id, "echo")
+    with_manager(home, body)
+
+
+# -- idle pause -----------------------------------------------------------------------------
+
+def test_idle_sweep(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        idle = await mgr.create(idle_pause_seconds=5)
+        never = await mgr.create()
+        busy = await mgr.create(idle_pause_seconds=5)
+        t0 = (await mgr.get(idle.id)).last_active_at.timestamp()
+        assert await mgr.idle_sweep(now=t0 + 1) == []
+        slow = asyncio.create_task(mgr.run_command(busy.id, "sleep 0.2"))
+        await asyncio.sleep(0.05)
+        assert await mgr.idle_sweep(now=t0 + 100) == [idle.id]  # busy one skipped
+        await slow
+        assert await mgr.idle_sweep(now=t0 + 1000) == [busy.id]
+        assert (await mgr.get(never.id)).state is S.RUNNING
+        assert mgr.registry.transitions(idle.id)[-1].reason == "idle"
+        # a call wakes it and restarts the idle clock
+        await mgr.run_command(idle.id, "echo")
+        assert await mgr.idle_sweep() == []
+    with_manager(home, body)
+
+
+def test_supervisor_pauses_idle_sandboxes(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        await mgr.start(interval=0.05)
+        info = await mgr.create(idle_pause_seconds=1)
+        mgr.registry.touch(info.id, 0.0)  # idle since 1970
+        for _ in range(100):
+            if (await mgr.get(info.id)).state is S.PAUSED:
+                break
+            await asyncio.sleep(0.02)
+        assert (await mgr.get(info.id)).state is S.PAUSED
+    with_manager(home, body)
+
+
+# -- tenants, labels, close -----------------------------------------------------------------
+
+def test_list_labels_and_tenants(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        a = await mgr.create(name="a", labels={"user": "u1"})
+        await mgr.create(name="b", labels={"user": "u2"})
+        c = await mgr.create(name="a", labels={"user": "u1"}, tenant="acme")
+        assert [i.id for i in await mgr.list({"user": "u1"})] == [a.id]
+        assert [i.id for i in await mgr.list({"user": "u1"}, tenant="acme")] == [c.id]
+        assert (await mgr.get("a", tenant="acme")).id == c.id
+        with pytest.raises(SandboxNotFound):
+            await mgr.run_command(c.id, "echo")  # default tenant cannot reach acme's id
+    with_manager(home, body)
+
+
+def test_close_pauses_running_sandboxes(home: Path) -> None:
+    async def main() -> None:
+        mgr, engine = manager(home)
+        info = await mgr.create()
+        await mgr.close()
+        assert engine.world.processes == {}
+        mgr2, _ = manager(home, engine.world)
+        assert (await mgr2.get(info.id)).state is S.PAUSED
+        await mgr2.close()
+    run(main())
+
+
+# -- restart: reconcile the registry with the directories -----------------------------------
+
+def test_restart_reattaches_running_and_keeps_paused(home: Path) -> None:
+    async def main() -> None:
+        world = FakeWorld()
+        a, _ = manager(home, world)
+        up = await a.create(name="up")
+        down = await a.create(name="down")
+        await a.run_code("up", "x = 1")
+        await a.run_code("down", "y = 2")
+        await a.pause("down")
+        # manager A dies without closing; its QEMU processes live on
+        b, engine = manager(home, world)
+        await b.start(supervise=False)
+        assert (await b.get("up")).state is S.RUNNING
+        assert (await b.get("down")).state is S.PAUSED
+        assert "attach" in engine.calls
+        assert (await b.run_code("up", "x")).text == "1"
+        assert (await b.run_code("down", "y")).text == "2"
+        assert b.transitions(up.id) == CREATE
+        assert b.transitions(down.id) == CREATE + PAUSE + WAKE
+        await b.close()
+    run(main())
+
+
+def test_restart_marks_dead_running_sandbox_lost(home: Path) -> None:
+    async def main() -> None:
+        world = FakeWorld()
+        a, engine = manager(home, world)
+        info = await a.create()
+        await a.write_file(info.id, "/kept.txt", "disk")
+        engine.crash(a.directory(info.id))  # QEMU dies with the manager
+        b, _ = manager(home, world)
+        await b.start(supervise=False)
+        got = await b.get(info.id)
+        assert got.state is S.ERROR and got.error and "disk kept" in got.error
+        assert (b.directory(info.id) / "disk" / "kept.txt").read_text() == "disk"
+        with pytest.raises(StateLost):
+            await b.run_code(info.id, "1")
+        await b.close()
+    run(main())
+
+
+@pytest.mark.parametrize(("step", "qemu_dies", "state", "ram_kept"), [
+    pytest.param("pause:begin", False, S.PAUSED, True, id="pause-begin"),
+    pytest.param("pause:begin", True, S.ERROR, False, id="pause-begin-qemu-dead"),
+    pytest.param("pause:saved", False, S.PAUSED, True, id="pause-saved"),
+    pytest.param("wake:begin", False, S.PAUSED, True, id="wake-begin"),
+    pytest.param("wake:woken", False, S.RUNNING, True, id="wake-woken"),
+    pytest.param("wake:woken", True, S.ERROR, False, id="wake-woken-qemu-dead"),
+    pytest.param("create:woken", False, S.STOPPED, False, id="create-woken"),
+])
+def test_restart_resolves_half_done_steps(home: Path, step: str, qemu_dies: bool, state: S,
+                                          ram_kept: bool) -> None:
+    async def main() -> None:
+        world = FakeWorld()
+        a, engine = manager(home, world)
+        if step.startswith("create"):
+            a.on_step = crash_at(step)
+            with pytest.raises(Crash):
+                await a.create(name="x")
+            sandbox_id = a.registry.list()[0].id
+        else:
+            sandbox_id = (await a.create(name="x")).id
+            await a.run_code("x", "v = 'ram'")
+            if step.startswith("wake"):
+                await a.pause("x")
+            a.on_step = crash_at(step)
+            with pytest.raises(Crash):
+                await (a.pause("x") if step.startswith("pause") else a.resume("x"))
+        if qemu_dies:
+            engine.crash(a.directory(sandbox_id))
+        b, _ = manager(home, world)
+        await b.start(supervise=False)
+        got = await b.get(sandbox_id)
+        assert got.state is state
+        if ram_kept:
+            assert (await b.run_code(sandbox_id, "v")).text == "'ram'"
+        elif state is S.ERROR:
+            with pytest.raises(StateLost):
+                await b.run_code(sandbox_id, "v")
+        await b.close()
+    run(main())
