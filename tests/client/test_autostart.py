@@ -1,0 +1,73 @@
+"""The local server starts on demand, once, and owns its home alone (real processes, no VMs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from torpor.client import Runtime
+from torpor.errors import ServerUnavailable
+from torpor.server.daemon import server_pid, stop_server
+
+PROBE = ("import sys; from torpor.client import Runtime; "
+         "print(Runtime(home=sys.argv[1]).health()['pid'])")
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    home = tmp_path / "h"
+    yield home
+    pid = server_pid(home)
+    if pid is not None:  # never leave a server behind, even when a test failed
+        try:
+            stop_server(home, timeout=30)
+        except ServerUnavailable:
+            os.kill(pid, signal.SIGKILL)
+
+
+def _probe(home: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", PROBE, str(home)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_concurrent_clients_start_exactly_one_server(home: Path) -> None:
+    procs = [_probe(home) for _ in range(4)]
+    pids = set()
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        pids.add(int(out.strip()))
+    assert len(pids) == 1
+    (pid,) = pids
+    assert server_pid(home) == pid
+    assert stat.S_IMODE((home / "server.sock").stat().st_mode) == 0o600
+
+    second = subprocess.run([sys.executable, "-m", "torpor.cli", "serve"], check=False,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TORPOR_HOME": str(home)})
+    assert second.returncode == 1
+    assert "Conflict" in second.stderr and str(pid) in second.stderr
+    assert Runtime(home=home, autostart=False).health()["pid"] == pid  # still serving
+
+    assert stop_server(home, timeout=60) == pid
+    assert server_pid(home) is None and not (home / "server.sock").exists()
+
+
+def test_a_killed_server_is_replaced_on_the_next_call(home: Path) -> None:
+    first = Runtime(home=home).health()["pid"]
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server_pid(home) is not None:  # the lock dies with the process
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert (home / "server.sock").exists()  # stale socket left behind
+    second = Runtime(home=home).health()["pid"]
+    assert second != first and server_pid(home) == second

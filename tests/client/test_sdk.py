@@ -1,0 +1,152 @@
+"""The SDK against a real HTTP server (in-process, fake manager): calls, errors, streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from torpor.client import Runtime, Sandbox
+from torpor.errors import (
+    AccessDenied,
+    InvalidName,
+    InvalidState,
+    PathNotFound,
+    PayloadTooLarge,
+    SandboxClosed,
+    SandboxNotFound,
+    ServerUnavailable,
+    TemplateNotFound,
+)
+
+if TYPE_CHECKING:
+    from conftest import Served
+
+
+def test_lifecycle(served: Served) -> None:
+    rt = served.runtime
+    sbx = Sandbox.create(name="agent-1", labels={"user": "u-1"}, idle_pause_seconds=60,
+                         runtime=rt)
+    assert sbx.name == "agent-1" and sbx.id.startswith("sbx-")
+    assert sbx.info.state.value == "running" and sbx.info.labels == {"user": "u-1"}
+    Sandbox.create(name="agent-2", labels={"user": "u-2"}, runtime=rt)
+    assert [i.name for i in Sandbox.list(labels={"user": "u-2"}, runtime=rt)] == ["agent-2"]
+    assert Sandbox.get("agent-1", runtime=rt).id == sbx.id
+    assert sbx.pause().state.value == "paused"
+    assert sbx.info.state.value == "paused"
+    assert sbx.resume().state.value == "running"
+    sbx.kill()
+    assert sbx.info.state.value == "stopped"
+    assert [i.name for i in Sandbox.list(runtime=rt)] == ["agent-2"]
+    assert len(Sandbox.list(include_stopped=True, runtime=rt)) == 2
+
+
+def test_get_or_create_marks_reuse_and_info_keeps_it(served: Served) -> None:
+    first = Sandbox.get_or_create("agent-u-42", runtime=served.runtime)
+    again = Sandbox.get_or_create("agent-u-42", runtime=served.runtime)
+    assert first.info.reused is False
+    assert again.id == first.id and again.info.reused is True
+
+
+def test_context_manager_kills(served: Served) -> None:
+    with Sandbox.create(runtime=served.runtime) as sbx:
+        sid = sbx.id
+        sbx.kill()  # killing inside the block is fine: exit does not fail
+    assert served.manager.infos[sid].state.value == "stopped"
+
+
+def test_errors_are_rebuilt_as_their_classes(served: Served) -> None:
+    rt = served.runtime
+    with pytest.raises(SandboxNotFound) as info:
+        Sandbox.get("ghost", runtime=rt)
+    assert info.value.data["name"] == "ghost"
+    with pytest.raises(TemplateNotFound):
+        Sandbox.create("ruby", runtime=rt)
+    with pytest.raises(InvalidName):
+        Sandbox.create(name="Not OK", runtime=rt)
+    sbx = Sandbox.create(runtime=rt)
+    with pytest.raises(InvalidState) as state:
+        sbx.resume()
+    assert state.value.data["required"] == ["paused"]
+    sbx.kill()
+    with pytest.raises(SandboxClosed):
+        sbx.commands.run("echo hi")
+
+
+def test_commands(served: Served) -> None:
+    sbx = Sandbox.create(runtime=served.runtime)
+    result = sbx.commands.run("echo hello", env={"A": "1"}, cwd="/w")
+    assert (result.exit_code, result.stdout) == (0, "hello\nA=1\ncwd=/w\n")
+    assert sbx.commands.run("fail").exit_code == 3
+    assert sbx.commands.run("srv", background=True).pid == 4242
+
+
+def test_streamed_command_calls_back_in_order(served: Served) -> None:
+    sbx = Sandbox.create(runtime=served.runtime)
+    out: list[str] = []
+    err: list[str] = []
+    result = sbx.commands.run("echo a b c", on_stdout=out.append, on_stderr=err.append)
+    assert out == ["a\n", "b\n", "c\n"] and err == []
+    assert result.stdout == "a\nb\nc\n"
+    assert sbx.commands.run("fail", on_stderr=err.append).exit_code == 3
+    assert err == ["bad\n"]
+
+
+def test_streamed_command_raises_the_servers_error(served: Served) -> None:
+    sbx = Sandbox.create(runtime=served.runtime)
+    sbx.kill()
+    with pytest.raises(SandboxClosed):
+        sbx.commands.run("echo x", on_stdout=print)
+
+
+def test_files(served: Served) -> None:
+    sbx = Sandbox.create(runtime=served.runtime)
+    sbx.files.write("/workspace/memory.md", "# notes\n- weekly ✓\n")
+    sbx.files.write("/workspace/blob", bytes(range(256)))
+    assert sbx.files.read_text("/workspace/memory.md") == "# notes\n- weekly ✓\n"
+    assert sbx.files.read("/workspace/blob") == bytes(range(256))
+    assert sbx.files.exists("/workspace/blob")
+    assert [e.name for e in sbx.files.list("/workspace")] == ["blob", "memory.md"]
+    sbx.files.make_dir("/workspace/d")
+    sbx.files.remove("/workspace/blob")
+    assert not sbx.files.exists("/workspace/blob")
+    with pytest.raises(PathNotFound):
+        sbx.files.read("/workspace/blob")
+
+
+def test_file_over_the_limit(served: Served) -> None:
+    sbx = Sandbox.create(runtime=served.runtime)
+    with pytest.raises(PayloadTooLarge) as info:
+        sbx.files.write("/big", b"x" * 5000)
+    assert info.value.data["limit"] == 4096
+
+
+def test_interpreter(served: Served) -> None:
+    sbx = Sandbox.create(runtime=served.runtime)
+    sbx.interpreter.run("notes = ['prefers weekly summaries']")
+    sbx.pause()  # wakes on the next call
+    execution = sbx.interpreter.run("notes")
+    assert execution.results[0].data["text/plain"] == "['prefers weekly summaries']"
+    assert execution.text == "['prefers weekly summaries']"
+
+
+def test_dead_server_is_server_unavailable(tmp_path: Path) -> None:
+    rt = Runtime(home=tmp_path, autostart=False)
+    with pytest.raises(ServerUnavailable):
+        Sandbox.list(runtime=rt)
+    with pytest.raises(ServerUnavailable):
+        Sandbox.get("x", runtime=rt).commands.run("echo", on_stdout=print)
+
+
+def test_remote_runtime_with_token(tcp_served: tuple[object, str]) -> None:
+    _, url = tcp_served
+    acme = Runtime(url=url, token="a" * 32)
+    globex = Runtime(url=url, token="b" * 32)
+    sbx = Sandbox.create(name="agent-x", runtime=acme)
+    assert sbx.info.tenant == "acme" and acme.health()["tenant"] == "acme"
+    with pytest.raises(SandboxNotFound):
+        Sandbox.get(sbx.id, runtime=globex)
+    assert Sandbox.list(runtime=globex) == []
+    with pytest.raises(AccessDenied):
+        Sandbox.list(runtime=Runtime(url=url, token="c" * 32))
