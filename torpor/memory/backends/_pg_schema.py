@@ -1,0 +1,373 @@
+"""PostgreSQL schema, versioned migrations, and the SQL form of :class:`RecordFilter`.
+
+Everything lives in the ``torpor`` schema of one database. Every tenant table carries a
+``tenant_id`` column and a row-level-security policy that admits a row only when its
+``tenant_id`` equals ``current_setting('torpor.tenant')``, which the backend sets per
+transaction (``set_config(..., true)`` = ``SET LOCAL``). RLS is ``FORCE``d, so it holds for the
+tables' owner too; only a superuser or a ``BYPASSRLS`` role escapes it, and the backend never
+queries as one (it switches to the non-owner role ``torpor_app`` in every transaction).
+
+Migrations are numbered steps (:data:`MIGRATIONS`, version = index + 1) recorded in
+``torpor.schema_version``. :func:`migrate` applies the missing ones, each in its own
+transaction, under an advisory lock so that concurrent openers serialize.
+
+* v1: tenants, records (facts + episodes), profiles, policies, meta, tokens, audit; RLS.
+* v2: full text: a stemming configuration without stop words (like SQLite's ``porter
+  unicode61``), a generated ``tsvector`` column and its GIN index.
+* v3: dense vectors: pgvector, an ``embedding`` column of any dimension plus ``embedding_dim``
+  (HNSW indexes are partial per dimension, created when a dimension first appears), and the
+  ``SECURITY DEFINER`` functions for the few cross-tenant reads (token lookup, tenant list,
+  the whole audit log).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from torpor.memory.backends.base import AnyRecord, RecordFilter
+from torpor.memory.models import Episode, Fact, SourceRef, from_us, to_us
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "APP_ROLE",
+    "COLUMNS",
+    "INSERT_SQL",
+    "LATEST",
+    "MIGRATIONS",
+    "TENANT",
+    "current_version",
+    "filter_sql",
+    "hnsw_index_sql",
+    "migrate",
+    "record_to_row",
+    "row_to_record",
+]
+
+#: The role every query runs as: no superuser, owns nothing, subject to RLS.
+APP_ROLE = "torpor_app"
+#: pg_advisory_xact_lock key serializing migrations ("torpor" in ASCII).
+_MIGRATION_LOCK = 0x746F72706F72
+
+#: The current transaction's tenant; NULL (matching nothing) when unset.
+TENANT = "nullif(current_setting('torpor.tenant', true), '')"
+
+_TENANT_TABLES = ("tenants", "records", "profiles", "policies", "meta", "tokens", "audit")
+_DEFINER_TABLES = ("tenants", "tokens", "audit")
+
+_V1 = """
+CREATE SCHEMA IF NOT EXISTS torpor;
+CREATE TABLE torpor.tenants (
+    tenant_id text PRIMARY KEY,
+    created_at bigint NOT NULL
+);
+CREATE TABLE torpor.records (
+    seq bigint GENERATED ALWAYS AS IDENTITY,
+    tenant_id text NOT NULL,
+    id text NOT NULL,
+    kind text NOT NULL CHECK (kind IN ('fact', 'episode')),
+    scope text NOT NULL,
+    key text,
+    text text NOT NULL,
+    metadata jsonb NOT NULL DEFAULT '{}',
+    created_at bigint NOT NULL,
+    valid_from bigint NOT NULL,
+    valid_to bigint,
+    durability text NOT NULL DEFAULT 'persistent',
+    expires_at bigint,
+    role text,
+    session text,
+    source jsonb,
+    source_hash text,
+    verified boolean NOT NULL DEFAULT false,
+    stale boolean NOT NULL DEFAULT false,
+    superseded_by text,
+    PRIMARY KEY (tenant_id, id)
+);
+CREATE INDEX records_scope_time ON torpor.records (tenant_id, scope, valid_from);
+CREATE INDEX records_key ON torpor.records (tenant_id, scope, key, valid_from)
+    WHERE key IS NOT NULL;
+-- at most one current fact per (tenant, scope, key): storage enforces supersession
+CREATE UNIQUE INDEX records_current_key ON torpor.records (tenant_id, scope, key)
+    WHERE key IS NOT NULL AND valid_to IS NULL;
+CREATE INDEX records_expiry ON torpor.records (tenant_id, expires_at)
+    WHERE expires_at IS NOT NULL;
+CREATE INDEX records_seq ON torpor.records (tenant_id, seq);
+CREATE TABLE torpor.profiles (
+    tenant_id text NOT NULL,
+    scope text NOT NULL,
+    data jsonb NOT NULL,
+    json_schema jsonb,
+    updated_at bigint NOT NULL,
+    version integer NOT NULL,
+    PRIMARY KEY (tenant_id, scope)
+);
+CREATE TABLE torpor.policies (
+    tenant_id text NOT NULL,
+    scope text NOT NULL,
+    retention_seconds double precision,
+    cache_ttl_seconds double precision,
+    PRIMARY KEY (tenant_id, scope)
+);
+CREATE TABLE torpor.meta (
+    tenant_id text NOT NULL,
+    key text NOT NULL,
+    value text NOT NULL,
+    PRIMARY KEY (tenant_id, key)
+);
+CREATE TABLE torpor.tokens (
+    token_hash text PRIMARY KEY,
+    tenant_id text NOT NULL,
+    grants jsonb NOT NULL,
+    name text NOT NULL DEFAULT '',
+    created_at bigint NOT NULL,
+    revoked boolean NOT NULL DEFAULT false
+);
+CREATE TABLE torpor.audit (
+    seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    tenant_id text NOT NULL,
+    at bigint NOT NULL,
+    actor text NOT NULL,
+    action text NOT NULL,
+    scope text NOT NULL DEFAULT '',
+    allowed boolean NOT NULL,
+    detail jsonb NOT NULL DEFAULT '{}'
+);
+CREATE INDEX audit_tenant ON torpor.audit (tenant_id, seq);
+"""
+
+_RLS = """
+ALTER TABLE torpor.{t} ENABLE ROW LEVEL SECURITY;
+{force}CREATE POLICY tenant_isolation ON torpor.{t}
+    USING (tenant_id = nullif(current_setting('torpor.tenant', true), ''))
+    WITH CHECK (tenant_id = nullif(current_setting('torpor.tenant', true), ''));
+GRANT SELECT{writes} ON torpor.{t} TO torpor_app;
+"""
+
+
+
+def _rls(table: str) -> str:
+    # FORCE makes the policy bind the owner too. Not on the tables that the SECURITY DEFINER
+    # functions below read across tenants (they run as the owner); torpor_app, which every
+    # query runs as, is never the owner, so RLS binds it on every table either way.
+    force = "" if table in _DEFINER_TABLES else f"ALTER TABLE torpor.{table} FORCE ROW LEVEL SECURITY;\n"
+    # the audit log is append-only for the app: it writes through audit_append()
+    writes = "" if table == "audit" else ", INSERT, UPDATE, DELETE"
+    return _RLS.format(t=table, force=force, writes=writes)
+
+
+_GRANTS = """
+GRANT USAGE ON SCHEMA torpor TO torpor_app;
+GRANT SELECT ON torpor.schema_version TO torpor_app;
+"""
+
+_V2 = """
+CREATE TEXT SEARCH DICTIONARY torpor.english_stem_all (TEMPLATE = snowball, Language = english);
+CREATE TEXT SEARCH CONFIGURATION torpor.english (COPY = pg_catalog.english);
+ALTER TEXT SEARCH CONFIGURATION torpor.english
+    ALTER MAPPING FOR asciiword, asciihword, hword_asciipart, word, hword, hword_part
+    WITH torpor.english_stem_all;
+ALTER TABLE torpor.records ADD COLUMN tsv tsvector
+    GENERATED ALWAYS AS (to_tsvector('torpor.english'::regconfig, text)) STORED;
+CREATE INDEX records_tsv ON torpor.records USING gin (tsv);
+"""
+
+_V3 = """
+CREATE EXTENSION IF NOT EXISTS vector;
+ALTER TABLE torpor.records ADD COLUMN embedding vector;
+ALTER TABLE torpor.records ADD COLUMN embedding_dim integer;
+ALTER TABLE torpor.records ADD CONSTRAINT records_embedding_dim
+    CHECK ((embedding IS NULL AND embedding_dim IS NULL)
+           OR vector_dims(embedding) = embedding_dim);
+CREATE FUNCTION torpor.token_by_hash(h text)
+    RETURNS SETOF torpor.tokens LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $$ SELECT * FROM torpor.tokens WHERE token_hash = h $$;
+CREATE FUNCTION torpor.tenant_names()
+    RETURNS SETOF text LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $$ SELECT tenant_id FROM torpor.tenants ORDER BY tenant_id $$;
+CREATE FUNCTION torpor.audit_append(p_tenant text, p_at bigint, p_actor text, p_action text,
+                                    p_scope text, p_allowed boolean, p_detail jsonb)
+    RETURNS void LANGUAGE sql VOLATILE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $$ INSERT INTO torpor.audit (tenant_id, at, actor, action, scope, allowed, detail)
+          VALUES (p_tenant, p_at, p_actor, p_action, p_scope, p_allowed, p_detail) $$;
+CREATE FUNCTION torpor.audit_recent(lim integer)
+    RETURNS SETOF torpor.audit LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $$ SELECT * FROM torpor.audit ORDER BY seq DESC LIMIT lim $$;
+REVOKE ALL ON FUNCTION torpor.token_by_hash(text), torpor.tenant_names(),
+    torpor.audit_recent(integer),
+    torpor.audit_append(text, bigint, text, text, text, boolean, jsonb) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION torpor.token_by_hash(text), torpor.tenant_names(),
+    torpor.audit_recent(integer),
+    torpor.audit_append(text, bigint, text, text, text, boolean, jsonb) TO torpor_app;
+"""
+
+#: Migration steps; version N is MIGRATIONS[N - 1]. Append only, never edit a shipped step.
+MIGRATIONS: list[tuple[str, str]] = [
+    ("tables and row-level security",
+     _V1 + "".join(_rls(t) for t in _TENANT_TABLES) + _GRANTS),
+    ("full text search", _V2),
+    ("vectors and cross-tenant functions", _V3),
+]
+LATEST = len(MIGRATIONS)
+
+_BOOTSTRAP = """
+CREATE SCHEMA IF NOT EXISTS torpor;
+CREATE TABLE IF NOT EXISTS torpor.schema_version (
+    version integer PRIMARY KEY,
+    description text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+"""
+
+_CREATE_ROLE = """
+DO $$ BEGIN
+    CREATE ROLE torpor_app NOLOGIN NOSUPERUSER NOBYPASSRLS;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+END $$;
+"""
+
+
+def current_version(conn: psycopg.Connection[Any]) -> int:
+    """The schema version of the database behind ``conn`` (0 when torpor was never installed)."""
+    row = conn.execute("SELECT to_regclass('torpor.schema_version') IS NOT NULL").fetchone()
+    if not row or not row[0]:
+        return 0
+    row = conn.execute("SELECT coalesce(max(version), 0) FROM torpor.schema_version").fetchone()
+    return int(row[0]) if row else 0
+
+
+def migrate(conn: psycopg.Connection[Any], target: int = LATEST) -> int:
+    """Bring the database to version ``target``; returns the version reached.
+
+    ``conn`` must be in autocommit mode and connected as a role that may create schemas,
+    roles (or find ``torpor_app`` existing) and, for v3, the ``vector`` extension. Each step
+    runs in one transaction. Raises ``psycopg.Error`` (the caller translates it).
+    """
+    if current_version(conn) >= target:
+        return current_version(conn)
+    # Roles are cluster-wide: creating one can race with another database's migration.
+    conn.execute(_CREATE_ROLE)
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute(_BOOTSTRAP)
+    version = current_version(conn)
+    while version < target:
+        description, script = MIGRATIONS[version]
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            # another process may have migrated while we waited for the lock
+            version = current_version(conn)
+            if version >= target:
+                break
+            conn.execute(script.encode())  # trusted constant DDL, several statements
+            conn.execute(
+                "INSERT INTO torpor.schema_version (version, description) VALUES (%s, %s)",
+                (version + 1, description),
+            )
+            version += 1
+            log.info("memory schema (postgres) migrated to version %d: %s", version, description)
+    return version
+
+
+def hnsw_index_sql(dim: int) -> sql.Composed:
+    """The DDL of the partial HNSW (cosine) index for embeddings of ``dim`` dimensions."""
+    return sql.SQL(
+        "CREATE INDEX IF NOT EXISTS {name} ON torpor.records USING hnsw "
+        "((embedding::vector({dim})) vector_cosine_ops) WHERE embedding_dim = {dim}"
+    ).format(name=sql.Identifier(f"records_hnsw_{int(dim)}"), dim=sql.Literal(int(dim)))
+
+
+COLUMNS = ("id, kind, scope, key, text, metadata, created_at, valid_from, valid_to, "
+           "durability, expires_at, role, session, source, source_hash, verified, stale, "
+           "superseded_by")
+_NCOLS = len(COLUMNS.split(", "))
+INSERT_SQL = (f"INSERT INTO torpor.records (tenant_id, {COLUMNS}, embedding, embedding_dim) "
+              f"VALUES ({TENANT}, {', '.join(['%s'] * _NCOLS)}, "
+              "%s::vector, %s)")
+
+
+def _opt_us(value: Any) -> int | None:
+    return None if value is None else to_us(value)
+
+
+def record_to_row(r: AnyRecord) -> tuple[Any, ...]:
+    """The INSERT parameters for ``r`` (in :data:`COLUMNS` order, without the embedding)."""
+    is_fact = isinstance(r, Fact)
+    source = (r.source.model_dump_json(exclude_none=True)
+              if isinstance(r, Fact) and r.source else None)
+    return (
+        r.id, r.kind, r.scope, r.key if isinstance(r, Fact) else None, r.text,
+        json.dumps(r.metadata, separators=(",", ":")), to_us(r.created_at),
+        to_us(r.valid_from), _opt_us(r.valid_to), r.durability, _opt_us(r.expires_at),
+        r.role if isinstance(r, Episode) else None, r.session if isinstance(r, Episode) else None,
+        source, r.source_hash if isinstance(r, Fact) else None,
+        bool(r.verified) if isinstance(r, Fact) else False,
+        bool(r.stale) if isinstance(r, Fact) else False,
+        r.superseded_by if is_fact and isinstance(r, Fact) else None,
+    )
+
+
+def row_to_record(row: tuple[Any, ...] | Any) -> AnyRecord:
+    """A model from a row selected with :data:`COLUMNS` first (trusted data: no re-validation)."""
+    (id_, kind, scope, key, text, metadata, created_at, valid_from, valid_to, durability,
+     expires_at, role, session, source, source_hash, verified, stale, superseded_by) = row[:_NCOLS]
+    common: dict[str, Any] = {
+        "id": id_, "scope": scope, "text": text, "metadata": metadata,
+        "created_at": from_us(created_at), "valid_from": from_us(valid_from),
+        "valid_to": None if valid_to is None else from_us(valid_to),
+        "durability": durability,
+        "expires_at": None if expires_at is None else from_us(expires_at),
+    }
+    if kind == "fact":
+        return Fact.model_construct(
+            kind="fact", key=key,
+            source=None if source is None else SourceRef.model_validate(source),
+            source_hash=source_hash, verified=bool(verified), stale=bool(stale),
+            superseded_by=superseded_by, **common,
+        )
+    return Episode.model_construct(kind="episode", role=role or "user", session=session, **common)
+
+
+def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
+    """The WHERE clause (without ``WHERE``) and parameters equivalent to
+    :func:`~torpor.memory.backends.base.visible`. The tenant is not named: RLS supplies it,
+    and an explicit ``tenant_id = current_setting(...)`` lets the planner use the indexes."""
+    a = alias
+    scopes, kinds = list(flt.scopes), list(flt.kinds)
+    if not scopes or not kinds:
+        return "false", []
+    parts = [f"{a}.tenant_id = {TENANT}",
+             f"{a}.scope = ANY(%s)", f"{a}.kind = ANY(%s)",
+             f"({a}.expires_at IS NULL OR {a}.expires_at > %s)"]
+    params: list[Any] = [scopes, kinds, flt.now]
+    if flt.as_of is not None:
+        parts.append(f"{a}.valid_from <= %s AND ({a}.valid_to IS NULL OR {a}.valid_to > %s)")
+        params += [flt.as_of, flt.as_of]
+    elif not flt.include_history:
+        parts.append(f"{a}.valid_to IS NULL")
+    if flt.key is not None:
+        parts.append(f"{a}.key = %s AND {a}.kind = 'fact'")
+        params.append(flt.key)
+    if flt.session is not None:
+        parts.append(f"{a}.session = %s AND {a}.kind = 'episode'")
+        params.append(flt.session)
+    if flt.since is not None:
+        parts.append(f"{a}.valid_from >= %s")
+        params.append(flt.since)
+    if flt.until is not None:
+        parts.append(f"{a}.valid_from < %s")
+        params.append(flt.until)
+    for k, v in flt.metadata.items():
+        # jsonb equality: 1 = 1.0, true <> 1, a missing key never matches (NULL)
+        parts.append(f"{a}.metadata -> %s = %s::jsonb")
+        params += [str(k), json.dumps(v, separators=(",", ":"))]
+    return " AND ".join(parts), params
