@@ -67,7 +67,7 @@ class FakeEngine:
             return True
         return False
 
-    def check_template(self, template: str) -> None:
+    def check_template(self, template: str, config: MachineConfig | None = None) -> None:
         check_name(template, "template name")
         if template not in self.templates:
             raise TemplateNotFound(f"no template {template!r}", kind="template", name=template)

@@ -10,16 +10,18 @@ re-attach to a QEMU that outlived its manager. :class:`Engine` is that interface
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from torpor.config import Paths
-from torpor.errors import EngineError
+from torpor.errors import EngineError, InvalidArgument
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
 
 __all__ = ["MachineConfig", "DirStatus", "Machine", "Channel", "Engine", "QemuEngine"]
@@ -103,8 +105,9 @@ class Engine(Protocol):
     :class:`~torpor.errors.TorporError`) on failure, never a bare OSError.
     """
 
-    def check_template(self, template: str) -> None:
-        """Raise InvalidName / TemplateNotFound unless ``template`` is built and usable."""
+    def check_template(self, template: str, config: MachineConfig | None = None) -> None:
+        """Raise InvalidName / TemplateNotFound unless ``template`` is built and usable, and
+        InvalidArgument when ``config`` asks for a machine the template cannot give."""
 
     async def clone(self, template: str, directory: Path, config: MachineConfig) -> None:
         """Make ``directory`` a copy of the template's hibernated, booted machine."""
@@ -127,34 +130,38 @@ class Engine(Protocol):
         """Kill (SIGKILL) any QEMU still running on ``directory``; files are kept."""
 
 
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 class QemuEngine:
     """The real backend: QEMU machines from ``torpor.sandbox.qemu`` on templates from
-    ``torpor.sandbox.template``, talked to through ``torpor.sandbox.channel.GuestChannel``."""
+    ``torpor.sandbox.template``, talked to through ``torpor.sandbox.channel.GuestChannel``.
 
-    def __init__(self, paths: Paths, *, accel: str | None = None) -> None:
+    Templates are looked up in ``$TORPOR_HOME`` (``torpor.sandbox.template`` has no home
+    argument), sandboxes live in the manager's home.
+    """
+
+    def __init__(self, paths: Paths, *, connect_timeout: float = 30.0) -> None:
         self.paths = paths
-        self.accel = accel
+        self.connect_timeout = connect_timeout
 
-    def check_template(self, template: str) -> None:
+    def check_template(self, template: str, config: MachineConfig | None = None) -> None:
         from torpor.sandbox import template as templates
 
-        templates.get(template)
+        info = templates.get(template)
+        if config is not None and (config.vcpus, config.memory_mib) != (info.vcpus,
+                                                                        info.memory_mib):
+            # A sandbox is a clone of the template's booted machine: its RAM size and CPU
+            # count are fixed by that snapshot.
+            raise InvalidArgument(
+                f"template {template!r} was built with {info.vcpus} vCPU and "
+                f"{info.memory_mib} MiB; a sandbox of it cannot have {config.vcpus} vCPU and "
+                f"{config.memory_mib} MiB (build a template with that size)",
+                vcpus=config.vcpus, memory_mib=config.memory_mib)
 
     def _spec(self, config: MachineConfig) -> Any:
         from torpor.sandbox.qemu import MachineSpec
 
-        return MachineSpec(vcpus=config.vcpus, memory_mib=config.memory_mib, accel=self.accel)
+        return MachineSpec(vcpus=config.vcpus, memory_mib=config.memory_mib)
 
     async def clone(self, template: str, directory: Path, config: MachineConfig) -> None:
-        import asyncio
-
         from torpor.sandbox import template as templates
         from torpor.sandbox.qemu import clone_machine_dir
 
@@ -165,36 +172,39 @@ class QemuEngine:
         from torpor.sandbox import template as templates
         from torpor.sandbox.qemu import Machine as QemuMachine
 
-        info = templates.get(config.template)
-        machine: Machine = QemuMachine(directory, info, self._spec(config))
+        machine: Machine = QemuMachine(directory, templates.get(config.template),
+                                       self._spec(config))
         return machine
 
     async def connect(self, machine: Machine, directory: Path) -> Channel:
         from torpor.sandbox.channel import GuestChannel
 
         socket = getattr(machine, "agent_socket", directory / "agent.sock")
-        channel: Channel = await GuestChannel.connect(Path(socket))
+        channel: Channel = await GuestChannel.connect(Path(socket),
+                                                      timeout=self.connect_timeout)
         return channel
 
     def inspect(self, directory: Path) -> DirStatus:
-        from torpor.sandbox import qemu
+        from torpor.sandbox.qemu import inspect_dir
 
         if not directory.is_dir():
             return DirStatus(exists=False, has_state=False)
-        status = getattr(qemu, "inspect_dir", None)
-        if status is not None:
-            found = status(directory)
-            return DirStatus(exists=True, has_state=bool(found.has_state),
-                             qemu_pid=found.qemu_pid)
-        return DirStatus(exists=True, has_state=(directory / "state").is_file())
+        found = inspect_dir(directory)
+        return DirStatus(exists=True, has_state=found.has_state, qemu_pid=found.qemu_pid)
 
     async def attach(self, directory: Path, config: MachineConfig) -> Machine:
         from torpor.sandbox import template as templates
         from torpor.sandbox.qemu import Machine as QemuMachine
 
-        info = templates.get(config.template)
-        machine: Machine = await QemuMachine.attach(directory, info, self._spec(config))
-        return machine
+        machine = await QemuMachine.attach(directory, templates.get(config.template),
+                                           self._spec(config))
+        # A wake that died between deleting the state and `cont` leaves the guest stopped;
+        # a pause that died mid-save too. Either way the RAM file is the truth: run it.
+        status = await machine.qmp("query-status")
+        if isinstance(status, dict) and status.get("status") != "running":
+            await machine.qmp("cont")
+        result: Machine = machine
+        return result
 
     def terminate(self, directory: Path) -> None:
         pid = self.inspect(directory).qemu_pid
@@ -205,3 +215,9 @@ class QemuEngine:
                 pass
             except OSError as exc:
                 raise EngineError(f"cannot kill QEMU {pid}: {exc}", exc=exc) from exc
+            # SIGKILL is asynchronous: wait (briefly) until the pid is gone so a new QEMU
+            # on this directory does not meet the old one.
+            for _ in range(500):
+                if self.inspect(directory).qemu_pid is None:
+                    break
+                time.sleep(0.002)

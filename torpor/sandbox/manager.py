@@ -186,7 +186,7 @@ class SandboxManager:
         name = sandbox_id if name is None else check_name(name, "sandbox name")
         check_name(tenant, "tenant")
         _check_sizes(idle_pause_seconds, vcpus, memory_mib, pause_retention_days)
-        self.engine.check_template(template)
+        self.engine.check_template(template, MachineConfig(template, vcpus, memory_mib))
         now = time.time()
         rec = SandboxRecord(
             id=sandbox_id, tenant=tenant, name=name, template=template, state=S.CREATING,
