@@ -163,8 +163,9 @@ def serve(home: str | os.PathLike[str] | None = None, *, socket_path: Path | Non
         sock.listen(128)
 
     app = create_app(manager, tokens=tokens, on_shutdown=cleanup)
+    # The stock asyncio loop, not uvloop: qemu.qmp relies on asyncio's own socket objects.
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
-                            timeout_graceful_shutdown=10)
+                            loop="asyncio", timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)
     where = str(sock_file) if host is None else f"{host}:{sock.getsockname()[1]}"
     log.info("torpor server pid %d for %s listening on %s", os.getpid(), p.home, where)

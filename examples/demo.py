@@ -1,0 +1,121 @@
+"""torpor's demo: an agent's machine that survives its process.
+
+Session 1 (this process) gives user u-42's agent a sandbox, leaves state in it — an
+interpreter variable, a file, a running web server — and pauses it: the whole machine
+hibernates to disk. Session 2 (a separate OS process, as if days later) asks for the same
+sandbox by name, which wakes it with its RAM intact: the variable is still there, the file too,
+and the web server answers without having been restarted.
+
+Run:  python examples/demo.py      (after `bash scripts/setup`; the local torpor server starts
+                                    by itself on first use and keeps running, like Docker's)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import torpor
+
+NAME = "agent-u-42"
+NOTES = "['prefers weekly summaries']"
+MEMORY_MD = "# u-42\n- prefers weekly summaries\n- upgraded to Pro on the 3rd\n"
+PROBE = ("python3 -c \"import urllib.request as u; "
+         "print(u.urlopen('http://127.0.0.1:8000/memory.md', timeout=5).status)\"")
+
+
+class Clock:
+    """Named wall-clock laps, printed as a table at the end."""
+
+    def __init__(self) -> None:
+        self.laps: list[tuple[str, float]] = []
+        self._t = time.perf_counter()
+
+    def lap(self, what: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((what, now - self._t))
+        print(f"  {what:<44} {(now - self._t) * 1000:8.0f} ms", flush=True)
+        self._t = now
+
+
+def first_session() -> None:
+    """Create the sandbox, leave state in it, pause it."""
+    print(f"session 1 (pid {os.getpid()}): a new sandbox for user u-42")
+    clock = Clock()
+    try:  # start from scratch so the demo can be run again and again
+        torpor.Sandbox.get(NAME).kill()
+    except (torpor.SandboxNotFound, torpor.SandboxClosed):
+        pass
+    clock.lap("local server up, old sandbox removed")
+
+    sbx = torpor.Sandbox.get_or_create(NAME, idle_pause_seconds=600, labels={"user": "u-42"})
+    assert not sbx.info.reused
+    clock.lap(f"create {sbx.id} (a fork of the booted template)")
+
+    sbx.interpreter.run(f"import json\nnotes = {NOTES}")
+    clock.lap("interpreter: notes = [...]")
+    sbx.files.write("/workspace/memory.md", MEMORY_MD)
+    clock.lap("write /workspace/memory.md")
+    sbx.commands.run("python3 -m http.server 8000 --directory /workspace", background=True)
+    for _ in range(100):  # until the server listens
+        if sbx.commands.run(PROBE).stdout.strip() == "200":
+            break
+        time.sleep(0.2)
+    else:
+        raise SystemExit("the web server in the sandbox did not start")
+    clock.lap("background http.server answers 200")
+
+    sbx.pause()
+    clock.lap("pause (hibernate RAM + processes to disk)")
+    assert sbx.info.state.value == "paused"
+    print("  paused; this process exits now.\n", flush=True)
+
+
+def second_session() -> None:
+    """In a new OS process: wake the sandbox by name and find everything where it was."""
+    print(f"session 2 (pid {os.getpid()}): the same agent comes back")
+    clock = Clock()
+    sbx = torpor.Sandbox.get_or_create(NAME)
+    clock.lap("get_or_create -> wake from disk")
+    assert sbx.info.reused, "expected the existing sandbox"
+
+    notes = sbx.interpreter.run("notes").results[0].data["text/plain"]
+    clock.lap("interpreter: notes")
+    assert notes == NOTES, notes
+    text = sbx.files.read_text("/workspace/memory.md")
+    clock.lap("read /workspace/memory.md")
+    assert text == MEMORY_MD, text
+    status = sbx.commands.run(PROBE).stdout.strip()
+    clock.lap("GET the http.server started in session 1")
+    assert status == "200", status
+
+    print(f"\n  reused:   {sbx.info.reused}")
+    print(f"  notes:    {notes}")
+    print(f"  file:     {text.splitlines()[1]}")
+    print(f"  http:     {status} from the server started before the pause")
+
+    # Knowledge layer: what the agent learned, as facts with provenance.
+    # TODO(integrator): remember/recall with torpor.Memory once torpor.memory exports it:
+    #   u = torpor.Memory().scope(app="demo", user="u-42")
+    #   u.remember("upgraded to Pro on the 3rd", key="plan", source=torpor.SourceRef(
+    #       sandbox=NAME, path="/workspace/memory.md", line=3))
+    #   print(u.recall("what plan is u-42 on?", k=1))
+
+    sbx.pause()
+    clock.lap("pause again")
+    print(f"\nok: the sandbox {NAME} is paused on disk; wake it with "
+          f"`torpor sandbox exec {NAME} -- cat /workspace/memory.md`")
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--second"]:
+        second_session()
+        return
+    first_session()
+    subprocess.run([sys.executable, __file__, "--second"], check=True)
+
+
+if __name__ == "__main__":
+    main()
