@@ -69,9 +69,17 @@ def _fingerprint(path: Path) -> str:
     return f"{path}:{st.st_size}:{int(st.st_mtime)}"
 
 
+def _content_hash(path: Path) -> str:
+    # By content, not path: every template build has its own copy of the same kernel.
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return "missing"
+
+
 def _cache_key(kernel: Path | None) -> str:
     qemu = shutil.which("qemu-system-x86_64") or "qemu-system-x86_64"
-    blob = _fingerprint(Path(qemu)) + "|" + (_fingerprint(kernel) if kernel else "no-kernel")
+    blob = _fingerprint(Path(qemu)) + "|" + (_content_hash(kernel) if kernel else "no-kernel")
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

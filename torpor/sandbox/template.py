@@ -270,7 +270,7 @@ async def _ping_once(sock: Path) -> bool:
         raise EngineError("torpor.sandbox.channel is missing: cannot talk to the agent",
                           exc=exc) from exc
     try:
-        channel = await asyncio.wait_for(GuestChannel.connect(sock), 5)
+        channel = await asyncio.wait_for(GuestChannel.connect(sock, timeout=5), 10)
     except (TimeoutError, TorporError, OSError):
         return False
     try:
