@@ -1,0 +1,240 @@
+"""``torpor.Snapshot``, ``torpor.Volume``, ``torpor.Drive`` and the checkpoint calls of a Sandbox.
+
+::
+
+    before = sbx.snapshot(name="u-42-before-import", retention_days=30)   # RAM + disk
+    restored = torpor.Sandbox.create(snapshot=before.id)                   # back to that point
+    forks = sbx.fork(count=3, labels={"strategy": "try"})                  # live copies
+    kids = torpor.Sandbox.fork(before.id, count=2)                         # copies of a snapshot
+    vol = torpor.Volume.create("memory-u-42", size_mib=1024)               # outlives sandboxes
+    torpor.Sandbox.create(volumes=[{"volume": vol.id, "path": "/memory"}])
+    drive = torpor.Drive.create("research")                                # many writers
+    torpor.Sandbox.create(drives=[{"drive": drive.id, "path": "/shared"}])
+
+A snapshot of a sandbox with a volume attached is refused (Conflict): volumes are never part of a
+snapshot, see :mod:`torpor.sandbox.checkpoints`.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from torpor.client.runtime import Runtime, default_runtime
+from torpor.sandbox.drives import DriveInfo
+from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.snapshots import SnapshotInfo
+from torpor.sandbox.volumes import VolumeInfo
+
+if TYPE_CHECKING:
+    from torpor.client.sandbox import Sandbox
+
+__all__ = [
+    "Drive",
+    "ForkMethod",
+    "Snapshot",
+    "Volume",
+    "collect_garbage",
+    "create_sandbox",
+    "snapshot_sandbox",
+]
+
+#: snapshots, restores and forks copy RAM and wake machines: give them time
+_LONG = 600.0
+
+
+def _q(value: str) -> str:
+    return quote(value, safe="")
+
+
+def _sandboxes(data: Any, rt: Runtime) -> builtins.list[Sandbox]:
+    from torpor.client.sandbox import Sandbox
+
+    return [Sandbox(SandboxInfo.model_validate(d), rt) for d in data]
+
+
+class Snapshot:
+    """An immutable copy of a whole sandbox (RAM, processes, disk), kept for ``retention_days``."""
+
+    def __init__(self, info: SnapshotInfo, runtime: Runtime) -> None:
+        self.info = info
+        self._runtime = runtime
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.id} {self.name!r}>"
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @classmethod
+    def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Snapshot]:
+        """This tenant's snapshots (only checked, unexpired ones), oldest first."""
+        rt = runtime or default_runtime()
+        return [cls(SnapshotInfo.model_validate(d), rt) for d in rt.json("GET", "/v1/snapshots")]
+
+    @classmethod
+    def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Snapshot:
+        """One snapshot. Raises SnapshotNotFound (also once expired)."""
+        rt = runtime or default_runtime()
+        return cls(SnapshotInfo.model_validate(rt.json("GET", f"/v1/snapshots/{_q(id_or_name)}")),
+                   rt)
+
+    def delete(self) -> None:
+        """Delete the snapshot (its storage is reclaimed by the next GC)."""
+        self._runtime.request("DELETE", f"/v1/snapshots/{_q(self.id)}")
+
+    def restore(self, *, name: str | None = None,
+                labels: dict[str, str] | None = None) -> Sandbox:
+        """A new running sandbox as the snapshot was. Raises SnapshotNotFound, CorruptData."""
+        from torpor.client.sandbox import Sandbox
+
+        body = {k: v for k, v in {"name": name, "labels": labels}.items() if v is not None}
+        data = self._runtime.json("POST", f"/v1/snapshots/{_q(self.id)}/restore", json=body,
+                                  timeout=_LONG)
+        return Sandbox(SandboxInfo.model_validate(data), self._runtime)
+
+    def fork(self, count: int = 1, *, labels: dict[str, str] | None = None) -> builtins.list[
+            Sandbox]:
+        """``count`` new sandboxes from this snapshot."""
+        return _fork_snapshot(self.id, count=count, labels=labels, runtime=self._runtime)
+
+
+def _fork_snapshot(snapshot_id: str, count: int = 1, *, labels: dict[str, str] | None = None,
+                   names: builtins.list[str] | None = None,
+                   runtime: Runtime | None = None) -> builtins.list[Sandbox]:
+    rt = runtime or default_runtime()
+    body = {"count": count, "labels": labels, "names": names}
+    data = rt.json("POST", f"/v1/snapshots/{_q(snapshot_id)}/fork", json=body, timeout=_LONG)
+    return _sandboxes(data, rt)
+
+
+def snapshot_sandbox(sbx: Sandbox, name: str | None = None, *, retention_days: int = 7,
+                     labels: dict[str, str] | None = None) -> Snapshot:
+    """``sbx.snapshot(...)``: see :meth:`torpor.sandbox.checkpoints.Checkpoints.snapshot`."""
+    rt: Runtime = sbx._runtime
+    body = {"name": name, "retention_days": retention_days, "labels": labels}
+    data = rt.json("POST", f"/v1/sandboxes/{_q(sbx.id)}/snapshots", json=body, timeout=_LONG)
+    return Snapshot(SnapshotInfo.model_validate(data), rt)
+
+
+class ForkMethod:
+    """``sbx.fork(count=N)`` forks a live sandbox; ``Sandbox.fork(snapshot_id, count=N)`` forks
+    a stored snapshot. One name, two receivers: a descriptor picks by how it is reached."""
+
+    def __get__(self, obj: Sandbox | None, owner: type | None = None) -> Callable[..., Any]:
+        if obj is None:
+            return _fork_snapshot
+        sbx = obj
+
+        def fork(count: int = 1, *, labels: dict[str, str] | None = None,
+                 names: builtins.list[str] | None = None) -> builtins.list[Sandbox]:
+            """``count`` live copies of this sandbox (it keeps running, or stays paused).
+            Raises InvalidArgument (count 0 or over the limit), Conflict (a volume attached)."""
+            rt: Runtime = sbx._runtime
+            body = {"count": count, "labels": labels, "names": names}
+            data = rt.json("POST", f"/v1/sandboxes/{_q(sbx.id)}/fork", json=body, timeout=_LONG)
+            return _sandboxes(data, rt)
+
+        return fork
+
+
+def create_sandbox(runtime: Runtime, body: dict[str, Any]) -> SandboxInfo:
+    """Create through the checkpoint route (``snapshot=``, ``volumes=``, ``drives=``)."""
+    return SandboxInfo.model_validate(runtime.json("POST", "/v1/checkpoints/sandboxes",
+                                                   json=body, timeout=_LONG))
+
+
+def collect_garbage(*, dry_run: bool = False, runtime: Runtime | None = None) -> dict[str, Any]:
+    """Run the server's retention + GC now; returns its report."""
+    rt = runtime or default_runtime()
+    result: dict[str, Any] = rt.json("POST", "/v1/gc", json={"dry_run": dry_run}, timeout=_LONG)
+    return result
+
+
+class Volume:
+    """A disk image that outlives sandboxes: read-write in one sandbox or read-only in many."""
+
+    def __init__(self, info: VolumeInfo, runtime: Runtime) -> None:
+        self.info = info
+        self._runtime = runtime
+
+    def __repr__(self) -> str:
+        return f"<Volume {self.id} {self.name!r} {self.info.size_mib} MiB>"
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @classmethod
+    def create(cls, name: str, size_mib: int = 1024, *, runtime: Runtime | None = None) -> Volume:
+        """A new empty (ext4) volume. Raises InvalidName, InvalidArgument, Conflict."""
+        rt = runtime or default_runtime()
+        data = rt.json("POST", "/v1/volumes", json={"name": name, "size_mib": size_mib})
+        return cls(VolumeInfo.model_validate(data), rt)
+
+    @classmethod
+    def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Volume]:
+        rt = runtime or default_runtime()
+        return [cls(VolumeInfo.model_validate(d), rt) for d in rt.json("GET", "/v1/volumes")]
+
+    @classmethod
+    def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Volume:
+        """Raises VolumeNotFound."""
+        rt = runtime or default_runtime()
+        return cls(VolumeInfo.model_validate(rt.json("GET", f"/v1/volumes/{_q(id_or_name)}")), rt)
+
+    def delete(self) -> None:
+        """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
+        self._runtime.request("DELETE", f"/v1/volumes/{_q(self.id)}")
+
+
+class Drive:
+    """A host directory mounted read-write into many sandboxes at once (virtio-9p)."""
+
+    def __init__(self, info: DriveInfo, runtime: Runtime) -> None:
+        self.info = info
+        self._runtime = runtime
+
+    def __repr__(self) -> str:
+        return f"<Drive {self.id} {self.name!r}>"
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @classmethod
+    def create(cls, name: str, *, runtime: Runtime | None = None) -> Drive:
+        """A new empty drive. Raises InvalidName, Conflict."""
+        rt = runtime or default_runtime()
+        return cls(DriveInfo.model_validate(rt.json("POST", "/v1/drives", json={"name": name})),
+                   rt)
+
+    @classmethod
+    def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Drive]:
+        rt = runtime or default_runtime()
+        return [cls(DriveInfo.model_validate(d), rt) for d in rt.json("GET", "/v1/drives")]
+
+    @classmethod
+    def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Drive:
+        """Raises DriveNotFound."""
+        rt = runtime or default_runtime()
+        return cls(DriveInfo.model_validate(rt.json("GET", f"/v1/drives/{_q(id_or_name)}")), rt)
+
+    def delete(self) -> None:
+        """Delete the drive and its files. Raises Conflict while mounted somewhere."""
+        self._runtime.request("DELETE", f"/v1/drives/{_q(self.id)}")

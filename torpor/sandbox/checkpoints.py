@@ -1,0 +1,490 @@
+"""Snapshot, restore, fork, volumes and drives: the operations on top of the SandboxManager.
+
+How each one works (the storage is in :mod:`~torpor.sandbox.snapshots`):
+
+* **snapshot(sandbox)**: under the sandbox's lock, a running sandbox is paused (hibernated),
+  :func:`~torpor.sandbox.snapshots.freeze` makes an immutable local copy (RAM copied sparsely,
+  the disk overlay moved aside and replaced by a new overlay on top of it) and the sandbox is
+  woken again at once; a paused one stays paused. The frozen copy is then captured into the
+  content-addressed chunk store while the sandbox runs on. The snapshot is listed only once its
+  manifest is written and checked.
+* **restore(snapshot)**: the snapshot is rebuilt from verified chunks into a frozen dir and a new
+  sandbox is cloned from it (RAM copied, a new qcow2 overlay), woken, and given fresh entropy
+  and the host's clock.
+* **fork(sandbox, count)**: freeze as for a snapshot, then clone ``count`` children from the
+  frozen dir. Nothing goes through the chunk store, so a child costs a RAM copy and a wake.
+  All children or none: a failure removes the ones already made.
+
+**Volumes and snapshots.** A volume is shared, long-lived data and is never part of a snapshot.
+The guest has it mounted with cached file-system state, so a snapshot or fork of a sandbox with a
+volume attached would later run a kernel that trusts a disk that has moved on (or a second
+writer). Such a snapshot or fork is refused with a Conflict that says what to do: copy the data
+you want captured onto the sandbox's own disk (``cp -a /memory /workspace/memory-copy``) and
+snapshot a sandbox without volumes, or keep the volume as the durable copy. Nothing is lost.
+
+**Drives** (virtio-9p) block migration while mounted, so every hibernate here unmounts the
+sandbox's drives first and mounts them again after the wake; a busy mount is a Conflict.
+Children of a fork or restore mount the same drives (drives are multi-writer by design).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torpor.config import LIMITS, check_name
+from torpor.errors import (
+    Conflict,
+    DriveNotFound,
+    GuestError,
+    InvalidArgument,
+    InvalidState,
+    TorporError,
+)
+from torpor.sandbox.drives import DriveInfo, DriveStore
+from torpor.sandbox.gc import GcReport, collect
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.snapshots import SnapshotInfo, SnapshotStore, check_retention, freeze
+from torpor.sandbox.volumes import VolumeInfo, VolumeStore, check_mount_path
+
+__all__ = ["VOLUME_SNAPSHOT_REFUSAL", "Checkpoints"]
+
+log = logging.getLogger(__name__)
+
+#: what a snapshot or fork of a sandbox with a volume does (also the Conflict's message)
+VOLUME_SNAPSHOT_REFUSAL = (
+    "sandbox {sandbox} has volume(s) {volumes} attached; volumes are never part of a snapshot "
+    "or fork (they are shared data that outlives sandboxes, and the guest's cached view of them "
+    "would not match the disk after a restore). Nothing was changed. To capture that data, copy "
+    "it onto the sandbox's own disk (e.g. `cp -a {path} /workspace/`) in a sandbox without "
+    "volumes and snapshot that one; the volume itself keeps its data as it is."
+)
+
+
+class Checkpoints:
+    """Snapshots, restores, forks, volumes and drives of one :class:`SandboxManager`.
+
+    Coroutines raise SandboxNotFound / SnapshotNotFound / VolumeNotFound / DriveNotFound,
+    InvalidArgument (bad count, path, retention), Conflict (names, sharing rules, volumes on a
+    snapshot), InvalidState / StateLost (the sandbox's state), CorruptData (a bad chunk),
+    StorageError / EngineError / GuestError from below.
+    """
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self.manager = manager
+        self.paths = manager.paths
+        self.snapshots = SnapshotStore(self.paths)
+        self.volumes = VolumeStore(self.paths)
+        self.drives = DriveStore(self.paths)
+
+    # -- drives around a hibernate -------------------------------------------------------
+
+    async def before_pause(self, sandbox_id: str, channel: Any) -> None:
+        """Unmount the sandbox's drives (9p blocks migration). Busy -> Conflict."""
+        for drive, att in self.drives.attached_to(sandbox_id):
+            try:
+                await channel.umount(att.path)
+            except GuestError as exc:
+                if "not mounted" in str(exc):
+                    continue
+                raise Conflict(
+                    f"drive {drive.name!r} at {att.path} in sandbox {sandbox_id} is busy (a "
+                    f"process has it open or is inside it), so the sandbox cannot hibernate: "
+                    f"{exc}", kind="drive", id=drive.id, sandbox_id=sandbox_id) from exc
+
+    async def after_wake(self, sandbox_id: str, channel: Any) -> None:
+        """Mount the sandbox's drives again after a wake."""
+        for drive, att in self.drives.attached_to(sandbox_id):
+            await _mount_drive(channel, drive, att.path, att.read_only)
+
+    # -- freezing a live sandbox ---------------------------------------------------------
+
+    async def _freeze(self, tenant: str, id_or_name: str) -> tuple[SandboxRecord, Path]:
+        """Freeze the sandbox (pause + freeze + wake if it was running). Returns its record."""
+        m = self.manager
+        rec = m.registry.find(tenant, id_or_name)
+        vols = self.volumes.attached_to(rec.id)
+        if vols:
+            raise Conflict(VOLUME_SNAPSHOT_REFUSAL.format(
+                sandbox=rec.name, volumes=", ".join(v.name for v, _ in vols),
+                path=vols[0][1].path), sandbox_id=rec.id, volumes=[v.id for v, _ in vols])
+        live = m._live(rec.id)
+        async with live.lock:
+            rec = m.registry.get(rec.id)
+            if rec.state is S.ERROR:
+                raise m._lost(rec)
+            if rec.state not in (S.RUNNING, S.PAUSED):
+                raise InvalidState(
+                    f"sandbox {rec.id} is {rec.state.value}; snapshot and fork need it running "
+                    "or paused", sandbox_id=rec.id, state=rec.state.value,
+                    required=["running", "paused"])
+            was_running = rec.state is S.RUNNING
+            if was_running:
+                async with live.idle:
+                    await live.idle.wait_for(lambda: live.busy == 0)
+                if live.channel is not None:
+                    await self.before_pause(rec.id, live.channel)
+                rec = await m._pause_locked(rec, live, "snapshot")
+            try:
+                with self.snapshots.lock():
+                    frozen = await asyncio.to_thread(freeze, m.directory(rec.id),
+                                                     self.snapshots.frozen_root)
+            finally:
+                if was_running:
+                    rec = await m._wake_locked(rec, live, "snapshot taken")
+                    if live.channel is not None:
+                        await self.after_wake(rec.id, live.channel)
+        return rec, frozen
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    async def snapshot(self, id_or_name: str, *, name: str | None = None,
+                       retention_days: int = 7, labels: Mapping[str, str] | None = None,
+                       tenant: str = "default") -> SnapshotInfo:
+        """Snapshot a running or paused sandbox (RAM + disk); it keeps its state afterwards.
+
+        ``name`` defaults to ``<sandbox name>-<time>``. Raises InvalidName / InvalidArgument,
+        Conflict (name taken; a volume attached), InvalidState, StorageError (e.g. disk full:
+        nothing is listed and the sandbox is unharmed).
+        """
+        check_retention(retention_days)
+        rec = self.manager.registry.find(tenant, id_or_name)
+        name = name or f"{rec.name}-{time.strftime('%Y%m%d-%H%M%S')}"[:63]
+        check_name(name, "snapshot name")
+        self.snapshots._check_free(name, tenant)  # fail before pausing anything
+        rec, frozen = await self._freeze(tenant, id_or_name)
+        try:
+            info = await asyncio.to_thread(
+                self.snapshots.save, frozen, name=name, tenant=tenant,
+                retention_days=retention_days, sandbox_id=rec.id, template=rec.template,
+                labels=dict(labels or {}))
+        finally:
+            _drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
+        return info
+
+    def list_snapshots(self, *, tenant: str = "default") -> list[SnapshotInfo]:
+        """The tenant's listed (checked, unexpired) snapshots."""
+        return self.snapshots.list(tenant=tenant)
+
+    def get_snapshot(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
+        """One snapshot. Raises SnapshotNotFound (also when expired)."""
+        return self.snapshots.get(id_or_name, tenant=tenant)
+
+    def delete_snapshot(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
+        """Delete a snapshot (its chunks go at the next GC). Raises SnapshotNotFound."""
+        return self.snapshots.delete(id_or_name, tenant=tenant)
+
+    async def restore(self, snapshot: str, *, name: str | None = None,
+                      labels: Mapping[str, str] | None = None, idle_pause_seconds: int | None = None,
+                      pause_retention_days: int = 30, tenant: str = "default") -> SandboxInfo:
+        """A new running sandbox from a stored snapshot (RAM, processes and files as they were).
+
+        Raises SnapshotNotFound (deleted or expired), CorruptData (a chunk fails its hash),
+        Conflict (name taken), and leaves no half-made sandbox behind.
+        """
+        children = await self.fork_snapshot(
+            snapshot, count=1, labels=labels, names=[name] if name else None,
+            idle_pause_seconds=idle_pause_seconds, pause_retention_days=pause_retention_days,
+            tenant=tenant)
+        return children[0]
+
+    async def fork_snapshot(self, snapshot: str, *, count: int = 1,
+                            labels: Mapping[str, str] | None = None,
+                            names: list[str] | None = None, idle_pause_seconds: int | None = None,
+                            pause_retention_days: int = 30,
+                            tenant: str = "default") -> list[SandboxInfo]:
+        """``count`` new sandboxes from one stored snapshot (see :meth:`restore`)."""
+        _check_count(count, names)
+        info = self.snapshots.get(snapshot, tenant=tenant)
+        # held until the children exist: until then no overlay names the frozen dir, and GC
+        # (which takes this lock exclusively) must not take it for garbage
+        with self.snapshots.lock():
+            frozen = await asyncio.to_thread(self.snapshots.materialize, info.id, tenant=tenant)
+            try:
+                return await self._spawn(frozen, count=count, labels=labels, names=names,
+                                         idle_pause_seconds=idle_pause_seconds,
+                                         pause_retention_days=pause_retention_days,
+                                         tenant=tenant, reason=f"restored from {info.id}",
+                                         drives_of=info.sandbox_id)
+            finally:
+                _drop_ram(frozen)
+
+    async def fork(self, id_or_name: str, *, count: int = 1,
+                   labels: Mapping[str, str] | None = None, names: list[str] | None = None,
+                   tenant: str = "default") -> list[SandboxInfo]:
+        """``count`` live copies of a running or paused sandbox, diverging from now on.
+
+        Children inherit the source's labels (updated with ``labels``). Raises InvalidArgument
+        (count 0 or over the limit), Conflict (a volume attached, names), InvalidState.
+        """
+        _check_count(count, names)
+        rec = self.manager.registry.find(tenant, id_or_name)
+        if names:
+            for n in names:
+                check_name(n, "sandbox name")
+        rec, frozen = await self._freeze(tenant, id_or_name)
+        try:
+            return await self._spawn(frozen, count=count, labels={**rec.labels, **(labels or {})},
+                                     names=names, idle_pause_seconds=rec.idle_pause_seconds,
+                                     pause_retention_days=rec.pause_retention_days,
+                                     tenant=tenant, reason=f"forked from {rec.id}",
+                                     drives_of=rec.id)
+        finally:
+            _drop_ram(frozen)
+
+    async def _spawn(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
+                     names: list[str] | None, idle_pause_seconds: int | None,
+                     pause_retention_days: int, tenant: str, reason: str,
+                     drives_of: str | None) -> list[SandboxInfo]:
+        """Clone, wake and refresh ``count`` sandboxes from a frozen dir; all or none."""
+        from torpor.sandbox.qemu import clone_machine_dir
+
+        m = self.manager
+        config = json.loads((frozen / "machine.json").read_text())
+        template = str(config.get("template", "python"))
+        shares = [d for d in config.get("devices", []) if d.get("kind") == "share"]
+        drives = self._drives_for(shares, drives_of)
+        made: list[SandboxInfo] = []
+        try:
+            for i in range(count):
+                sid = "sbx-" + secrets.token_hex(6)
+                now = time.time()
+                rec = SandboxRecord(
+                    id=sid, tenant=tenant, name=names[i] if names else sid, template=template,
+                    state=S.CREATING, labels=dict(labels or {}),
+                    vcpus=int(config.get("vcpus", 1)), memory_mib=int(config.get("memory_mib", 512)),
+                    idle_pause_seconds=idle_pause_seconds,
+                    pause_retention_days=pause_retention_days, created_at=now, last_active_at=now)
+                m.registry.insert(rec, reason=reason)
+                live = m._live(sid)
+                directory = m.directory(sid)
+                async with live.lock:
+                    try:
+                        await asyncio.to_thread(clone_machine_dir, frozen, directory)
+                        machine = m.engine.machine(directory, m._config(rec))
+                        live.machine = machine
+                        await machine.wake()
+                        live.channel = await m.engine.connect(machine, directory)
+                        await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
+                        for drive, path, ro in drives:
+                            self.drives.attach(drive.id, sid, path, read_only=ro,
+                                               tenant=drive.tenant)
+                            await _mount_drive(live.channel, drive, path, ro)
+                    except BaseException as exc:
+                        self.drives.release({sid})
+                        await m._abort_create(rec, live, exc)
+                        raise
+                    rec = m._move(rec, S.RUNNING, reason, last_active_at=time.time())
+                made.append(rec.to_info())
+        except BaseException:
+            for child in made:  # all or none
+                with contextlib.suppress(TorporError):
+                    await m.kill(child.id, tenant=tenant)
+                self.drives.release({child.id})
+            raise
+        log.info("%s: %d sandbox(es) %s", reason, count, [c.id for c in made])
+        return made
+
+    def _drives_for(self, shares: list[dict[str, Any]],
+                    source: str | None) -> list[tuple[DriveInfo, str, bool]]:
+        """The drives a clone must mount: the source's attachments, for its share devices."""
+        found: list[tuple[DriveInfo, str, bool]] = []
+        attached = {d.id: (d, a) for d, a in self.drives.attached_to(source)} if source else {}
+        for share in shares:
+            if not Path(share["path"]).is_dir():
+                raise DriveNotFound(f"drive {share['tag']} that this machine mounts was deleted",
+                                    kind="drive", name=share["tag"])
+            hit = attached.get(share["tag"])
+            if hit is not None:
+                found.append((hit[0], hit[1].path, hit[1].read_only))
+        return found
+
+    # -- volumes and drives --------------------------------------------------------------
+
+    def _live_ids(self) -> set[str]:
+        return {r.id for r in self.manager.registry.list() if r.state is not S.STOPPED}
+
+    async def _running_channel(self, tenant: str, id_or_name: str) -> SandboxRecord:
+        rec = self.manager.registry.find(tenant, id_or_name)
+        if rec.state is S.PAUSED:
+            await self.manager.resume(rec.id, tenant=tenant)
+        rec = self.manager.registry.get(rec.id)
+        if rec.state is not S.RUNNING:
+            raise InvalidState(f"sandbox {rec.id} is {rec.state.value}; attach needs it running",
+                               sandbox_id=rec.id, state=rec.state.value, required="running")
+        return rec
+
+    def _check_path_free(self, sandbox_id: str, path: str) -> None:
+        used = [a.path for _, a in self.volumes.attached_to(sandbox_id)]
+        used += [a.path for _, a in self.drives.attached_to(sandbox_id)]
+        for other in used:
+            if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
+                raise InvalidArgument(f"{path} overlaps {other}, already mounted in the sandbox",
+                                      field="path", value=path)
+
+    async def attach_volume(self, id_or_name: str, volume: str, path: str, *,
+                            read_only: bool = False, tenant: str = "default") -> VolumeInfo:
+        """Attach a volume to a sandbox (hot-plugged) and mount it at ``path``.
+
+        Raises VolumeNotFound, InvalidArgument (path), Conflict (read-write elsewhere),
+        InvalidState, EngineError/GuestError (then the attachment is undone).
+        """
+        from torpor.sandbox.qemu import DiskSpec
+
+        path = check_mount_path(path)
+        self.volumes.release(keep=self._live_ids())  # attachments of killed sandboxes
+        rec = await self._running_channel(tenant, id_or_name)
+        self._check_path_free(rec.id, path)
+        vol = self.volumes.attach(volume, rec.id, path, read_only=read_only, tenant=tenant)
+        live = self.manager._live(rec.id)
+        try:
+            async with live.lock:
+                if live.machine is None or live.channel is None:
+                    raise InvalidState(f"sandbox {rec.id} has no running machine",
+                                       sandbox_id=rec.id, state="paused", required="running")
+                await live.machine.attach_disk(DiskSpec(  # type: ignore[attr-defined]
+                    id=vol.id, path=self.volumes.image(vol.id), read_only=read_only,
+                    format="raw", serial=vol.id))
+                await live.channel.mount(  # type: ignore[attr-defined]
+                    f"/dev/disk/by-id/virtio-{vol.id}", path,
+                                         fstype="ext4", options="ro" if read_only else None)
+        except BaseException:
+            self.volumes.detach(vol.id, rec.id, tenant=tenant)
+            raise
+        log.info("volume %s mounted in %s at %s", vol.id, rec.id, path)
+        return self.volumes.get(vol.id, tenant=tenant)
+
+    async def attach_drive(self, id_or_name: str, drive: str, path: str, *,
+                           read_only: bool = False, tenant: str = "default") -> DriveInfo:
+        """Share a drive into a sandbox (virtio-9p) and mount it at ``path``.
+
+        Adding a 9p device costs one hibernate + wake of the sandbox. Raises DriveNotFound,
+        InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError.
+        """
+        from torpor.sandbox.qemu import ShareSpec
+
+        path = check_mount_path(path)
+        self.drives.release(keep=self._live_ids())
+        rec = await self._running_channel(tenant, id_or_name)
+        self._check_path_free(rec.id, path)
+        info = self.drives.get(drive, tenant=tenant)
+        m = self.manager
+        live = m._live(rec.id)
+        async with live.lock:
+            if live.machine is None or live.channel is None:
+                raise InvalidState(f"sandbox {rec.id} has no running machine",
+                                   sandbox_id=rec.id, state="paused", required="running")
+            await self.before_pause(rec.id, live.channel)  # attach_share hibernates once
+            channel, live.channel = live.channel, None
+            with contextlib.suppress(Exception):
+                await channel.sync()
+                await channel.close()
+            try:
+                await live.machine.attach_share(ShareSpec(  # type: ignore[attr-defined]
+                    id=info.id, path=self.drives.directory(info.id), tag=info.mount_tag,
+                    read_only=read_only))
+            finally:
+                live.channel = await m.engine.connect(live.machine, m.directory(rec.id))
+                await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
+                await self.after_wake(rec.id, live.channel)
+            self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)
+            try:
+                await _mount_drive(live.channel, info, path, read_only)
+            except BaseException:
+                self.drives.detach(info.id, rec.id, tenant=tenant)
+                raise
+        log.info("drive %s mounted in %s at %s", info.id, rec.id, path)
+        return self.drives.get(info.id, tenant=tenant)
+
+    async def create(self, *, snapshot: str | None = None,
+                     volumes: list[Mapping[str, Any]] | None = None,
+                     drives: list[Mapping[str, Any]] | None = None, tenant: str = "default",
+                     **kwargs: Any) -> SandboxInfo:
+        """``Sandbox.create`` with ``snapshot=``, ``volumes=[{"volume", "path", "read_only"}]``
+        and ``drives=[{"drive", "path"}]``. Every reference is checked before anything is made;
+        if an attach fails the new sandbox is killed (no half-made sandbox)."""
+        vols, drvs = list(volumes or []), list(drives or [])
+        for v in vols:
+            self.volumes.get(str(v.get("volume", "")), tenant=tenant)
+        for d in drvs:
+            self.drives.get(str(d.get("drive", "")), tenant=tenant)
+        if snapshot is not None:
+            unknown = set(kwargs) - {"name", "labels", "idle_pause_seconds",
+                                     "pause_retention_days"}
+            if unknown:
+                raise InvalidArgument(f"a restore takes its template and sizes from the "
+                                      f"snapshot; drop {sorted(unknown)}")
+            info = await self.restore(snapshot, tenant=tenant, **kwargs)
+        else:
+            info = await self.manager.create(tenant=tenant, **kwargs)
+        try:
+            for v in vols:
+                await self.attach_volume(info.id, str(v["volume"]), str(v.get("path", "")),
+                                         read_only=bool(v.get("read_only", False)), tenant=tenant)
+            for d in drvs:
+                await self.attach_drive(info.id, str(d["drive"]), str(d.get("path", "")),
+                                        read_only=bool(d.get("read_only", False)), tenant=tenant)
+        except BaseException:
+            with contextlib.suppress(TorporError):
+                await self.manager.kill(info.id, tenant=tenant)
+            self.volumes.release({info.id})
+            self.drives.release({info.id})
+            raise
+        return await self.manager.get(info.id, tenant=tenant)
+
+    # -- retention -----------------------------------------------------------------------
+
+    async def collect_garbage(self, *, now: float | None = None,
+                              dry_run: bool = False) -> GcReport:
+        """Kill sandboxes paused past their ``pause_retention_days``, then run :func:`collect`."""
+        now = time.time() if now is None else now
+        expired: list[str] = []
+        for rec in self.manager.registry.list(states={S.PAUSED}):
+            if rec.paused_at is not None and now - rec.paused_at > rec.pause_retention_days * 86400:
+                expired.append(rec.id)
+                if not dry_run:
+                    await self.manager.kill(rec.id, tenant=rec.tenant)
+        from datetime import UTC, datetime
+
+        report = await asyncio.to_thread(
+            collect, self.paths, now=datetime.fromtimestamp(now, UTC),
+            live_sandboxes=self._live_ids(), dry_run=dry_run)
+        report.expired_sandboxes = expired
+        return report
+
+
+async def _mount_drive(channel: Any, drive: DriveInfo, path: str, read_only: bool) -> None:
+    options = "trans=virtio,version=9p2000.L,msize=262144" + (",ro" if read_only else "")
+    await channel.mount(drive.mount_tag, path, fstype="9p", options=options)
+
+
+def _drop_ram(frozen: Path) -> None:
+    """Remove a frozen dir's RAM and state once every clone has its own copy (the disk layer
+    stays: overlays are backed by it)."""
+    for name in ("ram", "state"):
+        with contextlib.suppress(FileNotFoundError):
+            (frozen / name).unlink()
+    with contextlib.suppress(OSError):
+        if not any(frozen.iterdir()):
+            shutil.rmtree(frozen)
+
+
+def _check_count(count: int, names: list[str] | None) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or \
+            not 1 <= count <= LIMITS.max_fork_count:
+        raise InvalidArgument(f"fork count must be 1 to {LIMITS.max_fork_count}, not {count!r}",
+                              field="count", value=str(count), limit=LIMITS.max_fork_count)
+    if names is not None and len(names) != count:
+        raise InvalidArgument(f"{len(names)} names for {count} children", field="names")

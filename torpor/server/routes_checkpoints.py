@@ -1,0 +1,239 @@
+"""Snapshot, restore, fork, volume, drive and GC routes (over :mod:`torpor.sandbox.checkpoints`).
+
+::
+
+    POST   /v1/sandboxes/{id}/snapshots     snapshot a sandbox          -> SnapshotInfo (201)
+    POST   /v1/sandboxes/{id}/fork          fork a sandbox              -> [SandboxInfo] (201)
+    POST   /v1/sandboxes/{id}/volumes       attach + mount a volume     -> VolumeInfo
+    POST   /v1/sandboxes/{id}/drives        attach + mount a drive      -> DriveInfo
+    POST   /v1/checkpoints/sandboxes        create with snapshot/volumes/drives -> SandboxInfo (201)
+    GET    /v1/snapshots                    list                        -> [SnapshotInfo]
+    GET    /v1/snapshots/{id}               get                         -> SnapshotInfo
+    DELETE /v1/snapshots/{id}               delete                      -> 204
+    POST   /v1/snapshots/{id}/restore       restore into a new sandbox  -> SandboxInfo (201)
+    POST   /v1/snapshots/{id}/fork          N sandboxes from a snapshot -> [SandboxInfo] (201)
+    POST   /v1/volumes   GET /v1/volumes   GET|DELETE /v1/volumes/{id}
+    POST   /v1/drives    GET /v1/drives    GET|DELETE /v1/drives/{id}
+    POST   /v1/gc                           retention + garbage collection -> GcReport
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from torpor.sandbox.checkpoints import Checkpoints
+from torpor.sandbox.drives import DriveInfo
+from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.snapshots import SnapshotInfo
+from torpor.sandbox.volumes import VolumeInfo
+from torpor.server.deps import Manager, Tenant
+
+__all__ = ["checkpoints_of", "router"]
+
+router = APIRouter(prefix="/v1", tags=["checkpoints"])
+
+
+def checkpoints_of(request: Request, manager: Any) -> Checkpoints:
+    """The app's :class:`Checkpoints` (made on first use around the app's manager)."""
+    cp = getattr(request.app.state, "checkpoints", None)
+    if cp is None or cp.manager is not manager:
+        cp = Checkpoints(manager)
+        request.app.state.checkpoints = cp
+    return cp
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SnapshotBody(_Body):
+    name: str | None = None
+    retention_days: int = 7
+    labels: dict[str, str] | None = None
+
+
+class ForkBody(_Body):
+    count: int = 1
+    labels: dict[str, str] | None = None
+    names: list[str] | None = None
+
+
+class RestoreBody(_Body):
+    name: str | None = None
+    labels: dict[str, str] | None = None
+    idle_pause_seconds: int | None = Field(default=None, ge=1)
+    pause_retention_days: int = 30
+
+
+class AttachBody(_Body):
+    volume: str | None = None
+    drive: str | None = None
+    path: str
+    read_only: bool = False
+
+
+class ComposeBody(_Body):
+    template: str | None = None
+    name: str | None = None
+    labels: dict[str, str] | None = None
+    idle_pause_seconds: int | None = Field(default=None, ge=1)
+    pause_retention_days: int | None = None
+    vcpus: int | None = None
+    memory_mib: int | None = None
+    snapshot: str | None = None
+    volumes: list[dict[str, Any]] | None = None
+    drives: list[dict[str, Any]] | None = None
+
+
+class VolumeBody(_Body):
+    name: str
+    size_mib: int = 1024
+
+
+class DriveBody(_Body):
+    name: str
+
+
+class GcBody(_Body):
+    dry_run: bool = False
+
+
+# -- sandboxes -------------------------------------------------------------------------------
+
+@router.post("/sandboxes/{id_or_name}/snapshots", status_code=201)
+async def snapshot(id_or_name: str, body: SnapshotBody, request: Request, manager: Manager,
+                   tenant: Tenant) -> SnapshotInfo:
+    return await checkpoints_of(request, manager).snapshot(
+        id_or_name, name=body.name, retention_days=body.retention_days, labels=body.labels,
+        tenant=tenant)
+
+
+@router.post("/sandboxes/{id_or_name}/fork", status_code=201)
+async def fork(id_or_name: str, body: ForkBody, request: Request, manager: Manager,
+               tenant: Tenant) -> list[SandboxInfo]:
+    return await checkpoints_of(request, manager).fork(
+        id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant)
+
+
+@router.post("/sandboxes/{id_or_name}/volumes")
+async def attach_volume(id_or_name: str, body: AttachBody, request: Request, manager: Manager,
+                        tenant: Tenant) -> VolumeInfo:
+    return await checkpoints_of(request, manager).attach_volume(
+        id_or_name, body.volume or "", body.path, read_only=body.read_only, tenant=tenant)
+
+
+@router.post("/sandboxes/{id_or_name}/drives")
+async def attach_drive(id_or_name: str, body: AttachBody, request: Request, manager: Manager,
+                       tenant: Tenant) -> DriveInfo:
+    return await checkpoints_of(request, manager).attach_drive(
+        id_or_name, body.drive or "", body.path, read_only=body.read_only, tenant=tenant)
+
+
+@router.post("/checkpoints/sandboxes", status_code=201)
+async def compose(body: ComposeBody, request: Request, manager: Manager,
+                  tenant: Tenant) -> SandboxInfo:
+    options = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
+    return await checkpoints_of(request, manager).create(tenant=tenant, **options)
+
+
+# -- snapshots -------------------------------------------------------------------------------
+
+@router.get("/snapshots")
+async def list_snapshots(request: Request, manager: Manager,
+                         tenant: Tenant) -> list[SnapshotInfo]:
+    return checkpoints_of(request, manager).list_snapshots(tenant=tenant)
+
+
+@router.get("/snapshots/{id_or_name}")
+async def get_snapshot(id_or_name: str, request: Request, manager: Manager,
+                       tenant: Tenant) -> SnapshotInfo:
+    return checkpoints_of(request, manager).get_snapshot(id_or_name, tenant=tenant)
+
+
+@router.delete("/snapshots/{id_or_name}", status_code=204)
+async def delete_snapshot(id_or_name: str, request: Request, manager: Manager,
+                          tenant: Tenant) -> Response:
+    checkpoints_of(request, manager).delete_snapshot(id_or_name, tenant=tenant)
+    return Response(status_code=204)
+
+
+@router.post("/snapshots/{id_or_name}/restore", status_code=201)
+async def restore(id_or_name: str, body: RestoreBody, request: Request, manager: Manager,
+                  tenant: Tenant) -> SandboxInfo:
+    return await checkpoints_of(request, manager).restore(
+        id_or_name, name=body.name, labels=body.labels,
+        idle_pause_seconds=body.idle_pause_seconds,
+        pause_retention_days=body.pause_retention_days, tenant=tenant)
+
+
+@router.post("/snapshots/{id_or_name}/fork", status_code=201)
+async def fork_snapshot(id_or_name: str, body: ForkBody, request: Request, manager: Manager,
+                        tenant: Tenant) -> list[SandboxInfo]:
+    return await checkpoints_of(request, manager).fork_snapshot(
+        id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant)
+
+
+# -- volumes and drives ----------------------------------------------------------------------
+
+@router.post("/volumes", status_code=201)
+async def create_volume(body: VolumeBody, request: Request, manager: Manager,
+                        tenant: Tenant) -> VolumeInfo:
+    return checkpoints_of(request, manager).volumes.create(body.name, size_mib=body.size_mib,
+                                                           tenant=tenant)
+
+
+@router.get("/volumes")
+async def list_volumes(request: Request, manager: Manager, tenant: Tenant) -> list[VolumeInfo]:
+    return checkpoints_of(request, manager).volumes.list(tenant=tenant)
+
+
+@router.get("/volumes/{id_or_name}")
+async def get_volume(id_or_name: str, request: Request, manager: Manager,
+                     tenant: Tenant) -> VolumeInfo:
+    return checkpoints_of(request, manager).volumes.get(id_or_name, tenant=tenant)
+
+
+@router.delete("/volumes/{id_or_name}", status_code=204)
+async def delete_volume(id_or_name: str, request: Request, manager: Manager,
+                        tenant: Tenant) -> Response:
+    cp = checkpoints_of(request, manager)
+    cp.volumes.release(keep=cp._live_ids())  # killed sandboxes no longer hold it
+    cp.volumes.delete(id_or_name, tenant=tenant)
+    return Response(status_code=204)
+
+
+@router.post("/drives", status_code=201)
+async def create_drive(body: DriveBody, request: Request, manager: Manager,
+                       tenant: Tenant) -> DriveInfo:
+    return checkpoints_of(request, manager).drives.create(body.name, tenant=tenant)
+
+
+@router.get("/drives")
+async def list_drives(request: Request, manager: Manager, tenant: Tenant) -> list[DriveInfo]:
+    return checkpoints_of(request, manager).drives.list(tenant=tenant)
+
+
+@router.get("/drives/{id_or_name}")
+async def get_drive(id_or_name: str, request: Request, manager: Manager,
+                    tenant: Tenant) -> DriveInfo:
+    return checkpoints_of(request, manager).drives.get(id_or_name, tenant=tenant)
+
+
+@router.delete("/drives/{id_or_name}", status_code=204)
+async def delete_drive(id_or_name: str, request: Request, manager: Manager,
+                       tenant: Tenant) -> Response:
+    cp = checkpoints_of(request, manager)
+    cp.drives.release(keep=cp._live_ids())
+    cp.drives.delete(id_or_name, tenant=tenant)
+    return Response(status_code=204)
+
+
+# -- retention -------------------------------------------------------------------------------
+
+@router.post("/gc")
+async def gc(body: GcBody, request: Request, manager: Manager, tenant: Tenant) -> dict[str, Any]:
+    report = await checkpoints_of(request, manager).collect_garbage(dry_run=body.dry_run)
+    return report.to_json()
