@@ -15,7 +15,7 @@ try:
 except ModuleNotFoundError as _exc:  # the checkpoint SDK is not there yet
     if _exc.name != "torpor.client.checkpoints":
         raise
-    from torpor.client._placeholders import Drive, Snapshot, Volume
+    from torpor.client._placeholders import Drive, Snapshot, Volume  # type: ignore[assignment]
 
 __all__ = [
     "Commands",
