@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -24,6 +25,7 @@ from torpor.errors import (
     PayloadTooLarge,
 )
 from torpor.sandbox.channel import GuestChannel
+from torpor.sandbox.guest import protocol as proto
 
 AGENT = Path(__file__).parents[2] / "torpor" / "sandbox" / "guest" / "agent.py"
 T = TypeVar("T")
@@ -228,3 +230,304 @@ def test_agent_refuses_an_upload_over_its_limit(agent: AgentProcess, tmp_path: P
 
     run(agent, body)
     assert os.listdir(tmp_path) == ["agent.sock"]
+
+
+# -- background processes, reconnects, concurrency ----------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def http_get(port: int) -> bytes:
+    """GET / on ``port``, retrying while the server starts (bounded)."""
+    for _ in range(200):
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        body = await reader.read()
+        writer.close()
+        return body
+    raise AssertionError(f"nothing serves port {port}")
+
+
+def test_nohup_background_server_outlives_its_command(agent: AgentProcess,
+                                                      tmp_path: Path) -> None:
+    port = free_port()
+    (tmp_path / "index.html").write_text("served by the sandbox")
+
+    async def body(ch: GuestChannel) -> None:
+        result = await ch.run_command(
+            f"nohup {sys.executable} -m http.server {port} --bind 127.0.0.1 & echo $!",
+            cwd=str(tmp_path), timeout=30)
+        agent.pids.append(int(result.stdout))
+        assert result.exit_code == 0
+        assert b"served by the sandbox" in await http_get(port)
+
+    run(agent, body)
+    # A new connection (what a wake looks like to the agent): the server still runs.
+    run(agent, lambda ch: http_get(port))
+    assert alive(agent.pids[0])
+
+
+def test_background_true_returns_the_pid_at_once(agent: AgentProcess, tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+
+    async def body(ch: GuestChannel) -> None:
+        result = await ch.run_command(f"sleep 0.3; touch {marker}; sleep 300", background=True)
+        assert result.pid is not None and result.exit_code == -1
+        agent.pids.append(result.pid)
+        assert not marker.exists()
+        for _ in range(200):
+            if marker.exists():
+                break
+            await asyncio.sleep(0.05)
+
+    run(agent, body)
+    assert marker.exists() and alive(agent.pids[0])
+
+
+def test_reconnect_keeps_processes_and_variables(agent: AgentProcess) -> None:
+    first = run(agent, lambda ch: asyncio.gather(ch.ping(), ch.run_code("kept = [1, 2, 3]")))
+    second = run(agent, lambda ch: asyncio.gather(ch.ping(), ch.run_code("kept")))
+    assert first[0]["pid"] == second[0]["pid"]
+    assert second[1].text == "[1, 2, 3]"
+
+
+def test_half_sent_frame_then_hang_up_is_dropped(agent: AgentProcess) -> None:
+    # The host hangs up in the middle of a frame (a hibernate during an upload): the next
+    # connection must not see any trace of it.
+    async def half() -> None:
+        channel = await agent.channel()
+        frame = b"".join(proto.encode_request(1, "write", {"path": "/nonexistent/x"},
+                                              b"q" * 100_000))
+        channel._writer.write(frame[: len(frame) // 2])
+        await channel._writer.drain()
+        await channel.close()
+
+    asyncio.run(half())
+    assert run(agent, lambda ch: ch.run_command("echo ok")).stdout == "ok\n"
+
+
+def test_agent_death_fails_in_flight_requests(agent: AgentProcess) -> None:
+    async def body(ch: GuestChannel) -> None:
+        task = asyncio.ensure_future(ch.run_command("sleep 300", timeout=None))
+        await asyncio.sleep(0.2)
+        agent.proc.kill()
+        with pytest.raises(GuestError):
+            await task
+        with pytest.raises(GuestError):
+            await ch.ping()
+
+    run(agent, body)
+
+
+def test_silent_agent_times_out(agent: AgentProcess) -> None:
+    async def body(ch: GuestChannel) -> None:
+        agent.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(OperationTimeout):
+                await ch.ping()
+        finally:
+            agent.proc.send_signal(signal.SIGCONT)
+        assert (await ch.ping())["pid"] == agent.proc.pid
+
+    run(agent, body, op_timeout=0.5)
+
+
+def test_connect_times_out_without_an_agent(tmp_path: Path) -> None:
+    with pytest.raises(OperationTimeout):
+        asyncio.run(GuestChannel.connect(tmp_path / "nobody.sock", timeout=0.3))
+
+
+def test_concurrent_requests(agent: AgentProcess, tmp_path: Path) -> None:
+    async def body(ch: GuestChannel) -> None:
+        slow = asyncio.ensure_future(ch.run_command("sleep 1; echo slow", timeout=30))
+        # Requests sent after the slow one are answered while it still runs.
+        await ch.ping()
+        await ch.write_file(str(tmp_path / "f"), b"data")
+        assert not slow.done()
+        outs = await asyncio.gather(*(ch.run_command(f"echo {n}") for n in range(10)))
+        reads = await asyncio.gather(*(ch.read_file(str(tmp_path / "f")) for _ in range(5)))
+        assert [o.stdout for o in outs] == [f"{n}\n" for n in range(10)]
+        assert reads == [b"data"] * 5
+        assert (await slow).stdout == "slow\n"
+
+    run(agent, body)
+
+
+def test_cancelling_a_command_kills_it(agent: AgentProcess, tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+
+    async def body(ch: GuestChannel) -> None:
+        task = asyncio.ensure_future(
+            ch.run_command(f"sleep 300 & echo $! > {pidfile}; wait", timeout=None))
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if not alive(int(pidfile.read_text())):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the cancelled command still runs")
+
+    run(agent, body)
+
+
+# -- the interpreter -----------------------------------------------------------------------
+
+def test_interpreter_keeps_variables_and_streams(agent: AgentProcess) -> None:
+    chunks: list[str] = []
+
+    async def body(ch: GuestChannel) -> None:
+        await ch.run_code("import os\nx = 40")
+        ex = await ch.run_code("print('out'); import sys; print('err', file=sys.stderr); x + 2",
+                               on_stdout=chunks.append)
+        assert (ex.text, ex.stdout, ex.stderr, ex.error) == ("42", "out\n", "err\n", None)
+        ex = await ch.run_code("os.system('echo from a subprocess')\nNone")
+        assert ex.stdout == "from a subprocess\n" and ex.results == []
+
+    run(agent, body)
+    assert chunks == ["out\n"]
+
+
+def test_interpreter_mime_bundles(agent: AgentProcess) -> None:
+    code = '''
+class Rich:
+    def __repr__(self): return "Rich()"
+    def _repr_html_(self): return "<b>rich</b>"
+    def _repr_png_(self): return b"\\x89PNG fake"
+    def _repr_json_(self): return {"a": 1}
+    def _repr_markdown_(self): return "**rich**"
+display(1, "two")
+Rich()
+'''
+    ex = run(agent, lambda ch: ch.run_code(code))
+    assert ex.error is None
+    assert [r.data for r in ex.results[:2]] == [{"text/plain": "1"}, {"text/plain": "'two'"}]
+    assert [r.is_main_result for r in ex.results] == [False, False, True]
+    assert ex.results[2].data == {
+        "text/plain": "Rich()", "text/html": "<b>rich</b>", "image/png": "iVBORyBmYWtl",
+        "application/json": {"a": 1}, "text/markdown": "**rich**"}
+
+
+def test_interpreter_error_with_traceback(agent: AgentProcess) -> None:
+    async def body(ch: GuestChannel) -> None:
+        ex = await ch.run_code("def f():\n    raise ValueError('bad value')\nf()")
+        assert ex.error is not None
+        assert (ex.error.name, ex.error.value) == ("ValueError", "bad value")
+        assert "line 2, in f" in ex.error.traceback
+        assert "raise ValueError('bad value')" in ex.error.traceback
+        assert "interpreter.py" not in ex.error.traceback
+        ex = await ch.run_code("1 +")
+        assert ex.error is not None and ex.error.name == "SyntaxError"
+        ex = await ch.run_code("import sys; y = 1; sys.exit(3)")
+        assert ex.error is not None and ex.error.name == "SystemExit"
+        assert (await ch.run_code("y")).text == "1"
+
+    run(agent, body)
+
+
+def test_interpreter_timeout_interrupts_and_keeps_variables(agent: AgentProcess) -> None:
+    async def body(ch: GuestChannel) -> None:
+        await ch.run_code("n = 0")
+        with pytest.raises(OperationTimeout) as info:
+            await ch.run_code("import time\nwhile True:\n    n += 1\n    time.sleep(0.01)",
+                              timeout=0.5)
+        assert info.value.data["kernel_alive"] is True
+        ex = await ch.run_code("n > 0")
+        assert ex.text == "True"
+
+    run(agent, body)
+
+
+def test_interpreter_that_ignores_sigint_is_killed_on_timeout(agent: AgentProcess) -> None:
+    async def body(ch: GuestChannel) -> None:
+        await ch.run_code("v = 1")
+        with pytest.raises(OperationTimeout) as info:
+            await ch.run_code("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)"
+                              "\ntime.sleep(60)", timeout=0.3)
+        assert info.value.data["kernel_alive"] is False
+        ex = await ch.run_code("'v' in globals()")
+        assert ex.text == "False"
+
+    run(agent, body)
+
+
+def test_interpreter_crash_recovers(agent: AgentProcess) -> None:
+    async def body(ch: GuestChannel) -> None:
+        await ch.run_code("z = 1")
+        ex = await ch.run_code("import os; os._exit(7)")
+        assert ex.error is not None and ex.error.name == "KernelDied"
+        assert "code 7" in ex.error.value
+        assert (await ch.ping())["pid"] == agent.proc.pid  # the agent lives on
+        ex = await ch.run_code("'z' in globals(), 1 + 1")
+        assert ex.text == "(False, 2)"
+        await ch.run_code("w = 5")
+        await ch.restart_interpreter()
+        assert (await ch.run_code("'w' in globals()")).text == "False"
+
+    run(agent, body)
+
+
+def test_interpreter_output_over_the_limit(agent: AgentProcess) -> None:
+    async def body(ch: GuestChannel) -> None:
+        with pytest.raises(PayloadTooLarge):
+            await ch.run_code("print('x' * 3_000_000)", timeout=30)
+        with pytest.raises(PayloadTooLarge):
+            await ch.run_code("#" * 2_000_001)
+        assert (await ch.run_code("1")).text == "1"
+
+    run(agent, body, limits=Limits(max_output_bytes=1_000_000, max_code_bytes=2_000_000))
+
+
+def test_long_code_is_chunked(agent: AgentProcess) -> None:
+    code = "s = 0\n" + "s += 1\n" * 100_000 + "s"
+    assert run(agent, lambda ch: ch.run_code(code)).text == "100000"
+
+
+# -- refresh -------------------------------------------------------------------------------
+
+def test_refresh_reseeds_random(tmp_path: Path) -> None:
+    # Two agents whose interpreters share a random state, as clones of one snapshot do.
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    agents = [AgentProcess(tmp_path / "a"), AgentProcess(tmp_path / "b")]
+    seed = "import random, numpy\nrandom.seed(1); numpy.random.seed(1)"
+    draw = "random.random(), float(numpy.random.random())"
+    try:
+        async def body(ch: GuestChannel, entropy: bytes) -> tuple[str | None, ...]:
+            await ch.run_code(seed)
+            same = (await ch.run_code(draw)).text
+            await ch.run_code(seed)
+            result = await ch.refresh(entropy=entropy, unix_time=1.0)
+            assert result["interpreter_reseeded"] and result["entropy_bytes"] == 32
+            assert result["clock_set"] is False  # --no-clock: never the host's clock
+            return same, (await ch.run_code(draw)).text
+
+        a = run(agents[0], lambda ch: body(ch, b"a" * 32))
+        b = run(agents[1], lambda ch: body(ch, b"b" * 32))
+        assert a[0] == b[0]
+        assert a[1] != b[1]
+        assert a[1] is not None and b[1] is not None
+        assert a[1].split(",")[1] != b[1].split(",")[1]  # numpy.random too
+    finally:
+        for each in agents:
+            each.stop()
+
+
+def test_sync_and_failing_mount(agent: AgentProcess, tmp_path: Path) -> None:
+    async def body(ch: GuestChannel) -> None:
+        await ch.sync()
+        with pytest.raises(GuestError):
+            await ch.mount("/dev/nonexistent-disk", str(tmp_path / "mnt"), fstype="ext4")
+        with pytest.raises(GuestError):
+            await ch.umount(str(tmp_path / "not-mounted"))
+
+    run(agent, body)

@@ -194,8 +194,9 @@ def _user_frames(tb: Any) -> Any:
 
 
 def kernel_main(cmd_fd: int, reply_fd: int) -> None:
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    # Whole lines, promptly (PYTHONUNBUFFERED would split every print in two writes).
+    sys.stdout.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
     Kernel().serve(cmd_fd, reply_fd)
 
 
