@@ -1,0 +1,145 @@
+"""Provenance: read the content a :class:`SourceRef` cites, hash it, and re-check it later.
+
+Reading goes through a resolver seam so the sandbox and volume layers can plug in::
+
+    register_resolver("sandbox", my_reader)    # my_reader(ref) -> bytes (the whole file)
+
+Built in: ``host`` (a bare absolute ``path``: a file on this machine, valid for tests until
+sandboxes serve files) and ``url`` (an HTTP GET with a short timeout). A resolver returns the
+whole file; :func:`cite` cuts the cited line(s) or byte range out of it.
+
+A fact is ``verified`` only when the cited content exists (and contains ``ref.quote`` when
+one is given); its SHA-256 is stored. :func:`check` re-reads it: a different hash or a
+missing source marks the fact ``stale`` and unverified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torpor.errors import NotFound, PathNotFound, TorporError
+from torpor.memory.models import SourceRef
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Resolver", "Verification", "check", "cite", "read_source", "register_resolver"]
+
+#: ``resolver(ref) -> bytes`` of the whole file; raises :class:`NotFound` when it is missing.
+Resolver = Callable[[SourceRef], bytes]
+
+_lock = threading.Lock()
+_resolvers: dict[str, Resolver] = {}
+
+
+def register_resolver(kind: str, resolver: Resolver | None) -> None:
+    """Install (or with None remove) the reader for ``kind``: ``sandbox``, ``volume``,
+    ``host`` or ``url``."""
+    with _lock:
+        if resolver is None:
+            _resolvers.pop(kind, None)
+        else:
+            _resolvers[kind] = resolver
+
+
+def source_kind(ref: SourceRef) -> str:
+    """``url``, ``sandbox``, ``volume`` or ``host``."""
+    if ref.url:
+        return "url"
+    if ref.sandbox:
+        return "sandbox"
+    if ref.volume:
+        return "volume"
+    return "host"
+
+
+def _read_host(ref: SourceRef) -> bytes:
+    path = Path(ref.path or "")
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as exc:
+        raise PathNotFound(f"no such file {path}", kind="path", name=str(path), exc=exc) from exc
+    except OSError as exc:
+        raise PathNotFound(f"cannot read {path}: {exc}", kind="path", name=str(path),
+                           exc=exc) from exc
+
+
+def _read_url(ref: SourceRef) -> bytes:
+    import httpx
+
+    try:
+        resp = httpx.get(ref.url or "", timeout=5.0, follow_redirects=True)
+    except httpx.HTTPError as exc:
+        raise NotFound(f"cannot fetch {ref.url}: {exc}", kind="url", name=ref.url,
+                       exc=exc) from exc
+    if resp.status_code != 200:
+        raise NotFound(f"{ref.url} answered {resp.status_code}", kind="url", name=ref.url)
+    return resp.content
+
+
+def read_source(ref: SourceRef) -> bytes:
+    """The whole file (or document) ``ref`` names. Raises :class:`NotFound` (or a subclass)
+    when it cannot be read, including when no resolver serves its kind yet."""
+    kind = source_kind(ref)
+    with _lock:
+        resolver = _resolvers.get(kind)
+    if resolver is None:
+        if kind == "host":
+            resolver = _read_host
+        elif kind == "url":
+            resolver = _read_url
+        else:
+            raise NotFound(f"no resolver for {kind} sources yet ({ref.location})",
+                           kind=kind, name=ref.location)
+    return resolver(ref)
+
+
+def cite(content: bytes, ref: SourceRef) -> bytes:
+    """The part of ``content`` that ``ref`` cites. Raises :class:`NotFound` when the line
+    or byte range lies outside the content."""
+    if ref.line is not None or ref.lines is not None:
+        first, last = (ref.line, ref.line) if ref.line is not None else ref.lines  # type: ignore[misc]
+        lines = content.splitlines()
+        if last > len(lines):
+            raise NotFound(f"{ref.location}: the file has {len(lines)} lines",
+                           kind="line", name=ref.location)
+        return b"\n".join(lines[first - 1:last])
+    if ref.start is not None and ref.end is not None:
+        if ref.end > len(content):
+            raise NotFound(f"{ref.location}: the file has {len(content)} bytes",
+                           kind="range", name=ref.location)
+        return content[ref.start:ref.end]
+    return content
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The outcome of reading a source: ``verified``, the cited content's ``sha256`` (None when
+    unreadable) and ``reason`` when not verified."""
+
+    verified: bool
+    sha256: str | None
+    reason: str = ""
+
+
+def _normalize(text: bytes) -> str:
+    return " ".join(text.decode("utf-8", "replace").split()).casefold()
+
+
+def check(ref: SourceRef) -> Verification:
+    """Read and hash the content ``ref`` cites; never raises for an unreadable source."""
+    try:
+        cited = cite(read_source(ref), ref)
+    except TorporError as exc:
+        log.info("source %s not verified: %s", ref.location, exc)
+        return Verification(False, None, str(exc))
+    digest = hashlib.sha256(cited).hexdigest()
+    if not cited.strip():
+        return Verification(False, digest, "the cited content is empty")
+    if ref.quote is not None and _normalize(ref.quote.encode()) not in _normalize(cited):
+        return Verification(False, digest, "the cited content does not contain the quote")
+    return Verification(True, digest)

@@ -1,0 +1,175 @@
+"""Hybrid recall: lexical and vector candidates, fused, then ranked by scope, kind and recency.
+
+Candidates come from the backend's lexical search (FTS5 bm25 / PostgreSQL ts_rank) and, with
+an embedder, its vector search. Each is scored (every factor is reported in ``Hit.scores``)::
+
+    coverage  = share of the query's terms found in the text (light suffix stemming)
+    bm25      = engine score / best engine score among the candidates
+    lexical   = 0.8 * coverage + 0.2 * bm25                  (0 when not matched)
+    vector    = cosine similarity to the query                (only with an embedder)
+    relevance = 0.4 * lexical + 0.6 * max(vector, 0)          with an embedder
+              = lexical                                       without one
+    recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
+
+and ordered as the design asks: **the most specific scope first, then relevance, then
+recency**, with facts (distilled knowledge) ahead of episodes (raw history) within a scope
+("user facts > session > raw history")::
+
+    order by  scope distance (0 = the query's own scope) ascending,
+              kind (fact, then episode),
+              relevance * recency descending
+
+so the tiers are strict. To keep strict tiers from promoting noise, a candidate must clear
+a relevance floor first: ``relevance >= 0.25 * best relevance`` of the query, and a
+candidate found only by vector search needs ``cosine >= min_similarity`` (0.3 by default,
+for MiniLM-like models); an unrelated query therefore returns nothing (abstention).
+``RankWeights(tiered=False)`` instead sorts by one blended score,
+``relevance * recency * scope_decay ** distance * (episode weight for episodes)``.
+
+Coverage is used next to bm25 because bm25's IDF collapses in small stores (a term found in
+more than half the documents scores ~0 in FTS5), which would make a tiny store rank at random.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore
+from torpor.memory.embeddings import Embedder
+from torpor.memory.models import Fact, Hit, path_depth, to_us
+
+log = logging.getLogger(__name__)
+
+__all__ = ["STOPWORDS", "RankWeights", "query_terms", "recall"]
+
+STOPWORDS = frozenset(["a", "about", "above", "after", "again", "all", "am", "an", "and", "any", "are", "as", "at", "be", "been", "before", "being", "below", "between", "both", "but", "by", "can", "could", "did", "do", "does", "doing", "down", "during", "each", "few", "for", "from", "further", "had", "has", "have", "having", "he", "her", "here", "hers", "herself", "him", "himself", "his", "how", "i", "if", "in", "into", "is", "it", "its", "itself", "just", "me", "more", "most", "my", "myself", "no", "nor", "not", "now", "of", "off", "on", "once", "only", "or", "other", "our", "ours", "ourselves", "out", "over", "own", "same", "she", "should", "so", "some", "such", "than", "that", "the", "their", "theirs", "them", "themselves", "then", "there", "these", "they", "this", "those", "through", "to", "too", "under", "until", "up", "very", "was", "we", "were", "what", "when", "where", "which", "while", "who", "whom", "why", "will", "with", "would", "you", "your", "yours", "yourself", "yourselves"])
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def query_terms(text: str) -> list[str]:
+    """Lower-cased word tokens of ``text`` without stopwords (all of them if nothing else is
+    left), deduplicated in order: what the backends' lexical search receives."""
+    words = [w.lower() for w in _WORD.findall(text)]
+    kept = [w for w in words if w not in STOPWORDS] or words
+    return list(dict.fromkeys(kept))
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """The constants of the ranking (see the module docstring)."""
+
+    coverage: float = 0.8
+    lexical: float = 0.4
+    scope_decay: float = 0.7
+    episode: float = 0.5
+    recency: float = 0.05
+    half_life_days: float = 30.0
+    min_similarity: float = 0.3
+    relative_floor: float = 0.25
+    tiered: bool = True
+
+
+_SUFFIXES = (("ies", "y"), ("sses", "ss"), ("es", ""), ("s", ""), ("ing", ""), ("ed", ""),
+             ("ly", ""))
+
+
+def stem(word: str) -> str:
+    """A light suffix stemmer (enough to match plurals and tenses for coverage)."""
+    w = word.lower()
+    w = w.removesuffix("'s")
+    for suffix, repl in _SUFFIXES:
+        if w.endswith(suffix) and len(w) - len(suffix) >= 3:
+            return w[: -len(suffix)] + repl
+    return w
+
+
+def coverage(terms: Sequence[str], text: str) -> float:
+    """The share of ``terms`` (stemmed) that occur in ``text`` (stemmed words)."""
+    if not terms:
+        return 0.0
+    words = {stem(w) for w in _WORD.findall(text)}
+    return sum(stem(t) in words for t in terms) / len(terms)
+
+
+def recall(
+    store: TenantStore,
+    query: str,
+    flt: RecordFilter,
+    k: int,
+    *,
+    query_scope: str,
+    embedder: Embedder | None,
+    weights: RankWeights = RankWeights(),
+    min_similarity: float | None = None,
+) -> list[Hit]:
+    """The ``k`` best hits for ``query`` among the records ``flt`` lets through.
+
+    Raises what the store raises (:class:`StorageError`).
+    """
+    if k <= 0:
+        return []
+    pool = max(k * 5, 50)
+    terms = query_terms(query)
+    lexical = store.lexical_search(terms, flt, pool)
+    vector: list[tuple[AnyRecord, float]] = []
+    if embedder is not None:
+        qvec = embedder.embed([query])[0]
+        vector = store.vector_search(qvec.tolist(), flt, pool)
+    floor = weights.min_similarity if min_similarity is None else min_similarity
+
+    records: dict[str, AnyRecord] = {}
+    bm25: dict[str, float] = {}
+    vec: dict[str, float] = {}
+    best = max((s for _, s in lexical), default=0.0)
+    for rec, s in lexical:
+        records[rec.id] = rec
+        bm25[rec.id] = s / best if best > 0 else 1.0
+    for rec, s in vector:
+        vec[rec.id] = s
+        if rec.id not in bm25 and s < floor:
+            continue
+        records[rec.id] = rec
+
+    qdepth = path_depth(query_scope)
+    now = flt.as_of if flt.as_of is not None else flt.now
+    scored: list[tuple[float, Hit]] = []
+    for rid, rec in records.items():
+        scores: dict[str, float] = {}
+        if rid in bm25:
+            scores["coverage"] = coverage(terms, rec.text)
+            scores["bm25"] = bm25[rid]
+            scores["lexical"] = (weights.coverage * scores["coverage"]
+                                 + (1 - weights.coverage) * scores["bm25"])
+        else:
+            scores["lexical"] = 0.0
+        if embedder is not None:
+            scores["vector"] = vec.get(rid, 0.0)
+            relevance = (weights.lexical * scores["lexical"]
+                         + (1 - weights.lexical) * max(scores["vector"], 0.0))
+        else:
+            relevance = scores["lexical"]
+        distance = max(qdepth - path_depth(rec.scope), 0)
+        age_days = max(now - to_us(rec.valid_from), 0) / 86_400e6
+        scores["relevance"] = relevance
+        scores["scope_distance"] = float(distance)
+        scores["scope"] = weights.scope_decay ** distance
+        scores["kind"] = 1.0 if isinstance(rec, Fact) else weights.episode
+        scores["recency"] = 1 + weights.recency * 0.5 ** (age_days / weights.half_life_days)
+        if weights.tiered:
+            score = relevance * scores["recency"]
+        else:
+            score = relevance * scores["recency"] * scores["scope"] * scores["kind"]
+        scored.append((relevance, Hit.model_construct(record=rec, score=score, scores=scores)))
+
+    top = max((r for r, _ in scored), default=0.0)
+    hits = [h for r, h in scored if r >= weights.relative_floor * top and r > 0]
+    if weights.tiered:
+        hits.sort(key=lambda h: (h.scores["scope_distance"], h.kind != "fact", -h.score,
+                                 -to_us(h.valid_from)))
+    else:
+        hits.sort(key=lambda h: (-h.score, h.scores["scope_distance"], -to_us(h.valid_from)))
+    return hits[:k]

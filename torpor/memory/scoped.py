@@ -1,0 +1,443 @@
+""":class:`ScopedMemory`: every record operation, seen from one scope.
+
+A scope sees its own records and its ancestors' (those the caller may read); it writes only
+to itself. Input is validated completely before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import jsonschema
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
+
+from torpor.config import LIMITS
+from torpor.errors import InvalidArgument, PayloadTooLarge, RecordNotFound, SchemaViolation
+from torpor.memory import provenance, transfer
+from torpor.memory.backends.base import AnyRecord, RecordFilter
+from torpor.memory.context import Context, build_context
+from torpor.memory.embeddings import token_counter
+from torpor.memory.models import (
+    Durability,
+    Episode,
+    Fact,
+    Hit,
+    Kind,
+    Policy,
+    Profile,
+    Scope,
+    SourceRef,
+    from_us,
+    new_id,
+    now_us,
+    path_within,
+    to_us,
+)
+from torpor.memory.recall import recall as _recall
+
+if TYPE_CHECKING:
+    from torpor.memory.api import Memory
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ScopedMemory"]
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
+_META_KEY_RE = re.compile(r'^[^"\\]{1,200}$')
+
+
+def _text(text: object, what: str = "text") -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidArgument(f"{what} must be a non-empty string")
+    if len(text) > LIMITS.max_memory_text_chars:
+        raise PayloadTooLarge(f"{what} is {len(text)} characters, over the limit of "
+                              f"{LIMITS.max_memory_text_chars}", size=len(text),
+                              limit=LIMITS.max_memory_text_chars)
+    return text
+
+
+def _metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidArgument("metadata must be a mapping")
+    out = dict(metadata)
+    for k in out:
+        if not isinstance(k, str) or not _META_KEY_RE.match(k):
+            raise InvalidArgument(f"invalid metadata key {k!r}")
+    try:
+        size = len(json.dumps(out))
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"metadata must be JSON-serializable: {exc}") from None
+    if size > LIMITS.max_memory_text_chars:
+        raise PayloadTooLarge(f"metadata is {size} characters of JSON", size=size,
+                              limit=LIMITS.max_memory_text_chars)
+    return out
+
+
+def _key(key: object) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise InvalidArgument(f"invalid key {key!r}: 1-200 characters of letters, digits and "
+                              "_ . : / -, starting with a letter or digit")
+    return key
+
+
+def _ttl(ttl: float | timedelta | None) -> float | None:
+    if ttl is None:
+        return None
+    seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
+    if seconds <= 0:
+        raise InvalidArgument(f"ttl must be positive, not {ttl!r}")
+    return seconds
+
+
+def _opt_us(value: datetime | None, what: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise InvalidArgument(f"{what} must be a datetime")
+    return to_us(value)
+
+
+class ScopedMemory:
+    """The records of one scope (see the module docstring). Made by :meth:`Memory.scope`."""
+
+    def __init__(self, memory: Memory, scope: Scope) -> None:
+        self.memory = memory
+        self.scope = scope
+        self.path = scope.path
+
+    def __repr__(self) -> str:
+        return f"ScopedMemory({self.scope})"
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _filter(self, now: int, **kw: Any) -> RecordFilter:
+        visible = self.memory.access.readable(self.scope.ancestors())
+        return RecordFilter(scopes=visible, now=now, **kw)
+
+    def _policy(self) -> Policy:
+        return self.memory.store.get_policy(self.path) or Policy()
+
+    @staticmethod
+    def _expiry(policy: Policy, now: int, durability: Durability,
+                ttl: float | None) -> int | None:
+        if durability not in ("persistent", "cache"):
+            raise InvalidArgument(f"durability must be 'persistent' or 'cache', not {durability!r}")
+        if ttl is None and durability == "cache":
+            ttl = policy.cache_ttl_seconds
+        ends = [now + int(s * 1e6) for s in (ttl, policy.retention_seconds) if s is not None]
+        return min(ends) if ends else None
+
+    def _fact(self, text: str, key: str | None, metadata: Mapping[str, Any] | None,
+              source: SourceRef | Mapping[str, Any] | None, durability: Durability,
+              ttl: float | timedelta | None, policy: Policy) -> Fact:
+        text, key, meta, seconds = _text(text), _key(key), _metadata(metadata), _ttl(ttl)
+        if source is not None and not isinstance(source, SourceRef):
+            if not isinstance(source, Mapping):
+                raise InvalidArgument("source must be a SourceRef")
+            source = SourceRef(**source)
+        now = now_us()
+        expires = self._expiry(policy, now, durability, seconds)
+        verified, digest = False, None
+        if source is not None:
+            outcome = provenance.check(source)
+            verified, digest = outcome.verified, outcome.sha256
+        t = from_us(now)
+        return Fact(id=new_id(), scope=self.path, text=text, key=key, metadata=meta,
+                    created_at=t, valid_from=t, durability=durability,
+                    expires_at=None if expires is None else from_us(expires), source=source,
+                    source_hash=digest, verified=verified)
+
+    # -- writes -----------------------------------------------------------------------------
+    def remember(self, text: str, *, key: str | None = None,
+                 metadata: Mapping[str, Any] | None = None,
+                 source: SourceRef | Mapping[str, Any] | None = None,
+                 durability: Durability = "persistent",
+                 ttl: float | timedelta | None = None) -> Fact:
+        """Store a fact; with ``key``, end the current fact with that key in this scope.
+
+        With ``source``, read and hash the cited content (``verified``). Raises
+        :class:`InvalidArgument`, :class:`PayloadTooLarge`, :class:`AccessDenied`,
+        :class:`StorageError`.
+        """
+        return self.remember_many([{"text": text, "key": key, "metadata": metadata,
+                                    "source": source, "durability": durability, "ttl": ttl}])[0]
+
+    def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
+        """Store many facts in one transaction with one embedding batch. Each item is a text
+        or a mapping with ``text`` and optionally ``key``, ``metadata``, ``source``,
+        ``durability``, ``ttl``. All or nothing."""
+        self.memory.access.require("write", self.path, "remember")
+        facts, policy = [], self._policy()
+        for item in items:
+            spec: dict[str, Any] = {"text": item} if isinstance(item, str) else dict(item)
+            unknown = set(spec) - {"text", "key", "metadata", "source", "durability", "ttl"}
+            if unknown:
+                raise InvalidArgument(f"unknown fields {sorted(unknown)}")
+            facts.append(self._fact(spec.get("text", ""), spec.get("key"),
+                                    spec.get("metadata"), spec.get("source"),
+                                    spec.get("durability") or "persistent", spec.get("ttl"),
+                                    policy))
+        vectors = self.memory.embed([f.text for f in facts])
+        stored = self.memory.store.add(facts, vectors)
+        return [f for f in stored if isinstance(f, Fact)]
+
+    def log(self, role: str, text: str, *, session: str | None = None,
+            metadata: Mapping[str, Any] | None = None, at: datetime | None = None,
+            durability: Durability = "persistent",
+            ttl: float | timedelta | None = None) -> Episode:
+        """Append one turn (``role``: who spoke; ``at``: back-fill its time). Raises as
+        :meth:`remember` does."""
+        return self.log_many([{"role": role, "text": text, "session": session,
+                               "metadata": metadata, "at": at, "durability": durability,
+                               "ttl": ttl}])[0]
+
+    def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
+        """Append many turns in one transaction (mappings with ``role``, ``text`` and
+        optionally ``session``, ``metadata``, ``at``, ``durability``, ``ttl``)."""
+        self.memory.access.require("write", self.path, "log")
+        episodes, policy = [], self._policy()
+        for turn in turns:
+            spec: dict[str, Any] = dict(turn)
+            unknown = set(spec) - {"role", "text", "session", "metadata", "at", "durability",
+                                   "ttl"}
+            if unknown:
+                raise InvalidArgument(f"unknown fields {sorted(unknown)}")
+            role = _text(spec.get("role"), "role")
+            text = _text(spec.get("text"))
+            meta, seconds = _metadata(spec.get("metadata")), _ttl(spec.get("ttl"))
+            session = spec.get("session") or self.scope.session
+            if session is not None and not isinstance(session, str):
+                raise InvalidArgument("session must be a string")
+            now = now_us()
+            at = _opt_us(spec.get("at"), "at")
+            durability: Durability = spec.get("durability") or "persistent"
+            expires = self._expiry(policy, now, durability, seconds)
+            episodes.append(Episode(
+                id=new_id(), scope=self.path, text=text, role=role[:64], session=session,
+                metadata=meta, created_at=from_us(now), valid_from=from_us(at or now),
+                durability=durability, expires_at=None if expires is None else from_us(expires)))
+        vectors = self.memory.embed([e.text for e in episodes])
+        stored = self.memory.store.add(episodes, vectors)
+        return [e for e in stored if isinstance(e, Episode)]
+
+    # -- reads ------------------------------------------------------------------------------
+    def recall(self, query: str, k: int = 5, *, kind: Kind | Sequence[Kind] | None = None,
+               metadata: Mapping[str, Any] | None = None, since: datetime | None = None,
+               until: datetime | None = None, as_of: datetime | None = None,
+               include_history: bool = False, session: str | None = None,
+               min_similarity: float | None = None) -> list[Hit]:
+        """The ``k`` best records for ``query`` from this scope and its ancestors, most
+        specific scope first, then relevance, then recency (see :mod:`torpor.memory.recall`).
+
+        Current facts only, unless ``include_history`` or ``as_of`` (what was valid then).
+        Raises :class:`InvalidArgument`, :class:`AccessDenied`, :class:`StorageError`.
+        """
+        _text(query, "query")
+        if not isinstance(k, int) or k < 0:
+            raise InvalidArgument("k must be a non-negative integer")
+        kinds: tuple[Kind, ...] = ("fact", "episode") if kind is None else (
+            (kind,) if isinstance(kind, str) else tuple(kind))
+        if not set(kinds) <= {"fact", "episode"}:
+            raise InvalidArgument(f"kind must be 'fact' or 'episode', not {kind!r}")
+        flt = self._filter(now_us(), kinds=kinds, metadata=_metadata(metadata),
+                           since=_opt_us(since, "since"), until=_opt_us(until, "until"),
+                           as_of=_opt_us(as_of, "as_of"), include_history=include_history,
+                           session=session)
+        return _recall(self.memory.store, query, flt, k, query_scope=self.path,
+                       embedder=self.memory.usable_embedder(), min_similarity=min_similarity)
+
+    def context(self, query: str, budget_tokens: int = 500, *, k_facts: int = 20,
+                k_episodes: int = 10) -> Context:
+        """A prompt-ready block: profile, current facts (relevant first), relevant episodes,
+        never over ``budget_tokens``. Raises :class:`InvalidArgument`."""
+        if not isinstance(budget_tokens, int) or budget_tokens < 1:
+            raise InvalidArgument("budget_tokens must be a positive integer")
+        facts = [h.record for h in self.recall(query, k_facts, kind="fact")]
+        now = now_us()
+        facts += self.memory.store.scan(self._filter(now, kinds=("fact",)), 50)
+        episodes = [h.record for h in self.recall(query, k_episodes, kind="episode")]
+        return build_context(budget_tokens=budget_tokens, count=token_counter(),
+                             profile=self.profile(),
+                             facts=[f for f in facts if isinstance(f, Fact)],
+                             episodes=[e for e in episodes if isinstance(e, Episode)])
+
+    def history(self, key: str) -> list[Fact]:
+        """Every fact with ``key`` in this scope, oldest first, with ``valid_from``/``valid_to``.
+        Raises :class:`RecordNotFound` for a key never used here."""
+        self.memory.access.require("read", self.path, "history")
+        facts = self.memory.store.history(self.path, _key(key) or "", now_us())
+        if not facts:
+            raise RecordNotFound(f"no facts with key {key!r} in {self.scope}", kind="key",
+                                 name=key)
+        return facts
+
+    def get(self, record_id: str) -> AnyRecord:
+        """One record visible from this scope (its own, an ancestor's or a descendant's).
+        Raises :class:`RecordNotFound`, or :class:`AccessDenied` for an ungranted scope."""
+        found = self.memory.store.get([record_id], now_us())
+        rec = found[0] if found else None
+        if rec is None or not (rec.scope in self.scope.ancestors()
+                               or path_within(rec.scope, self.path)):
+            raise RecordNotFound(f"no record {record_id!r} in {self.scope}", kind="record",
+                                 name=record_id)
+        self.memory.access.require("read", rec.scope, "get")
+        return rec
+
+    # -- profile and policy -----------------------------------------------------------------
+    def profile(self) -> Profile | None:
+        """This scope's profile document, or None."""
+        self.memory.access.require("read", self.path, "get_profile")
+        return self.memory.store.get_profile(self.path)
+
+    def get_profile(self) -> dict[str, Any]:
+        """This scope's profile data (``{}`` when none is set)."""
+        profile = self.profile()
+        return {} if profile is None else dict(profile.data)
+
+    def set_profile(self, data: Mapping[str, Any], *,
+                    schema: type[BaseModel] | Mapping[str, Any] | None = None,
+                    merge: bool = False) -> Profile:
+        """Replace (or with ``merge``, update) the profile, checked against ``schema`` (a
+        pydantic model or a JSON schema) or else the schema stored with the profile.
+        Raises :class:`SchemaViolation`, :class:`InvalidArgument`."""
+        self.memory.access.require("write", self.path, "set_profile")
+        old = self.memory.store.get_profile(self.path)
+        doc = {**(old.data if (merge and old) else {}), **_metadata(data)}
+        json_schema: dict[str, Any] | None
+        if isinstance(schema, type) and issubclass(schema, BaseModel):
+            json_schema = schema.model_json_schema()
+            try:
+                schema.model_validate(doc)
+            except PydanticValidationError as exc:
+                raise SchemaViolation(f"profile breaks {schema.__name__}: {exc}") from None
+        else:
+            json_schema = dict(schema) if schema is not None else (old.json_schema if old else None)
+        if json_schema is not None:
+            try:
+                jsonschema.validate(doc, json_schema)
+            except jsonschema.ValidationError as exc:
+                raise SchemaViolation(f"profile breaks its schema: {exc.message}") from None
+            except jsonschema.SchemaError as exc:
+                raise InvalidArgument(f"invalid JSON schema: {exc.message}") from None
+        return self.memory.store.put_profile(Profile(
+            scope=self.path, data=doc, json_schema=json_schema, updated_at=from_us(now_us())))
+
+    def set_policy(self, *, retention_seconds: float | None = None,
+                   cache_ttl_seconds: float | None = None) -> Policy:
+        """Set this scope's retention (applied at once to existing records) and the default
+        TTL of ``cache`` records. Raises :class:`InvalidArgument`."""
+        self.memory.access.require("write", self.path, "set_policy")
+        policy = Policy(retention_seconds=retention_seconds, cache_ttl_seconds=cache_ttl_seconds)
+        self.memory.store.set_policy(self.path, policy)
+        if retention_seconds is not None:
+            self.memory.store.cap_expiry(self.path, int(retention_seconds * 1e6))
+        return policy
+
+    # -- erase, verify, move ----------------------------------------------------------------
+    def forget(self, record_id: str | None = None) -> int:
+        """Erase one record (in this scope or below) or, with no id, this whole scope subtree
+        (records, profiles, policies). Returns how many records. Raises
+        :class:`RecordNotFound`, :class:`AccessDenied`."""
+        access = self.memory.access
+        if record_id is None:
+            access.require("write", self.path, "forget")
+            n = self.memory.store.forget_scope(self.path)
+            access.audit("forget.scope", self.path, records=n)
+            return n
+        found = self.memory.store.get([record_id], 0)  # expired ones too
+        if not found or not path_within(found[0].scope, self.path):
+            raise RecordNotFound(f"no record {record_id!r} in {self.scope}", kind="record",
+                                 name=record_id)
+        access.require("write", found[0].scope, "forget")
+        n = self.memory.store.forget([record_id])
+        access.audit("forget.record", found[0].scope, id=record_id)
+        return n
+
+    def verify(self, record_id: str | None = None) -> list[Fact]:
+        """Re-check the sources of one fact or of every sourced fact in this scope; a changed
+        or missing source becomes ``stale`` and unverified. Returns the updated facts."""
+        self.memory.access.require("write", self.path, "verify")
+        if record_id is not None:
+            rec = self.get(record_id)
+            facts = [rec] if isinstance(rec, Fact) else []
+        else:
+            flt = RecordFilter(scopes=[self.path], now=now_us(), kinds=("fact",),
+                               include_history=True)
+            facts = [f for f in self.memory.store.scan(flt, 1_000_000) if isinstance(f, Fact)]
+        out = []
+        for fact in facts:
+            if fact.source is None:
+                continue
+            outcome = provenance.check(fact.source)
+            stale = fact.source_hash is not None and outcome.sha256 != fact.source_hash
+            verified = outcome.verified and not stale
+            self.memory.store.set_verification(fact.id, verified=verified, stale=stale,
+                                               source_hash=fact.source_hash or outcome.sha256)
+            out.append(fact.model_copy(update={"verified": verified, "stale": stale}))
+        return out
+
+    def export(self, dest: str | Path | IO[str]) -> int:
+        """Write this scope subtree as JSONL to a path or text stream. Returns lines written."""
+        self.memory.access.require("read", self.path, "export")
+        emb = self.memory.store.get_meta("embedding_model")
+        lines = transfer.export_lines(self.memory.store, self.path, emb)
+        if isinstance(dest, (str, Path)):
+            try:
+                with open(dest, "w", encoding="utf-8") as fh:
+                    return sum(1 for line in lines if fh.write(line + "\n"))
+            except OSError as exc:
+                raise InvalidArgument(f"cannot write {dest}: {exc}", exc=exc) from exc
+        return sum(1 for line in lines if dest.write(line + "\n"))
+
+    def import_(self, src: str | Path | IO[str] | Iterable[str]) -> int:
+        """Load an export into this scope (re-rooted here). All or nothing. Returns records
+        inserted. Raises :class:`InvalidArgument` for a malformed file."""
+        self.memory.access.require("write", self.path, "import")
+        if isinstance(src, (str, Path)):
+            try:
+                with open(src, encoding="utf-8") as fh:
+                    bundle = transfer.parse_lines(fh)
+            except OSError as exc:
+                raise InvalidArgument(f"cannot read {src}: {exc}", exc=exc) from exc
+        else:
+            bundle = transfer.parse_lines(src)
+        return self._load(transfer.reroot(bundle, self.path), "import")
+
+    def fork(self, **levels: str) -> ScopedMemory:
+        """Copy this scope subtree (records with history, profiles, policies) to a new scope
+        of the same tenant, e.g. ``u.fork(user="u-43")``; returns the new scope."""
+        self.memory.access.require("read", self.path, "fork")
+        target = ScopedMemory(self.memory, Scope(tenant=self.scope.tenant, **levels)) \
+            if levels else self
+        emb = self.memory.store.get_meta("embedding_model")
+        bundle = transfer.parse_lines(transfer.export_lines(self.memory.store, self.path, emb))
+        target._load(transfer.reroot(bundle, target.path), "fork")
+        return target
+
+    def _load(self, bundle: transfer.Bundle, action: str) -> int:
+        access, store = self.memory.access, self.memory.store
+        for path in {r.scope for r in bundle.records} | {p.scope for p in bundle.profiles}:
+            access.require("write", path, action)
+        vectors: list[Any] | None = list(bundle.vectors)
+        emb = self.memory.usable_embedder()
+        if emb is None:
+            vectors = None
+        elif bundle.embedding_model != emb.name:  # re-embed with this tenant's model
+            vectors = self.memory.embed([r.text for r in bundle.records])
+        n = store.import_records(bundle.records, vectors)
+        for profile in bundle.profiles:
+            store.put_profile(profile)
+        for path, policy in bundle.policies:
+            store.set_policy(path, policy)
+        access.audit(action, self.path, records=n)
+        return n

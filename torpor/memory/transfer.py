@@ -1,0 +1,134 @@
+"""Export, import and fork: a scope subtree as JSON lines, and copies between scopes.
+
+The JSONL stream starts with a header line, then one line per record, profile and policy::
+
+    {"type": "torpor-memory", "version": 1, "tenant": "t", "scope": "app/a", "embedding_model": "..."}
+    {"type": "fact", "record": {...}, "embedding": [...] | null}
+    {"type": "episode", "record": {...}, "embedding": null}
+    {"type": "profile", "profile": {...}}
+    {"type": "policy", "scope": "app/a", "policy": {...}}
+
+Importing re-roots the records from the exported scope onto the importing scope. Ids are kept
+when the scope is unchanged (re-importing is then idempotent); otherwise fresh ids are made,
+with ``superseded_by`` links remapped, so an import never collides with its own source.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from torpor.errors import InvalidArgument
+from torpor.memory.backends.base import AnyRecord, TenantStore
+from torpor.memory.models import Episode, Fact, Policy, Profile, new_id
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FORMAT_VERSION", "Bundle", "export_lines", "parse_lines", "reroot"]
+
+FORMAT_VERSION = 1
+
+
+def export_lines(store: TenantStore, prefix: str, embedding_model: str | None) -> Iterator[str]:
+    """The JSONL lines of everything at ``prefix`` or below (expired records included: an
+    export is a backup, GC decides what goes)."""
+    yield json.dumps({"type": "torpor-memory", "version": FORMAT_VERSION,
+                      "tenant": store.tenant, "scope": prefix,
+                      "embedding_model": embedding_model})
+    for rec, vec in store.iter_records(prefix):
+        yield json.dumps({"type": rec.kind, "record": rec.model_dump(mode="json"),
+                          "embedding": vec})
+    for profile in store.iter_profiles(prefix):
+        yield json.dumps({"type": "profile", "profile": profile.model_dump(mode="json")})
+    # policies are per scope; read each scope that has records or a profile
+    seen: set[str] = set()
+    for rec, _ in store.iter_records(prefix):
+        if rec.scope not in seen:
+            seen.add(rec.scope)
+            policy = store.get_policy(rec.scope)
+            if policy is not None:
+                yield json.dumps({"type": "policy", "scope": rec.scope,
+                                  "policy": policy.model_dump(mode="json")})
+
+
+class Bundle:
+    """The parsed content of an export."""
+
+    def __init__(self) -> None:
+        self.scope = ""
+        self.embedding_model: str | None = None
+        self.records: list[AnyRecord] = []
+        self.vectors: list[list[float] | None] = []
+        self.profiles: list[Profile] = []
+        self.policies: list[tuple[str, Policy]] = []
+
+
+def parse_lines(lines: Iterable[str]) -> Bundle:
+    """Parse an export. Raises :class:`InvalidArgument` naming the first bad line (nothing is
+    written before the whole stream has parsed)."""
+    bundle = Bundle()
+    header = False
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj: dict[str, Any] = json.loads(line)
+            kind = obj["type"]
+            if kind == "torpor-memory":
+                if obj.get("version") != FORMAT_VERSION:
+                    raise ValueError(f"unsupported export version {obj.get('version')}")
+                bundle.scope = str(obj.get("scope") or "")
+                bundle.embedding_model = obj.get("embedding_model")
+                header = True
+            elif not header:
+                raise ValueError("missing the torpor-memory header line")
+            elif kind == "fact":
+                bundle.records.append(Fact.model_validate(obj["record"]))
+                bundle.vectors.append(obj.get("embedding"))
+            elif kind == "episode":
+                bundle.records.append(Episode.model_validate(obj["record"]))
+                bundle.vectors.append(obj.get("embedding"))
+            elif kind == "profile":
+                bundle.profiles.append(Profile.model_validate(obj["profile"]))
+            elif kind == "policy":
+                bundle.policies.append((str(obj["scope"]), Policy(**obj["policy"])))
+            else:
+                raise ValueError(f"unknown line type {kind!r}")
+        except (ValueError, KeyError, TypeError, ValidationError, InvalidArgument) as exc:
+            raise InvalidArgument(f"import line {n}: {exc}") from None
+    if not header:
+        raise InvalidArgument("not a torpor memory export (no header line)")
+    return bundle
+
+
+def _move(path: str, old: str, new: str) -> str:
+    if not old:
+        rest = path
+    elif path == old:
+        rest = ""
+    else:
+        rest = path[len(old) + 1:]
+    return "/".join(p for p in (new, rest) if p)
+
+
+def reroot(bundle: Bundle, new_prefix: str) -> Bundle:
+    """The bundle moved from its scope onto ``new_prefix`` (new ids if the scope changes)."""
+    if bundle.scope == new_prefix:
+        return bundle
+    ids = {r.id: new_id() for r in bundle.records}
+    out = Bundle()
+    out.scope, out.embedding_model, out.vectors = new_prefix, bundle.embedding_model, bundle.vectors
+    for rec in bundle.records:
+        update: dict[str, Any] = {"id": ids[rec.id],
+                                  "scope": _move(rec.scope, bundle.scope, new_prefix)}
+        if isinstance(rec, Fact) and rec.superseded_by is not None:
+            update["superseded_by"] = ids.get(rec.superseded_by)
+        out.records.append(rec.model_copy(update=update))
+    out.profiles = [p.model_copy(update={"scope": _move(p.scope, bundle.scope, new_prefix)})
+                    for p in bundle.profiles]
+    out.policies = [(_move(s, bundle.scope, new_prefix), p) for s, p in bundle.policies]
+    return out
