@@ -1,0 +1,59 @@
+"""``torpor doctor``: what this host gives torpor (QEMU, acceleration, templates, home)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from torpor.config import paths
+from torpor.sandbox import accel as accel_probe
+from torpor.sandbox import template as templates
+
+__all__ = ["register"]
+
+console = Console()
+
+
+def _qemu_version() -> str:
+    binary = shutil.which("qemu-system-x86_64")
+    if binary is None:
+        return "[red]qemu-system-x86_64 not found[/] (apt-get install qemu-system-x86)"
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                             timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"[red]{binary} does not run: {exc}[/]"
+    return f"{out.splitlines()[0] if out else '?'} ({binary})"
+
+
+def doctor(
+    reprobe: Annotated[bool, typer.Option("--reprobe", help="test KVM again, ignoring the "
+                                          "cached answer")] = False,
+) -> None:
+    """Show the QEMU version, the accelerator in use and why, templates and the home path.
+
+    Example:
+
+        torpor doctor --reprobe
+    """
+    report = accel_probe.probe(force=reprobe)
+    table = Table(show_header=False, box=None)
+    table.add_row("home", str(paths().home))
+    table.add_row("qemu", _qemu_version())
+    table.add_row("accel", f"[bold]{report.accel}[/] ({report.reason})")
+    for tool in ("debootstrap", "mkfs.ext4", "qemu-img"):
+        table.add_row(tool, shutil.which(tool) or "[red]missing[/]")
+    built = templates.list_templates()
+    table.add_row("templates", ", ".join(f"{t.name} ({t.build_id})" for t in built)
+                  or "[yellow]none: run `torpor template build python`[/]")
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``doctor`` command to the ``torpor`` app."""
+    app.command("doctor")(doctor)
