@@ -1,0 +1,273 @@
+"""The backend contract (:mod:`torpor.memory.backends.base`), run on every backend."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+from torpor.errors import InvalidArgument, InvalidName, RecordNotFound, StorageError
+from torpor.memory.backends import MemoryBackend, TenantStore
+from torpor.memory.backends.base import RecordFilter, visible
+from torpor.memory.models import (
+    AuditEntry,
+    Episode,
+    Fact,
+    Grant,
+    Policy,
+    Profile,
+    TokenInfo,
+    from_us,
+    new_id,
+    now_us,
+    to_us,
+)
+
+U = "app/a/user/u"
+VIEW = [U, "app/a", ""]
+
+
+def fact(text: str, key: str | None = None, scope: str = U, **kw: Any) -> Fact:
+    t = from_us(now_us())
+    return Fact(id=new_id(), scope=scope, text=text, key=key, created_at=t, valid_from=t, **kw)
+
+
+def episode(text: str, scope: str = U, **kw: Any) -> Episode:
+    t = from_us(now_us())
+    kw.setdefault("valid_from", t)
+    return Episode(id=new_id(), scope=scope, text=text, created_at=t, **kw)
+
+
+def flt(**kw: Any) -> RecordFilter:
+    return RecordFilter(scopes=kw.pop("scopes", VIEW), now=kw.pop("now", now_us()), **kw)
+
+
+def test_schema_is_versioned(store: TenantStore) -> None:
+    assert store.schema_version() >= 1
+
+
+def test_supersede_ends_only_same_scope_and_key(store: TenantStore) -> None:
+    a = store.add([fact("weekly", "cadence")])[0]
+    other_key = store.add([fact("pro", "plan")])[0]
+    other_scope = store.add([fact("weekly too", "cadence", scope="app/a")])[0]
+    b = store.add([fact("daily", "cadence")])[0]
+    hist = store.history(U, "cadence", now_us())
+    assert [f.text for f in hist] == ["weekly", "daily"]
+    assert hist[0].valid_to == b.valid_from and hist[0].superseded_by == b.id
+    assert hist[1].valid_to is None
+    current = {r.id for r in store.scan(flt(), 100)}
+    assert current == {b.id, other_key.id, other_scope.id}
+    assert a.id not in current
+
+
+def test_supersede_within_one_batch_keeps_order(store: TenantStore) -> None:
+    out = store.add([fact("v1", "k"), fact("v2", "k"), fact("v3", "k")])
+    hist = store.history(U, "k", now_us())
+    assert [f.text for f in hist] == ["v1", "v2", "v3"]
+    assert [f.id for f in hist] == [f.id for f in out]
+    times = [to_us(f.valid_from) for f in hist]
+    assert times == sorted(set(times))
+
+
+def test_supersede_moves_valid_from_after_old(store: TenantStore) -> None:
+    old = store.add([fact("future", "k")])[0]
+    early = fact("backdated", "k")
+    early = early.model_copy(update={"valid_from": from_us(to_us(old.valid_from) - 10)})
+    new = store.add([early])[0]
+    assert to_us(new.valid_from) == to_us(old.valid_from) + 1
+
+
+def test_as_of_sees_what_was_true(store: TenantStore) -> None:
+    a = store.add([fact("weekly summaries", "k")])[0]
+    b = store.add([fact("daily summaries", "k")])[0]
+    then = [r.id for r in store.scan(flt(as_of=to_us(a.valid_from)), 10)]
+    assert then == [a.id]
+    assert [r.id for r in store.scan(flt(as_of=to_us(b.valid_from)), 10)] == [b.id]
+    assert {r.id for r in store.scan(flt(include_history=True), 10)} == {a.id, b.id}
+    hits = store.lexical_search(["summaries"], flt(as_of=to_us(a.valid_from)), 10)
+    assert [r.id for r, _ in hits] == [a.id]
+
+
+def test_duplicate_id_is_typed_and_atomic(store: TenantStore) -> None:
+    f = fact("one")
+    store.add([f])
+    with pytest.raises(InvalidArgument):
+        store.add([fact("two"), f])
+    assert [r.text for r in store.scan(flt(), 10)] == ["one"]
+
+
+def test_lexical_search_ranks_and_filters(store: TenantStore) -> None:
+    store.add([fact("the cat sat on the mat"), fact("dogs bark at cats"),
+               fact("unrelated text"), episode("cat food order", session="s1"),
+               fact("cat in another tenant scope", scope="app/b")])
+    hits = store.lexical_search(["cat"], flt(), 10)
+    texts = [r.text for r, _ in hits]
+    assert "unrelated text" not in texts and "cat in another tenant scope" not in texts
+    assert {"the cat sat on the mat", "cat food order"} <= set(texts)
+    assert all(s > 0 for _, s in hits)
+    assert [s for _, s in hits] == sorted((s for _, s in hits), reverse=True)
+    only_ep = store.lexical_search(["cat"], flt(kinds=("episode",), session="s1"), 10)
+    assert [r.text for r, _ in only_ep] == ["cat food order"]
+    assert store.lexical_search([], flt(), 10) == []
+    assert store.lexical_search(['"', "OR", "NEAR("], flt(), 10) == []
+
+
+def test_metadata_filters(store: TenantStore) -> None:
+    store.add([fact("alpha one", metadata={"topic": "billing", "n": 3, "ok": True}),
+               fact("alpha two", metadata={"topic": "support", "n": 4, "ok": False}),
+               fact("alpha three")])
+    def texts(**meta: Any) -> set[str]:
+        return {r.text for r, _ in store.lexical_search(["alpha"], flt(metadata=meta), 10)}
+    assert texts(topic="billing") == {"alpha one"}
+    assert texts(n=4) == {"alpha two"}
+    assert texts(ok=True) == {"alpha one"}
+    assert texts(ok=False) == {"alpha two"}
+    assert texts(topic="none") == set()
+
+
+def test_vector_search_cosine_and_filters(store: TenantStore) -> None:
+    rng = np.random.default_rng(0)
+    vecs = rng.normal(size=(30, 8)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    recs = [fact(f"r{i}", metadata={"even": i % 2 == 0}) for i in range(30)]
+    store.add(recs, list(vecs))
+    hits = store.vector_search(vecs[7].tolist(), flt(), 5)
+    assert hits[0][0].id == recs[7].id and hits[0][1] == pytest.approx(1.0, abs=1e-5)
+    expect = np.argsort(-(vecs @ vecs[7]))[:5]
+    assert [r.id for r, _ in hits] == [recs[i].id for i in expect]
+    even = store.vector_search(vecs[7].tolist(), flt(metadata={"even": True}), 3)
+    assert len(even) == 3 and all(r.metadata["even"] for r, _ in even)
+    # supersession and deletion are seen by the (cached) index
+    store.forget([recs[7].id])
+    assert recs[7].id not in [r.id for r, _ in store.vector_search(vecs[7].tolist(), flt(), 5)]
+    assert store.vector_search(vecs[0].tolist(), flt(scopes=["app/zzz"]), 5) == []
+
+
+def test_expiry_is_immediate_and_purge_deletes(store: TenantStore) -> None:
+    now = now_us()
+    gone = fact("expired note", expires_at=from_us(now - 1))
+    live = fact("live note", expires_at=from_us(now + 10**9))
+    store.add([gone, live])
+    assert [r.id for r in store.scan(flt(now=now), 10)] == [live.id]
+    assert store.get([gone.id, live.id], now) == [store.get([live.id], now)[0]]
+    assert [r.id for r, _ in store.lexical_search(["note"], flt(now=now), 10)] == [live.id]
+    assert store.purge_expired(now) == 1
+    assert store.get([gone.id], 0) == []
+
+
+def test_retention_caps_expiry(store: TenantStore) -> None:
+    f = store.add([fact("kept briefly")])[0]
+    assert store.cap_expiry(U, 5_000_000) == 1
+    got = store.get([f.id], 0)[0]
+    assert to_us(got.expires_at) == to_us(f.created_at) + 5_000_000  # type: ignore[arg-type]
+
+
+def test_forget_scope_is_component_wise(store: TenantStore) -> None:
+    store.add([fact("x", scope="app/a"), fact("y", scope="app/a/user/u"),
+               fact("z", scope="app/ab")])
+    store.put_profile(Profile(scope="app/a/user/u", data={"a": 1}, updated_at=from_us(now_us())))
+    assert store.forget_scope("app/a") == 2
+    left = store.scan(flt(scopes=["app/a", "app/a/user/u", "app/ab"]), 10)
+    assert [r.text for r in left] == ["z"]
+    assert store.get_profile("app/a/user/u") is None
+
+
+def test_profiles_policies_meta(store: TenantStore) -> None:
+    assert store.get_profile(U) is None
+    p1 = store.put_profile(Profile(scope=U, data={"plan": "pro"}, updated_at=from_us(now_us())))
+    p2 = store.put_profile(Profile(scope=U, data={"plan": "free"}, json_schema={"type": "object"},
+                                   updated_at=from_us(now_us())))
+    assert (p1.version, p2.version) == (1, 2)
+    got = store.get_profile(U)
+    assert got is not None and got.data == {"plan": "free"} and got.json_schema == {"type": "object"}
+    assert [p.scope for p in store.iter_profiles("app")] == [U]
+    store.set_policy(U, Policy(retention_seconds=60))
+    assert store.get_policy(U) == Policy(retention_seconds=60)
+    assert store.get_meta("x") is None
+    store.set_meta("x", "1")
+    assert store.get_meta("x") == "1"
+
+
+def test_verification_update(store: TenantStore) -> None:
+    f = store.add([fact("sourced")])[0]
+    store.set_verification(f.id, verified=True, stale=False, source_hash="abc")
+    got = store.get([f.id], now_us())[0]
+    assert isinstance(got, Fact) and got.verified and got.source_hash == "abc"
+    with pytest.raises(RecordNotFound):
+        store.set_verification("nope", verified=False, stale=True, source_hash=None)
+
+
+def test_import_keeps_ids_and_skips_existing(store: TenantStore) -> None:
+    a = store.add([fact("v1", "k")])[0]
+    b = store.add([fact("v2", "k")])[0]
+    rows = list(store.iter_records(""))
+    assert [r.id for r, _ in rows] == [a.id, b.id]
+    assert store.import_records([r for r, _ in rows]) == 0
+    newer = fact("v3", "k")
+    assert store.import_records([newer]) == 1
+    assert [f.text for f in store.history(U, "k", now_us())] == ["v1", "v2", "v3"]
+    assert len(store.scan(flt(key="k"), 10)) == 1
+
+
+def test_scan_matches_reference_filter(store: TenantStore) -> None:
+    rnd = random.Random(7)
+    scopes = ["", "app/a", U, "app/b", "app/a/user/v"]
+    recs: list[Fact | Episode] = []
+    for i in range(120):
+        scope = rnd.choice(scopes)
+        meta = {"c": rnd.choice(["x", "y"])}
+        if rnd.random() < 0.5:
+            recs.append(fact(f"t{i}", key=rnd.choice([None, "k1", "k2"]), scope=scope,
+                             metadata=meta))
+        else:
+            recs.append(episode(f"t{i}", scope=scope, session=rnd.choice(["s1", "s2"]),
+                                metadata=meta))
+    store.add(recs)
+    everything = [r for r, _ in store.iter_records("")]
+    mid = to_us(everything[60].valid_from)
+    for f in [flt(), flt(include_history=True), flt(as_of=mid), flt(kinds=("episode",)),
+              flt(key="k1", include_history=True), flt(session="s2"), flt(metadata={"c": "x"}),
+              flt(since=mid), flt(until=mid), flt(scopes=["app/b", ""])]:
+        expect = {r.id for r in everything if visible(r, f)}
+        assert {r.id for r in store.scan(f, 1000)} == expect
+        assert store.count(f) == len(expect)
+
+
+def test_closed_store_raises(backend: MemoryBackend) -> None:
+    s = backend.tenant("closing")
+    s.add([fact("x")])
+    s.close()
+    with pytest.raises(StorageError):
+        s.scan(flt(), 10)
+
+
+def test_bad_tenant_name(backend: MemoryBackend) -> None:
+    with pytest.raises(InvalidName):
+        backend.tenant("../etc")
+    with pytest.raises(InvalidName):
+        backend.tenant("_system")
+
+
+def test_tenants_are_separate(backend: MemoryBackend) -> None:
+    backend.tenant("t1").add([fact("secret of t1")])
+    backend.tenant("t2").add([fact("secret of t2")])
+    assert [r.text for r in backend.tenant("t2").scan(flt(), 10)] == ["secret of t2"]
+    assert {"t1", "t2"} <= set(backend.tenants())
+
+
+def test_tokens_and_audit(backend: MemoryBackend) -> None:
+    info = TokenInfo(token_hash="h1", tenant="t1", grants=[Grant(mode="read", prefix="app/a")],
+                     created_at=from_us(now_us()))
+    backend.put_token(info)
+    assert backend.get_token("h1") == info
+    assert backend.revoke_token("h1") and backend.get_token("h1").revoked  # type: ignore[union-attr]
+    assert not backend.revoke_token("nope")
+    for i in range(3):
+        backend.append_audit(AuditEntry(at=from_us(now_us()), tenant="t1", actor="a",
+                                        action=f"act{i}", allowed=i != 1))
+    backend.append_audit(AuditEntry(at=from_us(now_us()), tenant="t2", actor="a", action="x"))
+    log = backend.audit_log("t1", 10)
+    assert [e.action for e in log] == ["act2", "act1", "act0"]
+    assert log[1].allowed is False
