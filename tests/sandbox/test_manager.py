@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -478,3 +479,116 @@ def test_restart_resolves_half_done_steps(home: Path, step: str, qemu_dies: bool
                 await b.run_code(sandbox_id, "v")
         await b.close()
     run(main())
+
+
+# -- the same on real QEMU ------------------------------------------------------------------
+
+def _qemu_procs_on(directory: Path) -> list[int]:
+    """Pids of any process whose cwd is ``directory`` (QEMU runs there)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(directory.resolve()):
+                    found.append(int(pid))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.qemu
+def test_qemu_lifecycle_keeps_ram_and_holds_nothing_paused(qemu_home: Path) -> None:
+    async def main() -> None:
+        mgr = SandboxManager(paths(qemu_home))
+        try:
+            info = await mgr.create(name="agent", labels={"user": "u-42"})
+            assert mgr.transitions(info.id) == CREATE
+            await mgr.run_code("agent", "notes = ['prefers weekly summaries']")
+            await mgr.write_file("agent", "/workspace/ledger.csv", "a,b\n1,2\n")
+            await mgr.run_command("agent", "nohup sleep 1000 >/dev/null 2>&1 &", background=True)
+            await mgr.pause("agent")
+            directory = mgr.directory(info.id)
+            assert _qemu_procs_on(directory) == []  # no QEMU, so no RAM and no CPU
+            assert mgr.engine.inspect(directory).has_state
+            result = await mgr.run_code("agent", "notes")  # wake on request
+            assert result.text == "['prefers weekly summaries']"
+            assert mgr.transitions(info.id) == CREATE + PAUSE + WAKE
+            assert await mgr.read_file("agent", "/workspace/ledger.csv") == b"a,b\n1,2\n"
+            ps = await mgr.run_command("agent", "pgrep -f 'sleep 1000'")
+            assert ps.exit_code == 0  # the process survived hibernation
+            await mgr.kill("agent")
+            assert not directory.exists() and _qemu_procs_on(directory) == []
+            with pytest.raises(SandboxClosed):
+                await mgr.run_code(info.id, "notes")
+        finally:
+            await mgr.close()
+    run(main())
+
+
+@pytest.mark.qemu
+def test_qemu_get_or_create_and_fresh_randomness(qemu_home: Path) -> None:
+    async def main() -> None:
+        mgr = SandboxManager(paths(qemu_home))
+        try:
+            infos = await asyncio.gather(*(mgr.get_or_create("shared") for _ in range(3)))
+            assert len({i.id for i in infos}) == 1
+            assert sorted(i.reused for i in infos) == [False, True, True]
+            other = await mgr.create()
+            code = "import random; random.random()"
+            a = (await mgr.run_code("shared", code)).text
+            b = (await mgr.run_code(other.id, code)).text
+            assert a != b  # clones of one snapshot were reseeded
+            for sandbox in ("shared", other.id):
+                await mgr.kill(sandbox)
+        finally:
+            await mgr.close()
+    run(main())
+
+
+@pytest.mark.qemu
+def test_qemu_bad_input(qemu_home: Path) -> None:
+    async def main() -> None:
+        mgr = SandboxManager(paths(qemu_home))
+        try:
+            with pytest.raises(TemplateNotFound):
+                await mgr.create(template="no-such-template")
+            with pytest.raises(InvalidName):
+                await mgr.create(template="No Such")
+            with pytest.raises(InvalidArgument):
+                await mgr.create(memory_mib=2048)  # the template's snapshot is 512 MiB
+            with pytest.raises(SandboxNotFound):
+                await mgr.run_command("ghost", "true")
+            assert await mgr.list(include_stopped=True) == []
+            assert list(mgr.paths.sandboxes.iterdir()) == []
+        finally:
+            await mgr.close()
+    run(main())
+
+
+@pytest.mark.qemu
+def test_qemu_restart_reattaches_running_keeps_paused(qemu_home: Path) -> None:
+    async def first() -> tuple[str, str]:
+        mgr = SandboxManager(paths(qemu_home))
+        up = await mgr.create(name="up")
+        down = await mgr.create(name="down")
+        await mgr.run_code("up", "x = 'up'")
+        await mgr.run_code("down", "y = 'down'")
+        await mgr.pause("down")
+        await mgr.close(pause=False)  # the server goes away; QEMU of "up" keeps running
+        return up.id, down.id
+
+    async def second(up: str, down: str) -> None:
+        mgr = SandboxManager(paths(qemu_home))
+        try:
+            await mgr.start(supervise=False)
+            assert (await mgr.get(up)).state is S.RUNNING
+            assert (await mgr.get(down)).state is S.PAUSED
+            assert (await mgr.run_code(up, "x")).text == "'up'"
+            assert (await mgr.run_code(down, "y")).text == "'down'"
+        finally:
+            for sandbox in (up, down):
+                await mgr.kill(sandbox)
+            await mgr.close()
+
+    up, down = run(first())
+    run(second(up, down))
