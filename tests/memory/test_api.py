@@ -1,0 +1,215 @@
+"""The public API end to end (lexical-only and with the hashing embedder), on every backend."""
+
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+import torpor
+from torpor.errors import (
+    InvalidArgument,
+    PayloadTooLarge,
+    RecordNotFound,
+    SchemaViolation,
+)
+from torpor.memory import Memory
+from torpor.memory.models import from_us, now_us, to_us
+
+
+def test_issue_example(mem: Memory) -> None:
+    u = mem.scope(app="support", user="u-42")
+    u.set_profile({"plan": "pro", "name": "Jordan"})
+    u.log("user", "Can you send me summaries every week?", session="s1")
+    f = u.remember("prefers weekly summaries", key="summary_cadence")
+    u.remember("prefers daily summaries", key="summary_cadence")
+    texts = [h.text for h in u.recall("how often should I send summaries?", k=3)]
+    assert texts[0] == "prefers daily summaries"
+    assert "prefers weekly summaries" not in texts
+    hist = u.history("summary_cadence")
+    assert [h.text for h in hist] == ["prefers weekly summaries", "prefers daily summaries"]
+    assert hist[0].valid_to == hist[1].valid_from and hist[1].valid_to is None
+    then = [h.text for h in u.recall("summaries", as_of=f.valid_from)]
+    assert "prefers weekly summaries" in then and "prefers daily summaries" not in then
+    ctx = u.context("write Jordan a short update", budget_tokens=300)
+    assert "Jordan" in str(ctx) and "prefers daily summaries" in ctx.text
+    assert ctx.tokens <= 300
+
+
+def test_public_exports() -> None:
+    assert torpor.Memory is Memory
+    assert torpor.SourceRef is torpor.memory.SourceRef
+
+
+def test_hits_explain_themselves(hmem: Memory) -> None:
+    u = hmem.scope(app="a", user="u")
+    f = u.remember("the invoice is due on friday", metadata={"topic": "billing"})
+    [hit] = u.recall("when is the invoice due", k=1)
+    assert hit.id == f.id and hit.kind == "fact" and hit.scope == "app/a/user/u"
+    assert hit.metadata == {"topic": "billing"} and hit.created_at == f.created_at
+    assert {"lexical", "vector", "relevance", "recency", "scope"} <= set(hit.scores)
+    assert hit.scores["vector"] > 0.3
+
+
+def test_keyed_facts_always_current(mem: Memory) -> None:
+    u = mem.scope(app="a", user="u")
+    for i in range(30):
+        u.remember(f"favourite number is {i}", key="fav")
+        hits = u.recall("favourite number", k=10)
+        assert [h.text for h in hits] == [f"favourite number is {i}"]
+    assert len(u.recall("favourite number", k=50, include_history=True)) == 30
+
+
+def test_scope_sees_ancestors_not_siblings_and_ranks_specific_first(mem: Memory) -> None:
+    app = mem.scope(app="a")
+    u = mem.scope(app="a", user="u")
+    v = mem.scope(app="a", user="v")
+    app.remember("office hours are nine to five")
+    u.remember("u likes office hours in the morning")
+    v.remember("v office hours secret")
+    texts = [h.text for h in u.recall("office hours", k=10)]
+    assert texts == ["u likes office hours in the morning", "office hours are nine to five"]
+    assert [h.text for h in app.recall("office hours", k=10)] == ["office hours are nine to five"]
+    sess = mem.scope(app="a", user="u", session="s9")
+    sess.remember("in this session office hours moved")
+    assert sess.recall("office hours", k=1)[0].text == "in this session office hours moved"
+
+
+def test_filters_kind_metadata_time(mem: Memory) -> None:
+    u = mem.scope(app="a", user="u")
+    old = u.log("user", "talked about the garden", at=from_us(now_us() - 86_400_000_000 * 3))
+    new = u.log("assistant", "garden advice given", session="s2", metadata={"lang": "en"})
+    f = u.remember("has a garden")
+    assert [h.id for h in u.recall("garden", kind="fact")] == [f.id]
+    assert {h.id for h in u.recall("garden", kind="episode")} == {old.id, new.id}
+    assert [h.id for h in u.recall("garden", metadata={"lang": "en"})] == [new.id]
+    assert [h.id for h in u.recall("garden", session="s2")] == [new.id]
+    day_ago = from_us(now_us() - 86_400_000_000)
+    assert [h.id for h in u.recall("garden", until=day_ago)] == [old.id]
+    assert old.id not in [h.id for h in u.recall("garden", since=day_ago)]
+    assert old.at < new.at
+
+
+def test_batched_writes(hmem: Memory) -> None:
+    u = hmem.scope(app="a", user="u")
+    facts = u.remember_many([f"note number {i}" for i in range(200)] +
+                            [{"text": "keyed", "key": "k", "metadata": {"x": 1}}])
+    assert len(facts) == 201 and facts[-1].key == "k"
+    eps = u.log_many([{"role": "user", "text": f"turn {i}", "session": "s"} for i in range(50)])
+    assert len(eps) == 50 and eps[0].session == "s"
+    assert len(u.recall("note number 17", k=3)) == 3
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(lambda u: u.remember(""), id="empty"),
+    pytest.param(lambda u: u.remember("   "), id="blank"),
+    pytest.param(lambda u: u.remember("x", key="bad key!"), id="key"),
+    pytest.param(lambda u: u.remember("x", metadata={"a": object()}), id="metadata"),
+    pytest.param(lambda u: u.remember("x", ttl=-1), id="ttl"),
+    pytest.param(lambda u: u.remember("x", durability="forever"), id="durability"),
+    pytest.param(lambda u: u.remember("x", source={"path": "relative"}), id="source"),
+    pytest.param(lambda u: u.remember_many(["ok", ""]), id="batch"),
+    pytest.param(lambda u: u.remember_many([{"text": "a", "colour": 1}]), id="unknown-field"),
+    pytest.param(lambda u: u.log("", "hi"), id="role"),
+    pytest.param(lambda u: u.recall(""), id="query"),
+    pytest.param(lambda u: u.recall("x", kind="note"), id="kind"),
+    pytest.param(lambda u: u.context("x", budget_tokens=0), id="budget"),
+])
+def test_bad_input_is_typed_and_writes_nothing(mem: Memory, bad: object) -> None:
+    u = mem.scope(app="a", user="u")
+    with pytest.raises(InvalidArgument):
+        bad(u)  # type: ignore[operator]
+    assert list(mem.store.iter_records("")) == []
+
+
+def test_oversized_text(mem: Memory) -> None:
+    u = mem.scope(app="a", user="u")
+    with pytest.raises(PayloadTooLarge) as err:
+        u.remember("x" * 40_000)
+    assert err.value.limit == 32_000
+    assert list(mem.store.iter_records("")) == []
+
+
+def test_unknown_key_history(mem: Memory) -> None:
+    with pytest.raises(RecordNotFound):
+        mem.scope(app="a").history("never_used")
+
+
+def test_profile_schema(mem: Memory) -> None:
+    class P(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        plan: str
+        name: str | None = None
+
+    u = mem.scope(app="a", user="u")
+    u.set_profile({"plan": "pro", "name": "Jordan"}, schema=P)
+    with pytest.raises(SchemaViolation):
+        u.set_profile({"plan": 3})
+    with pytest.raises(SchemaViolation):
+        u.set_profile({"plan": "pro", "unknown": 1}, merge=True)
+    assert u.get_profile() == {"plan": "pro", "name": "Jordan"}
+    v = mem.scope(app="a", user="v")
+    v.set_profile({"age": 3}, schema={"type": "object", "properties": {"age": {"type": "integer"}}})
+    with pytest.raises(SchemaViolation):
+        v.set_profile({"age": "three"})
+    assert v.set_profile({"tz": "UTC"}, merge=True).data == {"age": 3, "tz": "UTC"}
+
+
+def test_ttl_cache_retention_gc(mem: Memory) -> None:
+    u = mem.scope(app="a", user="u")
+    short = u.remember("temporary value", durability="cache", ttl=timedelta(microseconds=1))
+    keep = u.remember("permanent value")
+    assert [h.id for h in u.recall("value")] == [keep.id]
+    u.set_policy(cache_ttl_seconds=3600)
+    c = u.remember("cached value", durability="cache")
+    assert c.expires_at is not None and c.durability == "cache"
+    u.set_policy(retention_seconds=1e-6)
+    assert u.recall("value") == []
+    assert mem.gc() >= 3
+    assert mem.store.get([short.id, keep.id, c.id], 0) == []
+
+
+def test_forget_record_and_scope(mem: Memory) -> None:
+    u = mem.scope(app="a", user="u")
+    v = mem.scope(app="a", user="v")
+    f = u.remember("forget me")
+    g = u.remember("keep me")
+    other = v.remember("forget me too")
+    with pytest.raises(RecordNotFound):
+        u.forget(other.id)
+    assert mem.forget(f.id) == 1
+    assert [h.id for h in u.recall("me")] == [g.id]
+    assert mem.forget(u) == 1
+    assert u.recall("me") == [] and [h.id for h in v.recall("forget")] == [other.id]
+    assert any(e.action == "forget.scope" for e in mem.audit_log())
+
+
+def test_export_import_fork_roundtrip(hmem: Memory, tmp_path: Path) -> None:
+    u = hmem.scope(app="a", user="u")
+    u.set_profile({"plan": "pro"})
+    u.remember("weekly", key="cadence")
+    u.remember("daily", key="cadence")
+    u.log("user", "hello there", session="s1")
+    path = tmp_path / "u.jsonl"
+    assert u.export(path) >= 5
+    w = hmem.scope(app="a", user="w")
+    assert w.import_(path) == 3
+    assert [f.text for f in w.history("cadence")] == ["weekly", "daily"]
+    assert w.get_profile() == {"plan": "pro"}
+    assert w.import_(path) == 3  # a different scope: fresh ids each time
+    u2 = u.fork(app="a", user="x")
+    assert [h.text for h in u2.recall("daily", k=5)] == ["daily"]
+    assert [f.text for f in u2.history("cadence")] == ["weekly", "daily"]
+    buf = io.StringIO()
+    u.export(buf)
+    assert u.import_(io.StringIO(buf.getvalue())) == 0  # same scope, same ids: idempotent
+    with pytest.raises(InvalidArgument):
+        w.import_(io.StringIO('{"type": "fact"}\n'))
+
+
+def test_time_roundtrip_exact(mem: Memory) -> None:
+    f = mem.scope(app="a").remember("t")
+    assert from_us(to_us(f.valid_from)) == f.valid_from
