@@ -233,7 +233,7 @@ class FakeChannel:
         exec(compile(tree, "<cell>", "exec"), {}, ns)  # noqa: S102 - test fake
         if last is None:
             return Execution()
-        value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), {}, ns)  # noqa: S307
+        value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), {}, ns)
         return Execution(results=[Result(data={"text/plain": repr(value)})])
 
     async def refresh(self, *, entropy: bytes | None = None,

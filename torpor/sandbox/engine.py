@@ -24,7 +24,7 @@ from torpor.config import Paths
 from torpor.errors import EngineError, InvalidArgument
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
 
-__all__ = ["MachineConfig", "DirStatus", "Machine", "Channel", "Engine", "QemuEngine"]
+__all__ = ["Channel", "DirStatus", "Engine", "Machine", "MachineConfig", "QemuEngine"]
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from torpor.errors import InvalidState, SandboxClosed
 from torpor.sandbox.models import SandboxState
 
 __all__ = [
-    "TRANSITIONS",
     "OPERATIONS",
-    "Transition",
+    "TRANSITIONS",
     "Lifecycle",
+    "Transition",
     "can_transition",
     "check_transition",
     "require",

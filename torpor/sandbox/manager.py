@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ class _Live:
 
 
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
 
 
 def _wrap(exc: BaseException, what: str, sandbox_id: str) -> TorporError:
@@ -291,14 +291,14 @@ class SandboxManager:
         if channel is not None:
             try:  # flush the guest's page cache so the disk overlay is whole
                 await channel.sync()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 log.warning("sync before pausing %s failed: %r", rec.id, exc)
             with suppress(Exception):
                 await channel.close()
         machine = live.machine or self.engine.machine(directory, self._config(rec))
         try:
             await machine.hibernate()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             return await self._pause_failed(rec, live, machine, exc)
         live.machine = None
         await self._step("pause:saved", rec.id)
@@ -313,7 +313,7 @@ class SandboxManager:
             try:  # the machine is still up: roll back to running
                 live.machine = machine
                 live.channel = await self.engine.connect(machine, directory)
-            except Exception:
+            except Exception:  # noqa: BLE001
                 await self._quiet_kill(live, directory)
             else:
                 self._move(rec, S.RUNNING, "pause failed; still running")
@@ -541,7 +541,7 @@ class SandboxManager:
             try:
                 await self._reattach(rec, live, directory)
                 return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 log.warning("sandbox %s: cannot re-attach QEMU %s: %r", rec.id,
                             status.qemu_pid, exc)
         await self._quiet_kill(live, directory)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from torpor.errors import Conflict, InvalidArgument, InvalidState, SandboxNotFou
 from torpor.sandbox.lifecycle import Transition, check_transition
 from torpor.sandbox.models import SandboxInfo, SandboxState
 
-__all__ = ["SCHEMA_VERSION", "SandboxRecord", "Registry"]
+__all__ = ["SCHEMA_VERSION", "Registry", "SandboxRecord"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ _MIGRATIONS = {1: _SCHEMA_V1}
 
 
 def _dt(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, tz=timezone.utc)
+    return datetime.fromtimestamp(ts, tz=UTC)
 
 
 @dataclass(frozen=True)
