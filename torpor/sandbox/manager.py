@@ -94,6 +94,9 @@ class SandboxManager:
         self.engine: Engine = engine if engine is not None else QemuEngine(paths)
         self.registry = Registry(paths.registry)
         self.on_step: StepHook | None = None
+        #: objects with ``async before_pause(sandbox_id, channel)`` / ``after_wake(...)``,
+        #: e.g. torpor.sandbox.checkpoints (9p drives must be unmounted to hibernate)
+        self.guest_hooks: builtins.list[Any] = []
         self._lives: dict[str, _Live] = {}
         self._name_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._supervisor: asyncio.Task[None] | None = None
@@ -284,6 +287,9 @@ class SandboxManager:
         return rec.to_info()
 
     async def _pause_locked(self, rec: SandboxRecord, live: _Live, reason: str) -> SandboxRecord:
+        if live.channel is not None:
+            for hook in self.guest_hooks:  # may refuse (busy drive): still running then
+                await hook.before_pause(rec.id, live.channel)
         rec = self._move(rec, S.PAUSING, reason)
         await self._step("pause:begin", rec.id)
         directory = self.directory(rec.id)
@@ -361,6 +367,11 @@ class SandboxManager:
         except Exception as exc:
             await self._quiet_kill(live, directory)
             raise self._mark_lost(rec, f"guest unreachable after wake: {exc}") from exc
+        for hook in self.guest_hooks:
+            try:
+                await hook.after_wake(rec.id, live.channel)
+            except TorporError as exc:
+                log.warning("after-wake hook of %s failed: %s", rec.id, exc)
         return self._move(rec, S.RUNNING, reason, last_active_at=time.time(), paused_at=None)
 
     async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
