@@ -131,6 +131,13 @@ def test_interpreter(served: Served) -> None:
     assert execution.text == "['prefers weekly summaries']"
 
 
+def test_interpreter_streams_prints(served: Served) -> None:
+    sbx = Sandbox.create(runtime=served.runtime)
+    lines: list[str] = []
+    execution = sbx.interpreter.run("for i in range(3): print(i)", on_stdout=lines.append)
+    assert lines == ["0\n", "1\n", "2\n"] and execution.stdout == "0\n1\n2\n"
+
+
 def test_dead_server_is_server_unavailable(tmp_path: Path) -> None:
     rt = Runtime(home=tmp_path, autostart=False)
     with pytest.raises(ServerUnavailable):

@@ -8,6 +8,8 @@ with real QEMU in tests/sandbox and in this package's ``qemu`` tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -197,12 +199,20 @@ class FakeManager:
         self._live(id_or_name, tenant)
 
     async def run_code(self, id_or_name: str, code: str, *, timeout: float | None = None,
+                       on_stdout: Callable[[str], Any] | None = None,
+                       on_stderr: Callable[[str], Any] | None = None,
                        tenant: str = "default") -> Execution:
         info = self._live(id_or_name, tenant)
         scope = self.scopes[info.id]
-        try:
-            value = eval(code, scope)  # a test double
-        except SyntaxError:
-            exec(code, scope)  # noqa: S102 - a test double
-            return Execution()
-        return Execution(results=[Result(data={"text/plain": repr(value)})])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                value = eval(code, scope)  # a test double
+                results = [Result(data={"text/plain": repr(value)})]
+            except SyntaxError:
+                exec(code, scope)  # noqa: S102 - a test double
+                results = []
+        for line in out.getvalue().splitlines(keepends=True):
+            if on_stdout:
+                on_stdout(line)
+        return Execution(results=results, stdout=out.getvalue())

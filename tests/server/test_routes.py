@@ -200,6 +200,15 @@ def test_interpreter_keeps_variables(client: TestClient) -> None:
     assert out["results"][0]["data"]["text/plain"] == "['weekly']"
 
 
+def test_streamed_interpreter(client: TestClient) -> None:
+    sid = _create(client)["id"]
+    with client.stream("POST", f"/v1/sandboxes/{sid}/interpreter/stream",
+                       json={"code": "for i in range(2): print(i)"}) as r:
+        events = [json.loads(line) for line in r.iter_lines() if line]
+    assert events[:2] == [{"type": "stdout", "data": "0\n"}, {"type": "stdout", "data": "1\n"}]
+    assert events[-1]["type"] == "result" and events[-1]["result"]["stdout"] == "0\n1\n"
+
+
 def test_paused_sandbox_wakes_on_request(client: TestClient) -> None:
     sid = _create(client)["id"]
     client.post(f"/v1/sandboxes/{sid}/pause")

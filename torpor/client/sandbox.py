@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 from urllib.parse import quote
+
+from pydantic import BaseModel
 
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.errors import NotFound, SandboxClosed, ServerUnavailable, from_wire
@@ -29,6 +31,7 @@ from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxIn
 __all__ = ["Commands", "Files", "Interpreter", "Sandbox"]
 
 OutputCallback = Callable[[str], Any]
+M = TypeVar("M", bound=BaseModel)
 
 #: Extra seconds the HTTP call may take beyond a command's own timeout (waking the sandbox).
 _SLACK = 120.0
@@ -36,6 +39,24 @@ _SLACK = 120.0
 
 def _http_timeout(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _SLACK
+
+
+def _streamed(rt: Runtime, path: str, body: dict[str, Any], model: type[M],
+              on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+              timeout: float | None) -> M:
+    """POST to a streamed route: feed output chunks to the callbacks, return the result."""
+    with rt.stream_events("POST", path, json=body, timeout=_http_timeout(timeout)) as events:
+        for event in events:
+            kind = event.get("type")
+            if kind == "stdout" and on_stdout is not None:
+                on_stdout(event["data"])
+            elif kind == "stderr" and on_stderr is not None:
+                on_stderr(event["data"])
+            elif kind == "result":
+                return model.model_validate(event["result"])
+            elif kind == "error":
+                raise from_wire(event["error"])
+    raise ServerUnavailable("the server closed the stream without a result")
 
 
 class Commands:
@@ -62,19 +83,8 @@ class Commands:
             data = rt.json("POST", self._sbx._path("/commands"), json=body,
                            timeout=_http_timeout(timeout))
             return CommandResult.model_validate(data)
-        with rt.stream_events("POST", self._sbx._path("/commands/stream"), json=body,
-                              timeout=_http_timeout(timeout)) as events:
-            for event in events:
-                kind = event.get("type")
-                if kind == "stdout" and on_stdout is not None:
-                    on_stdout(event["data"])
-                elif kind == "stderr" and on_stderr is not None:
-                    on_stderr(event["data"])
-                elif kind == "result":
-                    return CommandResult.model_validate(event["result"])
-                elif kind == "error":
-                    raise from_wire(event["error"])
-        raise ServerUnavailable("the server closed the command stream without a result")
+        return _streamed(rt, self._sbx._path("/commands/stream"), body, CommandResult,
+                         on_stdout, on_stderr, timeout)
 
 
 class Files:
@@ -129,17 +139,23 @@ class Interpreter:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sbx = sandbox
 
-    def run(self, code: str, *, timeout: float | None = None) -> Execution:
+    def run(self, code: str, *, timeout: float | None = None,
+            on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None) -> Execution:
         """Run ``code``; variables persist between runs and across pause/resume.
 
         The last expression's value is ``results[0].data["text/plain"]``; an exception in the
-        code is ``Execution.error`` (not raised). Raises
-        :class:`~torpor.errors.OperationTimeout` after ``timeout`` seconds (variables kept).
+        code is ``Execution.error`` (not raised). ``on_stdout``/``on_stderr`` receive what the
+        code prints as it prints it. Raises :class:`~torpor.errors.OperationTimeout` after
+        ``timeout`` seconds (variables kept).
         """
-        data = self._sbx._runtime.json("POST", self._sbx._path("/interpreter"),
-                                       json={"code": code, "timeout": timeout},
-                                       timeout=_http_timeout(timeout))
-        return Execution.model_validate(data)
+        rt, body = self._sbx._runtime, {"code": code, "timeout": timeout}
+        if on_stdout is None and on_stderr is None:
+            data = rt.json("POST", self._sbx._path("/interpreter"), json=body,
+                           timeout=_http_timeout(timeout))
+            return Execution.model_validate(data)
+        return _streamed(rt, self._sbx._path("/interpreter/stream"), body, Execution,
+                         on_stdout, on_stderr, timeout)
 
 
 class Sandbox:

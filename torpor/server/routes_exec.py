@@ -13,6 +13,7 @@ Each wakes a paused sandbox first (the manager does that: wake-on-request). ::
     GET    /v1/sandboxes/{id}/files/exists?path= exists                  -> {"exists": bool}
     POST   /v1/sandboxes/{id}/files/mkdir?path= make_dir                 -> 204
     POST   /v1/sandboxes/{id}/interpreter       run code                 -> Execution
+    POST   /v1/sandboxes/{id}/interpreter/stream same, streamed like commands/stream
 
 Bodies over the limit (``app.state.max_file_bytes``, :data:`torpor.config.LIMITS`) are refused
 with :class:`~torpor.errors.PayloadTooLarge` (413) before they are read in full.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -35,7 +36,7 @@ from torpor.errors import PayloadTooLarge, TorporError
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
 from torpor.server.deps import Manager, Tenant
 
-__all__ = ["RunCode", "RunCommand", "read_body", "router"]
+__all__ = ["RunCode", "RunCommand", "read_body", "router", "stream_ndjson"]
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +85,16 @@ def _text(chunk: str | bytes) -> str:
     return chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
 
 
-@router.post("/commands/stream")
-async def run_command_stream(id_or_name: str, body: RunCommand, manager: Manager,
-                             tenant: Tenant) -> StreamingResponse:
-    """Run a command, streaming its output as it comes (NDJSON, see the module docstring).
+#: ``call(on_stdout, on_stderr)`` -> the final result; what a streamed route runs.
+StreamedCall = Callable[[Callable[[str | bytes], None], Callable[[str | bytes], None]],
+                        Awaitable[BaseModel]]
+
+
+def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
+    """Run ``call``, streaming its output chunks and then its result (or error) as NDJSON.
 
     Errors, including a missing sandbox, arrive as the last line, since the status line has
-    already gone out when the command starts.
+    already gone out when the call starts. If the caller hangs up, the call is cancelled.
     """
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
@@ -102,14 +106,12 @@ async def run_command_stream(id_or_name: str, body: RunCommand, manager: Manager
 
     async def work() -> None:
         try:
-            result = await manager.run_command(id_or_name, body.cmd, **_command_kwargs(body),
-                                               on_stdout=on_stdout, on_stderr=on_stderr,
-                                               tenant=tenant)
+            result = await call(on_stdout, on_stderr)
             queue.put_nowait({"type": "result", "result": result.model_dump(mode="json")})
         except TorporError as exc:
             queue.put_nowait({"type": "error", "error": exc.to_wire()})
         except Exception as exc:  # a bug below us: log it, tell the caller something useful
-            log.exception("streamed command failed in sandbox %s", id_or_name)
+            log.exception("streamed %s failed", what)
             wire = TorporError(f"internal server error: {type(exc).__name__}").to_wire()
             queue.put_nowait({"type": "error", "error": wire})
         finally:
@@ -125,6 +127,16 @@ async def run_command_stream(id_or_name: str, body: RunCommand, manager: Manager
                 task.cancel()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.post("/commands/stream")
+async def run_command_stream(id_or_name: str, body: RunCommand, manager: Manager,
+                             tenant: Tenant) -> StreamingResponse:
+    """Run a command, streaming its output as it comes (NDJSON, see the module docstring)."""
+    return stream_ndjson(
+        lambda out, err: manager.run_command(id_or_name, body.cmd, **_command_kwargs(body),
+                                             on_stdout=out, on_stderr=err, tenant=tenant),
+        f"command in {id_or_name}")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -199,14 +211,29 @@ async def make_dir(id_or_name: str, manager: Manager, tenant: Tenant,
     return Response(status_code=204)
 
 
+def _check_code(code: str) -> None:
+    size = len(code.encode())
+    if size > LIMITS.max_code_bytes:
+        raise PayloadTooLarge(f"code of {size} bytes is over the limit", size=size,
+                              limit=LIMITS.max_code_bytes)
+
+
 @router.post("/interpreter")
 async def run_code(id_or_name: str, body: RunCode, manager: Manager,
                    tenant: Tenant) -> Execution:
     """Run code in the sandbox's interpreter; variables persist between calls and pauses."""
-    size = len(body.code.encode())
-    if size > LIMITS.max_code_bytes:
-        raise PayloadTooLarge(f"code of {size} bytes is over the limit", size=size,
-                              limit=LIMITS.max_code_bytes)
+    _check_code(body.code)
     execution: Execution = await manager.run_code(id_or_name, body.code, timeout=body.timeout,
                                                   tenant=tenant)
     return execution
+
+
+@router.post("/interpreter/stream")
+async def run_code_stream(id_or_name: str, body: RunCode, manager: Manager,
+                          tenant: Tenant) -> StreamingResponse:
+    """Run code, streaming what it prints as it comes, then the Execution (NDJSON)."""
+    _check_code(body.code)
+    return stream_ndjson(
+        lambda out, err: manager.run_code(id_or_name, body.code, timeout=body.timeout,
+                                          on_stdout=out, on_stderr=err, tenant=tenant),
+        f"code in {id_or_name}")

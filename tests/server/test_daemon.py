@@ -1,0 +1,123 @@
+"""``torpor serve`` as a real process (real SandboxManager, no VMs): signals, TCP, tokens, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from torpor.client import Runtime, Sandbox
+from torpor.client._local import is_alive
+from torpor.errors import AccessDenied, InvalidArgument, TorporError
+from torpor.server.auth import TokenStore, new_token
+from torpor.server.daemon import server_pid
+
+
+def _serve(home: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "torpor.cli", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TORPOR_HOME": str(home)})
+
+
+def _wait(check: object, proc: subprocess.Popen[str], seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():  # type: ignore[operator]
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "h"
+    pid = server_pid(tmp_path / "h")
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_stops_cleanly(home: Path) -> None:
+    proc = _serve(home)
+    _wait(lambda: is_alive(home / "server.sock"), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "torpor server stopped" in out  # the lifespan closed the manager
+    assert not (home / "server.sock").exists()
+    assert server_pid(home) is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_tcp_with_tokens(home: Path, tmp_path: Path) -> None:
+    token = new_token()
+    token_file = tmp_path / "tokens.json"
+    token_file.write_text(json.dumps({"tokens": {token: "acme"}}))
+    token_file.chmod(0o600)
+    port = _free_port()
+    proc = _serve(home, "--host", "127.0.0.1", "--port", str(port), "--token-file",
+                  str(token_file))
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return Runtime(url=url, token=token).health()["tenant"] == "acme"
+        except TorporError:  # not listening yet
+            return False
+
+    try:
+        _wait(up, proc)
+        assert Sandbox.list(runtime=Runtime(url=url, token=token)) == []
+        with pytest.raises(AccessDenied):
+            Sandbox.list(runtime=Runtime(url=url, token=new_token()))
+        with pytest.raises(AccessDenied):
+            Sandbox.list(runtime=Runtime(url=url))
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)
+
+
+def test_tcp_without_tokens_is_refused(home: Path) -> None:
+    proc = _serve(home, "--host", "127.0.0.1", "--port", str(_free_port()))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "token-file" in out
+
+
+@pytest.mark.parametrize("content", [
+    pytest.param("not json", id="not-json"),
+    pytest.param('{"tokens": {}}', id="empty"),
+    pytest.param('{"tokens": {"short": "acme"}}', id="short-token"),
+    pytest.param('{"tokens": {"%s": "Bad Tenant"}}' % ("x" * 32), id="bad-tenant"),
+])
+def test_bad_token_files(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "tokens.json"
+    path.write_text(content)
+    with pytest.raises(InvalidArgument):
+        TokenStore.load(path)
+
+
+def test_server_status_and_stop_commands(home: Path) -> None:
+    env = {**os.environ, "TORPOR_HOME": str(home), "COLUMNS": "200"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "torpor.cli", *args], capture_output=True,
+                              text=True, timeout=120, env=env, check=False)
+
+    assert cli("server", "status").returncode == 1
+    pid = Runtime(home=home).health()["pid"]  # auto-start
+    status = cli("server", "status")
+    assert status.returncode == 0 and str(pid) in status.stdout
+    stop = cli("server", "stop")
+    assert stop.returncode == 0 and f"stopped server pid {pid}" in stop.stdout
+    assert server_pid(home) is None
