@@ -1,0 +1,91 @@
+"""Provenance: host files now, pluggable resolvers for sandboxes and volumes later."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from torpor.errors import InvalidArgument, PathNotFound
+from torpor.memory import Memory, SourceRef, register_resolver
+from torpor.memory.provenance import check
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Path:
+    p = tmp_path / "ledger.csv"
+    p.write_text("date,event\n2026-03-01,signup\n2026-03-03,upgraded to Pro\n")
+    return p
+
+
+@pytest.fixture
+def sandbox_files() -> Iterator[dict[str, bytes]]:
+    files: dict[str, bytes] = {}
+
+    def read(ref: SourceRef) -> bytes:
+        try:
+            return files[f"{ref.sandbox}:{ref.path}"]
+        except KeyError:
+            raise PathNotFound("missing", kind="path", name=ref.path) from None
+
+    register_resolver("sandbox", read)
+    yield files
+    register_resolver("sandbox", None)
+
+
+def test_line_source_verified_then_stale(mem: Memory, ledger: Path) -> None:
+    u = mem.scope(app="a", user="u")
+    f = u.remember("upgraded to Pro on the 3rd",
+                   source=SourceRef(path=str(ledger), line=3, quote="upgraded to pro"))
+    assert f.verified and f.source_hash and not f.stale
+    assert u.verify(f.id)[0].verified
+    ledger.write_text("date,event\n2026-03-01,signup\n2026-03-03,downgraded\n")
+    [again] = u.verify()
+    assert again.stale and not again.verified
+    stored = u.get(f.id)
+    assert stored.stale and not stored.verified  # type: ignore[union-attr]
+
+
+def test_missing_line_file_or_quote_is_unverified(mem: Memory, ledger: Path) -> None:
+    u = mem.scope(app="a")
+    assert not u.remember("x", source=SourceRef(path=str(ledger), line=99)).verified
+    assert not u.remember("x", source=SourceRef(path=str(ledger) + ".gone")).verified
+    assert not u.remember("x", source=SourceRef(path=str(ledger), line=3, quote="Enterprise")).verified
+    ok = u.remember("x", source=SourceRef(path=str(ledger), start=0, end=10))
+    assert ok.verified
+    ledger.unlink()
+    assert u.verify(ok.id)[0].stale
+
+
+def test_sandbox_sources_need_a_resolver(mem: Memory, sandbox_files: dict[str, bytes]) -> None:
+    u = mem.scope(app="a", user="u-42")
+    ref = SourceRef(sandbox="agent-u-42", path="/workspace/ledger.csv", line=2)
+    assert not u.remember("upgraded", source=ref).verified
+    sandbox_files["agent-u-42:/workspace/ledger.csv"] = b"h\nupgraded to Pro on the 3rd\n"
+    f = u.remember("upgraded to Pro on the 3rd", source=ref)
+    assert f.verified
+    sandbox_files["agent-u-42:/workspace/ledger.csv"] = b"h\nchanged\n"
+    assert u.verify(f.id)[0].stale
+
+
+def test_no_resolver_for_volume_yet() -> None:
+    assert not check(SourceRef(volume="v1", path="/data/x")).verified
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"path": "rel/path"},
+    {"url": "ftp://x"},
+    {"url": "https://x", "path": "/a"},
+    {"sandbox": "s", "volume": "v", "path": "/a"},
+    {"path": "/a", "line": 0},
+    {"path": "/a", "line": 1, "start": 0, "end": 2},
+    {"path": "/a", "start": 5, "end": 2},
+    {"path": "/a", "start": 5},
+    {"path": "/a", "lines": (3, 1)},
+    {"path": "/a", "colour": "red"},
+])
+def test_malformed_sourceref(kw: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument):
+        SourceRef(**kw)  # type: ignore[arg-type]
