@@ -88,6 +88,9 @@ class Checkpoints:
         self.snapshots = SnapshotStore(self.paths)
         self.volumes = VolumeStore(self.paths)
         self.drives = DriveStore(self.paths)
+        hooks = getattr(manager, "guest_hooks", None)
+        if hooks is not None and not any(isinstance(h, Checkpoints) for h in hooks):
+            hooks.append(self)  # the manager unmounts/remounts drives around every hibernate
 
     # -- drives around a hibernate -------------------------------------------------------
 
@@ -134,9 +137,7 @@ class Checkpoints:
             if was_running:
                 async with live.idle:
                     await live.idle.wait_for(lambda: live.busy == 0)
-                if live.channel is not None:
-                    await self.before_pause(rec.id, live.channel)
-                rec = await m._pause_locked(rec, live, "snapshot")
+                rec = await m._pause_locked(rec, live, "snapshot")  # drives: via guest_hooks
             try:
                 with self.snapshots.lock():
                     frozen = await asyncio.to_thread(freeze, m.directory(rec.id),
@@ -144,8 +145,6 @@ class Checkpoints:
             finally:
                 if was_running:
                     rec = await m._wake_locked(rec, live, "snapshot taken")
-                    if live.channel is not None:
-                        await self.after_wake(rec.id, live.channel)
         return rec, frozen
 
     # -- snapshots -----------------------------------------------------------------------
@@ -256,44 +255,56 @@ class Checkpoints:
         template = str(config.get("template", "python"))
         shares = [d for d in config.get("devices", []) if d.get("kind") == "share"]
         drives = self._drives_for(shares, drives_of)
-        made: list[SandboxInfo] = []
+        recs: list[SandboxRecord] = []
         try:
-            for i in range(count):
+            for i in range(count):  # registry rows first: a taken name fails before any work
                 sid = "sbx-" + secrets.token_hex(6)
                 now = time.time()
                 rec = SandboxRecord(
                     id=sid, tenant=tenant, name=names[i] if names else sid, template=template,
                     state=S.CREATING, labels=dict(labels or {}),
-                    vcpus=int(config.get("vcpus", 1)), memory_mib=int(config.get("memory_mib", 512)),
+                    vcpus=int(config.get("vcpus", 1)),
+                    memory_mib=int(config.get("memory_mib", 512)),
                     idle_pause_seconds=idle_pause_seconds,
                     pause_retention_days=pause_retention_days, created_at=now, last_active_at=now)
                 m.registry.insert(rec, reason=reason)
-                live = m._live(sid)
-                directory = m.directory(sid)
-                async with live.lock:
-                    try:
-                        await asyncio.to_thread(clone_machine_dir, frozen, directory)
-                        machine = m.engine.machine(directory, m._config(rec))
-                        live.machine = machine
-                        await machine.wake()
-                        live.channel = await m.engine.connect(machine, directory)
-                        await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-                        for drive, path, ro in drives:
-                            self.drives.attach(drive.id, sid, path, read_only=ro,
-                                               tenant=drive.tenant)
-                            await _mount_drive(live.channel, drive, path, ro)
-                    except BaseException as exc:
-                        self.drives.release({sid})
-                        await m._abort_create(rec, live, exc)
-                        raise
-                    rec = m._move(rec, S.RUNNING, reason, last_active_at=time.time())
-                made.append(rec.to_info())
+                recs.append(rec)
         except BaseException:
-            for child in made:  # all or none
+            for rec in recs:
+                await m._abort_create(rec, m._live(rec.id), RuntimeError("sibling failed"))
+            raise
+
+        async def one(rec: SandboxRecord) -> SandboxInfo:
+            live = m._live(rec.id)
+            directory = m.directory(rec.id)
+            async with live.lock:
+                try:
+                    await asyncio.to_thread(clone_machine_dir, frozen, directory)
+                    machine = m.engine.machine(directory, m._config(rec))
+                    live.machine = machine
+                    await machine.wake()
+                    live.channel = await m.engine.connect(machine, directory)
+                    await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
+                    for drive, path, ro in drives:
+                        self.drives.attach(drive.id, rec.id, path, read_only=ro,
+                                           tenant=drive.tenant)
+                        await _mount_drive(live.channel, drive, path, ro)
+                except BaseException as exc:
+                    self.drives.release({rec.id})
+                    await m._abort_create(rec, live, exc)
+                    raise
+                return m._move(rec, S.RUNNING, reason, last_active_at=time.time()).to_info()
+
+        # children wake concurrently (QEMU start-up overlaps); all or none
+        results = await asyncio.gather(*(one(r) for r in recs), return_exceptions=True)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for child in made:
                 with contextlib.suppress(TorporError):
                     await m.kill(child.id, tenant=tenant)
                 self.drives.release({child.id})
-            raise
+            raise failed[0]
         log.info("%s: %d sandbox(es) %s", reason, count, [c.id for c in made])
         return made
 

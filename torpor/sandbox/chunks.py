@@ -83,7 +83,7 @@ class ChunkStore:
     and compress in parallel (both release the GIL).
     """
 
-    def __init__(self, root: Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = 3,
+    def __init__(self, root: Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = 1,
                  workers: int = 2) -> None:
         if chunk_size <= 0 or chunk_size % 4096:
             raise InvalidArgument(f"chunk size must be a positive multiple of 4096, not {chunk_size}")
