@@ -36,6 +36,7 @@ DEFAULT_FILE_LIMIT = 256 * 1024 * 1024
 #: RNDADDENTROPY = _IOW('R', 0x03, int[2]) from <linux/random.h>
 RNDADDENTROPY = 0x40085203
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_BY_ID = "/dev/disk/by-id/virtio-"
 
 
 class Failure(Exception):
@@ -209,15 +210,20 @@ class Operations:
                           exit_code=proc.returncode)
 
     def op_mount(self, req: Any, payload: bytes) -> dict[str, Any]:
+        """``mount``; a ``/dev/disk/by-id/virtio-<serial>`` source is found by its serial
+        (the guest has no udev to make that link), waiting a little for a hot-plugged disk."""
         a = req.args
+        source = str(a["source"])
+        if source.startswith(_BY_ID):
+            source = _disk_by_serial(source[len(_BY_ID):], float(a.get("wait", 10.0)))
         os.makedirs(a["target"], exist_ok=True)
         argv = ["mount"]
         if a.get("fstype"):
             argv += ["-t", a["fstype"]]
         if a.get("options"):
             argv += ["-o", a["options"]]
-        self._tool(argv + [a["source"], a["target"]])
-        return {}
+        self._tool([*argv, source, a["target"]])
+        return {"source": source}
 
     def op_umount(self, req: Any, payload: bytes) -> dict[str, Any]:
         self._tool(["umount", req.args["target"]])
@@ -383,6 +389,27 @@ class Operations:
     def op_restart_interpreter(self, req: Any, payload: bytes) -> dict[str, Any]:
         self.kernel.stop()
         return {}
+
+
+def _disk_by_serial(serial: str, wait: float) -> str:
+    """The /dev node of the virtio disk with ``serial`` (virtio-blk keeps 20 characters).
+    Raises :class:`Failure` (PathNotFound) if none appears within ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        if os.path.exists(_BY_ID + serial):
+            return _BY_ID + serial
+        for name in sorted(os.listdir("/sys/block")) if os.path.isdir("/sys/block") else []:
+            try:
+                with open(f"/sys/block/{name}/serial") as f:
+                    found = f.read().strip()
+            except OSError:
+                continue
+            if found and found == serial[:20]:
+                return f"/dev/{name}"
+        if time.monotonic() > deadline:
+            raise Failure("PathNotFound", f"no disk with serial {serial!r} in the guest",
+                          kind="disk", name=serial)
+        time.sleep(0.1)
 
 
 def _killpg(proc: subprocess.Popen[bytes]) -> None:
