@@ -1,0 +1,126 @@
+"""Isolation: tokens, grants, audited refusals, and a property test that nothing leaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torpor.errors import AccessDenied
+from torpor.memory import Memory
+from torpor.memory.models import path_within
+
+
+def test_token_maps_to_tenant_and_grants(home: Path, backend_spec: str) -> None:
+    admin = Memory(str(home), tenant="acme", embedder=None, backend=backend_spec)
+    admin.scope(app="support", user="u-42").remember("acme secret plan")
+    admin.scope(app="support", user="u-43").remember("other user plan")
+    admin.scope(app="support").remember("shared support plan")
+    tok = admin.tokens.issue("acme", grants=[("write", "app/support/user/u-42")])
+    m = Memory(str(home), token=tok, embedder=None, backend=backend_spec)
+    assert m.tenant == "acme"
+    u = m.scope(app="support", user="u-42")
+    assert [h.text for h in u.recall("plan")] == ["acme secret plan"]  # no grant on the app
+    u.remember("written with a token")
+    with pytest.raises(AccessDenied):
+        m.scope(app="support", user="u-43")
+    with pytest.raises(AccessDenied):
+        m.scope(app="support").remember("nope")
+    with pytest.raises(AccessDenied):
+        m.scope(app="support", user="u-42", tenant="other")
+    with pytest.raises(AccessDenied):
+        m.gc()
+    denied = [e for e in admin.audit_log() if not e.allowed]
+    assert len(denied) >= 3 and {e.action for e in denied} >= {"scope", "gc"}
+    assert any(e.tenant == "other" for e in admin.backend.audit_log("other"))
+    m.close()
+    admin.close()
+
+
+def test_read_grant_cannot_write(home: Path, backend_spec: str) -> None:
+    admin = Memory(str(home), tenant="acme", embedder=None, backend=backend_spec)
+    tok = admin.tokens.issue("acme", grants=[("read", "app/x")])
+    m = Memory(str(home), token=tok, embedder=None, backend=backend_spec)
+    s = m.scope(app="x", user="y")
+    assert s.recall("anything") == []
+    with pytest.raises(AccessDenied):
+        s.remember("no")
+    with pytest.raises(AccessDenied):
+        s.forget()
+    with pytest.raises(AccessDenied):
+        s.set_profile({"a": 1})
+    m.close()
+    admin.close()
+
+
+def test_bad_or_revoked_or_foreign_token(home: Path, backend_spec: str) -> None:
+    admin = Memory(str(home), tenant="acme", embedder=None, backend=backend_spec)
+    with pytest.raises(AccessDenied):
+        Memory(str(home), token="tpr_forged", embedder=None, backend=backend_spec)
+    tok = admin.tokens.issue("acme", grants=[("read", "")])
+    with pytest.raises(AccessDenied):
+        Memory(str(home), token=tok, tenant="globex", embedder=None, backend=backend_spec)
+    assert admin.tokens.revoke(tok)
+    with pytest.raises(AccessDenied):
+        Memory(str(home), token=tok, embedder=None, backend=backend_spec)
+    assert any(e.action == "connect" and not e.allowed for e in admin.backend.audit_log(None))
+    admin.close()
+
+
+def test_sqlite_tenant_is_its_own_file(home: Path) -> None:
+    a = Memory(str(home), tenant="acme", embedder=None)
+    b = Memory(str(home), tenant="globex", embedder=None)
+    a.scope(app="x").remember("acme only")
+    b.scope(app="x").remember("globex only")
+    assert (home / "memory" / "acme.db").exists() and (home / "memory" / "globex.db").exists()
+    assert [h.text for h in b.scope(app="x").recall("only")] == ["globex only"]
+    a.close()
+    b.close()
+
+
+NAMES = st.sampled_from(["a", "b", "c"])
+LEVELS = st.fixed_dictionaries({}, optional={"app": NAMES, "user": NAMES, "session": NAMES})
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    writes=st.lists(st.tuples(st.sampled_from(["t1", "t2"]), LEVELS, st.sampled_from(
+        ["apple pie", "apple tart", "banana bread", "cherry apple"])), min_size=1, max_size=12),
+    grant=st.tuples(st.sampled_from(["read", "write"]), LEVELS),
+    query_scope=LEVELS,
+    query=st.sampled_from(["apple", "banana", "bread pie", "cherry"]),
+)
+def test_random_scopes_never_leak(tmp_path_factory: pytest.TempPathFactory, backend_spec: str,
+                                  writes: list[tuple[str, dict[str, str], str]],
+                                  grant: tuple[str, dict[str, str]], query_scope: dict[str, str],
+                                  query: str) -> None:
+    home = tmp_path_factory.mktemp("iso")
+    owners = {t: Memory(str(home), tenant=t, embedder=None, backend=backend_spec)
+              for t in ("t1", "t2")}
+    written: dict[str, tuple[str, str]] = {}
+    for tenant, levels, text in writes:
+        f = owners[tenant].scope(**levels).remember(text)
+        written[f.id] = (tenant, f.scope)
+    from torpor.memory.models import Scope
+
+    prefix = Scope(**grant[1]).path
+    tok = owners["t1"].tokens.issue("t1", grants=[(grant[0], prefix)])
+    m = Memory(str(home), token=tok, embedder=None, backend=backend_spec)
+    target = Scope(**query_scope)
+    try:
+        s = m.scope(**query_scope)
+    except AccessDenied:
+        assert not path_within(target.path, prefix)
+        assert any(not e.allowed for e in owners["t1"].audit_log())
+    else:
+        assert path_within(target.path, prefix)
+        for hit in s.recall(query, k=50, include_history=True):
+            tenant, scope = written[hit.id]
+            assert tenant == "t1"
+            assert path_within(scope, prefix)
+            assert scope in target.ancestors()
+    for o in (*owners.values(), m):
+        o.close()
