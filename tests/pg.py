@@ -19,6 +19,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ import pytest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PgCluster", "start_cluster", "pg_cluster", "pg_database"]
+__all__ = ["PgCluster", "pg_cluster", "pg_database", "start_cluster"]
 
 
 @dataclass
@@ -121,13 +123,22 @@ def start_cluster(base: Path) -> PgCluster:
 
 
 @pytest.fixture(scope="session")
-def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgCluster]:
-    """One PostgreSQL + pgvector server for the whole test session."""
-    cluster = start_cluster(tmp_path_factory.mktemp("pg"))
+def pg_cluster() -> Iterator[PgCluster]:
+    """One PostgreSQL + pgvector server for the whole test session.
+
+    Its data lives in a directory of its own under the system temp dir, not under pytest's
+    ``tmp_path``: pytest prunes old ``pytest-N`` directories when another session starts,
+    and several sessions run at once on a shared machine.
+    """
+    base = Path(tempfile.mkdtemp(prefix="torpor-pg-"))
     try:
-        yield cluster
+        cluster = start_cluster(base)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
     finally:
-        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

@@ -255,19 +255,20 @@ def migrate(conn: psycopg.Connection[Any], target: int = LATEST) -> int:
     if current_version(conn) >= target:
         return current_version(conn)
     # Roles are cluster-wide: creating one can race with another database's migration.
-    conn.execute(_CREATE_ROLE)
+    if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (APP_ROLE,)).fetchone():
+        conn.execute(_CREATE_ROLE)
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
         conn.execute(_BOOTSTRAP)
     version = current_version(conn)
     while version < target:
-        description, script = MIGRATIONS[version]
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
             # another process may have migrated while we waited for the lock
             version = current_version(conn)
             if version >= target:
                 break
+            description, script = MIGRATIONS[version]
             conn.execute(script.encode())  # trusted constant DDL, several statements
             conn.execute(
                 "INSERT INTO torpor.schema_version (version, description) VALUES (%s, %s)",

@@ -62,7 +62,8 @@ def translate(exc: psycopg.Error, what: str, tenant: str | None = None) -> Torpo
     state = getattr(exc, "sqlstate", None) or ""
     text = str(exc).strip()
     if state == "42501":
-        return AccessDenied(f"{what}: refused by row-level security: {text}", exc=exc,
+        return AccessDenied(f"{what}: refused by PostgreSQL (row-level security or "
+                            f"privileges): {text}", exc=exc,
                             tenant=tenant, scope="")
     if state.startswith(("23", "22")) or isinstance(exc, psycopg.DataError):
         return InvalidArgument(f"{what}: {text}", exc=exc)
@@ -411,8 +412,10 @@ class PostgresBackend(MemoryBackend):
                                     "'torpor' AND indexname LIKE 'records\\_hnsw\\_%%'"
                                     ).fetchall()
             except psycopg.Error as exc:
-                raise translate(exc, "migrate the memory schema (needs an owner role: "
-                                "pass admin_dsn=)") from exc
+                raise StorageError(f"cannot migrate the memory schema to version "
+                                   f"{schema.LATEST}: {str(exc).strip()} (migrations need a role "
+                                   "that may create schemas, roles and extensions: pass "
+                                   "admin_dsn=)", exc=exc) from exc
         self._indexed_dims = {int(r[0].rsplit("_", 1)[1]) for r in rows}
 
     def note_dims(self, vectors: Sequence[Vector | None] | None) -> None:

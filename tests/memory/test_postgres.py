@@ -1,0 +1,370 @@
+"""The PostgreSQL backend on a real server (pgserver): row-level security proofs at the SQL
+level and at the API, versioned migrations, vector search under RLS, concurrency, errors.
+
+The backend behaviour shared with SQLite is covered by the parametrized suite in this folder;
+these tests are about what only PostgreSQL has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests import pg
+from tests.pg import PgCluster
+from torpor.errors import AccessDenied, InvalidArgument, StorageError
+from torpor.memory.backends import _pg_schema as schema
+from torpor.memory.backends.base import RecordFilter
+from torpor.memory.backends.postgres import PostgresBackend
+from torpor.memory.models import AuditEntry, Episode, Fact, from_us, new_id, now_us
+
+pytestmark = pytest.mark.postgres
+
+# the server and database fixtures (tests/memory/conftest.py may also provide them)
+pg_cluster = pg.pg_cluster
+pg_database = pg.pg_database
+
+SCOPE = "app/support/user/u-42"
+SCOPES = [SCOPE, "app/support", ""]
+
+
+def _fact(text: str, key: str | None = None, scope: str = SCOPE, **kw: Any) -> Fact:
+    t = from_us(now_us())
+    return Fact(id=new_id(), scope=scope, text=text, key=key, created_at=t, valid_from=t, **kw)
+
+
+def _episode(text: str, scope: str = SCOPE) -> Episode:
+    t = from_us(now_us())
+    return Episode(id=new_id(), scope=scope, text=text, created_at=t, valid_from=t)
+
+
+def _flt(**kw: Any) -> RecordFilter:
+    return RecordFilter(scopes=kw.pop("scopes", SCOPES), now=now_us(), **kw)
+
+
+@pytest.fixture
+def backend(pg_cluster: PgCluster, pg_database: str) -> Iterator[PostgresBackend]:
+    b = PostgresBackend(pg_cluster.admin_dsn(pg_database))
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture
+def app_login(pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend) -> str:
+    """A DSN for an ordinary login role that is a member of torpor_app (schema migrated)."""
+    dsn = pg_cluster.login_dsn(pg_database, "torpor_login")
+    with psycopg.connect(pg_cluster.admin_dsn(pg_database), autocommit=True) as conn:
+        conn.execute("GRANT torpor_app TO torpor_login")
+    return dsn
+
+
+def _two_tenants(backend: PostgresBackend) -> None:
+    backend.tenant("acme").add([_fact("acme prefers weekly summaries", key="cadence"),
+                                _episode("acme said hello")])
+    backend.tenant("globex").add([_fact("globex prefers daily summaries", key="cadence")])
+
+
+# -- row-level security, proven in SQL -----------------------------------------------------
+
+def test_app_role_is_neither_superuser_nor_owner_and_rls_is_forced(
+    pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend
+) -> None:
+    with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
+        su, bypass = conn.execute("SELECT rolsuper, rolbypassrls FROM pg_roles "
+                                  "WHERE rolname = 'torpor_app'").fetchone() or (None, None)
+        assert su is False and bypass is False
+        rows = conn.execute(
+            "SELECT c.relname, pg_get_userbyid(c.relowner), c.relrowsecurity, "
+            "c.relforcerowsecurity FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'torpor' AND c.relkind = 'r' AND c.relname <> 'schema_version'"
+        ).fetchall()
+    tables = {r[0]: r for r in rows}
+    assert set(tables) == {"tenants", "records", "profiles", "policies", "meta", "tokens", "audit"}
+    for name, owner, enabled, forced in tables.values():
+        assert owner != "torpor_app", name
+        assert enabled, name
+        # forced everywhere except the tables read across tenants by SECURITY DEFINER functions
+        assert forced == (name not in ("tenants", "tokens", "audit")), name
+
+
+def test_sql_without_tenant_or_with_another_tenant_sees_nothing(
+    backend: PostgresBackend, app_login: str
+) -> None:
+    _two_tenants(backend)
+    with psycopg.connect(app_login) as conn:
+        assert conn.execute("SELECT current_user").fetchone() == ("torpor_login",)
+        for table in ("records", "tenants", "tokens", "audit", "profiles", "meta"):
+            assert conn.execute(f"SELECT count(*) FROM torpor.{table}").fetchone() == (0,)
+        conn.rollback()
+        conn.execute("SELECT set_config('torpor.tenant', 'nobody', false)")
+        assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (0,)
+        conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
+        texts = [r[0] for r in conn.execute("SELECT text FROM torpor.records")]
+        assert texts == ["globex prefers daily summaries"]
+        conn.execute("SELECT set_config('torpor.tenant', 'acme', false)")
+        assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (2,)
+        conn.execute("SELECT set_config('torpor.tenant', '', false)")
+        assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (0,)
+
+
+def test_superuser_connection_is_bound_by_rls_after_switching_role(
+    pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend
+) -> None:
+    _two_tenants(backend)
+    with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
+        assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (3,)
+        conn.execute("SET ROLE torpor_app")
+        assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (0,)
+
+
+def test_sql_write_into_another_tenant_is_refused(
+    backend: PostgresBackend, app_login: str
+) -> None:
+    _two_tenants(backend)
+    with psycopg.connect(app_login) as conn:
+        conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
+            conn.execute("INSERT INTO torpor.records (tenant_id, id, kind, scope, text, "
+                         "created_at, valid_from) VALUES ('acme', 'x', 'fact', '', 'evil', 0, 0)")
+        conn.rollback()
+        conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
+        # moving one's own row into another tenant is refused too
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("UPDATE torpor.records SET tenant_id = 'acme'")
+        conn.rollback()
+        conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
+        # acme's rows are invisible to UPDATE and DELETE: nothing happens to them
+        assert conn.execute("UPDATE torpor.records SET text = 'x' WHERE tenant_id = 'acme'"
+                            ).rowcount == 0
+        assert conn.execute("DELETE FROM torpor.records WHERE tenant_id = 'acme'").rowcount == 0
+        # the audit log is append-only for the app role
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("DELETE FROM torpor.audit")
+        conn.rollback()
+    acme = backend.tenant("acme").scan(_flt(), 10)
+    assert sorted(r.text for r in acme) == ["acme prefers weekly summaries", "acme said hello"]
+
+
+# -- row-level security at the API ---------------------------------------------------------
+
+def test_api_write_into_another_tenant_is_access_denied_and_audited(
+    backend: PostgresBackend
+) -> None:
+    _two_tenants(backend)
+    with pytest.raises(AccessDenied) as info, backend.transaction("smuggle", "globex") as cur:
+        cur.execute("INSERT INTO torpor.records (tenant_id, id, kind, scope, text, created_at, "
+                    "valid_from) VALUES ('acme', 'x', 'fact', '', 'evil', 0, 0)")
+    assert info.value.tenant == "globex"
+    denied = backend.audit_log("globex")
+    assert denied and denied[0].allowed is False and denied[0].action == "smuggle"
+    assert [r.text for r in backend.tenant("acme").scan(_flt(), 10) if r.text == "evil"] == []
+
+
+def test_api_reads_stay_in_their_tenant(backend: PostgresBackend) -> None:
+    _two_tenants(backend)
+    acme, globex = backend.tenant("acme"), backend.tenant("globex")
+    everything = _flt(include_history=True)
+    assert [r.text for r in globex.scan(everything, 100)] == ["globex prefers daily summaries"]
+    assert [h[0].text for h in globex.lexical_search(["summaries"], everything, 10)] == [
+        "globex prefers daily summaries"]
+    # same key, same scope, different tenants: no supersession across tenants
+    assert len(acme.history(SCOPE, "cadence", now_us())) == 1
+    assert acme.get([r.id for r in globex.scan(everything, 10)], now_us()) == []
+    assert globex.forget([r.id for r in acme.scan(everything, 10)]) == 0
+    assert len(acme.scan(everything, 10)) == 2
+    assert backend.tenants() == ["acme", "globex"]
+
+
+# -- migrations ----------------------------------------------------------------------------
+
+def test_migrates_from_an_older_version_keeping_data(
+    pg_cluster: PgCluster, pg_database: str
+) -> None:
+    dsn = pg_cluster.admin_dsn(pg_database)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert schema.migrate(conn, target=1) == 1
+        conn.execute("INSERT INTO torpor.tenants VALUES ('acme', 0)")
+        conn.execute("INSERT INTO torpor.records (tenant_id, id, kind, scope, key, text, "
+                     "created_at, valid_from) VALUES ('acme', 'old1', 'fact', %s, 'plan', "
+                     "'upgraded to the Pro plan', 1, 1)", (SCOPE,))
+        assert conn.execute("SELECT to_regclass('torpor.records_tsv')").fetchone() == (None,)
+    backend = PostgresBackend(dsn)
+    try:
+        store = backend.tenant("acme")
+        assert store.schema_version() == schema.LATEST == 3
+        hits = store.lexical_search(["plan"], _flt(), 5)
+        assert [h[0].id for h in hits] == ["old1"]
+        # the old current fact is superseded by a new one under the new schema
+        store.add([_fact("downgraded to Free", key="plan")])
+        assert store.history(SCOPE, "plan", now_us())[0].id == "old1"
+    finally:
+        backend.close()
+    with psycopg.connect(dsn) as conn:
+        versions = [r[0] for r in conn.execute("SELECT version FROM torpor.schema_version "
+                                               "ORDER BY version")]
+    assert versions == [1, 2, 3]
+
+
+def test_a_newer_schema_is_refused(pg_cluster: PgCluster, pg_database: str) -> None:
+    dsn = pg_cluster.admin_dsn(pg_database)
+    PostgresBackend(dsn).close()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO torpor.schema_version VALUES (99, 'from the future')")
+    with pytest.raises(StorageError, match="newer"):
+        PostgresBackend(dsn)
+
+
+def test_concurrent_openers_migrate_once(pg_cluster: PgCluster, pg_database: str) -> None:
+    dsn = pg_cluster.admin_dsn(pg_database)
+    errors: list[BaseException] = []
+
+    def open_one() -> None:
+        try:
+            PostgresBackend(dsn, pool_size=1).close()
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM torpor.schema_version").fetchone() == (3,)
+
+
+def test_login_without_ddl_rights_uses_a_migrated_schema_but_cannot_migrate(
+    pg_cluster: PgCluster, pg_database: str, app_login: str
+) -> None:
+    app = PostgresBackend(app_login, admin_dsn=pg_cluster.admin_dsn(pg_database))
+    try:
+        app.tenant("acme").add([_fact("works as a plain login")])
+        assert len(app.tenant("acme").scan(_flt(), 10)) == 1
+    finally:
+        app.close()
+    PostgresBackend(app_login).close()  # already at the latest version: nothing to run
+    fresh = pg_cluster.create_database()
+    try:
+        with pytest.raises(StorageError, match="admin_dsn"):
+            PostgresBackend(pg_cluster.login_dsn(fresh, "torpor_login"))
+    finally:
+        pg_cluster.drop_database(fresh)
+
+
+# -- search --------------------------------------------------------------------------------
+
+def test_full_text_stems_and_keeps_stop_words(backend: PostgresBackend) -> None:
+    store = backend.tenant("acme")
+    store.add([_fact("prefers weekly summaries"), _fact("the one and only")])
+    assert [h[0].text for h in store.lexical_search(["summary"], _flt(), 5)] == [
+        "prefers weekly summaries"]
+    assert [h[0].text for h in store.lexical_search(["the"], _flt(), 5)] == ["the one and only"]
+    assert store.lexical_search(["absent"], _flt(), 5) == []
+    # operators in terms are plain words, never query syntax
+    assert store.lexical_search(["summaries | !weekly & ("], _flt(), 5) != []
+
+
+def test_vector_search_under_rls_never_misses_a_visible_record(
+    pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend
+) -> None:
+    dim = 8
+    crowd = backend.tenant("crowd")
+    # 400 vectors of another tenant, all nearer to the query than ours
+    crowd.add([_fact(f"crowd {i}") for i in range(400)],
+              [[1.0, 0.01 * (i % 7), *([0.0] * (dim - 2))] for i in range(400)])
+    mine = backend.tenant("mine")
+    mine.add([_fact(f"mine {i}") for i in range(3)],
+             [[0.0, 1.0, float(i), *([0.0] * (dim - 3))] for i in range(3)])
+    with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
+        assert conn.execute("SELECT to_regclass('torpor.records_hnsw_8')").fetchone() != (None,)
+    hits = mine.vector_search([1.0, *([0.0] * (dim - 1))], _flt(), 3)
+    assert sorted(h[0].text for h in hits) == ["mine 0", "mine 1", "mine 2"]
+    sims = [h[1] for h in hits]
+    assert sims == sorted(sims, reverse=True) and all(-1.0 <= s <= 1.0 for s in sims)
+    # other dimensions never mix in
+    assert mine.vector_search([1.0, 0.0, 0.0], _flt(), 3) == []
+
+
+# -- concurrency and errors ----------------------------------------------------------------
+
+def test_concurrent_writers_to_one_key_lose_nothing(backend: PostgresBackend) -> None:
+    store = backend.tenant("acme")
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(10):
+                store.add([_fact(f"value {n}-{i}", key="k")])
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    history = store.history(SCOPE, "k", now_us())
+    assert len(history) == 40
+    assert [f.valid_to is None for f in history].count(True) == 1 and history[-1].current
+    starts = [f.valid_from for f in history]
+    assert starts == sorted(starts) and len(set(starts)) == 40
+    for old, new in itertools.pairwise(history):
+        assert old.valid_to == new.valid_from and old.superseded_by == new.id
+
+
+def test_bad_input_is_a_typed_error_and_leaves_no_partial_state(backend: PostgresBackend) -> None:
+    store = backend.tenant("acme")
+    first = _fact("one")
+    store.add([first])
+    with pytest.raises(InvalidArgument):
+        store.add([_fact("two"), first])  # duplicate id: the whole batch is refused
+    with pytest.raises(InvalidArgument):
+        store.add([_fact("nul \x00 byte")])
+    with pytest.raises(InvalidArgument):
+        store.add([_fact("a"), _fact("b")], [[1.0, 0.0], [1.0, 0.0, 0.0]][:1])
+    assert [r.text for r in store.scan(_flt(), 10)] == ["one"]
+
+
+def test_closed_backend_and_unreachable_server_raise_storage_error(
+    pg_cluster: PgCluster, pg_database: str, tmp_path: Any
+) -> None:
+    backend = PostgresBackend(pg_cluster.admin_dsn(pg_database))
+    store = backend.tenant("acme")
+    backend.close()
+    with pytest.raises(StorageError):
+        store.scan(_flt(), 1)
+    with pytest.raises(StorageError):
+        backend.tenant("other")
+    with pytest.raises(StorageError):
+        PostgresBackend(f"postgresql://postgres@/x?host={tmp_path}&connect_timeout=2")
+    reopened = PostgresBackend(pg_cluster.admin_dsn(pg_database))
+    try:
+        assert reopened.tenants() == ["acme"]
+    finally:
+        reopened.close()
+
+
+def test_tokens_are_found_across_tenants_and_revoked_in_theirs(backend: PostgresBackend) -> None:
+    from torpor.memory.models import Grant, TokenInfo
+
+    token = TokenInfo(token_hash="h1", tenant="acme", grants=[Grant(mode="read", prefix="app")],
+                      created_at=from_us(now_us()))
+    backend.put_token(token)
+    found = backend.get_token("h1")
+    assert found is not None and found.tenant == "acme" and found.grants == token.grants
+    assert backend.get_token("nope") is None
+    assert backend.revoke_token("h1") and backend.get_token("h1").revoked  # type: ignore[union-attr]
+    assert not backend.revoke_token("nope")
+    backend.append_audit(AuditEntry(at=from_us(now_us()), tenant="globex", actor="t",
+                                    action="recall"))
+    assert [e.tenant for e in backend.audit_log()] == ["globex"]
+    assert backend.audit_log("acme") == []
