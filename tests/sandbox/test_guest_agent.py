@@ -611,3 +611,19 @@ def test_agent_in_a_real_vm(qemu_home: Path) -> None:
     assert two["ping"]["boot_id"] == one["ping"]["boot_id"]
     assert two["alive"] == "alive\n"
     assert two["kept"] == "'across hibernate'"
+
+
+def test_big_results_travel_as_data(agent: AgentProcess, tmp_path: Path) -> None:
+    # Results over the header bound: a 3 MB repr and a listing of 4000 entries.
+    many = tmp_path / "many"
+    many.mkdir()
+    for n in range(4000):
+        (many / f"file-{n:05d}-{'x' * 40}").touch()
+
+    async def body(ch: GuestChannel) -> None:
+        ex = await ch.run_code("'y' * 3_000_000")
+        assert ex.text == repr("y" * 3_000_000)
+        entries = await ch.list_dir(str(many))
+        assert len(entries) == 4000 and entries[0].name.startswith("file-00000-")
+
+    run(agent, body)

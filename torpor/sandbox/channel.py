@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import inspect
+import json
 import logging
 import os
 import random
@@ -230,7 +231,8 @@ class GuestChannel:
         self._next_id += 1
         rid = self._next_id
         loop = asyncio.get_running_loop()
-        pending = _Pending(op, loop.create_future(), time.monotonic(), data_limit=data_limit,
+        pending = _Pending(op, loop.create_future(), time.monotonic(),
+                           data_limit=data_limit or self.limits.max_output_bytes,
                            callbacks={"stdout": stdout, "stderr": stderr})
         if pending_out is not None:
             pending_out.append(pending)
@@ -259,7 +261,14 @@ class GuestChannel:
             del self._pending[rid]
         if not reply.get("ok"):
             raise _guest_error(reply.get("error"))
-        result = reply.get("result")
+        if reply.get("result_in_data"):
+            try:
+                result = json.loads(bytes(pending.data))
+            except ValueError as exc:
+                raise GuestError(f"the guest sent a corrupt {op} result", exc=exc) from exc
+            pending.data.clear()
+        else:
+            result = reply.get("result")
         return result if isinstance(result, dict) else {}
 
     async def _drain(self, op: str, idle: float | None) -> None:

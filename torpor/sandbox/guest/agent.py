@@ -14,6 +14,7 @@ are dropped (``generation``). It never exits on its own.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import select
@@ -38,6 +39,8 @@ log = logging.getLogger("torpor.agent")
 Failure = ops.Failure
 #: how long to wait before polling a hung-up port again (a wake must not wait longer)
 HANGUP_POLL = 0.01
+#: results larger than this (JSON bytes) go in data frames, not in the reply's header
+BIG_RESULT = 256 * 1024
 
 
 class Link:
@@ -254,7 +257,14 @@ class Agent:
         header: dict[str, Any] = {"i": req.id, "t": proto.REPLY}
         try:
             handler = self.ops.handler(req.op)
-            header["result"] = handler(req, payload)
+            result = handler(req, payload)
+            raw = json.dumps(result, separators=(",", ":")).encode("utf-8")
+            if len(raw) <= BIG_RESULT:
+                header["result"] = result
+            else:  # a long listing or a big repr: send it as data, the reply says so
+                for at in range(0, len(raw), proto.CHUNK):
+                    req.data(raw[at: at + proto.CHUNK])
+                header["result_in_data"] = True
             header["ok"] = True
         except Failure as exc:
             header.update(ok=False, error=exc.wire())

@@ -177,13 +177,13 @@ class Kernel:
                     reply = {"error": {"name": "ValueError", "value": f"bad op {op}",
                                        "traceback": ""}}
                 try:
-                    out = proto.encode_frame({"i": frame.id, "t": proto.REPLY, "r": reply},
-                                             max_payload=_LOCAL_MAX)
-                except proto.ProtocolError as exc:  # an unserialisable _repr_json_ slipped by
-                    out = proto.encode_frame({"i": frame.id, "t": proto.REPLY, "r": {
-                        "results": [], "error": {"name": "ValueError", "value": str(exc),
-                                                 "traceback": ""}}})
-                _write_all(reply_fd, out)
+                    body = json.dumps(reply).encode("utf-8")
+                except (TypeError, ValueError) as exc:  # an unserialisable _repr_json_
+                    body = json.dumps({"results": [], "error": {
+                        "name": type(exc).__name__, "value": str(exc), "traceback": ""}}).encode()
+                # The reply goes in the payload: a big repr must not hit the header bound.
+                _write_all(reply_fd, proto.encode_frame({"i": frame.id, "t": proto.REPLY}, body,
+                                                        max_payload=_LOCAL_MAX))
 
 
 def _user_frames(tb: Any) -> Any:
@@ -303,8 +303,9 @@ class KernelClient:
 
     def _discard_output(self) -> None:
         for name in ("stdout", "stderr"):
-            while _read_nonblocking(self.fds[name]):
-                pass
+            for _ in range(256):  # bounded: a runaway thread may print for ever
+                if not _read_nonblocking(self.fds[name]):
+                    break
 
     def _wait(self, rid: int, timeout: float | None, emit: Callable[[str, bytes], None],
               limit: int, interrupted: threading.Event) -> dict[str, Any]:
@@ -347,7 +348,7 @@ class KernelClient:
                     if frame.id != rid:
                         continue  # the reply to a reseed
                     self._drain(emit)
-                    reply = dict(frame.header["r"])
+                    reply = dict(json.loads(frame.payload))
                     error = reply.get("error") or {}
                     if interrupted.is_set() and error.get("name") == "KeyboardInterrupt":
                         return {"timed_out": True, "kernel_alive": True}

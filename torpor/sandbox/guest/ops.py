@@ -320,6 +320,8 @@ class Operations:
                               size=st.st_size, limit=limit, path=path)
             total = 0
             while chunk := os.read(fd, proto.CHUNK):
+                if req.cancelled:
+                    raise Failure("OperationTimeout", f"reading {path} was cancelled", path=path)
                 total += len(chunk)
                 if total > limit:
                     raise Failure("PayloadTooLarge", f"{path} grew over {limit} bytes",

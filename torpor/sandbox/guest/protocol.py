@@ -20,7 +20,8 @@ Every header has ``"i"`` (the request id, chosen by the host) and ``"t"`` (the f
 ``event``  guest -> host: ``{"s": "stdout" | "stderr"}`` + an output chunk, while a request runs.
 ``reply``  guest -> host, the last frame of a request: ``{"ok": true, "result": {...}}`` or
            ``{"ok": false, "error": {"type", "message", "data"}}``; ``type`` names a
-           :mod:`torpor.errors` class, which the host raises.
+           :mod:`torpor.errors` class, which the host raises. A large result is sent as
+           ``data`` frames holding its JSON, and the reply says ``"result_in_data": true``.
 ``cancel`` host -> guest: stop request ``i`` (kill its command, interrupt its code).
 
 Several requests may be in flight; frames of different requests interleave freely.
