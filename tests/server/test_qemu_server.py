@@ -93,12 +93,18 @@ def test_sigkilled_server_restarts_and_sandboxes_keep_ram(home: Path) -> None:
     assert r.id == running.id
     assert r.interpreter.run("secret").text == "'kept-while-running'"
 
+    # A clean stop (SIGTERM) pauses what runs, so no QEMU outlives the server.
+    assert stop_server(home, timeout=120) is not None
+    states = {i.name: i.state.value for i in Sandbox.list(runtime=Runtime(home=home))}
+    assert states == {"p": "paused", "r": "paused"}
+
 
 def test_concurrent_get_or_create_from_processes(home: Path) -> None:
     """Four processes ask for the same name at once (the first also starts the server): one
-    sandbox, created once, reused three times."""
+    sandbox, created once, reused three times; left alone, the server's idle supervisor
+    pauses it."""
     code = ("from torpor.client import Sandbox\n"
-            "s = Sandbox.get_or_create('shared')\n"
+            "s = Sandbox.get_or_create('shared', idle_pause_seconds=3)\n"
             "print(s.id, s.info.reused)\n")
     env = {**os.environ, "TORPOR_HOME": str(home)}
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
@@ -119,3 +125,8 @@ def test_concurrent_get_or_create_from_processes(home: Path) -> None:
     assert _python("from torpor.client import Sandbox\n"
                    "print(Sandbox.get('shared').files.read_text('/workspace/x'))\n",
                    home).strip() == "from-a"
+    rt = Runtime(home=home, autostart=False)
+    deadline = time.monotonic() + 120
+    while Sandbox.get("shared", runtime=rt).info.state.value != "paused":
+        assert time.monotonic() < deadline, "the idle supervisor did not pause the sandbox"
+        time.sleep(0.5)
