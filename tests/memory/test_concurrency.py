@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import sqlite3
 from pathlib import Path
@@ -44,7 +45,7 @@ def test_concurrent_writer_processes_lose_nothing(tmp_path: Path) -> None:
     hist = m.scope(app="a", user="u").history("last_word")
     assert len(hist) == WRITERS * PER_WRITER
     assert sum(f.valid_to is None for f in hist) == 1
-    for older, newer in zip(hist, hist[1:], strict=False):
+    for older, newer in itertools.pairwise(hist):
         assert older.valid_to == newer.valid_from and older.superseded_by == newer.id
     m.close()
 
