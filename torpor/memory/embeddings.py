@@ -111,7 +111,10 @@ class SentenceTransformerEmbedder:
 
     @property
     def dim(self) -> int:
-        return int(self._load().get_sentence_embedding_dimension())
+        model = self._load()
+        getter = getattr(model, "get_embedding_dimension", None) or \
+            model.get_sentence_embedding_dimension
+        return int(getter())
 
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         if not texts:
@@ -167,8 +170,9 @@ def resolve_embedder(spec: object) -> Embedder | None:
         except InvalidArgument as exc:
             log.warning("no embedding model, recall is lexical only (%s)", exc.message)
             return None
-    if isinstance(spec, Embedder):
-        return spec
+    # checked on the class: isinstance() on the Protocol would read ``dim`` and load the model
+    if callable(getattr(type(spec), "embed", None)) and hasattr(spec, "name"):
+        return spec  # type: ignore[return-value]
     raise InvalidArgument(f"embedder must be 'default', None or an Embedder, not {spec!r}")
 
 

@@ -1,0 +1,74 @@
+"""The default embedder: all-MiniLM-L6-v2 loaded offline from the local package."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torpor.errors import InvalidArgument
+from torpor.memory import Memory, SentenceTransformerEmbedder
+from torpor.memory.embeddings import HashEmbedder, default_model_path, resolve_embedder
+
+pytestmark = pytest.mark.embeddings
+
+
+@pytest.fixture(scope="module")
+def minilm() -> SentenceTransformerEmbedder:
+    return SentenceTransformerEmbedder()
+
+
+@pytest.fixture
+def smem(home: Path, minilm: SentenceTransformerEmbedder) -> Iterator[Memory]:
+    m = Memory(str(home), embedder=minilm)
+    yield m
+    m.close()
+
+
+def test_model_is_local_and_normalized(minilm: SentenceTransformerEmbedder) -> None:
+    assert default_model_path() is not None
+    vecs = minilm.embed(["hello world", "a second sentence"])
+    assert vecs.shape == (2, 384) and vecs.dtype == np.float32
+    assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+
+
+def test_semantic_recall_without_shared_words(smem: Memory) -> None:
+    u = smem.scope(app="a", user="u")
+    u.remember("Jordan's dog is called Rex")
+    u.remember("the quarterly invoice was paid late")
+    u.log("user", "I moved to Lisbon last spring")
+    assert u.recall("what is the name of the pet?", k=1)[0].text == "Jordan's dog is called Rex"
+    assert u.recall("which city does the user live in?", k=1)[0].text.startswith("I moved")
+
+
+def test_abstention_on_unrelated_query(smem: Memory) -> None:
+    u = smem.scope(app="a", user="u")
+    u.remember("prefers daily summaries")
+    assert u.recall("quantum chromodynamics lattice gauge", k=3) == []
+
+
+def test_issue_example_with_vectors(smem: Memory) -> None:
+    u = smem.scope(app="support", user="u-42")
+    u.log("user", "Can you send me summaries every week?", session="s1")
+    u.remember("prefers weekly summaries", key="summary_cadence")
+    u.remember("prefers daily summaries", key="summary_cadence")
+    assert u.recall("how often should I send summaries?", k=3)[0].text == "prefers daily summaries"
+
+
+def test_model_mismatch_falls_back_to_lexical(home: Path, smem: Memory) -> None:
+    smem.scope(app="a").remember("stored with MiniLM vectors")
+    other = Memory(str(home), embedder=HashEmbedder(16))
+    assert other.usable_embedder() is None
+    assert [h.text for h in other.scope(app="a").recall("MiniLM vectors")] == [
+        "stored with MiniLM vectors"]
+    other.close()
+
+
+def test_resolve() -> None:
+    assert resolve_embedder(None) is None
+    with pytest.raises(InvalidArgument):
+        resolve_embedder(42)
+    with pytest.raises(InvalidArgument):
+        SentenceTransformerEmbedder("/nonexistent/model")
