@@ -25,6 +25,19 @@ SPEC_FACTORIES: dict[str, Callable[[pytest.FixtureRequest], str]] = {
 }
 BACKENDS: list[object] = [pytest.param("sqlite", id="sqlite")]
 
+# PostgreSQL + pgvector: one real server per session (pgserver), a fresh database per test.
+# The DSN is the server's superuser; the backend still runs every query as torpor_app under RLS.
+from tests.pg import pg_cluster, pg_database  # noqa: F401  (fixtures)
+
+
+@pytest.fixture
+def pg_dsn(pg_cluster: object, pg_database: str) -> str:  # noqa: F811
+    return pg_cluster.admin_dsn(pg_database)  # type: ignore[attr-defined,no-any-return]
+
+
+SPEC_FACTORIES["postgres"] = lambda request: str(request.getfixturevalue("pg_dsn"))
+BACKENDS.append(pytest.param("postgres", id="postgres", marks=pytest.mark.postgres))
+
 
 @pytest.fixture(params=BACKENDS)
 def backend_spec(request: pytest.FixtureRequest) -> str:

@@ -15,7 +15,6 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests import pg
 from tests.pg import PgCluster
 from torpor.errors import AccessDenied, InvalidArgument, StorageError
 from torpor.memory.backends import _pg_schema as schema
@@ -24,10 +23,6 @@ from torpor.memory.backends.postgres import PostgresBackend
 from torpor.memory.models import AuditEntry, Episode, Fact, from_us, new_id, now_us
 
 pytestmark = pytest.mark.postgres
-
-# the server and database fixtures (tests/memory/conftest.py may also provide them)
-pg_cluster = pg.pg_cluster
-pg_database = pg.pg_database
 
 SCOPE = "app/support/user/u-42"
 SCOPES = [SCOPE, "app/support", ""]
