@@ -368,8 +368,9 @@ class Checkpoints:
                 await live.machine.attach_disk(DiskSpec(  # type: ignore[attr-defined]
                     id=vol.id, path=self.volumes.image(vol.id), read_only=read_only,
                     format="raw", serial=vol.id))
+                device = await _find_disk(live.channel, vol.id)
                 await live.channel.mount(  # type: ignore[attr-defined]
-                    f"/dev/disk/by-id/virtio-{vol.id}", path,
+                    device, path,
                                          fstype="ext4", options="ro" if read_only else None)
         except BaseException:
             self.volumes.detach(vol.id, rec.id, tenant=tenant)
@@ -476,7 +477,30 @@ class Checkpoints:
         return report
 
 
-async def _mount_drive(channel: Any, drive: DriveInfo, path: str, read_only: bool) -> None:
+async def _find_disk(channel: Any, serial: str, timeout: float = 20.0) -> str:
+    """The guest device of a hot-plugged virtio disk, found by its serial (the guest has no
+    udev, so no /dev/disk/by-id): polls /sys/block/*/serial until the kernel has probed it."""
+    script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do for b in /sys/block/vd*; do "
+              f"[ \"$(cat $b/serial 2>/dev/null)\" = '{serial}' ] && echo /dev/${{b##*/}} && "
+              "exit 0; done; sleep 0.1; i=$((i+1)); done; exit 1")
+    result = await channel.run_command(script, timeout=timeout + 10)
+    if result.exit_code != 0 or not result.stdout.strip():
+        raise GuestError(f"the guest did not see disk {serial} within {timeout} s",
+                         serial=serial)
+    return str(result.stdout.strip())
+
+
+async def _mount_drive(channel: Any, drive: DriveInfo, path: str, read_only: bool,
+                       timeout: float = 20.0) -> None:
+    # a hot-plugged 9p device shows up a moment after device_add: wait for its tag
+    tag = drive.mount_tag
+    script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
+              f"grep -qs '{tag}' /sys/bus/virtio/devices/*/mount_tag && exit 0; "
+              "sleep 0.1; i=$((i+1)); done; exit 1")
+    result = await channel.run_command(script, timeout=timeout + 10)
+    if result.exit_code != 0:
+        raise GuestError(f"the guest did not see drive {drive.name} ({tag}) within {timeout} s",
+                         drive=drive.id)
     options = "trans=virtio,version=9p2000.L,msize=262144" + (",ro" if read_only else "")
     await channel.mount(drive.mount_tag, path, fstype="9p", options=options)
 

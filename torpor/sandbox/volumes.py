@@ -252,12 +252,27 @@ class VolumeStore:
             info = self.get(id_or_name, tenant=tenant)
             check_attach("volume", info.id, info.attachments, sandbox_id, read_only,
                          exclusive_writer=True)
+            if not info.attachments:
+                self._replay_journal(info.id)
             info.attachments.append(Attachment(sandbox_id=sandbox_id, path=path,
                                                read_only=read_only))
             self._save(info)
         log.info("volume %s attached to %s at %s (%s)", info.id, sandbox_id, path,
                  "ro" if read_only else "rw")
         return info
+
+    def _replay_journal(self, volume_id: str) -> None:
+        """Replay the ext4 journal of an image nobody has attached.
+
+        A sandbox killed with the volume mounted leaves a journal to replay; a guest mounting
+        read-only cannot replay it (and without the replay would miss synced writes), so the
+        host does it here. Raises EngineError when e2fsck finds more than the journal to fix.
+        """
+        proc = subprocess.run(["e2fsck", "-p", "-E", "journal_only", str(self.image(volume_id))],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode >= 4:
+            raise EngineError(f"volume {volume_id} needs repair: {proc.stdout.strip()} "
+                              f"{proc.stderr.strip()}", exit_code=proc.returncode)
 
     def detach(self, id_or_name: str, sandbox_id: str, *, tenant: str = "default") -> VolumeInfo:
         """Forget ``sandbox_id``'s attachment (no error if there was none). Raises VolumeNotFound."""
