@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 
+from torpor.client.checkpoints import ForkMethod, Snapshot, create_sandbox, snapshot_sandbox
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.errors import NotFound, SandboxClosed, ServerUnavailable, from_wire
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
@@ -184,14 +185,26 @@ class Sandbox:
                labels: dict[str, str] | None = None, idle_pause_seconds: int | None = None,
                vcpus: int | None = None, memory_mib: int | None = None,
                pause_retention_days: int | None = None,
+               snapshot: str | None = None, volumes: list[dict[str, Any]] | None = None,
+               drives: list[dict[str, Any]] | None = None,
                runtime: Runtime | None = None) -> Sandbox:
         """A new running sandbox from ``template`` (a fork of its booted snapshot).
 
         ``idle_pause_seconds``: hibernate after that long without a call.
+        ``snapshot``: restore that snapshot instead (template and sizes come from it);
+        ``volumes=[{"volume", "path", "read_only"}]``, ``drives=[{"drive", "path"}]``: mount
+        those (see :mod:`torpor.client.checkpoints`).
         Raises :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
         :class:`~torpor.errors.Conflict` (name taken).
         """
         rt = runtime or default_runtime()
+        if snapshot is not None or volumes or drives:
+            body = cls._options(template=None if snapshot else template, name=name,
+                                labels=labels, idle_pause_seconds=idle_pause_seconds,
+                                vcpus=vcpus, memory_mib=memory_mib,
+                                pause_retention_days=pause_retention_days, snapshot=snapshot,
+                                volumes=volumes, drives=drives)
+            return cls(create_sandbox(rt, body), rt)
         body = cls._options(template=template, name=name, labels=labels,
                             idle_pause_seconds=idle_pause_seconds, vcpus=vcpus,
                             memory_mib=memory_mib, pause_retention_days=pause_retention_days)
@@ -265,6 +278,16 @@ class Sandbox:
     def resume(self) -> SandboxInfo:
         """Wake a paused sandbox (any call inside it does this too)."""
         return self._update(self._runtime.json("POST", self._path("/resume")))
+
+    def snapshot(self, name: str | None = None, *, retention_days: int = 7,
+                 labels: dict[str, str] | None = None) -> Snapshot:
+        """An immutable copy of the whole machine (RAM + disk); the sandbox keeps running (or
+        stays paused). Raises Conflict (name taken, or a volume attached: volumes are never
+        part of a snapshot), InvalidArgument (retention_days outside 1-365)."""
+        return snapshot_sandbox(self, name, retention_days=retention_days, labels=labels)
+
+    #: ``sbx.fork(count=N)`` (live copies) / ``Sandbox.fork(snapshot_id, count=N)``
+    fork = ForkMethod()
 
     def kill(self) -> None:
         """Stop the sandbox for good and delete its machine files."""
