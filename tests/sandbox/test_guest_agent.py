@@ -627,3 +627,20 @@ def test_big_results_travel_as_data(agent: AgentProcess, tmp_path: Path) -> None
         assert len(entries) == 4000 and entries[0].name.startswith("file-00000-")
 
     run(agent, body)
+
+
+def test_agent_refuses_chunked_code_over_its_limit(agent: AgentProcess) -> None:
+    async def body(ch: GuestChannel) -> None:
+        with pytest.raises(PayloadTooLarge):
+            await ch._request("run_code", {"max_bytes": 300_000}, b"#" * 600_000)
+        assert (await ch.run_code("2 * 21")).text == "42"
+
+    run(agent, body)
+
+
+def test_interpreter_imports_from_its_working_directory(agent: AgentProcess,
+                                                        tmp_path: Path) -> None:
+    (tmp_path / "mymod.py").write_text("VALUE = 'mine'\n")
+    ex = run(agent, lambda ch: ch.run_code(
+        "import sys, mymod\nmymod.VALUE, any(p.endswith('guest') for p in sys.path)"))
+    assert ex.text == "('mine', False)"

@@ -242,7 +242,7 @@ class Agent:
             entry[1].add(frame.payload)
             if not header.get("more"):
                 del self._uploads[rid]
-                self._start(entry[0], entry[1] if entry[0].op == "write" else entry[1].bytes())
+                self._start(entry[0], entry[1])
         elif frame.type == proto.CANCEL:
             req_or_none = self._active.get(rid)
             if req_or_none is not None:
@@ -257,6 +257,10 @@ class Agent:
         header: dict[str, Any] = {"i": req.id, "t": proto.REPLY}
         try:
             handler = self.ops.handler(req.op)
+            if isinstance(payload, ops.Upload) and req.op != "write":
+                if payload.failure is not None:  # e.g. code over its limit
+                    raise payload.failure
+                payload = payload.bytes()
             result = handler(req, payload)
             raw = json.dumps(result, separators=(",", ":")).encode("utf-8")
             if len(raw) <= BIG_RESULT:

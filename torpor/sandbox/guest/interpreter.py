@@ -194,6 +194,10 @@ def _user_frames(tb: Any) -> Any:
 
 
 def kernel_main(cmd_fd: int, reply_fd: int) -> None:
+    # User code imports from its working directory, as in `python3 -i`, not from ours.
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        sys.path[0] = ""
+    sys.argv = [""]
     # Whole lines, promptly (PYTHONUNBUFFERED would split every print in two writes).
     sys.stdout.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
