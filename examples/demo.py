@@ -4,7 +4,8 @@ Session 1 (this process) gives user u-42's agent a sandbox, leaves state in it â
 interpreter variable, a file, a running web server â€” and pauses it: the whole machine
 hibernates to disk. Session 2 (a separate OS process, as if days later) asks for the same
 sandbox by name, which wakes it with its RAM intact: the variable is still there, the file too,
-and the web server answers without having been restarted.
+and the web server answers without having been restarted. Then the agent remembers a fact
+that cites the file it came from, and recalls it.
 
 Run:  python examples/demo.py      (after `bash scripts/setup`; the local torpor server starts
                                     by itself on first use and keeps running, like Docker's)
@@ -18,6 +19,8 @@ import sys
 import time
 
 import torpor
+import torpor.memory
+from torpor.client.sources import sandbox_resolver
 
 NAME = "agent-u-42"
 NOTES = "['prefers weekly summaries']"
@@ -91,17 +94,25 @@ def second_session() -> None:
     clock.lap("GET the http.server started in session 1")
     assert status == "200", status
 
-    print(f"\n  reused:   {sbx.info.reused}")
+    print(f"  reused:   {sbx.info.reused}")
     print(f"  notes:    {notes}")
     print(f"  file:     {text.splitlines()[1]}")
     print(f"  http:     {status} from the server started before the pause")
 
-    # Knowledge layer: what the agent learned, as facts with provenance.
-    # TODO(integrator): remember/recall with torpor.Memory once torpor.memory exports it:
-    #   u = torpor.Memory().scope(app="demo", user="u-42")
-    #   u.remember("upgraded to Pro on the 3rd", key="plan", source=torpor.SourceRef(
-    #       sandbox=NAME, path="/workspace/memory.md", line=3))
-    #   print(u.recall("what plan is u-42 on?", k=1))
+    # Knowledge layer: a fact the agent learned, citing the line of the file it came from.
+    # torpor reads the cited line to check the citation instead of trusting it.
+    torpor.memory.register_resolver("sandbox", sandbox_resolver())
+    u = torpor.Memory().scope(app="demo", user="u-42")
+    clock.lap("open the memory store (user u-42's scope)")
+    fact = u.remember("upgraded to Pro on the 3rd", key="plan", source=torpor.SourceRef(
+        sandbox=NAME, path="/workspace/memory.md", line=3))
+    clock.lap("remember a fact citing memory.md line 3")
+    hits = u.recall("which plan did they upgrade to?", k=1)
+    clock.lap("recall it")
+    assert fact.verified, "the citation should check out"
+    assert hits and hits[0].id == fact.id, hits
+    hit = hits[0]
+    print(f"  memory:   {hit.text!r} (source verified: {fact.verified})")
 
     sbx.pause()
     clock.lap("pause again")
