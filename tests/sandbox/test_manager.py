@@ -421,6 +421,20 @@ def test_restart_reattaches_running_and_keeps_paused(home: Path) -> None:
     run(main())
 
 
+def test_restart_without_start_attaches_on_first_use(home: Path) -> None:
+    async def main() -> None:
+        world = FakeWorld()
+        a, _ = manager(home, world)
+        info = await a.create()
+        await a.run_code(info.id, "x = 'still here'")
+        b, engine = manager(home, world)  # start() forgotten
+        await b.pause(info.id)  # must hibernate the live machine, not lose it
+        assert (await b.run_code(info.id, "x")).text == "'still here'"
+        assert "attach" in engine.calls
+        await b.close()
+    run(main())
+
+
 def test_restart_marks_dead_running_sandbox_lost(home: Path) -> None:
     async def main() -> None:
         world = FakeWorld()

@@ -144,6 +144,18 @@ class SandboxManager:
         rec = self._move(rec, S.ERROR, reason, error=lost)
         return self._lost(rec)
 
+    async def _current(self, sandbox_id: str, live: _Live) -> SandboxRecord:
+        """The sandbox's row, read under its lock. A running sandbox this manager never
+        attached (``start()`` not called after a restart) is reconciled first, so a pause can
+        never hibernate a machine it does not hold. Raises StateLost for one in ``error``."""
+        rec = self.registry.get(sandbox_id)
+        if rec.state is S.RUNNING and live.machine is None:
+            await self._reconcile(rec)
+            rec = self.registry.get(sandbox_id)
+        if rec.state is S.ERROR:
+            raise self._lost(rec)
+        return rec
+
     def _find(self, tenant: str, id_or_name: str) -> SandboxRecord:
         return self.registry.find(tenant, id_or_name)
 
@@ -276,9 +288,7 @@ class SandboxManager:
         rec = self._find(tenant, id_or_name)
         live = self._live(rec.id)
         async with live.lock:
-            rec = self.registry.get(rec.id)
-            if rec.state is S.ERROR:
-                raise self._lost(rec)
+            rec = await self._current(rec.id, live)
             require_for("pause", rec.id, rec.state)
             if rec.state is S.RUNNING:
                 async with live.idle:
@@ -336,9 +346,7 @@ class SandboxManager:
         rec = self._find(tenant, id_or_name)
         live = self._live(rec.id)
         async with live.lock:
-            rec = self.registry.get(rec.id)
-            if rec.state is S.ERROR:
-                raise self._lost(rec)
+            rec = await self._current(rec.id, live)
             require_for("resume", rec.id, rec.state)
             if rec.state is S.PAUSED:
                 rec = await self._wake_locked(rec, live, "resume")
@@ -397,9 +405,7 @@ class SandboxManager:
         rec = self._find(tenant, id_or_name)
         live = self._live(rec.id)
         async with live.lock:
-            rec = self.registry.get(rec.id)
-            if rec.state is S.ERROR:
-                raise self._lost(rec)
+            rec = await self._current(rec.id, live)
             require_for("call", rec.id, rec.state)
             if rec.state is S.PAUSED:
                 rec = await self._wake_locked(rec, live, "wake on request")
