@@ -1,0 +1,234 @@
+"""Sandbox lifecycle benchmark: create, command and interpreter round trips, pause, wake.
+
+Runs on real QEMU through :class:`torpor.sandbox.manager.SandboxManager` with the built
+``python`` template (512 MiB guest), ``--reps`` times each, and prints medians and p95 next to
+the floor measured in the same run — how long QEMU alone takes from process start until QMP
+answers, on the same machine command line a wake uses. It then shows what a paused sandbox
+costs: no QEMU process (so no CPU and no RSS) and the disk its directory uses.
+
+    python3 bench/lifecycle.py               # 10 repetitions
+    python3 bench/lifecycle.py --reps 20 --cold   # also time one cold boot of the template
+
+Results go to ``bench/results/lifecycle.json``; each target prints PASS/FAIL with the ratio
+measured/target (<= 1.00 passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results" / "lifecycle.json"
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"median_ms": statistics.median(ordered) * 1000, "p95_ms": p95 * 1000,
+            "min_ms": ordered[0] * 1000, "n": len(ordered)}
+
+
+async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
+    t0 = time.perf_counter()
+    await fn()
+    return time.perf_counter() - t0
+
+
+async def _floor(directory: Path) -> float:
+    """QEMU process start -> QMP answers, with the wake's own command line (-incoming)."""
+    from qemu.qmp import QMPClient
+
+    from torpor.sandbox.qemu import build_command, read_machine_json
+
+    for name in ("qmp.sock", "agent.sock", "qemu.pid"):
+        (directory / name).unlink(missing_ok=True)
+    cmd = build_command(read_machine_json(directory), incoming=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=directory, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        client = QMPClient("floor")
+        while True:
+            if (directory / "qmp.sock").exists():
+                try:
+                    await client.connect(str(directory / "qmp.sock"))
+                    break
+                except OSError:
+                    pass
+            if proc.poll() is not None:
+                raise RuntimeError("QEMU exited while measuring the floor")
+            await asyncio.sleep(0.001)
+        await client.execute("query-status")
+        elapsed = time.perf_counter() - t0
+        await client.disconnect()
+        return elapsed
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _paused_cost(directory: Path) -> dict[str, Any]:
+    """Processes running in a paused sandbox's directory, their RSS, and its disk use."""
+    pids, rss_kib = [], 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") != str(directory):
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        rss_kib += int(line.split()[1])
+            pids.append(int(pid))
+        except OSError:
+            continue
+    du = subprocess.run(["du", "-sk", str(directory)], capture_output=True, text=True,
+                        check=False)
+    apparent = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    return {"qemu_pids": pids, "rss_kib": rss_kib,
+            "disk_kib_used": int(du.stdout.split()[0]) if du.returncode == 0 else None,
+            "apparent_mib": round(apparent / 2**20, 1),
+            "files": sorted(p.name for p in directory.iterdir())}
+
+
+async def _cold_boot(home: Path) -> float:
+    """One cold boot of the template's image until the agent answers."""
+    from torpor.sandbox import template as templates
+    from torpor.sandbox.channel import GuestChannel
+    from torpor.sandbox.qemu import Machine, MachineSpec
+
+    info = templates.get("python")
+    directory = home / "cold"
+    machine = Machine(directory, info, MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib))
+    t0 = time.perf_counter()
+    await machine.boot()
+    channel = await GuestChannel.connect(machine.agent_socket, timeout=600)
+    elapsed = time.perf_counter() - t0
+    await channel.close()
+    await machine.kill()
+    return elapsed
+
+
+async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
+    from torpor.config import paths
+    from torpor.sandbox import template as templates
+    from torpor.sandbox.manager import SandboxManager
+
+    info = templates.get("python")
+    mgr = SandboxManager(paths(home))
+    samples: dict[str, list[float]] = {k: [] for k in (
+        "floor", "create", "command", "interpreter", "pause", "wake")}
+    try:
+        # create: a fork of the template's booted snapshot (each one killed afterwards)
+        sbx = await mgr.create(name="bench")
+        await mgr.run_code("bench", "0")  # start the guest's interpreter once
+        for i in range(reps):
+            samples["create"].append(await _timed(lambda i=i: mgr.create(name=f"c{i}")))
+            await mgr.kill(f"c{i}")
+        for _ in range(reps):
+            samples["command"].append(await _timed(lambda: mgr.run_command("bench", "true")))
+            samples["interpreter"].append(await _timed(lambda: mgr.run_code("bench", "1 + 1")))
+        await mgr.run_code("bench", "kept = list(range(1000))")
+        for _ in range(reps):
+            samples["pause"].append(await _timed(lambda: mgr.pause("bench")))
+            samples["floor"].append(await _floor(mgr.directory(sbx.id)))
+            samples["wake"].append(await _timed(lambda: mgr.resume("bench")))
+        ok = (await mgr.run_code("bench", "sum(kept)")).text == str(sum(range(1000)))
+        await mgr.pause("bench")
+        paused = _paused_cost(mgr.directory(sbx.id))
+        await mgr.kill("bench")
+        cold_s = await _cold_boot(home) if cold else None
+    finally:
+        await mgr.close()
+    stats = {k: _summary(v) for k, v in samples.items()}
+    floor = stats["floor"]["median_ms"]
+    targets = [
+        ("pause", stats["pause"]["median_ms"], 100.0),
+        ("wake", stats["wake"]["median_ms"], 300.0),
+        ("wake vs 4x floor", stats["wake"]["median_ms"], 4 * floor),
+        ("create", stats["create"]["median_ms"], 500.0),
+        ("command round trip", stats["command"]["median_ms"], 50.0),
+        ("paused: no QEMU, RSS 0", float(len(paused["qemu_pids"]) + paused["rss_kib"]), 0.0),
+    ]
+    return {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                 "accel": info.accel, "guest_mib": info.memory_mib, "vcpus": info.vcpus},
+        "reps": reps,
+        "stats": stats,
+        "ram_intact_after_wakes": ok,
+        "paused_sandbox": paused,
+        "template_cold_boot_s": {"from_build": info.boot_seconds, "measured": cold_s},
+        "targets": [{"name": n, "value": v, "target": t,
+                     "ratio": (v / t) if t else (0.0 if v == 0 else float("inf")),
+                     "pass": v <= t} for n, v, t in targets],
+    }
+
+
+def render(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"sandbox lifecycle ({result['host']['accel']}, "
+                        f"{result['host']['guest_mib']} MiB guest, {result['reps']} reps)")
+    for col in ("step", "median ms", "p95 ms", "min ms"):
+        table.add_column(col, justify="right" if col != "step" else "left")
+    labels = {"floor": "floor: QEMU start -> QMP ready", "create": "create (fork of template)",
+              "command": "command round trip", "interpreter": "interpreter round trip",
+              "pause": "pause (hibernate)", "wake": "wake (+ channel + refresh)"}
+    for key, label in labels.items():
+        s = result["stats"][key]
+        table.add_row(label, f"{s['median_ms']:.1f}", f"{s['p95_ms']:.1f}", f"{s['min_ms']:.1f}")
+    console.print(table)
+    paused = result["paused_sandbox"]
+    console.print(f"paused sandbox: QEMU pids {paused['qemu_pids'] or 'none'}, RSS "
+                  f"{paused['rss_kib']} KiB, disk used {paused['disk_kib_used']} KiB "
+                  f"(apparent {paused['apparent_mib']} MiB: {', '.join(paused['files'])})")
+    cold = result["template_cold_boot_s"]
+    console.print(f"template cold boot: {cold['from_build']:.2f} s at build"
+                  + (f", {cold['measured']:.2f} s measured now" if cold["measured"] else ""))
+    console.print(f"RAM intact after {result['reps']} pause/wake cycles: "
+                  f"{result['ram_intact_after_wakes']}")
+    for t in result["targets"]:
+        mark = "[green]PASS[/green]" if t["pass"] else "[red]FAIL[/red]"
+        console.print(f"{mark} {t['name']}: {t['value']:.1f} vs {t['target']:.1f} "
+                      f"(ratio {t['ratio']:.2f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--cold", action="store_true", help="also time one cold boot")
+    args = parser.parse_args()
+    # A throwaway home that shares the built templates (as the test fixtures do).
+    from torpor.config import paths
+
+    shared = paths().home
+    home = Path(tempfile.mkdtemp(prefix="torpor-bench-"))
+    (home / "templates").symlink_to(shared / "templates")
+    os.environ["TORPOR_HOME"] = str(home)
+    try:
+        result = asyncio.run(run(args.reps, args.cold, home))
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    render(result)
+
+
+if __name__ == "__main__":
+    main()
