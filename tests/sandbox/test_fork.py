@@ -133,3 +133,67 @@ def test_volumes_and_drives(qemu_home: Path) -> None:
         assert await m.read_file(reader.id, "/shared/later.md") == b"step 2"
 
     _run(qemu_home, body)
+
+
+@pytest.fixture
+def served_home(qemu_home: Path) -> Any:
+    """``qemu_home`` with the real local server (auto-started by the SDK); stopped after."""
+    import os
+    import signal
+
+    from torpor.errors import TorporError
+    from torpor.server.daemon import server_pid, stop_server
+
+    yield qemu_home
+    pid = server_pid(qemu_home)
+    if pid is not None:
+        try:
+            stop_server(qemu_home, timeout=120)
+        except TorporError:
+            os.kill(pid, signal.SIGKILL)
+    for pidfile in (qemu_home / "sandboxes").glob("*/qemu.pid"):
+        text = pidfile.read_text().strip()
+        if text.isdigit():
+            try:
+                os.kill(int(text), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_issue_scenario_through_the_sdk(served_home: Path) -> None:
+    """The issue's example, end to end: SDK -> local server -> checkpoints -> QEMU."""
+    import torpor
+    from torpor.client.checkpoints import collect_garbage
+
+    rt = torpor.Runtime(home=served_home)
+    sbx = torpor.Sandbox.get_or_create("agent-u-42", runtime=rt)
+    sbx.interpreter.run("notes = ['prefers weekly summaries']")
+    sbx.files.write("/workspace/data.csv", "a,b\n")
+    before = sbx.snapshot(name="u-42-before-import", retention_days=30)
+    assert before.info.retention_days == 30
+    assert [s.id for s in torpor.Snapshot.list(runtime=rt)] == [before.id]
+    sbx.commands.run("rm -rf /workspace/*")
+    restored = torpor.Sandbox.create(snapshot=before.id, runtime=rt)
+    assert restored.interpreter.run("notes").text == "['prefers weekly summaries']"
+    assert restored.files.read_text("/workspace/data.csv") == "a,b\n"
+    forks = sbx.fork(count=2, labels={"strategy": "try"})
+    assert len(forks) == 2 and all(f.info.labels["strategy"] == "try" for f in forks)
+    kids = torpor.Sandbox.fork(before.id, count=1, runtime=rt)
+    assert kids[0].files.read_text("/workspace/data.csv") == "a,b\n"
+    with pytest.raises(InvalidArgument):
+        sbx.fork(count=0)
+    vol = torpor.Volume.create("memory-u-42", size_mib=64, runtime=rt)
+    with torpor.Sandbox.create(volumes=[{"volume": vol.id, "path": "/memory"}], runtime=rt) as a:
+        a.commands.run("echo '- prefers weekly summaries' >> /memory/facts.md && sync")
+    with torpor.Sandbox.create(volumes=[{"volume": vol.id, "path": "/memory"}], runtime=rt) as b:
+        assert b.files.read_text("/memory/facts.md") == "- prefers weekly summaries\n"
+    drive = torpor.Drive.create("research", runtime=rt)
+    reader = torpor.Sandbox.create(drives=[{"drive": drive.id, "path": "/shared"}], runtime=rt)
+    reader.commands.run("echo hello > /shared/x.txt")
+    assert (served_home / "drives" / drive.id / "x.txt").read_text() == "hello\n"
+    before.delete()
+    with pytest.raises(SnapshotNotFound):
+        torpor.Sandbox.create(snapshot=before.id, runtime=rt)
+    report = collect_garbage(runtime=rt)
+    assert report["removed_chunks"] > 0  # the deleted snapshot's chunks, nothing else:
+    assert restored.interpreter.run("1 + 1").text == "2"
