@@ -115,3 +115,13 @@ def test_locked_database_times_out_typed_then_recovers(tmp_path: Path,
     u.remember("later")
     assert {h.text for h in u.recall("first later")} == {"first", "later"}
     m.close()
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    m = Memory(str(tmp_path), tenant="future", embedder=None)
+    m.close()
+    db = sqlite3.connect(tmp_path / "memory" / "future.db")
+    db.execute("PRAGMA user_version = 99")
+    db.close()
+    with pytest.raises(StorageError, match="newer"):
+        Memory(str(tmp_path), tenant="future", embedder=None)

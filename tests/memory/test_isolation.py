@@ -124,3 +124,17 @@ def test_random_scopes_never_leak(tmp_path_factory: pytest.TempPathFactory, back
             assert scope in target.ancestors()
     for o in (*owners.values(), m):
         o.close()
+
+
+def test_forget_by_id_needs_write_on_the_records_scope(home: Path, backend_spec: str) -> None:
+    admin = Memory(str(home), tenant="acme", embedder=None, backend=backend_spec)
+    mine = admin.scope(app="x", user="me").remember("mine")
+    theirs = admin.scope(app="x", user="them").remember("theirs")
+    tok = admin.tokens.issue("acme", grants=[("write", "app/x/user/me")])
+    m = Memory(str(home), token=tok, embedder=None, backend=backend_spec)
+    with pytest.raises(AccessDenied):
+        m.forget(theirs.id)
+    assert m.forget(mine.id) == 1
+    assert [h.id for h in admin.scope(app="x", user="them").recall("theirs")] == [theirs.id]
+    m.close()
+    admin.close()

@@ -19,7 +19,7 @@ import logging
 from typing import Self
 
 from torpor.config import paths
-from torpor.errors import AccessDenied, InvalidArgument
+from torpor.errors import AccessDenied, InvalidArgument, RecordNotFound
 from torpor.memory.access import Access, TokenManager, hash_token
 from torpor.memory.backends import open_backend
 from torpor.memory.backends.base import Vector
@@ -134,7 +134,13 @@ class Memory:
             return target.forget()
         if not isinstance(target, str):
             raise InvalidArgument("forget() takes a record id or a scope")
-        return self.scope().forget(target)
+        found = self.store.get([target], 0)  # expired records can be erased too
+        if not found:
+            raise RecordNotFound(f"no record {target!r}", kind="record", name=target)
+        self.access.require("write", found[0].scope, "forget")
+        n = self.store.forget([target])
+        self.access.audit("forget.record", found[0].scope, id=target)
+        return n
 
     def gc(self) -> int:
         """Purge expired records for good. Returns how many. Needs write on the root scope."""
