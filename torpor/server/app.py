@@ -117,14 +117,19 @@ def create_app(manager: Any, *, tokens: TokenStore | None = None, supervise: boo
         # The server owns the supervisor (below) so its interval and lifetime follow the app.
         await manager.start(supervise=False)
         task = asyncio.create_task(_supervise(manager, idle_interval)) if supervise else None
+        gc_task = None
+        with contextlib.suppress(ModuleNotFoundError):  # CHECKPOINTS: drive hooks + periodic GC
+            from torpor.server.routes_checkpoints import start_background
+            gc_task = start_background(app, manager) if supervise else None
         log.info("torpor server ready (pid %d)", os.getpid())
         try:
             yield
         finally:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            for background in (task, gc_task):
+                if background is not None:
+                    background.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await background
             await manager.close()
             for callback in on_shutdown or ():
                 callback()

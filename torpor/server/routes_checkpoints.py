@@ -19,6 +19,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -31,7 +34,9 @@ from torpor.sandbox.snapshots import SnapshotInfo
 from torpor.sandbox.volumes import VolumeInfo
 from torpor.server.deps import Manager, Tenant
 
-__all__ = ["checkpoints_of", "router"]
+__all__ = ["checkpoints_of", "router", "start_background"]
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"])
 
@@ -237,3 +242,33 @@ async def delete_drive(id_or_name: str, request: Request, manager: Manager,
 async def gc(body: GcBody, request: Request, manager: Manager, tenant: Tenant) -> dict[str, Any]:
     report = await checkpoints_of(request, manager).collect_garbage(dry_run=body.dry_run)
     return report.to_json()
+
+
+# -- background ------------------------------------------------------------------------------
+
+#: seconds between two GC passes of a running server ($TORPOR_GC_INTERVAL overrides)
+GC_INTERVAL = 3600.0
+
+
+async def _gc_loop(cp: Checkpoints, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            report = await cp.collect_garbage()
+            log.info("gc: %s", report.to_json())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # one failed pass must not end retention
+            log.exception("garbage collection failed")
+
+
+def start_background(app: Any, manager: Any) -> asyncio.Task[None] | None:
+    """Called from the app's lifespan: make the app's :class:`Checkpoints` now (so drives are
+    remounted after every wake from the first request on) and start the periodic GC.
+    Returns the task (cancel it on shutdown), or None for a manager that is not a real one."""
+    if not hasattr(manager, "registry") or not hasattr(manager, "paths"):
+        return None
+    cp = Checkpoints(manager)
+    app.state.checkpoints = cp
+    interval = float(os.environ.get("TORPOR_GC_INTERVAL", GC_INTERVAL))
+    return asyncio.get_running_loop().create_task(_gc_loop(cp, interval), name="torpor-gc")
