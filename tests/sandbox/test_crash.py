@@ -37,8 +37,8 @@ from torpor.sandbox.manager import SandboxManager
 
 phase, step, action = sys.argv[1:4]
 
-def kill_qemu_when(directory, ready):
-    """SIGKILL the QEMU of `directory` as soon as `ready()` is true (a watcher thread)."""
+def kill_when(ready):
+    """SIGKILL the pid `ready()` returns as soon as it returns one (a watcher thread)."""
     def watch():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -68,9 +68,13 @@ async def main():
         elif action == "qemu":
             mgr.engine.terminate(directory)
         elif action == "qemu-mid-save":  # while the device state is being written
-            kill_qemu_when(directory, lambda: (directory / "state.tmp").exists() and pid())
+            kill_when(lambda: (directory / "state.tmp").exists() and pid())
         elif action == "qemu-before-cont":  # the new QEMU exists, the guest has not run yet
-            kill_qemu_when(directory, pid)
+            kill_when(pid)
+        elif action == "manager-mid-save":  # QEMU is writing state.tmp; nobody will rename it
+            kill_when(lambda: (directory / "state.tmp").exists() and os.getpid())
+        elif action == "manager-before-cont":  # the new QEMU is loading the state
+            kill_when(lambda: pid() and os.getpid())
 
     mgr.on_step = hook
     outcome = "ok"
@@ -111,6 +115,10 @@ CASES = [
     pytest.param("pause", "pause:saved", "manager", {"intact"}, id="manager-dies-state-saved"),
     pytest.param("wake", "wake:begin", "manager", {"intact"}, id="manager-dies-wake-begin"),
     pytest.param("wake", "wake:woken", "manager", {"intact"}, id="manager-dies-after-cont"),
+    pytest.param("pause", "pause:begin", "manager-mid-save", {"intact"},
+                 id="manager-dies-mid-save"),
+    pytest.param("wake", "wake:begin", "manager-before-cont", {"intact"},
+                 id="manager-dies-before-cont"),
     pytest.param("pause", "pause:begin", "qemu", {"lost"}, id="qemu-dies-before-save"),
     # a race with the rename: killed mid-save is lost, killed just after it is intact
     pytest.param("pause", "pause:begin", "qemu-mid-save", {"lost", "intact"},
@@ -129,7 +137,7 @@ def test_crash_then_restart(qemu_home: Path, tmp_path: Path, phase: str, step: s
     proc = subprocess.run([sys.executable, str(script), phase, step, action],
                           env={**os.environ, "TORPOR_HOME": str(qemu_home)},
                           capture_output=True, text=True, timeout=300, check=False)
-    if action == "manager":
+    if action.startswith("manager"):
         assert proc.returncode == -9, proc.stderr[-3000:]
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -161,7 +169,7 @@ def test_crash_then_restart(qemu_home: Path, tmp_path: Path, phase: str, step: s
 
     outcome = asyncio.run(recover())
     assert outcome in allowed, (outcome, proc.stdout, proc.stderr[-2000:])
-    if action != "manager":
+    if not action.startswith("manager"):
         reported = json.loads(proc.stdout.strip().splitlines()[-1])["outcome"]
         # the worker saw the failure as it happened: StateLost when lost, else no loss
         assert (reported == "StateLost") == (outcome == "lost"), reported
