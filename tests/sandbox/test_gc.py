@@ -6,6 +6,7 @@ import json
 import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from torpor.sandbox.drives import DriveStore
 from torpor.sandbox.gc import collect
@@ -120,3 +121,22 @@ def test_attachments_of_dead_sandboxes_are_released(tmp_path: Path) -> None:
     assert report.released_attachments == 2
     assert vols.get("v").attachments == []
     assert [a.sandbox_id for a in drives.get("d").attachments] == ["alive"]
+
+
+def test_cli_gc_local(tmp_path: Path, monkeypatch: Any) -> None:
+    from typer.testing import CliRunner
+
+    from torpor.cli import _load, app
+
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    orphan, _ = store.chunks.put(b"orphan")
+    monkeypatch.setenv("TORPOR_HOME", str(p.home))
+    _load()
+    dry = CliRunner().invoke(app, ["gc", "--local", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert store.chunks.has(orphan)
+    result = CliRunner().invoke(app, ["gc", "--local"])
+    assert result.exit_code == 0, result.output
+    assert "removed_chunks" in result.output
+    assert not store.chunks.has(orphan)

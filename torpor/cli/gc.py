@@ -1,0 +1,185 @@
+"""``torpor gc``, ``torpor snapshot ...``, ``torpor volume ...``, ``torpor drive ...``.
+
+Thin commands over the SDK (:mod:`torpor.client.checkpoints`): parse, one call, render.
+``torpor gc --local`` runs the collector on the home directly (no server), for a host where the
+server is stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from torpor.client import Drive, Sandbox, Snapshot, Volume
+from torpor.client.checkpoints import collect_garbage
+
+__all__ = ["register"]
+
+console = Console()
+
+snapshot_app = typer.Typer(help="Snapshots: immutable copies of a whole sandbox (RAM + disk).",
+                           no_args_is_help=True)
+volume_app = typer.Typer(help="Volumes: disks that outlive sandboxes.", no_args_is_help=True)
+drive_app = typer.Typer(help="Drives: host directories shared into many sandboxes.",
+                        no_args_is_help=True)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> None:
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+# -- snapshots -------------------------------------------------------------------------------
+
+@snapshot_app.command("create")
+def snapshot_create(
+    sandbox: Annotated[str, typer.Argument(help="sandbox id or name")],
+    name: Annotated[str | None, typer.Option(help="snapshot name (unique)")] = None,
+    retention_days: Annotated[int, typer.Option(help="keep for N days (1-365)")] = 7,
+) -> None:
+    """Snapshot a running or paused sandbox; it keeps running (or stays paused).
+
+    Example: torpor snapshot create agent-u-42 --name before-import --retention-days 30
+    """
+    with console.status("capturing RAM and disk ..."):
+        snap = Sandbox.get(sandbox).snapshot(name, retention_days=retention_days)
+    console.print(f"{snap.id}  {snap.name}  {_size(snap.info.size_bytes)} "
+                  f"({_size(snap.info.stored_bytes)} new in the store)")
+
+
+@snapshot_app.command("ls")
+def snapshot_ls() -> None:
+    """List snapshots. Example: torpor snapshot ls"""
+    _table(["id", "name", "sandbox", "created", "expires", "size", "new bytes"],
+           [[s.id, s.name, s.info.sandbox_id or "", f"{s.info.created_at:%Y-%m-%d %H:%M}",
+             f"{s.info.expires_at:%Y-%m-%d}", _size(s.info.size_bytes),
+             _size(s.info.stored_bytes)] for s in Snapshot.list()])
+
+
+@snapshot_app.command("restore")
+def snapshot_restore(
+    snapshot: Annotated[str, typer.Argument(help="snapshot id or name")],
+    name: Annotated[str | None, typer.Option(help="name of the new sandbox")] = None,
+) -> None:
+    """Restore a snapshot into a new running sandbox.
+
+    Example: torpor snapshot restore before-import --name agent-u-42-undo
+    """
+    with console.status("restoring ..."):
+        sbx = Snapshot.get(snapshot).restore(name=name)
+    console.print(f"{sbx.id}  {sbx.name}  running")
+
+
+@snapshot_app.command("fork")
+def snapshot_fork(
+    snapshot: Annotated[str, typer.Argument(help="snapshot id or name")],
+    count: Annotated[int, typer.Option(help="how many sandboxes")] = 1,
+) -> None:
+    """Start COUNT sandboxes from one snapshot. Example: torpor snapshot fork s1 --count 3"""
+    with console.status(f"forking {count} ..."):
+        kids = Snapshot.get(snapshot).fork(count)
+    for k in kids:
+        console.print(f"{k.id}  running")
+
+
+@snapshot_app.command("rm")
+def snapshot_rm(snapshot: Annotated[str, typer.Argument(help="snapshot id or name")]) -> None:
+    """Delete a snapshot (space comes back at the next gc). Example: torpor snapshot rm s1"""
+    Snapshot.get(snapshot).delete()
+    console.print(f"deleted {snapshot}")
+
+
+# -- volumes and drives ----------------------------------------------------------------------
+
+@volume_app.command("create")
+def volume_create(
+    name: Annotated[str, typer.Argument(help="volume name")],
+    size_mib: Annotated[int, typer.Option(help="size in MiB (sparse)")] = 1024,
+) -> None:
+    """Make an empty volume. Example: torpor volume create memory-u-42 --size-mib 1024"""
+    vol = Volume.create(name, size_mib)
+    console.print(f"{vol.id}  {vol.name}  {vol.info.size_mib} MiB")
+
+
+@volume_app.command("ls")
+def volume_ls() -> None:
+    """List volumes and who has them attached. Example: torpor volume ls"""
+    _table(["id", "name", "size", "attached to"],
+           [[v.id, v.name, f"{v.info.size_mib} MiB",
+             ", ".join(f"{a.sandbox_id}:{a.path}{' (ro)' if a.read_only else ''}"
+                       for a in v.info.attachments)] for v in Volume.list()])
+
+
+@volume_app.command("rm")
+def volume_rm(volume: Annotated[str, typer.Argument(help="volume id or name")]) -> None:
+    """Delete a volume and its data. Example: torpor volume rm memory-u-42"""
+    Volume.get(volume).delete()
+    console.print(f"deleted {volume}")
+
+
+@drive_app.command("create")
+def drive_create(name: Annotated[str, typer.Argument(help="drive name")]) -> None:
+    """Make an empty shared drive. Example: torpor drive create research"""
+    d = Drive.create(name)
+    console.print(f"{d.id}  {d.name}")
+
+
+@drive_app.command("ls")
+def drive_ls() -> None:
+    """List drives. Example: torpor drive ls"""
+    _table(["id", "name", "mounted in"],
+           [[d.id, d.name, ", ".join(f"{a.sandbox_id}:{a.path}" for a in d.info.attachments)]
+            for d in Drive.list()])
+
+
+@drive_app.command("rm")
+def drive_rm(drive: Annotated[str, typer.Argument(help="drive id or name")]) -> None:
+    """Delete a drive and its files. Example: torpor drive rm research"""
+    Drive.get(drive).delete()
+    console.print(f"deleted {drive}")
+
+
+# -- gc --------------------------------------------------------------------------------------
+
+def gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="report, remove nothing")] = False,
+    local: Annotated[bool, typer.Option("--local",
+                                        help="collect on the home directly (server stopped)")]
+    = False,
+) -> None:
+    """Remove expired snapshots and pauses, and storage nothing references.
+
+    Example: torpor gc --dry-run
+    """
+    report: dict[str, Any]
+    if local:
+        from torpor.config import paths
+        from torpor.sandbox.gc import collect
+
+        report = collect(paths(), dry_run=dry_run).to_json()
+    else:
+        report = collect_garbage(dry_run=dry_run)
+    rows = [[k, str(len(v)) if isinstance(v, list) else (_size(v) if k == "freed_bytes" else
+                                                         str(v))] for k, v in report.items()]
+    _table(["what", "count" if not dry_run else "would remove"], rows)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``gc`` and the ``snapshot``, ``volume``, ``drive`` groups to the ``torpor`` app."""
+    app.command("gc")(gc)
+    app.add_typer(snapshot_app, name="snapshot")
+    app.add_typer(volume_app, name="volume")
+    app.add_typer(drive_app, name="drive")
