@@ -100,6 +100,8 @@ def test_random_scopes_never_leak(tmp_path_factory: pytest.TempPathFactory, back
     home = tmp_path_factory.mktemp("iso")
     owners = {t: Memory(str(home), tenant=t, embedder=None, backend=backend_spec)
               for t in ("t1", "t2")}
+    for t, owner in owners.items():  # a server backend (postgres) keeps data across examples
+        owner.backend.tenant(t).forget_scope("")
     written: dict[str, tuple[str, str]] = {}
     for tenant, levels, text in writes:
         f = owners[tenant].scope(**levels).remember(text)
