@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from torpor.client import Runtime
-from torpor.errors import ServerUnavailable
+from torpor.client import Runtime, Sandbox
+from torpor.errors import SandboxNotFound, ServerUnavailable
+from torpor.sandbox.models import SandboxInfo
 from torpor.server.daemon import server_pid, stop_server
 
 PROBE = ("import sys; from torpor.client import Runtime; "
@@ -71,3 +72,13 @@ def test_a_killed_server_is_replaced_on_the_next_call(home: Path) -> None:
     assert (home / "server.sock").exists()  # stale socket left behind
     second = Runtime(home=home).health()["pid"]
     assert second != first and server_pid(home) == second
+
+
+def test_a_streamed_first_call_starts_the_server(home: Path) -> None:
+    rt = Runtime(home=home)
+    info = SandboxInfo.model_validate({"id": "ghost", "name": "ghost", "template": "python",
+                                       "state": "running", "created_at": 0,
+                                       "last_active_at": 0})
+    with pytest.raises(SandboxNotFound):
+        Sandbox(info, rt).commands.run("echo hi", on_stdout=print)
+    assert server_pid(home) == rt.health()["pid"]

@@ -26,6 +26,9 @@ __all__ = ["ensure_local_server", "is_alive"]
 
 log = logging.getLogger(__name__)
 
+#: Servers this process started (they outlive it; the handles only avoid ResourceWarnings).
+_children: list[subprocess.Popen[bytes]] = []
+
 
 def is_alive(socket_path: Path, *, timeout: float = 2.0) -> bool:
     """True when a torpor server answers ``/v1/health`` on ``socket_path``."""
@@ -66,6 +69,7 @@ def ensure_local_server(p: Paths, *, timeout: float = 120.0) -> None:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, cwd=p.home,
                 start_new_session=True, close_fds=True,
             )
+        _children.append(proc)  # keep the handle: no "still running" warning when it is GC'd
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if is_alive(p.socket):

@@ -15,6 +15,7 @@ cannot be reached is :class:`~torpor.errors.ServerUnavailable`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -132,19 +133,35 @@ class Runtime:
     @contextmanager
     def stream_events(self, method: str, path: str, **kwargs: Any) -> Iterator[
             Iterator[dict[str, Any]]]:
-        """Send a request whose answer is NDJSON and yield its events one by one."""
-        # Make sure the server is up first: a stream cannot be retried half-way.
-        self.request("GET", "/v1/health")
-        try:
-            with self._http.stream(method, path, **kwargs) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise self._error(response)
+        """Send a request whose answer is NDJSON and yield its events one by one.
+
+        Raises like :meth:`request`; starts the local server if the connection is refused
+        (nothing was sent then, so sending again is safe).
+        """
+        with contextlib.ExitStack() as stack:
+            for attempt in (1, 2):
+                try:
+                    response = stack.enter_context(self._http.stream(method, path, **kwargs))
+                    break
+                except httpx.ConnectError as exc:
+                    if attempt == 2 or not self.autostart:
+                        raise ServerUnavailable(f"cannot reach {self._where()}: {exc}",
+                                                exc=exc) from exc
+                    self._start_local()
+                except httpx.TimeoutException as exc:
+                    raise OperationTimeout(f"{method} {path}: no answer in time",
+                                           exc=exc) from exc
+                except httpx.HTTPError as exc:
+                    raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
+            if response.status_code >= 400:
+                response.read()
+                raise self._error(response)
+            try:
                 yield (json.loads(line) for line in response.iter_lines() if line.strip())
-        except httpx.TimeoutException as exc:
-            raise OperationTimeout(f"{method} {path}: no answer in time", exc=exc) from exc
-        except httpx.HTTPError as exc:
-            raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
+            except httpx.TimeoutException as exc:
+                raise OperationTimeout(f"{method} {path}: no answer in time", exc=exc) from exc
+            except httpx.HTTPError as exc:
+                raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
 
     # -- public -------------------------------------------------------------------------------
 
