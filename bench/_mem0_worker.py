@@ -28,7 +28,7 @@ def _open(workdir: str, model: str) -> Any:
                      "config": {"model": model, "embedding_dims": 384}},
         "vector_store": {"provider": "qdrant",
                          "config": {"collection_name": "bench", "embedding_model_dims": 384,
-                                    "path": os.path.join(workdir, "qdrant"), "on_disk": True}},
+                                    "path": os.path.join(workdir, "qdrant"), "on_disk": False}},
         "history_db_path": os.path.join(workdir, "history.db"),
     }
     return Memory.from_config(cfg)

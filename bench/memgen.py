@@ -306,20 +306,44 @@ def _with_split(q: Question, split: str) -> Question:
                     q.stale_fact_ids, split)
 
 
-_WORDS = (
-    "invoice", "meeting", "garden", "lamp", "river", "budget", "ticket", "planet", "coffee",
-    "window", "server", "report", "holiday", "market", "bridge", "doctor", "engine",
-    "letter", "camera", "recipe", "puzzle", "ladder", "harbor", "violin", "station",
-    "blanket", "pepper", "marble", "canyon", "rocket", "theory", "pocket", "signal",
-    "tunnel", "orchard", "mirror", "lantern", "compass", "beacon", "meadow", "quarry",
-    "saddle", "thistle", "walnut", "zephyr", "glacier", "parcel",
+_SYLLABLES = (
+    "ka", "lo", "mi", "ren", "tu", "sa", "vel", "dor", "ni", "pa", "qui", "ber", "zo", "la",
+    "mon", "tri", "ga", "ses", "fu", "ral", "po", "xen", "di", "nor", "ha", "lun", "te", "vis",
 )
+_STOP = ("the", "a", "of", "and", "to", "in", "my", "is", "for", "on")
 
 
-def synthetic_texts(n: int, seed: int = 1) -> Iterator[str]:
-    """``n`` short random sentences for the scale tests, fast (about 1M per few seconds)."""
+def _vocabulary(size: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    words = _WORDS
-    for i in range(n):
-        k = 6 + (i % 7)
-        yield " ".join(rng.choices(words, k=k)) + f" item{i % 9973}"
+    words: dict[str, None] = {}
+    while len(words) < size:
+        words["".join(rng.choices(_SYLLABLES, k=rng.randint(2, 4)))] = None
+    return list(words)
+
+
+def synthetic_texts(n: int, seed: int = 1, vocab: int = 20_000) -> Iterator[str]:
+    """``n`` random one-line records for the scale tests, fast (about 1M in 10-20 s).
+
+    Words come from a ``vocab``-word pseudo-vocabulary with a Zipf-Mandelbrot frequency
+    (``1 / (rank + 50)``: the commonest word is in about 3% of records), after one common
+    English stop word, so a query term's selectivity resembles real text
+    (a few very common words, a long tail of rare ones) rather than a uniform bag.
+    """
+    import numpy as np
+
+    words = _vocabulary(vocab, seed=vocab)
+    weights = 1.0 / (np.arange(1, vocab + 1) + 50.0)
+    cdf = np.cumsum(weights / weights.sum())
+    gen = np.random.default_rng(seed)
+    chunk = 10_000
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        lengths = gen.integers(6, 15, size=m)
+        picks = np.searchsorted(cdf, gen.random(int(lengths.sum())))
+        stops = gen.integers(0, len(_STOP), size=m)
+        pos = 0
+        for i in range(m):
+            ln = int(lengths[i])
+            idx = picks[pos:pos + ln]
+            pos += ln
+            yield f"{_STOP[stops[i]]} " + " ".join(words[j] for j in idx)

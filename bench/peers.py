@@ -62,6 +62,8 @@ class Doc:
     at: datetime
     kind: str          # "fact" or "episode"
     key: str | None = None
+    session: str | None = None
+    role: str = "user"
 
 
 class Peer(Protocol):
@@ -91,10 +93,13 @@ class Embedder:
     """all-MiniLM-L6-v2 through sentence-transformers, offline, with a per-text cache.
 
     The cache means a text embedded for one system is not embedded again for another: the
-    peers and torpor then differ only in how they index and rank, not in the vectors.
+    peers and torpor then differ only in how they index and rank, not in the vectors. It also
+    satisfies torpor's ``Embedder`` protocol (``name``, ``dim``, ``embed``), so torpor gets the
+    very same vectors.
     """
 
     dim = 384
+    name = "sentence-transformers:all-MiniLM-L6-v2"
 
     def __init__(self, path: Path | None = None, batch_size: int = 64) -> None:
         from sentence_transformers import SentenceTransformer
@@ -115,6 +120,10 @@ class Embedder:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.stack([self.cache[t] for t in texts])
+
+    def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        """torpor's ``Embedder.embed``: the same as :meth:`encode`."""
+        return self.encode(texts)
 
 
 class BM25Peer:
