@@ -155,6 +155,8 @@ def test_touch_moves_the_idle_clock(reg: Registry) -> None:
     reg.insert(rec(last_active_at=10.0))
     reg.touch("sbx-1", 99.0)
     assert reg.get("sbx-1").last_active_at == 99.0
+    # the cheap (no fsync) idle-clock write leaves state changes fully synchronous
+    assert reg._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
 
 
 @settings(max_examples=40, deadline=None)

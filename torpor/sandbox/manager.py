@@ -51,6 +51,9 @@ __all__ = ["SandboxManager"]
 
 log = logging.getLogger(__name__)
 
+#: Seconds a pause waits for the guest to flush its file systems before hibernating anyway.
+SYNC_TIMEOUT = 5.0
+
 #: Called at named points of create/pause/wake (``"pause:saved"`` ...) with the sandbox id;
 #: tests use it to crash the process at an exact step.
 StepHook = Callable[[str, str], Awaitable[None] | None]
@@ -305,8 +308,9 @@ class SandboxManager:
         directory = self.directory(rec.id)
         channel, live.channel = live.channel, None
         if channel is not None:
-            try:  # flush the guest's page cache so the disk overlay is whole
-                await channel.sync()
+            try:  # flush the guest's page cache so the disk overlay is whole; a hung guest
+                # must not hold the pause (its RAM is saved either way)
+                await asyncio.wait_for(channel.sync(), SYNC_TIMEOUT)
             except Exception as exc:  # noqa: BLE001
                 log.warning("sync before pausing %s failed: %r", rec.id, exc)
             with suppress(Exception):
