@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -16,8 +17,8 @@ import pytest
 
 from torpor.client import Runtime, Sandbox
 from torpor.client._local import is_alive
-from torpor.errors import AccessDenied, InvalidArgument, TorporError
-from torpor.server.auth import TokenStore, new_token
+from torpor.errors import AccessDenied, InvalidArgument, InvalidName, TorporError
+from torpor.server.auth import TokenStore, add_token, new_token
 from torpor.server.daemon import server_pid
 
 
@@ -61,10 +62,13 @@ def _free_port() -> int:
 
 
 def test_tcp_with_tokens(home: Path, tmp_path: Path) -> None:
-    token = new_token()
     token_file = tmp_path / "tokens.json"
-    token_file.write_text(json.dumps({"tokens": {token: "acme"}}))
-    token_file.chmod(0o600)
+    made = subprocess.run([sys.executable, "-m", "torpor.cli", "server", "token", "acme",
+                           "--token-file", str(token_file)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    token = made.stdout.strip()
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert json.loads(token_file.read_text()) == {"tokens": {token: "acme"}}
     port = _free_port()
     proc = _serve(home, "--host", "127.0.0.1", "--port", str(port), "--token-file",
                   str(token_file))
@@ -105,6 +109,17 @@ def test_bad_token_files(tmp_path: Path, content: str) -> None:
     path.write_text(content)
     with pytest.raises(InvalidArgument):
         TokenStore.load(path)
+
+
+def test_add_token_keeps_existing_ones(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    first = add_token(path, "acme")
+    second = add_token(path, "globex")
+    store = TokenStore.load(path)
+    assert store.tenant_for(f"Bearer {first}") == "acme"
+    assert store.tenant_for(f"Bearer {second}") == "globex"
+    with pytest.raises(InvalidName):
+        add_token(path, "Not A Tenant")
 
 
 def test_server_status_and_stop_commands(home: Path) -> None:

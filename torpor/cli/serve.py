@@ -80,6 +80,20 @@ def stop(timeout: Annotated[float, typer.Option(help="seconds to wait")] = 60.0)
     console.print("no server was running" if pid is None else f"stopped server pid {pid}")
 
 
+@server_app.command("token")
+def token(
+    tenant: Annotated[str, typer.Argument(help="the tenant the token acts for")],
+    token_file: Annotated[Path, typer.Option(help="the token file to add it to")],
+) -> None:
+    """Add a bearer token for TENANT to a token file and print it (restart the server).
+
+    Example: torpor server token acme --token-file /etc/torpor/tokens.json
+    """
+    from torpor.server.auth import add_token
+
+    typer.echo(add_token(token_file, tenant))
+
+
 def register(app: typer.Typer) -> None:
     """Add ``serve`` and the ``server`` group to the ``torpor`` command."""
     app.command("serve")(serve)

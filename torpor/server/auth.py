@@ -26,7 +26,7 @@ from pathlib import Path
 from torpor.config import check_name
 from torpor.errors import AccessDenied, InvalidArgument, StorageError
 
-__all__ = ["LOCAL_TENANT", "TokenStore", "new_token"]
+__all__ = ["LOCAL_TENANT", "TokenStore", "add_token", "new_token"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,34 @@ LOCAL_TENANT = "default"
 def new_token() -> str:
     """A fresh random token (256 bits, URL-safe)."""
     return secrets.token_urlsafe(32)
+
+
+def add_token(path: str | os.PathLike[str], tenant: str) -> str:
+    """Add a fresh token for ``tenant`` to the token file at ``path`` (created 0600 if
+    missing) and return it. A running server reads the file at start: restart it.
+
+    Raises :class:`InvalidName` for a bad tenant, :class:`InvalidArgument` for a file that is
+    not a token file, :class:`StorageError` when it cannot be written.
+    """
+    check_name(tenant, "tenant")
+    file = Path(path)
+    tokens: dict[str, str] = {}
+    if file.exists():
+        tokens = dict(TokenStore.load(file)._tokens or {})
+    token = new_token()
+    tokens[token] = tenant
+    tmp = file.with_name(file.name + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump({"tokens": tokens}, out, indent=2)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, file)
+    except OSError as exc:
+        raise StorageError(f"cannot write token file {file}: {exc}", exc=exc,
+                           path=str(file)) from exc
+    return token
 
 
 class TokenStore:
