@@ -7,15 +7,9 @@
 
 from __future__ import annotations
 
+from torpor.client.checkpoints import Drive, Snapshot, Volume
 from torpor.client.runtime import Runtime, default_runtime, set_default_runtime
 from torpor.client.sandbox import Commands, Files, Interpreter, Sandbox
-
-try:
-    from torpor.client.checkpoints import Drive, Snapshot, Volume
-except ModuleNotFoundError as _exc:  # the checkpoint SDK is not there yet
-    if _exc.name != "torpor.client.checkpoints":
-        raise
-    from torpor.client._placeholders import Drive, Snapshot, Volume  # type: ignore[assignment]
 
 __all__ = [
     "Commands",
