@@ -51,6 +51,7 @@ class FakeEngine:
     ``wake`` (QEMU dies before ``cont``: state kept), ``wake:after-cont`` (dies after the state
     was consumed), ``hibernate:before-save`` (dies before the state is written),
     ``hibernate:after-save`` (dies after the state is whole, before quitting cleanly),
+    ``hibernate:refused`` (the save fails, QEMU and the guest keep running),
     ``connect`` (the guest does not answer), ``clone``.
     """
 
@@ -137,6 +138,8 @@ class FakeMachine:
         proc = self.engine.world.processes.get(self.directory)
         if proc is None:
             raise EngineError("QEMU is not running")
+        if self.engine._fault("hibernate:refused"):  # e.g. a migration error: guest resumed
+            raise EngineError("saving the device state failed (injected)")
         if self.engine._fault("hibernate:before-save"):
             self.engine.crash(self.directory)
             raise EngineError("QEMU died before the state was saved (injected)")

@@ -302,6 +302,36 @@ def test_wake_failure_after_cont_is_state_lost(home: Path) -> None:
     with_manager(home, body)
 
 
+def test_refused_pause_rolls_back_to_running(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.run_code(info.id, "x = 1")
+        engine.faults["hibernate:refused"] = 1
+        with pytest.raises(EngineError):
+            await mgr.pause(info.id)
+        assert (await mgr.get(info.id)).state is S.RUNNING
+        assert (await mgr.run_code(info.id, "x")).text == "1"
+        assert mgr.transitions(info.id)[-2:] == [("running", "pausing"), ("pausing", "running")]
+        assert (await mgr.pause(info.id)).state is S.PAUSED  # and a retry works
+    with_manager(home, body)
+
+
+def test_guest_silent_after_wake_is_paused_again(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.run_code(info.id, "x = 'safe'")
+        await mgr.pause(info.id)
+        engine.faults["connect"] = 1  # QEMU runs, the agent does not answer
+        with pytest.raises(GuestError, match="paused again"):
+            await mgr.resume(info.id)
+        assert (await mgr.get(info.id)).state is S.PAUSED
+        assert engine.world.processes == {}
+        assert (await mgr.run_code(info.id, "x")).text == "'safe'"
+        assert mgr.transitions(info.id)[-4:] == [("paused", "waking"), ("waking", "paused"),
+                                                 ("paused", "waking"), ("waking", "running")]
+    with_manager(home, body)
+
+
 @pytest.mark.parametrize(("fault", "outcome"), [
     pytest.param("hibernate:before-save", S.ERROR, id="before-save"),
     pytest.param("hibernate:after-save", S.PAUSED, id="after-save"),

@@ -376,15 +376,39 @@ class SandboxManager:
         try:
             live.channel = await self.engine.connect(machine, directory)
             await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-        except Exception as exc:
-            await self._quiet_kill(live, directory)
-            raise self._mark_lost(rec, f"guest unreachable after wake: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - any failure: save what can be saved
+            return await self._guest_unreachable(rec, live, machine, exc)
         for hook in self.guest_hooks:
             try:
                 await hook.after_wake(rec.id, live.channel)
             except TorporError as exc:
                 log.warning("after-wake hook of %s failed: %s", rec.id, exc)
         return self._move(rec, S.RUNNING, reason, last_active_at=time.time(), paused_at=None)
+
+    async def _guest_unreachable(self, rec: SandboxRecord, live: _Live, machine: Machine,
+                                 exc: Exception) -> SandboxRecord:
+        """The guest ran but its agent did not answer. If QEMU is still up, hibernate it again
+        (its RAM is intact, the sandbox stays paused: a later wake may find the agent back);
+        else the RAM is gone. Always raises."""
+        directory = self.directory(rec.id)
+        channel, live.channel = live.channel, None
+        if channel is not None:
+            with suppress(Exception):
+                await channel.close()
+        if machine.is_running():
+            try:
+                await machine.hibernate()
+            except Exception as again:  # noqa: BLE001
+                log.warning("re-hibernating %s failed: %r", rec.id, again)
+            else:
+                live.machine = None
+                self._move(rec, S.PAUSED, f"guest unreachable after wake; re-hibernated: {exc}",
+                           paused_at=time.time())
+                raise GuestError(f"sandbox {rec.id} woke but its guest agent did not answer "
+                                 f"({exc}); it was paused again with its RAM intact",
+                                 exc=exc, sandbox_id=rec.id) from exc
+        await self._quiet_kill(live, directory)
+        raise self._mark_lost(rec, f"guest unreachable after wake: {exc}") from exc
 
     async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
         """Stop a sandbox for good and delete its files (idempotent). In-flight calls fail with
