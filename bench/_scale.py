@@ -88,13 +88,19 @@ def _chunks(it: Iterator[str], size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def add_throughput(n: int, embedder: Any | None, home: Path | None = None) -> float:
-    """Records/s for adding ``n`` synthetic facts in batches of :data:`BATCH` to a fresh store."""
+def add_throughput(n: int, embedder: Any | None, texts: Sequence[str] | None = None) -> float:
+    """Records/s for adding ``n`` facts in batches of :data:`BATCH` to a fresh store.
+
+    ``texts`` (cycled) are the records; default: synthetic ones. Pass real sentences when
+    an embedding model does the work: its cost depends on the number of word pieces.
+    """
+    source: Iterator[str] = (iter([texts[i % len(texts)] for i in range(n)]) if texts
+                             else synthetic_texts(n, seed=3))
     with tempfile.TemporaryDirectory(prefix="torpor-bench-tp-") as tmp:
-        mem = open_memory(home or Path(tmp), embedder)
+        mem = open_memory(Path(tmp), embedder)
         add = batch_adder(mem.scope(app="bench", user="tp"))
         t0 = time.perf_counter()
-        for chunk in _chunks(synthetic_texts(n, seed=3), BATCH):
+        for chunk in _chunks(source, BATCH):
             add(chunk)
         rate = n / (time.perf_counter() - t0)
         _close(mem)
