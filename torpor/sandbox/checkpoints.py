@@ -37,9 +37,9 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from torpor.config import LIMITS, check_name
 from torpor.errors import (
@@ -62,6 +62,7 @@ from torpor.sandbox.volumes import VolumeInfo, VolumeStore, check_mount_path
 __all__ = ["VOLUME_SNAPSHOT_REFUSAL", "Checkpoints"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: what a snapshot or fork of a sandbox with a volume does (also the Conflict's message)
 VOLUME_SNAPSHOT_REFUSAL = (
@@ -114,8 +115,10 @@ class Checkpoints:
 
     # -- freezing a live sandbox ---------------------------------------------------------
 
-    async def _freeze(self, tenant: str, id_or_name: str) -> tuple[SandboxRecord, Path]:
-        """Freeze the sandbox (pause + freeze + wake if it was running). Returns its record."""
+    async def _freeze(self, tenant: str, id_or_name: str,
+                      then: Callable[[SandboxRecord, Path], Awaitable[T]]) -> T:
+        """Freeze the sandbox (pause + freeze, and wake it again if it was running) and run
+        ``then(record, frozen_dir)`` alongside the wake. Returns what ``then`` returns."""
         m = self.manager
         rec = m.registry.find(tenant, id_or_name)
         vols = self.volumes.attached_to(rec.id)
@@ -142,10 +145,20 @@ class Checkpoints:
                 with self.snapshots.lock():
                     frozen = await asyncio.to_thread(freeze, m.directory(rec.id),
                                                      self.snapshots.frozen_root)
-            finally:
+            except BaseException:
                 if was_running:
-                    rec = await m._wake_locked(rec, live, "snapshot taken")
-        return rec, frozen
+                    await m._wake_locked(rec, live, "snapshot failed")
+                raise
+            # The frozen dir is immutable from here: the source wakes while ``then`` (capture
+            # or clone children) works on the copy, so the two costs overlap.
+            jobs: list[Awaitable[Any]] = [then(rec, frozen)]
+            if was_running:
+                jobs.append(m._wake_locked(rec, live, "snapshot taken"))
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return cast(T, results[0])
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -163,15 +176,16 @@ class Checkpoints:
         name = name or f"{rec.name}-{time.strftime('%Y%m%d-%H%M%S')}"[:63]
         check_name(name, "snapshot name")
         self.snapshots._check_free(name, tenant)  # fail before pausing anything
-        rec, frozen = await self._freeze(tenant, id_or_name)
-        try:
-            info = await asyncio.to_thread(
-                self.snapshots.save, frozen, name=name, tenant=tenant,
-                retention_days=retention_days, sandbox_id=rec.id, template=rec.template,
-                labels=dict(labels or {}))
-        finally:
-            _drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
-        return info
+        async def capture(rec: SandboxRecord, frozen: Path) -> SnapshotInfo:
+            try:
+                return await asyncio.to_thread(
+                    self.snapshots.save, frozen, name=str(name), tenant=tenant,
+                    retention_days=retention_days, sandbox_id=rec.id, template=rec.template,
+                    labels=dict(labels or {}))
+            finally:
+                _drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
+
+        return await self._freeze(tenant, id_or_name, capture)
 
     def list_snapshots(self, *, tenant: str = "default") -> list[SnapshotInfo]:
         """The tenant's listed (checked, unexpired) snapshots."""
@@ -229,19 +243,21 @@ class Checkpoints:
         (count 0 or over the limit), Conflict (a volume attached, names), InvalidState.
         """
         _check_count(count, names)
-        rec = self.manager.registry.find(tenant, id_or_name)
-        if names:
-            for n in names:
-                check_name(n, "sandbox name")
-        rec, frozen = await self._freeze(tenant, id_or_name)
-        try:
-            return await self._spawn(frozen, count=count, labels={**rec.labels, **(labels or {})},
-                                     names=names, idle_pause_seconds=rec.idle_pause_seconds,
-                                     pause_retention_days=rec.pause_retention_days,
-                                     tenant=tenant, reason=f"forked from {rec.id}",
-                                     drives_of=rec.id)
-        finally:
-            _drop_ram(frozen)
+        self.manager.registry.find(tenant, id_or_name)  # SandboxNotFound before any work
+        for n in names or []:
+            check_name(n, "sandbox name")
+
+        async def children(rec: SandboxRecord, frozen: Path) -> list[SandboxInfo]:
+            try:
+                return await self._spawn(
+                    frozen, count=count, labels={**rec.labels, **(labels or {})}, names=names,
+                    idle_pause_seconds=rec.idle_pause_seconds,
+                    pause_retention_days=rec.pause_retention_days, tenant=tenant,
+                    reason=f"forked from {rec.id}", drives_of=rec.id)
+            finally:
+                _drop_ram(frozen)
+
+        return await self._freeze(tenant, id_or_name, children)
 
     async def _spawn(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
                      names: list[str] | None, idle_pause_seconds: int | None,
