@@ -558,6 +558,7 @@ def test_agent_in_a_real_vm(qemu_home: Path) -> None:
     clone_machine_dir(info.snapshot_dir, directory)
     machine = Machine(directory, info, MachineSpec())
     data = os.urandom(3 * 1024 * 1024 + 17)
+    first: dict[str, Any] = {}  # what session one saw, for session two
 
     async def session_one() -> dict[str, Any]:
         async with await GuestChannel.connect(machine.agent_socket, timeout=120) as ch:
@@ -597,15 +598,13 @@ def test_agent_in_a_real_vm(qemu_home: Path) -> None:
     async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
         await machine.wake()
         try:
-            nonlocal first
-            first = await session_one()
+            first.update(await session_one())
             await machine.hibernate()
             await machine.wake()
             return first, await session_two()
         finally:
             await machine.kill()
 
-    first: dict[str, Any] = {}
     one, two = asyncio.run(scenario())
     assert two["ping"]["pid"] == one["ping"]["pid"]
     assert two["ping"]["boot_id"] == one["ping"]["boot_id"]
