@@ -145,3 +145,53 @@ def test_bm25_peer_ranks_the_exact_statement_first() -> None:
 def test_synthetic_texts_are_deterministic() -> None:
     assert list(synthetic_texts(50, seed=2)) == list(synthetic_texts(50, seed=2))
     assert len(list(synthetic_texts(1000))) == 1000
+
+
+class _Oracle:
+    """A system that answers from the gold (and abstains when there is none)."""
+
+    name = "oracle"
+
+    def __init__(self, ds: Dataset, stale_first: bool = False) -> None:
+        self.by_text = {(q.user, q.text, q.as_of): q for q in ds.questions}
+        self.stale_first = stale_first
+
+    def add(self, docs: object) -> None:
+        pass
+
+    def search(self, user: str, query: str, k: int, as_of: object = None
+               ) -> list[tuple[str, float]]:
+        q = self.by_text[(user, query, as_of)]
+        ids = sorted(min(g) for g in q.gold)
+        if self.stale_first and q.stale_fact_ids:
+            ids = [q.stale_fact_ids[0], *ids]
+        return [(i, 1.0) for i in ids[:k]]
+
+    def close(self) -> None:
+        pass
+
+
+def test_scoring_an_oracle_gives_full_marks(ds: Dataset) -> None:
+    from bench._quality import evaluate
+
+    res = evaluate(_Oracle(ds), ds)  # type: ignore[arg-type]
+    assert all(res.recall[k] == 1.0 for k in KINDS), res.recall
+    assert res.current == 1.0 and res.current_found == 1.0
+
+
+def test_scoring_catches_a_stale_value_first(ds: Dataset) -> None:
+    from bench._quality import evaluate
+
+    res = evaluate(_Oracle(ds, stale_first=True), ds)  # type: ignore[arg-type]
+    assert res.current == 0.0
+    assert res.current_found == 1.0
+
+
+@pytest.mark.parametrize(("answerable", "abstain", "expected"), [
+    pytest.param([0.9, 0.8, 0.7], [0.1, 0.2], 0.7, id="separable"),
+    pytest.param([0.5], [], float("-inf"), id="no-abstention-questions"),
+])
+def test_calibrate(answerable: list[float], abstain: list[float], expected: float) -> None:
+    from bench._quality import calibrate
+
+    assert calibrate(answerable, abstain) == expected
