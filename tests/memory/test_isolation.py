@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from torpor.errors import AccessDenied
 from torpor.memory import Memory
-from torpor.memory.models import path_within
+from torpor.memory.models import Scope, path_within
 
 
 def test_token_maps_to_tenant_and_grants(home: Path, backend_spec: str) -> None:
@@ -80,6 +81,7 @@ def test_sqlite_tenant_is_its_own_file(home: Path) -> None:
     b.close()
 
 
+_RUNS = itertools.count()
 NAMES = st.sampled_from(["a", "b", "c"])
 LEVELS = st.fixed_dictionaries({}, optional={"app": NAMES, "user": NAMES, "session": NAMES})
 
@@ -98,45 +100,33 @@ def test_random_scopes_never_leak(tmp_path_factory: pytest.TempPathFactory, back
                                   grant: tuple[str, dict[str, str]], query_scope: dict[str, str],
                                   query: str) -> None:
     home = tmp_path_factory.mktemp("iso")
-    owners = {t: Memory(str(home), tenant=t, embedder=None, backend=backend_spec)
+    # fresh tenant names per example: a server backend keeps data between examples
+    run = next(_RUNS)
+    names = {"t1": f"p{run}-t1", "t2": f"p{run}-t2"}
+    owners = {t: Memory(str(home), tenant=names[t], embedder=None, backend=backend_spec)
               for t in ("t1", "t2")}
-    for t, owner in owners.items():  # a server backend (postgres) keeps data across examples
-        owner.backend.tenant(t).forget_scope("")
-    written: dict[str, tuple[str, str]] = {}
-    for tenant, levels, text in writes:
-        f = owners[tenant].scope(**levels).remember(text)
-        written[f.id] = (tenant, f.scope)
-    from torpor.memory.models import Scope
-
-    prefix = Scope(**grant[1]).path
-    tok = owners["t1"].tokens.issue("t1", grants=[(grant[0], prefix)])
-    m = Memory(str(home), token=tok, embedder=None, backend=backend_spec)
-    target = Scope(**query_scope)
+    m: Memory | None = None
     try:
-        s = m.scope(**query_scope)
-    except AccessDenied:
-        assert not path_within(target.path, prefix)
-        assert any(not e.allowed for e in owners["t1"].audit_log())
-    else:
-        assert path_within(target.path, prefix)
-        for hit in s.recall(query, k=50, include_history=True):
-            tenant, scope = written[hit.id]
-            assert tenant == "t1"
-            assert path_within(scope, prefix)
-            assert scope in target.ancestors()
-    for o in (*owners.values(), m):
-        o.close()
-
-
-def test_forget_by_id_needs_write_on_the_records_scope(home: Path, backend_spec: str) -> None:
-    admin = Memory(str(home), tenant="acme", embedder=None, backend=backend_spec)
-    mine = admin.scope(app="x", user="me").remember("mine")
-    theirs = admin.scope(app="x", user="them").remember("theirs")
-    tok = admin.tokens.issue("acme", grants=[("write", "app/x/user/me")])
-    m = Memory(str(home), token=tok, embedder=None, backend=backend_spec)
-    with pytest.raises(AccessDenied):
-        m.forget(theirs.id)
-    assert m.forget(mine.id) == 1
-    assert [h.id for h in admin.scope(app="x", user="them").recall("theirs")] == [theirs.id]
-    m.close()
-    admin.close()
+        written: dict[str, tuple[str, str]] = {}
+        for tenant, levels, text in writes:
+            f = owners[tenant].scope(**levels).remember(text)
+            written[f.id] = (tenant, f.scope)
+        prefix = Scope(**grant[1]).path
+        tok = owners["t1"].tokens.issue(names["t1"], grants=[(grant[0], prefix)])
+        m = Memory(str(home), token=tok, embedder=None, backend=backend_spec)
+        target = Scope(**query_scope)
+        try:
+            s = m.scope(**query_scope)
+        except AccessDenied:
+            assert not path_within(target.path, prefix)
+            assert any(not e.allowed for e in owners["t1"].audit_log())
+        else:
+            assert path_within(target.path, prefix)
+            for hit in s.recall(query, k=50, include_history=True):
+                tenant, scope = written[hit.id]  # KeyError = a record from elsewhere
+                assert tenant == "t1"
+                assert path_within(scope, prefix)
+                assert scope in target.ancestors()
+    finally:
+        for o in (*owners.values(), *([m] if m else [])):
+            o.close()
