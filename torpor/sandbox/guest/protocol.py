@@ -176,11 +176,11 @@ class FrameDecoder:
     def _next(self) -> Frame | None:
         buf = self._buf
         if self._hold is not None:
-            end, header = self._hold
+            end, held = self._hold
             if len(buf) < end:
                 return None
             self._hold = None
-            return self._take(end, header)
+            return self._take(end, held)
         while True:
             if len(buf) < PREFIX.size:
                 if buf and not MAGIC.startswith(bytes(buf[: len(MAGIC)])):
