@@ -25,17 +25,12 @@ SPEC_FACTORIES: dict[str, Callable[[pytest.FixtureRequest], str]] = {
 }
 BACKENDS: list[object] = [pytest.param("sqlite", id="sqlite")]
 
-# PostgreSQL + pgvector: one real server per session (pgserver), a fresh database per test.
-# The DSN is the server's superuser; the backend still runs every query as torpor_app under RLS.
-from tests.pg import pg_cluster, pg_database  # noqa: F401  (fixtures)
+# PostgreSQL + pgvector: one real server per session (pgserver), its memory database emptied
+# before each test. The DSN is the server's superuser; the backend still runs every query as
+# torpor_app under row-level security.
+from tests.pg import _pg_memory_database, pg_cluster, pg_database, pg_memory_dsn  # noqa: F401
 
-
-@pytest.fixture
-def pg_dsn(pg_cluster: object, pg_database: str) -> str:  # noqa: F811
-    return pg_cluster.admin_dsn(pg_database)  # type: ignore[attr-defined,no-any-return]
-
-
-SPEC_FACTORIES["postgres"] = lambda request: str(request.getfixturevalue("pg_dsn"))
+SPEC_FACTORIES["postgres"] = lambda request: str(request.getfixturevalue("pg_memory_dsn"))
 BACKENDS.append(pytest.param("postgres", id="postgres", marks=pytest.mark.postgres))
 
 
