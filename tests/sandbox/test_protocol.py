@@ -109,3 +109,14 @@ def test_decoder_refuses_a_length_over_its_bound() -> None:
     good = proto.encode_frame({"i": 2, "t": proto.REPLY})
     decoder = proto.FrameDecoder(max_payload=50)
     assert [f.id for f in decoder.feed(big + good)] == [2]
+
+
+def test_a_frame_waiting_for_its_payload_is_dropped_by_reset() -> None:
+    big = proto.encode_frame({"i": 1, "t": proto.DATA, "more": False}, b"p" * 10_000)
+    good = proto.encode_frame({"i": 2, "t": proto.REPLY})
+    decoder = proto.FrameDecoder()
+    for at in range(0, 8192, 4096):  # header checked, payload still arriving
+        assert decoder.feed(big[at: at + 4096]) == []
+    decoder.reset()
+    assert decoder.pending == 0
+    assert [f.id for f in decoder.feed(good)] == [2]

@@ -14,6 +14,7 @@ are dropped (``generation``). It never exits on its own.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -60,12 +61,13 @@ class PortLink(Link):
     and writes would block, so writes are non-blocking and abandoned on POLLHUP."""
 
     def __init__(self, path: str) -> None:
-        while True:
+        for attempt in itertools.count():
             try:
                 self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
                 return
             except OSError as exc:  # the device node may appear late in boot
-                log.warning("cannot open %s (%s); retrying", path, exc)
+                if attempt % 100 == 0:
+                    log.warning("cannot open %s (%s); retrying", path, exc)
                 time.sleep(0.1)
 
     def read(self) -> bytes:
@@ -311,7 +313,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s torpor-agent %(levelname)s %(message)s")
     link: Link = PortLink(args.port) if args.port else SocketLink(args.socket)
-    Agent(link, set_clock=not args.no_clock).serve_forever()
+    agent = Agent(link, set_clock=not args.no_clock)
+    while True:  # exiting would lose the interpreter: log, pause, serve again
+        try:
+            agent.serve_forever()
+        except Exception:
+            log.exception("the serve loop failed; serving again")
+            time.sleep(0.1)
 
 
 if __name__ == "__main__":
