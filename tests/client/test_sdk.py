@@ -157,3 +157,15 @@ def test_remote_runtime_with_token(tcp_served: tuple[object, str]) -> None:
     assert Sandbox.list(runtime=globex) == []
     with pytest.raises(AccessDenied):
         Sandbox.list(runtime=Runtime(url=url, token="c" * 32))
+
+
+def test_environment_selects_a_remote_server(tcp_served: tuple[object, str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _, url = tcp_served
+    monkeypatch.setenv("TORPOR_URL", url)
+    monkeypatch.setenv("TORPOR_TOKEN", "b" * 32)
+    rt = Runtime()
+    assert rt.url == url and rt.paths is None and not rt.autostart
+    assert rt.health()["tenant"] == "globex"
+    # an explicit home means the local server, whatever the environment says
+    assert Runtime(home="/nonexistent").url is None
