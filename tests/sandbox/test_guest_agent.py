@@ -34,11 +34,11 @@ T = TypeVar("T")
 class AgentProcess:
     """One agent subprocess listening on ``socket``."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *extra: str) -> None:
         self.socket = tmp / "agent.sock"
         self.proc = subprocess.Popen(
             [sys.executable, str(AGENT), "--socket", str(self.socket), "--no-clock",
-             "--log-level", "WARNING"], cwd=tmp)
+             "--log-level", "WARNING", *extra], cwd=tmp)
         self.pids: list[int] = []  # background processes to clean up
 
     async def channel(self, **kw: Any) -> GuestChannel:
@@ -581,6 +581,7 @@ def test_agent_in_a_real_vm(qemu_home: Path) -> None:
             with pytest.raises(PathNotFound):
                 await ch.read_file("/root/missing")
             bg = await ch.run_command("sleep 100000", background=True)
+            assert (await ch.run_command("pwd")).stdout == "/workspace\n"  # the default
             await ch.run_code("import random\nkept = 'across hibernate'")
             ex = await ch.run_code("print('hi'); {'k': 1}")
             assert (ex.stdout, ex.text) == ("hi\n", "{'k': 1}")
@@ -643,3 +644,19 @@ def test_interpreter_imports_from_its_working_directory(agent: AgentProcess,
     ex = run(agent, lambda ch: ch.run_code(
         "import sys, mymod\nmymod.VALUE, any(p.endswith('guest') for p in sys.path)"))
     assert ex.text == "('mine', False)"
+
+
+def test_workdir_is_where_commands_files_and_code_start(tmp_path: Path) -> None:
+    (tmp_path / "work").mkdir()
+    agent = AgentProcess(tmp_path, "--workdir", str(tmp_path / "work"))
+    try:
+        async def body(ch: GuestChannel) -> tuple[str, str | None]:
+            await ch.write_file("relative.txt", "here")
+            return (await ch.run_command("pwd; cat relative.txt")).stdout, (
+                await ch.run_code("import os; os.getcwd()")).text
+
+        out, cwd = run(agent, body)
+        assert out == f"{tmp_path / 'work'}\nhere"
+        assert cwd == repr(str(tmp_path / "work"))
+    finally:
+        agent.stop()

@@ -308,8 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--socket", help="test mode: listen on this unix socket")
     parser.add_argument("--no-clock", action="store_true",
                         help="never set the system clock (tests on a real host)")
+    parser.add_argument("--workdir", help="working directory of commands, relative paths and "
+                        "the interpreter (default with --port: /workspace if it exists)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    workdir = args.workdir or ("/workspace" if args.port and os.path.isdir("/workspace") else None)
+    if workdir:
+        os.chdir(workdir)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s torpor-agent %(levelname)s %(message)s")
     link: Link = PortLink(args.port) if args.port else SocketLink(args.socket)
