@@ -44,10 +44,11 @@ def home(tmp_path: Path) -> Iterator[Path]:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_stops_cleanly(home: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_cleanly(home: Path, sig: signal.Signals) -> None:
     proc = _serve(home)
     _wait(lambda: is_alive(home / "server.sock"), proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "torpor server stopped" in out  # the lifespan closed the manager

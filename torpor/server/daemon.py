@@ -113,8 +113,9 @@ def bind_unix_socket(path: Path) -> socket.socket:
     return sock
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises it; exit cleanly at that point.
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal; exit
+    # cleanly at that point (a traceback for Ctrl-C would suggest something went wrong).
     raise SystemExit(0)
 
 
@@ -169,13 +170,15 @@ def serve(home: str | os.PathLike[str] | None = None, *, socket_path: Path | Non
     server = uvicorn.Server(config)
     where = str(sock_file) if host is None else f"{host}:{sock.getsockname()[1]}"
     log.info("torpor server pid %d for %s listening on %s", os.getpid(), p.home, where)
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    previous = {sig: signal.signal(sig, _exit_on_signal)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run(sockets=[sock])
         if not server.started:
             raise ServerUnavailable("the server failed to start; see the log above")
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for callback in cleanup:
             callback()
         sock.close()
