@@ -116,9 +116,15 @@ class Checkpoints:
     # -- freezing a live sandbox ---------------------------------------------------------
 
     async def _freeze(self, tenant: str, id_or_name: str,
-                      then: Callable[[SandboxRecord, Path], Awaitable[T]]) -> T:
-        """Freeze the sandbox (pause + freeze, and wake it again if it was running) and run
-        ``then(record, frozen_dir)`` alongside the wake. Returns what ``then`` returns."""
+                      then: Callable[[SandboxRecord, Path, Any], Awaitable[T]], *,
+                      before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None = None,
+                      link_ram: bool = False) -> T:
+        """Freeze the sandbox (pause + freeze, and wake it again if it was running).
+
+        ``before_wake(record, frozen_dir)`` runs while the source is still paused (with
+        ``link_ram`` the frozen RAM is the source's own file, so it must be done with it and
+        drop it before returning); ``then(record, frozen_dir, before_wake's result)`` runs
+        alongside the source's wake. Returns what ``then`` returns."""
         m = self.manager
         rec = m.registry.find(tenant, id_or_name)
         vols = self.volumes.attached_to(rec.id)
@@ -144,14 +150,16 @@ class Checkpoints:
             try:
                 with self.snapshots.lock():
                     frozen = await asyncio.to_thread(freeze, m.directory(rec.id),
-                                                     self.snapshots.frozen_root)
+                                                     self.snapshots.frozen_root,
+                                                     link_ram=link_ram)
+                prepared = None if before_wake is None else await before_wake(rec, frozen)
             except BaseException:
                 if was_running:
                     await m._wake_locked(rec, live, "snapshot failed")
                 raise
             # The frozen dir is immutable from here: the source wakes while ``then`` (capture
             # or clone children) works on the copy, so the two costs overlap.
-            jobs: list[Awaitable[Any]] = [then(rec, frozen)]
+            jobs: list[Awaitable[Any]] = [then(rec, frozen, prepared)]
             if was_running:
                 jobs.append(m._wake_locked(rec, live, "snapshot taken"))
             results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -176,7 +184,7 @@ class Checkpoints:
         name = name or f"{rec.name}-{time.strftime('%Y%m%d-%H%M%S')}"[:63]
         check_name(name, "snapshot name")
         self.snapshots._check_free(name, tenant)  # fail before pausing anything
-        async def capture(rec: SandboxRecord, frozen: Path) -> SnapshotInfo:
+        async def capture(rec: SandboxRecord, frozen: Path, _: Any) -> SnapshotInfo:
             try:
                 return await asyncio.to_thread(
                     self.snapshots.save, frozen, name=str(name), tenant=tenant,
@@ -247,55 +255,82 @@ class Checkpoints:
         for n in names or []:
             check_name(n, "sandbox name")
 
-        async def children(rec: SandboxRecord, frozen: Path) -> list[SandboxInfo]:
+        async def clone(rec: SandboxRecord, frozen: Path) -> Any:
+            # the frozen RAM is a hard link to the source's: clone it before the source wakes
             try:
-                return await self._spawn(
+                drives = self._drives_for(frozen, rec.id)
+                recs = await self._prepare(
                     frozen, count=count, labels={**rec.labels, **(labels or {})}, names=names,
                     idle_pause_seconds=rec.idle_pause_seconds,
                     pause_retention_days=rec.pause_retention_days, tenant=tenant,
-                    reason=f"forked from {rec.id}", drives_of=rec.id)
+                    reason=f"forked from {rec.id}")
             finally:
                 _drop_ram(frozen)
+            return recs, drives
 
-        return await self._freeze(tenant, id_or_name, children)
+        async def wake(rec: SandboxRecord, frozen: Path, prepared: Any) -> list[SandboxInfo]:
+            recs, drives = prepared
+            return await self._wake_children(recs, drives, tenant=tenant,
+                                             reason=f"forked from {rec.id}")
+
+        return await self._freeze(tenant, id_or_name, wake, before_wake=clone, link_ram=True)
 
     async def _spawn(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
                      names: list[str] | None, idle_pause_seconds: int | None,
                      pause_retention_days: int, tenant: str, reason: str,
                      drives_of: str | None) -> list[SandboxInfo]:
         """Clone, wake and refresh ``count`` sandboxes from a frozen dir; all or none."""
+        drives = self._drives_for(frozen, drives_of)
+        recs = await self._prepare(frozen, count=count, labels=labels, names=names,
+                                   idle_pause_seconds=idle_pause_seconds,
+                                   pause_retention_days=pause_retention_days, tenant=tenant,
+                                   reason=reason)
+        return await self._wake_children(recs, drives, tenant=tenant, reason=reason)
+
+    async def _prepare(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
+                       names: list[str] | None, idle_pause_seconds: int | None,
+                       pause_retention_days: int, tenant: str,
+                       reason: str) -> list[SandboxRecord]:
+        """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
+        ``count`` children. All or none: on failure every row and dir made here is removed."""
         from torpor.sandbox.qemu import clone_machine_dir
 
         m = self.manager
         config = json.loads((frozen / "machine.json").read_text())
-        template = str(config.get("template", "python"))
-        shares = [d for d in config.get("devices", []) if d.get("kind") == "share"]
-        drives = self._drives_for(shares, drives_of)
         recs: list[SandboxRecord] = []
         try:
             for i in range(count):  # registry rows first: a taken name fails before any work
                 sid = "sbx-" + secrets.token_hex(6)
                 now = time.time()
                 rec = SandboxRecord(
-                    id=sid, tenant=tenant, name=names[i] if names else sid, template=template,
-                    state=S.CREATING, labels=dict(labels or {}),
-                    vcpus=int(config.get("vcpus", 1)),
+                    id=sid, tenant=tenant, name=names[i] if names else sid,
+                    template=str(config.get("template", "python")), state=S.CREATING,
+                    labels=dict(labels or {}), vcpus=int(config.get("vcpus", 1)),
                     memory_mib=int(config.get("memory_mib", 512)),
                     idle_pause_seconds=idle_pause_seconds,
                     pause_retention_days=pause_retention_days, created_at=now, last_active_at=now)
                 m.registry.insert(rec, reason=reason)
                 recs.append(rec)
-        except BaseException:
+            await asyncio.gather(*(asyncio.to_thread(clone_machine_dir, frozen,
+                                                     m.directory(r.id)) for r in recs))
+        except BaseException as exc:
             for rec in recs:
-                await m._abort_create(rec, m._live(rec.id), RuntimeError("sibling failed"))
+                await m._abort_create(rec, m._live(rec.id), exc)
             raise
+        return recs
+
+    async def _wake_children(self, recs: list[SandboxRecord],
+                             drives: list[tuple[DriveInfo, str, bool]], *, tenant: str,
+                             reason: str) -> list[SandboxInfo]:
+        """Wake the prepared children concurrently, refresh their randomness and clock, mount
+        their drives. All or none."""
+        m = self.manager
 
         async def one(rec: SandboxRecord) -> SandboxInfo:
             live = m._live(rec.id)
             directory = m.directory(rec.id)
             async with live.lock:
                 try:
-                    await asyncio.to_thread(clone_machine_dir, frozen, directory)
                     machine = m.engine.machine(directory, m._config(rec))
                     live.machine = machine
                     await machine.wake()
@@ -321,12 +356,15 @@ class Checkpoints:
                     await m.kill(child.id, tenant=tenant)
                 self.drives.release({child.id})
             raise failed[0]
-        log.info("%s: %d sandbox(es) %s", reason, count, [c.id for c in made])
+        log.info("%s: %d sandbox(es) %s", reason, len(made), [c.id for c in made])
         return made
 
-    def _drives_for(self, shares: list[dict[str, Any]],
+    def _drives_for(self, frozen: Path,
                     source: str | None) -> list[tuple[DriveInfo, str, bool]]:
-        """The drives a clone must mount: the source's attachments, for its share devices."""
+        """The drives a clone of ``frozen`` must mount: the source's attachments, for the 9p
+        devices in its machine.json. Raises DriveNotFound if one was deleted."""
+        config = json.loads((frozen / "machine.json").read_text())
+        shares = [d for d in config.get("devices", []) if d.get("kind") == "share"]
         found: list[tuple[DriveInfo, str, bool]] = []
         attached = {d.id: (d, a) for d, a in self.drives.attached_to(source)} if source else {}
         for share in shares:

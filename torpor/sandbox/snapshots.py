@@ -169,13 +169,15 @@ def _fsync_dir(path: Path) -> None:
 
 # -- frozen dirs --------------------------------------------------------------------------------
 
-def freeze(machine_dir: Path, frozen_root: Path) -> Path:
+def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> Path:
     """Make an immutable local copy of the hibernated machine in ``machine_dir``.
 
     The machine must not be running. Returns the new frozen dir. Regular files are copied
     sparsely; each qcow2 overlay is moved into the frozen dir and replaced in ``machine_dir`` by a
-    new overlay backed by it (same guest-visible content). On failure the machine dir is left as
-    it was and no frozen dir remains. Raises StorageError / EngineError.
+    new overlay backed by it (same guest-visible content). ``link_ram``: hard-link the RAM file
+    instead of copying it — only for a caller that clones it and removes the link before the
+    machine runs again (a fork). On failure the machine dir is left as it was and no frozen dir
+    remains. Raises StorageError / EngineError.
     """
     frozen_root.mkdir(parents=True, exist_ok=True)
     fid = f"frz-{uuid.uuid4().hex[:12]}"
@@ -187,7 +189,9 @@ def freeze(machine_dir: Path, frozen_root: Path) -> Path:
         for entry in sorted(machine_dir.iterdir()):
             if not entry.is_file() or entry.is_symlink() or entry.name.endswith(_VOLATILE_SUFFIXES):
                 continue
-            if not is_qcow2(entry):
+            if link_ram and entry.name == "ram":
+                os.link(entry, tmp / entry.name)
+            elif not is_qcow2(entry):
                 _copy_sparse(entry, tmp / entry.name)
         for entry in sorted(machine_dir.iterdir()):
             if entry.is_file() and not entry.is_symlink() and is_qcow2(entry):
@@ -199,7 +203,8 @@ def freeze(machine_dir: Path, frozen_root: Path) -> Path:
             _qemu_img("create", "-q", "-f", "qcow2", "-b", str(layer), "-F", "qcow2",
                       str(original))
         for f in final.iterdir():
-            f.chmod(0o400)  # a frozen layer is never written again
+            if not (link_ram and f.name == "ram"):  # a link shares the source's mode
+                f.chmod(0o400)  # a frozen layer is never written again
         _fsync_dir(machine_dir)
         _fsync_dir(frozen_root)
     except (OSError, StorageError, EngineError) as exc:
