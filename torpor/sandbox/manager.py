@@ -226,7 +226,7 @@ class SandboxManager:
                 await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
             except BaseException as exc:
                 await self._abort_create(rec, live, exc)
-                if isinstance(exc, Exception):
+                if isinstance(exc, Exception) and not isinstance(exc, TorporError):
                     raise _wrap(exc, "create", sandbox_id) from exc
                 raise
             rec = self._move(rec, S.RUNNING, "created", last_active_at=time.time())
@@ -337,6 +337,8 @@ class SandboxManager:
                 await self._quiet_kill(live, directory)
             else:
                 self._move(rec, S.RUNNING, "pause failed; still running")
+                if isinstance(exc, TorporError):
+                    raise exc
                 raise _wrap(exc, "pause", rec.id) from exc
         await self._quiet_kill(live, directory)
         if self.engine.inspect(directory).has_state:
