@@ -140,3 +140,40 @@ def test_cli_gc_local(tmp_path: Path, monkeypatch: Any) -> None:
     assert result.exit_code == 0, result.output
     assert "removed_chunks" in result.output
     assert not store.chunks.has(orphan)
+
+
+def test_expired_pauses_are_killed_and_fresh_ones_kept(tmp_path: Path) -> None:
+    """Retention of pauses (default 30 days, 1-365 per sandbox), on the manager's fake engine."""
+    import asyncio
+    import time
+
+    from fakes import FakeEngine
+
+    from torpor.config import paths
+    from torpor.sandbox.checkpoints import Checkpoints
+    from torpor.sandbox.manager import SandboxManager
+    from torpor.sandbox.models import SandboxState
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
+        cp = Checkpoints(m)
+        short = await m.create(name="short", pause_retention_days=1)
+        default = await m.create(name="default")
+        running = await m.create(name="running", pause_retention_days=1)
+        await m.pause(short.id)
+        await m.pause(default.id)
+        in_2_days = time.time() + 2 * 86400
+        dry = await cp.collect_garbage(now=in_2_days, dry_run=True)
+        assert dry.expired_sandboxes == [short.id]
+        assert (await m.get(short.id)).state is SandboxState.PAUSED
+        report = await cp.collect_garbage(now=in_2_days)
+        assert report.expired_sandboxes == [short.id]
+        assert (await m.get(short.id)).state is SandboxState.STOPPED
+        assert not m.directory(short.id).exists()
+        assert (await m.get(default.id)).state is SandboxState.PAUSED  # 30 days by default
+        assert (await m.get(running.id)).state is SandboxState.RUNNING  # only pauses expire
+        report = await cp.collect_garbage(now=time.time() + 31 * 86400)
+        assert report.expired_sandboxes == [default.id]
+        await m.close()
+
+    asyncio.run(main())
