@@ -97,3 +97,38 @@ def test_system_paths_refused(path: str) -> None:
                                         ("/etcetera", "/etcetera")])
 def test_user_paths_accepted(path: str, norm: str) -> None:
     assert check_mount_path(path) == norm
+
+
+def test_http_routes_map_errors(tmp_path: Path) -> None:
+    """The checkpoint routes over the real manager (fake engine): typed errors cross HTTP."""
+    from fakes import FakeEngine
+    from fastapi.testclient import TestClient
+
+    from torpor.errors import from_wire
+    from torpor.sandbox.manager import SandboxManager
+    from torpor.server.app import create_app
+
+    manager = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
+    with TestClient(create_app(manager, supervise=False)) as client:
+        made = client.post("/v1/volumes", json={"name": "memory-u-42", "size_mib": 16})
+        assert made.status_code == 201
+        vol = made.json()
+        again = client.post("/v1/volumes", json={"name": "memory-u-42", "size_mib": 16})
+        assert again.status_code == 409
+        assert type(from_wire(again.json()["error"])).__name__ == "Conflict"
+        assert [v["id"] for v in client.get("/v1/volumes").json()] == [vol["id"]]
+        assert client.post("/v1/drives", json={"name": "research"}).status_code == 201
+        assert client.get("/v1/drives/research").json()["name"] == "research"
+        missing = client.get("/v1/snapshots/nope")
+        assert missing.status_code == 404
+        assert from_wire(missing.json()["error"]).__class__.__name__ == "SnapshotNotFound"
+        sbx = client.post("/v1/sandboxes", json={"name": "a"}).json()
+        bad = client.post(f"/v1/sandboxes/{sbx['id']}/fork", json={"count": 0})
+        assert bad.status_code == 400
+        bad_path = client.post(f"/v1/sandboxes/{sbx['id']}/volumes",
+                               json={"volume": vol["id"], "path": "/etc"})
+        assert bad_path.status_code == 400
+        assert client.post("/v1/snapshots/nope/restore", json={}).status_code == 404
+        assert client.post("/v1/gc", json={"dry_run": True}).json()["dry_run"] is True
+        assert client.delete(f"/v1/volumes/{vol['id']}").status_code == 204
+        assert client.get("/v1/volumes").json() == []
