@@ -25,6 +25,7 @@ from torpor.sandbox.qemu import (
     discard_state,
     inspect_dir,
     read_machine_json,
+    socket_path,
 )
 from torpor.sandbox.template import TemplateInfo
 
@@ -308,6 +309,15 @@ def test_a_hot_plugged_disk_survives_hibernate_and_wake(qemu_home: Path, tmp_pat
             assert (await _shell(machine, "head -c 14 /dev/vdb")) == "on-the-volume\n"[:14]
             with pytest.raises(InvalidArgument):
                 await machine.attach_disk(DiskSpec("vol1", image, format="raw"))
+            await machine.detach("vol1")
+            assert read_machine_json(machine.directory)["devices"] == []
+            out = await _shell(machine, "for i in $(seq 50); do [ -e /sys/block/vdb ] || break;"
+                                        " sleep 0.2; done; ls /sys/block")
+            assert "vdb" not in out.split()
+            await machine.hibernate()  # the next wake's command line has no vol1
+            await machine.wake()
+            with pytest.raises(InvalidArgument):
+                await machine.detach("vol1")
         finally:
             await machine.kill()
         assert image.read_bytes().startswith(b"on-the-volume")
@@ -344,3 +354,25 @@ def test_a_share_is_attached_to_a_running_guest(qemu_home: Path, tmp_path: Path)
             await machine.kill()
 
     asyncio.run(scenario())
+
+
+def test_long_socket_paths_get_a_short_symlink(tmp_path: Path) -> None:
+    import socket
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    real = deep / "agent.sock"
+    server = socket.socket(socket.AF_UNIX)
+    old = os.getcwd()
+    os.chdir(deep)  # bind by a relative name, as QEMU does
+    try:
+        server.bind("agent.sock")
+    finally:
+        os.chdir(old)
+    server.listen(1)
+    short = socket_path(real)
+    assert len(str(short)) < 100 and short != real
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(str(short))
+    server.close()
+    assert socket_path(tmp_path / "a.sock") == tmp_path / "a.sock"

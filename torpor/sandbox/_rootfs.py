@@ -13,6 +13,7 @@ leaves either nothing or a whole result, and running a step again is a no-op.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -28,16 +29,16 @@ from torpor.errors import EngineError, InvalidArgument
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "BASE_PACKAGES",
     "BASE_VERSION",
     "SUITE",
-    "BASE_PACKAGES",
     "Progress",
-    "host_mirror",
-    "rootfs_key",
+    "ensure_image",
     "ensure_rootfs",
     "guest_files",
     "guest_hash",
-    "ensure_image",
+    "host_mirror",
+    "rootfs_key",
 ]
 
 #: Bump to invalidate every cached rootfs (when the package set or the recipe changes).
@@ -76,9 +77,9 @@ def _run(cmd: Sequence[str], what: str, *, env: dict[str, str] | None = None) ->
     return proc.stdout
 
 
-def host_mirror() -> str:
+def host_mirror(deb822: Path = Path("/etc/apt/sources.list.d/debian.sources"),
+                legacy: Path = Path("/etc/apt/sources.list")) -> str:
     """The Debian mirror the host's own apt uses (deb822 or one-line format), else deb.debian.org."""
-    deb822 = Path("/etc/apt/sources.list.d/debian.sources")
     try:
         if deb822.exists():
             for stanza in deb822.read_text().split("\n\n"):
@@ -90,7 +91,6 @@ def host_mirror() -> str:
                 suites = fields.get("Suites", "")
                 if uris and "security" not in suites and "security" not in uris[0]:
                     return uris[0].strip()
-        legacy = Path("/etc/apt/sources.list")
         if legacy.exists():
             for line in legacy.read_text().splitlines():
                 parts = line.split()
@@ -261,20 +261,24 @@ def ensure_image(cache: Path, rootfs: Path, files: dict[str, Path], *,
     tmp = final.with_name(key + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    opt = rootfs / "opt" / "torpor"
-    shutil.rmtree(opt, ignore_errors=True)  # this step owns /opt/torpor of the cached tree
-    opt.mkdir(parents=True)
-    for name, src in files.items():
-        shutil.copyfile(src, opt / name)
-        (opt / name).chmod(0o755 if name.endswith(".sh") else 0o644)
-    kernel, initrd = _kernel_files(rootfs)
-    shutil.copyfile(kernel, tmp / "vmlinuz")
-    shutil.copyfile(initrd, tmp / "initrd.img")
-    raw = tmp / "root.raw"
-    with open(raw, "wb") as f:
-        f.truncate(DISK_SIZE_MIB * 1024 * 1024)
-    _run(["mkfs.ext4", "-q", "-F", "-L", "torpor-root", "-d", str(rootfs), str(raw)],
-         "mkfs.ext4")
+    # This step owns /opt/torpor of the cached tree; the lock keeps two builds (of different
+    # templates on the same rootfs) from swapping the guest files under each other's mkfs.
+    with open(rootfs.parent / ".image.lock", "w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        opt = rootfs / "opt" / "torpor"
+        shutil.rmtree(opt, ignore_errors=True)
+        opt.mkdir(parents=True)
+        for name, src in files.items():
+            shutil.copyfile(src, opt / name)
+            (opt / name).chmod(0o755 if name.endswith(".sh") else 0o644)
+        kernel, initrd = _kernel_files(rootfs)
+        shutil.copyfile(kernel, tmp / "vmlinuz")
+        shutil.copyfile(initrd, tmp / "initrd.img")
+        raw = tmp / "root.raw"
+        with open(raw, "wb") as f:
+            f.truncate(DISK_SIZE_MIB * 1024 * 1024)
+        _run(["mkfs.ext4", "-q", "-F", "-L", "torpor-root", "-d", str(rootfs), str(raw)],
+             "mkfs.ext4")
     _run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(tmp / "base.qcow2")],
          "qemu-img convert")
     raw.unlink()

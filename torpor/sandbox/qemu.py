@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from qemu.qmp import QMPClient, QMPError
 
-from torpor.errors import EngineError, InvalidState
+from torpor.errors import EngineError, InvalidArgument, InvalidState
 from torpor.sandbox._qemucmd import (
     MACHINE_TYPE,
     MIGRATE_TIMEOUT,
@@ -82,6 +83,7 @@ __all__ = [
     "discard_state",
     "inspect_dir",
     "read_machine_json",
+    "socket_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class Machine:
         self.directory = Path(directory).resolve()
         self.template = template
         self.spec = spec
-        self.agent_socket = self.directory / "agent.sock"
+        self.agent_socket = socket_path(self.directory / "agent.sock")
         self.console_log = self.directory / "console.log"
         self._qmp: QMPClient | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -275,7 +277,8 @@ class Machine:
         from torpor.sandbox.accel import probe
 
         self._require_stopped("boot")
-        accel = self.spec.accel or probe(kernel=Path(self.template.kernel)).accel
+        accel = self.spec.accel or (
+            await asyncio.to_thread(probe, kernel=Path(self.template.kernel))).accel
         config = new_machine_config(self.template, self.spec, accel)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -437,10 +440,54 @@ class Machine:
         await self._qmp_exec("device_add", dev)
         _write_machine_json(self.directory, config)
 
+    async def detach(self, device_id: str, *, timeout: float = 30.0) -> None:
+        """Unplug a hot-plugged disk or share (the guest must release it: unmount first) and
+        drop it from machine.json. Raises InvalidArgument (unknown id), EngineError (the guest
+        did not let go within ``timeout``), InvalidState."""
+        self._require_running("detach a device")
+        config = read_machine_json(self.directory)
+        recs = [d for d in config["devices"] if d["id"] == device_id]
+        if not recs:
+            raise InvalidArgument(f"no device {device_id!r} on this machine", id=device_id)
+        await self._qmp_exec("device_del", {"id": device_id})
+        deadline = time.monotonic() + timeout
+        while True:  # the guest acknowledges the ACPI eject on its own time
+            children = await self._qmp_exec("qom-list", {"path": "/machine/peripheral"})
+            if not any(c.get("name") == device_id for c in children):
+                break
+            if time.monotonic() > deadline:
+                raise EngineError(f"the guest did not release {device_id!r} within {timeout}s")
+            await asyncio.sleep(0.05)
+        if recs[0]["kind"] == "disk":
+            with contextlib.suppress(EngineError):
+                await self._qmp_exec("blockdev-del", {"node-name": f"blk-{device_id}"})
+        config["devices"] = [d for d in config["devices"] if d["id"] != device_id]
+        _write_machine_json(self.directory, config)
+
     async def qmp(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
         """Run a raw QMP command on the running machine (for tests and diagnostics)."""
         self._require_running(cmd)
         return await self._qmp_exec(cmd, args)
+
+
+def socket_path(path: Path) -> Path:
+    """A path to connect to the unix socket ``path`` by: itself when short enough, else a
+    short symlink to it (AF_UNIX paths stop at 108 bytes; ``connect`` follows symlinks)."""
+    if len(str(path)) < 100:
+        return path
+    runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"torpor-{os.getuid()}"
+    link = runtime / (hashlib.sha256(str(path).encode()).hexdigest()[:20] + ".sock")
+    try:
+        runtime.mkdir(mode=0o700, exist_ok=True)
+        if not link.is_symlink() or os.readlink(link) != str(path):
+            tmp = link.with_name(link.name + f".{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            tmp.symlink_to(path)
+            os.replace(tmp, link)
+    except OSError as exc:
+        raise EngineError(f"cannot make a short socket path for {path}: {exc}", exc=exc) from exc
+    return link
 
 
 def _qemu_img(args: list[str]) -> None:

@@ -245,42 +245,52 @@ async def wait_for_agent(sock: Path, alive: Any, timeout: float, *,
                          console: Path | None = None, lines: bool = False) -> float:
     """Wait until the guest agent behind ``sock`` answers a ping; return the seconds waited.
 
-    Uses :class:`torpor.sandbox.channel.GuestChannel`, or with ``lines`` a newline-JSON ping
-    (the protocol of a throwaway test agent). Raises GuestError on timeout or if ``alive()`` turns
-    False (QEMU died), with the console tail in the message.
+    Uses :class:`torpor.sandbox.channel.GuestChannel` (one connection that pings until the
+    agent answers), or with ``lines`` a newline-JSON ping (the protocol of a throwaway test
+    agent). Raises GuestError on timeout, EngineError if ``alive()`` turns False (QEMU died);
+    both with the console tail in the message.
     """
     t0 = time.monotonic()
     deadline = t0 + timeout
-    while True:
-        if not alive():
-            raise EngineError("QEMU exited during boot\n" + _console_tail(console))
-        ok = await asyncio.to_thread(_ping_lines, sock) if lines else await _ping_once(sock)
-        if ok:
-            return time.monotonic() - t0
-        if time.monotonic() > deadline:
-            raise GuestError(f"the guest agent did not answer within {timeout:.0f}s\n"
-                             + _console_tail(console), seconds=timeout)
-        await asyncio.sleep(0.5)
+    task = asyncio.ensure_future(_ping_task(sock, deadline, lines))
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=0.5)
+            if done:
+                if task.result():
+                    return time.monotonic() - t0
+                raise GuestError(f"the guest agent did not answer within {timeout:.0f}s\n"
+                                 + _console_tail(console), seconds=timeout)
+            if not alive():
+                raise EngineError("QEMU exited during boot\n" + _console_tail(console))
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
-async def _ping_once(sock: Path) -> bool:
+async def _ping_task(sock: Path, deadline: float, lines: bool) -> bool:
+    if lines:
+        while time.monotonic() < deadline:
+            if await asyncio.to_thread(_ping_lines, sock):
+                return True
+            await asyncio.sleep(0.5)
+        return False
     try:
         from torpor.sandbox.channel import GuestChannel
     except ImportError as exc:
         raise EngineError("torpor.sandbox.channel is missing: cannot talk to the agent",
                           exc=exc) from exc
+    left = deadline - time.monotonic()
     try:
-        channel = await asyncio.wait_for(GuestChannel.connect(sock, timeout=5), 10)
-    except (TimeoutError, TorporError, OSError):
+        channel = await GuestChannel.connect(sock, timeout=max(left, 1.0))
+    except TorporError as exc:
+        log.warning("agent did not answer: %s", exc)
         return False
-    try:
-        await asyncio.wait_for(channel.ping(), 5)
-        return True
-    except (TimeoutError, TorporError, OSError):
-        return False
-    finally:
-        with contextlib.suppress(Exception):
-            await channel.close()
+    with contextlib.suppress(Exception):
+        await channel.close()
+    return True
 
 
 def _ping_lines(sock: Path) -> bool:

@@ -1,0 +1,144 @@
+"""Templates: names, lookups, cache keys, the host mirror; the built 'python' template and a
+fresh build from the cached rootfs (marked ``qemu``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from torpor.config import paths
+from torpor.errors import InvalidArgument, InvalidName, TemplateNotFound
+from torpor.sandbox import _rootfs
+from torpor.sandbox import template as templates
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TORPOR_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_an_unknown_template_is_not_found(home: Path) -> None:
+    with pytest.raises(TemplateNotFound) as err:
+        templates.get("nope")
+    assert err.value.data["name"] == "nope"
+    with pytest.raises(TemplateNotFound):
+        templates.remove("nope")
+    assert templates.list_templates() == []
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("Python", id="upper"), pytest.param("", id="empty"),
+    pytest.param("../etc", id="traversal"), pytest.param("a b", id="space"),
+    pytest.param("x" * 64, id="too-long"),
+])
+def test_invalid_template_names_are_refused(home: Path, name: str) -> None:
+    with pytest.raises(InvalidName):
+        templates.get(name)
+    with pytest.raises(InvalidName):
+        templates.build(name)
+    assert not (home / "templates").exists() or not any((home / "templates").iterdir())
+
+
+@pytest.mark.parametrize("apt, pip", [
+    pytest.param(["git; rm -rf /"], [], id="apt-shell"),
+    pytest.param([], ["--index-url=http://evil"], id="pip-option"),
+    pytest.param([""], [], id="empty"),
+])
+def test_bad_package_names_are_refused_before_any_work(home: Path, apt: list[str],
+                                                       pip: list[str]) -> None:
+    with pytest.raises(InvalidArgument):
+        templates.build("data", apt=apt, pip=pip)
+    assert not (home / "cache" / "rootfs").exists()
+
+
+def test_rootfs_key_ignores_order_and_duplicates() -> None:
+    a = _rootfs.rootfs_key(_rootfs.check_packages(["git", "curl", "git"], "apt"), ["numpy"])
+    b = _rootfs.rootfs_key(_rootfs.check_packages(["curl", "git"], "apt"), ["numpy"])
+    assert a == b
+    assert a != _rootfs.rootfs_key(["curl", "git"], [])
+    assert _rootfs.rootfs_key([], []) != a
+
+
+def test_guest_hash_follows_the_guest_files(tmp_path: Path) -> None:
+    (tmp_path / "init.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "agent.py").write_text("print(1)\n")
+    (tmp_path / "__init__.py").write_text("")
+    files = _rootfs.guest_files(tmp_path)
+    assert sorted(files) == ["agent.py", "init.sh"]
+    before = _rootfs.guest_hash(files)
+    (tmp_path / "agent.py").write_text("print(2)\n")
+    assert _rootfs.guest_hash(files) != before
+
+
+def test_packaged_guest_files_include_the_boot_script() -> None:
+    files = _rootfs.guest_files(templates.GUEST_DIR)
+    assert "init.sh" in files and "agent.py" in files
+    assert "/opt/torpor/agent.py --port" in files["init.sh"].read_text()
+
+
+def test_host_mirror_reads_deb822_then_one_line_sources(tmp_path: Path) -> None:
+    deb822 = tmp_path / "debian.sources"
+    legacy = tmp_path / "sources.list"
+    deb822.write_text("Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n\n"
+                      "Types: deb\nURIs: http://security.example/debian-security\n"
+                      "Suites: bookworm-security\n")
+    assert _rootfs.host_mirror(deb822, legacy) == "http://mirror.example/debian"
+    legacy.write_text("# comment\ndeb [arch=amd64] http://old.example/debian bookworm main\n")
+    assert _rootfs.host_mirror(tmp_path / "missing", legacy) == "http://old.example/debian"
+    assert _rootfs.host_mirror(tmp_path / "x", tmp_path / "y") == _rootfs.DEFAULT_MIRROR
+
+
+def test_template_info_round_trips_through_json(tmp_path: Path) -> None:
+    info = templates.TemplateInfo(name="t", directory=tmp_path, build_id="b",
+                                  kernel=tmp_path / "k", initrd=tmp_path / "i",
+                                  base_image=tmp_path / "d", snapshot_dir=tmp_path / "s",
+                                  apt=["git"])
+    again = templates.TemplateInfo.from_json(json.loads(json.dumps(info.to_json())))
+    assert again == info
+
+
+@pytest.mark.qemu
+def test_the_python_template_is_built_and_booted(qemu_home: Path) -> None:
+    info = templates.get("python")
+    assert [t.name for t in templates.list_templates()] == ["python"] or "python" in [
+        t.name for t in templates.list_templates()]
+    assert info.kernel.is_file() and info.initrd.is_file() and info.base_image.is_file()
+    snap = info.snapshot_dir
+    assert (snap / "state").is_file() and (snap / "ram").is_file()
+    assert (snap / "disk.qcow2").is_file()
+    machine = json.loads((snap / "machine.json").read_text())
+    assert machine["kernel"] == str(info.kernel) and machine["accel"] == info.accel
+    assert (info.directory / "snapshot").resolve() == snap.resolve()
+
+
+@pytest.mark.qemu
+def test_a_build_from_the_cached_rootfs_boots_and_snapshots(qemu_home: Path, template_home: Path,
+                                                            tmp_path: Path) -> None:
+    """The cheap half of a build (image + cold boot + hibernate) in a fresh home that shares
+    only the slow rootfs cache; then a second build is a no-op and remove() deletes it."""
+    rootfs_dir = template_home / "cache" / "rootfs" / _rootfs.rootfs_key((), ())
+    if not rootfs_dir.is_dir():
+        pytest.fail(f"no cached base rootfs at {rootfs_dir}: run scripts/setup first")
+    (qemu_home / "templates").unlink()  # a home of our own for this one
+    (qemu_home / "cache" / "rootfs").mkdir(parents=True)
+    (qemu_home / "cache" / "rootfs" / rootfs_dir.name).symlink_to(rootfs_dir)
+    guest = tmp_path / "guest"
+    shutil.copytree(templates.GUEST_DIR, guest, ignore=shutil.ignore_patterns("__pycache__"))
+    # A guest change the image cache has never seen: forces a new image (seconds, not minutes).
+    (guest / "init.sh").write_text((guest / "init.sh").read_text() + f"\n# {tmp_path}\n")
+    steps: list[str] = []
+    info = templates.build("mini", guest_dir=guest, progress=lambda s, d: steps.append(s))
+    assert "debootstrap" not in steps and "image" in steps and "boot" in steps
+    assert paths().templates == qemu_home / "templates"
+    assert templates.get("mini") == info
+    assert (info.snapshot_dir / "state").is_file()
+    steps.clear()
+    assert templates.build("mini", guest_dir=guest, progress=lambda s, d: steps.append(s)) == info
+    assert steps == ["done"]
+    templates.remove("mini")
+    with pytest.raises(TemplateNotFound):
+        templates.get("mini")
