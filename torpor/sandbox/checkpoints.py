@@ -57,7 +57,7 @@ from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.snapshots import SnapshotInfo, SnapshotStore, check_retention, freeze
-from torpor.sandbox.volumes import VolumeInfo, VolumeStore, check_mount_path
+from torpor.sandbox.volumes import Attachment, VolumeInfo, VolumeStore, check_mount_path
 
 __all__ = ["VOLUME_SNAPSHOT_REFUSAL", "Checkpoints"]
 
@@ -189,7 +189,7 @@ class Checkpoints:
                 return await asyncio.to_thread(
                     self.snapshots.save, frozen, name=str(name), tenant=tenant,
                     retention_days=retention_days, sandbox_id=rec.id, template=rec.template,
-                    labels=dict(labels or {}))
+                    labels=dict(labels or {}), drives=self._drive_records(rec.id))
             finally:
                 _drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
 
@@ -238,7 +238,8 @@ class Checkpoints:
                                          idle_pause_seconds=idle_pause_seconds,
                                          pause_retention_days=pause_retention_days,
                                          tenant=tenant, reason=f"restored from {info.id}",
-                                         drives_of=info.sandbox_id)
+                                         drives_of=info.sandbox_id,
+                                         recorded_drives=info.drives)
             finally:
                 _drop_ram(frozen)
 
@@ -278,9 +279,10 @@ class Checkpoints:
     async def _spawn(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
                      names: list[str] | None, idle_pause_seconds: int | None,
                      pause_retention_days: int, tenant: str, reason: str,
-                     drives_of: str | None) -> list[SandboxInfo]:
+                     drives_of: str | None,
+                     recorded_drives: list[dict[str, Any]] | None = None) -> list[SandboxInfo]:
         """Clone, wake and refresh ``count`` sandboxes from a frozen dir; all or none."""
-        drives = self._drives_for(frozen, drives_of)
+        drives = self._drives_for(frozen, drives_of, recorded_drives)
         recs = await self._prepare(frozen, count=count, labels=labels, names=names,
                                    idle_pause_seconds=idle_pause_seconds,
                                    pause_retention_days=pause_retention_days, tenant=tenant,
@@ -359,14 +361,28 @@ class Checkpoints:
         log.info("%s: %d sandbox(es) %s", reason, len(made), [c.id for c in made])
         return made
 
-    def _drives_for(self, frozen: Path,
-                    source: str | None) -> list[tuple[DriveInfo, str, bool]]:
-        """The drives a clone of ``frozen`` must mount: the source's attachments, for the 9p
-        devices in its machine.json. Raises DriveNotFound if one was deleted."""
+    def _drive_records(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return [{"id": d.id, "tenant": d.tenant, "path": a.path, "read_only": a.read_only}
+                for d, a in self.drives.attached_to(sandbox_id)]
+
+    def _drives_for(self, frozen: Path, source: str | None,
+                    recorded: list[dict[str, Any]] | None = None,
+                    ) -> list[tuple[DriveInfo, str, bool]]:
+        """The drives a clone of ``frozen`` must mount, for the 9p devices in its machine.json:
+        ``recorded`` (a snapshot's) or else the source's current attachments. Raises
+        DriveNotFound if one was deleted."""
         config = json.loads((frozen / "machine.json").read_text())
         shares = [d for d in config.get("devices", []) if d.get("kind") == "share"]
         found: list[tuple[DriveInfo, str, bool]] = []
-        attached = {d.id: (d, a) for d, a in self.drives.attached_to(source)} if source else {}
+        attached: dict[str, Any] = {}
+        if recorded is not None:
+            for r in recorded:
+                with contextlib.suppress(DriveNotFound):
+                    d = self.drives.get(r["id"], tenant=r["tenant"])
+                    attached[d.id] = (d, Attachment(sandbox_id="", path=r["path"],
+                                                    read_only=bool(r["read_only"])))
+        elif source:
+            attached = {d.id: (d, a) for d, a in self.drives.attached_to(source)}
         for share in shares:
             if not Path(share["path"]).is_dir():
                 raise DriveNotFound(f"drive {share['tag']} that this machine mounts was deleted",

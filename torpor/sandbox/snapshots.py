@@ -84,6 +84,9 @@ class SnapshotInfo(BaseModel):
     stored_bytes: int = 0
     #: volumes that were attached to the source (not part of the snapshot: see checkpoints)
     volumes: list[dict[str, Any]] = Field(default_factory=list)
+    #: drives the source had mounted ({"id", "tenant", "path", "read_only"}): their contents
+    #: are not in the snapshot, but a restore mounts them again where they were
+    drives: list[dict[str, Any]] = Field(default_factory=list)
 
     def expired(self, now: datetime | None = None) -> bool:
         return (now or datetime.now(UTC)) >= self.expires_at
@@ -261,7 +264,8 @@ class SnapshotStore:
     def save(self, frozen: Path, *, name: str, tenant: str = "default", retention_days: int = 7,
              sandbox_id: str | None = None, template: str | None = None,
              labels: dict[str, str] | None = None,
-             volumes: list[dict[str, Any]] | None = None) -> SnapshotInfo:
+             volumes: list[dict[str, Any]] | None = None,
+             drives: list[dict[str, Any]] | None = None) -> SnapshotInfo:
         """Capture the frozen dir ``frozen`` into the chunk store as snapshot ``name``.
 
         Raises InvalidName / InvalidArgument for bad input, Conflict if ``name`` is taken in
@@ -306,7 +310,7 @@ class SnapshotStore:
                 id=sid, name=name, tenant=tenant, sandbox_id=sandbox_id, template=template,
                 labels=dict(labels or {}), retention_days=retention_days, created_at=created,
                 expires_at=created + timedelta(days=retention_days), size_bytes=size,
-                stored_bytes=new, volumes=list(volumes or []))
+                stored_bytes=new, volumes=list(volumes or []), drives=list(drives or []))
             body = {"version": FORMAT_VERSION, "info": info.model_dump(mode="json"),
                     "files": files, "anchors": anchors}
             with self.lock(exclusive=True, name="names"):
