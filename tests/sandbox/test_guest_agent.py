@@ -135,8 +135,10 @@ def test_command_timeout_kills_the_process_group(agent: AgentProcess, tmp_path: 
 
     async def body(ch: GuestChannel) -> None:
         with pytest.raises(OperationTimeout) as info:
-            await ch.run_command(f"sleep 300 & echo $! > {pidfile}; wait", timeout=0.5)
+            await ch.run_command(f"echo started; sleep 300 & echo $! > {pidfile}; wait",
+                                 timeout=0.5)
         assert info.value.data["seconds"] == 0.5
+        assert info.value.data["stdout"] == "started\n"
         # The agent still serves requests afterwards.
         assert (await ch.run_command("echo alive")).stdout == "alive\n"
 

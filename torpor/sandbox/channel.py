@@ -291,13 +291,20 @@ class GuestChannel:
         """Run ``cmd`` with /bin/sh in the guest. A non-zero exit is a result, not an error.
         ``background=True`` returns at once with the pid (exit_code -1 while it runs).
         Raises OperationTimeout (the process group is killed), PayloadTooLarge (output over
-        the limit), PathNotFound (``cwd`` missing)."""
+        the limit), PathNotFound (``cwd`` missing). OperationTimeout carries the output
+        printed before the kill in ``.stdout``/``.stderr``."""
         args = {"cmd": cmd, "cwd": cwd, "env": env or {}, "timeout": timeout,
                 "background": background, "max_output": self.limits.max_output_bytes}
         deadline = None if timeout is None else timeout + TIMEOUT_GRACE
         got: list[_Pending] = []
-        result = await self._request("run", args, deadline=deadline, idle=None,
-                                     stdout=on_stdout, stderr=on_stderr, pending_out=got)
+        try:
+            result = await self._request("run", args, deadline=deadline, idle=None,
+                                         stdout=on_stdout, stderr=on_stderr, pending_out=got)
+        except OperationTimeout as exc:  # keep what the command printed before it was killed
+            for stream in ("stdout", "stderr"):  # data keys are attributes too (TorporError)
+                exc.data[stream] = got[0].text(stream)
+                setattr(exc, stream, exc.data[stream])
+            raise
         exit_code = result.get("exit_code")
         return CommandResult(exit_code=-1 if exit_code is None else int(exit_code),
                              stdout=got[0].text("stdout"), stderr=got[0].text("stderr"),
