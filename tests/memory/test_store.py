@@ -271,3 +271,21 @@ def test_tokens_and_audit(backend: MemoryBackend) -> None:
     log = backend.audit_log("t1", 10)
     assert [e.action for e in log] == ["act2", "act1", "act0"]
     assert log[1].allowed is False
+
+
+def test_lexical_search_with_a_selective_filter(store: TenantStore) -> None:
+    # many better-ranked matches outside the view force the eligible-set path
+    store.add([fact(f"apple apple banana {i}", scope="app/b") for i in range(120)])
+    mine = store.add([fact("apple in my scope"), fact("banana in my scope"),
+                      episode("apple episode")])
+    got = store.lexical_search(["apple", "banana"], flt(), 5)
+    assert {r.id for r, _ in got} == {r.id for r in mine}
+    only_facts = store.lexical_search(["apple", "banana"], flt(kinds=("fact",)), 5)
+    assert {r.id for r, _ in only_facts} == {mine[0].id, mine[1].id}
+
+
+def test_lexical_scores_favour_rare_terms(store: TenantStore) -> None:
+    store.add([fact(f"common word {i}") for i in range(40)] + [fact("common rare")])
+    got = store.lexical_search(["common", "rare"], flt(), 3)
+    assert got[0][0].text == "common rare"
+    assert got[0][1] > got[1][1] > 0
