@@ -662,3 +662,17 @@ def test_workdir_is_where_commands_files_and_code_start(tmp_path: Path) -> None:
         assert cwd == repr(str(tmp_path / "work"))
     finally:
         agent.stop()
+
+
+def test_a_cancelled_upload_leaves_no_file(agent: AgentProcess, tmp_path: Path) -> None:
+    target = tmp_path / "up" / "file.bin"
+
+    async def body(ch: GuestChannel) -> None:
+        frames = list(proto.encode_request(99, "write", {"path": str(target)}, b"u" * 600_000))
+        ch._writer.write(frames[0])  # the first chunk only, then the host gives up
+        ch._send_cancel(99)
+        await ch.ping()  # frames are handled in order: the cancel has been seen
+        # (checked while still connected: a hang-up would clean up too)
+        assert list(target.parent.iterdir()) == []
+
+    run(agent, body)

@@ -259,6 +259,9 @@ class Agent:
             req_or_none = self._active.get(rid)
             if req_or_none is not None:
                 req_or_none.cancel()
+            upload_entry = self._uploads.pop(rid, None)
+            if upload_entry is not None:  # the host gave up half-way: leave no file behind
+                upload_entry[1].abort()
 
     def _start(self, req: Request, payload: Any) -> None:
         self._active[req.id] = req
