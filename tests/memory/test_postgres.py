@@ -271,6 +271,7 @@ def test_vector_search_under_rls_never_misses_a_visible_record(
     pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend
 ) -> None:
     dim = 8
+    backend.hnsw_min_rows = 100  # build the index once the crowd is in
     crowd = backend.tenant("crowd")
     # 400 vectors of another tenant, all nearer to the query than ours
     crowd.add([_fact(f"crowd {i}") for i in range(400)],
@@ -280,6 +281,12 @@ def test_vector_search_under_rls_never_misses_a_visible_record(
              [[0.0, 1.0, float(i), *([0.0] * (dim - 3))] for i in range(3)])
     with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
         assert conn.execute("SELECT to_regclass('torpor.records_hnsw_8')").fetchone() != (None,)
+        # the HNSW index serves an unfiltered nearest-neighbour query
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT id FROM torpor.records WHERE embedding_dim = 8 "
+            "ORDER BY embedding::vector(8) <=> %s::vector(8) LIMIT 3", ("[1,0,0,0,0,0,0,0]",)))
+        assert "records_hnsw_8" in plan
+    # under RLS the index scan sees the crowd first; the exact fallback still finds ours
     hits = mine.vector_search([1.0, *([0.0] * (dim - 1))], _flt(), 3)
     assert sorted(h[0].text for h in hits) == ["mine 0", "mine 1", "mine 2"]
     sims = [h[1] for h in hits]

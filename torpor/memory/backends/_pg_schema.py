@@ -282,7 +282,7 @@ def migrate(conn: psycopg.Connection[Any], target: int = LATEST) -> int:
 def hnsw_index_sql(dim: int) -> sql.Composed:
     """The DDL of the partial HNSW (cosine) index for embeddings of ``dim`` dimensions."""
     return sql.SQL(
-        "CREATE INDEX IF NOT EXISTS {name} ON torpor.records USING hnsw "
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON torpor.records USING hnsw "
         "((embedding::vector({dim})) vector_cosine_ops) WHERE embedding_dim = {dim}"
     ).format(name=sql.Identifier(f"records_hnsw_{int(dim)}"), dim=sql.Literal(int(dim)))
 

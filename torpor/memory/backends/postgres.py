@@ -377,17 +377,22 @@ class PostgresBackend(MemoryBackend):
 
     ``dsn``: the application's connection string. ``admin_dsn``: a role that may run the
     migrations and create indexes (default: ``dsn``). ``pool_size``: connections kept open.
+    ``hnsw_min_rows``: how many embeddings of one dimension (all tenants) before their HNSW
+    index is built; until then vector search is an exact scan.
     Raises :class:`StorageError` when the server cannot be reached or migrated.
     """
 
     name = "postgres"
 
-    def __init__(self, dsn: str, *, admin_dsn: str | None = None, pool_size: int = 4) -> None:
+    def __init__(self, dsn: str, *, admin_dsn: str | None = None, pool_size: int = 4,
+                 hnsw_min_rows: int = 20_000) -> None:
         self.dsn = dsn
         self.admin_dsn = admin_dsn or dsn
         self._lock = threading.Lock()
         self._stores: dict[str, PostgresTenantStore] = {}
+        self.hnsw_min_rows = hnsw_min_rows
         self._indexed_dims: set[int] = set()
+        self._vector_rows: dict[int, int] = {}
         self._index_failed = False
         self._migrate()
         self._pool: Pool | None = make_pool(dsn, pool_size)
@@ -419,24 +424,52 @@ class PostgresBackend(MemoryBackend):
         self._indexed_dims = {int(r[0].rsplit("_", 1)[1]) for r in rows}
 
     def note_dims(self, vectors: Sequence[Vector | None] | None) -> None:
-        """Create the HNSW index for each embedding dimension seen for the first time.
+        """Count new embeddings per dimension; build that dimension's HNSW index once it holds
+        ``hnsw_min_rows`` of them.
 
-        Index DDL needs the owner; with a login that cannot run it, search stays exact
-        (correct, slower) and a warning is logged once.
+        Below that size an exact scan of the visible rows is fast and inserts stay cheap (an
+        HNSW insert costs milliseconds). The index is built ``CONCURRENTLY``, so other writers
+        go on meanwhile. Index DDL needs the owner: with a login that cannot run it, search
+        stays exact (correct, slower) and a warning is logged once.
         """
         if not vectors or self._index_failed:
             return
-        dims = {len(v) for v in vectors if v is not None} - self._indexed_dims
-        for dim in sorted(dims):
-            try:
-                with self._admin() as conn:
-                    conn.execute(schema.hnsw_index_sql(dim))
-            except (psycopg.Error, StorageError) as exc:
-                self._index_failed = True
-                log.warning("cannot create the HNSW index for %d dimensions (vector search "
-                            "stays exact): %s", dim, exc)
-                return
-            self._indexed_dims.add(dim)
+        added: dict[int, int] = {}
+        for v in vectors:
+            if v is not None and len(v) not in self._indexed_dims:
+                added[len(v)] = added.get(len(v), 0) + 1
+        for dim, n in sorted(added.items()):
+            with self._lock:
+                if dim not in self._vector_rows:
+                    self._vector_rows[dim] = self._count_vectors(dim)
+                else:
+                    self._vector_rows[dim] += n
+                if self._vector_rows[dim] < self.hnsw_min_rows:
+                    continue
+            self._build_hnsw(dim)
+
+    def _count_vectors(self, dim: int) -> int:
+        try:
+            with self._admin() as conn:
+                row = conn.execute("SELECT count(*) FROM torpor.records WHERE embedding_dim = %s",
+                                   (dim,)).fetchone()
+        except (psycopg.Error, StorageError):
+            log.warning("cannot count %d-dimension embeddings", dim, exc_info=True)
+            return 0
+        return int(row[0]) if row else 0
+
+    def _build_hnsw(self, dim: int) -> None:
+        log.info("building the HNSW index for %d-dimension embeddings", dim)
+        try:
+            with self._admin() as conn:
+                conn.execute("SET maintenance_work_mem = '256MB'")
+                conn.execute(schema.hnsw_index_sql(dim))
+        except (psycopg.Error, StorageError) as exc:
+            self._index_failed = True
+            log.warning("cannot create the HNSW index for %d dimensions (vector search "
+                        "stays exact): %s", dim, exc)
+            return
+        self._indexed_dims.add(dim)
 
     @contextmanager
     def transaction(self, what: str, tenant: str | None) -> Iterator[psycopg.Cursor[Any]]:
