@@ -370,3 +370,32 @@ def test_tokens_are_found_across_tenants_and_revoked_in_theirs(backend: Postgres
                                     action="recall"))
     assert [e.tenant for e in backend.audit_log()] == ["globex"]
     assert backend.audit_log("acme") == []
+
+
+def test_builtin_pool_serves_threads_and_drops_broken_connections(
+    pg_cluster: PgCluster, pg_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torpor.memory.backends import postgres
+    from torpor.memory.backends._pg_pool import SimplePool
+
+    monkeypatch.setattr(postgres, "make_pool", SimplePool)  # as if psycopg_pool were missing
+    backend = PostgresBackend(pg_cluster.admin_dsn(pg_database), pool_size=2)
+    try:
+        pool = backend._pool
+        assert isinstance(pool, SimplePool)
+        store = backend.tenant("acme")
+        threads = [threading.Thread(target=lambda n=n: store.add([_fact(f"t{n}")]))
+                   for n in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert store.count(_flt()) == 6
+        assert len(pool._idle) <= 2
+        for conn in pool._idle:
+            conn.close()  # e.g. the server restarted: dead connections are replaced
+        assert store.count(_flt()) == 6
+    finally:
+        backend.close()
+    with pytest.raises(StorageError):
+        store.count(_flt())
