@@ -137,7 +137,8 @@ class Kernel:
             if value is not None:
                 self.ns["_"] = value
                 self.results.append({"data": mime_bundle(value), "is_main_result": True})
-        except BaseException as exc:  # noqa: BLE001 - SystemExit too: user code must not end the kernel
+        # SystemExit too: user code must not end the kernel.
+        except BaseException as exc:  # noqa: BLE001
             error = {"name": type(exc).__name__, "value": str(exc),
                      "traceback": "".join(traceback.format_exception(
                          type(exc), exc, _user_frames(exc.__traceback__)))}

@@ -203,7 +203,8 @@ class Operations:
         return {}
 
     def _tool(self, argv: list[str]) -> None:
-        proc = subprocess.run(argv, check=False, stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+        proc = subprocess.run(argv, check=False, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=120)
         if proc.returncode != 0:
             raise Failure("GuestError", f"{' '.join(argv)} failed: "
                           f"{proc.stderr.decode(errors='replace').strip()}",
