@@ -684,3 +684,24 @@ def test_a_cancelled_upload_leaves_no_file(agent: AgentProcess, tmp_path: Path) 
         assert list(target.parent.iterdir()) == []
 
     run(agent, body)
+
+
+def test_an_agent_of_another_protocol_version_is_refused(tmp_path: Path) -> None:
+    # A fake agent that answers pings as version 0 (a template built by an older torpor).
+    sock = tmp_path / "old.sock"
+
+    async def main() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            decoder = proto.FrameDecoder()
+            while data := await reader.read(65536):
+                for frame in decoder.feed(data):
+                    writer.write(proto.encode_frame({"i": frame.id, "t": proto.REPLY, "ok": True,
+                                                     "result": {"pid": 1, "version": 0}}))
+
+        server = await asyncio.start_unix_server(serve, str(sock))
+        async with server:
+            with pytest.raises(GuestError) as info:
+                await GuestChannel.connect(sock, timeout=10)
+            assert info.value.data == {"version": 0}
+
+    asyncio.run(main())

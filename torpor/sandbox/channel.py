@@ -94,7 +94,8 @@ class GuestChannel:
     async def connect(cls, socket_path: Path, *, timeout: float = 30.0, limits: Limits = LIMITS,
                       op_timeout: float = 120.0) -> GuestChannel:
         """Connect to ``socket_path`` and wait until the agent answers a ping, retrying while
-        the socket does not exist yet or refuses. Raises :class:`OperationTimeout`."""
+        the socket does not exist yet or refuses. Raises :class:`OperationTimeout`, or
+        :class:`GuestError` if the agent speaks another protocol version (a stale template)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         last_exc: BaseException | None = None
@@ -113,9 +114,11 @@ class GuestChannel:
                 last_exc = exc
                 await channel.close()
                 await asyncio.sleep(0.02)
-            except OperationTimeout as exc:
+            except (OperationTimeout, _VersionMismatch) as exc:
                 last_exc = exc
                 await channel.close()
+                if isinstance(exc, _VersionMismatch):
+                    raise GuestError(str(exc), version=exc.version) from None
                 break
             except BaseException:
                 await channel.close()
@@ -140,7 +143,9 @@ class GuestChannel:
                 done, _ = await asyncio.wait(tasks, timeout=min(interval, left),
                                              return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    task.result()  # a GuestError (hang-up) propagates
+                    info = task.result()  # a GuestError (hang-up) propagates
+                    if info.get("version") != proto.PROTOCOL_VERSION:
+                        raise _VersionMismatch(info.get("version"))
                     return
                 interval = min(interval * 2, 2.0)
         finally:
@@ -394,6 +399,15 @@ class GuestChannel:
     async def umount(self, target: str) -> None:
         """``umount target`` in the guest. Raises GuestError."""
         await self._request("umount", {"target": target})
+
+
+class _VersionMismatch(Exception):
+    """Internal: the agent answered but speaks another protocol (raised as GuestError)."""
+
+    def __init__(self, version: Any) -> None:
+        super().__init__(f"the guest agent speaks protocol {version}, this host "
+                         f"{proto.PROTOCOL_VERSION}: rebuild the template")
+        self.version = version
 
 
 def _guest_error(payload: Any) -> TorporError:
