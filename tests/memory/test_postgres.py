@@ -193,7 +193,7 @@ def test_migrates_from_an_older_version_keeping_data(
     backend = PostgresBackend(dsn)
     try:
         store = backend.tenant("acme")
-        assert store.schema_version() == schema.LATEST == 3
+        assert store.schema_version() == schema.LATEST == 4
         hits = store.lexical_search(["plan"], _flt(), 5)
         assert [h[0].id for h in hits] == ["old1"]
         # the old current fact is superseded by a new one under the new schema
@@ -204,7 +204,7 @@ def test_migrates_from_an_older_version_keeping_data(
     with psycopg.connect(dsn) as conn:
         versions = [r[0] for r in conn.execute("SELECT version FROM torpor.schema_version "
                                                "ORDER BY version")]
-    assert versions == [1, 2, 3]
+    assert versions == [1, 2, 3, 4]
 
 
 def test_a_newer_schema_is_refused(pg_cluster: PgCluster, pg_database: str) -> None:
@@ -233,7 +233,8 @@ def test_concurrent_openers_migrate_once(pg_cluster: PgCluster, pg_database: str
         t.join()
     assert errors == []
     with psycopg.connect(dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM torpor.schema_version").fetchone() == (3,)
+        assert conn.execute("SELECT count(*) FROM torpor.schema_version").fetchone() == (
+            (schema.LATEST,))
 
 
 def test_login_without_ddl_rights_uses_a_migrated_schema_but_cannot_migrate(
@@ -265,6 +266,24 @@ def test_full_text_stems_and_keeps_stop_words(backend: PostgresBackend) -> None:
     assert store.lexical_search(["absent"], _flt(), 5) == []
     # operators in terms are plain words, never query syntax
     assert store.lexical_search(["summaries | !weekly & ("], _flt(), 5) != []
+
+
+def test_lexical_search_widens_past_filtered_candidates(
+    pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend
+) -> None:
+    store = backend.tenant("acme")
+    # 60 superseded facts that outrank the one current fact on "apple"
+    store.add([_fact("apple apple apple " + str(i), key="fruit") for i in range(60)])
+    store.add([_fact("one apple", key="fruit")])
+    hits = store.lexical_search(["apple"], _flt(), 1)
+    assert [h[0].text for h in hits] == ["one apple"]
+    assert len(store.lexical_search(["apple"], _flt(include_history=True), 100)) == 61
+    # as the owner (no RLS), the candidates' match can use the GIN index
+    with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
+        conn.execute("SET enable_seqscan = off")
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT id FROM torpor.records WHERE tsv @@ plainto_tsquery('apple')"))
+        assert "records_tsv" in plan
 
 
 def test_vector_search_under_rls_never_misses_a_visible_record(

@@ -18,6 +18,12 @@ transaction, under an advisory lock so that concurrent openers serialize.
   (HNSW indexes are partial per dimension, created when a dimension first appears), and the
   ``SECURITY DEFINER`` functions for the few cross-tenant reads (token lookup, tenant list,
   the whole audit log).
+* v4: ``lexical_candidates()``: under RLS the planner may not use the GIN index, because
+  ``@@`` is not leakproof and so must run after the policy's filter. This SECURITY DEFINER
+  function runs the match as the owner, where the index serves it, restricted to the
+  transaction's tenant by the same setting the policy reads; callers join its ids back to
+  ``records`` under RLS, so a row it should not have proposed is still never returned.
+  (With a non-superuser owner FORCE RLS applies inside too: still correct, only slower.)
 """
 
 from __future__ import annotations
@@ -210,12 +216,25 @@ GRANT EXECUTE ON FUNCTION torpor.token_by_hash(text), torpor.tenant_names(),
     torpor.audit_append(text, bigint, text, text, text, boolean, jsonb) TO torpor_app;
 """
 
+_V4 = """
+CREATE FUNCTION torpor.lexical_candidates(q tsquery, scopes text[], lim integer)
+    RETURNS TABLE (id text, rank real) LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $$ SELECT r.id, ts_rank_cd(r.tsv, q, 1) FROM torpor.records r
+          WHERE r.tenant_id = nullif(current_setting('torpor.tenant', true), '')
+            AND r.scope = ANY(scopes) AND r.tsv @@ q
+          ORDER BY 2 DESC LIMIT lim $$;
+REVOKE ALL ON FUNCTION torpor.lexical_candidates(tsquery, text[], integer) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION torpor.lexical_candidates(tsquery, text[], integer) TO torpor_app;
+"""
+
 #: Migration steps; version N is MIGRATIONS[N - 1]. Append only, never edit a shipped step.
 MIGRATIONS: list[tuple[str, str]] = [
     ("tables and row-level security",
      _V1 + "".join(_rls(t) for t in _TENANT_TABLES) + _GRANTS),
     ("full text search", _V2),
     ("vectors and cross-tenant functions", _V3),
+    ("lexical candidates through the GIN index", _V4),
 ]
 LATEST = len(MIGRATIONS)
 

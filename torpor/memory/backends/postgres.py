@@ -266,17 +266,30 @@ class PostgresTenantStore(TenantStore):
         self, terms: Sequence[str], flt: RecordFilter, limit: int
     ) -> list[tuple[AnyRecord, float]]:
         terms = list(dict.fromkeys(t for t in terms if t))[:_MAX_TERMS]
-        if not terms or limit <= 0:
+        if not terms or limit <= 0 or not flt.scopes or not flt.kinds:
             return []
         # any of the terms: an OR of one plain query per term (no operator parsing at all)
         tsq = " || ".join(["plainto_tsquery('torpor.english', %s)"] * len(terms))
         where, params = schema.filter_sql(flt)
+        scopes = list(flt.scopes)
+        want = limit * 4 + 16
         with self._tx("lexical search") as cur:
-            rows = cur.execute(
-                f"SELECT {_RCOLS}, greatest(ts_rank_cd(r.tsv, q.q, 1), 1e-9) AS s "
-                f"FROM torpor.records r, (SELECT {tsq}) AS q (q) "
-                f"WHERE r.tsv @@ q.q AND {where} ORDER BY s DESC, r.seq DESC LIMIT %s",
-                [*terms, *params, limit]).fetchall()
+            # candidates come ranked from the GIN index (see _pg_schema v4); the filter may
+            # drop some (superseded, expired, other kinds): widen until enough or exhausted
+            while True:
+                rows = cur.execute(
+                    f"SELECT {_RCOLS}, greatest(c.rank, 1e-9) AS s FROM "
+                    f"torpor.lexical_candidates({tsq}, %s, %s) AS c "
+                    f"JOIN torpor.records r ON r.tenant_id = {_T} AND r.id = c.id "
+                    f"WHERE {where} ORDER BY s DESC, r.seq DESC LIMIT %s",
+                    [*terms, scopes, want, *params, limit]).fetchall()
+                if len(rows) >= limit:
+                    break
+                found = cur.execute(f"SELECT count(*) FROM torpor.lexical_candidates({tsq}, "
+                                    "%s, %s)", [*terms, scopes, want]).fetchone()
+                if found is None or int(found[0]) < want:
+                    break
+                want *= 4
         return [(schema.row_to_record(r), float(r[-1])) for r in rows]
 
     def vector_search(
