@@ -9,9 +9,11 @@ from torpor.sandbox.lifecycle import (
     OPERATIONS,
     TRANSITIONS,
     Lifecycle,
+    Recovery,
     Transition,
     can_transition,
     check_transition,
+    recovery,
     require,
     require_for,
 )
@@ -124,3 +126,36 @@ def test_lifecycle_rejects_illegal_without_recording() -> None:
     with pytest.raises(InvalidState):
         lc.to(S.RUNNING)
     assert recorded == [] and lc.state is S.PAUSED
+
+
+R = Recovery
+
+
+@pytest.mark.parametrize(("state", "has_state", "qemu_alive", "expected"), [
+    pytest.param(S.RUNNING, False, True, R.REATTACH, id="running-alive"),
+    pytest.param(S.RUNNING, False, False, R.LOST, id="running-dead"),
+    pytest.param(S.PAUSED, True, False, R.KEEP, id="paused-whole"),
+    pytest.param(S.PAUSED, True, True, R.KEEP, id="paused-stray-qemu"),
+    pytest.param(S.PAUSED, False, False, R.LOST, id="paused-files-gone"),
+    pytest.param(S.PAUSED, False, True, R.LOST, id="paused-no-state-never-trust-qemu"),
+    pytest.param(S.PAUSING, True, False, R.PAUSED, id="pausing-state-saved"),
+    pytest.param(S.PAUSING, True, True, R.PAUSED, id="pausing-saved-qemu-quitting"),
+    pytest.param(S.PAUSING, False, True, R.REATTACH, id="pausing-not-saved-yet"),
+    pytest.param(S.PAUSING, False, False, R.LOST, id="pausing-qemu-died"),
+    pytest.param(S.WAKING, True, False, R.PAUSED, id="waking-not-started"),
+    pytest.param(S.WAKING, True, True, R.PAUSED, id="waking-before-cont"),
+    pytest.param(S.WAKING, False, True, R.REATTACH, id="waking-after-cont"),
+    pytest.param(S.WAKING, False, False, R.LOST, id="waking-died-after-cont"),
+    pytest.param(S.CREATING, True, True, R.UNDO_CREATE, id="creating"),
+    pytest.param(S.ERROR, False, True, R.KEEP, id="error"),
+    pytest.param(S.STOPPED, False, True, R.DELETE_FILES, id="stopped"),
+])
+def test_recovery_table(state: S, has_state: bool, qemu_alive: bool, expected: Recovery) -> None:
+    assert recovery(state, has_state=has_state, qemu_alive=qemu_alive) is expected
+
+
+@pytest.mark.parametrize("state", list(S))
+def test_recovery_never_claims_unbacked_pause(state: S) -> None:
+    # whatever the registry said, "paused" is only ever the answer when a state file exists
+    for alive in (False, True):
+        assert recovery(state, has_state=False, qemu_alive=alive) not in (R.PAUSED,)

@@ -465,6 +465,21 @@ def test_restart_without_start_attaches_on_first_use(home: Path) -> None:
     run(main())
 
 
+def test_restart_with_silent_guest_saves_ram(home: Path) -> None:
+    async def main() -> None:
+        world = FakeWorld()
+        a, _ = manager(home, world)
+        info = await a.create()
+        await a.run_code(info.id, "x = 'saved'")
+        b, engine = manager(home, world)
+        engine.faults["connect"] = 1  # QEMU alive, its agent does not answer the new manager
+        await b.start(supervise=False)
+        assert (await b.get(info.id)).state is S.PAUSED  # hibernated, not killed
+        assert (await b.run_code(info.id, "x")).text == "'saved'"
+        await b.close()
+    run(main())
+
+
 def test_restart_marks_dead_running_sandbox_lost(home: Path) -> None:
     async def main() -> None:
         world = FakeWorld()

@@ -22,6 +22,7 @@ found missing on start) exist: the registry must never keep claiming state the f
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -172,3 +173,35 @@ class Lifecycle:
         self._state = dst
         self.history.append(step)
         return step
+
+
+class Recovery(str, enum.Enum):
+    """What a restarted manager does with a sandbox, from its registry state and its files."""
+
+    KEEP = "keep"                  # the files back the registry state as it is
+    DELETE_FILES = "delete-files"  # killed: remove what a crash left behind
+    UNDO_CREATE = "undo-create"    # nobody was handed this sandbox yet: remove it
+    REATTACH = "reattach"          # take over the live QEMU (finish the pause / wake it was in)
+    PAUSED = "paused"              # a whole saved state backs it: call it paused
+    LOST = "lost"                  # RAM is gone: error, calls raise StateLost
+
+
+def recovery(state: SandboxState, *, has_state: bool, qemu_alive: bool) -> Recovery:
+    """The recovery table (see ``SandboxManager.start``).
+
+    A whole state file means the guest never ran past it (the engine deletes the state before
+    ``cont``), so any leftover QEMU can be killed and the sandbox called paused at no loss.
+    Without one, a live QEMU *is* the sandbox's RAM: re-attach to it. With neither, RAM is lost.
+    Whatever the answer, no QEMU but a re-attached one survives recovery.
+    """
+    if state is S.STOPPED:
+        return Recovery.DELETE_FILES
+    if state is S.ERROR:
+        return Recovery.KEEP
+    if state is S.CREATING:
+        return Recovery.UNDO_CREATE
+    if has_state:
+        return Recovery.KEEP if state is S.PAUSED else Recovery.PAUSED
+    if qemu_alive and state is not S.PAUSED:
+        return Recovery.REATTACH
+    return Recovery.LOST

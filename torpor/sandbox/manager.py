@@ -42,7 +42,7 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.sandbox.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
-from torpor.sandbox.lifecycle import Lifecycle, require_for
+from torpor.sandbox.lifecycle import Lifecycle, Recovery, recovery, require_for
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import Registry, SandboxRecord
@@ -566,41 +566,45 @@ class SandboxManager:
                 self.supervise(interval), name="torpor-idle-supervisor")
 
     async def _reconcile(self, rec: SandboxRecord) -> None:
-        """Bring one registry row in line with its directory after a restart."""
+        """Bring one registry row in line with its directory after a restart (the table is
+        :func:`~torpor.sandbox.lifecycle.recovery`)."""
         directory = self.directory(rec.id)
         live = self._live(rec.id)
         status = self.engine.inspect(directory)
-        if rec.state is S.STOPPED:
-            if status.exists:  # a kill that crashed before deleting the files
-                await self._quiet_kill(live, directory)
-                await asyncio.to_thread(shutil.rmtree, directory, True)
-            return
-        if rec.state is S.ERROR:
-            if status.qemu_pid is not None:
-                await self._quiet_kill(live, directory)
-            return
-        if rec.state is S.CREATING:  # nobody was handed this sandbox: undo the create
-            await self._abort_create(rec, live, EngineError("interrupted by a restart"))
-            return
-        # A whole state file means the guest never ran past it (the engine consumes the state
-        # before `cont`), so killing a leftover QEMU and calling the sandbox paused loses nothing.
-        if status.qemu_pid is not None and not status.has_state and rec.state is not S.PAUSED:
+        action = recovery(rec.state, has_state=status.has_state,
+                          qemu_alive=status.qemu_pid is not None)
+        log.info("sandbox %s: %s on start -> %s", rec.id, rec.state.value, action.value)
+        if action is Recovery.REATTACH:
             try:
                 await self._reattach(rec, live, directory)
                 return
-            except Exception as exc:  # noqa: BLE001
-                log.warning("sandbox %s: cannot re-attach QEMU %s: %r", rec.id,
-                            status.qemu_pid, exc)
-        await self._quiet_kill(live, directory)
-        status = self.engine.inspect(directory)
-        if rec.state is S.PAUSED:
-            if not status.has_state:
-                self._mark_lost(rec, "saved state missing on start")
+            except Exception as exc:  # noqa: BLE001 - fall back to what the files hold
+                log.warning("sandbox %s: cannot re-attach its QEMU: %r", rec.id, exc)
+                await self._rehibernate(live)
+                rec = self.registry.get(rec.id)
+                action = recovery(rec.state, has_state=self.engine.inspect(directory).has_state,
+                                  qemu_alive=False)
+        if action is Recovery.UNDO_CREATE:
+            await self._abort_create(rec, live, EngineError("interrupted by a restart"))
             return
-        if status.has_state:  # pausing finished its state file, or waking never ran the guest
+        await self._quiet_kill(live, directory)
+        if action is Recovery.DELETE_FILES:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+        elif action is Recovery.PAUSED:
+            if rec.state is S.RUNNING:
+                rec = self._move(rec, S.PAUSING, "recovered: re-hibernated")
             self._move(rec, S.PAUSED, "recovered: saved state is whole", paused_at=time.time())
-        else:
-            self._mark_lost(rec, f"recovered: QEMU gone while {rec.state.value}")
+        elif action is Recovery.LOST:
+            self._mark_lost(rec, f"recovered: no QEMU and no saved state while "
+                                 f"{rec.state.value}")
+
+    async def _rehibernate(self, live: _Live) -> None:
+        """Save the RAM of a machine whose guest does not answer (best effort)."""
+        machine = live.machine
+        if machine is not None and machine.is_running():
+            with suppress(Exception):
+                await machine.hibernate()
+                live.machine = None
 
     async def _reattach(self, rec: SandboxRecord, live: _Live, directory: Path) -> None:
         """Take over a QEMU that outlived its manager; finish a half-done pause or wake."""
