@@ -567,7 +567,7 @@ def test_agent_in_a_real_vm(qemu_home: Path) -> None:
     directory = qemu_home / "sandboxes" / "agent-test"
     clone_machine_dir(info.snapshot_dir, directory)
     machine = Machine(directory, info, MachineSpec())
-    data = os.urandom(3 * 1024 * 1024 + 17)
+    data = os.urandom(50 * 1024 * 1024 + 17)  # 50 MB both ways over the virtio port
     first: dict[str, Any] = {}  # what session one saw, for session two
 
     async def session_one() -> dict[str, Any]:
@@ -705,3 +705,14 @@ def test_an_agent_of_another_protocol_version_is_refused(tmp_path: Path) -> None
             assert info.value.data == {"version": 0}
 
     asyncio.run(main())
+
+
+def test_arguments_that_cannot_be_framed_are_typed_errors(agent: AgentProcess) -> None:
+    async def body(ch: GuestChannel) -> None:
+        with pytest.raises(PayloadTooLarge):
+            await ch.run_command("true", env={"BIG": "x" * (2 << 20)})
+        with pytest.raises(InvalidArgument):
+            await ch._request("exists", {"path": object()})
+        assert await ch.exists("/")
+
+    run(agent, body)

@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any, Self
 
 from torpor.config import LIMITS, Limits
-from torpor.errors import GuestError, OperationTimeout, PayloadTooLarge, TorporError, from_wire
+from torpor.errors import (
+    GuestError,
+    InvalidArgument,
+    OperationTimeout,
+    PayloadTooLarge,
+    TorporError,
+    from_wire,
+)
 from torpor.sandbox.guest import protocol as proto
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, ExecutionError, Result
 
@@ -262,6 +269,11 @@ class GuestChannel:
         except asyncio.CancelledError:
             self._send_cancel(rid)
             raise
+        except proto.ProtocolError as exc:  # arguments that cannot be framed
+            self._send_cancel(rid)
+            if exc.size is not None:
+                raise PayloadTooLarge(f"{op}: {exc}", size=exc.size, limit=exc.limit) from exc
+            raise InvalidArgument(f"{op}: {exc}") from exc
         finally:
             del self._pending[rid]
         if not reply.get("ok"):

@@ -300,7 +300,8 @@ class Agent:
             self.send(req.generation, header)
         except proto.ProtocolError as exc:
             self.send(req.generation, {"i": req.id, "t": proto.REPLY, "ok": False,
-                                       "error": proto.error_dict("PayloadTooLarge", str(exc))})
+                                       "error": proto.error_dict("PayloadTooLarge", str(exc),
+                                                                 size=exc.size, limit=exc.limit)})
 
 
 def main(argv: list[str] | None = None) -> None:

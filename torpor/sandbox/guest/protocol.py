@@ -73,7 +73,13 @@ _TYPES = frozenset({REQ, DATA, EVENT, REPLY, CANCEL})
 
 
 class ProtocolError(ValueError):
-    """A frame that cannot be encoded (too large, not JSON-serialisable)."""
+    """A frame that cannot be encoded: too large (``size``, ``limit`` set) or not
+    JSON-serialisable."""
+
+    def __init__(self, message: str, *, size: int | None = None,
+                 limit: int | None = None) -> None:
+        super().__init__(message)
+        self.size, self.limit = size, limit
 
 
 class Frame(NamedTuple):
@@ -103,9 +109,11 @@ def encode_frame(header: dict[str, Any], payload: bytes = b"", *,
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"header is not JSON-serialisable: {exc}") from exc
     if len(raw) > MAX_HEADER:
-        raise ProtocolError(f"frame header of {len(raw)} bytes is over {MAX_HEADER}")
+        raise ProtocolError(f"frame header of {len(raw)} bytes is over {MAX_HEADER}",
+                            size=len(raw), limit=MAX_HEADER)
     if len(payload) > max_payload:
-        raise ProtocolError(f"frame payload of {len(payload)} bytes is over {max_payload}")
+        raise ProtocolError(f"frame payload of {len(payload)} bytes is over {max_payload}",
+                            size=len(payload), limit=max_payload)
     prefix = PREFIX.pack(MAGIC, len(raw), len(payload), _crc(len(raw), len(payload), raw))
     return b"".join((prefix, raw, payload))
 
