@@ -32,6 +32,7 @@ more than half the documents scores ~0 in FTS5), which would make a tiny store r
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -77,6 +78,7 @@ _SUFFIXES = (("ies", "y"), ("sses", "ss"), ("es", ""), ("s", ""), ("ing", ""), (
              ("ly", ""))
 
 
+@functools.lru_cache(maxsize=65_536)
 def stem(word: str) -> str:
     """A light suffix stemmer (enough to match plurals and tenses for coverage)."""
     w = word.lower()
@@ -112,7 +114,7 @@ def recall(
     """
     if k <= 0:
         return []
-    pool = max(k * 5, 50)
+    pool = max(k * 3, 30)  # candidates per source: enough to fuse, cheap to materialize
     terms = query_terms(query)
     lexical = store.lexical_search(terms, flt, pool)
     vector: list[tuple[AnyRecord, float]] = []

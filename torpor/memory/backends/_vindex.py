@@ -9,7 +9,7 @@ supersession and expiry show up.
 Below :data:`IVF_MIN` vectors the search is exact (brute force: ~5 ms for 50k x 384).
 From there an IVF index (inverted file: spherical k-means into ``sqrt(n)/4`` lists, at most
 256) is built lazily on the next query: rows are stored list by list, a query scores the
-centroids and scans the ``nprobe`` nearest lists (about a tenth of the data) plus the rows
+centroids and scans the ``nprobe`` nearest lists (about a sixteenth of the data) plus the rows
 appended since the build, probing more lists when the filter leaves too few. Appends keep
 the index; a deletion, or a tail over a quarter of the indexed rows, triggers a rebuild.
 
@@ -196,7 +196,7 @@ class VectorIndex:
                 idx, sims = idx[keep], sims[keep]
             else:
                 lists = len(self._centroids)
-                nprobe = max(4, lists // 10)
+                nprobe = max(4, lists // 16)
                 while True:
                     idx, sims = self._probe(q, nprobe)
                     keep = self._mask(idx, flt)

@@ -426,7 +426,7 @@ class SQLiteTenantStore(TenantStore):
         if limit <= 0:
             return []
         where, params = schema.filter_sql(flt)
-        want = limit * 4 + 16
+        want = limit * 2 + 8  # widened below when the SQL re-check drops candidates
         with self._db.read("vector search") as conn:
             token = (conn.execute("PRAGMA data_version").fetchone()[0], self._db.writes)
             while True:
