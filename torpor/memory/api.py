@@ -16,6 +16,7 @@ backend call; ranking lives in :mod:`torpor.memory.recall`, context in
 from __future__ import annotations
 
 import logging
+import os
 from typing import Self
 
 from torpor.config import paths
@@ -47,7 +48,7 @@ class Memory:
 
     def __init__(
         self,
-        home: str | None = None,
+        home: str | os.PathLike[str] | None = None,
         *,
         token: str | None = None,
         tenant: str | None = None,

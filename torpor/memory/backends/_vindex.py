@@ -32,7 +32,7 @@ from torpor.memory.backends.base import RecordFilter
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VectorIndex", "IVF_MIN"]
+__all__ = ["IVF_MIN", "VectorIndex"]
 
 #: vectors from which the IVF index is used instead of exact search
 IVF_MIN = 50_000
