@@ -47,7 +47,7 @@ async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
 
 async def _floor(directory: Path) -> float:
     """QEMU process start -> QMP answers, with the wake's own command line (-incoming)."""
-    from qemu.qmp import QMPClient
+    from qemu.qmp import QMPClient, QMPError
 
     from torpor.sandbox.qemu import build_command, read_machine_json
 
@@ -59,13 +59,13 @@ async def _floor(directory: Path) -> float:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        client = QMPClient("floor")
         while True:
             if (directory / "qmp.sock").exists():
+                client = QMPClient("floor")
                 try:
                     await client.connect(str(directory / "qmp.sock"))
                     break
-                except OSError:
+                except (OSError, QMPError):  # the socket exists but is not listening yet
                     pass
             if proc.poll() is not None:
                 raise RuntimeError("QEMU exited while measuring the floor")
@@ -104,6 +104,76 @@ def _paused_cost(directory: Path) -> dict[str, Any]:
             "files": sorted(p.name for p in directory.iterdir())}
 
 
+class _Marks:
+    """Step timings, keyed ``"<phase>: <step>"`` (the phase is set by the benchmark loop)."""
+
+    def __init__(self, samples: dict[str, list[float]]) -> None:
+        self.samples, self.phase = samples, "other"
+
+    def add(self, step: str, seconds: float) -> None:
+        self.samples.setdefault(f"{self.phase}: {step}", []).append(seconds)
+
+
+class _TimedChannel:
+    """A guest channel whose refresh is timed."""
+
+    def __init__(self, inner: Any, marks: _Marks) -> None:
+        self.inner, self.marks = inner, marks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def refresh(self, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = await self.inner.refresh(**kwargs)
+        self.marks.add("refresh (entropy, clock, reseed)", time.perf_counter() - t0)
+        return result
+
+
+class _TimedMachine:
+    """A machine whose wake and hibernate are timed."""
+
+    def __init__(self, inner: Any, marks: _Marks) -> None:
+        self.inner, self.marks = inner, marks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def wake(self) -> None:
+        t0 = time.perf_counter()
+        await self.inner.wake()
+        self.marks.add("QEMU start + load state + cont", time.perf_counter() - t0)
+
+    async def hibernate(self) -> None:
+        t0 = time.perf_counter()
+        await self.inner.hibernate()
+        self.marks.add("hibernate (stop, save state, quit)", time.perf_counter() - t0)
+
+
+class _TimedEngine:
+    """The QEMU engine with its steps timed, to show where a wake or a create spends time."""
+
+    def __init__(self, inner: Any, marks: _Marks) -> None:
+        self.inner, self.marks = inner, marks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def machine(self, directory: Path, config: Any) -> _TimedMachine:
+        return _TimedMachine(self.inner.machine(directory, config), self.marks)
+
+    async def clone(self, *args: Any) -> None:
+        t0 = time.perf_counter()
+        await self.inner.clone(*args)
+        self.marks.add("clone the template's snapshot dir", time.perf_counter() - t0)
+
+    async def connect(self, machine: Any, directory: Path) -> Any:
+        t0 = time.perf_counter()
+        channel = await self.inner.connect(getattr(machine, "inner", machine), directory)
+        self.marks.add("guest channel connect (first ping)", time.perf_counter() - t0)
+        return _TimedChannel(channel, self.marks)
+
+
 async def _cold_boot(home: Path) -> float:
     """One cold boot of the template's image until the agent answers."""
     from torpor.sandbox import template as templates
@@ -125,16 +195,19 @@ async def _cold_boot(home: Path) -> float:
 async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
     from torpor.config import paths
     from torpor.sandbox import template as templates
+    from torpor.sandbox.engine import QemuEngine
     from torpor.sandbox.manager import SandboxManager
 
     info = templates.get("python")
-    mgr = SandboxManager(paths(home))
     samples: dict[str, list[float]] = {k: [] for k in (
         "floor", "create", "command", "interpreter", "pause", "wake")}
+    marks = _Marks(samples)
+    mgr = SandboxManager(paths(home), engine=_TimedEngine(QemuEngine(paths(home)), marks))
     try:
         # create: a fork of the template's booted snapshot (each one killed afterwards)
         sbx = await mgr.create(name="bench")
         await mgr.run_code("bench", "0")  # start the guest's interpreter once
+        marks.phase = "create"
         for i in range(reps):
             samples["create"].append(await _timed(lambda i=i: mgr.create(name=f"c{i}")))
             await mgr.kill(f"c{i}")
@@ -143,9 +216,12 @@ async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
             samples["interpreter"].append(await _timed(lambda: mgr.run_code("bench", "1 + 1")))
         await mgr.run_code("bench", "kept = list(range(1000))")
         for _ in range(reps):
+            marks.phase = "pause"
             samples["pause"].append(await _timed(lambda: mgr.pause("bench")))
             samples["floor"].append(await _floor(mgr.directory(sbx.id)))
+            marks.phase = "wake"
             samples["wake"].append(await _timed(lambda: mgr.resume("bench")))
+        marks.phase = "other"
         ok = (await mgr.run_code("bench", "sum(kept)")).text == str(sum(range(1000)))
         await mgr.pause("bench")
         paused = _paused_cost(mgr.directory(sbx.id))
@@ -159,6 +235,8 @@ async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
         ("pause", stats["pause"]["median_ms"], 100.0),
         ("wake", stats["wake"]["median_ms"], 300.0),
         ("wake vs 4x floor", stats["wake"]["median_ms"], 4 * floor),
+        ("engine part of wake (QEMU+load+cont) vs 4x floor",
+         stats["wake: QEMU start + load state + cont"]["median_ms"], 4 * floor),
         ("create", stats["create"]["median_ms"], 500.0),
         ("command round trip", stats["command"]["median_ms"], 50.0),
         ("paused: no QEMU, RSS 0", float(len(paused["qemu_pids"]) + paused["rss_kib"]), 0.0),
@@ -189,10 +267,15 @@ def render(result: dict[str, Any]) -> None:
         table.add_column(col, justify="right" if col != "step" else "left")
     labels = {"floor": "floor: QEMU start -> QMP ready", "create": "create (fork of template)",
               "command": "command round trip", "interpreter": "interpreter round trip",
-              "pause": "pause (hibernate)", "wake": "wake (+ channel + refresh)"}
+              "pause": "pause (guest sync + hibernate + registry)",
+              "wake": "wake (+ channel + refresh + registry)"}
     for key, label in labels.items():
         s = result["stats"][key]
         table.add_row(label, f"{s['median_ms']:.1f}", f"{s['p95_ms']:.1f}", f"{s['min_ms']:.1f}")
+        for step in sorted(k for k in result["stats"] if k.startswith(f"{key}: ")):
+            s = result["stats"][step]
+            table.add_row(f"  {step.split(': ', 1)[1]}", f"{s['median_ms']:.1f}",
+                          f"{s['p95_ms']:.1f}", f"{s['min_ms']:.1f}", style="dim")
     console.print(table)
     paused = result["paused_sandbox"]
     console.print(f"paused sandbox: QEMU pids {paused['qemu_pids'] or 'none'}, RSS "
