@@ -48,6 +48,7 @@ log = logging.getLogger("bench.memory")
 console = Console(width=150)
 OUT = Path(__file__).resolve().parent / "results" / "memory.json"
 TORPOR = ("torpor-hybrid", "torpor-lexical")
+SYSTEMS = (*TORPOR, "bm25", "chroma", "mem0")
 
 
 def parse_size(text: str) -> int:
@@ -77,12 +78,15 @@ def run_quality(args: argparse.Namespace, report: dict[str, Any]) -> list[Qualit
         ("chroma", lambda: ChromaPeer(emb)),
     ]
     py = mem0_python()
-    if args.no_mem0:
+    if "mem0" not in args.systems:
+        pass
+    elif args.no_mem0:
         skipped["mem0"] = "--no-mem0"
     elif py is None:
         skipped["mem0"] = "no Python with mem0 installed (see bench/README.md)"
     else:
         makers.append(("mem0", lambda: Mem0Peer(py, emb.path)))
+    makers = [(n, m) for n, m in makers if n in args.systems]
     results = []
     for name, make in makers:
         try:
@@ -98,29 +102,42 @@ def run_quality(args: argparse.Namespace, report: dict[str, Any]) -> list[Qualit
             skipped[name] = f"{type(exc).__name__}: {exc}"
         finally:
             system.close()
-    _quality_table(results, skipped)
+    # keep other systems' figures from an earlier run on the very same data
+    old = report.get("quality", {})
+    kept: list[dict[str, Any]] = []
+    if old.get("fingerprint") == ds.fingerprint():
+        ran = {r.system for r in results}
+        kept = [s for s in old.get("systems", []) if s["system"] not in ran]
+        for s in kept:
+            console.print(f"  kept {s['system']} from the earlier run on the same data")
+    _quality_table([r.as_dict() for r in results] + kept, skipped)
     report["quality"] = {
         "seed": args.seed, "users": args.users, "fingerprint": ds.fingerprint(),
         "records": len(docs), "questions": len(ds.questions),
         "questions_by_kind": {k: sum(q.kind == k for q in ds.questions) for k in KINDS},
-        "systems": [r.as_dict() for r in results], "skipped": skipped,
+        "systems": [r.as_dict() for r in results] + kept, "skipped": skipped,
     }
     return results
 
 
-def _quality_table(results: list[QualityResult], skipped: dict[str, str]) -> None:
+def _quality_table(rows: list[dict[str, Any]], skipped: dict[str, str]) -> None:
     t = Table(title="Recall@5 by question kind (test split); abstain = balanced accuracy")
     t.add_column("system")
     for k in KINDS:
         t.add_column(k, justify="right")
     for col in ("current", "cur. found", "ingest s", "query p50 ms"):
         t.add_column(col, justify="right")
-    for r in results:
-        t.add_row(r.system, *(f"{r.recall[k]:.3f}" for k in KINDS), f"{r.current:.3f}",
-                  f"{r.current_found:.3f}", f"{r.ingest_s:.1f}", f"{r.query_p50_ms:.1f}")
+    for r in rows:
+        t.add_row(r["system"], *(_fmt(r["recall_at_5"].get(k)) for k in KINDS),
+                  _fmt(r["current"]), _fmt(r.get("current_found")), f"{r['ingest_s']:.1f}",
+                  f"{r['query_p50_ms']:.1f}")
     console.print(t)
     for name, why in skipped.items():
         console.print(f"  [yellow]skipped {name}[/]: {why}")
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
 def run_throughput(args: argparse.Namespace, report: dict[str, Any]) -> None:
@@ -155,6 +172,9 @@ def run_scale(args: argparse.Namespace, report: dict[str, Any]) -> None:
             res = scale_run(size, mode, args.reps, lambda m: console.print(f"    {m}"))
             row = res.as_dict() | {"wall_s": time.perf_counter() - t0}
             rows[:] = [r for r in rows if (r["mode"], r["size"]) != (mode, size)] + [row]
+            console.print(f"    recall p50 {row['recall_p50_ms']:.1f} ms, p95 "
+                          f"{row['recall_p95_ms']:.1f} ms; add {row['add_records_per_s']:,.0f}/s")
+            save(args, report)  # a long run keeps what it measured if stopped later
     t = Table(title="recall and context latency (k=10; context budget 300 tokens)")
     for col in ("mode", "records", "add rec/s", "recall p50", "recall p95", "context p50",
                 "context p95"):
@@ -227,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=None, help="users in the quality set")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--no-mem0", action="store_true")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="quality systems to run (others are kept from an earlier run on the "
+                        "same data)")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-scale", action="store_true")
@@ -238,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (20 if args.quick else 200)
     args.users = args.users or (12 if args.quick else 40)
     args.out = args.out or (OUT.with_name("memory-quick.json") if args.quick else OUT)
+    args.systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -251,17 +275,25 @@ def main(argv: list[str] | None = None) -> int:
     report["updated_at"] = datetime.now(UTC).isoformat()
     if not args.skip_quality:
         run_quality(args, report)
+        save(args, report)
     if not args.skip_throughput:
         run_throughput(args, report)
+        save(args, report)
     if not args.skip_scale:
         run_scale(args, report)
+    rows = save(args, report)
+    print_targets(rows)
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+def save(args: argparse.Namespace, report: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
+    """Recompute the targets and write the JSON report; returns the target rows."""
     rows = targets(report)
     report["targets"] = [{"target": n, "pass": ok, "measured": f} for n, ok, f in rows]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(_clean(report), indent=2, default=str) + "\n")
-    print_targets(rows)
-    console.print(f"wrote {args.out}")
-    return 0
+    return rows
 
 
 def _clean(obj: Any) -> Any:
