@@ -56,9 +56,8 @@ async def _floor(directory: Path) -> float:
     cmd = build_command(read_machine_json(directory), incoming=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(  # noqa: ASYNC220 - the same start the engine uses, timed
-        cmd, cwd=directory, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+        cmd, cwd=directory, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while True:
             if (directory / "qmp.sock").exists():
