@@ -75,10 +75,31 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
     _run(qemu_home, body)
 
 
-def test_bad_input_leaves_nothing_behind(qemu_home: Path) -> None:
+def test_bad_input_leaves_nothing_behind(qemu_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torpor.errors import StorageError
+    from torpor.sandbox.chunks import ChunkStore
+
+    real_put = ChunkStore._put_known
+    disk = {"full": False, "writes": 0}
+
+    def put(self: ChunkStore, digest: str, data: bytes) -> int:
+        disk["writes"] += 1
+        if disk["full"] and disk["writes"] > 3:
+            raise StorageError("No space left on device", chunk=digest)
+        return real_put(self, digest, data)
+
+    monkeypatch.setattr(ChunkStore, "_put_known", put)
+
     async def body(m: SandboxManager, cp: Checkpoints) -> None:
         src = await m.create()
         await m.run_code(src.id, "x = 7")
+        disk["full"] = True  # the disk fills up during the snapshot
+        with pytest.raises(StorageError):
+            await cp.snapshot(src.id, name="full")
+        disk["full"] = False
+        assert cp.list_snapshots() == []
+        assert (await m.get(src.id)).state is SandboxState.RUNNING
+        assert (await m.run_code(src.id, "x")).text == "7"
         for count in (0, 17, -1):
             with pytest.raises(InvalidArgument):
                 await cp.fork(src.id, count=count)
@@ -131,6 +152,11 @@ def test_volumes_and_drives(qemu_home: Path) -> None:
         await m.pause(reader.id)
         await m.write_file(writer.id, "/shared/later.md", "step 2")
         assert await m.read_file(reader.id, "/shared/later.md") == b"step 2"
+        # a snapshot of a sandbox with a drive: the drive is not in it, but is mounted again
+        snap = await cp.snapshot(writer.id, name="with-drive")
+        await m.write_file(writer.id, "/shared/after-snapshot.md", "step 3")
+        restored = await cp.restore(snap.id)
+        assert await m.read_file(restored.id, "/shared/after-snapshot.md") == b"step 3"
 
     _run(qemu_home, body)
 
