@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -54,17 +52,21 @@ from torpor.sandbox._qemucmd import (
     MachineSpec,
     ShareSpec,
     _add_device,
+    _copy_sparse,  # noqa: F401 (bench/ imports it from here)
     _disk_args,
     _fsync_dir,
+    _qemu_img,
     _qemu_pid,
     _share_args,
     _tail,
     _write_machine_json,
     build_command,
+    clone_machine_dir,
     discard_state,
     inspect_dir,
     new_machine_config,
     read_machine_json,
+    socket_path,
 )
 
 if TYPE_CHECKING:
@@ -468,97 +470,6 @@ class Machine:
         """Run a raw QMP command on the running machine (for tests and diagnostics)."""
         self._require_running(cmd)
         return await self._qmp_exec(cmd, args)
-
-
-def socket_path(path: Path) -> Path:
-    """A path to connect to the unix socket ``path`` by: itself when short enough, else a
-    short symlink to it (AF_UNIX paths stop at 108 bytes; ``connect`` follows symlinks)."""
-    if len(str(path)) < 100:
-        return path
-    runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"torpor-{os.getuid()}"
-    link = runtime / (hashlib.sha256(str(path).encode()).hexdigest()[:20] + ".sock")
-    try:
-        runtime.mkdir(mode=0o700, exist_ok=True)
-        if not link.is_symlink() or os.readlink(link) != str(path):
-            tmp = link.with_name(link.name + f".{os.getpid()}")
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            tmp.symlink_to(path)
-            os.replace(tmp, link)
-    except OSError as exc:
-        raise EngineError(f"cannot make a short socket path for {path}: {exc}", exc=exc) from exc
-    return link
-
-
-def _qemu_img(args: list[str]) -> None:
-    try:
-        proc = subprocess.run(["qemu-img", *args], capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise EngineError(f"cannot run qemu-img: {exc}", exc=exc) from exc
-    if proc.returncode != 0:
-        raise EngineError(f"qemu-img {args[0]} failed: {proc.stderr.strip()}")
-
-
-def _copy_sparse(src: Path, dst: Path) -> None:
-    """Copy ``src`` to ``dst``: a reflink if the file system can, else data extents only."""
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        try:
-            import fcntl
-
-            fcntl.ioctl(fout.fileno(), 0x40049409, fin.fileno())  # FICLONE
-            return
-        except OSError:
-            pass
-        size = os.fstat(fin.fileno()).st_size
-        fout.truncate(size)
-        ifd, ofd = fin.fileno(), fout.fileno()
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(ifd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: no data after pos
-                break
-            end = os.lseek(ifd, start, os.SEEK_HOLE)
-            off = start
-            while off < end:
-                n = os.copy_file_range(ifd, ofd, end - off, off, off)
-                if n == 0:
-                    break
-                off += n
-            pos = end
-
-
-def clone_machine_dir(src: Path, dst: Path) -> None:
-    """Make ``dst`` a hibernated copy of the hibernated machine in ``src``.
-
-    Copies ``ram`` (reflink or sparse copy), ``machine.json`` and ``state`` (last, atomically:
-    a clone interrupted half-way has no state and cannot be woken), and makes ``disk.qcow2``
-    a new overlay whose backing file is ``src/disk.qcow2`` — so ``src`` must never run again
-    (a template snapshot or a stored snapshot). Raises InvalidState if ``src`` holds no saved
-    state, EngineError on I/O failure.
-    """
-    src, dst = Path(src).resolve(), Path(dst).resolve()
-    if not (src / "state").is_file() or not (src / "ram").is_file():
-        raise InvalidState(f"{src} holds no hibernated machine to clone",
-                           state="no-state", required="hibernated")
-    try:
-        dst.mkdir(parents=True, exist_ok=True)
-        discard_state(dst)
-        for name in ("disk.qcow2", "ram"):
-            with contextlib.suppress(FileNotFoundError):
-                (dst / name).unlink()
-        _copy_sparse(src / "ram", dst / "ram")
-        shutil.copyfile(src / "machine.json", dst / "machine.json")
-        _qemu_img(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(src / "disk.qcow2"),
-                   str(dst / "disk.qcow2")])
-        shutil.copyfile(src / "state", dst / "state.tmp")
-        with open(dst / "state.tmp", "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(dst / "state.tmp", dst / "state")
-        _fsync_dir(dst)
-    except OSError as exc:
-        raise EngineError(f"cannot clone {src} to {dst}: {exc}", exc=exc) from exc
-    log.info("cloned %s -> %s", src, dst)
 
 
 def machine_config(directory: Path) -> dict[str, Any]:

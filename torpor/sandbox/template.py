@@ -182,7 +182,8 @@ def build(name: str = "python", *, apt: Sequence[str] = (), pip: Sequence[str] =
         say("boot", "cold boot of the guest (TCG: up to a minute)")
         t0 = time.monotonic()
         try:
-            accel = asyncio.run(_boot_and_snapshot(info, say, lines=guest_dir is not None))
+            # A guest without protocol.py is a throwaway test agent speaking JSON lines.
+            accel = asyncio.run(_boot_and_snapshot(info, say, lines="protocol.py" not in files))
         except BaseException:
             shutil.rmtree(info.directory / "builds" / info.build_id, ignore_errors=True)
             raise
