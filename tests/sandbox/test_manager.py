@@ -480,6 +480,21 @@ def test_restart_with_silent_guest_saves_ram(home: Path) -> None:
     run(main())
 
 
+def test_restart_finishes_an_interrupted_kill(home: Path) -> None:
+    async def main() -> None:
+        world = FakeWorld()
+        a, _ = manager(home, world)
+        info = await a.create()
+        # the kill was recorded, then the process died before QEMU and the files were gone
+        a.registry.set_state(info.id, S.RUNNING, S.STOPPED, reason="kill")
+        b, _ = manager(home, world)
+        await b.start(supervise=False)
+        assert not b.directory(info.id).exists()
+        assert world.processes == {}
+        await b.close()
+    run(main())
+
+
 def test_restart_marks_dead_running_sandbox_lost(home: Path) -> None:
     async def main() -> None:
         world = FakeWorld()

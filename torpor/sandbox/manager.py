@@ -569,8 +569,10 @@ class SandboxManager:
         """Bring one registry row in line with its directory after a restart (the table is
         :func:`~torpor.sandbox.lifecycle.recovery`)."""
         directory = self.directory(rec.id)
-        live = self._live(rec.id)
         status = self.engine.inspect(directory)
+        if rec.state is S.STOPPED and not status.exists:
+            return  # the common case for killed sandboxes: nothing left to clean
+        live = self._live(rec.id)
         action = recovery(rec.state, has_state=status.has_state,
                           qemu_alive=status.qemu_pid is not None)
         log.info("sandbox %s: %s on start -> %s", rec.id, rec.state.value, action.value)
