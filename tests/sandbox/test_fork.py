@@ -152,6 +152,12 @@ def test_volumes_and_drives(qemu_home: Path) -> None:
         await m.pause(reader.id)
         await m.write_file(writer.id, "/shared/later.md", "step 2")
         assert await m.read_file(reader.id, "/shared/later.md") == b"step 2"
+        # a busy drive cannot be unmounted: pausing is a Conflict, not a hang, and it runs on
+        await m.run_command(reader.id, "cd /shared && sleep 600", background=True)
+        with pytest.raises(Conflict, match="busy"):
+            await m.pause(reader.id)
+        assert (await m.get(reader.id)).state is SandboxState.RUNNING
+        assert await m.read_file(reader.id, "/shared/later.md") == b"step 2"
         # a snapshot of a sandbox with a drive: the drive is not in it, but is mounted again
         snap = await cp.snapshot(writer.id, name="with-drive")
         await m.write_file(writer.id, "/shared/after-snapshot.md", "step 3")
