@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -122,10 +123,8 @@ async def run(reps: int, sandboxes: int, home: Path) -> dict[str, Any]:
         out["dedup"] = await _dedup(manager, cp, sandboxes)
     finally:
         for info in await manager.list():
-            try:
+            with contextlib.suppress(Exception):  # clean up as much as possible
                 await manager.kill(info.id)
-            except Exception:  # noqa: BLE001 - clean up as much as possible
-                pass
         await manager.close(pause=False)
     return out
 
@@ -139,7 +138,7 @@ async def _dedup(manager: Any, cp: Any, n: int) -> dict[str, Any]:
     await asyncio.to_thread(collect, cp.paths)
     base_store = cp.snapshots.chunks.stored_bytes()
     fresh = await manager.create(name="dedup-template")
-    one = await cp.snapshot(fresh.id, name="dedup-template")
+    await cp.snapshot(fresh.id, name="dedup-template")
     await manager.kill(fresh.id)
     one_bytes = cp.snapshots.chunks.stored_bytes() - base_store
     ids = []
