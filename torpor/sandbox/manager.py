@@ -424,6 +424,8 @@ class SandboxManager:
                 await self._quiet_kill(live, directory)
                 rec = self._move(rec, S.STOPPED, "kill")
                 await asyncio.to_thread(shutil.rmtree, directory, True)
+        # a killed sandbox needs no lock any more: every later call reads "stopped" and fails
+        self._lives.pop(rec.id, None)
         return rec.to_info()
 
     # -- calls inside a sandbox -----------------------------------------------------------
