@@ -45,11 +45,12 @@ class AgentProcess:
         return await GuestChannel.connect(self.socket, timeout=20, **kw)
 
     def stop(self) -> None:
-        for pid in self.pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for pid in self.pids:  # a group leader takes its group along; `cmd &` children do not
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self.proc.kill()
         self.proc.wait()
 
@@ -318,10 +319,16 @@ def test_half_sent_frame_then_hang_up_is_dropped(agent: AgentProcess) -> None:
     assert run(agent, lambda ch: ch.run_command("echo ok")).stdout == "ok\n"
 
 
-def test_agent_death_fails_in_flight_requests(agent: AgentProcess) -> None:
+def test_agent_death_fails_in_flight_requests(agent: AgentProcess, tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+
     async def body(ch: GuestChannel) -> None:
-        task = asyncio.ensure_future(ch.run_command("sleep 300", timeout=None))
-        await asyncio.sleep(0.2)
+        task = asyncio.ensure_future(
+            ch.run_command(f"echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; sleep 300",
+                           timeout=None))
+        while not pidfile.exists():
+            await asyncio.sleep(0.02)
+        agent.pids.append(int(pidfile.read_text()))  # the shell leads the command's group
         agent.proc.kill()
         with pytest.raises(GuestError):
             await task
@@ -714,5 +721,16 @@ def test_arguments_that_cannot_be_framed_are_typed_errors(agent: AgentProcess) -
         with pytest.raises(InvalidArgument):
             await ch._request("exists", {"path": object()})
         assert await ch.exists("/")
+
+    run(agent, body)
+
+
+def test_a_chatty_background_child_does_not_hold_the_command(agent: AgentProcess,
+                                                             tmp_path: Path) -> None:
+    async def body(ch: GuestChannel) -> None:
+        result = await ch.run_command("yes > /dev/stdout & echo $!; echo done >&2", timeout=60)
+        agent.pids.append(int(result.stdout.splitlines()[0]))
+        assert result.exit_code == 0 and result.stderr == "done\n"
+        assert (await ch.ping())["pid"] == agent.proc.pid
 
     run(agent, body)

@@ -251,10 +251,13 @@ class Operations:
         proc = subprocess.Popen(["/bin/sh", "-c", cmd], cwd=cwd, env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
-        kill = lambda: _killpg(proc)
-        req.cancel_hook = kill
+        req.cancel_hook = lambda: _killpg(proc)
         try:
             self._pump(req, proc, limit, timeout)
+        except BaseException:
+            _killpg(proc)
+            proc.wait()  # no zombie left behind by a timeout, a cancel or too much output
+            raise
         finally:
             req.cancel_hook = None
         return {"pid": proc.pid, "exit_code": _exit_code(proc.wait())}
@@ -267,9 +270,12 @@ class Operations:
         sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         total = 0
+        exited_at: float | None = None
         try:
             while sel.get_map():
-                exited = proc.poll() is not None
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = time.monotonic()
+                exited = exited_at is not None
                 # After the shell exits, take what is already in the pipes and stop: a
                 # background grandchild (`cmd &`) may hold them open for ever.
                 got = False
@@ -290,11 +296,11 @@ class Operations:
                     raise Failure("OperationTimeout", "command cancelled by the host",
                                   seconds=timeout)
                 if deadline is not None and time.monotonic() > deadline:
-                    _killpg(proc)
-                    proc.wait()
                     raise Failure("OperationTimeout", f"command timed out after {timeout} s",
                                   seconds=timeout)
-                if exited and not got:
+                # Stop once the pipes are empty, or soon after the exit if a grandchild
+                # keeps writing (`yes &`).
+                if exited_at is not None and (not got or time.monotonic() - exited_at > 0.2):
                     break
         finally:
             left = [key.fileobj for key in sel.get_map().values()]
