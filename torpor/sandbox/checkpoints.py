@@ -11,9 +11,10 @@ How each one works (the storage is in :mod:`~torpor.sandbox.snapshots`):
 * **restore(snapshot)**: the snapshot is rebuilt from verified chunks into a frozen dir and a new
   sandbox is cloned from it (RAM copied, a new qcow2 overlay), woken, and given fresh entropy
   and the host's clock.
-* **fork(sandbox, count)**: freeze as for a snapshot, then clone ``count`` children from the
-  frozen dir. Nothing goes through the chunk store, so a child costs a RAM copy and a wake.
-  All children or none: a failure removes the ones already made.
+* **fork(sandbox, count)**: freeze as for a snapshot (but the frozen RAM is a hard link to the
+  paused source's, cloned into every child before the source wakes), then the children and
+  the source wake together. Nothing goes through the chunk store, so a child costs one sparse
+  RAM copy and a wake. All children or none: a failure removes the ones already made.
 
 **Volumes and snapshots.** A volume is shared, long-lived data and is never part of a snapshot.
 The guest has it mounted with cached file-system state, so a snapshot or fork of a sandbox with a
@@ -50,14 +51,20 @@ from torpor.errors import (
     InvalidState,
     TorporError,
 )
-from torpor.sandbox.drives import DriveInfo, DriveStore
+from torpor.sandbox.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.gc import GcReport, collect
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.snapshots import SnapshotInfo, SnapshotStore, check_retention, freeze
-from torpor.sandbox.volumes import Attachment, VolumeInfo, VolumeStore, check_mount_path
+from torpor.sandbox.volumes import (
+    Attachment,
+    VolumeInfo,
+    VolumeStore,
+    check_mount_path,
+    find_guest_disk,
+)
 
 __all__ = ["VOLUME_SNAPSHOT_REFUSAL", "Checkpoints"]
 
@@ -111,7 +118,7 @@ class Checkpoints:
     async def after_wake(self, sandbox_id: str, channel: Any) -> None:
         """Mount the sandbox's drives again after a wake."""
         for drive, att in self.drives.attached_to(sandbox_id):
-            await _mount_drive(channel, drive, att.path, att.read_only)
+            await mount_in_guest(channel, drive, att.path, att.read_only)
 
     # -- freezing a live sandbox ---------------------------------------------------------
 
@@ -341,7 +348,7 @@ class Checkpoints:
                     for drive, path, ro in drives:
                         self.drives.attach(drive.id, rec.id, path, read_only=ro,
                                            tenant=drive.tenant)
-                        await _mount_drive(live.channel, drive, path, ro)
+                        await mount_in_guest(live.channel, drive, path, ro)
                 except BaseException as exc:
                     self.drives.release({rec.id})
                     await m._abort_create(rec, live, exc)
@@ -438,7 +445,7 @@ class Checkpoints:
                 await live.machine.attach_disk(DiskSpec(  # type: ignore[attr-defined]
                     id=vol.id, path=self.volumes.image(vol.id), read_only=read_only,
                     format="raw", serial=vol.id))
-                device = await _find_disk(live.channel, vol.id)
+                device = await find_guest_disk(live.channel, vol.id)
                 await live.channel.mount(  # type: ignore[attr-defined]
                     device, path,
                                          fstype="ext4", options="ro" if read_only else None)
@@ -483,7 +490,7 @@ class Checkpoints:
                 await self.after_wake(rec.id, live.channel)
             self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)
             try:
-                await _mount_drive(live.channel, info, path, read_only)
+                await mount_in_guest(live.channel, info, path, read_only)
             except BaseException:
                 self.drives.detach(info.id, rec.id, tenant=tenant)
                 raise
@@ -545,34 +552,6 @@ class Checkpoints:
             live_sandboxes=self._live_ids(), dry_run=dry_run)
         report.expired_sandboxes = expired
         return report
-
-
-async def _find_disk(channel: Any, serial: str, timeout: float = 20.0) -> str:
-    """The guest device of a hot-plugged virtio disk, found by its serial (the guest has no
-    udev, so no /dev/disk/by-id): polls /sys/block/*/serial until the kernel has probed it."""
-    script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do for b in /sys/block/vd*; do "
-              f"[ \"$(cat $b/serial 2>/dev/null)\" = '{serial}' ] && echo /dev/${{b##*/}} && "
-              "exit 0; done; sleep 0.1; i=$((i+1)); done; exit 1")
-    result = await channel.run_command(script, timeout=timeout + 10)
-    if result.exit_code != 0 or not result.stdout.strip():
-        raise GuestError(f"the guest did not see disk {serial} within {timeout} s",
-                         serial=serial)
-    return str(result.stdout.strip())
-
-
-async def _mount_drive(channel: Any, drive: DriveInfo, path: str, read_only: bool,
-                       timeout: float = 20.0) -> None:
-    # a hot-plugged 9p device shows up a moment after device_add: wait for its tag
-    tag = drive.mount_tag
-    script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
-              f"grep -qs '{tag}' /sys/bus/virtio/devices/*/mount_tag && exit 0; "
-              "sleep 0.1; i=$((i+1)); done; exit 1")
-    result = await channel.run_command(script, timeout=timeout + 10)
-    if result.exit_code != 0:
-        raise GuestError(f"the guest did not see drive {drive.name} ({tag}) within {timeout} s",
-                         drive=drive.id)
-    options = "trans=virtio,version=9p2000.L,msize=262144" + (",ro" if read_only else "")
-    await channel.mount(drive.mount_tag, path, fstype="9p", options=options)
 
 
 def _drop_ram(frozen: Path) -> None:

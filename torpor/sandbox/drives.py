@@ -20,11 +20,12 @@ import shutil
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
 
 from torpor.config import Paths, check_name
-from torpor.errors import Conflict, DriveNotFound, StorageError
+from torpor.errors import Conflict, DriveNotFound, GuestError, StorageError
 from torpor.sandbox.volumes import (
     Attachment,
     check_attach,
@@ -34,7 +35,7 @@ from torpor.sandbox.volumes import (
     write_record,
 )
 
-__all__ = ["DriveInfo", "DriveStore"]
+__all__ = ["DriveInfo", "DriveStore", "mount_in_guest"]
 
 log = logging.getLogger(__name__)
 
@@ -184,3 +185,21 @@ class DriveStore:
                 raise StorageError(f"cannot delete drive {info.id}: {exc}", exc=exc) from exc
         log.info("deleted drive %s (%s)", info.id, info.name)
         return info
+
+
+async def mount_in_guest(channel: Any, drive: DriveInfo, path: str, read_only: bool,
+                         timeout: float = 20.0) -> None:
+    """Mount ``drive`` at ``path`` in the guest over ``channel`` (a GuestChannel).
+
+    Raises GuestError if the 9p device does not show up within ``timeout`` or mount fails."""
+    # a hot-plugged 9p device shows up a moment after device_add: wait for its tag
+    tag = drive.mount_tag
+    script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
+              f"grep -qs '{tag}' /sys/bus/virtio/devices/*/mount_tag && exit 0; "
+              "sleep 0.1; i=$((i+1)); done; exit 1")
+    result = await channel.run_command(script, timeout=timeout + 10)
+    if result.exit_code != 0:
+        raise GuestError(f"the guest did not see drive {drive.name} ({tag}) within {timeout} s",
+                         drive=drive.id)
+    options = "trans=virtio,version=9p2000.L,msize=262144" + (",ro" if read_only else "")
+    await channel.mount(drive.mount_tag, path, fstype="9p", options=options)

@@ -43,6 +43,7 @@ from torpor.config import Paths, check_name
 from torpor.errors import (
     Conflict,
     EngineError,
+    GuestError,
     InvalidArgument,
     StorageError,
     VolumeNotFound,
@@ -327,3 +328,16 @@ class VolumeStore:
                 raise StorageError(f"cannot delete volume {info.id}: {exc}", exc=exc) from exc
         log.info("deleted volume %s (%s)", info.id, info.name)
         return info
+
+
+async def find_guest_disk(channel: Any, serial: str, timeout: float = 20.0) -> str:
+    """The guest device of a hot-plugged virtio disk, found by its serial (the guest has no
+    udev, so no /dev/disk/by-id): polls /sys/block/*/serial until the kernel has probed it."""
+    script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do for b in /sys/block/vd*; do "
+              f"[ \"$(cat $b/serial 2>/dev/null)\" = '{serial}' ] && echo /dev/${{b##*/}} && "
+              "exit 0; done; sleep 0.1; i=$((i+1)); done; exit 1")
+    result = await channel.run_command(script, timeout=timeout + 10)
+    if result.exit_code != 0 or not result.stdout.strip():
+        raise GuestError(f"the guest did not see disk {serial} within {timeout} s",
+                         serial=serial)
+    return str(result.stdout.strip())
