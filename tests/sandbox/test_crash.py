@@ -123,6 +123,8 @@ CASES = [
     # a race with the rename: killed mid-save is lost, killed just after it is intact
     pytest.param("pause", "pause:begin", "qemu-mid-save", {"lost", "intact"},
                  id="qemu-dies-mid-save"),
+    # after the state is saved QEMU has already quit: nothing left to kill, the pause stands
+    pytest.param("pause", "pause:saved", "qemu", {"intact"}, id="qemu-killed-state-saved"),
     pytest.param("wake", "wake:begin", "qemu-before-cont", {"intact"},
                  id="qemu-dies-before-cont"),
     pytest.param("wake", "wake:woken", "qemu", {"lost"}, id="qemu-dies-after-cont"),
