@@ -3,7 +3,9 @@
 
 Runs inside the VM as ``python3 /opt/torpor/agent.py --port /dev/virtio-ports/org.torpor.agent``
 (tests run it on the host with ``--socket PATH``: it then listens on a unix socket, the way
-QEMU does for the real port, and the host connects). The wire format is in ``protocol.py``.
+QEMU does for the real port, and the host connects). Next to it in /opt/torpor:
+``protocol.py`` (the wire format), ``ops.py`` (what each request does) and ``interpreter.py``
+(the long-lived Python kernel). This file is the transport: links, framing, dispatch.
 
 The host hangs up on every hibernate and a new QEMU reconnects on wake, so a hang-up is normal:
 the agent drops the half-received frame, keeps every process and variable, and polls again
