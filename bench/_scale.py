@@ -38,28 +38,41 @@ BATCH = 1000
 
 
 class ProjectionEmbedder:
-    """Bag of words through fixed random projections: fast, deterministic, 384 dimensions."""
+    """Bag of words through fixed random projections: fast, deterministic, 384 dimensions.
+
+    Each distinct word gets a fixed Gaussian vector (seeded by a hash of the word); a text's
+    vector is the normalized sum of its words' vectors.
+    """
 
     name = "random-projection:384"
     dim = 384
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        self.table: dict[str, npt.NDArray[np.float32]] = {}
+        self.rows: dict[str, int] = {}
+        # row 0 stays the zero vector: short texts pad with it
+        self.table = np.zeros((1024, self.dim), dtype=np.float32)
 
-    def _word(self, w: str) -> npt.NDArray[np.float32]:
-        v = self.table.get(w)
-        if v is None:
+    def _row(self, w: str) -> int:
+        r = self.rows.get(w)
+        if r is None:
             h = int.from_bytes(hashlib.blake2b(f"{self.seed}:{w}".encode(), digest_size=8).digest())
-            v = np.random.default_rng(h).standard_normal(self.dim).astype(np.float32)
-            self.table[w] = v
-        return v
+            vec = np.random.default_rng(h).standard_normal(self.dim).astype(np.float32)
+            if len(self.rows) + 1 == len(self.table):  # grow by doubling
+                grown = np.zeros((2 * len(self.table), self.dim), dtype=np.float32)
+                grown[:len(self.table)] = self.table
+                self.table = grown
+            r = self.rows[w] = len(self.rows) + 1
+            self.table[r] = vec
+        return r
 
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for i, t in enumerate(texts):
-            for w in t.lower().split():
-                out[i] += self._word(w)
+        split = [t.lower().split() for t in texts]
+        width = max((len(ws) for ws in split), default=0)
+        idx = np.zeros((len(texts), max(width, 1)), dtype=np.int64)
+        for i, ws in enumerate(split):
+            idx[i, :len(ws)] = [self._row(w) for w in ws]
+        out = self.table[idx].sum(axis=1)
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         norms[norms == 0] = 1.0
         result: npt.NDArray[np.float32] = out / norms
