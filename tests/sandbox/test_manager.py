@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -666,3 +667,28 @@ def test_qemu_restart_reattaches_running_keeps_paused(qemu_home: Path) -> None:
 
     up, down = run(first())
     run(second(up, down))
+
+
+@pytest.mark.qemu
+def test_qemu_idle_pause_then_wake_on_request(qemu_home: Path) -> None:
+    async def main() -> None:
+        mgr = SandboxManager(paths(qemu_home))
+        try:
+            await mgr.start(interval=0.1)  # the supervisor runs idle_sweep
+            info = await mgr.get_or_create("agent-u-42", idle_pause_seconds=600)
+            await mgr.run_code("agent-u-42", "notes = ['prefers weekly summaries']")
+            mgr.registry.touch(info.id, time.time() - 601)  # ten idle minutes later
+            for _ in range(300):
+                if (await mgr.get(info.id)).state is S.PAUSED:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await mgr.get(info.id)).state is S.PAUSED
+            assert mgr.registry.transitions(info.id)[-1].reason == "idle"
+            again = await mgr.get_or_create("agent-u-42")
+            assert again.reused and again.id == info.id and again.state is S.RUNNING
+            result = await mgr.run_code("agent-u-42", "notes")
+            assert result.text == "['prefers weekly summaries']"
+            await mgr.kill(info.id)
+        finally:
+            await mgr.close()
+    run(main())
