@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torpor.config import paths
+from torpor.sandbox import _rootfs
 from torpor.sandbox import accel as accel_probe
 from torpor.sandbox import template as templates
 
@@ -49,7 +50,13 @@ def doctor(
     for tool in ("debootstrap", "mkfs.ext4", "qemu-img"):
         table.add_row(tool, shutil.which(tool) or "[red]missing[/]")
     built = templates.list_templates()
-    table.add_row("templates", ", ".join(f"{t.name} ({t.build_id})" for t in built)
+    current = _rootfs.guest_hash(_rootfs.guest_files(templates.GUEST_DIR))
+    rows = []
+    for t in built:
+        stale = "" if t.guest_hash == current else (
+            f" [yellow]stale: the guest agent changed; run `torpor template build {t.name}`[/]")
+        rows.append(f"{t.name} ({t.build_id}, {t.accel}){stale}")
+    table.add_row("templates", "\n".join(rows)
                   or "[yellow]none: run `torpor template build python`[/]")
     console.print(table)
 
