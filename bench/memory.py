@@ -136,6 +136,11 @@ def _quality_table(rows: list[dict[str, Any]], skipped: dict[str, str]) -> None:
         console.print(f"  [yellow]skipped {name}[/]: {why}")
 
 
+def _load() -> float:
+    """The 1-minute load average (2 cores here: above 2, the run shared its CPUs)."""
+    return os.getloadavg()[0]
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
@@ -151,7 +156,8 @@ def run_throughput(args: argparse.Namespace, report: dict[str, Any]) -> None:
     # real conversation sentences: the model's cost depends on their word pieces
     sentences = list(dict.fromkeys(t.text for t in generate(GenConfig(seed=99, users=60)).turns))
     emb = add_throughput(n_emb, model, sentences)
-    report["throughput"] = {"lexical_records_per_s": lex, "lexical_n": n_lex,
+    report["throughput"] = {"load_avg_1m": _load(),
+                            "lexical_records_per_s": lex, "lexical_n": n_lex,
                             "embeddings_records_per_s": emb, "embeddings_n": n_emb,
                             "embedder": model.name}
     t = Table(title="add throughput (batches of 1,000)")
@@ -168,21 +174,24 @@ def run_scale(args: argparse.Namespace, report: dict[str, Any]) -> None:
     for size in args.sizes:
         for mode in args.modes:
             console.print(f"  scale: {mode} at {size:,} records ...")
-            t0 = time.perf_counter()
+            t0, load0 = time.perf_counter(), _load()
             res = scale_run(size, mode, args.reps, lambda m: console.print(f"    {m}"))
-            row = res.as_dict() | {"wall_s": time.perf_counter() - t0}
+            # the machine is shared: the load says how much of it this run really had
+            row = res.as_dict() | {"wall_s": time.perf_counter() - t0,
+                                   "load_avg_1m_before": load0, "load_avg_1m_after": _load()}
             rows[:] = [r for r in rows if (r["mode"], r["size"]) != (mode, size)] + [row]
             console.print(f"    recall p50 {row['recall_p50_ms']:.1f} ms, p95 "
                           f"{row['recall_p95_ms']:.1f} ms; add {row['add_records_per_s']:,.0f}/s")
             save(args, report)  # a long run keeps what it measured if stopped later
     t = Table(title="recall and context latency (k=10; context budget 300 tokens)")
     for col in ("mode", "records", "add rec/s", "recall p50", "recall p95", "context p50",
-                "context p95"):
+                "context p95", "load"):
         t.add_column(col, justify="right")
     for r in sorted(rows, key=lambda r: (r["mode"], r["size"])):
         t.add_row(r["mode"], f"{r['size']:,}", f"{r['add_records_per_s']:,.0f}",
                   f"{r['recall_p50_ms']:.1f} ms", f"{r['recall_p95_ms']:.1f} ms",
-                  f"{r['context_p50_ms']:.1f} ms", f"{r['context_p95_ms']:.1f} ms")
+                  f"{r['context_p50_ms']:.1f} ms", f"{r['context_p95_ms']:.1f} ms",
+                  f"{r.get('load_avg_1m_after', float('nan')):.1f}")
     console.print(t)
 
 
