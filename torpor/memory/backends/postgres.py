@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -247,11 +248,20 @@ class PostgresTenantStore(TenantStore):
         return [r for r in map(schema.row_to_record, rows) if isinstance(r, Fact)]
 
     def scan(self, flt: RecordFilter, limit: int, *, newest_first: bool = True) -> list[AnyRecord]:
-        where, params = schema.filter_sql(flt)
         order = "DESC" if newest_first else "ASC"
+        # one index-ordered subquery per scope, merged: "scope = ANY(...) ORDER BY valid_from"
+        # would read and sort every visible row of a large scope to return the newest few
+        parts, params = [], []
+        for scope in dict.fromkeys(flt.scopes):
+            where, p = schema.filter_sql(replace(flt, scopes=[scope]))
+            parts.append(f"(SELECT {_RCOLS}, r.seq FROM torpor.records r WHERE {where} "
+                         f"ORDER BY r.valid_from {order}, r.seq {order} LIMIT %s)")
+            params += [*p, max(limit, 0)]
+        if not parts:
+            return []
         with self._tx("scan") as cur:
-            rows = cur.execute(f"SELECT {_RCOLS} FROM torpor.records r WHERE {where} "
-                               f"ORDER BY r.valid_from {order}, r.seq {order} LIMIT %s",
+            rows = cur.execute(f"SELECT * FROM ({' UNION ALL '.join(parts)}) AS u "
+                               f"ORDER BY u.valid_from {order}, u.seq {order} LIMIT %s",
                                [*params, max(limit, 0)]).fetchall()
         return [schema.row_to_record(r) for r in rows]
 
