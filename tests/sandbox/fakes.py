@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -166,6 +167,7 @@ class FakeChannel:
         self.engine = engine
         self.directory = directory
         self.closed = False
+        self._closing = asyncio.Event()  # close() fails in-flight calls, as the real one does
 
     def _proc(self) -> FakeProcess:
         proc = self.engine.world.processes.get(self.directory)
@@ -183,7 +185,8 @@ class FakeChannel:
         self._proc()
         word, _, rest = cmd.partition(" ")
         if word == "sleep":
-            await asyncio.sleep(float(rest))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), float(rest))
         self._proc()  # the machine may have died meanwhile
         if word == "echo":
             return CommandResult(exit_code=0, stdout=rest + "\n")
@@ -248,3 +251,4 @@ class FakeChannel:
 
     async def close(self) -> None:
         self.closed = True
+        self._closing.set()

@@ -161,6 +161,25 @@ def test_pause_waits_for_calls_in_flight(home: Path) -> None:
     with_manager(home, body)
 
 
+def test_kill_is_not_stuck_behind_a_draining_pause(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        stuck = asyncio.create_task(mgr.run_command(info.id, "sleep 3600"))
+        await asyncio.sleep(0.05)
+        pausing = asyncio.create_task(mgr.pause(info.id))  # waits for the stuck call
+        await asyncio.sleep(0.05)
+        assert not pausing.done()
+        # a hang guard, not a timing assertion: kill must not wait for the hour-long call
+        killed = await asyncio.wait_for(mgr.kill(info.id), 30)
+        assert killed.state is S.STOPPED
+        with pytest.raises(GuestError):
+            await stuck
+        with pytest.raises((StateLost, SandboxClosed)):
+            await pausing
+        assert engine.world.processes == {} and not mgr.directory(info.id).exists()
+    with_manager(home, body)
+
+
 # -- get_or_create --------------------------------------------------------------------------
 
 def test_get_or_create_concurrent_callers_get_one(home: Path) -> None:

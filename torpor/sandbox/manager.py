@@ -417,6 +417,12 @@ class SandboxManager:
         GuestError. Raises SandboxNotFound."""
         rec = self._find(tenant, id_or_name)
         live = self._live(rec.id)
+        if rec.state is not S.STOPPED and live.lock.locked():
+            # Another operation holds the sandbox (a pause draining a call that never ends, a
+            # slow wake): cut it short instead of queueing behind it. It fails on the dead
+            # machine and records what it lost; the kill below then ends the sandbox.
+            log.info("kill of %s interrupts an operation in progress", rec.id)
+            await self._quiet_kill(live, self.directory(rec.id))
         async with live.lock:
             rec = self.registry.get(rec.id)
             if rec.state is not S.STOPPED:
