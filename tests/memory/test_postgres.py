@@ -342,6 +342,36 @@ def test_concurrent_writers_to_one_key_lose_nothing(backend: PostgresBackend) ->
         assert old.valid_to == new.valid_from and old.superseded_by == new.id
 
 
+def _process_writer(dsn: str, n: int) -> None:
+    backend = PostgresBackend(dsn, pool_size=1)
+    try:
+        store = backend.tenant("acme")
+        for i in range(25):
+            store.add([_fact(f"value {n}-{i}", key="k"), _episode(f"turn {n}-{i}")])
+    finally:
+        backend.close()
+
+
+def test_concurrent_writer_processes_lose_nothing(
+    pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend
+) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_process_writer, args=(pg_cluster.admin_dsn(pg_database), n))
+             for n in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    store = backend.tenant("acme")
+    history = store.history(SCOPE, "k", now_us())
+    assert len(history) == 100 and sum(f.current for f in history) == 1
+    assert len({f.valid_from for f in history}) == 100
+    assert store.count(_flt(kinds=("episode",))) == 100
+
+
 def test_bad_input_is_a_typed_error_and_leaves_no_partial_state(backend: PostgresBackend) -> None:
     store = backend.tenant("acme")
     first = _fact("one")
