@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -734,3 +735,31 @@ def test_a_chatty_background_child_does_not_hold_the_command(agent: AgentProcess
         assert (await ch.ping())["pid"] == agent.proc.pid
 
     run(agent, body)
+
+
+def kernel_children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "interpreter.py --kernel"],
+                         capture_output=True, text=True, check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_the_interpreter_starts_with_the_agent(agent: AgentProcess, tmp_path: Path) -> None:
+    # Warm at boot, so a template's snapshot holds a ready interpreter.
+    run(agent, lambda ch: ch.ping())
+    for _ in range(400):
+        if kernel_children(agent.proc.pid):
+            break
+        time.sleep(0.05)
+    kernels = kernel_children(agent.proc.pid)
+    assert len(kernels) == 1
+    assert run(agent, lambda ch: ch.run_code("import os; os.getpid()")).text == str(kernels[0])
+
+    (tmp_path / "cold").mkdir()
+    cold = AgentProcess(tmp_path / "cold", "--cold-interpreter")
+    try:
+        run(cold, lambda ch: ch.ping())
+        assert kernel_children(cold.proc.pid) == []
+        run(cold, lambda ch: ch.run_code("1"))
+        assert len(kernel_children(cold.proc.pid)) == 1
+    finally:
+        cold.stop()

@@ -316,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="never set the system clock (tests on a real host)")
     parser.add_argument("--workdir", help="working directory of commands, relative paths and "
                         "the interpreter (default with --port: /workspace if it exists)")
+    parser.add_argument("--cold-interpreter", action="store_true",
+                        help="start the interpreter on the first run, not at start-up")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     workdir = args.workdir or ("/workspace" if args.port and os.path.isdir("/workspace") else None)
@@ -325,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s torpor-agent %(levelname)s %(message)s")
     link: Link = PortLink(args.port) if args.port else SocketLink(args.socket)
     agent = Agent(link, set_clock=not args.no_clock)
+    if not args.cold_interpreter:
+        threading.Thread(target=agent.kernel.warm_up, daemon=True, name="warm-up").start()
     while True:  # exiting would lose the interpreter: log, pause, serve again
         try:
             agent.serve_forever()

@@ -235,6 +235,19 @@ class KernelClient:
         self.fds = {"cmd": cmd_w, "reply": rep_r, "stdout": out_r, "stderr": err_r}
         log.info("interpreter started (pid %d)", self.proc.pid)
 
+    def warm_up(self) -> None:
+        """Start the kernel now if none runs. The agent does this at boot, so a template's
+        snapshot holds a ready interpreter and a sandbox's first run skips Python's start-up
+        (a second or more under TCG)."""
+        with self.lock:
+            self._ensure()
+
+    def _ensure(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None:  # it died since the last run: its variables are gone
+                self._stop()
+            self._start()
+
     def stop(self) -> None:
         """Kill the kernel (its variables are lost); the next run starts a new one."""
         with self.lock:
@@ -283,10 +296,7 @@ class KernelClient:
         """Run ``code``; stream its output with ``emit``. Returns ``{"reply": ...}``, or
         ``{"timed_out": True, "kernel_alive": bool}``, or ``{"too_large": True, "size": n}``."""
         with self.lock:
-            if self.proc is None or self.proc.poll() is not None:
-                if self.proc is not None:
-                    self._stop()
-                self._start()
+            self._ensure()
             assert self.proc is not None
             self._discard_output()  # stray output of background threads between runs
             self._flush_seed()
