@@ -13,11 +13,15 @@ open (see :mod:`._pg_schema`); that needs an owner-level role, so pass ``admin_d
 application's own login cannot run DDL. Connections come from ``psycopg_pool`` when installed,
 else from a small built-in pool.
 
-Lexical search is ``tsvector @@ tsquery`` ranked by ``ts_rank_cd``; vector search is pgvector
-cosine distance, through a partial HNSW index per embedding dimension. Under RLS the HNSW scan
-is filtered after the fact, so when it returns fewer rows than asked the query is re-run as an
-exact scan of the tenant's visible rows: approximate search never hides a visible record that an
-exact search would have returned within the limit.
+Lexical search is ``tsvector @@ tsquery`` ranked by ``ts_rank_cd``. RLS keeps ``@@`` off the
+GIN index (the operator is not leakproof, so it must run after the policy's filter), so ranked
+candidates come from a ``SECURITY DEFINER`` function confined to the same tenant setting and are
+joined back to ``records`` under RLS (schema v4).
+
+Vector search is pgvector cosine distance: an exact scan of the visible rows until a dimension
+holds ``hnsw_min_rows`` embeddings, then also a partial HNSW index for that dimension. RLS and
+the filter apply after the index scan, so when it returns fewer rows than asked the query is
+re-run exactly: a filter can make the result smaller only when fewer records are visible.
 """
 
 from __future__ import annotations
