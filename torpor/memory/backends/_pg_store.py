@@ -34,10 +34,13 @@ _PROFILE_COLS = "scope, data, json_schema, updated_at, version"
 
 
 def vec_text(vector: Vector) -> str:
+    """pgvector's text form of ``vector`` (``[0.1,0.2]``); NaN is refused by the server."""
     return "[" + ",".join(repr(float(x)) for x in vector) + "]"
 
 
 def _within_sql(prefix: str, column: str = "scope") -> tuple[str, list[Any]]:
+    # component-wise: "app/a" covers "app/a/user/u", not "app/ab" (and LIKE would treat the
+    # "_" allowed in names as a wildcard)
     if not prefix:
         return "true", []
     return f"({column} = %s OR starts_with({column}, %s))", [prefix, prefix + "/"]
