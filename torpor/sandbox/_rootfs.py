@@ -205,8 +205,18 @@ def ensure_rootfs(cache: Path, apt: Sequence[str], pip: Sequence[str], *,
         _chroot(root, ["apt-get", "update", "-q"], "apt-get update")
         _chroot(root, ["apt-get", "install", "-y", "-q", "--no-install-recommends",
                        "python3-pip"], "apt-get install python3-pip")
-        _chroot(root, ["python3", "-m", "pip", "install", "--no-cache-dir",
-                       "--break-system-packages", *pip], "pip install")
+        # Trust what the host trusts while downloading (a TLS-inspecting egress proxy's CA,
+        # say), without adding it to the guest's own store.
+        cert: list[str] = []
+        host_ca = Path("/etc/ssl/certs/ca-certificates.crt")
+        if host_ca.is_file():
+            shutil.copyfile(host_ca, root / "tmp" / "torpor-host-ca.crt")
+            cert = ["--cert", "/tmp/torpor-host-ca.crt"]
+        try:
+            _chroot(root, ["python3", "-m", "pip", "install", "--no-cache-dir",
+                           "--break-system-packages", *cert, *pip], "pip install")
+        finally:
+            (root / "tmp" / "torpor-host-ca.crt").unlink(missing_ok=True)
     _clean(root)
     (tmp / "rootfs.json").write_text(json.dumps(
         {"suite": SUITE, "base": BASE_VERSION, "apt": list(apt), "pip": list(pip)}))
