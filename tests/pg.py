@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -104,7 +105,14 @@ def start_cluster(base: Path) -> PgCluster:
         warnings.simplefilter("ignore")
         import pgserver
 
-        server = pgserver.get_server(base / "data", cleanup_mode="delete")
+        try:
+            server = pgserver.get_server(base / "data", cleanup_mode="delete")
+        except subprocess.CalledProcessError:
+            # As root, pgserver first creates a 'pgserver' system user; two sessions starting
+            # at once on a fresh machine race on that useradd. The second try finds the user.
+            log.warning("pgserver failed to start; retrying once", exc_info=True)
+            shutil.rmtree(base / "data", ignore_errors=True)
+            server = pgserver.get_server(base / "data", cleanup_mode="delete")
     info = server.get_postmaster_info()
     cluster = PgCluster(socket_dir=str(info.socket_dir), server=server)
     try:
