@@ -142,3 +142,16 @@ def test_a_build_from_the_cached_rootfs_boots_and_snapshots(qemu_home: Path, tem
     templates.remove("mini")
     with pytest.raises(TemplateNotFound):
         templates.get("mini")
+
+
+def test_prune_images_keeps_the_newest_and_the_one_in_use(tmp_path: Path) -> None:
+    import os
+
+    images = tmp_path / "images"
+    for i, name in enumerate(["old", "in-use", "newer", "newest"]):
+        d = images / name
+        d.mkdir(parents=True)
+        os.utime(d, (1000 + i, 1000 + i))
+    os.utime(images / "in-use", (999, 999))
+    _rootfs.prune_images(tmp_path, keep=2, keep_also=images / "in-use")
+    assert sorted(p.name for p in images.iterdir()) == ["in-use", "newer", "newest"]

@@ -299,3 +299,14 @@ def ensure_image(cache: Path, rootfs: Path, files: dict[str, Path], *,
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
+
+
+def prune_images(cache: Path, keep: int = 2, keep_also: Path | None = None) -> None:
+    """Drop all but the ``keep`` newest cached images. Safe: template builds hold hard links
+    to their image files, and an image is rebuilt from its rootfs in seconds."""
+    images = [d for d in (cache / "images").glob("*") if d.is_dir() and not d.name.endswith(
+        ".tmp")] if (cache / "images").is_dir() else []
+    images.sort(key=lambda d: d.stat().st_mtime, reverse=True)
+    for old in images[keep:]:
+        if keep_also is None or old.resolve() != keep_also.resolve():
+            shutil.rmtree(old, ignore_errors=True)

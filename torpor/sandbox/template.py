@@ -179,6 +179,7 @@ def build(name: str = "python", *, apt: Sequence[str] = (), pip: Sequence[str] =
         except OSError as exc:
             raise EngineError(f"building the image failed: {exc}", exc=exc) from exc
         info = _new_build(name, image, rkey, ghash, apt_l, pip_l, vcpus, memory_mib)
+        _rootfs.prune_images(p.cache, keep_also=image)  # after the build linked its files
         say("boot", "cold boot of the guest (TCG: up to a minute)")
         t0 = time.monotonic()
         try:
