@@ -507,8 +507,10 @@ class Checkpoints:
         vols, drvs = list(volumes or []), list(drives or [])
         for v in vols:
             self.volumes.get(str(v.get("volume", "")), tenant=tenant)
+            check_mount_path(str(v.get("path", "")))
         for d in drvs:
             self.drives.get(str(d.get("drive", "")), tenant=tenant)
+            check_mount_path(str(d.get("path", "")))
         if snapshot is not None:
             unknown = set(kwargs) - {"name", "labels", "idle_pause_seconds",
                                      "pause_retention_days"}
