@@ -155,3 +155,20 @@ def test_prune_images_keeps_the_newest_and_the_one_in_use(tmp_path: Path) -> Non
     os.utime(images / "in-use", (999, 999))
     _rootfs.prune_images(tmp_path, keep=2, keep_also=images / "in-use")
     assert sorted(p.name for p in images.iterdir()) == ["in-use", "newer", "newest"]
+
+
+def test_a_half_built_tree_is_removed_without_walking_into_its_mounts(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to bind-mount (template builds run as root too)")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep me")
+    tree = tmp_path / "rootfs.tmp"
+    (tree / "rootfs" / "dev").mkdir(parents=True)
+    subprocess.run(["mount", "--bind", str(outside), str(tree / "rootfs" / "dev")], check=True)
+    _rootfs._remove_tree(tree)
+    assert not tree.exists()
+    assert (outside / "precious").read_text() == "keep me"

@@ -142,6 +142,23 @@ def _chroot(root: Path, cmd: Sequence[str], what: str) -> None:
             subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True)
 
 
+def _remove_tree(path: Path) -> None:
+    """Delete a half-built tree, first unmounting anything a killed build left mounted in it
+    (its /dev is a bind mount of the host's: rmtree must never walk into that)."""
+    prefix = str(path.resolve()) + "/"
+    try:
+        with open("/proc/mounts") as f:
+            targets = [line.split()[1] for line in f if line.split()[1].startswith(prefix)]
+    except OSError:
+        targets = []
+    for target in sorted(targets, key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], check=False, capture_output=True)
+    with open("/proc/mounts") as f:
+        if any(line.split()[1].startswith(prefix) for line in f):
+            raise EngineError(f"cannot unmount everything under {path}; remove it by hand")
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _configure_base(root: Path) -> None:
     """Make the debootstrapped tree bootable as a torpor guest (initramfs, fstab, hostname)."""
     conf = root / "etc" / "initramfs-tools"
@@ -181,7 +198,7 @@ def ensure_rootfs(cache: Path, apt: Sequence[str], pip: Sequence[str], *,
     final.parent.mkdir(parents=True, exist_ok=True)
     base_key = rootfs_key((), ())
     tmp = final.with_name(key + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_tree(tmp)
     tmp.mkdir()
     if key != base_key:
         base = ensure_rootfs(cache, (), (), progress=progress)
