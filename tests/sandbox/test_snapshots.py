@@ -207,3 +207,22 @@ def test_freeze_failure_leaves_machine_intact(tmp_path: Path, monkeypatch: pytes
     assert sorted(x.name for x in m.iterdir()) == before
     assert backing_file(m / "disk.qcow2") == p.templates / "python" / "snapshot" / "disk.qcow2"
     assert list((p.snapshots / "frozen").iterdir()) == []
+
+
+def test_repeated_freezes_keep_the_disk_chain_short(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    frozen = []
+    for i in range(9):
+        qemu_io(m / "disk.qcow2", f"write -P {0x20 + i} {4 + i}M 64k")
+        frozen.append(freeze(m, p.snapshots / "frozen"))
+        assert len(backing_chain(m / "disk.qcow2")) <= snapmod.MAX_LOCAL_LAYERS + 2
+    for i in range(9):  # every write is still there, through the folded layers
+        assert "read 65536" in qemu_io(m / "disk.qcow2", f"read -P {0x20 + i} {4 + i}M 64k")
+    assert "read 65536" in qemu_io(m / "disk.qcow2", "read -P 0x42 2M 64k")
+    # older frozen layers are untouched (children may be backed by them)
+    assert "read 65536" in qemu_io(frozen[2] / "disk.qcow2", "read -P 0x22 6M 64k")
+    store = SnapshotStore(p)
+    info = store.save(frozen[-1], name="last")
+    out = store.materialize(info.id)
+    assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x28 12M 64k")

@@ -51,6 +51,7 @@ from torpor.sandbox.chunks import ChunkStore, FileManifest
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_LOCAL_LAYERS",
     "SnapshotInfo",
     "SnapshotStore",
     "backing_chain",
@@ -63,6 +64,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+#: frozen layers a machine's disk may sit on before :func:`freeze` folds them into one
+MAX_LOCAL_LAYERS = 4
 #: files of a machine dir that are never captured: sockets, logs, pid and lock files
 _VOLATILE_SUFFIXES = (".sock", ".log", ".pid", ".lock", ".tmp")
 
@@ -196,15 +199,30 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
                 os.link(entry, tmp / entry.name)
             elif not is_qcow2(entry):
                 _copy_sparse(entry, tmp / entry.name)
+        flattened: list[Path] = []
         for entry in sorted(machine_dir.iterdir()):
-            if entry.is_file() and not entry.is_symlink() and is_qcow2(entry):
+            if not entry.is_file() or entry.is_symlink() or not is_qcow2(entry):
+                continue
+            local = [b for b in backing_chain(entry) if _under(b, frozen_root)]
+            if len(local) >= MAX_LOCAL_LAYERS:
+                # Every freeze adds a layer under the machine; past a few, fold them into one
+                # layer on the template's disk so the chain (and each disk read) stays short.
+                # The old layers stay as they are for whoever else is backed by them.
+                _copy_sparse(entry, tmp / entry.name)
+                (tmp / entry.name).chmod(0o600)
+                anchor = _anchor(entry, (frozen_root,))
+                _qemu_img("rebase", "-q", "-f", "qcow2", "-F", "qcow2",
+                          "-b", "" if anchor is None else str(anchor), str(tmp / entry.name))
+                flattened.append(entry)
+            else:
                 os.rename(entry, tmp / entry.name)
                 moved.append((entry, tmp / entry.name))
         os.rename(tmp, final)
-        for original, _ in moved:
+        for original in [m for m, _ in moved] + flattened:
             layer = final / original.name
-            _qemu_img("create", "-q", "-f", "qcow2", "-b", str(layer), "-F", "qcow2",
-                      str(original))
+            fresh = original.with_name(f".{original.name}.tmp")
+            _qemu_img("create", "-q", "-f", "qcow2", "-b", str(layer), "-F", "qcow2", str(fresh))
+            os.replace(fresh, original)
         for f in final.iterdir():
             if not (link_ram and f.name == "ram"):  # a link shares the source's mode
                 f.chmod(0o400)  # a frozen layer is never written again
@@ -212,6 +230,8 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
         _fsync_dir(frozen_root)
     except (OSError, StorageError, EngineError) as exc:
         base = final if final.exists() else tmp
+        for original in flattened:  # its overlay was never swapped: drop the spare
+            original.with_name(f".{original.name}.tmp").unlink(missing_ok=True)
         for original, _ in moved:  # put the machine back as it was
             with contextlib.suppress(OSError):
                 original.unlink(missing_ok=True)
@@ -222,6 +242,10 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
         raise
     log.info("froze %s into %s", machine_dir.name, fid)
     return final
+
+
+def _under(path: Path, root: Path) -> bool:
+    return path.resolve().is_relative_to(root.resolve())
 
 
 def _anchor(layer: Path, local_roots: tuple[Path, ...]) -> Path | None:
