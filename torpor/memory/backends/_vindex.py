@@ -10,8 +10,16 @@ Below :data:`IVF_MIN` vectors the search is exact (brute force: ~5 ms for 50k x 
 From there an IVF index (inverted file: spherical k-means into ``sqrt(n)/4`` lists, at most
 256) is built lazily on the next query: rows are stored list by list, a query scores the
 centroids and scans the ``nprobe`` nearest lists (about a sixteenth of the data) plus the rows
-appended since the build, probing more lists when the filter leaves too few. Appends keep
-the index; a deletion, or a tail over a quarter of the indexed rows, triggers a rebuild.
+appended since the build, probing more lists when the filter leaves too few. The scan reads
+64-dimensional projections (the top principal directions of a sample) rather than the full
+vectors, since a scan is bound by memory bandwidth, and re-scores the best 1024 exactly.
+Appends keep the index; a deletion, or a tail over a quarter of the indexed rows, triggers a
+rebuild.
+
+Measured at 1M x 384 (random-projection bag-of-words vectors, a structureless worst case):
+vector search p50 ~10 ms, recall@10 against exact search 0.26 (0.39 without the projection
+stage). Topical embeddings cluster, which is what IVF relies on: clustered test data reaches
+>= 0.8. Exact search stays the default below 50k vectors.
 
 The index only *proposes* candidates: the store re-checks every candidate against the full
 filter in SQL, so a stale cache can cost a result but can never leak an invisible record.
@@ -39,6 +47,9 @@ IVF_MIN = 50_000
 _NONE = np.iinfo(np.int64).max
 _KIND = {"fact": 0, "episode": 1}
 _CHUNK = 32_768
+#: dimensions of the coarse (projected) scan; the best candidates are then re-scored exactly
+_PROJ_DIM = 64
+_RESCORE = 1024
 
 
 class VectorIndex:
@@ -60,6 +71,9 @@ class VectorIndex:
         self._centroids: npt.NDArray[np.float32] | None = None
         self._offsets = np.zeros(0, dtype=np.int64)
         self._built_n = 0
+        # coarse scoring: rows projected on the top principal directions (``_basis``, d x p)
+        self._basis: npt.NDArray[np.float32] | None = None
+        self._proj = np.zeros((0, 0), dtype=np.float32)
 
     def invalidate(self) -> None:
         """Force a refresh on the next query."""
@@ -87,6 +101,8 @@ class VectorIndex:
             if len(self._rids) and added.shape[1] == self._mat.shape[1]:
                 self._mat = np.vstack([self._mat, added])
                 self._rids = np.concatenate([self._rids, new])
+                if self._centroids is not None and self._basis is not None:
+                    self._proj = np.vstack([self._proj, added @ self._basis])
             else:  # first load, or a different dimension (a new embedder): start over
                 self._mat, self._rids = added, new
                 self._centroids, self._built_n = None, 0
@@ -143,6 +159,11 @@ class VectorIndex:
         counts = np.bincount(assign, minlength=lists)
         self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._centroids, self._built_n = cent.astype(np.float32), n
+        # the directions that carry most of the vectors' energy (uncentered: dot products)
+        _, _, vt = np.linalg.svd(sample[:20_000], full_matrices=False)
+        self._basis = np.ascontiguousarray(vt[:_PROJ_DIM].T.astype(np.float32))
+        self._proj = np.concatenate([self._mat[i:i + _CHUNK] @ self._basis
+                                     for i in range(0, n, _CHUNK)])
         log.info("vector index: IVF with %d lists over %d vectors in %.1f s", lists, n,
                  time.perf_counter() - t0)
 
@@ -163,16 +184,24 @@ class VectorIndex:
             mask &= vf < flt.until
         return mask
 
-    def _probe(self, q: npt.NDArray[np.float32], nprobe: int
+    def _probe(self, q: npt.NDArray[np.float32], nprobe: int, keep: int, flt: RecordFilter
                ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-        """Row indices and similarities of the ``nprobe`` nearest lists plus the tail."""
-        assert self._centroids is not None
+        """Row indices and exact similarities of the best rows of the ``nprobe`` nearest
+        lists plus the tail that pass the mask: a projected (coarse) scan keeps the best
+        ``keep`` rows, which are then re-scored with the full vectors."""
+        assert self._centroids is not None and self._basis is not None
         near = np.argsort(-(self._centroids @ q))[:nprobe]
         spans = [(int(self._offsets[c]), int(self._offsets[c + 1])) for c in near]
         spans.append((self._built_n, len(self._rids)))
         idx = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans])
-        sims = np.concatenate([self._mat[a:b] @ q for a, b in spans])
-        return idx, sims
+        qp = q @ self._basis
+        coarse = np.concatenate([self._proj[a:b] @ qp for a, b in spans])
+        ok = self._mask(idx, flt)
+        idx, coarse = idx[ok], coarse[ok]
+        if len(idx) > keep:
+            best = np.argpartition(-coarse, keep - 1)[:keep]
+            idx = idx[best]
+        return idx, self._mat[idx] @ q
 
     def candidates(
         self, conn: sqlite3.Connection, token: Hashable, vector: Sequence[float],
@@ -198,9 +227,7 @@ class VectorIndex:
                 lists = len(self._centroids)
                 nprobe = max(4, lists // 16)
                 while True:
-                    idx, sims = self._probe(q, nprobe)
-                    keep = self._mask(idx, flt)
-                    idx, sims = idx[keep], sims[keep]
+                    idx, sims = self._probe(q, nprobe, max(_RESCORE, limit * 8), flt)
                     if len(idx) >= limit or nprobe >= lists:
                         break
                     nprobe = min(lists, nprobe * 4)
