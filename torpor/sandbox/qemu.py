@@ -352,6 +352,11 @@ class Machine:
                                state="no-state", required="hibernated")
         t0 = time.monotonic()
         config = read_machine_json(self.directory)
+        if (config["vcpus"], config["memory_mib"]) != (self.spec.vcpus, self.spec.memory_mib):
+            # A saved machine keeps its shape: the RAM file and CPU state fix both.
+            log.warning("%s was saved with %s vCPU / %s MiB; waking it as such (asked: %s / %s)",
+                        self.directory, config["vcpus"], config["memory_mib"],
+                        self.spec.vcpus, self.spec.memory_mib)
         await self._start(config, incoming=True, pending_shares=pending_shares)
         try:
             await self._set_ignore_shared()
