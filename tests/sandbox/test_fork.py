@@ -6,6 +6,7 @@ Each test shares one manager per test and keeps boots few: under TCG a wake cost
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,7 +51,10 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
         # the agent's step goes badly
         await m.run_command(src.id, "rm -rf /workspace/*")
         await m.run_code(src.id, "notes.clear()")
+        await asyncio.sleep(3)  # the snapshot's clock is now behind the host's
         restored = await cp.restore(snap.id)
+        guest_now = float((await m.run_code(restored.id, "import time\ntime.time()")).text or 0)
+        assert abs(guest_now - time.time()) < 2  # the clock was set from the host
         out = await m.run_code(restored.id, "notes")
         assert out.text == "['prefers weekly summaries']"
         assert await m.read_file(restored.id, "/workspace/ledger.csv") == b"plan,pro\n"
