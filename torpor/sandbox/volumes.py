@@ -8,7 +8,10 @@ virtio-blk disk and mounted by the guest agent at a path:
   because ext4 has no cache coherence between two kernels (a second attach that would break this
   is a :class:`~torpor.errors.Conflict`);
 * deleting a sandbox detaches its volumes; their data stays. Deleting a volume that is attached
-  is a Conflict.
+  is a Conflict. What the guest wrote is on the volume once it is flushed: a pause flushes it
+  (the manager syncs before hibernating), ``sync`` in the guest does too; a *kill* of a running
+  sandbox loses writes still in the guest's page cache, as pulling a disk would. The next
+  attach replays the ext4 journal on the host, so a read-only mount sees every flushed write.
 
 **Snapshots and volumes.** A volume is *not* part of a snapshot (it is shared, long-lived data;
 rolling it back with a sandbox would lose what others wrote). Because the guest's kernel has the
