@@ -99,7 +99,7 @@ def test_closed_memory_is_typed_and_file_reopens(tmp_path: Path) -> None:
 
 def test_locked_database_times_out_typed_then_recovers(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from torpor.memory.backends import sqlite as sq
+    from torpor.memory.backends import _sqlite_conn as sq
 
     monkeypatch.setattr(sq, "_BEGIN_RETRIES", 2)
     m = Memory(str(tmp_path), embedder=None)
