@@ -193,7 +193,7 @@ def test_migrates_from_an_older_version_keeping_data(
     backend = PostgresBackend(dsn)
     try:
         store = backend.tenant("acme")
-        assert store.schema_version() == schema.LATEST == 5
+        assert store.schema_version() == schema.LATEST == 6
         hits = store.lexical_search(["plan"], _flt(), 5)
         assert [h[0].id for h in hits] == ["old1"]
         # the old current fact is superseded by a new one under the new schema
@@ -204,7 +204,7 @@ def test_migrates_from_an_older_version_keeping_data(
     with psycopg.connect(dsn) as conn:
         versions = [r[0] for r in conn.execute("SELECT version FROM torpor.schema_version "
                                                "ORDER BY version")]
-    assert versions == [1, 2, 3, 4, 5]
+    assert versions == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_newer_schema_is_refused(pg_cluster: PgCluster, pg_database: str) -> None:

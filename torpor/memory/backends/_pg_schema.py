@@ -25,6 +25,7 @@ transaction, under an advisory lock so that concurrent openers serialize.
   ``records`` under RLS, so a row it should not have proposed is still never returned.
   (With a non-superuser owner FORCE RLS applies inside too: still correct, only slower.)
 * v5: the scope index also orders by ``seq``, so "newest N of a scope" is an index range scan.
+* v6: ``lexical_candidates()`` plans each call with its actual arguments (plpgsql EXECUTE).
 """
 
 from __future__ import annotations
@@ -234,6 +235,23 @@ CREATE INDEX records_scope_order ON torpor.records (tenant_id, scope, valid_from
 DROP INDEX torpor.records_scope_time;
 """
 
+_V6 = """
+CREATE OR REPLACE FUNCTION torpor.lexical_candidates(q tsquery, scopes text[], lim integer)
+    RETURNS TABLE (id text, rank real) LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $fn$
+BEGIN
+    -- EXECUTE plans each call with the actual query and scopes: the scope index for a small
+    -- scope, the GIN index for rare terms in a large one (a SQL function gets a generic plan)
+    RETURN QUERY EXECUTE
+        'SELECT r.id, ts_rank_cd(r.tsv, $1, 1) FROM torpor.records r '
+        'WHERE r.tenant_id = nullif(current_setting($4, true), $5) '
+        'AND r.scope = ANY($2) AND r.tsv @@ $1 ORDER BY 2 DESC LIMIT $3'
+        USING q, scopes, lim, 'torpor.tenant', '';
+END
+$fn$;
+"""
+
 #: Migration steps; version N is MIGRATIONS[N - 1]. Append only, never edit a shipped step.
 MIGRATIONS: list[tuple[str, str]] = [
     ("tables and row-level security",
@@ -242,6 +260,7 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("vectors and cross-tenant functions", _V3),
     ("lexical candidates through the GIN index", _V4),
     ("scope index ordered like scans (valid_from, seq)", _V5),
+    ("lexical candidates planned per call", _V6),
 ]
 LATEST = len(MIGRATIONS)
 
