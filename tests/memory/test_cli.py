@@ -27,8 +27,9 @@ def test_cli_round_trip(tmp_path: Path) -> None:
                          "--meta", '{"src": "cli"}'))
     assert out["key"] == "cadence" and out["metadata"] == {"src": "cli"}
     run(home, "log", "user", "Can you send me summaries every week?", "--session", "s1")
-    hits = json.loads(run(home, "--json", "recall", "how often should I send summaries?", "-k", "3"))
-    assert hits[0]["text"] == "prefers daily summaries"
+    hits = json.loads(run(home, "--json", "recall", "how often should I send summaries?", "-k", "3",
+                          "--kind", "fact"))
+    assert [h["text"] for h in hits] == ["prefers daily summaries"] and "scores" in hits[0]
     assert "daily" in run(home, "recall", "summaries")
     hist = json.loads(run(home, "--json", "history", "cadence"))
     assert [h["text"] for h in hist] == ["prefers weekly summaries", "prefers daily summaries"]

@@ -1,33 +1,31 @@
-"""Hybrid recall: lexical and vector candidates, fused, then ranked by scope, kind and recency.
+"""Hybrid recall: lexical and vector candidates, fused, then ranked by scope, relevance, recency.
 
-Candidates come from the backend's lexical search (FTS5 bm25 / PostgreSQL ts_rank) and, with
-an embedder, its vector search. Each is scored (every factor is reported in ``Hit.scores``)::
+Candidates come from the backend's lexical search (FTS5 / PostgreSQL full text) and, with an
+embedder, its vector search (30+ of each). Each is scored (every factor is in ``Hit.scores``)::
 
     coverage  = share of the query's terms found in the text (light suffix stemming)
     bm25      = engine score / best engine score among the candidates
     lexical   = 0.8 * coverage + 0.2 * bm25                  (0 when not matched)
     vector    = cosine similarity to the query                (only with an embedder)
-    relevance = 0.4 * lexical + 0.6 * max(vector, 0)          with an embedder
+    relevance = 0.3 * lexical + 0.7 * max(vector, 0)          with an embedder
               = lexical                                       without one
+    kind      = 1.0 for facts, 0.6 for episodes  (distilled knowledge over raw history:
+                "user facts > session > raw history")
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
+    score     = relevance * kind * recency
 
-and ordered as the design asks: **the most specific scope first, then relevance, then
-recency**, with facts (distilled knowledge) ahead of episodes (raw history) within a scope
-("user facts > session > raw history")::
+This is a normalized score blend rather than reciprocal rank fusion: RRF discards how much
+better one candidate is than the next, which the kind prior and callers' abstention
+thresholds need. Coverage stands next to bm25 because bm25's IDF collapses in small stores.
 
-    order by  scope distance (0 = the query's own scope) ascending,
-              kind (fact, then episode),
-              relevance * recency descending
+Order, as the design asks: **the most specific scope first, then relevance, then recency**:
+hits sort by scope distance (0 = the query's own scope, 1 = its parent ...), then score, then
+``valid_from``. ``RankWeights(tiered=False)`` instead folds scope into the score
+(``* 0.7 ** distance``), letting a much better ancestor hit outrank a weak local one.
 
-so the tiers are strict. To keep strict tiers from promoting noise, a candidate must clear
-a relevance floor first: ``relevance >= 0.25 * best relevance`` of the query, and a
-candidate found only by vector search needs ``cosine >= min_similarity`` (0.3 by default,
-for MiniLM-like models); an unrelated query therefore returns nothing (abstention).
-``RankWeights(tiered=False)`` instead sorts by one blended score,
-``relevance * recency * scope_decay ** distance * (episode weight for episodes)``.
-
-Coverage is used next to bm25 because bm25's IDF collapses in small stores (a term found in
-more than half the documents scores ~0 in FTS5), which would make a tiny store rank at random.
+Abstention: a candidate found only by vector search is dropped below ``min_similarity``
+(0.15 by default, for MiniLM-like models), so an unrelated query returns nothing instead of
+the nearest noise; ``Hit.score`` is comparable across queries for a caller's own threshold.
 """
 
 from __future__ import annotations
@@ -64,13 +62,13 @@ class RankWeights:
     """The constants of the ranking (see the module docstring)."""
 
     coverage: float = 0.8
-    lexical: float = 0.4
+    lexical: float = 0.3
     scope_decay: float = 0.7
-    episode: float = 0.5
+    episode: float = 0.6
     recency: float = 0.05
     half_life_days: float = 30.0
-    min_similarity: float = 0.3
-    relative_floor: float = 0.25
+    min_similarity: float = 0.15
+    relative_floor: float = 0.0
     tiered: bool = True
 
 
@@ -161,17 +159,15 @@ def recall(
         scores["scope"] = weights.scope_decay ** distance
         scores["kind"] = 1.0 if isinstance(rec, Fact) else weights.episode
         scores["recency"] = 1 + weights.recency * 0.5 ** (age_days / weights.half_life_days)
-        if weights.tiered:
-            score = relevance * scores["recency"]
-        else:
-            score = relevance * scores["recency"] * scores["scope"] * scores["kind"]
+        score = relevance * scores["kind"] * scores["recency"]
+        if not weights.tiered:
+            score *= scores["scope"]
         scored.append((relevance, Hit.model_construct(record=rec, score=score, scores=scores)))
 
     top = max((r for r, _ in scored), default=0.0)
     hits = [h for r, h in scored if r >= weights.relative_floor * top and r > 0]
     if weights.tiered:
-        hits.sort(key=lambda h: (h.scores["scope_distance"], h.kind != "fact", -h.score,
-                                 -to_us(h.valid_from)))
+        hits.sort(key=lambda h: (h.scores["scope_distance"], -h.score, -to_us(h.valid_from)))
     else:
         hits.sort(key=lambda h: (-h.score, h.scores["scope_distance"], -to_us(h.valid_from)))
     return hits[:k]
