@@ -14,6 +14,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.pg import PgCluster
 from torpor.errors import AccessDenied, InvalidArgument, StorageError
@@ -448,3 +450,42 @@ def test_builtin_pool_serves_threads_and_drops_broken_connections(
         backend.close()
     with pytest.raises(StorageError):
         store.count(_flt())
+
+
+def test_psycopg_errors_become_torpor_errors() -> None:
+    from torpor.errors import CorruptData
+    from torpor.memory.backends.postgres import translate
+
+    assert isinstance(translate(psycopg.errors.InsufficientPrivilege("x"), "w", "t"),
+                      AccessDenied)
+    assert isinstance(translate(psycopg.errors.UniqueViolation("x"), "w"), InvalidArgument)
+    assert isinstance(translate(psycopg.errors.InvalidTextRepresentation("x"), "w"),
+                      InvalidArgument)
+    assert isinstance(translate(psycopg.errors.DataCorrupted("x"), "w"), CorruptData)
+    err = translate(psycopg.OperationalError("server closed the connection"), "w")
+    assert type(err) is StorageError and isinstance(err.exc, psycopg.OperationalError)
+
+
+NAMES = ["a", "b", "c"]
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(rows=st.lists(st.tuples(st.sampled_from(NAMES), st.sampled_from(NAMES)), min_size=1,
+                     max_size=15),
+       setting=st.sampled_from([*NAMES, "", "zz"]))
+def test_rls_shows_a_role_exactly_its_tenant_rows(
+    backend: PostgresBackend, app_login: str, rows: list[tuple[str, str]], setting: str
+) -> None:
+    for t in NAMES:
+        backend.tenant(t).forget_scope("")
+    for tenant, user in rows:
+        backend.tenant(tenant).add([_fact(f"{tenant} {user}", scope=f"user/{user}")])
+    with psycopg.connect(app_login) as conn:
+        conn.execute("SELECT set_config('torpor.tenant', %s, false)", (setting,))
+        seen = sorted(r[0] for r in conn.execute("SELECT text FROM torpor.records"))
+        # even naming other tenants explicitly returns nothing of theirs
+        others = conn.execute("SELECT count(*) FROM torpor.records WHERE tenant_id <> %s",
+                              (setting,)).fetchone()
+    assert seen == sorted(f"{t} {u}" for t, u in rows if t == setting)
+    assert others == (0,)
