@@ -249,6 +249,9 @@ def test_login_without_ddl_rights_uses_a_migrated_schema_but_cannot_migrate(
     finally:
         app.close()
     PostgresBackend(app_login).close()  # already at the latest version: nothing to run
+    outsider = pg_cluster.login_dsn(pg_database, "not_a_member")
+    with pytest.raises(StorageError, match="GRANT torpor_app TO not_a_member"):
+        PostgresBackend(outsider, admin_dsn=pg_cluster.admin_dsn(pg_database))
     fresh = pg_cluster.create_database()
     try:
         with pytest.raises(StorageError, match="admin_dsn"):

@@ -96,6 +96,7 @@ class PostgresBackend(MemoryBackend):
         self._vector_rows: dict[int, int] = {}
         self._index_failed = False
         self._migrate()
+        self._check_app_role()
         self._pool: Pool | None = make_pool(dsn, pool_size)
 
     # -- connections ----------------------------------------------------------------------
@@ -104,6 +105,20 @@ class PostgresBackend(MemoryBackend):
             return psycopg.connect(self.admin_dsn, autocommit=True, connect_timeout=10)
         except psycopg.Error as exc:
             raise translate(exc, "connect to PostgreSQL") from exc
+
+    def _check_app_role(self) -> None:
+        # Every transaction switches to torpor_app; a login that may not would fail each
+        # query with "permission denied": say what to do once, at open.
+        try:
+            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=10) as conn:
+                row = conn.execute("SELECT current_user, pg_has_role(current_user, %s, "
+                                   "'MEMBER')", (schema.APP_ROLE,)).fetchone()
+        except psycopg.Error as exc:
+            raise translate(exc, "connect to PostgreSQL") from exc
+        if not row or not row[1]:
+            user = row[0] if row else "?"
+            raise StorageError(f"PostgreSQL role {user!r} cannot act as {schema.APP_ROLE}: "
+                               f"GRANT {schema.APP_ROLE} TO {user}", role=user)
 
     def _migrate(self) -> None:
         with self._admin() as conn:
