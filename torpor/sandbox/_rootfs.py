@@ -208,7 +208,21 @@ def ensure_rootfs(cache: Path, apt: Sequence[str], pip: Sequence[str], *,
     final = cache / "rootfs" / key
     if final.joinpath("rootfs", "usr", "bin", "python3").exists() and not force:
         return final / "rootfs"
+    if os.geteuid() != 0:
+        raise EngineError("building a guest rootfs needs root (debootstrap, chroot, mount): "
+                          "run `sudo torpor template build ...` once; later builds reuse it")
     final.parent.mkdir(parents=True, exist_ok=True)
+    # One builder per rootfs: two templates may need the same base at the same time.
+    with open(final.parent / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if final.joinpath("rootfs", "usr", "bin", "python3").exists() and not force:
+            return final / "rootfs"
+        return _build_rootfs(cache, key, list(apt), list(pip), say, progress)
+
+
+def _build_rootfs(cache: Path, key: str, apt: list[str], pip: list[str], say: Progress,
+                  progress: Progress | None) -> Path:
+    final = cache / "rootfs" / key
     base_key = rootfs_key((), ())
     tmp = final.with_name(key + ".tmp")
     _remove_tree(tmp)
