@@ -376,3 +376,41 @@ def test_long_socket_paths_get_a_short_symlink(tmp_path: Path) -> None:
         client.connect(str(short))
     server.close()
     assert socket_path(tmp_path / "a.sock") == tmp_path / "a.sock"
+
+
+@pytest.mark.qemu
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.06])
+def test_a_kill_during_wake_leaves_the_state_loadable_or_consumed(qemu_home: Path,
+                                                                  delay: float) -> None:
+    machine = _clone(qemu_home, f"wakecrash{int(delay * 1000)}")
+
+    async def scenario() -> None:
+        await machine.wake()
+        await _run(machine, "kept = 'yes'")
+        await machine.hibernate()
+
+        async def killer() -> None:
+            await asyncio.sleep(delay)
+            for _ in range(200):  # wait for the new QEMU to exist, then kill it
+                pid = machine.pid
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    return
+                await asyncio.sleep(0.001)
+
+        k = asyncio.create_task(killer())
+        try:
+            await machine.wake()
+        except EngineError:
+            pass
+        await k
+        await machine.kill()
+        if inspect_dir(machine.directory).has_state:  # never ran: the pair still loads
+            await machine.wake()
+            assert await _run(machine, "kept") == "'yes'"
+            await machine.kill()
+        else:  # the guest ran on: its state was consumed, so a stale one cannot be loaded
+            with pytest.raises(InvalidState):
+                await machine.wake()
+
+    asyncio.run(scenario())
