@@ -118,7 +118,9 @@ def _boot_kvm(kernel: Path, initrd: Path | None, deadline: float) -> tuple[bool,
                         return True, "a guest kernel booted under KVM"
                 if proc.poll() is not None:
                     err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
-                    return False, f"QEMU with KVM exited early: {err.strip()[-300:]}"
+                    lines = [ln.split("error: ", 1)[-1].strip() for ln in err.splitlines()
+                             if ln.strip()]
+                    return False, f"QEMU with KVM exited early: {(lines or ['?'])[0][:200]}"
                 time.sleep(0.1)
             return False, (f"/dev/kvm works but a guest kernel did not boot on it within "
                            f"{deadline:.0f}s (a nested host?)")
