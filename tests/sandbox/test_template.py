@@ -172,3 +172,27 @@ def test_a_half_built_tree_is_removed_without_walking_into_its_mounts(tmp_path: 
     _rootfs._remove_tree(tree)
     assert not tree.exists()
     assert (outside / "precious").read_text() == "keep me"
+
+
+def test_cli_template_commands(home: Path) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from torpor.cli import doctor as doctor_cli
+    from torpor.cli import template as template_cli
+
+    app = typer.Typer()
+    template_cli.register(app)
+    doctor_cli.register(app)
+    runner = CliRunner()
+    result = runner.invoke(app, ["template", "build", "--help"])
+    assert result.exit_code == 0 and "torpor template build data --apt git" in result.output
+    result = runner.invoke(app, ["template", "ls"])
+    assert result.exit_code == 0 and "python" not in result.output
+    result = runner.invoke(app, ["template", "rm", "nope"])
+    assert isinstance(result.exception, TemplateNotFound)
+    result = runner.invoke(app, ["template", "build", "Not Valid"])
+    assert isinstance(result.exception, InvalidName)
+    result = runner.invoke(app, ["doctor"], env={"TORPOR_ACCEL": "tcg"})
+    assert result.exit_code == 0 and "set by TORPOR_ACCEL" in result.output
+    assert "torpor template build python" in result.output  # no templates in this home
