@@ -14,7 +14,6 @@ attached is a Conflict; deleting a sandbox only detaches it.
 
 from __future__ import annotations
 
-import builtins
 import logging
 import shutil
 import uuid
@@ -26,14 +25,8 @@ from pydantic import BaseModel, Field
 
 from torpor.config import Paths, check_name
 from torpor.errors import Conflict, DriveNotFound, GuestError, StorageError
-from torpor.sandbox.volumes import (
-    Attachment,
-    check_attach,
-    check_mount_path,
-    locked,
-    read_records,
-    write_record,
-)
+from torpor.sandbox._records import Attachment, RecordStore, check_attach, locked
+from torpor.sandbox.volumes import check_mount_path
 
 __all__ = ["DriveInfo", "DriveStore", "mount_in_guest"]
 
@@ -55,22 +48,26 @@ class DriveInfo(BaseModel):
         return self.id
 
 
-class DriveStore:
-    """The drives of one torpor home."""
+class DriveStore(RecordStore[DriveInfo]):
+    """The drives of one torpor home (list, get, detach, release, delete: see RecordStore)."""
+
+    kind = "drive"
+    prefix = "drv"
+    not_found = DriveNotFound
+    in_use = "is mounted in"
 
     def __init__(self, paths: Paths) -> None:
-        self.root = paths.drives
-        self.root.mkdir(parents=True, exist_ok=True)
+        super().__init__(paths.drives, DriveInfo.model_validate)
 
     def directory(self, drive_id: str) -> Path:
         """The host directory a drive shares."""
         return self.root / drive_id
 
-    def _record(self, drive_id: str) -> Path:
-        return self.root / f"{drive_id}.json"
+    def _exists(self, rid: str) -> bool:
+        return self.directory(rid).is_dir()
 
-    def _save(self, info: DriveInfo) -> None:
-        write_record(self._record(info.id), info.model_dump(mode="json"))
+    def _remove_data(self, rid: str) -> None:
+        shutil.rmtree(self.directory(rid))
 
     def create(self, name: str, *, tenant: str = "default") -> DriveInfo:
         """Make an empty drive. Raises InvalidName, Conflict (name taken), StorageError."""
@@ -95,26 +92,6 @@ class DriveStore:
         log.info("created drive %s (%s)", did, name)
         return info
 
-    def list(self, *, tenant: str = "default") -> list[DriveInfo]:
-        """The tenant's drives, oldest first."""
-        found = []
-        for _, data in read_records(self.root, "drv"):
-            try:
-                info = DriveInfo.model_validate(data)
-            except ValueError as exc:
-                log.warning("skipping bad drive record: %s", exc)
-                continue
-            if info.tenant == tenant and self.directory(info.id).is_dir():
-                found.append(info)
-        return sorted(found, key=lambda d: d.created_at)
-
-    def get(self, id_or_name: str, *, tenant: str = "default") -> DriveInfo:
-        """One drive by id or name. Raises DriveNotFound."""
-        for d in self.list(tenant=tenant):
-            if id_or_name in (d.id, d.name):
-                return d
-        raise DriveNotFound(f"drive {id_or_name!r} not found", kind="drive", name=id_or_name)
-
     def attach(self, id_or_name: str, sandbox_id: str, path: str, *, read_only: bool = False,
                tenant: str = "default") -> DriveInfo:
         """Record that ``sandbox_id`` mounts the drive at ``path`` (any number may, read-write).
@@ -129,61 +106,6 @@ class DriveStore:
             info.attachments.append(Attachment(sandbox_id=sandbox_id, path=path,
                                                read_only=read_only))
             self._save(info)
-        return info
-
-    def detach(self, id_or_name: str, sandbox_id: str, *, tenant: str = "default") -> DriveInfo:
-        """Forget ``sandbox_id``'s attachment. Raises DriveNotFound."""
-        with locked(self.root):
-            info = self.get(id_or_name, tenant=tenant)
-            info.attachments = [a for a in info.attachments if a.sandbox_id != sandbox_id]
-            self._save(info)
-        return info
-
-    def attached_to(self, sandbox_id: str) -> builtins.list[tuple[DriveInfo, Attachment]]:
-        """Every drive (any tenant) attached to ``sandbox_id``, with the attachment."""
-        out = []
-        for _, data in read_records(self.root, "drv"):
-            try:
-                info = DriveInfo.model_validate(data)
-            except ValueError:
-                continue
-            out += [(info, a) for a in info.attachments if a.sandbox_id == sandbox_id]
-        return out
-
-    def release(self, sandbox_ids: set[str] | None = None, *,
-                keep: set[str] | None = None) -> int:
-        """Drop attachments of ``sandbox_ids`` (or of every sandbox not in ``keep``)."""
-        dropped = 0
-        with locked(self.root):
-            for _, data in list(read_records(self.root, "drv")):
-                try:
-                    info = DriveInfo.model_validate(data)
-                except ValueError:
-                    continue
-                kept = [a for a in info.attachments
-                        if not ((sandbox_ids is not None and a.sandbox_id in sandbox_ids)
-                                or (keep is not None and a.sandbox_id not in keep))]
-                if len(kept) != len(info.attachments):
-                    dropped += len(info.attachments) - len(kept)
-                    info.attachments = kept
-                    self._save(info)
-        return dropped
-
-    def delete(self, id_or_name: str, *, tenant: str = "default") -> DriveInfo:
-        """Delete a drive and its files. Raises DriveNotFound, Conflict while attached."""
-        with locked(self.root):
-            info = self.get(id_or_name, tenant=tenant)
-            if info.attachments:
-                raise Conflict(
-                    f"drive {info.name!r} is mounted in "
-                    f"{', '.join(a.sandbox_id for a in info.attachments)}; kill or detach those "
-                    "sandboxes first", kind="drive", id=info.id)
-            try:
-                self._record(info.id).unlink()
-                shutil.rmtree(self.directory(info.id))
-            except OSError as exc:
-                raise StorageError(f"cannot delete drive {info.id}: {exc}", exc=exc) from exc
-        log.info("deleted drive %s (%s)", info.id, info.name)
         return info
 
 

@@ -20,22 +20,16 @@ kernel that believes it has a disk that has moved on. So :mod:`torpor.sandbox.ch
 to snapshot or fork such a sandbox with a Conflict that says how to proceed (detach the volume,
 or copy what you need into the sandbox's own disk). Nothing is lost either way.
 
-This module also holds :func:`check_mount_path` and the small JSON-record helpers that
-:mod:`torpor.sandbox.drives` shares.
+This module also holds :func:`check_mount_path`, which :mod:`torpor.sandbox.drives` shares; the
+record code both stores run on is :mod:`torpor.sandbox._records`.
 """
 
 from __future__ import annotations
 
-import builtins
-import contextlib
-import fcntl
-import json
 import logging
-import os
 import posixpath
 import subprocess
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -51,6 +45,7 @@ from torpor.errors import (
     StorageError,
     VolumeNotFound,
 )
+from torpor.sandbox._records import Attachment, RecordStore, check_attach, locked
 
 __all__ = [
     "MAX_VOLUME_MIB",
@@ -91,14 +86,6 @@ def check_mount_path(path: str) -> str:
     return norm
 
 
-class Attachment(BaseModel):
-    """One sandbox using a volume or drive."""
-
-    sandbox_id: str
-    path: str
-    read_only: bool = False
-
-
 class VolumeInfo(BaseModel):
     """A volume as callers see it."""
 
@@ -110,82 +97,26 @@ class VolumeInfo(BaseModel):
     attachments: list[Attachment] = Field(default_factory=list)
 
 
-# -- JSON records shared with drives ------------------------------------------------------------
+class VolumeStore(RecordStore[VolumeInfo]):
+    """The volumes of one torpor home (list, get, detach, release, delete: see RecordStore)."""
 
-def write_record(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (tmp + fsync + rename). Raises StorageError."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise StorageError(f"cannot write {path.name}: {exc}", exc=exc) from exc
-
-
-@contextlib.contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """Hold ``<directory>/.lock`` exclusively: serializes create/attach/delete across processes."""
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def read_records(directory: Path, prefix: str) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """Every readable ``<prefix>-*.json`` record in ``directory``; bad ones are logged."""
-    for path in sorted(directory.glob(f"{prefix}-*.json")):
-        try:
-            yield path, json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            log.warning("skipping unreadable record %s: %s", path, exc)
-
-
-def check_attach(kind: str, rid: str, attachments: list[Attachment], sandbox_id: str,
-                 read_only: bool, *, exclusive_writer: bool) -> None:
-    """Raise Conflict if attaching would break the sharing rule (see the module docstring)."""
-    for a in attachments:
-        if a.sandbox_id == sandbox_id:
-            raise Conflict(f"{kind} {rid} is already attached to sandbox {sandbox_id} at {a.path}",
-                           kind=kind, id=rid, sandbox_id=sandbox_id)
-    if not exclusive_writer:
-        return
-    writer = next((a for a in attachments if not a.read_only), None)
-    if writer is not None:
-        raise Conflict(
-            f"{kind} {rid} is attached read-write to sandbox {writer.sandbox_id}; detach it there "
-            "first, or attach it read-only after that", kind=kind, id=rid,
-            holder=writer.sandbox_id)
-    if not read_only and attachments:
-        raise Conflict(
-            f"{kind} {rid} is attached read-only to {len(attachments)} sandbox(es) "
-            f"({', '.join(a.sandbox_id for a in attachments)}); a read-write attach needs it to "
-            "be attached nowhere else", kind=kind, id=rid,
-            holders=[a.sandbox_id for a in attachments])
-
-
-class VolumeStore:
-    """The volumes of one torpor home."""
+    kind = "volume"
+    prefix = "vol"
+    not_found = VolumeNotFound
+    in_use = "is attached to"
 
     def __init__(self, paths: Paths) -> None:
-        self.root = paths.volumes
-        self.root.mkdir(parents=True, exist_ok=True)
+        super().__init__(paths.volumes, VolumeInfo.model_validate)
 
     def image(self, volume_id: str) -> Path:
         """The disk image of a volume."""
         return self.root / f"{volume_id}.img"
 
-    def _record(self, volume_id: str) -> Path:
-        return self.root / f"{volume_id}.json"
+    def _exists(self, rid: str) -> bool:
+        return self.image(rid).exists()
 
-    def _save(self, info: VolumeInfo) -> None:
-        write_record(self._record(info.id), info.model_dump(mode="json"))
+    def _remove_data(self, rid: str) -> None:
+        self.image(rid).unlink(missing_ok=True)
 
     def create(self, name: str, *, size_mib: int = 1024, tenant: str = "default") -> VolumeInfo:
         """Make an empty ext4 volume of ``size_mib`` (sparse).
@@ -225,26 +156,6 @@ class VolumeStore:
         log.info("created volume %s (%s, %d MiB)", vid, name, size_mib)
         return info
 
-    def list(self, *, tenant: str = "default") -> list[VolumeInfo]:
-        """The tenant's volumes, oldest first."""
-        found = []
-        for _, data in read_records(self.root, "vol"):
-            try:
-                info = VolumeInfo.model_validate(data)
-            except ValueError as exc:
-                log.warning("skipping bad volume record: %s", exc)
-                continue
-            if info.tenant == tenant and self.image(info.id).exists():
-                found.append(info)
-        return sorted(found, key=lambda v: v.created_at)
-
-    def get(self, id_or_name: str, *, tenant: str = "default") -> VolumeInfo:
-        """One volume by id or name. Raises VolumeNotFound."""
-        for v in self.list(tenant=tenant):
-            if id_or_name in (v.id, v.name):
-                return v
-        raise VolumeNotFound(f"volume {id_or_name!r} not found", kind="volume", name=id_or_name)
-
     def attach(self, id_or_name: str, sandbox_id: str, path: str, *, read_only: bool = False,
                tenant: str = "default") -> VolumeInfo:
         """Record that ``sandbox_id`` uses the volume at ``path``.
@@ -277,60 +188,6 @@ class VolumeStore:
         if proc.returncode >= 4:
             raise EngineError(f"volume {volume_id} needs repair: {proc.stdout.strip()} "
                               f"{proc.stderr.strip()}", exit_code=proc.returncode)
-
-    def detach(self, id_or_name: str, sandbox_id: str, *, tenant: str = "default") -> VolumeInfo:
-        """Forget ``sandbox_id``'s attachment (no error if there was none). Raises VolumeNotFound."""
-        with locked(self.root):
-            info = self.get(id_or_name, tenant=tenant)
-            info.attachments = [a for a in info.attachments if a.sandbox_id != sandbox_id]
-            self._save(info)
-        return info
-
-    def attached_to(self, sandbox_id: str) -> builtins.list[tuple[VolumeInfo, Attachment]]:
-        """Every volume (any tenant) attached to ``sandbox_id``, with the attachment."""
-        out = []
-        for _, data in read_records(self.root, "vol"):
-            with contextlib.suppress(ValueError):
-                info = VolumeInfo.model_validate(data)
-                out += [(info, a) for a in info.attachments if a.sandbox_id == sandbox_id]
-        return out
-
-    def release(self, sandbox_ids: set[str] | None = None, *,
-                keep: set[str] | None = None) -> int:
-        """Drop attachments of the sandboxes in ``sandbox_ids`` (or of every sandbox not in
-        ``keep``). Returns how many were dropped. Used on kill and by GC."""
-        dropped = 0
-        with locked(self.root):
-            for _, data in list(read_records(self.root, "vol")):
-                try:
-                    info = VolumeInfo.model_validate(data)
-                except ValueError:
-                    continue
-                kept = [a for a in info.attachments
-                        if not ((sandbox_ids is not None and a.sandbox_id in sandbox_ids)
-                                or (keep is not None and a.sandbox_id not in keep))]
-                if len(kept) != len(info.attachments):
-                    dropped += len(info.attachments) - len(kept)
-                    info.attachments = kept
-                    self._save(info)
-        return dropped
-
-    def delete(self, id_or_name: str, *, tenant: str = "default") -> VolumeInfo:
-        """Delete a volume and its data. Raises VolumeNotFound, Conflict while attached."""
-        with locked(self.root):
-            info = self.get(id_or_name, tenant=tenant)
-            if info.attachments:
-                raise Conflict(
-                    f"volume {info.name!r} is attached to "
-                    f"{', '.join(a.sandbox_id for a in info.attachments)}; kill or detach those "
-                    "sandboxes first", kind="volume", id=info.id)
-            try:
-                self._record(info.id).unlink()
-                self.image(info.id).unlink(missing_ok=True)
-            except OSError as exc:
-                raise StorageError(f"cannot delete volume {info.id}: {exc}", exc=exc) from exc
-        log.info("deleted volume %s (%s)", info.id, info.name)
-        return info
 
 
 async def find_guest_disk(channel: Any, serial: str, timeout: float = 20.0) -> str:

@@ -1,0 +1,228 @@
+"""What volumes and drives share: a JSON record per resource, with its attachments.
+
+A shared resource (a :mod:`~torpor.sandbox.volumes` volume, a :mod:`~torpor.sandbox.drives`
+drive) lives in one directory as ``<prefix>-<hex>.json`` records next to its data, guarded by
+``<directory>/.lock`` across processes. :class:`RecordStore` holds the code both stores run on
+those records (list, get, detach, who is attached, release, delete); each store adds how its
+data is made, attached and removed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import fcntl
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from pydantic import BaseModel
+
+from torpor.errors import Conflict, NotFound, StorageError
+
+__all__ = [
+    "Attachment",
+    "RecordStore",
+    "check_attach",
+    "locked",
+    "read_records",
+    "write_record",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Attachment(BaseModel):
+    """One sandbox using a volume or drive."""
+
+    sandbox_id: str
+    path: str
+    read_only: bool = False
+
+
+def write_record(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (tmp + fsync + rename). Raises StorageError."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(f"cannot write {path.name}: {exc}", exc=exc) from exc
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Hold ``<directory>/.lock`` exclusively: serializes create/attach/delete across processes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def read_records(directory: Path, prefix: str) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every readable ``<prefix>-*.json`` record in ``directory``; bad ones are logged."""
+    for path in sorted(directory.glob(f"{prefix}-*.json")):
+        try:
+            yield path, json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("skipping unreadable record %s: %s", path, exc)
+
+
+def check_attach(kind: str, rid: str, attachments: list[Attachment], sandbox_id: str,
+                 read_only: bool, *, exclusive_writer: bool) -> None:
+    """Raise Conflict if attaching would break the sharing rule: never twice to one sandbox,
+    and with ``exclusive_writer`` (volumes) one writer or any number of readers, not both."""
+    for a in attachments:
+        if a.sandbox_id == sandbox_id:
+            raise Conflict(f"{kind} {rid} is already attached to sandbox {sandbox_id} at {a.path}",
+                           kind=kind, id=rid, sandbox_id=sandbox_id)
+    if not exclusive_writer:
+        return
+    writer = next((a for a in attachments if not a.read_only), None)
+    if writer is not None:
+        raise Conflict(
+            f"{kind} {rid} is attached read-write to sandbox {writer.sandbox_id}; detach it there "
+            "first, or attach it read-only after that", kind=kind, id=rid,
+            holder=writer.sandbox_id)
+    if not read_only and attachments:
+        raise Conflict(
+            f"{kind} {rid} is attached read-only to {len(attachments)} sandbox(es) "
+            f"({', '.join(a.sandbox_id for a in attachments)}); a read-write attach needs it to "
+            "be attached nowhere else", kind=kind, id=rid,
+            holders=[a.sandbox_id for a in attachments])
+
+
+class SharedInfo(Protocol):
+    """What a store needs of its record model (VolumeInfo, DriveInfo)."""
+
+    id: str
+    name: str
+    tenant: str
+    created_at: datetime
+    attachments: list[Attachment]
+
+    def model_dump(self, *, mode: str = ...) -> dict[str, Any]: ...
+
+
+InfoT = TypeVar("InfoT", bound=SharedInfo)
+
+
+class RecordStore(Generic[InfoT]):
+    """The records of one kind of shared resource in ``root``.
+
+    A subclass sets ``kind`` ("volume"), ``prefix`` ("vol"), ``not_found`` (the NotFound
+    subclass), ``in_use`` (how a delete refusal names the holders) and implements
+    :meth:`_exists` and :meth:`_remove_data`.
+    """
+
+    kind: ClassVar[str]
+    prefix: ClassVar[str]
+    not_found: ClassVar[type[NotFound]]
+    in_use: ClassVar[str]
+
+    def __init__(self, root: Path, parse: Callable[[Any], InfoT]) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._parse = parse
+
+    def _exists(self, rid: str) -> bool:
+        """Whether the resource's data is there (a record without it is not listed)."""
+        raise NotImplementedError
+
+    def _remove_data(self, rid: str) -> None:
+        """Delete the resource's data. May raise OSError."""
+        raise NotImplementedError
+
+    def _record(self, rid: str) -> Path:
+        return self.root / f"{rid}.json"
+
+    def _save(self, info: InfoT) -> None:
+        write_record(self._record(info.id), info.model_dump(mode="json"))
+
+    def _infos(self) -> Iterator[InfoT]:
+        """Every valid record, any tenant (an invalid one is skipped quietly)."""
+        for _, data in builtins.list(read_records(self.root, self.prefix)):
+            try:
+                yield self._parse(data)
+            except ValueError:
+                continue
+
+    def list(self, *, tenant: str = "default") -> builtins.list[InfoT]:
+        """The tenant's resources whose data exists, oldest first."""
+        found = []
+        for _, data in read_records(self.root, self.prefix):
+            try:
+                info = self._parse(data)
+            except ValueError as exc:
+                log.warning("skipping bad %s record: %s", self.kind, exc)
+                continue
+            if info.tenant == tenant and self._exists(info.id):
+                found.append(info)
+        return sorted(found, key=lambda i: i.created_at)
+
+    def get(self, id_or_name: str, *, tenant: str = "default") -> InfoT:
+        """One resource by id or name. Raises the store's NotFound subclass."""
+        for info in self.list(tenant=tenant):
+            if id_or_name in (info.id, info.name):
+                return info
+        raise self.not_found(f"{self.kind} {id_or_name!r} not found", kind=self.kind,
+                             name=id_or_name)
+
+    def detach(self, id_or_name: str, sandbox_id: str, *, tenant: str = "default") -> InfoT:
+        """Forget ``sandbox_id``'s attachment (no error if there was none). Raises NotFound."""
+        with locked(self.root):
+            info = self.get(id_or_name, tenant=tenant)
+            info.attachments = [a for a in info.attachments if a.sandbox_id != sandbox_id]
+            self._save(info)
+        return info
+
+    def attached_to(self, sandbox_id: str) -> builtins.list[tuple[InfoT, Attachment]]:
+        """Every resource (any tenant) attached to ``sandbox_id``, with the attachment."""
+        return [(info, a) for info in self._infos() for a in info.attachments
+                if a.sandbox_id == sandbox_id]
+
+    def release(self, sandbox_ids: set[str] | None = None, *,
+                keep: set[str] | None = None) -> int:
+        """Drop attachments of the sandboxes in ``sandbox_ids`` (or of every sandbox not in
+        ``keep``). Returns how many were dropped. Used on kill and by GC."""
+        dropped = 0
+        with locked(self.root):
+            for info in self._infos():
+                kept = [a for a in info.attachments
+                        if not ((sandbox_ids is not None and a.sandbox_id in sandbox_ids)
+                                or (keep is not None and a.sandbox_id not in keep))]
+                if len(kept) != len(info.attachments):
+                    dropped += len(info.attachments) - len(kept)
+                    info.attachments = kept
+                    self._save(info)
+        return dropped
+
+    def delete(self, id_or_name: str, *, tenant: str = "default") -> InfoT:
+        """Delete a resource and its data. Raises NotFound, Conflict while attached,
+        StorageError."""
+        with locked(self.root):
+            info = self.get(id_or_name, tenant=tenant)
+            if info.attachments:
+                raise Conflict(
+                    f"{self.kind} {info.name!r} {self.in_use} "
+                    f"{', '.join(a.sandbox_id for a in info.attachments)}; kill or detach those "
+                    "sandboxes first", kind=self.kind, id=info.id)
+            try:
+                self._record(info.id).unlink()
+                self._remove_data(info.id)
+            except OSError as exc:
+                raise StorageError(f"cannot delete {self.kind} {info.id}: {exc}",
+                                   exc=exc) from exc
+        log.info("deleted %s %s (%s)", self.kind, info.id, info.name)
+        return info
