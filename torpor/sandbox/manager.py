@@ -13,6 +13,9 @@ registry commits with ``synchronous=FULL``). A crash in between leaves the regis
 behind the files — ``pausing`` or ``waking`` — and :meth:`SandboxManager.start` resolves it from
 what the directory holds. When RAM cannot be recovered the sandbox goes to ``error`` and calls
 raise :class:`~torpor.errors.StateLost` whose ``lost`` says what went and what was kept.
+
+The steps these operations are made of (pause, wake, recovery after a restart) are in
+:mod:`torpor.sandbox._steps`, the base class of :class:`SandboxManager`.
 """
 
 from __future__ import annotations
@@ -20,69 +23,36 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from torpor.config import Paths, check_name
+from torpor.config import check_name
 from torpor.errors import (
     Conflict,
     EngineError,
     GuestError,
     InvalidArgument,
     SandboxNotFound,
-    StateLost,
     TorporError,
 )
-from torpor.sandbox.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
-from torpor.sandbox.lifecycle import Lifecycle, Recovery, recovery, require_for
+from torpor.sandbox._steps import SYNC_TIMEOUT, SandboxSteps, StepHook, wrap_error
+from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
-from torpor.sandbox.registry import Registry, SandboxRecord
+from torpor.sandbox.registry import SandboxRecord
 
-__all__ = ["SandboxManager"]
+__all__ = ["SYNC_TIMEOUT", "SandboxManager", "StepHook"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds a pause waits for the guest to flush its file systems before hibernating anyway.
-SYNC_TIMEOUT = 5.0
-
-#: Called at named points of create/pause/wake (``"pause:saved"`` ...) with the sandbox id;
-#: tests use it to crash the process at an exact step.
-StepHook = Callable[[str, str], Awaitable[None] | None]
 OutputCallback = Callable[[str], Any]
 
 
-@dataclass
-class _Live:
-    """The in-process side of one sandbox: its lock, machine, channel and in-flight calls."""
-
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    idle: asyncio.Condition = field(default_factory=asyncio.Condition)
-    machine: Machine | None = None
-    channel: Channel | None = None
-    busy: int = 0
-
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
-
-
-def _wrap(exc: BaseException, what: str, sandbox_id: str) -> TorporError:
-    if isinstance(exc, TorporError):
-        return exc
-    return EngineError(f"{what} failed for sandbox {sandbox_id}: {exc}", exc=exc,
-                       sandbox_id=sandbox_id)
-
-
-class SandboxManager:
+class SandboxManager(SandboxSteps):
     """Owns every sandbox of one torpor home. All methods are coroutines; ``tenant`` (keyword,
     default ``"default"``) scopes names and lookups.
 
@@ -91,93 +61,6 @@ class SandboxManager:
     SandboxClosed (the sandbox's state forbids the call), StateLost (a crash destroyed RAM),
     EngineError / GuestError / OperationTimeout from the machine and the agent.
     """
-
-    def __init__(self, paths: Paths, *, engine: Engine | None = None) -> None:
-        self.paths = paths.ensure()
-        self.engine: Engine = engine if engine is not None else QemuEngine(paths)
-        self.registry = Registry(paths.registry)
-        self.on_step: StepHook | None = None
-        #: objects with ``async before_pause(sandbox_id, channel)`` / ``after_wake(...)``,
-        #: e.g. torpor.sandbox.checkpoints (9p drives must be unmounted to hibernate)
-        self.guest_hooks: builtins.list[Any] = []
-        self._lives: dict[str, _Live] = {}
-        self._name_locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._supervisor: asyncio.Task[None] | None = None
-        self._closed = False
-
-    # -- helpers --------------------------------------------------------------------------
-
-    def directory(self, sandbox_id: str) -> Path:
-        """The sandbox's machine directory."""
-        return self.paths.sandboxes / sandbox_id
-
-    def _live(self, sandbox_id: str) -> _Live:
-        return self._lives.setdefault(sandbox_id, _Live())
-
-    @staticmethod
-    def _config(rec: SandboxRecord) -> MachineConfig:
-        return MachineConfig(template=rec.template, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
-
-    def _move(self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any) -> SandboxRecord:
-        """Record ``rec -> dst`` in the registry (the lifecycle table guards it) and return the
-        fresh row."""
-        lifecycle = Lifecycle(rec.id, rec.state, record=lambda t: self.registry.set_state(
-            t.sandbox_id, rec.state, t.dst, reason=t.reason, at=t.at, **columns))
-        lifecycle.to(dst, reason)
-        return self.registry.get(rec.id)
-
-    async def _step(self, step: str, sandbox_id: str) -> None:
-        if self.on_step is not None:
-            result = self.on_step(step, sandbox_id)
-            if result is not None:
-                await result
-
-    def _lost_message(self, rec: SandboxRecord) -> str:
-        since = max((t.at for t in self.registry.transitions(rec.id) if t.dst is S.RUNNING),
-                    default=rec.created_at)
-        return (f"RAM and processes since {_iso(since)} (the last wake); disk kept, "
-                "minus writes the guest had not flushed")
-
-    def _lost(self, rec: SandboxRecord) -> StateLost:
-        return StateLost(f"sandbox {rec.id} lost its state: {rec.error}", sandbox_id=rec.id,
-                         state=rec.state.value, lost=rec.error or "RAM and processes")
-
-    def _mark_lost(self, rec: SandboxRecord, reason: str) -> StateLost:
-        lost = self._lost_message(rec)
-        rec = self._move(rec, S.ERROR, reason, error=lost)
-        return self._lost(rec)
-
-    async def _current(self, sandbox_id: str, live: _Live) -> SandboxRecord:
-        """The sandbox's row, read under its lock. A running sandbox this manager never
-        attached (``start()`` not called after a restart) is reconciled first, so a pause can
-        never hibernate a machine it does not hold. Raises StateLost for one in ``error``."""
-        rec = self.registry.get(sandbox_id)
-        if rec.state is S.RUNNING and live.machine is None:
-            await self._reconcile(rec)
-            rec = self.registry.get(sandbox_id)
-        if rec.state is S.ERROR:
-            raise self._lost(rec)
-        return rec
-
-    def _find(self, tenant: str, id_or_name: str) -> SandboxRecord:
-        return self.registry.find(tenant, id_or_name)
-
-    async def _quiet_kill(self, live: _Live, directory: Path) -> None:
-        """Close the channel and make sure no QEMU runs on ``directory`` (best effort)."""
-        channel, live.channel = live.channel, None
-        if channel is not None:
-            with suppress(Exception):
-                await channel.close()
-        machine, live.machine = live.machine, None
-        if machine is not None:
-            with suppress(Exception):
-                await machine.kill()
-        with suppress(TorporError):
-            self.engine.terminate(directory)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidArgument("this SandboxManager is closed")
 
     # -- create ---------------------------------------------------------------------------
 
@@ -218,29 +101,15 @@ class SandboxManager:
             try:
                 await self.engine.clone(template, directory, self._config(rec))
                 await self._step("create:cloned", sandbox_id)
-                machine = self.engine.machine(directory, self._config(rec))
-                live.machine = machine
-                await machine.wake()
-                await self._step("create:woken", sandbox_id)
-                live.channel = await self.engine.connect(machine, directory)
-                await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
+                await self._boot(rec, live, woken_step="create:woken")
             except BaseException as exc:
                 await self._abort_create(rec, live, exc)
                 if isinstance(exc, Exception) and not isinstance(exc, TorporError):
-                    raise _wrap(exc, "create", sandbox_id) from exc
+                    raise wrap_error(exc, "create", sandbox_id) from exc
                 raise
             rec = self._move(rec, S.RUNNING, "created", last_active_at=time.time())
         log.info("created sandbox %s (%s) from %s", sandbox_id, name, template)
         return rec.to_info()
-
-    async def _abort_create(self, rec: SandboxRecord, live: _Live, exc: BaseException) -> None:
-        log.warning("create of %s failed: %r; removing it", rec.id, exc)
-        directory = self.directory(rec.id)
-        await self._quiet_kill(live, directory)
-        rec = self._move(rec, S.ERROR, "create failed", error=f"create failed: {exc}")
-        self._move(rec, S.STOPPED, "create failed")
-        await asyncio.to_thread(shutil.rmtree, directory, True)
-        self._lives.pop(rec.id, None)
 
     async def get_or_create(self, name: str, *, tenant: str = "default",
                             **kwargs: Any) -> SandboxInfo:
@@ -288,129 +157,19 @@ class SandboxManager:
     async def pause(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
         """Hibernate a running sandbox to disk (waits for in-flight calls; idempotent when
         already paused). Raises SandboxClosed, InvalidState, StateLost, EngineError."""
-        rec = self._find(tenant, id_or_name)
-        live = self._live(rec.id)
-        async with live.lock:
-            rec = await self._current(rec.id, live)
-            require_for("pause", rec.id, rec.state)
+        async with self._held(tenant, id_or_name, "pause") as (rec, live):
             if rec.state is S.RUNNING:
-                async with live.idle:
-                    await live.idle.wait_for(lambda: live.busy == 0)
+                await self._drain(live)
                 rec = await self._pause_locked(rec, live, "pause")
         return rec.to_info()
-
-    async def _pause_locked(self, rec: SandboxRecord, live: _Live, reason: str) -> SandboxRecord:
-        if live.channel is not None:
-            for hook in self.guest_hooks:  # may refuse (busy drive): still running then
-                await hook.before_pause(rec.id, live.channel)
-        rec = self._move(rec, S.PAUSING, reason)
-        await self._step("pause:begin", rec.id)
-        directory = self.directory(rec.id)
-        channel, live.channel = live.channel, None
-        if channel is not None:
-            try:  # flush the guest's page cache so the disk overlay is whole; a hung guest
-                # must not hold the pause (its RAM is saved either way)
-                await asyncio.wait_for(channel.sync(), SYNC_TIMEOUT)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("sync before pausing %s failed: %r", rec.id, exc)
-            with suppress(Exception):
-                await channel.close()
-        machine = live.machine or self.engine.machine(directory, self._config(rec))
-        try:
-            await machine.hibernate()
-        except Exception as exc:  # noqa: BLE001
-            return await self._pause_failed(rec, live, machine, exc)
-        live.machine = None
-        await self._step("pause:saved", rec.id)
-        # Only now, with the state file durable, does the registry say "paused".
-        return self._move(rec, S.PAUSED, reason, paused_at=time.time())
-
-    async def _pause_failed(self, rec: SandboxRecord, live: _Live, machine: Machine,
-                            exc: Exception) -> SandboxRecord:
-        directory = self.directory(rec.id)
-        log.warning("hibernate of %s failed: %r", rec.id, exc)
-        if machine.is_running():
-            try:  # the machine is still up: roll back to running
-                live.machine = machine
-                live.channel = await self.engine.connect(machine, directory)
-            except Exception:  # noqa: BLE001
-                await self._quiet_kill(live, directory)
-            else:
-                self._move(rec, S.RUNNING, "pause failed; still running")
-                if isinstance(exc, TorporError):
-                    raise exc
-                raise _wrap(exc, "pause", rec.id) from exc
-        await self._quiet_kill(live, directory)
-        if self.engine.inspect(directory).has_state:
-            log.warning("sandbox %s: QEMU died after its state was saved; paused", rec.id)
-            return self._move(rec, S.PAUSED, "state saved before QEMU died", paused_at=time.time())
-        raise self._mark_lost(rec, f"QEMU died while pausing: {exc}") from exc
 
     async def resume(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
         """Wake a paused sandbox (idempotent when running). Raises SandboxClosed, InvalidState,
         StateLost (state gone), EngineError (wake failed, the sandbox stays paused)."""
-        rec = self._find(tenant, id_or_name)
-        live = self._live(rec.id)
-        async with live.lock:
-            rec = await self._current(rec.id, live)
-            require_for("resume", rec.id, rec.state)
+        async with self._held(tenant, id_or_name, "resume") as (rec, live):
             if rec.state is S.PAUSED:
                 rec = await self._wake_locked(rec, live, "resume")
         return rec.to_info()
-
-    async def _wake_locked(self, rec: SandboxRecord, live: _Live, reason: str) -> SandboxRecord:
-        rec = self._move(rec, S.WAKING, reason)
-        await self._step("wake:begin", rec.id)
-        directory = self.directory(rec.id)
-        machine = self.engine.machine(directory, self._config(rec))
-        live.machine = machine
-        try:
-            await machine.wake()
-        except Exception as exc:
-            await self._quiet_kill(live, directory)
-            if self.engine.inspect(directory).has_state:
-                self._move(rec, S.PAUSED, f"wake failed, saved state intact: {exc}")
-                raise EngineError(f"waking sandbox {rec.id} failed: {exc}; it stays paused "
-                                  "with its state intact and can be woken again", exc=exc,
-                                  sandbox_id=rec.id) from exc
-            raise self._mark_lost(rec, f"wake failed and the state is gone: {exc}") from exc
-        await self._step("wake:woken", rec.id)
-        try:
-            live.channel = await self.engine.connect(machine, directory)
-            await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-        except Exception as exc:  # noqa: BLE001 - any failure: save what can be saved
-            return await self._guest_unreachable(rec, live, machine, exc)
-        for hook in self.guest_hooks:
-            try:
-                await hook.after_wake(rec.id, live.channel)
-            except TorporError as exc:
-                log.warning("after-wake hook of %s failed: %s", rec.id, exc)
-        return self._move(rec, S.RUNNING, reason, last_active_at=time.time(), paused_at=None)
-
-    async def _guest_unreachable(self, rec: SandboxRecord, live: _Live, machine: Machine,
-                                 exc: Exception) -> SandboxRecord:
-        """The guest ran but its agent did not answer. If QEMU is still up, hibernate it again
-        (its RAM is intact, the sandbox stays paused: a later wake may find the agent back);
-        else the RAM is gone. Always raises."""
-        directory = self.directory(rec.id)
-        channel, live.channel = live.channel, None
-        if channel is not None:
-            with suppress(Exception):
-                await channel.close()
-        if machine.is_running():
-            try:
-                await machine.hibernate()
-            except Exception as again:  # noqa: BLE001
-                log.warning("re-hibernating %s failed: %r", rec.id, again)
-            else:
-                live.machine = None
-                self._move(rec, S.PAUSED, f"guest unreachable after wake; re-hibernated: {exc}",
-                           paused_at=time.time())
-                raise GuestError(f"sandbox {rec.id} woke but its guest agent did not answer "
-                                 f"({exc}); it was paused again with its RAM intact",
-                                 exc=exc, sandbox_id=rec.id) from exc
-        await self._quiet_kill(live, directory)
-        raise self._mark_lost(rec, f"guest unreachable after wake: {exc}") from exc
 
     async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
         """Stop a sandbox for good and delete its files (idempotent). In-flight calls fail with
@@ -440,11 +199,7 @@ class SandboxManager:
     async def _use(self, tenant: str, id_or_name: str) -> AsyncIterator[Channel]:
         """Wake the sandbox if paused, count the call as in flight, touch the idle clock."""
         self._check_open()
-        rec = self._find(tenant, id_or_name)
-        live = self._live(rec.id)
-        async with live.lock:
-            rec = await self._current(rec.id, live)
-            require_for("call", rec.id, rec.state)
+        async with self._held(tenant, id_or_name, "call") as (rec, live):
             if rec.state is S.PAUSED:
                 rec = await self._wake_locked(rec, live, "wake on request")
             channel = live.channel
@@ -465,13 +220,6 @@ class SandboxManager:
                 self.registry.touch(rec.id)
             async with live.idle:
                 live.idle.notify_all()
-
-    async def _machine_died(self, sandbox_id: str, live: _Live) -> None:
-        rec = self.registry.get(sandbox_id)
-        if rec.state is S.RUNNING:
-            log.error("sandbox %s: QEMU died while running", sandbox_id)
-            await self._quiet_kill(live, self.directory(sandbox_id))
-            self._mark_lost(rec, "QEMU died while running")
 
     async def run_command(self, id_or_name: str, cmd: str, *, tenant: str = "default",
                           cwd: str | None = None, env: dict[str, str] | None = None,
@@ -572,64 +320,6 @@ class SandboxManager:
         if supervise and self._supervisor is None:
             self._supervisor = asyncio.get_running_loop().create_task(
                 self.supervise(interval), name="torpor-idle-supervisor")
-
-    async def _reconcile(self, rec: SandboxRecord) -> None:
-        """Bring one registry row in line with its directory after a restart (the table is
-        :func:`~torpor.sandbox.lifecycle.recovery`)."""
-        directory = self.directory(rec.id)
-        status = self.engine.inspect(directory)
-        if rec.state is S.STOPPED and not status.exists:
-            return  # the common case for killed sandboxes: nothing left to clean
-        live = self._live(rec.id)
-        action = recovery(rec.state, has_state=status.has_state,
-                          qemu_alive=status.qemu_pid is not None)
-        log.info("sandbox %s: %s on start -> %s", rec.id, rec.state.value, action.value)
-        if action is Recovery.REATTACH:
-            try:
-                await self._reattach(rec, live, directory)
-                return
-            except Exception as exc:  # noqa: BLE001 - fall back to what the files hold
-                log.warning("sandbox %s: cannot re-attach its QEMU: %r", rec.id, exc)
-                await self._rehibernate(live)
-                rec = self.registry.get(rec.id)
-                action = recovery(rec.state, has_state=self.engine.inspect(directory).has_state,
-                                  qemu_alive=False)
-        if action is Recovery.UNDO_CREATE:
-            await self._abort_create(rec, live, EngineError("interrupted by a restart"))
-            return
-        await self._quiet_kill(live, directory)
-        if action is Recovery.DELETE_FILES:
-            await asyncio.to_thread(shutil.rmtree, directory, True)
-        elif action is Recovery.PAUSED:
-            if rec.state is S.RUNNING:
-                rec = self._move(rec, S.PAUSING, "recovered: re-hibernated")
-            self._move(rec, S.PAUSED, "recovered: saved state is whole", paused_at=time.time())
-        elif action is Recovery.LOST:
-            self._mark_lost(rec, f"recovered: no QEMU and no saved state while "
-                                 f"{rec.state.value}")
-
-    async def _rehibernate(self, live: _Live) -> None:
-        """Save the RAM of a machine whose guest does not answer (best effort)."""
-        machine = live.machine
-        if machine is not None and machine.is_running():
-            with suppress(Exception):
-                await machine.hibernate()
-                live.machine = None
-
-    async def _reattach(self, rec: SandboxRecord, live: _Live, directory: Path) -> None:
-        """Take over a QEMU that outlived its manager; finish a half-done pause or wake."""
-        machine = await self.engine.attach(directory, self._config(rec))
-        live.machine = machine
-        if rec.state is S.PAUSING:  # finish the pause it was in
-            await self._pause_locked(self._move(rec, S.RUNNING, "recovered: re-attached"),
-                                     live, "recovered: finish pause")
-            return
-        live.channel = await self.engine.connect(machine, directory)
-        if rec.state is S.WAKING:
-            await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-            self._move(rec, S.RUNNING, "recovered: wake finished", last_active_at=time.time(),
-                       paused_at=None)
-        log.info("sandbox %s: re-attached to its running QEMU", rec.id)
 
     async def close(self, *, pause: bool = True) -> None:
         """Stop the supervisor; pause running sandboxes (``pause=True``) so no QEMU outlives

@@ -1,0 +1,390 @@
+"""The steps that move one sandbox's machine between states, under the sandbox's lock.
+
+:class:`SandboxSteps` is the base of :class:`~torpor.sandbox.manager.SandboxManager`: it holds
+the manager's state (engine, registry, one :class:`Live` per sandbox) and the steps its public
+operations are made of: pause (hibernate) and wake a held sandbox, undo a failed create, mark a
+sandbox whose RAM is gone as lost, and after a restart bring a registry row in line with what its
+directory holds (:meth:`SandboxSteps._reconcile`, the table is
+:func:`~torpor.sandbox.lifecycle.recovery`).
+
+Every step that changes state goes through :meth:`SandboxSteps._move`, which the lifecycle table
+guards, and records a state only after the files that back it are durable (see
+:mod:`torpor.sandbox.manager` for the crash-safety rule).
+
+**Internal interface.** :mod:`torpor.sandbox.checkpoints` (snapshot, fork, attachments) works on
+sandboxes with these, and with nothing else of the manager's private state:
+
+* ``registry``, ``engine``, :meth:`~SandboxSteps.directory`, ``guest_hooks``;
+* :meth:`~SandboxSteps._live` (the sandbox's lock, machine and channel; hold ``live.lock``),
+  :meth:`~SandboxSteps._drain` (wait for in-flight calls);
+* :meth:`~SandboxSteps._pause_locked`, :meth:`~SandboxSteps._wake_locked`,
+  :meth:`~SandboxSteps._boot` (with ``live.lock`` held);
+* :meth:`~SandboxSteps._move`, :meth:`~SandboxSteps._abort_create`, :meth:`~SandboxSteps._lost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from torpor.config import Paths
+from torpor.errors import (
+    EngineError,
+    GuestError,
+    InvalidArgument,
+    StateLost,
+    TorporError,
+)
+from torpor.sandbox.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
+from torpor.sandbox.lifecycle import Lifecycle, Recovery, recovery, require_for
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry import Registry, SandboxRecord
+
+__all__ = ["SYNC_TIMEOUT", "Live", "SandboxSteps", "StepHook", "wrap_error"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a pause waits for the guest to flush its file systems before hibernating anyway.
+SYNC_TIMEOUT = 5.0
+
+#: Called at named points of create/pause/wake (``"pause:saved"`` ...) with the sandbox id;
+#: tests use it to crash the process at an exact step.
+StepHook = Callable[[str, str], Awaitable[None] | None]
+
+
+@dataclass
+class Live:
+    """The in-process side of one sandbox: its lock, machine, channel and in-flight calls."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    idle: asyncio.Condition = field(default_factory=asyncio.Condition)
+    machine: Machine | None = None
+    channel: Channel | None = None
+    busy: int = 0
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
+
+
+def wrap_error(exc: BaseException, what: str, sandbox_id: str) -> TorporError:
+    """``exc`` as a TorporError: itself if it is one, else an EngineError wrapping it."""
+    if isinstance(exc, TorporError):
+        return exc
+    return EngineError(f"{what} failed for sandbox {sandbox_id}: {exc}", exc=exc,
+                       sandbox_id=sandbox_id)
+
+
+class SandboxSteps:
+    """The state and the locked steps of a :class:`~torpor.sandbox.manager.SandboxManager`
+    (see the module docstring). Not used on its own."""
+
+    def __init__(self, paths: Paths, *, engine: Engine | None = None) -> None:
+        self.paths = paths.ensure()
+        self.engine: Engine = engine if engine is not None else QemuEngine(paths)
+        self.registry = Registry(paths.registry)
+        self.on_step: StepHook | None = None
+        #: objects with ``async before_pause(sandbox_id, channel)`` / ``after_wake(...)``,
+        #: e.g. torpor.sandbox.checkpoints (9p drives must be unmounted to hibernate)
+        self.guest_hooks: builtins.list[Any] = []
+        self._lives: dict[str, Live] = {}
+        self._name_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._supervisor: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def directory(self, sandbox_id: str) -> Path:
+        """The sandbox's machine directory."""
+        return self.paths.sandboxes / sandbox_id
+
+    def _live(self, sandbox_id: str) -> Live:
+        return self._lives.setdefault(sandbox_id, Live())
+
+    @staticmethod
+    def _config(rec: SandboxRecord) -> MachineConfig:
+        return MachineConfig(template=rec.template, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
+
+    def _move(self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any) -> SandboxRecord:
+        """Record ``rec -> dst`` in the registry (the lifecycle table guards it) and return the
+        fresh row."""
+        lifecycle = Lifecycle(rec.id, rec.state, record=lambda t: self.registry.set_state(
+            t.sandbox_id, rec.state, t.dst, reason=t.reason, at=t.at, **columns))
+        lifecycle.to(dst, reason)
+        return self.registry.get(rec.id)
+
+    async def _step(self, step: str, sandbox_id: str) -> None:
+        if self.on_step is not None:
+            result = self.on_step(step, sandbox_id)
+            if result is not None:
+                await result
+
+    def _lost_message(self, rec: SandboxRecord) -> str:
+        since = max((t.at for t in self.registry.transitions(rec.id) if t.dst is S.RUNNING),
+                    default=rec.created_at)
+        return (f"RAM and processes since {_iso(since)} (the last wake); disk kept, "
+                "minus writes the guest had not flushed")
+
+    def _lost(self, rec: SandboxRecord) -> StateLost:
+        return StateLost(f"sandbox {rec.id} lost its state: {rec.error}", sandbox_id=rec.id,
+                         state=rec.state.value, lost=rec.error or "RAM and processes")
+
+    def _mark_lost(self, rec: SandboxRecord, reason: str) -> StateLost:
+        lost = self._lost_message(rec)
+        rec = self._move(rec, S.ERROR, reason, error=lost)
+        return self._lost(rec)
+
+    async def _current(self, sandbox_id: str, live: Live) -> SandboxRecord:
+        """The sandbox's row, read under its lock. A running sandbox this manager never
+        attached (``start()`` not called after a restart) is reconciled first, so a pause can
+        never hibernate a machine it does not hold. Raises StateLost for one in ``error``."""
+        rec = self.registry.get(sandbox_id)
+        if rec.state is S.RUNNING and live.machine is None:
+            await self._reconcile(rec)
+            rec = self.registry.get(sandbox_id)
+        if rec.state is S.ERROR:
+            raise self._lost(rec)
+        return rec
+
+    def _find(self, tenant: str, id_or_name: str) -> SandboxRecord:
+        return self.registry.find(tenant, id_or_name)
+
+    async def _quiet_kill(self, live: Live, directory: Path) -> None:
+        """Close the channel and make sure no QEMU runs on ``directory`` (best effort)."""
+        channel, live.channel = live.channel, None
+        if channel is not None:
+            with suppress(Exception):
+                await channel.close()
+        machine, live.machine = live.machine, None
+        if machine is not None:
+            with suppress(Exception):
+                await machine.kill()
+        with suppress(TorporError):
+            self.engine.terminate(directory)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this SandboxManager is closed")
+
+    @asynccontextmanager
+    async def _held(self, tenant: str, id_or_name: str,
+                    operation: str) -> AsyncIterator[tuple[SandboxRecord, Live]]:
+        """Hold the sandbox's lock for ``operation`` ("pause", "resume", "call") and yield its
+        current row and Live. Raises SandboxNotFound, StateLost, and InvalidState /
+        SandboxClosed when the state forbids the operation."""
+        rec = self._find(tenant, id_or_name)
+        live = self._live(rec.id)
+        async with live.lock:
+            rec = await self._current(rec.id, live)
+            require_for(operation, rec.id, rec.state)
+            yield rec, live
+
+    async def _drain(self, live: Live) -> None:
+        """Wait until no call is in flight on the sandbox (hold ``live.lock``: none can start)."""
+        async with live.idle:
+            await live.idle.wait_for(lambda: live.busy == 0)
+
+    async def _boot(self, rec: SandboxRecord, live: Live, *, woken_step: str | None = None,
+                    ) -> Channel:
+        """Start the hibernated machine in the sandbox's directory, connect to its agent and
+        give the guest fresh entropy and the host's clock (clones of one snapshot must not
+        share random state). ``woken_step`` is reported to ``on_step`` after the wake. Raises
+        what the engine and the channel raise; the caller undoes what was started."""
+        directory = self.directory(rec.id)
+        machine = self.engine.machine(directory, self._config(rec))
+        live.machine = machine
+        await machine.wake()
+        if woken_step is not None:
+            await self._step(woken_step, rec.id)
+        live.channel = await self.engine.connect(machine, directory)
+        await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
+        return live.channel
+
+    # -- steps of create, pause and wake --------------------------------------------------
+
+    async def _abort_create(self, rec: SandboxRecord, live: Live, exc: BaseException) -> None:
+        log.warning("create of %s failed: %r; removing it", rec.id, exc)
+        directory = self.directory(rec.id)
+        await self._quiet_kill(live, directory)
+        rec = self._move(rec, S.ERROR, "create failed", error=f"create failed: {exc}")
+        self._move(rec, S.STOPPED, "create failed")
+        await asyncio.to_thread(shutil.rmtree, directory, True)
+        self._lives.pop(rec.id, None)
+
+    async def _pause_locked(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
+        if live.channel is not None:
+            for hook in self.guest_hooks:  # may refuse (busy drive): still running then
+                await hook.before_pause(rec.id, live.channel)
+        rec = self._move(rec, S.PAUSING, reason)
+        await self._step("pause:begin", rec.id)
+        directory = self.directory(rec.id)
+        channel, live.channel = live.channel, None
+        if channel is not None:
+            try:  # flush the guest's page cache so the disk overlay is whole; a hung guest
+                # must not hold the pause (its RAM is saved either way)
+                await asyncio.wait_for(channel.sync(), SYNC_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("sync before pausing %s failed: %r", rec.id, exc)
+            with suppress(Exception):
+                await channel.close()
+        machine = live.machine or self.engine.machine(directory, self._config(rec))
+        try:
+            await machine.hibernate()
+        except Exception as exc:  # noqa: BLE001
+            return await self._pause_failed(rec, live, machine, exc)
+        live.machine = None
+        await self._step("pause:saved", rec.id)
+        # Only now, with the state file durable, does the registry say "paused".
+        return self._move(rec, S.PAUSED, reason, paused_at=time.time())
+
+    async def _pause_failed(self, rec: SandboxRecord, live: Live, machine: Machine,
+                            exc: Exception) -> SandboxRecord:
+        directory = self.directory(rec.id)
+        log.warning("hibernate of %s failed: %r", rec.id, exc)
+        if machine.is_running():
+            try:  # the machine is still up: roll back to running
+                live.machine = machine
+                live.channel = await self.engine.connect(machine, directory)
+            except Exception:  # noqa: BLE001
+                await self._quiet_kill(live, directory)
+            else:
+                self._move(rec, S.RUNNING, "pause failed; still running")
+                if isinstance(exc, TorporError):
+                    raise exc
+                raise wrap_error(exc, "pause", rec.id) from exc
+        await self._quiet_kill(live, directory)
+        if self.engine.inspect(directory).has_state:
+            log.warning("sandbox %s: QEMU died after its state was saved; paused", rec.id)
+            return self._move(rec, S.PAUSED, "state saved before QEMU died", paused_at=time.time())
+        raise self._mark_lost(rec, f"QEMU died while pausing: {exc}") from exc
+
+    async def _wake_locked(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
+        rec = self._move(rec, S.WAKING, reason)
+        await self._step("wake:begin", rec.id)
+        directory = self.directory(rec.id)
+        machine = self.engine.machine(directory, self._config(rec))
+        live.machine = machine
+        try:
+            await machine.wake()
+        except Exception as exc:
+            await self._quiet_kill(live, directory)
+            if self.engine.inspect(directory).has_state:
+                self._move(rec, S.PAUSED, f"wake failed, saved state intact: {exc}")
+                raise EngineError(f"waking sandbox {rec.id} failed: {exc}; it stays paused "
+                                  "with its state intact and can be woken again", exc=exc,
+                                  sandbox_id=rec.id) from exc
+            raise self._mark_lost(rec, f"wake failed and the state is gone: {exc}") from exc
+        await self._step("wake:woken", rec.id)
+        try:
+            live.channel = await self.engine.connect(machine, directory)
+            await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
+        except Exception as exc:  # noqa: BLE001 - any failure: save what can be saved
+            return await self._guest_unreachable(rec, live, machine, exc)
+        for hook in self.guest_hooks:
+            try:
+                await hook.after_wake(rec.id, live.channel)
+            except TorporError as exc:
+                log.warning("after-wake hook of %s failed: %s", rec.id, exc)
+        return self._move(rec, S.RUNNING, reason, last_active_at=time.time(), paused_at=None)
+
+    async def _guest_unreachable(self, rec: SandboxRecord, live: Live, machine: Machine,
+                                 exc: Exception) -> SandboxRecord:
+        """The guest ran but its agent did not answer. If QEMU is still up, hibernate it again
+        (its RAM is intact, the sandbox stays paused: a later wake may find the agent back);
+        else the RAM is gone. Always raises."""
+        directory = self.directory(rec.id)
+        channel, live.channel = live.channel, None
+        if channel is not None:
+            with suppress(Exception):
+                await channel.close()
+        if machine.is_running():
+            try:
+                await machine.hibernate()
+            except Exception as again:  # noqa: BLE001
+                log.warning("re-hibernating %s failed: %r", rec.id, again)
+            else:
+                live.machine = None
+                self._move(rec, S.PAUSED, f"guest unreachable after wake; re-hibernated: {exc}",
+                           paused_at=time.time())
+                raise GuestError(f"sandbox {rec.id} woke but its guest agent did not answer "
+                                 f"({exc}); it was paused again with its RAM intact",
+                                 exc=exc, sandbox_id=rec.id) from exc
+        await self._quiet_kill(live, directory)
+        raise self._mark_lost(rec, f"guest unreachable after wake: {exc}") from exc
+
+    async def _machine_died(self, sandbox_id: str, live: Live) -> None:
+        rec = self.registry.get(sandbox_id)
+        if rec.state is S.RUNNING:
+            log.error("sandbox %s: QEMU died while running", sandbox_id)
+            await self._quiet_kill(live, self.directory(sandbox_id))
+            self._mark_lost(rec, "QEMU died while running")
+
+    # -- recovery after a restart ---------------------------------------------------------
+
+    async def _reconcile(self, rec: SandboxRecord) -> None:
+        """Bring one registry row in line with its directory after a restart (the table is
+        :func:`~torpor.sandbox.lifecycle.recovery`)."""
+        directory = self.directory(rec.id)
+        status = self.engine.inspect(directory)
+        if rec.state is S.STOPPED and not status.exists:
+            return  # the common case for killed sandboxes: nothing left to clean
+        live = self._live(rec.id)
+        action = recovery(rec.state, has_state=status.has_state,
+                          qemu_alive=status.qemu_pid is not None)
+        log.info("sandbox %s: %s on start -> %s", rec.id, rec.state.value, action.value)
+        if action is Recovery.REATTACH:
+            try:
+                await self._reattach(rec, live, directory)
+                return
+            except Exception as exc:  # noqa: BLE001 - fall back to what the files hold
+                log.warning("sandbox %s: cannot re-attach its QEMU: %r", rec.id, exc)
+                await self._rehibernate(live)
+                rec = self.registry.get(rec.id)
+                action = recovery(rec.state, has_state=self.engine.inspect(directory).has_state,
+                                  qemu_alive=False)
+        if action is Recovery.UNDO_CREATE:
+            await self._abort_create(rec, live, EngineError("interrupted by a restart"))
+            return
+        await self._quiet_kill(live, directory)
+        if action is Recovery.DELETE_FILES:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+        elif action is Recovery.PAUSED:
+            if rec.state is S.RUNNING:
+                rec = self._move(rec, S.PAUSING, "recovered: re-hibernated")
+            self._move(rec, S.PAUSED, "recovered: saved state is whole", paused_at=time.time())
+        elif action is Recovery.LOST:
+            self._mark_lost(rec, f"recovered: no QEMU and no saved state while "
+                                 f"{rec.state.value}")
+
+    async def _rehibernate(self, live: Live) -> None:
+        """Save the RAM of a machine whose guest does not answer (best effort)."""
+        machine = live.machine
+        if machine is not None and machine.is_running():
+            with suppress(Exception):
+                await machine.hibernate()
+                live.machine = None
+
+    async def _reattach(self, rec: SandboxRecord, live: Live, directory: Path) -> None:
+        """Take over a QEMU that outlived its manager; finish a half-done pause or wake."""
+        machine = await self.engine.attach(directory, self._config(rec))
+        live.machine = machine
+        if rec.state is S.PAUSING:  # finish the pause it was in
+            await self._pause_locked(self._move(rec, S.RUNNING, "recovered: re-attached"),
+                                     live, "recovered: finish pause")
+            return
+        live.channel = await self.engine.connect(machine, directory)
+        if rec.state is S.WAKING:
+            await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
+            self._move(rec, S.RUNNING, "recovered: wake finished", last_active_at=time.time(),
+                       paused_at=None)
+        log.info("sandbox %s: re-attached to its running QEMU", rec.id)
