@@ -26,32 +26,32 @@ snapshot a sandbox without volumes, or keep the volume as the durable copy. Noth
 **Drives** (virtio-9p) block migration while mounted, so every hibernate here unmounts the
 sandbox's drives first and mounts them again after the wake; a busy mount is a Conflict.
 Children of a fork or restore mount the same drives (drives are multi-writer by design).
+
+Where each part lives: this module has the class, freezing, snapshot, restore, fork and create;
+cloning children from a frozen dir is :mod:`torpor.sandbox._clones`; attaching volumes and
+drives (and the drive hooks around a hibernate) is :mod:`torpor.sandbox._attach`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
-import secrets
-import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from torpor.config import LIMITS, check_name
+from torpor.config import check_name
 from torpor.errors import (
     Conflict,
-    DriveNotFound,
-    GuestError,
     InvalidArgument,
     InvalidState,
     TorporError,
 )
-from torpor.sandbox.drives import DriveInfo, DriveStore, mount_in_guest
+from torpor.sandbox._attach import AttachMixin
+from torpor.sandbox._clones import CloneMixin, check_count, drop_ram
+from torpor.sandbox.drives import DriveStore
 from torpor.sandbox.gc import GcReport, collect
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxInfo
@@ -59,11 +59,8 @@ from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.snapshots import SnapshotInfo, SnapshotStore, check_retention, freeze
 from torpor.sandbox.volumes import (
-    Attachment,
-    VolumeInfo,
     VolumeStore,
     check_mount_path,
-    find_guest_disk,
 )
 
 __all__ = ["VOLUME_SNAPSHOT_REFUSAL", "Checkpoints"]
@@ -81,7 +78,7 @@ VOLUME_SNAPSHOT_REFUSAL = (
 )
 
 
-class Checkpoints:
+class Checkpoints(AttachMixin, CloneMixin):
     """Snapshots, restores, forks, volumes and drives of one :class:`SandboxManager`.
 
     Coroutines raise SandboxNotFound / SnapshotNotFound / VolumeNotFound / DriveNotFound,
@@ -99,26 +96,6 @@ class Checkpoints:
         hooks = getattr(manager, "guest_hooks", None)
         if hooks is not None and not any(isinstance(h, Checkpoints) for h in hooks):
             hooks.append(self)  # the manager unmounts/remounts drives around every hibernate
-
-    # -- drives around a hibernate -------------------------------------------------------
-
-    async def before_pause(self, sandbox_id: str, channel: Any) -> None:
-        """Unmount the sandbox's drives (9p blocks migration). Busy -> Conflict."""
-        for drive, att in self.drives.attached_to(sandbox_id):
-            try:
-                await channel.umount(att.path)
-            except GuestError as exc:
-                if "not mounted" in str(exc):
-                    continue
-                raise Conflict(
-                    f"drive {drive.name!r} at {att.path} in sandbox {sandbox_id} is busy (a "
-                    f"process has it open or is inside it), so the sandbox cannot hibernate: "
-                    f"{exc}", kind="drive", id=drive.id, sandbox_id=sandbox_id) from exc
-
-    async def after_wake(self, sandbox_id: str, channel: Any) -> None:
-        """Mount the sandbox's drives again after a wake."""
-        for drive, att in self.drives.attached_to(sandbox_id):
-            await mount_in_guest(channel, drive, att.path, att.read_only)
 
     # -- freezing a live sandbox ---------------------------------------------------------
 
@@ -151,8 +128,7 @@ class Checkpoints:
                     required=["running", "paused"])
             was_running = rec.state is S.RUNNING
             if was_running:
-                async with live.idle:
-                    await live.idle.wait_for(lambda: live.busy == 0)
+                await m._drain(live)
                 rec = await m._pause_locked(rec, live, "snapshot")  # drives: via guest_hooks
             try:
                 with self.snapshots.lock():
@@ -198,7 +174,7 @@ class Checkpoints:
                     retention_days=retention_days, sandbox_id=rec.id, template=rec.template,
                     labels=dict(labels or {}), drives=self._drive_records(rec.id))
             finally:
-                _drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
+                drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
 
         return await self._freeze(tenant, id_or_name, capture)
 
@@ -234,7 +210,7 @@ class Checkpoints:
                             pause_retention_days: int = 30,
                             tenant: str = "default") -> list[SandboxInfo]:
         """``count`` new sandboxes from one stored snapshot (see :meth:`restore`)."""
-        _check_count(count, names)
+        check_count(count, names)
         info = self.snapshots.get(snapshot, tenant=tenant)
         # held until the children exist: until then no overlay names the frozen dir, and GC
         # (which takes this lock exclusively) must not take it for garbage
@@ -248,7 +224,7 @@ class Checkpoints:
                                          drives_of=info.sandbox_id,
                                          recorded_drives=info.drives)
             finally:
-                _drop_ram(frozen)
+                drop_ram(frozen)
 
     async def fork(self, id_or_name: str, *, count: int = 1,
                    labels: Mapping[str, str] | None = None, names: list[str] | None = None,
@@ -258,7 +234,7 @@ class Checkpoints:
         Children inherit the source's labels (updated with ``labels``). Raises InvalidArgument
         (count 0 or over the limit), Conflict (a volume attached, names), InvalidState.
         """
-        _check_count(count, names)
+        check_count(count, names)
         self.manager.registry.find(tenant, id_or_name)  # SandboxNotFound before any work
         for n in names or []:
             check_name(n, "sandbox name")
@@ -273,7 +249,7 @@ class Checkpoints:
                     pause_retention_days=rec.pause_retention_days, tenant=tenant,
                     reason=f"forked from {rec.id}")
             finally:
-                _drop_ram(frozen)
+                drop_ram(frozen)
             return recs, drives
 
         async def wake(rec: SandboxRecord, frozen: Path, prepared: Any) -> list[SandboxInfo]:
@@ -282,220 +258,6 @@ class Checkpoints:
                                              reason=f"forked from {rec.id}")
 
         return await self._freeze(tenant, id_or_name, wake, before_wake=clone, link_ram=True)
-
-    async def _spawn(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
-                     names: list[str] | None, idle_pause_seconds: int | None,
-                     pause_retention_days: int, tenant: str, reason: str,
-                     drives_of: str | None,
-                     recorded_drives: list[dict[str, Any]] | None = None) -> list[SandboxInfo]:
-        """Clone, wake and refresh ``count`` sandboxes from a frozen dir; all or none."""
-        drives = self._drives_for(frozen, drives_of, recorded_drives)
-        recs = await self._prepare(frozen, count=count, labels=labels, names=names,
-                                   idle_pause_seconds=idle_pause_seconds,
-                                   pause_retention_days=pause_retention_days, tenant=tenant,
-                                   reason=reason)
-        return await self._wake_children(recs, drives, tenant=tenant, reason=reason)
-
-    async def _prepare(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
-                       names: list[str] | None, idle_pause_seconds: int | None,
-                       pause_retention_days: int, tenant: str,
-                       reason: str) -> list[SandboxRecord]:
-        """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
-        ``count`` children. All or none: on failure every row and dir made here is removed."""
-        from torpor.sandbox.qemu import clone_machine_dir
-
-        m = self.manager
-        config = json.loads((frozen / "machine.json").read_text())
-        recs: list[SandboxRecord] = []
-        try:
-            for i in range(count):  # registry rows first: a taken name fails before any work
-                sid = "sbx-" + secrets.token_hex(6)
-                now = time.time()
-                rec = SandboxRecord(
-                    id=sid, tenant=tenant, name=names[i] if names else sid,
-                    template=str(config.get("template", "python")), state=S.CREATING,
-                    labels=dict(labels or {}), vcpus=int(config.get("vcpus", 1)),
-                    memory_mib=int(config.get("memory_mib", 512)),
-                    idle_pause_seconds=idle_pause_seconds,
-                    pause_retention_days=pause_retention_days, created_at=now, last_active_at=now)
-                m.registry.insert(rec, reason=reason)
-                recs.append(rec)
-            await asyncio.gather(*(asyncio.to_thread(clone_machine_dir, frozen,
-                                                     m.directory(r.id)) for r in recs))
-        except BaseException as exc:
-            for rec in recs:
-                await m._abort_create(rec, m._live(rec.id), exc)
-            raise
-        return recs
-
-    async def _wake_children(self, recs: list[SandboxRecord],
-                             drives: list[tuple[DriveInfo, str, bool]], *, tenant: str,
-                             reason: str) -> list[SandboxInfo]:
-        """Wake the prepared children concurrently, refresh their randomness and clock, mount
-        their drives. All or none."""
-        m = self.manager
-
-        async def one(rec: SandboxRecord) -> SandboxInfo:
-            live = m._live(rec.id)
-            directory = m.directory(rec.id)
-            async with live.lock:
-                try:
-                    machine = m.engine.machine(directory, m._config(rec))
-                    live.machine = machine
-                    await machine.wake()
-                    live.channel = await m.engine.connect(machine, directory)
-                    await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-                    for drive, path, ro in drives:
-                        self.drives.attach(drive.id, rec.id, path, read_only=ro,
-                                           tenant=drive.tenant)
-                        await mount_in_guest(live.channel, drive, path, ro)
-                except BaseException as exc:
-                    self.drives.release({rec.id})
-                    await m._abort_create(rec, live, exc)
-                    raise
-                return m._move(rec, S.RUNNING, reason, last_active_at=time.time()).to_info()
-
-        # children wake concurrently (QEMU start-up overlaps); all or none
-        results = await asyncio.gather(*(one(r) for r in recs), return_exceptions=True)
-        made = [r for r in results if isinstance(r, SandboxInfo)]
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for child in made:
-                with contextlib.suppress(TorporError):
-                    await m.kill(child.id, tenant=tenant)
-                self.drives.release({child.id})
-            raise failed[0]
-        log.info("%s: %d sandbox(es) %s", reason, len(made), [c.id for c in made])
-        return made
-
-    def _drive_records(self, sandbox_id: str) -> list[dict[str, Any]]:
-        return [{"id": d.id, "tenant": d.tenant, "path": a.path, "read_only": a.read_only}
-                for d, a in self.drives.attached_to(sandbox_id)]
-
-    def _drives_for(self, frozen: Path, source: str | None,
-                    recorded: list[dict[str, Any]] | None = None,
-                    ) -> list[tuple[DriveInfo, str, bool]]:
-        """The drives a clone of ``frozen`` must mount, for the 9p devices in its machine.json:
-        ``recorded`` (a snapshot's) or else the source's current attachments. Raises
-        DriveNotFound if one was deleted."""
-        config = json.loads((frozen / "machine.json").read_text())
-        shares = [d for d in config.get("devices", []) if d.get("kind") == "share"]
-        found: list[tuple[DriveInfo, str, bool]] = []
-        attached: dict[str, Any] = {}
-        if recorded is not None:
-            for r in recorded:
-                with contextlib.suppress(DriveNotFound):
-                    d = self.drives.get(r["id"], tenant=r["tenant"])
-                    attached[d.id] = (d, Attachment(sandbox_id="", path=r["path"],
-                                                    read_only=bool(r["read_only"])))
-        elif source:
-            attached = {d.id: (d, a) for d, a in self.drives.attached_to(source)}
-        for share in shares:
-            if not Path(share["path"]).is_dir():
-                raise DriveNotFound(f"drive {share['tag']} that this machine mounts was deleted",
-                                    kind="drive", name=share["tag"])
-            hit = attached.get(share["tag"])
-            if hit is not None:
-                found.append((hit[0], hit[1].path, hit[1].read_only))
-        return found
-
-    # -- volumes and drives --------------------------------------------------------------
-
-    def _live_ids(self) -> set[str]:
-        return {r.id for r in self.manager.registry.list() if r.state is not S.STOPPED}
-
-    async def _running_channel(self, tenant: str, id_or_name: str) -> SandboxRecord:
-        rec = self.manager.registry.find(tenant, id_or_name)
-        if rec.state is S.PAUSED:
-            await self.manager.resume(rec.id, tenant=tenant)
-        rec = self.manager.registry.get(rec.id)
-        if rec.state is not S.RUNNING:
-            raise InvalidState(f"sandbox {rec.id} is {rec.state.value}; attach needs it running",
-                               sandbox_id=rec.id, state=rec.state.value, required="running")
-        return rec
-
-    def _check_path_free(self, sandbox_id: str, path: str) -> None:
-        used = [a.path for _, a in self.volumes.attached_to(sandbox_id)]
-        used += [a.path for _, a in self.drives.attached_to(sandbox_id)]
-        for other in used:
-            if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
-                raise InvalidArgument(f"{path} overlaps {other}, already mounted in the sandbox",
-                                      field="path", value=path)
-
-    async def attach_volume(self, id_or_name: str, volume: str, path: str, *,
-                            read_only: bool = False, tenant: str = "default") -> VolumeInfo:
-        """Attach a volume to a sandbox (hot-plugged) and mount it at ``path``.
-
-        Raises VolumeNotFound, InvalidArgument (path), Conflict (read-write elsewhere),
-        InvalidState, EngineError/GuestError (then the attachment is undone).
-        """
-        from torpor.sandbox.qemu import DiskSpec
-
-        path = check_mount_path(path)
-        self.volumes.release(keep=self._live_ids())  # attachments of killed sandboxes
-        rec = await self._running_channel(tenant, id_or_name)
-        self._check_path_free(rec.id, path)
-        vol = self.volumes.attach(volume, rec.id, path, read_only=read_only, tenant=tenant)
-        live = self.manager._live(rec.id)
-        try:
-            async with live.lock:
-                if live.machine is None or live.channel is None:
-                    raise InvalidState(f"sandbox {rec.id} has no running machine",
-                                       sandbox_id=rec.id, state="paused", required="running")
-                await live.machine.attach_disk(DiskSpec(  # type: ignore[attr-defined]
-                    id=vol.id, path=self.volumes.image(vol.id), read_only=read_only,
-                    format="raw", serial=vol.id))
-                device = await find_guest_disk(live.channel, vol.id)
-                await live.channel.mount(  # type: ignore[attr-defined]
-                    device, path,
-                                         fstype="ext4", options="ro" if read_only else None)
-        except BaseException:
-            self.volumes.detach(vol.id, rec.id, tenant=tenant)
-            raise
-        log.info("volume %s mounted in %s at %s", vol.id, rec.id, path)
-        return self.volumes.get(vol.id, tenant=tenant)
-
-    async def attach_drive(self, id_or_name: str, drive: str, path: str, *,
-                           read_only: bool = False, tenant: str = "default") -> DriveInfo:
-        """Share a drive into a sandbox (virtio-9p) and mount it at ``path``.
-
-        Adding a 9p device costs one hibernate + wake of the sandbox. Raises DriveNotFound,
-        InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError.
-        """
-        from torpor.sandbox.qemu import ShareSpec
-
-        path = check_mount_path(path)
-        self.drives.release(keep=self._live_ids())
-        rec = await self._running_channel(tenant, id_or_name)
-        self._check_path_free(rec.id, path)
-        info = self.drives.get(drive, tenant=tenant)
-        m = self.manager
-        live = m._live(rec.id)
-        async with live.lock:
-            if live.machine is None or live.channel is None:
-                raise InvalidState(f"sandbox {rec.id} has no running machine",
-                                   sandbox_id=rec.id, state="paused", required="running")
-            await self.before_pause(rec.id, live.channel)  # attach_share hibernates once
-            channel, live.channel = live.channel, None
-            with contextlib.suppress(Exception):
-                await channel.sync()
-                await channel.close()
-            try:
-                await live.machine.attach_share(ShareSpec(  # type: ignore[attr-defined]
-                    id=info.id, path=self.drives.directory(info.id), tag=info.mount_tag,
-                    read_only=read_only))
-            finally:
-                live.channel = await m.engine.connect(live.machine, m.directory(rec.id))
-                await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-                await self.after_wake(rec.id, live.channel)
-            self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)
-            try:
-                await mount_in_guest(live.channel, info, path, read_only)
-            except BaseException:
-                self.drives.detach(info.id, rec.id, tenant=tenant)
-                raise
-        log.info("drive %s mounted in %s at %s", info.id, rec.id, path)
-        return self.drives.get(info.id, tenant=tenant)
 
     async def create(self, *, snapshot: str | None = None,
                      volumes: list[Mapping[str, Any]] | None = None,
@@ -554,23 +316,3 @@ class Checkpoints:
             live_sandboxes=self._live_ids(), dry_run=dry_run)
         report.expired_sandboxes = expired
         return report
-
-
-def _drop_ram(frozen: Path) -> None:
-    """Remove a frozen dir's RAM and state once every clone has its own copy (the disk layer
-    stays: overlays are backed by it)."""
-    for name in ("ram", "state"):
-        with contextlib.suppress(FileNotFoundError):
-            (frozen / name).unlink()
-    with contextlib.suppress(OSError):
-        if not any(frozen.iterdir()):
-            shutil.rmtree(frozen)
-
-
-def _check_count(count: int, names: list[str] | None) -> None:
-    if isinstance(count, bool) or not isinstance(count, int) or \
-            not 1 <= count <= LIMITS.max_fork_count:
-        raise InvalidArgument(f"fork count must be 1 to {LIMITS.max_fork_count}, not {count!r}",
-                              field="count", value=str(count), limit=LIMITS.max_fork_count)
-    if names is not None and len(names) != count:
-        raise InvalidArgument(f"{len(names)} names for {count} children", field="names")

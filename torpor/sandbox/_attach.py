@@ -1,0 +1,156 @@
+"""Attaching volumes and drives to a running sandbox, and keeping drives mounted across a
+hibernate.
+
+A volume is hot-plugged as a virtio disk and mounted by the guest agent; a drive is a virtio-9p
+share, which QEMU can only add to a hibernated machine and which blocks migration while mounted,
+so :class:`AttachMixin` is also a manager guest hook: it unmounts a sandbox's drives before every
+hibernate and mounts them again after the wake (a busy mount is a Conflict). Part of
+:class:`~torpor.sandbox.checkpoints.Checkpoints`; the stores are :mod:`torpor.sandbox.volumes`
+and :mod:`torpor.sandbox.drives`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState
+from torpor.sandbox.drives import DriveInfo, DriveStore, mount_in_guest
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.volumes import VolumeInfo, VolumeStore, check_mount_path, find_guest_disk
+
+__all__ = ["AttachMixin"]
+
+log = logging.getLogger(__name__)
+
+
+class AttachMixin:
+    """Volume and drive attachment of :class:`~torpor.sandbox.checkpoints.Checkpoints` (needs
+    its ``manager``, ``volumes`` and ``drives``)."""
+
+    manager: SandboxManager
+    volumes: VolumeStore
+    drives: DriveStore
+
+    # -- drives around a hibernate (the manager calls these: guest_hooks) -------------------------------------------------------
+
+    async def before_pause(self, sandbox_id: str, channel: Any) -> None:
+        """Unmount the sandbox's drives (9p blocks migration). Busy -> Conflict."""
+        for drive, att in self.drives.attached_to(sandbox_id):
+            try:
+                await channel.umount(att.path)
+            except GuestError as exc:
+                if "not mounted" in str(exc):
+                    continue
+                raise Conflict(
+                    f"drive {drive.name!r} at {att.path} in sandbox {sandbox_id} is busy (a "
+                    f"process has it open or is inside it), so the sandbox cannot hibernate: "
+                    f"{exc}", kind="drive", id=drive.id, sandbox_id=sandbox_id) from exc
+
+    async def after_wake(self, sandbox_id: str, channel: Any) -> None:
+        """Mount the sandbox's drives again after a wake."""
+        for drive, att in self.drives.attached_to(sandbox_id):
+            await mount_in_guest(channel, drive, att.path, att.read_only)
+
+    # -- attaching -----------------------------------------------------------------------
+
+    def _live_ids(self) -> set[str]:
+        return {r.id for r in self.manager.registry.list() if r.state is not S.STOPPED}
+
+    async def _running_channel(self, tenant: str, id_or_name: str) -> SandboxRecord:
+        rec = self.manager.registry.find(tenant, id_or_name)
+        if rec.state is S.PAUSED:
+            await self.manager.resume(rec.id, tenant=tenant)
+        rec = self.manager.registry.get(rec.id)
+        if rec.state is not S.RUNNING:
+            raise InvalidState(f"sandbox {rec.id} is {rec.state.value}; attach needs it running",
+                               sandbox_id=rec.id, state=rec.state.value, required="running")
+        return rec
+
+    def _check_path_free(self, sandbox_id: str, path: str) -> None:
+        used = [a.path for _, a in self.volumes.attached_to(sandbox_id)]
+        used += [a.path for _, a in self.drives.attached_to(sandbox_id)]
+        for other in used:
+            if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
+                raise InvalidArgument(f"{path} overlaps {other}, already mounted in the sandbox",
+                                      field="path", value=path)
+
+    async def attach_volume(self, id_or_name: str, volume: str, path: str, *,
+                            read_only: bool = False, tenant: str = "default") -> VolumeInfo:
+        """Attach a volume to a sandbox (hot-plugged) and mount it at ``path``.
+
+        Raises VolumeNotFound, InvalidArgument (path), Conflict (read-write elsewhere),
+        InvalidState, EngineError/GuestError (then the attachment is undone).
+        """
+        from torpor.sandbox.qemu import DiskSpec
+
+        path = check_mount_path(path)
+        self.volumes.release(keep=self._live_ids())  # attachments of killed sandboxes
+        rec = await self._running_channel(tenant, id_or_name)
+        self._check_path_free(rec.id, path)
+        vol = self.volumes.attach(volume, rec.id, path, read_only=read_only, tenant=tenant)
+        live = self.manager._live(rec.id)
+        try:
+            async with live.lock:
+                if live.machine is None or live.channel is None:
+                    raise InvalidState(f"sandbox {rec.id} has no running machine",
+                                       sandbox_id=rec.id, state="paused", required="running")
+                await live.machine.attach_disk(DiskSpec(  # type: ignore[attr-defined]
+                    id=vol.id, path=self.volumes.image(vol.id), read_only=read_only,
+                    format="raw", serial=vol.id))
+                device = await find_guest_disk(live.channel, vol.id)
+                await live.channel.mount(  # type: ignore[attr-defined]
+                    device, path,
+                                         fstype="ext4", options="ro" if read_only else None)
+        except BaseException:
+            self.volumes.detach(vol.id, rec.id, tenant=tenant)
+            raise
+        log.info("volume %s mounted in %s at %s", vol.id, rec.id, path)
+        return self.volumes.get(vol.id, tenant=tenant)
+
+    async def attach_drive(self, id_or_name: str, drive: str, path: str, *,
+                           read_only: bool = False, tenant: str = "default") -> DriveInfo:
+        """Share a drive into a sandbox (virtio-9p) and mount it at ``path``.
+
+        Adding a 9p device costs one hibernate + wake of the sandbox. Raises DriveNotFound,
+        InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError.
+        """
+        from torpor.sandbox.qemu import ShareSpec
+
+        path = check_mount_path(path)
+        self.drives.release(keep=self._live_ids())
+        rec = await self._running_channel(tenant, id_or_name)
+        self._check_path_free(rec.id, path)
+        info = self.drives.get(drive, tenant=tenant)
+        m = self.manager
+        live = m._live(rec.id)
+        async with live.lock:
+            if live.machine is None or live.channel is None:
+                raise InvalidState(f"sandbox {rec.id} has no running machine",
+                                   sandbox_id=rec.id, state="paused", required="running")
+            await self.before_pause(rec.id, live.channel)  # attach_share hibernates once
+            channel, live.channel = live.channel, None
+            with contextlib.suppress(Exception):
+                await channel.sync()
+                await channel.close()
+            try:
+                await live.machine.attach_share(ShareSpec(  # type: ignore[attr-defined]
+                    id=info.id, path=self.drives.directory(info.id), tag=info.mount_tag,
+                    read_only=read_only))
+            finally:
+                live.channel = await m.engine.connect(live.machine, m.directory(rec.id))
+                await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
+                await self.after_wake(rec.id, live.channel)
+            self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)
+            try:
+                await mount_in_guest(live.channel, info, path, read_only)
+            except BaseException:
+                self.drives.detach(info.id, rec.id, tenant=tenant)
+                raise
+        log.info("drive %s mounted in %s at %s", info.id, rec.id, path)
+        return self.drives.get(info.id, tenant=tenant)

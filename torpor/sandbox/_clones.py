@@ -1,0 +1,174 @@
+"""Cloning children from a frozen sandbox: the machinery under fork and restore.
+
+A frozen dir (see :func:`~torpor.sandbox.snapshots.freeze`) holds a hibernated machine: RAM,
+device state and a disk layer. :class:`CloneMixin` turns it into ``count`` new sandboxes in two
+phases, so a fork can clone while its source is still paused and wake the children alongside
+it: :meth:`~CloneMixin._prepare` makes the registry rows and machine dirs,
+:meth:`~CloneMixin._wake_children` wakes them (fresh entropy and clock) and mounts the drives
+they inherit. Both are all or none. Part of :class:`~torpor.sandbox.checkpoints.Checkpoints`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torpor.config import LIMITS
+from torpor.errors import DriveNotFound, InvalidArgument, TorporError
+from torpor.sandbox.drives import DriveInfo, DriveStore, mount_in_guest
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.volumes import Attachment
+
+__all__ = ["CloneMixin", "check_count", "drop_ram"]
+
+log = logging.getLogger(__name__)
+
+
+class CloneMixin:
+    """Cloning of :class:`~torpor.sandbox.checkpoints.Checkpoints` (needs its ``manager`` and
+    ``drives``)."""
+
+    manager: SandboxManager
+    drives: DriveStore
+
+    async def _spawn(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
+                     names: list[str] | None, idle_pause_seconds: int | None,
+                     pause_retention_days: int, tenant: str, reason: str,
+                     drives_of: str | None,
+                     recorded_drives: list[dict[str, Any]] | None = None) -> list[SandboxInfo]:
+        """Clone, wake and refresh ``count`` sandboxes from a frozen dir; all or none."""
+        drives = self._drives_for(frozen, drives_of, recorded_drives)
+        recs = await self._prepare(frozen, count=count, labels=labels, names=names,
+                                   idle_pause_seconds=idle_pause_seconds,
+                                   pause_retention_days=pause_retention_days, tenant=tenant,
+                                   reason=reason)
+        return await self._wake_children(recs, drives, tenant=tenant, reason=reason)
+
+    async def _prepare(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
+                       names: list[str] | None, idle_pause_seconds: int | None,
+                       pause_retention_days: int, tenant: str,
+                       reason: str) -> list[SandboxRecord]:
+        """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
+        ``count`` children. All or none: on failure every row and dir made here is removed."""
+        from torpor.sandbox.qemu import clone_machine_dir
+
+        m = self.manager
+        config = json.loads((frozen / "machine.json").read_text())
+        recs: list[SandboxRecord] = []
+        try:
+            for i in range(count):  # registry rows first: a taken name fails before any work
+                sid = "sbx-" + secrets.token_hex(6)
+                now = time.time()
+                rec = SandboxRecord(
+                    id=sid, tenant=tenant, name=names[i] if names else sid,
+                    template=str(config.get("template", "python")), state=S.CREATING,
+                    labels=dict(labels or {}), vcpus=int(config.get("vcpus", 1)),
+                    memory_mib=int(config.get("memory_mib", 512)),
+                    idle_pause_seconds=idle_pause_seconds,
+                    pause_retention_days=pause_retention_days, created_at=now, last_active_at=now)
+                m.registry.insert(rec, reason=reason)
+                recs.append(rec)
+            await asyncio.gather(*(asyncio.to_thread(clone_machine_dir, frozen,
+                                                     m.directory(r.id)) for r in recs))
+        except BaseException as exc:
+            for rec in recs:
+                await m._abort_create(rec, m._live(rec.id), exc)
+            raise
+        return recs
+
+    async def _wake_children(self, recs: list[SandboxRecord],
+                             drives: list[tuple[DriveInfo, str, bool]], *, tenant: str,
+                             reason: str) -> list[SandboxInfo]:
+        """Wake the prepared children concurrently, refresh their randomness and clock, mount
+        their drives. All or none."""
+        m = self.manager
+
+        async def one(rec: SandboxRecord) -> SandboxInfo:
+            live = m._live(rec.id)
+            async with live.lock:
+                try:
+                    await m._boot(rec, live)
+                    for drive, path, ro in drives:
+                        self.drives.attach(drive.id, rec.id, path, read_only=ro,
+                                           tenant=drive.tenant)
+                        await mount_in_guest(live.channel, drive, path, ro)
+                except BaseException as exc:
+                    self.drives.release({rec.id})
+                    await m._abort_create(rec, live, exc)
+                    raise
+                return m._move(rec, S.RUNNING, reason, last_active_at=time.time()).to_info()
+
+        # children wake concurrently (QEMU start-up overlaps); all or none
+        results = await asyncio.gather(*(one(r) for r in recs), return_exceptions=True)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for child in made:
+                with contextlib.suppress(TorporError):
+                    await m.kill(child.id, tenant=tenant)
+                self.drives.release({child.id})
+            raise failed[0]
+        log.info("%s: %d sandbox(es) %s", reason, len(made), [c.id for c in made])
+        return made
+
+    def _drive_records(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return [{"id": d.id, "tenant": d.tenant, "path": a.path, "read_only": a.read_only}
+                for d, a in self.drives.attached_to(sandbox_id)]
+
+    def _drives_for(self, frozen: Path, source: str | None,
+                    recorded: list[dict[str, Any]] | None = None,
+                    ) -> list[tuple[DriveInfo, str, bool]]:
+        """The drives a clone of ``frozen`` must mount, for the 9p devices in its machine.json:
+        ``recorded`` (a snapshot's) or else the source's current attachments. Raises
+        DriveNotFound if one was deleted."""
+        config = json.loads((frozen / "machine.json").read_text())
+        shares = [d for d in config.get("devices", []) if d.get("kind") == "share"]
+        found: list[tuple[DriveInfo, str, bool]] = []
+        attached: dict[str, Any] = {}
+        if recorded is not None:
+            for r in recorded:
+                with contextlib.suppress(DriveNotFound):
+                    d = self.drives.get(r["id"], tenant=r["tenant"])
+                    attached[d.id] = (d, Attachment(sandbox_id="", path=r["path"],
+                                                    read_only=bool(r["read_only"])))
+        elif source:
+            attached = {d.id: (d, a) for d, a in self.drives.attached_to(source)}
+        for share in shares:
+            if not Path(share["path"]).is_dir():
+                raise DriveNotFound(f"drive {share['tag']} that this machine mounts was deleted",
+                                    kind="drive", name=share["tag"])
+            hit = attached.get(share["tag"])
+            if hit is not None:
+                found.append((hit[0], hit[1].path, hit[1].read_only))
+        return found
+
+
+def drop_ram(frozen: Path) -> None:
+    """Remove a frozen dir's RAM and state once every clone has its own copy (the disk layer
+    stays: overlays are backed by it)."""
+    for name in ("ram", "state"):
+        with contextlib.suppress(FileNotFoundError):
+            (frozen / name).unlink()
+    with contextlib.suppress(OSError):
+        if not any(frozen.iterdir()):
+            shutil.rmtree(frozen)
+
+
+def check_count(count: int, names: list[str] | None) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or \
+            not 1 <= count <= LIMITS.max_fork_count:
+        raise InvalidArgument(f"fork count must be 1 to {LIMITS.max_fork_count}, not {count!r}",
+                              field="count", value=str(count), limit=LIMITS.max_fork_count)
+    if names is not None and len(names) != count:
+        raise InvalidArgument(f"{len(names)} names for {count} children", field="names")
