@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import io
+import itertools
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict
 
 import torpor
@@ -18,6 +21,8 @@ from torpor.errors import (
 )
 from torpor.memory import Memory
 from torpor.memory.models import from_us, now_us, to_us
+
+_RT = itertools.count()
 
 
 def test_issue_example(mem: Memory) -> None:
@@ -111,6 +116,8 @@ def test_batched_writes(hmem: Memory) -> None:
 @pytest.mark.parametrize("bad", [
     pytest.param(lambda u: u.remember(""), id="empty"),
     pytest.param(lambda u: u.remember("   "), id="blank"),
+    pytest.param(lambda u: u.remember("a\x00b"), id="nul"),
+    pytest.param(lambda u: u.remember("x", metadata={"a": "\x00"}), id="nul-metadata"),
     pytest.param(lambda u: u.remember("x", key="bad key!"), id="key"),
     pytest.param(lambda u: u.remember("x", metadata={"a": object()}), id="metadata"),
     pytest.param(lambda u: u.remember("x", ttl=-1), id="ttl"),
@@ -218,3 +225,37 @@ def test_export_import_fork_roundtrip(hmem: Memory, tmp_path: Path) -> None:
 def test_time_roundtrip_exact(mem: Memory) -> None:
     f = mem.scope(app="a").remember("t")
     assert from_us(to_us(f.valid_from)) == f.valid_from
+
+
+_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+                min_size=1,
+                max_size=60).filter(str.strip)
+_META = st.dictionaries(st.text(alphabet="abcxyz_", min_size=1, max_size=5),
+                        st.one_of(st.none(), st.booleans(), st.integers(-10, 10), _TEXT),
+                        max_size=3)
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(items=st.lists(st.tuples(st.booleans(), _TEXT, st.sampled_from([None, "k1", "k2"]),
+                                _META), min_size=1, max_size=10))
+def test_export_import_round_trip_property(
+        tmp_path_factory: pytest.TempPathFactory, backend_spec: str,
+        items: list[tuple[bool, str, str | None, dict[str, object]]]) -> None:
+    home = tmp_path_factory.mktemp("rt")
+    tenant = f"rt{next(_RT)}"  # fresh per example: a server backend keeps data
+    with Memory(str(home), tenant=tenant, embedder=None, backend=backend_spec) as m:
+        u = m.scope(app="a", user="u")
+        for is_fact, text, key, meta in items:
+            if is_fact:
+                u.remember(text, key=key, metadata=meta)
+            else:
+                u.log("user", text, metadata=meta, session="s")
+        buf = io.StringIO()
+        u.export(buf)
+        before = sorted((r.model_dump_json() for r, _ in m.store.iter_records("")))
+    with Memory(str(home), tenant=tenant + "b", embedder=None, backend=backend_spec) as m2:
+        u2 = m2.scope(app="a", user="u")
+        assert u2.import_(io.StringIO(buf.getvalue())) == len(items)
+        after = sorted((r.model_dump_json() for r, _ in m2.store.iter_records("")))
+    assert after == before

@@ -56,6 +56,8 @@ _META_KEY_RE = re.compile(r'^[^"\\]{1,200}$')
 def _text(text: object, what: str = "text") -> str:
     if not isinstance(text, str) or not text.strip():
         raise InvalidArgument(f"{what} must be a non-empty string")
+    if "\x00" in text:  # PostgreSQL cannot store it; refuse it on every backend alike
+        raise InvalidArgument(f"{what} must not contain NUL characters")
     if len(text) > LIMITS.max_memory_text_chars:
         raise PayloadTooLarge(f"{what} is {len(text)} characters, over the limit of "
                               f"{LIMITS.max_memory_text_chars}", size=len(text),
@@ -73,9 +75,12 @@ def _metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         if not isinstance(k, str) or not _META_KEY_RE.match(k):
             raise InvalidArgument(f"invalid metadata key {k!r}")
     try:
-        size = len(json.dumps(out))
+        encoded = json.dumps(out)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"metadata must be JSON-serializable: {exc}") from None
+    if "\\u0000" in encoded:
+        raise InvalidArgument("metadata must not contain NUL characters")
+    size = len(encoded)
     if size > LIMITS.max_memory_text_chars:
         raise PayloadTooLarge(f"metadata is {size} characters of JSON", size=size,
                               limit=LIMITS.max_memory_text_chars)
