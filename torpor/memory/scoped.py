@@ -221,8 +221,8 @@ class ScopedMemory:
             text = _text(spec.get("text"))
             meta, seconds = _metadata(spec.get("metadata")), _ttl(spec.get("ttl"))
             session = spec.get("session") or self.scope.session
-            if session is not None and not isinstance(session, str):
-                raise InvalidArgument("session must be a string")
+            if session is not None:
+                _text(session, "session")
             now = now_us()
             at = _opt_us(spec.get("at"), "at")
             durability: Durability = spec.get("durability") or "persistent"
