@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, Self, TypeVar, cast
 from urllib.parse import quote
+
+from pydantic import BaseModel
 
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.sandbox.drives import DriveInfo
@@ -45,6 +47,16 @@ __all__ = [
 _LONG = 600.0
 
 
+class _Named(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+
+
+InfoT = TypeVar("InfoT", bound=_Named)
+
+
 def _q(value: str) -> str:
     return quote(value, safe="")
 
@@ -55,15 +67,16 @@ def _sandboxes(data: Any, rt: Runtime) -> builtins.list[Sandbox]:
     return [Sandbox(SandboxInfo.model_validate(d), rt) for d in data]
 
 
-class Snapshot:
-    """An immutable copy of a whole sandbox (RAM, processes, disk), kept for ``retention_days``."""
+class _Resource(Generic[InfoT]):
+    """What Snapshot, Volume and Drive share: an info model, a runtime, and the list / get /
+    delete calls on ``<_route>`` and ``<_route>/<id>``."""
 
-    def __init__(self, info: SnapshotInfo, runtime: Runtime) -> None:
+    _route: ClassVar[str]
+    _model: ClassVar[type[BaseModel]]
+
+    def __init__(self, info: InfoT, runtime: Runtime) -> None:
         self.info = info
         self._runtime = runtime
-
-    def __repr__(self) -> str:
-        return f"<Snapshot {self.id} {self.name!r}>"
 
     @property
     def id(self) -> str:
@@ -74,21 +87,38 @@ class Snapshot:
         return self.info.name
 
     @classmethod
-    def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Snapshot]:
-        """This tenant's snapshots (only checked, unexpired ones), oldest first."""
-        rt = runtime or default_runtime()
-        return [cls(SnapshotInfo.model_validate(d), rt) for d in rt.json("GET", "/v1/snapshots")]
+    def _from(cls, data: Any, rt: Runtime) -> Self:
+        return cls(cast(InfoT, cls._model.model_validate(data)), rt)
 
     @classmethod
-    def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Snapshot:
-        """One snapshot. Raises SnapshotNotFound (also once expired)."""
+    def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Self]:
+        """This tenant's, oldest first (snapshots: only checked, unexpired ones)."""
         rt = runtime or default_runtime()
-        return cls(SnapshotInfo.model_validate(rt.json("GET", f"/v1/snapshots/{_q(id_or_name)}")),
-                   rt)
+        return [cls._from(d, rt) for d in rt.json("GET", cls._route)]
+
+    @classmethod
+    def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Self:
+        """One by id or name. Raises SnapshotNotFound (also once expired) / VolumeNotFound /
+        DriveNotFound."""
+        rt = runtime or default_runtime()
+        return cls._from(rt.json("GET", f"{cls._route}/{_q(id_or_name)}"), rt)
+
+    def _delete(self) -> None:
+        self._runtime.request("DELETE", f"{self._route}/{_q(self.id)}")
+
+
+class Snapshot(_Resource[SnapshotInfo]):
+    """An immutable copy of a whole sandbox (RAM, processes, disk), kept for ``retention_days``."""
+
+    _route = "/v1/snapshots"
+    _model = SnapshotInfo
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.id} {self.name!r}>"
 
     def delete(self) -> None:
         """Delete the snapshot (its storage is reclaimed by the next GC)."""
-        self._runtime.request("DELETE", f"/v1/snapshots/{_q(self.id)}")
+        self._delete()
 
     def restore(self, *, name: str | None = None,
                 labels: dict[str, str] | None = None) -> Sandbox:
@@ -158,83 +188,42 @@ def collect_garbage(*, dry_run: bool = False, runtime: Runtime | None = None) ->
     return result
 
 
-class Volume:
+class Volume(_Resource[VolumeInfo]):
     """A disk image that outlives sandboxes: read-write in one sandbox or read-only in many."""
 
-    def __init__(self, info: VolumeInfo, runtime: Runtime) -> None:
-        self.info = info
-        self._runtime = runtime
+    _route = "/v1/volumes"
+    _model = VolumeInfo
 
     def __repr__(self) -> str:
         return f"<Volume {self.id} {self.name!r} {self.info.size_mib} MiB>"
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def name(self) -> str:
-        return self.info.name
 
     @classmethod
     def create(cls, name: str, size_mib: int = 1024, *, runtime: Runtime | None = None) -> Volume:
         """A new empty (ext4) volume. Raises InvalidName, InvalidArgument, Conflict."""
         rt = runtime or default_runtime()
-        data = rt.json("POST", "/v1/volumes", json={"name": name, "size_mib": size_mib})
-        return cls(VolumeInfo.model_validate(data), rt)
-
-    @classmethod
-    def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Volume]:
-        rt = runtime or default_runtime()
-        return [cls(VolumeInfo.model_validate(d), rt) for d in rt.json("GET", "/v1/volumes")]
-
-    @classmethod
-    def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Volume:
-        """Raises VolumeNotFound."""
-        rt = runtime or default_runtime()
-        return cls(VolumeInfo.model_validate(rt.json("GET", f"/v1/volumes/{_q(id_or_name)}")), rt)
+        return cls._from(rt.json("POST", cls._route, json={"name": name, "size_mib": size_mib}),
+                         rt)
 
     def delete(self) -> None:
         """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
-        self._runtime.request("DELETE", f"/v1/volumes/{_q(self.id)}")
+        self._delete()
 
 
-class Drive:
+class Drive(_Resource[DriveInfo]):
     """A host directory mounted read-write into many sandboxes at once (virtio-9p)."""
 
-    def __init__(self, info: DriveInfo, runtime: Runtime) -> None:
-        self.info = info
-        self._runtime = runtime
+    _route = "/v1/drives"
+    _model = DriveInfo
 
     def __repr__(self) -> str:
         return f"<Drive {self.id} {self.name!r}>"
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def name(self) -> str:
-        return self.info.name
 
     @classmethod
     def create(cls, name: str, *, runtime: Runtime | None = None) -> Drive:
         """A new empty drive. Raises InvalidName, Conflict."""
         rt = runtime or default_runtime()
-        return cls(DriveInfo.model_validate(rt.json("POST", "/v1/drives", json={"name": name})),
-                   rt)
-
-    @classmethod
-    def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Drive]:
-        rt = runtime or default_runtime()
-        return [cls(DriveInfo.model_validate(d), rt) for d in rt.json("GET", "/v1/drives")]
-
-    @classmethod
-    def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Drive:
-        """Raises DriveNotFound."""
-        rt = runtime or default_runtime()
-        return cls(DriveInfo.model_validate(rt.json("GET", f"/v1/drives/{_q(id_or_name)}")), rt)
+        return cls._from(rt.json("POST", cls._route, json={"name": name}), rt)
 
     def delete(self) -> None:
         """Delete the drive and its files. Raises Conflict while mounted somewhere."""
-        self._runtime.request("DELETE", f"/v1/drives/{_q(self.id)}")
+        self._delete()
