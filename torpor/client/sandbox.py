@@ -42,6 +42,19 @@ def _http_timeout(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _SLACK
 
 
+def _post_run(sbx: Sandbox, route: str, body: dict[str, Any], model: type[M],
+              on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+              timeout: float | None) -> M:
+    """POST ``body`` to the sandbox's ``route``: one JSON answer when no callback is given,
+    else the ``<route>/stream`` variant feeding output to the callbacks as it comes."""
+    rt = sbx._runtime
+    if on_stdout is None and on_stderr is None:
+        data = rt.json("POST", sbx._path(route), json=body, timeout=_http_timeout(timeout))
+        return model.model_validate(data)
+    return _streamed(rt, sbx._path(route + "/stream"), body, model, on_stdout, on_stderr,
+                     timeout)
+
+
 def _streamed(rt: Runtime, path: str, body: dict[str, Any], model: type[M],
               on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
               timeout: float | None) -> M:
@@ -79,13 +92,8 @@ class Commands:
         is killed), :class:`~torpor.errors.PayloadTooLarge` for output over the limit.
         """
         body = {"cmd": cmd, "cwd": cwd, "env": env, "timeout": timeout, "background": background}
-        rt = self._sbx._runtime
-        if on_stdout is None and on_stderr is None:
-            data = rt.json("POST", self._sbx._path("/commands"), json=body,
-                           timeout=_http_timeout(timeout))
-            return CommandResult.model_validate(data)
-        return _streamed(rt, self._sbx._path("/commands/stream"), body, CommandResult,
-                         on_stdout, on_stderr, timeout)
+        return _post_run(self._sbx, "/commands", body, CommandResult, on_stdout, on_stderr,
+                         timeout)
 
 
 class Files:
@@ -150,13 +158,9 @@ class Interpreter:
         code prints as it prints it. Raises :class:`~torpor.errors.OperationTimeout` after
         ``timeout`` seconds (variables kept).
         """
-        rt, body = self._sbx._runtime, {"code": code, "timeout": timeout}
-        if on_stdout is None and on_stderr is None:
-            data = rt.json("POST", self._sbx._path("/interpreter"), json=body,
-                           timeout=_http_timeout(timeout))
-            return Execution.model_validate(data)
-        return _streamed(rt, self._sbx._path("/interpreter/stream"), body, Execution,
-                         on_stdout, on_stderr, timeout)
+        body = {"code": code, "timeout": timeout}
+        return _post_run(self._sbx, "/interpreter", body, Execution, on_stdout, on_stderr,
+                         timeout)
 
 
 class Sandbox:
