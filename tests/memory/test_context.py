@@ -82,3 +82,13 @@ def test_never_over_budget(budget: int, facts: list[str], episodes: list[str],
         assert count(ctx.text) <= budget
         assert ctx.tokens <= budget
         assert len(ctx.ids) == len(set(ctx.ids))
+
+
+def test_non_additive_counter_still_fits() -> None:
+    # a counter that charges for joins: the fast pass overshoots, the exact pass must fit
+    def joiny(text: str) -> int:
+        return len(text.split()) + 3 * text.count("\n")
+
+    ctx = build_context(budget_tokens=20, count=joiny, profile=None,
+                        facts=[_fact(f"fact number {i}") for i in range(10)], episodes=[])
+    assert 0 < joiny(ctx.text) <= 20 and ctx.ids

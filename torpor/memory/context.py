@@ -1,11 +1,11 @@
 """A prompt-ready block of memory that never exceeds a token budget.
 
 Order: the profile, then current facts (those relevant to the query first, then the most
-recent others), then relevant episodes. Lines are added greedily while the whole block,
+recent others), then relevant episodes. Lines are added greedily while the block,
 headers included, stays within ``budget_tokens`` as counted by
 :func:`~torpor.memory.embeddings.token_counter` (MiniLM's WordPiece tokenizer, or a
-conservative estimate). Counting the block as a whole (not summing lines) keeps the
-guarantee exact whatever the tokenizer does at line joins.
+conservative estimate). The finished block is counted whole, so the guarantee holds
+whatever the tokenizer does at line joins (see :func:`build_context`).
 """
 
 from __future__ import annotations
@@ -62,11 +62,25 @@ def build_context(
     """Fill the block from the three sections in order (see the module docstring).
 
     ``facts`` and ``episodes`` come best first; duplicates by id are skipped. Raises nothing.
+
+    Lines are admitted on a running sum of their token counts (headers included): word-level
+    tokenizers split at whitespace, so a joined block counts at most the sum of its parts and
+    each line is tokenized once. The finished block is then counted whole; should a tokenizer
+    count more than the sum, the block is rebuilt by counting it whole at every step.
     """
+    ctx = _fill(budget_tokens, count, profile, facts, episodes, exact=False)
+    if ctx.tokens > budget_tokens:
+        ctx = _fill(budget_tokens, count, profile, facts, episodes, exact=True)
+    return ctx
+
+
+def _fill(budget_tokens: int, count: Callable[[str], int], profile: Profile | None,
+          facts: Sequence[Fact], episodes: Sequence[Episode], *, exact: bool) -> Context:
     sections: list[tuple[str, list[str]]] = []
     ids: list[str] = []
     used: set[str] = set()
     profile_used = False
+    total = 0
 
     def render(extra: tuple[str, str] | None = None) -> str:
         parts = []
@@ -81,14 +95,21 @@ def build_context(
         return "\n\n".join(parts)
 
     def try_add(title: str, line: str) -> bool:
-        if count(render((title, line))) > budget_tokens:
-            return False
-        for t, lines in sections:
-            if t == title:
-                lines.append(line)
-                break
+        nonlocal total
+        is_new = title not in {t for t, _ in sections}
+        if exact:
+            fits = count(render((title, line))) <= budget_tokens
+            cost = 0
         else:
+            cost = count(line) + (count(f"## {title}") if is_new else 0)
+            fits = total + cost <= budget_tokens
+        if not fits:
+            return False
+        total += cost
+        if is_new:
             sections.append((title, [line]))
+        else:
+            next(lines for t, lines in sections if t == title).append(line)
         return True
 
     if profile is not None:
