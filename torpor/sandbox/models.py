@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from torpor.errors import InvalidArgument
+
 __all__ = [
     "SandboxState",
     "CommandResult",
@@ -21,6 +23,7 @@ __all__ = [
     "ExecutionError",
     "Execution",
     "SandboxInfo",
+    "parse_labels",
 ]
 
 
@@ -115,3 +118,20 @@ class SandboxInfo(BaseModel):
     created_at: datetime
     last_active_at: datetime
     error: str | None = None
+
+
+def parse_labels(items: list[str] | None, *, what: str = "label") -> dict[str, str] | None:
+    """``["user=u-42", "tier=pro"]`` -> ``{"user": "u-42", "tier": "pro"}``; None for none.
+
+    Raises :class:`~torpor.errors.InvalidArgument` (naming the item as ``what``) for an item
+    without ``=`` or with an empty key.
+    """
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidArgument(f"{what} {item!r} is not KEY=VALUE", label=item)
+        out[key] = value
+    return out
