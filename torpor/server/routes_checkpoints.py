@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from torpor.sandbox._records import RecordStore
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.drives import DriveInfo
 from torpor.sandbox.models import SandboxInfo
@@ -183,6 +184,15 @@ async def fork_snapshot(id_or_name: str, body: ForkBody, request: Request, manag
 
 # -- volumes and drives ----------------------------------------------------------------------
 
+def _delete_shared(cp: Checkpoints, store: RecordStore[Any], id_or_name: str,
+                   tenant: str) -> Response:
+    """Delete a volume or drive once attachments of killed sandboxes are dropped (they no
+    longer hold it). Raises NotFound, Conflict while a live sandbox has it attached."""
+    store.release(keep=cp._live_ids())
+    store.delete(id_or_name, tenant=tenant)
+    return Response(status_code=204)
+
+
 @router.post("/volumes", status_code=201)
 async def create_volume(body: VolumeBody, request: Request, manager: Manager,
                         tenant: Tenant) -> VolumeInfo:
@@ -205,9 +215,7 @@ async def get_volume(id_or_name: str, request: Request, manager: Manager,
 async def delete_volume(id_or_name: str, request: Request, manager: Manager,
                         tenant: Tenant) -> Response:
     cp = checkpoints_of(request, manager)
-    cp.volumes.release(keep=cp._live_ids())  # killed sandboxes no longer hold it
-    cp.volumes.delete(id_or_name, tenant=tenant)
-    return Response(status_code=204)
+    return _delete_shared(cp, cp.volumes, id_or_name, tenant)
 
 
 @router.post("/drives", status_code=201)
@@ -231,9 +239,7 @@ async def get_drive(id_or_name: str, request: Request, manager: Manager,
 async def delete_drive(id_or_name: str, request: Request, manager: Manager,
                        tenant: Tenant) -> Response:
     cp = checkpoints_of(request, manager)
-    cp.drives.release(keep=cp._live_ids())
-    cp.drives.delete(id_or_name, tenant=tenant)
-    return Response(status_code=204)
+    return _delete_shared(cp, cp.drives, id_or_name, tenant)
 
 
 # -- retention -------------------------------------------------------------------------------
