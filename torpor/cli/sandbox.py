@@ -15,8 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torpor.client import Sandbox
-from torpor.errors import InvalidArgument
-from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.models import SandboxInfo, parse_labels
 
 __all__ = ["register"]
 
@@ -26,18 +25,6 @@ sandbox_app = typer.Typer(help="Create, list, pause, wake, kill sandboxes and ru
                           no_args_is_help=True)
 
 Labels = Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE, repeatable")]
-
-
-def _labels(items: list[str] | None) -> dict[str, str] | None:
-    if not items:
-        return None
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise InvalidArgument(f"label {item!r} is not KEY=VALUE", label=item)
-        out[key] = value
-    return out
 
 
 def _when(info: SandboxInfo) -> tuple[str, str]:
@@ -74,7 +61,7 @@ def create(
 
     Example: torpor sandbox create agent-u-42 --label user=u-42 --idle-pause 600
     """
-    _show(Sandbox.create(template, name=name, labels=_labels(label),
+    _show(Sandbox.create(template, name=name, labels=parse_labels(label),
                          idle_pause_seconds=idle_pause, vcpus=vcpus, memory_mib=memory).info)
 
 
@@ -85,7 +72,7 @@ def ls(label: Labels = None,
 
     Example: torpor sandbox ls --label user=u-42
     """
-    infos = Sandbox.list(labels=_labels(label), include_stopped=all_)
+    infos = Sandbox.list(labels=parse_labels(label), include_stopped=all_)
     table = Table("id", "name", "state", "template", "labels", "last active")
     for info in infos:
         table.add_row(info.id, info.name, info.state.value, info.template,

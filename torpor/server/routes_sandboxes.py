@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from torpor.errors import InvalidArgument, SandboxNotFound
 from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.models import parse_labels as _parse_labels
 from torpor.server.deps import Manager, Tenant
 
 __all__ = ["CreateSandbox", "own", "parse_labels", "router"]
@@ -50,15 +51,7 @@ def parse_labels(labels: list[str] | None) -> dict[str, str] | None:
 
     Raises :class:`InvalidArgument` for an item without ``=``.
     """
-    if not labels:
-        return None
-    out: dict[str, str] = {}
-    for item in labels:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise InvalidArgument(f"label filter {item!r} is not KEY=VALUE", label=item)
-        out[key] = value
-    return out
+    return _parse_labels(labels, what="label filter")
 
 
 def own(info: SandboxInfo, tenant: str, id_or_name: str) -> SandboxInfo:
