@@ -17,26 +17,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import functools
 import os
 import platform
-import shutil
-import statistics
 import subprocess
-import tempfile
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import bench_home, summary, write_results
+
 RESULTS = Path(__file__).parent / "results" / "lifecycle.json"
-
-
-def _summary(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return {"median_ms": statistics.median(ordered) * 1000, "p95_ms": p95 * 1000,
-            "min_ms": ordered[0] * 1000, "n": len(ordered)}
 
 
 async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
@@ -209,7 +205,7 @@ async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
         await mgr.run_code("bench", "0")  # start the guest's interpreter once
         marks.phase = "create"
         for i in range(reps):
-            samples["create"].append(await _timed(lambda i=i: mgr.create(name=f"c{i}")))
+            samples["create"].append(await _timed(functools.partial(mgr.create, name=f"c{i}")))
             await mgr.kill(f"c{i}")
         for _ in range(reps):
             samples["command"].append(await _timed(lambda: mgr.run_command("bench", "true")))
@@ -229,7 +225,7 @@ async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
         cold_s = await _cold_boot(home) if cold else None
     finally:
         await mgr.close()
-    stats = {k: _summary(v) for k, v in samples.items()}
+    stats = {k: summary(v) for k, v in samples.items()}
     floor = stats["floor"]["median_ms"]
     targets = [
         ("pause", stats["pause"]["median_ms"], 100.0),
@@ -297,19 +293,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--cold", action="store_true", help="also time one cold boot")
     args = parser.parse_args()
-    # A throwaway home that shares the built templates (as the test fixtures do).
-    from torpor.config import paths
-
-    shared = paths().home
-    home = Path(tempfile.mkdtemp(prefix="torpor-bench-"))
-    (home / "templates").symlink_to(shared / "templates")
-    os.environ["TORPOR_HOME"] = str(home)
-    try:
+    with bench_home() as home:
         result = asyncio.run(run(args.reps, args.cold, home))
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    write_results(RESULTS, result)
     render(result)
 
 

@@ -28,25 +28,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
-import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import bench_home, summary, write_results
+
 RESULTS = Path(__file__).parent / "results" / "snapshots.json"
-
-
-def _summary(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return {"median_ms": statistics.median(ordered) * 1000, "p95_ms": p95 * 1000,
-            "min_ms": ordered[0] * 1000, "n": len(ordered)}
 
 
 def _du(path: Path) -> int:
@@ -112,14 +108,14 @@ async def run(reps: int, sandboxes: int, home: Path) -> dict[str, Any]:
             for k in kids:
                 await manager.kill(k.id)
         await manager.kill(src.id)
-        out["snapshot"] = _summary(snap_t)
+        out["snapshot"] = summary(snap_t)
         out["snapshot_first_ms"] = snap_t[0] * 1000
-        out["snapshot_later"] = _summary(snap_t[1:] or snap_t)
+        out["snapshot_later"] = summary(snap_t[1:] or snap_t)
         out["snapshot_sizes"] = sizes
-        out["restore"] = _summary(restore_t)
-        out["fork1_per_child"] = _summary(fork1_t)
-        out["fork10_per_child"] = _summary(fork10_t)
-        out["floor_ram_copy"] = _summary(floors)
+        out["restore"] = summary(restore_t)
+        out["fork1_per_child"] = summary(fork1_t)
+        out["fork10_per_child"] = summary(fork10_t)
+        out["floor_ram_copy"] = summary(floors)
         out["dedup"] = await _dedup(manager, cp, sandboxes)
     finally:
         for info in await manager.list():
@@ -205,23 +201,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sandboxes", type=int, default=20)
     args = parser.parse_args()
-    from torpor.config import paths
-
-    shared = paths()
-    with tempfile.TemporaryDirectory(prefix="torpor-bench-") as tmp:
-        home = Path(tmp) / "home"
-        home.mkdir()
-        (home / "templates").symlink_to(shared.templates)
-        os.environ["TORPOR_HOME"] = str(home)
+    with bench_home() as home:
         result = asyncio.run(run(args.reps, args.sandboxes, home))
-        shutil.rmtree(home / "sandboxes", ignore_errors=True)
     result["host"] = {"machine": platform.machine(), "cpus": os.cpu_count(),
                       "python": platform.python_version()}
     targets = render(result)
     result["targets"] = [{"name": n, "measured": g, "target": t, "ratio": g / t}
                          for n, g, t in targets]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2, default=str))
+    write_results(RESULTS, result)
 
 
 if __name__ == "__main__":
