@@ -1,5 +1,8 @@
 """What volumes and drives share: a JSON record per resource, with its attachments.
 
+It also holds :func:`write_record` and :func:`fsync_dir`, the atomic JSON write that snapshot
+manifests use too.
+
 A shared resource (a :mod:`~torpor.sandbox.volumes` volume, a :mod:`~torpor.sandbox.drives`
 drive) lives in one directory as ``<prefix>-<hex>.json`` records next to its data, guarded by
 ``<directory>/.lock`` across processes. :class:`RecordStore` holds the code both stores run on
@@ -28,6 +31,7 @@ __all__ = [
     "Attachment",
     "RecordStore",
     "check_attach",
+    "fsync_dir",
     "locked",
     "read_records",
     "write_record",
@@ -44,8 +48,20 @@ class Attachment(BaseModel):
     read_only: bool = False
 
 
-def write_record(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (tmp + fsync + rename). Raises StorageError."""
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so the renames and unlinks in it are durable. May raise OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_record(path: Path, data: dict[str, Any], *, what: str | None = None,
+                 sync_dir: bool = False, **context: Any) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (tmp + fsync + rename; with ``sync_dir``
+    the directory too, so the rename survives a crash). Raises StorageError naming ``what``
+    (default: the file name) and carrying ``context``; no tmp file is left behind."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "w") as f:
@@ -53,9 +69,12 @@ def write_record(path: Path, data: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        if sync_dir:
+            fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise StorageError(f"cannot write {path.name}: {exc}", exc=exc) from exc
+        raise StorageError(f"cannot write {what or path.name}: {exc}", exc=exc,
+                           **context) from exc
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ from torpor.errors import (
     SnapshotNotFound,
     StorageError,
 )
+from torpor.sandbox._records import fsync_dir, write_record
 from torpor.sandbox.chunks import ChunkStore, FileManifest
 
 __all__ = [
@@ -165,14 +166,6 @@ def _copy_sparse(src: Path, dst: Path) -> None:
         raise StorageError(f"cannot copy {src.name}: {exc.stderr.strip()}", exc=exc) from exc
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- frozen dirs --------------------------------------------------------------------------------
 
 def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> Path:
@@ -226,8 +219,8 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
         for f in final.iterdir():
             if not (link_ram and f.name == "ram"):  # a link shares the source's mode
                 f.chmod(0o400)  # a frozen layer is never written again
-        _fsync_dir(machine_dir)
-        _fsync_dir(frozen_root)
+        fsync_dir(machine_dir)
+        fsync_dir(frozen_root)
     except (OSError, StorageError, EngineError) as exc:
         base = final if final.exists() else tmp
         for original in flattened:  # its overlay was never swapped: drop the spare
@@ -357,26 +350,15 @@ class SnapshotStore:
                     raise StorageError(f"snapshot {sid}: chunk {digest[:12]} vanished before "
                                        "the manifest was written", snapshot_id=sid)
         body = dict(body, digest=_digest(body))
-        target = self.root / f"{sid}.json"
-        tmp = self.root / f".{sid}.json.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(body, f, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-            _fsync_dir(self.root)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise StorageError(f"cannot write the manifest of {sid}: {exc}", exc=exc,
-                               snapshot_id=sid) from exc
+        write_record(self.root / f"{sid}.json", body, what=f"the manifest of {sid}",
+                     sync_dir=True, snapshot_id=sid)
 
     def delete(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
         """Remove a snapshot's manifest (its chunks go at the next GC). Raises SnapshotNotFound."""
         info = self.get(id_or_name, tenant=tenant, include_expired=True)
         try:
             (self.root / f"{info.id}.json").unlink()
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except FileNotFoundError as exc:
             raise SnapshotNotFound(f"snapshot {id_or_name!r} not found", kind="snapshot",
                                    name=id_or_name) from exc
