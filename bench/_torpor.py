@@ -49,8 +49,10 @@ def open_memory(home: Path, embedder: Any | None) -> Any:
 class TorporSystem:
     """torpor as a benchmark system: ``torpor-lexical`` (no embedder) or ``torpor-hybrid``."""
 
-    def __init__(self, name: str, embedder: Any | None, home: Path | None = None) -> None:
+    def __init__(self, name: str, embedder: Any | None, home: Path | None = None,
+                 min_similarity: float | None = None) -> None:
         self.name = name
+        self.min_similarity = min_similarity  # None: torpor's default floor
         self._tmp = None if home else tempfile.TemporaryDirectory(prefix="torpor-bench-")
         self.home = home or Path(self._tmp.name)  # type: ignore[union-attr]
         self.mem = open_memory(self.home, embedder)
@@ -88,6 +90,8 @@ class TorporSystem:
     def search(self, user: str, query: str, k: int, as_of: datetime | None = None
                ) -> list[tuple[str, float]]:
         kw: dict[str, Any] = {"k": k}
+        if self.min_similarity is not None:
+            kw["min_similarity"] = self.min_similarity
         if as_of is not None:
             kw["as_of"] = self.real_time(user, as_of)
         hits = self.scope(user).recall(query, **kw)

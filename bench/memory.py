@@ -74,6 +74,9 @@ def run_quality(args: argparse.Namespace, report: dict[str, Any]) -> list[Qualit
     makers: list[tuple[str, Any]] = [
         ("torpor-hybrid", lambda: TorporSystem("torpor-hybrid", emb)),
         ("torpor-lexical", lambda: TorporSystem("torpor-lexical", None)),
+        *[(f"torpor-hybrid@{ms:g}", lambda ms=ms: TorporSystem(f"torpor-hybrid@{ms:g}", emb,
+                                                                min_similarity=ms))
+          for ms in args.min_similarity],
         ("bm25", BM25Peer),
         ("chroma", lambda: ChromaPeer(emb)),
     ]
@@ -86,7 +89,8 @@ def run_quality(args: argparse.Namespace, report: dict[str, Any]) -> list[Qualit
         skipped["mem0"] = "no Python with mem0 installed (see bench/README.md)"
     else:
         makers.append(("mem0", lambda: Mem0Peer(py, emb.path)))
-    makers = [(n, m) for n, m in makers if n in args.systems]
+    makers = [(n, m) for n, m in makers
+              if n in args.systems or n.startswith("torpor-hybrid@")]
     results = []
     for name, make in makers:
         try:
@@ -256,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=None, help="users in the quality set")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--no-mem0", action="store_true")
+    p.add_argument("--min-similarity", type=float, action="append", default=[],
+                   help="also run torpor-hybrid with recall(min_similarity=X) (repeatable; "
+                        "informational, the targets use the default)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help="quality systems to run (others are kept from an earlier run on the "
                         "same data)")
