@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 OutputCallback = Callable[[str], Any]
 #: extra seconds the host waits past a command's own timeout (the guest enforces that one)
 TIMEOUT_GRACE = 15.0
+#: the first ping's first retry (seconds); later retries back off by 1.5x up to 1 s
+FIRST_PING_RETRY = 0.02
+#: a refresh done by connect() stands in for a refresh() this soon after, nothing between
+FRESH_FOR = 2.0
 
 
 @dataclass
@@ -93,16 +97,22 @@ class GuestChannel:
         self._next_id = random.getrandbits(40)
         self._decoder = proto.FrameDecoder()
         self._closed: GuestError | None = None
+        # (when, result) of the refresh connect() did, until another request is sent
+        self._fresh: tuple[float, dict[str, Any]] | None = None
         self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
 
     # -- connection ----------------------------------------------------------------------
 
     @classmethod
     async def connect(cls, socket_path: Path, *, timeout: float = 30.0, limits: Limits = LIMITS,
-                      op_timeout: float = 120.0) -> GuestChannel:
+                      op_timeout: float = 120.0, refresh: bool = True) -> GuestChannel:
         """Connect to ``socket_path`` and wait until the agent answers a ping, retrying while
-        the socket does not exist yet or refuses. Raises :class:`OperationTimeout`, or
-        :class:`GuestError` if the agent speaks another protocol version (a stale template)."""
+        the socket does not exist yet or refuses. With ``refresh`` (the default: every
+        connection follows a boot, wake, fork or restore) the ping carries 64 fresh bytes of
+        host entropy and the host's clock, so the guest is refreshed in the same round trip
+        and a :meth:`refresh` right after is answered without another one.
+        Raises :class:`OperationTimeout`, or :class:`GuestError` if the agent speaks another
+        protocol version (a stale template)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         last_exc: BaseException | None = None
@@ -111,11 +121,11 @@ class GuestChannel:
                 reader, writer = await asyncio.open_unix_connection(str(socket_path))
             except OSError as exc:
                 last_exc = exc
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.005)
                 continue
             channel = cls(reader, writer, limits=limits, op_timeout=op_timeout)
             try:
-                await channel._first_ping(deadline)
+                await channel._first_ping(deadline, refresh)
                 return channel
             except GuestError as exc:  # hung up before answering: try a new connection
                 last_exc = exc
@@ -134,27 +144,41 @@ class GuestChannel:
                                f"{timeout} s", exc=last_exc, seconds=timeout,
                                path=str(socket_path))
 
-    async def _first_ping(self, deadline: float) -> None:
-        # The guest discards what arrived before its agent opened the port, so a ping sent
-        # during boot may be lost: ping again, more and more slowly, until one is answered.
+    async def _first_ping(self, deadline: float, refresh: bool) -> None:
+        # A ping can be lost: the guest discards what arrives before its agent opens the port
+        # (boot), and right after a wake the agent may still be noticing the previous
+        # connection's hang-up, which drops the replies of that moment. So ping again, first
+        # every few ms (the agent polls a hung-up port every 10 ms; a wake must not wait a
+        # whole retry interval for a lost ping), then more and more slowly. The agent serves
+        # pings on its read loop, so the extra ones cost the waking guest little.
         loop = asyncio.get_running_loop()
         tasks: list[asyncio.Task[dict[str, Any]]] = []
-        interval = 0.1
+        interval = FIRST_PING_RETRY
+        args: dict[str, Any] = {}
+        entropy = b""
+        if refresh:
+            entropy = os.urandom(64)
+            args = {"refresh": {"unix_time": time.time()}}
         try:
             while True:
                 left = deadline - loop.time()
                 if left <= 0:
                     raise OperationTimeout("the guest agent did not answer a ping",
                                            seconds=left)
-                tasks.append(loop.create_task(self._request("ping", {}, idle=None)))
+                if refresh:  # the clock as of this ping, not the first one
+                    args = {"refresh": {"unix_time": time.time()}}
+                tasks.append(loop.create_task(self._request("ping", args, entropy, idle=None)))
                 done, _ = await asyncio.wait(tasks, timeout=min(interval, left),
                                              return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     info = task.result()  # a GuestError (hang-up) propagates
                     if info.get("version") != proto.PROTOCOL_VERSION:
                         raise _VersionMismatch(info.get("version"))
+                    done_refresh = info.get("refresh")
+                    if isinstance(done_refresh, dict):  # an older agent ignores the ask
+                        self._fresh = (time.monotonic(), done_refresh)
                     return
-                interval = min(interval * 2, 2.0)
+                interval = min(interval * 1.5, 1.0)
         finally:
             for task in tasks:
                 task.cancel()
@@ -240,6 +264,8 @@ class GuestChannel:
         if self._closed is not None:
             raise GuestError(f"cannot {op}: {self._closed.message}")
         idle = self.op_timeout if idle is not None and idle < 0 else idle
+        if op != "ping":
+            self._fresh = None
         self._next_id += 1
         rid = self._next_id
         loop = asyncio.get_running_loop()
@@ -392,7 +418,17 @@ class GuestChannel:
     async def refresh(self, *, entropy: bytes | None = None,
                       unix_time: float | None = None) -> dict[str, Any]:
         """After a wake, fork or restore: mix host entropy into the guest's pool, set its
-        clock and reseed its interpreter's ``random``. Defaults: 64 fresh bytes, now."""
+        clock and reseed its interpreter's ``random``. Defaults: 64 fresh bytes, now.
+
+        When :meth:`connect` refreshed the guest less than :data:`FRESH_FOR` seconds ago and
+        no request was sent since, and ``unix_time`` is "now" (None or within a second of the
+        host's clock), that refresh's result is returned without a round trip: the guest
+        already mixed 64 fresh host bytes (``entropy`` is then not sent: it could add nothing
+        the guest does not have) and has the host's clock."""
+        fresh = self._fresh
+        if fresh is not None and time.monotonic() - fresh[0] < FRESH_FOR and (
+                unix_time is None or abs(unix_time - time.time()) < 1.0):
+            return dict(fresh[1])
         entropy = os.urandom(64) if entropy is None else entropy
         unix_time = time.time() if unix_time is None else unix_time
         return await self._request("refresh", {"unix_time": unix_time}, entropy)

@@ -9,8 +9,9 @@ QEMU does for the real port, and the host connects). Next to it in /opt/torpor:
 
 The host hangs up on every hibernate and a new QEMU reconnects on wake, so a hang-up is normal:
 the agent drops the half-received frame, keeps every process and variable, and polls again
-every 10 ms. Each request runs on its own thread; replies to requests of an earlier connection
-are dropped (``generation``). It never exits on its own.
+every 10 ms. Each request runs on its own thread (``ping`` and ``refresh`` run in order on the
+read loop); replies to requests of an earlier connection are dropped (``generation``). It never
+exits on its own.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ Failure = ops.Failure
 HANGUP_POLL = 0.01
 #: results larger than this (JSON bytes) go in data frames, not in the reply's header
 BIG_RESULT = 256 * 1024
+#: ops served on the read loop itself, in arrival order: quick, and after a wake the first
+#: answer is what the host waits for (a thread start costs milliseconds of freshly
+#: translated code under TCG); a refresh also takes effect before any later request starts
+INLINE_OPS = frozenset({"ping", "refresh"})
 
 
 class Link:
@@ -247,6 +252,8 @@ class Agent:
                 upload = ops.Upload(None, int(req.args.get("max_bytes") or 1 << 26))
                 upload.add(frame.payload)
                 self._uploads[rid] = (req, upload)
+            elif req.op in INLINE_OPS:
+                self._serve(req, frame.payload)
             else:
                 self._start(req, frame.payload)
         elif frame.type == proto.DATA:

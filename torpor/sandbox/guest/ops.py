@@ -150,6 +150,9 @@ class Operations:
         self.kernel = kernel
         self.set_clock = set_clock
         self.started = time.time()
+        self._boot: str | None = None
+        self._refresh_lock = threading.Lock()
+        self._ping_refresh: tuple[bytes | None, dict[str, Any]] | None = None
 
     def handler(self, op: str) -> Callable[[Any, Any], dict[str, Any]]:
         """The function serving ``op``. Raises :class:`Failure` for an unknown op."""
@@ -161,18 +164,39 @@ class Operations:
     # -- machine -------------------------------------------------------------------------
 
     def op_ping(self, req: Any, payload: bytes) -> dict[str, Any]:
-        try:
-            with open(_BOOT_ID) as f:
-                boot_id = f.read().strip()
-            with open("/proc/uptime") as f:
-                uptime = float(f.read().split()[0])
-        except OSError:
-            boot_id, uptime = "", time.monotonic()
-        return {"pid": os.getpid(), "boot_id": boot_id, "uptime": uptime, "time": time.time(),
-                "version": proto.PROTOCOL_VERSION}
+        """``{pid, boot_id, uptime, time, version}``; with ``args.refresh`` (``{unix_time}``,
+        entropy as payload) it refreshes too, once per connection, and adds ``refresh``."""
+        info: dict[str, Any] = {"pid": os.getpid(), "boot_id": self._boot_id(),
+                                "uptime": _uptime(), "time": time.time(),
+                                "version": proto.PROTOCOL_VERSION}
+        wanted = req.args.get("refresh")
+        if isinstance(wanted, dict):
+            # The host sends a ping every few ms until one is answered, all with the same
+            # fresh entropy: only the first of them refreshes (a wake must not queue a refresh
+            # per lost ping). Keyed by the entropy, not by the connection: a guest snapshotted
+            # before it saw its host hang up still counts the old connection as current.
+            key = hashlib.sha256(payload).digest() if payload else None
+            with self._refresh_lock:
+                if key is None or self._ping_refresh is None or self._ping_refresh[0] != key:
+                    self._ping_refresh = (key, self._refresh(payload, wanted.get("unix_time")))
+                info["refresh"] = self._ping_refresh[1]
+        return info
+
+    def _boot_id(self) -> str:
+        # Read once: a process never sees its boot change (a clone's guest keeps its boot).
+        if self._boot is None:
+            try:
+                with open(_BOOT_ID) as f:
+                    self._boot = f.read().strip()
+            except OSError:
+                self._boot = ""
+        return self._boot
 
     def op_refresh(self, req: Any, payload: bytes) -> dict[str, Any]:
         """Mix host entropy into the kernel pool, set the clock, reseed the interpreter."""
+        return self._refresh(payload, req.args.get("unix_time"))
+
+    def _refresh(self, payload: bytes, unix_time: Any) -> dict[str, Any]:
         credited = False
         if payload:
             with open("/dev/urandom", "wb", buffering=0) as f:
@@ -184,7 +208,6 @@ class Operations:
                 except OSError:
                     pass
         clock_set = False
-        unix_time = req.args.get("unix_time")
         if unix_time is not None and self.set_clock:
             try:
                 time.clock_settime(time.CLOCK_REALTIME, float(unix_time))
@@ -194,9 +217,19 @@ class Operations:
         # A seed from host entropy *and* the (now mixed) pool: clones must diverge even if
         # the host sent the same bytes twice.
         seed = hashlib.sha512(payload + os.urandom(32)).digest()
-        reseeded = self.kernel.reseed(seed)
         return {"entropy_bytes": len(payload), "credited": credited, "clock_set": clock_set,
-                "interpreter_reseeded": reseeded, "time": time.time()}
+                "interpreter_reseeded": self._defer_reseed(seed), "time": time.time()}
+
+    def _defer_reseed(self, seed: bytes) -> bool:
+        """Hand ``seed`` to the interpreter, which takes it before its next run. Not sent now:
+        right after a wake the guest's CPU is busy re-translating code, and waking the
+        interpreter process for it would slow the refresh and the host's next request.
+        False when no interpreter runs (a new one seeds itself from the refreshed pool)."""
+        proc = self.kernel.proc
+        if proc is None or proc.poll() is not None:
+            return False
+        self.kernel.pending_seed = seed  # KernelClient.run flushes it before the code
+        return True
 
     def op_sync(self, req: Any, payload: bytes) -> dict[str, Any]:
         os.sync()
@@ -398,6 +431,14 @@ class Operations:
     def op_restart_interpreter(self, req: Any, payload: bytes) -> dict[str, Any]:
         self.kernel.stop()
         return {}
+
+
+def _uptime() -> float:
+    """Seconds since boot (``/proc/uptime`` without opening a file)."""
+    try:
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):
+        return time.monotonic()
 
 
 def _disk_by_serial(serial: str, wait: float) -> str:

@@ -1,0 +1,96 @@
+"""GuestChannel.connect refreshes the guest in its first ping (one round trip on a wake), and
+a refresh() right after is answered from it. Runs the real agent on the host (``--socket``)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from torpor.sandbox.channel import GuestChannel
+
+AGENT = Path(__file__).parents[2] / "torpor" / "sandbox" / "guest" / "agent.py"
+
+
+def _agent(directory: Path) -> subprocess.Popen[bytes]:
+    directory.mkdir()
+    return subprocess.Popen([sys.executable, str(AGENT), "--socket", str(directory / "agent.sock"),
+                             "--no-clock", "--log-level", "WARNING"], cwd=directory)
+
+
+def test_connect_reseeds_like_refresh(tmp_path: Path) -> None:
+    # Two agents whose interpreters share a random state, as clones of one snapshot do: a new
+    # connection alone (no refresh() call) makes them draw differently.
+    procs = [_agent(tmp_path / "a"), _agent(tmp_path / "b")]
+    seed = "import random\nrandom.seed(7)"
+
+    async def draw(sock: Path) -> tuple[str | None, str | None]:
+        async with await GuestChannel.connect(sock, timeout=20, refresh=False) as ch:
+            await ch.run_code(seed)
+            same = (await ch.run_code("random.random()")).text
+            await ch.run_code(seed)
+        async with await GuestChannel.connect(sock, timeout=20) as ch:
+            return same, (await ch.run_code("random.random()")).text
+
+    try:
+        a = asyncio.run(draw(tmp_path / "a" / "agent.sock"))
+        b = asyncio.run(draw(tmp_path / "b" / "agent.sock"))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert a[0] == b[0] and a[0] is not None
+    assert a[1] != b[1] and a[1] is not None and b[1] is not None
+
+
+def test_refresh_after_connect_needs_no_round_trip(tmp_path: Path) -> None:
+    proc = _agent(tmp_path / "a")
+
+    async def body() -> None:
+        async with await GuestChannel.connect(tmp_path / "a" / "agent.sock", timeout=20) as ch:
+            await ch.run_code("0")  # an interpreter to reseed
+        async with await GuestChannel.connect(tmp_path / "a" / "agent.sock", timeout=20) as ch:
+            first = await ch.refresh()  # answered by the connect's ping
+            assert first["entropy_bytes"] == 64 and first["interpreter_reseeded"]
+            assert await ch.refresh() == first  # still nothing sent since
+            await ch.ping()  # a ping is not a request that spends the freshness
+            assert await ch.refresh() == first
+            await ch.run_code("1")
+            again = await ch.refresh()  # a request went between: a real refresh
+            assert again["time"] > first["time"]
+            other = await ch.refresh(unix_time=time.time() - 3600.0)  # not "now": sent
+            assert other["time"] >= again["time"]
+            # pings that repeat one entropy (a connect's retries) refresh once; new bytes,
+            # a new refresh (a snapshot may have kept the old connection as current)
+            ask = {"refresh": {"unix_time": time.time()}}
+            one = await ch._request("ping", ask, b"x" * 8)
+            two = await ch._request("ping", ask, b"x" * 8)
+            three = await ch._request("ping", ask, b"y" * 8)
+            assert one["refresh"] == two["refresh"] != first
+            assert three["refresh"]["time"] > one["refresh"]["time"]
+
+    try:
+        asyncio.run(body())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_connect_without_refresh_leaves_refresh_to_do(tmp_path: Path) -> None:
+    proc = _agent(tmp_path / "a")
+
+    async def body() -> None:
+        async with await GuestChannel.connect(tmp_path / "a" / "agent.sock", timeout=20,
+                                              refresh=False) as ch:
+            info = await ch.ping()
+            assert "refresh" not in info
+            result = await ch.refresh(entropy=b"z" * 16)
+            assert result["entropy_bytes"] == 16
+
+    try:
+        asyncio.run(body())
+    finally:
+        proc.kill()
+        proc.wait()
