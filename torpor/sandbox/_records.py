@@ -1,7 +1,7 @@
 """What volumes and drives share: a JSON record per resource, with its attachments.
 
-It also holds :func:`write_record` and :func:`fsync_dir`, the atomic JSON write that snapshot
-manifests use too.
+It also holds :func:`check_mount_path` (where in the guest a volume or drive may be mounted) and
+:func:`write_record` / :func:`fsync_dir`, the atomic JSON write that snapshot manifests use too.
 
 A shared resource (a :mod:`~torpor.sandbox.volumes` volume, a :mod:`~torpor.sandbox.drives`
 drive) lives in one directory as ``<prefix>-<hex>.json`` records next to its data, guarded by
@@ -18,6 +18,7 @@ import fcntl
 import json
 import logging
 import os
+import posixpath
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -25,12 +26,14 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from torpor.errors import Conflict, NotFound, StorageError
+from torpor.errors import Conflict, InvalidArgument, NotFound, StorageError
 
 __all__ = [
+    "SYSTEM_DIRS",
     "Attachment",
     "RecordStore",
     "check_attach",
+    "check_mount_path",
     "fsync_dir",
     "locked",
     "read_records",
@@ -38,6 +41,33 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+#: guest directories a volume or drive may not be mounted on or under
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt",
+               "/proc", "/root", "/run", "/sbin", "/sys", "/tmp", "/usr", "/var")
+
+
+def check_mount_path(path: str) -> str:
+    """Return the normalized absolute guest path, or raise InvalidArgument.
+
+    Refuses relative paths, ``..``, ``/`` and anything on or under a system directory.
+    """
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise InvalidArgument(f"mount path must be an absolute guest path, not {path!r}",
+                              field="path", value=str(path))
+    if ".." in path.split("/"):
+        raise InvalidArgument(f"mount path {path!r} may not contain '..'", field="path",
+                              value=path)
+    norm = posixpath.normpath(path)
+    if norm.startswith("//"):
+        norm = norm[1:]
+    for system in SYSTEM_DIRS:
+        if norm == "/" or norm == system or norm.startswith(system + "/"):
+            raise InvalidArgument(
+                f"mount path {path!r} collides with the system directory {system if norm != '/' else '/'}"
+                "; use a path such as /memory, /data or /mnt/<name>", field="path", value=path)
+    return norm
 
 
 class Attachment(BaseModel):
@@ -197,6 +227,24 @@ class RecordStore(Generic[InfoT]):
                 return info
         raise self.not_found(f"{self.kind} {id_or_name!r} not found", kind=self.kind,
                              name=id_or_name)
+
+    def _attach(self, id_or_name: str, sandbox_id: str, path: str, read_only: bool,
+                tenant: str, *, exclusive_writer: bool,
+                before_first: Callable[[str], None] | None = None) -> InfoT:
+        """Record that ``sandbox_id`` mounts the resource at ``path`` (checked and normalized
+        here) under the store's lock; ``before_first(id)`` runs when nobody else has it
+        attached. Raises NotFound, InvalidArgument (path), Conflict (the sharing rule)."""
+        path = check_mount_path(path)
+        with locked(self.root):
+            info = self.get(id_or_name, tenant=tenant)
+            check_attach(self.kind, info.id, info.attachments, sandbox_id, read_only,
+                         exclusive_writer=exclusive_writer)
+            if before_first is not None and not info.attachments:
+                before_first(info.id)
+            info.attachments.append(Attachment(sandbox_id=sandbox_id, path=path,
+                                               read_only=read_only))
+            self._save(info)
+        return info
 
     def detach(self, id_or_name: str, sandbox_id: str, *, tenant: str = "default") -> InfoT:
         """Forget ``sandbox_id``'s attachment (no error if there was none). Raises NotFound."""

@@ -25,8 +25,7 @@ from pydantic import BaseModel, Field
 
 from torpor.config import Paths, check_name
 from torpor.errors import Conflict, DriveNotFound, GuestError, StorageError
-from torpor.sandbox._records import Attachment, RecordStore, check_attach, locked
-from torpor.sandbox.volumes import check_mount_path
+from torpor.sandbox._records import Attachment, RecordStore, locked
 
 __all__ = ["DriveInfo", "DriveStore", "mount_in_guest"]
 
@@ -98,15 +97,8 @@ class DriveStore(RecordStore[DriveInfo]):
 
         Raises DriveNotFound, InvalidArgument (path), Conflict (already attached there).
         """
-        path = check_mount_path(path)
-        with locked(self.root):
-            info = self.get(id_or_name, tenant=tenant)
-            check_attach("drive", info.id, info.attachments, sandbox_id, read_only,
-                         exclusive_writer=False)
-            info.attachments.append(Attachment(sandbox_id=sandbox_id, path=path,
-                                               read_only=read_only))
-            self._save(info)
-        return info
+        return self._attach(id_or_name, sandbox_id, path, read_only, tenant,
+                            exclusive_writer=False)
 
 
 async def mount_in_guest(channel: Any, drive: DriveInfo, path: str, read_only: bool,

@@ -20,14 +20,13 @@ kernel that believes it has a disk that has moved on. So :mod:`torpor.sandbox.ch
 to snapshot or fork such a sandbox with a Conflict that says how to proceed (detach the volume,
 or copy what you need into the sandbox's own disk). Nothing is lost either way.
 
-This module also holds :func:`check_mount_path`, which :mod:`torpor.sandbox.drives` shares; the
-record code both stores run on is :mod:`torpor.sandbox._records`.
+The record code volumes and drives share (list, get, attach, detach, release, delete, and
+:func:`check_mount_path`, re-exported here) is :mod:`torpor.sandbox._records`.
 """
 
 from __future__ import annotations
 
 import logging
-import posixpath
 import subprocess
 import uuid
 from datetime import UTC, datetime
@@ -45,7 +44,13 @@ from torpor.errors import (
     StorageError,
     VolumeNotFound,
 )
-from torpor.sandbox._records import Attachment, RecordStore, check_attach, locked
+from torpor.sandbox._records import (  # check_mount_path, SYSTEM_DIRS: re-exported
+    SYSTEM_DIRS,
+    Attachment,
+    RecordStore,
+    check_mount_path,
+    locked,
+)
 
 __all__ = [
     "MAX_VOLUME_MIB",
@@ -59,33 +64,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_VOLUME_MIB = 1024 * 1024  # 1 TiB: a sparse file costs nothing until written
-#: guest directories a volume or drive may not be mounted on or under
-SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt",
-               "/proc", "/root", "/run", "/sbin", "/sys", "/tmp", "/usr", "/var")
-
-
-def check_mount_path(path: str) -> str:
-    """Return the normalized absolute guest path, or raise InvalidArgument.
-
-    Refuses relative paths, ``..``, ``/`` and anything on or under a system directory.
-    """
-    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
-        raise InvalidArgument(f"mount path must be an absolute guest path, not {path!r}",
-                              field="path", value=str(path))
-    if ".." in path.split("/"):
-        raise InvalidArgument(f"mount path {path!r} may not contain '..'", field="path",
-                              value=path)
-    norm = posixpath.normpath(path)
-    if norm.startswith("//"):
-        norm = norm[1:]
-    for system in SYSTEM_DIRS:
-        if norm == "/" or norm == system or norm.startswith(system + "/"):
-            raise InvalidArgument(
-                f"mount path {path!r} collides with the system directory {system if norm != '/' else '/'}"
-                "; use a path such as /memory, /data or /mnt/<name>", field="path", value=path)
-    return norm
-
-
 class VolumeInfo(BaseModel):
     """A volume as callers see it."""
 
@@ -162,16 +140,9 @@ class VolumeStore(RecordStore[VolumeInfo]):
 
         Raises VolumeNotFound, InvalidArgument (path), Conflict (the sharing rule).
         """
-        path = check_mount_path(path)
-        with locked(self.root):
-            info = self.get(id_or_name, tenant=tenant)
-            check_attach("volume", info.id, info.attachments, sandbox_id, read_only,
-                         exclusive_writer=True)
-            if not info.attachments:
-                self._replay_journal(info.id)
-            info.attachments.append(Attachment(sandbox_id=sandbox_id, path=path,
-                                               read_only=read_only))
-            self._save(info)
+        info = self._attach(id_or_name, sandbox_id, path, read_only, tenant,
+                            exclusive_writer=True, before_first=self._replay_journal)
+        path = info.attachments[-1].path
         log.info("volume %s attached to %s at %s (%s)", info.id, sandbox_id, path,
                  "ro" if read_only else "rw")
         return info
