@@ -174,26 +174,10 @@ def test_volumes_and_drives(qemu_home: Path) -> None:
 @pytest.fixture
 def served_home(qemu_home: Path) -> Any:
     """``qemu_home`` with the real local server (auto-started by the SDK); stopped after."""
-    import os
-    import signal
-
-    from torpor.errors import TorporError
-    from torpor.server.daemon import server_pid, stop_server
+    from tests.served import stop_server_and_vms
 
     yield qemu_home
-    pid = server_pid(qemu_home)
-    if pid is not None:
-        try:
-            stop_server(qemu_home, timeout=120)
-        except TorporError:
-            os.kill(pid, signal.SIGKILL)
-    for pidfile in (qemu_home / "sandboxes").glob("*/qemu.pid"):
-        text = pidfile.read_text().strip()
-        if text.isdigit():
-            try:
-                os.kill(int(text), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    stop_server_and_vms(qemu_home)
 
 
 def test_issue_scenario_through_the_sdk(served_home: Path) -> None:

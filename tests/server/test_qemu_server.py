@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.served import stop_server_and_vms
 from torpor.client import Runtime, Sandbox
-from torpor.errors import TorporError
 from torpor.server.daemon import server_pid, stop_server
 
 pytestmark = pytest.mark.qemu
@@ -29,19 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def home(qemu_home: Path) -> Iterator[Path]:
     """``qemu_home``, and no server or VM left behind afterwards."""
     yield qemu_home
-    pid = server_pid(qemu_home)
-    if pid is not None:
-        try:
-            stop_server(qemu_home, timeout=120)  # pauses running sandboxes: no QEMU outlives
-        except TorporError:
-            os.kill(pid, signal.SIGKILL)
-    for pidfile in (qemu_home / "sandboxes").glob("*/qemu.pid"):
-        text = pidfile.read_text().strip()
-        if text.isdigit():
-            try:
-                os.kill(int(text), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    stop_server_and_vms(qemu_home)
 
 
 def _python(code: str, home: Path) -> str:
