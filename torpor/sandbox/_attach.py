@@ -37,7 +37,7 @@ class AttachMixin:
     volumes: VolumeStore
     drives: DriveStore
 
-    # -- drives around a hibernate (the manager calls these: guest_hooks) -------------------------------------------------------
+    # -- drives around a hibernate (the manager calls these: guest_hooks) -----------------
 
     async def before_pause(self, sandbox_id: str, channel: Any) -> None:
         """Unmount the sandbox's drives (9p blocks migration). Busy -> Conflict."""
@@ -105,8 +105,7 @@ class AttachMixin:
                     format="raw", serial=vol.id))
                 device = await find_guest_disk(live.channel, vol.id)
                 await live.channel.mount(  # type: ignore[attr-defined]
-                    device, path,
-                                         fstype="ext4", options="ro" if read_only else None)
+                    device, path, fstype="ext4", options="ro" if read_only else None)
         except BaseException:
             self.volumes.detach(vol.id, rec.id, tenant=tenant)
             raise

@@ -85,6 +85,10 @@ class Checkpoints(AttachMixin, CloneMixin):
     InvalidArgument (bad count, path, retention), Conflict (names, sharing rules, volumes on a
     snapshot), InvalidState / StateLost (the sandbox's state), CorruptData (a bad chunk),
     StorageError / EngineError / GuestError from below.
+
+    ``attach_volume``, ``attach_drive`` and the drive hooks come from
+    :class:`~torpor.sandbox._attach.AttachMixin`; cloning children from
+    :class:`~torpor.sandbox._clones.CloneMixin`.
     """
 
     def __init__(self, manager: SandboxManager) -> None:
