@@ -208,6 +208,16 @@ class Volume(_Resource[VolumeInfo]):
         """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
         self._delete()
 
+    def read_file(self, path: str) -> bytes:
+        """The bytes of ``path`` inside the volume (its root is the volume's root), read on the
+        server with no sandbox running. A volume attached read-write shows what the guest has
+        flushed (``sync``, or a pause). Raises PathNotFound, InvalidArgument (a directory or
+        link), PayloadTooLarge, EngineError."""
+        response = self._runtime.request("GET", f"{self._route}/{_q(self.id)}/files",
+                                         params={"path": path})
+        content: bytes = response.content
+        return content
+
 
 class Drive(_Resource[DriveInfo]):
     """A host directory mounted read-write into many sandboxes at once (virtio-9p)."""

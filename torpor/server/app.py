@@ -44,6 +44,7 @@ ROUTERS = [
     "torpor.server.routes_sandboxes",
     "torpor.server.routes_exec",
     "torpor.server.routes_checkpoints",
+    "torpor.server.routes_volume_files",
 ]
 
 

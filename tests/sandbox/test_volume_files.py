@@ -1,0 +1,147 @@
+"""Reading a file out of a volume image without a VM: debugfs on images made by ``mkfs.ext4 -d``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from torpor.config import paths
+from torpor.errors import (
+    EngineError,
+    InvalidArgument,
+    PathNotFound,
+    PayloadTooLarge,
+    VolumeNotFound,
+)
+from torpor.sandbox.volume_files import needs_recovery, read_image_file, read_volume_file
+from torpor.sandbox.volumes import VolumeStore
+
+ODD_NAMES = {
+    "/work dir/ledger 2026.csv": b"date,event\n2026-03-03,upgraded to Pro\n",
+    '/q"uote/it\'s.txt': b"quoted\n",
+    "/\u00fcber.txt": "\u00fcber\n".encode(),
+    "/new\nline": b"newline in the name\n",
+    "/empty": b"",
+    "/bin.dat": bytes(range(256)) * 300,  # binary, several blocks
+}
+
+
+def _tree(root: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        target = root / name.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def _mkfs(image: Path, tree: Path, size_mib: int = 16) -> None:
+    """An ext4 image holding ``tree`` (as the volume store makes them: sparse, no reserve)."""
+    with open(image, "wb") as f:
+        f.truncate(size_mib << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-d", str(tree), str(image)],
+                   check=True, capture_output=True)
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Path:
+    tree = tmp_path / "tree"
+    _tree(tree, ODD_NAMES)
+    (tree / "work dir" / "sub").mkdir()
+    os.symlink("ledger 2026.csv", tree / "work dir" / "link")
+    os.mkfifo(tree / "fifo")
+    img = tmp_path / "vol.img"
+    _mkfs(img, tree)
+    return img
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=repr(p)) for p in ODD_NAMES])
+def test_reads_files_with_any_name(image: Path, path: str) -> None:
+    assert read_image_file(image, path) == ODD_NAMES[path]
+
+
+def test_paths_are_normalized_inside_the_volume(image: Path) -> None:
+    want = ODD_NAMES["/work dir/ledger 2026.csv"]
+    assert read_image_file(image, "/work dir/sub/../ledger 2026.csv") == want
+    assert read_image_file(image, "//work dir/./ledger 2026.csv") == want
+
+
+@pytest.mark.parametrize("path, error", [
+    pytest.param("/nope.txt", PathNotFound, id="missing"),
+    pytest.param("/work dir/nope", PathNotFound, id="missing-in-dir"),
+    pytest.param("/nodir/x", PathNotFound, id="missing-dir"),
+    pytest.param("/work dir", InvalidArgument, id="directory"),
+    pytest.param("/", InvalidArgument, id="root"),
+    pytest.param("/work dir/link", InvalidArgument, id="symlink"),
+    pytest.param("/fifo", InvalidArgument, id="fifo"),
+    pytest.param("work dir/ledger 2026.csv", InvalidArgument, id="relative"),
+    pytest.param("/a\0b", InvalidArgument, id="nul"),
+])
+def test_typed_errors(image: Path, path: str, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        read_image_file(image, path)
+
+
+def test_size_limit(image: Path) -> None:
+    assert len(read_image_file(image, "/bin.dat", max_bytes=256 * 300)) == 256 * 300
+    with pytest.raises(PayloadTooLarge) as info:
+        read_image_file(image, "/bin.dat", max_bytes=256 * 300 - 1)
+    assert info.value.data["size"] == 256 * 300
+
+
+def test_not_an_image(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.img"
+    junk.write_bytes(b"\xff" * 65536)
+    with pytest.raises(EngineError, match="cannot open"):
+        read_image_file(junk, "/x")
+    with pytest.raises(EngineError, match="missing"):
+        read_image_file(tmp_path / "gone.img", "/x")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> VolumeStore:
+    return VolumeStore(paths(tmp_path / "home").ensure())
+
+
+def _fill(store: VolumeStore, volume_id: str, tmp: Path, files: dict[str, bytes]) -> None:
+    """Put ``files`` into a store-made volume (what a sandbox would have written)."""
+    tree = tmp / f"tree-{volume_id}"
+    _tree(tree, files)
+    _mkfs(store.image(volume_id), tree)
+
+
+def test_read_volume_file_by_name_and_tenant(store: VolumeStore, tmp_path: Path) -> None:
+    vol = store.create("memory-u-42", size_mib=16, tenant="acme")
+    _fill(store, vol.id, tmp_path, {"/facts.md": b"- prefers weekly summaries\n"})
+    for ref in (vol.id, "memory-u-42"):
+        assert read_volume_file(store, ref, "/facts.md", tenant="acme") == \
+            b"- prefers weekly summaries\n"
+    with pytest.raises(VolumeNotFound):
+        read_volume_file(store, "memory-u-42", "/facts.md", tenant="globex")
+    with pytest.raises(PathNotFound):
+        read_volume_file(store, "memory-u-42", "/other.md", tenant="acme")
+
+
+def _set_recover_flag(image: Path) -> None:
+    """Mark the image as needing journal recovery, as a guest killed mid-mount leaves it
+    (debugfs keeps the superblock checksum right)."""
+    subprocess.run(["debugfs", "-w", "-R", "feature needs_recovery", str(image)], check=True,
+                   capture_output=True)
+    assert needs_recovery(image)
+
+
+def test_journal_replayed_only_when_nobody_has_the_volume(store: VolumeStore,
+                                                          tmp_path: Path) -> None:
+    vol = store.create("v", size_mib=16)
+    _fill(store, vol.id, tmp_path, {"/a.txt": b"a\n"})
+    image = store.image(vol.id)
+    assert not needs_recovery(image)
+    store.attach(vol.id, "sbx-live", "/memory")
+    _set_recover_flag(image)
+    # attached to a live sandbox: read in place, the image is left alone
+    assert read_volume_file(store, vol.id, "/a.txt", live={"sbx-live"}) == b"a\n"
+    assert needs_recovery(image)
+    # the sandbox is gone (killed): its stale attachment does not count, the journal is replayed
+    assert read_volume_file(store, vol.id, "/a.txt", live=set()) == b"a\n"
+    assert not needs_recovery(image)

@@ -1,0 +1,213 @@
+"""Reading one file out of a volume's disk image on the host, without mounting it.
+
+A memory fact may cite ``SourceRef(volume="memory-u-42", path="/facts.md", line=3)``; the path
+is inside the volume (its root is the volume's root, wherever a sandbox mounts it). The server
+reads it with ``debugfs`` (e2fsprogs) straight from ``volumes/<id>.img``, so no sandbox has to
+run and no root privileges or loop devices are needed::
+
+    data = read_volume_file(store, "memory-u-42", "/facts.md", tenant="acme")
+
+What a read sees:
+
+* **A detached volume**: everything its last sandbox flushed. When that sandbox was killed
+  with the volume mounted, the image's ext4 journal may still hold committed writes (an
+  ``fsync`` that was never followed by a full flush); the journal is replayed first, under the
+  volume lock, exactly as the next attach would do it.
+* **A volume attached to a sandbox** (read-write, running or paused): the image is read as it
+  is on disk, never modified. That is what the guest has flushed: after ``sync`` in the guest
+  (or a pause, which syncs) the file is there; writes still in the guest's page cache, or only
+  in its journal (an ``fsync`` of one file), are not yet visible. While the guest writes, a
+  read may catch metadata mid-update; that is an :class:`~torpor.errors.EngineError` naming
+  the cause, and reading again (or pausing the sandbox first) gives a consistent answer.
+
+Only regular files can be read; a directory or a symbolic link is
+:class:`~torpor.errors.InvalidArgument` (a link's target depends on where the volume is
+mounted, so cite the file it points to).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from torpor.config import LIMITS
+from torpor.errors import (
+    EngineError,
+    InvalidArgument,
+    PathNotFound,
+    PayloadTooLarge,
+    StorageError,
+)
+from torpor.sandbox._records import locked
+from torpor.sandbox.volumes import VolumeStore
+
+__all__ = ["needs_recovery", "read_image_file", "read_volume_file"]
+
+log = logging.getLogger(__name__)
+
+#: ext4 superblock: at byte 1024 of the image; s_feature_incompat at offset 0x60 in it
+_SB_OFFSET = 1024
+_INCOMPAT_OFFSET = 0x60
+_INCOMPAT_RECOVER = 0x4  # the journal must be replayed (set while mounted, or after a crash)
+
+#: debugfs's own lines on stderr that are not errors
+_NOISE = (re.compile(r"^debugfs \d"), re.compile(r"^\s*Using EXT2FS Library"),
+          re.compile(r"catastrophic mode"))
+_TYPE_RE = re.compile(r"Type:\s*(\S+)")
+_SIZE_RE = re.compile(r"\bSize:\s*(\d+)")
+
+
+def _quote(path: str) -> str:
+    """``path`` as one debugfs argument: debugfs splits its command line on blanks and takes
+    a double-quoted word whole, with ``""`` inside it standing for one quote."""
+    return '"' + path.replace('"', '""') + '"'
+
+
+def _normalize(path: str) -> str:
+    """The absolute, normalized path inside the volume. Raises InvalidArgument."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise InvalidArgument(f"a volume path must be absolute, not {path!r}", field="path",
+                              value=str(path))
+    norm = posixpath.normpath(path)
+    return norm[1:] if norm.startswith("//") else norm
+
+
+def _errors(stderr: bytes) -> list[str]:
+    lines = stderr.decode("utf-8", "replace").splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not any(p.search(ln) for p in _NOISE)]
+
+
+def _debugfs(image: Path, request: str) -> list[str]:
+    """argv of a read-only debugfs run of one request. ``-c`` (catastrophic mode) opens the
+    image read-only without loading the allocation bitmaps: nothing to write, faster on a
+    large volume, and a bitmap a live guest is rewriting cannot fail the open."""
+    return ["debugfs", "-c", "-R", request, str(image)]
+
+
+def _env() -> dict[str, str]:
+    # debugfs pipes some output through a pager when one is configured; never here.
+    return {**os.environ, "DEBUGFS_PAGER": "__none__", "PAGER": "__none__"}
+
+
+def _fail(image: Path, path: str, errors: list[str]) -> None:
+    """Raise the typed error for debugfs's complaints about ``path`` (when there are any)."""
+    if not errors:
+        return
+    text = "; ".join(errors)
+    if "File not found" in text:
+        raise PathNotFound(f"no such file {path} in the volume", kind="path", name=path)
+    if "while trying to open" in text or "Filesystem not open" in text:
+        raise EngineError(f"cannot open the volume image {image.name}: {text}",
+                          image=str(image))
+    raise EngineError(f"debugfs could not read {path} from {image.name}: {text} (a sandbox "
+                      "writing to the volume can cause this; read again, or pause it first)",
+                      image=str(image), path=path)
+
+
+def _stat(image: Path, path: str) -> tuple[str, int]:
+    """The file type (``regular``, ``directory``, ``symlink`` ...) and size of ``path``."""
+    try:
+        proc = subprocess.run(_debugfs(image, f"stat {_quote(path)}"), capture_output=True,
+                              env=_env(), check=False, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EngineError(f"cannot run debugfs: {exc}", exc=exc) from exc
+    _fail(image, path, _errors(proc.stderr))
+    out = proc.stdout.decode("utf-8", "replace")
+    kind, size = _TYPE_RE.search(out), _SIZE_RE.search(out)
+    if kind is None or size is None:
+        raise EngineError(f"unexpected debugfs output for {path}: {out[:200]!r}",
+                          image=str(image), path=path)
+    return kind.group(1), int(size.group(1))
+
+
+def read_image_file(image: str | os.PathLike[str], path: str, *,
+                    max_bytes: int = LIMITS.max_file_bytes) -> bytes:
+    """The bytes of the regular file ``path`` inside the ext2/3/4 image ``image`` (read-only).
+
+    Raises :class:`InvalidArgument` (a relative path, a directory, a symlink, a special file),
+    :class:`PathNotFound`, :class:`PayloadTooLarge` (over ``max_bytes``), :class:`EngineError`
+    (no debugfs, an image that does not open, or metadata that changed under the read).
+    """
+    image = Path(image)
+    path = _normalize(path)
+    if not image.is_file():
+        raise EngineError(f"volume image {image} is missing", image=str(image))
+    kind, size = _stat(image, path)
+    if kind == "directory":
+        raise InvalidArgument(f"{path} is a directory", path=path)
+    if kind != "regular":
+        raise InvalidArgument(f"{path} is a {kind}, not a regular file (a link's target "
+                              "depends on the mount point: cite the file itself)", path=path)
+    if size > max_bytes:
+        raise PayloadTooLarge(f"{path} is {size} bytes, over {max_bytes}", size=size,
+                              limit=max_bytes, path=path)
+    # ``dump`` into a private file, not ``cat`` to stdout: debugfs prints some warnings
+    # (a superblock checksum retried while a guest rewrites it) on stdout, which would end up
+    # in the content.
+    with tempfile.TemporaryDirectory(prefix="torpor-volread-") as tmp:
+        out = Path(tmp) / "file"
+        try:
+            proc = subprocess.run(_debugfs(image, f"dump {_quote(path)} {_quote(str(out))}"),
+                                  capture_output=True, env=_env(), check=False, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise EngineError(f"cannot run debugfs: {exc}", exc=exc) from exc
+        _fail(image, path, _errors(proc.stderr))
+        try:
+            # The file may have grown since the stat (a live guest): check again.
+            got = out.stat().st_size
+            if got > max_bytes:
+                raise PayloadTooLarge(f"{path} grew over {max_bytes} bytes", size=got,
+                                      limit=max_bytes, path=path)
+            return out.read_bytes()
+        except FileNotFoundError as exc:
+            raise EngineError(f"debugfs wrote nothing for {path}: "
+                              f"{proc.stdout.decode('utf-8', 'replace')[:300]}",
+                              image=str(image), path=path, exc=exc) from exc
+        except OSError as exc:
+            raise StorageError(f"cannot read back {path}: {exc}", exc=exc) from exc
+
+
+def needs_recovery(image: str | os.PathLike[str]) -> bool:
+    """Whether the ext4 image's journal still has to be replayed (its superblock says so:
+    the file system is mounted somewhere, or was when its machine stopped).
+    Raises :class:`EngineError` when the superblock cannot be read."""
+    try:
+        with open(image, "rb") as f:
+            f.seek(_SB_OFFSET + _INCOMPAT_OFFSET)
+            raw = f.read(4)
+    except OSError as exc:
+        raise EngineError(f"cannot read the superblock of {image}: {exc}", exc=exc) from exc
+    if len(raw) != 4:
+        raise EngineError(f"{image} is too short to hold a file system", image=str(image))
+    return bool(int.from_bytes(raw, "little") & _INCOMPAT_RECOVER)
+
+
+def read_volume_file(store: VolumeStore, id_or_name: str, path: str, *,
+                     tenant: str = "default", max_bytes: int = LIMITS.max_file_bytes,
+                     live: set[str] | None = None) -> bytes:
+    """The bytes of ``path`` inside the volume ``id_or_name`` of ``tenant`` (see the module
+    docstring for what a read sees while a sandbox has the volume attached).
+
+    ``live``: the ids of sandboxes that still exist; attachments of any other sandbox are
+    stale (it was killed) and do not count as in use. None: every attachment counts.
+    Holds the volume lock for the read, so the volume is not attached, detached or deleted
+    meanwhile. Raises :class:`VolumeNotFound`, :class:`InvalidArgument`,
+    :class:`PathNotFound`, :class:`PayloadTooLarge`, :class:`EngineError`.
+    """
+    path = _normalize(path)
+    with locked(store.root):
+        info = store.get(id_or_name, tenant=tenant)
+        image = store.image(info.id)
+        users = [a for a in info.attachments if live is None or a.sandbox_id in live]
+        if not users and needs_recovery(image):
+            # Nobody has it mounted: the journal is safe to replay, and holds writes that a
+            # killed sandbox committed but never wrote in place. The next attach would
+            # replay the same journal.
+            log.info("replaying the journal of volume %s before reading it", info.id)
+            store._replay_journal(info.id)
+        return read_image_file(image, path, max_bytes=max_bytes)
