@@ -69,8 +69,18 @@ def test_sandbox_sources_need_a_resolver(mem: Memory, sandbox_files: dict[str, b
     assert u.verify(f.id)[0].stale
 
 
-def test_no_resolver_for_volume_yet() -> None:
-    assert not check(SourceRef(volume="v1", path="/data/x")).verified
+def test_volume_source_without_a_server_is_unverified(tmp_path: Path) -> None:
+    """Volume sources default to the SDK's resolver; no server to ask: unverified, no raise.
+    (A runtime that does not auto-start, so no server is left behind; the real reads are
+    tested in test_provenance_sandbox.py.)"""
+    from torpor.client.runtime import Runtime, set_default_runtime
+
+    set_default_runtime(Runtime(home=tmp_path, autostart=False))
+    try:
+        outcome = check(SourceRef(volume="v1", path="/data/x"))
+    finally:
+        set_default_runtime(None)
+    assert not outcome.verified and "cannot reach" in outcome.reason
 
 
 @pytest.mark.parametrize("kw", [

@@ -1,13 +1,19 @@
-"""Reading files that memory facts cite, out of sandboxes, through the SDK.
+"""Reading files that memory facts cite, out of sandboxes and volumes, through the SDK.
 
-A fact may cite ``SourceRef(sandbox="agent-u-42", path="/workspace/ledger.csv", line=3)``;
-torpor checks such a citation by reading the file instead of trusting it. The memory layer
-reads sources through resolvers (:func:`torpor.memory.register_resolver`); this module is the
-one for sandboxes::
+A fact may cite ``SourceRef(sandbox="agent-u-42", path="/workspace/ledger.csv", line=3)`` or
+``SourceRef(volume="memory-u-42", path="/facts.md")``; torpor checks such a citation by reading
+the file instead of trusting it. The memory layer reads sources through resolvers
+(:func:`torpor.memory.register_resolver`); this module holds the ones for sandboxes and volumes.
+:func:`torpor.memory.provenance.read_source` uses them with the default runtime (the local
+server, started on demand) when nothing else is registered; register your own to read through
+another server::
 
-    torpor.memory.register_resolver("sandbox", sandbox_resolver())
+    torpor.memory.register_resolver("sandbox", sandbox_resolver(rt))
+    torpor.memory.register_resolver("volume", volume_resolver(rt))
 
-It wakes a paused sandbox to read the file, like any other call.
+The sandbox resolver wakes a paused sandbox to read the file, like any other call. The volume
+resolver reads the volume's disk image on the server, with no sandbox running; a volume that a
+sandbox has attached shows what the guest has flushed (``sync`` in the guest, or a pause).
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from torpor.client.checkpoints import Volume
 from torpor.client.runtime import Runtime
 from torpor.client.sandbox import Sandbox
 from torpor.errors import PathNotFound
 
-__all__ = ["CitesSandbox", "sandbox_resolver"]
+__all__ = ["CitesSandbox", "CitesVolume", "sandbox_resolver", "volume_resolver"]
 
 
 class CitesSandbox(Protocol):
@@ -32,12 +39,23 @@ class CitesSandbox(Protocol):
     def path(self) -> str | None: ...
 
 
+class CitesVolume(Protocol):
+    """What the volume resolver needs from a source reference (``SourceRef`` fits)."""
+
+    @property
+    def volume(self) -> str | None: ...
+
+    @property
+    def path(self) -> str | None: ...
+
+
 def sandbox_resolver(runtime: Runtime | None = None) -> Callable[[CitesSandbox], bytes]:
     """A resolver returning the whole file a reference cites in a sandbox.
 
-    The resolver raises :class:`~torpor.errors.SandboxNotFound` or
-    :class:`~torpor.errors.PathNotFound` (both :class:`~torpor.errors.NotFound`) when the
-    sandbox or file is missing, :class:`~torpor.errors.ServerUnavailable` without a server.
+    ``runtime``: the server to ask (None: the default runtime at call time). The resolver
+    raises :class:`~torpor.errors.SandboxNotFound` or :class:`~torpor.errors.PathNotFound`
+    (both :class:`~torpor.errors.NotFound`) when the sandbox or file is missing,
+    :class:`~torpor.errors.ServerUnavailable` without a server.
     """
 
     def read(ref: CitesSandbox) -> bytes:
@@ -45,5 +63,23 @@ def sandbox_resolver(runtime: Runtime | None = None) -> Callable[[CitesSandbox],
             raise PathNotFound("a sandbox source needs a sandbox and a path", kind="path",
                                name=f"{ref.sandbox}:{ref.path}")
         return Sandbox.get(ref.sandbox, runtime=runtime).files.read(ref.path)
+
+    return read
+
+
+def volume_resolver(runtime: Runtime | None = None) -> Callable[[CitesVolume], bytes]:
+    """A resolver returning the whole file a reference cites in a volume (path inside it).
+
+    ``runtime``: the server to ask (None: the default runtime at call time). The resolver
+    raises :class:`~torpor.errors.VolumeNotFound` or :class:`~torpor.errors.PathNotFound`
+    when the volume or file is missing, :class:`~torpor.errors.InvalidArgument` for a
+    directory or link, :class:`~torpor.errors.ServerUnavailable` without a server.
+    """
+
+    def read(ref: CitesVolume) -> bytes:
+        if not ref.volume or not ref.path:
+            raise PathNotFound("a volume source needs a volume and a path", kind="path",
+                               name=f"{ref.volume}:{ref.path}")
+        return Volume.get(ref.volume, runtime=runtime).read_file(ref.path)
 
     return read

@@ -4,9 +4,14 @@ Reading goes through a resolver seam so the sandbox and volume layers can plug i
 
     register_resolver("sandbox", my_reader)    # my_reader(ref) -> bytes (the whole file)
 
-Built in: ``host`` (a bare absolute ``path``: a file on this machine, valid for tests until
-sandboxes serve files) and ``url`` (an HTTP GET with a short timeout). A resolver returns the
-whole file; :func:`cite` cuts the cited line(s) or byte range out of it.
+Built in: ``host`` (a bare absolute ``path``: a file on this machine) and ``url`` (an HTTP
+GET with a short timeout). ``sandbox`` and ``volume`` sources default to the SDK's resolvers
+(:mod:`torpor.client.sources`) on the default runtime: the local server, started on demand,
+or ``$TORPOR_URL``. A sandbox file is read through the sandbox (waking it when paused); a
+volume file is read from the volume's disk image on the server, with no sandbox running (a
+volume attached to a running sandbox shows what the guest has flushed: ``sync``, or a pause).
+The client is imported on first use only, so ``torpor.memory`` alone never loads it. A
+resolver returns the whole file; :func:`cite` cuts the cited line(s) or byte range out of it.
 
 A fact is ``verified`` only when the cited content exists (and contains ``ref.quote`` when
 one is given); its SHA-256 is stored. :func:`check` re-reads it: a different hash or a
@@ -82,20 +87,30 @@ def _read_url(ref: SourceRef) -> bytes:
 
 
 def read_source(ref: SourceRef) -> bytes:
-    """The whole file (or document) ``ref`` names. Raises :class:`NotFound` (or a subclass)
-    when it cannot be read, including when no resolver serves its kind yet."""
+    """The whole file (or document) ``ref`` names, through the resolver registered for its
+    kind or the built-in one. Raises :class:`NotFound` (or a subclass) when it cannot be read,
+    and any other :class:`TorporError` the resolver raises (for a sandbox or volume:
+    :class:`~torpor.errors.ServerUnavailable` without a server)."""
     kind = source_kind(ref)
     with _lock:
         resolver = _resolvers.get(kind)
     if resolver is None:
-        if kind == "host":
-            resolver = _read_host
-        elif kind == "url":
-            resolver = _read_url
-        else:
-            raise NotFound(f"no resolver for {kind} sources yet ({ref.location})",
-                           kind=kind, name=ref.location)
+        resolver = _default_resolver(kind)
     return resolver(ref)
+
+
+def _default_resolver(kind: str) -> Resolver:
+    """The built-in reader of ``kind``. Sandboxes and volumes go through the SDK, imported
+    here and not at module load: the memory layer stands alone until a source needs a server."""
+    if kind == "host":
+        return _read_host
+    if kind == "url":
+        return _read_url
+    from torpor.client import sources
+
+    if kind == "sandbox":
+        return sources.sandbox_resolver()
+    return sources.volume_resolver()
 
 
 def cite(content: bytes, ref: SourceRef) -> bytes:
