@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from torpor.sandbox._records import RecordStore
@@ -49,6 +49,14 @@ def checkpoints_of(request: Request, manager: Any) -> Checkpoints:
         cp = Checkpoints(manager)
         request.app.state.checkpoints = cp
     return cp
+
+
+def _checkpoints(request: Request, manager: Manager) -> Checkpoints:
+    return checkpoints_of(request, manager)
+
+
+#: the app's Checkpoints, for a route's signature (after ``tenant``: the caller is checked first)
+Cp = Annotated[Checkpoints, Depends(_checkpoints)]
 
 
 class _Body(BaseModel):
@@ -110,75 +118,75 @@ class GcBody(_Body):
 # -- sandboxes -------------------------------------------------------------------------------
 
 @router.post("/sandboxes/{id_or_name}/snapshots", status_code=201)
-async def snapshot(id_or_name: str, body: SnapshotBody, request: Request, manager: Manager,
-                   tenant: Tenant) -> SnapshotInfo:
-    return await checkpoints_of(request, manager).snapshot(
+async def snapshot(id_or_name: str, body: SnapshotBody, tenant: Tenant,
+                   cp: Cp) -> SnapshotInfo:
+    return await cp.snapshot(
         id_or_name, name=body.name, retention_days=body.retention_days, labels=body.labels,
         tenant=tenant)
 
 
 @router.post("/sandboxes/{id_or_name}/fork", status_code=201)
-async def fork(id_or_name: str, body: ForkBody, request: Request, manager: Manager,
-               tenant: Tenant) -> list[SandboxInfo]:
-    return await checkpoints_of(request, manager).fork(
+async def fork(id_or_name: str, body: ForkBody, tenant: Tenant,
+               cp: Cp) -> list[SandboxInfo]:
+    return await cp.fork(
         id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant)
 
 
 @router.post("/sandboxes/{id_or_name}/volumes")
-async def attach_volume(id_or_name: str, body: AttachBody, request: Request, manager: Manager,
-                        tenant: Tenant) -> VolumeInfo:
-    return await checkpoints_of(request, manager).attach_volume(
+async def attach_volume(id_or_name: str, body: AttachBody, tenant: Tenant,
+                        cp: Cp) -> VolumeInfo:
+    return await cp.attach_volume(
         id_or_name, body.volume or "", body.path, read_only=body.read_only, tenant=tenant)
 
 
 @router.post("/sandboxes/{id_or_name}/drives")
-async def attach_drive(id_or_name: str, body: AttachBody, request: Request, manager: Manager,
-                       tenant: Tenant) -> DriveInfo:
-    return await checkpoints_of(request, manager).attach_drive(
+async def attach_drive(id_or_name: str, body: AttachBody, tenant: Tenant,
+                       cp: Cp) -> DriveInfo:
+    return await cp.attach_drive(
         id_or_name, body.drive or "", body.path, read_only=body.read_only, tenant=tenant)
 
 
 @router.post("/checkpoints/sandboxes", status_code=201)
-async def compose(body: ComposeBody, request: Request, manager: Manager,
-                  tenant: Tenant) -> SandboxInfo:
+async def compose(body: ComposeBody, tenant: Tenant,
+                  cp: Cp) -> SandboxInfo:
     options = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
-    return await checkpoints_of(request, manager).create(tenant=tenant, **options)
+    return await cp.create(tenant=tenant, **options)
 
 
 # -- snapshots -------------------------------------------------------------------------------
 
 @router.get("/snapshots")
-async def list_snapshots(request: Request, manager: Manager,
-                         tenant: Tenant) -> list[SnapshotInfo]:
-    return checkpoints_of(request, manager).list_snapshots(tenant=tenant)
+async def list_snapshots(tenant: Tenant,
+                         cp: Cp) -> list[SnapshotInfo]:
+    return cp.list_snapshots(tenant=tenant)
 
 
 @router.get("/snapshots/{id_or_name}")
-async def get_snapshot(id_or_name: str, request: Request, manager: Manager,
-                       tenant: Tenant) -> SnapshotInfo:
-    return checkpoints_of(request, manager).get_snapshot(id_or_name, tenant=tenant)
+async def get_snapshot(id_or_name: str, tenant: Tenant,
+                       cp: Cp) -> SnapshotInfo:
+    return cp.get_snapshot(id_or_name, tenant=tenant)
 
 
 @router.delete("/snapshots/{id_or_name}", status_code=204)
-async def delete_snapshot(id_or_name: str, request: Request, manager: Manager,
-                          tenant: Tenant) -> Response:
-    checkpoints_of(request, manager).delete_snapshot(id_or_name, tenant=tenant)
+async def delete_snapshot(id_or_name: str, tenant: Tenant,
+                          cp: Cp) -> Response:
+    cp.delete_snapshot(id_or_name, tenant=tenant)
     return Response(status_code=204)
 
 
 @router.post("/snapshots/{id_or_name}/restore", status_code=201)
-async def restore(id_or_name: str, body: RestoreBody, request: Request, manager: Manager,
-                  tenant: Tenant) -> SandboxInfo:
-    return await checkpoints_of(request, manager).restore(
+async def restore(id_or_name: str, body: RestoreBody, tenant: Tenant,
+                  cp: Cp) -> SandboxInfo:
+    return await cp.restore(
         id_or_name, name=body.name, labels=body.labels,
         idle_pause_seconds=body.idle_pause_seconds,
         pause_retention_days=body.pause_retention_days, tenant=tenant)
 
 
 @router.post("/snapshots/{id_or_name}/fork", status_code=201)
-async def fork_snapshot(id_or_name: str, body: ForkBody, request: Request, manager: Manager,
-                        tenant: Tenant) -> list[SandboxInfo]:
-    return await checkpoints_of(request, manager).fork_snapshot(
+async def fork_snapshot(id_or_name: str, body: ForkBody, tenant: Tenant,
+                        cp: Cp) -> list[SandboxInfo]:
+    return await cp.fork_snapshot(
         id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant)
 
 
@@ -194,59 +202,57 @@ def _delete_shared(cp: Checkpoints, store: RecordStore[Any], id_or_name: str,
 
 
 @router.post("/volumes", status_code=201)
-async def create_volume(body: VolumeBody, request: Request, manager: Manager,
-                        tenant: Tenant) -> VolumeInfo:
-    return checkpoints_of(request, manager).volumes.create(body.name, size_mib=body.size_mib,
+async def create_volume(body: VolumeBody, tenant: Tenant,
+                        cp: Cp) -> VolumeInfo:
+    return cp.volumes.create(body.name, size_mib=body.size_mib,
                                                            tenant=tenant)
 
 
 @router.get("/volumes")
-async def list_volumes(request: Request, manager: Manager, tenant: Tenant) -> list[VolumeInfo]:
-    return checkpoints_of(request, manager).volumes.list(tenant=tenant)
+async def list_volumes(tenant: Tenant, cp: Cp) -> list[VolumeInfo]:
+    return cp.volumes.list(tenant=tenant)
 
 
 @router.get("/volumes/{id_or_name}")
-async def get_volume(id_or_name: str, request: Request, manager: Manager,
-                     tenant: Tenant) -> VolumeInfo:
-    return checkpoints_of(request, manager).volumes.get(id_or_name, tenant=tenant)
+async def get_volume(id_or_name: str, tenant: Tenant,
+                     cp: Cp) -> VolumeInfo:
+    return cp.volumes.get(id_or_name, tenant=tenant)
 
 
 @router.delete("/volumes/{id_or_name}", status_code=204)
-async def delete_volume(id_or_name: str, request: Request, manager: Manager,
-                        tenant: Tenant) -> Response:
-    cp = checkpoints_of(request, manager)
+async def delete_volume(id_or_name: str, tenant: Tenant,
+                        cp: Cp) -> Response:
     return _delete_shared(cp, cp.volumes, id_or_name, tenant)
 
 
 @router.post("/drives", status_code=201)
-async def create_drive(body: DriveBody, request: Request, manager: Manager,
-                       tenant: Tenant) -> DriveInfo:
-    return checkpoints_of(request, manager).drives.create(body.name, tenant=tenant)
+async def create_drive(body: DriveBody, tenant: Tenant,
+                       cp: Cp) -> DriveInfo:
+    return cp.drives.create(body.name, tenant=tenant)
 
 
 @router.get("/drives")
-async def list_drives(request: Request, manager: Manager, tenant: Tenant) -> list[DriveInfo]:
-    return checkpoints_of(request, manager).drives.list(tenant=tenant)
+async def list_drives(tenant: Tenant, cp: Cp) -> list[DriveInfo]:
+    return cp.drives.list(tenant=tenant)
 
 
 @router.get("/drives/{id_or_name}")
-async def get_drive(id_or_name: str, request: Request, manager: Manager,
-                    tenant: Tenant) -> DriveInfo:
-    return checkpoints_of(request, manager).drives.get(id_or_name, tenant=tenant)
+async def get_drive(id_or_name: str, tenant: Tenant,
+                    cp: Cp) -> DriveInfo:
+    return cp.drives.get(id_or_name, tenant=tenant)
 
 
 @router.delete("/drives/{id_or_name}", status_code=204)
-async def delete_drive(id_or_name: str, request: Request, manager: Manager,
-                       tenant: Tenant) -> Response:
-    cp = checkpoints_of(request, manager)
+async def delete_drive(id_or_name: str, tenant: Tenant,
+                       cp: Cp) -> Response:
     return _delete_shared(cp, cp.drives, id_or_name, tenant)
 
 
 # -- retention -------------------------------------------------------------------------------
 
 @router.post("/gc")
-async def gc(body: GcBody, request: Request, manager: Manager, tenant: Tenant) -> dict[str, Any]:
-    report = await checkpoints_of(request, manager).collect_garbage(dry_run=body.dry_run)
+async def gc(body: GcBody, tenant: Tenant, cp: Cp) -> dict[str, Any]:
+    report = await cp.collect_garbage(dry_run=body.dry_run)
     return report.to_json()
 
 
