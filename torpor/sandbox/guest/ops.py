@@ -25,9 +25,11 @@ from typing import Any
 if __package__:
     from . import protocol as proto
     from .interpreter import KernelClient
+    from .spawn import Process, spawn_shell
 else:
     import protocol as proto  # type: ignore[no-redef]
     from interpreter import KernelClient  # type: ignore[no-redef]
+    from spawn import Process, spawn_shell  # type: ignore[no-redef]
 
 log = logging.getLogger("torpor.agent.ops")
 
@@ -275,15 +277,11 @@ class Operations:
             raise Failure("PathNotFound", f"working directory {cwd} does not exist",
                           kind="path", name=cwd)
         if a.get("background"):
-            proc = subprocess.Popen(["/bin/sh", "-c", cmd], cwd=cwd, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            proc = spawn_shell(cmd, cwd=cwd, env=env, capture=False)
             self._keep(proc)
             return {"pid": proc.pid, "exit_code": None}
         limit = int(a.get("max_output") or DEFAULT_OUTPUT_LIMIT)
-        proc = subprocess.Popen(["/bin/sh", "-c", cmd], cwd=cwd, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        proc = spawn_shell(cmd, cwd=cwd, env=env, capture=True)
         req.cancel_hook = lambda: _killpg(proc)
         try:
             self._pump(req, proc, limit, timeout)
@@ -295,7 +293,7 @@ class Operations:
             req.cancel_hook = None
         return {"pid": proc.pid, "exit_code": _exit_code(proc.wait())}
 
-    def _pump(self, req: Any, proc: subprocess.Popen[bytes], limit: int,
+    def _pump(self, req: Any, proc: Process, limit: int,
               timeout: float | None) -> None:
         sel = selectors.DefaultSelector()
         assert proc.stdout is not None and proc.stderr is not None
@@ -341,7 +339,7 @@ class Operations:
             if left:  # keep draining for the grandchild so its writes never block or fail
                 threading.Thread(target=_drain, args=(left,), daemon=True).start()
 
-    def _keep(self, proc: subprocess.Popen[bytes]) -> None:
+    def _keep(self, proc: Process) -> None:
         # Reap the shell when it exits so it does not stay a zombie.
         threading.Thread(target=proc.wait, daemon=True, name=f"reap-{proc.pid}").start()
 
@@ -462,7 +460,7 @@ def _disk_by_serial(serial: str, wait: float) -> str:
         time.sleep(0.1)
 
 
-def _killpg(proc: subprocess.Popen[bytes]) -> None:
+def _killpg(proc: Process) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
