@@ -71,6 +71,7 @@ def test_paths_are_normalized_inside_the_volume(image: Path) -> None:
     pytest.param("/nope.txt", PathNotFound, id="missing"),
     pytest.param("/work dir/nope", PathNotFound, id="missing-in-dir"),
     pytest.param("/nodir/x", PathNotFound, id="missing-dir"),
+    pytest.param("/empty/x", PathNotFound, id="file-as-dir"),
     pytest.param("/work dir", InvalidArgument, id="directory"),
     pytest.param("/", InvalidArgument, id="root"),
     pytest.param("/work dir/link", InvalidArgument, id="symlink"),

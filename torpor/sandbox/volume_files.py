@@ -99,7 +99,8 @@ def _fail(image: Path, path: str, errors: list[str]) -> None:
     if not errors:
         return
     text = "; ".join(errors)
-    if "File not found" in text:
+    if "File not found" in text or "inode is not a directory" in text:
+        # the second: a file where the path needs a directory (``/a.txt/b``)
         raise PathNotFound(f"no such file {path} in the volume", kind="path", name=path)
     if "while trying to open" in text or "Filesystem not open" in text:
         raise EngineError(f"cannot open the volume image {image.name}: {text}",
