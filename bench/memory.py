@@ -223,7 +223,7 @@ def targets(report: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                     None if s is None else s["current"] >= 1.0,
                     "not run" if s is None else
                     f"{s['current']:.3f} (current in top 5: {s.get('current_found', 0.0):.3f})"))
-    peers = [s for n, s in systems.items() if n not in TORPOR]
+    peers = [s for n, s in systems.items() if not n.startswith("torpor")]
     best = systems.get("torpor-hybrid")
     for kind in KINDS:
         if best is None or not peers:
