@@ -63,6 +63,7 @@ from torpor.sandbox._qemucmd import (
     build_command,
     clone_machine_dir,
     discard_state,
+    ensure_generation_id,
     inspect_dir,
     new_machine_config,
     read_machine_json,
@@ -352,6 +353,7 @@ class Machine:
                                state="no-state", required="hibernated")
         t0 = time.monotonic()
         config = read_machine_json(self.directory)
+        ensure_generation_id(self.directory, config)
         if (config["vcpus"], config["memory_mib"]) != (self.spec.vcpus, self.spec.memory_mib):
             # A saved machine keeps its shape: the RAM file and CPU state fix both.
             log.warning("%s was saved with %s vCPU / %s MiB; waking it as such (asked: %s / %s)",
