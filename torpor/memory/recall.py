@@ -3,8 +3,11 @@
 Candidates come from the backend's lexical search (FTS5 / PostgreSQL full text) and, with an
 embedder, its vector search (30+ of each). Each is scored (every factor is in ``Hit.scores``)::
 
-    coverage  = share of the query's terms found in the text (light suffix stemming)
-    bm25      = engine score / best engine score among the candidates
+    coverage  = weighted share of the query's terms found in the text (light suffix stemming;
+                a stop word weighs 0.2, any other term 1)
+    bm25      = engine score * length norm / best such score among the candidates, where
+                length norm = (k1 + 1) / (1 + k1 * (1 - b + b * words / mean words)),
+                k1 = 1.2, b = 0.75 (BM25's, over the candidates' word counts)
     lexical   = 0.8 * coverage + 0.2 * bm25                  (0 when not matched)
     vector    = cosine similarity to the query                (only with an embedder)
     relevance = 0.2 * lexical + 0.8 * max(vector, 0)          with an embedder
@@ -13,6 +16,17 @@ embedder, its vector search (30+ of each). Each is scored (every factor is in ``
                 "user facts > session > raw history")
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     score     = relevance * kind * recency
+
+Stop words, without an embedder, are searched, not dropped. A question is mostly function
+words ("what is my ...", "who am I ..."), and when its content words are paraphrased away
+they are all that links it to the statement that answers it ("My role is nurse now."):
+dropping them left lexical-only recall with nothing to rank, far below plain BM25, which
+keeps them and lets IDF weigh them. Here the engine's IDF weighs them in the bm25 factor and
+a fixed 0.2 in coverage, so they decide only where content words tie or fail. To keep common
+words off the hot path, the backend is first asked for the content words alone; stop words
+are added only when that finds fewer candidates than wanted (a large store rarely gets
+there). With an embedder the vectors bridge paraphrases, and stop-word matches only add noise
+to the lexical side, so there the query is its content words (all words if it has no other).
 
 This is a normalized score blend rather than reciprocal rank fusion: RRF discards how much
 better one candidate is than the next, which the kind prior and callers' abstention
@@ -57,11 +71,9 @@ _WORD = re.compile(r"\w+", re.UNICODE)
 
 
 def query_terms(text: str) -> list[str]:
-    """Lower-cased word tokens of ``text`` without stopwords (all of them if nothing else is
-    left), deduplicated in order: what the backends' lexical search receives."""
-    words = [w.lower() for w in _WORD.findall(text)]
-    kept = [w for w in words if w not in STOPWORDS] or words
-    return list(dict.fromkeys(kept))
+    """Lower-cased word tokens of ``text``, stop words included, deduplicated in order: what
+    the backends' lexical search receives (see the module docstring for why stop words stay)."""
+    return list(dict.fromkeys(w.lower() for w in _WORD.findall(text)))
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,9 @@ class RankWeights:
     """The constants of the ranking (see the module docstring)."""
 
     coverage: float = 0.8
+    stopword: float = 0.2
+    bm25_k1: float = 1.2
+    bm25_b: float = 0.75
     lexical: float = 0.2
     scope_decay: float = 0.7
     episode: float = 0.5
@@ -94,12 +109,39 @@ def stem(word: str) -> str:
     return w
 
 
-def coverage(terms: Sequence[str], text: str) -> float:
-    """The share of ``terms`` (stemmed) that occur in ``text`` (stemmed words)."""
-    if not terms:
+def coverage(terms: Sequence[str], text: str, stopword: float = 1.0) -> float:
+    """The share of ``terms`` (stemmed) that occur in ``text`` (stemmed words), a stop word
+    counting ``stopword`` and any other term 1."""
+    weights = [stopword if t in STOPWORDS else 1.0 for t in terms]
+    total = sum(weights)
+    if total <= 0:
         return 0.0
     words = {stem(w) for w in _WORD.findall(text)}
-    return sum(stem(t) in words for t in terms) / len(terms)
+    return sum(w for t, w in zip(terms, weights, strict=True) if stem(t) in words) / total
+
+
+def _lexical_candidates(store: TenantStore, terms: list[str], flt: RecordFilter,
+                        pool: int) -> list[tuple[AnyRecord, float]]:
+    """The backend's lexical matches for ``terms``: the content words' first, and all the
+    terms' only if those are fewer than ``pool`` (stop words match a large share of a big
+    store, so they are searched only where the content words leave room)."""
+    content = [t for t in terms if t not in STOPWORDS]
+    found = store.lexical_search(content, flt, pool) if content else []
+    if len(found) < pool and len(content) < len(terms):
+        found = store.lexical_search(terms, flt, pool)
+    return found
+
+
+def _length_normed(found: list[tuple[AnyRecord, float]],
+                   weights: RankWeights) -> dict[str, float]:
+    """Engine scores times BM25's length normalization (see the module docstring): with a
+    term frequency of 1 it is one factor per record, so it applies on top of the engine's
+    IDF sum; the mean length is the candidates' own (a record's length relative to its peers)."""
+    lengths = {rec.id: max(len(_WORD.findall(rec.text)), 1) for rec, _ in found}
+    mean = sum(lengths.values()) / len(lengths) if lengths else 1.0
+    k1, b = weights.bm25_k1, weights.bm25_b
+    return {rec.id: s * (k1 + 1) / (1 + k1 * (1 - b + b * lengths[rec.id] / mean))
+            for rec, s in found}
 
 
 def recall(
@@ -121,7 +163,9 @@ def recall(
         return []
     pool = max(k * 3, 30)  # candidates per source: enough to fuse, cheap to materialize
     terms = query_terms(query)
-    lexical = store.lexical_search(terms, flt, pool)
+    if embedder is not None:  # see the module docstring: stop words only without vectors
+        terms = [t for t in terms if t not in STOPWORDS] or terms
+    lexical = _lexical_candidates(store, terms, flt, pool)
     vector: list[tuple[AnyRecord, float]] = []
     if embedder is not None:
         qvec = embedder.embed([query])[0]
@@ -131,10 +175,11 @@ def recall(
     records: dict[str, AnyRecord] = {}
     bm25: dict[str, float] = {}
     vec: dict[str, float] = {}
-    best = max((s for _, s in lexical), default=0.0)
-    for rec, s in lexical:
+    normed = _length_normed(lexical, weights)
+    best = max(normed.values(), default=0.0)
+    for rec, _ in lexical:
         records[rec.id] = rec
-        bm25[rec.id] = s / best if best > 0 else 1.0
+        bm25[rec.id] = normed[rec.id] / best if best > 0 else 1.0
     for rec, s in vector:
         vec[rec.id] = s
         if rec.id not in bm25 and s < floor:
@@ -147,7 +192,7 @@ def recall(
     for rid, rec in records.items():
         scores: dict[str, float] = {}
         if rid in bm25:
-            scores["coverage"] = coverage(terms, rec.text)
+            scores["coverage"] = coverage(terms, rec.text, weights.stopword)
             scores["bm25"] = bm25[rid]
             scores["lexical"] = (weights.coverage * scores["coverage"]
                                  + (1 - weights.coverage) * scores["bm25"])
