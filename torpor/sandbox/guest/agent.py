@@ -204,7 +204,7 @@ class Agent:
             if generation != self.generation or not self.connected:
                 return
             if not self.link.write(frame):
-                log.info("host hung up while we were sending")
+                log.debug("host hung up while we were sending")
 
     def serve_forever(self) -> None:
         """Serve requests until the process is killed; host hang-ups are survived."""
@@ -220,7 +220,9 @@ class Agent:
             if not self.connected:
                 with self._send_lock:
                     self.connected = True
-                log.info("host connected (generation %d)", self.generation)
+                # debug, not info: the agent's log is the serial console, and under TCG
+                # each byte written there is a slow I/O exit, on every wake's critical path
+                log.debug("host connected (generation %d)", self.generation)
             for frame in decoder.feed(data):
                 try:
                     self._on_frame(frame)
@@ -234,7 +236,7 @@ class Agent:
         for _, upload in self._uploads.values():
             upload.abort()
         self._uploads.clear()
-        log.info("host hung up; now generation %d", self.generation)
+        log.debug("host hung up; now generation %d", self.generation)
 
     def _on_frame(self, frame: proto.Frame) -> None:
         header, rid = frame.header, frame.id
