@@ -15,14 +15,14 @@ from pydantic import BaseModel, Field
 from torpor.errors import InvalidArgument
 
 __all__ = [
-    "SandboxState",
     "CommandResult",
-    "ProcessInfo",
     "EntryInfo",
-    "Result",
-    "ExecutionError",
     "Execution",
+    "ExecutionError",
+    "ProcessInfo",
+    "Result",
     "SandboxInfo",
+    "SandboxState",
     "parse_labels",
 ]
 
