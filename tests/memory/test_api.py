@@ -222,6 +222,14 @@ def test_export_import_fork_roundtrip(hmem: Memory, tmp_path: Path) -> None:
         w.import_(io.StringIO('{"type": "fact"}\n'))
 
 
+def test_metadata_may_hold_escaped_nul_text(mem: Memory) -> None:
+    """A literal backslash-u-0000 is text, not a NUL: it is stored and read back as written."""
+    f = mem.scope(app="a").remember("escaped", metadata={"raw": "\\u0000", "n": ["\\x00"]})
+    assert mem.scope(app="a").get(f.id).metadata == {"raw": "\\u0000", "n": ["\\x00"]}
+    with pytest.raises(InvalidArgument):
+        mem.scope(app="a").remember("x", metadata={"n": ["ok", {"deep": "\x00"}]})
+
+
 def test_time_roundtrip_exact(mem: Memory) -> None:
     f = mem.scope(app="a").remember("t")
     assert from_us(to_us(f.valid_from)) == f.valid_from

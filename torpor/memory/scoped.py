@@ -65,6 +65,20 @@ def _text(text: object, what: str = "text") -> str:
     return text
 
 
+def _has_nul(value: object) -> bool:
+    """True if a NUL character hides anywhere in a JSON-like value (keys included).
+
+    Checked on the values, not on their JSON text: a literal backslash-u-0000 string is text,
+    not a NUL, and its encoding contains the same six characters."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, Mapping):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
 def _metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     if metadata is None:
         return {}
@@ -78,7 +92,7 @@ def _metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         encoded = json.dumps(out)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"metadata must be JSON-serializable: {exc}") from None
-    if "\\u0000" in encoded:
+    if _has_nul(out):
         raise InvalidArgument("metadata must not contain NUL characters")
     size = len(encoded)
     if size > LIMITS.max_memory_text_chars:
