@@ -15,8 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from torpor.errors import *  # noqa: F403
-from torpor.errors import __all__ as _error_names
+from torpor import errors as _errors
 
 __version__ = "0.1.0"
 
@@ -31,10 +30,49 @@ _LAZY = {
     "SourceRef": "torpor.memory",
 }
 
-__all__ = [*_LAZY, *_error_names, "__version__"]
+__all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
+    "Runtime",
+    "Sandbox",
+    "Snapshot",
+    "Volume",
+    "Drive",
+    "Memory",
+    "SourceRef",
+    # the errors every caller may catch; the whole tree is drawn in torpor.errors
+    "TorporError",
+    "InvalidArgument",
+    "InvalidName",
+    "PayloadTooLarge",
+    "SchemaViolation",
+    "NotFound",
+    "SandboxNotFound",
+    "TemplateNotFound",
+    "SnapshotNotFound",
+    "VolumeNotFound",
+    "DriveNotFound",
+    "RecordNotFound",
+    "PathNotFound",
+    "Conflict",
+    "InvalidState",
+    "SandboxClosed",
+    "OperationTimeout",
+    "AccessDenied",
+    "EngineError",
+    "AccelerationUnavailable",
+    "GuestError",
+    "StorageError",
+    "CorruptData",
+    "StateLost",
+    "ServerUnavailable",
+    "__version__",
+]
+
+_ERRORS = frozenset(__all__) - set(_LAZY) - {"__version__"}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _ERRORS:
+        return getattr(_errors, name)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'torpor' has no attribute {name!r}")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from torpor.errors import InvalidName
 
-__all__ = ["Paths", "paths", "Limits", "LIMITS", "check_name", "NAME_RE"]
+__all__ = ["LIMITS", "NAME_RE", "Limits", "Paths", "check_name", "paths"]
 
 #: Names of sandboxes, templates, snapshots, volumes and drives: 1–63 characters,
 #: lowercase letters, digits, ``-``, ``_`` and ``.``, starting with a letter or digit.
