@@ -37,7 +37,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from torpor.memory.backends.base import AnyRecord, RecordFilter
+from torpor.memory.backends.base import AnyRecord, RecordFilter, time_clauses
 from torpor.memory.models import Episode, Fact, SourceRef, from_us, to_us
 
 log = logging.getLogger(__name__)
@@ -397,23 +397,9 @@ def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
              f"{a}.kind = ANY(%s)",
              f"({a}.expires_at IS NULL OR {a}.expires_at > %s)"]
     params: list[Any] = [scopes[0] if len(scopes) == 1 else scopes, kinds, flt.now]
-    if flt.as_of is not None:
-        parts.append(f"{a}.valid_from <= %s AND ({a}.valid_to IS NULL OR {a}.valid_to > %s)")
-        params += [flt.as_of, flt.as_of]
-    elif not flt.include_history:
-        parts.append(f"{a}.valid_to IS NULL")
-    if flt.key is not None:
-        parts.append(f"{a}.key = %s AND {a}.kind = 'fact'")
-        params.append(flt.key)
-    if flt.session is not None:
-        parts.append(f"{a}.session = %s AND {a}.kind = 'episode'")
-        params.append(flt.session)
-    if flt.since is not None:
-        parts.append(f"{a}.valid_from >= %s")
-        params.append(flt.since)
-    if flt.until is not None:
-        parts.append(f"{a}.valid_from < %s")
-        params.append(flt.until)
+    more, more_params = time_clauses(flt, a, "%s")
+    parts += more
+    params += more_params
     for k, v in flt.metadata.items():
         # jsonb equality: 1 = 1.0, true <> 1, a missing key never matches (NULL)
         parts.append(f"{a}.metadata -> %s = %s::jsonb")

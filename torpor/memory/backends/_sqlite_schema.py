@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from torpor.memory.backends.base import AnyRecord, RecordFilter
+from torpor.memory.backends.base import AnyRecord, RecordFilter, time_clauses
 from torpor.memory.models import Episode, Fact, SourceRef, from_us, to_us
 
 __all__ = [
@@ -171,23 +171,9 @@ def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
              f"{a}.kind IN ({','.join('?' * len(kinds))})",
              f"({a}.expires_at IS NULL OR {a}.expires_at > ?)"]
     params: list[Any] = [*scopes, *kinds, flt.now]
-    if flt.as_of is not None:
-        parts.append(f"{a}.valid_from <= ? AND ({a}.valid_to IS NULL OR {a}.valid_to > ?)")
-        params += [flt.as_of, flt.as_of]
-    elif not flt.include_history:
-        parts.append(f"{a}.valid_to IS NULL")
-    if flt.key is not None:
-        parts.append(f"{a}.key = ? AND {a}.kind = 'fact'")
-        params.append(flt.key)
-    if flt.session is not None:
-        parts.append(f"{a}.session = ? AND {a}.kind = 'episode'")
-        params.append(flt.session)
-    if flt.since is not None:
-        parts.append(f"{a}.valid_from >= ?")
-        params.append(flt.since)
-    if flt.until is not None:
-        parts.append(f"{a}.valid_from < ?")
-        params.append(flt.until)
+    more, more_params = time_clauses(flt, a, "?")
+    parts += more
+    params += more_params
     for k, v in flt.metadata.items():
         path = _json_path(k)
         if v is None:

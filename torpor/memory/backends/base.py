@@ -50,6 +50,7 @@ __all__ = [
     "RecordFilter",
     "TenantStore",
     "Vector",
+    "time_clauses",
     "visible",
 ]
 
@@ -115,6 +116,34 @@ def visible(record: AnyRecord, flt: RecordFilter) -> bool:
 
 
 _MISSING = object()
+
+
+def time_clauses(flt: RecordFilter, alias: str, ph: str) -> tuple[list[str], list[Any]]:
+    """The SQL both backends share for :func:`visible`'s time, key and session rules.
+
+    ``ph`` is the driver's placeholder (``?`` for sqlite3, ``%s`` for psycopg). Returns the
+    clauses to AND together and their parameters, in order."""
+    a = alias
+    parts: list[str] = []
+    params: list[Any] = []
+    if flt.as_of is not None:
+        parts.append(f"{a}.valid_from <= {ph} AND ({a}.valid_to IS NULL OR {a}.valid_to > {ph})")
+        params += [flt.as_of, flt.as_of]
+    elif not flt.include_history:
+        parts.append(f"{a}.valid_to IS NULL")
+    if flt.key is not None:
+        parts.append(f"{a}.key = {ph} AND {a}.kind = 'fact'")
+        params.append(flt.key)
+    if flt.session is not None:
+        parts.append(f"{a}.session = {ph} AND {a}.kind = 'episode'")
+        params.append(flt.session)
+    if flt.since is not None:
+        parts.append(f"{a}.valid_from >= {ph}")
+        params.append(flt.since)
+    if flt.until is not None:
+        parts.append(f"{a}.valid_from < {ph}")
+        params.append(flt.until)
+    return parts, params
 
 
 class TenantStore(abc.ABC):
