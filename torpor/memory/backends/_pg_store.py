@@ -19,7 +19,13 @@ from psycopg.types.json import Jsonb
 
 from torpor.errors import InvalidArgument, RecordNotFound, StorageError
 from torpor.memory.backends import _pg_schema as schema
-from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore, Vector
+from torpor.memory.backends.base import (
+    AnyRecord,
+    RecordFilter,
+    TenantStore,
+    Vector,
+    successor,
+)
 from torpor.memory.models import Fact, Policy, Profile, from_us, to_us
 
 if TYPE_CHECKING:
@@ -114,11 +120,9 @@ class PostgresTenantStore(TenantStore):
             "AND key = %s AND valid_to IS NULL", (rec.scope, rec.key)).fetchone()
         if row is None:
             return rec
-        vf = max(to_us(rec.valid_from), int(row[1]) + 1)
+        rec = successor(rec, int(row[1]))
         cur.execute(f"UPDATE torpor.records SET valid_to = %s, superseded_by = %s "
-                    f"WHERE tenant_id = {_T} AND id = %s", (vf, rec.id, row[0]))
-        if vf != to_us(rec.valid_from):
-            rec = rec.model_copy(update={"valid_from": from_us(vf)})
+                    f"WHERE tenant_id = {_T} AND id = %s", (to_us(rec.valid_from), rec.id, row[0]))
         return rec
 
     def import_records(

@@ -39,6 +39,7 @@ from torpor.memory.models import (
     Policy,
     Profile,
     TokenInfo,
+    from_us,
     path_within,
     to_us,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "RecordFilter",
     "TenantStore",
     "Vector",
+    "successor",
     "time_clauses",
     "visible",
 ]
@@ -116,6 +118,18 @@ def visible(record: AnyRecord, flt: RecordFilter) -> bool:
 
 
 _MISSING = object()
+
+
+def successor(rec: Fact, current_valid_from_us: int) -> Fact:
+    """``rec`` as the successor of the current fact that started at ``current_valid_from_us``.
+
+    A successor starts strictly after its predecessor (one microsecond later at the least), so
+    history stays strictly ordered even when two writes share a clock tick. Backends close the
+    predecessor with ``valid_to`` = the returned fact's ``valid_from``."""
+    start = max(to_us(rec.valid_from), current_valid_from_us + 1)
+    if start != to_us(rec.valid_from):
+        rec = rec.model_copy(update={"valid_from": from_us(start)})
+    return rec
 
 
 def time_clauses(flt: RecordFilter, alias: str, ph: str) -> tuple[list[str], list[Any]]:

@@ -36,6 +36,7 @@ from torpor.memory.backends.base import (
     RecordFilter,
     TenantStore,
     Vector,
+    successor,
 )
 from torpor.memory.models import (
     AuditEntry,
@@ -107,11 +108,9 @@ class SQLiteTenantStore(TenantStore):
             "AND valid_to IS NULL", (rec.scope, rec.key)).fetchone()
         if row is None:
             return rec
-        vf = max(to_us(rec.valid_from), row[2] + 1)
+        rec = successor(rec, row[2])
         conn.execute("UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
-                     (vf, rec.id, row[0]))
-        if vf != to_us(rec.valid_from):
-            rec = rec.model_copy(update={"valid_from": from_us(vf)})
+                     (to_us(rec.valid_from), rec.id, row[0]))
         return rec
 
     def import_records(
