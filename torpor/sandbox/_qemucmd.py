@@ -75,6 +75,11 @@ _SLOT_SERIAL = 3
 _SLOT_ROOT = 4
 _FIRST_HOTPLUG_SLOT = 8
 _LAST_SLOT = 31
+#: QEMU's own seccomp filter, as libvirt sets it: no obsolete syscalls, no set*uid/gid, no
+#: fork/exec, no scheduler or resource changes. A guest that escapes into QEMU still cannot
+#: spawn a shell or gain privileges.
+SECCOMP_SANDBOX = ("-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,"
+                   "resourcecontrol=deny")
 QMP_TIMEOUT = 30.0
 MIGRATE_TIMEOUT = 120.0
 
@@ -187,7 +192,12 @@ def _disk_args(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _share_args(rec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    fsdev = (f"local,id=fs-{rec['id']},path={rec['path']},security_model=none"
+    # mapped-xattr: the guest's owner, mode and file type live in user.virtfs.* xattrs, and QEMU
+    # creates every host file 0600 (directories 0700) as itself. A guest's chown/chmod 4755 or
+    # mknod never becomes host ownership, a setuid bit, an exec bit or a device node; a guest
+    # symlink is a regular file on the host. (``none`` passed guest ownership and modes through:
+    # guest root could plant a setuid-root binary on the host.)
+    fsdev = (f"local,id=fs-{rec['id']},path={rec['path']},security_model=mapped-xattr"
              + (",readonly=on" if rec["read_only"] else ""))
     dev = {"driver": "virtio-9p-pci", "id": rec["id"], "fsdev": f"fs-{rec['id']}",
            "mount_tag": rec["tag"], "bus": "pci.0", "addr": hex(rec["slot"])}
@@ -228,6 +238,7 @@ def build_command(config: dict[str, Any], *, incoming: bool,
         "-chardev", "socket,id=qmp,path=qmp.sock,server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
         "-pidfile", "qemu.pid",
+        *SECCOMP_SANDBOX,
     ]
     for rec in config["devices"]:
         if rec["kind"] == "disk":

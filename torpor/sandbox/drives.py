@@ -76,10 +76,10 @@ class DriveStore(RecordStore[DriveInfo]):
             if any(d.name == name for d in self.list(tenant=tenant)):
                 raise Conflict(f"a drive named {name!r} already exists", kind="drive", name=name)
             try:
-                # world-writable so any guest uid can write (9p security_model=mapped-xattr
-                # keeps guest ownership in xattrs, the host files stay ours)
-                self.directory(did).mkdir(mode=0o777)
-                self.directory(did).chmod(0o777)
+                # private: QEMU (9p security_model=mapped-xattr) reads and writes it as the
+                # owner, and keeps the guest's owners and modes in xattrs, never on the files
+                self.directory(did).mkdir(mode=0o700)
+                self.directory(did).chmod(0o700)
                 info = DriveInfo(id=did, name=name, tenant=tenant, created_at=datetime.now(UTC))
                 self._save(info)
             except OSError as exc:
