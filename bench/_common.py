@@ -20,8 +20,12 @@ def summary(samples: list[float]) -> dict[str, float]:
     """Median, p95 and min of ``samples`` (seconds) in milliseconds, and their count."""
     ordered = sorted(samples)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return {"median_ms": statistics.median(ordered) * 1000, "p95_ms": p95 * 1000,
-            "min_ms": ordered[0] * 1000, "n": len(ordered)}
+    return {
+        "median_ms": statistics.median(ordered) * 1000,
+        "p95_ms": p95 * 1000,
+        "min_ms": ordered[0] * 1000,
+        "n": len(ordered),
+    }
 
 
 @contextlib.contextmanager

@@ -24,11 +24,16 @@ def _open(workdir: str, model: str) -> Any:
     from mem0 import Memory
 
     cfg = {
-        "embedder": {"provider": "huggingface",
-                     "config": {"model": model, "embedding_dims": 384}},
-        "vector_store": {"provider": "qdrant",
-                         "config": {"collection_name": "bench", "embedding_model_dims": 384,
-                                    "path": os.path.join(workdir, "qdrant"), "on_disk": False}},
+        "embedder": {"provider": "huggingface", "config": {"model": model, "embedding_dims": 384}},
+        "vector_store": {
+            "provider": "qdrant",
+            "config": {
+                "collection_name": "bench",
+                "embedding_model_dims": 384,
+                "path": os.path.join(workdir, "qdrant"),
+                "on_disk": False,
+            },
+        },
         "history_db_path": os.path.join(workdir, "history.db"),
     }
     return Memory.from_config(cfg)
@@ -40,8 +45,12 @@ def _handle(mem: Any, req: dict[str, Any]) -> Any:
         return op
     if op == "add":
         for d in req["docs"]:
-            mem.add([{"role": "user", "content": d["text"]}], user_id=d["user"], infer=False,
-                    metadata={"gid": d["id"], "ts": d["ts"], "kind": d["kind"]})
+            mem.add(
+                [{"role": "user", "content": d["text"]}],
+                user_id=d["user"],
+                infer=False,
+                metadata={"gid": d["id"], "ts": d["ts"], "kind": d["kind"]},
+            )
         return len(req["docs"])
     if op == "search":
         filters: dict[str, Any] = {"user_id": req["user"]}

@@ -41,8 +41,8 @@ class QualityResult:
     current: float = 0.0
     current_found: float = 0.0
     threshold: float | None = None
-    abstain_rate: float = 0.0        # test abstention questions on which it abstained
-    answer_rate: float = 0.0         # test answerable questions on which it answered
+    abstain_rate: float = 0.0  # test abstention questions on which it abstained
+    answer_rate: float = 0.0  # test answerable questions on which it answered
     ingest_s: float = 0.0
     query_p50_ms: float = 0.0
     query_p95_ms: float = 0.0
@@ -51,19 +51,23 @@ class QualityResult:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (misses capped to a sample)."""
         return {
-            "system": self.system, "recall_at_5": self.recall, "current": self.current,
+            "system": self.system,
+            "recall_at_5": self.recall,
+            "current": self.current,
             "current_found": self.current_found,
-            "abstain_threshold": self.threshold, "abstain_rate": self.abstain_rate,
-            "answer_rate": self.answer_rate, "ingest_s": self.ingest_s,
-            "query_p50_ms": self.query_p50_ms, "query_p95_ms": self.query_p95_ms,
+            "abstain_threshold": self.threshold,
+            "abstain_rate": self.abstain_rate,
+            "answer_rate": self.answer_rate,
+            "ingest_s": self.ingest_s,
+            "query_p50_ms": self.query_p50_ms,
+            "query_p95_ms": self.query_p95_ms,
             "sample_misses": self.misses[:20],
         }
 
 
 def docs_of(ds: Dataset) -> list[Doc]:
     """Every record of the data set in write order (a fact right after its turn)."""
-    docs = [Doc(t.id, t.user, t.text, t.at, "episode", None, t.session, t.role)
-            for t in ds.turns]
+    docs = [Doc(t.id, t.user, t.text, t.at, "episode", None, t.session, t.role) for t in ds.turns]
     docs += [Doc(f.id, f.user, f.text, f.at, "fact", f.key, f.session, "user") for f in ds.facts]
     # a fact shares its turn's timestamp: order it just after that turn
     docs.sort(key=lambda d: (d.user, d.at, d.kind == "fact"))
@@ -77,8 +81,10 @@ def calibrate(answerable: Sequence[float], abstain: Sequence[float]) -> float:
     cands = sorted({*answerable, *abstain, float("inf")})
     best, best_acc = cands[0], -1.0
     for thr in cands:
-        acc = (sum(s < thr for s in abstain) / len(abstain)
-               + sum(s >= thr for s in answerable) / len(answerable)) / 2
+        acc = (
+            sum(s < thr for s in abstain) / len(abstain)
+            + sum(s >= thr for s in answerable) / len(answerable)
+        ) / 2
         if acc > best_acc:
             best, best_acc = thr, acc
     return best
@@ -119,12 +125,21 @@ def evaluate(system: Peer, ds: Dataset, docs: Sequence[Doc] | None = None) -> Qu
         res.recall[kind] = sum(scores) / len(scores) if scores else float("nan")
         for q, s in zip(qs, scores):
             if s < 1.0:
-                res.misses.append({"q": q.id, "kind": kind, "text": q.text,
-                                   "gold": sorted(q.gold_ids), "got": ranked[q.id]})
+                res.misses.append(
+                    {
+                        "q": q.id,
+                        "kind": kind,
+                        "text": q.text,
+                        "gold": sorted(q.gold_ids),
+                        "got": ranked[q.id],
+                    }
+                )
 
     calib = [q for q in ds.questions if q.split == "calib"]
-    res.threshold = calibrate([top[q.id] for q in calib if q.kind != "abstain"],
-                              [top[q.id] for q in calib if q.kind == "abstain"])
+    res.threshold = calibrate(
+        [top[q.id] for q in calib if q.kind != "abstain"],
+        [top[q.id] for q in calib if q.kind == "abstain"],
+    )
     abst = [q for q in test if q.kind == "abstain"]
     answ = [q for q in test if q.kind != "abstain"]
     res.abstain_rate = sum(top[q.id] < res.threshold for q in abst) / max(len(abst), 1)
@@ -134,8 +149,14 @@ def evaluate(system: Peer, ds: Dataset, docs: Sequence[Doc] | None = None) -> Qu
     updates = [q for q in ds.questions if q.kind == "update"]
     first = [_first_in_chain(ranked[q.id], q) for q in updates]
     answered = [(f, q) for f, q in zip(first, updates) if f is not None]
-    res.current = (sum(f == q.current_fact_id for f, q in answered) / len(answered)
-                   if answered else float("nan"))
-    res.current_found = (sum(q.current_fact_id in ranked[q.id][:K] for q in updates)
-                         / len(updates) if updates else float("nan"))
+    res.current = (
+        sum(f == q.current_fact_id for f, q in answered) / len(answered)
+        if answered
+        else float("nan")
+    )
+    res.current_found = (
+        sum(q.current_fact_id in ranked[q.id][:K] for q in updates) / len(updates)
+        if updates
+        else float("nan")
+    )
     return res

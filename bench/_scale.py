@@ -60,7 +60,7 @@ class ProjectionEmbedder:
             vec = np.random.default_rng(h).standard_normal(self.dim).astype(np.float32)
             if len(self.rows) + 1 == len(self.table):  # grow by doubling
                 grown = np.zeros((2 * len(self.table), self.dim), dtype=np.float32)
-                grown[:len(self.table)] = self.table
+                grown[: len(self.table)] = self.table
                 self.table = grown
             r = self.rows[w] = len(self.rows) + 1
             self.table[r] = vec
@@ -71,7 +71,7 @@ class ProjectionEmbedder:
         width = max((len(ws) for ws in split), default=0)
         idx = np.zeros((len(texts), max(width, 1)), dtype=np.int64)
         for i, ws in enumerate(split):
-            idx[i, :len(ws)] = [self._row(w) for w in ws]
+            idx[i, : len(ws)] = [self._row(w) for w in ws]
         out = self.table[idx].sum(axis=1)
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         norms[norms == 0] = 1.0
@@ -93,6 +93,7 @@ def batch_adder(scope: Any) -> Callable[[list[str]], None]:
     def one_by_one(texts: list[str]) -> None:
         for t in texts:
             scope.remember(t)
+
     return one_by_one
 
 
@@ -107,8 +108,9 @@ def add_throughput(n: int, embedder: Any | None, texts: Sequence[str] | None = N
     ``texts`` (cycled) are the records; default: synthetic ones. Pass real sentences when
     an embedding model does the work: its cost depends on the number of word pieces.
     """
-    source: Iterator[str] = (iter([texts[i % len(texts)] for i in range(n)]) if texts
-                             else synthetic_texts(n, seed=3))
+    source: Iterator[str] = (
+        iter([texts[i % len(texts)] for i in range(n)]) if texts else synthetic_texts(n, seed=3)
+    )
     with tempfile.TemporaryDirectory(prefix="torpor-bench-tp-") as tmp:
         mem = open_memory(Path(tmp), embedder)
         add = batch_adder(mem.scope(app="bench", user="tp"))
@@ -145,7 +147,9 @@ class ScaleResult:
     def as_dict(self) -> dict[str, Any]:
         """Figures in ms and records/s."""
         return {
-            "mode": self.mode, "size": self.size, "add_records_per_s": self.add_rate,
+            "mode": self.mode,
+            "size": self.size,
+            "add_records_per_s": self.add_rate,
             "recall_p50_ms": self._pct(self.recall_ms, 50),
             "recall_p95_ms": self._pct(self.recall_ms, 95),
             "context_p50_ms": self._pct(self.context_ms, 50),

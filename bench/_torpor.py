@@ -49,8 +49,13 @@ def open_memory(home: Path, embedder: Any | None) -> Any:
 class TorporSystem:
     """torpor as a benchmark system: ``torpor-lexical`` (no embedder) or ``torpor-hybrid``."""
 
-    def __init__(self, name: str, embedder: Any | None, home: Path | None = None,
-                 min_similarity: float | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        embedder: Any | None,
+        home: Path | None = None,
+        min_similarity: float | None = None,
+    ) -> None:
         self.name = name
         self.min_similarity = min_similarity  # None: torpor's default floor
         self._tmp = None if home else tempfile.TemporaryDirectory(prefix="torpor-bench-")
@@ -87,8 +92,9 @@ class TorporSystem:
             return real[-1] if real else when
         return real[i] - timedelta(microseconds=1)
 
-    def search(self, user: str, query: str, k: int, as_of: datetime | None = None
-               ) -> list[tuple[str, float]]:
+    def search(
+        self, user: str, query: str, k: int, as_of: datetime | None = None
+    ) -> list[tuple[str, float]]:
         kw: dict[str, Any] = {"k": k}
         if self.min_similarity is not None:
             kw["min_similarity"] = self.min_similarity

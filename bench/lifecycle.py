@@ -52,8 +52,13 @@ async def _floor(directory: Path) -> float:
     cmd = build_command(read_machine_json(directory), incoming=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(  # noqa: ASYNC220 - the same start the engine uses, timed
-        cmd, cwd=directory, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
+        cmd,
+        cwd=directory,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         while True:
             if (directory / "qmp.sock").exists():
@@ -91,13 +96,15 @@ def _paused_cost(directory: Path) -> dict[str, Any]:
             pids.append(int(pid))
         except OSError:
             continue
-    du = subprocess.run(["du", "-sk", str(directory)], capture_output=True, text=True,
-                        check=False)
+    du = subprocess.run(["du", "-sk", str(directory)], capture_output=True, text=True, check=False)
     apparent = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
-    return {"qemu_pids": pids, "rss_kib": rss_kib,
-            "disk_kib_used": int(du.stdout.split()[0]) if du.returncode == 0 else None,
-            "apparent_mib": round(apparent / 2**20, 1),
-            "files": sorted(p.name for p in directory.iterdir())}
+    return {
+        "qemu_pids": pids,
+        "rss_kib": rss_kib,
+        "disk_kib_used": int(du.stdout.split()[0]) if du.returncode == 0 else None,
+        "apparent_mib": round(apparent / 2**20, 1),
+        "files": sorted(p.name for p in directory.iterdir()),
+    }
 
 
 class _Marks:
@@ -195,8 +202,9 @@ async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
     from torpor.sandbox.manager import SandboxManager
 
     info = templates.get("python")
-    samples: dict[str, list[float]] = {k: [] for k in (
-        "floor", "create", "command", "interpreter", "pause", "wake")}
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("floor", "create", "command", "interpreter", "pause", "wake")
+    }
     marks = _Marks(samples)
     mgr = SandboxManager(paths(home), engine=_TimedEngine(QemuEngine(paths(home)), marks))
     try:
@@ -231,24 +239,39 @@ async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
         ("pause", stats["pause"]["median_ms"], 100.0),
         ("wake", stats["wake"]["median_ms"], 300.0),
         ("wake vs 4x floor", stats["wake"]["median_ms"], 4 * floor),
-        ("engine part of wake (QEMU+load+cont) vs 4x floor",
-         stats["wake: QEMU start + load state + cont"]["median_ms"], 4 * floor),
+        (
+            "engine part of wake (QEMU+load+cont) vs 4x floor",
+            stats["wake: QEMU start + load state + cont"]["median_ms"],
+            4 * floor,
+        ),
         ("create", stats["create"]["median_ms"], 500.0),
         ("command round trip", stats["command"]["median_ms"], 50.0),
         ("paused: no QEMU, RSS 0", float(len(paused["qemu_pids"]) + paused["rss_kib"]), 0.0),
     ]
     return {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
-                 "accel": info.accel, "guest_mib": info.memory_mib, "vcpus": info.vcpus},
+        "host": {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "accel": info.accel,
+            "guest_mib": info.memory_mib,
+            "vcpus": info.vcpus,
+        },
         "reps": reps,
         "stats": stats,
         "ram_intact_after_wakes": ok,
         "paused_sandbox": paused,
         "template_cold_boot_s": {"from_build": info.boot_seconds, "measured": cold_s},
-        "targets": [{"name": n, "value": v, "target": t,
-                     "ratio": (v / t) if t else (0.0 if v == 0 else float("inf")),
-                     "pass": v <= t} for n, v, t in targets],
+        "targets": [
+            {
+                "name": n,
+                "value": v,
+                "target": t,
+                "ratio": (v / t) if t else (0.0 if v == 0 else float("inf")),
+                "pass": v <= t,
+            }
+            for n, v, t in targets
+        ],
     }
 
 
@@ -257,35 +280,52 @@ def render(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    table = Table(title=f"sandbox lifecycle ({result['host']['accel']}, "
-                        f"{result['host']['guest_mib']} MiB guest, {result['reps']} reps)")
+    table = Table(
+        title=f"sandbox lifecycle ({result['host']['accel']}, "
+        f"{result['host']['guest_mib']} MiB guest, {result['reps']} reps)"
+    )
     for col in ("step", "median ms", "p95 ms", "min ms"):
         table.add_column(col, justify="right" if col != "step" else "left")
-    labels = {"floor": "floor: QEMU start -> QMP ready", "create": "create (fork of template)",
-              "command": "command round trip", "interpreter": "interpreter round trip",
-              "pause": "pause (guest sync + hibernate + registry)",
-              "wake": "wake (+ channel + refresh + registry)"}
+    labels = {
+        "floor": "floor: QEMU start -> QMP ready",
+        "create": "create (fork of template)",
+        "command": "command round trip",
+        "interpreter": "interpreter round trip",
+        "pause": "pause (guest sync + hibernate + registry)",
+        "wake": "wake (+ channel + refresh + registry)",
+    }
     for key, label in labels.items():
         s = result["stats"][key]
         table.add_row(label, f"{s['median_ms']:.1f}", f"{s['p95_ms']:.1f}", f"{s['min_ms']:.1f}")
         for step in sorted(k for k in result["stats"] if k.startswith(f"{key}: ")):
             s = result["stats"][step]
-            table.add_row(f"  {step.split(': ', 1)[1]}", f"{s['median_ms']:.1f}",
-                          f"{s['p95_ms']:.1f}", f"{s['min_ms']:.1f}", style="dim")
+            table.add_row(
+                f"  {step.split(': ', 1)[1]}",
+                f"{s['median_ms']:.1f}",
+                f"{s['p95_ms']:.1f}",
+                f"{s['min_ms']:.1f}",
+                style="dim",
+            )
     console.print(table)
     paused = result["paused_sandbox"]
-    console.print(f"paused sandbox: QEMU pids {paused['qemu_pids'] or 'none'}, RSS "
-                  f"{paused['rss_kib']} KiB, disk used {paused['disk_kib_used']} KiB "
-                  f"(apparent {paused['apparent_mib']} MiB: {', '.join(paused['files'])})")
+    console.print(
+        f"paused sandbox: QEMU pids {paused['qemu_pids'] or 'none'}, RSS "
+        f"{paused['rss_kib']} KiB, disk used {paused['disk_kib_used']} KiB "
+        f"(apparent {paused['apparent_mib']} MiB: {', '.join(paused['files'])})"
+    )
     cold = result["template_cold_boot_s"]
-    console.print(f"template cold boot: {cold['from_build']:.2f} s at build"
-                  + (f", {cold['measured']:.2f} s measured now" if cold["measured"] else ""))
-    console.print(f"RAM intact after {result['reps']} pause/wake cycles: "
-                  f"{result['ram_intact_after_wakes']}")
+    console.print(
+        f"template cold boot: {cold['from_build']:.2f} s at build"
+        + (f", {cold['measured']:.2f} s measured now" if cold["measured"] else "")
+    )
+    console.print(
+        f"RAM intact after {result['reps']} pause/wake cycles: {result['ram_intact_after_wakes']}"
+    )
     for t in result["targets"]:
         mark = "[green]PASS[/green]" if t["pass"] else "[red]FAIL[/red]"
-        console.print(f"{mark} {t['name']}: {t['value']:.1f} vs {t['target']:.1f} "
-                      f"(ratio {t['ratio']:.2f})")
+        console.print(
+            f"{mark} {t['name']}: {t['value']:.1f} vs {t['target']:.1f} (ratio {t['ratio']:.2f})"
+        )
 
 
 def main() -> None:

@@ -172,7 +172,7 @@ class _UserBuilder:
         self.plan: list[list[tuple[Slot, str]]] = [[] for _ in range(n_sessions)]
         self.turns: list[Turn] = []
         self.facts: list[Fact] = []
-        self.chains: dict[str, list[Fact]] = {}   # slot name -> facts in time order
+        self.chains: dict[str, list[Fact]] = {}  # slot name -> facts in time order
         self.used: set[str] = set()
 
     def plan_statements(self) -> None:
@@ -256,8 +256,14 @@ class _UserBuilder:
                 ask(kind, slot, rng.choice(slot.questions), chain)
                 continue
             cur, stale = chain[-1], chain[:-1]
-            ask("update", slot, rng.choice(slot.questions), [cur],
-                current_fact_id=cur.id, stale_fact_ids=tuple(f.id for f in stale))
+            ask(
+                "update",
+                slot,
+                rng.choice(slot.questions),
+                [cur],
+                current_fact_id=cur.id,
+                stale_fact_ids=tuple(f.id for f in stale),
+            )
             if not slot.temporal:
                 continue
             # a date strictly between two values: the earlier one was true then
@@ -302,13 +308,49 @@ def generate(cfg: GenConfig | None = None) -> Dataset:
 
 
 def _with_split(q: Question, split: str) -> Question:
-    return Question(q.id, q.user, q.kind, q.text, q.gold, q.slot, q.as_of, q.current_fact_id,
-                    q.stale_fact_ids, split)
+    return Question(
+        q.id,
+        q.user,
+        q.kind,
+        q.text,
+        q.gold,
+        q.slot,
+        q.as_of,
+        q.current_fact_id,
+        q.stale_fact_ids,
+        split,
+    )
 
 
 _SYLLABLES = (
-    "ka", "lo", "mi", "ren", "tu", "sa", "vel", "dor", "ni", "pa", "qui", "ber", "zo", "la",
-    "mon", "tri", "ga", "ses", "fu", "ral", "po", "xen", "di", "nor", "ha", "lun", "te", "vis",
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tu",
+    "sa",
+    "vel",
+    "dor",
+    "ni",
+    "pa",
+    "qui",
+    "ber",
+    "zo",
+    "la",
+    "mon",
+    "tri",
+    "ga",
+    "ses",
+    "fu",
+    "ral",
+    "po",
+    "xen",
+    "di",
+    "nor",
+    "ha",
+    "lun",
+    "te",
+    "vis",
 )
 _STOP = ("the", "a", "of", "and", "to", "in", "my", "is", "for", "on")
 
@@ -344,6 +386,6 @@ def synthetic_texts(n: int, seed: int = 1, vocab: int = 20_000) -> Iterator[str]
         pos = 0
         for i in range(m):
             ln = int(lengths[i])
-            idx = picks[pos:pos + ln]
+            idx = picks[pos : pos + ln]
             pos += ln
             yield f"{_STOP[stops[i]]} " + " ".join(words[j] for j in idx)

@@ -62,21 +62,29 @@ def run_quality(args: argparse.Namespace, report: dict[str, Any]) -> list[Qualit
     """Every system on one data set; prints the table; stores ``report["quality"]``."""
     ds = generate(GenConfig(seed=args.seed, users=args.users))
     docs = docs_of(ds)
-    console.print(f"[bold]quality[/]: {len(ds.users)} users, {len(ds.turns)} turns, "
-                  f"{len(ds.facts)} facts, {len(ds.questions)} questions "
-                  f"(seed {args.seed}, fingerprint {ds.fingerprint()[:12]})")
+    console.print(
+        f"[bold]quality[/]: {len(ds.users)} users, {len(ds.turns)} turns, "
+        f"{len(ds.facts)} facts, {len(ds.questions)} questions "
+        f"(seed {args.seed}, fingerprint {ds.fingerprint()[:12]})"
+    )
     emb = Embedder()
     t0 = time.perf_counter()
     emb.encode([d.text for d in docs] + [q.text for q in ds.questions])
-    console.print(f"  embedded {len(emb.cache)} texts with MiniLM in "
-                  f"{time.perf_counter() - t0:.1f}s (cached, shared by every system)")
+    console.print(
+        f"  embedded {len(emb.cache)} texts with MiniLM in "
+        f"{time.perf_counter() - t0:.1f}s (cached, shared by every system)"
+    )
     skipped: dict[str, str] = {}
     makers: list[tuple[str, Any]] = [
         ("torpor-hybrid", lambda: TorporSystem("torpor-hybrid", emb)),
         ("torpor-lexical", lambda: TorporSystem("torpor-lexical", None)),
-        *[(f"torpor-hybrid@{ms:g}", lambda ms=ms: TorporSystem(f"torpor-hybrid@{ms:g}", emb,
-                                                                min_similarity=ms))
-          for ms in args.min_similarity],
+        *[
+            (
+                f"torpor-hybrid@{ms:g}",
+                lambda ms=ms: TorporSystem(f"torpor-hybrid@{ms:g}", emb, min_similarity=ms),
+            )
+            for ms in args.min_similarity
+        ],
         ("bm25", BM25Peer),
         ("chroma", lambda: ChromaPeer(emb)),
     ]
@@ -89,8 +97,7 @@ def run_quality(args: argparse.Namespace, report: dict[str, Any]) -> list[Qualit
         skipped["mem0"] = "no Python with mem0 installed (see bench/README.md)"
     else:
         makers.append(("mem0", lambda: Mem0Peer(py, emb.path)))
-    makers = [(n, m) for n, m in makers
-              if n in args.systems or n.startswith("torpor-hybrid@")]
+    makers = [(n, m) for n, m in makers if n in args.systems or n.startswith("torpor-hybrid@")]
     results = []
     for name, make in makers:
         try:
@@ -116,10 +123,14 @@ def run_quality(args: argparse.Namespace, report: dict[str, Any]) -> list[Qualit
             console.print(f"  kept {s['system']} from the earlier run on the same data")
     _quality_table([r.as_dict() for r in results] + kept, skipped)
     report["quality"] = {
-        "seed": args.seed, "users": args.users, "fingerprint": ds.fingerprint(),
-        "records": len(docs), "questions": len(ds.questions),
+        "seed": args.seed,
+        "users": args.users,
+        "fingerprint": ds.fingerprint(),
+        "records": len(docs),
+        "questions": len(ds.questions),
         "questions_by_kind": {k: sum(q.kind == k for q in ds.questions) for k in KINDS},
-        "systems": [r.as_dict() for r in results] + kept, "skipped": skipped,
+        "systems": [r.as_dict() for r in results] + kept,
+        "skipped": skipped,
     }
     return results
 
@@ -132,9 +143,14 @@ def _quality_table(rows: list[dict[str, Any]], skipped: dict[str, str]) -> None:
     for col in ("current", "cur. found", "ingest s", "query p50 ms"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r["system"], *(_fmt(r["recall_at_5"].get(k)) for k in KINDS),
-                  _fmt(r["current"]), _fmt(r.get("current_found")), f"{r['ingest_s']:.1f}",
-                  f"{r['query_p50_ms']:.1f}")
+        t.add_row(
+            r["system"],
+            *(_fmt(r["recall_at_5"].get(k)) for k in KINDS),
+            _fmt(r["current"]),
+            _fmt(r.get("current_found")),
+            f"{r['ingest_s']:.1f}",
+            f"{r['query_p50_ms']:.1f}",
+        )
     console.print(t)
     for name, why in skipped.items():
         console.print(f"  [yellow]skipped {name}[/]: {why}")
@@ -160,10 +176,14 @@ def run_throughput(args: argparse.Namespace, report: dict[str, Any]) -> None:
     # real conversation sentences: the model's cost depends on their word pieces
     sentences = list(dict.fromkeys(t.text for t in generate(GenConfig(seed=99, users=60)).turns))
     emb = add_throughput(n_emb, model, sentences)
-    report["throughput"] = {"load_avg_1m": _load(),
-                            "lexical_records_per_s": lex, "lexical_n": n_lex,
-                            "embeddings_records_per_s": emb, "embeddings_n": n_emb,
-                            "embedder": model.name}
+    report["throughput"] = {
+        "load_avg_1m": _load(),
+        "lexical_records_per_s": lex,
+        "lexical_n": n_lex,
+        "embeddings_records_per_s": emb,
+        "embeddings_n": n_emb,
+        "embedder": model.name,
+    }
     t = Table(title="add throughput (batches of 1,000)")
     for col in ("mode", "records", "records/s"):
         t.add_column(col, justify="right")
@@ -181,21 +201,40 @@ def run_scale(args: argparse.Namespace, report: dict[str, Any]) -> None:
             t0, load0 = time.perf_counter(), _load()
             res = scale_run(size, mode, args.reps, lambda m: console.print(f"    {m}"))
             # the machine is shared: the load says how much of it this run really had
-            row = res.as_dict() | {"wall_s": time.perf_counter() - t0,
-                                   "load_avg_1m_before": load0, "load_avg_1m_after": _load()}
+            row = res.as_dict() | {
+                "wall_s": time.perf_counter() - t0,
+                "load_avg_1m_before": load0,
+                "load_avg_1m_after": _load(),
+            }
             rows[:] = [r for r in rows if (r["mode"], r["size"]) != (mode, size)] + [row]
-            console.print(f"    recall p50 {row['recall_p50_ms']:.1f} ms, p95 "
-                          f"{row['recall_p95_ms']:.1f} ms; add {row['add_records_per_s']:,.0f}/s")
+            console.print(
+                f"    recall p50 {row['recall_p50_ms']:.1f} ms, p95 "
+                f"{row['recall_p95_ms']:.1f} ms; add {row['add_records_per_s']:,.0f}/s"
+            )
             save(args, report)  # a long run keeps what it measured if stopped later
     t = Table(title="recall and context latency (k=10; context budget 300 tokens)")
-    for col in ("mode", "records", "add rec/s", "recall p50", "recall p95", "context p50",
-                "context p95", "load"):
+    for col in (
+        "mode",
+        "records",
+        "add rec/s",
+        "recall p50",
+        "recall p95",
+        "context p50",
+        "context p95",
+        "load",
+    ):
         t.add_column(col, justify="right")
     for r in sorted(rows, key=lambda r: (r["mode"], r["size"])):
-        t.add_row(r["mode"], f"{r['size']:,}", f"{r['add_records_per_s']:,.0f}",
-                  f"{r['recall_p50_ms']:.1f} ms", f"{r['recall_p95_ms']:.1f} ms",
-                  f"{r['context_p50_ms']:.1f} ms", f"{r['context_p95_ms']:.1f} ms",
-                  f"{r.get('load_avg_1m_after', float('nan')):.1f}")
+        t.add_row(
+            r["mode"],
+            f"{r['size']:,}",
+            f"{r['add_records_per_s']:,.0f}",
+            f"{r['recall_p50_ms']:.1f} ms",
+            f"{r['recall_p95_ms']:.1f} ms",
+            f"{r['context_p50_ms']:.1f} ms",
+            f"{r['context_p95_ms']:.1f} ms",
+            f"{r.get('load_avg_1m_after', float('nan')):.1f}",
+        )
     console.print(t)
 
 
@@ -210,19 +249,27 @@ def targets(report: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
             if row is None:
                 out.append((name, None, "not run"))
             else:
-                out.append((name, row["recall_p50_ms"] <= limit,
-                            f"{row['recall_p50_ms']:.1f} ms"))
+                out.append((name, row["recall_p50_ms"] <= limit, f"{row['recall_p50_ms']:.1f} ms"))
     tp = report.get("throughput")
-    out.append(("add >= 5,000 records/s lexical-only batched",
-                None if tp is None else tp["lexical_records_per_s"] >= 5000,
-                "not run" if tp is None else f"{tp['lexical_records_per_s']:,.0f}/s"))
+    out.append(
+        (
+            "add >= 5,000 records/s lexical-only batched",
+            None if tp is None else tp["lexical_records_per_s"] >= 5000,
+            "not run" if tp is None else f"{tp['lexical_records_per_s']:,.0f}/s",
+        )
+    )
     systems = {s["system"]: s for s in report.get("quality", {}).get("systems", [])}
     for name in TORPOR:
         s = systems.get(name)
-        out.append((f"knowledge update 100% current on keyed facts ({name})",
-                    None if s is None else s["current"] >= 1.0,
-                    "not run" if s is None else
-                    f"{s['current']:.3f} (current in top 5: {s.get('current_found', 0.0):.3f})"))
+        out.append(
+            (
+                f"knowledge update 100% current on keyed facts ({name})",
+                None if s is None else s["current"] >= 1.0,
+                "not run"
+                if s is None
+                else f"{s['current']:.3f} (current in top 5: {s.get('current_found', 0.0):.3f})",
+            )
+        )
     peers = [s for n, s in systems.items() if not n.startswith("torpor")]
     best = systems.get("torpor-hybrid")
     for kind in KINDS:
@@ -234,8 +281,13 @@ def targets(report: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
         theirs = top["recall_at_5"][kind]
         # a tie at the ceiling (both perfect) cannot be beaten: counted as a pass, and said
         ok = mine > theirs or (mine == theirs == 1.0)
-        out.append((f"Recall@5 above every peer: {kind} (torpor-hybrid)", ok,
-                    f"{mine:.3f} vs {top['system']} {theirs:.3f}"))
+        out.append(
+            (
+                f"Recall@5 above every peer: {kind} (torpor-hybrid)",
+                ok,
+                f"{mine:.3f} vs {top['system']} {theirs:.3f}",
+            )
+        )
     return out
 
 
@@ -260,20 +312,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=None, help="users in the quality set")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--no-mem0", action="store_true")
-    p.add_argument("--min-similarity", type=float, action="append", default=[],
-                   help="also run torpor-hybrid with recall(min_similarity=X) (repeatable; "
-                        "informational, the targets use the default)")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="quality systems to run (others are kept from an earlier run on the "
-                        "same data)")
+    p.add_argument(
+        "--min-similarity",
+        type=float,
+        action="append",
+        default=[],
+        help="also run torpor-hybrid with recall(min_similarity=X) (repeatable; "
+        "informational, the targets use the default)",
+    )
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="quality systems to run (others are kept from an earlier run on the same data)",
+    )
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-scale", action="store_true")
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"JSON report (default {OUT}; memory-quick.json with --quick)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"JSON report (default {OUT}; memory-quick.json with --quick)",
+    )
     args = p.parse_args(argv)
-    args.sizes = [parse_size(s) for s in (args.sizes or ("1k,5k" if args.quick
-                                                         else "10k,100k,1M")).split(",")]
+    args.sizes = [
+        parse_size(s) for s in (args.sizes or ("1k,5k" if args.quick else "10k,100k,1M")).split(",")
+    ]
     args.reps = args.reps or (20 if args.quick else 200)
     args.users = args.users or (12 if args.quick else 40)
     args.out = args.out or (OUT.with_name("memory-quick.json") if args.quick else OUT)
@@ -286,8 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {}
     if args.out.exists():
         report = json.loads(args.out.read_text())
-    report["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
-                         "platform": platform.platform()}
+    report["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
     report["updated_at"] = datetime.now(UTC).isoformat()
     if not args.skip_quality:
         run_quality(args, report)

@@ -61,7 +61,7 @@ class Doc:
     user: str
     text: str
     at: datetime
-    kind: str          # "fact" or "episode"
+    kind: str  # "fact" or "episode"
     key: str | None = None
     session: str | None = None
     role: str = "user"
@@ -74,8 +74,9 @@ class Peer(Protocol):
 
     def add(self, docs: Sequence[Doc]) -> None: ...
 
-    def search(self, user: str, query: str, k: int, as_of: datetime | None = None
-               ) -> list[tuple[str, float]]: ...
+    def search(
+        self, user: str, query: str, k: int, as_of: datetime | None = None
+    ) -> list[tuple[str, float]]: ...
 
     def close(self) -> None: ...
 
@@ -114,8 +115,12 @@ class Embedder:
         """Unit-length float32 vectors, one row per text."""
         missing = list(dict.fromkeys(t for t in texts if t not in self.cache))
         if missing:
-            vecs = self.model.encode(missing, batch_size=self.batch_size,
-                                     normalize_embeddings=True, convert_to_numpy=True)
+            vecs = self.model.encode(
+                missing,
+                batch_size=self.batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+            )
             for t, v in zip(missing, vecs):
                 self.cache[t] = np.asarray(v, dtype=np.float32)
         if not texts:
@@ -144,8 +149,9 @@ class BM25Peer:
             self.docs.setdefault(d.user, []).append(d)
             self.index.pop(d.user, None)
 
-    def search(self, user: str, query: str, k: int, as_of: datetime | None = None
-               ) -> list[tuple[str, float]]:
+    def search(
+        self, user: str, query: str, k: int, as_of: datetime | None = None
+    ) -> list[tuple[str, float]]:
         docs = self.docs.get(user, [])
         if not docs:
             return []
@@ -179,23 +185,24 @@ class ChromaPeer:
         self.embedder = embedder
         self.client = chromadb.EphemeralClient(Settings(anonymized_telemetry=False))
         self.col = self.client.create_collection(
-            "bench", embedding_function=None, metadata={"hnsw:space": "cosine"})
+            "bench", embedding_function=None, metadata={"hnsw:space": "cosine"}
+        )
 
     def add(self, docs: Sequence[Doc]) -> None:
         step = 2000
         for i in range(0, len(docs), step):
-            part = docs[i:i + step]
+            part = docs[i : i + step]
             vecs = self.embedder.encode([d.text for d in part])
             self.col.add(
                 ids=[d.id for d in part],
                 documents=[d.text for d in part],
                 embeddings=vecs.tolist(),
-                metadatas=[{"user": d.user, "ts": d.at.timestamp(), "kind": d.kind}
-                           for d in part],
+                metadatas=[{"user": d.user, "ts": d.at.timestamp(), "kind": d.kind} for d in part],
             )
 
-    def search(self, user: str, query: str, k: int, as_of: datetime | None = None
-               ) -> list[tuple[str, float]]:
+    def search(
+        self, user: str, query: str, k: int, as_of: datetime | None = None
+    ) -> list[tuple[str, float]]:
         where: dict[str, Any] = {"user": user}
         if as_of is not None:
             where = {"$and": [{"user": user}, {"ts": {"$lte": as_of.timestamp()}}]}
@@ -235,12 +242,22 @@ class Mem0Peer:
     def __init__(self, python: Path, embed_model: Path | None = None) -> None:
         self.workdir = tempfile.mkdtemp(prefix="torpor-bench-mem0-")
         worker = Path(__file__).with_name("_mem0_worker.py")
-        env = dict(os.environ, MEM0_TELEMETRY="False", OPENAI_API_KEY="unused-offline",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1")
+        env = dict(
+            os.environ,
+            MEM0_TELEMETRY="False",
+            OPENAI_API_KEY="unused-offline",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TQDM_DISABLE="1",
+        )
         self.proc = subprocess.Popen(
             [str(python), str(worker), self.workdir, str(embed_model or model_path())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, env=env)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         self._call({"op": "ping"})
 
     def _call(self, msg: dict[str, Any]) -> Any:
@@ -258,14 +275,34 @@ class Mem0Peer:
     def add(self, docs: Sequence[Doc]) -> None:
         step = 500
         for i in range(0, len(docs), step):
-            self._call({"op": "add", "docs": [
-                {"id": d.id, "user": d.user, "text": d.text, "ts": d.at.timestamp(),
-                 "kind": d.kind} for d in docs[i:i + step]]})
+            self._call(
+                {
+                    "op": "add",
+                    "docs": [
+                        {
+                            "id": d.id,
+                            "user": d.user,
+                            "text": d.text,
+                            "ts": d.at.timestamp(),
+                            "kind": d.kind,
+                        }
+                        for d in docs[i : i + step]
+                    ],
+                }
+            )
 
-    def search(self, user: str, query: str, k: int, as_of: datetime | None = None
-               ) -> list[tuple[str, float]]:
-        res = self._call({"op": "search", "user": user, "query": query, "k": k,
-                          "as_of": as_of.timestamp() if as_of else None})
+    def search(
+        self, user: str, query: str, k: int, as_of: datetime | None = None
+    ) -> list[tuple[str, float]]:
+        res = self._call(
+            {
+                "op": "search",
+                "user": user,
+                "query": query,
+                "k": k,
+                "as_of": as_of.timestamp() if as_of else None,
+            }
+        )
         return [(str(i), float(s)) for i, s in res]
 
     def close(self) -> None:

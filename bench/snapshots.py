@@ -46,8 +46,9 @@ RESULTS = Path(__file__).parent / "results" / "snapshots.json"
 
 
 def _du(path: Path) -> int:
-    out = subprocess.run(["du", "-s", "--block-size=1", str(path)], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["du", "-s", "--block-size=1", str(path)], capture_output=True, text=True, check=True
+    ).stdout
     return int(out.split()[0])
 
 
@@ -152,11 +153,16 @@ async def _dedup(manager: Any, cp: Any, n: int) -> dict[str, Any]:
     total = cp.snapshots.chunks.stored_bytes() - base_store
     for sid in ids:
         await manager.kill(sid)
-    return {"sandboxes": n, "one_snapshot_bytes": one_bytes, "store_bytes": total,
-            "changed_bytes": changed, "limit_bytes": 2 * one_bytes + changed,
-            "dedup_ratio": (n + 1) * one_bytes / max(1, total),
-            "store_over_one": total / max(1, one_bytes),
-            "paused_dirs_local_bytes": paused_local}
+    return {
+        "sandboxes": n,
+        "one_snapshot_bytes": one_bytes,
+        "store_bytes": total,
+        "changed_bytes": changed,
+        "limit_bytes": 2 * one_bytes + changed,
+        "dedup_ratio": (n + 1) * one_bytes / max(1, total),
+        "store_over_one": total / max(1, one_bytes),
+        "paused_dirs_local_bytes": paused_local,
+    }
 
 
 def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
@@ -165,10 +171,14 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
 
     console = Console()
     table = Table("operation", "median ms", "p95 ms", "n", title="torpor checkpoints (TCG)")
-    for key, label in [("snapshot", "snapshot (all)"), ("snapshot_later", "snapshot (dedup)"),
-                       ("restore", "restore"), ("fork1_per_child", "fork 1, per child"),
-                       ("fork10_per_child", "fork 10, per child"),
-                       ("floor_ram_copy", "floor: RAM file sparse copy")]:
+    for key, label in [
+        ("snapshot", "snapshot (all)"),
+        ("snapshot_later", "snapshot (dedup)"),
+        ("restore", "restore"),
+        ("fork1_per_child", "fork 1, per child"),
+        ("fork10_per_child", "fork 10, per child"),
+        ("floor_ram_copy", "floor: RAM file sparse copy"),
+    ]:
         s = result[key]
         table.add_row(label, f"{s['median_ms']:.0f}", f"{s['p95_ms']:.0f}", str(s["n"]))
     console.print(table)
@@ -178,12 +188,14 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
         f"first snapshot {result['snapshot_first_ms']:.0f} ms, "
         f"{result['snapshot_sizes'][0]['size_bytes'] / mib:.0f} MiB logical, "
         f"{result['snapshot_sizes'][0]['stored_bytes'] / mib:.1f} MiB stored; later ones add "
-        f"{statistics.median(s['stored_bytes'] for s in result['snapshot_sizes'][1:] or result['snapshot_sizes']) / mib:.1f} MiB each (median)")
+        f"{statistics.median(s['stored_bytes'] for s in result['snapshot_sizes'][1:] or result['snapshot_sizes']) / mib:.1f} MiB each (median)"
+    )
     console.print(
         f"dedup: {d['sandboxes']} paused sandboxes -> store {d['store_bytes'] / mib:.1f} MiB = "
         f"{d['store_over_one']:.2f} x one template snapshot ({d['one_snapshot_bytes'] / mib:.1f}"
         f" MiB); changed {d['changed_bytes'] / mib:.1f} MiB; dedup ratio {d['dedup_ratio']:.1f}x;"
-        f" local paused dirs {d['paused_dirs_local_bytes'] / mib:.0f} MiB (no reflink on this FS)")
+        f" local paused dirs {d['paused_dirs_local_bytes'] / mib:.0f} MiB (no reflink on this FS)"
+    )
     targets = [
         ("fork <= 500 ms per child (fork 1)", result["fork1_per_child"]["median_ms"], 500.0),
         ("fork <= 500 ms per child (fork 10)", result["fork10_per_child"]["median_ms"], 500.0),
@@ -203,11 +215,15 @@ def main() -> None:
     args = parser.parse_args()
     with bench_home() as home:
         result = asyncio.run(run(args.reps, args.sandboxes, home))
-    result["host"] = {"machine": platform.machine(), "cpus": os.cpu_count(),
-                      "python": platform.python_version()}
+    result["host"] = {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
     targets = render(result)
-    result["targets"] = [{"name": n, "measured": g, "target": t, "ratio": g / t}
-                         for n, g, t in targets]
+    result["targets"] = [
+        {"name": n, "measured": g, "target": t, "ratio": g / t} for n, g, t in targets
+    ]
     write_results(RESULTS, result)
 
 

@@ -25,8 +25,10 @@ from torpor.client.sources import sandbox_resolver
 NAME = "agent-u-42"
 NOTES = "['prefers weekly summaries']"
 MEMORY_MD = "# u-42\n- prefers weekly summaries\n- upgraded to Pro on the 3rd\n"
-PROBE = ("python3 -c \"import urllib.request as u; "
-         "print(u.urlopen('http://127.0.0.1:8000/memory.md', timeout=5).status)\"")
+PROBE = (
+    'python3 -c "import urllib.request as u; '
+    "print(u.urlopen('http://127.0.0.1:8000/memory.md', timeout=5).status)\""
+)
 
 
 class Clock:
@@ -104,8 +106,11 @@ def second_session() -> None:
     torpor.memory.register_resolver("sandbox", sandbox_resolver())
     u = torpor.Memory().scope(app="demo", user="u-42")
     clock.lap("open the memory store (user u-42's scope)")
-    fact = u.remember("upgraded to Pro on the 3rd", key="plan", source=torpor.SourceRef(
-        sandbox=NAME, path="/workspace/memory.md", line=3))
+    fact = u.remember(
+        "upgraded to Pro on the 3rd",
+        key="plan",
+        source=torpor.SourceRef(sandbox=NAME, path="/workspace/memory.md", line=3),
+    )
     clock.lap("remember a fact citing memory.md line 3")
     hits = u.recall("which plan did they upgrade to?", k=1)
     clock.lap("recall it")
@@ -116,8 +121,10 @@ def second_session() -> None:
 
     sbx.pause()
     clock.lap("pause again")
-    print(f"\nok: the sandbox {NAME} is paused on disk; wake it with "
-          f"`torpor sandbox exec {NAME} -- cat /workspace/memory.md`")
+    print(
+        f"\nok: the sandbox {NAME} is paused on disk; wake it with "
+        f"`torpor sandbox exec {NAME} -- cat /workspace/memory.md`"
+    )
 
 
 def main() -> None:

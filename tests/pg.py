@@ -62,7 +62,9 @@ class PgCluster:
         with psycopg.connect(self.admin_dsn(), autocommit=True) as conn:
             exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
             if not exists:
-                conn.execute(sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER").format(sql.Identifier(role)))
+                conn.execute(
+                    sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER").format(sql.Identifier(role))
+                )
         return self.dsn(database, role)
 
     def create_database(self, prefix: str = "t") -> str:
@@ -183,8 +185,12 @@ def pg_memory_dsn(pg_cluster: PgCluster, _pg_memory_database: str) -> str:
     with psycopg.connect(dsn, autocommit=True) as conn:
         # a backend a failed test left open holds only idle connections: the lock is quick
         conn.execute("SET lock_timeout = '10s'")
-        tables = [r[0] for r in conn.execute(
-            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables "
-            "WHERE schemaname = 'torpor' AND tablename <> 'schema_version'")]
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables "
+                "WHERE schemaname = 'torpor' AND tablename <> 'schema_version'"
+            )
+        ]
         conn.execute(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY")  # type: ignore[arg-type]
     return dsn

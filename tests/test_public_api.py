@@ -22,10 +22,28 @@ def test_every_public_name_resolves() -> None:
 
 
 def test_every_error_is_exported_and_under_the_root() -> None:
-    exported = {n for n in torpor.__all__ if n.endswith(("Error", "Argument", "Name", "Large",
-                                                         "Violation", "Found", "Conflict",
-                                                         "State", "Closed", "Timeout", "Denied",
-                                                         "Unavailable", "Data", "Lost"))}
+    exported = {
+        n
+        for n in torpor.__all__
+        if n.endswith(
+            (
+                "Error",
+                "Argument",
+                "Name",
+                "Large",
+                "Violation",
+                "Found",
+                "Conflict",
+                "State",
+                "Closed",
+                "Timeout",
+                "Denied",
+                "Unavailable",
+                "Data",
+                "Lost",
+            )
+        )
+    }
     assert exported == set(torpor.errors.__all__) - {"from_wire"}
     for name in exported:
         assert issubclass(getattr(torpor, name), torpor.TorporError)
@@ -33,7 +51,9 @@ def test_every_error_is_exported_and_under_the_root() -> None:
 
 def test_import_is_cheap() -> None:
     """``import torpor`` must not pull the server, QEMU or model stacks in."""
-    code = ("import sys, torpor; heavy = {'fastapi', 'uvicorn', 'torch', 'qemu', 'httpx', "
-            "'sentence_transformers'} & set(sys.modules); print(sorted(heavy))")
+    code = (
+        "import sys, torpor; heavy = {'fastapi', 'uvicorn', 'torch', 'qemu', 'httpx', "
+        "'sentence_transformers'} & set(sys.modules); print(sorted(heavy))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

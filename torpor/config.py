@@ -102,8 +102,16 @@ class Paths:
         return self.home / "cache"
 
     def ensure(self) -> Paths:
-        for d in (self.templates, self.sandboxes, self.snapshots, self.chunks, self.volumes,
-                  self.drives, self.memory, self.cache):
+        for d in (
+            self.templates,
+            self.sandboxes,
+            self.snapshots,
+            self.chunks,
+            self.volumes,
+            self.drives,
+            self.memory,
+            self.cache,
+        ):
             d.mkdir(parents=True, exist_ok=True)
         return self
 

@@ -61,8 +61,9 @@ def test_projection_embedder_is_deterministic_and_unit_length() -> None:
     assert np.allclose(np.linalg.norm(a[:2], axis=1), 1.0) and not a[2].any()
 
 
-def test_a_tiny_scale_run_reports_every_figure(monkeypatch: pytest.MonkeyPatch,
-                                               tmp_path: Path) -> None:
+def test_a_tiny_scale_run_reports_every_figure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the store lands in tmp_path
     res: ScaleResult = scale_run(300, "hybrid", reps=8, progress=lambda _m: None)
     row = res.as_dict()

@@ -34,8 +34,10 @@ def test_same_seed_same_data() -> None:
 
 
 def test_other_seed_other_data() -> None:
-    assert generate(GenConfig(seed=3, users=6)).fingerprint() != \
-        generate(GenConfig(seed=4, users=6)).fingerprint()
+    assert (
+        generate(GenConfig(seed=3, users=6)).fingerprint()
+        != generate(GenConfig(seed=4, users=6)).fingerprint()
+    )
 
 
 def test_every_kind_is_asked(ds: Dataset) -> None:
@@ -87,8 +89,7 @@ def test_temporal_gold_was_valid_at_the_date(ds: Dataset) -> None:
         assert q.as_of is not None
         (fid,) = [i for i in q.gold_ids if i in facts]
         gold = facts[fid]
-        later = [f for f in ds.facts if f.user == q.user and f.key == gold.key
-                 and f.at > gold.at]
+        later = [f for f in ds.facts if f.user == q.user and f.key == gold.key and f.at > gold.at]
         assert gold.at <= q.as_of
         assert later and min(f.at for f in later) > q.as_of
 
@@ -120,11 +121,14 @@ def test_questions_are_not_copies_of_statements(ds: Dataset) -> None:
     assert sum(overlaps) / len(overlaps) < 0.5
 
 
-@pytest.mark.parametrize(("ranked", "expected"), [
-    pytest.param(["a", "x"], 0.5, id="one-of-two-groups"),
-    pytest.param(["x", "b", "c"], 1.0, id="both-groups"),
-    pytest.param(["x", "y", "z", "w", "v", "a"], 0.0, id="past-k"),
-])
+@pytest.mark.parametrize(
+    ("ranked", "expected"),
+    [
+        pytest.param(["a", "x"], 0.5, id="one-of-two-groups"),
+        pytest.param(["x", "b", "c"], 1.0, id="both-groups"),
+        pytest.param(["x", "y", "z", "w", "v", "a"], 0.0, id="past-k"),
+    ],
+)
 def test_recall_at_k(ranked: list[str], expected: float) -> None:
     gold = (frozenset({"a", "b"}), frozenset({"c"}))
     assert recall_at_k(ranked, gold, k=5) == expected
@@ -159,8 +163,9 @@ class _Oracle:
     def add(self, docs: object) -> None:
         pass
 
-    def search(self, user: str, query: str, k: int, as_of: object = None
-               ) -> list[tuple[str, float]]:
+    def search(
+        self, user: str, query: str, k: int, as_of: object = None
+    ) -> list[tuple[str, float]]:
         q = self.by_text[(user, query, as_of)]
         ids = sorted(min(g) for g in q.gold)
         if self.stale_first and q.stale_fact_ids:
@@ -187,10 +192,13 @@ def test_scoring_catches_a_stale_value_first(ds: Dataset) -> None:
     assert res.current_found == 1.0
 
 
-@pytest.mark.parametrize(("answerable", "abstain", "expected"), [
-    pytest.param([0.9, 0.8, 0.7], [0.1, 0.2], 0.7, id="separable"),
-    pytest.param([0.5], [], float("-inf"), id="no-abstention-questions"),
-])
+@pytest.mark.parametrize(
+    ("answerable", "abstain", "expected"),
+    [
+        pytest.param([0.9, 0.8, 0.7], [0.1, 0.2], 0.7, id="separable"),
+        pytest.param([0.5], [], float("-inf"), id="no-abstention-questions"),
+    ],
+)
 def test_calibrate(answerable: list[float], abstain: list[float], expected: float) -> None:
     from bench._quality import calibrate
 

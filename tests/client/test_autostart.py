@@ -18,8 +18,10 @@ from torpor.errors import SandboxNotFound, ServerUnavailable
 from torpor.sandbox.models import SandboxInfo
 from torpor.server.daemon import server_pid, stop_server
 
-PROBE = ("import sys; from torpor.client import Runtime; "
-         "print(Runtime(home=sys.argv[1]).health()['pid'])")
+PROBE = (
+    "import sys; from torpor.client import Runtime; "
+    "print(Runtime(home=sys.argv[1]).health()['pid'])"
+)
 
 
 @pytest.fixture
@@ -35,8 +37,12 @@ def home(tmp_path: Path) -> Iterator[Path]:
 
 
 def _probe(home: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", PROBE, str(home)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", PROBE, str(home)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_concurrent_clients_start_exactly_one_server(home: Path) -> None:
@@ -51,9 +57,14 @@ def test_concurrent_clients_start_exactly_one_server(home: Path) -> None:
     assert server_pid(home) == pid
     assert stat.S_IMODE((home / "server.sock").stat().st_mode) == 0o600
 
-    second = subprocess.run([sys.executable, "-m", "torpor.cli", "serve"], check=False,
-                            capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "TORPOR_HOME": str(home)})
+    second = subprocess.run(
+        [sys.executable, "-m", "torpor.cli", "serve"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TORPOR_HOME": str(home)},
+    )
     assert second.returncode == 1
     assert "Conflict" in second.stderr and str(pid) in second.stderr
     assert Runtime(home=home, autostart=False).health()["pid"] == pid  # still serving
@@ -76,9 +87,16 @@ def test_a_killed_server_is_replaced_on_the_next_call(home: Path) -> None:
 
 def test_a_streamed_first_call_starts_the_server(home: Path) -> None:
     rt = Runtime(home=home)
-    info = SandboxInfo.model_validate({"id": "ghost", "name": "ghost", "template": "python",
-                                       "state": "running", "created_at": 0,
-                                       "last_active_at": 0})
+    info = SandboxInfo.model_validate(
+        {
+            "id": "ghost",
+            "name": "ghost",
+            "template": "python",
+            "state": "running",
+            "created_at": 0,
+            "last_active_at": 0,
+        }
+    )
     with pytest.raises(SandboxNotFound):
         Sandbox(info, rt).commands.run("echo hi", on_stdout=print)
     assert server_pid(home) == rt.health()["pid"]

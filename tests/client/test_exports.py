@@ -15,6 +15,18 @@ def test_public_names(name: str) -> None:
 
 
 def test_sandbox_surface() -> None:
-    for attr in ("create", "get_or_create", "get", "list", "pause", "resume", "kill", "info",
-                 "id", "name", "__enter__", "__exit__"):
+    for attr in (
+        "create",
+        "get_or_create",
+        "get",
+        "list",
+        "pause",
+        "resume",
+        "kill",
+        "info",
+        "id",
+        "name",
+        "__enter__",
+        "__exit__",
+    ):
         assert hasattr(torpor.Sandbox, attr), attr

@@ -26,8 +26,7 @@ if TYPE_CHECKING:
 
 def test_lifecycle(served: Served) -> None:
     rt = served.runtime
-    sbx = Sandbox.create(name="agent-1", labels={"user": "u-1"}, idle_pause_seconds=60,
-                         runtime=rt)
+    sbx = Sandbox.create(name="agent-1", labels={"user": "u-1"}, idle_pause_seconds=60, runtime=rt)
     assert sbx.name == "agent-1" and sbx.id.startswith("sbx-")
     assert sbx.info.state.value == "running" and sbx.info.labels == {"user": "u-1"}
     Sandbox.create(name="agent-2", labels={"user": "u-2"}, runtime=rt)
@@ -159,8 +158,9 @@ def test_remote_runtime_with_token(tcp_served: tuple[object, str]) -> None:
         Sandbox.list(runtime=Runtime(url=url, token="c" * 32))
 
 
-def test_environment_selects_a_remote_server(tcp_served: tuple[object, str],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_selects_a_remote_server(
+    tcp_served: tuple[object, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, url = tcp_served
     monkeypatch.setenv("TORPOR_URL", url)
     monkeypatch.setenv("TORPOR_TOKEN", "b" * 32)

@@ -105,31 +105,36 @@ def test_filters_kind_metadata_time(mem: Memory) -> None:
 
 def test_batched_writes(hmem: Memory) -> None:
     u = hmem.scope(app="a", user="u")
-    facts = u.remember_many([f"note number {i}" for i in range(200)] +
-                            [{"text": "keyed", "key": "k", "metadata": {"x": 1}}])
+    facts = u.remember_many(
+        [f"note number {i}" for i in range(200)]
+        + [{"text": "keyed", "key": "k", "metadata": {"x": 1}}]
+    )
     assert len(facts) == 201 and facts[-1].key == "k"
     eps = u.log_many([{"role": "user", "text": f"turn {i}", "session": "s"} for i in range(50)])
     assert len(eps) == 50 and eps[0].session == "s"
     assert len(u.recall("note number 17", k=3)) == 3
 
 
-@pytest.mark.parametrize("bad", [
-    pytest.param(lambda u: u.remember(""), id="empty"),
-    pytest.param(lambda u: u.remember("   "), id="blank"),
-    pytest.param(lambda u: u.remember("a\x00b"), id="nul"),
-    pytest.param(lambda u: u.remember("x", metadata={"a": "\x00"}), id="nul-metadata"),
-    pytest.param(lambda u: u.remember("x", key="bad key!"), id="key"),
-    pytest.param(lambda u: u.remember("x", metadata={"a": object()}), id="metadata"),
-    pytest.param(lambda u: u.remember("x", ttl=-1), id="ttl"),
-    pytest.param(lambda u: u.remember("x", durability="forever"), id="durability"),
-    pytest.param(lambda u: u.remember("x", source={"path": "relative"}), id="source"),
-    pytest.param(lambda u: u.remember_many(["ok", ""]), id="batch"),
-    pytest.param(lambda u: u.remember_many([{"text": "a", "colour": 1}]), id="unknown-field"),
-    pytest.param(lambda u: u.log("", "hi"), id="role"),
-    pytest.param(lambda u: u.recall(""), id="query"),
-    pytest.param(lambda u: u.recall("x", kind="note"), id="kind"),
-    pytest.param(lambda u: u.context("x", budget_tokens=0), id="budget"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda u: u.remember(""), id="empty"),
+        pytest.param(lambda u: u.remember("   "), id="blank"),
+        pytest.param(lambda u: u.remember("a\x00b"), id="nul"),
+        pytest.param(lambda u: u.remember("x", metadata={"a": "\x00"}), id="nul-metadata"),
+        pytest.param(lambda u: u.remember("x", key="bad key!"), id="key"),
+        pytest.param(lambda u: u.remember("x", metadata={"a": object()}), id="metadata"),
+        pytest.param(lambda u: u.remember("x", ttl=-1), id="ttl"),
+        pytest.param(lambda u: u.remember("x", durability="forever"), id="durability"),
+        pytest.param(lambda u: u.remember("x", source={"path": "relative"}), id="source"),
+        pytest.param(lambda u: u.remember_many(["ok", ""]), id="batch"),
+        pytest.param(lambda u: u.remember_many([{"text": "a", "colour": 1}]), id="unknown-field"),
+        pytest.param(lambda u: u.log("", "hi"), id="role"),
+        pytest.param(lambda u: u.recall(""), id="query"),
+        pytest.param(lambda u: u.recall("x", kind="note"), id="kind"),
+        pytest.param(lambda u: u.context("x", budget_tokens=0), id="budget"),
+    ],
+)
 def test_bad_input_is_typed_and_writes_nothing(mem: Memory, bad: object) -> None:
     u = mem.scope(app="a", user="u")
     with pytest.raises(InvalidArgument):
@@ -235,21 +240,35 @@ def test_time_roundtrip_exact(mem: Memory) -> None:
     assert from_us(to_us(f.valid_from)) == f.valid_from
 
 
-_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
-                min_size=1,
-                max_size=60).filter(str.strip)
-_META = st.dictionaries(st.text(alphabet="abcxyz_", min_size=1, max_size=5),
-                        st.one_of(st.none(), st.booleans(), st.integers(-10, 10), _TEXT),
-                        max_size=3)
+_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+    min_size=1,
+    max_size=60,
+).filter(str.strip)
+_META = st.dictionaries(
+    st.text(alphabet="abcxyz_", min_size=1, max_size=5),
+    st.one_of(st.none(), st.booleans(), st.integers(-10, 10), _TEXT),
+    max_size=3,
+)
 
 
-@settings(max_examples=20, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(items=st.lists(st.tuples(st.booleans(), _TEXT, st.sampled_from([None, "k1", "k2"]),
-                                _META), min_size=1, max_size=10))
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    items=st.lists(
+        st.tuples(st.booleans(), _TEXT, st.sampled_from([None, "k1", "k2"]), _META),
+        min_size=1,
+        max_size=10,
+    )
+)
 def test_export_import_round_trip_property(
-        tmp_path_factory: pytest.TempPathFactory, backend_spec: str,
-        items: list[tuple[bool, str, str | None, dict[str, object]]]) -> None:
+    tmp_path_factory: pytest.TempPathFactory,
+    backend_spec: str,
+    items: list[tuple[bool, str, str | None, dict[str, object]]],
+) -> None:
     home = tmp_path_factory.mktemp("rt")
     tenant = f"rt{next(_RT)}"  # fresh per example: a server backend keeps data
     with Memory(str(home), tenant=tenant, embedder=None, backend=backend_spec) as m:

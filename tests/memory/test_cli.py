@@ -14,8 +14,11 @@ runner = CliRunner()
 
 
 def run(home: Path, *args: str) -> str:
-    result = runner.invoke(app, ["memory", "--home", str(home), "--scope", "app/a/user/u",
-                                 *args], catch_exceptions=False)
+    result = runner.invoke(
+        app,
+        ["memory", "--home", str(home), "--scope", "app/a/user/u", *args],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     return result.stdout
 
@@ -23,12 +26,32 @@ def run(home: Path, *args: str) -> str:
 def test_cli_round_trip(tmp_path: Path) -> None:
     home = tmp_path / "home"
     run(home, "remember", "prefers weekly summaries", "--key", "cadence")
-    out = json.loads(run(home, "--json", "remember", "prefers daily summaries", "--key", "cadence",
-                         "--meta", '{"src": "cli"}'))
+    out = json.loads(
+        run(
+            home,
+            "--json",
+            "remember",
+            "prefers daily summaries",
+            "--key",
+            "cadence",
+            "--meta",
+            '{"src": "cli"}',
+        )
+    )
     assert out["key"] == "cadence" and out["metadata"] == {"src": "cli"}
     run(home, "log", "user", "Can you send me summaries every week?", "--session", "s1")
-    hits = json.loads(run(home, "--json", "recall", "how often should I send summaries?", "-k", "3",
-                          "--kind", "fact"))
+    hits = json.loads(
+        run(
+            home,
+            "--json",
+            "recall",
+            "how often should I send summaries?",
+            "-k",
+            "3",
+            "--kind",
+            "fact",
+        )
+    )
     assert [h["text"] for h in hits] == ["prefers daily summaries"] and "scores" in hits[0]
     assert "daily" in run(home, "recall", "summaries")
     hist = json.loads(run(home, "--json", "history", "cadence"))
@@ -38,8 +61,10 @@ def test_cli_round_trip(tmp_path: Path) -> None:
     dump = tmp_path / "u.jsonl"
     run(home, "export", str(dump))
     assert json.loads(dump.read_text().splitlines()[0])["type"] == "torpor-memory"
-    result = runner.invoke(app, ["memory", "--home", str(home), "--scope", "app/a/user/v",
-                                 "--json", "import", str(dump)])
+    result = runner.invoke(
+        app,
+        ["memory", "--home", str(home), "--scope", "app/a/user/v", "--json", "import", str(dump)],
+    )
     assert result.exit_code == 0 and json.loads(result.stdout) == {"imported": 3}
     erased = json.loads(run(home, "--json", "forget", out["id"]))
     assert erased == {"erased": 1}

@@ -97,8 +97,9 @@ def test_closed_memory_is_typed_and_file_reopens(tmp_path: Path) -> None:
     again.close()
 
 
-def test_locked_database_times_out_typed_then_recovers(tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_locked_database_times_out_typed_then_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from torpor.memory.backends import _sqlite_conn as sq
 
     monkeypatch.setattr(sq, "_BEGIN_RETRIES", 2)

@@ -72,13 +72,17 @@ def test_tiny_budget_gives_a_fitting_block(mem: Memory) -> None:
     episodes=st.lists(st.sampled_from(SAMPLE), max_size=6),
     profile=st.dictionaries(st.text(min_size=1, max_size=10), st.text(max_size=30), max_size=4),
 )
-def test_never_over_budget(budget: int, facts: list[str], episodes: list[str],
-                           profile: dict[str, str]) -> None:
+def test_never_over_budget(
+    budget: int, facts: list[str], episodes: list[str], profile: dict[str, str]
+) -> None:
     for count in (token_counter(), estimate_tokens):
         ctx = build_context(
-            budget_tokens=budget, count=count,
+            budget_tokens=budget,
+            count=count,
             profile=Profile(scope="app/a", data=profile, updated_at=from_us(now_us())),
-            facts=[_fact(t) for t in facts], episodes=[_episode(t) for t in episodes])
+            facts=[_fact(t) for t in facts],
+            episodes=[_episode(t) for t in episodes],
+        )
         assert count(ctx.text) <= budget
         assert ctx.tokens <= budget
         assert len(ctx.ids) == len(set(ctx.ids))
@@ -89,6 +93,11 @@ def test_non_additive_counter_still_fits() -> None:
     def joiny(text: str) -> int:
         return len(text.split()) + 3 * text.count("\n")
 
-    ctx = build_context(budget_tokens=20, count=joiny, profile=None,
-                        facts=[_fact(f"fact number {i}") for i in range(10)], episodes=[])
+    ctx = build_context(
+        budget_tokens=20,
+        count=joiny,
+        profile=None,
+        facts=[_fact(f"fact number {i}") for i in range(10)],
+        episodes=[],
+    )
     assert 0 < joiny(ctx.text) <= 20 and ctx.ids

@@ -62,7 +62,8 @@ def test_model_mismatch_falls_back_to_lexical(home: Path, smem: Memory) -> None:
     other = Memory(str(home), embedder=HashEmbedder(16))
     assert other.usable_embedder() is None
     assert [h.text for h in other.scope(app="a").recall("MiniLM vectors")] == [
-        "stored with MiniLM vectors"]
+        "stored with MiniLM vectors"
+    ]
     other.close()
 
 

@@ -86,25 +86,41 @@ NAMES = st.sampled_from(["a", "b", "c"])
 LEVELS = st.fixed_dictionaries({}, optional={"app": NAMES, "user": NAMES, "session": NAMES})
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
-    writes=st.lists(st.tuples(st.sampled_from(["t1", "t2"]), LEVELS, st.sampled_from(
-        ["apple pie", "apple tart", "banana bread", "cherry apple"])), min_size=1, max_size=12),
+    writes=st.lists(
+        st.tuples(
+            st.sampled_from(["t1", "t2"]),
+            LEVELS,
+            st.sampled_from(["apple pie", "apple tart", "banana bread", "cherry apple"]),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
     grant=st.tuples(st.sampled_from(["read", "write"]), LEVELS),
     query_scope=LEVELS,
     query=st.sampled_from(["apple", "banana", "bread pie", "cherry"]),
 )
-def test_random_scopes_never_leak(tmp_path_factory: pytest.TempPathFactory, backend_spec: str,
-                                  writes: list[tuple[str, dict[str, str], str]],
-                                  grant: tuple[str, dict[str, str]], query_scope: dict[str, str],
-                                  query: str) -> None:
+def test_random_scopes_never_leak(
+    tmp_path_factory: pytest.TempPathFactory,
+    backend_spec: str,
+    writes: list[tuple[str, dict[str, str], str]],
+    grant: tuple[str, dict[str, str]],
+    query_scope: dict[str, str],
+    query: str,
+) -> None:
     home = tmp_path_factory.mktemp("iso")
     # fresh tenant names per example: a server backend keeps data between examples
     run = next(_RUNS)
     names = {"t1": f"p{run}-t1", "t2": f"p{run}-t2"}
-    owners = {t: Memory(str(home), tenant=names[t], embedder=None, backend=backend_spec)
-              for t in ("t1", "t2")}
+    owners = {
+        t: Memory(str(home), tenant=names[t], embedder=None, backend=backend_spec)
+        for t in ("t1", "t2")
+    }
     m: Memory | None = None
     try:
         written: dict[str, tuple[str, str]] = {}

@@ -63,19 +63,22 @@ def app_login(pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend)
 
 
 def _two_tenants(backend: PostgresBackend) -> None:
-    backend.tenant("acme").add([_fact("acme prefers weekly summaries", key="cadence"),
-                                _episode("acme said hello")])
+    backend.tenant("acme").add(
+        [_fact("acme prefers weekly summaries", key="cadence"), _episode("acme said hello")]
+    )
     backend.tenant("globex").add([_fact("globex prefers daily summaries", key="cadence")])
 
 
 # -- row-level security, proven in SQL -----------------------------------------------------
 
+
 def test_app_role_is_neither_superuser_nor_owner_and_rls_is_forced(
     pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend
 ) -> None:
     with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
-        su, bypass = conn.execute("SELECT rolsuper, rolbypassrls FROM pg_roles "
-                                  "WHERE rolname = 'torpor_app'").fetchone() or (None, None)
+        su, bypass = conn.execute(
+            "SELECT rolsuper, rolbypassrls FROM pg_roles WHERE rolname = 'torpor_app'"
+        ).fetchone() or (None, None)
         assert su is False and bypass is False
         rows = conn.execute(
             "SELECT c.relname, pg_get_userbyid(c.relowner), c.relrowsecurity, "
@@ -121,15 +124,15 @@ def test_superuser_connection_is_bound_by_rls_after_switching_role(
         assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (0,)
 
 
-def test_sql_write_into_another_tenant_is_refused(
-    backend: PostgresBackend, app_login: str
-) -> None:
+def test_sql_write_into_another_tenant_is_refused(backend: PostgresBackend, app_login: str) -> None:
     _two_tenants(backend)
     with psycopg.connect(app_login) as conn:
         conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
         with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
-            conn.execute("INSERT INTO torpor.records (tenant_id, id, kind, scope, text, "
-                         "created_at, valid_from) VALUES ('acme', 'x', 'fact', '', 'evil', 0, 0)")
+            conn.execute(
+                "INSERT INTO torpor.records (tenant_id, id, kind, scope, text, "
+                "created_at, valid_from) VALUES ('acme', 'x', 'fact', '', 'evil', 0, 0)"
+            )
         conn.rollback()
         conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
         # moving one's own row into another tenant is refused too
@@ -138,8 +141,10 @@ def test_sql_write_into_another_tenant_is_refused(
         conn.rollback()
         conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
         # acme's rows are invisible to UPDATE and DELETE: nothing happens to them
-        assert conn.execute("UPDATE torpor.records SET text = 'x' WHERE tenant_id = 'acme'"
-                            ).rowcount == 0
+        assert (
+            conn.execute("UPDATE torpor.records SET text = 'x' WHERE tenant_id = 'acme'").rowcount
+            == 0
+        )
         assert conn.execute("DELETE FROM torpor.records WHERE tenant_id = 'acme'").rowcount == 0
         # the audit log is append-only for the app role
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -151,13 +156,16 @@ def test_sql_write_into_another_tenant_is_refused(
 
 # -- row-level security at the API ---------------------------------------------------------
 
+
 def test_api_write_into_another_tenant_is_access_denied_and_audited(
-    backend: PostgresBackend
+    backend: PostgresBackend,
 ) -> None:
     _two_tenants(backend)
     with pytest.raises(AccessDenied) as info, backend.transaction("smuggle", "globex") as cur:
-        cur.execute("INSERT INTO torpor.records (tenant_id, id, kind, scope, text, created_at, "
-                    "valid_from) VALUES ('acme', 'x', 'fact', '', 'evil', 0, 0)")
+        cur.execute(
+            "INSERT INTO torpor.records (tenant_id, id, kind, scope, text, created_at, "
+            "valid_from) VALUES ('acme', 'x', 'fact', '', 'evil', 0, 0)"
+        )
     assert info.value.tenant == "globex"
     denied = backend.audit_log("globex")
     assert denied and denied[0].allowed is False and denied[0].action == "smuggle"
@@ -170,7 +178,8 @@ def test_api_reads_stay_in_their_tenant(backend: PostgresBackend) -> None:
     everything = _flt(include_history=True)
     assert [r.text for r in globex.scan(everything, 100)] == ["globex prefers daily summaries"]
     assert [h[0].text for h in globex.lexical_search(["summaries"], everything, 10)] == [
-        "globex prefers daily summaries"]
+        "globex prefers daily summaries"
+    ]
     # same key, same scope, different tenants: no supersession across tenants
     assert len(acme.history(SCOPE, "cadence", now_us())) == 1
     assert acme.get([r.id for r in globex.scan(everything, 10)], now_us()) == []
@@ -181,6 +190,7 @@ def test_api_reads_stay_in_their_tenant(backend: PostgresBackend) -> None:
 
 # -- migrations ----------------------------------------------------------------------------
 
+
 def test_migrates_from_an_older_version_keeping_data(
     pg_cluster: PgCluster, pg_database: str
 ) -> None:
@@ -188,9 +198,12 @@ def test_migrates_from_an_older_version_keeping_data(
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert schema.migrate(conn, target=1) == 1
         conn.execute("INSERT INTO torpor.tenants VALUES ('acme', 0)")
-        conn.execute("INSERT INTO torpor.records (tenant_id, id, kind, scope, key, text, "
-                     "created_at, valid_from) VALUES ('acme', 'old1', 'fact', %s, 'plan', "
-                     "'upgraded to the Pro plan', 1, 1)", (SCOPE,))
+        conn.execute(
+            "INSERT INTO torpor.records (tenant_id, id, kind, scope, key, text, "
+            "created_at, valid_from) VALUES ('acme', 'old1', 'fact', %s, 'plan', "
+            "'upgraded to the Pro plan', 1, 1)",
+            (SCOPE,),
+        )
         assert conn.execute("SELECT to_regclass('torpor.records_tsv')").fetchone() == (None,)
     backend = PostgresBackend(dsn)
     try:
@@ -204,8 +217,9 @@ def test_migrates_from_an_older_version_keeping_data(
     finally:
         backend.close()
     with psycopg.connect(dsn) as conn:
-        versions = [r[0] for r in conn.execute("SELECT version FROM torpor.schema_version "
-                                               "ORDER BY version")]
+        versions = [
+            r[0] for r in conn.execute("SELECT version FROM torpor.schema_version ORDER BY version")
+        ]
     assert versions == [1, 2, 3, 4, 5, 6]
 
 
@@ -236,7 +250,8 @@ def test_concurrent_openers_migrate_once(pg_cluster: PgCluster, pg_database: str
     assert errors == []
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM torpor.schema_version").fetchone() == (
-            (schema.LATEST,))
+            (schema.LATEST,)
+        )
 
 
 def test_login_without_ddl_rights_uses_a_migrated_schema_but_cannot_migrate(
@@ -262,11 +277,13 @@ def test_login_without_ddl_rights_uses_a_migrated_schema_but_cannot_migrate(
 
 # -- search --------------------------------------------------------------------------------
 
+
 def test_full_text_stems_and_keeps_stop_words(backend: PostgresBackend) -> None:
     store = backend.tenant("acme")
     store.add([_fact("prefers weekly summaries"), _fact("the one and only")])
     assert [h[0].text for h in store.lexical_search(["summary"], _flt(), 5)] == [
-        "prefers weekly summaries"]
+        "prefers weekly summaries"
+    ]
     assert [h[0].text for h in store.lexical_search(["the"], _flt(), 5)] == ["the one and only"]
     assert store.lexical_search(["absent"], _flt(), 5) == []
     # operators in terms are plain words, never query syntax
@@ -286,8 +303,12 @@ def test_lexical_search_widens_past_filtered_candidates(
     # as the owner (no RLS), the candidates' match can use the GIN index
     with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
         conn.execute("SET enable_seqscan = off")
-        plan = "\n".join(r[0] for r in conn.execute(
-            "EXPLAIN SELECT id FROM torpor.records WHERE tsv @@ plainto_tsquery('apple')"))
+        plan = "\n".join(
+            r[0]
+            for r in conn.execute(
+                "EXPLAIN SELECT id FROM torpor.records WHERE tsv @@ plainto_tsquery('apple')"
+            )
+        )
         assert "records_tsv" in plan
 
 
@@ -298,17 +319,26 @@ def test_vector_search_under_rls_never_misses_a_visible_record(
     backend.hnsw_min_rows = 100  # build the index once the crowd is in
     crowd = backend.tenant("crowd")
     # 400 vectors of another tenant, all nearer to the query than ours
-    crowd.add([_fact(f"crowd {i}") for i in range(400)],
-              [[1.0, 0.01 * (i % 7), *([0.0] * (dim - 2))] for i in range(400)])
+    crowd.add(
+        [_fact(f"crowd {i}") for i in range(400)],
+        [[1.0, 0.01 * (i % 7), *([0.0] * (dim - 2))] for i in range(400)],
+    )
     mine = backend.tenant("mine")
-    mine.add([_fact(f"mine {i}") for i in range(3)],
-             [[0.0, 1.0, float(i), *([0.0] * (dim - 3))] for i in range(3)])
+    mine.add(
+        [_fact(f"mine {i}") for i in range(3)],
+        [[0.0, 1.0, float(i), *([0.0] * (dim - 3))] for i in range(3)],
+    )
     with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
         assert conn.execute("SELECT to_regclass('torpor.records_hnsw_8')").fetchone() != (None,)
         # the HNSW index serves an unfiltered nearest-neighbour query
-        plan = "\n".join(r[0] for r in conn.execute(
-            "EXPLAIN SELECT id FROM torpor.records WHERE embedding_dim = 8 "
-            "ORDER BY embedding::vector(8) <=> %s::vector(8) LIMIT 3", ("[1,0,0,0,0,0,0,0]",)))
+        plan = "\n".join(
+            r[0]
+            for r in conn.execute(
+                "EXPLAIN SELECT id FROM torpor.records WHERE embedding_dim = 8 "
+                "ORDER BY embedding::vector(8) <=> %s::vector(8) LIMIT 3",
+                ("[1,0,0,0,0,0,0,0]",),
+            )
+        )
         assert "records_hnsw_8" in plan
     # under RLS the index scan sees the crowd first; the exact fallback still finds ours
     hits = mine.vector_search([1.0, *([0.0] * (dim - 1))], _flt(), 3)
@@ -320,6 +350,7 @@ def test_vector_search_under_rls_never_misses_a_visible_record(
 
 
 # -- concurrency and errors ----------------------------------------------------------------
+
 
 def test_concurrent_writers_to_one_key_lose_nothing(backend: PostgresBackend) -> None:
     store = backend.tenant("acme")
@@ -363,8 +394,10 @@ def test_concurrent_writer_processes_lose_nothing(
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_process_writer, args=(pg_cluster.admin_dsn(pg_database), n))
-             for n in range(4)]
+    procs = [
+        ctx.Process(target=_process_writer, args=(pg_cluster.admin_dsn(pg_database), n))
+        for n in range(4)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -412,16 +445,21 @@ def test_closed_backend_and_unreachable_server_raise_storage_error(
 def test_tokens_are_found_across_tenants_and_revoked_in_theirs(backend: PostgresBackend) -> None:
     from torpor.memory.models import Grant, TokenInfo
 
-    token = TokenInfo(token_hash="h1", tenant="acme", grants=[Grant(mode="read", prefix="app")],
-                      created_at=from_us(now_us()))
+    token = TokenInfo(
+        token_hash="h1",
+        tenant="acme",
+        grants=[Grant(mode="read", prefix="app")],
+        created_at=from_us(now_us()),
+    )
     backend.put_token(token)
     found = backend.get_token("h1")
     assert found is not None and found.tenant == "acme" and found.grants == token.grants
     assert backend.get_token("nope") is None
     assert backend.revoke_token("h1") and backend.get_token("h1").revoked  # type: ignore[union-attr]
     assert not backend.revoke_token("nope")
-    backend.append_audit(AuditEntry(at=from_us(now_us()), tenant="globex", actor="t",
-                                    action="recall"))
+    backend.append_audit(
+        AuditEntry(at=from_us(now_us()), tenant="globex", actor="t", action="recall")
+    )
     assert [e.tenant for e in backend.audit_log()] == ["globex"]
     assert backend.audit_log("acme") == []
 
@@ -438,8 +476,9 @@ def test_builtin_pool_serves_threads_and_drops_broken_connections(
         pool = backend._pool
         assert isinstance(pool, SimplePool)
         store = backend.tenant("acme")
-        threads = [threading.Thread(target=lambda n=n: store.add([_fact(f"t{n}")]))
-                   for n in range(6)]
+        threads = [
+            threading.Thread(target=lambda n=n: store.add([_fact(f"t{n}")])) for n in range(6)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -459,11 +498,11 @@ def test_psycopg_errors_become_torpor_errors() -> None:
     from torpor.errors import CorruptData
     from torpor.memory.backends.postgres import translate
 
-    assert isinstance(translate(psycopg.errors.InsufficientPrivilege("x"), "w", "t"),
-                      AccessDenied)
+    assert isinstance(translate(psycopg.errors.InsufficientPrivilege("x"), "w", "t"), AccessDenied)
     assert isinstance(translate(psycopg.errors.UniqueViolation("x"), "w"), InvalidArgument)
-    assert isinstance(translate(psycopg.errors.InvalidTextRepresentation("x"), "w"),
-                      InvalidArgument)
+    assert isinstance(
+        translate(psycopg.errors.InvalidTextRepresentation("x"), "w"), InvalidArgument
+    )
     assert isinstance(translate(psycopg.errors.DataCorrupted("x"), "w"), CorruptData)
     err = translate(psycopg.OperationalError("server closed the connection"), "w")
     assert type(err) is StorageError and isinstance(err.exc, psycopg.OperationalError)
@@ -472,11 +511,17 @@ def test_psycopg_errors_become_torpor_errors() -> None:
 NAMES = ["a", "b", "c"]
 
 
-@settings(max_examples=15, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(rows=st.lists(st.tuples(st.sampled_from(NAMES), st.sampled_from(NAMES)), min_size=1,
-                     max_size=15),
-       setting=st.sampled_from([*NAMES, "", "zz"]))
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    rows=st.lists(
+        st.tuples(st.sampled_from(NAMES), st.sampled_from(NAMES)), min_size=1, max_size=15
+    ),
+    setting=st.sampled_from([*NAMES, "", "zz"]),
+)
 def test_rls_shows_a_role_exactly_its_tenant_rows(
     backend: PostgresBackend, app_login: str, rows: list[tuple[str, str]], setting: str
 ) -> None:
@@ -488,7 +533,8 @@ def test_rls_shows_a_role_exactly_its_tenant_rows(
         conn.execute("SELECT set_config('torpor.tenant', %s, false)", (setting,))
         seen = sorted(r[0] for r in conn.execute("SELECT text FROM torpor.records"))
         # even naming other tenants explicitly returns nothing of theirs
-        others = conn.execute("SELECT count(*) FROM torpor.records WHERE tenant_id <> %s",
-                              (setting,)).fetchone()
+        others = conn.execute(
+            "SELECT count(*) FROM torpor.records WHERE tenant_id <> %s", (setting,)
+        ).fetchone()
     assert seen == sorted(f"{t} {u}" for t, u in rows if t == setting)
     assert others == (0,)

@@ -36,8 +36,10 @@ def sandbox_files() -> Iterator[dict[str, bytes]]:
 
 def test_line_source_verified_then_stale(mem: Memory, ledger: Path) -> None:
     u = mem.scope(app="a", user="u")
-    f = u.remember("upgraded to Pro on the 3rd",
-                   source=SourceRef(path=str(ledger), line=3, quote="upgraded to pro"))
+    f = u.remember(
+        "upgraded to Pro on the 3rd",
+        source=SourceRef(path=str(ledger), line=3, quote="upgraded to pro"),
+    )
     assert f.verified and f.source_hash and not f.stale
     assert u.verify(f.id)[0].verified
     ledger.write_text("date,event\n2026-03-01,signup\n2026-03-03,downgraded\n")
@@ -51,7 +53,9 @@ def test_missing_line_file_or_quote_is_unverified(mem: Memory, ledger: Path) -> 
     u = mem.scope(app="a")
     assert not u.remember("x", source=SourceRef(path=str(ledger), line=99)).verified
     assert not u.remember("x", source=SourceRef(path=str(ledger) + ".gone")).verified
-    assert not u.remember("x", source=SourceRef(path=str(ledger), line=3, quote="Enterprise")).verified
+    assert not u.remember(
+        "x", source=SourceRef(path=str(ledger), line=3, quote="Enterprise")
+    ).verified
     ok = u.remember("x", source=SourceRef(path=str(ledger), start=0, end=10))
     assert ok.verified
     ledger.unlink()
@@ -83,19 +87,22 @@ def test_volume_source_without_a_server_is_unverified(tmp_path: Path) -> None:
     assert not outcome.verified and "cannot reach" in outcome.reason
 
 
-@pytest.mark.parametrize("kw", [
-    {},
-    {"path": "rel/path"},
-    {"url": "ftp://x"},
-    {"url": "https://x", "path": "/a"},
-    {"sandbox": "s", "volume": "v", "path": "/a"},
-    {"path": "/a", "line": 0},
-    {"path": "/a", "line": 1, "start": 0, "end": 2},
-    {"path": "/a", "start": 5, "end": 2},
-    {"path": "/a", "start": 5},
-    {"path": "/a", "lines": (3, 1)},
-    {"path": "/a", "colour": "red"},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"path": "rel/path"},
+        {"url": "ftp://x"},
+        {"url": "https://x", "path": "/a"},
+        {"sandbox": "s", "volume": "v", "path": "/a"},
+        {"path": "/a", "line": 0},
+        {"path": "/a", "line": 1, "start": 0, "end": 2},
+        {"path": "/a", "start": 5, "end": 2},
+        {"path": "/a", "start": 5},
+        {"path": "/a", "lines": (3, 1)},
+        {"path": "/a", "colour": "red"},
+    ],
+)
 def test_malformed_sourceref(kw: dict[str, object]) -> None:
     with pytest.raises(InvalidArgument):
         SourceRef(**kw)  # type: ignore[arg-type]

@@ -42,8 +42,7 @@ def serve(manager: Any, home: Path) -> Iterator[Runtime]:
     Runtime on it that is also the process's default runtime (what the resolvers use)."""
     app = create_app(manager, supervise=False)
     sock: socket.socket = bind_unix_socket(home / "server.sock")
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning",
-                                           loop="asyncio"))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning", loop="asyncio"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -77,8 +76,11 @@ def _mkfs(image: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         (tree / name.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
         (tree / name.lstrip("/")).write_text(text)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-d", str(tree), str(image)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-m", "0", "-d", str(tree), str(image)],
+        check=True,
+        capture_output=True,
+    )
 
 
 def test_volume_sources_over_http_without_a_vm(tmp_path: Path) -> None:
@@ -101,8 +103,9 @@ def test_volume_sources_over_http_without_a_vm(tmp_path: Path) -> None:
             torpor.Volume.get("nope", runtime=rt)
 
         u = _scope(home)
-        ref = SourceRef(volume="memory-u-42", path="/notes dir/facts.md", line=3,
-                        quote="upgraded to Pro")
+        ref = SourceRef(
+            volume="memory-u-42", path="/notes dir/facts.md", line=3, quote="upgraded to Pro"
+        )
         fact = u.remember("upgraded to Pro on the 3rd", source=ref)
         assert fact.verified and fact.source_hash and not fact.stale
         assert not check(ref.model_copy(update={"line": 2})).verified  # the line says signup
@@ -121,17 +124,20 @@ def test_sandbox_file_citations(qemu_home: Path) -> None:
         sbx = torpor.Sandbox.create(name="agent-u-42", runtime=rt)
         sbx.files.write("/workspace/ledger.csv", LEDGER)
         u = _scope(qemu_home)
-        ref = SourceRef(sandbox="agent-u-42", path="/workspace/ledger.csv", line=3,
-                        quote="upgraded to Pro")
+        ref = SourceRef(
+            sandbox="agent-u-42", path="/workspace/ledger.csv", line=3, quote="upgraded to Pro"
+        )
         fact = u.remember("upgraded to Pro on the 3rd", key="plan", source=ref)
         assert fact.verified and fact.source_hash and not fact.stale
 
         wrong_line = u.remember("upgraded to Pro", source=ref.model_copy(update={"line": 2}))
         assert not wrong_line.verified
-        assert not u.remember("x", source=SourceRef(sandbox="agent-u-42",
-                                                     path="/workspace/nope.csv")).verified
-        assert not u.remember("x", source=SourceRef(sandbox="agent-u-99",
-                                                     path="/workspace/ledger.csv")).verified
+        assert not u.remember(
+            "x", source=SourceRef(sandbox="agent-u-42", path="/workspace/nope.csv")
+        ).verified
+        assert not u.remember(
+            "x", source=SourceRef(sandbox="agent-u-99", path="/workspace/ledger.csv")
+        ).verified
 
         sbx.pause()
         [same] = u.verify(fact.id)  # wakes the sandbox to read the file
@@ -157,8 +163,9 @@ def test_volume_file_citations(qemu_home: Path) -> None:
         sbx.files.write(path, LEDGER)
         assert sbx.commands.run("sync").exit_code == 0
         u = _scope(qemu_home)
-        ref = SourceRef(volume="memory-u-42", path="/notes dir/facts.md", line=3,
-                        quote="upgraded to Pro")
+        ref = SourceRef(
+            volume="memory-u-42", path="/notes dir/facts.md", line=3, quote="upgraded to Pro"
+        )
         live = u.remember("upgraded to Pro on the 3rd", source=ref)
         assert live.verified and not live.stale
         assert not u.remember("x", source=ref.model_copy(update={"line": 2})).verified
@@ -172,11 +179,14 @@ def test_volume_file_citations(qemu_home: Path) -> None:
         assert torpor.Sandbox.list(runtime=rt) == []
         image = qemu_home / "volumes" / f"{vol.id}.img"
         assert needs_recovery(image)  # killed with the volume mounted: a journal to replay
-        after = u.remember("downgraded on the 3rd",
-                           source=ref.model_copy(update={"quote": "downgraded"}))
+        after = u.remember(
+            "downgraded on the 3rd", source=ref.model_copy(update={"quote": "downgraded"})
+        )
         assert after.verified
         assert not needs_recovery(image)  # replayed before the read, as an attach would
-        assert not u.remember("x", source=SourceRef(volume="memory-u-42",
-                                                    path="/notes dir/gone.md")).verified
-        assert not u.remember("x", source=SourceRef(volume="memory-u-99",
-                                                    path="/notes dir/facts.md")).verified
+        assert not u.remember(
+            "x", source=SourceRef(volume="memory-u-42", path="/notes dir/gone.md")
+        ).verified
+        assert not u.remember(
+            "x", source=SourceRef(volume="memory-u-99", path="/notes dir/facts.md")
+        ).verified

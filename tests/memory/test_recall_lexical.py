@@ -18,8 +18,13 @@ from torpor.memory.recall import query_terms, recall
 
 
 def test_query_terms_keep_stop_words() -> None:
-    assert query_terms("What is my occupation? What IS it") == ["what", "is", "my", "occupation",
-                                                                 "it"]
+    assert query_terms("What is my occupation? What IS it") == [
+        "what",
+        "is",
+        "my",
+        "occupation",
+        "it",
+    ]
 
 
 def test_paraphrased_question_finds_the_statement_through_stop_words(mem: Memory) -> None:
@@ -70,8 +75,9 @@ class _Spy:
         self.inner = inner
         self.searches: list[list[str]] = []
 
-    def lexical_search(self, terms: Sequence[str], flt: RecordFilter, limit: int
-                       ) -> list[tuple[AnyRecord, float]]:
+    def lexical_search(
+        self, terms: Sequence[str], flt: RecordFilter, limit: int
+    ) -> list[tuple[AnyRecord, float]]:
         self.searches.append(list(terms))
         return self.inner.lexical_search(terms, flt, limit)
 
@@ -85,11 +91,23 @@ def test_stop_words_are_searched_only_when_content_words_leave_room(mem: Memory)
     u.remember("is mine")
     spy = _Spy(mem.store)
     flt = RecordFilter(scopes=(u.path,), now=now_us())
-    hits = recall(spy, "is the kayak mine", flt, 5, query_scope=u.path,  # type: ignore[arg-type]
-                  embedder=None)
+    hits = recall(
+        spy,
+        "is the kayak mine",
+        flt,
+        5,
+        query_scope=u.path,  # type: ignore[arg-type]
+        embedder=None,
+    )
     assert spy.searches == [["kayak", "mine"]]  # 30+ content matches: no stop-word search
     assert len(hits) == 5
     spy.searches.clear()
-    recall(spy, "is the canoe blue", flt, 5, query_scope=u.path,  # type: ignore[arg-type]
-           embedder=None)
+    recall(
+        spy,
+        "is the canoe blue",
+        flt,
+        5,
+        query_scope=u.path,  # type: ignore[arg-type]
+        embedder=None,
+    )
     assert spy.searches == [["canoe", "blue"], ["is", "the", "canoe", "blue"]]

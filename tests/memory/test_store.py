@@ -99,9 +99,15 @@ def test_duplicate_id_is_typed_and_atomic(store: TenantStore) -> None:
 
 
 def test_lexical_search_ranks_and_filters(store: TenantStore) -> None:
-    store.add([fact("the cat sat on the mat"), fact("dogs bark at cats"),
-               fact("unrelated text"), episode("cat food order", session="s1"),
-               fact("cat in another tenant scope", scope="app/b")])
+    store.add(
+        [
+            fact("the cat sat on the mat"),
+            fact("dogs bark at cats"),
+            fact("unrelated text"),
+            episode("cat food order", session="s1"),
+            fact("cat in another tenant scope", scope="app/b"),
+        ]
+    )
     hits = store.lexical_search(["cat"], flt(), 10)
     texts = [r.text for r, _ in hits]
     assert "unrelated text" not in texts and "cat in another tenant scope" not in texts
@@ -115,11 +121,17 @@ def test_lexical_search_ranks_and_filters(store: TenantStore) -> None:
 
 
 def test_metadata_filters(store: TenantStore) -> None:
-    store.add([fact("alpha one", metadata={"topic": "billing", "n": 3, "ok": True}),
-               fact("alpha two", metadata={"topic": "support", "n": 4, "ok": False}),
-               fact("alpha three")])
+    store.add(
+        [
+            fact("alpha one", metadata={"topic": "billing", "n": 3, "ok": True}),
+            fact("alpha two", metadata={"topic": "support", "n": 4, "ok": False}),
+            fact("alpha three"),
+        ]
+    )
+
     def texts(**meta: Any) -> set[str]:
         return {r.text for r, _ in store.lexical_search(["alpha"], flt(metadata=meta), 10)}
+
     assert texts(topic="billing") == {"alpha one"}
     assert texts(n=4) == {"alpha two"}
     assert texts(ok=True) == {"alpha one"}
@@ -165,8 +177,9 @@ def test_retention_caps_expiry(store: TenantStore) -> None:
 
 
 def test_forget_scope_is_component_wise(store: TenantStore) -> None:
-    store.add([fact("x", scope="app/a"), fact("y", scope="app/a/user/u"),
-               fact("z", scope="app/ab")])
+    store.add(
+        [fact("x", scope="app/a"), fact("y", scope="app/a/user/u"), fact("z", scope="app/ab")]
+    )
     store.put_profile(Profile(scope="app/a/user/u", data={"a": 1}, updated_at=from_us(now_us())))
     assert store.forget_scope("app/a") == 2
     left = store.scan(flt(scopes=["app/a", "app/a/user/u", "app/ab"]), 10)
@@ -177,11 +190,19 @@ def test_forget_scope_is_component_wise(store: TenantStore) -> None:
 def test_profiles_policies_meta(store: TenantStore) -> None:
     assert store.get_profile(U) is None
     p1 = store.put_profile(Profile(scope=U, data={"plan": "pro"}, updated_at=from_us(now_us())))
-    p2 = store.put_profile(Profile(scope=U, data={"plan": "free"}, json_schema={"type": "object"},
-                                   updated_at=from_us(now_us())))
+    p2 = store.put_profile(
+        Profile(
+            scope=U,
+            data={"plan": "free"},
+            json_schema={"type": "object"},
+            updated_at=from_us(now_us()),
+        )
+    )
     assert (p1.version, p2.version) == (1, 2)
     got = store.get_profile(U)
-    assert got is not None and got.data == {"plan": "free"} and got.json_schema == {"type": "object"}
+    assert (
+        got is not None and got.data == {"plan": "free"} and got.json_schema == {"type": "object"}
+    )
     assert [p.scope for p in store.iter_profiles("app")] == [U]
     store.set_policy(U, Policy(retention_seconds=60))
     assert store.get_policy(U) == Policy(retention_seconds=60)
@@ -219,17 +240,28 @@ def test_scan_matches_reference_filter(store: TenantStore) -> None:
         scope = rnd.choice(scopes)
         meta = {"c": rnd.choice(["x", "y"])}
         if rnd.random() < 0.5:
-            recs.append(fact(f"t{i}", key=rnd.choice([None, "k1", "k2"]), scope=scope,
-                             metadata=meta))
+            recs.append(
+                fact(f"t{i}", key=rnd.choice([None, "k1", "k2"]), scope=scope, metadata=meta)
+            )
         else:
-            recs.append(episode(f"t{i}", scope=scope, session=rnd.choice(["s1", "s2"]),
-                                metadata=meta))
+            recs.append(
+                episode(f"t{i}", scope=scope, session=rnd.choice(["s1", "s2"]), metadata=meta)
+            )
     store.add(recs)
     everything = [r for r, _ in store.iter_records("")]
     mid = to_us(everything[60].valid_from)
-    for f in [flt(), flt(include_history=True), flt(as_of=mid), flt(kinds=("episode",)),
-              flt(key="k1", include_history=True), flt(session="s2"), flt(metadata={"c": "x"}),
-              flt(since=mid), flt(until=mid), flt(scopes=["app/b", ""])]:
+    for f in [
+        flt(),
+        flt(include_history=True),
+        flt(as_of=mid),
+        flt(kinds=("episode",)),
+        flt(key="k1", include_history=True),
+        flt(session="s2"),
+        flt(metadata={"c": "x"}),
+        flt(since=mid),
+        flt(until=mid),
+        flt(scopes=["app/b", ""]),
+    ]:
         expect = {r.id for r in everything if visible(r, f)}
         assert {r.id for r in store.scan(f, 1000)} == expect
         assert store.count(f) == len(expect)
@@ -258,15 +290,22 @@ def test_tenants_are_separate(backend: MemoryBackend) -> None:
 
 
 def test_tokens_and_audit(backend: MemoryBackend) -> None:
-    info = TokenInfo(token_hash="h1", tenant="t1", grants=[Grant(mode="read", prefix="app/a")],
-                     created_at=from_us(now_us()))
+    info = TokenInfo(
+        token_hash="h1",
+        tenant="t1",
+        grants=[Grant(mode="read", prefix="app/a")],
+        created_at=from_us(now_us()),
+    )
     backend.put_token(info)
     assert backend.get_token("h1") == info
     assert backend.revoke_token("h1") and backend.get_token("h1").revoked  # type: ignore[union-attr]
     assert not backend.revoke_token("nope")
     for i in range(3):
-        backend.append_audit(AuditEntry(at=from_us(now_us()), tenant="t1", actor="a",
-                                        action=f"act{i}", allowed=i != 1))
+        backend.append_audit(
+            AuditEntry(
+                at=from_us(now_us()), tenant="t1", actor="a", action=f"act{i}", allowed=i != 1
+            )
+        )
     backend.append_audit(AuditEntry(at=from_us(now_us()), tenant="t2", actor="a", action="x"))
     log = backend.audit_log("t1", 10)
     assert [e.action for e in log] == ["act2", "act1", "act0"]
@@ -276,8 +315,9 @@ def test_tokens_and_audit(backend: MemoryBackend) -> None:
 def test_lexical_search_with_a_selective_filter(store: TenantStore) -> None:
     # many better-ranked matches outside the view force the eligible-set path
     store.add([fact(f"apple apple banana {i}", scope="app/b") for i in range(120)])
-    mine = store.add([fact("apple in my scope"), fact("banana in my scope"),
-                      episode("apple episode")])
+    mine = store.add(
+        [fact("apple in my scope"), fact("banana in my scope"), episode("apple episode")]
+    )
     got = store.lexical_search(["apple", "banana"], flt(), 5)
     assert {r.id for r, _ in got} == {r.id for r in mine}
     only_facts = store.lexical_search(["apple", "banana"], flt(kinds=("fact",)), 5)

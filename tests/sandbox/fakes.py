@@ -93,10 +93,11 @@ class FakeEngine:
 
     def inspect(self, directory: Path) -> DirStatus:
         proc = self.world.processes.get(directory)
-        return DirStatus(exists=directory.is_dir(),
-                         has_state=(directory / "state").is_file()
-                         and (directory / "ram").is_file(),
-                         qemu_pid=proc.pid if proc else None)
+        return DirStatus(
+            exists=directory.is_dir(),
+            has_state=(directory / "state").is_file() and (directory / "ram").is_file(),
+            qemu_pid=proc.pid if proc else None,
+        )
 
     async def attach(self, directory: Path, config: MachineConfig) -> FakeMachine:
         self.calls.append("attach")
@@ -178,10 +179,17 @@ class FakeChannel:
     def _path(self, path: str) -> Path:
         return self.directory / "disk" / path.lstrip("/")
 
-    async def run_command(self, cmd: str, *, cwd: str | None = None,
-                          env: dict[str, str] | None = None, timeout: float | None = 60,
-                          background: bool = False, on_stdout: Any = None,
-                          on_stderr: Any = None) -> CommandResult:
+    async def run_command(
+        self,
+        cmd: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = 60,
+        background: bool = False,
+        on_stdout: Any = None,
+        on_stderr: Any = None,
+    ) -> CommandResult:
         self._proc()
         word, _, rest = cmd.partition(" ")
         if word == "sleep":
@@ -212,9 +220,15 @@ class FakeChannel:
         base = self._path(path)
         if not base.is_dir():
             raise PathNotFound(f"no such directory: {path}", kind="path", name=path)
-        return [EntryInfo(name=p.name, path=f"{path.rstrip('/')}/{p.name}",
-                          type="dir" if p.is_dir() else "file",
-                          size=p.stat().st_size) for p in sorted(base.iterdir())]
+        return [
+            EntryInfo(
+                name=p.name,
+                path=f"{path.rstrip('/')}/{p.name}",
+                type="dir" if p.is_dir() else "file",
+                size=p.stat().st_size,
+            )
+            for p in sorted(base.iterdir())
+        ]
 
     async def exists(self, path: str) -> bool:
         self._proc()
@@ -231,8 +245,14 @@ class FakeChannel:
         self._proc()
         self._path(path).mkdir(parents=True, exist_ok=True)
 
-    async def run_code(self, code: str, *, timeout: float | None = None, on_stdout: Any = None,
-                       on_stderr: Any = None) -> Execution:
+    async def run_code(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_stdout: Any = None,
+        on_stderr: Any = None,
+    ) -> Execution:
         ns = self._proc().ram
         tree = ast.parse(code)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -242,8 +262,9 @@ class FakeChannel:
         value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), {}, ns)
         return Execution(results=[Result(data={"text/plain": repr(value)})])
 
-    async def refresh(self, *, entropy: bytes | None = None,
-                      unix_time: float | None = None) -> None:
+    async def refresh(
+        self, *, entropy: bytes | None = None, unix_time: float | None = None
+    ) -> None:
         self._proc().refreshes.append((entropy, unix_time))
 
     async def sync(self) -> None:

@@ -21,8 +21,9 @@ def make_home(tmp_path: Path) -> Paths:
     p = paths(tmp_path / "home").ensure()
     tdir = p.templates / "python" / "snapshot"
     tdir.mkdir(parents=True)
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tdir / "disk.qcow2"), "32M"],
-                   check=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(tdir / "disk.qcow2"), "32M"], check=True
+    )
     qemu_io(tdir / "disk.qcow2", "write -P 0x11 0 1M")
     return p
 
@@ -41,7 +42,20 @@ def make_machine(p: Paths, sid: str, *, ram_mib: int = 8, fill: int = 0x42) -> P
     (d / "machine.json").write_text(json.dumps({"disks": ["disk.qcow2"]}))
     (d / "console.log").write_text("boot noise")
     tdisk = p.templates / "python" / "snapshot" / "disk.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(tdisk), "-F", "qcow2",
-                    str(d / "disk.qcow2")], check=True)
+    subprocess.run(
+        [
+            "qemu-img",
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            str(tdisk),
+            "-F",
+            "qcow2",
+            str(d / "disk.qcow2"),
+        ],
+        check=True,
+    )
     qemu_io(d / "disk.qcow2", f"write -P {fill} 2M 64k")
     return d

@@ -30,8 +30,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[Path | None]:
     return seen
 
 
-def test_the_answer_is_cached_per_kernel(home: Path, tmp_path: Path,
-                                         calls: list[Path | None]) -> None:
+def test_the_answer_is_cached_per_kernel(
+    home: Path, tmp_path: Path, calls: list[Path | None]
+) -> None:
     kernel = tmp_path / "vmlinuz"
     kernel.write_bytes(b"kernel one")
     first = accel.probe(kernel=kernel)
@@ -51,23 +52,22 @@ def test_the_answer_is_cached_per_kernel(home: Path, tmp_path: Path,
     assert len(calls) == 3
 
 
-def test_without_a_kernel_the_answer_is_not_cached(home: Path,
-                                                   calls: list[Path | None]) -> None:
+def test_without_a_kernel_the_answer_is_not_cached(home: Path, calls: list[Path | None]) -> None:
     accel.probe()
     accel.probe()
     assert calls == [None, None]
     assert not (home / "cache" / "accel.json").exists()
 
 
-def test_environment_override(home: Path, calls: list[Path | None],
-                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_override(
+    home: Path, calls: list[Path | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TORPOR_ACCEL", "kvm")
     assert accel.probe().accel == "kvm"
     assert calls == []
 
 
-def test_requiring_kvm_where_it_does_not_work_raises(home: Path,
-                                                     calls: list[Path | None]) -> None:
+def test_requiring_kvm_where_it_does_not_work_raises(home: Path, calls: list[Path | None]) -> None:
     with pytest.raises(AccelerationUnavailable):
         accel.probe(require="kvm")
     with pytest.raises(InvalidArgument):
@@ -85,8 +85,9 @@ def test_no_kernel_means_tcg(home: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert report.accel == "tcg" and "kernel" in report.reason
 
 
-def test_a_kernel_that_does_not_boot_means_tcg(home: Path, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_kernel_that_does_not_boot_means_tcg(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(accel, "kvm_usable", lambda: (True, "pretend"))
     bogus = tmp_path / "vmlinuz"
     bogus.write_bytes(b"not a kernel")

@@ -16,8 +16,18 @@ AGENT = Path(__file__).parents[2] / "torpor" / "sandbox" / "guest" / "agent.py"
 
 def _agent(directory: Path) -> subprocess.Popen[bytes]:
     directory.mkdir()
-    return subprocess.Popen([sys.executable, str(AGENT), "--socket", str(directory / "agent.sock"),
-                             "--no-clock", "--log-level", "WARNING"], cwd=directory)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(AGENT),
+            "--socket",
+            str(directory / "agent.sock"),
+            "--no-clock",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=directory,
+    )
 
 
 def test_connect_reseeds_like_refresh(tmp_path: Path) -> None:
@@ -82,8 +92,9 @@ def test_connect_without_refresh_leaves_refresh_to_do(tmp_path: Path) -> None:
     proc = _agent(tmp_path / "a")
 
     async def body() -> None:
-        async with await GuestChannel.connect(tmp_path / "a" / "agent.sock", timeout=20,
-                                              refresh=False) as ch:
+        async with await GuestChannel.connect(
+            tmp_path / "a" / "agent.sock", timeout=20, refresh=False
+        ) as ch:
             info = await ch.ping()
             assert "refresh" not in info
             result = await ch.refresh(entropy=b"z" * 16)

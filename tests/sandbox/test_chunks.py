@@ -19,12 +19,14 @@ def _store(root: Path) -> ChunkStore:
     return ChunkStore(root / "chunks", chunk_size=CS)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.binary(max_size=5 * CS + 17), zero_pages=st.lists(st.integers(0, 5), max_size=3))
 def test_file_round_trip(tmp_path: Path, data: bytes, zero_pages: list[int]) -> None:
     raw = bytearray(data)
     for page in zero_pages:  # make some chunks all-zero, as in a guest's RAM
-        raw[page * CS:(page + 1) * CS] = bytes(len(raw[page * CS:(page + 1) * CS]))
+        raw[page * CS : (page + 1) * CS] = bytes(len(raw[page * CS : (page + 1) * CS]))
     src = tmp_path / "src"
     src.write_bytes(bytes(raw))
     store = _store(tmp_path)
@@ -37,7 +39,9 @@ def test_file_round_trip(tmp_path: Path, data: bytes, zero_pages: list[int]) -> 
     assert dst.read_bytes() == bytes(raw)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.binary(min_size=1, max_size=3 * CS))
 def test_same_content_is_stored_once(tmp_path: Path, data: bytes) -> None:
     store = _store(tmp_path)
@@ -107,11 +111,14 @@ def test_missing_chunk_is_corrupt_data(tmp_path: Path) -> None:
         store.get(digest, snapshot_id="snap-y")
 
 
-@pytest.mark.parametrize("bad", [
-    pytest.param({"size": 10, "chunk_size": 4096, "chunks": []}, id="count-mismatch"),
-    pytest.param({"size": 10, "chunk_size": 4096, "chunks": ["../etc"]}, id="bad-name"),
-    pytest.param({"size": 10}, id="missing-keys"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param({"size": 10, "chunk_size": 4096, "chunks": []}, id="count-mismatch"),
+        pytest.param({"size": 10, "chunk_size": 4096, "chunks": ["../etc"]}, id="bad-name"),
+        pytest.param({"size": 10}, id="missing-keys"),
+    ],
+)
 def test_malformed_manifest_is_corrupt_data(bad: dict[str, object]) -> None:
     with pytest.raises(CorruptData):
         FileManifest.from_json(bad)

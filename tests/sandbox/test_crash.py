@@ -115,30 +115,38 @@ CASES = [
     pytest.param("pause", "pause:saved", "manager", {"intact"}, id="manager-dies-state-saved"),
     pytest.param("wake", "wake:begin", "manager", {"intact"}, id="manager-dies-wake-begin"),
     pytest.param("wake", "wake:woken", "manager", {"intact"}, id="manager-dies-after-cont"),
-    pytest.param("pause", "pause:begin", "manager-mid-save", {"intact"},
-                 id="manager-dies-mid-save"),
-    pytest.param("wake", "wake:begin", "manager-before-cont", {"intact"},
-                 id="manager-dies-before-cont"),
+    pytest.param(
+        "pause", "pause:begin", "manager-mid-save", {"intact"}, id="manager-dies-mid-save"
+    ),
+    pytest.param(
+        "wake", "wake:begin", "manager-before-cont", {"intact"}, id="manager-dies-before-cont"
+    ),
     pytest.param("pause", "pause:begin", "qemu", {"lost"}, id="qemu-dies-before-save"),
     # a race with the rename: killed mid-save is lost, killed just after it is intact
-    pytest.param("pause", "pause:begin", "qemu-mid-save", {"lost", "intact"},
-                 id="qemu-dies-mid-save"),
+    pytest.param(
+        "pause", "pause:begin", "qemu-mid-save", {"lost", "intact"}, id="qemu-dies-mid-save"
+    ),
     # after the state is saved QEMU has already quit: nothing left to kill, the pause stands
     pytest.param("pause", "pause:saved", "qemu", {"intact"}, id="qemu-killed-state-saved"),
-    pytest.param("wake", "wake:begin", "qemu-before-cont", {"intact"},
-                 id="qemu-dies-before-cont"),
+    pytest.param("wake", "wake:begin", "qemu-before-cont", {"intact"}, id="qemu-dies-before-cont"),
     pytest.param("wake", "wake:woken", "qemu", {"lost"}, id="qemu-dies-after-cont"),
 ]
 
 
 @pytest.mark.parametrize(("phase", "step", "action", "allowed"), CASES)
-def test_crash_then_restart(qemu_home: Path, tmp_path: Path, phase: str, step: str,
-                            action: str, allowed: set[str]) -> None:
+def test_crash_then_restart(
+    qemu_home: Path, tmp_path: Path, phase: str, step: str, action: str, allowed: set[str]
+) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    proc = subprocess.run([sys.executable, str(script), phase, step, action],
-                          env={**os.environ, "TORPOR_HOME": str(qemu_home)},
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script), phase, step, action],
+        env={**os.environ, "TORPOR_HOME": str(qemu_home)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     if action.startswith("manager"):
         assert proc.returncode == -9, proc.stderr[-3000:]
     else:

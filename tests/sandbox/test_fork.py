@@ -33,6 +33,7 @@ def _run(home: Path, body: Callable[[SandboxManager, Checkpoints], Awaitable[T]]
             for info in await manager.list():
                 await manager.kill(info.id)
             await manager.close(pause=False)
+
     return asyncio.run(main())
 
 

@@ -47,6 +47,7 @@ def _chunks_of(store: SnapshotStore, sid: str) -> set[str]:
     for info, body in store.manifests():
         if info.id == sid:
             from torpor.sandbox.chunks import FileManifest
+
             out: set[str] = set()
             for fm in body["files"].values():
                 out |= FileManifest.from_json(fm).hashes()

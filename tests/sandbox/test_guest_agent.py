@@ -38,8 +38,18 @@ class AgentProcess:
     def __init__(self, tmp: Path, *extra: str) -> None:
         self.socket = tmp / "agent.sock"
         self.proc = subprocess.Popen(
-            [sys.executable, str(AGENT), "--socket", str(self.socket), "--no-clock",
-             "--log-level", "WARNING", *extra], cwd=tmp)
+            [
+                sys.executable,
+                str(AGENT),
+                "--socket",
+                str(self.socket),
+                "--no-clock",
+                "--log-level",
+                "WARNING",
+                *extra,
+            ],
+            cwd=tmp,
+        )
         self.pids: list[int] = []  # background processes to clean up
 
     async def channel(self, **kw: Any) -> GuestChannel:
@@ -74,16 +84,19 @@ def alive(pid: int) -> bool:
 
 def run(agent: AgentProcess, body: Callable[[GuestChannel], Awaitable[T]], **kw: Any) -> T:
     """Connect, run ``body(channel)``, close."""
+
     async def main() -> T:
         channel = await agent.channel(**kw)
         try:
             return await body(channel)
         finally:
             await channel.close()
+
     return asyncio.run(main())
 
 
 # -- basics and commands -------------------------------------------------------------------
+
 
 def test_ping_reports_the_agent_process(agent: AgentProcess) -> None:
     info = run(agent, lambda ch: ch.ping())
@@ -91,22 +104,30 @@ def test_ping_reports_the_agent_process(agent: AgentProcess) -> None:
     assert {"boot_id", "uptime", "time", "version"} <= set(info)
 
 
-@pytest.mark.parametrize(("cmd", "code", "out", "err"), [
-    pytest.param("echo hi", 0, "hi\n", "", id="ok"),
-    pytest.param("echo oops >&2; exit 3", 3, "", "oops\n", id="exit-3"),
-    pytest.param("kill -9 $$", 137, "", "", id="killed"),
-    pytest.param("printf 'h\\303\\251'", 0, "hé", "", id="utf8"),
-])
-def test_command_exit_code_and_output(agent: AgentProcess, cmd: str, code: int, out: str,
-                                      err: str) -> None:
+@pytest.mark.parametrize(
+    ("cmd", "code", "out", "err"),
+    [
+        pytest.param("echo hi", 0, "hi\n", "", id="ok"),
+        pytest.param("echo oops >&2; exit 3", 3, "", "oops\n", id="exit-3"),
+        pytest.param("kill -9 $$", 137, "", "", id="killed"),
+        pytest.param("printf 'h\\303\\251'", 0, "hé", "", id="utf8"),
+    ],
+)
+def test_command_exit_code_and_output(
+    agent: AgentProcess, cmd: str, code: int, out: str, err: str
+) -> None:
     result = run(agent, lambda ch: ch.run_command(cmd))
     assert (result.exit_code, result.stdout, result.stderr) == (code, out, err)
 
 
 def test_command_cwd_and_env(agent: AgentProcess, tmp_path: Path) -> None:
     (tmp_path / "work").mkdir()
-    result = run(agent, lambda ch: ch.run_command(
-        "pwd; echo $GREETING", cwd=str(tmp_path / "work"), env={"GREETING": "hello there"}))
+    result = run(
+        agent,
+        lambda ch: ch.run_command(
+            "pwd; echo $GREETING", cwd=str(tmp_path / "work"), env={"GREETING": "hello there"}
+        ),
+    )
     assert result.stdout == f"{tmp_path / 'work'}\nhello there\n"
 
 
@@ -125,9 +146,14 @@ def test_command_output_streams_before_it_ends(agent: AgentProcess, tmp_path: Pa
         seen.append(text)
         flag.touch()
 
-    result = run(agent, lambda ch: ch.run_command(
-        f"echo first; while [ ! -e {flag} ]; do sleep 0.01; done; echo second",
-        timeout=30, on_stdout=on_stdout))
+    result = run(
+        agent,
+        lambda ch: ch.run_command(
+            f"echo first; while [ ! -e {flag} ]; do sleep 0.01; done; echo second",
+            timeout=30,
+            on_stdout=on_stdout,
+        ),
+    )
     assert result.stdout == "first\nsecond\n"
     assert seen[0] == "first\n"
 
@@ -137,8 +163,7 @@ def test_command_timeout_kills_the_process_group(agent: AgentProcess, tmp_path: 
 
     async def body(ch: GuestChannel) -> None:
         with pytest.raises(OperationTimeout) as info:
-            await ch.run_command(f"echo started; sleep 300 & echo $! > {pidfile}; wait",
-                                 timeout=2)
+            await ch.run_command(f"echo started; sleep 300 & echo $! > {pidfile}; wait", timeout=2)
         assert info.value.data["seconds"] == 2
         assert info.value.data["stdout"] == "started\n"
         # The agent still serves requests afterwards.
@@ -159,6 +184,7 @@ def test_command_output_over_the_limit(agent: AgentProcess) -> None:
 
 # -- files ---------------------------------------------------------------------------------
 
+
 def test_files_round_trip(agent: AgentProcess, tmp_path: Path) -> None:
     base = tmp_path / "files"
 
@@ -168,8 +194,10 @@ def test_files_round_trip(agent: AgentProcess, tmp_path: Path) -> None:
         assert await ch.read_file(f"{base}/a/b/text.txt") == "héllo".encode()
         assert await ch.read_file(f"{base}/a/bin") == bytes(range(256))
         entries = await ch.list_dir(f"{base}/a")
-        assert [(e.name, e.type, e.size) for e in entries] == [("b", "dir", entries[0].size),
-                                                               ("bin", "file", 256)]
+        assert [(e.name, e.type, e.size) for e in entries] == [
+            ("b", "dir", entries[0].size),
+            ("bin", "file", 256),
+        ]
         assert entries[1].path == f"{base}/a/bin"
         assert await ch.exists(f"{base}/a/bin")
         await ch.make_dir(f"{base}/c/d")
@@ -238,6 +266,7 @@ def test_agent_refuses_an_upload_over_its_limit(agent: AgentProcess, tmp_path: P
 
 # -- background processes, reconnects, concurrency ----------------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -259,15 +288,16 @@ async def http_get(port: int) -> bytes:
     raise AssertionError(f"nothing serves port {port}")
 
 
-def test_nohup_background_server_outlives_its_command(agent: AgentProcess,
-                                                      tmp_path: Path) -> None:
+def test_nohup_background_server_outlives_its_command(agent: AgentProcess, tmp_path: Path) -> None:
     port = free_port()
     (tmp_path / "index.html").write_text("served by the sandbox")
 
     async def body(ch: GuestChannel) -> None:
         result = await ch.run_command(
             f"nohup {sys.executable} -m http.server {port} --bind 127.0.0.1 & echo $!",
-            cwd=str(tmp_path), timeout=30)
+            cwd=str(tmp_path),
+            timeout=30,
+        )
         agent.pids.append(int(result.stdout))
         assert result.exit_code == 0
         assert b"served by the sandbox" in await http_get(port)
@@ -283,8 +313,8 @@ def test_background_true_returns_the_pid_at_once(agent: AgentProcess, tmp_path: 
 
     async def body(ch: GuestChannel) -> None:
         result = await ch.run_command(
-            f"while [ ! -e {go} ]; do sleep 0.01; done; touch {marker}; sleep 300",
-            background=True)
+            f"while [ ! -e {go} ]; do sleep 0.01; done; touch {marker}; sleep 300", background=True
+        )
         assert result.pid is not None and result.exit_code == -1
         agent.pids.append(result.pid)
         assert not marker.exists()
@@ -310,8 +340,9 @@ def test_half_sent_frame_then_hang_up_is_dropped(agent: AgentProcess) -> None:
     # connection must not see any trace of it.
     async def half() -> None:
         channel = await agent.channel()
-        frame = b"".join(proto.encode_request(1, "write", {"path": "/nonexistent/x"},
-                                              b"q" * 100_000))
+        frame = b"".join(
+            proto.encode_request(1, "write", {"path": "/nonexistent/x"}, b"q" * 100_000)
+        )
         channel._writer.write(frame[: len(frame) // 2])
         await channel._writer.drain()
         await channel.close()
@@ -325,8 +356,10 @@ def test_agent_death_fails_in_flight_requests(agent: AgentProcess, tmp_path: Pat
 
     async def body(ch: GuestChannel) -> None:
         task = asyncio.ensure_future(
-            ch.run_command(f"echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; sleep 300",
-                           timeout=None))
+            ch.run_command(
+                f"echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; sleep 300", timeout=None
+            )
+        )
         while not pidfile.exists():
             await asyncio.sleep(0.02)
         agent.pids.append(int(pidfile.read_text()))  # the shell leads the command's group
@@ -361,8 +394,9 @@ def test_connect_times_out_without_an_agent(tmp_path: Path) -> None:
 def test_concurrent_requests(agent: AgentProcess, tmp_path: Path) -> None:
     async def body(ch: GuestChannel) -> None:
         flag = tmp_path / "go"
-        slow = asyncio.ensure_future(ch.run_command(
-            f"while [ ! -e {flag} ]; do sleep 0.01; done; echo slow", timeout=60))
+        slow = asyncio.ensure_future(
+            ch.run_command(f"while [ ! -e {flag} ]; do sleep 0.01; done; echo slow", timeout=60)
+        )
         # Requests sent after the slow one are answered while it still runs.
         await ch.ping()
         await ch.write_file(str(tmp_path / "f"), b"data")
@@ -383,7 +417,8 @@ def test_cancelling_a_command_kills_it(agent: AgentProcess, tmp_path: Path) -> N
 
     async def body(ch: GuestChannel) -> None:
         task = asyncio.ensure_future(
-            ch.run_command(f"sleep 300 & echo $! > {pidfile}; wait", timeout=None))
+            ch.run_command(f"sleep 300 & echo $! > {pidfile}; wait", timeout=None)
+        )
         while not pidfile.exists() or not pidfile.read_text().strip():
             await asyncio.sleep(0.02)
         task.cancel()
@@ -400,13 +435,16 @@ def test_cancelling_a_command_kills_it(agent: AgentProcess, tmp_path: Path) -> N
 
 # -- the interpreter -----------------------------------------------------------------------
 
+
 def test_interpreter_keeps_variables_and_streams(agent: AgentProcess) -> None:
     chunks: list[str] = []
 
     async def body(ch: GuestChannel) -> None:
         await ch.run_code("import os\nx = 40")
-        ex = await ch.run_code("print('out'); import sys; print('err', file=sys.stderr); x + 2",
-                               on_stdout=chunks.append)
+        ex = await ch.run_code(
+            "print('out'); import sys; print('err', file=sys.stderr); x + 2",
+            on_stdout=chunks.append,
+        )
         assert (ex.text, ex.stdout, ex.stderr, ex.error) == ("42", "out\n", "err\n", None)
         ex = await ch.run_code("os.system('echo from a subprocess')\nNone")
         assert ex.stdout == "from a subprocess\n" and ex.results == []
@@ -416,7 +454,7 @@ def test_interpreter_keeps_variables_and_streams(agent: AgentProcess) -> None:
 
 
 def test_interpreter_mime_bundles(agent: AgentProcess) -> None:
-    code = '''
+    code = """
 class Rich:
     def __repr__(self): return "Rich()"
     def _repr_html_(self): return "<b>rich</b>"
@@ -425,14 +463,18 @@ class Rich:
     def _repr_markdown_(self): return "**rich**"
 display(1, "two")
 Rich()
-'''
+"""
     ex = run(agent, lambda ch: ch.run_code(code))
     assert ex.error is None
     assert [r.data for r in ex.results[:2]] == [{"text/plain": "1"}, {"text/plain": "'two'"}]
     assert [r.is_main_result for r in ex.results] == [False, False, True]
     assert ex.results[2].data == {
-        "text/plain": "Rich()", "text/html": "<b>rich</b>", "image/png": "iVBORyBmYWtl",
-        "application/json": {"a": 1}, "text/markdown": "**rich**"}
+        "text/plain": "Rich()",
+        "text/html": "<b>rich</b>",
+        "image/png": "iVBORyBmYWtl",
+        "application/json": {"a": 1},
+        "text/markdown": "**rich**",
+    }
 
 
 def test_interpreter_error_with_traceback(agent: AgentProcess) -> None:
@@ -456,8 +498,9 @@ def test_interpreter_timeout_interrupts_and_keeps_variables(agent: AgentProcess)
     async def body(ch: GuestChannel) -> None:
         await ch.run_code("n = 0")
         with pytest.raises(OperationTimeout) as info:
-            await ch.run_code("import time\nwhile True:\n    n += 1\n    time.sleep(0.01)",
-                              timeout=1.0)
+            await ch.run_code(
+                "import time\nwhile True:\n    n += 1\n    time.sleep(0.01)", timeout=1.0
+            )
         assert info.value.data["kernel_alive"] is True
         ex = await ch.run_code("n > 0")
         assert ex.text == "True"
@@ -467,8 +510,9 @@ def test_interpreter_timeout_interrupts_and_keeps_variables(agent: AgentProcess)
 
 def test_interpreter_that_ignores_sigint_is_killed_on_timeout(agent: AgentProcess) -> None:
     async def body(ch: GuestChannel) -> None:
-        await ch.run_code("import signal, time\n"
-                          "signal.signal(signal.SIGINT, signal.SIG_IGN)\nv = 1")
+        await ch.run_code(
+            "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nv = 1"
+        )
         with pytest.raises(OperationTimeout) as info:
             await ch.run_code("time.sleep(60)", timeout=0.3)
         assert info.value.data["kernel_alive"] is False
@@ -512,6 +556,7 @@ def test_long_code_is_chunked(agent: AgentProcess) -> None:
 
 # -- refresh -------------------------------------------------------------------------------
 
+
 def test_refresh_reseeds_random(tmp_path: Path) -> None:
     # Two agents whose interpreters share a random state, as clones of one snapshot do.
     for name in ("a", "b"):
@@ -520,6 +565,7 @@ def test_refresh_reseeds_random(tmp_path: Path) -> None:
     seed = "import random, numpy\nrandom.seed(1); numpy.random.seed(1)"
     draw = "random.random(), float(numpy.random.random())"
     try:
+
         async def body(ch: GuestChannel, entropy: bytes) -> tuple[str | None, ...]:
             await ch.run_code(seed)
             same = (await ch.run_code(draw)).text
@@ -551,18 +597,26 @@ def test_sync_and_failing_mount(agent: AgentProcess, tmp_path: Path) -> None:
     run(agent, body)
 
 
-def test_mount_finds_a_disk_by_serial_or_says_it_is_missing(agent: AgentProcess,
-                                                            tmp_path: Path) -> None:
+def test_mount_finds_a_disk_by_serial_or_says_it_is_missing(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
     async def body(ch: GuestChannel) -> None:
         with pytest.raises(PathNotFound) as info:
-            await ch._request("mount", {"source": "/dev/disk/by-id/virtio-no-such-serial",
-                                        "target": str(tmp_path / "m"), "wait": 0.2})
+            await ch._request(
+                "mount",
+                {
+                    "source": "/dev/disk/by-id/virtio-no-such-serial",
+                    "target": str(tmp_path / "m"),
+                    "wait": 0.2,
+                },
+            )
         assert info.value.data == {"kind": "disk", "name": "no-such-serial"}
 
     run(agent, body)
 
 
 # -- in a real VM --------------------------------------------------------------------------
+
 
 @pytest.mark.qemu
 def test_agent_in_a_real_vm(qemu_home: Path) -> None:
@@ -595,7 +649,8 @@ def test_agent_in_a_real_vm(qemu_home: Path) -> None:
             await ch.write_file("/root/work/blob.bin", data)
             assert await ch.read_file("/root/work/blob.bin") == data
             assert [(e.name, e.size) for e in await ch.list_dir("/root/work")] == [
-                ("blob.bin", len(data))]
+                ("blob.bin", len(data))
+            ]
             with pytest.raises(PathNotFound):
                 await ch.read_file("/root/missing")
             bg = await ch.run_command("sleep 100000", background=True)
@@ -656,11 +711,16 @@ def test_agent_refuses_chunked_code_over_its_limit(agent: AgentProcess) -> None:
     run(agent, body)
 
 
-def test_interpreter_imports_from_its_working_directory(agent: AgentProcess,
-                                                        tmp_path: Path) -> None:
+def test_interpreter_imports_from_its_working_directory(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
     (tmp_path / "mymod.py").write_text("VALUE = 'mine'\n")
-    ex = run(agent, lambda ch: ch.run_code(
-        "import sys, mymod\nmymod.VALUE, any(p.endswith('guest') for p in sys.path)"))
+    ex = run(
+        agent,
+        lambda ch: ch.run_code(
+            "import sys, mymod\nmymod.VALUE, any(p.endswith('guest') for p in sys.path)"
+        ),
+    )
     assert ex.text == "('mine', False)"
 
 
@@ -668,10 +728,12 @@ def test_workdir_is_where_commands_files_and_code_start(tmp_path: Path) -> None:
     (tmp_path / "work").mkdir()
     agent = AgentProcess(tmp_path, "--workdir", str(tmp_path / "work"))
     try:
+
         async def body(ch: GuestChannel) -> tuple[str, str | None]:
             await ch.write_file("relative.txt", "here")
             return (await ch.run_command("pwd; cat relative.txt")).stdout, (
-                await ch.run_code("import os; os.getcwd()")).text
+                await ch.run_code("import os; os.getcwd()")
+            ).text
 
         out, cwd = run(agent, body)
         assert out == f"{tmp_path / 'work'}\nhere"
@@ -703,8 +765,16 @@ def test_an_agent_of_another_protocol_version_is_refused(tmp_path: Path) -> None
             decoder = proto.FrameDecoder()
             while data := await reader.read(65536):
                 for frame in decoder.feed(data):
-                    writer.write(proto.encode_frame({"i": frame.id, "t": proto.REPLY, "ok": True,
-                                                     "result": {"pid": 1, "version": 0}}))
+                    writer.write(
+                        proto.encode_frame(
+                            {
+                                "i": frame.id,
+                                "t": proto.REPLY,
+                                "ok": True,
+                                "result": {"pid": 1, "version": 0},
+                            }
+                        )
+                    )
 
         server = await asyncio.start_unix_server(serve, str(sock))
         async with server:
@@ -726,8 +796,9 @@ def test_arguments_that_cannot_be_framed_are_typed_errors(agent: AgentProcess) -
     run(agent, body)
 
 
-def test_a_chatty_background_child_does_not_hold_the_command(agent: AgentProcess,
-                                                             tmp_path: Path) -> None:
+def test_a_chatty_background_child_does_not_hold_the_command(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
     async def body(ch: GuestChannel) -> None:
         result = await ch.run_command("yes > /dev/stdout & echo $!; echo done >&2", timeout=60)
         agent.pids.append(int(result.stdout.splitlines()[0]))
@@ -738,8 +809,12 @@ def test_a_chatty_background_child_does_not_hold_the_command(agent: AgentProcess
 
 
 def kernel_children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "interpreter.py --kernel"],
-                         capture_output=True, text=True, check=False).stdout
+    out = subprocess.run(
+        ["pgrep", "-P", str(pid), "-f", "interpreter.py --kernel"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
     return [int(p) for p in out.split()]
 
 

@@ -48,6 +48,7 @@ def crash_at(step: str) -> Callable[[str, str], None]:
     def hook(name: str, sandbox_id: str) -> None:
         if name == step:
             raise Crash(step)
+
     return hook
 
 
@@ -68,10 +69,12 @@ def with_manager(home: Path, body: Callable[[SandboxManager, FakeEngine], Awaita
             return await body(mgr, engine)
         finally:
             await mgr.close(pause=False)
+
     return run(main())
 
 
 # -- create / pause / wake ------------------------------------------------------------------
+
 
 def test_create_pause_wake_exact_transitions(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
@@ -93,6 +96,7 @@ def test_create_pause_wake_exact_transitions(home: Path) -> None:
         assert mgr.transitions(info.id) == CREATE + PAUSE + WAKE
         new_proc = engine.world.processes[mgr.directory(info.id)]
         assert len(new_proc.refreshes) == 1  # every wake refreshes entropy and clock
+
     with_manager(home, body)
 
 
@@ -103,6 +107,7 @@ def test_pause_and_resume_are_idempotent(home: Path) -> None:
         await mgr.pause(info.id)
         await mgr.pause(info.id)
         assert mgr.transitions(info.id) == CREATE + PAUSE
+
     with_manager(home, body)
 
 
@@ -119,23 +124,28 @@ def test_wake_on_request_keeps_ram(home: Path) -> None:
         assert mgr.transitions(info.id)[-2:] == WAKE
         assert (await mgr.get("agent")).last_active_at >= before
         assert mgr.registry.transitions(info.id)[-2].reason == "wake on request"
+
     with_manager(home, body)
 
 
-@pytest.mark.parametrize("call", [
-    pytest.param(lambda m, i: m.run_command(i, "echo hi"), id="run_command"),
-    pytest.param(lambda m, i: m.run_code(i, "1"), id="run_code"),
-    pytest.param(lambda m, i: m.write_file(i, "/f", b"x"), id="write_file"),
-    pytest.param(lambda m, i: m.list_dir(i, "/"), id="list_dir"),
-    pytest.param(lambda m, i: m.exists(i, "/f"), id="exists"),
-    pytest.param(lambda m, i: m.make_dir(i, "/d"), id="make_dir"),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda m, i: m.run_command(i, "echo hi"), id="run_command"),
+        pytest.param(lambda m, i: m.run_code(i, "1"), id="run_code"),
+        pytest.param(lambda m, i: m.write_file(i, "/f", b"x"), id="write_file"),
+        pytest.param(lambda m, i: m.list_dir(i, "/"), id="list_dir"),
+        pytest.param(lambda m, i: m.exists(i, "/f"), id="exists"),
+        pytest.param(lambda m, i: m.make_dir(i, "/d"), id="make_dir"),
+    ],
+)
 def test_every_call_wakes_a_paused_sandbox(home: Path, call: Callable[..., Awaitable[Any]]) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
         info = await mgr.create()
         await mgr.pause(info.id)
         await call(mgr, info.id)
         assert (await mgr.get(info.id)).state is S.RUNNING
+
     with_manager(home, body)
 
 
@@ -143,10 +153,10 @@ def test_concurrent_calls_on_paused_sandbox_wake_it_once(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
         info = await mgr.create()
         await mgr.pause(info.id)
-        results = await asyncio.gather(*(mgr.run_command(info.id, f"echo {n}")
-                                         for n in range(8)))
+        results = await asyncio.gather(*(mgr.run_command(info.id, f"echo {n}") for n in range(8)))
         assert sorted(r.stdout for r in results) == sorted(f"{n}\n" for n in range(8))
         assert mgr.transitions(info.id).count(("paused", "waking")) == 1
+
     with_manager(home, body)
 
 
@@ -158,6 +168,7 @@ def test_pause_waits_for_calls_in_flight(home: Path) -> None:
         await mgr.pause(info.id)
         assert (await slow).exit_code == 0  # the command finished before the machine paused
         assert (await mgr.get(info.id)).state is S.PAUSED
+
     with_manager(home, body)
 
 
@@ -177,10 +188,12 @@ def test_kill_is_not_stuck_behind_a_draining_pause(home: Path) -> None:
         with pytest.raises((StateLost, SandboxClosed)):
             await pausing
         assert engine.world.processes == {} and not mgr.directory(info.id).exists()
+
     with_manager(home, body)
 
 
 # -- get_or_create --------------------------------------------------------------------------
+
 
 def test_get_or_create_concurrent_callers_get_one(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
@@ -188,6 +201,7 @@ def test_get_or_create_concurrent_callers_get_one(home: Path) -> None:
         assert len({i.id for i in infos}) == 1
         assert sorted(i.reused for i in infos) == [False] + [True] * 9
         assert engine.calls.count("clone") == 1
+
     with_manager(home, body)
 
 
@@ -202,10 +216,12 @@ def test_get_or_create_reuses_and_wakes_paused(home: Path) -> None:
         await mgr.kill("agent")
         fresh = await mgr.get_or_create("agent")
         assert fresh.id != first.id and not fresh.reused
+
     with_manager(home, body)
 
 
 # -- bad input: typed errors, nothing half-made, sandbox still usable -----------------------
+
 
 def test_bad_input(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
@@ -238,6 +254,7 @@ def test_bad_input(home: Path) -> None:
         assert [i.id for i in await mgr.list(include_stopped=True)] == [ok.id]
         assert sorted(p.name for p in mgr.paths.sandboxes.iterdir()) == [ok.id]
         assert (await mgr.run_command("ok", "echo fine")).stdout == "fine\n"
+
     with_manager(home, body)
 
 
@@ -248,14 +265,19 @@ def test_killed_sandbox_is_closed(home: Path) -> None:
         killed = await mgr.kill(info.id)
         assert killed.state is S.STOPPED
         assert not mgr.directory(info.id).exists()
-        for call in (mgr.run_command(info.id, "echo"), mgr.pause(info.id),
-                     mgr.resume(info.id), mgr.read_file(info.id, "/f")):
+        for call in (
+            mgr.run_command(info.id, "echo"),
+            mgr.pause(info.id),
+            mgr.resume(info.id),
+            mgr.read_file(info.id, "/f"),
+        ):
             with pytest.raises(SandboxClosed):
                 await call
         assert (await mgr.kill(info.id)).state is S.STOPPED  # idempotent
         assert await mgr.list() == []
         assert (await mgr.get("gone")).state is S.STOPPED
         assert mgr.transitions(info.id)[-1] == ("paused", "stopped")
+
     with_manager(home, body)
 
 
@@ -274,10 +296,12 @@ def test_illegal_transition_is_invalid_state_then_usable(home: Path) -> None:
         await mgr.start(supervise=False)  # reconcile: the state file is whole -> paused
         assert (await mgr.get(info.id)).state is S.PAUSED
         assert (await mgr.run_command(info.id, "echo back")).stdout == "back\n"
+
     with_manager(home, body)
 
 
 # -- failures inside the engine -------------------------------------------------------------
+
 
 def test_failed_create_leaves_nothing(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
@@ -289,6 +313,7 @@ def test_failed_create_leaves_nothing(home: Path) -> None:
         assert engine.world.processes == {}
         info = await mgr.create(name="agent")  # the name was freed
         assert info.state is S.RUNNING
+
     with_manager(home, body)
 
 
@@ -302,6 +327,7 @@ def test_wake_failure_before_cont_stays_paused(home: Path) -> None:
             await mgr.run_code(info.id, "x")
         assert (await mgr.get(info.id)).state is S.PAUSED
         assert (await mgr.run_code(info.id, "x")).text == "7"  # RAM intact
+
     with_manager(home, body)
 
 
@@ -319,6 +345,7 @@ def test_wake_failure_after_cont_is_state_lost(home: Path) -> None:
         with pytest.raises(StateLost):
             await mgr.run_command(info.id, "echo")
         assert (await mgr.kill(info.id)).state is S.STOPPED  # error -> stopped
+
     with_manager(home, body)
 
 
@@ -333,6 +360,7 @@ def test_refused_pause_rolls_back_to_running(home: Path) -> None:
         assert (await mgr.run_code(info.id, "x")).text == "1"
         assert mgr.transitions(info.id)[-2:] == [("running", "pausing"), ("pausing", "running")]
         assert (await mgr.pause(info.id)).state is S.PAUSED  # and a retry works
+
     with_manager(home, body)
 
 
@@ -347,15 +375,23 @@ def test_guest_silent_after_wake_is_paused_again(home: Path) -> None:
         assert (await mgr.get(info.id)).state is S.PAUSED
         assert engine.world.processes == {}
         assert (await mgr.run_code(info.id, "x")).text == "'safe'"
-        assert mgr.transitions(info.id)[-4:] == [("paused", "waking"), ("waking", "paused"),
-                                                 ("paused", "waking"), ("waking", "running")]
+        assert mgr.transitions(info.id)[-4:] == [
+            ("paused", "waking"),
+            ("waking", "paused"),
+            ("paused", "waking"),
+            ("waking", "running"),
+        ]
+
     with_manager(home, body)
 
 
-@pytest.mark.parametrize(("fault", "outcome"), [
-    pytest.param("hibernate:before-save", S.ERROR, id="before-save"),
-    pytest.param("hibernate:after-save", S.PAUSED, id="after-save"),
-])
+@pytest.mark.parametrize(
+    ("fault", "outcome"),
+    [
+        pytest.param("hibernate:before-save", S.ERROR, id="before-save"),
+        pytest.param("hibernate:after-save", S.PAUSED, id="after-save"),
+    ],
+)
 def test_qemu_dies_during_pause(home: Path, fault: str, outcome: S) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
         info = await mgr.create()
@@ -367,8 +403,8 @@ def test_qemu_dies_during_pause(home: Path, fault: str, outcome: S) -> None:
         else:
             assert (await mgr.pause(info.id)).state is S.PAUSED
             assert (await mgr.run_code(info.id, "x")).text == "'kept'"
-        assert mgr.transitions(info.id)[2:4] == [("running", "pausing"),
-                                                 ("pausing", outcome.value)]
+        assert mgr.transitions(info.id)[2:4] == [("running", "pausing"), ("pausing", outcome.value)]
+
     with_manager(home, body)
 
 
@@ -381,10 +417,12 @@ def test_qemu_dies_while_running(home: Path) -> None:
         assert (await mgr.get(info.id)).state is S.ERROR
         with pytest.raises(StateLost):
             await mgr.run_command(info.id, "echo")
+
     with_manager(home, body)
 
 
 # -- idle pause -----------------------------------------------------------------------------
+
 
 def test_idle_sweep(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
@@ -403,6 +441,7 @@ def test_idle_sweep(home: Path) -> None:
         # a call wakes it and restarts the idle clock
         await mgr.run_command(idle.id, "echo")
         assert await mgr.idle_sweep() == []
+
     with_manager(home, body)
 
 
@@ -416,10 +455,12 @@ def test_supervisor_pauses_idle_sandboxes(home: Path) -> None:
                 break
             await asyncio.sleep(0.02)
         assert (await mgr.get(info.id)).state is S.PAUSED
+
     with_manager(home, body)
 
 
 # -- tenants, labels, close -----------------------------------------------------------------
+
 
 def test_list_labels_and_tenants(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
@@ -431,6 +472,7 @@ def test_list_labels_and_tenants(home: Path) -> None:
         assert (await mgr.get("a", tenant="acme")).id == c.id
         with pytest.raises(SandboxNotFound):
             await mgr.run_command(c.id, "echo")  # default tenant cannot reach acme's id
+
     with_manager(home, body)
 
 
@@ -443,10 +485,12 @@ def test_close_pauses_running_sandboxes(home: Path) -> None:
         mgr2, _ = manager(home, engine.world)
         assert (await mgr2.get(info.id)).state is S.PAUSED
         await mgr2.close()
+
     run(main())
 
 
 # -- restart: reconcile the registry with the directories -----------------------------------
+
 
 def test_restart_reattaches_running_and_keeps_paused(home: Path) -> None:
     async def main() -> None:
@@ -468,6 +512,7 @@ def test_restart_reattaches_running_and_keeps_paused(home: Path) -> None:
         assert b.transitions(up.id) == CREATE
         assert b.transitions(down.id) == CREATE + PAUSE + WAKE
         await b.close()
+
     run(main())
 
 
@@ -482,6 +527,7 @@ def test_restart_without_start_attaches_on_first_use(home: Path) -> None:
         assert (await b.run_code(info.id, "x")).text == "'still here'"
         assert "attach" in engine.calls
         await b.close()
+
     run(main())
 
 
@@ -497,6 +543,7 @@ def test_restart_with_silent_guest_saves_ram(home: Path) -> None:
         assert (await b.get(info.id)).state is S.PAUSED  # hibernated, not killed
         assert (await b.run_code(info.id, "x")).text == "'saved'"
         await b.close()
+
     run(main())
 
 
@@ -512,6 +559,7 @@ def test_restart_finishes_an_interrupted_kill(home: Path) -> None:
         assert not b.directory(info.id).exists()
         assert world.processes == {}
         await b.close()
+
     run(main())
 
 
@@ -530,20 +578,25 @@ def test_restart_marks_dead_running_sandbox_lost(home: Path) -> None:
         with pytest.raises(StateLost):
             await b.run_code(info.id, "1")
         await b.close()
+
     run(main())
 
 
-@pytest.mark.parametrize(("step", "qemu_dies", "state", "ram_kept"), [
-    pytest.param("pause:begin", False, S.PAUSED, True, id="pause-begin"),
-    pytest.param("pause:begin", True, S.ERROR, False, id="pause-begin-qemu-dead"),
-    pytest.param("pause:saved", False, S.PAUSED, True, id="pause-saved"),
-    pytest.param("wake:begin", False, S.PAUSED, True, id="wake-begin"),
-    pytest.param("wake:woken", False, S.RUNNING, True, id="wake-woken"),
-    pytest.param("wake:woken", True, S.ERROR, False, id="wake-woken-qemu-dead"),
-    pytest.param("create:woken", False, S.STOPPED, False, id="create-woken"),
-])
-def test_restart_resolves_half_done_steps(home: Path, step: str, qemu_dies: bool, state: S,
-                                          ram_kept: bool) -> None:
+@pytest.mark.parametrize(
+    ("step", "qemu_dies", "state", "ram_kept"),
+    [
+        pytest.param("pause:begin", False, S.PAUSED, True, id="pause-begin"),
+        pytest.param("pause:begin", True, S.ERROR, False, id="pause-begin-qemu-dead"),
+        pytest.param("pause:saved", False, S.PAUSED, True, id="pause-saved"),
+        pytest.param("wake:begin", False, S.PAUSED, True, id="wake-begin"),
+        pytest.param("wake:woken", False, S.RUNNING, True, id="wake-woken"),
+        pytest.param("wake:woken", True, S.ERROR, False, id="wake-woken-qemu-dead"),
+        pytest.param("create:woken", False, S.STOPPED, False, id="create-woken"),
+    ],
+)
+def test_restart_resolves_half_done_steps(
+    home: Path, step: str, qemu_dies: bool, state: S, ram_kept: bool
+) -> None:
     async def main() -> None:
         world = FakeWorld()
         a, engine = manager(home, world)
@@ -572,10 +625,12 @@ def test_restart_resolves_half_done_steps(home: Path, step: str, qemu_dies: bool
             with pytest.raises(StateLost):
                 await b.run_code(sandbox_id, "v")
         await b.close()
+
     run(main())
 
 
 # -- the same on real QEMU ------------------------------------------------------------------
+
 
 def _qemu_procs_on(directory: Path) -> list[int]:
     """Pids of any process whose cwd is ``directory`` (QEMU runs there)."""
@@ -616,6 +671,7 @@ def test_qemu_lifecycle_keeps_ram_and_holds_nothing_paused(qemu_home: Path) -> N
                 await mgr.run_code(info.id, "notes")
         finally:
             await mgr.close()
+
     run(main())
 
 
@@ -636,6 +692,7 @@ def test_qemu_get_or_create_and_fresh_randomness(qemu_home: Path) -> None:
                 await mgr.kill(sandbox)
         finally:
             await mgr.close()
+
     run(main())
 
 
@@ -656,6 +713,7 @@ def test_qemu_bad_input(qemu_home: Path) -> None:
             assert list(mgr.paths.sandboxes.iterdir()) == []
         finally:
             await mgr.close()
+
     run(main())
 
 
@@ -710,4 +768,5 @@ def test_qemu_idle_pause_then_wake_on_request(qemu_home: Path) -> None:
             await mgr.kill(info.id)
         finally:
             await mgr.close()
+
     run(main())

@@ -10,8 +10,9 @@ from torpor.sandbox.guest import protocol as proto
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 headers = st.builds(
@@ -30,8 +31,9 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
 
 @given(frames, st.lists(st.integers(0, 10**6), max_size=20))
 @settings(max_examples=200, deadline=None)
-def test_frames_survive_any_split(items: list[tuple[dict[str, object], bytes]],
-                                  cuts: list[int]) -> None:
+def test_frames_survive_any_split(
+    items: list[tuple[dict[str, object], bytes]], cuts: list[int]
+) -> None:
     stream = b"".join(proto.encode_frame(h, p) for h, p in items)
     decoder = proto.FrameDecoder()
     out: list[proto.Frame] = []
@@ -43,8 +45,9 @@ def test_frames_survive_any_split(items: list[tuple[dict[str, object], bytes]],
 
 @given(st.binary(max_size=3000), frames)
 @settings(max_examples=200, deadline=None)
-def test_garbage_before_frames_is_skipped(garbage: bytes,
-                                          items: list[tuple[dict[str, object], bytes]]) -> None:
+def test_garbage_before_frames_is_skipped(
+    garbage: bytes, items: list[tuple[dict[str, object], bytes]]
+) -> None:
     # A stream that resumes mid-frame (after a hibernate) recovers at the next real frame,
     # as long as the garbage does not itself end in a frame's start.
     stream = b"".join(proto.encode_frame(h, p) for h, p in items)
@@ -79,17 +82,26 @@ def test_a_corrupt_header_is_skipped() -> None:
     assert decoder.skipped == len(bad)
 
 
-@pytest.mark.parametrize("size", [0, 1, proto.CHUNK - 1, proto.CHUNK, proto.CHUNK + 1,
-                                  3 * proto.CHUNK + 7])
+@pytest.mark.parametrize(
+    "size", [0, 1, proto.CHUNK - 1, proto.CHUNK, proto.CHUNK + 1, 3 * proto.CHUNK + 7]
+)
 def test_requests_are_chunked(size: int) -> None:
     payload = bytes(i % 251 for i in range(size))
     encoded = list(proto.encode_request(7, "write", {"path": "/x"}, payload))
     frames = proto.FrameDecoder().feed(b"".join(encoded))
     assert len(frames) == max(1, -(-size // proto.CHUNK))
-    assert frames[0].header == {"i": 7, "t": proto.REQ, "op": "write", "args": {"path": "/x"},
-                                "more": len(frames) > 1}
-    assert all(f.header == {"i": 7, "t": proto.DATA, "more": n < len(frames) - 1}
-               for n, f in enumerate(frames) if n > 0)
+    assert frames[0].header == {
+        "i": 7,
+        "t": proto.REQ,
+        "op": "write",
+        "args": {"path": "/x"},
+        "more": len(frames) > 1,
+    }
+    assert all(
+        f.header == {"i": 7, "t": proto.DATA, "more": n < len(frames) - 1}
+        for n, f in enumerate(frames)
+        if n > 0
+    )
     assert b"".join(f.payload for f in frames) == payload
     assert all(len(f.payload) <= proto.CHUNK for f in frames)
 
@@ -116,7 +128,7 @@ def test_a_frame_waiting_for_its_payload_is_dropped_by_reset() -> None:
     good = proto.encode_frame({"i": 2, "t": proto.REPLY})
     decoder = proto.FrameDecoder()
     for at in range(0, 8192, 4096):  # header checked, payload still arriving
-        assert decoder.feed(big[at: at + 4096]) == []
+        assert decoder.feed(big[at : at + 4096]) == []
     decoder.reset()
     assert decoder.pending == 0
     assert [f.id for f in decoder.feed(good)] == [2]

@@ -33,9 +33,15 @@ MiB = 1024 * 1024
 
 
 def _fake_template(tmp_path: Path) -> TemplateInfo:
-    return TemplateInfo(name="t", directory=tmp_path, build_id="b", kernel=tmp_path / "vmlinuz",
-                        initrd=tmp_path / "initrd.img", base_image=tmp_path / "base.qcow2",
-                        snapshot_dir=tmp_path / "snap")
+    return TemplateInfo(
+        name="t",
+        directory=tmp_path,
+        build_id="b",
+        kernel=tmp_path / "vmlinuz",
+        initrd=tmp_path / "initrd.img",
+        base_image=tmp_path / "base.qcow2",
+        snapshot_dir=tmp_path / "snap",
+    )
 
 
 def _arg_after(cmd: list[str], flag: str) -> list[str]:
@@ -46,11 +52,13 @@ def _arg_after(cmd: list[str], flag: str) -> list[str]:
 
 
 def test_command_line_puts_ram_in_a_shared_file(tmp_path: Path) -> None:
-    config = new_machine_config(_fake_template(tmp_path), MachineSpec(vcpus=2, memory_mib=768),
-                                "tcg")
+    config = new_machine_config(
+        _fake_template(tmp_path), MachineSpec(vcpus=2, memory_mib=768), "tcg"
+    )
     cmd = build_command(config, incoming=False)
-    assert "memory-backend-file,id=ram,size=768M,mem-path=ram,share=on" in _arg_after(cmd,
-                                                                                       "-object")
+    assert "memory-backend-file,id=ram,size=768M,mem-path=ram,share=on" in _arg_after(
+        cmd, "-object"
+    )
     assert "-nodefaults" in cmd and "-nographic" in cmd
     assert _arg_after(cmd, "-smp") == ["2"]
     assert "tcg,thread=multi" in _arg_after(cmd, "-accel")
@@ -68,8 +76,10 @@ def test_command_line_for_wake_waits_for_a_migration(tmp_path: Path) -> None:
 
 
 def test_extra_devices_get_stable_slots_and_appear_on_the_command_line(tmp_path: Path) -> None:
-    spec = MachineSpec(disks=[DiskSpec("vol1", tmp_path / "v.img", format="raw")],
-                       shares=[ShareSpec("drv1", tmp_path, tag="drv1", read_only=True)])
+    spec = MachineSpec(
+        disks=[DiskSpec("vol1", tmp_path / "v.img", format="raw")],
+        shares=[ShareSpec("drv1", tmp_path, tag="drv1", read_only=True)],
+    )
     config = new_machine_config(_fake_template(tmp_path), spec, "tcg")
     slots = [d["slot"] for d in config["devices"]]
     assert slots == [8, 9]
@@ -84,19 +94,35 @@ def test_extra_devices_get_stable_slots_and_appear_on_the_command_line(tmp_path:
     assert {b["node-name"] for b in blockdevs} == {"blk-vol1", "blk-vol2"}
 
 
-@pytest.mark.parametrize("spec, accel, error", [
-    pytest.param(MachineSpec(vcpus=0), "tcg", InvalidArgument, id="no-vcpus"),
-    pytest.param(MachineSpec(memory_mib=16), "tcg", InvalidArgument, id="tiny-ram"),
-    pytest.param(MachineSpec(), "hvf", InvalidArgument, id="unknown-accel"),
-    pytest.param(MachineSpec(disks=[DiskSpec("Bad Id", Path("/x"))]), "tcg", InvalidName,
-                 id="bad-device-id"),
-    pytest.param(MachineSpec(disks=[DiskSpec("a", Path("/x")), DiskSpec("a", Path("/y"))]),
-                 "tcg", InvalidArgument, id="duplicate-id"),
-    pytest.param(MachineSpec(disks=[DiskSpec("a", Path("/x"), format="vmdk")]), "tcg",
-                 InvalidArgument, id="bad-format"),
-])
-def test_bad_machine_specs_are_refused(tmp_path: Path, spec: MachineSpec, accel: str,
-                                       error: type[Exception]) -> None:
+@pytest.mark.parametrize(
+    "spec, accel, error",
+    [
+        pytest.param(MachineSpec(vcpus=0), "tcg", InvalidArgument, id="no-vcpus"),
+        pytest.param(MachineSpec(memory_mib=16), "tcg", InvalidArgument, id="tiny-ram"),
+        pytest.param(MachineSpec(), "hvf", InvalidArgument, id="unknown-accel"),
+        pytest.param(
+            MachineSpec(disks=[DiskSpec("Bad Id", Path("/x"))]),
+            "tcg",
+            InvalidName,
+            id="bad-device-id",
+        ),
+        pytest.param(
+            MachineSpec(disks=[DiskSpec("a", Path("/x")), DiskSpec("a", Path("/y"))]),
+            "tcg",
+            InvalidArgument,
+            id="duplicate-id",
+        ),
+        pytest.param(
+            MachineSpec(disks=[DiskSpec("a", Path("/x"), format="vmdk")]),
+            "tcg",
+            InvalidArgument,
+            id="bad-format",
+        ),
+    ],
+)
+def test_bad_machine_specs_are_refused(
+    tmp_path: Path, spec: MachineSpec, accel: str, error: type[Exception]
+) -> None:
     with pytest.raises(error):
         new_machine_config(_fake_template(tmp_path), spec, accel)
 
@@ -114,8 +140,9 @@ def _fake_hibernated(d: Path) -> None:
         f.write(b"\xff" * 4096)
     (d / "state").write_bytes(b"device state")
     (d / "machine.json").write_text(json.dumps({"version": 1, "devices": []}))
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(d / "disk.qcow2"), "64M"],
-                   check=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(d / "disk.qcow2"), "64M"], check=True
+    )
 
 
 def test_clone_copies_ram_sparsely_and_chains_the_disk(tmp_path: Path) -> None:
@@ -126,9 +153,13 @@ def test_clone_copies_ram_sparsely_and_chains_the_disk(tmp_path: Path) -> None:
     assert os.stat(dst / "ram").st_blocks * 512 < 8 * MiB  # holes stayed holes
     assert (dst / "state").read_bytes() == b"device state"
     assert read_machine_json(dst) == read_machine_json(src)
-    info = json.loads(subprocess.run(["qemu-img", "info", "--output=json", "-U",
-                                      str(dst / "disk.qcow2")], capture_output=True,
-                                     check=True).stdout)
+    info = json.loads(
+        subprocess.run(
+            ["qemu-img", "info", "--output=json", "-U", str(dst / "disk.qcow2")],
+            capture_output=True,
+            check=True,
+        ).stdout
+    )
     assert info["backing-filename"] == str(src / "disk.qcow2")
     assert not (dst / "state.tmp").exists()
 
@@ -252,8 +283,9 @@ def test_clones_of_one_machine_run_independently(qemu_home: Path) -> None:
 
 @pytest.mark.qemu
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.03])
-def test_a_kill_during_hibernate_leaves_a_whole_state_or_none(qemu_home: Path,
-                                                               delay: float) -> None:
+def test_a_kill_during_hibernate_leaves_a_whole_state_or_none(
+    qemu_home: Path, delay: float
+) -> None:
     machine = _clone(qemu_home, f"crash{int(delay * 1000)}")
 
     async def scenario() -> None:
@@ -298,8 +330,11 @@ def test_a_hot_plugged_disk_survives_hibernate_and_wake(qemu_home: Path, tmp_pat
         await machine.wake()
         try:
             await machine.attach_disk(DiskSpec("vol1", image, format="raw", serial="vol1"))
-            out = await _shell(machine, "for i in $(seq 50); do [ -e /sys/block/vdb ] && break;"
-                                        " sleep 0.2; done; cat /sys/block/vdb/size")
+            out = await _shell(
+                machine,
+                "for i in $(seq 50); do [ -e /sys/block/vdb ] && break;"
+                " sleep 0.2; done; cat /sys/block/vdb/size",
+            )
             assert int(out) == 16 * MiB // 512
             await _shell(machine, "echo on-the-volume | dd of=/dev/vdb conv=fsync 2>/dev/null")
             devices = read_machine_json(machine.directory)["devices"]
@@ -311,8 +346,11 @@ def test_a_hot_plugged_disk_survives_hibernate_and_wake(qemu_home: Path, tmp_pat
                 await machine.attach_disk(DiskSpec("vol1", image, format="raw"))
             await machine.detach("vol1")
             assert read_machine_json(machine.directory)["devices"] == []
-            out = await _shell(machine, "for i in $(seq 50); do [ -e /sys/block/vdb ] || break;"
-                                        " sleep 0.2; done; ls /sys/block")
+            out = await _shell(
+                machine,
+                "for i in $(seq 50); do [ -e /sys/block/vdb ] || break;"
+                " sleep 0.2; done; ls /sys/block",
+            )
             assert "vdb" not in out.split()
             await machine.hibernate()  # the next wake's command line has no vol1
             await machine.wake()
@@ -338,16 +376,18 @@ def test_a_share_is_attached_to_a_running_guest(qemu_home: Path, tmp_path: Path)
             await _run(machine, "mark = 'still here'")
             await machine.attach_share(ShareSpec("drv1", host_dir, tag="drv1"))
             assert await _run(machine, "mark") == "'still here'"
-            out = await _shell(machine, "mkdir -p /mnt/d; for i in $(seq 50); do "
-                                        "mount -t 9p -o trans=virtio,version=9p2000.L drv1 "
-                                        "/mnt/d 2>/dev/null && break; sleep 0.2; done; "
-                                        "cat /mnt/d/hello.txt; echo back > /mnt/d/back.txt; "
-                                        "umount /mnt/d")
+            out = await _shell(
+                machine,
+                "mkdir -p /mnt/d; for i in $(seq 50); do "
+                "mount -t 9p -o trans=virtio,version=9p2000.L drv1 "
+                "/mnt/d 2>/dev/null && break; sleep 0.2; done; "
+                "cat /mnt/d/hello.txt; echo back > /mnt/d/back.txt; "
+                "umount /mnt/d",
+            )
             assert out == "from the host"
             assert (host_dir / "back.txt").read_text() == "back\n"
             await machine.hibernate()  # unmounted: migration is allowed again
-            assert "-fsdev" in build_command(read_machine_json(machine.directory),
-                                             incoming=True)
+            assert "-fsdev" in build_command(read_machine_json(machine.directory), incoming=True)
             await machine.wake()
             assert await _run(machine, "mark") == "'still here'"
         finally:
@@ -380,8 +420,9 @@ def test_long_socket_paths_get_a_short_symlink(tmp_path: Path) -> None:
 
 @pytest.mark.qemu
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.06])
-def test_a_kill_during_wake_leaves_the_state_loadable_or_consumed(qemu_home: Path,
-                                                                  delay: float) -> None:
+def test_a_kill_during_wake_leaves_the_state_loadable_or_consumed(
+    qemu_home: Path, delay: float
+) -> None:
     machine = _clone(qemu_home, f"wakecrash{int(delay * 1000)}")
 
     async def scenario() -> None:

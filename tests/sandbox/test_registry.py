@@ -28,8 +28,7 @@ def reg(tmp_path: Path) -> Registry:
 
 
 def rec(id: str = "sbx-1", name: str = "agent", **kw: object) -> SandboxRecord:
-    fields: dict[str, object] = {"tenant": "default", "template": "python",
-                                 "state": S.CREATING}
+    fields: dict[str, object] = {"tenant": "default", "template": "python", "state": S.CREATING}
     fields.update(kw)
     return SandboxRecord(id=id, name=name, **fields)  # type: ignore[arg-type]
 
@@ -38,7 +37,12 @@ def test_insert_get_roundtrip(reg: Registry) -> None:
     reg.insert(rec(labels={"user": "u-42"}, vcpus=2, memory_mib=1024, idle_pause_seconds=60))
     got = reg.get("sbx-1")
     assert (got.name, got.labels, got.vcpus, got.memory_mib, got.idle_pause_seconds) == (
-        "agent", {"user": "u-42"}, 2, 1024, 60)
+        "agent",
+        {"user": "u-42"},
+        2,
+        1024,
+        60,
+    )
     info = got.to_info(reused=True)
     assert info.reused and info.state is S.CREATING and info.created_at.tzinfo is not None
 
@@ -81,8 +85,11 @@ def test_transitions_log_and_compare_and_set(reg: Registry) -> None:
     reg.set_state("sbx-1", S.RUNNING, S.PAUSING)
     reg.set_state("sbx-1", S.PAUSING, S.PAUSED, paused_at=123.0)
     assert [(t.src, t.dst) for t in reg.transitions("sbx-1")] == [
-        (None, S.CREATING), (S.CREATING, S.RUNNING), (S.RUNNING, S.PAUSING),
-        (S.PAUSING, S.PAUSED)]
+        (None, S.CREATING),
+        (S.CREATING, S.RUNNING),
+        (S.RUNNING, S.PAUSING),
+        (S.PAUSING, S.PAUSED),
+    ]
     assert reg.get("sbx-1").paused_at == 123.0
     # the row is paused, so a move that expects running fails and logs nothing
     with pytest.raises(InvalidState):
@@ -160,10 +167,10 @@ def test_touch_moves_the_idle_clock(reg: Registry) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(labels=st.dictionaries(st.text(min_size=1, max_size=20), st.text(max_size=40),
-                              max_size=5))
-def test_labels_roundtrip_and_filter(tmp_path_factory: pytest.TempPathFactory,
-                                     labels: dict[str, str]) -> None:
+@given(labels=st.dictionaries(st.text(min_size=1, max_size=20), st.text(max_size=40), max_size=5))
+def test_labels_roundtrip_and_filter(
+    tmp_path_factory: pytest.TempPathFactory, labels: dict[str, str]
+) -> None:
     reg = Registry(tmp_path_factory.mktemp("reg") / "r.db")
     reg.insert(rec(labels=labels))
     assert reg.get("sbx-1").labels == labels

@@ -156,11 +156,14 @@ def test_expired_and_deleted_snapshots_cannot_be_restored(tmp_path: Path) -> Non
     assert store.get(info.id).id == info.id
 
 
-@pytest.mark.parametrize("kw, err", [
-    pytest.param({"name": "Bad Name"}, InvalidName, id="name"),
-    pytest.param({"name": "ok", "retention_days": 0}, InvalidArgument, id="retention-0"),
-    pytest.param({"name": "ok", "retention_days": 366}, InvalidArgument, id="retention-366"),
-])
+@pytest.mark.parametrize(
+    "kw, err",
+    [
+        pytest.param({"name": "Bad Name"}, InvalidName, id="name"),
+        pytest.param({"name": "ok", "retention_days": 0}, InvalidArgument, id="retention-0"),
+        pytest.param({"name": "ok", "retention_days": 366}, InvalidArgument, id="retention-366"),
+    ],
+)
 def test_bad_input(tmp_path: Path, kw: dict[str, object], err: type[Exception]) -> None:
     p = make_home(tmp_path)
     store = SnapshotStore(p)
@@ -170,8 +173,9 @@ def test_bad_input(tmp_path: Path, kw: dict[str, object], err: type[Exception]) 
     assert store.list() == []
 
 
-def test_disk_full_during_snapshot_leaves_nothing_listed(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_during_snapshot_leaves_nothing_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     p = make_home(tmp_path)
     store = SnapshotStore(p)
     f = freeze(make_machine(p, "sb1"), store.frozen_root)
@@ -193,7 +197,9 @@ def test_disk_full_during_snapshot_leaves_nothing_listed(tmp_path: Path,
     assert store.save(f, name="full").name == "full"  # the source is unharmed
 
 
-def test_freeze_failure_leaves_machine_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_freeze_failure_leaves_machine_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     p = make_home(tmp_path)
     m = make_machine(p, "sb1")
     before = sorted(x.name for x in m.iterdir())

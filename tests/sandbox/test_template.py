@@ -30,11 +30,16 @@ def test_an_unknown_template_is_not_found(home: Path) -> None:
     assert templates.list_templates() == []
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("Python", id="upper"), pytest.param("", id="empty"),
-    pytest.param("../etc", id="traversal"), pytest.param("a b", id="space"),
-    pytest.param("x" * 64, id="too-long"),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("Python", id="upper"),
+        pytest.param("", id="empty"),
+        pytest.param("../etc", id="traversal"),
+        pytest.param("a b", id="space"),
+        pytest.param("x" * 64, id="too-long"),
+    ],
+)
 def test_invalid_template_names_are_refused(home: Path, name: str) -> None:
     with pytest.raises(InvalidName):
         templates.get(name)
@@ -43,13 +48,17 @@ def test_invalid_template_names_are_refused(home: Path, name: str) -> None:
     assert not (home / "templates").exists() or not any((home / "templates").iterdir())
 
 
-@pytest.mark.parametrize("apt, pip", [
-    pytest.param(["git; rm -rf /"], [], id="apt-shell"),
-    pytest.param([], ["--index-url=http://evil"], id="pip-option"),
-    pytest.param([""], [], id="empty"),
-])
-def test_bad_package_names_are_refused_before_any_work(home: Path, apt: list[str],
-                                                       pip: list[str]) -> None:
+@pytest.mark.parametrize(
+    "apt, pip",
+    [
+        pytest.param(["git; rm -rf /"], [], id="apt-shell"),
+        pytest.param([], ["--index-url=http://evil"], id="pip-option"),
+        pytest.param([""], [], id="empty"),
+    ],
+)
+def test_bad_package_names_are_refused_before_any_work(
+    home: Path, apt: list[str], pip: list[str]
+) -> None:
     with pytest.raises(InvalidArgument):
         templates.build("data", apt=apt, pip=pip)
     assert not (home / "cache" / "rootfs").exists()
@@ -83,9 +92,11 @@ def test_packaged_guest_files_include_the_boot_script() -> None:
 def test_host_mirror_reads_deb822_then_one_line_sources(tmp_path: Path) -> None:
     deb822 = tmp_path / "debian.sources"
     legacy = tmp_path / "sources.list"
-    deb822.write_text("Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n\n"
-                      "Types: deb\nURIs: http://security.example/debian-security\n"
-                      "Suites: bookworm-security\n")
+    deb822.write_text(
+        "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n\n"
+        "Types: deb\nURIs: http://security.example/debian-security\n"
+        "Suites: bookworm-security\n"
+    )
     assert _rootfs.host_mirror(deb822, legacy) == "http://mirror.example/debian"
     legacy.write_text("# comment\ndeb [arch=amd64] http://old.example/debian bookworm main\n")
     assert _rootfs.host_mirror(tmp_path / "missing", legacy) == "http://old.example/debian"
@@ -93,10 +104,16 @@ def test_host_mirror_reads_deb822_then_one_line_sources(tmp_path: Path) -> None:
 
 
 def test_template_info_round_trips_through_json(tmp_path: Path) -> None:
-    info = templates.TemplateInfo(name="t", directory=tmp_path, build_id="b",
-                                  kernel=tmp_path / "k", initrd=tmp_path / "i",
-                                  base_image=tmp_path / "d", snapshot_dir=tmp_path / "s",
-                                  apt=["git"])
+    info = templates.TemplateInfo(
+        name="t",
+        directory=tmp_path,
+        build_id="b",
+        kernel=tmp_path / "k",
+        initrd=tmp_path / "i",
+        base_image=tmp_path / "d",
+        snapshot_dir=tmp_path / "s",
+        apt=["git"],
+    )
     again = templates.TemplateInfo.from_json(json.loads(json.dumps(info.to_json())))
     assert again == info
 
@@ -105,7 +122,8 @@ def test_template_info_round_trips_through_json(tmp_path: Path) -> None:
 def test_the_python_template_is_built_and_booted(qemu_home: Path) -> None:
     info = templates.get("python")
     assert [t.name for t in templates.list_templates()] == ["python"] or "python" in [
-        t.name for t in templates.list_templates()]
+        t.name for t in templates.list_templates()
+    ]
     assert info.kernel.is_file() and info.initrd.is_file() and info.base_image.is_file()
     snap = info.snapshot_dir
     assert (snap / "state").is_file() and (snap / "ram").is_file()
@@ -116,8 +134,9 @@ def test_the_python_template_is_built_and_booted(qemu_home: Path) -> None:
 
 
 @pytest.mark.qemu
-def test_a_build_from_the_cached_rootfs_boots_and_snapshots(qemu_home: Path, template_home: Path,
-                                                            tmp_path: Path) -> None:
+def test_a_build_from_the_cached_rootfs_boots_and_snapshots(
+    qemu_home: Path, template_home: Path, tmp_path: Path
+) -> None:
     """The cheap half of a build (image + cold boot + hibernate) in a fresh home that shares
     only the slow rootfs cache; then a second build is a no-op and remove() deletes it."""
     rootfs_dir = template_home / "cache" / "rootfs" / _rootfs.rootfs_key((), ())

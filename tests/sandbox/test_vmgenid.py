@@ -21,9 +21,18 @@ GUID = "6f1a9a52-6a3d-4c8e-9f0e-3a4b5c6d7e8f"
 
 
 def _config(**extra: object) -> dict[str, object]:
-    return {"version": 1, "machine": "pc-i440fx-7.2", "accel": "tcg", "vcpus": 1,
-            "memory_mib": 256, "kernel": "k", "initrd": "i", "append": "a", "devices": [],
-            **extra}
+    return {
+        "version": 1,
+        "machine": "pc-i440fx-7.2",
+        "accel": "tcg",
+        "vcpus": 1,
+        "memory_mib": 256,
+        "kernel": "k",
+        "initrd": "i",
+        "append": "a",
+        "devices": [],
+        **extra,
+    }
 
 
 def _vmgenid(cmd: list[str]) -> str:
@@ -31,8 +40,10 @@ def _vmgenid(cmd: list[str]) -> str:
 
 
 def test_the_command_line_carries_the_saved_id() -> None:
-    assert _vmgenid(build_command(_config(vmgenid=GUID), incoming=True)) == \
-        f"vmgenid,guid={GUID},id=vmgenid0"
+    assert (
+        _vmgenid(build_command(_config(vmgenid=GUID), incoming=True))
+        == f"vmgenid,guid={GUID},id=vmgenid0"
+    )
     assert _vmgenid(build_command(_config(), incoming=True)) == "vmgenid,guid=auto,id=vmgenid0"
 
 
@@ -43,8 +54,9 @@ def test_a_clone_gets_a_new_id_that_then_stays(tmp_path: Path) -> None:
         f.truncate(1 << 20)
     (src / "state").write_bytes(b"device state")
     (src / "machine.json").write_text(json.dumps(_config(vmgenid=GUID)))
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(src / "disk.qcow2"), "8M"],
-                   check=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(src / "disk.qcow2"), "8M"], check=True
+    )
     clone_machine_dir(src, dst)
     config = read_machine_json(dst)
     assert "vmgenid" not in config
@@ -67,8 +79,11 @@ def test_wakes_keep_the_id_and_clones_change_it(qemu_home: Path) -> None:
     machine = Machine(directory, info, MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib))
 
     async def guid() -> str:
-        return str(await machine.qmp("qom-get", {"path": "/machine/peripheral/vmgenid0",
-                                                 "property": "guid"}))
+        return str(
+            await machine.qmp(
+                "qom-get", {"path": "/machine/peripheral/vmgenid0", "property": "guid"}
+            )
+        )
 
     async def scenario() -> list[str]:
         seen = []

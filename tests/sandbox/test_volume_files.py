@@ -21,7 +21,7 @@ from torpor.sandbox.volumes import VolumeStore
 
 ODD_NAMES = {
     "/work dir/ledger 2026.csv": b"date,event\n2026-03-03,upgraded to Pro\n",
-    '/q"uote/it\'s.txt': b"quoted\n",
+    "/q\"uote/it's.txt": b"quoted\n",
     "/\u00fcber.txt": "\u00fcber\n".encode(),
     "/new\nline": b"newline in the name\n",
     "/empty": b"",
@@ -40,8 +40,11 @@ def _mkfs(image: Path, tree: Path, size_mib: int = 16) -> None:
     """An ext4 image holding ``tree`` (as the volume store makes them: sparse, no reserve)."""
     with open(image, "wb") as f:
         f.truncate(size_mib << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-d", str(tree), str(image)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-m", "0", "-d", str(tree), str(image)],
+        check=True,
+        capture_output=True,
+    )
 
 
 @pytest.fixture
@@ -67,18 +70,21 @@ def test_paths_are_normalized_inside_the_volume(image: Path) -> None:
     assert read_image_file(image, "//work dir/./ledger 2026.csv") == want
 
 
-@pytest.mark.parametrize("path, error", [
-    pytest.param("/nope.txt", PathNotFound, id="missing"),
-    pytest.param("/work dir/nope", PathNotFound, id="missing-in-dir"),
-    pytest.param("/nodir/x", PathNotFound, id="missing-dir"),
-    pytest.param("/empty/x", PathNotFound, id="file-as-dir"),
-    pytest.param("/work dir", InvalidArgument, id="directory"),
-    pytest.param("/", InvalidArgument, id="root"),
-    pytest.param("/work dir/link", InvalidArgument, id="symlink"),
-    pytest.param("/fifo", InvalidArgument, id="fifo"),
-    pytest.param("work dir/ledger 2026.csv", InvalidArgument, id="relative"),
-    pytest.param("/a\0b", InvalidArgument, id="nul"),
-])
+@pytest.mark.parametrize(
+    "path, error",
+    [
+        pytest.param("/nope.txt", PathNotFound, id="missing"),
+        pytest.param("/work dir/nope", PathNotFound, id="missing-in-dir"),
+        pytest.param("/nodir/x", PathNotFound, id="missing-dir"),
+        pytest.param("/empty/x", PathNotFound, id="file-as-dir"),
+        pytest.param("/work dir", InvalidArgument, id="directory"),
+        pytest.param("/", InvalidArgument, id="root"),
+        pytest.param("/work dir/link", InvalidArgument, id="symlink"),
+        pytest.param("/fifo", InvalidArgument, id="fifo"),
+        pytest.param("work dir/ledger 2026.csv", InvalidArgument, id="relative"),
+        pytest.param("/a\0b", InvalidArgument, id="nul"),
+    ],
+)
 def test_typed_errors(image: Path, path: str, error: type[Exception]) -> None:
     with pytest.raises(error):
         read_image_file(image, path)
@@ -116,8 +122,10 @@ def test_read_volume_file_by_name_and_tenant(store: VolumeStore, tmp_path: Path)
     vol = store.create("memory-u-42", size_mib=16, tenant="acme")
     _fill(store, vol.id, tmp_path, {"/facts.md": b"- prefers weekly summaries\n"})
     for ref in (vol.id, "memory-u-42"):
-        assert read_volume_file(store, ref, "/facts.md", tenant="acme") == \
-            b"- prefers weekly summaries\n"
+        assert (
+            read_volume_file(store, ref, "/facts.md", tenant="acme")
+            == b"- prefers weekly summaries\n"
+        )
     with pytest.raises(VolumeNotFound):
         read_volume_file(store, "memory-u-42", "/facts.md", tenant="globex")
     with pytest.raises(PathNotFound):
@@ -127,13 +135,17 @@ def test_read_volume_file_by_name_and_tenant(store: VolumeStore, tmp_path: Path)
 def _set_recover_flag(image: Path) -> None:
     """Mark the image as needing journal recovery, as a guest killed mid-mount leaves it
     (debugfs keeps the superblock checksum right)."""
-    subprocess.run(["debugfs", "-w", "-R", "feature needs_recovery", str(image)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["debugfs", "-w", "-R", "feature needs_recovery", str(image)],
+        check=True,
+        capture_output=True,
+    )
     assert needs_recovery(image)
 
 
-def test_journal_replayed_only_when_nobody_has_the_volume(store: VolumeStore,
-                                                          tmp_path: Path) -> None:
+def test_journal_replayed_only_when_nobody_has_the_volume(
+    store: VolumeStore, tmp_path: Path
+) -> None:
     vol = store.create("v", size_mib=16)
     _fill(store, vol.id, tmp_path, {"/a.txt": b"a\n"})
     image = store.image(vol.id)

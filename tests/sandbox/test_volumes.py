@@ -22,7 +22,9 @@ def test_create_makes_a_sparse_ext4_image(store: VolumeStore) -> None:
     image = store.image(vol.id)
     assert image.stat().st_size == 64 << 20
     assert image.stat().st_blocks * 512 < 16 << 20  # sparse
-    out = subprocess.run(["dumpe2fs", "-h", str(image)], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["dumpe2fs", "-h", str(image)], check=True, capture_output=True, text=True
+    ).stdout
     assert "memory-u-42" in out
     assert [v.id for v in store.list()] == [vol.id]
     assert store.get("memory-u-42").id == vol.id
@@ -65,13 +67,17 @@ def test_release_keeps_live_sandboxes(store: VolumeStore) -> None:
     assert store.attached_to("sb-gone") == []
 
 
-@pytest.mark.parametrize("kw, err", [
-    pytest.param({"name": "BAD"}, InvalidName, id="name"),
-    pytest.param({"name": "v", "size_mib": 0}, InvalidArgument, id="size-0"),
-    pytest.param({"name": "v", "size_mib": True}, InvalidArgument, id="size-bool"),
-])
-def test_bad_create_leaves_nothing(store: VolumeStore, kw: dict[str, object],
-                                   err: type[Exception]) -> None:
+@pytest.mark.parametrize(
+    "kw, err",
+    [
+        pytest.param({"name": "BAD"}, InvalidName, id="name"),
+        pytest.param({"name": "v", "size_mib": 0}, InvalidArgument, id="size-0"),
+        pytest.param({"name": "v", "size_mib": True}, InvalidArgument, id="size-bool"),
+    ],
+)
+def test_bad_create_leaves_nothing(
+    store: VolumeStore, kw: dict[str, object], err: type[Exception]
+) -> None:
     with pytest.raises(err):
         store.create(**kw)  # type: ignore[arg-type]
     assert list(store.root.glob("vol-*")) == []
@@ -85,16 +91,23 @@ def test_names_unique_per_tenant(store: VolumeStore) -> None:
     assert len(store.list(tenant="acme")) == 1
 
 
-@pytest.mark.parametrize("path", ["/", "/etc", "/usr/lib/x", "/proc", "relative", "/a/../etc",
-                                  "/opt/torpor", "/tmp"])
+@pytest.mark.parametrize(
+    "path", ["/", "/etc", "/usr/lib/x", "/proc", "relative", "/a/../etc", "/opt/torpor", "/tmp"]
+)
 def test_system_paths_refused(path: str) -> None:
     with pytest.raises(InvalidArgument):
         check_mount_path(path)
 
 
-@pytest.mark.parametrize("path, norm", [("/memory", "/memory"), ("/mnt/x/", "/mnt/x"),
-                                        ("/workspace/data", "/workspace/data"),
-                                        ("/etcetera", "/etcetera")])
+@pytest.mark.parametrize(
+    "path, norm",
+    [
+        ("/memory", "/memory"),
+        ("/mnt/x/", "/mnt/x"),
+        ("/workspace/data", "/workspace/data"),
+        ("/etcetera", "/etcetera"),
+    ],
+)
 def test_user_paths_accepted(path: str, norm: str) -> None:
     assert check_mount_path(path) == norm
 
@@ -125,8 +138,9 @@ def test_http_routes_map_errors(tmp_path: Path) -> None:
         sbx = client.post("/v1/sandboxes", json={"name": "a"}).json()
         bad = client.post(f"/v1/sandboxes/{sbx['id']}/fork", json={"count": 0})
         assert bad.status_code == 400
-        bad_path = client.post(f"/v1/sandboxes/{sbx['id']}/volumes",
-                               json={"volume": vol["id"], "path": "/etc"})
+        bad_path = client.post(
+            f"/v1/sandboxes/{sbx['id']}/volumes", json={"volume": vol["id"], "path": "/etc"}
+        )
         assert bad_path.status_code == 400
         assert client.post("/v1/snapshots/nope/restore", json={}).status_code == 404
         assert client.post("/v1/gc", json={"dry_run": True}).json()["dry_run"] is True

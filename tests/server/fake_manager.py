@@ -63,42 +63,65 @@ class FakeManager:
     def _find(self, id_or_name: str, tenant: str) -> SandboxInfo:
         for info in self.infos.values():
             if (info.id == id_or_name or info.name == id_or_name) and (
-                    self.leak_tenants or info.tenant == tenant):
+                self.leak_tenants or info.tenant == tenant
+            ):
                 return info
         raise SandboxNotFound(f"no sandbox {id_or_name!r}", kind="sandbox", name=id_or_name)
 
     def _live(self, id_or_name: str, tenant: str) -> SandboxInfo:
         info = self._find(id_or_name, tenant)
         if info.state == SandboxState.STOPPED:
-            raise SandboxClosed(f"sandbox {info.id} was killed", sandbox_id=info.id,
-                                state=info.state.value, required=["running", "paused"])
+            raise SandboxClosed(
+                f"sandbox {info.id} was killed",
+                sandbox_id=info.id,
+                state=info.state.value,
+                required=["running", "paused"],
+            )
         if info.state == SandboxState.PAUSED:  # wake on request
             info.state = SandboxState.RUNNING
         info.last_active_at = datetime.now(UTC)
         return info
 
-    async def create(self, template: str = "python", name: str | None = None,
-                     labels: dict[str, str] | None = None, idle_pause_seconds: int | None = None,
-                     vcpus: int = 1, memory_mib: int = 512, pause_retention_days: int = 30,
-                     *, tenant: str = "default") -> SandboxInfo:
+    async def create(
+        self,
+        template: str = "python",
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        idle_pause_seconds: int | None = None,
+        vcpus: int = 1,
+        memory_mib: int = 512,
+        pause_retention_days: int = 30,
+        *,
+        tenant: str = "default",
+    ) -> SandboxInfo:
         self.calls.append(("create", tenant))
         if template != "python":
             raise TemplateNotFound(f"no template {template!r}", kind="template", name=template)
         sid = "sbx-" + uuid.uuid4().hex[:12]
         name = check_name(name or sid)
         now = datetime.now(UTC)
-        info = SandboxInfo(id=sid, name=name, tenant=tenant, template=template,
-                           state=SandboxState.RUNNING, labels=labels or {}, vcpus=vcpus,
-                           memory_mib=memory_mib, idle_pause_seconds=idle_pause_seconds,
-                           pause_retention_days=pause_retention_days, created_at=now,
-                           last_active_at=now)
+        info = SandboxInfo(
+            id=sid,
+            name=name,
+            tenant=tenant,
+            template=template,
+            state=SandboxState.RUNNING,
+            labels=labels or {},
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            idle_pause_seconds=idle_pause_seconds,
+            pause_retention_days=pause_retention_days,
+            created_at=now,
+            last_active_at=now,
+        )
         self.infos[sid] = info
         self.files[sid] = {}
         self.scopes[sid] = {}
         return info.model_copy()
 
-    async def get_or_create(self, name: str, *, tenant: str = "default",
-                            **options: Any) -> SandboxInfo:
+    async def get_or_create(
+        self, name: str, *, tenant: str = "default", **options: Any
+    ) -> SandboxInfo:
         async with self._lock:
             try:
                 info = self._live(name, tenant)
@@ -110,37 +133,60 @@ class FakeManager:
         self.calls.append(("get", tenant))
         return self._find(id_or_name, tenant).model_copy()
 
-    async def list(self, labels: dict[str, str] | None = None, *, tenant: str = "default",
-                   include_stopped: bool = False) -> list[SandboxInfo]:
-        return [i.model_copy() for i in self.infos.values()
-                if (self.leak_tenants or i.tenant == tenant)
-                and (include_stopped or i.state != SandboxState.STOPPED)
-                and all(i.labels.get(k) == v for k, v in (labels or {}).items())]
+    async def list(
+        self,
+        labels: dict[str, str] | None = None,
+        *,
+        tenant: str = "default",
+        include_stopped: bool = False,
+    ) -> list[SandboxInfo]:
+        return [
+            i.model_copy()
+            for i in self.infos.values()
+            if (self.leak_tenants or i.tenant == tenant)
+            and (include_stopped or i.state != SandboxState.STOPPED)
+            and all(i.labels.get(k) == v for k, v in (labels or {}).items())
+        ]
 
     async def pause(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
         info = self._find(id_or_name, tenant)
         if info.state != SandboxState.RUNNING:
-            raise InvalidState(f"cannot pause a {info.state.value} sandbox", sandbox_id=info.id,
-                               state=info.state.value, required=["running"])
+            raise InvalidState(
+                f"cannot pause a {info.state.value} sandbox",
+                sandbox_id=info.id,
+                state=info.state.value,
+                required=["running"],
+            )
         info.state = SandboxState.PAUSED
         return info.model_copy()
 
     async def resume(self, id_or_name: str, *, tenant: str = "default") -> None:
         info = self._find(id_or_name, tenant)
         if info.state != SandboxState.PAUSED:
-            raise InvalidState(f"cannot resume a {info.state.value} sandbox", sandbox_id=info.id,
-                               state=info.state.value, required=["paused"])
+            raise InvalidState(
+                f"cannot resume a {info.state.value} sandbox",
+                sandbox_id=info.id,
+                state=info.state.value,
+                required=["paused"],
+            )
         info.state = SandboxState.RUNNING
 
     async def kill(self, id_or_name: str, *, tenant: str = "default") -> None:
         self._find(id_or_name, tenant).state = SandboxState.STOPPED
 
-    async def run_command(self, id_or_name: str, cmd: str, *, cwd: str | None = None,
-                          env: dict[str, str] | None = None, timeout: float | None = 60,
-                          background: bool = False,
-                          on_stdout: Callable[[str], Any] | None = None,
-                          on_stderr: Callable[[str], Any] | None = None,
-                          tenant: str = "default") -> CommandResult:
+    async def run_command(
+        self,
+        id_or_name: str,
+        cmd: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = 60,
+        background: bool = False,
+        on_stdout: Callable[[str], Any] | None = None,
+        on_stderr: Callable[[str], Any] | None = None,
+        tenant: str = "default",
+    ) -> CommandResult:
         """``echo X`` prints X; ``fail`` exits 3 with stderr; ``sleep`` times out; ``boom`` is a bug."""
         self._live(id_or_name, tenant)
         if cmd == "boom":
@@ -174,17 +220,22 @@ class FakeManager:
         except KeyError:
             raise PathNotFound(f"no such file {path}", kind="path", name=path) from None
 
-    async def write_file(self, id_or_name: str, path: str, data: bytes | str, *,
-                         tenant: str = "default") -> None:
+    async def write_file(
+        self, id_or_name: str, path: str, data: bytes | str, *, tenant: str = "default"
+    ) -> None:
         info = self._live(id_or_name, tenant)
         self.files[info.id][path] = data.encode() if isinstance(data, str) else data
 
-    async def list_dir(self, id_or_name: str, path: str, *,
-                       tenant: str = "default") -> list[EntryInfo]:
+    async def list_dir(
+        self, id_or_name: str, path: str, *, tenant: str = "default"
+    ) -> list[EntryInfo]:
         info = self._live(id_or_name, tenant)
         prefix = path.rstrip("/") + "/"
-        return [EntryInfo(name=p[len(prefix):], path=p, type="file", size=len(d))
-                for p, d in sorted(self.files[info.id].items()) if p.startswith(prefix)]
+        return [
+            EntryInfo(name=p[len(prefix) :], path=p, type="file", size=len(d))
+            for p, d in sorted(self.files[info.id].items())
+            if p.startswith(prefix)
+        ]
 
     async def exists(self, id_or_name: str, path: str, *, tenant: str = "default") -> bool:
         info = self._live(id_or_name, tenant)
@@ -198,10 +249,16 @@ class FakeManager:
     async def make_dir(self, id_or_name: str, path: str, *, tenant: str = "default") -> None:
         self._live(id_or_name, tenant)
 
-    async def run_code(self, id_or_name: str, code: str, *, timeout: float | None = None,
-                       on_stdout: Callable[[str], Any] | None = None,
-                       on_stderr: Callable[[str], Any] | None = None,
-                       tenant: str = "default") -> Execution:
+    async def run_code(
+        self,
+        id_or_name: str,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_stdout: Callable[[str], Any] | None = None,
+        on_stderr: Callable[[str], Any] | None = None,
+        tenant: str = "default",
+    ) -> Execution:
         info = self._live(id_or_name, tenant)
         scope = self.scopes[info.id]
         out = io.StringIO()

@@ -23,9 +23,13 @@ from torpor.server.daemon import server_pid
 
 
 def _serve(home: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "torpor.cli", "serve", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TORPOR_HOME": str(home)})
+    return subprocess.Popen(
+        [sys.executable, "-m", "torpor.cli", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "TORPOR_HOME": str(home)},
+    )
 
 
 def _wait(check: object, proc: subprocess.Popen[str], seconds: float = 120) -> None:
@@ -64,15 +68,27 @@ def _free_port() -> int:
 
 def test_tcp_with_tokens(home: Path, tmp_path: Path) -> None:
     token_file = tmp_path / "tokens.json"
-    made = subprocess.run([sys.executable, "-m", "torpor.cli", "server", "token", "acme",
-                           "--token-file", str(token_file)], capture_output=True, text=True,
-                          timeout=120, check=True)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torpor.cli",
+            "server",
+            "token",
+            "acme",
+            "--token-file",
+            str(token_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     token = made.stdout.strip()
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     assert json.loads(token_file.read_text()) == {"tokens": {token: "acme"}}
     port = _free_port()
-    proc = _serve(home, "--host", "127.0.0.1", "--port", str(port), "--token-file",
-                  str(token_file))
+    proc = _serve(home, "--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file))
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -99,12 +115,15 @@ def test_tcp_without_tokens_is_refused(home: Path) -> None:
     assert proc.returncode == 1 and "token-file" in out
 
 
-@pytest.mark.parametrize("content", [
-    pytest.param("not json", id="not-json"),
-    pytest.param('{"tokens": {}}', id="empty"),
-    pytest.param('{"tokens": {"short": "acme"}}', id="short-token"),
-    pytest.param('{"tokens": {"%s": "Bad Tenant"}}' % ("x" * 32), id="bad-tenant"),
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param("not json", id="not-json"),
+        pytest.param('{"tokens": {}}', id="empty"),
+        pytest.param('{"tokens": {"short": "acme"}}', id="short-token"),
+        pytest.param('{"tokens": {"%s": "Bad Tenant"}}' % ("x" * 32), id="bad-tenant"),
+    ],
+)
 def test_bad_token_files(tmp_path: Path, content: str) -> None:
     path = tmp_path / "tokens.json"
     path.write_text(content)
@@ -127,8 +146,14 @@ def test_server_status_and_stop_commands(home: Path) -> None:
     env = {**os.environ, "TORPOR_HOME": str(home), "COLUMNS": "200"}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "torpor.cli", *args], capture_output=True,
-                              text=True, timeout=120, env=env, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "torpor.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=False,
+        )
 
     assert cli("server", "status").returncode == 1
     pid = Runtime(home=home).health()["pid"]  # auto-start

@@ -34,18 +34,28 @@ def home(qemu_home: Path) -> Iterator[Path]:
 
 def _python(code: str, home: Path) -> str:
     """Run ``code`` in a new Python process against ``home``; return its stdout."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=400, check=False,
-                          env={**os.environ, "TORPOR_HOME": str(home)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+        env={**os.environ, "TORPOR_HOME": str(home)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_demo_scenario_across_two_processes(home: Path) -> None:
     """examples/demo.py: auto-start, create, state, pause; a second process wakes it intact."""
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py")],
-                          capture_output=True, text=True, timeout=600, check=False,
-                          env={**os.environ, "TORPOR_HOME": str(home)})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "demo.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "TORPOR_HOME": str(home)},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "reused:   True" in proc.stdout
     assert "notes:    ['prefers weekly summaries']" in proc.stdout
@@ -92,12 +102,22 @@ def test_concurrent_get_or_create_from_processes(home: Path) -> None:
     """Four processes ask for the same name at once (the first also starts the server): one
     sandbox, created once, reused three times; left alone, the server's idle supervisor
     pauses it."""
-    code = ("from torpor.client import Sandbox\n"
-            "s = Sandbox.get_or_create('shared', idle_pause_seconds=3)\n"
-            "print(s.id, s.info.reused)\n")
+    code = (
+        "from torpor.client import Sandbox\n"
+        "s = Sandbox.get_or_create('shared', idle_pause_seconds=3)\n"
+        "print(s.id, s.info.reused)\n"
+    )
     env = {**os.environ, "TORPOR_HOME": str(home)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(4)
+    ]
     answers = []
     for proc in procs:
         out, err = proc.communicate(timeout=400)
@@ -109,11 +129,19 @@ def test_concurrent_get_or_create_from_processes(home: Path) -> None:
     listed = Sandbox.list(runtime=Runtime(home=home, autostart=False))
     assert [i.name for i in listed] == ["shared"]
     # Files written by one process are seen by another.
-    _python("from torpor.client import Sandbox\n"
-            "Sandbox.get('shared').files.write('/workspace/x', 'from-a')\n", home)
-    assert _python("from torpor.client import Sandbox\n"
-                   "print(Sandbox.get('shared').files.read_text('/workspace/x'))\n",
-                   home).strip() == "from-a"
+    _python(
+        "from torpor.client import Sandbox\n"
+        "Sandbox.get('shared').files.write('/workspace/x', 'from-a')\n",
+        home,
+    )
+    assert (
+        _python(
+            "from torpor.client import Sandbox\n"
+            "print(Sandbox.get('shared').files.read_text('/workspace/x'))\n",
+            home,
+        ).strip()
+        == "from-a"
+    )
     rt = Runtime(home=home, autostart=False)
     deadline = time.monotonic() + 120
     while Sandbox.get("shared", runtime=rt).info.state.value != "paused":

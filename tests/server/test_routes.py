@@ -75,22 +75,43 @@ def test_get_or_create_by_name_reuses(client: TestClient) -> None:
     assert again["reused"] is True and again["id"] == first["id"]
 
 
-@pytest.mark.parametrize(("call", "status", "kind"), [
-    pytest.param(lambda c: c.get("/v1/sandboxes/nope"), 404, "SandboxNotFound", id="not-found"),
-    pytest.param(lambda c: c.post("/v1/sandboxes", json={"template": "ruby"}), 404,
-                 "TemplateNotFound", id="no-template"),
-    pytest.param(lambda c: c.post("/v1/sandboxes", json={"name": "Bad Name"}), 400,
-                 "InvalidName", id="bad-name"),
-    pytest.param(lambda c: c.post("/v1/sandboxes", json={"vcpus": 0}), 400,
-                 "InvalidArgument", id="validation"),
-    pytest.param(lambda c: c.post("/v1/sandboxes", json={"color": "red"}), 400,
-                 "InvalidArgument", id="unknown-field"),
-    pytest.param(lambda c: c.get("/v1/sandboxes?label=novalue"), 400, "InvalidArgument",
-                 id="bad-label"),
-    pytest.param(lambda c: c.get("/v1/nothing-here"), 404, "NotFound", id="no-route"),
-])
-def test_errors_map_to_status_and_wire(client: TestClient, call: Any, status: int,
-                                       kind: str) -> None:
+@pytest.mark.parametrize(
+    ("call", "status", "kind"),
+    [
+        pytest.param(lambda c: c.get("/v1/sandboxes/nope"), 404, "SandboxNotFound", id="not-found"),
+        pytest.param(
+            lambda c: c.post("/v1/sandboxes", json={"template": "ruby"}),
+            404,
+            "TemplateNotFound",
+            id="no-template",
+        ),
+        pytest.param(
+            lambda c: c.post("/v1/sandboxes", json={"name": "Bad Name"}),
+            400,
+            "InvalidName",
+            id="bad-name",
+        ),
+        pytest.param(
+            lambda c: c.post("/v1/sandboxes", json={"vcpus": 0}),
+            400,
+            "InvalidArgument",
+            id="validation",
+        ),
+        pytest.param(
+            lambda c: c.post("/v1/sandboxes", json={"color": "red"}),
+            400,
+            "InvalidArgument",
+            id="unknown-field",
+        ),
+        pytest.param(
+            lambda c: c.get("/v1/sandboxes?label=novalue"), 400, "InvalidArgument", id="bad-label"
+        ),
+        pytest.param(lambda c: c.get("/v1/nothing-here"), 404, "NotFound", id="no-route"),
+    ],
+)
+def test_errors_map_to_status_and_wire(
+    client: TestClient, call: Any, status: int, kind: str
+) -> None:
     r = call(client)
     assert r.status_code == status
     err = r.json()["error"]
@@ -114,8 +135,9 @@ def test_killed_sandbox_is_closed(client: TestClient) -> None:
     assert r.status_code == 409 and r.json()["error"]["type"] == "SandboxClosed"
 
 
-def test_unexpected_error_is_500_without_traceback(client: TestClient,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_unexpected_error_is_500_without_traceback(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
     info = _create(client)
     r = client.post(f"/v1/sandboxes/{info['id']}/commands", json={"cmd": "boom"})
     assert r.status_code == 500
@@ -126,12 +148,19 @@ def test_unexpected_error_is_500_without_traceback(client: TestClient,
 
 def test_run_command(client: TestClient) -> None:
     info = _create(client)
-    r = client.post(f"/v1/sandboxes/{info['id']}/commands",
-                    json={"cmd": "echo a b", "env": {"X": "1"}, "cwd": "/tmp"})
-    assert r.json() == {"exit_code": 0, "stdout": "a\nb\nX=1\ncwd=/tmp\n", "stderr": "",
-                        "pid": None}
-    bg = client.post(f"/v1/sandboxes/{info['id']}/commands",
-                     json={"cmd": "serve", "background": True}).json()
+    r = client.post(
+        f"/v1/sandboxes/{info['id']}/commands",
+        json={"cmd": "echo a b", "env": {"X": "1"}, "cwd": "/tmp"},
+    )
+    assert r.json() == {
+        "exit_code": 0,
+        "stdout": "a\nb\nX=1\ncwd=/tmp\n",
+        "stderr": "",
+        "pid": None,
+    }
+    bg = client.post(
+        f"/v1/sandboxes/{info['id']}/commands", json={"cmd": "serve", "background": True}
+    ).json()
     assert bg["pid"] == 4242
     r = client.post(f"/v1/sandboxes/{info['id']}/commands", json={"cmd": "sleep 9"})
     assert r.status_code == 504 and r.json()["error"]["type"] == "OperationTimeout"
@@ -139,8 +168,9 @@ def test_run_command(client: TestClient) -> None:
 
 def test_streamed_command_sends_chunks_then_result(client: TestClient) -> None:
     info = _create(client)
-    with client.stream("POST", f"/v1/sandboxes/{info['id']}/commands/stream",
-                       json={"cmd": "echo one two"}) as r:
+    with client.stream(
+        "POST", f"/v1/sandboxes/{info['id']}/commands/stream", json={"cmd": "echo one two"}
+    ) as r:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         events = [json.loads(line) for line in r.iter_lines() if line]
     assert events[:2] == [{"type": "stdout", "data": "one\n"}, {"type": "stdout", "data": "two\n"}]
@@ -171,8 +201,7 @@ def test_files_round_trip(client: TestClient) -> None:
     assert client.get(base).status_code == 400  # path is required
 
 
-def test_file_over_limit_is_413_and_not_written(client: TestClient,
-                                                manager: FakeManager) -> None:
+def test_file_over_limit_is_413_and_not_written(client: TestClient, manager: FakeManager) -> None:
     sid = _create(client)["id"]
     r = client.put(f"/v1/sandboxes/{sid}/files", params={"path": "/big"}, content=b"x" * 1025)
     assert r.status_code == 413
@@ -202,8 +231,11 @@ def test_interpreter_keeps_variables(client: TestClient) -> None:
 
 def test_streamed_interpreter(client: TestClient) -> None:
     sid = _create(client)["id"]
-    with client.stream("POST", f"/v1/sandboxes/{sid}/interpreter/stream",
-                       json={"code": "for i in range(2): print(i)"}) as r:
+    with client.stream(
+        "POST",
+        f"/v1/sandboxes/{sid}/interpreter/stream",
+        json={"code": "for i in range(2): print(i)"},
+    ) as r:
         events = [json.loads(line) for line in r.iter_lines() if line]
     assert events[:2] == [{"type": "stdout", "data": "0\n"}, {"type": "stdout", "data": "1\n"}]
     assert events[-1]["type"] == "result" and events[-1]["result"]["stdout"] == "0\n1\n"
@@ -212,8 +244,10 @@ def test_streamed_interpreter(client: TestClient) -> None:
 def test_paused_sandbox_wakes_on_request(client: TestClient) -> None:
     sid = _create(client)["id"]
     client.post(f"/v1/sandboxes/{sid}/pause")
-    assert client.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "echo up"}).json()[
-        "stdout"] == "up\n"
+    assert (
+        client.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "echo up"}).json()["stdout"]
+        == "up\n"
+    )
     assert client.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
 
 
@@ -224,11 +258,14 @@ def tcp_app() -> tuple[FakeManager, Any]:
     return manager, create_app(manager, tokens=tokens, supervise=False)
 
 
-@pytest.mark.parametrize("header", [
-    pytest.param(None, id="missing"),
-    pytest.param("Bearer " + "c" * 32, id="unknown"),
-    pytest.param("Basic " + TOKEN_A, id="wrong-scheme"),
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        pytest.param(None, id="missing"),
+        pytest.param("Bearer " + "c" * 32, id="unknown"),
+        pytest.param("Basic " + TOKEN_A, id="wrong-scheme"),
+    ],
+)
 def test_token_required(tcp_app: tuple[FakeManager, Any], header: str | None) -> None:
     app = tcp_app[1]
     headers = {"Authorization": header} if header else {}
@@ -261,8 +298,7 @@ def test_tenant_cannot_see_another_tenants_sandbox(tcp_app: tuple[FakeManager, A
         assert other["id"] != info["id"] and other["reused"] is False
 
 
-def test_server_fences_tenants_even_if_the_manager_leaks(
-        tcp_app: tuple[FakeManager, Any]) -> None:
+def test_server_fences_tenants_even_if_the_manager_leaks(tcp_app: tuple[FakeManager, Any]) -> None:
     manager, app = tcp_app
     manager.leak_tenants = True
     a = TestClient(app, headers={"Authorization": f"Bearer {TOKEN_A}"})

@@ -34,23 +34,28 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
 
 
 def test_scenario_over_http(client: TestClient) -> None:
-    r = client.put("/v1/sandboxes/by-name/agent-u-42", json={"labels": {"user": "u-42"}},
-                   headers=A)
+    r = client.put("/v1/sandboxes/by-name/agent-u-42", json={"labels": {"user": "u-42"}}, headers=A)
     assert r.status_code == 200, r.text
     sid = r.json()["id"]
     base = f"/v1/sandboxes/{sid}"
     run = client.post(f"{base}/interpreter", json={"code": "notes = ['weekly']"}, headers=A)
     assert run.status_code == 200, run.text
-    assert client.put(f"{base}/files", params={"path": "/workspace/memory.md"}, content=b"hi",
-                      headers=A).status_code == 204
+    assert (
+        client.put(
+            f"{base}/files", params={"path": "/workspace/memory.md"}, content=b"hi", headers=A
+        ).status_code
+        == 204
+    )
     assert client.post(f"{base}/pause", headers=A).json()["state"] == "paused"
 
     again = client.put("/v1/sandboxes/by-name/agent-u-42", json={}, headers=A).json()
     assert again["id"] == sid and again["reused"] is True and again["state"] == "running"
     out = client.post(f"{base}/interpreter", json={"code": "notes"}, headers=A).json()
     assert out["results"][0]["data"]["text/plain"] == "['weekly']"
-    assert client.get(f"{base}/files", params={"path": "/workspace/memory.md"},
-                      headers=A).content == b"hi"
+    assert (
+        client.get(f"{base}/files", params={"path": "/workspace/memory.md"}, headers=A).content
+        == b"hi"
+    )
     cmd = client.post(f"{base}/commands", json={"cmd": "echo hi"}, headers=A).json()
     assert cmd["stdout"] == "hi\n"
     assert client.get("/v1/sandboxes?label=user=u-42", headers=A).json()[0]["id"] == sid
@@ -62,8 +67,12 @@ def test_scenario_over_http(client: TestClient) -> None:
 
 def test_real_manager_keeps_tenants_apart(client: TestClient) -> None:
     sid = client.post("/v1/sandboxes", json={"name": "agent-x"}, headers=A).json()["id"]
-    for method, url in [("GET", f"/v1/sandboxes/{sid}"), ("GET", "/v1/sandboxes/agent-x"),
-                        ("POST", f"/v1/sandboxes/{sid}/pause"), ("DELETE", f"/v1/sandboxes/{sid}")]:
+    for method, url in [
+        ("GET", f"/v1/sandboxes/{sid}"),
+        ("GET", "/v1/sandboxes/agent-x"),
+        ("POST", f"/v1/sandboxes/{sid}/pause"),
+        ("DELETE", f"/v1/sandboxes/{sid}"),
+    ]:
         assert client.request(method, url, headers=B).status_code == 404, url
     r = client.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "echo x"}, headers=B)
     assert r.status_code == 404

@@ -25,16 +25,18 @@ def _qemu_version() -> str:
     if binary is None:
         return "[red]qemu-system-x86_64 not found[/] (apt-get install qemu-system-x86)"
     try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True,
-                             timeout=10, check=False).stdout
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"[red]{binary} does not run: {exc}[/]"
     return f"{out.splitlines()[0] if out else '?'} ({binary})"
 
 
 def doctor(
-    reprobe: Annotated[bool, typer.Option("--reprobe", help="test KVM again, ignoring the "
-                                          "cached answer")] = False,
+    reprobe: Annotated[
+        bool, typer.Option("--reprobe", help="test KVM again, ignoring the cached answer")
+    ] = False,
 ) -> None:
     """Show the QEMU version, the accelerator in use and why, templates and the home path.
 
@@ -53,11 +55,17 @@ def doctor(
     current = _rootfs.guest_hash(_rootfs.guest_files(templates.GUEST_DIR))
     rows = []
     for t in built:
-        stale = "" if t.guest_hash == current else (
-            f" [yellow]stale: the guest agent changed; run `torpor template build {t.name}`[/]")
+        stale = (
+            ""
+            if t.guest_hash == current
+            else (
+                f" [yellow]stale: the guest agent changed; run `torpor template build {t.name}`[/]"
+            )
+        )
         rows.append(f"{t.name} ({t.build_id}, {t.accel}){stale}")
-    table.add_row("templates", "\n".join(rows)
-                  or "[yellow]none: run `torpor template build python`[/]")
+    table.add_row(
+        "templates", "\n".join(rows) or "[yellow]none: run `torpor template build python`[/]"
+    )
     console.print(table)
 
 

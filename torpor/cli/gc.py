@@ -20,11 +20,13 @@ __all__ = ["register"]
 
 console = Console()
 
-snapshot_app = typer.Typer(help="Snapshots: immutable copies of a whole sandbox (RAM + disk).",
-                           no_args_is_help=True)
+snapshot_app = typer.Typer(
+    help="Snapshots: immutable copies of a whole sandbox (RAM + disk).", no_args_is_help=True
+)
 volume_app = typer.Typer(help="Volumes: disks that outlive sandboxes.", no_args_is_help=True)
-drive_app = typer.Typer(help="Drives: host directories shared into many sandboxes.",
-                        no_args_is_help=True)
+drive_app = typer.Typer(
+    help="Drives: host directories shared into many sandboxes.", no_args_is_help=True
+)
 
 
 def _size(n: int) -> str:
@@ -44,6 +46,7 @@ def _table(columns: list[str], rows: list[list[str]]) -> None:
 
 # -- snapshots -------------------------------------------------------------------------------
 
+
 @snapshot_app.command("create")
 def snapshot_create(
     sandbox: Annotated[str, typer.Argument(help="sandbox id or name")],
@@ -56,17 +59,30 @@ def snapshot_create(
     """
     with console.status("capturing RAM and disk ..."):
         snap = Sandbox.get(sandbox).snapshot(name, retention_days=retention_days)
-    console.print(f"{snap.id}  {snap.name}  {_size(snap.info.size_bytes)} "
-                  f"({_size(snap.info.stored_bytes)} new in the store)")
+    console.print(
+        f"{snap.id}  {snap.name}  {_size(snap.info.size_bytes)} "
+        f"({_size(snap.info.stored_bytes)} new in the store)"
+    )
 
 
 @snapshot_app.command("ls")
 def snapshot_ls() -> None:
     """List snapshots. Example: torpor snapshot ls"""
-    _table(["id", "name", "sandbox", "created", "expires", "size", "new bytes"],
-           [[s.id, s.name, s.info.sandbox_id or "", f"{s.info.created_at:%Y-%m-%d %H:%M}",
-             f"{s.info.expires_at:%Y-%m-%d}", _size(s.info.size_bytes),
-             _size(s.info.stored_bytes)] for s in Snapshot.list()])
+    _table(
+        ["id", "name", "sandbox", "created", "expires", "size", "new bytes"],
+        [
+            [
+                s.id,
+                s.name,
+                s.info.sandbox_id or "",
+                f"{s.info.created_at:%Y-%m-%d %H:%M}",
+                f"{s.info.expires_at:%Y-%m-%d}",
+                _size(s.info.size_bytes),
+                _size(s.info.stored_bytes),
+            ]
+            for s in Snapshot.list()
+        ],
+    )
 
 
 @snapshot_app.command("restore")
@@ -104,6 +120,7 @@ def snapshot_rm(snapshot: Annotated[str, typer.Argument(help="snapshot id or nam
 
 # -- volumes and drives ----------------------------------------------------------------------
 
+
 @volume_app.command("create")
 def volume_create(
     name: Annotated[str, typer.Argument(help="volume name")],
@@ -117,10 +134,21 @@ def volume_create(
 @volume_app.command("ls")
 def volume_ls() -> None:
     """List volumes and who has them attached. Example: torpor volume ls"""
-    _table(["id", "name", "size", "attached to"],
-           [[v.id, v.name, f"{v.info.size_mib} MiB",
-             ", ".join(f"{a.sandbox_id}:{a.path}{' (ro)' if a.read_only else ''}"
-                       for a in v.info.attachments)] for v in Volume.list()])
+    _table(
+        ["id", "name", "size", "attached to"],
+        [
+            [
+                v.id,
+                v.name,
+                f"{v.info.size_mib} MiB",
+                ", ".join(
+                    f"{a.sandbox_id}:{a.path}{' (ro)' if a.read_only else ''}"
+                    for a in v.info.attachments
+                ),
+            ]
+            for v in Volume.list()
+        ],
+    )
 
 
 @volume_app.command("rm")
@@ -140,9 +168,13 @@ def drive_create(name: Annotated[str, typer.Argument(help="drive name")]) -> Non
 @drive_app.command("ls")
 def drive_ls() -> None:
     """List drives. Example: torpor drive ls"""
-    _table(["id", "name", "mounted in"],
-           [[d.id, d.name, ", ".join(f"{a.sandbox_id}:{a.path}" for a in d.info.attachments)]
-            for d in Drive.list()])
+    _table(
+        ["id", "name", "mounted in"],
+        [
+            [d.id, d.name, ", ".join(f"{a.sandbox_id}:{a.path}" for a in d.info.attachments)]
+            for d in Drive.list()
+        ],
+    )
 
 
 @drive_app.command("rm")
@@ -154,11 +186,12 @@ def drive_rm(drive: Annotated[str, typer.Argument(help="drive id or name")]) -> 
 
 # -- gc --------------------------------------------------------------------------------------
 
+
 def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="report, remove nothing")] = False,
-    local: Annotated[bool, typer.Option("--local",
-                                        help="collect on the home directly (server stopped)")]
-    = False,
+    local: Annotated[
+        bool, typer.Option("--local", help="collect on the home directly (server stopped)")
+    ] = False,
 ) -> None:
     """Remove expired snapshots and pauses, and storage nothing references.
 
@@ -172,8 +205,10 @@ def gc(
         report = collect(paths(), dry_run=dry_run).to_json()
     else:
         report = collect_garbage(dry_run=dry_run)
-    rows = [[k, str(len(v)) if isinstance(v, list) else (_size(v) if k == "freed_bytes" else
-                                                         str(v))] for k, v in report.items()]
+    rows = [
+        [k, str(len(v)) if isinstance(v, list) else (_size(v) if k == "freed_bytes" else str(v))]
+        for k, v in report.items()
+    ]
     _table(["what", "count" if not dry_run else "would remove"], rows)
 
 

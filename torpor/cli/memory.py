@@ -26,8 +26,9 @@ from torpor.memory import Memory, ScopedMemory, SourceRef
 
 __all__ = ["app", "register"]
 
-app = typer.Typer(name="memory", help="The knowledge store: facts, episodes, profiles.",
-                  no_args_is_help=True)
+app = typer.Typer(
+    name="memory", help="The knowledge store: facts, episodes, profiles.", no_args_is_help=True
+)
 console = Console()
 err_console = Console(stderr=True)
 
@@ -44,8 +45,9 @@ class _Opts:
 
 def _scope(ctx: typer.Context) -> ScopedMemory:
     o: _Opts = ctx.obj
-    mem = Memory(o.home, token=o.token, tenant=o.tenant,
-                 embedder="default" if o.embeddings else None)
+    mem = Memory(
+        o.home, token=o.token, tenant=o.tenant, embedder="default" if o.embeddings else None
+    )
     ctx.call_on_close(mem.close)
     return mem.scope_from_path(o.scope)
 
@@ -60,14 +62,20 @@ def _emit(ctx: typer.Context, data: Any, table: Table | str | None = None) -> No
 @app.callback()
 def main(
     ctx: typer.Context,
-    scope: Annotated[str, typer.Option("--scope", "-s", help="scope path, e.g. "
-                                       "app/support/user/u-42 ('' = tenant root)")] = "",
+    scope: Annotated[
+        str,
+        typer.Option(
+            "--scope", "-s", help="scope path, e.g. app/support/user/u-42 ('' = tenant root)"
+        ),
+    ] = "",
     home: Annotated[str | None, typer.Option(help="torpor home (default $TORPOR_HOME)")] = None,
-    tenant: Annotated[str | None, typer.Option(help="tenant (default: 'default' or the "
-                                               "token's)")] = None,
+    tenant: Annotated[
+        str | None, typer.Option(help="tenant (default: 'default' or the token's)")
+    ] = None,
     token: Annotated[str | None, typer.Option(envvar="TORPOR_TOKEN", help="API token")] = None,
-    embeddings: Annotated[bool, typer.Option("--embeddings", help="use the local embedding "
-                                             "model too")] = False,
+    embeddings: Annotated[
+        bool, typer.Option("--embeddings", help="use the local embedding model too")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Options shared by every memory command.
@@ -85,8 +93,10 @@ def remember(
     text: str,
     key: Annotated[str | None, typer.Option(help="supersede the fact with this key")] = None,
     meta: Annotated[str | None, typer.Option(help="metadata as a JSON object")] = None,
-    source: Annotated[str | None, typer.Option(help="a SourceRef as JSON, e.g. "
-                                               '\'{"path": "/tmp/f.csv", "line": 3}\'')] = None,
+    source: Annotated[
+        str | None,
+        typer.Option(help='a SourceRef as JSON, e.g. \'{"path": "/tmp/f.csv", "line": 3}\''),
+    ] = None,
     cache: Annotated[bool, typer.Option("--cache", help="a rebuildable cache record")] = False,
     ttl: Annotated[float | None, typer.Option(help="seconds until it expires")] = None,
 ) -> None:
@@ -97,10 +107,19 @@ def remember(
         torpor memory -s app/a/user/u remember "prefers daily summaries" --key cadence
     """
     ref = SourceRef(**json.loads(source)) if source else None
-    f = _scope(ctx).remember(text, key=key, metadata=json.loads(meta) if meta else None,
-                             source=ref, durability="cache" if cache else "persistent", ttl=ttl)
-    _emit(ctx, f.model_dump(mode="json"), f"[green]{f.id}[/] remembered"
-          + (" (verified)" if f.verified else ""))
+    f = _scope(ctx).remember(
+        text,
+        key=key,
+        metadata=json.loads(meta) if meta else None,
+        source=ref,
+        durability="cache" if cache else "persistent",
+        ttl=ttl,
+    )
+    _emit(
+        ctx,
+        f.model_dump(mode="json"),
+        f"[green]{f.id}[/] remembered" + (" (verified)" if f.verified else ""),
+    )
 
 
 @app.command()
@@ -136,13 +155,21 @@ def recall(
 
         torpor memory -s app/a/user/u recall "how often should I send summaries?" -k 3
     """
-    hits = _scope(ctx).recall(query, k, kind=kind, include_history=history,  # type: ignore[arg-type]
-                              as_of=as_of)
+    hits = _scope(ctx).recall(
+        query,
+        k,
+        kind=kind,
+        include_history=history,  # type: ignore[arg-type]
+        as_of=as_of,
+    )
     table = Table("score", "kind", "scope", "text", "id")
     for h in hits:
         table.add_row(f"{h.score:.3f}", h.kind, h.scope or "/", h.text, h.id)
-    _emit(ctx, [{"score": h.score, "scores": h.scores, **h.record.model_dump(mode="json")}
-                for h in hits], table)
+    _emit(
+        ctx,
+        [{"score": h.score, "scores": h.scores, **h.record.model_dump(mode="json")} for h in hits],
+        table,
+    )
 
 
 @app.command()
@@ -182,8 +209,9 @@ def history(ctx: typer.Context, key: str) -> None:
 @app.command()
 def forget(
     ctx: typer.Context,
-    record_id: Annotated[str | None, typer.Argument(help="a record id; omit to erase the "
-                                                    "whole scope")] = None,
+    record_id: Annotated[
+        str | None, typer.Argument(help="a record id; omit to erase the whole scope")
+    ] = None,
     yes: Annotated[bool, typer.Option("--yes", help="confirm erasing a whole scope")] = False,
 ) -> None:
     """Erase one record, or (with --yes and no id) the whole scope subtree.

@@ -21,8 +21,9 @@ __all__ = ["register"]
 
 console = Console()
 
-sandbox_app = typer.Typer(help="Create, list, pause, wake, kill sandboxes and run commands.",
-                          no_args_is_help=True)
+sandbox_app = typer.Typer(
+    help="Create, list, pause, wake, kill sandboxes and run commands.", no_args_is_help=True
+)
 
 Labels = Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE, repeatable")]
 
@@ -35,13 +36,18 @@ def _when(info: SandboxInfo) -> tuple[str, str]:
 def _show(info: SandboxInfo) -> None:
     table = Table(show_header=False)
     created, active = _when(info)
-    for key, value in [("id", info.id), ("name", info.name), ("state", info.state.value),
-                       ("template", info.template), ("reused", str(info.reused)),
-                       ("labels", ", ".join(f"{k}={v}" for k, v in info.labels.items())),
-                       ("vcpus / memory", f"{info.vcpus} / {info.memory_mib} MiB"),
-                       ("idle pause", f"{info.idle_pause_seconds} s"
-                        if info.idle_pause_seconds else "never"),
-                       ("created", created), ("last active", active)]:
+    for key, value in [
+        ("id", info.id),
+        ("name", info.name),
+        ("state", info.state.value),
+        ("template", info.template),
+        ("reused", str(info.reused)),
+        ("labels", ", ".join(f"{k}={v}" for k, v in info.labels.items())),
+        ("vcpus / memory", f"{info.vcpus} / {info.memory_mib} MiB"),
+        ("idle pause", f"{info.idle_pause_seconds} s" if info.idle_pause_seconds else "never"),
+        ("created", created),
+        ("last active", active),
+    ]:
         table.add_row(key, value)
     if info.error:
         table.add_row("error", info.error)
@@ -61,13 +67,23 @@ def create(
 
     Example: torpor sandbox create agent-u-42 --label user=u-42 --idle-pause 600
     """
-    _show(Sandbox.create(template, name=name, labels=parse_labels(label),
-                         idle_pause_seconds=idle_pause, vcpus=vcpus, memory_mib=memory).info)
+    _show(
+        Sandbox.create(
+            template,
+            name=name,
+            labels=parse_labels(label),
+            idle_pause_seconds=idle_pause,
+            vcpus=vcpus,
+            memory_mib=memory,
+        ).info
+    )
 
 
 @sandbox_app.command("ls")
-def ls(label: Labels = None,
-       all_: Annotated[bool, typer.Option("--all", "-a", help="killed ones too")] = False) -> None:
+def ls(
+    label: Labels = None,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="killed ones too")] = False,
+) -> None:
     """List sandboxes.
 
     Example: torpor sandbox ls --label user=u-42
@@ -75,8 +91,14 @@ def ls(label: Labels = None,
     infos = Sandbox.list(labels=parse_labels(label), include_stopped=all_)
     table = Table("id", "name", "state", "template", "labels", "last active")
     for info in infos:
-        table.add_row(info.id, info.name, info.state.value, info.template,
-                      ", ".join(f"{k}={v}" for k, v in info.labels.items()), _when(info)[1])
+        table.add_row(
+            info.id,
+            info.name,
+            info.state.value,
+            info.template,
+            ", ".join(f"{k}={v}" for k, v in info.labels.items()),
+            _when(info)[1],
+        )
     console.print(table)
 
 
@@ -130,15 +152,20 @@ def exec_(
     """
     command = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
     result = Sandbox.get(name).commands.run(
-        command, cwd=cwd, timeout=timeout,
+        command,
+        cwd=cwd,
+        timeout=timeout,
         on_stdout=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
-        on_stderr=lambda s: (sys.stderr.write(s), sys.stderr.flush()))
+        on_stderr=lambda s: (sys.stderr.write(s), sys.stderr.flush()),
+    )
     raise typer.Exit(result.exit_code)
 
 
-def run(name: Annotated[str, typer.Argument(help="id or name")],
-        code: Annotated[str, typer.Argument(help="Python code")],
-        timeout: Annotated[float | None, typer.Option(help="seconds")] = None) -> None:
+def run(
+    name: Annotated[str, typer.Argument(help="id or name")],
+    code: Annotated[str, typer.Argument(help="Python code")],
+    timeout: Annotated[float | None, typer.Option(help="seconds")] = None,
+) -> None:
     """Run Python in a sandbox's interpreter (variables persist between runs).
 
     Example: torpor run agent-u-42 "notes"
@@ -149,8 +176,9 @@ def run(name: Annotated[str, typer.Argument(help="id or name")],
     if execution.text is not None:
         console.print(execution.text, markup=False, highlight=False)
     if execution.error is not None:
-        sys.stderr.write(execution.error.traceback or
-                         f"{execution.error.name}: {execution.error.value}\n")
+        sys.stderr.write(
+            execution.error.traceback or f"{execution.error.name}: {execution.error.value}\n"
+        )
         raise typer.Exit(1)
 
 

@@ -22,13 +22,16 @@ server_app = typer.Typer(help="The local torpor server: status, stop.", no_args_
 
 
 def serve(
-    socket: Annotated[Path | None, typer.Option(help="unix socket (default: <home>/server.sock)")]
-    = None,
-    host: Annotated[str | None, typer.Option(help="listen on TCP instead (needs --token-file)")]
-    = None,
+    socket: Annotated[
+        Path | None, typer.Option(help="unix socket (default: <home>/server.sock)")
+    ] = None,
+    host: Annotated[
+        str | None, typer.Option(help="listen on TCP instead (needs --token-file)")
+    ] = None,
     port: Annotated[int, typer.Option(help="TCP port, with --host")] = 8765,
-    token_file: Annotated[Path | None, typer.Option(
-        help='JSON {"tokens": {TOKEN: TENANT}} for bearer auth')] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help='JSON {"tokens": {TOKEN: TENANT}} for bearer auth')
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
 ) -> None:
     """Run the torpor server in the foreground until SIGTERM or Ctrl-C.
@@ -37,10 +40,12 @@ def serve(
     """
     from torpor.server.daemon import serve as run
 
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run(socket_path=socket, host=host, port=port, token_file=token_file,
-        log_level=log_level.lower())
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run(
+        socket_path=socket, host=host, port=port, token_file=token_file, log_level=log_level.lower()
+    )
 
 
 @server_app.command("status")

@@ -27,10 +27,12 @@ template_app = typer.Typer(
 @template_app.command("build")
 def build(
     name: Annotated[str, typer.Argument(help="template name")] = "python",
-    apt: Annotated[list[str] | None, typer.Option("--apt", help="extra Debian package, "
-                                                   "repeatable")] = None,
-    pip: Annotated[list[str] | None, typer.Option("--pip", help="extra PyPI package, "
-                                                   "repeatable")] = None,
+    apt: Annotated[
+        list[str] | None, typer.Option("--apt", help="extra Debian package, repeatable")
+    ] = None,
+    pip: Annotated[
+        list[str] | None, typer.Option("--pip", help="extra PyPI package, repeatable")
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="rebuild every layer")] = False,
 ) -> None:
     """Build a template: a Debian rootfs with Python and the torpor agent, booted once.
@@ -42,19 +44,25 @@ def build(
 
         torpor template build data --apt git --pip numpy --pip pandas
     """
-    with Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[step]:>10}[/] {task.description}"),
-                  TimeElapsedColumn(), console=console, transient=False) as bar:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.fields[step]:>10}[/] {task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
         task = bar.add_task("starting", step="build")
 
         def progress(step: str, detail: str) -> None:
             bar.update(task, description=detail, step=step)
             bar.console.log(f"{step}: {detail}")
 
-        info = templates.build(name, apt=apt or (), pip=pip or (), force=force,
-                               progress=progress)
+        info = templates.build(name, apt=apt or (), pip=pip or (), force=force, progress=progress)
         bar.update(task, description=f"ready ({info.build_id})", step="done")
-    console.print(f"template [bold]{info.name}[/] ready: accel {info.accel}, "
-                  f"{info.memory_mib} MiB, snapshot {info.snapshot_dir}")
+    console.print(
+        f"template [bold]{info.name}[/] ready: accel {info.accel}, "
+        f"{info.memory_mib} MiB, snapshot {info.snapshot_dir}"
+    )
 
 
 @template_app.command("ls")
@@ -67,8 +75,15 @@ def ls() -> None:
     """
     table = Table("name", "build", "accel", "memory", "apt", "pip", "created")
     for info in templates.list_templates():
-        table.add_row(info.name, info.build_id, info.accel, f"{info.memory_mib} MiB",
-                      " ".join(info.apt), " ".join(info.pip), info.created_at)
+        table.add_row(
+            info.name,
+            info.build_id,
+            info.accel,
+            f"{info.memory_mib} MiB",
+            " ".join(info.apt),
+            " ".join(info.pip),
+            info.created_at,
+        )
     console.print(table)
 
 

@@ -66,8 +66,13 @@ def ensure_local_server(p: Paths, *, timeout: float = 120.0) -> None:
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(  # our own interpreter and module
                 [sys.executable, "-m", "torpor.cli", "serve", "--socket", str(p.socket)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, cwd=p.home,
-                start_new_session=True, close_fds=True,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+                cwd=p.home,
+                start_new_session=True,
+                close_fds=True,
             )
         _children.append(proc)  # keep the handle: no "still running" warning when it is GC'd
         deadline = time.monotonic() + timeout
@@ -82,8 +87,12 @@ def ensure_local_server(p: Paths, *, timeout: float = 120.0) -> None:
                 if server_pid(p.home) is None:
                     raise ServerUnavailable(
                         f"the local torpor server exited with code {proc.returncode}:\n"
-                        f"{_log_tail(log_file)}", log=str(log_file))
+                        f"{_log_tail(log_file)}",
+                        log=str(log_file),
+                    )
             time.sleep(0.1)
         raise ServerUnavailable(
             f"the local torpor server did not answer within {timeout:.0f} s:\n"
-            f"{_log_tail(log_file)}", log=str(log_file))
+            f"{_log_tail(log_file)}",
+            log=str(log_file),
+        )

@@ -120,33 +120,44 @@ class Snapshot(_Resource[SnapshotInfo]):
         """Delete the snapshot (its storage is reclaimed by the next GC)."""
         self._delete()
 
-    def restore(self, *, name: str | None = None,
-                labels: dict[str, str] | None = None) -> Sandbox:
+    def restore(self, *, name: str | None = None, labels: dict[str, str] | None = None) -> Sandbox:
         """A new running sandbox as the snapshot was. Raises SnapshotNotFound, CorruptData."""
         from torpor.client.sandbox import Sandbox
 
         body = {k: v for k, v in {"name": name, "labels": labels}.items() if v is not None}
-        data = self._runtime.json("POST", f"/v1/snapshots/{_q(self.id)}/restore", json=body,
-                                  timeout=_LONG)
+        data = self._runtime.json(
+            "POST", f"/v1/snapshots/{_q(self.id)}/restore", json=body, timeout=_LONG
+        )
         return Sandbox(SandboxInfo.model_validate(data), self._runtime)
 
-    def fork(self, count: int = 1, *, labels: dict[str, str] | None = None) -> builtins.list[
-            Sandbox]:
+    def fork(
+        self, count: int = 1, *, labels: dict[str, str] | None = None
+    ) -> builtins.list[Sandbox]:
         """``count`` new sandboxes from this snapshot."""
         return _fork_snapshot(self.id, count=count, labels=labels, runtime=self._runtime)
 
 
-def _fork_snapshot(snapshot_id: str, count: int = 1, *, labels: dict[str, str] | None = None,
-                   names: builtins.list[str] | None = None,
-                   runtime: Runtime | None = None) -> builtins.list[Sandbox]:
+def _fork_snapshot(
+    snapshot_id: str,
+    count: int = 1,
+    *,
+    labels: dict[str, str] | None = None,
+    names: builtins.list[str] | None = None,
+    runtime: Runtime | None = None,
+) -> builtins.list[Sandbox]:
     rt = runtime or default_runtime()
     body = {"count": count, "labels": labels, "names": names}
     data = rt.json("POST", f"/v1/snapshots/{_q(snapshot_id)}/fork", json=body, timeout=_LONG)
     return _sandboxes(data, rt)
 
 
-def snapshot_sandbox(sbx: Sandbox, name: str | None = None, *, retention_days: int = 7,
-                     labels: dict[str, str] | None = None) -> Snapshot:
+def snapshot_sandbox(
+    sbx: Sandbox,
+    name: str | None = None,
+    *,
+    retention_days: int = 7,
+    labels: dict[str, str] | None = None,
+) -> Snapshot:
     """``sbx.snapshot(...)``: see :meth:`torpor.sandbox.checkpoints.Checkpoints.snapshot`."""
     rt: Runtime = sbx._runtime
     body = {"name": name, "retention_days": retention_days, "labels": labels}
@@ -163,8 +174,12 @@ class ForkMethod:
             return _fork_snapshot
         sbx = obj
 
-        def fork(count: int = 1, *, labels: dict[str, str] | None = None,
-                 names: builtins.list[str] | None = None) -> builtins.list[Sandbox]:
+        def fork(
+            count: int = 1,
+            *,
+            labels: dict[str, str] | None = None,
+            names: builtins.list[str] | None = None,
+        ) -> builtins.list[Sandbox]:
             """``count`` live copies of this sandbox (it keeps running, or stays paused).
             Raises InvalidArgument (count 0 or over the limit), Conflict (a volume attached)."""
             rt: Runtime = sbx._runtime
@@ -177,8 +192,9 @@ class ForkMethod:
 
 def create_sandbox(runtime: Runtime, body: dict[str, Any]) -> SandboxInfo:
     """Create through the checkpoint route (``snapshot=``, ``volumes=``, ``drives=``)."""
-    return SandboxInfo.model_validate(runtime.json("POST", "/v1/checkpoints/sandboxes",
-                                                   json=body, timeout=_LONG))
+    return SandboxInfo.model_validate(
+        runtime.json("POST", "/v1/checkpoints/sandboxes", json=body, timeout=_LONG)
+    )
 
 
 def collect_garbage(*, dry_run: bool = False, runtime: Runtime | None = None) -> dict[str, Any]:
@@ -201,8 +217,7 @@ class Volume(_Resource[VolumeInfo]):
     def create(cls, name: str, size_mib: int = 1024, *, runtime: Runtime | None = None) -> Volume:
         """A new empty (ext4) volume. Raises InvalidName, InvalidArgument, Conflict."""
         rt = runtime or default_runtime()
-        return cls._from(rt.json("POST", cls._route, json={"name": name, "size_mib": size_mib}),
-                         rt)
+        return cls._from(rt.json("POST", cls._route, json={"name": name, "size_mib": size_mib}), rt)
 
     def delete(self) -> None:
         """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
@@ -213,8 +228,9 @@ class Volume(_Resource[VolumeInfo]):
         server with no sandbox running. A volume attached read-write shows what the guest has
         flushed (``sync``, or a pause). Raises PathNotFound, InvalidArgument (a directory or
         link), PayloadTooLarge, EngineError."""
-        response = self._runtime.request("GET", f"{self._route}/{_q(self.id)}/files",
-                                         params={"path": path})
+        response = self._runtime.request(
+            "GET", f"{self._route}/{_q(self.id)}/files", params={"path": path}
+        )
         content: bytes = response.content
         return content
 

@@ -48,9 +48,15 @@ class Runtime:
     is used over its unix socket and started if it is not running (``autostart``).
     """
 
-    def __init__(self, url: str | None = None, token: str | None = None,
-                 home: str | os.PathLike[str] | None = None, *,
-                 timeout: float = DEFAULT_TIMEOUT, autostart: bool = True) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        home: str | os.PathLike[str] | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        autostart: bool = True,
+    ) -> None:
         url = url or (os.environ.get("TORPOR_URL") if home is None else None)
         token = token or os.environ.get("TORPOR_TOKEN") if url else token
         self.url = url
@@ -60,8 +66,9 @@ class Runtime:
         limits = httpx.Timeout(timeout, connect=10.0)
         if self.paths is not None:
             transport = httpx.HTTPTransport(uds=str(self.paths.socket))
-            self._http = httpx.Client(transport=transport, base_url="http://torpor",
-                                      headers=headers, timeout=limits)
+            self._http = httpx.Client(
+                transport=transport, base_url="http://torpor", headers=headers, timeout=limits
+            )
         else:
             assert url is not None
             self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=limits)
@@ -89,8 +96,9 @@ class Runtime:
         except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
             raise ServerUnavailable(f"cannot reach {self._where()}: {exc}", exc=exc) from exc
         except httpx.TimeoutException as exc:
-            raise OperationTimeout(f"{method} {path}: no answer from {self._where()} in time",
-                                   exc=exc) from exc
+            raise OperationTimeout(
+                f"{method} {path}: no answer from {self._where()} in time", exc=exc
+            ) from exc
         except httpx.HTTPError as exc:
             raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
 
@@ -102,8 +110,9 @@ class Runtime:
                 raise TypeError(payload)
             return from_wire(payload)
         except (ValueError, KeyError, TypeError):
-            err = TorporError(f"HTTP {response.status_code}: {response.text[:500]}",
-                              status=response.status_code)
+            err = TorporError(
+                f"HTTP {response.status_code}: {response.text[:500]}", status=response.status_code
+            )
             return ServerUnavailable(err.message) if response.status_code in (502, 503) else err
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -131,8 +140,9 @@ class Runtime:
         return self.request(method, path, **kwargs).json()
 
     @contextmanager
-    def stream_events(self, method: str, path: str, **kwargs: Any) -> Iterator[
-            Iterator[dict[str, Any]]]:
+    def stream_events(
+        self, method: str, path: str, **kwargs: Any
+    ) -> Iterator[Iterator[dict[str, Any]]]:
         """Send a request whose answer is NDJSON and yield its events one by one.
 
         Raises like :meth:`request`; starts the local server if the connection is refused
@@ -145,12 +155,12 @@ class Runtime:
                     break
                 except httpx.ConnectError as exc:
                     if attempt == 2 or not self.autostart:
-                        raise ServerUnavailable(f"cannot reach {self._where()}: {exc}",
-                                                exc=exc) from exc
+                        raise ServerUnavailable(
+                            f"cannot reach {self._where()}: {exc}", exc=exc
+                        ) from exc
                     self._start_local()
                 except httpx.TimeoutException as exc:
-                    raise OperationTimeout(f"{method} {path}: no answer in time",
-                                           exc=exc) from exc
+                    raise OperationTimeout(f"{method} {path}: no answer in time", exc=exc) from exc
                 except httpx.HTTPError as exc:
                     raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
             if response.status_code >= 400:
@@ -177,8 +187,12 @@ class Runtime:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
 

@@ -42,22 +42,33 @@ def _http_timeout(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _SLACK
 
 
-def _post_run(sbx: Sandbox, route: str, body: dict[str, Any], model: type[M],
-              on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
-              timeout: float | None) -> M:
+def _post_run(
+    sbx: Sandbox,
+    route: str,
+    body: dict[str, Any],
+    model: type[M],
+    on_stdout: OutputCallback | None,
+    on_stderr: OutputCallback | None,
+    timeout: float | None,
+) -> M:
     """POST ``body`` to the sandbox's ``route``: one JSON answer when no callback is given,
     else the ``<route>/stream`` variant feeding output to the callbacks as it comes."""
     rt = sbx._runtime
     if on_stdout is None and on_stderr is None:
         data = rt.json("POST", sbx._path(route), json=body, timeout=_http_timeout(timeout))
         return model.model_validate(data)
-    return _streamed(rt, sbx._path(route + "/stream"), body, model, on_stdout, on_stderr,
-                     timeout)
+    return _streamed(rt, sbx._path(route + "/stream"), body, model, on_stdout, on_stderr, timeout)
 
 
-def _streamed(rt: Runtime, path: str, body: dict[str, Any], model: type[M],
-              on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
-              timeout: float | None) -> M:
+def _streamed(
+    rt: Runtime,
+    path: str,
+    body: dict[str, Any],
+    model: type[M],
+    on_stdout: OutputCallback | None,
+    on_stderr: OutputCallback | None,
+    timeout: float | None,
+) -> M:
     """POST to a streamed route: feed output chunks to the callbacks, return the result."""
     with rt.stream_events("POST", path, json=body, timeout=_http_timeout(timeout)) as events:
         for event in events:
@@ -79,10 +90,17 @@ class Commands:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sbx = sandbox
 
-    def run(self, cmd: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
-            timeout: float | None = 60.0, background: bool = False,
-            on_stdout: OutputCallback | None = None,
-            on_stderr: OutputCallback | None = None) -> CommandResult:
+    def run(
+        self,
+        cmd: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = 60.0,
+        background: bool = False,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandResult:
         """Run ``cmd`` with ``/bin/sh -c`` and return its exit code and output.
 
         ``background=True`` returns at once with the pid; the process keeps running (and
@@ -92,8 +110,7 @@ class Commands:
         is killed), :class:`~torpor.errors.PayloadTooLarge` for output over the limit.
         """
         body = {"cmd": cmd, "cwd": cwd, "env": env, "timeout": timeout, "background": background}
-        return _post_run(self._sbx, "/commands", body, CommandResult, on_stdout, on_stderr,
-                         timeout)
+        return _post_run(self._sbx, "/commands", body, CommandResult, on_stdout, on_stderr, timeout)
 
 
 class Files:
@@ -104,8 +121,9 @@ class Files:
         self._sbx = sandbox
 
     def _call(self, method: str, suffix: str, path: str, **kwargs: Any) -> Any:
-        return self._sbx._runtime.request(method, self._sbx._path("/files" + suffix),
-                                          params={"path": path}, **kwargs)
+        return self._sbx._runtime.request(
+            method, self._sbx._path("/files" + suffix), params={"path": path}, **kwargs
+        )
 
     def read(self, path: str) -> bytes:
         """The file's bytes. Raises :class:`~torpor.errors.PathNotFound`."""
@@ -122,8 +140,9 @@ class Files:
         Raises :class:`~torpor.errors.PayloadTooLarge` over the server's file limit.
         """
         raw = data.encode() if isinstance(data, str) else bytes(data)
-        self._call("PUT", "", path, content=raw,
-                   headers={"content-type": "application/octet-stream"})
+        self._call(
+            "PUT", "", path, content=raw, headers={"content-type": "application/octet-stream"}
+        )
 
     def list(self, path: str) -> list[EntryInfo]:
         """The entries of a directory. Raises :class:`~torpor.errors.PathNotFound`."""
@@ -148,9 +167,14 @@ class Interpreter:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sbx = sandbox
 
-    def run(self, code: str, *, timeout: float | None = None,
-            on_stdout: OutputCallback | None = None,
-            on_stderr: OutputCallback | None = None) -> Execution:
+    def run(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> Execution:
         """Run ``code``; variables persist between runs and across pause/resume.
 
         The last expression's value is ``results[0].data["text/plain"]``; an exception in the
@@ -159,8 +183,7 @@ class Interpreter:
         ``timeout`` seconds (variables kept).
         """
         body = {"code": code, "timeout": timeout}
-        return _post_run(self._sbx, "/interpreter", body, Execution, on_stdout, on_stderr,
-                         timeout)
+        return _post_run(self._sbx, "/interpreter", body, Execution, on_stdout, on_stderr, timeout)
 
 
 class Sandbox:
@@ -185,13 +208,21 @@ class Sandbox:
         return {k: v for k, v in options.items() if v is not None}
 
     @classmethod
-    def create(cls, template: str = "python", *, name: str | None = None,
-               labels: dict[str, str] | None = None, idle_pause_seconds: int | None = None,
-               vcpus: int | None = None, memory_mib: int | None = None,
-               pause_retention_days: int | None = None,
-               snapshot: str | None = None, volumes: list[dict[str, Any]] | None = None,
-               drives: list[dict[str, Any]] | None = None,
-               runtime: Runtime | None = None) -> Sandbox:
+    def create(
+        cls,
+        template: str = "python",
+        *,
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        idle_pause_seconds: int | None = None,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+        pause_retention_days: int | None = None,
+        snapshot: str | None = None,
+        volumes: list[dict[str, Any]] | None = None,
+        drives: list[dict[str, Any]] | None = None,
+        runtime: Runtime | None = None,
+    ) -> Sandbox:
         """A new running sandbox from ``template`` (a fork of its booted snapshot).
 
         ``idle_pause_seconds``: hibernate after that long without a call.
@@ -203,29 +234,54 @@ class Sandbox:
         """
         rt = runtime or default_runtime()
         if snapshot is not None or volumes or drives:
-            body = cls._options(template=None if snapshot else template, name=name,
-                                labels=labels, idle_pause_seconds=idle_pause_seconds,
-                                vcpus=vcpus, memory_mib=memory_mib,
-                                pause_retention_days=pause_retention_days, snapshot=snapshot,
-                                volumes=volumes, drives=drives)
+            body = cls._options(
+                template=None if snapshot else template,
+                name=name,
+                labels=labels,
+                idle_pause_seconds=idle_pause_seconds,
+                vcpus=vcpus,
+                memory_mib=memory_mib,
+                pause_retention_days=pause_retention_days,
+                snapshot=snapshot,
+                volumes=volumes,
+                drives=drives,
+            )
             return cls(create_sandbox(rt, body), rt)
-        body = cls._options(template=template, name=name, labels=labels,
-                            idle_pause_seconds=idle_pause_seconds, vcpus=vcpus,
-                            memory_mib=memory_mib, pause_retention_days=pause_retention_days)
+        body = cls._options(
+            template=template,
+            name=name,
+            labels=labels,
+            idle_pause_seconds=idle_pause_seconds,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            pause_retention_days=pause_retention_days,
+        )
         return cls(SandboxInfo.model_validate(rt.json("POST", "/v1/sandboxes", json=body)), rt)
 
     @classmethod
-    def get_or_create(cls, name: str, *, template: str | None = None,
-                      labels: dict[str, str] | None = None,
-                      idle_pause_seconds: int | None = None, vcpus: int | None = None,
-                      memory_mib: int | None = None, pause_retention_days: int | None = None,
-                      runtime: Runtime | None = None) -> Sandbox:
+    def get_or_create(
+        cls,
+        name: str,
+        *,
+        template: str | None = None,
+        labels: dict[str, str] | None = None,
+        idle_pause_seconds: int | None = None,
+        vcpus: int | None = None,
+        memory_mib: int | None = None,
+        pause_retention_days: int | None = None,
+        runtime: Runtime | None = None,
+    ) -> Sandbox:
         """The sandbox called ``name``, woken if paused (``info.reused`` is True), or a new one
         made with the given options. Concurrent callers get one sandbox."""
         rt = runtime or default_runtime()
-        body = cls._options(template=template, labels=labels,
-                            idle_pause_seconds=idle_pause_seconds, vcpus=vcpus,
-                            memory_mib=memory_mib, pause_retention_days=pause_retention_days)
+        body = cls._options(
+            template=template,
+            labels=labels,
+            idle_pause_seconds=idle_pause_seconds,
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            pause_retention_days=pause_retention_days,
+        )
         data = rt.json("PUT", f"/v1/sandboxes/by-name/{quote(name, safe='')}", json=body)
         return cls(SandboxInfo.model_validate(data), rt)
 
@@ -238,16 +294,22 @@ class Sandbox:
         return cls(SandboxInfo.model_validate(data), rt)
 
     @classmethod
-    def list(cls, labels: dict[str, str] | None = None, *, include_stopped: bool = False,
-             runtime: Runtime | None = None) -> list[SandboxInfo]:
+    def list(
+        cls,
+        labels: dict[str, str] | None = None,
+        *,
+        include_stopped: bool = False,
+        runtime: Runtime | None = None,
+    ) -> list[SandboxInfo]:
         """The sandboxes of this tenant, optionally only those with all of ``labels``
         (killed ones only with ``include_stopped``)."""
         rt = runtime or default_runtime()
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         if include_stopped:
             params.append(("all", "true"))
-        return [SandboxInfo.model_validate(i) for i in rt.json("GET", "/v1/sandboxes",
-                                                               params=params)]
+        return [
+            SandboxInfo.model_validate(i) for i in rt.json("GET", "/v1/sandboxes", params=params)
+        ]
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -283,8 +345,13 @@ class Sandbox:
         """Wake a paused sandbox (any call inside it does this too)."""
         return self._update(self._runtime.json("POST", self._path("/resume")))
 
-    def snapshot(self, name: str | None = None, *, retention_days: int = 7,
-                 labels: dict[str, str] | None = None) -> Snapshot:
+    def snapshot(
+        self,
+        name: str | None = None,
+        *,
+        retention_days: int = 7,
+        labels: dict[str, str] | None = None,
+    ) -> Snapshot:
         """An immutable copy of the whole machine (RAM + disk); the sandbox keeps running (or
         stays paused). Raises Conflict (name taken, or a volume attached: volumes are never
         part of a snapshot), InvalidArgument (retention_days outside 1-365)."""
@@ -300,8 +367,12 @@ class Sandbox:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         try:
             self.kill()
         except (NotFound, SandboxClosed):  # already gone: nothing left to clean up

@@ -60,8 +60,11 @@ def sandbox_resolver(runtime: Runtime | None = None) -> Callable[[CitesSandbox],
 
     def read(ref: CitesSandbox) -> bytes:
         if not ref.sandbox or not ref.path:
-            raise PathNotFound("a sandbox source needs a sandbox and a path", kind="path",
-                               name=f"{ref.sandbox}:{ref.path}")
+            raise PathNotFound(
+                "a sandbox source needs a sandbox and a path",
+                kind="path",
+                name=f"{ref.sandbox}:{ref.path}",
+            )
         return Sandbox.get(ref.sandbox, runtime=runtime).files.read(ref.path)
 
     return read
@@ -78,8 +81,11 @@ def volume_resolver(runtime: Runtime | None = None) -> Callable[[CitesVolume], b
 
     def read(ref: CitesVolume) -> bytes:
         if not ref.volume or not ref.path:
-            raise PathNotFound("a volume source needs a volume and a path", kind="path",
-                               name=f"{ref.volume}:{ref.path}")
+            raise PathNotFound(
+                "a volume source needs a volume and a path",
+                kind="path",
+                name=f"{ref.volume}:{ref.path}",
+            )
         return Volume.get(ref.volume, runtime=runtime).read_file(ref.path)
 
     return read

@@ -54,17 +54,30 @@ class TokenManager:
     def __init__(self, backend: MemoryBackend) -> None:
         self._backend = backend
 
-    def issue(self, tenant: str, grants: Iterable[Grant | tuple[str, str]], *,
-              name: str = "") -> str:
+    def issue(
+        self, tenant: str, grants: Iterable[Grant | tuple[str, str]], *, name: str = ""
+    ) -> str:
         """A new token for ``tenant`` with ``grants``; returns the secret (shown once).
         Raises :class:`InvalidArgument` / :class:`InvalidName`."""
         check_name(tenant, "tenant name")
         token = _PREFIX + secrets.token_urlsafe(24)
-        info = TokenInfo(token_hash=hash_token(token), tenant=tenant, grants=_grants(grants),
-                         name=name, created_at=from_us(now_us()))
+        info = TokenInfo(
+            token_hash=hash_token(token),
+            tenant=tenant,
+            grants=_grants(grants),
+            name=name,
+            created_at=from_us(now_us()),
+        )
         self._backend.put_token(info)
-        self._backend.append_audit(AuditEntry(at=info.created_at, tenant=tenant, actor="admin",
-                                              action="token.issue", detail={"name": name}))
+        self._backend.append_audit(
+            AuditEntry(
+                at=info.created_at,
+                tenant=tenant,
+                actor="admin",
+                action="token.issue",
+                detail={"name": name},
+            )
+        )
         return token
 
     def lookup(self, token: str) -> TokenInfo | None:
@@ -90,29 +103,49 @@ class Access:
         """True when some grant covers ``path`` for ``mode`` (write implies read)."""
         if self.grants is None:
             return True
-        return any(path_within(path, g.prefix) and (mode == "read" or g.mode == "write")
-                   for g in self.grants)
+        return any(
+            path_within(path, g.prefix) and (mode == "read" or g.mode == "write")
+            for g in self.grants
+        )
 
-    def deny(self, action: str, scope: str, message: str, *, tenant: str | None = None) -> AccessDenied:
+    def deny(
+        self, action: str, scope: str, message: str, *, tenant: str | None = None
+    ) -> AccessDenied:
         """Write the audit entry for a refusal and return the error to raise."""
-        self.backend.append_audit(AuditEntry(
-            at=from_us(now_us()), tenant=tenant or self.tenant, actor=self.actor, action=action,
-            scope=scope, allowed=False, detail={"token_tenant": self.tenant}))
-        log.warning("access denied: %s %s on %s:%s", self.actor, action, tenant or self.tenant,
-                    scope)
+        self.backend.append_audit(
+            AuditEntry(
+                at=from_us(now_us()),
+                tenant=tenant or self.tenant,
+                actor=self.actor,
+                action=action,
+                scope=scope,
+                allowed=False,
+                detail={"token_tenant": self.tenant},
+            )
+        )
+        log.warning(
+            "access denied: %s %s on %s:%s", self.actor, action, tenant or self.tenant, scope
+        )
         return AccessDenied(message, tenant=tenant or self.tenant, scope=scope)
 
     def require(self, mode: str, path: str, action: str) -> None:
         """Raise :class:`AccessDenied` (audited) unless ``mode`` on ``path`` is granted."""
         if not self.allows(mode, path):
-            raise self.deny(action, path, f"{action}: no {mode} grant on {path or '/'!r} in "
-                                          f"tenant {self.tenant!r}")
+            raise self.deny(
+                action,
+                path,
+                f"{action}: no {mode} grant on {path or '/'!r} in tenant {self.tenant!r}",
+            )
 
     def require_tenant(self, tenant: str, action: str) -> None:
         """Raise :class:`AccessDenied` (audited) when ``tenant`` is not the caller's."""
         if tenant != self.tenant:
-            raise self.deny(action, "", f"{action}: tenant {tenant!r} is outside this token's "
-                                        f"tenant", tenant=tenant)
+            raise self.deny(
+                action,
+                "",
+                f"{action}: tenant {tenant!r} is outside this token's tenant",
+                tenant=tenant,
+            )
 
     def readable(self, paths: Sequence[str]) -> list[str]:
         """The subset of ``paths`` the caller may read (ancestors without a grant are left
@@ -121,6 +154,13 @@ class Access:
 
     def audit(self, action: str, scope: str, **detail: object) -> None:
         """Record an allowed administrative action (forget, import, fork)."""
-        self.backend.append_audit(AuditEntry(at=from_us(now_us()), tenant=self.tenant,
-                                             actor=self.actor, action=action, scope=scope,
-                                             detail=dict(detail)))
+        self.backend.append_audit(
+            AuditEntry(
+                at=from_us(now_us()),
+                tenant=self.tenant,
+                actor=self.actor,
+                action=action,
+                scope=scope,
+                detail=dict(detail),
+            )
+        )

@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Memory", "ScopedMemory"]
 
 
-
 class Memory:
     """One tenant's memory store.
 
@@ -62,9 +61,16 @@ class Memory:
             info = self.tokens.lookup(token)
             actor = f"token:{hash_token(token)[:12]}"
             if info is None:
-                self.backend.append_audit(AuditEntry(
-                    at=from_us(now_us()), tenant=tenant or "", actor=actor, action="connect",
-                    allowed=False, detail={"reason": "unknown or revoked token"}))
+                self.backend.append_audit(
+                    AuditEntry(
+                        at=from_us(now_us()),
+                        tenant=tenant or "",
+                        actor=actor,
+                        action="connect",
+                        allowed=False,
+                        detail={"reason": "unknown or revoked token"},
+                    )
+                )
                 raise AccessDenied("unknown or revoked token", tenant=tenant or "", scope="")
             self.access = Access(self.backend, info.tenant, actor, list(info.grants))
             if tenant is not None:
@@ -86,8 +92,12 @@ class Memory:
             if stored is None:
                 self.store.set_meta("embedding_model", self.embedder.name)
             elif stored != self.embedder.name:
-                log.warning("tenant %s holds %s vectors; embedder %s is ignored (lexical only)",
-                            self.tenant, stored, self.embedder.name)
+                log.warning(
+                    "tenant %s holds %s vectors; embedder %s is ignored (lexical only)",
+                    self.tenant,
+                    stored,
+                    self.embedder.name,
+                )
                 self.embedder = None
             self._vectors_checked = True
         return self.embedder

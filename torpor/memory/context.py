@@ -74,8 +74,15 @@ def build_context(
     return ctx
 
 
-def _fill(budget_tokens: int, count: Callable[[str], int], profile: Profile | None,
-          facts: Sequence[Fact], episodes: Sequence[Episode], *, exact: bool) -> Context:
+def _fill(
+    budget_tokens: int,
+    count: Callable[[str], int],
+    profile: Profile | None,
+    facts: Sequence[Fact],
+    episodes: Sequence[Episode],
+    *,
+    exact: bool,
+) -> Context:
     sections: list[tuple[str, list[str]]] = []
     ids: list[str] = []
     used: set[str] = set()
@@ -125,11 +132,21 @@ def _fill(budget_tokens: int, count: Callable[[str], int], profile: Profile | No
             used.add(e.id)
             ids.append(e.id)
     text = render()
-    return Context(text=text, tokens=count(text) if text else 0, budget_tokens=budget_tokens,
-                   ids=ids, profile_used=profile_used)
+    return Context(
+        text=text,
+        tokens=count(text) if text else 0,
+        budget_tokens=budget_tokens,
+        ids=ids,
+        profile_used=profile_used,
+    )
 
 
 def describe(ctx: Context) -> dict[str, Any]:
     """A JSON-ready summary (for the CLI and the HTTP API)."""
-    return {"text": ctx.text, "tokens": ctx.tokens, "budget_tokens": ctx.budget_tokens,
-            "ids": ctx.ids, "profile_used": ctx.profile_used}
+    return {
+        "text": ctx.text,
+        "tokens": ctx.tokens,
+        "budget_tokens": ctx.budget_tokens,
+        "ids": ctx.ids,
+        "profile_used": ctx.profile_used,
+    }

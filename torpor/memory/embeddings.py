@@ -92,7 +92,9 @@ class SentenceTransformerEmbedder:
         if importlib.util.find_spec("sentence_transformers") is None:
             raise InvalidArgument(f"sentence-transformers is not installed: {INSTALL_HINT}")
         self.path = path
-        self.name = f"sentence-transformers:{path.name if path.name != 'model' else 'all-MiniLM-L6-v2'}"
+        self.name = (
+            f"sentence-transformers:{path.name if path.name != 'model' else 'all-MiniLM-L6-v2'}"
+        )
         self.batch_size = batch_size
         self._model: Any = None
         self._lock = threading.Lock()
@@ -112,16 +114,22 @@ class SentenceTransformerEmbedder:
     @property
     def dim(self) -> int:
         model = self._load()
-        getter = getattr(model, "get_embedding_dimension", None) or \
-            model.get_sentence_embedding_dimension
+        getter = (
+            getattr(model, "get_embedding_dimension", None)
+            or model.get_sentence_embedding_dimension
+        )
         return int(getter())
 
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vecs = self._load().encode(list(texts), batch_size=self.batch_size,
-                                   normalize_embeddings=True, convert_to_numpy=True,
-                                   show_progress_bar=False)
+        vecs = self._load().encode(
+            list(texts),
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
         return normalize(vecs)
 
 
@@ -206,8 +214,11 @@ def token_counter() -> Callable[[str], int]:
 
 def _load_counter() -> Callable[[str], int]:
     path = default_model_path()
-    if path is not None and (path / "tokenizer.json").exists() and \
-            importlib.util.find_spec("tokenizers") is not None:
+    if (
+        path is not None
+        and (path / "tokenizer.json").exists()
+        and importlib.util.find_spec("tokenizers") is not None
+    ):
         try:
             from tokenizers import Tokenizer
 

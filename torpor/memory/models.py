@@ -75,9 +75,7 @@ def to_us(dt: datetime) -> int:
 
 def from_us(us: int) -> datetime:
     """The UTC datetime for ``us`` microseconds since the epoch."""
-    return datetime.fromtimestamp(us // 1_000_000, tz=UTC).replace(
-        microsecond=us % 1_000_000
-    )
+    return datetime.fromtimestamp(us // 1_000_000, tz=UTC).replace(microsecond=us % 1_000_000)
 
 
 def now_us() -> int:
@@ -159,9 +157,7 @@ class Scope(_Model):
     def ancestors(self) -> list[str]:
         """The paths this scope can see, itself first, then each ancestor up to the root."""
         levels = self.levels
-        return [
-            "/".join(f"{lv}/{v}" for lv, v in levels[:n]) for n in range(len(levels), -1, -1)
-        ]
+        return ["/".join(f"{lv}/{v}" for lv, v in levels[:n]) for n in range(len(levels), -1, -1)]
 
     def child(self, **levels: str) -> Scope:
         """This scope with more levels set (raises :class:`InvalidArgument` on a bad level)."""

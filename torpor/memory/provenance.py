@@ -69,8 +69,9 @@ def _read_host(ref: SourceRef) -> bytes:
     except FileNotFoundError as exc:
         raise PathNotFound(f"no such file {path}", kind="path", name=str(path), exc=exc) from exc
     except OSError as exc:
-        raise PathNotFound(f"cannot read {path}: {exc}", kind="path", name=str(path),
-                           exc=exc) from exc
+        raise PathNotFound(
+            f"cannot read {path}: {exc}", kind="path", name=str(path), exc=exc
+        ) from exc
 
 
 def _read_url(ref: SourceRef) -> bytes:
@@ -79,8 +80,7 @@ def _read_url(ref: SourceRef) -> bytes:
     try:
         resp = httpx.get(ref.url or "", timeout=5.0, follow_redirects=True)
     except httpx.HTTPError as exc:
-        raise NotFound(f"cannot fetch {ref.url}: {exc}", kind="url", name=ref.url,
-                       exc=exc) from exc
+        raise NotFound(f"cannot fetch {ref.url}: {exc}", kind="url", name=ref.url, exc=exc) from exc
     if resp.status_code != 200:
         raise NotFound(f"{ref.url} answered {resp.status_code}", kind="url", name=ref.url)
     return resp.content
@@ -120,14 +120,18 @@ def cite(content: bytes, ref: SourceRef) -> bytes:
         first, last = (ref.line, ref.line) if ref.line is not None else ref.lines  # type: ignore[misc]
         lines = content.splitlines()
         if last > len(lines):
-            raise NotFound(f"{ref.location}: the file has {len(lines)} lines",
-                           kind="line", name=ref.location)
-        return b"\n".join(lines[first - 1:last])
+            raise NotFound(
+                f"{ref.location}: the file has {len(lines)} lines", kind="line", name=ref.location
+            )
+        return b"\n".join(lines[first - 1 : last])
     if ref.start is not None and ref.end is not None:
         if ref.end > len(content):
-            raise NotFound(f"{ref.location}: the file has {len(content)} bytes",
-                           kind="range", name=ref.location)
-        return content[ref.start:ref.end]
+            raise NotFound(
+                f"{ref.location}: the file has {len(content)} bytes",
+                kind="range",
+                name=ref.location,
+            )
+        return content[ref.start : ref.end]
     return content
 
 

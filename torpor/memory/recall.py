@@ -74,7 +74,134 @@ log = logging.getLogger(__name__)
 
 __all__ = ["STOPWORDS", "RankWeights", "query_terms", "recall"]
 
-STOPWORDS = frozenset(["a", "about", "above", "after", "again", "all", "am", "an", "and", "any", "are", "as", "at", "be", "been", "before", "being", "below", "between", "both", "but", "by", "can", "could", "did", "do", "does", "doing", "down", "during", "each", "few", "for", "from", "further", "had", "has", "have", "having", "he", "her", "here", "hers", "herself", "him", "himself", "his", "how", "i", "if", "in", "into", "is", "it", "its", "itself", "just", "me", "more", "most", "my", "myself", "no", "nor", "not", "now", "of", "off", "on", "once", "only", "or", "other", "our", "ours", "ourselves", "out", "over", "own", "same", "she", "should", "so", "some", "such", "than", "that", "the", "their", "theirs", "them", "themselves", "then", "there", "these", "they", "this", "those", "through", "to", "too", "under", "until", "up", "very", "was", "we", "were", "what", "when", "where", "which", "while", "who", "whom", "why", "will", "with", "would", "you", "your", "yours", "yourself", "yourselves"])
+STOPWORDS = frozenset(
+    [
+        "a",
+        "about",
+        "above",
+        "after",
+        "again",
+        "all",
+        "am",
+        "an",
+        "and",
+        "any",
+        "are",
+        "as",
+        "at",
+        "be",
+        "been",
+        "before",
+        "being",
+        "below",
+        "between",
+        "both",
+        "but",
+        "by",
+        "can",
+        "could",
+        "did",
+        "do",
+        "does",
+        "doing",
+        "down",
+        "during",
+        "each",
+        "few",
+        "for",
+        "from",
+        "further",
+        "had",
+        "has",
+        "have",
+        "having",
+        "he",
+        "her",
+        "here",
+        "hers",
+        "herself",
+        "him",
+        "himself",
+        "his",
+        "how",
+        "i",
+        "if",
+        "in",
+        "into",
+        "is",
+        "it",
+        "its",
+        "itself",
+        "just",
+        "me",
+        "more",
+        "most",
+        "my",
+        "myself",
+        "no",
+        "nor",
+        "not",
+        "now",
+        "of",
+        "off",
+        "on",
+        "once",
+        "only",
+        "or",
+        "other",
+        "our",
+        "ours",
+        "ourselves",
+        "out",
+        "over",
+        "own",
+        "same",
+        "she",
+        "should",
+        "so",
+        "some",
+        "such",
+        "than",
+        "that",
+        "the",
+        "their",
+        "theirs",
+        "them",
+        "themselves",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "through",
+        "to",
+        "too",
+        "under",
+        "until",
+        "up",
+        "very",
+        "was",
+        "we",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "while",
+        "who",
+        "whom",
+        "why",
+        "will",
+        "with",
+        "would",
+        "you",
+        "your",
+        "yours",
+        "yourself",
+        "yourselves",
+    ]
+)
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -103,8 +230,15 @@ class RankWeights:
     tiered: bool = True
 
 
-_SUFFIXES = (("ies", "y"), ("sses", "ss"), ("es", ""), ("s", ""), ("ing", ""), ("ed", ""),
-             ("ly", ""))
+_SUFFIXES = (
+    ("ies", "y"),
+    ("sses", "ss"),
+    ("es", ""),
+    ("s", ""),
+    ("ing", ""),
+    ("ed", ""),
+    ("ly", ""),
+)
 
 
 @functools.lru_cache(maxsize=65_536)
@@ -129,8 +263,9 @@ def coverage(terms: Sequence[str], text: str, stopword: float = 1.0) -> float:
     return sum(w for t, w in zip(terms, weights, strict=True) if stem(t) in words) / total
 
 
-def _lexical_candidates(store: TenantStore, terms: list[str], flt: RecordFilter,
-                        pool: int) -> list[tuple[AnyRecord, float]]:
+def _lexical_candidates(
+    store: TenantStore, terms: list[str], flt: RecordFilter, pool: int
+) -> list[tuple[AnyRecord, float]]:
     """The backend's lexical matches for ``terms``: the content words' first, and all the
     terms' only if those are fewer than ``pool`` (stop words match a large share of a big
     store, so they are searched only where the content words leave room)."""
@@ -141,16 +276,16 @@ def _lexical_candidates(store: TenantStore, terms: list[str], flt: RecordFilter,
     return found
 
 
-def _length_normed(found: list[tuple[AnyRecord, float]],
-                   weights: RankWeights) -> dict[str, float]:
+def _length_normed(found: list[tuple[AnyRecord, float]], weights: RankWeights) -> dict[str, float]:
     """Engine scores times BM25's length normalization (see the module docstring): with a
     term frequency of 1 it is one factor per record, so it applies on top of the engine's
     IDF sum; the mean length is the candidates' own (a record's length relative to its peers)."""
     lengths = {rec.id: max(len(_WORD.findall(rec.text)), 1) for rec, _ in found}
     mean = sum(lengths.values()) / len(lengths) if lengths else 1.0
     k1, b = weights.bm25_k1, weights.bm25_b
-    return {rec.id: s * (k1 + 1) / (1 + k1 * (1 - b + b * lengths[rec.id] / mean))
-            for rec, s in found}
+    return {
+        rec.id: s * (k1 + 1) / (1 + k1 * (1 - b + b * lengths[rec.id] / mean)) for rec, s in found
+    }
 
 
 def recall(
@@ -203,21 +338,23 @@ def recall(
         if rid in bm25:
             scores["coverage"] = coverage(terms, rec.text, weights.stopword)
             scores["bm25"] = bm25[rid]
-            scores["lexical"] = (weights.coverage * scores["coverage"]
-                                 + (1 - weights.coverage) * scores["bm25"])
+            scores["lexical"] = (
+                weights.coverage * scores["coverage"] + (1 - weights.coverage) * scores["bm25"]
+            )
         else:
             scores["lexical"] = 0.0
         if embedder is not None:
             scores["vector"] = vec.get(rid, 0.0)
-            relevance = (weights.lexical * scores["lexical"]
-                         + (1 - weights.lexical) * max(scores["vector"], 0.0))
+            relevance = weights.lexical * scores["lexical"] + (1 - weights.lexical) * max(
+                scores["vector"], 0.0
+            )
         else:
             relevance = scores["lexical"]
         distance = max(qdepth - path_depth(rec.scope), 0)
         age_days = max(now - to_us(rec.valid_from), 0) / 86_400e6
         scores["relevance"] = relevance
         scores["scope_distance"] = float(distance)
-        scores["scope"] = weights.scope_decay ** distance
+        scores["scope"] = weights.scope_decay**distance
         scores["kind"] = 1.0 if isinstance(rec, Fact) else weights.episode
         scores["recency"] = 1 + weights.recency * 0.5 ** (age_days / weights.half_life_days)
         score = relevance * scores["kind"] * scores["recency"]

@@ -59,9 +59,11 @@ def _text(text: object, what: str = "text") -> str:
     if "\x00" in text:  # PostgreSQL cannot store it; refuse it on every backend alike
         raise InvalidArgument(f"{what} must not contain NUL characters")
     if len(text) > LIMITS.max_memory_text_chars:
-        raise PayloadTooLarge(f"{what} is {len(text)} characters, over the limit of "
-                              f"{LIMITS.max_memory_text_chars}", size=len(text),
-                              limit=LIMITS.max_memory_text_chars)
+        raise PayloadTooLarge(
+            f"{what} is {len(text)} characters, over the limit of {LIMITS.max_memory_text_chars}",
+            size=len(text),
+            limit=LIMITS.max_memory_text_chars,
+        )
     return text
 
 
@@ -96,8 +98,9 @@ def _metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         raise InvalidArgument("metadata must not contain NUL characters")
     size = len(encoded)
     if size > LIMITS.max_memory_text_chars:
-        raise PayloadTooLarge(f"metadata is {size} characters of JSON", size=size,
-                              limit=LIMITS.max_memory_text_chars)
+        raise PayloadTooLarge(
+            f"metadata is {size} characters of JSON", size=size, limit=LIMITS.max_memory_text_chars
+        )
     return out
 
 
@@ -105,8 +108,10 @@ def _key(key: object) -> str | None:
     if key is None:
         return None
     if not isinstance(key, str) or not _KEY_RE.match(key):
-        raise InvalidArgument(f"invalid key {key!r}: 1-200 characters of letters, digits and "
-                              "_ . : / -, starting with a letter or digit")
+        raise InvalidArgument(
+            f"invalid key {key!r}: 1-200 characters of letters, digits and "
+            "_ . : / -, starting with a letter or digit"
+        )
     return key
 
 
@@ -147,8 +152,7 @@ class ScopedMemory:
         return self.memory.store.get_policy(self.path) or Policy()
 
     @staticmethod
-    def _expiry(policy: Policy, now: int, durability: Durability,
-                ttl: float | None) -> int | None:
+    def _expiry(policy: Policy, now: int, durability: Durability, ttl: float | None) -> int | None:
         if durability not in ("persistent", "cache"):
             raise InvalidArgument(f"durability must be 'persistent' or 'cache', not {durability!r}")
         if ttl is None and durability == "cache":
@@ -156,9 +160,16 @@ class ScopedMemory:
         ends = [now + int(s * 1e6) for s in (ttl, policy.retention_seconds) if s is not None]
         return min(ends) if ends else None
 
-    def _fact(self, text: str, key: str | None, metadata: Mapping[str, Any] | None,
-              source: SourceRef | Mapping[str, Any] | None, durability: Durability,
-              ttl: float | timedelta | None, policy: Policy) -> Fact:
+    def _fact(
+        self,
+        text: str,
+        key: str | None,
+        metadata: Mapping[str, Any] | None,
+        source: SourceRef | Mapping[str, Any] | None,
+        durability: Durability,
+        ttl: float | timedelta | None,
+        policy: Policy,
+    ) -> Fact:
         text, key, meta, seconds = _text(text), _key(key), _metadata(metadata), _ttl(ttl)
         if source is not None and not isinstance(source, SourceRef):
             if not isinstance(source, Mapping):
@@ -171,25 +182,50 @@ class ScopedMemory:
             outcome = provenance.check(source)
             verified, digest = outcome.verified, outcome.sha256
         t = from_us(now)
-        return Fact(id=new_id(), scope=self.path, text=text, key=key, metadata=meta,
-                    created_at=t, valid_from=t, durability=durability,
-                    expires_at=None if expires is None else from_us(expires), source=source,
-                    source_hash=digest, verified=verified)
+        return Fact(
+            id=new_id(),
+            scope=self.path,
+            text=text,
+            key=key,
+            metadata=meta,
+            created_at=t,
+            valid_from=t,
+            durability=durability,
+            expires_at=None if expires is None else from_us(expires),
+            source=source,
+            source_hash=digest,
+            verified=verified,
+        )
 
     # -- writes -----------------------------------------------------------------------------
-    def remember(self, text: str, *, key: str | None = None,
-                 metadata: Mapping[str, Any] | None = None,
-                 source: SourceRef | Mapping[str, Any] | None = None,
-                 durability: Durability = "persistent",
-                 ttl: float | timedelta | None = None) -> Fact:
+    def remember(
+        self,
+        text: str,
+        *,
+        key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        source: SourceRef | Mapping[str, Any] | None = None,
+        durability: Durability = "persistent",
+        ttl: float | timedelta | None = None,
+    ) -> Fact:
         """Store a fact; with ``key``, end the current fact with that key in this scope.
 
         With ``source``, read and hash the cited content (``verified``). Raises
         :class:`InvalidArgument`, :class:`PayloadTooLarge`, :class:`AccessDenied`,
         :class:`StorageError`.
         """
-        return self.remember_many([{"text": text, "key": key, "metadata": metadata,
-                                    "source": source, "durability": durability, "ttl": ttl}])[0]
+        return self.remember_many(
+            [
+                {
+                    "text": text,
+                    "key": key,
+                    "metadata": metadata,
+                    "source": source,
+                    "durability": durability,
+                    "ttl": ttl,
+                }
+            ]
+        )[0]
 
     def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
         """Store many facts in one transaction with one embedding batch. Each item is a text
@@ -202,23 +238,47 @@ class ScopedMemory:
             unknown = set(spec) - {"text", "key", "metadata", "source", "durability", "ttl"}
             if unknown:
                 raise InvalidArgument(f"unknown fields {sorted(unknown)}")
-            facts.append(self._fact(spec.get("text", ""), spec.get("key"),
-                                    spec.get("metadata"), spec.get("source"),
-                                    spec.get("durability") or "persistent", spec.get("ttl"),
-                                    policy))
+            facts.append(
+                self._fact(
+                    spec.get("text", ""),
+                    spec.get("key"),
+                    spec.get("metadata"),
+                    spec.get("source"),
+                    spec.get("durability") or "persistent",
+                    spec.get("ttl"),
+                    policy,
+                )
+            )
         vectors = self.memory.embed([f.text for f in facts])
         stored = self.memory.store.add(facts, vectors)
         return [f for f in stored if isinstance(f, Fact)]
 
-    def log(self, role: str, text: str, *, session: str | None = None,
-            metadata: Mapping[str, Any] | None = None, at: datetime | None = None,
-            durability: Durability = "persistent",
-            ttl: float | timedelta | None = None) -> Episode:
+    def log(
+        self,
+        role: str,
+        text: str,
+        *,
+        session: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        at: datetime | None = None,
+        durability: Durability = "persistent",
+        ttl: float | timedelta | None = None,
+    ) -> Episode:
         """Append one turn (``role``: who spoke; ``at``: back-fill its time). Raises as
         :meth:`remember` does."""
-        return self.log_many([{"role": role, "text": text, "session": session,
-                               "metadata": metadata, "at": at, "durability": durability,
-                               "ttl": ttl}])[0]
+        return self.log_many(
+            [
+                {
+                    "role": role,
+                    "text": text,
+                    "session": session,
+                    "metadata": metadata,
+                    "at": at,
+                    "durability": durability,
+                    "ttl": ttl,
+                }
+            ]
+        )[0]
 
     def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
         """Append many turns in one transaction (mappings with ``role``, ``text`` and
@@ -227,8 +287,7 @@ class ScopedMemory:
         episodes, policy = [], self._policy()
         for turn in turns:
             spec: dict[str, Any] = dict(turn)
-            unknown = set(spec) - {"role", "text", "session", "metadata", "at", "durability",
-                                   "ttl"}
+            unknown = set(spec) - {"role", "text", "session", "metadata", "at", "durability", "ttl"}
             if unknown:
                 raise InvalidArgument(f"unknown fields {sorted(unknown)}")
             role = _text(spec.get("role"), "role")
@@ -241,20 +300,39 @@ class ScopedMemory:
             at = _opt_us(spec.get("at"), "at")
             durability: Durability = spec.get("durability") or "persistent"
             expires = self._expiry(policy, now, durability, seconds)
-            episodes.append(Episode(
-                id=new_id(), scope=self.path, text=text, role=role[:64], session=session,
-                metadata=meta, created_at=from_us(now), valid_from=from_us(at or now),
-                durability=durability, expires_at=None if expires is None else from_us(expires)))
+            episodes.append(
+                Episode(
+                    id=new_id(),
+                    scope=self.path,
+                    text=text,
+                    role=role[:64],
+                    session=session,
+                    metadata=meta,
+                    created_at=from_us(now),
+                    valid_from=from_us(at or now),
+                    durability=durability,
+                    expires_at=None if expires is None else from_us(expires),
+                )
+            )
         vectors = self.memory.embed([e.text for e in episodes])
         stored = self.memory.store.add(episodes, vectors)
         return [e for e in stored if isinstance(e, Episode)]
 
     # -- reads ------------------------------------------------------------------------------
-    def recall(self, query: str, k: int = 5, *, kind: Kind | Sequence[Kind] | None = None,
-               metadata: Mapping[str, Any] | None = None, since: datetime | None = None,
-               until: datetime | None = None, as_of: datetime | None = None,
-               include_history: bool = False, session: str | None = None,
-               min_similarity: float | None = None) -> list[Hit]:
+    def recall(
+        self,
+        query: str,
+        k: int = 5,
+        *,
+        kind: Kind | Sequence[Kind] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        as_of: datetime | None = None,
+        include_history: bool = False,
+        session: str | None = None,
+        min_similarity: float | None = None,
+    ) -> list[Hit]:
         """The ``k`` best records for ``query`` from this scope and its ancestors, most
         specific scope first, then relevance, then recency (see :mod:`torpor.memory.recall`).
 
@@ -264,19 +342,36 @@ class ScopedMemory:
         _text(query, "query")
         if not isinstance(k, int) or k < 0:
             raise InvalidArgument("k must be a non-negative integer")
-        kinds: tuple[Kind, ...] = ("fact", "episode") if kind is None else (
-            (kind,) if isinstance(kind, str) else tuple(kind))
+        kinds: tuple[Kind, ...] = (
+            ("fact", "episode")
+            if kind is None
+            else ((kind,) if isinstance(kind, str) else tuple(kind))
+        )
         if not set(kinds) <= {"fact", "episode"}:
             raise InvalidArgument(f"kind must be 'fact' or 'episode', not {kind!r}")
-        flt = self._filter(now_us(), kinds=kinds, metadata=_metadata(metadata),
-                           since=_opt_us(since, "since"), until=_opt_us(until, "until"),
-                           as_of=_opt_us(as_of, "as_of"), include_history=include_history,
-                           session=session)
-        return _recall(self.memory.store, query, flt, k, query_scope=self.path,
-                       embedder=self.memory.usable_embedder(), min_similarity=min_similarity)
+        flt = self._filter(
+            now_us(),
+            kinds=kinds,
+            metadata=_metadata(metadata),
+            since=_opt_us(since, "since"),
+            until=_opt_us(until, "until"),
+            as_of=_opt_us(as_of, "as_of"),
+            include_history=include_history,
+            session=session,
+        )
+        return _recall(
+            self.memory.store,
+            query,
+            flt,
+            k,
+            query_scope=self.path,
+            embedder=self.memory.usable_embedder(),
+            min_similarity=min_similarity,
+        )
 
-    def context(self, query: str, budget_tokens: int = 500, *, k_facts: int = 20,
-                k_episodes: int = 10) -> Context:
+    def context(
+        self, query: str, budget_tokens: int = 500, *, k_facts: int = 20, k_episodes: int = 10
+    ) -> Context:
         """A prompt-ready block: profile, current facts (relevant first), relevant episodes,
         never over ``budget_tokens``. Raises :class:`InvalidArgument`."""
         if not isinstance(budget_tokens, int) or budget_tokens < 1:
@@ -285,10 +380,13 @@ class ScopedMemory:
         now = now_us()
         facts += self.memory.store.scan(self._filter(now, kinds=("fact",)), 50)
         episodes = [h.record for h in self.recall(query, k_episodes, kind="episode")]
-        return build_context(budget_tokens=budget_tokens, count=token_counter(),
-                             profile=self.profile(),
-                             facts=[f for f in facts if isinstance(f, Fact)],
-                             episodes=[e for e in episodes if isinstance(e, Episode)])
+        return build_context(
+            budget_tokens=budget_tokens,
+            count=token_counter(),
+            profile=self.profile(),
+            facts=[f for f in facts if isinstance(f, Fact)],
+            episodes=[e for e in episodes if isinstance(e, Episode)],
+        )
 
     def history(self, key: str) -> list[Fact]:
         """Every fact with ``key`` in this scope, oldest first, with ``valid_from``/``valid_to``.
@@ -296,8 +394,7 @@ class ScopedMemory:
         self.memory.access.require("read", self.path, "history")
         facts = self.memory.store.history(self.path, _key(key) or "", now_us())
         if not facts:
-            raise RecordNotFound(f"no facts with key {key!r} in {self.scope}", kind="key",
-                                 name=key)
+            raise RecordNotFound(f"no facts with key {key!r} in {self.scope}", kind="key", name=key)
         return facts
 
     def get(self, record_id: str) -> AnyRecord:
@@ -305,10 +402,12 @@ class ScopedMemory:
         Raises :class:`RecordNotFound`, or :class:`AccessDenied` for an ungranted scope."""
         found = self.memory.store.get([record_id], now_us())
         rec = found[0] if found else None
-        if rec is None or not (rec.scope in self.scope.ancestors()
-                               or path_within(rec.scope, self.path)):
-            raise RecordNotFound(f"no record {record_id!r} in {self.scope}", kind="record",
-                                 name=record_id)
+        if rec is None or not (
+            rec.scope in self.scope.ancestors() or path_within(rec.scope, self.path)
+        ):
+            raise RecordNotFound(
+                f"no record {record_id!r} in {self.scope}", kind="record", name=record_id
+            )
         self.memory.access.require("read", rec.scope, "get")
         return rec
 
@@ -323,9 +422,13 @@ class ScopedMemory:
         profile = self.profile()
         return {} if profile is None else dict(profile.data)
 
-    def set_profile(self, data: Mapping[str, Any], *,
-                    schema: type[BaseModel] | Mapping[str, Any] | None = None,
-                    merge: bool = False) -> Profile:
+    def set_profile(
+        self,
+        data: Mapping[str, Any],
+        *,
+        schema: type[BaseModel] | Mapping[str, Any] | None = None,
+        merge: bool = False,
+    ) -> Profile:
         """Replace (or with ``merge``, update) the profile, checked against ``schema`` (a
         pydantic model or a JSON schema) or else the schema stored with the profile.
         Raises :class:`SchemaViolation`, :class:`InvalidArgument`."""
@@ -348,11 +451,15 @@ class ScopedMemory:
                 raise SchemaViolation(f"profile breaks its schema: {exc.message}") from None
             except jsonschema.SchemaError as exc:
                 raise InvalidArgument(f"invalid JSON schema: {exc.message}") from None
-        return self.memory.store.put_profile(Profile(
-            scope=self.path, data=doc, json_schema=json_schema, updated_at=from_us(now_us())))
+        return self.memory.store.put_profile(
+            Profile(
+                scope=self.path, data=doc, json_schema=json_schema, updated_at=from_us(now_us())
+            )
+        )
 
-    def set_policy(self, *, retention_seconds: float | None = None,
-                   cache_ttl_seconds: float | None = None) -> Policy:
+    def set_policy(
+        self, *, retention_seconds: float | None = None, cache_ttl_seconds: float | None = None
+    ) -> Policy:
         """Set this scope's retention (applied at once to existing records) and the default
         TTL of ``cache`` records. Raises :class:`InvalidArgument`."""
         self.memory.access.require("write", self.path, "set_policy")
@@ -375,8 +482,9 @@ class ScopedMemory:
             return n
         found = self.memory.store.get([record_id], 0)  # expired ones too
         if not found or not path_within(found[0].scope, self.path):
-            raise RecordNotFound(f"no record {record_id!r} in {self.scope}", kind="record",
-                                 name=record_id)
+            raise RecordNotFound(
+                f"no record {record_id!r} in {self.scope}", kind="record", name=record_id
+            )
         access.require("write", found[0].scope, "forget")
         n = self.memory.store.forget([record_id])
         access.audit("forget.record", found[0].scope, id=record_id)
@@ -390,8 +498,9 @@ class ScopedMemory:
             rec = self.get(record_id)
             facts = [rec] if isinstance(rec, Fact) else []
         else:
-            flt = RecordFilter(scopes=[self.path], now=now_us(), kinds=("fact",),
-                               include_history=True)
+            flt = RecordFilter(
+                scopes=[self.path], now=now_us(), kinds=("fact",), include_history=True
+            )
             facts = [f for f in self.memory.store.scan(flt, 1_000_000) if isinstance(f, Fact)]
         out = []
         for fact in facts:
@@ -400,8 +509,12 @@ class ScopedMemory:
             outcome = provenance.check(fact.source)
             stale = fact.source_hash is not None and outcome.sha256 != fact.source_hash
             verified = outcome.verified and not stale
-            self.memory.store.set_verification(fact.id, verified=verified, stale=stale,
-                                               source_hash=fact.source_hash or outcome.sha256)
+            self.memory.store.set_verification(
+                fact.id,
+                verified=verified,
+                stale=stale,
+                source_hash=fact.source_hash or outcome.sha256,
+            )
             out.append(fact.model_copy(update={"verified": verified, "stale": stale}))
         return out
 
@@ -436,8 +549,9 @@ class ScopedMemory:
         """Copy this scope subtree (records with history, profiles, policies) to a new scope
         of the same tenant, e.g. ``u.fork(user="u-43")``; returns the new scope."""
         self.memory.access.require("read", self.path, "fork")
-        target = ScopedMemory(self.memory, Scope(tenant=self.scope.tenant, **levels)) \
-            if levels else self
+        target = (
+            ScopedMemory(self.memory, Scope(tenant=self.scope.tenant, **levels)) if levels else self
+        )
         emb = self.memory.store.get_meta("embedding_model")
         bundle = transfer.parse_lines(transfer.export_lines(self.memory.store, self.path, emb))
         target._load(transfer.reroot(bundle, target.path), "fork")

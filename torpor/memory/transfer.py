@@ -36,12 +36,19 @@ FORMAT_VERSION = 1
 def export_lines(store: TenantStore, prefix: str, embedding_model: str | None) -> Iterator[str]:
     """The JSONL lines of everything at ``prefix`` or below (expired records included: an
     export is a backup, GC decides what goes)."""
-    yield json.dumps({"type": "torpor-memory", "version": FORMAT_VERSION,
-                      "tenant": store.tenant, "scope": prefix,
-                      "embedding_model": embedding_model})
+    yield json.dumps(
+        {
+            "type": "torpor-memory",
+            "version": FORMAT_VERSION,
+            "tenant": store.tenant,
+            "scope": prefix,
+            "embedding_model": embedding_model,
+        }
+    )
     for rec, vec in store.iter_records(prefix):
-        yield json.dumps({"type": rec.kind, "record": rec.model_dump(mode="json"),
-                          "embedding": vec})
+        yield json.dumps(
+            {"type": rec.kind, "record": rec.model_dump(mode="json"), "embedding": vec}
+        )
     for profile in store.iter_profiles(prefix):
         yield json.dumps({"type": "profile", "profile": profile.model_dump(mode="json")})
     # policies are per scope; read each scope that has records or a profile
@@ -51,8 +58,9 @@ def export_lines(store: TenantStore, prefix: str, embedding_model: str | None) -
             seen.add(rec.scope)
             policy = store.get_policy(rec.scope)
             if policy is not None:
-                yield json.dumps({"type": "policy", "scope": rec.scope,
-                                  "policy": policy.model_dump(mode="json")})
+                yield json.dumps(
+                    {"type": "policy", "scope": rec.scope, "policy": policy.model_dump(mode="json")}
+                )
 
 
 class Bundle:
@@ -111,7 +119,7 @@ def _move(path: str, old: str, new: str) -> str:
     elif path == old:
         rest = ""
     else:
-        rest = path[len(old) + 1:]
+        rest = path[len(old) + 1 :]
     return "/".join(p for p in (new, rest) if p)
 
 
@@ -123,12 +131,16 @@ def reroot(bundle: Bundle, new_prefix: str) -> Bundle:
     out = Bundle()
     out.scope, out.embedding_model, out.vectors = new_prefix, bundle.embedding_model, bundle.vectors
     for rec in bundle.records:
-        update: dict[str, Any] = {"id": ids[rec.id],
-                                  "scope": _move(rec.scope, bundle.scope, new_prefix)}
+        update: dict[str, Any] = {
+            "id": ids[rec.id],
+            "scope": _move(rec.scope, bundle.scope, new_prefix),
+        }
         if isinstance(rec, Fact) and rec.superseded_by is not None:
             update["superseded_by"] = ids.get(rec.superseded_by)
         out.records.append(rec.model_copy(update=update))
-    out.profiles = [p.model_copy(update={"scope": _move(p.scope, bundle.scope, new_prefix)})
-                    for p in bundle.profiles]
+    out.profiles = [
+        p.model_copy(update={"scope": _move(p.scope, bundle.scope, new_prefix)})
+        for p in bundle.profiles
+    ]
     out.policies = [(_move(s, bundle.scope, new_prefix), p) for s, p in bundle.policies]
     return out

@@ -50,7 +50,11 @@ class AttachMixin:
                 raise Conflict(
                     f"drive {drive.name!r} at {att.path} in sandbox {sandbox_id} is busy (a "
                     f"process has it open or is inside it), so the sandbox cannot hibernate: "
-                    f"{exc}", kind="drive", id=drive.id, sandbox_id=sandbox_id) from exc
+                    f"{exc}",
+                    kind="drive",
+                    id=drive.id,
+                    sandbox_id=sandbox_id,
+                ) from exc
 
     async def after_wake(self, sandbox_id: str, channel: Any) -> None:
         """Mount the sandbox's drives again after a wake."""
@@ -68,8 +72,12 @@ class AttachMixin:
             await self.manager.resume(rec.id, tenant=tenant)
         rec = self.manager.registry.get(rec.id)
         if rec.state is not S.RUNNING:
-            raise InvalidState(f"sandbox {rec.id} is {rec.state.value}; attach needs it running",
-                               sandbox_id=rec.id, state=rec.state.value, required="running")
+            raise InvalidState(
+                f"sandbox {rec.id} is {rec.state.value}; attach needs it running",
+                sandbox_id=rec.id,
+                state=rec.state.value,
+                required="running",
+            )
         return rec
 
     def _check_path_free(self, sandbox_id: str, path: str) -> None:
@@ -77,11 +85,21 @@ class AttachMixin:
         used += [a.path for _, a in self.drives.attached_to(sandbox_id)]
         for other in used:
             if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
-                raise InvalidArgument(f"{path} overlaps {other}, already mounted in the sandbox",
-                                      field="path", value=path)
+                raise InvalidArgument(
+                    f"{path} overlaps {other}, already mounted in the sandbox",
+                    field="path",
+                    value=path,
+                )
 
-    async def attach_volume(self, id_or_name: str, volume: str, path: str, *,
-                            read_only: bool = False, tenant: str = "default") -> VolumeInfo:
+    async def attach_volume(
+        self,
+        id_or_name: str,
+        volume: str,
+        path: str,
+        *,
+        read_only: bool = False,
+        tenant: str = "default",
+    ) -> VolumeInfo:
         """Attach a volume to a sandbox (hot-plugged) and mount it at ``path``.
 
         Raises VolumeNotFound, InvalidArgument (path), Conflict (read-write elsewhere),
@@ -98,22 +116,40 @@ class AttachMixin:
         try:
             async with live.lock:
                 if live.machine is None or live.channel is None:
-                    raise InvalidState(f"sandbox {rec.id} has no running machine",
-                                       sandbox_id=rec.id, state="paused", required="running")
-                await live.machine.attach_disk(DiskSpec(  # type: ignore[attr-defined]
-                    id=vol.id, path=self.volumes.image(vol.id), read_only=read_only,
-                    format="raw", serial=vol.id))
+                    raise InvalidState(
+                        f"sandbox {rec.id} has no running machine",
+                        sandbox_id=rec.id,
+                        state="paused",
+                        required="running",
+                    )
+                await live.machine.attach_disk(
+                    DiskSpec(  # type: ignore[attr-defined]
+                        id=vol.id,
+                        path=self.volumes.image(vol.id),
+                        read_only=read_only,
+                        format="raw",
+                        serial=vol.id,
+                    )
+                )
                 device = await find_guest_disk(live.channel, vol.id)
                 await live.channel.mount(  # type: ignore[attr-defined]
-                    device, path, fstype="ext4", options="ro" if read_only else None)
+                    device, path, fstype="ext4", options="ro" if read_only else None
+                )
         except BaseException:
             self.volumes.detach(vol.id, rec.id, tenant=tenant)
             raise
         log.info("volume %s mounted in %s at %s", vol.id, rec.id, path)
         return self.volumes.get(vol.id, tenant=tenant)
 
-    async def attach_drive(self, id_or_name: str, drive: str, path: str, *,
-                           read_only: bool = False, tenant: str = "default") -> DriveInfo:
+    async def attach_drive(
+        self,
+        id_or_name: str,
+        drive: str,
+        path: str,
+        *,
+        read_only: bool = False,
+        tenant: str = "default",
+    ) -> DriveInfo:
         """Share a drive into a sandbox (virtio-9p) and mount it at ``path``.
 
         Adding a 9p device costs one hibernate + wake of the sandbox. Raises DriveNotFound,
@@ -130,17 +166,26 @@ class AttachMixin:
         live = m._live(rec.id)
         async with live.lock:
             if live.machine is None or live.channel is None:
-                raise InvalidState(f"sandbox {rec.id} has no running machine",
-                                   sandbox_id=rec.id, state="paused", required="running")
+                raise InvalidState(
+                    f"sandbox {rec.id} has no running machine",
+                    sandbox_id=rec.id,
+                    state="paused",
+                    required="running",
+                )
             await self.before_pause(rec.id, live.channel)  # attach_share hibernates once
             channel, live.channel = live.channel, None
             with contextlib.suppress(Exception):
                 await channel.sync()
                 await channel.close()
             try:
-                await live.machine.attach_share(ShareSpec(  # type: ignore[attr-defined]
-                    id=info.id, path=self.drives.directory(info.id), tag=info.mount_tag,
-                    read_only=read_only))
+                await live.machine.attach_share(
+                    ShareSpec(  # type: ignore[attr-defined]
+                        id=info.id,
+                        path=self.drives.directory(info.id),
+                        tag=info.mount_tag,
+                        read_only=read_only,
+                    )
+                )
             finally:
                 live.channel = await m.engine.connect(live.machine, m.directory(rec.id))
                 await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())

@@ -42,23 +42,46 @@ class CloneMixin:
     manager: SandboxManager
     drives: DriveStore
 
-    async def _spawn(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
-                     names: list[str] | None, idle_pause_seconds: int | None,
-                     pause_retention_days: int, tenant: str, reason: str,
-                     drives_of: str | None,
-                     recorded_drives: list[dict[str, Any]] | None = None) -> list[SandboxInfo]:
+    async def _spawn(
+        self,
+        frozen: Path,
+        *,
+        count: int,
+        labels: Mapping[str, str] | None,
+        names: list[str] | None,
+        idle_pause_seconds: int | None,
+        pause_retention_days: int,
+        tenant: str,
+        reason: str,
+        drives_of: str | None,
+        recorded_drives: list[dict[str, Any]] | None = None,
+    ) -> list[SandboxInfo]:
         """Clone, wake and refresh ``count`` sandboxes from a frozen dir; all or none."""
         drives = self._drives_for(frozen, drives_of, recorded_drives)
-        recs = await self._prepare(frozen, count=count, labels=labels, names=names,
-                                   idle_pause_seconds=idle_pause_seconds,
-                                   pause_retention_days=pause_retention_days, tenant=tenant,
-                                   reason=reason)
+        recs = await self._prepare(
+            frozen,
+            count=count,
+            labels=labels,
+            names=names,
+            idle_pause_seconds=idle_pause_seconds,
+            pause_retention_days=pause_retention_days,
+            tenant=tenant,
+            reason=reason,
+        )
         return await self._wake_children(recs, drives, tenant=tenant, reason=reason)
 
-    async def _prepare(self, frozen: Path, *, count: int, labels: Mapping[str, str] | None,
-                       names: list[str] | None, idle_pause_seconds: int | None,
-                       pause_retention_days: int, tenant: str,
-                       reason: str) -> list[SandboxRecord]:
+    async def _prepare(
+        self,
+        frozen: Path,
+        *,
+        count: int,
+        labels: Mapping[str, str] | None,
+        names: list[str] | None,
+        idle_pause_seconds: int | None,
+        pause_retention_days: int,
+        tenant: str,
+        reason: str,
+    ) -> list[SandboxRecord]:
         """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
         ``count`` children. All or none: on failure every row and dir made here is removed."""
         from torpor.sandbox.qemu import clone_machine_dir
@@ -71,25 +94,38 @@ class CloneMixin:
                 sid = "sbx-" + secrets.token_hex(6)
                 now = time.time()
                 rec = SandboxRecord(
-                    id=sid, tenant=tenant, name=names[i] if names else sid,
-                    template=str(config.get("template", "python")), state=S.CREATING,
-                    labels=dict(labels or {}), vcpus=int(config.get("vcpus", 1)),
+                    id=sid,
+                    tenant=tenant,
+                    name=names[i] if names else sid,
+                    template=str(config.get("template", "python")),
+                    state=S.CREATING,
+                    labels=dict(labels or {}),
+                    vcpus=int(config.get("vcpus", 1)),
                     memory_mib=int(config.get("memory_mib", 512)),
                     idle_pause_seconds=idle_pause_seconds,
-                    pause_retention_days=pause_retention_days, created_at=now, last_active_at=now)
+                    pause_retention_days=pause_retention_days,
+                    created_at=now,
+                    last_active_at=now,
+                )
                 m.registry.insert(rec, reason=reason)
                 recs.append(rec)
-            await asyncio.gather(*(asyncio.to_thread(clone_machine_dir, frozen,
-                                                     m.directory(r.id)) for r in recs))
+            await asyncio.gather(
+                *(asyncio.to_thread(clone_machine_dir, frozen, m.directory(r.id)) for r in recs)
+            )
         except BaseException as exc:
             for rec in recs:
                 await m._abort_create(rec, m._live(rec.id), exc)
             raise
         return recs
 
-    async def _wake_children(self, recs: list[SandboxRecord],
-                             drives: list[tuple[DriveInfo, str, bool]], *, tenant: str,
-                             reason: str) -> list[SandboxInfo]:
+    async def _wake_children(
+        self,
+        recs: list[SandboxRecord],
+        drives: list[tuple[DriveInfo, str, bool]],
+        *,
+        tenant: str,
+        reason: str,
+    ) -> list[SandboxInfo]:
         """Wake the prepared children concurrently, refresh their randomness and clock, mount
         their drives. All or none."""
         m = self.manager
@@ -100,8 +136,9 @@ class CloneMixin:
                 try:
                     await m._boot(rec, live)
                     for drive, path, ro in drives:
-                        self.drives.attach(drive.id, rec.id, path, read_only=ro,
-                                           tenant=drive.tenant)
+                        self.drives.attach(
+                            drive.id, rec.id, path, read_only=ro, tenant=drive.tenant
+                        )
                         await mount_in_guest(live.channel, drive, path, ro)
                 except BaseException as exc:
                     self.drives.release({rec.id})
@@ -123,12 +160,17 @@ class CloneMixin:
         return made
 
     def _drive_records(self, sandbox_id: str) -> list[dict[str, Any]]:
-        return [{"id": d.id, "tenant": d.tenant, "path": a.path, "read_only": a.read_only}
-                for d, a in self.drives.attached_to(sandbox_id)]
+        return [
+            {"id": d.id, "tenant": d.tenant, "path": a.path, "read_only": a.read_only}
+            for d, a in self.drives.attached_to(sandbox_id)
+        ]
 
-    def _drives_for(self, frozen: Path, source: str | None,
-                    recorded: list[dict[str, Any]] | None = None,
-                    ) -> list[tuple[DriveInfo, str, bool]]:
+    def _drives_for(
+        self,
+        frozen: Path,
+        source: str | None,
+        recorded: list[dict[str, Any]] | None = None,
+    ) -> list[tuple[DriveInfo, str, bool]]:
         """The drives a clone of ``frozen`` must mount, for the 9p devices in its machine.json:
         ``recorded`` (a snapshot's) or else the source's current attachments. Raises
         DriveNotFound if one was deleted."""
@@ -140,14 +182,19 @@ class CloneMixin:
             for r in recorded:
                 with contextlib.suppress(DriveNotFound):
                     d = self.drives.get(r["id"], tenant=r["tenant"])
-                    attached[d.id] = (d, Attachment(sandbox_id="", path=r["path"],
-                                                    read_only=bool(r["read_only"])))
+                    attached[d.id] = (
+                        d,
+                        Attachment(sandbox_id="", path=r["path"], read_only=bool(r["read_only"])),
+                    )
         elif source:
             attached = {d.id: (d, a) for d, a in self.drives.attached_to(source)}
         for share in shares:
             if not Path(share["path"]).is_dir():
-                raise DriveNotFound(f"drive {share['tag']} that this machine mounts was deleted",
-                                    kind="drive", name=share["tag"])
+                raise DriveNotFound(
+                    f"drive {share['tag']} that this machine mounts was deleted",
+                    kind="drive",
+                    name=share["tag"],
+                )
             hit = attached.get(share["tag"])
             if hit is not None:
                 found.append((hit[0], hit[1].path, hit[1].read_only))
@@ -166,9 +213,16 @@ def drop_ram(frozen: Path) -> None:
 
 
 def check_count(count: int, names: list[str] | None) -> None:
-    if isinstance(count, bool) or not isinstance(count, int) or \
-            not 1 <= count <= LIMITS.max_fork_count:
-        raise InvalidArgument(f"fork count must be 1 to {LIMITS.max_fork_count}, not {count!r}",
-                              field="count", value=str(count), limit=LIMITS.max_fork_count)
+    if (
+        isinstance(count, bool)
+        or not isinstance(count, int)
+        or not 1 <= count <= LIMITS.max_fork_count
+    ):
+        raise InvalidArgument(
+            f"fork count must be 1 to {LIMITS.max_fork_count}, not {count!r}",
+            field="count",
+            value=str(count),
+            limit=LIMITS.max_fork_count,
+        )
     if names is not None and len(names) != count:
         raise InvalidArgument(f"{len(names)} names for {count} children", field="names")

@@ -69,8 +69,10 @@ log = logging.getLogger(__name__)
 QEMU_BINARY = "qemu-system-x86_64"
 MACHINE_TYPE = "pc-i440fx-7.2"
 #: The guest's kernel command line. ``panic=-1`` + ``-no-reboot``: a guest panic ends QEMU.
-KERNEL_APPEND = ("console=ttyS0 root=/dev/vda rw init=/opt/torpor/init.sh panic=-1 quiet "
-                 "i8042.noaux i8042.nokbd i8042.nopnp tsc=reliable")
+KERNEL_APPEND = (
+    "console=ttyS0 root=/dev/vda rw init=/opt/torpor/init.sh panic=-1 quiet "
+    "i8042.noaux i8042.nokbd i8042.nopnp tsc=reliable"
+)
 _SLOT_SERIAL = 3
 _SLOT_ROOT = 4
 _FIRST_HOTPLUG_SLOT = 8
@@ -78,8 +80,10 @@ _LAST_SLOT = 31
 #: QEMU's own seccomp filter, as libvirt sets it: no obsolete syscalls, no set*uid/gid, no
 #: fork/exec, no scheduler or resource changes. A guest that escapes into QEMU still cannot
 #: spawn a shell or gain privileges.
-SECCOMP_SANDBOX = ("-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,"
-                   "resourcecontrol=deny")
+SECCOMP_SANDBOX = (
+    "-sandbox",
+    "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+)
 QMP_TIMEOUT = 30.0
 MIGRATE_TIMEOUT = 120.0
 
@@ -141,8 +145,9 @@ def new_machine_config(template: TemplateInfo, spec: MachineSpec, accel: str) ->
     if spec.vcpus < 1 or spec.vcpus > 64:
         raise InvalidArgument(f"vcpus must be 1-64, not {spec.vcpus}", vcpus=spec.vcpus)
     if spec.memory_mib < 128 or spec.memory_mib > 1 << 20:
-        raise InvalidArgument(f"memory_mib must be >= 128, not {spec.memory_mib}",
-                              memory_mib=spec.memory_mib)
+        raise InvalidArgument(
+            f"memory_mib must be >= 128, not {spec.memory_mib}", memory_mib=spec.memory_mib
+        )
     if accel not in ("kvm", "tcg"):
         raise InvalidArgument(f"accel must be 'kvm' or 'tcg', not {accel!r}", accel=accel)
     config: dict[str, Any] = {
@@ -180,12 +185,19 @@ def _add_device(config: dict[str, Any], dev: DiskSpec | ShareSpec) -> dict[str, 
 
 
 def _disk_args(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    node = {"driver": rec["format"], "node-name": f"blk-{rec['id']}",
-            "read-only": bool(rec["read_only"]),
-            "file": {"driver": "file", "filename": rec["path"]}}
-    dev: dict[str, Any] = {"driver": "virtio-blk-pci", "id": rec["id"],
-                           "drive": f"blk-{rec['id']}", "bus": "pci.0",
-                           "addr": hex(rec["slot"])}
+    node = {
+        "driver": rec["format"],
+        "node-name": f"blk-{rec['id']}",
+        "read-only": bool(rec["read_only"]),
+        "file": {"driver": "file", "filename": rec["path"]},
+    }
+    dev: dict[str, Any] = {
+        "driver": "virtio-blk-pci",
+        "id": rec["id"],
+        "drive": f"blk-{rec['id']}",
+        "bus": "pci.0",
+        "addr": hex(rec["slot"]),
+    }
     if rec.get("serial"):
         dev["serial"] = rec["serial"]
     return node, dev
@@ -197,10 +209,17 @@ def _share_args(rec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     # mknod never becomes host ownership, a setuid bit, an exec bit or a device node; a guest
     # symlink is a regular file on the host. (``none`` passed guest ownership and modes through:
     # guest root could plant a setuid-root binary on the host.)
-    fsdev = (f"local,id=fs-{rec['id']},path={rec['path']},security_model=mapped-xattr"
-             + (",readonly=on" if rec["read_only"] else ""))
-    dev = {"driver": "virtio-9p-pci", "id": rec["id"], "fsdev": f"fs-{rec['id']}",
-           "mount_tag": rec["tag"], "bus": "pci.0", "addr": hex(rec["slot"])}
+    fsdev = f"local,id=fs-{rec['id']},path={rec['path']},security_model=mapped-xattr" + (
+        ",readonly=on" if rec["read_only"] else ""
+    )
+    dev = {
+        "driver": "virtio-9p-pci",
+        "id": rec["id"],
+        "fsdev": f"fs-{rec['id']}",
+        "mount_tag": rec["tag"],
+        "bus": "pci.0",
+        "addr": hex(rec["slot"]),
+    }
     return fsdev, dev
 
 
@@ -208,8 +227,9 @@ def _opts(d: dict[str, Any]) -> str:
     return ",".join([d["driver"]] + [f"{k}={v}" for k, v in d.items() if k != "driver"])
 
 
-def build_command(config: dict[str, Any], *, incoming: bool,
-                  pending_shares: list[dict[str, Any]] | None = None) -> list[str]:
+def build_command(
+    config: dict[str, Any], *, incoming: bool, pending_shares: list[dict[str, Any]] | None = None
+) -> list[str]:
     """The QEMU command line for a machine.json ``config`` (file arguments relative to the
     machine directory). ``incoming``: wait for a migration stream (a wake) instead of booting.
     ``pending_shares``: 9p backends to create without their device (hot-plugged after)."""
@@ -219,25 +239,53 @@ def build_command(config: dict[str, Any], *, incoming: bool,
     else:
         accel = ["-accel", "tcg,thread=multi", "-cpu", "max"]
     cmd = [
-        QEMU_BINARY, "-nodefaults", "-nographic", "-no-user-config", "-no-reboot",
-        "-name", "torpor", "-machine", f"{config['machine']},memory-backend=ram",
-        *accel, "-smp", str(int(config["vcpus"])), "-m", mem,
-        "-object", f"memory-backend-file,id=ram,size={mem},mem-path=ram,share=on",
-        "-kernel", config["kernel"], "-initrd", config["initrd"], "-append", config["append"],
-        "-blockdev", "driver=qcow2,node-name=root,file.driver=file,file.filename=disk.qcow2",
-        "-device", f"virtio-blk-pci,drive=root,id=vda,bus=pci.0,addr={hex(_SLOT_ROOT)}",
-        "-device", f"virtio-serial-pci,id=vser,bus=pci.0,addr={hex(_SLOT_SERIAL)}",
-        "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
-        "-device", "virtserialport,bus=vser.0,chardev=agent,name=org.torpor.agent,id=agentport",
+        QEMU_BINARY,
+        "-nodefaults",
+        "-nographic",
+        "-no-user-config",
+        "-no-reboot",
+        "-name",
+        "torpor",
+        "-machine",
+        f"{config['machine']},memory-backend=ram",
+        *accel,
+        "-smp",
+        str(int(config["vcpus"])),
+        "-m",
+        mem,
+        "-object",
+        f"memory-backend-file,id=ram,size={mem},mem-path=ram,share=on",
+        "-kernel",
+        config["kernel"],
+        "-initrd",
+        config["initrd"],
+        "-append",
+        config["append"],
+        "-blockdev",
+        "driver=qcow2,node-name=root,file.driver=file,file.filename=disk.qcow2",
+        "-device",
+        f"virtio-blk-pci,drive=root,id=vda,bus=pci.0,addr={hex(_SLOT_ROOT)}",
+        "-device",
+        f"virtio-serial-pci,id=vser,bus=pci.0,addr={hex(_SLOT_SERIAL)}",
+        "-chardev",
+        "socket,id=agent,path=agent.sock,server=on,wait=off",
+        "-device",
+        "virtserialport,bus=vser.0,chardev=agent,name=org.torpor.agent,id=agentport",
         # The guest's VM generation id: the same on every wake of one machine (a new one makes
         # the guest run ACPI code and reseed at once, ~30 ms of a TCG wake); a clone gets a
         # new one (clone_machine_dir). "auto" (a new one per start) for an older machine.json.
-        "-device", f"vmgenid,guid={config.get('vmgenid', 'auto')},id=vmgenid0",
-        "-chardev", "file,id=console,path=console.log,append=on",
-        "-serial", "chardev:console",
-        "-chardev", "socket,id=qmp,path=qmp.sock,server=on,wait=off",
-        "-mon", "chardev=qmp,mode=control",
-        "-pidfile", "qemu.pid",
+        "-device",
+        f"vmgenid,guid={config.get('vmgenid', 'auto')},id=vmgenid0",
+        "-chardev",
+        "file,id=console,path=console.log,append=on",
+        "-serial",
+        "chardev:console",
+        "-chardev",
+        "socket,id=qmp,path=qmp.sock,server=on,wait=off",
+        "-mon",
+        "chardev=qmp,mode=control",
+        "-pidfile",
+        "qemu.pid",
         *SECCOMP_SANDBOX,
     ]
     for rec in config["devices"]:
@@ -419,8 +467,9 @@ def clone_machine_dir(src: Path, dst: Path) -> None:
     """
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if not (src / "state").is_file() or not (src / "ram").is_file():
-        raise InvalidState(f"{src} holds no hibernated machine to clone",
-                           state="no-state", required="hibernated")
+        raise InvalidState(
+            f"{src} holds no hibernated machine to clone", state="no-state", required="hibernated"
+        )
     try:
         dst.mkdir(parents=True, exist_ok=True)
         discard_state(dst)
@@ -431,8 +480,19 @@ def clone_machine_dir(src: Path, dst: Path) -> None:
         config = read_machine_json(src)
         config.pop("vmgenid", None)  # a clone is a new generation: its first wake picks one
         (dst / "machine.json").write_text(json.dumps(config, indent=2))
-        _qemu_img(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(src / "disk.qcow2"),
-                   str(dst / "disk.qcow2")])
+        _qemu_img(
+            [
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-F",
+                "qcow2",
+                "-b",
+                str(src / "disk.qcow2"),
+                str(dst / "disk.qcow2"),
+            ]
+        )
         shutil.copyfile(src / "state", dst / "state.tmp")
         with open(dst / "state.tmp", "rb") as f:
             os.fsync(f.fileno())

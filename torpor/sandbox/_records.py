@@ -44,8 +44,25 @@ log = logging.getLogger(__name__)
 
 
 #: guest directories a volume or drive may not be mounted on or under
-SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/opt",
-               "/proc", "/root", "/run", "/sbin", "/sys", "/tmp", "/usr", "/var")
+SYSTEM_DIRS = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/opt",
+    "/proc",
+    "/root",
+    "/run",
+    "/sbin",
+    "/sys",
+    "/tmp",
+    "/usr",
+    "/var",
+)
 
 
 def check_mount_path(path: str) -> str:
@@ -54,11 +71,13 @@ def check_mount_path(path: str) -> str:
     Refuses relative paths, ``..``, ``/`` and anything on or under a system directory.
     """
     if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
-        raise InvalidArgument(f"mount path must be an absolute guest path, not {path!r}",
-                              field="path", value=str(path))
+        raise InvalidArgument(
+            f"mount path must be an absolute guest path, not {path!r}",
+            field="path",
+            value=str(path),
+        )
     if ".." in path.split("/"):
-        raise InvalidArgument(f"mount path {path!r} may not contain '..'", field="path",
-                              value=path)
+        raise InvalidArgument(f"mount path {path!r} may not contain '..'", field="path", value=path)
     norm = posixpath.normpath(path)
     if norm.startswith("//"):
         norm = norm[1:]
@@ -66,7 +85,10 @@ def check_mount_path(path: str) -> str:
         if norm == "/" or norm == system or norm.startswith(system + "/"):
             raise InvalidArgument(
                 f"mount path {path!r} collides with the system directory {system if norm != '/' else '/'}"
-                "; use a path such as /memory, /data or /mnt/<name>", field="path", value=path)
+                "; use a path such as /memory, /data or /mnt/<name>",
+                field="path",
+                value=path,
+            )
     return norm
 
 
@@ -87,8 +109,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_record(path: Path, data: dict[str, Any], *, what: str | None = None,
-                 sync_dir: bool = False, **context: Any) -> None:
+def write_record(
+    path: Path,
+    data: dict[str, Any],
+    *,
+    what: str | None = None,
+    sync_dir: bool = False,
+    **context: Any,
+) -> None:
     """Write ``data`` as JSON to ``path`` atomically (tmp + fsync + rename; with ``sync_dir``
     the directory too, so the rename survives a crash). Raises StorageError naming ``what``
     (default: the file name) and carrying ``context``; no tmp file is left behind."""
@@ -103,8 +131,7 @@ def write_record(path: Path, data: dict[str, Any], *, what: str | None = None,
             fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise StorageError(f"cannot write {what or path.name}: {exc}", exc=exc,
-                           **context) from exc
+        raise StorageError(f"cannot write {what or path.name}: {exc}", exc=exc, **context) from exc
 
 
 @contextlib.contextmanager
@@ -128,28 +155,45 @@ def read_records(directory: Path, prefix: str) -> Iterator[tuple[Path, dict[str,
             log.warning("skipping unreadable record %s: %s", path, exc)
 
 
-def check_attach(kind: str, rid: str, attachments: list[Attachment], sandbox_id: str,
-                 read_only: bool, *, exclusive_writer: bool) -> None:
+def check_attach(
+    kind: str,
+    rid: str,
+    attachments: list[Attachment],
+    sandbox_id: str,
+    read_only: bool,
+    *,
+    exclusive_writer: bool,
+) -> None:
     """Raise Conflict if attaching would break the sharing rule: never twice to one sandbox,
     and with ``exclusive_writer`` (volumes) one writer or any number of readers, not both."""
     for a in attachments:
         if a.sandbox_id == sandbox_id:
-            raise Conflict(f"{kind} {rid} is already attached to sandbox {sandbox_id} at {a.path}",
-                           kind=kind, id=rid, sandbox_id=sandbox_id)
+            raise Conflict(
+                f"{kind} {rid} is already attached to sandbox {sandbox_id} at {a.path}",
+                kind=kind,
+                id=rid,
+                sandbox_id=sandbox_id,
+            )
     if not exclusive_writer:
         return
     writer = next((a for a in attachments if not a.read_only), None)
     if writer is not None:
         raise Conflict(
             f"{kind} {rid} is attached read-write to sandbox {writer.sandbox_id}; detach it there "
-            "first, or attach it read-only after that", kind=kind, id=rid,
-            holder=writer.sandbox_id)
+            "first, or attach it read-only after that",
+            kind=kind,
+            id=rid,
+            holder=writer.sandbox_id,
+        )
     if not read_only and attachments:
         raise Conflict(
             f"{kind} {rid} is attached read-only to {len(attachments)} sandbox(es) "
             f"({', '.join(a.sandbox_id for a in attachments)}); a read-write attach needs it to "
-            "be attached nowhere else", kind=kind, id=rid,
-            holders=[a.sandbox_id for a in attachments])
+            "be attached nowhere else",
+            kind=kind,
+            id=rid,
+            holders=[a.sandbox_id for a in attachments],
+        )
 
 
 class SharedInfo(Protocol):
@@ -225,24 +269,40 @@ class RecordStore(Generic[InfoT]):
         for info in self.list(tenant=tenant):
             if id_or_name in (info.id, info.name):
                 return info
-        raise self.not_found(f"{self.kind} {id_or_name!r} not found", kind=self.kind,
-                             name=id_or_name)
+        raise self.not_found(
+            f"{self.kind} {id_or_name!r} not found", kind=self.kind, name=id_or_name
+        )
 
-    def _attach(self, id_or_name: str, sandbox_id: str, path: str, read_only: bool,
-                tenant: str, *, exclusive_writer: bool,
-                before_first: Callable[[str], None] | None = None) -> InfoT:
+    def _attach(
+        self,
+        id_or_name: str,
+        sandbox_id: str,
+        path: str,
+        read_only: bool,
+        tenant: str,
+        *,
+        exclusive_writer: bool,
+        before_first: Callable[[str], None] | None = None,
+    ) -> InfoT:
         """Record that ``sandbox_id`` mounts the resource at ``path`` (checked and normalized
         here) under the store's lock; ``before_first(id)`` runs when nobody else has it
         attached. Raises NotFound, InvalidArgument (path), Conflict (the sharing rule)."""
         path = check_mount_path(path)
         with locked(self.root):
             info = self.get(id_or_name, tenant=tenant)
-            check_attach(self.kind, info.id, info.attachments, sandbox_id, read_only,
-                         exclusive_writer=exclusive_writer)
+            check_attach(
+                self.kind,
+                info.id,
+                info.attachments,
+                sandbox_id,
+                read_only,
+                exclusive_writer=exclusive_writer,
+            )
             if before_first is not None and not info.attachments:
                 before_first(info.id)
-            info.attachments.append(Attachment(sandbox_id=sandbox_id, path=path,
-                                               read_only=read_only))
+            info.attachments.append(
+                Attachment(sandbox_id=sandbox_id, path=path, read_only=read_only)
+            )
             self._save(info)
         return info
 
@@ -256,19 +316,27 @@ class RecordStore(Generic[InfoT]):
 
     def attached_to(self, sandbox_id: str) -> builtins.list[tuple[InfoT, Attachment]]:
         """Every resource (any tenant) attached to ``sandbox_id``, with the attachment."""
-        return [(info, a) for info in self._infos() for a in info.attachments
-                if a.sandbox_id == sandbox_id]
+        return [
+            (info, a)
+            for info in self._infos()
+            for a in info.attachments
+            if a.sandbox_id == sandbox_id
+        ]
 
-    def release(self, sandbox_ids: set[str] | None = None, *,
-                keep: set[str] | None = None) -> int:
+    def release(self, sandbox_ids: set[str] | None = None, *, keep: set[str] | None = None) -> int:
         """Drop attachments of the sandboxes in ``sandbox_ids`` (or of every sandbox not in
         ``keep``). Returns how many were dropped. Used on kill and by GC."""
         dropped = 0
         with locked(self.root):
             for info in self._infos():
-                kept = [a for a in info.attachments
-                        if not ((sandbox_ids is not None and a.sandbox_id in sandbox_ids)
-                                or (keep is not None and a.sandbox_id not in keep))]
+                kept = [
+                    a
+                    for a in info.attachments
+                    if not (
+                        (sandbox_ids is not None and a.sandbox_id in sandbox_ids)
+                        or (keep is not None and a.sandbox_id not in keep)
+                    )
+                ]
                 if len(kept) != len(info.attachments):
                     dropped += len(info.attachments) - len(kept)
                     info.attachments = kept
@@ -284,12 +352,14 @@ class RecordStore(Generic[InfoT]):
                 raise Conflict(
                     f"{self.kind} {info.name!r} {self.in_use} "
                     f"{', '.join(a.sandbox_id for a in info.attachments)}; kill or detach those "
-                    "sandboxes first", kind=self.kind, id=info.id)
+                    "sandboxes first",
+                    kind=self.kind,
+                    id=info.id,
+                )
             try:
                 self._record(info.id).unlink()
                 self._remove_data(info.id)
             except OSError as exc:
-                raise StorageError(f"cannot delete {self.kind} {info.id}: {exc}",
-                                   exc=exc) from exc
+                raise StorageError(f"cannot delete {self.kind} {info.id}: {exc}", exc=exc) from exc
         log.info("deleted %s %s (%s)", self.kind, info.id, info.name)
         return info

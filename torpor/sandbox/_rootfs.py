@@ -47,8 +47,15 @@ SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 #: What every guest gets. The kernel comes from the guest's own linux-image-amd64 package.
 BASE_PACKAGES = (
-    "python3", "tini", "iproute2", "procps", "ca-certificates", "kmod",
-    "linux-image-amd64", "initramfs-tools", "zstd",
+    "python3",
+    "tini",
+    "iproute2",
+    "procps",
+    "ca-certificates",
+    "kmod",
+    "linux-image-amd64",
+    "initramfs-tools",
+    "zstd",
 )
 #: Modules the initramfs must hold to mount a virtio-blk ext4 root (MODULES=list keeps it
 #: small, which matters: under TCG every MiB of initrd costs boot time).
@@ -58,13 +65,28 @@ IMAGE_VERSION = 2
 #: What a VM guest never loads: hardware drivers (sound, GPUs, Wi-Fi, NICs other than
 #: virtio, USB ...) and documentation. Halves the image (~300 MB of the ~650 MB).
 _SLIM_PATHS = (
-    "usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
-    "kernel/sound", "kernel/drivers/gpu", "kernel/drivers/media", "kernel/drivers/net/wireless",
-    "kernel/drivers/net/ethernet", "kernel/drivers/infiniband", "kernel/drivers/usb",
-    "kernel/drivers/iio", "kernel/drivers/comedi", "kernel/drivers/staging",
-    "kernel/drivers/hwmon", "kernel/drivers/bluetooth", "kernel/drivers/isdn",
-    "kernel/drivers/net/can", "kernel/drivers/input/touchscreen", "kernel/net/bluetooth",
-    "kernel/net/wireless", "kernel/net/mac80211",
+    "usr/share/doc",
+    "usr/share/man",
+    "usr/share/info",
+    "usr/share/locale",
+    "kernel/sound",
+    "kernel/drivers/gpu",
+    "kernel/drivers/media",
+    "kernel/drivers/net/wireless",
+    "kernel/drivers/net/ethernet",
+    "kernel/drivers/infiniband",
+    "kernel/drivers/usb",
+    "kernel/drivers/iio",
+    "kernel/drivers/comedi",
+    "kernel/drivers/staging",
+    "kernel/drivers/hwmon",
+    "kernel/drivers/bluetooth",
+    "kernel/drivers/isdn",
+    "kernel/drivers/net/can",
+    "kernel/drivers/input/touchscreen",
+    "kernel/net/bluetooth",
+    "kernel/net/wireless",
+    "kernel/net/mac80211",
 )
 #: Size of the guest's root disk (a sparse file: unused space costs nothing on the host).
 DISK_SIZE_MIB = 4096
@@ -79,25 +101,33 @@ def _run(cmd: Sequence[str], what: str, *, env: dict[str, str] | None = None) ->
     log.debug("run: %s", " ".join(cmd))
     try:
         proc = subprocess.run(
-            list(cmd), capture_output=True, text=True, env=env, check=False,
+            list(cmd),
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
         )
     except OSError as exc:
         raise EngineError(f"{what}: cannot run {cmd[0]}: {exc}", exc=exc) from exc
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip()[-2000:]
-        raise EngineError(f"{what} failed (exit {proc.returncode}): {tail}",
-                          returncode=proc.returncode)
+        raise EngineError(
+            f"{what} failed (exit {proc.returncode}): {tail}", returncode=proc.returncode
+        )
     return proc.stdout
 
 
-def host_mirror(deb822: Path = Path("/etc/apt/sources.list.d/debian.sources"),
-                legacy: Path = Path("/etc/apt/sources.list")) -> str:
+def host_mirror(
+    deb822: Path = Path("/etc/apt/sources.list.d/debian.sources"),
+    legacy: Path = Path("/etc/apt/sources.list"),
+) -> str:
     """The Debian mirror the host's own apt uses (deb822 or one-line format), else deb.debian.org."""
     try:
         if deb822.exists():
             for stanza in deb822.read_text().split("\n\n"):
                 fields = dict(
-                    line.split(":", 1) for line in stanza.splitlines()
+                    line.split(":", 1)
+                    for line in stanza.splitlines()
                     if ":" in line and not line.startswith("#")
                 )
                 uris = fields.get("URIs", "").split()
@@ -125,8 +155,10 @@ def check_packages(names: Sequence[str], what: str) -> list[str]:
 
 def rootfs_key(apt: Sequence[str], pip: Sequence[str]) -> str:
     """The cache key of a rootfs with these extra packages."""
-    blob = json.dumps({"suite": SUITE, "base": BASE_VERSION, "apt": sorted(apt),
-                       "pip": sorted(pip)}, sort_keys=True)
+    blob = json.dumps(
+        {"suite": SUITE, "base": BASE_VERSION, "apt": sorted(apt), "pip": sorted(pip)},
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -138,17 +170,23 @@ def _copy_tree(src: Path, dst: Path) -> None:
 def _chroot(root: Path, cmd: Sequence[str], what: str) -> None:
     """Run ``cmd`` inside ``root`` with /proc, /sys and /dev mounted (unmounted after)."""
     shutil.copyfile("/etc/resolv.conf", root / "etc" / "resolv.conf")
-    mounts = [("proc", root / "proc", ["-t", "proc", "proc"]),
-              ("sys", root / "sys", ["-t", "sysfs", "sysfs"]),
-              ("dev", root / "dev", ["--bind", "/dev"])]
+    mounts = [
+        ("proc", root / "proc", ["-t", "proc", "proc"]),
+        ("sys", root / "sys", ["-t", "sysfs", "sysfs"]),
+        ("dev", root / "dev", ["--bind", "/dev"]),
+    ]
     done: list[Path] = []
     try:
         for _, target, args in mounts:
             target.mkdir(exist_ok=True)
             _run(["mount", *args, str(target)], f"mounting {target.name} in the chroot")
             done.append(target)
-        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive",
-               "LANG": "C.UTF-8", "HOME": "/root"}
+        env = {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            "DEBIAN_FRONTEND": "noninteractive",
+            "LANG": "C.UTF-8",
+            "HOME": "/root",
+        }
         _run(["chroot", str(root), *cmd], what, env=env)
     finally:
         for target in reversed(done):
@@ -195,8 +233,14 @@ def _clean(root: Path) -> None:
                 p.unlink()
 
 
-def ensure_rootfs(cache: Path, apt: Sequence[str], pip: Sequence[str], *,
-                  force: bool = False, progress: Progress | None = None) -> Path:
+def ensure_rootfs(
+    cache: Path,
+    apt: Sequence[str],
+    pip: Sequence[str],
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Path:
     """Return the cached rootfs tree for (suite, apt, pip), building it if absent.
 
     The plain base tree is built first (debootstrap) and reused by every package set: a
@@ -209,8 +253,10 @@ def ensure_rootfs(cache: Path, apt: Sequence[str], pip: Sequence[str], *,
     if final.joinpath("rootfs", "usr", "bin", "python3").exists() and not force:
         return final / "rootfs"
     if os.geteuid() != 0:
-        raise EngineError("building a guest rootfs needs root (debootstrap, chroot, mount): "
-                          "run `sudo torpor template build ...` once; later builds reuse it")
+        raise EngineError(
+            "building a guest rootfs needs root (debootstrap, chroot, mount): "
+            "run `sudo torpor template build ...` once; later builds reuse it"
+        )
     final.parent.mkdir(parents=True, exist_ok=True)
     # One builder per rootfs: two templates may need the same base at the same time.
     with open(final.parent / f".{key}.lock", "w") as lock:
@@ -220,8 +266,9 @@ def ensure_rootfs(cache: Path, apt: Sequence[str], pip: Sequence[str], *,
         return _build_rootfs(cache, key, list(apt), list(pip), say, progress)
 
 
-def _build_rootfs(cache: Path, key: str, apt: list[str], pip: list[str], say: Progress,
-                  progress: Progress | None) -> Path:
+def _build_rootfs(
+    cache: Path, key: str, apt: list[str], pip: list[str], say: Progress, progress: Progress | None
+) -> Path:
     final = cache / "rootfs" / key
     base_key = rootfs_key((), ())
     tmp = final.with_name(key + ".tmp")
@@ -234,21 +281,36 @@ def _build_rootfs(cache: Path, key: str, apt: list[str], pip: list[str], say: Pr
     else:
         mirror = host_mirror()
         say("debootstrap", f"debootstrap {SUITE} from {mirror} (a few minutes)")
-        _run(["debootstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES),
-              SUITE, str(tmp / "rootfs"), mirror], "debootstrap")
+        _run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                "--include=" + ",".join(BASE_PACKAGES),
+                SUITE,
+                str(tmp / "rootfs"),
+                mirror,
+            ],
+            "debootstrap",
+        )
         say("rootfs", "configuring the initramfs")
         _configure_base(tmp / "rootfs")
     root = tmp / "rootfs"
     if apt:
         say("apt", "installing " + " ".join(apt))
         _chroot(root, ["apt-get", "update", "-q"], "apt-get update")
-        _chroot(root, ["apt-get", "install", "-y", "-q", "--no-install-recommends", *apt],
-                "apt-get install")
+        _chroot(
+            root,
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *apt],
+            "apt-get install",
+        )
     if pip:
         say("pip", "installing " + " ".join(pip))
         _chroot(root, ["apt-get", "update", "-q"], "apt-get update")
-        _chroot(root, ["apt-get", "install", "-y", "-q", "--no-install-recommends",
-                       "python3-pip"], "apt-get install python3-pip")
+        _chroot(
+            root,
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "python3-pip"],
+            "apt-get install python3-pip",
+        )
         # Trust what the host trusts while downloading (a TLS-inspecting egress proxy's CA,
         # say), without adding it to the guest's own store.
         cert: list[str] = []
@@ -257,13 +319,26 @@ def _build_rootfs(cache: Path, key: str, apt: list[str], pip: list[str], say: Pr
             shutil.copyfile(host_ca, root / "tmp" / "torpor-host-ca.crt")
             cert = ["--cert", "/tmp/torpor-host-ca.crt"]
         try:
-            _chroot(root, ["python3", "-m", "pip", "install", "--no-cache-dir",
-                           "--break-system-packages", *cert, *pip], "pip install")
+            _chroot(
+                root,
+                [
+                    "python3",
+                    "-m",
+                    "pip",
+                    "install",
+                    "--no-cache-dir",
+                    "--break-system-packages",
+                    *cert,
+                    *pip,
+                ],
+                "pip install",
+            )
         finally:
             (root / "tmp" / "torpor-host-ca.crt").unlink(missing_ok=True)
     _clean(root)
-    (tmp / "rootfs.json").write_text(json.dumps(
-        {"suite": SUITE, "base": BASE_VERSION, "apt": list(apt), "pip": list(pip)}))
+    (tmp / "rootfs.json").write_text(
+        json.dumps({"suite": SUITE, "base": BASE_VERSION, "apt": list(apt), "pip": list(pip)})
+    )
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -314,8 +389,14 @@ def _kernel_files(root: Path) -> tuple[Path, Path]:
     return kernels[-1], initrds[-1]
 
 
-def ensure_image(cache: Path, rootfs: Path, files: dict[str, Path], *,
-                 force: bool = False, progress: Progress | None = None) -> Path:
+def ensure_image(
+    cache: Path,
+    rootfs: Path,
+    files: dict[str, Path],
+    *,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> Path:
     """Return a directory holding base.qcow2, vmlinuz and initrd.img, building it if absent.
 
     The guest files go to /opt/torpor (init.sh executable). The disk is an ext4 file system
@@ -349,14 +430,24 @@ def ensure_image(cache: Path, rootfs: Path, files: dict[str, Path], *,
         raw = tmp / "root.raw"
         with open(raw, "wb") as f:
             f.truncate(DISK_SIZE_MIB * 1024 * 1024)
-        _run(["mkfs.ext4", "-q", "-F", "-L", "torpor-root", "-d", str(rootfs), str(raw)],
-             "mkfs.ext4")
-    _run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(tmp / "base.qcow2")],
-         "qemu-img convert")
+        _run(
+            ["mkfs.ext4", "-q", "-F", "-L", "torpor-root", "-d", str(rootfs), str(raw)], "mkfs.ext4"
+        )
+    _run(
+        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(tmp / "base.qcow2")],
+        "qemu-img convert",
+    )
     raw.unlink()
-    (tmp / "image.json").write_text(json.dumps(
-        {"rootfs": str(rootfs), "kernel": kernel.name, "initrd": initrd.name,
-         "guest_files": sorted(files)}))
+    (tmp / "image.json").write_text(
+        json.dumps(
+            {
+                "rootfs": str(rootfs),
+                "kernel": kernel.name,
+                "initrd": initrd.name,
+                "guest_files": sorted(files),
+            }
+        )
+    )
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -366,8 +457,11 @@ def ensure_image(cache: Path, rootfs: Path, files: dict[str, Path], *,
 def prune_images(cache: Path, keep: int = 2, keep_also: Path | None = None) -> None:
     """Drop all but the ``keep`` newest cached images. Safe: template builds hold hard links
     to their image files, and an image is rebuilt from its rootfs in seconds."""
-    images = [d for d in (cache / "images").glob("*") if d.is_dir() and not d.name.endswith(
-        ".tmp")] if (cache / "images").is_dir() else []
+    images = (
+        [d for d in (cache / "images").glob("*") if d.is_dir() and not d.name.endswith(".tmp")]
+        if (cache / "images").is_dir()
+        else []
+    )
     images.sort(key=lambda d: d.stat().st_mtime, reverse=True)
     for old in images[keep:]:
         if keep_also is None or old.resolve() != keep_also.resolve():

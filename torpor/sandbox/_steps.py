@@ -81,8 +81,9 @@ def wrap_error(exc: BaseException, what: str, sandbox_id: str) -> TorporError:
     """``exc`` as a TorporError: itself if it is one, else an EngineError wrapping it."""
     if isinstance(exc, TorporError):
         return exc
-    return EngineError(f"{what} failed for sandbox {sandbox_id}: {exc}", exc=exc,
-                       sandbox_id=sandbox_id)
+    return EngineError(
+        f"{what} failed for sandbox {sandbox_id}: {exc}", exc=exc, sandbox_id=sandbox_id
+    )
 
 
 class SandboxSteps:
@@ -118,8 +119,13 @@ class SandboxSteps:
     def _move(self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any) -> SandboxRecord:
         """Record ``rec -> dst`` in the registry (the lifecycle table guards it) and return the
         fresh row."""
-        lifecycle = Lifecycle(rec.id, rec.state, record=lambda t: self.registry.set_state(
-            t.sandbox_id, rec.state, t.dst, reason=t.reason, at=t.at, **columns))
+        lifecycle = Lifecycle(
+            rec.id,
+            rec.state,
+            record=lambda t: self.registry.set_state(
+                t.sandbox_id, rec.state, t.dst, reason=t.reason, at=t.at, **columns
+            ),
+        )
         lifecycle.to(dst, reason)
         return self.registry.get(rec.id)
 
@@ -130,14 +136,22 @@ class SandboxSteps:
                 await result
 
     def _lost_message(self, rec: SandboxRecord) -> str:
-        since = max((t.at for t in self.registry.transitions(rec.id) if t.dst is S.RUNNING),
-                    default=rec.created_at)
-        return (f"RAM and processes since {_iso(since)} (the last wake); disk kept, "
-                "minus writes the guest had not flushed")
+        since = max(
+            (t.at for t in self.registry.transitions(rec.id) if t.dst is S.RUNNING),
+            default=rec.created_at,
+        )
+        return (
+            f"RAM and processes since {_iso(since)} (the last wake); disk kept, "
+            "minus writes the guest had not flushed"
+        )
 
     def _lost(self, rec: SandboxRecord) -> StateLost:
-        return StateLost(f"sandbox {rec.id} lost its state: {rec.error}", sandbox_id=rec.id,
-                         state=rec.state.value, lost=rec.error or "RAM and processes")
+        return StateLost(
+            f"sandbox {rec.id} lost its state: {rec.error}",
+            sandbox_id=rec.id,
+            state=rec.state.value,
+            lost=rec.error or "RAM and processes",
+        )
 
     def _mark_lost(self, rec: SandboxRecord, reason: str) -> StateLost:
         lost = self._lost_message(rec)
@@ -177,8 +191,9 @@ class SandboxSteps:
             raise InvalidArgument("this SandboxManager is closed")
 
     @asynccontextmanager
-    async def _held(self, tenant: str, id_or_name: str,
-                    operation: str) -> AsyncIterator[tuple[SandboxRecord, Live]]:
+    async def _held(
+        self, tenant: str, id_or_name: str, operation: str
+    ) -> AsyncIterator[tuple[SandboxRecord, Live]]:
         """Hold the sandbox's lock for ``operation`` ("pause", "resume", "call") and yield its
         current row and Live. Raises SandboxNotFound, StateLost, and InvalidState /
         SandboxClosed when the state forbids the operation."""
@@ -194,8 +209,13 @@ class SandboxSteps:
         async with live.idle:
             await live.idle.wait_for(lambda: live.busy == 0)
 
-    async def _boot(self, rec: SandboxRecord, live: Live, *, woken_step: str | None = None,
-                    ) -> Channel:
+    async def _boot(
+        self,
+        rec: SandboxRecord,
+        live: Live,
+        *,
+        woken_step: str | None = None,
+    ) -> Channel:
         """Start the hibernated machine in the sandbox's directory, connect to its agent and
         give the guest fresh entropy and the host's clock (clones of one snapshot must not
         share random state). ``woken_step`` is reported to ``on_step`` after the wake. Raises
@@ -247,8 +267,9 @@ class SandboxSteps:
         # Only now, with the state file durable, does the registry say "paused".
         return self._move(rec, S.PAUSED, reason, paused_at=time.time())
 
-    async def _pause_failed(self, rec: SandboxRecord, live: Live, machine: Machine,
-                            exc: Exception) -> SandboxRecord:
+    async def _pause_failed(
+        self, rec: SandboxRecord, live: Live, machine: Machine, exc: Exception
+    ) -> SandboxRecord:
         directory = self.directory(rec.id)
         log.warning("hibernate of %s failed: %r", rec.id, exc)
         if machine.is_running():
@@ -280,9 +301,12 @@ class SandboxSteps:
             await self._quiet_kill(live, directory)
             if self.engine.inspect(directory).has_state:
                 self._move(rec, S.PAUSED, f"wake failed, saved state intact: {exc}")
-                raise EngineError(f"waking sandbox {rec.id} failed: {exc}; it stays paused "
-                                  "with its state intact and can be woken again", exc=exc,
-                                  sandbox_id=rec.id) from exc
+                raise EngineError(
+                    f"waking sandbox {rec.id} failed: {exc}; it stays paused "
+                    "with its state intact and can be woken again",
+                    exc=exc,
+                    sandbox_id=rec.id,
+                ) from exc
             raise self._mark_lost(rec, f"wake failed and the state is gone: {exc}") from exc
         await self._step("wake:woken", rec.id)
         try:
@@ -297,8 +321,9 @@ class SandboxSteps:
                 log.warning("after-wake hook of %s failed: %s", rec.id, exc)
         return self._move(rec, S.RUNNING, reason, last_active_at=time.time(), paused_at=None)
 
-    async def _guest_unreachable(self, rec: SandboxRecord, live: Live, machine: Machine,
-                                 exc: Exception) -> SandboxRecord:
+    async def _guest_unreachable(
+        self, rec: SandboxRecord, live: Live, machine: Machine, exc: Exception
+    ) -> SandboxRecord:
         """The guest ran but its agent did not answer. If QEMU is still up, hibernate it again
         (its RAM is intact, the sandbox stays paused: a later wake may find the agent back);
         else the RAM is gone. Always raises."""
@@ -314,11 +339,18 @@ class SandboxSteps:
                 log.warning("re-hibernating %s failed: %r", rec.id, again)
             else:
                 live.machine = None
-                self._move(rec, S.PAUSED, f"guest unreachable after wake; re-hibernated: {exc}",
-                           paused_at=time.time())
-                raise GuestError(f"sandbox {rec.id} woke but its guest agent did not answer "
-                                 f"({exc}); it was paused again with its RAM intact",
-                                 exc=exc, sandbox_id=rec.id) from exc
+                self._move(
+                    rec,
+                    S.PAUSED,
+                    f"guest unreachable after wake; re-hibernated: {exc}",
+                    paused_at=time.time(),
+                )
+                raise GuestError(
+                    f"sandbox {rec.id} woke but its guest agent did not answer "
+                    f"({exc}); it was paused again with its RAM intact",
+                    exc=exc,
+                    sandbox_id=rec.id,
+                ) from exc
         await self._quiet_kill(live, directory)
         raise self._mark_lost(rec, f"guest unreachable after wake: {exc}") from exc
 
@@ -339,8 +371,9 @@ class SandboxSteps:
         if rec.state is S.STOPPED and not status.exists:
             return  # the common case for killed sandboxes: nothing left to clean
         live = self._live(rec.id)
-        action = recovery(rec.state, has_state=status.has_state,
-                          qemu_alive=status.qemu_pid is not None)
+        action = recovery(
+            rec.state, has_state=status.has_state, qemu_alive=status.qemu_pid is not None
+        )
         log.info("sandbox %s: %s on start -> %s", rec.id, rec.state.value, action.value)
         if action is Recovery.REATTACH:
             try:
@@ -350,8 +383,9 @@ class SandboxSteps:
                 log.warning("sandbox %s: cannot re-attach its QEMU: %r", rec.id, exc)
                 await self._rehibernate(live)
                 rec = self.registry.get(rec.id)
-                action = recovery(rec.state, has_state=self.engine.inspect(directory).has_state,
-                                  qemu_alive=False)
+                action = recovery(
+                    rec.state, has_state=self.engine.inspect(directory).has_state, qemu_alive=False
+                )
         if action is Recovery.UNDO_CREATE:
             await self._abort_create(rec, live, EngineError("interrupted by a restart"))
             return
@@ -363,8 +397,7 @@ class SandboxSteps:
                 rec = self._move(rec, S.PAUSING, "recovered: re-hibernated")
             self._move(rec, S.PAUSED, "recovered: saved state is whole", paused_at=time.time())
         elif action is Recovery.LOST:
-            self._mark_lost(rec, f"recovered: no QEMU and no saved state while "
-                                 f"{rec.state.value}")
+            self._mark_lost(rec, f"recovered: no QEMU and no saved state while {rec.state.value}")
 
     async def _rehibernate(self, live: Live) -> None:
         """Save the RAM of a machine whose guest does not answer (best effort)."""
@@ -379,12 +412,20 @@ class SandboxSteps:
         machine = await self.engine.attach(directory, self._config(rec))
         live.machine = machine
         if rec.state is S.PAUSING:  # finish the pause it was in
-            await self._pause_locked(self._move(rec, S.RUNNING, "recovered: re-attached"),
-                                     live, "recovered: finish pause")
+            await self._pause_locked(
+                self._move(rec, S.RUNNING, "recovered: re-attached"),
+                live,
+                "recovered: finish pause",
+            )
             return
         live.channel = await self.engine.connect(machine, directory)
         if rec.state is S.WAKING:
             await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-            self._move(rec, S.RUNNING, "recovered: wake finished", last_active_at=time.time(),
-                       paused_at=None)
+            self._move(
+                rec,
+                S.RUNNING,
+                "recovered: wake finished",
+                last_active_at=time.time(),
+                paused_at=None,
+            )
         log.info("sandbox %s: re-attached to its running QEMU", rec.id)

@@ -97,16 +97,32 @@ def _boot_kvm(kernel: Path, initrd: Path | None, deadline: float) -> tuple[bool,
     """Boot ``kernel`` under KVM with no disk; True if it reached init within ``deadline``."""
     with tempfile.TemporaryDirectory(prefix="torpor-probe-") as tmp:
         console = Path(tmp) / "console.log"
-        cmd = ["qemu-system-x86_64", "-nodefaults", "-nographic", "-no-reboot",
-               "-machine", "pc", "-accel", "kvm", "-cpu", "host", "-m", "256M",
-               "-kernel", str(kernel),
-               "-append", "console=ttyS0 panic=-1 root=/dev/nonexistent",
-               "-serial", f"file:{console}"]
+        cmd = [
+            "qemu-system-x86_64",
+            "-nodefaults",
+            "-nographic",
+            "-no-reboot",
+            "-machine",
+            "pc",
+            "-accel",
+            "kvm",
+            "-cpu",
+            "host",
+            "-m",
+            "256M",
+            "-kernel",
+            str(kernel),
+            "-append",
+            "console=ttyS0 panic=-1 root=/dev/nonexistent",
+            "-serial",
+            f"file:{console}",
+        ]
         if initrd is not None and initrd.exists():
             cmd += ["-initrd", str(initrd)]
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE)
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
         except OSError as exc:
             return False, f"cannot start QEMU ({exc})"
         try:
@@ -118,20 +134,28 @@ def _boot_kvm(kernel: Path, initrd: Path | None, deadline: float) -> tuple[bool,
                         return True, "a guest kernel booted under KVM"
                 if proc.poll() is not None:
                     err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
-                    lines = [ln.split("error: ", 1)[-1].strip() for ln in err.splitlines()
-                             if ln.strip()]
+                    lines = [
+                        ln.split("error: ", 1)[-1].strip() for ln in err.splitlines() if ln.strip()
+                    ]
                     return False, f"QEMU with KVM exited early: {(lines or ['?'])[0][:200]}"
                 time.sleep(0.1)
-            return False, (f"/dev/kvm works but a guest kernel did not boot on it within "
-                           f"{deadline:.0f}s (a nested host?)")
+            return False, (
+                f"/dev/kvm works but a guest kernel did not boot on it within "
+                f"{deadline:.0f}s (a nested host?)"
+            )
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
 
 
-def probe(force: bool = False, *, kernel: Path | None = None,
-          initrd: Path | None = None, require: str | None = None) -> AccelReport:
+def probe(
+    force: bool = False,
+    *,
+    kernel: Path | None = None,
+    initrd: Path | None = None,
+    require: str | None = None,
+) -> AccelReport:
     """Decide between KVM and TCG (cached in ``paths().cache/accel.json``).
 
     ``kernel``/``initrd``: the guest kernel to try under KVM (default: a built template's).
@@ -161,13 +185,22 @@ def probe(force: bool = False, *, kernel: Path | None = None,
             with contextlib.suppress(OSError):
                 cache_file.parent.mkdir(parents=True, exist_ok=True)
                 tmp = cache_file.with_name("accel.json.tmp")
-                tmp.write_text(json.dumps({"key": key, "accel": report.accel,
-                                           "reason": report.reason, "kernel": str(kernel)}))
+                tmp.write_text(
+                    json.dumps(
+                        {
+                            "key": key,
+                            "accel": report.accel,
+                            "reason": report.reason,
+                            "kernel": str(kernel),
+                        }
+                    )
+                )
                 os.replace(tmp, cache_file)
     log.info("accelerator: %s (%s)", report.accel, report.reason)
     if require == "kvm" and report.accel != "kvm":
-        raise AccelerationUnavailable(f"KVM required but unusable: {report.reason}",
-                                      reason=report.reason)
+        raise AccelerationUnavailable(
+            f"KVM required but unusable: {report.reason}", reason=report.reason
+        )
     return report
 
 

@@ -87,8 +87,14 @@ class _Pending:
 class GuestChannel:
     """One connection to one guest agent. Create it with :meth:`connect`."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 limits: Limits = LIMITS, op_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        limits: Limits = LIMITS,
+        op_timeout: float = 120.0,
+    ) -> None:
         self._reader, self._writer = reader, writer
         self.limits = limits
         self.op_timeout = op_timeout
@@ -104,8 +110,15 @@ class GuestChannel:
     # -- connection ----------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, socket_path: Path, *, timeout: float = 30.0, limits: Limits = LIMITS,
-                      op_timeout: float = 120.0, refresh: bool = True) -> GuestChannel:
+    async def connect(
+        cls,
+        socket_path: Path,
+        *,
+        timeout: float = 30.0,
+        limits: Limits = LIMITS,
+        op_timeout: float = 120.0,
+        refresh: bool = True,
+    ) -> GuestChannel:
         """Connect to ``socket_path`` and wait until the agent answers a ping, retrying while
         the socket does not exist yet or refuses. With ``refresh`` (the default: every
         connection follows a boot, wake, fork or restore) the ping carries 64 fresh bytes of
@@ -140,9 +153,12 @@ class GuestChannel:
             except BaseException:
                 await channel.close()
                 raise
-        raise OperationTimeout(f"the guest agent at {socket_path} did not answer within "
-                               f"{timeout} s", exc=last_exc, seconds=timeout,
-                               path=str(socket_path))
+        raise OperationTimeout(
+            f"the guest agent at {socket_path} did not answer within {timeout} s",
+            exc=last_exc,
+            seconds=timeout,
+            path=str(socket_path),
+        )
 
     async def _first_ping(self, deadline: float, refresh: bool) -> None:
         # A ping can be lost: the guest discards what arrives before its agent opens the port
@@ -163,13 +179,13 @@ class GuestChannel:
             while True:
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise OperationTimeout("the guest agent did not answer a ping",
-                                           seconds=left)
+                    raise OperationTimeout("the guest agent did not answer a ping", seconds=left)
                 if refresh:  # the clock as of this ping, not the first one
                     args = {"refresh": {"unix_time": time.time()}}
                 tasks.append(loop.create_task(self._request("ping", args, entropy, idle=None)))
-                done, _ = await asyncio.wait(tasks, timeout=min(interval, left),
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    tasks, timeout=min(interval, left), return_when=asyncio.FIRST_COMPLETED
+                )
                 for task in done:
                     info = task.result()  # a GuestError (hang-up) propagates
                     if info.get("version") != proto.PROTOCOL_VERSION:
@@ -240,9 +256,13 @@ class GuestChannel:
         elif kind == proto.DATA:
             pending.data += frame.payload
             if len(pending.data) > pending.data_limit:
-                pending.future.set_exception(PayloadTooLarge(
-                    f"{pending.op} returned over {pending.data_limit} bytes",
-                    size=len(pending.data), limit=pending.data_limit))
+                pending.future.set_exception(
+                    PayloadTooLarge(
+                        f"{pending.op} returned over {pending.data_limit} bytes",
+                        size=len(pending.data),
+                        limit=pending.data_limit,
+                    )
+                )
                 self._send_cancel(frame.id)
         elif kind == proto.REPLY:
             pending.future.set_result(frame.header)
@@ -253,11 +273,19 @@ class GuestChannel:
         if self._closed is None:
             self._writer.write(proto.encode_frame({"i": req_id, "t": proto.CANCEL}))
 
-    async def _request(self, op: str, args: dict[str, Any], payload: bytes = b"", *,
-                       deadline: float | None = None, idle: float | None = -1.0,
-                       data_limit: int = 0, stdout: OutputCallback | None = None,
-                       stderr: OutputCallback | None = None,
-                       pending_out: list[_Pending] | None = None) -> dict[str, Any]:
+    async def _request(
+        self,
+        op: str,
+        args: dict[str, Any],
+        payload: bytes = b"",
+        *,
+        deadline: float | None = None,
+        idle: float | None = -1.0,
+        data_limit: int = 0,
+        stdout: OutputCallback | None = None,
+        stderr: OutputCallback | None = None,
+        pending_out: list[_Pending] | None = None,
+    ) -> dict[str, Any]:
         """Send one request and return its ``result``. ``deadline`` bounds the whole request
         (seconds from now), ``idle`` the silence between frames (-1: ``op_timeout``).
         Raises the guest's error, :class:`GuestError` or :class:`OperationTimeout`."""
@@ -269,9 +297,13 @@ class GuestChannel:
         self._next_id += 1
         rid = self._next_id
         loop = asyncio.get_running_loop()
-        pending = _Pending(op, loop.create_future(), time.monotonic(),
-                           data_limit=data_limit or self.limits.max_output_bytes,
-                           callbacks={"stdout": stdout, "stderr": stderr})
+        pending = _Pending(
+            op,
+            loop.create_future(),
+            time.monotonic(),
+            data_limit=data_limit or self.limits.max_output_bytes,
+            callbacks={"stdout": stdout, "stderr": stderr},
+        )
         if pending_out is not None:
             pending_out.append(pending)
         self._pending[rid] = pending
@@ -282,14 +314,20 @@ class GuestChannel:
                 await self._drain(op, idle)
                 pending.last_activity = time.monotonic()
             while not pending.future.done():
-                limits = [t for t in (end, None if idle is None else pending.last_activity + idle)
-                          if t is not None]
+                limits = [
+                    t
+                    for t in (end, None if idle is None else pending.last_activity + idle)
+                    if t is not None
+                ]
                 wait = None if not limits else min(limits) - time.monotonic()
                 if wait is not None and wait <= 0:
                     self._send_cancel(rid)
                     seconds = deadline if end is not None and time.monotonic() >= end else idle
-                    raise OperationTimeout(f"the guest agent did not answer {op} within "
-                                           f"{seconds} s", seconds=seconds, op=op)
+                    raise OperationTimeout(
+                        f"the guest agent did not answer {op} within {seconds} s",
+                        seconds=seconds,
+                        op=op,
+                    )
                 await asyncio.wait({pending.future}, timeout=wait)
             reply = pending.future.result()
         except asyncio.CancelledError:
@@ -318,8 +356,9 @@ class GuestChannel:
         try:
             await asyncio.wait_for(self._writer.drain(), idle)
         except TimeoutError as exc:
-            raise OperationTimeout(f"the guest agent stopped reading during {op}",
-                                   seconds=idle, op=op) from exc
+            raise OperationTimeout(
+                f"the guest agent stopped reading during {op}", seconds=idle, op=op
+            ) from exc
         except (ConnectionError, OSError) as exc:
             raise GuestError(f"the connection to the guest agent broke: {exc}", exc=exc) from exc
 
@@ -327,52 +366,97 @@ class GuestChannel:
         """``{pid, boot_id, uptime, time, version}`` of the agent."""
         return await self._request("ping", {})
 
-    async def run_command(self, cmd: str, *, cwd: str | None = None,
-                          env: dict[str, str] | None = None, timeout: float | None = 60,
-                          background: bool = False, on_stdout: OutputCallback | None = None,
-                          on_stderr: OutputCallback | None = None) -> CommandResult:
+    async def run_command(
+        self,
+        cmd: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = 60,
+        background: bool = False,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandResult:
         """Run ``cmd`` with /bin/sh in the guest. A non-zero exit is a result, not an error.
         ``background=True`` returns at once with the pid (exit_code -1 while it runs).
         Raises OperationTimeout (the process group is killed), PayloadTooLarge (output over
         the limit), PathNotFound (``cwd`` missing). OperationTimeout carries the output
         printed before the kill in ``.stdout``/``.stderr``."""
-        args = {"cmd": cmd, "cwd": cwd, "env": env or {}, "timeout": timeout,
-                "background": background, "max_output": self.limits.max_output_bytes}
+        args = {
+            "cmd": cmd,
+            "cwd": cwd,
+            "env": env or {},
+            "timeout": timeout,
+            "background": background,
+            "max_output": self.limits.max_output_bytes,
+        }
         deadline = None if timeout is None else timeout + TIMEOUT_GRACE
         got: list[_Pending] = []
         try:
-            result = await self._request("run", args, deadline=deadline, idle=None,
-                                         stdout=on_stdout, stderr=on_stderr, pending_out=got)
+            result = await self._request(
+                "run",
+                args,
+                deadline=deadline,
+                idle=None,
+                stdout=on_stdout,
+                stderr=on_stderr,
+                pending_out=got,
+            )
         except OperationTimeout as exc:  # keep what the command printed before it was killed
             for stream in ("stdout", "stderr"):  # data keys are attributes too (TorporError)
                 exc.data[stream] = got[0].text(stream)
                 setattr(exc, stream, exc.data[stream])
             raise
         exit_code = result.get("exit_code")
-        return CommandResult(exit_code=-1 if exit_code is None else int(exit_code),
-                             stdout=got[0].text("stdout"), stderr=got[0].text("stderr"),
-                             pid=result.get("pid"))
+        return CommandResult(
+            exit_code=-1 if exit_code is None else int(exit_code),
+            stdout=got[0].text("stdout"),
+            stderr=got[0].text("stderr"),
+            pid=result.get("pid"),
+        )
 
-    async def run_code(self, code: str, *, timeout: float | None = None,
-                       on_stdout: OutputCallback | None = None,
-                       on_stderr: OutputCallback | None = None) -> Execution:
+    async def run_code(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> Execution:
         """Run Python ``code`` in the sandbox's long-lived interpreter. An exception in the
         code is ``Execution.error``. Raises OperationTimeout (the code was interrupted; the
         variables are kept), PayloadTooLarge (code or output over the limit)."""
         raw = code.encode("utf-8")
         if len(raw) > self.limits.max_code_bytes:
-            raise PayloadTooLarge(f"code of {len(raw)} bytes is over the limit",
-                                  size=len(raw), limit=self.limits.max_code_bytes)
-        args = {"timeout": timeout, "max_output": self.limits.max_output_bytes,
-                "max_bytes": self.limits.max_code_bytes}
+            raise PayloadTooLarge(
+                f"code of {len(raw)} bytes is over the limit",
+                size=len(raw),
+                limit=self.limits.max_code_bytes,
+            )
+        args = {
+            "timeout": timeout,
+            "max_output": self.limits.max_output_bytes,
+            "max_bytes": self.limits.max_code_bytes,
+        }
         deadline = None if timeout is None else timeout + TIMEOUT_GRACE
         got: list[_Pending] = []
-        result = await self._request("run_code", args, raw, deadline=deadline, idle=None,
-                                     stdout=on_stdout, stderr=on_stderr, pending_out=got)
+        result = await self._request(
+            "run_code",
+            args,
+            raw,
+            deadline=deadline,
+            idle=None,
+            stdout=on_stdout,
+            stderr=on_stderr,
+            pending_out=got,
+        )
         error = result.get("error")
-        return Execution(results=[Result(**r) for r in result.get("results") or []],
-                         stdout=got[0].text("stdout"), stderr=got[0].text("stderr"),
-                         error=None if not error else ExecutionError(**error))
+        return Execution(
+            results=[Result(**r) for r in result.get("results") or []],
+            stdout=got[0].text("stdout"),
+            stderr=got[0].text("stderr"),
+            error=None if not error else ExecutionError(**error),
+        )
 
     async def restart_interpreter(self) -> None:
         """Kill the interpreter (its variables are lost); the next run starts a fresh one."""
@@ -383,8 +467,9 @@ class GuestChannel:
         (a directory)."""
         limit = self.limits.max_file_bytes
         got: list[_Pending] = []
-        await self._request("read", {"path": path, "max_bytes": limit}, data_limit=limit,
-                            pending_out=got)
+        await self._request(
+            "read", {"path": path, "max_bytes": limit}, data_limit=limit, pending_out=got
+        )
         return bytes(got[0].data)
 
     async def write_file(self, path: str, data: bytes | str) -> None:
@@ -392,10 +477,12 @@ class GuestChannel:
         Raises PayloadTooLarge (before sending anything), InvalidArgument, GuestError."""
         raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
         if len(raw) > self.limits.max_file_bytes:
-            raise PayloadTooLarge(f"{len(raw)} bytes for {path} is over the limit",
-                                  size=len(raw), limit=self.limits.max_file_bytes)
-        await self._request("write", {"path": path, "max_bytes": self.limits.max_file_bytes},
-                            raw)
+            raise PayloadTooLarge(
+                f"{len(raw)} bytes for {path} is over the limit",
+                size=len(raw),
+                limit=self.limits.max_file_bytes,
+            )
+        await self._request("write", {"path": path, "max_bytes": self.limits.max_file_bytes}, raw)
 
     async def list_dir(self, path: str) -> list[EntryInfo]:
         """The entries of directory ``path``, sorted by name. Raises PathNotFound."""
@@ -415,8 +502,9 @@ class GuestChannel:
         Raises InvalidArgument when a file is in the way."""
         await self._request("make_dir", {"path": path})
 
-    async def refresh(self, *, entropy: bytes | None = None,
-                      unix_time: float | None = None) -> dict[str, Any]:
+    async def refresh(
+        self, *, entropy: bytes | None = None, unix_time: float | None = None
+    ) -> dict[str, Any]:
         """After a wake, fork or restore: mix host entropy into the guest's pool, set its
         clock and reseed its interpreter's ``random``. Defaults: 64 fresh bytes, now.
 
@@ -426,8 +514,11 @@ class GuestChannel:
         already mixed 64 fresh host bytes (``entropy`` is then not sent: it could add nothing
         the guest does not have) and has the host's clock."""
         fresh = self._fresh
-        if fresh is not None and time.monotonic() - fresh[0] < FRESH_FOR and (
-                unix_time is None or abs(unix_time - time.time()) < 1.0):
+        if (
+            fresh is not None
+            and time.monotonic() - fresh[0] < FRESH_FOR
+            and (unix_time is None or abs(unix_time - time.time()) < 1.0)
+        ):
             return dict(fresh[1])
         entropy = os.urandom(64) if entropy is None else entropy
         unix_time = time.time() if unix_time is None else unix_time
@@ -437,12 +528,14 @@ class GuestChannel:
         """Flush the guest's file systems to their disks."""
         await self._request("sync", {})
 
-    async def mount(self, source: str, target: str, *, fstype: str | None = None,
-                    options: str | None = None) -> None:
+    async def mount(
+        self, source: str, target: str, *, fstype: str | None = None, options: str | None = None
+    ) -> None:
         """``mount [-t fstype] [-o options] source target`` in the guest (creates target).
         Raises GuestError with mount's message."""
-        await self._request("mount", {"source": source, "target": target, "fstype": fstype,
-                                      "options": options})
+        await self._request(
+            "mount", {"source": source, "target": target, "fstype": fstype, "options": options}
+        )
 
     async def umount(self, target: str) -> None:
         """``umount target`` in the guest. Raises GuestError."""
@@ -453,8 +546,10 @@ class _VersionMismatch(Exception):
     """Internal: the agent answered but speaks another protocol (raised as GuestError)."""
 
     def __init__(self, version: Any) -> None:
-        super().__init__(f"the guest agent speaks protocol {version}, this host "
-                         f"{proto.PROTOCOL_VERSION}: rebuild the template")
+        super().__init__(
+            f"the guest agent speaks protocol {version}, this host "
+            f"{proto.PROTOCOL_VERSION}: rebuild the template"
+        )
         self.version = version
 
 

@@ -103,10 +103,15 @@ class Checkpoints(AttachMixin, CloneMixin):
 
     # -- freezing a live sandbox ---------------------------------------------------------
 
-    async def _freeze(self, tenant: str, id_or_name: str,
-                      then: Callable[[SandboxRecord, Path, Any], Awaitable[T]], *,
-                      before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None = None,
-                      link_ram: bool = False) -> T:
+    async def _freeze(
+        self,
+        tenant: str,
+        id_or_name: str,
+        then: Callable[[SandboxRecord, Path, Any], Awaitable[T]],
+        *,
+        before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None = None,
+        link_ram: bool = False,
+    ) -> T:
         """Freeze the sandbox (pause + freeze, and wake it again if it was running).
 
         ``before_wake(record, frozen_dir)`` runs while the source is still paused (with
@@ -117,9 +122,15 @@ class Checkpoints(AttachMixin, CloneMixin):
         rec = m.registry.find(tenant, id_or_name)
         vols = self.volumes.attached_to(rec.id)
         if vols:
-            raise Conflict(VOLUME_SNAPSHOT_REFUSAL.format(
-                sandbox=rec.name, volumes=", ".join(v.name for v, _ in vols),
-                path=vols[0][1].path), sandbox_id=rec.id, volumes=[v.id for v, _ in vols])
+            raise Conflict(
+                VOLUME_SNAPSHOT_REFUSAL.format(
+                    sandbox=rec.name,
+                    volumes=", ".join(v.name for v, _ in vols),
+                    path=vols[0][1].path,
+                ),
+                sandbox_id=rec.id,
+                volumes=[v.id for v, _ in vols],
+            )
         live = m._live(rec.id)
         async with live.lock:
             rec = m.registry.get(rec.id)
@@ -128,17 +139,20 @@ class Checkpoints(AttachMixin, CloneMixin):
             if rec.state not in (S.RUNNING, S.PAUSED):
                 raise InvalidState(
                     f"sandbox {rec.id} is {rec.state.value}; snapshot and fork need it running "
-                    "or paused", sandbox_id=rec.id, state=rec.state.value,
-                    required=["running", "paused"])
+                    "or paused",
+                    sandbox_id=rec.id,
+                    state=rec.state.value,
+                    required=["running", "paused"],
+                )
             was_running = rec.state is S.RUNNING
             if was_running:
                 await m._drain(live)
                 rec = await m._pause_locked(rec, live, "snapshot")  # drives: via guest_hooks
             try:
                 with self.snapshots.lock():
-                    frozen = await asyncio.to_thread(freeze, m.directory(rec.id),
-                                                     self.snapshots.frozen_root,
-                                                     link_ram=link_ram)
+                    frozen = await asyncio.to_thread(
+                        freeze, m.directory(rec.id), self.snapshots.frozen_root, link_ram=link_ram
+                    )
                 prepared = None if before_wake is None else await before_wake(rec, frozen)
             except BaseException:
                 if was_running:
@@ -157,9 +171,15 @@ class Checkpoints(AttachMixin, CloneMixin):
 
     # -- snapshots -----------------------------------------------------------------------
 
-    async def snapshot(self, id_or_name: str, *, name: str | None = None,
-                       retention_days: int = 7, labels: Mapping[str, str] | None = None,
-                       tenant: str = "default") -> SnapshotInfo:
+    async def snapshot(
+        self,
+        id_or_name: str,
+        *,
+        name: str | None = None,
+        retention_days: int = 7,
+        labels: Mapping[str, str] | None = None,
+        tenant: str = "default",
+    ) -> SnapshotInfo:
         """Snapshot a running or paused sandbox (RAM + disk); it keeps its state afterwards.
 
         ``name`` defaults to ``<sandbox name>-<time>``. Raises InvalidName / InvalidArgument,
@@ -171,12 +191,20 @@ class Checkpoints(AttachMixin, CloneMixin):
         name = name or f"{rec.name}-{time.strftime('%Y%m%d-%H%M%S')}"[:63]
         check_name(name, "snapshot name")
         self.snapshots._check_free(name, tenant)  # fail before pausing anything
+
         async def capture(rec: SandboxRecord, frozen: Path, _: Any) -> SnapshotInfo:
             try:
                 return await asyncio.to_thread(
-                    self.snapshots.save, frozen, name=str(name), tenant=tenant,
-                    retention_days=retention_days, sandbox_id=rec.id, template=rec.template,
-                    labels=dict(labels or {}), drives=self._drive_records(rec.id))
+                    self.snapshots.save,
+                    frozen,
+                    name=str(name),
+                    tenant=tenant,
+                    retention_days=retention_days,
+                    sandbox_id=rec.id,
+                    template=rec.template,
+                    labels=dict(labels or {}),
+                    drives=self._drive_records(rec.id),
+                )
             finally:
                 drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
 
@@ -194,25 +222,43 @@ class Checkpoints(AttachMixin, CloneMixin):
         """Delete a snapshot (its chunks go at the next GC). Raises SnapshotNotFound."""
         return self.snapshots.delete(id_or_name, tenant=tenant)
 
-    async def restore(self, snapshot: str, *, name: str | None = None,
-                      labels: Mapping[str, str] | None = None, idle_pause_seconds: int | None = None,
-                      pause_retention_days: int = 30, tenant: str = "default") -> SandboxInfo:
+    async def restore(
+        self,
+        snapshot: str,
+        *,
+        name: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        idle_pause_seconds: int | None = None,
+        pause_retention_days: int = 30,
+        tenant: str = "default",
+    ) -> SandboxInfo:
         """A new running sandbox from a stored snapshot (RAM, processes and files as they were).
 
         Raises SnapshotNotFound (deleted or expired), CorruptData (a chunk fails its hash),
         Conflict (name taken), and leaves no half-made sandbox behind.
         """
         children = await self.fork_snapshot(
-            snapshot, count=1, labels=labels, names=[name] if name else None,
-            idle_pause_seconds=idle_pause_seconds, pause_retention_days=pause_retention_days,
-            tenant=tenant)
+            snapshot,
+            count=1,
+            labels=labels,
+            names=[name] if name else None,
+            idle_pause_seconds=idle_pause_seconds,
+            pause_retention_days=pause_retention_days,
+            tenant=tenant,
+        )
         return children[0]
 
-    async def fork_snapshot(self, snapshot: str, *, count: int = 1,
-                            labels: Mapping[str, str] | None = None,
-                            names: list[str] | None = None, idle_pause_seconds: int | None = None,
-                            pause_retention_days: int = 30,
-                            tenant: str = "default") -> list[SandboxInfo]:
+    async def fork_snapshot(
+        self,
+        snapshot: str,
+        *,
+        count: int = 1,
+        labels: Mapping[str, str] | None = None,
+        names: list[str] | None = None,
+        idle_pause_seconds: int | None = None,
+        pause_retention_days: int = 30,
+        tenant: str = "default",
+    ) -> list[SandboxInfo]:
         """``count`` new sandboxes from one stored snapshot (see :meth:`restore`)."""
         check_count(count, names)
         info = self.snapshots.get(snapshot, tenant=tenant)
@@ -221,18 +267,30 @@ class Checkpoints(AttachMixin, CloneMixin):
         with self.snapshots.lock():
             frozen = await asyncio.to_thread(self.snapshots.materialize, info.id, tenant=tenant)
             try:
-                return await self._spawn(frozen, count=count, labels=labels, names=names,
-                                         idle_pause_seconds=idle_pause_seconds,
-                                         pause_retention_days=pause_retention_days,
-                                         tenant=tenant, reason=f"restored from {info.id}",
-                                         drives_of=info.sandbox_id,
-                                         recorded_drives=info.drives)
+                return await self._spawn(
+                    frozen,
+                    count=count,
+                    labels=labels,
+                    names=names,
+                    idle_pause_seconds=idle_pause_seconds,
+                    pause_retention_days=pause_retention_days,
+                    tenant=tenant,
+                    reason=f"restored from {info.id}",
+                    drives_of=info.sandbox_id,
+                    recorded_drives=info.drives,
+                )
             finally:
                 drop_ram(frozen)
 
-    async def fork(self, id_or_name: str, *, count: int = 1,
-                   labels: Mapping[str, str] | None = None, names: list[str] | None = None,
-                   tenant: str = "default") -> list[SandboxInfo]:
+    async def fork(
+        self,
+        id_or_name: str,
+        *,
+        count: int = 1,
+        labels: Mapping[str, str] | None = None,
+        names: list[str] | None = None,
+        tenant: str = "default",
+    ) -> list[SandboxInfo]:
         """``count`` live copies of a running or paused sandbox, diverging from now on.
 
         Children inherit the source's labels (updated with ``labels``). Raises InvalidArgument
@@ -248,25 +306,36 @@ class Checkpoints(AttachMixin, CloneMixin):
             try:
                 drives = self._drives_for(frozen, rec.id)
                 recs = await self._prepare(
-                    frozen, count=count, labels={**rec.labels, **(labels or {})}, names=names,
+                    frozen,
+                    count=count,
+                    labels={**rec.labels, **(labels or {})},
+                    names=names,
                     idle_pause_seconds=rec.idle_pause_seconds,
-                    pause_retention_days=rec.pause_retention_days, tenant=tenant,
-                    reason=f"forked from {rec.id}")
+                    pause_retention_days=rec.pause_retention_days,
+                    tenant=tenant,
+                    reason=f"forked from {rec.id}",
+                )
             finally:
                 drop_ram(frozen)
             return recs, drives
 
         async def wake(rec: SandboxRecord, frozen: Path, prepared: Any) -> list[SandboxInfo]:
             recs, drives = prepared
-            return await self._wake_children(recs, drives, tenant=tenant,
-                                             reason=f"forked from {rec.id}")
+            return await self._wake_children(
+                recs, drives, tenant=tenant, reason=f"forked from {rec.id}"
+            )
 
         return await self._freeze(tenant, id_or_name, wake, before_wake=clone, link_ram=True)
 
-    async def create(self, *, snapshot: str | None = None,
-                     volumes: list[Mapping[str, Any]] | None = None,
-                     drives: list[Mapping[str, Any]] | None = None, tenant: str = "default",
-                     **kwargs: Any) -> SandboxInfo:
+    async def create(
+        self,
+        *,
+        snapshot: str | None = None,
+        volumes: list[Mapping[str, Any]] | None = None,
+        drives: list[Mapping[str, Any]] | None = None,
+        tenant: str = "default",
+        **kwargs: Any,
+    ) -> SandboxInfo:
         """``Sandbox.create`` with ``snapshot=``, ``volumes=[{"volume", "path", "read_only"}]``
         and ``drives=[{"drive", "path"}]``. Every reference is checked before anything is made;
         if an attach fails the new sandbox is killed (no half-made sandbox)."""
@@ -278,21 +347,32 @@ class Checkpoints(AttachMixin, CloneMixin):
             self.drives.get(str(d.get("drive", "")), tenant=tenant)
             check_mount_path(str(d.get("path", "")))
         if snapshot is not None:
-            unknown = set(kwargs) - {"name", "labels", "idle_pause_seconds",
-                                     "pause_retention_days"}
+            unknown = set(kwargs) - {"name", "labels", "idle_pause_seconds", "pause_retention_days"}
             if unknown:
-                raise InvalidArgument(f"a restore takes its template and sizes from the "
-                                      f"snapshot; drop {sorted(unknown)}")
+                raise InvalidArgument(
+                    f"a restore takes its template and sizes from the "
+                    f"snapshot; drop {sorted(unknown)}"
+                )
             info = await self.restore(snapshot, tenant=tenant, **kwargs)
         else:
             info = await self.manager.create(tenant=tenant, **kwargs)
         try:
             for v in vols:
-                await self.attach_volume(info.id, str(v["volume"]), str(v.get("path", "")),
-                                         read_only=bool(v.get("read_only", False)), tenant=tenant)
+                await self.attach_volume(
+                    info.id,
+                    str(v["volume"]),
+                    str(v.get("path", "")),
+                    read_only=bool(v.get("read_only", False)),
+                    tenant=tenant,
+                )
             for d in drvs:
-                await self.attach_drive(info.id, str(d["drive"]), str(d.get("path", "")),
-                                        read_only=bool(d.get("read_only", False)), tenant=tenant)
+                await self.attach_drive(
+                    info.id,
+                    str(d["drive"]),
+                    str(d.get("path", "")),
+                    read_only=bool(d.get("read_only", False)),
+                    tenant=tenant,
+                )
         except BaseException:
             with contextlib.suppress(TorporError):
                 await self.manager.kill(info.id, tenant=tenant)
@@ -303,8 +383,7 @@ class Checkpoints(AttachMixin, CloneMixin):
 
     # -- retention -----------------------------------------------------------------------
 
-    async def collect_garbage(self, *, now: float | None = None,
-                              dry_run: bool = False) -> GcReport:
+    async def collect_garbage(self, *, now: float | None = None, dry_run: bool = False) -> GcReport:
         """Kill sandboxes paused past their ``pause_retention_days``, then run :func:`collect`."""
         now = time.time() if now is None else now
         expired: list[str] = []
@@ -316,7 +395,11 @@ class Checkpoints(AttachMixin, CloneMixin):
         from datetime import UTC, datetime
 
         report = await asyncio.to_thread(
-            collect, self.paths, now=datetime.fromtimestamp(now, UTC),
-            live_sandboxes=self._live_ids(), dry_run=dry_run)
+            collect,
+            self.paths,
+            now=datetime.fromtimestamp(now, UTC),
+            live_sandboxes=self._live_ids(),
+            dry_run=dry_run,
+        )
         report.expired_sandboxes = expired
         return report

@@ -85,10 +85,13 @@ class ChunkStore:
     and compress in parallel (both release the GIL).
     """
 
-    def __init__(self, root: Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = 1,
-                 workers: int = 2) -> None:
+    def __init__(
+        self, root: Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = 1, workers: int = 2
+    ) -> None:
         if chunk_size <= 0 or chunk_size % 4096:
-            raise InvalidArgument(f"chunk size must be a positive multiple of 4096, not {chunk_size}")
+            raise InvalidArgument(
+                f"chunk size must be a positive multiple of 4096, not {chunk_size}"
+            )
         self.root = Path(root)
         self.chunk_size = chunk_size
         self.level = level
@@ -130,8 +133,9 @@ class ChunkStore:
             os.replace(tmp, target)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise StorageError(f"cannot write chunk {digest[:12]}: {exc}", exc=exc,
-                               chunk=digest) from exc
+            raise StorageError(
+                f"cannot write chunk {digest[:12]}: {exc}", exc=exc, chunk=digest
+            ) from exc
         self._touched.add(target.parent)
         return len(blob)
 
@@ -146,19 +150,34 @@ class ChunkStore:
         try:
             blob = path.read_bytes()
         except FileNotFoundError as exc:
-            raise CorruptData(f"{who}chunk {digest[:12]} is missing from the store", exc=exc,
-                              snapshot_id=snapshot_id, chunk=digest) from exc
+            raise CorruptData(
+                f"{who}chunk {digest[:12]} is missing from the store",
+                exc=exc,
+                snapshot_id=snapshot_id,
+                chunk=digest,
+            ) from exc
         except OSError as exc:
-            raise StorageError(f"{who}cannot read chunk {digest[:12]}: {exc}", exc=exc,
-                               snapshot_id=snapshot_id, chunk=digest) from exc
+            raise StorageError(
+                f"{who}cannot read chunk {digest[:12]}: {exc}",
+                exc=exc,
+                snapshot_id=snapshot_id,
+                chunk=digest,
+            ) from exc
         try:
             data = zstandard.ZstdDecompressor().decompress(blob)
         except zstandard.ZstdError as exc:
-            raise CorruptData(f"{who}chunk {digest[:12]} cannot be decompressed", exc=exc,
-                              snapshot_id=snapshot_id, chunk=digest) from exc
+            raise CorruptData(
+                f"{who}chunk {digest[:12]} cannot be decompressed",
+                exc=exc,
+                snapshot_id=snapshot_id,
+                chunk=digest,
+            ) from exc
         if hashlib.sha256(data).hexdigest() != digest:
-            raise CorruptData(f"{who}chunk {digest[:12]} does not match its hash",
-                              snapshot_id=snapshot_id, chunk=digest)
+            raise CorruptData(
+                f"{who}chunk {digest[:12]} does not match its hash",
+                snapshot_id=snapshot_id,
+                chunk=digest,
+            )
         return data
 
     def remove(self, digest: str) -> int:
@@ -222,8 +241,9 @@ class ChunkStore:
                         return None, 0
                     data = os.pread(f.fileno(), length, start)
                     if len(data) != length:
-                        raise StorageError(f"{path} changed while it was being stored",
-                                           path=str(path))
+                        raise StorageError(
+                            f"{path} changed while it was being stored", path=str(path)
+                        )
                     if data == self._zero[:length]:
                         return None, 0
                     digest = hashlib.sha256(data).hexdigest()
@@ -233,14 +253,18 @@ class ChunkStore:
                     results = list(pool.map(work, range(count)))
         except OSError as exc:
             raise StorageError(f"cannot store {path}: {exc}", exc=exc, path=str(path)) from exc
-        manifest = FileManifest(size=size, chunk_size=self.chunk_size,
-                                chunks=[digest for digest, _ in results],
-                                new_bytes=sum(n for _, n in results))
+        manifest = FileManifest(
+            size=size,
+            chunk_size=self.chunk_size,
+            chunks=[digest for digest, _ in results],
+            new_bytes=sum(n for _, n in results),
+        )
         log.debug("stored %s: %d chunks, %d new bytes", path, count, manifest.new_bytes)
         return manifest
 
-    def restore_file(self, manifest: FileManifest, dest: Path, *,
-                     snapshot_id: str | None = None) -> None:
+    def restore_file(
+        self, manifest: FileManifest, dest: Path, *, snapshot_id: str | None = None
+    ) -> None:
         """Write the file ``manifest`` describes to ``dest`` (sparse: zero chunks stay holes).
 
         Every chunk is verified. Raises CorruptData on a bad chunk (``dest`` is removed then),
@@ -261,7 +285,10 @@ class ChunkStore:
                     if len(data) != expected:
                         raise CorruptData(
                             f"snapshot {snapshot_id}: chunk {digest[:12]} has {len(data)} bytes, "
-                            f"the manifest says {expected}", snapshot_id=snapshot_id, chunk=digest)
+                            f"the manifest says {expected}",
+                            snapshot_id=snapshot_id,
+                            chunk=digest,
+                        )
                     os.pwrite(fd, data, start)
 
                 with ThreadPoolExecutor(self.workers) as pool:
@@ -274,8 +301,9 @@ class ChunkStore:
             raise
         except OSError as exc:
             dest.unlink(missing_ok=True)
-            raise StorageError(f"cannot restore {dest}: {exc}", exc=exc, path=str(dest),
-                               snapshot_id=snapshot_id) from exc
+            raise StorageError(
+                f"cannot restore {dest}: {exc}", exc=exc, path=str(dest), snapshot_id=snapshot_id
+            ) from exc
 
 
 def _data_ranges(fd: int, size: int) -> list[tuple[int, int]]:

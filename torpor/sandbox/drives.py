@@ -91,29 +91,39 @@ class DriveStore(RecordStore[DriveInfo]):
         log.info("created drive %s (%s)", did, name)
         return info
 
-    def attach(self, id_or_name: str, sandbox_id: str, path: str, *, read_only: bool = False,
-               tenant: str = "default") -> DriveInfo:
+    def attach(
+        self,
+        id_or_name: str,
+        sandbox_id: str,
+        path: str,
+        *,
+        read_only: bool = False,
+        tenant: str = "default",
+    ) -> DriveInfo:
         """Record that ``sandbox_id`` mounts the drive at ``path`` (any number may, read-write).
 
         Raises DriveNotFound, InvalidArgument (path), Conflict (already attached there).
         """
-        return self._attach(id_or_name, sandbox_id, path, read_only, tenant,
-                            exclusive_writer=False)
+        return self._attach(id_or_name, sandbox_id, path, read_only, tenant, exclusive_writer=False)
 
 
-async def mount_in_guest(channel: Any, drive: DriveInfo, path: str, read_only: bool,
-                         timeout: float = 20.0) -> None:
+async def mount_in_guest(
+    channel: Any, drive: DriveInfo, path: str, read_only: bool, timeout: float = 20.0
+) -> None:
     """Mount ``drive`` at ``path`` in the guest over ``channel`` (a GuestChannel).
 
     Raises GuestError if the 9p device does not show up within ``timeout`` or mount fails."""
     # a hot-plugged 9p device shows up a moment after device_add: wait for its tag
     tag = drive.mount_tag
-    script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
-              f"grep -qs '{tag}' /sys/bus/virtio/devices/*/mount_tag && exit 0; "
-              "sleep 0.1; i=$((i+1)); done; exit 1")
+    script = (
+        f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
+        f"grep -qs '{tag}' /sys/bus/virtio/devices/*/mount_tag && exit 0; "
+        "sleep 0.1; i=$((i+1)); done; exit 1"
+    )
     result = await channel.run_command(script, timeout=timeout + 10)
     if result.exit_code != 0:
-        raise GuestError(f"the guest did not see drive {drive.name} ({tag}) within {timeout} s",
-                         drive=drive.id)
+        raise GuestError(
+            f"the guest did not see drive {drive.name} ({tag}) within {timeout} s", drive=drive.id
+        )
     options = "trans=virtio,version=9p2000.L,msize=262144" + (",ro" if read_only else "")
     await channel.mount(drive.mount_tag, path, fstype="9p", options=options)

@@ -57,10 +57,17 @@ class DirStatus:
 class Channel(Protocol):
     """The host side of the guest agent (``torpor.sandbox.channel.GuestChannel``)."""
 
-    async def run_command(self, cmd: str, *, cwd: str | None = None,
-                          env: dict[str, str] | None = None, timeout: float | None = 60,
-                          background: bool = False, on_stdout: OutputCallback | None = None,
-                          on_stderr: OutputCallback | None = None) -> CommandResult: ...
+    async def run_command(
+        self,
+        cmd: str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = 60,
+        background: bool = False,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandResult: ...
 
     async def read_file(self, path: str) -> bytes: ...
 
@@ -74,12 +81,18 @@ class Channel(Protocol):
 
     async def make_dir(self, path: str) -> None: ...
 
-    async def run_code(self, code: str, *, timeout: float | None = None,
-                       on_stdout: OutputCallback | None = None,
-                       on_stderr: OutputCallback | None = None) -> Execution: ...
+    async def run_code(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> Execution: ...
 
-    async def refresh(self, *, entropy: bytes | None = None,
-                      unix_time: float | None = None) -> Any: ...
+    async def refresh(
+        self, *, entropy: bytes | None = None, unix_time: float | None = None
+    ) -> Any: ...
 
     async def sync(self) -> Any: ...
 
@@ -146,15 +159,19 @@ class QemuEngine:
         from torpor.sandbox import template as templates
 
         info = templates.get(template)
-        if config is not None and (config.vcpus, config.memory_mib) != (info.vcpus,
-                                                                        info.memory_mib):
+        if config is not None and (config.vcpus, config.memory_mib) != (
+            info.vcpus,
+            info.memory_mib,
+        ):
             # A sandbox is a clone of the template's booted machine: its RAM size and CPU
             # count are fixed by that snapshot.
             raise InvalidArgument(
                 f"template {template!r} was built with {info.vcpus} vCPU and "
                 f"{info.memory_mib} MiB; a sandbox of it cannot have {config.vcpus} vCPU and "
                 f"{config.memory_mib} MiB (build a template with that size)",
-                vcpus=config.vcpus, memory_mib=config.memory_mib)
+                vcpus=config.vcpus,
+                memory_mib=config.memory_mib,
+            )
 
     def _spec(self, config: MachineConfig) -> Any:
         from torpor.sandbox.qemu import MachineSpec
@@ -172,16 +189,16 @@ class QemuEngine:
         from torpor.sandbox import template as templates
         from torpor.sandbox.qemu import Machine as QemuMachine
 
-        machine: Machine = QemuMachine(directory, templates.get(config.template),
-                                       self._spec(config))
+        machine: Machine = QemuMachine(
+            directory, templates.get(config.template), self._spec(config)
+        )
         return machine
 
     async def connect(self, machine: Machine, directory: Path) -> Channel:
         from torpor.sandbox.channel import GuestChannel
 
         socket = getattr(machine, "agent_socket", directory / "agent.sock")
-        channel: Channel = await GuestChannel.connect(Path(socket),
-                                                      timeout=self.connect_timeout)
+        channel: Channel = await GuestChannel.connect(Path(socket), timeout=self.connect_timeout)
         return channel
 
     def inspect(self, directory: Path) -> DirStatus:
@@ -196,8 +213,9 @@ class QemuEngine:
         from torpor.sandbox import template as templates
         from torpor.sandbox.qemu import Machine as QemuMachine
 
-        machine = await QemuMachine.attach(directory, templates.get(config.template),
-                                           self._spec(config))
+        machine = await QemuMachine.attach(
+            directory, templates.get(config.template), self._spec(config)
+        )
         # A wake that died between deleting the state and `cont` leaves the guest stopped;
         # a pause that died mid-save too. Either way the RAM file is the truth: run it.
         status = await machine.qmp("query-status")

@@ -105,8 +105,9 @@ def _all_named_chunks(store: SnapshotStore) -> set[str]:
             for fm in body["files"].values():
                 refs |= FileManifest.from_json(fm).hashes()
         except Exception as exc:  # noqa: BLE001 - an unreadable manifest must not stop GC
-            log.warning("manifest %s unreadable during GC (%s); keeping nothing for it",
-                        path.name, exc)
+            log.warning(
+                "manifest %s unreadable during GC (%s); keeping nothing for it", path.name, exc
+            )
     return refs
 
 
@@ -122,8 +123,13 @@ def _leftovers(root: Path, now: float) -> list[Path]:
     return found
 
 
-def collect(paths: Paths, *, now: datetime | None = None,
-            live_sandboxes: set[str] | None = None, dry_run: bool = False) -> GcReport:
+def collect(
+    paths: Paths,
+    *,
+    now: datetime | None = None,
+    live_sandboxes: set[str] | None = None,
+    dry_run: bool = False,
+) -> GcReport:
     """Remove expired snapshots and unreferenced frozen dirs, chunks and attachments.
 
     ``live_sandboxes``: ids of sandboxes that still exist (default: the dirs under
@@ -134,8 +140,11 @@ def collect(paths: Paths, *, now: datetime | None = None,
     report = GcReport(dry_run=dry_run)
     store = SnapshotStore(paths)
     if live_sandboxes is None:
-        live_sandboxes = ({d.name for d in paths.sandboxes.iterdir() if d.is_dir()}
-                          if paths.sandboxes.is_dir() else set())
+        live_sandboxes = (
+            {d.name for d in paths.sandboxes.iterdir() if d.is_dir()}
+            if paths.sandboxes.is_dir()
+            else set()
+        )
     try:
         with store.lock(exclusive=True):
             for info, _ in list(store.manifests()):

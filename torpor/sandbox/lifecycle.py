@@ -94,12 +94,15 @@ def check_transition(sandbox_id: str, src: SandboxState, dst: SandboxState) -> N
         return
     if src is S.STOPPED:
         raise SandboxClosed(
-            f"sandbox {sandbox_id} was killed", sandbox_id=sandbox_id, state=src.value,
+            f"sandbox {sandbox_id} was killed",
+            sandbox_id=sandbox_id,
+            state=src.value,
             required=[dst.value],
         )
     raise InvalidState(
         f"sandbox {sandbox_id}: cannot go from {src.value} to {dst.value}",
-        sandbox_id=sandbox_id, state=src.value,
+        sandbox_id=sandbox_id,
+        state=src.value,
         required=sorted(s.value for s in SandboxState if dst in TRANSITIONS[s]),
     )
 
@@ -116,12 +119,16 @@ def require(sandbox_id: str, state: SandboxState, allowed: Iterable[SandboxState
     required = sorted(s.value for s in allowed)
     if state is S.STOPPED:
         raise SandboxClosed(
-            f"sandbox {sandbox_id} was killed", sandbox_id=sandbox_id, state=state.value,
+            f"sandbox {sandbox_id} was killed",
+            sandbox_id=sandbox_id,
+            state=state.value,
             required=required,
         )
     raise InvalidState(
         f"sandbox {sandbox_id} is {state.value}; this needs {' or '.join(required)}",
-        sandbox_id=sandbox_id, state=state.value, required=required,
+        sandbox_id=sandbox_id,
+        state=state.value,
+        required=required,
     )
 
 
@@ -168,8 +175,13 @@ class Lifecycle:
         step = Transition(self.sandbox_id, self._state, dst, time.time(), reason)
         if self._record is not None:
             self._record(step)
-        log.info("sandbox %s: %s -> %s%s", self.sandbox_id, self._state.value, dst.value,
-                 f" ({reason})" if reason else "")
+        log.info(
+            "sandbox %s: %s -> %s%s",
+            self.sandbox_id,
+            self._state.value,
+            dst.value,
+            f" ({reason})" if reason else "",
+        )
         self._state = dst
         self.history.append(step)
         return step
@@ -178,12 +190,12 @@ class Lifecycle:
 class Recovery(str, enum.Enum):
     """What a restarted manager does with a sandbox, from its registry state and its files."""
 
-    KEEP = "keep"                  # the files back the registry state as it is
+    KEEP = "keep"  # the files back the registry state as it is
     DELETE_FILES = "delete-files"  # killed: remove what a crash left behind
-    UNDO_CREATE = "undo-create"    # nobody was handed this sandbox yet: remove it
-    REATTACH = "reattach"          # take over the live QEMU (finish the pause / wake it was in)
-    PAUSED = "paused"              # a whole saved state backs it: call it paused
-    LOST = "lost"                  # RAM is gone: error, calls raise StateLost
+    UNDO_CREATE = "undo-create"  # nobody was handed this sandbox yet: remove it
+    REATTACH = "reattach"  # take over the live QEMU (finish the pause / wake it was in)
+    PAUSED = "paused"  # a whole saved state backs it: call it paused
+    LOST = "lost"  # RAM is gone: error, calls raise StateLost
 
 
 def recovery(state: SandboxState, *, has_state: bool, qemu_alive: bool) -> Recovery:

@@ -90,10 +90,19 @@ class SandboxManager(SandboxSteps):
         self.engine.check_template(template, MachineConfig(template, vcpus, memory_mib))
         now = time.time()
         rec = SandboxRecord(
-            id=sandbox_id, tenant=tenant, name=name, template=template, state=S.CREATING,
-            labels=dict(labels or {}), vcpus=vcpus, memory_mib=memory_mib,
-            idle_pause_seconds=idle_pause_seconds, pause_retention_days=pause_retention_days,
-            created_at=now, last_active_at=now)
+            id=sandbox_id,
+            tenant=tenant,
+            name=name,
+            template=template,
+            state=S.CREATING,
+            labels=dict(labels or {}),
+            vcpus=vcpus,
+            memory_mib=memory_mib,
+            idle_pause_seconds=idle_pause_seconds,
+            pause_retention_days=pause_retention_days,
+            created_at=now,
+            last_active_at=now,
+        )
         self.registry.insert(rec)
         live = self._live(sandbox_id)
         directory = self.directory(sandbox_id)
@@ -111,8 +120,9 @@ class SandboxManager(SandboxSteps):
         log.info("created sandbox %s (%s) from %s", sandbox_id, name, template)
         return rec.to_info()
 
-    async def get_or_create(self, name: str, *, tenant: str = "default",
-                            **kwargs: Any) -> SandboxInfo:
+    async def get_or_create(
+        self, name: str, *, tenant: str = "default", **kwargs: Any
+    ) -> SandboxInfo:
         """The tenant's live sandbox called ``name`` (woken if paused; ``reused=True``), else a
         new one made with ``kwargs`` (as :meth:`create`). N concurrent callers get one sandbox.
         Options of an existing sandbox are not changed. Raises like :meth:`create`; a sandbox
@@ -139,18 +149,25 @@ class SandboxManager(SandboxSteps):
         """A sandbox by id or name (killed ones too). Raises SandboxNotFound."""
         return self._find(tenant, id_or_name).to_info()
 
-    async def list(self, labels: Mapping[str, str] | None = None, *, tenant: str = "default",
-                   include_stopped: bool = False) -> builtins.list[SandboxInfo]:
+    async def list(
+        self,
+        labels: Mapping[str, str] | None = None,
+        *,
+        tenant: str = "default",
+        include_stopped: bool = False,
+    ) -> builtins.list[SandboxInfo]:
         """The tenant's sandboxes whose labels include all of ``labels``, oldest first."""
-        states: set[S] | None = (None if include_stopped
-                                 else {s for s in S if s is not S.STOPPED})
-        return [r.to_info() for r in self.registry.list(tenant=tenant, labels=labels,
-                                                         states=states)]
+        states: set[S] | None = None if include_stopped else {s for s in S if s is not S.STOPPED}
+        return [
+            r.to_info() for r in self.registry.list(tenant=tenant, labels=labels, states=states)
+        ]
 
     def transitions(self, sandbox_id: str) -> builtins.list[tuple[str | None, str]]:
         """The recorded (from, to) state pairs of a sandbox, in order."""
-        return [(t.src.value if t.src else None, t.dst.value)
-                for t in self.registry.transitions(sandbox_id)]
+        return [
+            (t.src.value if t.src else None, t.dst.value)
+            for t in self.registry.transitions(sandbox_id)
+        ]
 
     # -- pause / wake / kill --------------------------------------------------------------
 
@@ -221,38 +238,62 @@ class SandboxManager(SandboxSteps):
             async with live.idle:
                 live.idle.notify_all()
 
-    async def run_command(self, id_or_name: str, cmd: str, *, tenant: str = "default",
-                          cwd: str | None = None, env: dict[str, str] | None = None,
-                          timeout: float | None = 60, background: bool = False,
-                          on_stdout: OutputCallback | None = None,
-                          on_stderr: OutputCallback | None = None) -> CommandResult:
+    async def run_command(
+        self,
+        id_or_name: str,
+        cmd: str,
+        *,
+        tenant: str = "default",
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = 60,
+        background: bool = False,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandResult:
         """Run a shell command in the sandbox (waking it first)."""
         async with self._use(tenant, id_or_name) as ch:
-            return await ch.run_command(cmd, cwd=cwd, env=env, timeout=timeout,
-                                        background=background, on_stdout=on_stdout,
-                                        on_stderr=on_stderr)
+            return await ch.run_command(
+                cmd,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+                background=background,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+            )
 
-    async def run_code(self, id_or_name: str, code: str, *, tenant: str = "default",
-                       timeout: float | None = None, on_stdout: OutputCallback | None = None,
-                       on_stderr: OutputCallback | None = None) -> Execution:
+    async def run_code(
+        self,
+        id_or_name: str,
+        code: str,
+        *,
+        tenant: str = "default",
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> Execution:
         """Run code in the sandbox's long-lived interpreter (waking it first)."""
         async with self._use(tenant, id_or_name) as ch:
-            return await ch.run_code(code, timeout=timeout, on_stdout=on_stdout,
-                                     on_stderr=on_stderr)
+            return await ch.run_code(
+                code, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr
+            )
 
     async def read_file(self, id_or_name: str, path: str, *, tenant: str = "default") -> bytes:
         """A file's bytes. Raises PathNotFound."""
         async with self._use(tenant, id_or_name) as ch:
             return await ch.read_file(path)
 
-    async def write_file(self, id_or_name: str, path: str, data: bytes | str, *,
-                         tenant: str = "default") -> None:
+    async def write_file(
+        self, id_or_name: str, path: str, data: bytes | str, *, tenant: str = "default"
+    ) -> None:
         """Write a file (parents created)."""
         async with self._use(tenant, id_or_name) as ch:
             await ch.write_file(path, data)
 
-    async def list_dir(self, id_or_name: str, path: str, *,
-                       tenant: str = "default") -> builtins.list[EntryInfo]:
+    async def list_dir(
+        self, id_or_name: str, path: str, *, tenant: str = "default"
+    ) -> builtins.list[EntryInfo]:
         """A directory's entries. Raises PathNotFound."""
         async with self._use(tenant, id_or_name) as ch:
             return await ch.list_dir(path)
@@ -290,8 +331,11 @@ class SandboxManager(SandboxSteps):
             try:
                 async with live.lock:
                     rec = self.registry.get(rec.id)  # re-check: a call may have just come in
-                    if (rec.state is S.RUNNING and live.busy == 0
-                            and now - rec.last_active_at >= (rec.idle_pause_seconds or 0)):
+                    if (
+                        rec.state is S.RUNNING
+                        and live.busy == 0
+                        and now - rec.last_active_at >= (rec.idle_pause_seconds or 0)
+                    ):
                         await self._pause_locked(rec, live, "idle")
                         paused.append(rec.id)
             except TorporError as exc:
@@ -319,7 +363,8 @@ class SandboxManager(SandboxSteps):
                 log.exception("reconciling sandbox %s failed", rec.id)
         if supervise and self._supervisor is None:
             self._supervisor = asyncio.get_running_loop().create_task(
-                self.supervise(interval), name="torpor-idle-supervisor")
+                self.supervise(interval), name="torpor-idle-supervisor"
+            )
 
     async def close(self, *, pause: bool = True) -> None:
         """Stop the supervisor; pause running sandboxes (``pause=True``) so no QEMU outlives
@@ -346,16 +391,21 @@ class SandboxManager(SandboxSteps):
         self.registry.close()
 
 
-def _check_sizes(idle_pause_seconds: int | None, vcpus: int, memory_mib: int,
-                 pause_retention_days: int) -> None:
+def _check_sizes(
+    idle_pause_seconds: int | None, vcpus: int, memory_mib: int, pause_retention_days: int
+) -> None:
     if idle_pause_seconds is not None and (
-            not isinstance(idle_pause_seconds, int) or idle_pause_seconds < 1):
-        raise InvalidArgument("idle_pause_seconds must be a positive integer or None",
-                              idle_pause_seconds=idle_pause_seconds)
+        not isinstance(idle_pause_seconds, int) or idle_pause_seconds < 1
+    ):
+        raise InvalidArgument(
+            "idle_pause_seconds must be a positive integer or None",
+            idle_pause_seconds=idle_pause_seconds,
+        )
     if not isinstance(vcpus, int) or not 1 <= vcpus <= 64:
         raise InvalidArgument("vcpus must be 1-64", vcpus=vcpus)
     if not isinstance(memory_mib, int) or not 64 <= memory_mib <= 65536:
         raise InvalidArgument("memory_mib must be 64-65536", memory_mib=memory_mib)
     if not isinstance(pause_retention_days, int) or not 1 <= pause_retention_days <= 365:
-        raise InvalidArgument("pause_retention_days must be 1-365",
-                              pause_retention_days=pause_retention_days)
+        raise InvalidArgument(
+            "pause_retention_days must be 1-365", pause_retention_days=pause_retention_days
+        )

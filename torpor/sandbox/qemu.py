@@ -135,18 +135,29 @@ class Machine:
 
     def _require_stopped(self, op: str) -> None:
         if self.is_running() or _qemu_pid(self.directory) is not None:
-            raise InvalidState(f"cannot {op}: a QEMU is already running on {self.directory}",
-                               state="running", required="stopped")
+            raise InvalidState(
+                f"cannot {op}: a QEMU is already running on {self.directory}",
+                state="running",
+                required="stopped",
+            )
 
     def _require_running(self, op: str) -> None:
         if not self.is_running() or self._qmp is None:
-            raise InvalidState(f"cannot {op}: the machine of {self.directory} is not running",
-                               state="stopped", required="running")
+            raise InvalidState(
+                f"cannot {op}: the machine of {self.directory} is not running",
+                state="stopped",
+                required="running",
+            )
 
     # -- process + QMP -------------------------------------------------------------------------
 
-    async def _start(self, config: dict[str, Any], *, incoming: bool,
-                     pending_shares: list[dict[str, Any]] | None = None) -> None:
+    async def _start(
+        self,
+        config: dict[str, Any],
+        *,
+        incoming: bool,
+        pending_shares: list[dict[str, Any]] | None = None,
+    ) -> None:
         """Start QEMU on the directory and connect QMP. Raises EngineError if it dies."""
         for name in ("qmp.sock", "agent.sock", "qemu.pid"):
             with contextlib.suppress(FileNotFoundError):
@@ -156,8 +167,12 @@ class Machine:
         try:
             with open(self.directory / "qemu.log", "ab") as errlog:  # noqa: ASYNC230
                 self._proc = subprocess.Popen(  # noqa: ASYNC220
-                    cmd, cwd=self.directory, stdin=subprocess.DEVNULL,
-                    stdout=errlog, stderr=errlog, start_new_session=True,
+                    cmd,
+                    cwd=self.directory,
+                    stdin=subprocess.DEVNULL,
+                    stdout=errlog,
+                    stderr=errlog,
+                    start_new_session=True,
                 )
         except OSError as exc:
             raise EngineError(f"cannot start {QEMU_BINARY}: {exc}", exc=exc) from exc
@@ -199,12 +214,15 @@ class Machine:
 
     def _died_message(self, what: str) -> str:
         code = self._proc.poll() if self._proc is not None else None
-        return (f"{what} (exit status {code})\n--- qemu.log ---\n"
-                f"{_tail(self.directory / 'qemu.log', 15)}\n--- console.log ---\n"
-                f"{self.console_tail()}")
+        return (
+            f"{what} (exit status {code})\n--- qemu.log ---\n"
+            f"{_tail(self.directory / 'qemu.log', 15)}\n--- console.log ---\n"
+            f"{self.console_tail()}"
+        )
 
-    async def _qmp_exec(self, cmd: str, args: dict[str, Any] | None = None,
-                        timeout: float = QMP_TIMEOUT) -> Any:
+    async def _qmp_exec(
+        self, cmd: str, args: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT
+    ) -> Any:
         """Run one QMP command; translate QMP failures into EngineError."""
         if self._qmp is None:
             raise EngineError(f"QMP not connected ({cmd})")
@@ -213,8 +231,7 @@ class Machine:
         except (TimeoutError, QMPError, OSError, EOFError) as exc:
             detail = str(exc) or type(exc).__name__
             if not self.is_running():
-                raise EngineError(self._died_message(f"QEMU died during {cmd}"),
-                                  exc=exc) from exc
+                raise EngineError(self._died_message(f"QEMU died during {cmd}"), exc=exc) from exc
             raise EngineError(f"QMP {cmd} failed: {detail}", exc=exc) from exc
 
     async def _disconnect(self) -> None:
@@ -251,8 +268,10 @@ class Machine:
         await self._reap(timeout=10.0)
 
     async def _set_ignore_shared(self) -> None:
-        await self._qmp_exec("migrate-set-capabilities", {"capabilities": [
-            {"capability": "x-ignore-shared", "state": True}]})
+        await self._qmp_exec(
+            "migrate-set-capabilities",
+            {"capabilities": [{"capability": "x-ignore-shared", "state": True}]},
+        )
 
     async def _wait_migration(self, what: str) -> None:
         deadline = time.monotonic() + MIGRATE_TIMEOUT
@@ -262,8 +281,7 @@ class Machine:
             if status == "completed":
                 return
             if status in ("failed", "cancelled"):
-                raise EngineError(f"{what} failed: {info.get('error-desc', status)}",
-                                  status=status)
+                raise EngineError(f"{what} failed: {info.get('error-desc', status)}", status=status)
             if time.monotonic() > deadline:
                 raise EngineError(f"{what} did not finish within {MIGRATE_TIMEOUT}s")
             await asyncio.sleep(0.002)
@@ -280,16 +298,29 @@ class Machine:
         from torpor.sandbox.accel import probe
 
         self._require_stopped("boot")
-        accel = self.spec.accel or (
-            await asyncio.to_thread(probe, kernel=Path(self.template.kernel))).accel
+        accel = (
+            self.spec.accel
+            or (await asyncio.to_thread(probe, kernel=Path(self.template.kernel))).accel
+        )
         config = new_machine_config(self.template, self.spec, accel)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             discard_state(self.directory)
             disk = self.directory / "disk.qcow2"
             if not disk.exists():
-                _qemu_img(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b",
-                           str(self.template.base_image), str(disk)])
+                _qemu_img(
+                    [
+                        "create",
+                        "-q",
+                        "-f",
+                        "qcow2",
+                        "-F",
+                        "qcow2",
+                        "-b",
+                        str(self.template.base_image),
+                        str(disk),
+                    ]
+                )
             with open(self.directory / "ram", "wb") as f:  # noqa: ASYNC230 (a sparse RAM file)
                 f.truncate(config["memory_mib"] * 1024 * 1024)
             _write_machine_json(self.directory, config)
@@ -349,16 +380,24 @@ class Machine:
         self._require_stopped("wake")
         state = self.directory / "state"
         if not state.is_file():
-            raise InvalidState(f"nothing to wake: no saved state in {self.directory}",
-                               state="no-state", required="hibernated")
+            raise InvalidState(
+                f"nothing to wake: no saved state in {self.directory}",
+                state="no-state",
+                required="hibernated",
+            )
         t0 = time.monotonic()
         config = read_machine_json(self.directory)
         ensure_generation_id(self.directory, config)
         if (config["vcpus"], config["memory_mib"]) != (self.spec.vcpus, self.spec.memory_mib):
             # A saved machine keeps its shape: the RAM file and CPU state fix both.
-            log.warning("%s was saved with %s vCPU / %s MiB; waking it as such (asked: %s / %s)",
-                        self.directory, config["vcpus"], config["memory_mib"],
-                        self.spec.vcpus, self.spec.memory_mib)
+            log.warning(
+                "%s was saved with %s vCPU / %s MiB; waking it as such (asked: %s / %s)",
+                self.directory,
+                config["vcpus"],
+                config["memory_mib"],
+                self.spec.vcpus,
+                self.spec.memory_mib,
+            )
         await self._start(config, incoming=True, pending_shares=pending_shares)
         try:
             await self._set_ignore_shared()
@@ -401,8 +440,7 @@ class Machine:
         await self._reap(force=True)
 
     @classmethod
-    async def attach(cls, directory: Path, template: TemplateInfo,
-                     spec: MachineSpec) -> Machine:
+    async def attach(cls, directory: Path, template: TemplateInfo, spec: MachineSpec) -> Machine:
         """Take over the QEMU still running on ``directory`` (left by a process that died),
         leaving its guest running. Raises EngineError if there is none or QMP will not answer."""
         machine = cls(directory, template, spec)
@@ -482,4 +520,3 @@ class Machine:
 def machine_config(directory: Path) -> dict[str, Any]:
     """machine.json of ``directory`` as a dict (alias of :func:`read_machine_json`)."""
     return read_machine_json(directory)
-

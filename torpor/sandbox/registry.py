@@ -95,11 +95,20 @@ class SandboxRecord:
     def to_info(self, *, reused: bool = False) -> SandboxInfo:
         """The public :class:`SandboxInfo` for this row."""
         return SandboxInfo(
-            id=self.id, name=self.name, tenant=self.tenant, template=self.template,
-            state=self.state, reused=reused, labels=dict(self.labels), vcpus=self.vcpus,
-            memory_mib=self.memory_mib, idle_pause_seconds=self.idle_pause_seconds,
-            pause_retention_days=self.pause_retention_days, created_at=_dt(self.created_at),
-            last_active_at=_dt(self.last_active_at), error=self.error,
+            id=self.id,
+            name=self.name,
+            tenant=self.tenant,
+            template=self.template,
+            state=self.state,
+            reused=reused,
+            labels=dict(self.labels),
+            vcpus=self.vcpus,
+            memory_mib=self.memory_mib,
+            idle_pause_seconds=self.idle_pause_seconds,
+            pause_retention_days=self.pause_retention_days,
+            created_at=_dt(self.created_at),
+            last_active_at=_dt(self.last_active_at),
+            error=self.error,
         )
 
     def with_state(self, state: SandboxState, **changes: Any) -> SandboxRecord:
@@ -109,12 +118,20 @@ class SandboxRecord:
 def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
     spec = json.loads(row["spec"] or "{}")
     return SandboxRecord(
-        id=row["id"], tenant=row["tenant"], name=row["name"], template=row["template"],
-        state=SandboxState(row["state"]), labels=json.loads(row["labels"] or "{}"),
-        vcpus=int(spec.get("vcpus", 1)), memory_mib=int(spec.get("memory_mib", 512)),
+        id=row["id"],
+        tenant=row["tenant"],
+        name=row["name"],
+        template=row["template"],
+        state=SandboxState(row["state"]),
+        labels=json.loads(row["labels"] or "{}"),
+        vcpus=int(spec.get("vcpus", 1)),
+        memory_mib=int(spec.get("memory_mib", 512)),
         idle_pause_seconds=row["idle_pause_seconds"],
-        pause_retention_days=row["pause_retention_days"], created_at=row["created_at"],
-        last_active_at=row["last_active_at"], paused_at=row["paused_at"], error=row["error"],
+        pause_retention_days=row["pause_retention_days"],
+        created_at=row["created_at"],
+        last_active_at=row["last_active_at"],
+        paused_at=row["paused_at"],
+        error=row["error"],
     )
 
 
@@ -122,8 +139,9 @@ def _check_labels(labels: Mapping[str, str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in labels.items():
         if not isinstance(key, str) or not isinstance(value, str) or not key:
-            raise InvalidArgument(f"labels must map non-empty strings to strings: {key!r}",
-                                  label=str(key))
+            raise InvalidArgument(
+                f"labels must map non-empty strings to strings: {key!r}", label=str(key)
+            )
         out[key] = value
     return out
 
@@ -140,8 +158,9 @@ class Registry:
         self._lock = threading.RLock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None,
-                                       check_same_thread=False)
+            self._db = sqlite3.connect(
+                str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False
+            )
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")
             # FULL: a committed state change is on disk before we act on it (crash safety).
@@ -149,8 +168,9 @@ class Registry:
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
         except (sqlite3.Error, OSError) as exc:
-            raise StorageError(f"cannot open the registry {self.path}: {exc}", exc=exc,
-                               path=str(self.path)) from exc
+            raise StorageError(
+                f"cannot open the registry {self.path}: {exc}", exc=exc, path=str(self.path)
+            ) from exc
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -170,23 +190,23 @@ class Registry:
             except sqlite3.IntegrityError as exc:
                 raise Conflict(f"registry constraint failed: {exc}", exc=exc) from exc
             except sqlite3.Error as exc:
-                raise StorageError(f"registry error: {exc}", exc=exc,
-                                   path=str(self.path)) from exc
+                raise StorageError(f"registry error: {exc}", exc=exc, path=str(self.path)) from exc
 
     def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
             try:
                 return list(self._db.execute(sql, args))
             except sqlite3.Error as exc:
-                raise StorageError(f"registry error: {exc}", exc=exc,
-                                   path=str(self.path)) from exc
+                raise StorageError(f"registry error: {exc}", exc=exc, path=str(self.path)) from exc
 
     def _migrate(self) -> None:
         version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
         if version > SCHEMA_VERSION:
             raise StorageError(
                 f"registry {self.path} has schema version {version}, newer than this torpor "
-                f"({SCHEMA_VERSION})", path=str(self.path))
+                f"({SCHEMA_VERSION})",
+                path=str(self.path),
+            )
         for target in range(version + 1, SCHEMA_VERSION + 1):
             log.info("registry %s: migrating schema to version %d", self.path, target)
             self._db.execute("BEGIN IMMEDIATE")
@@ -226,16 +246,33 @@ class Registry:
                     "INSERT INTO sandboxes (id, tenant, name, template, state, labels, spec,"
                     " idle_pause_seconds, pause_retention_days, created_at, last_active_at,"
                     " paused_at, error) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (rec.id, rec.tenant, rec.name, rec.template, rec.state.value,
-                     json.dumps(labels, sort_keys=True), spec, rec.idle_pause_seconds,
-                     rec.pause_retention_days, rec.created_at, rec.last_active_at,
-                     rec.paused_at, rec.error))
-                db.execute("INSERT INTO transitions (sandbox_id, src, dst, at, reason)"
-                           " VALUES (?,?,?,?,?)",
-                           (rec.id, None, rec.state.value, rec.created_at, reason))
+                    (
+                        rec.id,
+                        rec.tenant,
+                        rec.name,
+                        rec.template,
+                        rec.state.value,
+                        json.dumps(labels, sort_keys=True),
+                        spec,
+                        rec.idle_pause_seconds,
+                        rec.pause_retention_days,
+                        rec.created_at,
+                        rec.last_active_at,
+                        rec.paused_at,
+                        rec.error,
+                    ),
+                )
+                db.execute(
+                    "INSERT INTO transitions (sandbox_id, src, dst, at, reason) VALUES (?,?,?,?,?)",
+                    (rec.id, None, rec.state.value, rec.created_at, reason),
+                )
         except Conflict as exc:
-            raise Conflict(f"a sandbox named {rec.name!r} already exists", exc=exc.exc,
-                           name=rec.name, tenant=rec.tenant) from exc
+            raise Conflict(
+                f"a sandbox named {rec.name!r} already exists",
+                exc=exc.exc,
+                name=rec.name,
+                tenant=rec.tenant,
+            ) from exc
 
     def set_state(
         self,
@@ -260,18 +297,24 @@ class Registry:
         when = time.time() if at is None else at
         sets = ", ".join(["state = ?"] + [f"{c} = ?" for c in columns])
         with self._tx() as db:
-            cur = db.execute(f"UPDATE sandboxes SET {sets} WHERE id = ? AND state = ?",
-                             (dst.value, *columns.values(), sandbox_id, src.value))
+            cur = db.execute(
+                f"UPDATE sandboxes SET {sets} WHERE id = ? AND state = ?",
+                (dst.value, *columns.values(), sandbox_id, src.value),
+            )
             if cur.rowcount != 1:
-                row = db.execute("SELECT state FROM sandboxes WHERE id = ?",
-                                 (sandbox_id,)).fetchone()
+                row = db.execute(
+                    "SELECT state FROM sandboxes WHERE id = ?", (sandbox_id,)
+                ).fetchone()
                 if row is None:
-                    raise SandboxNotFound(f"no sandbox {sandbox_id}", kind="sandbox",
-                                          name=sandbox_id)
+                    raise SandboxNotFound(
+                        f"no sandbox {sandbox_id}", kind="sandbox", name=sandbox_id
+                    )
                 check_transition(sandbox_id, SandboxState(row["state"]), dst)
                 raise _moved(sandbox_id, SandboxState(row["state"]), src)
-            db.execute("INSERT INTO transitions (sandbox_id, src, dst, at, reason)"
-                       " VALUES (?,?,?,?,?)", (sandbox_id, src.value, dst.value, when, reason))
+            db.execute(
+                "INSERT INTO transitions (sandbox_id, src, dst, at, reason) VALUES (?,?,?,?,?)",
+                (sandbox_id, src.value, dst.value, when, reason),
+            )
         return Transition(sandbox_id, src, dst, when, reason)
 
     def touch(self, sandbox_id: str, at: float | None = None) -> None:
@@ -285,8 +328,10 @@ class Registry:
             try:
                 self._db.execute("PRAGMA synchronous=NORMAL")
                 with self._tx() as db:
-                    db.execute("UPDATE sandboxes SET last_active_at = ? WHERE id = ?",
-                               (time.time() if at is None else at, sandbox_id))
+                    db.execute(
+                        "UPDATE sandboxes SET last_active_at = ? WHERE id = ?",
+                        (time.time() if at is None else at, sandbox_id),
+                    )
             finally:
                 with suppress(sqlite3.Error):
                     self._db.execute("PRAGMA synchronous=FULL")
@@ -295,8 +340,10 @@ class Registry:
         """Replace a sandbox's labels. Raises InvalidArgument or StorageError."""
         clean = _check_labels(labels)
         with self._tx() as db:
-            db.execute("UPDATE sandboxes SET labels = ? WHERE id = ?",
-                       (json.dumps(clean, sort_keys=True), sandbox_id))
+            db.execute(
+                "UPDATE sandboxes SET labels = ? WHERE id = ?",
+                (json.dumps(clean, sort_keys=True), sandbox_id),
+            )
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -313,16 +360,18 @@ class Registry:
         rows = self._query(
             "SELECT * FROM sandboxes WHERE tenant = ? AND (id = ? OR name = ?)"
             " ORDER BY (id = ?) DESC, (state != 'stopped') DESC, created_at DESC LIMIT 1",
-            (tenant, id_or_name, id_or_name, id_or_name))
+            (tenant, id_or_name, id_or_name, id_or_name),
+        )
         if not rows:
-            raise SandboxNotFound(f"no sandbox {id_or_name!r}", kind="sandbox",
-                                  name=id_or_name)
+            raise SandboxNotFound(f"no sandbox {id_or_name!r}", kind="sandbox", name=id_or_name)
         return _row_to_record(rows[0])
 
     def live_by_name(self, tenant: str, name: str) -> SandboxRecord | None:
         """The tenant's sandbox called ``name`` that is not stopped, or None."""
-        rows = self._query("SELECT * FROM sandboxes WHERE tenant = ? AND name = ?"
-                           " AND state != 'stopped'", (tenant, name))
+        rows = self._query(
+            "SELECT * FROM sandboxes WHERE tenant = ? AND name = ? AND state != 'stopped'",
+            (tenant, name),
+        )
         return _row_to_record(rows[0]) if rows else None
 
     def list(
@@ -340,8 +389,9 @@ class Registry:
         if states is not None:
             sql += f" AND state IN ({','.join('?' * len(states))})"
             args.extend(s.value for s in states)
-        rows = [_row_to_record(r) for r in self._query(sql + " ORDER BY created_at, id",
-                                                        tuple(args))]
+        rows = [
+            _row_to_record(r) for r in self._query(sql + " ORDER BY created_at, id", tuple(args))
+        ]
         # Labels are matched in Python: exact for any key text (SQLite JSON paths need
         # quoting rules and stop at NUL), and a tenant has few enough sandboxes.
         wanted = dict(labels or {})
@@ -349,13 +399,25 @@ class Registry:
 
     def transitions(self, sandbox_id: str) -> builtins.list[Transition]:
         """Every recorded transition of a sandbox, in order."""
-        rows = self._query("SELECT * FROM transitions WHERE sandbox_id = ? ORDER BY seq",
-                           (sandbox_id,))
-        return [Transition(r["sandbox_id"], SandboxState(r["src"]) if r["src"] else None,
-                           SandboxState(r["dst"]), r["at"], r["reason"]) for r in rows]
+        rows = self._query(
+            "SELECT * FROM transitions WHERE sandbox_id = ? ORDER BY seq", (sandbox_id,)
+        )
+        return [
+            Transition(
+                r["sandbox_id"],
+                SandboxState(r["src"]) if r["src"] else None,
+                SandboxState(r["dst"]),
+                r["at"],
+                r["reason"],
+            )
+            for r in rows
+        ]
 
 
 def _moved(sandbox_id: str, actual: SandboxState, expected: SandboxState) -> InvalidState:
     return InvalidState(
         f"sandbox {sandbox_id} is {actual.value}, expected {expected.value}",
-        sandbox_id=sandbox_id, state=actual.value, required=[expected.value])
+        sandbox_id=sandbox_id,
+        state=actual.value,
+        required=[expected.value],
+    )

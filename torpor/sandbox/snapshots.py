@@ -99,12 +99,16 @@ class SnapshotInfo(BaseModel):
 def check_retention(days: int, *, what: str = "retention_days") -> int:
     """Return ``days`` if it is an int in 1..365, else raise InvalidArgument."""
     if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 365:
-        raise InvalidArgument(f"{what} must be a whole number of days from 1 to 365, not {days!r}",
-                              field=what, value=str(days))
+        raise InvalidArgument(
+            f"{what} must be a whole number of days from 1 to 365, not {days!r}",
+            field=what,
+            value=str(days),
+        )
     return days
 
 
 # -- qcow2 headers ------------------------------------------------------------------------------
+
 
 def is_qcow2(path: Path) -> bool:
     """True if ``path`` starts with the qcow2 magic."""
@@ -160,13 +164,18 @@ def _qemu_img(*args: str) -> None:
 def _copy_sparse(src: Path, dst: Path) -> None:
     # cp knows reflink (btrfs/xfs) and SEEK_HOLE (ext4) and is faster than a Python loop.
     try:
-        subprocess.run(["cp", "--reflink=auto", "--sparse=always", "--", str(src), str(dst)],
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            ["cp", "--reflink=auto", "--sparse=always", "--", str(src), str(dst)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     except subprocess.CalledProcessError as exc:
         raise StorageError(f"cannot copy {src.name}: {exc.stderr.strip()}", exc=exc) from exc
 
 
 # -- frozen dirs --------------------------------------------------------------------------------
+
 
 def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> Path:
     """Make an immutable local copy of the hibernated machine in ``machine_dir``.
@@ -204,8 +213,17 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
                 _copy_sparse(entry, tmp / entry.name)
                 (tmp / entry.name).chmod(0o600)
                 anchor = _anchor(entry, (frozen_root,))
-                _qemu_img("rebase", "-q", "-f", "qcow2", "-F", "qcow2",
-                          "-b", "" if anchor is None else str(anchor), str(tmp / entry.name))
+                _qemu_img(
+                    "rebase",
+                    "-q",
+                    "-f",
+                    "qcow2",
+                    "-F",
+                    "qcow2",
+                    "-b",
+                    "" if anchor is None else str(anchor),
+                    str(tmp / entry.name),
+                )
                 flattened.append(entry)
             else:
                 os.rename(entry, tmp / entry.name)
@@ -278,11 +296,19 @@ class SnapshotStore:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def save(self, frozen: Path, *, name: str, tenant: str = "default", retention_days: int = 7,
-             sandbox_id: str | None = None, template: str | None = None,
-             labels: dict[str, str] | None = None,
-             volumes: list[dict[str, Any]] | None = None,
-             drives: list[dict[str, Any]] | None = None) -> SnapshotInfo:
+    def save(
+        self,
+        frozen: Path,
+        *,
+        name: str,
+        tenant: str = "default",
+        retention_days: int = 7,
+        sandbox_id: str | None = None,
+        template: str | None = None,
+        labels: dict[str, str] | None = None,
+        volumes: list[dict[str, Any]] | None = None,
+        drives: list[dict[str, Any]] | None = None,
+    ) -> SnapshotInfo:
         """Capture the frozen dir ``frozen`` into the chunk store as snapshot ``name``.
 
         Raises InvalidName / InvalidArgument for bad input, Conflict if ``name`` is taken in
@@ -313,8 +339,17 @@ class SnapshotStore:
                             source = work / entry.name
                             _copy_sparse(entry, source)
                             source.chmod(0o600)
-                            _qemu_img("rebase", "-q", "-f", "qcow2", "-F", "qcow2",
-                                      "-b", "" if anchor is None else str(anchor), str(source))
+                            _qemu_img(
+                                "rebase",
+                                "-q",
+                                "-f",
+                                "qcow2",
+                                "-F",
+                                "qcow2",
+                                "-b",
+                                "" if anchor is None else str(anchor),
+                                str(source),
+                            )
                         anchors[entry.name] = None if anchor is None else _identity(anchor)
                     fm = self.chunks.put_file(source)
                     files[entry.name] = fm.to_json()
@@ -324,12 +359,26 @@ class SnapshotStore:
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             info = SnapshotInfo(
-                id=sid, name=name, tenant=tenant, sandbox_id=sandbox_id, template=template,
-                labels=dict(labels or {}), retention_days=retention_days, created_at=created,
-                expires_at=created + timedelta(days=retention_days), size_bytes=size,
-                stored_bytes=new, volumes=list(volumes or []), drives=list(drives or []))
-            body = {"version": FORMAT_VERSION, "info": info.model_dump(mode="json"),
-                    "files": files, "anchors": anchors}
+                id=sid,
+                name=name,
+                tenant=tenant,
+                sandbox_id=sandbox_id,
+                template=template,
+                labels=dict(labels or {}),
+                retention_days=retention_days,
+                created_at=created,
+                expires_at=created + timedelta(days=retention_days),
+                size_bytes=size,
+                stored_bytes=new,
+                volumes=list(volumes or []),
+                drives=list(drives or []),
+            )
+            body = {
+                "version": FORMAT_VERSION,
+                "info": info.model_dump(mode="json"),
+                "files": files,
+                "anchors": anchors,
+            }
             with self.lock(exclusive=True, name="names"):
                 self._check_free(name, tenant)
                 self._write_manifest(sid, body)
@@ -339,19 +388,31 @@ class SnapshotStore:
     def _check_free(self, name: str, tenant: str) -> None:
         for info in self.list(tenant=tenant, include_expired=True):
             if info.name == name:
-                raise Conflict(f"a snapshot named {name!r} already exists ({info.id})",
-                               kind="snapshot", name=name, id=info.id)
+                raise Conflict(
+                    f"a snapshot named {name!r} already exists ({info.id})",
+                    kind="snapshot",
+                    name=name,
+                    id=info.id,
+                )
 
     def _write_manifest(self, sid: str, body: dict[str, Any]) -> None:
         # every chunk must be present before the manifest may name it
         for fm in body["files"].values():
             for digest in FileManifest.from_json(fm).hashes():
                 if not self.chunks.has(digest):
-                    raise StorageError(f"snapshot {sid}: chunk {digest[:12]} vanished before "
-                                       "the manifest was written", snapshot_id=sid)
+                    raise StorageError(
+                        f"snapshot {sid}: chunk {digest[:12]} vanished before "
+                        "the manifest was written",
+                        snapshot_id=sid,
+                    )
         body = dict(body, digest=_digest(body))
-        write_record(self.root / f"{sid}.json", body, what=f"the manifest of {sid}",
-                     sync_dir=True, snapshot_id=sid)
+        write_record(
+            self.root / f"{sid}.json",
+            body,
+            what=f"the manifest of {sid}",
+            sync_dir=True,
+            snapshot_id=sid,
+        )
 
     def delete(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
         """Remove a snapshot's manifest (its chunks go at the next GC). Raises SnapshotNotFound."""
@@ -360,8 +421,9 @@ class SnapshotStore:
             (self.root / f"{info.id}.json").unlink()
             fsync_dir(self.root)
         except FileNotFoundError as exc:
-            raise SnapshotNotFound(f"snapshot {id_or_name!r} not found", kind="snapshot",
-                                   name=id_or_name) from exc
+            raise SnapshotNotFound(
+                f"snapshot {id_or_name!r} not found", kind="snapshot", name=id_or_name
+            ) from exc
         except OSError as exc:
             raise StorageError(f"cannot delete snapshot {info.id}: {exc}", exc=exc) from exc
         log.info("deleted snapshot %s (%s)", info.id, info.name)
@@ -375,11 +437,13 @@ class SnapshotStore:
             body = json.loads(path.read_text())
             digest = body.pop("digest")
         except (OSError, ValueError, KeyError, AttributeError) as exc:
-            raise CorruptData(f"snapshot manifest {path.name} is unreadable", exc=exc,
-                              snapshot_id=path.stem) from exc
+            raise CorruptData(
+                f"snapshot manifest {path.name} is unreadable", exc=exc, snapshot_id=path.stem
+            ) from exc
         if digest != _digest(body) or body.get("version") != FORMAT_VERSION:
-            raise CorruptData(f"snapshot {path.stem}: its manifest fails its digest",
-                              snapshot_id=path.stem)
+            raise CorruptData(
+                f"snapshot {path.stem}: its manifest fails its digest", snapshot_id=path.stem
+            )
         return dict(body)
 
     def manifests(self) -> Iterator[tuple[SnapshotInfo, dict[str, Any]]]:
@@ -391,29 +455,39 @@ class SnapshotStore:
             except (CorruptData, ValueError) as exc:
                 log.warning("skipping snapshot manifest %s: %s", path.name, exc)
 
-    def list(self, *, tenant: str = "default", include_expired: bool = False,
-             now: datetime | None = None) -> list[SnapshotInfo]:
+    def list(
+        self, *, tenant: str = "default", include_expired: bool = False, now: datetime | None = None
+    ) -> list[SnapshotInfo]:
         """The tenant's snapshots whose manifests check, oldest first."""
-        found = [info for info, _ in self.manifests() if info.tenant == tenant
-                 and (include_expired or not info.expired(now))]
+        found = [
+            info
+            for info, _ in self.manifests()
+            if info.tenant == tenant and (include_expired or not info.expired(now))
+        ]
         return sorted(found, key=lambda i: i.created_at)
 
-    def get(self, id_or_name: str, *, tenant: str = "default",
-            include_expired: bool = False) -> SnapshotInfo:
+    def get(
+        self, id_or_name: str, *, tenant: str = "default", include_expired: bool = False
+    ) -> SnapshotInfo:
         """One snapshot by id or name. Raises SnapshotNotFound (also for an expired one)."""
         return self._find(id_or_name, tenant, include_expired)[0]
 
-    def _find(self, id_or_name: str, tenant: str,
-              include_expired: bool) -> tuple[SnapshotInfo, dict[str, Any]]:
+    def _find(
+        self, id_or_name: str, tenant: str, include_expired: bool
+    ) -> tuple[SnapshotInfo, dict[str, Any]]:
         for info, body in self.manifests():
             if info.tenant == tenant and id_or_name in (info.id, info.name):
                 if info.expired() and not include_expired:
                     raise SnapshotNotFound(
                         f"snapshot {id_or_name!r} expired on {info.expires_at:%Y-%m-%d %H:%M} UTC",
-                        kind="snapshot", name=id_or_name, expired=True)
+                        kind="snapshot",
+                        name=id_or_name,
+                        expired=True,
+                    )
                 return info, body
-        raise SnapshotNotFound(f"snapshot {id_or_name!r} not found", kind="snapshot",
-                               name=id_or_name)
+        raise SnapshotNotFound(
+            f"snapshot {id_or_name!r} not found", kind="snapshot", name=id_or_name
+        )
 
     def materialize(self, id_or_name: str, *, tenant: str = "default") -> Path:
         """Rebuild the snapshot as a new frozen dir (every chunk verified) and return it.
@@ -429,7 +503,10 @@ class SnapshotStore:
             if not anchor.exists() or _identity(anchor) != ident:
                 raise CorruptData(
                     f"snapshot {info.id}: the template disk it was taken on ({anchor}) is gone or "
-                    "was rebuilt since", snapshot_id=info.id, path=str(anchor))
+                    "was rebuilt since",
+                    snapshot_id=info.id,
+                    path=str(anchor),
+                )
         self.frozen_root.mkdir(parents=True, exist_ok=True)
         fid = f"frz-{uuid.uuid4().hex[:12]}"
         tmp = self.frozen_root / f".{fid}.tmp"
@@ -437,16 +514,19 @@ class SnapshotStore:
             tmp.mkdir()
             for name, fm in body["files"].items():
                 if "/" in name or name.startswith("."):
-                    raise CorruptData(f"snapshot {info.id}: bad file name {name!r}",
-                                      snapshot_id=info.id)
-                self.chunks.restore_file(FileManifest.from_json(fm), tmp / name,
-                                         snapshot_id=info.id)
+                    raise CorruptData(
+                        f"snapshot {info.id}: bad file name {name!r}", snapshot_id=info.id
+                    )
+                self.chunks.restore_file(
+                    FileManifest.from_json(fm), tmp / name, snapshot_id=info.id
+                )
             final = self.frozen_root / fid
             os.rename(tmp, final)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise StorageError(f"cannot restore snapshot {info.id}: {exc}", exc=exc,
-                               snapshot_id=info.id) from exc
+            raise StorageError(
+                f"cannot restore snapshot {info.id}: {exc}", exc=exc, snapshot_id=info.id
+            ) from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -85,8 +85,11 @@ class TemplateInfo:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TemplateInfo:
         paths_ = ("directory", "kernel", "initrd", "base_image", "snapshot_dir")
-        known: dict[str, Any] = {k: (Path(v) if k in paths_ else v) for k, v in data.items()
-                 if k in cls.__dataclass_fields__}
+        known: dict[str, Any] = {
+            k: (Path(v) if k in paths_ else v)
+            for k, v in data.items()
+            if k in cls.__dataclass_fields__
+        }
         return cls(**known)
 
 
@@ -100,8 +103,11 @@ def get(name: str) -> TemplateInfo:
     try:
         data = json.loads(tj.read_text())
     except FileNotFoundError as exc:
-        raise TemplateNotFound(f"no template named {name!r} (build it: torpor template build "
-                               f"{name})", kind="template", name=name) from exc
+        raise TemplateNotFound(
+            f"no template named {name!r} (build it: torpor template build {name})",
+            kind="template",
+            name=name,
+        ) from exc
     except (OSError, ValueError) as exc:
         raise StorageError(f"cannot read {tj}: {exc}", exc=exc) from exc
     return TemplateInfo.from_json(data)
@@ -146,9 +152,17 @@ def _lock(name: str) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def build(name: str = "python", *, apt: Sequence[str] = (), pip: Sequence[str] = (),
-          force: bool = False, progress: Progress | None = None, vcpus: int = 1,
-          memory_mib: int = 512, guest_dir: Path | None = None) -> TemplateInfo:
+def build(
+    name: str = "python",
+    *,
+    apt: Sequence[str] = (),
+    pip: Sequence[str] = (),
+    force: bool = False,
+    progress: Progress | None = None,
+    vcpus: int = 1,
+    memory_mib: int = 512,
+    guest_dir: Path | None = None,
+) -> TemplateInfo:
     """Build template ``name`` (or return it unchanged if it is already up to date).
 
     ``apt``/``pip``: extra packages installed in the guest. ``force``: rebuild every layer.
@@ -170,7 +184,11 @@ def build(name: str = "python", *, apt: Sequence[str] = (), pip: Sequence[str] =
             with contextlib.suppress(TemplateNotFound):
                 cur = get(name)
                 if (cur.guest_hash, cur.rootfs_key, cur.vcpus, cur.memory_mib) == (
-                        ghash, rkey, vcpus, memory_mib) and (cur.snapshot_dir / "state").exists():
+                    ghash,
+                    rkey,
+                    vcpus,
+                    memory_mib,
+                ) and (cur.snapshot_dir / "state").exists():
                     say("done", f"template {name!r} is up to date")
                     return cur
         try:
@@ -188,15 +206,24 @@ def build(name: str = "python", *, apt: Sequence[str] = (), pip: Sequence[str] =
         except BaseException:
             shutil.rmtree(info.directory / "builds" / info.build_id, ignore_errors=True)
             raise
-        info = TemplateInfo.from_json({**info.to_json(), "accel": accel,
-                                       "boot_seconds": round(time.monotonic() - t0, 2)})
+        info = TemplateInfo.from_json(
+            {**info.to_json(), "accel": accel, "boot_seconds": round(time.monotonic() - t0, 2)}
+        )
         _publish(info)
         say("done", f"template {name!r} built ({info.build_id})")
         return info
 
 
-def _new_build(name: str, image: Path, rkey: str, ghash: str, apt: list[str], pip: list[str],
-               vcpus: int, memory_mib: int) -> TemplateInfo:
+def _new_build(
+    name: str,
+    image: Path,
+    rkey: str,
+    ghash: str,
+    apt: list[str],
+    pip: list[str],
+    vcpus: int,
+    memory_mib: int,
+) -> TemplateInfo:
     """Make builds/<id>/ with hard links to the cached image files."""
     d = _template_dir(name)
     build_id = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{rkey[:6]}-{ghash[:6]}"
@@ -212,10 +239,19 @@ def _new_build(name: str, image: Path, rkey: str, ghash: str, apt: list[str], pi
     except OSError as exc:
         raise StorageError(f"cannot prepare {bdir}: {exc}", exc=exc) from exc
     return TemplateInfo(
-        name=name, directory=d, build_id=build_id, kernel=bdir / "vmlinuz",
-        initrd=bdir / "initrd.img", base_image=bdir / "base.qcow2",
-        snapshot_dir=bdir / "snapshot", vcpus=vcpus, memory_mib=memory_mib,
-        apt=apt, pip=pip, guest_hash=ghash, rootfs_key=rkey,
+        name=name,
+        directory=d,
+        build_id=build_id,
+        kernel=bdir / "vmlinuz",
+        initrd=bdir / "initrd.img",
+        base_image=bdir / "base.qcow2",
+        snapshot_dir=bdir / "snapshot",
+        vcpus=vcpus,
+        memory_mib=memory_mib,
+        apt=apt,
+        pip=pip,
+        guest_hash=ghash,
+        rootfs_key=rkey,
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )
 
@@ -227,14 +263,21 @@ async def _boot_and_snapshot(info: TemplateInfo, say: Progress, *, lines: bool) 
 
     report = await asyncio.to_thread(probe, kernel=info.kernel, initrd=info.initrd)
     say("accel", f"{report.accel}: {report.reason}")
-    machine = Machine(info.snapshot_dir, info,
-                      MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib,
-                                  accel=report.accel))
+    machine = Machine(
+        info.snapshot_dir,
+        info,
+        MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib, accel=report.accel),
+    )
     await machine.boot()
     try:
         say("agent", "waiting for the guest agent")
-        waited = await wait_for_agent(machine.agent_socket, machine.is_running,
-                                      AGENT_TIMEOUT, console=machine.console_log, lines=lines)
+        waited = await wait_for_agent(
+            machine.agent_socket,
+            machine.is_running,
+            AGENT_TIMEOUT,
+            console=machine.console_log,
+            lines=lines,
+        )
         if not lines:
             say("warm-up", f"agent answered after {waited:.1f}s; starting the interpreter")
             await _warm_up(machine.agent_socket)
@@ -254,13 +297,16 @@ async def _warm_up(sock: Path) -> None:
     async with await GuestChannel.connect(sock, timeout=60) as channel:
         execution = await channel.run_code("None", timeout=AGENT_TIMEOUT)
         if execution.error is not None:
-            raise GuestError(f"the guest interpreter failed to start: {execution.error.value}",
-                             traceback=execution.error.traceback)
+            raise GuestError(
+                f"the guest interpreter failed to start: {execution.error.value}",
+                traceback=execution.error.traceback,
+            )
         await channel.sync()
 
 
-async def wait_for_agent(sock: Path, alive: Any, timeout: float, *,
-                         console: Path | None = None, lines: bool = False) -> float:
+async def wait_for_agent(
+    sock: Path, alive: Any, timeout: float, *, console: Path | None = None, lines: bool = False
+) -> float:
     """Wait until the guest agent behind ``sock`` answers a ping; return the seconds waited.
 
     Uses :class:`torpor.sandbox.channel.GuestChannel` (one connection that pings until the
@@ -277,8 +323,11 @@ async def wait_for_agent(sock: Path, alive: Any, timeout: float, *,
             if done:
                 if task.result():
                     return time.monotonic() - t0
-                raise GuestError(f"the guest agent did not answer within {timeout:.0f}s\n"
-                                 + _console_tail(console), seconds=timeout)
+                raise GuestError(
+                    f"the guest agent did not answer within {timeout:.0f}s\n"
+                    + _console_tail(console),
+                    seconds=timeout,
+                )
             if not alive():
                 raise EngineError("QEMU exited during boot\n" + _console_tail(console))
     finally:
@@ -298,8 +347,9 @@ async def _ping_task(sock: Path, deadline: float, lines: bool) -> bool:
     try:
         from torpor.sandbox.channel import GuestChannel
     except ImportError as exc:
-        raise EngineError("torpor.sandbox.channel is missing: cannot talk to the agent",
-                          exc=exc) from exc
+        raise EngineError(
+            "torpor.sandbox.channel is missing: cannot talk to the agent", exc=exc
+        ) from exc
     left = deadline - time.monotonic()
     try:
         channel = await GuestChannel.connect(sock, timeout=max(left, 1.0))

@@ -56,8 +56,11 @@ _INCOMPAT_OFFSET = 0x60
 _INCOMPAT_RECOVER = 0x4  # the journal must be replayed (set while mounted, or after a crash)
 
 #: debugfs's own lines on stderr that are not errors
-_NOISE = (re.compile(r"^debugfs \d"), re.compile(r"^\s*Using EXT2FS Library"),
-          re.compile(r"catastrophic mode"))
+_NOISE = (
+    re.compile(r"^debugfs \d"),
+    re.compile(r"^\s*Using EXT2FS Library"),
+    re.compile(r"catastrophic mode"),
+)
 _TYPE_RE = re.compile(r"Type:\s*(\S+)")
 _SIZE_RE = re.compile(r"\bSize:\s*(\d+)")
 
@@ -71,8 +74,9 @@ def _quote(path: str) -> str:
 def _normalize(path: str) -> str:
     """The absolute, normalized path inside the volume. Raises InvalidArgument."""
     if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
-        raise InvalidArgument(f"a volume path must be absolute, not {path!r}", field="path",
-                              value=str(path))
+        raise InvalidArgument(
+            f"a volume path must be absolute, not {path!r}", field="path", value=str(path)
+        )
     norm = posixpath.normpath(path)
     return norm[1:] if norm.startswith("//") else norm
 
@@ -103,31 +107,40 @@ def _fail(image: Path, path: str, errors: list[str]) -> None:
         # the second: a file where the path needs a directory (``/a.txt/b``)
         raise PathNotFound(f"no such file {path} in the volume", kind="path", name=path)
     if "while trying to open" in text or "Filesystem not open" in text:
-        raise EngineError(f"cannot open the volume image {image.name}: {text}",
-                          image=str(image))
-    raise EngineError(f"debugfs could not read {path} from {image.name}: {text} (a sandbox "
-                      "writing to the volume can cause this; read again, or pause it first)",
-                      image=str(image), path=path)
+        raise EngineError(f"cannot open the volume image {image.name}: {text}", image=str(image))
+    raise EngineError(
+        f"debugfs could not read {path} from {image.name}: {text} (a sandbox "
+        "writing to the volume can cause this; read again, or pause it first)",
+        image=str(image),
+        path=path,
+    )
 
 
 def _stat(image: Path, path: str) -> tuple[str, int]:
     """The file type (``regular``, ``directory``, ``symlink`` ...) and size of ``path``."""
     try:
-        proc = subprocess.run(_debugfs(image, f"stat {_quote(path)}"), capture_output=True,
-                              env=_env(), check=False, timeout=120)
+        proc = subprocess.run(
+            _debugfs(image, f"stat {_quote(path)}"),
+            capture_output=True,
+            env=_env(),
+            check=False,
+            timeout=120,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise EngineError(f"cannot run debugfs: {exc}", exc=exc) from exc
     _fail(image, path, _errors(proc.stderr))
     out = proc.stdout.decode("utf-8", "replace")
     kind, size = _TYPE_RE.search(out), _SIZE_RE.search(out)
     if kind is None or size is None:
-        raise EngineError(f"unexpected debugfs output for {path}: {out[:200]!r}",
-                          image=str(image), path=path)
+        raise EngineError(
+            f"unexpected debugfs output for {path}: {out[:200]!r}", image=str(image), path=path
+        )
     return kind.group(1), int(size.group(1))
 
 
-def read_image_file(image: str | os.PathLike[str], path: str, *,
-                    max_bytes: int = LIMITS.max_file_bytes) -> bytes:
+def read_image_file(
+    image: str | os.PathLike[str], path: str, *, max_bytes: int = LIMITS.max_file_bytes
+) -> bytes:
     """The bytes of the regular file ``path`` inside the ext2/3/4 image ``image`` (read-only).
 
     Raises :class:`InvalidArgument` (a relative path, a directory, a symlink, a special file),
@@ -142,19 +155,28 @@ def read_image_file(image: str | os.PathLike[str], path: str, *,
     if kind == "directory":
         raise InvalidArgument(f"{path} is a directory", path=path)
     if kind != "regular":
-        raise InvalidArgument(f"{path} is a {kind}, not a regular file (a link's target "
-                              "depends on the mount point: cite the file itself)", path=path)
+        raise InvalidArgument(
+            f"{path} is a {kind}, not a regular file (a link's target "
+            "depends on the mount point: cite the file itself)",
+            path=path,
+        )
     if size > max_bytes:
-        raise PayloadTooLarge(f"{path} is {size} bytes, over {max_bytes}", size=size,
-                              limit=max_bytes, path=path)
+        raise PayloadTooLarge(
+            f"{path} is {size} bytes, over {max_bytes}", size=size, limit=max_bytes, path=path
+        )
     # ``dump`` into a private file, not ``cat`` to stdout: debugfs prints some warnings
     # (a superblock checksum retried while a guest rewrites it) on stdout, which would end up
     # in the content.
     with tempfile.TemporaryDirectory(prefix="torpor-volread-") as tmp:
         out = Path(tmp) / "file"
         try:
-            proc = subprocess.run(_debugfs(image, f"dump {_quote(path)} {_quote(str(out))}"),
-                                  capture_output=True, env=_env(), check=False, timeout=600)
+            proc = subprocess.run(
+                _debugfs(image, f"dump {_quote(path)} {_quote(str(out))}"),
+                capture_output=True,
+                env=_env(),
+                check=False,
+                timeout=600,
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise EngineError(f"cannot run debugfs: {exc}", exc=exc) from exc
         _fail(image, path, _errors(proc.stderr))
@@ -162,13 +184,17 @@ def read_image_file(image: str | os.PathLike[str], path: str, *,
             # The file may have grown since the stat (a live guest): check again.
             got = out.stat().st_size
             if got > max_bytes:
-                raise PayloadTooLarge(f"{path} grew over {max_bytes} bytes", size=got,
-                                      limit=max_bytes, path=path)
+                raise PayloadTooLarge(
+                    f"{path} grew over {max_bytes} bytes", size=got, limit=max_bytes, path=path
+                )
             return out.read_bytes()
         except FileNotFoundError as exc:
-            raise EngineError(f"debugfs wrote nothing for {path}: "
-                              f"{proc.stdout.decode('utf-8', 'replace')[:300]}",
-                              image=str(image), path=path, exc=exc) from exc
+            raise EngineError(
+                f"debugfs wrote nothing for {path}: {proc.stdout.decode('utf-8', 'replace')[:300]}",
+                image=str(image),
+                path=path,
+                exc=exc,
+            ) from exc
         except OSError as exc:
             raise StorageError(f"cannot read back {path}: {exc}", exc=exc) from exc
 
@@ -188,9 +214,15 @@ def needs_recovery(image: str | os.PathLike[str]) -> bool:
     return bool(int.from_bytes(raw, "little") & _INCOMPAT_RECOVER)
 
 
-def read_volume_file(store: VolumeStore, id_or_name: str, path: str, *,
-                     tenant: str = "default", max_bytes: int = LIMITS.max_file_bytes,
-                     live: set[str] | None = None) -> bytes:
+def read_volume_file(
+    store: VolumeStore,
+    id_or_name: str,
+    path: str,
+    *,
+    tenant: str = "default",
+    max_bytes: int = LIMITS.max_file_bytes,
+    live: set[str] | None = None,
+) -> bytes:
     """The bytes of ``path`` inside the volume ``id_or_name`` of ``tenant`` (see the module
     docstring for what a read sees while a sandbox has the volume attached).
 

@@ -64,6 +64,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_VOLUME_MIB = 1024 * 1024  # 1 TiB: a sparse file costs nothing until written
+
+
 class VolumeInfo(BaseModel):
     """A volume as callers see it."""
 
@@ -103,10 +105,16 @@ class VolumeStore(RecordStore[VolumeInfo]):
         EngineError (mkfs failed), StorageError. Nothing is left behind on failure.
         """
         check_name(name, "volume name")
-        if isinstance(size_mib, bool) or not isinstance(size_mib, int) or \
-                not 16 <= size_mib <= MAX_VOLUME_MIB:
-            raise InvalidArgument(f"size_mib must be a whole number from 16 to {MAX_VOLUME_MIB}, "
-                                  f"not {size_mib!r}", field="size_mib", value=str(size_mib))
+        if (
+            isinstance(size_mib, bool)
+            or not isinstance(size_mib, int)
+            or not 16 <= size_mib <= MAX_VOLUME_MIB
+        ):
+            raise InvalidArgument(
+                f"size_mib must be a whole number from 16 to {MAX_VOLUME_MIB}, not {size_mib!r}",
+                field="size_mib",
+                value=str(size_mib),
+            )
         vid = f"vol-{uuid.uuid4().hex[:12]}"
         image = self.image(vid)
         with locked(self.root):
@@ -115,16 +123,36 @@ class VolumeStore(RecordStore[VolumeInfo]):
             try:
                 with open(image, "wb") as f:
                     f.truncate(size_mib << 20)
-                subprocess.run(["mkfs.ext4", "-q", "-F", "-L", name[:16], "-m", "0",
-                                "-E", "lazy_itable_init=1,lazy_journal_init=1", str(image)],
-                               check=True, capture_output=True, text=True)
-                info = VolumeInfo(id=vid, name=name, tenant=tenant, size_mib=size_mib,
-                                  created_at=datetime.now(UTC))
+                subprocess.run(
+                    [
+                        "mkfs.ext4",
+                        "-q",
+                        "-F",
+                        "-L",
+                        name[:16],
+                        "-m",
+                        "0",
+                        "-E",
+                        "lazy_itable_init=1,lazy_journal_init=1",
+                        str(image),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                info = VolumeInfo(
+                    id=vid,
+                    name=name,
+                    tenant=tenant,
+                    size_mib=size_mib,
+                    created_at=datetime.now(UTC),
+                )
                 self._save(info)
             except subprocess.CalledProcessError as exc:
                 image.unlink(missing_ok=True)
-                raise EngineError(f"mkfs.ext4 failed for volume {name!r}: {exc.stderr.strip()}",
-                                  exc=exc) from exc
+                raise EngineError(
+                    f"mkfs.ext4 failed for volume {name!r}: {exc.stderr.strip()}", exc=exc
+                ) from exc
             except OSError as exc:
                 image.unlink(missing_ok=True)
                 raise StorageError(f"cannot create volume {name!r}: {exc}", exc=exc) from exc
@@ -134,17 +162,36 @@ class VolumeStore(RecordStore[VolumeInfo]):
         log.info("created volume %s (%s, %d MiB)", vid, name, size_mib)
         return info
 
-    def attach(self, id_or_name: str, sandbox_id: str, path: str, *, read_only: bool = False,
-               tenant: str = "default") -> VolumeInfo:
+    def attach(
+        self,
+        id_or_name: str,
+        sandbox_id: str,
+        path: str,
+        *,
+        read_only: bool = False,
+        tenant: str = "default",
+    ) -> VolumeInfo:
         """Record that ``sandbox_id`` uses the volume at ``path``.
 
         Raises VolumeNotFound, InvalidArgument (path), Conflict (the sharing rule).
         """
-        info = self._attach(id_or_name, sandbox_id, path, read_only, tenant,
-                            exclusive_writer=True, before_first=self._replay_journal)
+        info = self._attach(
+            id_or_name,
+            sandbox_id,
+            path,
+            read_only,
+            tenant,
+            exclusive_writer=True,
+            before_first=self._replay_journal,
+        )
         path = info.attachments[-1].path
-        log.info("volume %s attached to %s at %s (%s)", info.id, sandbox_id, path,
-                 "ro" if read_only else "rw")
+        log.info(
+            "volume %s attached to %s at %s (%s)",
+            info.id,
+            sandbox_id,
+            path,
+            "ro" if read_only else "rw",
+        )
         return info
 
     def _replay_journal(self, volume_id: str) -> None:
@@ -154,21 +201,28 @@ class VolumeStore(RecordStore[VolumeInfo]):
         read-only cannot replay it (and without the replay would miss synced writes), so the
         host does it here. Raises EngineError when e2fsck finds more than the journal to fix.
         """
-        proc = subprocess.run(["e2fsck", "-p", "-E", "journal_only", str(self.image(volume_id))],
-                              capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            ["e2fsck", "-p", "-E", "journal_only", str(self.image(volume_id))],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if proc.returncode >= 4:
-            raise EngineError(f"volume {volume_id} needs repair: {proc.stdout.strip()} "
-                              f"{proc.stderr.strip()}", exit_code=proc.returncode)
+            raise EngineError(
+                f"volume {volume_id} needs repair: {proc.stdout.strip()} {proc.stderr.strip()}",
+                exit_code=proc.returncode,
+            )
 
 
 async def find_guest_disk(channel: Any, serial: str, timeout: float = 20.0) -> str:
     """The guest device of a hot-plugged virtio disk, found by its serial (the guest has no
     udev, so no /dev/disk/by-id): polls /sys/block/*/serial until the kernel has probed it."""
-    script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do for b in /sys/block/vd*; do "
-              f"[ \"$(cat $b/serial 2>/dev/null)\" = '{serial}' ] && echo /dev/${{b##*/}} && "
-              "exit 0; done; sleep 0.1; i=$((i+1)); done; exit 1")
+    script = (
+        f"i=0; while [ $i -lt {int(timeout * 10)} ]; do for b in /sys/block/vd*; do "
+        f"[ \"$(cat $b/serial 2>/dev/null)\" = '{serial}' ] && echo /dev/${{b##*/}} && "
+        "exit 0; done; sleep 0.1; i=$((i+1)); done; exit 1"
+    )
     result = await channel.run_command(script, timeout=timeout + 10)
     if result.exit_code != 0 or not result.stdout.strip():
-        raise GuestError(f"the guest did not see disk {serial} within {timeout} s",
-                         serial=serial)
+        raise GuestError(f"the guest did not see disk {serial} within {timeout} s", serial=serial)
     return str(result.stdout.strip())

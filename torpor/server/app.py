@@ -73,8 +73,9 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
-        err: TorporError = NotFound(f"no route {request.method} {request.url.path}",
-                                    kind="route", name=request.url.path)
+        err: TorporError = NotFound(
+            f"no route {request.method} {request.url.path}", kind="route", name=request.url.path
+        )
     elif exc.status_code < 500:
         err = InvalidArgument(str(exc.detail))
         err.http_status = exc.status_code
@@ -102,9 +103,15 @@ async def _supervise(manager: Any, interval: float) -> None:
             log.exception("idle sweep failed")
 
 
-def create_app(manager: Any, *, tokens: TokenStore | None = None, supervise: bool = True,
-               idle_interval: float = 1.0, max_file_bytes: int = LIMITS.max_file_bytes,
-               on_shutdown: list[Any] | None = None) -> FastAPI:
+def create_app(
+    manager: Any,
+    *,
+    tokens: TokenStore | None = None,
+    supervise: bool = True,
+    idle_interval: float = 1.0,
+    max_file_bytes: int = LIMITS.max_file_bytes,
+    on_shutdown: list[Any] | None = None,
+) -> FastAPI:
     """A FastAPI app serving ``manager`` (a :class:`~torpor.sandbox.manager.SandboxManager`).
 
     ``tokens``: bearer tokens -> tenants (None: every caller is the local tenant).
@@ -121,6 +128,7 @@ def create_app(manager: Any, *, tokens: TokenStore | None = None, supervise: boo
         gc_task = None
         with contextlib.suppress(ModuleNotFoundError):  # CHECKPOINTS: drive hooks + periodic GC
             from torpor.server.routes_checkpoints import start_background
+
             gc_task = start_background(app, manager) if supervise else None
         log.info("torpor server ready (pid %d)", os.getpid())
         try:
@@ -136,8 +144,9 @@ def create_app(manager: Any, *, tokens: TokenStore | None = None, supervise: boo
                 callback()
             log.info("torpor server stopped")
 
-    app = FastAPI(title="torpor", version=torpor.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="torpor", version=torpor.__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.manager = manager
     app.state.tokens = tokens or TokenStore(None)
     app.state.max_file_bytes = max_file_bytes
@@ -150,8 +159,13 @@ def create_app(manager: Any, *, tokens: TokenStore | None = None, supervise: boo
     async def health(tenant: Tenant) -> dict[str, Any]:
         """Liveness, and who this server is (the client's auto-start polls it)."""
         home = getattr(manager, "paths", None)
-        return {"ok": True, "pid": os.getpid(), "version": torpor.__version__,
-                "tenant": tenant, "home": str(getattr(home, "home", "")) or None}
+        return {
+            "ok": True,
+            "pid": os.getpid(),
+            "version": torpor.__version__,
+            "tenant": tenant,
+            "home": str(getattr(home, "home", "")) or None,
+        }
 
     for name in ROUTERS:
         try:

@@ -62,8 +62,9 @@ def add_token(path: str | os.PathLike[str], tenant: str) -> str:
             os.fsync(out.fileno())
         os.replace(tmp, file)
     except OSError as exc:
-        raise StorageError(f"cannot write token file {file}: {exc}", exc=exc,
-                           path=str(file)) from exc
+        raise StorageError(
+            f"cannot write token file {file}: {exc}", exc=exc, path=str(file)
+        ) from exc
     return token
 
 
@@ -99,14 +100,16 @@ class TokenStore:
         try:
             raw = json.loads(file.read_text())
         except OSError as exc:
-            raise StorageError(f"cannot read token file {file}: {exc}", exc=exc,
-                               path=str(file)) from exc
+            raise StorageError(
+                f"cannot read token file {file}: {exc}", exc=exc, path=str(file)
+            ) from exc
         except ValueError as exc:
             raise InvalidArgument(f"token file {file} is not JSON: {exc}", path=str(file)) from exc
         tokens = raw.get("tokens") if isinstance(raw, dict) else None
         if not isinstance(tokens, dict) or not tokens:
-            raise InvalidArgument(f'token file {file} needs {{"tokens": {{TOKEN: TENANT}}}}',
-                                  path=str(file))
+            raise InvalidArgument(
+                f'token file {file} needs {{"tokens": {{TOKEN: TENANT}}}}', path=str(file)
+            )
         if file.stat().st_mode & 0o077:
             log.warning("token file %s is readable by other users", file)
         return cls({str(k): str(v) for k, v in tokens.items()})

@@ -51,8 +51,11 @@ def _lock(p: Paths) -> IO[str]:
         handle.seek(0)
         owner = handle.read().strip()
         handle.close()
-        raise Conflict(f"another torpor server (pid {owner or '?'}) owns {p.home}",
-                       pid=int(owner) if owner.isdigit() else None, home=str(p.home)) from None
+        raise Conflict(
+            f"another torpor server (pid {owner or '?'}) owns {p.home}",
+            pid=int(owner) if owner.isdigit() else None,
+            home=str(p.home),
+        ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")
@@ -119,9 +122,16 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def serve(home: str | os.PathLike[str] | None = None, *, socket_path: Path | None = None,
-          host: str | None = None, port: int = 8765, token_file: Path | None = None,
-          manager: Any = None, log_level: str = "info") -> None:
+def serve(
+    home: str | os.PathLike[str] | None = None,
+    *,
+    socket_path: Path | None = None,
+    host: str | None = None,
+    port: int = 8765,
+    token_file: Path | None = None,
+    manager: Any = None,
+    log_level: str = "info",
+) -> None:
     """Run the server in this process until SIGTERM/SIGINT.
 
     Listens on ``socket_path`` (default ``paths(home).socket``), or on ``host:port`` when
@@ -165,13 +175,18 @@ def serve(home: str | os.PathLike[str] | None = None, *, socket_path: Path | Non
 
     app = create_app(manager, tokens=tokens, on_shutdown=cleanup)
     # The stock asyncio loop, not uvloop: qemu.qmp relies on asyncio's own socket objects.
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
-                            loop="asyncio", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="on",
+        access_log=False,
+        loop="asyncio",
+        timeout_graceful_shutdown=10,
+    )
     server = uvicorn.Server(config)
     where = str(sock_file) if host is None else f"{host}:{sock.getsockname()[1]}"
     log.info("torpor server pid %d for %s listening on %s", os.getpid(), p.home, where)
-    previous = {sig: signal.signal(sig, _exit_on_signal)
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run(sockets=[sock])
         if not server.started:

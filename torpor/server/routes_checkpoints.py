@@ -117,83 +117,91 @@ class GcBody(_Body):
 
 # -- sandboxes -------------------------------------------------------------------------------
 
+
 @router.post("/sandboxes/{id_or_name}/snapshots", status_code=201)
-async def snapshot(id_or_name: str, body: SnapshotBody, tenant: Tenant,
-                   cp: Cp) -> SnapshotInfo:
+async def snapshot(id_or_name: str, body: SnapshotBody, tenant: Tenant, cp: Cp) -> SnapshotInfo:
     return await cp.snapshot(
-        id_or_name, name=body.name, retention_days=body.retention_days, labels=body.labels,
-        tenant=tenant)
+        id_or_name,
+        name=body.name,
+        retention_days=body.retention_days,
+        labels=body.labels,
+        tenant=tenant,
+    )
 
 
 @router.post("/sandboxes/{id_or_name}/fork", status_code=201)
-async def fork(id_or_name: str, body: ForkBody, tenant: Tenant,
-               cp: Cp) -> list[SandboxInfo]:
+async def fork(id_or_name: str, body: ForkBody, tenant: Tenant, cp: Cp) -> list[SandboxInfo]:
     return await cp.fork(
-        id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant)
+        id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant
+    )
 
 
 @router.post("/sandboxes/{id_or_name}/volumes")
-async def attach_volume(id_or_name: str, body: AttachBody, tenant: Tenant,
-                        cp: Cp) -> VolumeInfo:
+async def attach_volume(id_or_name: str, body: AttachBody, tenant: Tenant, cp: Cp) -> VolumeInfo:
     return await cp.attach_volume(
-        id_or_name, body.volume or "", body.path, read_only=body.read_only, tenant=tenant)
+        id_or_name, body.volume or "", body.path, read_only=body.read_only, tenant=tenant
+    )
 
 
 @router.post("/sandboxes/{id_or_name}/drives")
-async def attach_drive(id_or_name: str, body: AttachBody, tenant: Tenant,
-                       cp: Cp) -> DriveInfo:
+async def attach_drive(id_or_name: str, body: AttachBody, tenant: Tenant, cp: Cp) -> DriveInfo:
     return await cp.attach_drive(
-        id_or_name, body.drive or "", body.path, read_only=body.read_only, tenant=tenant)
+        id_or_name, body.drive or "", body.path, read_only=body.read_only, tenant=tenant
+    )
 
 
 @router.post("/checkpoints/sandboxes", status_code=201)
-async def compose(body: ComposeBody, tenant: Tenant,
-                  cp: Cp) -> SandboxInfo:
+async def compose(body: ComposeBody, tenant: Tenant, cp: Cp) -> SandboxInfo:
     options = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
     return await cp.create(tenant=tenant, **options)
 
 
 # -- snapshots -------------------------------------------------------------------------------
 
+
 @router.get("/snapshots")
-async def list_snapshots(tenant: Tenant,
-                         cp: Cp) -> list[SnapshotInfo]:
+async def list_snapshots(tenant: Tenant, cp: Cp) -> list[SnapshotInfo]:
     return cp.list_snapshots(tenant=tenant)
 
 
 @router.get("/snapshots/{id_or_name}")
-async def get_snapshot(id_or_name: str, tenant: Tenant,
-                       cp: Cp) -> SnapshotInfo:
+async def get_snapshot(id_or_name: str, tenant: Tenant, cp: Cp) -> SnapshotInfo:
     return cp.get_snapshot(id_or_name, tenant=tenant)
 
 
 @router.delete("/snapshots/{id_or_name}", status_code=204)
-async def delete_snapshot(id_or_name: str, tenant: Tenant,
-                          cp: Cp) -> Response:
+async def delete_snapshot(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
     cp.delete_snapshot(id_or_name, tenant=tenant)
     return Response(status_code=204)
 
 
 @router.post("/snapshots/{id_or_name}/restore", status_code=201)
-async def restore(id_or_name: str, body: RestoreBody, tenant: Tenant,
-                  cp: Cp) -> SandboxInfo:
+async def restore(id_or_name: str, body: RestoreBody, tenant: Tenant, cp: Cp) -> SandboxInfo:
     return await cp.restore(
-        id_or_name, name=body.name, labels=body.labels,
+        id_or_name,
+        name=body.name,
+        labels=body.labels,
         idle_pause_seconds=body.idle_pause_seconds,
-        pause_retention_days=body.pause_retention_days, tenant=tenant)
+        pause_retention_days=body.pause_retention_days,
+        tenant=tenant,
+    )
 
 
 @router.post("/snapshots/{id_or_name}/fork", status_code=201)
-async def fork_snapshot(id_or_name: str, body: ForkBody, tenant: Tenant,
-                        cp: Cp) -> list[SandboxInfo]:
+async def fork_snapshot(
+    id_or_name: str, body: ForkBody, tenant: Tenant, cp: Cp
+) -> list[SandboxInfo]:
     return await cp.fork_snapshot(
-        id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant)
+        id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant
+    )
 
 
 # -- volumes and drives ----------------------------------------------------------------------
 
-def _delete_shared(cp: Checkpoints, store: RecordStore[Any], id_or_name: str,
-                   tenant: str) -> Response:
+
+def _delete_shared(
+    cp: Checkpoints, store: RecordStore[Any], id_or_name: str, tenant: str
+) -> Response:
     """Delete a volume or drive once attachments of killed sandboxes are dropped (they no
     longer hold it). Raises NotFound, Conflict while a live sandbox has it attached."""
     store.release(keep=cp._live_ids())
@@ -202,10 +210,8 @@ def _delete_shared(cp: Checkpoints, store: RecordStore[Any], id_or_name: str,
 
 
 @router.post("/volumes", status_code=201)
-async def create_volume(body: VolumeBody, tenant: Tenant,
-                        cp: Cp) -> VolumeInfo:
-    return cp.volumes.create(body.name, size_mib=body.size_mib,
-                                                           tenant=tenant)
+async def create_volume(body: VolumeBody, tenant: Tenant, cp: Cp) -> VolumeInfo:
+    return cp.volumes.create(body.name, size_mib=body.size_mib, tenant=tenant)
 
 
 @router.get("/volumes")
@@ -214,20 +220,17 @@ async def list_volumes(tenant: Tenant, cp: Cp) -> list[VolumeInfo]:
 
 
 @router.get("/volumes/{id_or_name}")
-async def get_volume(id_or_name: str, tenant: Tenant,
-                     cp: Cp) -> VolumeInfo:
+async def get_volume(id_or_name: str, tenant: Tenant, cp: Cp) -> VolumeInfo:
     return cp.volumes.get(id_or_name, tenant=tenant)
 
 
 @router.delete("/volumes/{id_or_name}", status_code=204)
-async def delete_volume(id_or_name: str, tenant: Tenant,
-                        cp: Cp) -> Response:
+async def delete_volume(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
     return _delete_shared(cp, cp.volumes, id_or_name, tenant)
 
 
 @router.post("/drives", status_code=201)
-async def create_drive(body: DriveBody, tenant: Tenant,
-                       cp: Cp) -> DriveInfo:
+async def create_drive(body: DriveBody, tenant: Tenant, cp: Cp) -> DriveInfo:
     return cp.drives.create(body.name, tenant=tenant)
 
 
@@ -237,18 +240,17 @@ async def list_drives(tenant: Tenant, cp: Cp) -> list[DriveInfo]:
 
 
 @router.get("/drives/{id_or_name}")
-async def get_drive(id_or_name: str, tenant: Tenant,
-                    cp: Cp) -> DriveInfo:
+async def get_drive(id_or_name: str, tenant: Tenant, cp: Cp) -> DriveInfo:
     return cp.drives.get(id_or_name, tenant=tenant)
 
 
 @router.delete("/drives/{id_or_name}", status_code=204)
-async def delete_drive(id_or_name: str, tenant: Tenant,
-                       cp: Cp) -> Response:
+async def delete_drive(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
     return _delete_shared(cp, cp.drives, id_or_name, tenant)
 
 
 # -- retention -------------------------------------------------------------------------------
+
 
 @router.post("/gc")
 async def gc(body: GcBody, tenant: Tenant, cp: Cp) -> dict[str, Any]:

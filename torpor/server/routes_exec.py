@@ -68,16 +68,22 @@ class RunCode(BaseModel):
 
 
 def _command_kwargs(body: RunCommand) -> dict[str, Any]:
-    return {"cwd": body.cwd, "env": body.env, "timeout": body.timeout,
-            "background": body.background}
+    return {
+        "cwd": body.cwd,
+        "env": body.env,
+        "timeout": body.timeout,
+        "background": body.background,
+    }
 
 
 @router.post("/commands")
-async def run_command(id_or_name: str, body: RunCommand, manager: Manager,
-                      tenant: Tenant) -> CommandResult:
+async def run_command(
+    id_or_name: str, body: RunCommand, manager: Manager, tenant: Tenant
+) -> CommandResult:
     """Run a command and answer when it ends (or at once with its pid, if ``background``)."""
-    result: CommandResult = await manager.run_command(id_or_name, body.cmd,
-                                                      **_command_kwargs(body), tenant=tenant)
+    result: CommandResult = await manager.run_command(
+        id_or_name, body.cmd, **_command_kwargs(body), tenant=tenant
+    )
     return result
 
 
@@ -86,8 +92,9 @@ def _text(chunk: str | bytes) -> str:
 
 
 #: ``call(on_stdout, on_stderr)`` -> the final result; what a streamed route runs.
-StreamedCall = Callable[[Callable[[str | bytes], None], Callable[[str | bytes], None]],
-                        Awaitable[BaseModel]]
+StreamedCall = Callable[
+    [Callable[[str | bytes], None], Callable[[str | bytes], None]], Awaitable[BaseModel]
+]
 
 
 def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
@@ -130,13 +137,21 @@ def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
 
 
 @router.post("/commands/stream")
-async def run_command_stream(id_or_name: str, body: RunCommand, manager: Manager,
-                             tenant: Tenant) -> StreamingResponse:
+async def run_command_stream(
+    id_or_name: str, body: RunCommand, manager: Manager, tenant: Tenant
+) -> StreamingResponse:
     """Run a command, streaming its output as it comes (NDJSON, see the module docstring)."""
     return stream_ndjson(
-        lambda out, err: manager.run_command(id_or_name, body.cmd, **_command_kwargs(body),
-                                             on_stdout=out, on_stderr=err, tenant=tenant),
-        f"command in {id_or_name}")
+        lambda out, err: manager.run_command(
+            id_or_name,
+            body.cmd,
+            **_command_kwargs(body),
+            on_stdout=out,
+            on_stderr=err,
+            tenant=tenant,
+        ),
+        f"command in {id_or_name}",
+    )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -147,8 +162,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body of {declared} bytes is over the {limit}-byte limit",
-                              size=int(declared), limit=limit)
+        raise PayloadTooLarge(
+            f"body of {declared} bytes is over the {limit}-byte limit",
+            size=int(declared),
+            limit=limit,
+        )
     parts: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -164,16 +182,16 @@ def _file_limit(request: Request) -> int:
 
 
 @router.get("/files")
-async def read_file(id_or_name: str, manager: Manager, tenant: Tenant,
-                    path: PathQuery) -> Response:
+async def read_file(id_or_name: str, manager: Manager, tenant: Tenant, path: PathQuery) -> Response:
     """A file's bytes."""
     data: bytes = await manager.read_file(id_or_name, path, tenant=tenant)
     return Response(content=data, media_type="application/octet-stream")
 
 
 @router.put("/files", status_code=204)
-async def write_file(id_or_name: str, request: Request, manager: Manager, tenant: Tenant,
-                     path: PathQuery) -> Response:
+async def write_file(
+    id_or_name: str, request: Request, manager: Manager, tenant: Tenant, path: PathQuery
+) -> Response:
     """Write the raw body to ``path`` (parents created, replaced atomically)."""
     data = await read_body(request, _file_limit(request))
     await manager.write_file(id_or_name, path, data, tenant=tenant)
@@ -181,31 +199,31 @@ async def write_file(id_or_name: str, request: Request, manager: Manager, tenant
 
 
 @router.delete("/files", status_code=204)
-async def remove(id_or_name: str, manager: Manager, tenant: Tenant,
-                 path: PathQuery) -> Response:
+async def remove(id_or_name: str, manager: Manager, tenant: Tenant, path: PathQuery) -> Response:
     """Remove a file or a whole tree."""
     await manager.remove(id_or_name, path, tenant=tenant)
     return Response(status_code=204)
 
 
 @router.get("/files/list")
-async def list_dir(id_or_name: str, manager: Manager, tenant: Tenant,
-                   path: PathQuery) -> list[EntryInfo]:
+async def list_dir(
+    id_or_name: str, manager: Manager, tenant: Tenant, path: PathQuery
+) -> list[EntryInfo]:
     """A directory's entries."""
     entries: list[EntryInfo] = await manager.list_dir(id_or_name, path, tenant=tenant)
     return entries
 
 
 @router.get("/files/exists")
-async def exists(id_or_name: str, manager: Manager, tenant: Tenant,
-                 path: PathQuery) -> dict[str, bool]:
+async def exists(
+    id_or_name: str, manager: Manager, tenant: Tenant, path: PathQuery
+) -> dict[str, bool]:
     """Whether ``path`` exists."""
     return {"exists": bool(await manager.exists(id_or_name, path, tenant=tenant))}
 
 
 @router.post("/files/mkdir", status_code=204)
-async def make_dir(id_or_name: str, manager: Manager, tenant: Tenant,
-                   path: PathQuery) -> Response:
+async def make_dir(id_or_name: str, manager: Manager, tenant: Tenant, path: PathQuery) -> Response:
     """Create a directory and its parents (no error if it exists)."""
     await manager.make_dir(id_or_name, path, tenant=tenant)
     return Response(status_code=204)
@@ -214,26 +232,30 @@ async def make_dir(id_or_name: str, manager: Manager, tenant: Tenant,
 def _check_code(code: str) -> None:
     size = len(code.encode())
     if size > LIMITS.max_code_bytes:
-        raise PayloadTooLarge(f"code of {size} bytes is over the limit", size=size,
-                              limit=LIMITS.max_code_bytes)
+        raise PayloadTooLarge(
+            f"code of {size} bytes is over the limit", size=size, limit=LIMITS.max_code_bytes
+        )
 
 
 @router.post("/interpreter")
-async def run_code(id_or_name: str, body: RunCode, manager: Manager,
-                   tenant: Tenant) -> Execution:
+async def run_code(id_or_name: str, body: RunCode, manager: Manager, tenant: Tenant) -> Execution:
     """Run code in the sandbox's interpreter; variables persist between calls and pauses."""
     _check_code(body.code)
-    execution: Execution = await manager.run_code(id_or_name, body.code, timeout=body.timeout,
-                                                  tenant=tenant)
+    execution: Execution = await manager.run_code(
+        id_or_name, body.code, timeout=body.timeout, tenant=tenant
+    )
     return execution
 
 
 @router.post("/interpreter/stream")
-async def run_code_stream(id_or_name: str, body: RunCode, manager: Manager,
-                          tenant: Tenant) -> StreamingResponse:
+async def run_code_stream(
+    id_or_name: str, body: RunCode, manager: Manager, tenant: Tenant
+) -> StreamingResponse:
     """Run code, streaming what it prints as it comes, then the Execution (NDJSON)."""
     _check_code(body.code)
     return stream_ndjson(
-        lambda out, err: manager.run_code(id_or_name, body.code, timeout=body.timeout,
-                                          on_stdout=out, on_stderr=err, tenant=tenant),
-        f"code in {id_or_name}")
+        lambda out, err: manager.run_code(
+            id_or_name, body.code, timeout=body.timeout, on_stdout=out, on_stderr=err, tenant=tenant
+        ),
+        f"code in {id_or_name}",
+    )

@@ -81,8 +81,9 @@ async def create_sandbox(body: CreateSandbox, manager: Manager, tenant: Tenant) 
 
 
 @router.put("/by-name/{name}")
-async def get_or_create_sandbox(name: str, body: CreateSandbox, manager: Manager,
-                                tenant: Tenant) -> SandboxInfo:
+async def get_or_create_sandbox(
+    name: str, body: CreateSandbox, manager: Manager, tenant: Tenant
+) -> SandboxInfo:
     """Return the sandbox called ``name`` (woken if paused), creating it if there is none."""
     options = body.options()
     if options.pop("name", name) != name:
@@ -92,15 +93,18 @@ async def get_or_create_sandbox(name: str, body: CreateSandbox, manager: Manager
 
 
 @router.get("")
-async def list_sandboxes(manager: Manager, tenant: Tenant,
-                         label: Annotated[list[str] | None, Query()] = None,
-                         include_stopped: Annotated[bool, Query(alias="all")] = False,
-                         ) -> list[SandboxInfo]:
+async def list_sandboxes(
+    manager: Manager,
+    tenant: Tenant,
+    label: Annotated[list[str] | None, Query()] = None,
+    include_stopped: Annotated[bool, Query(alias="all")] = False,
+) -> list[SandboxInfo]:
     """The tenant's sandboxes, optionally only those carrying every ``label=KEY=VALUE``;
     killed ones too with ``all=true``."""
     extra = {"include_stopped": True} if include_stopped else {}
-    infos: list[SandboxInfo] = await manager.list(labels=parse_labels(label), tenant=tenant,
-                                                  **extra)
+    infos: list[SandboxInfo] = await manager.list(
+        labels=parse_labels(label), tenant=tenant, **extra
+    )
     return [i for i in infos if i.tenant == tenant]
 
 
@@ -113,15 +117,15 @@ async def get_sandbox(id_or_name: str, manager: Manager, tenant: Tenant) -> Sand
 @router.post("/{id_or_name}/pause")
 async def pause_sandbox(id_or_name: str, manager: Manager, tenant: Tenant) -> SandboxInfo:
     """Hibernate the sandbox to disk (RAM, processes and all)."""
-    return await _fresh(manager, await manager.pause(id_or_name, tenant=tenant), id_or_name,
-                        tenant)
+    return await _fresh(manager, await manager.pause(id_or_name, tenant=tenant), id_or_name, tenant)
 
 
 @router.post("/{id_or_name}/resume")
 async def resume_sandbox(id_or_name: str, manager: Manager, tenant: Tenant) -> SandboxInfo:
     """Wake a paused sandbox."""
-    return await _fresh(manager, await manager.resume(id_or_name, tenant=tenant), id_or_name,
-                        tenant)
+    return await _fresh(
+        manager, await manager.resume(id_or_name, tenant=tenant), id_or_name, tenant
+    )
 
 
 @router.delete("/{id_or_name}", status_code=204)

@@ -28,13 +28,25 @@ router = APIRouter(prefix="/v1", tags=["checkpoints"])
 
 
 @router.get("/volumes/{id_or_name}/files")
-async def read_file(id_or_name: str, path: Annotated[str, Query(min_length=1)],
-                    request: Request, manager: Manager, tenant: Tenant) -> Response:
+async def read_file(
+    id_or_name: str,
+    path: Annotated[str, Query(min_length=1)],
+    request: Request,
+    manager: Manager,
+    tenant: Tenant,
+) -> Response:
     """A file's bytes. Raises VolumeNotFound, PathNotFound, InvalidArgument (a directory or
     link), PayloadTooLarge (over the server's file limit), EngineError."""
     cp = checkpoints_of(request, manager)
     limit = int(getattr(request.app.state, "max_file_bytes", LIMITS.max_file_bytes))
     # debugfs runs as a subprocess and the volume lock may wait: keep the event loop free.
-    data = await asyncio.to_thread(read_volume_file, cp.volumes, id_or_name, path,
-                                   tenant=tenant, max_bytes=limit, live=cp._live_ids())
+    data = await asyncio.to_thread(
+        read_volume_file,
+        cp.volumes,
+        id_or_name,
+        path,
+        tenant=tenant,
+        max_bytes=limit,
+        live=cp._live_ids(),
+    )
     return Response(content=data, media_type="application/octet-stream")

@@ -93,7 +93,13 @@ def make_pool(dsn: str, size: int) -> Pool:
         return SimplePool(dsn, size)
     # a caller waits at most _CONNECT_TIMEOUT for a free connection, then gets PoolTimeout
     # (a psycopg.OperationalError, so a StorageError to torpor's callers)
-    pool: Pool = ConnectionPool(dsn, min_size=1, max_size=max(1, size), open=True,
-                                timeout=_CONNECT_TIMEOUT, name="torpor-memory",
-                                kwargs={"connect_timeout": _CONNECT_TIMEOUT})
+    pool: Pool = ConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=max(1, size),
+        open=True,
+        timeout=_CONNECT_TIMEOUT,
+        name="torpor-memory",
+        kwargs={"connect_timeout": _CONNECT_TIMEOUT},
+    )
     return pool

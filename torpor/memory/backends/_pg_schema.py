@@ -158,12 +158,15 @@ GRANT SELECT{writes} ON torpor.{t} TO torpor_app;
 """
 
 
-
 def _rls(table: str) -> str:
     # FORCE makes the policy bind the owner too. Not on the tables that the SECURITY DEFINER
     # functions below read across tenants (they run as the owner); torpor_app, which every
     # query runs as, is never the owner, so RLS binds it on every table either way.
-    force = "" if table in _DEFINER_TABLES else f"ALTER TABLE torpor.{table} FORCE ROW LEVEL SECURITY;\n"
+    force = (
+        ""
+        if table in _DEFINER_TABLES
+        else f"ALTER TABLE torpor.{table} FORCE ROW LEVEL SECURITY;\n"
+    )
     # the audit log is append-only for the app: it writes through audit_append()
     writes = "" if table == "audit" else ", INSERT, UPDATE, DELETE"
     return _RLS.format(t=table, force=force, writes=writes)
@@ -254,8 +257,7 @@ $fn$;
 
 #: Migration steps; version N is MIGRATIONS[N - 1]. Append only, never edit a shipped step.
 MIGRATIONS: list[tuple[str, str]] = [
-    ("tables and row-level security",
-     _V1 + "".join(_rls(t) for t in _TENANT_TABLES) + _GRANTS),
+    ("tables and row-level security", _V1 + "".join(_rls(t) for t in _TENANT_TABLES) + _GRANTS),
     ("full text search", _V2),
     ("vectors and cross-tenant functions", _V3),
     ("lexical candidates through the GIN index", _V4),
@@ -332,13 +334,17 @@ def hnsw_index_sql(dim: int) -> sql.Composed:
     ).format(name=sql.Identifier(f"records_hnsw_{int(dim)}"), dim=sql.Literal(int(dim)))
 
 
-COLUMNS = ("id, kind, scope, key, text, metadata, created_at, valid_from, valid_to, "
-           "durability, expires_at, role, session, source, source_hash, verified, stale, "
-           "superseded_by")
+COLUMNS = (
+    "id, kind, scope, key, text, metadata, created_at, valid_from, valid_to, "
+    "durability, expires_at, role, session, source, source_hash, verified, stale, "
+    "superseded_by"
+)
 _NCOLS = len(COLUMNS.split(", "))
-INSERT_SQL = (f"INSERT INTO torpor.records (tenant_id, {COLUMNS}, embedding, embedding_dim) "
-              f"VALUES ({TENANT}, {', '.join(['%s'] * _NCOLS)}, "
-              "%s::vector, %s)")
+INSERT_SQL = (
+    f"INSERT INTO torpor.records (tenant_id, {COLUMNS}, embedding, embedding_dim) "
+    f"VALUES ({TENANT}, {', '.join(['%s'] * _NCOLS)}, "
+    "%s::vector, %s)"
+)
 
 
 def _opt_us(value: Any) -> int | None:
@@ -348,14 +354,25 @@ def _opt_us(value: Any) -> int | None:
 def record_to_row(r: AnyRecord) -> tuple[Any, ...]:
     """The INSERT parameters for ``r`` (in :data:`COLUMNS` order, without the embedding)."""
     is_fact = isinstance(r, Fact)
-    source = (r.source.model_dump_json(exclude_none=True)
-              if isinstance(r, Fact) and r.source else None)
+    source = (
+        r.source.model_dump_json(exclude_none=True) if isinstance(r, Fact) and r.source else None
+    )
     return (
-        r.id, r.kind, r.scope, r.key if isinstance(r, Fact) else None, r.text,
-        json.dumps(r.metadata, separators=(",", ":")), to_us(r.created_at),
-        to_us(r.valid_from), _opt_us(r.valid_to), r.durability, _opt_us(r.expires_at),
-        r.role if isinstance(r, Episode) else None, r.session if isinstance(r, Episode) else None,
-        source, r.source_hash if isinstance(r, Fact) else None,
+        r.id,
+        r.kind,
+        r.scope,
+        r.key if isinstance(r, Fact) else None,
+        r.text,
+        json.dumps(r.metadata, separators=(",", ":")),
+        to_us(r.created_at),
+        to_us(r.valid_from),
+        _opt_us(r.valid_to),
+        r.durability,
+        _opt_us(r.expires_at),
+        r.role if isinstance(r, Episode) else None,
+        r.session if isinstance(r, Episode) else None,
+        source,
+        r.source_hash if isinstance(r, Fact) else None,
         bool(r.verified) if isinstance(r, Fact) else False,
         bool(r.stale) if isinstance(r, Fact) else False,
         r.superseded_by if is_fact and isinstance(r, Fact) else None,
@@ -364,21 +381,47 @@ def record_to_row(r: AnyRecord) -> tuple[Any, ...]:
 
 def row_to_record(row: tuple[Any, ...] | Any) -> AnyRecord:
     """A model from a row selected with :data:`COLUMNS` first (trusted data: no re-validation)."""
-    (id_, kind, scope, key, text, metadata, created_at, valid_from, valid_to, durability,
-     expires_at, role, session, source, source_hash, verified, stale, superseded_by) = row[:_NCOLS]
+    (
+        id_,
+        kind,
+        scope,
+        key,
+        text,
+        metadata,
+        created_at,
+        valid_from,
+        valid_to,
+        durability,
+        expires_at,
+        role,
+        session,
+        source,
+        source_hash,
+        verified,
+        stale,
+        superseded_by,
+    ) = row[:_NCOLS]
     common: dict[str, Any] = {
-        "id": id_, "scope": scope, "text": text, "metadata": metadata,
-        "created_at": from_us(created_at), "valid_from": from_us(valid_from),
+        "id": id_,
+        "scope": scope,
+        "text": text,
+        "metadata": metadata,
+        "created_at": from_us(created_at),
+        "valid_from": from_us(valid_from),
         "valid_to": None if valid_to is None else from_us(valid_to),
         "durability": durability,
         "expires_at": None if expires_at is None else from_us(expires_at),
     }
     if kind == "fact":
         return Fact.model_construct(
-            kind="fact", key=key,
+            kind="fact",
+            key=key,
             source=None if source is None else SourceRef.model_validate(source),
-            source_hash=source_hash, verified=bool(verified), stale=bool(stale),
-            superseded_by=superseded_by, **common,
+            source_hash=source_hash,
+            verified=bool(verified),
+            stale=bool(stale),
+            superseded_by=superseded_by,
+            **common,
         )
     return Episode.model_construct(kind="episode", role=role or "user", session=session, **common)
 
@@ -391,11 +434,13 @@ def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
     scopes, kinds = list(flt.scopes), list(flt.kinds)
     if not scopes or not kinds:
         return "false", []
-    parts = [f"{a}.tenant_id = {TENANT}",
-             # "= %s" for one scope: "= ANY" would keep the planner from ordered index scans
-             f"{a}.scope = %s" if len(scopes) == 1 else f"{a}.scope = ANY(%s)",
-             f"{a}.kind = ANY(%s)",
-             f"({a}.expires_at IS NULL OR {a}.expires_at > %s)"]
+    parts = [
+        f"{a}.tenant_id = {TENANT}",
+        # "= %s" for one scope: "= ANY" would keep the planner from ordered index scans
+        f"{a}.scope = %s" if len(scopes) == 1 else f"{a}.scope = ANY(%s)",
+        f"{a}.kind = ANY(%s)",
+        f"({a}.expires_at IS NULL OR {a}.expires_at > %s)",
+    ]
     params: list[Any] = [scopes[0] if len(scopes) == 1 else scopes, kinds, flt.now]
     more, more_params = time_clauses(flt, a, "%s")
     parts += more

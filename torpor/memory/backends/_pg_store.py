@@ -63,15 +63,17 @@ class PostgresTenantStore(TenantStore):
     @contextmanager
     def _tx(self, what: str) -> Iterator[psycopg.Cursor[Any]]:
         if self._closed:
-            raise StorageError(f"memory store of tenant {self.tenant!r} is closed",
-                               tenant=self.tenant)
+            raise StorageError(
+                f"memory store of tenant {self.tenant!r} is closed", tenant=self.tenant
+            )
         with self._backend.transaction(what, self.tenant) as cur:
             yield cur
 
     def schema_version(self) -> int:
         with self._tx("schema version") as cur:
-            row = cur.execute("SELECT coalesce(max(version), 0) FROM torpor.schema_version"
-                              ).fetchone()
+            row = cur.execute(
+                "SELECT coalesce(max(version), 0) FROM torpor.schema_version"
+            ).fetchone()
         return int(row[0]) if row else 0
 
     # -- writes ---------------------------------------------------------------------------
@@ -90,8 +92,13 @@ class PostgresTenantStore(TenantStore):
     def _lock_keys(cur: psycopg.Cursor[Any], tenant: str, records: Sequence[AnyRecord]) -> None:
         # Writers of the same (scope, key) serialize here, in a fixed order so that two
         # batches locking several keys cannot deadlock.
-        keys = sorted({f"{tenant}\x1f{r.scope}\x1f{r.key}" for r in records
-                       if isinstance(r, Fact) and r.key is not None})
+        keys = sorted(
+            {
+                f"{tenant}\x1f{r.scope}\x1f{r.key}"
+                for r in records
+                if isinstance(r, Fact) and r.key is not None
+            }
+        )
         for k in keys:
             cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (k,))
 
@@ -117,12 +124,17 @@ class PostgresTenantStore(TenantStore):
     def _supersede(self, cur: psycopg.Cursor[Any], rec: Fact) -> Fact:
         row = cur.execute(
             f"SELECT id, valid_from FROM torpor.records WHERE tenant_id = {_T} AND scope = %s "
-            "AND key = %s AND valid_to IS NULL", (rec.scope, rec.key)).fetchone()
+            "AND key = %s AND valid_to IS NULL",
+            (rec.scope, rec.key),
+        ).fetchone()
         if row is None:
             return rec
         rec = successor(rec, int(row[1]))
-        cur.execute(f"UPDATE torpor.records SET valid_to = %s, superseded_by = %s "
-                    f"WHERE tenant_id = {_T} AND id = %s", (to_us(rec.valid_from), rec.id, row[0]))
+        cur.execute(
+            f"UPDATE torpor.records SET valid_to = %s, superseded_by = %s "
+            f"WHERE tenant_id = {_T} AND id = %s",
+            (to_us(rec.valid_from), rec.id, row[0]),
+        )
         return rec
 
     def import_records(
@@ -134,21 +146,26 @@ class PostgresTenantStore(TenantStore):
         with self._tx("import") as cur:
             self._lock_keys(cur, self.tenant, records)
             for i, rec in enumerate(records):
-                if cur.execute(f"SELECT 1 FROM torpor.records WHERE tenant_id = {_T} "
-                               "AND id = %s", (rec.id,)).fetchone():
+                if cur.execute(
+                    f"SELECT 1 FROM torpor.records WHERE tenant_id = {_T} AND id = %s", (rec.id,)
+                ).fetchone():
                     continue
                 if isinstance(rec, Fact) and rec.key is not None and rec.valid_to is None:
                     row = cur.execute(
                         f"SELECT id, valid_from FROM torpor.records WHERE tenant_id = {_T} "
                         "AND scope = %s AND key = %s AND valid_to IS NULL",
-                        (rec.scope, rec.key)).fetchone()
+                        (rec.scope, rec.key),
+                    ).fetchone()
                     if row is not None and int(row[1]) < to_us(rec.valid_from):
-                        cur.execute(f"UPDATE torpor.records SET valid_to = %s, superseded_by "
-                                    f"= %s WHERE tenant_id = {_T} AND id = %s",
-                                    (to_us(rec.valid_from), rec.id, row[0]))
+                        cur.execute(
+                            f"UPDATE torpor.records SET valid_to = %s, superseded_by "
+                            f"= %s WHERE tenant_id = {_T} AND id = %s",
+                            (to_us(rec.valid_from), rec.id, row[0]),
+                        )
                     elif row is not None:  # the existing fact is newer: import this one ended
-                        rec = rec.model_copy(update={"valid_to": from_us(int(row[1])),
-                                                     "superseded_by": row[0]})
+                        rec = rec.model_copy(
+                            update={"valid_to": from_us(int(row[1])), "superseded_by": row[0]}
+                        )
                 self._insert(cur, [self._row(rec, None if vectors is None else vectors[i])])
                 inserted += 1
         self._backend.note_dims(vectors)
@@ -158,9 +175,11 @@ class PostgresTenantStore(TenantStore):
         self, record_id: str, *, verified: bool, stale: bool, source_hash: str | None
     ) -> None:
         with self._tx("verify") as cur:
-            n = cur.execute(f"UPDATE torpor.records SET verified = %s, stale = %s, source_hash "
-                            f"= %s WHERE tenant_id = {_T} AND id = %s",
-                            (verified, stale, source_hash, record_id)).rowcount
+            n = cur.execute(
+                f"UPDATE torpor.records SET verified = %s, stale = %s, source_hash "
+                f"= %s WHERE tenant_id = {_T} AND id = %s",
+                (verified, stale, source_hash, record_id),
+            ).rowcount
         if not n:
             raise RecordNotFound(f"no record {record_id!r}", kind="record", name=record_id)
 
@@ -168,30 +187,43 @@ class PostgresTenantStore(TenantStore):
         if not ids:
             return 0
         with self._tx("forget") as cur:
-            return int(cur.execute(f"DELETE FROM torpor.records WHERE tenant_id = {_T} "
-                                   "AND id = ANY(%s)", (list(ids),)).rowcount)
+            return int(
+                cur.execute(
+                    f"DELETE FROM torpor.records WHERE tenant_id = {_T} AND id = ANY(%s)",
+                    (list(ids),),
+                ).rowcount
+            )
 
     def forget_scope(self, prefix: str) -> int:
         where, params = _within_sql(prefix)
         with self._tx("forget scope") as cur:
-            n = cur.execute(f"DELETE FROM torpor.records WHERE tenant_id = {_T} AND {where}",
-                            params).rowcount
+            n = cur.execute(
+                f"DELETE FROM torpor.records WHERE tenant_id = {_T} AND {where}", params
+            ).rowcount
             for table in ("profiles", "policies"):
-                cur.execute(f"DELETE FROM torpor.{table} WHERE tenant_id = {_T} AND {where}",
-                            params)
+                cur.execute(
+                    f"DELETE FROM torpor.{table} WHERE tenant_id = {_T} AND {where}", params
+                )
         return int(n)
 
     def cap_expiry(self, scope: str, retention_us: int) -> int:
         with self._tx("retention") as cur:
-            return int(cur.execute(
-                f"UPDATE torpor.records SET expires_at = created_at + %s WHERE tenant_id = {_T} "
-                "AND scope = %s AND (expires_at IS NULL OR expires_at > created_at + %s)",
-                (retention_us, scope, retention_us)).rowcount)
+            return int(
+                cur.execute(
+                    f"UPDATE torpor.records SET expires_at = created_at + %s WHERE tenant_id = {_T} "
+                    "AND scope = %s AND (expires_at IS NULL OR expires_at > created_at + %s)",
+                    (retention_us, scope, retention_us),
+                ).rowcount
+            )
 
     def purge_expired(self, now: int) -> int:
         with self._tx("purge") as cur:
-            return int(cur.execute(f"DELETE FROM torpor.records WHERE tenant_id = {_T} "
-                                   "AND expires_at <= %s", (now,)).rowcount)
+            return int(
+                cur.execute(
+                    f"DELETE FROM torpor.records WHERE tenant_id = {_T} AND expires_at <= %s",
+                    (now,),
+                ).rowcount
+            )
 
     # -- reads ----------------------------------------------------------------------------
     def get(self, ids: Sequence[str], now: int) -> list[AnyRecord]:
@@ -201,7 +233,8 @@ class PostgresTenantStore(TenantStore):
             rows = cur.execute(
                 f"SELECT {_RCOLS} FROM torpor.records r WHERE r.tenant_id = {_T} AND "
                 "r.id = ANY(%s) AND (r.expires_at IS NULL OR r.expires_at > %s)",
-                (list(ids), now)).fetchall()
+                (list(ids), now),
+            ).fetchall()
         found = {rec.id: rec for rec in map(schema.row_to_record, rows)}
         return [found[i] for i in ids if i in found]
 
@@ -211,7 +244,8 @@ class PostgresTenantStore(TenantStore):
                 f"SELECT {_RCOLS} FROM torpor.records r WHERE r.tenant_id = {_T} AND "
                 "r.scope = %s AND r.key = %s AND r.kind = 'fact' AND "
                 "(r.expires_at IS NULL OR r.expires_at > %s) ORDER BY r.valid_from, r.seq",
-                (scope, key, now)).fetchall()
+                (scope, key, now),
+            ).fetchall()
         return [r for r in map(schema.row_to_record, rows) if isinstance(r, Fact)]
 
     def scan(self, flt: RecordFilter, limit: int, *, newest_first: bool = True) -> list[AnyRecord]:
@@ -221,22 +255,27 @@ class PostgresTenantStore(TenantStore):
         parts, params = [], []
         for scope in dict.fromkeys(flt.scopes):
             where, p = schema.filter_sql(replace(flt, scopes=[scope]))
-            parts.append(f"(SELECT {_RCOLS}, r.seq FROM torpor.records r WHERE {where} "
-                         f"ORDER BY r.valid_from {order}, r.seq {order} LIMIT %s)")
+            parts.append(
+                f"(SELECT {_RCOLS}, r.seq FROM torpor.records r WHERE {where} "
+                f"ORDER BY r.valid_from {order}, r.seq {order} LIMIT %s)"
+            )
             params += [*p, max(limit, 0)]
         if not parts:
             return []
         with self._tx("scan") as cur:
-            rows = cur.execute(f"SELECT * FROM ({' UNION ALL '.join(parts)}) AS u "
-                               f"ORDER BY u.valid_from {order}, u.seq {order} LIMIT %s",
-                               [*params, max(limit, 0)]).fetchall()
+            rows = cur.execute(
+                f"SELECT * FROM ({' UNION ALL '.join(parts)}) AS u "
+                f"ORDER BY u.valid_from {order}, u.seq {order} LIMIT %s",
+                [*params, max(limit, 0)],
+            ).fetchall()
         return [schema.row_to_record(r) for r in rows]
 
     def count(self, flt: RecordFilter) -> int:
         where, params = schema.filter_sql(flt)
         with self._tx("count") as cur:
-            row = cur.execute(f"SELECT count(*) FROM torpor.records r WHERE {where}",
-                              params).fetchone()
+            row = cur.execute(
+                f"SELECT count(*) FROM torpor.records r WHERE {where}", params
+            ).fetchone()
         return int(row[0]) if row else 0
 
     def lexical_search(
@@ -259,11 +298,14 @@ class PostgresTenantStore(TenantStore):
                     f"torpor.lexical_candidates({tsq}, %s, %s) AS c "
                     f"JOIN torpor.records r ON r.tenant_id = {_T} AND r.id = c.id "
                     f"WHERE {where} ORDER BY s DESC, r.seq DESC LIMIT %s",
-                    [*terms, scopes, want, *params, limit]).fetchall()
+                    [*terms, scopes, want, *params, limit],
+                ).fetchall()
                 if len(rows) >= limit:
                     break
-                found = cur.execute(f"SELECT count(*) FROM torpor.lexical_candidates({tsq}, "
-                                    "%s, %s)", [*terms, scopes, want]).fetchone()
+                found = cur.execute(
+                    f"SELECT count(*) FROM torpor.lexical_candidates({tsq}, %s, %s)",
+                    [*terms, scopes, want],
+                ).fetchone()
                 if found is None or int(found[0]) < want:
                     break
                 want *= 4
@@ -277,15 +319,19 @@ class PostgresTenantStore(TenantStore):
         dim = len(vector)
         where, params = schema.filter_sql(flt)
         dist = f"(r.embedding::vector({dim}) <=> %s::vector({dim}))"
-        query = (f"SELECT {_RCOLS}, 1 - {dist} AS sim FROM torpor.records r "
-                 f"WHERE r.embedding_dim = {dim} AND {where} ORDER BY {dist} LIMIT %s")
+        query = (
+            f"SELECT {_RCOLS}, 1 - {dist} AS sim FROM torpor.records r "
+            f"WHERE r.embedding_dim = {dim} AND {where} ORDER BY {dist} LIMIT %s"
+        )
         args = [vec_text(vector), *params, vec_text(vector), limit]
         with self._tx("vector search") as cur:
             # HNSW returns the nearest ef_search rows of the whole table, and RLS and the
             # filter apply afterwards: widen the beam, and if that still comes back short,
             # fall back to an exact scan, so the filter never costs a visible record.
-            cur.execute("SELECT set_config('hnsw.ef_search', %s, true)",
-                        (str(min(max(limit * 4, 40), 1000)),))
+            cur.execute(
+                "SELECT set_config('hnsw.ef_search', %s, true)",
+                (str(min(max(limit * 4, 40), 1000)),),
+            )
             rows = cur.execute(query, args).fetchall()
             if len(rows) < limit:
                 cur.execute("SELECT set_config('enable_indexscan', 'off', true)")
@@ -295,9 +341,11 @@ class PostgresTenantStore(TenantStore):
     def iter_records(self, prefix: str) -> Iterator[tuple[AnyRecord, list[float] | None]]:
         where, params = _within_sql(prefix, "r.scope")
         with self._tx("export") as cur:
-            rows = cur.execute(f"SELECT {_RCOLS}, r.embedding::text FROM torpor.records r "
-                               f"WHERE r.tenant_id = {_T} AND {where} ORDER BY r.seq",
-                               params).fetchall()
+            rows = cur.execute(
+                f"SELECT {_RCOLS}, r.embedding::text FROM torpor.records r "
+                f"WHERE r.tenant_id = {_T} AND {where} ORDER BY r.seq",
+                params,
+            ).fetchall()
         for row in rows:
             vec = None if row[-1] is None else [float(x) for x in json.loads(row[-1])]
             yield schema.row_to_record(row), vec
@@ -305,13 +353,21 @@ class PostgresTenantStore(TenantStore):
     # -- profiles, policies, metadata -----------------------------------------------------
     @staticmethod
     def _profile(row: Any) -> Profile:
-        return Profile(scope=row[0], data=row[1], json_schema=row[2],
-                       updated_at=from_us(row[3]), version=row[4])
+        return Profile(
+            scope=row[0],
+            data=row[1],
+            json_schema=row[2],
+            updated_at=from_us(row[3]),
+            version=row[4],
+        )
 
     def get_profile(self, scope: str) -> Profile | None:
         with self._tx("get profile") as cur:
-            row = cur.execute(f"SELECT {_PROFILE_COLS} FROM torpor.profiles WHERE tenant_id = "
-                              f"{_T} AND scope = %s", (scope,)).fetchone()
+            row = cur.execute(
+                f"SELECT {_PROFILE_COLS} FROM torpor.profiles WHERE tenant_id = "
+                f"{_T} AND scope = %s",
+                (scope,),
+            ).fetchone()
         return None if row is None else self._profile(row)
 
     def put_profile(self, profile: Profile) -> Profile:
@@ -330,33 +386,45 @@ class PostgresTenantStore(TenantStore):
     def iter_profiles(self, prefix: str) -> Iterator[Profile]:
         where, params = _within_sql(prefix)
         with self._tx("export profiles") as cur:
-            rows = cur.execute(f"SELECT {_PROFILE_COLS} FROM torpor.profiles WHERE tenant_id = "
-                               f"{_T} AND {where} ORDER BY scope", params).fetchall()
+            rows = cur.execute(
+                f"SELECT {_PROFILE_COLS} FROM torpor.profiles WHERE tenant_id = "
+                f"{_T} AND {where} ORDER BY scope",
+                params,
+            ).fetchall()
         yield from map(self._profile, rows)
 
     def get_policy(self, scope: str) -> Policy | None:
         with self._tx("get policy") as cur:
-            row = cur.execute("SELECT retention_seconds, cache_ttl_seconds FROM torpor.policies "
-                              f"WHERE tenant_id = {_T} AND scope = %s", (scope,)).fetchone()
+            row = cur.execute(
+                "SELECT retention_seconds, cache_ttl_seconds FROM torpor.policies "
+                f"WHERE tenant_id = {_T} AND scope = %s",
+                (scope,),
+            ).fetchone()
         return None if row is None else Policy(retention_seconds=row[0], cache_ttl_seconds=row[1])
 
     def set_policy(self, scope: str, policy: Policy) -> None:
         with self._tx("set policy") as cur:
-            cur.execute(f"INSERT INTO torpor.policies VALUES ({_T}, %s, %s, %s) "
-                        "ON CONFLICT (tenant_id, scope) DO UPDATE SET retention_seconds = "
-                        "EXCLUDED.retention_seconds, cache_ttl_seconds = EXCLUDED.cache_ttl_seconds",
-                        (scope, policy.retention_seconds, policy.cache_ttl_seconds))
+            cur.execute(
+                f"INSERT INTO torpor.policies VALUES ({_T}, %s, %s, %s) "
+                "ON CONFLICT (tenant_id, scope) DO UPDATE SET retention_seconds = "
+                "EXCLUDED.retention_seconds, cache_ttl_seconds = EXCLUDED.cache_ttl_seconds",
+                (scope, policy.retention_seconds, policy.cache_ttl_seconds),
+            )
 
     def get_meta(self, key: str) -> str | None:
         with self._tx("get meta") as cur:
-            row = cur.execute(f"SELECT value FROM torpor.meta WHERE tenant_id = {_T} AND key = %s",
-                              (key,)).fetchone()
+            row = cur.execute(
+                f"SELECT value FROM torpor.meta WHERE tenant_id = {_T} AND key = %s", (key,)
+            ).fetchone()
         return None if row is None else str(row[0])
 
     def set_meta(self, key: str, value: str) -> None:
         with self._tx("set meta") as cur:
-            cur.execute(f"INSERT INTO torpor.meta VALUES ({_T}, %s, %s) ON CONFLICT "
-                        "(tenant_id, key) DO UPDATE SET value = EXCLUDED.value", (key, value))
+            cur.execute(
+                f"INSERT INTO torpor.meta VALUES ({_T}, %s, %s) ON CONFLICT "
+                "(tenant_id, key) DO UPDATE SET value = EXCLUDED.value",
+                (key, value),
+            )
 
     def close(self) -> None:
         self._closed = True

@@ -32,10 +32,10 @@ def translate(exc: sqlite3.Error, path: Path, what: str) -> StorageError:
     if isinstance(exc, sqlite3.DatabaseError) and (
         "not a database" in text or "malformed" in text or "corrupt" in text
     ):
-        return CorruptData(f"memory database {path} is corrupt ({what}): {text}",
-                           exc=exc, path=str(path))
-    return StorageError(f"memory database {path} failed ({what}): {text}", exc=exc,
-                        path=str(path))
+        return CorruptData(
+            f"memory database {path} is corrupt ({what}): {text}", exc=exc, path=str(path)
+        )
+    return StorageError(f"memory database {path} failed ({what}): {text}", exc=exc, path=str(path))
 
 
 def connect(path: Path, migrations: list[str]) -> sqlite3.Connection:
@@ -46,8 +46,9 @@ def connect(path: Path, migrations: list[str]) -> sqlite3.Connection:
     except OSError as exc:
         raise StorageError(f"cannot create {path.parent}: {exc}", exc=exc) from exc
     try:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
-                               timeout=_BUSY_TIMEOUT_MS / 1000)
+        conn = sqlite3.connect(
+            path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_MS / 1000
+        )
     except sqlite3.Error as exc:
         raise translate(exc, path, "open") from exc
     try:
@@ -74,8 +75,9 @@ def _split(script: str) -> list[str]:
 def _migrate(conn: sqlite3.Connection, migrations: list[str]) -> None:
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     if version > len(migrations):
-        raise sqlite3.DatabaseError(f"schema version {version} is newer than this torpor "
-                                    f"({len(migrations)})")
+        raise sqlite3.DatabaseError(
+            f"schema version {version} is newer than this torpor ({len(migrations)})"
+        )
     while version < len(migrations):
         conn.execute("BEGIN IMMEDIATE")
         try:

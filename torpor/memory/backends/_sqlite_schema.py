@@ -111,12 +111,16 @@ SYSTEM_MIGRATIONS: list[str] = [
     """,
 ]
 
-COLUMNS = ("rid, id, kind, scope, key, text, metadata, created_at, valid_from, valid_to, "
-           "durability, expires_at, role, session, source, source_hash, verified, stale, "
-           "superseded_by")
+COLUMNS = (
+    "rid, id, kind, scope, key, text, metadata, created_at, valid_from, valid_to, "
+    "durability, expires_at, role, session, source, source_hash, verified, stale, "
+    "superseded_by"
+)
 _INSERT_COLUMNS = COLUMNS.replace("rid, ", "")
-INSERT_SQL = (f"INSERT INTO records ({_INSERT_COLUMNS}) VALUES "
-              f"({', '.join('?' * len(_INSERT_COLUMNS.split(', ')))})")
+INSERT_SQL = (
+    f"INSERT INTO records ({_INSERT_COLUMNS}) VALUES "
+    f"({', '.join('?' * len(_INSERT_COLUMNS.split(', ')))})"
+)
 
 
 def _opt_us(value: Any) -> int | None:
@@ -126,31 +130,76 @@ def _opt_us(value: Any) -> int | None:
 def record_to_row(r: AnyRecord) -> tuple[Any, ...]:
     """The INSERT parameters for ``r`` (in :data:`INSERT_SQL` order)."""
     common = (r.id, r.kind, r.scope)
-    times = (json.dumps(r.metadata, separators=(",", ":")), to_us(r.created_at),
-             to_us(r.valid_from), _opt_us(r.valid_to), r.durability, _opt_us(r.expires_at))
+    times = (
+        json.dumps(r.metadata, separators=(",", ":")),
+        to_us(r.created_at),
+        to_us(r.valid_from),
+        _opt_us(r.valid_to),
+        r.durability,
+        _opt_us(r.expires_at),
+    )
     if isinstance(r, Fact):
         source = r.source.model_dump_json(exclude_none=True) if r.source else None
-        return (*common, r.key, r.text, *times, None, None, source, r.source_hash,
-                int(r.verified), int(r.stale), r.superseded_by)
+        return (
+            *common,
+            r.key,
+            r.text,
+            *times,
+            None,
+            None,
+            source,
+            r.source_hash,
+            int(r.verified),
+            int(r.stale),
+            r.superseded_by,
+        )
     return (*common, None, r.text, *times, r.role, r.session, None, None, 0, 0, None)
 
 
 def row_to_record(row: tuple[Any, ...]) -> AnyRecord:
     """A model from a row selected with :data:`COLUMNS` (trusted data: no re-validation)."""
-    (_rid, id_, kind, scope, key, text, metadata, created_at, valid_from, valid_to, durability,
-     expires_at, role, session, source, source_hash, verified, stale, superseded_by) = row[:19]
+    (
+        _rid,
+        id_,
+        kind,
+        scope,
+        key,
+        text,
+        metadata,
+        created_at,
+        valid_from,
+        valid_to,
+        durability,
+        expires_at,
+        role,
+        session,
+        source,
+        source_hash,
+        verified,
+        stale,
+        superseded_by,
+    ) = row[:19]
     common: dict[str, Any] = {
-        "id": id_, "scope": scope, "text": text, "metadata": json.loads(metadata),
-        "created_at": from_us(created_at), "valid_from": from_us(valid_from),
+        "id": id_,
+        "scope": scope,
+        "text": text,
+        "metadata": json.loads(metadata),
+        "created_at": from_us(created_at),
+        "valid_from": from_us(valid_from),
         "valid_to": None if valid_to is None else from_us(valid_to),
         "durability": durability,
         "expires_at": None if expires_at is None else from_us(expires_at),
     }
     if kind == "fact":
         return Fact.model_construct(
-            kind="fact", key=key, source=None if source is None else SourceRef.model_validate_json(source),
-            source_hash=source_hash, verified=bool(verified), stale=bool(stale),
-            superseded_by=superseded_by, **common,
+            kind="fact",
+            key=key,
+            source=None if source is None else SourceRef.model_validate_json(source),
+            source_hash=source_hash,
+            verified=bool(verified),
+            stale=bool(stale),
+            superseded_by=superseded_by,
+            **common,
         )
     return Episode.model_construct(kind="episode", role=role or "user", session=session, **common)
 
@@ -167,9 +216,11 @@ def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
     kinds = list(flt.kinds)
     if not scopes or not kinds:
         return "0", []
-    parts = [f"{a}.scope IN ({','.join('?' * len(scopes))})",
-             f"{a}.kind IN ({','.join('?' * len(kinds))})",
-             f"({a}.expires_at IS NULL OR {a}.expires_at > ?)"]
+    parts = [
+        f"{a}.scope IN ({','.join('?' * len(scopes))})",
+        f"{a}.kind IN ({','.join('?' * len(kinds))})",
+        f"({a}.expires_at IS NULL OR {a}.expires_at > ?)",
+    ]
     params: list[Any] = [*scopes, *kinds, flt.now]
     more, more_params = time_clauses(flt, a, "?")
     parts += more
@@ -183,11 +234,15 @@ def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
             parts.append(f"json_type({a}.metadata, ?) = ?")
             params += [path, "true" if v else "false"]
         elif isinstance(v, (int, float)):
-            parts.append(f"json_type({a}.metadata, ?) IN ('integer', 'real') "
-                         f"AND json_extract({a}.metadata, ?) = ?")
+            parts.append(
+                f"json_type({a}.metadata, ?) IN ('integer', 'real') "
+                f"AND json_extract({a}.metadata, ?) = ?"
+            )
             params += [path, path, v]
         elif isinstance(v, str):
-            parts.append(f"json_type({a}.metadata, ?) = 'text' AND json_extract({a}.metadata, ?) = ?")
+            parts.append(
+                f"json_type({a}.metadata, ?) = 'text' AND json_extract({a}.metadata, ?) = ?"
+            )
             params += [path, path, v]
         else:
             parts.append(f"json_extract({a}.metadata, ?) = json(?)")

@@ -108,13 +108,13 @@ class VectorIndex:
                 self._centroids, self._built_n = None, 0
         idx = np.searchsorted(r_rid, self._rids)  # row order -> position in the query result
         scopes: dict[str, int] = {}
-        scope_ix = np.fromiter((scopes.setdefault(r[1], len(scopes)) for r in rows),
-                               dtype=np.int32, count=n)
+        scope_ix = np.fromiter(
+            (scopes.setdefault(r[1], len(scopes)) for r in rows), dtype=np.int32, count=n
+        )
         kind = np.fromiter((_KIND[r[2]] for r in rows), dtype=np.int8, count=n)
         vf = np.fromiter((r[3] for r in rows), dtype=np.int64, count=n)
         vt = np.fromiter((_NONE if r[4] is None else r[4] for r in rows), dtype=np.int64, count=n)
-        exp = np.fromiter((_NONE if r[5] is None else r[5] for r in rows), dtype=np.int64,
-                          count=n)
+        exp = np.fromiter((_NONE if r[5] is None else r[5] for r in rows), dtype=np.int64, count=n)
         self._scopes = scopes
         self._scope_ix, self._kind, self._vf = scope_ix[idx], kind[idx], vf[idx]
         self._vt, self._exp = vt[idx], exp[idx]
@@ -122,14 +122,17 @@ class VectorIndex:
         log.debug("vector index refreshed: %d vectors, %d new", n, len(new))
 
     @staticmethod
-    def _load_vectors(conn: sqlite3.Connection, rids: npt.NDArray[np.int64]
-                      ) -> npt.NDArray[np.float32]:
+    def _load_vectors(
+        conn: sqlite3.Connection, rids: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.float32]:
         blobs: list[bytes] = []
         for start in range(0, len(rids), 900):
-            part = [int(x) for x in rids[start:start + 900]]
-            got = dict(conn.execute(
-                f"SELECT rid, vec FROM vectors WHERE rid IN ({','.join('?' * len(part))})",
-                part).fetchall())
+            part = [int(x) for x in rids[start : start + 900]]
+            got = dict(
+                conn.execute(
+                    f"SELECT rid, vec FROM vectors WHERE rid IN ({','.join('?' * len(part))})", part
+                ).fetchall()
+            )
             blobs += [got[r] for r in part]
         return np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(rids), -1).copy()
 
@@ -151,8 +154,9 @@ class VectorIndex:
                 members = sample[assign == c]
                 cent[c] = members.sum(axis=0) if len(members) else sample[rng.integers(len(sample))]
             cent /= np.maximum(np.linalg.norm(cent, axis=1, keepdims=True), 1e-12)
-        assign = np.concatenate([np.argmax(self._mat[i:i + _CHUNK] @ cent.T, axis=1)
-                                 for i in range(0, n, _CHUNK)])
+        assign = np.concatenate(
+            [np.argmax(self._mat[i : i + _CHUNK] @ cent.T, axis=1) for i in range(0, n, _CHUNK)]
+        )
         order = np.argsort(assign, kind="stable")
         for name in ("_rids", "_mat", "_scope_ix", "_kind", "_vf", "_vt", "_exp"):
             setattr(self, name, np.ascontiguousarray(getattr(self, name)[order]))
@@ -162,10 +166,15 @@ class VectorIndex:
         # the directions that carry most of the vectors' energy (uncentered: dot products)
         _, _, vt = np.linalg.svd(sample[:20_000], full_matrices=False)
         self._basis = np.ascontiguousarray(vt[:_PROJ_DIM].T.astype(np.float32))
-        self._proj = np.concatenate([self._mat[i:i + _CHUNK] @ self._basis
-                                     for i in range(0, n, _CHUNK)])
-        log.info("vector index: IVF with %d lists over %d vectors in %.1f s", lists, n,
-                 time.perf_counter() - t0)
+        self._proj = np.concatenate(
+            [self._mat[i : i + _CHUNK] @ self._basis for i in range(0, n, _CHUNK)]
+        )
+        log.info(
+            "vector index: IVF with %d lists over %d vectors in %.1f s",
+            lists,
+            n,
+            time.perf_counter() - t0,
+        )
 
     # -- queries --------------------------------------------------------------------------
     def _mask(self, idx: npt.NDArray[np.int64], flt: RecordFilter) -> npt.NDArray[np.bool_]:
@@ -184,8 +193,9 @@ class VectorIndex:
             mask &= vf < flt.until
         return mask
 
-    def _probe(self, q: npt.NDArray[np.float32], nprobe: int, keep: int, flt: RecordFilter
-               ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    def _probe(
+        self, q: npt.NDArray[np.float32], nprobe: int, keep: int, flt: RecordFilter
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         """Row indices and exact similarities of the best rows of the ``nprobe`` nearest
         lists plus the tail that pass the mask: a projected (coarse) scan keeps the best
         ``keep`` rows, which are then re-scored with the full vectors."""
@@ -204,8 +214,12 @@ class VectorIndex:
         return idx, self._mat[idx] @ q
 
     def candidates(
-        self, conn: sqlite3.Connection, token: Hashable, vector: Sequence[float],
-        flt: RecordFilter, limit: int,
+        self,
+        conn: sqlite3.Connection,
+        token: Hashable,
+        vector: Sequence[float],
+        flt: RecordFilter,
+        limit: int,
     ) -> list[tuple[int, float]]:
         """Up to ``limit`` ``(rid, cosine)`` pairs, best first, passing the cheap part of
         ``flt`` (scope, kind, validity, expiry, since/until)."""

@@ -63,9 +63,12 @@ def translate(exc: psycopg.Error, what: str, tenant: str | None = None) -> Torpo
     state = getattr(exc, "sqlstate", None) or ""
     text = str(exc).strip()
     if state == "42501":
-        return AccessDenied(f"{what}: refused by PostgreSQL (row-level security or "
-                            f"privileges): {text}", exc=exc,
-                            tenant=tenant, scope="")
+        return AccessDenied(
+            f"{what}: refused by PostgreSQL (row-level security or privileges): {text}",
+            exc=exc,
+            tenant=tenant,
+            scope="",
+        )
     if state.startswith(("23", "22")) or isinstance(exc, psycopg.DataError):
         return InvalidArgument(f"{what}: {text}", exc=exc)
     if state in ("XX001", "XX002"):
@@ -85,8 +88,14 @@ class PostgresBackend(MemoryBackend):
 
     name = "postgres"
 
-    def __init__(self, dsn: str, *, admin_dsn: str | None = None, pool_size: int = 4,
-                 hnsw_min_rows: int = 20_000) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        admin_dsn: str | None = None,
+        pool_size: int = 4,
+        hnsw_min_rows: int = 20_000,
+    ) -> None:
         self.dsn = dsn
         self.admin_dsn = admin_dsn or dsn
         self._lock = threading.Lock()
@@ -111,32 +120,44 @@ class PostgresBackend(MemoryBackend):
         # query with "permission denied": say what to do once, at open.
         try:
             with psycopg.connect(self.dsn, autocommit=True, connect_timeout=10) as conn:
-                row = conn.execute("SELECT current_user, pg_has_role(current_user, %s, "
-                                   "'MEMBER')", (schema.APP_ROLE,)).fetchone()
+                row = conn.execute(
+                    "SELECT current_user, pg_has_role(current_user, %s, 'MEMBER')",
+                    (schema.APP_ROLE,),
+                ).fetchone()
         except psycopg.Error as exc:
             raise translate(exc, "connect to PostgreSQL") from exc
         if not row or not row[1]:
             user = row[0] if row else "?"
-            raise StorageError(f"PostgreSQL role {user!r} cannot act as {schema.APP_ROLE}: "
-                               f"GRANT {schema.APP_ROLE} TO {user}", role=user)
+            raise StorageError(
+                f"PostgreSQL role {user!r} cannot act as {schema.APP_ROLE}: "
+                f"GRANT {schema.APP_ROLE} TO {user}",
+                role=user,
+            )
 
     def _migrate(self) -> None:
         with self._admin() as conn:
             try:
                 version = schema.current_version(conn)
                 if version > schema.LATEST:
-                    raise StorageError(f"memory schema version {version} is newer than this "
-                                       f"torpor ({schema.LATEST})", version=version)
+                    raise StorageError(
+                        f"memory schema version {version} is newer than this "
+                        f"torpor ({schema.LATEST})",
+                        version=version,
+                    )
                 if version < schema.LATEST:
                     schema.migrate(conn)
-                rows = conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = "
-                                    "'torpor' AND indexname LIKE 'records\\_hnsw\\_%%'"
-                                    ).fetchall()
+                rows = conn.execute(
+                    "SELECT indexname FROM pg_indexes WHERE schemaname = "
+                    "'torpor' AND indexname LIKE 'records\\_hnsw\\_%%'"
+                ).fetchall()
             except psycopg.Error as exc:
-                raise StorageError(f"cannot migrate the memory schema to version "
-                                   f"{schema.LATEST}: {str(exc).strip()} (migrations need a role "
-                                   "that may create schemas, roles and extensions: pass "
-                                   "admin_dsn=)", exc=exc) from exc
+                raise StorageError(
+                    f"cannot migrate the memory schema to version "
+                    f"{schema.LATEST}: {str(exc).strip()} (migrations need a role "
+                    "that may create schemas, roles and extensions: pass "
+                    "admin_dsn=)",
+                    exc=exc,
+                ) from exc
         self._indexed_dims = {int(r[0].rsplit("_", 1)[1]) for r in rows}
 
     def note_dims(self, vectors: Sequence[Vector | None] | None) -> None:
@@ -167,8 +188,9 @@ class PostgresBackend(MemoryBackend):
     def _count_vectors(self, dim: int) -> int:
         try:
             with self._admin() as conn:
-                row = conn.execute("SELECT count(*) FROM torpor.records WHERE embedding_dim = %s",
-                                   (dim,)).fetchone()
+                row = conn.execute(
+                    "SELECT count(*) FROM torpor.records WHERE embedding_dim = %s", (dim,)
+                ).fetchone()
         except (psycopg.Error, StorageError):
             log.warning("cannot count %d-dimension embeddings", dim, exc_info=True)
             return 0
@@ -182,8 +204,11 @@ class PostgresBackend(MemoryBackend):
                 conn.execute(schema.hnsw_index_sql(dim))
         except (psycopg.Error, StorageError) as exc:
             self._index_failed = True
-            log.warning("cannot create the HNSW index for %d dimensions (vector search "
-                        "stays exact): %s", dim, exc)
+            log.warning(
+                "cannot create the HNSW index for %d dimensions (vector search stays exact): %s",
+                dim,
+                exc,
+            )
             return
         self._indexed_dims.add(dim)
 
@@ -197,9 +222,10 @@ class PostgresBackend(MemoryBackend):
             raise StorageError("the PostgreSQL memory backend is closed")
         try:
             with pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-                cur.execute("SELECT set_config('role', %s, true), "
-                            "set_config('torpor.tenant', %s, true)",
-                            (schema.APP_ROLE, tenant or ""))
+                cur.execute(
+                    "SELECT set_config('role', %s, true), set_config('torpor.tenant', %s, true)",
+                    (schema.APP_ROLE, tenant or ""),
+                )
                 yield cur
         except psycopg.Error as exc:
             err = translate(exc, what, tenant)
@@ -209,9 +235,16 @@ class PostgresBackend(MemoryBackend):
 
     def _audit_violation(self, tenant: str, what: str, message: str) -> None:
         try:
-            self.append_audit(AuditEntry(at=from_us(time.time_ns() // 1000), tenant=tenant,
-                                         actor="postgres-rls", action=what, allowed=False,
-                                         detail={"error": message}))
+            self.append_audit(
+                AuditEntry(
+                    at=from_us(time.time_ns() // 1000),
+                    tenant=tenant,
+                    actor="postgres-rls",
+                    action=what,
+                    allowed=False,
+                    detail={"error": message},
+                )
+            )
         except StorageError:
             log.exception("could not audit an RLS violation for tenant %r", tenant)
 
@@ -223,8 +256,10 @@ class PostgresBackend(MemoryBackend):
             if store is not None:
                 return store
         with self.transaction("create tenant", tenant) as cur:
-            cur.execute(f"INSERT INTO torpor.tenants VALUES ({_T}, %s) ON CONFLICT DO NOTHING",
-                        (time.time_ns() // 1000,))
+            cur.execute(
+                f"INSERT INTO torpor.tenants VALUES ({_T}, %s) ON CONFLICT DO NOTHING",
+                (time.time_ns() // 1000,),
+            )
         with self._lock:
             return self._stores.setdefault(tenant, PostgresTenantStore(self, tenant))
 
@@ -240,44 +275,87 @@ class PostgresBackend(MemoryBackend):
                 "ON CONFLICT (token_hash) DO UPDATE SET grants = EXCLUDED.grants, "
                 "name = EXCLUDED.name, created_at = EXCLUDED.created_at, "
                 "revoked = EXCLUDED.revoked",
-                (token.token_hash, Jsonb([g.model_dump() for g in token.grants]), token.name,
-                 to_us(token.created_at), token.revoked))
+                (
+                    token.token_hash,
+                    Jsonb([g.model_dump() for g in token.grants]),
+                    token.name,
+                    to_us(token.created_at),
+                    token.revoked,
+                ),
+            )
 
     def get_token(self, token_hash: str) -> TokenInfo | None:
         with self.transaction("get token", None) as cur:
-            row = cur.execute("SELECT token_hash, tenant_id, grants, name, created_at, revoked "
-                              "FROM torpor.token_by_hash(%s)", (token_hash,)).fetchone()
+            row = cur.execute(
+                "SELECT token_hash, tenant_id, grants, name, created_at, revoked "
+                "FROM torpor.token_by_hash(%s)",
+                (token_hash,),
+            ).fetchone()
         if row is None:
             return None
-        return TokenInfo(token_hash=row[0], tenant=row[1], grants=[Grant(**g) for g in row[2]],
-                         name=row[3], created_at=from_us(row[4]), revoked=bool(row[5]))
+        return TokenInfo(
+            token_hash=row[0],
+            tenant=row[1],
+            grants=[Grant(**g) for g in row[2]],
+            name=row[3],
+            created_at=from_us(row[4]),
+            revoked=bool(row[5]),
+        )
 
     def revoke_token(self, token_hash: str) -> bool:
         token = self.get_token(token_hash)
         if token is None:
             return False
         with self.transaction("revoke token", token.tenant) as cur:
-            return bool(cur.execute(f"UPDATE torpor.tokens SET revoked = true WHERE tenant_id = "
-                                    f"{_T} AND token_hash = %s", (token_hash,)).rowcount)
+            return bool(
+                cur.execute(
+                    f"UPDATE torpor.tokens SET revoked = true WHERE tenant_id = "
+                    f"{_T} AND token_hash = %s",
+                    (token_hash,),
+                ).rowcount
+            )
 
     def append_audit(self, entry: AuditEntry) -> None:
         detail = json.loads(json.dumps(entry.detail, default=str))
         with self.transaction("audit", entry.tenant or None) as cur:
-            cur.execute("SELECT torpor.audit_append(%s, %s, %s, %s, %s, %s, %s)",
-                        (entry.tenant, to_us(entry.at), entry.actor, entry.action, entry.scope,
-                         entry.allowed, Jsonb(detail)))
+            cur.execute(
+                "SELECT torpor.audit_append(%s, %s, %s, %s, %s, %s, %s)",
+                (
+                    entry.tenant,
+                    to_us(entry.at),
+                    entry.actor,
+                    entry.action,
+                    entry.scope,
+                    entry.allowed,
+                    Jsonb(detail),
+                ),
+            )
 
     def audit_log(self, tenant: str | None = None, limit: int = 100) -> list[AuditEntry]:
         cols = "at, tenant_id, actor, action, scope, allowed, detail"
         with self.transaction("audit log", tenant) as cur:
             if tenant is None:
-                rows = cur.execute(f"SELECT {cols} FROM torpor.audit_recent(%s)",
-                                   (limit,)).fetchall()
+                rows = cur.execute(
+                    f"SELECT {cols} FROM torpor.audit_recent(%s)", (limit,)
+                ).fetchall()
             else:
-                rows = cur.execute(f"SELECT {cols} FROM torpor.audit WHERE tenant_id = {_T} "
-                                   "ORDER BY seq DESC LIMIT %s", (limit,)).fetchall()
-        return [AuditEntry(at=from_us(r[0]), tenant=r[1], actor=r[2], action=r[3], scope=r[4],
-                           allowed=bool(r[5]), detail=r[6]) for r in rows]
+                rows = cur.execute(
+                    f"SELECT {cols} FROM torpor.audit WHERE tenant_id = {_T} "
+                    "ORDER BY seq DESC LIMIT %s",
+                    (limit,),
+                ).fetchall()
+        return [
+            AuditEntry(
+                at=from_us(r[0]),
+                tenant=r[1],
+                actor=r[2],
+                action=r[3],
+                scope=r[4],
+                allowed=bool(r[5]),
+                detail=r[6],
+            )
+            for r in rows
+        ]
 
     def close(self) -> None:
         with self._lock:

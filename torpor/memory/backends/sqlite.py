@@ -66,8 +66,7 @@ def _vec_blob(vector: Vector) -> bytes:
 def _within_sql(prefix: str, column: str = "scope") -> tuple[str, list[Any]]:
     if not prefix:
         return "1", []
-    return f"({column} = ? OR substr({column}, 1, ?) = ?)", [prefix, len(prefix) + 1,
-                                                               prefix + "/"]
+    return f"({column} = ? OR substr({column}, 1, ?) = ?)", [prefix, len(prefix) + 1, prefix + "/"]
 
 
 class SQLiteTenantStore(TenantStore):
@@ -97,20 +96,26 @@ class SQLiteTenantStore(TenantStore):
                 cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
                 vec = None if vectors is None else vectors[i]
                 if vec is not None:
-                    conn.execute("INSERT INTO vectors (rid, vec) VALUES (?, ?)",
-                                 (cur.lastrowid, _vec_blob(vec)))
+                    conn.execute(
+                        "INSERT INTO vectors (rid, vec) VALUES (?, ?)",
+                        (cur.lastrowid, _vec_blob(vec)),
+                    )
                 stored.append(rec)
         return stored
 
     def _supersede(self, conn: sqlite3.Connection, rec: Fact) -> Fact:
         row = conn.execute(
             "SELECT rid, id, valid_from FROM records WHERE scope = ? AND key = ? "
-            "AND valid_to IS NULL", (rec.scope, rec.key)).fetchone()
+            "AND valid_to IS NULL",
+            (rec.scope, rec.key),
+        ).fetchone()
         if row is None:
             return rec
         rec = successor(rec, row[2])
-        conn.execute("UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
-                     (to_us(rec.valid_from), rec.id, row[0]))
+        conn.execute(
+            "UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
+            (to_us(rec.valid_from), rec.id, row[0]),
+        )
         return rec
 
     def import_records(
@@ -124,18 +129,25 @@ class SQLiteTenantStore(TenantStore):
                 if isinstance(rec, Fact) and rec.key is not None and rec.valid_to is None:
                     row = conn.execute(
                         "SELECT rid, id, valid_from FROM records WHERE scope = ? AND key = ? "
-                        "AND valid_to IS NULL", (rec.scope, rec.key)).fetchone()
+                        "AND valid_to IS NULL",
+                        (rec.scope, rec.key),
+                    ).fetchone()
                     if row is not None and row[2] < to_us(rec.valid_from):
-                        conn.execute("UPDATE records SET valid_to = ?, superseded_by = ? "
-                                     "WHERE rid = ?", (to_us(rec.valid_from), rec.id, row[0]))
+                        conn.execute(
+                            "UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
+                            (to_us(rec.valid_from), rec.id, row[0]),
+                        )
                     elif row is not None:  # the existing fact is newer: import this one ended
-                        rec = rec.model_copy(update={"valid_to": from_us(row[2]),
-                                                     "superseded_by": row[1]})
+                        rec = rec.model_copy(
+                            update={"valid_to": from_us(row[2]), "superseded_by": row[1]}
+                        )
                 cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
                 vec = None if vectors is None else vectors[i]
                 if vec is not None:
-                    conn.execute("INSERT INTO vectors (rid, vec) VALUES (?, ?)",
-                                 (cur.lastrowid, _vec_blob(vec)))
+                    conn.execute(
+                        "INSERT INTO vectors (rid, vec) VALUES (?, ?)",
+                        (cur.lastrowid, _vec_blob(vec)),
+                    )
                 inserted += 1
         return inserted
 
@@ -143,9 +155,10 @@ class SQLiteTenantStore(TenantStore):
         self, record_id: str, *, verified: bool, stale: bool, source_hash: str | None
     ) -> None:
         with self._db.write("verify") as conn:
-            n = conn.execute("UPDATE records SET verified = ?, stale = ?, source_hash = ? "
-                             "WHERE id = ?", (int(verified), int(stale), source_hash,
-                                              record_id)).rowcount
+            n = conn.execute(
+                "UPDATE records SET verified = ?, stale = ?, source_hash = ? WHERE id = ?",
+                (int(verified), int(stale), source_hash, record_id),
+            ).rowcount
         if not n:
             raise RecordNotFound(f"no record {record_id!r}", kind="record", name=record_id)
 
@@ -153,8 +166,7 @@ class SQLiteTenantStore(TenantStore):
         if not ids:
             return 0
         with self._db.write("forget") as conn:
-            return sum(conn.execute("DELETE FROM records WHERE id = ?", (i,)).rowcount
-                       for i in ids)
+            return sum(conn.execute("DELETE FROM records WHERE id = ?", (i,)).rowcount for i in ids)
 
     def forget_scope(self, prefix: str) -> int:
         where, params = _within_sql(prefix)
@@ -166,22 +178,24 @@ class SQLiteTenantStore(TenantStore):
 
     def cap_expiry(self, scope: str, retention_us: int) -> int:
         with self._db.write("retention") as conn:
-            return int(conn.execute(
-                "UPDATE records SET expires_at = created_at + ? WHERE scope = ? AND "
-                "(expires_at IS NULL OR expires_at > created_at + ?)",
-                (retention_us, scope, retention_us)).rowcount)
+            return int(
+                conn.execute(
+                    "UPDATE records SET expires_at = created_at + ? WHERE scope = ? AND "
+                    "(expires_at IS NULL OR expires_at > created_at + ?)",
+                    (retention_us, scope, retention_us),
+                ).rowcount
+            )
 
     def purge_expired(self, now: int) -> int:
         with self._db.write("purge") as conn:
-            return int(conn.execute("DELETE FROM records WHERE expires_at <= ?",
-                                    (now,)).rowcount)
+            return int(conn.execute("DELETE FROM records WHERE expires_at <= ?", (now,)).rowcount)
 
     # -- reads ----------------------------------------------------------------------------
     def get(self, ids: Sequence[str], now: int) -> list[AnyRecord]:
         found: dict[str, AnyRecord] = {}
         with self._db.read("get") as conn:
             for start in range(0, len(ids), 500):
-                part = list(ids[start:start + 500])
+                part = list(ids[start : start + 500])
                 for row in conn.execute(
                     f"SELECT {schema.COLUMNS} FROM records WHERE id IN "
                     f"({','.join('?' * len(part))}) AND (expires_at IS NULL OR expires_at > ?)",
@@ -196,23 +210,28 @@ class SQLiteTenantStore(TenantStore):
             rows = conn.execute(
                 f"SELECT {schema.COLUMNS} FROM records WHERE scope = ? AND key = ? AND "
                 "kind = 'fact' AND (expires_at IS NULL OR expires_at > ?) "
-                "ORDER BY valid_from, rid", (scope, key, now)).fetchall()
+                "ORDER BY valid_from, rid",
+                (scope, key, now),
+            ).fetchall()
         return [r for r in map(schema.row_to_record, rows) if isinstance(r, Fact)]
 
     def scan(self, flt: RecordFilter, limit: int, *, newest_first: bool = True) -> list[AnyRecord]:
         where, params = schema.filter_sql(flt)
         order = "DESC" if newest_first else "ASC"
         with self._db.read("scan") as conn:
-            rows = conn.execute(f"SELECT {_RCOLS} FROM records r WHERE {where} "
-                                f"ORDER BY r.valid_from {order}, r.rid {order} LIMIT ?",
-                                [*params, limit]).fetchall()
+            rows = conn.execute(
+                f"SELECT {_RCOLS} FROM records r WHERE {where} "
+                f"ORDER BY r.valid_from {order}, r.rid {order} LIMIT ?",
+                [*params, limit],
+            ).fetchall()
         return [schema.row_to_record(r) for r in rows]
 
     def count(self, flt: RecordFilter) -> int:
         where, params = schema.filter_sql(flt)
         with self._db.read("count") as conn:
-            return int(conn.execute(f"SELECT count(*) FROM records r WHERE {where}",
-                                    params).fetchone()[0])
+            return int(
+                conn.execute(f"SELECT count(*) FROM records r WHERE {where}", params).fetchone()[0]
+            )
 
     def lexical_search(
         self, terms: Sequence[str], flt: RecordFilter, limit: int
@@ -237,8 +256,9 @@ class SQLiteTenantStore(TenantStore):
             for term in terms:
                 rows = conn.execute(
                     "SELECT rowid FROM records_fts WHERE records_fts MATCH ? "
-                    "ORDER BY rowid DESC LIMIT ?", ('"' + term.replace('"', '""') + '"',
-                                                    _TERM_CAP)).fetchall()
+                    "ORDER BY rowid DESC LIMIT ?",
+                    ('"' + term.replace('"', '""') + '"', _TERM_CAP),
+                ).fetchall()
                 if not rows:
                     continue
                 rids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
@@ -250,41 +270,54 @@ class SQLiteTenantStore(TenantStore):
             if not rid_lists:
                 return []
             all_rids = np.concatenate(rid_lists)
-            all_w = np.concatenate([np.full(len(r), w) for r, w in zip(rid_lists, weights,
-                                                                       strict=True)])
+            all_w = np.concatenate(
+                [np.full(len(r), w) for r, w in zip(rid_lists, weights, strict=True)]
+            )
             uniq, inverse = np.unique(all_rids, return_inverse=True)
             scores = np.bincount(inverse, weights=all_w)
             order = np.lexsort((-uniq, -scores))  # best score, then newest
             ranked = uniq[order]
             # usually the filter passes nearly everything: check the best few first
-            head = [int(r) for r in ranked[:limit * 2 + 8]]
+            head = [int(r) for r in ranked[: limit * 2 + 8]]
             found = self._fetch_rids(conn, head, where, params)
             if len(found) < min(limit, len(head)) and len(ranked) > len(head):
                 # a selective filter: find the eligible matches in one join, then rank them
                 match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
                 eligible = np.fromiter(
-                    (r[0] for r in conn.execute(
-                        f"SELECT r.rid FROM records_fts JOIN records r NOT INDEXED "
-                        f"ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND {where}",
-                        [match, *params])), dtype=np.int64)
+                    (
+                        r[0]
+                        for r in conn.execute(
+                            f"SELECT r.rid FROM records_fts JOIN records r NOT INDEXED "
+                            f"ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND {where}",
+                            [match, *params],
+                        )
+                    ),
+                    dtype=np.int64,
+                )
                 head = [int(r) for r in ranked[np.isin(ranked, eligible)][:limit]]
                 found = self._fetch_rids(conn, head, where, params)
             head_scores = scores[np.searchsorted(uniq, head)].tolist() if head else []
-            out = [(schema.row_to_record(found[r]), float(sc))
-                   for r, sc in zip(head, head_scores, strict=True) if r in found]
+            out = [
+                (schema.row_to_record(found[r]), float(sc))
+                for r, sc in zip(head, head_scores, strict=True)
+                if r in found
+            ]
         return out[:limit]
 
     @staticmethod
-    def _fetch_rids(conn: sqlite3.Connection, rids: list[int], where: str,
-                    params: list[Any]) -> dict[int, tuple[Any, ...]]:
+    def _fetch_rids(
+        conn: sqlite3.Connection, rids: list[int], where: str, params: list[Any]
+    ) -> dict[int, tuple[Any, ...]]:
         """Rows with these rowids that pass the filter, by rowid. ``NOT INDEXED`` because with
         bound parameters the planner would rather walk the scope index than look up rowids."""
         found: dict[int, tuple[Any, ...]] = {}
         for at in range(0, len(rids), 500):
-            part = rids[at:at + 500]
+            part = rids[at : at + 500]
             for row in conn.execute(
-                    f"SELECT {_RCOLS} FROM records r NOT INDEXED WHERE r.rid IN "
-                    f"({','.join('?' * len(part))}) AND {where}", [*part, *params]):
+                f"SELECT {_RCOLS} FROM records r NOT INDEXED WHERE r.rid IN "
+                f"({','.join('?' * len(part))}) AND {where}",
+                [*part, *params],
+            ):
                 found[row[0]] = row
         return found
 
@@ -305,10 +338,11 @@ class SQLiteTenantStore(TenantStore):
                 rids = list(sims)
                 rows = []
                 for start in range(0, len(rids), 500):
-                    part = rids[start:start + 500]
+                    part = rids[start : start + 500]
                     rows += conn.execute(
                         f"SELECT {_RCOLS} FROM records r NOT INDEXED WHERE r.rid IN "
-                        f"({','.join('?' * len(part))}) AND {where}", [*part, *params]
+                        f"({','.join('?' * len(part))}) AND {where}",
+                        [*part, *params],
                     ).fetchall()
                 # metadata/key/session filters may drop candidates: widen until enough
                 if len(rows) >= limit or len(cands) < want:
@@ -320,9 +354,11 @@ class SQLiteTenantStore(TenantStore):
     def iter_records(self, prefix: str) -> Iterator[tuple[AnyRecord, list[float] | None]]:
         where, params = _within_sql(prefix, "r.scope")
         with self._db.read("export") as conn:
-            rows = conn.execute(f"SELECT {_RCOLS}, v.vec FROM records r LEFT JOIN vectors v "
-                                f"ON v.rid = r.rid WHERE {where} ORDER BY r.rid",
-                                params).fetchall()
+            rows = conn.execute(
+                f"SELECT {_RCOLS}, v.vec FROM records r LEFT JOIN vectors v "
+                f"ON v.rid = r.rid WHERE {where} ORDER BY r.rid",
+                params,
+            ).fetchall()
         for row in rows:
             vec = None if row[-1] is None else np.frombuffer(row[-1], np.float32).tolist()
             yield schema.row_to_record(row), vec
@@ -330,47 +366,66 @@ class SQLiteTenantStore(TenantStore):
     # -- profiles, policies, metadata -----------------------------------------------------
     @staticmethod
     def _profile(row: tuple[Any, ...]) -> Profile:
-        return Profile(scope=row[0], data=json.loads(row[1]),
-                       json_schema=None if row[2] is None else json.loads(row[2]),
-                       updated_at=from_us(row[3]), version=row[4])
+        return Profile(
+            scope=row[0],
+            data=json.loads(row[1]),
+            json_schema=None if row[2] is None else json.loads(row[2]),
+            updated_at=from_us(row[3]),
+            version=row[4],
+        )
 
     def get_profile(self, scope: str) -> Profile | None:
         with self._db.read("get profile") as conn:
-            row = conn.execute("SELECT scope, data, json_schema, updated_at, version FROM "
-                               "profiles WHERE scope = ?", (scope,)).fetchone()
+            row = conn.execute(
+                "SELECT scope, data, json_schema, updated_at, version FROM "
+                "profiles WHERE scope = ?",
+                (scope,),
+            ).fetchone()
         return None if row is None else self._profile(row)
 
     def put_profile(self, profile: Profile) -> Profile:
         with self._db.write("set profile") as conn:
-            row = conn.execute("SELECT version FROM profiles WHERE scope = ?",
-                               (profile.scope,)).fetchone()
+            row = conn.execute(
+                "SELECT version FROM profiles WHERE scope = ?", (profile.scope,)
+            ).fetchone()
             version = 1 if row is None else row[0] + 1
             conn.execute(
                 "INSERT OR REPLACE INTO profiles (scope, data, json_schema, updated_at, version) "
                 "VALUES (?, ?, ?, ?, ?)",
-                (profile.scope, json.dumps(profile.data),
-                 None if profile.json_schema is None else json.dumps(profile.json_schema),
-                 to_us(profile.updated_at), version))
+                (
+                    profile.scope,
+                    json.dumps(profile.data),
+                    None if profile.json_schema is None else json.dumps(profile.json_schema),
+                    to_us(profile.updated_at),
+                    version,
+                ),
+            )
         return profile.model_copy(update={"version": version})
 
     def iter_profiles(self, prefix: str) -> Iterator[Profile]:
         where, params = _within_sql(prefix)
         with self._db.read("export profiles") as conn:
-            rows = conn.execute("SELECT scope, data, json_schema, updated_at, version FROM "
-                                f"profiles WHERE {where} ORDER BY scope", params).fetchall()
+            rows = conn.execute(
+                "SELECT scope, data, json_schema, updated_at, version FROM "
+                f"profiles WHERE {where} ORDER BY scope",
+                params,
+            ).fetchall()
         yield from map(self._profile, rows)
 
     def get_policy(self, scope: str) -> Policy | None:
         with self._db.read("get policy") as conn:
-            row = conn.execute("SELECT retention_seconds, cache_ttl_seconds FROM policies "
-                               "WHERE scope = ?", (scope,)).fetchone()
-        return None if row is None else Policy(retention_seconds=row[0],
-                                               cache_ttl_seconds=row[1])
+            row = conn.execute(
+                "SELECT retention_seconds, cache_ttl_seconds FROM policies WHERE scope = ?",
+                (scope,),
+            ).fetchone()
+        return None if row is None else Policy(retention_seconds=row[0], cache_ttl_seconds=row[1])
 
     def set_policy(self, scope: str, policy: Policy) -> None:
         with self._db.write("set policy") as conn:
-            conn.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?)",
-                         (scope, policy.retention_seconds, policy.cache_ttl_seconds))
+            conn.execute(
+                "INSERT OR REPLACE INTO policies VALUES (?, ?, ?)",
+                (scope, policy.retention_seconds, policy.cache_ttl_seconds),
+            )
 
     def get_meta(self, key: str) -> str | None:
         with self._db.read("get meta") as conn:
@@ -418,41 +473,80 @@ class SQLiteBackend(MemoryBackend):
 
     def put_token(self, token: TokenInfo) -> None:
         with self._sys().write("put token") as conn:
-            conn.execute("INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?, ?, ?)",
-                         (token.token_hash, token.tenant,
-                          json.dumps([g.model_dump() for g in token.grants]), token.name,
-                          to_us(token.created_at), int(token.revoked)))
+            conn.execute(
+                "INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    token.token_hash,
+                    token.tenant,
+                    json.dumps([g.model_dump() for g in token.grants]),
+                    token.name,
+                    to_us(token.created_at),
+                    int(token.revoked),
+                ),
+            )
 
     def get_token(self, token_hash: str) -> TokenInfo | None:
         with self._sys().read("get token") as conn:
-            row = conn.execute("SELECT token_hash, tenant, grants, name, created_at, revoked "
-                               "FROM tokens WHERE token_hash = ?", (token_hash,)).fetchone()
+            row = conn.execute(
+                "SELECT token_hash, tenant, grants, name, created_at, revoked "
+                "FROM tokens WHERE token_hash = ?",
+                (token_hash,),
+            ).fetchone()
         if row is None:
             return None
-        return TokenInfo(token_hash=row[0], tenant=row[1],
-                         grants=[Grant(**g) for g in json.loads(row[2])], name=row[3],
-                         created_at=from_us(row[4]), revoked=bool(row[5]))
+        return TokenInfo(
+            token_hash=row[0],
+            tenant=row[1],
+            grants=[Grant(**g) for g in json.loads(row[2])],
+            name=row[3],
+            created_at=from_us(row[4]),
+            revoked=bool(row[5]),
+        )
 
     def revoke_token(self, token_hash: str) -> bool:
         with self._sys().write("revoke token") as conn:
-            return bool(conn.execute("UPDATE tokens SET revoked = 1 WHERE token_hash = ?",
-                                     (token_hash,)).rowcount)
+            return bool(
+                conn.execute(
+                    "UPDATE tokens SET revoked = 1 WHERE token_hash = ?", (token_hash,)
+                ).rowcount
+            )
 
     def append_audit(self, entry: AuditEntry) -> None:
         with self._sys().write("audit") as conn:
-            conn.execute("INSERT INTO audit (at, tenant, actor, action, scope, allowed, detail) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                         (to_us(entry.at), entry.tenant, entry.actor, entry.action, entry.scope,
-                          int(entry.allowed), json.dumps(entry.detail, default=str)))
+            conn.execute(
+                "INSERT INTO audit (at, tenant, actor, action, scope, allowed, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    to_us(entry.at),
+                    entry.tenant,
+                    entry.actor,
+                    entry.action,
+                    entry.scope,
+                    int(entry.allowed),
+                    json.dumps(entry.detail, default=str),
+                ),
+            )
 
     def audit_log(self, tenant: str | None = None, limit: int = 100) -> list[AuditEntry]:
         where, params = ("WHERE tenant = ?", [tenant]) if tenant is not None else ("", [])
         with self._sys().read("audit log") as conn:
-            rows = conn.execute("SELECT at, tenant, actor, action, scope, allowed, detail FROM "
-                                f"audit {where} ORDER BY seq DESC LIMIT ?",
-                                [*params, limit]).fetchall()
-        return [AuditEntry(at=from_us(r[0]), tenant=r[1], actor=r[2], action=r[3], scope=r[4],
-                           allowed=bool(r[5]), detail=json.loads(r[6])) for r in rows]
+            rows = conn.execute(
+                "SELECT at, tenant, actor, action, scope, allowed, detail FROM "
+                f"audit {where} ORDER BY seq DESC LIMIT ?",
+                [*params, limit],
+            ).fetchall()
+        return [
+            AuditEntry(
+                at=from_us(r[0]),
+                tenant=r[1],
+                actor=r[2],
+                action=r[3],
+                scope=r[4],
+                allowed=bool(r[5]),
+                detail=json.loads(r[6]),
+            )
+            for r in rows
+        ]
 
     def close(self) -> None:
         with self._lock:

@@ -162,8 +162,9 @@ class SocketLink(Link):
 class Request:
     """One request being served: sends its events, data and reply on the right connection."""
 
-    def __init__(self, agent: Agent, generation: int, req_id: int, op: str,
-                 args: dict[str, Any]) -> None:
+    def __init__(
+        self, agent: Agent, generation: int, req_id: int, op: str, args: dict[str, Any]
+    ) -> None:
         self.agent = agent
         self.generation = generation
         self.id = req_id
@@ -241,8 +242,13 @@ class Agent:
     def _on_frame(self, frame: proto.Frame) -> None:
         header, rid = frame.header, frame.id
         if frame.type == proto.REQ:
-            req = Request(self, self.generation, rid, str(header.get("op", "")),
-                          dict(header.get("args") or {}))
+            req = Request(
+                self,
+                self.generation,
+                rid,
+                str(header.get("op", "")),
+                dict(header.get("args") or {}),
+            )
             if req.op == "write":
                 upload = self.ops.start_upload(req.id, req.args)
                 upload.add(frame.payload)
@@ -276,8 +282,9 @@ class Agent:
 
     def _start(self, req: Request, payload: Any) -> None:
         self._active[req.id] = req
-        threading.Thread(target=self._serve, args=(req, payload), daemon=True,
-                         name=f"req-{req.id}-{req.op}").start()
+        threading.Thread(
+            target=self._serve, args=(req, payload), daemon=True, name=f"req-{req.id}-{req.op}"
+        ).start()
 
     def _serve(self, req: Request, payload: Any) -> None:
         header: dict[str, Any] = {"i": req.id, "t": proto.REPLY}
@@ -293,7 +300,7 @@ class Agent:
                 header["result"] = result
             else:  # a long listing or a big repr: send it as data, the reply says so
                 for at in range(0, len(raw), proto.CHUNK):
-                    req.data(raw[at: at + proto.CHUNK])
+                    req.data(raw[at : at + proto.CHUNK])
                 header["result_in_data"] = True
             header["ok"] = True
         except Failure as exc:
@@ -302,17 +309,31 @@ class Agent:
             header.update(ok=False, error=ops.os_failure(exc, str(req.args.get("path", ""))).wire())
         except Exception as exc:
             log.exception("%s failed", req.op)
-            header.update(ok=False, error=proto.error_dict(
-                "GuestError", f"{req.op} failed in the guest: {exc!r}", op=req.op,
-                traceback=traceback.format_exc()))
+            header.update(
+                ok=False,
+                error=proto.error_dict(
+                    "GuestError",
+                    f"{req.op} failed in the guest: {exc!r}",
+                    op=req.op,
+                    traceback=traceback.format_exc(),
+                ),
+            )
         finally:
             self._active.pop(req.id, None)
         try:
             self.send(req.generation, header)
         except proto.ProtocolError as exc:
-            self.send(req.generation, {"i": req.id, "t": proto.REPLY, "ok": False,
-                                       "error": proto.error_dict("PayloadTooLarge", str(exc),
-                                                                 size=exc.size, limit=exc.limit)})
+            self.send(
+                req.generation,
+                {
+                    "i": req.id,
+                    "t": proto.REPLY,
+                    "ok": False,
+                    "error": proto.error_dict(
+                        "PayloadTooLarge", str(exc), size=exc.size, limit=exc.limit
+                    ),
+                },
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -321,19 +342,29 @@ def main(argv: list[str] | None = None) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--port", help="virtio-serial device to serve")
     where.add_argument("--socket", help="test mode: listen on this unix socket")
-    parser.add_argument("--no-clock", action="store_true",
-                        help="never set the system clock (tests on a real host)")
-    parser.add_argument("--workdir", help="working directory of commands, relative paths and "
-                        "the interpreter (default with --port: /workspace if it exists)")
-    parser.add_argument("--cold-interpreter", action="store_true",
-                        help="start the interpreter on the first run, not at start-up")
+    parser.add_argument(
+        "--no-clock", action="store_true", help="never set the system clock (tests on a real host)"
+    )
+    parser.add_argument(
+        "--workdir",
+        help="working directory of commands, relative paths and "
+        "the interpreter (default with --port: /workspace if it exists)",
+    )
+    parser.add_argument(
+        "--cold-interpreter",
+        action="store_true",
+        help="start the interpreter on the first run, not at start-up",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     workdir = args.workdir or ("/workspace" if args.port and os.path.isdir("/workspace") else None)
     if workdir:
         os.chdir(workdir)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s torpor-agent %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s torpor-agent %(levelname)s %(message)s",
+    )
     link: Link = PortLink(args.port) if args.port else SocketLink(args.socket)
     agent = Agent(link, set_clock=not args.no_clock)
     if not args.cold_interpreter:

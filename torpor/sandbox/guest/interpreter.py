@@ -58,10 +58,11 @@ _MIME_METHODS = (
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 # -- kernel side ---------------------------------------------------------------------------
+
 
 def mime_bundle(obj: Any) -> dict[str, Any]:
     """The Jupyter MIME bundle of ``obj``; a failing ``_repr_*_`` method is skipped."""
@@ -139,9 +140,13 @@ class Kernel:
                 self.results.append({"data": mime_bundle(value), "is_main_result": True})
         # SystemExit too: user code must not end the kernel.
         except BaseException as exc:  # noqa: BLE001
-            error = {"name": type(exc).__name__, "value": str(exc),
-                     "traceback": "".join(traceback.format_exception(
-                         type(exc), exc, _user_frames(exc.__traceback__)))}
+            error = {
+                "name": type(exc).__name__,
+                "value": str(exc),
+                "traceback": "".join(
+                    traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))
+                ),
+            }
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -175,16 +180,29 @@ class Kernel:
                     self.reseed(frame.payload)
                     reply = {}
                 else:
-                    reply = {"error": {"name": "ValueError", "value": f"bad op {op}",
-                                       "traceback": ""}}
+                    reply = {
+                        "error": {"name": "ValueError", "value": f"bad op {op}", "traceback": ""}
+                    }
                 try:
                     body = json.dumps(reply).encode("utf-8")
                 except (TypeError, ValueError) as exc:  # an unserialisable _repr_json_
-                    body = json.dumps({"results": [], "error": {
-                        "name": type(exc).__name__, "value": str(exc), "traceback": ""}}).encode()
+                    body = json.dumps(
+                        {
+                            "results": [],
+                            "error": {
+                                "name": type(exc).__name__,
+                                "value": str(exc),
+                                "traceback": "",
+                            },
+                        }
+                    ).encode()
                 # The reply goes in the payload: a big repr must not hit the header bound.
-                _write_all(reply_fd, proto.encode_frame({"i": frame.id, "t": proto.REPLY}, body,
-                                                        max_payload=_LOCAL_MAX))
+                _write_all(
+                    reply_fd,
+                    proto.encode_frame(
+                        {"i": frame.id, "t": proto.REPLY}, body, max_payload=_LOCAL_MAX
+                    ),
+                )
 
 
 def _user_frames(tb: Any) -> Any:
@@ -207,6 +225,7 @@ def kernel_main(cmd_fd: int, reply_fd: int) -> None:
 
 # -- agent side ----------------------------------------------------------------------------
 
+
 class KernelClient:
     """Starts, feeds and restarts the kernel process. One run at a time."""
 
@@ -226,8 +245,13 @@ class KernelClient:
         script = os.path.abspath(__file__)
         self.proc = subprocess.Popen(
             [self.python, script, "--kernel", str(cmd_r), str(rep_w)],
-            stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(cmd_r, rep_w),
-            start_new_session=True, cwd=os.getcwd())
+            stdin=subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=err_w,
+            pass_fds=(cmd_r, rep_w),
+            start_new_session=True,
+            cwd=os.getcwd(),
+        )
         for fd in (cmd_r, rep_w, out_w, err_w):
             os.close(fd)
         for fd in (rep_r, out_r, err_r):
@@ -267,8 +291,12 @@ class KernelClient:
 
     def _call(self, op: str, payload: bytes) -> int:
         self.next_id += 1
-        _write_all(self.fds["cmd"], proto.encode_frame(
-            {"i": self.next_id, "t": proto.REQ, "op": op}, payload, max_payload=_LOCAL_MAX))
+        _write_all(
+            self.fds["cmd"],
+            proto.encode_frame(
+                {"i": self.next_id, "t": proto.REQ, "op": op}, payload, max_payload=_LOCAL_MAX
+            ),
+        )
         return self.next_id
 
     def reseed(self, seed: bytes) -> bool:
@@ -290,9 +318,14 @@ class KernelClient:
             seed, self.pending_seed = self.pending_seed, None
             self._call("reseed", seed)  # its reply is read (and skipped) by the next run
 
-    def run(self, code: str, timeout: float | None, emit: Callable[[str, bytes], None],
-            limit: int, set_cancel: Callable[[Callable[[], None] | None], None]
-            ) -> dict[str, Any]:
+    def run(
+        self,
+        code: str,
+        timeout: float | None,
+        emit: Callable[[str, bytes], None],
+        limit: int,
+        set_cancel: Callable[[Callable[[], None] | None], None],
+    ) -> dict[str, Any]:
         """Run ``code``; stream its output with ``emit``. Returns ``{"reply": ...}``, or
         ``{"timed_out": True, "kernel_alive": bool}``, or ``{"too_large": True, "size": n}``."""
         with self.lock:
@@ -322,8 +355,14 @@ class KernelClient:
                 if not _read_nonblocking(self.fds[name]):
                     break
 
-    def _wait(self, rid: int, timeout: float | None, emit: Callable[[str, bytes], None],
-              limit: int, interrupted: threading.Event) -> dict[str, Any]:
+    def _wait(
+        self,
+        rid: int,
+        timeout: float | None,
+        emit: Callable[[str, bytes], None],
+        limit: int,
+        interrupted: threading.Event,
+    ) -> dict[str, Any]:
         assert self.proc is not None
         decoder = proto.FrameDecoder(max_payload=_LOCAL_MAX)
         deadline = None if timeout is None else time.monotonic() + float(timeout)
@@ -354,11 +393,17 @@ class KernelClient:
                     self._drain(emit)
                     code = self.proc.wait()
                     self._stop()
-                    return {"reply": {"results": [], "error": {
-                        "name": "KernelDied",
-                        "value": f"the interpreter exited with code {code}; its variables "
-                                 "are lost and the next run starts a new one",
-                        "traceback": ""}}}
+                    return {
+                        "reply": {
+                            "results": [],
+                            "error": {
+                                "name": "KernelDied",
+                                "value": f"the interpreter exited with code {code}; its variables "
+                                "are lost and the next run starts a new one",
+                                "traceback": "",
+                            },
+                        }
+                    }
                 for frame in decoder.feed(chunk):
                     if frame.id != rid:
                         continue  # the reply to a reseed

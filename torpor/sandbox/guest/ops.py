@@ -75,8 +75,9 @@ class Upload:
         if tmp_path is not None:
             try:
                 os.makedirs(os.path.dirname(tmp_path), exist_ok=True)
-                self.fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                                  0o644)
+                self.fd = os.open(
+                    tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644
+                )
             except OSError as exc:
                 self.failure = os_failure(exc, target)
 
@@ -85,8 +86,12 @@ class Upload:
             return
         self.size += len(chunk)
         if self.size > self.limit:
-            self.failure = Failure("PayloadTooLarge", f"upload over {self.limit} bytes",
-                                   size=self.size, limit=self.limit)
+            self.failure = Failure(
+                "PayloadTooLarge",
+                f"upload over {self.limit} bytes",
+                size=self.size,
+                limit=self.limit,
+            )
             self.abort()
             return
         if self.fd < 0:
@@ -95,7 +100,7 @@ class Upload:
         try:
             view = memoryview(chunk)
             while view:
-                view = view[os.write(self.fd, view):]
+                view = view[os.write(self.fd, view) :]
         except OSError as exc:
             self.failure = os_failure(exc, self.target)
             self.abort()
@@ -168,9 +173,13 @@ class Operations:
     def op_ping(self, req: Any, payload: bytes) -> dict[str, Any]:
         """``{pid, boot_id, uptime, time, version}``; with ``args.refresh`` (``{unix_time}``,
         entropy as payload) it refreshes too, once per entropy, and adds ``refresh``."""
-        info: dict[str, Any] = {"pid": os.getpid(), "boot_id": self._boot_id(),
-                                "uptime": _uptime(), "time": time.time(),
-                                "version": proto.PROTOCOL_VERSION}
+        info: dict[str, Any] = {
+            "pid": os.getpid(),
+            "boot_id": self._boot_id(),
+            "uptime": _uptime(),
+            "time": time.time(),
+            "version": proto.PROTOCOL_VERSION,
+        }
         wanted = req.args.get("refresh")
         if isinstance(wanted, dict):
             # The host sends a ping every few ms until one is answered, all with the same
@@ -219,8 +228,13 @@ class Operations:
         # A seed from host entropy *and* the (now mixed) pool: clones must diverge even if
         # the host sent the same bytes twice. (random.seed hashes bytes itself.)
         seed = payload + os.urandom(32)
-        return {"entropy_bytes": len(payload), "credited": credited, "clock_set": clock_set,
-                "interpreter_reseeded": self._defer_reseed(seed), "time": time.time()}
+        return {
+            "entropy_bytes": len(payload),
+            "credited": credited,
+            "clock_set": clock_set,
+            "interpreter_reseeded": self._defer_reseed(seed),
+            "time": time.time(),
+        }
 
     def _defer_reseed(self, seed: bytes) -> bool:
         """Hand ``seed`` to the interpreter, which takes it before its next run. Not sent now:
@@ -238,12 +252,15 @@ class Operations:
         return {}
 
     def _tool(self, argv: list[str]) -> None:
-        proc = subprocess.run(argv, check=False, stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=120)
+        proc = subprocess.run(
+            argv, check=False, stdin=subprocess.DEVNULL, capture_output=True, timeout=120
+        )
         if proc.returncode != 0:
-            raise Failure("GuestError", f"{' '.join(argv)} failed: "
-                          f"{proc.stderr.decode(errors='replace').strip()}",
-                          exit_code=proc.returncode)
+            raise Failure(
+                "GuestError",
+                f"{' '.join(argv)} failed: {proc.stderr.decode(errors='replace').strip()}",
+                exit_code=proc.returncode,
+            )
 
     def op_mount(self, req: Any, payload: bytes) -> dict[str, Any]:
         """``mount``; a ``/dev/disk/by-id/virtio-<serial>`` source is found by its serial
@@ -251,7 +268,7 @@ class Operations:
         a = req.args
         source = str(a["source"])
         if source.startswith(_BY_ID):
-            source = _disk_by_serial(source[len(_BY_ID):], float(a.get("wait", 10.0)))
+            source = _disk_by_serial(source[len(_BY_ID) :], float(a.get("wait", 10.0)))
         os.makedirs(a["target"], exist_ok=True)
         argv = ["mount"]
         if a.get("fstype"):
@@ -274,8 +291,9 @@ class Operations:
         env = dict(os.environ)
         env.update({str(k): str(v) for k, v in (a.get("env") or {}).items()})
         if cwd is not None and not os.path.isdir(cwd):
-            raise Failure("PathNotFound", f"working directory {cwd} does not exist",
-                          kind="path", name=cwd)
+            raise Failure(
+                "PathNotFound", f"working directory {cwd} does not exist", kind="path", name=cwd
+            )
         if a.get("background"):
             proc = spawn_shell(cmd, cwd=cwd, env=env, capture=False)
             self._keep(proc)
@@ -293,8 +311,7 @@ class Operations:
             req.cancel_hook = None
         return {"pid": proc.pid, "exit_code": _exit_code(proc.wait())}
 
-    def _pump(self, req: Any, proc: Process, limit: int,
-              timeout: float | None) -> None:
+    def _pump(self, req: Any, proc: Process, limit: int, timeout: float | None) -> None:
         sel = selectors.DefaultSelector()
         assert proc.stdout is not None and proc.stderr is not None
         sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
@@ -320,15 +337,21 @@ class Operations:
                     total += len(chunk)
                     if total > limit:
                         _killpg(proc)
-                        raise Failure("PayloadTooLarge", f"command output over {limit} bytes",
-                                      size=total, limit=limit)
+                        raise Failure(
+                            "PayloadTooLarge",
+                            f"command output over {limit} bytes",
+                            size=total,
+                            limit=limit,
+                        )
                     req.event(key.data, chunk)
                 if req.cancelled:
-                    raise Failure("OperationTimeout", "command cancelled by the host",
-                                  seconds=timeout)
+                    raise Failure(
+                        "OperationTimeout", "command cancelled by the host", seconds=timeout
+                    )
                 if deadline is not None and time.monotonic() > deadline:
-                    raise Failure("OperationTimeout", f"command timed out after {timeout} s",
-                                  seconds=timeout)
+                    raise Failure(
+                        "OperationTimeout", f"command timed out after {timeout} s", seconds=timeout
+                    )
                 # Stop once the pipes are empty, or soon after the exit if a grandchild
                 # keeps writing (`yes &`).
                 if exited_at is not None and (not got or time.monotonic() - exited_at > 0.2):
@@ -354,16 +377,26 @@ class Operations:
             if stat.S_ISDIR(st.st_mode):
                 raise Failure("InvalidArgument", f"{path} is a directory", path=path)
             if st.st_size > limit:
-                raise Failure("PayloadTooLarge", f"{path} is {st.st_size} bytes, over {limit}",
-                              size=st.st_size, limit=limit, path=path)
+                raise Failure(
+                    "PayloadTooLarge",
+                    f"{path} is {st.st_size} bytes, over {limit}",
+                    size=st.st_size,
+                    limit=limit,
+                    path=path,
+                )
             total = 0
             while chunk := os.read(fd, proto.CHUNK):
                 if req.cancelled:
                     raise Failure("OperationTimeout", f"reading {path} was cancelled", path=path)
                 total += len(chunk)
                 if total > limit:
-                    raise Failure("PayloadTooLarge", f"{path} grew over {limit} bytes",
-                                  size=total, limit=limit, path=path)
+                    raise Failure(
+                        "PayloadTooLarge",
+                        f"{path} grew over {limit} bytes",
+                        size=total,
+                        limit=limit,
+                        path=path,
+                    )
                 req.data(chunk)
         finally:
             os.close(fd)
@@ -388,8 +421,14 @@ class Operations:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed while we listed
-                entries.append({"name": entry.name, "path": os.path.join(path, entry.name),
-                                "type": _entry_type(st.st_mode), "size": st.st_size})
+                entries.append(
+                    {
+                        "name": entry.name,
+                        "path": os.path.join(path, entry.name),
+                        "type": _entry_type(st.st_mode),
+                        "size": st.st_size,
+                    }
+                )
         entries.sort(key=lambda e: str(e["name"]))
         return {"entries": entries}
 
@@ -416,14 +455,24 @@ class Operations:
     def op_run_code(self, req: Any, payload: bytes) -> dict[str, Any]:
         code = payload.decode("utf-8") if payload else str(req.args.get("code", ""))
         limit = int(req.args.get("max_output") or DEFAULT_OUTPUT_LIMIT)
-        outcome = self.kernel.run(code, req.args.get("timeout"), req.event, limit,
-                                  lambda hook: setattr(req, "cancel_hook", hook))
+        outcome = self.kernel.run(
+            code,
+            req.args.get("timeout"),
+            req.event,
+            limit,
+            lambda hook: setattr(req, "cancel_hook", hook),
+        )
         if outcome.get("timed_out"):
-            raise Failure("OperationTimeout", f"code timed out after {req.args.get('timeout')} s",
-                          seconds=req.args.get("timeout"), kernel_alive=outcome["kernel_alive"])
+            raise Failure(
+                "OperationTimeout",
+                f"code timed out after {req.args.get('timeout')} s",
+                seconds=req.args.get("timeout"),
+                kernel_alive=outcome["kernel_alive"],
+            )
         if outcome.get("too_large"):
-            raise Failure("PayloadTooLarge", f"output over {limit} bytes", size=outcome["size"],
-                          limit=limit)
+            raise Failure(
+                "PayloadTooLarge", f"output over {limit} bytes", size=outcome["size"], limit=limit
+            )
         return dict(outcome["reply"])
 
     def op_restart_interpreter(self, req: Any, payload: bytes) -> dict[str, Any]:
@@ -455,8 +504,12 @@ def _disk_by_serial(serial: str, wait: float) -> str:
             if found and found == serial[:20]:
                 return f"/dev/{name}"
         if time.monotonic() > deadline:
-            raise Failure("PathNotFound", f"no disk with serial {serial!r} in the guest",
-                          kind="disk", name=serial)
+            raise Failure(
+                "PathNotFound",
+                f"no disk with serial {serial!r} in the guest",
+                kind="disk",
+                name=serial,
+            )
         time.sleep(0.1)
 
 

@@ -76,8 +76,7 @@ class ProtocolError(ValueError):
     """A frame that cannot be encoded: too large (``size``, ``limit`` set) or not
     JSON-serialisable."""
 
-    def __init__(self, message: str, *, size: int | None = None,
-                 limit: int | None = None) -> None:
+    def __init__(self, message: str, *, size: int | None = None, limit: int | None = None) -> None:
         super().__init__(message)
         self.size, self.limit = size, limit
 
@@ -101,31 +100,40 @@ def _crc(header_len: int, payload_len: int, header: bytes) -> int:
     return zlib.crc32(header, zlib.crc32(struct.pack(">4sII", MAGIC, header_len, payload_len)))
 
 
-def encode_frame(header: dict[str, Any], payload: bytes = b"", *,
-                 max_payload: int = MAX_PAYLOAD) -> bytes:
+def encode_frame(
+    header: dict[str, Any], payload: bytes = b"", *, max_payload: int = MAX_PAYLOAD
+) -> bytes:
     """Encode one frame. Raises :class:`ProtocolError` if the header or payload is too large."""
     try:
         raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"header is not JSON-serialisable: {exc}") from exc
     if len(raw) > MAX_HEADER:
-        raise ProtocolError(f"frame header of {len(raw)} bytes is over {MAX_HEADER}",
-                            size=len(raw), limit=MAX_HEADER)
+        raise ProtocolError(
+            f"frame header of {len(raw)} bytes is over {MAX_HEADER}",
+            size=len(raw),
+            limit=MAX_HEADER,
+        )
     if len(payload) > max_payload:
-        raise ProtocolError(f"frame payload of {len(payload)} bytes is over {max_payload}",
-                            size=len(payload), limit=max_payload)
+        raise ProtocolError(
+            f"frame payload of {len(payload)} bytes is over {max_payload}",
+            size=len(payload),
+            limit=max_payload,
+        )
     prefix = PREFIX.pack(MAGIC, len(raw), len(payload), _crc(len(raw), len(payload), raw))
     return b"".join((prefix, raw, payload))
 
 
-def encode_request(req_id: int, op: str, args: dict[str, Any], payload: bytes = b"", *,
-                   chunk: int = CHUNK) -> Iterator[bytes]:
+def encode_request(
+    req_id: int, op: str, args: dict[str, Any], payload: bytes = b"", *, chunk: int = CHUNK
+) -> Iterator[bytes]:
     """Yield the frames of one request: a ``req`` frame, then ``data`` frames for the rest
     of ``payload`` when it is larger than ``chunk``. Raises :class:`ProtocolError`."""
     view = memoryview(payload)
     first, rest = view[:chunk], view[chunk:]
-    yield encode_frame({"i": req_id, "t": REQ, "op": op, "args": args, "more": len(rest) > 0},
-                       bytes(first))
+    yield encode_frame(
+        {"i": req_id, "t": REQ, "op": op, "args": args, "more": len(rest) > 0}, bytes(first)
+    )
     while len(rest) > 0:
         part, rest = rest[:chunk], rest[chunk:]
         yield encode_frame({"i": req_id, "t": DATA, "more": len(rest) > 0}, bytes(part))
@@ -201,7 +209,7 @@ class FrameDecoder:
                 continue
             if len(buf) < PREFIX.size + hlen:
                 return None
-            raw = bytes(buf[PREFIX.size: PREFIX.size + hlen])
+            raw = bytes(buf[PREFIX.size : PREFIX.size + hlen])
             if _crc(hlen, plen, raw) != crc:
                 self._skip()
                 continue
@@ -217,7 +225,7 @@ class FrameDecoder:
 
     def _take(self, end: int, header: dict[str, Any]) -> Frame:
         hlen = end - PREFIX.size - PREFIX.unpack_from(self._buf)[2]
-        payload = bytes(self._buf[PREFIX.size + hlen: end])
+        payload = bytes(self._buf[PREFIX.size + hlen : end])
         del self._buf[:end]
         return Frame(header, payload)
 
@@ -227,7 +235,10 @@ def _parse_header(raw: bytes) -> dict[str, Any] | None:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return None
-    if (not isinstance(header, dict) or not isinstance(header.get("i"), int)
-            or header.get("t") not in _TYPES):
+    if (
+        not isinstance(header, dict)
+        or not isinstance(header.get("i"), int)
+        or header.get("t") not in _TYPES
+    ):
         return None
     return header

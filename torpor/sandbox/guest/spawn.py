@@ -21,8 +21,9 @@ from typing import IO, Any
 __all__ = ["Process", "Spawned", "spawn_shell"]
 
 #: signals Python ignores that a shell command must see at their default (as Popen restores)
-_DEFAULT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ", "SIGXFZ")
-                         if hasattr(signal, name))
+_DEFAULT_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ", "SIGXFZ") if hasattr(signal, name)
+)
 
 
 class Spawned:
@@ -71,21 +72,38 @@ def spawn_shell(cmd: str, *, cwd: str | None, env: dict[str, str], capture: bool
     pipes (``capture``) or /dev/null. Raises OSError if it cannot start."""
     if cwd is not None or not hasattr(os, "posix_spawn"):
         out: Any = subprocess.PIPE if capture else subprocess.DEVNULL
-        return subprocess.Popen(["/bin/sh", "-c", cmd], cwd=cwd, env=env,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True)
+        return subprocess.Popen(
+            ["/bin/sh", "-c", cmd],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
     pipes: list[tuple[int, int]] = []
     try:
         actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
         if capture:
             pipes = [os.pipe(), os.pipe()]  # close-on-exec: only the dup2'd copies pass
-            actions += [(os.POSIX_SPAWN_DUP2, pipes[0][1], 1),
-                        (os.POSIX_SPAWN_DUP2, pipes[1][1], 2)]
+            actions += [
+                (os.POSIX_SPAWN_DUP2, pipes[0][1], 1),
+                (os.POSIX_SPAWN_DUP2, pipes[1][1], 2),
+            ]
         else:
-            actions += [(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-                        (os.POSIX_SPAWN_DUP2, 1, 2)]
-        pid = os.posix_spawn("/bin/sh", ["/bin/sh", "-c", cmd], env, file_actions=actions,
-                             setsid=True, setsigmask=(), setsigdef=_DEFAULT_SIGNALS)
+            actions += [
+                (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                (os.POSIX_SPAWN_DUP2, 1, 2),
+            ]
+        pid = os.posix_spawn(
+            "/bin/sh",
+            ["/bin/sh", "-c", cmd],
+            env,
+            file_actions=actions,
+            setsid=True,
+            setsigmask=(),
+            setsigdef=_DEFAULT_SIGNALS,
+        )
     except BaseException:
         for r, w in pipes:
             os.close(r)
@@ -95,5 +113,6 @@ def spawn_shell(cmd: str, *, cwd: str | None, env: dict[str, str], capture: bool
         os.close(w)
     if not capture:
         return Spawned(pid, None, None)
-    return Spawned(pid, os.fdopen(pipes[0][0], "rb", buffering=0),
-                   os.fdopen(pipes[1][0], "rb", buffering=0))
+    return Spawned(
+        pid, os.fdopen(pipes[0][0], "rb", buffering=0), os.fdopen(pipes[1][0], "rb", buffering=0)
+    )
