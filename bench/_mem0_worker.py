@@ -73,7 +73,7 @@ def main() -> None:
         try:
             result = _handle(mem, req)
             reply: dict[str, Any] = {"result": result}
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
+        except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.seek(0)
         sys.stdout.truncate()

@@ -5,10 +5,10 @@ Scoring (all on the ``test`` split unless said otherwise):
 * **Recall@5** per kind: the share of gold groups found in the top 5 (:func:`memgen.recall_at_k`),
   averaged over the questions of that kind.
 * **abstain**: a system abstains when its best score among the hits it returned is under a
-  threshold (no hit at all counts as abstaining). The threshold is the one that maximises balanced accuracy on the held-out
-  ``calib`` split (abstention questions vs answerable ones). The ``abstain`` column is that
-  balanced accuracy measured on the test split: the mean of "abstained on an abstention
-  question" and "answered an answerable question".
+  threshold (no hit at all counts as abstaining). The threshold is the one that maximises
+  balanced accuracy on the held-out ``calib`` split (abstention questions vs answerable
+  ones). The ``abstain`` column is that balanced accuracy measured on the test split: the
+  mean of "abstained on an abstention question" and "answered an answerable question".
 * **current**: for knowledge-update questions (both splits) on which the system returned any
   fact of the asked key in its top 5, the share whose first such fact is the current value
   (a superseded value ranked first is the failure). ``current_found`` is the share of all
@@ -123,7 +123,7 @@ def evaluate(system: Peer, ds: Dataset, docs: Sequence[Doc] | None = None) -> Qu
         qs = [q for q in test if q.kind == kind]
         scores = [recall_at_k(ranked[q.id], q.gold, K) for q in qs]
         res.recall[kind] = sum(scores) / len(scores) if scores else float("nan")
-        for q, s in zip(qs, scores):
+        for q, s in zip(qs, scores, strict=True):
             if s < 1.0:
                 res.misses.append(
                     {
@@ -148,7 +148,7 @@ def evaluate(system: Peer, ds: Dataset, docs: Sequence[Doc] | None = None) -> Qu
 
     updates = [q for q in ds.questions if q.kind == "update"]
     first = [_first_in_chain(ranked[q.id], q) for q in updates]
-    answered = [(f, q) for f, q in zip(first, updates) if f is not None]
+    answered = [(f, q) for f, q in zip(first, updates, strict=True) if f is not None]
     res.current = (
         sum(f == q.current_fact_id for f, q in answered) / len(answered)
         if answered

@@ -178,8 +178,10 @@ def scale_run(size: int, mode: str, reps: int, progress: Callable[[str], None]) 
         done = 0
         for chunk in _chunks(synthetic_texts(size, seed=size), BATCH):
             add(chunk)
-            for i in range(-done % stride, len(chunk), stride):
-                queries.append(" ".join(rng.sample(chunk[i].split()[1:], k=3)))
+            queries.extend(
+                " ".join(rng.sample(chunk[i].split()[1:], k=3))
+                for i in range(-done % stride, len(chunk), stride)
+            )
             done += len(chunk)
             if done % 100_000 == 0:
                 progress(f"{mode} {size:,}: {done:,} added")

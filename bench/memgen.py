@@ -183,12 +183,14 @@ class _UserBuilder:
             changes = rng.choices((0, 1, 2), weights=(4, 4, 2))[0] if n >= 3 else 0
             values = rng.sample(slot.values, k=min(len(slot.values), changes + 1))
             sessions = sorted(rng.sample(range(n), k=len(values)))
-            for s, v in zip(sessions, values):
+            for s, v in zip(sessions, values, strict=True):
                 self.plan[s].append((slot, v))
             self.used.add(slot.name)
         for slot in rng.sample(MULTI_SLOTS, k=2):
             k = min(rng.randint(2, 3), n, len(slot.values))
-            for s, v in zip(sorted(rng.sample(range(n), k=k)), rng.sample(slot.values, k=k)):
+            for s, v in zip(
+                sorted(rng.sample(range(n), k=k)), rng.sample(slot.values, k=k), strict=True
+            ):
                 self.plan[s].append((slot, v))
             self.used.add(slot.name)
 

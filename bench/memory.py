@@ -102,7 +102,7 @@ def run_quality(args: argparse.Namespace, report: dict[str, Any]) -> list[Qualit
     for name, make in makers:
         try:
             system: Peer = make()
-        except Exception as exc:  # noqa: BLE001 - a peer that cannot start is reported
+        except Exception as exc:
             skipped[name] = f"{type(exc).__name__}: {exc}"
             continue
         console.print(f"  running {name} ...")

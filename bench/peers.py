@@ -15,6 +15,7 @@ time, so a creation-time filter is the fairest thing it can do).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -121,7 +122,7 @@ class Embedder:
                 normalize_embeddings=True,
                 convert_to_numpy=True,
             )
-            for t, v in zip(missing, vecs):
+            for t, v in zip(missing, vecs, strict=True):
                 self.cache[t] = np.asarray(v, dtype=np.float32)
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
@@ -210,7 +211,7 @@ class ChromaPeer:
         res = self.col.query(query_embeddings=q.tolist(), n_results=k, where=where)
         ids = res["ids"][0]
         dists = (res["distances"] or [[1.0] * len(ids)])[0]
-        return [(i, 1.0 - float(d)) for i, d in zip(ids, dists)]
+        return [(i, 1.0 - float(d)) for i, d in zip(ids, dists, strict=True)]
 
     def close(self) -> None:
         try:
@@ -307,10 +308,8 @@ class Mem0Peer:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(RuntimeError, OSError, ValueError):
                 self._call({"op": "quit"})
-            except (RuntimeError, OSError, ValueError):
-                pass
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -11,8 +11,9 @@ Runs on real QEMU through :class:`torpor.sandbox.checkpoints.Checkpoints` with t
 * **fork** of a running sandbox into 1 and into 10 children (time per child);
 * **dedup**: 20 sandboxes from one template, each changes a little and is paused, then each is
   captured into the store. Compared with one template snapshot ``B``: the store must hold
-  ``<= 2 x B + what they changed``; the dedup ratio is ``21 x B / store bytes`` (21 snapshots, each about B alone). The local
-  paused directories are reported too (ext4 here has no reflink: each keeps its own RAM copy).
+  ``<= 2 x B + what they changed``; the dedup ratio is ``21 x B / store bytes`` (21 snapshots,
+  each about B alone). The local paused directories are reported too (ext4 here has no
+  reflink: each keeps its own RAM copy).
 * **floor**: a sparse copy of the template's RAM file, the cost every fork and restore pays
   (measured in the same run).
 
@@ -82,8 +83,7 @@ async def run(reps: int, sandboxes: int, home: Path) -> dict[str, Any]:
     sizes: list[dict[str, int]] = []
     try:
         tdir = Path(templates.get("python").snapshot_dir)
-        for _ in range(reps):
-            floors.append(_floor(tdir, p.cache))
+        floors.extend(_floor(tdir, p.cache) for _ in range(reps))
         src = await manager.create(name="bench-src")
         await manager.run_code(src.id, "data = [i * i for i in range(200_000)]")
         for i in range(reps):
@@ -184,11 +184,13 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
     console.print(table)
     d = result["dedup"]
     mib = 1 << 20
+    sizes = result["snapshot_sizes"]
+    later = statistics.median(s["stored_bytes"] for s in sizes[1:] or sizes)
     console.print(
         f"first snapshot {result['snapshot_first_ms']:.0f} ms, "
         f"{result['snapshot_sizes'][0]['size_bytes'] / mib:.0f} MiB logical, "
         f"{result['snapshot_sizes'][0]['stored_bytes'] / mib:.1f} MiB stored; later ones add "
-        f"{statistics.median(s['stored_bytes'] for s in result['snapshot_sizes'][1:] or result['snapshot_sizes']) / mib:.1f} MiB each (median)"
+        f"{later / mib:.1f} MiB each (median)"
     )
     console.print(
         f"dedup: {d['sandboxes']} paused sandboxes -> store {d['store_bytes'] / mib:.1f} MiB = "

@@ -13,6 +13,7 @@ Run:  python examples/demo.py      (after `bash scripts/setup`; the local torpor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -49,10 +50,9 @@ def first_session() -> None:
     """Create the sandbox, leave state in it, pause it."""
     print(f"session 1 (pid {os.getpid()}): a new sandbox for user u-42")
     clock = Clock()
-    try:  # start from scratch so the demo can be run again and again
+    # start from scratch so the demo can be run again and again
+    with contextlib.suppress(torpor.SandboxNotFound, torpor.SandboxClosed):
         torpor.Sandbox.get(NAME).kill()
-    except (torpor.SandboxNotFound, torpor.SandboxClosed):
-        pass
     clock.lap("local server up, old sandbox removed")
 
     sbx = torpor.Sandbox.get_or_create(NAME, idle_pause_seconds=600, labels={"user": "u-42"})

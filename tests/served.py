@@ -6,6 +6,7 @@ test (in a fixture, after its ``yield``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -28,7 +29,5 @@ def stop_server_and_vms(home: Path) -> None:
     for pidfile in (home / "sandboxes").glob("*/qemu.pid"):
         text = pidfile.read_text().strip()
         if text.isdigit():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(int(text), signal.SIGKILL)
-            except ProcessLookupError:
-                pass

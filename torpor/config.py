@@ -25,7 +25,7 @@ from torpor.errors import InvalidName
 
 __all__ = ["LIMITS", "NAME_RE", "Limits", "Paths", "check_name", "paths"]
 
-#: Names of sandboxes, templates, snapshots, volumes and drives: 1–63 characters,
+#: Names of sandboxes, templates, snapshots, volumes and drives: 1-63 characters,
 #: lowercase letters, digits, ``-``, ``_`` and ``.``, starting with a letter or digit.
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 

@@ -157,7 +157,8 @@ class Conflict(TorporError):
 
 
 class InvalidState(TorporError):
-    """An operation that the sandbox's state does not allow (``sandbox_id``, ``state``, ``required``)."""
+    """An operation that the sandbox's state does not allow (``sandbox_id``, ``state``,
+    ``required``)."""
 
     http_status = 409
 

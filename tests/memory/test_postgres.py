@@ -239,7 +239,7 @@ def test_concurrent_openers_migrate_once(pg_cluster: PgCluster, pg_database: str
     def open_one() -> None:
         try:
             PostgresBackend(dsn, pool_size=1).close()
-        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=open_one) for _ in range(4)]
@@ -360,7 +360,7 @@ def test_concurrent_writers_to_one_key_lose_nothing(backend: PostgresBackend) ->
         try:
             for i in range(10):
                 store.add([_fact(f"value {n}-{i}", key="k")])
-        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]

@@ -256,7 +256,7 @@ class FakeChannel:
         ns = self._proc().ram
         tree = ast.parse(code)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        exec(compile(tree, "<cell>", "exec"), {}, ns)  # noqa: S102 - test fake
+        exec(compile(tree, "<cell>", "exec"), {}, ns)
         if last is None:
             return Execution()
         value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), {}, ns)

@@ -5,6 +5,7 @@ that path."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -58,10 +59,8 @@ class AgentProcess:
     def stop(self) -> None:
         for pid in self.pids:  # a group leader takes its group along; `cmd &` children do not
             for kill in (os.killpg, os.kill):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         self.proc.kill()
         self.proc.wait()
 

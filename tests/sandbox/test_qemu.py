@@ -4,6 +4,7 @@ clone independence and hot-plug with real QEMU (marked ``qemu``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -296,16 +297,12 @@ def test_a_kill_during_hibernate_leaves_a_whole_state_or_none(
 
         async def killer() -> None:
             await asyncio.sleep(delay)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
         k = asyncio.create_task(killer())
-        try:
+        with contextlib.suppress(EngineError):
             await machine.hibernate()
-        except EngineError:
-            pass
         await k
         await machine.kill()
         found = inspect_dir(machine.directory)
@@ -440,10 +437,8 @@ def test_a_kill_during_wake_leaves_the_state_loadable_or_consumed(
                 await asyncio.sleep(0.001)
 
         k = asyncio.create_task(killer())
-        try:
+        with contextlib.suppress(EngineError):
             await machine.wake()
-        except EngineError:
-            pass
         await k
         await machine.kill()
         if inspect_dir(machine.directory).has_state:  # never ran: the pair still loads

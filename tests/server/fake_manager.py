@@ -187,7 +187,8 @@ class FakeManager:
         on_stderr: Callable[[str], Any] | None = None,
         tenant: str = "default",
     ) -> CommandResult:
-        """``echo X`` prints X; ``fail`` exits 3 with stderr; ``sleep`` times out; ``boom`` is a bug."""
+        """``echo X`` prints X; ``fail`` exits 3 with stderr; ``sleep`` times out; ``boom`` is a
+        bug."""
         self._live(id_or_name, tenant)
         if cmd == "boom":
             raise RuntimeError("a bug below the server")
@@ -267,7 +268,7 @@ class FakeManager:
                 value = eval(code, scope)  # a test double
                 results = [Result(data={"text/plain": repr(value)})]
             except SyntaxError:
-                exec(code, scope)  # noqa: S102 - a test double
+                exec(code, scope)
                 results = []
         for line in out.getvalue().splitlines(keepends=True):
             if on_stdout:

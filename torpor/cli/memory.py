@@ -158,8 +158,8 @@ def recall(
     hits = _scope(ctx).recall(
         query,
         k,
-        kind=kind,
-        include_history=history,  # type: ignore[arg-type]
+        kind=kind,  # type: ignore[arg-type]
+        include_history=history,
         as_of=as_of,
     )
     table = Table("score", "kind", "scope", "text", "id")

@@ -17,6 +17,7 @@ Every call that acts inside a paused sandbox wakes it first (the server does it)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -373,7 +374,5 @@ class Sandbox:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
+        with contextlib.suppress(NotFound, SandboxClosed):  # already gone: nothing to clean up
             self.kill()
-        except (NotFound, SandboxClosed):  # already gone: nothing left to clean up
-            pass

@@ -107,7 +107,7 @@ class Memory:
         emb = self.usable_embedder()
         if emb is None or not texts:
             return None
-        return [v for v in emb.embed(texts)]
+        return list(emb.embed(texts))
 
     # -- scopes -----------------------------------------------------------------------------
     def scope(

@@ -26,8 +26,9 @@ a fixed 0.2 in coverage, so they decide only where content words tie or fail. To
 words off the hot path, the backend is first asked for the content words alone; stop words
 are added only when that finds fewer candidates than wanted (measured at 1M records: a
 query of matching content words 7 ms either way; one whose content words match nothing
-30 ms, bounded by the backend's per-term cap, instead of an empty answer). With an embedder the vectors bridge paraphrases, and stop-word matches only add noise
-to the lexical side, so there the query is its content words (all words if it has no other).
+30 ms, bounded by the backend's per-term cap, instead of an empty answer). With an embedder
+the vectors bridge paraphrases, and stop-word matches only add noise to the lexical side, so
+there the query is its content words (all words if it has no other).
 
 This is a normalized score blend rather than reciprocal rank fusion: RRF discards how much
 better one candidate is than the next, which the kind prior and callers' abstention

@@ -2,7 +2,8 @@
 
 The JSONL stream starts with a header line, then one line per record, profile and policy::
 
-    {"type": "torpor-memory", "version": 1, "tenant": "t", "scope": "app/a", "embedding_model": "..."}
+    {"type": "torpor-memory", "version": 1, "tenant": "t", "scope": "app/a",
+     "embedding_model": "..."}
     {"type": "fact", "record": {...}, "embedding": [...] | null}
     {"type": "episode", "record": {...}, "embedding": null}
     {"type": "profile", "profile": {...}}

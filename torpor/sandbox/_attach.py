@@ -122,8 +122,8 @@ class AttachMixin:
                         state="paused",
                         required="running",
                     )
-                await live.machine.attach_disk(
-                    DiskSpec(  # type: ignore[attr-defined]
+                await live.machine.attach_disk(  # type: ignore[attr-defined]
+                    DiskSpec(
                         id=vol.id,
                         path=self.volumes.image(vol.id),
                         read_only=read_only,
@@ -178,8 +178,8 @@ class AttachMixin:
                 await channel.sync()
                 await channel.close()
             try:
-                await live.machine.attach_share(
-                    ShareSpec(  # type: ignore[attr-defined]
+                await live.machine.attach_share(  # type: ignore[attr-defined]
+                    ShareSpec(
                         id=info.id,
                         path=self.drives.directory(info.id),
                         tag=info.mount_tag,

@@ -83,8 +83,9 @@ def check_mount_path(path: str) -> str:
         norm = norm[1:]
     for system in SYSTEM_DIRS:
         if norm == "/" or norm == system or norm.startswith(system + "/"):
+            shown = system if norm != "/" else "/"
             raise InvalidArgument(
-                f"mount path {path!r} collides with the system directory {system if norm != '/' else '/'}"
+                f"mount path {path!r} collides with the system directory {shown}"
                 "; use a path such as /memory, /data or /mnt/<name>",
                 field="path",
                 value=path,

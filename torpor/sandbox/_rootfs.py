@@ -121,7 +121,8 @@ def host_mirror(
     deb822: Path = Path("/etc/apt/sources.list.d/debian.sources"),
     legacy: Path = Path("/etc/apt/sources.list"),
 ) -> str:
-    """The Debian mirror the host's own apt uses (deb822 or one-line format), else deb.debian.org."""
+    """The Debian mirror the host's own apt uses (deb822 or one-line format), else
+    deb.debian.org."""
     try:
         if deb822.exists():
             for stanza in deb822.read_text().split("\n\n"):

@@ -253,14 +253,14 @@ class SandboxSteps:
             try:  # flush the guest's page cache so the disk overlay is whole; a hung guest
                 # must not hold the pause (its RAM is saved either way)
                 await asyncio.wait_for(channel.sync(), SYNC_TIMEOUT)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.warning("sync before pausing %s failed: %r", rec.id, exc)
             with suppress(Exception):
                 await channel.close()
         machine = live.machine or self.engine.machine(directory, self._config(rec))
         try:
             await machine.hibernate()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return await self._pause_failed(rec, live, machine, exc)
         live.machine = None
         await self._step("pause:saved", rec.id)
@@ -276,7 +276,7 @@ class SandboxSteps:
             try:  # the machine is still up: roll back to running
                 live.machine = machine
                 live.channel = await self.engine.connect(machine, directory)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 await self._quiet_kill(live, directory)
             else:
                 self._move(rec, S.RUNNING, "pause failed; still running")
@@ -312,7 +312,7 @@ class SandboxSteps:
         try:
             live.channel = await self.engine.connect(machine, directory)
             await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-        except Exception as exc:  # noqa: BLE001 - any failure: save what can be saved
+        except Exception as exc:
             return await self._guest_unreachable(rec, live, machine, exc)
         for hook in self.guest_hooks:
             try:
@@ -335,7 +335,7 @@ class SandboxSteps:
         if machine.is_running():
             try:
                 await machine.hibernate()
-            except Exception as again:  # noqa: BLE001
+            except Exception as again:
                 log.warning("re-hibernating %s failed: %r", rec.id, again)
             else:
                 live.machine = None
@@ -379,7 +379,7 @@ class SandboxSteps:
             try:
                 await self._reattach(rec, live, directory)
                 return
-            except Exception as exc:  # noqa: BLE001 - fall back to what the files hold
+            except Exception as exc:
                 log.warning("sandbox %s: cannot re-attach its QEMU: %r", rec.id, exc)
                 await self._rehibernate(live)
                 rec = self.registry.get(rec.id)

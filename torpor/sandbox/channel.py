@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import inspect
 import json
 import logging
@@ -60,6 +61,8 @@ class _Pending:
     streams: dict[str, list[str]] = field(default_factory=lambda: {"stdout": [], "stderr": []})
     callbacks: dict[str, OutputCallback | None] = field(default_factory=dict)
     decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
+    #: tasks of async callbacks still running: held here so none is collected mid-flight
+    tasks: set[asyncio.Future[Any]] = field(default_factory=set)
 
     def on_output(self, stream: str, chunk: bytes, final: bool = False) -> None:
         decoder = self.decoders.get(stream)
@@ -75,9 +78,16 @@ class _Pending:
         try:
             outcome = callback(text)
             if inspect.isawaitable(outcome):
-                asyncio.ensure_future(outcome)
+                task = asyncio.ensure_future(outcome)
+                self.tasks.add(task)
+                task.add_done_callback(self._callback_done)
         except Exception:  # a user's callback must not break the channel
             log.exception("%s callback failed", stream)
+
+    def _callback_done(self, task: asyncio.Future[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s output callback failed", self.op, exc_info=task.exception())
 
     def text(self, stream: str) -> str:
         self.on_output(stream, b"", final=True)
@@ -208,15 +218,11 @@ class GuestChannel:
         """Disconnect; in-flight requests fail with :class:`GuestError`. Idempotent."""
         self._fail_all(GuestError("the guest channel was closed"))
         self._read_task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._read_task
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001, S110 - closing anyway
-            pass
         self._writer.close()
-        try:
+        with contextlib.suppress(OSError):
             await self._writer.wait_closed()
-        except OSError:
-            pass
 
     async def __aenter__(self) -> Self:
         return self

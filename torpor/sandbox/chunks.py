@@ -19,6 +19,7 @@ Integrity: :meth:`ChunkStore.get` checks every chunk against its name on the way
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import logging
 import os
@@ -208,10 +209,8 @@ class ChunkStore:
         """Bytes the store occupies on disk (compressed chunks)."""
         total = 0
         for digest in self:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += self.path_of(digest).stat().st_size
-            except FileNotFoundError:
-                pass
         return total
 
     def sync_dirs(self) -> None:

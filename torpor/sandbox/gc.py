@@ -104,7 +104,7 @@ def _all_named_chunks(store: SnapshotStore) -> set[str]:
             body = json.loads(path.read_text())
             for fm in body["files"].values():
                 refs |= FileManifest.from_json(fm).hashes()
-        except Exception as exc:  # noqa: BLE001 - an unreadable manifest must not stop GC
+        except Exception as exc:
             log.warning(
                 "manifest %s unreadable during GC (%s); keeping nothing for it", path.name, exc
             )

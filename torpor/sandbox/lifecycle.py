@@ -187,7 +187,7 @@ class Lifecycle:
         return step
 
 
-class Recovery(str, enum.Enum):
+class Recovery(enum.StrEnum):
     """What a restarted manager does with a sandbox, from its registry state and its files."""
 
     KEEP = "keep"  # the files back the registry state as it is

@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 
-class SandboxState(str, enum.Enum):
+class SandboxState(enum.StrEnum):
     """The lifecycle of a sandbox (see ``torpor.sandbox.lifecycle`` for the transitions)."""
 
     CREATING = "creating"

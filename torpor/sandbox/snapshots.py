@@ -273,7 +273,8 @@ def _identity(path: Path) -> dict[str, Any]:
 
 
 class SnapshotStore:
-    """Stored snapshots of one torpor home: manifests under ``snapshots/``, chunks in ``chunks/``."""
+    """Stored snapshots of one torpor home: manifests under ``snapshots/``, chunks in
+    ``chunks/``."""
 
     def __init__(self, paths: Paths, *, chunks: ChunkStore | None = None) -> None:
         self.paths = paths
@@ -496,7 +497,7 @@ class SnapshotStore:
         disk it was taken on changed), StorageError. Nothing is left behind on failure.
         """
         info, body = self._find(id_or_name, tenant, include_expired=False)
-        for name, ident in body.get("anchors", {}).items():
+        for ident in body.get("anchors", {}).values():
             if ident is None:
                 continue
             anchor = Path(ident["path"])

@@ -1,4 +1,5 @@
-"""Reading a file out of a volume, with no sandbox running (over :mod:`torpor.sandbox.volume_files`).
+"""Reading a file out of a volume, with no sandbox running (over
+:mod:`torpor.sandbox.volume_files`).
 
 ::
 

@@ -85,7 +85,8 @@ class SimplePool:
 
 
 def make_pool(dsn: str, size: int) -> Pool:
-    """A ``psycopg_pool.ConnectionPool`` if that package is installed, else a :class:`SimplePool`."""
+    """A ``psycopg_pool.ConnectionPool`` if that package is installed, else a
+    :class:`SimplePool`."""
     try:
         from psycopg_pool import ConnectionPool
     except ImportError:

@@ -210,8 +210,9 @@ class PostgresTenantStore(TenantStore):
         with self._tx("retention") as cur:
             return int(
                 cur.execute(
-                    f"UPDATE torpor.records SET expires_at = created_at + %s WHERE tenant_id = {_T} "
-                    "AND scope = %s AND (expires_at IS NULL OR expires_at > created_at + %s)",
+                    "UPDATE torpor.records SET expires_at = created_at + %s "
+                    f"WHERE tenant_id = {_T} AND scope = %s "
+                    "AND (expires_at IS NULL OR expires_at > created_at + %s)",
                     (retention_us, scope, retention_us),
                 ).rowcount
             )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import contextlib
 import json
 import linecache
 import logging
@@ -75,7 +76,7 @@ def mime_bundle(obj: Any) -> dict[str, Any]:
             continue
         try:
             value = fn()
-        except Exception:  # noqa: BLE001, S112 - a broken _repr_ must not lose the result
+        except Exception:
             continue
         if isinstance(value, tuple):  # (data, metadata)
             value = value[0]
@@ -131,7 +132,7 @@ class Kernel:
             tail = None if last is None else compile(last, filename, "eval")
             self.executing = True
             try:
-                exec(body, self.ns)  # noqa: S102 - running user code is the point
+                exec(body, self.ns)
                 value = None if tail is None else eval(tail, self.ns)
             finally:
                 self.executing = False
@@ -139,7 +140,7 @@ class Kernel:
                 self.ns["_"] = value
                 self.results.append({"data": mime_bundle(value), "is_main_result": True})
         # SystemExit too: user code must not end the kernel.
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             error = {
                 "name": type(exc).__name__,
                 "value": str(exc),
@@ -148,10 +149,8 @@ class Kernel:
                 ),
             }
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:  # noqa: BLE001, S110 - user code may have replaced the stream
-                pass
         return {"results": self.results, "error": error}
 
     def reseed(self, seed: bytes) -> None:
@@ -279,10 +278,8 @@ class KernelClient:
 
     def _stop(self) -> None:
         if self.proc is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             self.proc.wait()
             self.proc = None
         for fd in self.fds.values():
@@ -344,10 +341,8 @@ class KernelClient:
     def _interrupt(self, flag: threading.Event) -> None:
         flag.set()
         if self.proc is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
 
     def _discard_output(self) -> None:
         for name in ("stdout", "stderr"):

@@ -7,6 +7,7 @@ It streams with ``req.event(stream, bytes)`` / ``req.data(bytes)`` and fails by 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -114,10 +115,8 @@ class Upload:
             os.close(self.fd)
             self.fd = -1
         if self.tmp_path is not None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.tmp_path)
-            except FileNotFoundError:
-                pass
 
     def commit(self) -> None:
         """Move the finished file into place atomically. Raises :class:`Failure`."""
@@ -127,10 +126,8 @@ class Upload:
         os.close(self.fd)
         self.fd = -1
         try:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.chmod(self.tmp_path, stat.S_IMODE(os.stat(self.target).st_mode))
-            except FileNotFoundError:
-                pass
             os.replace(self.tmp_path, self.target)
         except OSError as exc:
             self.abort()
@@ -514,10 +511,8 @@ def _disk_by_serial(serial: str, wait: float) -> str:
 
 
 def _killpg(proc: Process) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _drain(files: list[Any]) -> None:
