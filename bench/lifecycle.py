@@ -45,7 +45,7 @@ async def _floor(directory: Path) -> float:
     """QEMU process start -> QMP answers, with the wake's own command line (-incoming)."""
     from qemu.qmp import QMPClient, QMPError
 
-    from torpor.sandbox.qemu import build_command, read_machine_json
+    from torpor.sandbox.vm.machine import build_command, read_machine_json
 
     for name in ("qmp.sock", "agent.sock", "qemu.pid"):
         (directory / name).unlink(missing_ok=True)
@@ -180,8 +180,8 @@ class _TimedEngine:
 async def _cold_boot(home: Path) -> float:
     """One cold boot of the template's image until the agent answers."""
     from torpor.sandbox import template as templates
-    from torpor.sandbox.channel import GuestChannel
-    from torpor.sandbox.qemu import Machine, MachineSpec
+    from torpor.sandbox.vm.channel import GuestChannel
+    from torpor.sandbox.vm.machine import Machine, MachineSpec
 
     info = templates.get("python")
     directory = home / "cold"
@@ -198,8 +198,8 @@ async def _cold_boot(home: Path) -> float:
 async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
     from torpor.config import paths
     from torpor.sandbox import template as templates
-    from torpor.sandbox.engine import QemuEngine
     from torpor.sandbox.manager import SandboxManager
+    from torpor.sandbox.vm.engine import QemuEngine
 
     info = templates.get("python")
     samples: dict[str, list[float]] = {

@@ -55,10 +55,10 @@ def _du(path: Path) -> int:
 
 def _floor(template_dir: Path, scratch: Path) -> float:
     """A sparse copy of the template's RAM file: what every clone pays at least."""
-    from torpor.sandbox.qemu import _copy_sparse
+    from torpor.sandbox.vm.disk import copy_sparse
 
     t0 = time.perf_counter()
-    _copy_sparse(template_dir / "ram", scratch / "ram-floor")
+    copy_sparse(template_dir / "ram", scratch / "ram-floor")
     dt = time.perf_counter() - t0
     (scratch / "ram-floor").unlink()
     return dt
@@ -130,7 +130,7 @@ async def _dedup(manager: Any, cp: Any, n: int) -> dict[str, Any]:
     """n paused sandboxes from one template, each captured: store bytes vs one snapshot."""
     for s in cp.snapshots.list():  # start from an empty store
         cp.snapshots.delete(s.id)
-    from torpor.sandbox.gc import collect
+    from torpor.sandbox.storage.retention import collect
 
     await asyncio.to_thread(collect, cp.paths)
     base_store = cp.snapshots.chunks.stored_bytes()

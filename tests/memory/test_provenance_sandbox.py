@@ -29,7 +29,7 @@ from torpor.errors import InvalidArgument, PathNotFound, VolumeNotFound
 from torpor.memory import Memory, ScopedMemory, SourceRef
 from torpor.memory.provenance import check
 from torpor.sandbox.manager import SandboxManager
-from torpor.sandbox.volume_files import needs_recovery
+from torpor.sandbox.storage.volume_files import needs_recovery
 from torpor.server.app import create_app
 from torpor.server.daemon import bind_unix_socket
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from torpor.errors import AccelerationUnavailable, InvalidArgument
-from torpor.sandbox import accel
-from torpor.sandbox.accel import AccelReport
+from torpor.sandbox.vm import accel
+from torpor.sandbox.vm.accel import AccelReport
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from torpor.sandbox.channel import _Pending
+from torpor.sandbox.vm.channel import _Pending
 
 
 def test_an_async_callback_is_held_and_its_failure_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -31,7 +31,7 @@ def test_an_async_callback_is_held_and_its_failure_logged(caplog: pytest.LogCapt
         await asyncio.sleep(0)
         return pending
 
-    with caplog.at_level(logging.ERROR, logger="torpor.sandbox.channel"):
+    with caplog.at_level(logging.ERROR, logger="torpor.sandbox.vm.channel"):
         pending = asyncio.run(main())
     assert seen == ["hello"]
     assert not pending.tasks  # released once done

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from torpor.sandbox.channel import GuestChannel
+from torpor.sandbox.vm.channel import GuestChannel
 
 AGENT = Path(__file__).parents[2] / "torpor" / "sandbox" / "guest" / "agent.py"
 

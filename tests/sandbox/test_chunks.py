@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torpor.errors import CorruptData, InvalidArgument
-from torpor.sandbox.chunks import ChunkStore, FileManifest
+from torpor.sandbox.storage.chunks import ChunkStore, FileManifest
 
 CS = 4096
 

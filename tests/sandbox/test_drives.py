@@ -8,7 +8,7 @@ import pytest
 
 from torpor.config import paths
 from torpor.errors import Conflict, DriveNotFound, InvalidArgument
-from torpor.sandbox.drives import DriveStore
+from torpor.sandbox.storage.drives import DriveStore
 
 
 @pytest.fixture

@@ -82,7 +82,7 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
 
 def test_bad_input_leaves_nothing_behind(qemu_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from torpor.errors import StorageError
-    from torpor.sandbox.chunks import ChunkStore
+    from torpor.sandbox.storage.chunks import ChunkStore
 
     real_put = ChunkStore._put_known
     disk = {"full": False, "writes": 0}

@@ -8,10 +8,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from torpor.sandbox.drives import DriveStore
-from torpor.sandbox.gc import collect
-from torpor.sandbox.snapshots import SnapshotStore, freeze
-from torpor.sandbox.volumes import VolumeStore
+from torpor.sandbox.storage.drives import DriveStore
+from torpor.sandbox.storage.retention import collect
+from torpor.sandbox.storage.snapshots import SnapshotStore, freeze
+from torpor.sandbox.storage.volumes import VolumeStore
 
 try:  # plain pytest puts this directory on sys.path; a package layout needs the relative form
     from storage_helpers import make_home, make_machine, qemu_io
@@ -46,7 +46,7 @@ def test_expired_snapshot_goes_and_shared_chunks_stay(tmp_path: Path) -> None:
 def _chunks_of(store: SnapshotStore, sid: str) -> set[str]:
     for info, body in store.manifests():
         if info.id == sid:
-            from torpor.sandbox.chunks import FileManifest
+            from torpor.sandbox.storage.chunks import FileManifest
 
             out: set[str] = set()
             for fm in body["files"].values():

@@ -26,8 +26,8 @@ from torpor.errors import (
     PathNotFound,
     PayloadTooLarge,
 )
-from torpor.sandbox.channel import GuestChannel
 from torpor.sandbox.guest import protocol as proto
+from torpor.sandbox.vm.channel import GuestChannel
 
 AGENT = Path(__file__).parents[2] / "torpor" / "sandbox" / "guest" / "agent.py"
 T = TypeVar("T")
@@ -622,7 +622,7 @@ def test_agent_in_a_real_vm(qemu_home: Path) -> None:
     """The agent on the virtio port: commands, files, interpreter, refresh, and a hibernate
     and wake in the middle (a new QEMU, a new connection) that keep processes and variables."""
     from torpor.sandbox import template as templates
-    from torpor.sandbox.qemu import Machine, MachineSpec, clone_machine_dir
+    from torpor.sandbox.vm.machine import Machine, MachineSpec, clone_machine_dir
 
     info = templates.get("python")
     directory = qemu_home / "sandboxes" / "agent-test"

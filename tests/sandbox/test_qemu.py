@@ -15,8 +15,8 @@ import pytest
 
 from torpor.errors import EngineError, InvalidArgument, InvalidName, InvalidState
 from torpor.sandbox import template as templates
-from torpor.sandbox._qemucmd import _add_device, new_machine_config
-from torpor.sandbox.qemu import (
+from torpor.sandbox.template import TemplateInfo
+from torpor.sandbox.vm.machine import (
     DiskSpec,
     Machine,
     MachineSpec,
@@ -28,7 +28,7 @@ from torpor.sandbox.qemu import (
     read_machine_json,
     socket_path,
 )
-from torpor.sandbox.template import TemplateInfo
+from torpor.sandbox.vm.machine_dir import _add_device, new_machine_config
 
 MiB = 1024 * 1024
 
@@ -210,7 +210,7 @@ def test_wake_without_state_is_an_invalid_state(tmp_path: Path) -> None:
 
 
 async def _run(machine: Machine, code: str) -> str | None:
-    from torpor.sandbox.channel import GuestChannel
+    from torpor.sandbox.vm.channel import GuestChannel
 
     async with await GuestChannel.connect(machine.agent_socket, timeout=120) as ch:
         execution = await ch.run_code(code, timeout=120)
@@ -219,7 +219,7 @@ async def _run(machine: Machine, code: str) -> str | None:
 
 
 async def _shell(machine: Machine, cmd: str) -> str:
-    from torpor.sandbox.channel import GuestChannel
+    from torpor.sandbox.vm.channel import GuestChannel
 
     async with await GuestChannel.connect(machine.agent_socket, timeout=120) as ch:
         result = await ch.run_command(cmd, timeout=120)

@@ -17,9 +17,9 @@ from torpor.errors import (
     SnapshotNotFound,
     StorageError,
 )
-from torpor.sandbox import snapshots as snapmod
-from torpor.sandbox.chunks import ChunkStore
-from torpor.sandbox.snapshots import SnapshotStore, backing_chain, backing_file, freeze
+from torpor.sandbox.storage import snapshots as snapmod
+from torpor.sandbox.storage.chunks import ChunkStore
+from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, backing_file, freeze
 
 try:  # plain pytest puts this directory on sys.path; a package layout needs the relative form
     from storage_helpers import make_home, make_machine, qemu_io
@@ -207,7 +207,7 @@ def test_freeze_failure_leaves_machine_intact(
     def boom(*args: str) -> None:
         raise snapmod.EngineError("qemu-img create failed")
 
-    monkeypatch.setattr(snapmod, "_qemu_img", boom)
+    monkeypatch.setattr(snapmod, "qemu_img", boom)
     with pytest.raises(snapmod.EngineError):
         freeze(m, p.snapshots / "frozen")
     assert sorted(x.name for x in m.iterdir()) == before

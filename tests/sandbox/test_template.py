@@ -11,8 +11,8 @@ import pytest
 
 from torpor.config import paths
 from torpor.errors import InvalidArgument, InvalidName, TemplateNotFound
-from torpor.sandbox import _rootfs
 from torpor.sandbox import template as templates
+from torpor.sandbox.template import rootfs as _rootfs
 
 
 @pytest.fixture

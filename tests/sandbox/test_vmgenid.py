@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor.sandbox._qemucmd import (
+from torpor.sandbox.vm.machine_dir import (
     build_command,
     clone_machine_dir,
     ensure_generation_id,
@@ -71,7 +71,7 @@ def test_a_clone_gets_a_new_id_that_then_stays(tmp_path: Path) -> None:
 @pytest.mark.qemu
 def test_wakes_keep_the_id_and_clones_change_it(qemu_home: Path) -> None:
     from torpor.sandbox import template as templates
-    from torpor.sandbox.qemu import Machine, MachineSpec
+    from torpor.sandbox.vm.machine import Machine, MachineSpec
 
     info = templates.get("python")
     directory = qemu_home / "sandboxes" / "gen"

@@ -16,8 +16,8 @@ from torpor.errors import (
     PayloadTooLarge,
     VolumeNotFound,
 )
-from torpor.sandbox.volume_files import needs_recovery, read_image_file, read_volume_file
-from torpor.sandbox.volumes import VolumeStore
+from torpor.sandbox.storage.volume_files import needs_recovery, read_image_file, read_volume_file
+from torpor.sandbox.storage.volumes import VolumeStore
 
 ODD_NAMES = {
     "/work dir/ledger 2026.csv": b"date,event\n2026-03-03,upgraded to Pro\n",

@@ -9,7 +9,7 @@ import pytest
 
 from torpor.config import paths
 from torpor.errors import Conflict, InvalidArgument, InvalidName, VolumeNotFound
-from torpor.sandbox.volumes import VolumeStore, check_mount_path
+from torpor.sandbox.storage.volumes import VolumeStore, check_mount_path
 
 
 @pytest.fixture

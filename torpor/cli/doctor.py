@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from torpor.config import paths
-from torpor.sandbox import _rootfs
-from torpor.sandbox import accel as accel_probe
 from torpor.sandbox import template as templates
+from torpor.sandbox.template import rootfs as _rootfs
+from torpor.sandbox.vm import accel as accel_probe
 
 __all__ = ["register"]
 

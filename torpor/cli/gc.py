@@ -200,7 +200,7 @@ def gc(
     report: dict[str, Any]
     if local:
         from torpor.config import paths
-        from torpor.sandbox.gc import collect
+        from torpor.sandbox.storage.retention import collect
 
         report = collect(paths(), dry_run=dry_run).to_json()
     else:

@@ -25,10 +25,10 @@ from urllib.parse import quote
 from pydantic import BaseModel
 
 from torpor.client.runtime import Runtime, default_runtime
-from torpor.sandbox.drives import DriveInfo
 from torpor.sandbox.models import SandboxInfo
-from torpor.sandbox.snapshots import SnapshotInfo
-from torpor.sandbox.volumes import VolumeInfo
+from torpor.sandbox.storage.drives import DriveInfo
+from torpor.sandbox.storage.snapshots import SnapshotInfo
+from torpor.sandbox.storage.volumes import VolumeInfo
 
 if TYPE_CHECKING:
     from torpor.client.sandbox import Sandbox

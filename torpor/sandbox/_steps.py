@@ -45,10 +45,10 @@ from torpor.errors import (
     StateLost,
     TorporError,
 )
-from torpor.sandbox.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
 from torpor.sandbox.lifecycle import Lifecycle, Recovery, recovery, require_for
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import Registry, SandboxRecord
+from torpor.sandbox.vm.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
 
 __all__ = ["SYNC_TIMEOUT", "Live", "SandboxSteps", "StepHook", "wrap_error"]
 

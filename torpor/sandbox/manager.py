@@ -40,10 +40,10 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.sandbox._steps import SYNC_TIMEOUT, SandboxSteps, StepHook, wrap_error
-from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.vm.engine import Channel, MachineConfig
 
 __all__ = ["SYNC_TIMEOUT", "SandboxManager", "StepHook"]
 

@@ -27,12 +27,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from torpor.sandbox._records import RecordStore
 from torpor.sandbox.checkpoints import Checkpoints
-from torpor.sandbox.drives import DriveInfo
 from torpor.sandbox.models import SandboxInfo
-from torpor.sandbox.snapshots import SnapshotInfo
-from torpor.sandbox.volumes import VolumeInfo
+from torpor.sandbox.storage.drives import DriveInfo
+from torpor.sandbox.storage.records import RecordStore
+from torpor.sandbox.storage.snapshots import SnapshotInfo
+from torpor.sandbox.storage.volumes import VolumeInfo
 from torpor.server.deps import Manager, Tenant
 
 __all__ = ["checkpoints_of", "router", "start_background"]

@@ -1,5 +1,5 @@
 """Reading a file out of a volume, with no sandbox running (over
-:mod:`torpor.sandbox.volume_files`).
+:mod:`torpor.sandbox.storage.volume_files`).
 
 ::
 
@@ -8,7 +8,7 @@
 The path is inside the volume (its root is the volume's root, wherever sandboxes mount it).
 Memory facts that cite ``SourceRef(volume=..., path=...)`` are checked through this route.
 A volume attached read-write to a sandbox is read as the guest has flushed it (``sync`` in the
-guest, or a pause); see :mod:`torpor.sandbox.volume_files`.
+guest, or a pause); see :mod:`torpor.sandbox.storage.volume_files`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from torpor.config import LIMITS
-from torpor.sandbox.volume_files import read_volume_file
+from torpor.sandbox.storage.volume_files import read_volume_file
 from torpor.server.deps import Manager, Tenant
 from torpor.server.routes_checkpoints import checkpoints_of
 

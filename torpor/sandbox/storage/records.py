@@ -1,10 +1,11 @@
 """What volumes and drives share: a JSON record per resource, with its attachments.
 
 It also holds :func:`check_mount_path` (where in the guest a volume or drive may be mounted) and
-:func:`write_record` / :func:`fsync_dir`, the atomic JSON write that snapshot manifests use too.
+:func:`write_record`, the atomic JSON write that snapshot manifests use too.
 
-A shared resource (a :mod:`~torpor.sandbox.volumes` volume, a :mod:`~torpor.sandbox.drives`
-drive) lives in one directory as ``<prefix>-<hex>.json`` records next to its data, guarded by
+A shared resource (a :mod:`~torpor.sandbox.storage.volumes` volume, a
+:mod:`~torpor.sandbox.storage.drives` drive) lives in one directory as ``<prefix>-<hex>.json``
+records next to its data, guarded by
 ``<directory>/.lock`` across processes. :class:`RecordStore` holds the code both stores run on
 those records (list, get, detach, who is attached, release, delete); each store adds how its
 data is made, attached and removed.
@@ -27,6 +28,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from pydantic import BaseModel
 
 from torpor.errors import Conflict, InvalidArgument, NotFound, StorageError
+from torpor.sandbox.vm.disk import write_atomic
 
 __all__ = [
     "SYSTEM_DIRS",
@@ -34,7 +36,6 @@ __all__ = [
     "RecordStore",
     "check_attach",
     "check_mount_path",
-    "fsync_dir",
     "locked",
     "read_records",
     "write_record",
@@ -101,15 +102,6 @@ class Attachment(BaseModel):
     read_only: bool = False
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so the renames and unlinks in it are durable. May raise OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_record(
     path: Path,
     data: dict[str, Any],
@@ -121,17 +113,9 @@ def write_record(
     """Write ``data`` as JSON to ``path`` atomically (tmp + fsync + rename; with ``sync_dir``
     the directory too, so the rename survives a crash). Raises StorageError naming ``what``
     (default: the file name) and carrying ``context``; no tmp file is left behind."""
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if sync_dir:
-            fsync_dir(path.parent)
+        write_atomic(path, json.dumps(data, sort_keys=True).encode(), sync_dir=sync_dir)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise StorageError(f"cannot write {what or path.name}: {exc}", exc=exc, **context) from exc
 
 

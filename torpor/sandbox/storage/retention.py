@@ -32,10 +32,10 @@ from typing import Any
 
 from torpor.config import Paths
 from torpor.errors import StorageError
-from torpor.sandbox.chunks import FileManifest
-from torpor.sandbox.drives import DriveStore
-from torpor.sandbox.snapshots import SnapshotStore, backing_chain, is_qcow2
-from torpor.sandbox.volumes import VolumeStore
+from torpor.sandbox.storage.chunks import FileManifest
+from torpor.sandbox.storage.drives import DriveStore
+from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, is_qcow2
+from torpor.sandbox.storage.volumes import VolumeStore
 
 __all__ = ["GcReport", "collect", "referenced_frozen"]
 

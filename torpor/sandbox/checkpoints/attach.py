@@ -5,8 +5,8 @@ A volume is hot-plugged as a virtio disk and mounted by the guest agent; a drive
 share, which QEMU can only add to a hibernated machine and which blocks migration while mounted,
 so :class:`AttachMixin` is also a manager guest hook: it unmounts a sandbox's drives before every
 hibernate and mounts them again after the wake (a busy mount is a Conflict). Part of
-:class:`~torpor.sandbox.checkpoints.Checkpoints`; the stores are :mod:`torpor.sandbox.volumes`
-and :mod:`torpor.sandbox.drives`.
+:class:`~torpor.sandbox.checkpoints.Checkpoints`; the stores are
+:mod:`torpor.sandbox.storage.volumes` and :mod:`torpor.sandbox.storage.drives`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,16 @@ import time
 from typing import Any
 
 from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState
-from torpor.sandbox.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
-from torpor.sandbox.volumes import VolumeInfo, VolumeStore, check_mount_path, find_guest_disk
+from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
+from torpor.sandbox.storage.volumes import (
+    VolumeInfo,
+    VolumeStore,
+    check_mount_path,
+    find_guest_disk,
+)
 
 __all__ = ["AttachMixin"]
 
@@ -105,7 +110,7 @@ class AttachMixin:
         Raises VolumeNotFound, InvalidArgument (path), Conflict (read-write elsewhere),
         InvalidState, EngineError/GuestError (then the attachment is undone).
         """
-        from torpor.sandbox.qemu import DiskSpec
+        from torpor.sandbox.vm.machine import DiskSpec
 
         path = check_mount_path(path)
         self.volumes.release(keep=self._live_ids())  # attachments of killed sandboxes
@@ -155,7 +160,7 @@ class AttachMixin:
         Adding a 9p device costs one hibernate + wake of the sandbox. Raises DriveNotFound,
         InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError.
         """
-        from torpor.sandbox.qemu import ShareSpec
+        from torpor.sandbox.vm.machine import ShareSpec
 
         path = check_mount_path(path)
         self.drives.release(keep=self._live_ids())

@@ -21,7 +21,7 @@ to snapshot or fork such a sandbox with a Conflict that says how to proceed (det
 or copy what you need into the sandbox's own disk). Nothing is lost either way.
 
 The record code volumes and drives share (list, get, attach, detach, release, delete, and
-:func:`check_mount_path`, re-exported here) is :mod:`torpor.sandbox._records`.
+:func:`check_mount_path`, re-exported here) is :mod:`torpor.sandbox.storage.records`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torpor.errors import (
     StorageError,
     VolumeNotFound,
 )
-from torpor.sandbox._records import (  # check_mount_path, SYSTEM_DIRS: re-exported
+from torpor.sandbox.storage.records import (  # check_mount_path, SYSTEM_DIRS: re-exported
     SYSTEM_DIRS,
     Attachment,
     RecordStore,

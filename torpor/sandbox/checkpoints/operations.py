@@ -1,13 +1,13 @@
 """Snapshot, restore, fork, volumes and drives: the operations on top of the SandboxManager.
 
-How each one works (the storage is in :mod:`~torpor.sandbox.snapshots`):
+How each one works (the storage is in :mod:`~torpor.sandbox.storage.snapshots`):
 
 * **snapshot(sandbox)**: under the sandbox's lock, a running sandbox is paused (hibernated),
-  :func:`~torpor.sandbox.snapshots.freeze` makes an immutable local copy (RAM copied sparsely,
-  the disk overlay moved aside and replaced by a new overlay on top of it) and the sandbox is
-  woken again at once; a paused one stays paused. The frozen copy is then captured into the
-  content-addressed chunk store while the sandbox runs on. The snapshot is listed only once its
-  manifest is written and checked.
+  :func:`~torpor.sandbox.storage.snapshots.freeze` makes an immutable local copy (RAM
+  copied sparsely, the disk overlay moved aside and replaced by a new overlay on top of it)
+  and the sandbox is woken again at once; a paused one stays paused. The frozen copy is then
+  captured into the content-addressed chunk store while the sandbox runs on. The snapshot is
+  listed only once its manifest is written and checked.
 * **restore(snapshot)**: the snapshot is rebuilt from verified chunks into a frozen dir and a new
   sandbox is cloned from it (RAM copied, a new qcow2 overlay), woken, and given fresh entropy
   and the host's clock.
@@ -28,8 +28,9 @@ sandbox's drives first and mounts them again after the wake; a busy mount is a C
 Children of a fork or restore mount the same drives (drives are multi-writer by design).
 
 Where each part lives: this module has the class, freezing, snapshot, restore, fork and create;
-cloning children from a frozen dir is :mod:`torpor.sandbox._clones`; attaching volumes and
-drives (and the drive hooks around a hibernate) is :mod:`torpor.sandbox._attach`.
+cloning children from a frozen dir is :mod:`torpor.sandbox.checkpoints.clones`; attaching
+volumes and drives (and the drive hooks around a hibernate) is
+:mod:`torpor.sandbox.checkpoints.attach`.
 """
 
 from __future__ import annotations
@@ -49,16 +50,16 @@ from torpor.errors import (
     InvalidState,
     TorporError,
 )
-from torpor.sandbox._attach import AttachMixin
-from torpor.sandbox._clones import CloneMixin, check_count, drop_ram
-from torpor.sandbox.drives import DriveStore
-from torpor.sandbox.gc import GcReport, collect
+from torpor.sandbox.checkpoints.attach import AttachMixin
+from torpor.sandbox.checkpoints.clones import CloneMixin, check_count, drop_ram
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
-from torpor.sandbox.snapshots import SnapshotInfo, SnapshotStore, check_retention, freeze
-from torpor.sandbox.volumes import (
+from torpor.sandbox.storage.drives import DriveStore
+from torpor.sandbox.storage.retention import GcReport, collect
+from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore, check_retention, freeze
+from torpor.sandbox.storage.volumes import (
     VolumeStore,
     check_mount_path,
 )
@@ -87,8 +88,8 @@ class Checkpoints(AttachMixin, CloneMixin):
     StorageError / EngineError / GuestError from below.
 
     ``attach_volume``, ``attach_drive`` and the drive hooks come from
-    :class:`~torpor.sandbox._attach.AttachMixin`; cloning children from
-    :class:`~torpor.sandbox._clones.CloneMixin`.
+    :class:`~torpor.sandbox.checkpoints.attach.AttachMixin`; cloning children from
+    :class:`~torpor.sandbox.checkpoints.clones.CloneMixin`.
     """
 
     def __init__(self, manager: SandboxManager) -> None:

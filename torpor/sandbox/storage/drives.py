@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from torpor.config import Paths, check_name
 from torpor.errors import Conflict, DriveNotFound, GuestError, StorageError
-from torpor.sandbox._records import Attachment, RecordStore, locked
+from torpor.sandbox.storage.records import Attachment, RecordStore, locked
 
 __all__ = ["DriveInfo", "DriveStore", "mount_in_guest"]
 

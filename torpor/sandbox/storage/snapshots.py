@@ -29,7 +29,6 @@ import logging
 import os
 import shutil
 import struct
-import subprocess
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -47,8 +46,9 @@ from torpor.errors import (
     SnapshotNotFound,
     StorageError,
 )
-from torpor.sandbox._records import fsync_dir, write_record
-from torpor.sandbox.chunks import ChunkStore, FileManifest
+from torpor.sandbox.storage.chunks import ChunkStore, FileManifest
+from torpor.sandbox.storage.records import write_record
+from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, qemu_img
 
 __all__ = [
     "FORMAT_VERSION",
@@ -152,28 +152,6 @@ def backing_chain(path: Path) -> list[Path]:
     return chain
 
 
-def _qemu_img(*args: str) -> None:
-    try:
-        subprocess.run(["qemu-img", *args], check=True, capture_output=True, text=True)
-    except subprocess.CalledProcessError as exc:
-        raise EngineError(f"qemu-img {args[0]} failed: {exc.stderr.strip()}", exc=exc) from exc
-    except OSError as exc:
-        raise EngineError(f"cannot run qemu-img: {exc}", exc=exc) from exc
-
-
-def _copy_sparse(src: Path, dst: Path) -> None:
-    # cp knows reflink (btrfs/xfs) and SEEK_HOLE (ext4) and is faster than a Python loop.
-    try:
-        subprocess.run(
-            ["cp", "--reflink=auto", "--sparse=always", "--", str(src), str(dst)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    except subprocess.CalledProcessError as exc:
-        raise StorageError(f"cannot copy {src.name}: {exc.stderr.strip()}", exc=exc) from exc
-
-
 # -- frozen dirs --------------------------------------------------------------------------------
 
 
@@ -200,7 +178,7 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
             if link_ram and entry.name == "ram":
                 os.link(entry, tmp / entry.name)
             elif not is_qcow2(entry):
-                _copy_sparse(entry, tmp / entry.name)
+                copy_sparse(entry, tmp / entry.name)
         flattened: list[Path] = []
         for entry in sorted(machine_dir.iterdir()):
             if not entry.is_file() or entry.is_symlink() or not is_qcow2(entry):
@@ -210,10 +188,10 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
                 # Every freeze adds a layer under the machine; past a few, fold them into one
                 # layer on the template's disk so the chain (and each disk read) stays short.
                 # The old layers stay as they are for whoever else is backed by them.
-                _copy_sparse(entry, tmp / entry.name)
+                copy_sparse(entry, tmp / entry.name)
                 (tmp / entry.name).chmod(0o600)
                 anchor = _anchor(entry, (frozen_root,))
-                _qemu_img(
+                qemu_img(
                     "rebase",
                     "-q",
                     "-f",
@@ -232,7 +210,7 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
         for original in [m for m, _ in moved] + flattened:
             layer = final / original.name
             fresh = original.with_name(f".{original.name}.tmp")
-            _qemu_img("create", "-q", "-f", "qcow2", "-b", str(layer), "-F", "qcow2", str(fresh))
+            qemu_img("create", "-q", "-f", "qcow2", "-b", str(layer), "-F", "qcow2", str(fresh))
             os.replace(fresh, original)
         for f in final.iterdir():
             if not (link_ram and f.name == "ram"):  # a link shares the source's mode
@@ -338,9 +316,9 @@ class SnapshotStore:
                             # fold the local frozen layers in: rebase onto the template's disk
                             work.mkdir(exist_ok=True)
                             source = work / entry.name
-                            _copy_sparse(entry, source)
+                            copy_sparse(entry, source)
                             source.chmod(0o600)
-                            _qemu_img(
+                            qemu_img(
                                 "rebase",
                                 "-q",
                                 "-f",

@@ -4,7 +4,7 @@ The manager needs little from a backend: clone a template's booted snapshot into
 directory, start (wake) / hibernate / kill the machine of a directory, open the guest channel,
 and — after a crash — say what the files in a directory can still back (:class:`DirStatus`) and
 re-attach to a QEMU that outlived its manager. :class:`Engine` is that interface;
-:class:`QemuEngine` is the real one (``torpor.sandbox.qemu``, ``template``, ``channel``), and
+:class:`QemuEngine` is the real one (``torpor.sandbox.vm.machine``, ``template``, ``channel``), and
 ``tests/sandbox/fakes.py`` has an in-memory one for fast unit tests of the state logic.
 """
 
@@ -55,7 +55,7 @@ class DirStatus:
 
 
 class Channel(Protocol):
-    """The host side of the guest agent (``torpor.sandbox.channel.GuestChannel``)."""
+    """The host side of the guest agent (``torpor.sandbox.vm.channel.GuestChannel``)."""
 
     async def run_command(
         self,
@@ -100,7 +100,7 @@ class Channel(Protocol):
 
 
 class Machine(Protocol):
-    """One VM on one sandbox directory (``torpor.sandbox.qemu.Machine``)."""
+    """One VM on one sandbox directory (``torpor.sandbox.vm.machine.Machine``)."""
 
     async def wake(self) -> None: ...
 
@@ -144,8 +144,8 @@ class Engine(Protocol):
 
 
 class QemuEngine:
-    """The real backend: QEMU machines from ``torpor.sandbox.qemu`` on templates from
-    ``torpor.sandbox.template``, talked to through ``torpor.sandbox.channel.GuestChannel``.
+    """The real backend: QEMU machines from ``torpor.sandbox.vm.machine`` on templates from
+    ``torpor.sandbox.template``, talked to through ``torpor.sandbox.vm.channel.GuestChannel``.
 
     Templates are looked up in ``$TORPOR_HOME`` (``torpor.sandbox.template`` has no home
     argument), sandboxes live in the manager's home.
@@ -174,20 +174,20 @@ class QemuEngine:
             )
 
     def _spec(self, config: MachineConfig) -> Any:
-        from torpor.sandbox.qemu import MachineSpec
+        from torpor.sandbox.vm.machine import MachineSpec
 
         return MachineSpec(vcpus=config.vcpus, memory_mib=config.memory_mib)
 
     async def clone(self, template: str, directory: Path, config: MachineConfig) -> None:
         from torpor.sandbox import template as templates
-        from torpor.sandbox.qemu import clone_machine_dir
+        from torpor.sandbox.vm.machine import clone_machine_dir
 
         info = templates.get(template)
         await asyncio.to_thread(clone_machine_dir, Path(info.snapshot_dir), directory)
 
     def machine(self, directory: Path, config: MachineConfig) -> Machine:
         from torpor.sandbox import template as templates
-        from torpor.sandbox.qemu import Machine as QemuMachine
+        from torpor.sandbox.vm.machine import Machine as QemuMachine
 
         machine: Machine = QemuMachine(
             directory, templates.get(config.template), self._spec(config)
@@ -195,14 +195,14 @@ class QemuEngine:
         return machine
 
     async def connect(self, machine: Machine, directory: Path) -> Channel:
-        from torpor.sandbox.channel import GuestChannel
+        from torpor.sandbox.vm.channel import GuestChannel
 
         socket = getattr(machine, "agent_socket", directory / "agent.sock")
         channel: Channel = await GuestChannel.connect(Path(socket), timeout=self.connect_timeout)
         return channel
 
     def inspect(self, directory: Path) -> DirStatus:
-        from torpor.sandbox.qemu import inspect_dir
+        from torpor.sandbox.vm.machine import inspect_dir
 
         if not directory.is_dir():
             return DirStatus(exists=False, has_state=False)
@@ -211,7 +211,7 @@ class QemuEngine:
 
     async def attach(self, directory: Path, config: MachineConfig) -> Machine:
         from torpor.sandbox import template as templates
-        from torpor.sandbox.qemu import Machine as QemuMachine
+        from torpor.sandbox.vm.machine import Machine as QemuMachine
 
         machine = await QemuMachine.attach(
             directory, templates.get(config.template), self._spec(config)

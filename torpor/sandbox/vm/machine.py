@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 from qemu.qmp import QMPClient, QMPError
 
 from torpor.errors import EngineError, InvalidArgument, InvalidState
-from torpor.sandbox._qemucmd import (
+from torpor.sandbox.vm.disk import fsync_dir, qemu_img
+from torpor.sandbox.vm.machine_dir import (
     MACHINE_TYPE,
     MIGRATE_TIMEOUT,
     QEMU_BINARY,
@@ -52,10 +53,7 @@ from torpor.sandbox._qemucmd import (
     MachineSpec,
     ShareSpec,
     _add_device,
-    _copy_sparse,  # noqa: F401 (bench/ imports it from here)
     _disk_args,
-    _fsync_dir,
-    _qemu_img,
     _qemu_pid,
     _share_args,
     _tail,
@@ -295,7 +293,7 @@ class Machine:
         ``machine.json``; removes any stale ``state``. Returns once QEMU runs the guest (the
         agent comes up later: wait for it on the channel). Raises EngineError, InvalidState.
         """
-        from torpor.sandbox.accel import probe
+        from torpor.sandbox.vm.accel import probe
 
         self._require_stopped("boot")
         accel = (
@@ -308,18 +306,16 @@ class Machine:
             discard_state(self.directory)
             disk = self.directory / "disk.qcow2"
             if not disk.exists():
-                _qemu_img(
-                    [
-                        "create",
-                        "-q",
-                        "-f",
-                        "qcow2",
-                        "-F",
-                        "qcow2",
-                        "-b",
-                        str(self.template.base_image),
-                        str(disk),
-                    ]
+                qemu_img(
+                    "create",
+                    "-q",
+                    "-f",
+                    "qcow2",
+                    "-F",
+                    "qcow2",
+                    "-b",
+                    str(self.template.base_image),
+                    str(disk),
                 )
             with open(self.directory / "ram", "wb") as f:  # noqa: ASYNC230 (a sparse RAM file)
                 f.truncate(config["memory_mib"] * 1024 * 1024)
@@ -362,7 +358,7 @@ class Machine:
             raise
         try:
             os.replace(tmp, self.directory / "state")
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except OSError as exc:
             raise EngineError(f"cannot write the state file: {exc}", exc=exc) from exc
         await self._quit()

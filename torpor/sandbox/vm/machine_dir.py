@@ -1,7 +1,7 @@
 """The files of a QEMU machine: specs, machine.json, the command line, directory inspection,
 clones and socket paths.
 
-No QEMU process here: used by :mod:`torpor.sandbox.qemu` and unit-tested alone.
+No QEMU process here: used by :mod:`torpor.sandbox.vm.machine` and unit-tested alone.
 
 A sandbox directory holds everything its machine is::
 
@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from torpor.config import check_name
 from torpor.errors import EngineError, InvalidArgument, InvalidState
+from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, qemu_img, write_atomic
 
 if TYPE_CHECKING:
     from torpor.sandbox.template import TemplateInfo
@@ -111,7 +111,7 @@ class ShareSpec:
 
 @dataclass
 class MachineSpec:
-    """The shape of a machine. ``accel`` None means: what :func:`torpor.sandbox.accel.probe`
+    """The shape of a machine. ``accel`` None means: what :func:`torpor.sandbox.vm.accel.probe`
     says. ``disks``/``shares`` are extra devices present from the first boot."""
 
     vcpus: int = 1
@@ -323,26 +323,8 @@ def read_machine_json(directory: Path) -> dict[str, Any]:
     return data
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_machine_json(directory: Path, config: dict[str, Any]) -> None:
-    _write_atomic(directory / "machine.json", json.dumps(config, indent=2).encode())
+    write_atomic(directory / "machine.json", json.dumps(config, indent=2).encode())
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -393,7 +375,7 @@ def discard_state(directory: Path) -> None:
         for name in ("state", "state.tmp"):
             with contextlib.suppress(FileNotFoundError):
                 (directory / name).unlink()
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except OSError as exc:
         raise EngineError(f"cannot remove the state of {directory}: {exc}", exc=exc) from exc
 
@@ -418,44 +400,6 @@ def socket_path(path: Path) -> Path:
     return link
 
 
-def _qemu_img(args: list[str]) -> None:
-    try:
-        proc = subprocess.run(["qemu-img", *args], capture_output=True, text=True, check=False)
-    except OSError as exc:
-        raise EngineError(f"cannot run qemu-img: {exc}", exc=exc) from exc
-    if proc.returncode != 0:
-        raise EngineError(f"qemu-img {args[0]} failed: {proc.stderr.strip()}")
-
-
-def _copy_sparse(src: Path, dst: Path) -> None:
-    """Copy ``src`` to ``dst``: a reflink if the file system can, else data extents only."""
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        try:
-            import fcntl
-
-            fcntl.ioctl(fout.fileno(), 0x40049409, fin.fileno())  # FICLONE
-            return
-        except OSError:
-            pass
-        size = os.fstat(fin.fileno()).st_size
-        fout.truncate(size)
-        ifd, ofd = fin.fileno(), fout.fileno()
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(ifd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: no data after pos
-                break
-            end = os.lseek(ifd, start, os.SEEK_HOLE)
-            off = start
-            while off < end:
-                n = os.copy_file_range(ifd, ofd, end - off, off, off)
-                if n == 0:
-                    break
-                off += n
-            pos = end
-
-
 def clone_machine_dir(src: Path, dst: Path) -> None:
     """Make ``dst`` a hibernated copy of the hibernated machine in ``src``.
 
@@ -476,28 +420,26 @@ def clone_machine_dir(src: Path, dst: Path) -> None:
         for name in ("disk.qcow2", "ram"):
             with contextlib.suppress(FileNotFoundError):
                 (dst / name).unlink()
-        _copy_sparse(src / "ram", dst / "ram")
+        copy_sparse(src / "ram", dst / "ram")
         config = read_machine_json(src)
         config.pop("vmgenid", None)  # a clone is a new generation: its first wake picks one
         (dst / "machine.json").write_text(json.dumps(config, indent=2))
-        _qemu_img(
-            [
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-F",
-                "qcow2",
-                "-b",
-                str(src / "disk.qcow2"),
-                str(dst / "disk.qcow2"),
-            ]
+        qemu_img(
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            str(src / "disk.qcow2"),
+            str(dst / "disk.qcow2"),
         )
         shutil.copyfile(src / "state", dst / "state.tmp")
         with open(dst / "state.tmp", "rb") as f:
             os.fsync(f.fileno())
         os.replace(dst / "state.tmp", dst / "state")
-        _fsync_dir(dst)
+        fsync_dir(dst)
     except OSError as exc:
         raise EngineError(f"cannot clone {src} to {dst}: {exc}", exc=exc) from exc
     log.info("cloned %s -> %s", src, dst)

@@ -1,6 +1,6 @@
 """Cloning children from a frozen sandbox: the machinery under fork and restore.
 
-A frozen dir (see :func:`~torpor.sandbox.snapshots.freeze`) holds a hibernated machine: RAM,
+A frozen dir (see :func:`~torpor.sandbox.storage.snapshots.freeze`) holds a hibernated machine: RAM,
 device state and a disk layer. :class:`CloneMixin` turns it into ``count`` new sandboxes in two
 phases, so a fork can clone while its source is still paused and wake the children alongside
 it: :meth:`~CloneMixin._prepare` makes the registry rows and machine dirs,
@@ -23,12 +23,12 @@ from typing import Any
 
 from torpor.config import LIMITS
 from torpor.errors import DriveNotFound, InvalidArgument, TorporError
-from torpor.sandbox.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
-from torpor.sandbox.volumes import Attachment
+from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
+from torpor.sandbox.storage.volumes import Attachment
 
 __all__ = ["CloneMixin", "check_count", "drop_ram"]
 
@@ -84,7 +84,7 @@ class CloneMixin:
     ) -> list[SandboxRecord]:
         """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
         ``count`` children. All or none: on failure every row and dir made here is removed."""
-        from torpor.sandbox.qemu import clone_machine_dir
+        from torpor.sandbox.vm.machine import clone_machine_dir
 
         m = self.manager
         config = json.loads((frozen / "machine.json").read_text())

@@ -43,8 +43,8 @@ from torpor.errors import (
     PayloadTooLarge,
     StorageError,
 )
-from torpor.sandbox._records import locked
-from torpor.sandbox.volumes import VolumeStore
+from torpor.sandbox.storage.records import locked
+from torpor.sandbox.storage.volumes import VolumeStore
 
 __all__ = ["needs_recovery", "read_image_file", "read_volume_file"]
 

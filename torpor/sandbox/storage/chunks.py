@@ -10,7 +10,8 @@ a restore leaves a hole (the RAM file of a 512 MiB guest is mostly zeros).
 
 Durability: a chunk is written to a temporary file, fsynced, then renamed into place, so a chunk
 file is either whole or absent. :meth:`ChunkStore.sync_dirs` fsyncs the directories touched, and
-the snapshot layer writes its manifest only after that (see :mod:`torpor.sandbox.snapshots`).
+the snapshot layer writes its manifest only after that (see
+:mod:`torpor.sandbox.storage.snapshots`).
 
 Integrity: :meth:`ChunkStore.get` checks every chunk against its name on the way out, and raises
 :class:`~torpor.errors.CorruptData` on a mismatch, so a flipped byte on disk never reaches a guest.
@@ -32,6 +33,7 @@ from typing import Any
 import zstandard
 
 from torpor.errors import CorruptData, InvalidArgument, StorageError
+from torpor.sandbox.vm.disk import fsync_dir
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "ChunkStore", "FileManifest"]
 
@@ -216,7 +218,10 @@ class ChunkStore:
     def sync_dirs(self) -> None:
         """fsync every directory a new chunk was renamed into, so the names are durable too."""
         for d in sorted(self._touched | {self.root}):
-            _fsync_dir(d)
+            try:
+                fsync_dir(d, missing_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot fsync {d}: {exc}", exc=exc) from exc
         self._touched.clear()
 
     # -- whole files --------------------------------------------------------------------------
@@ -329,16 +334,3 @@ def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
     if i > 0 and ranges[i - 1][1] > start:
         return True
     return i < len(ranges) and ranges[i][0] < end
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise StorageError(f"cannot open {path}: {exc}", exc=exc) from exc
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

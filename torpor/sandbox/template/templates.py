@@ -13,7 +13,7 @@ Layout of ``templates/<name>/``::
     builds/<build-id>/        base.qcow2, vmlinuz, initrd.img, snapshot/ (ram, state, disk.qcow2)
     snapshot -> builds/<build-id>/snapshot
 
-Every sandbox is a clone of ``snapshot/`` (see :func:`torpor.sandbox.qemu.clone_machine_dir`),
+Every sandbox is a clone of ``snapshot/`` (see :func:`torpor.sandbox.vm.machine.clone_machine_dir`),
 and its disk overlay chains to that build's disk. A rebuild therefore makes a *new* build and
 leaves older ones in place, so sandboxes made from them keep working; :func:`remove` deletes all.
 """
@@ -37,8 +37,8 @@ from typing import Any
 
 from torpor.config import check_name, paths
 from torpor.errors import EngineError, GuestError, StorageError, TemplateNotFound, TorporError
-from torpor.sandbox import _rootfs
-from torpor.sandbox._rootfs import Progress
+from torpor.sandbox.template import rootfs as _rootfs
+from torpor.sandbox.template.rootfs import Progress
 
 __all__ = [
     "AGENT_TIMEOUT",
@@ -53,7 +53,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: The guest files shipped in the package (agent, protocol, init.sh).
-GUEST_DIR = Path(__file__).parent / "guest"
+GUEST_DIR = Path(__file__).parent.parent / "guest"
 #: Seconds a cold boot gets until the agent answers (TCG boots take 10-30 s on 2 busy cores).
 AGENT_TIMEOUT = 300.0
 
@@ -258,8 +258,8 @@ def _new_build(
 
 async def _boot_and_snapshot(info: TemplateInfo, say: Progress, *, lines: bool) -> str:
     """Cold-boot the build's image, wait for the agent, hibernate; return the accel used."""
-    from torpor.sandbox.accel import probe
-    from torpor.sandbox.qemu import Machine, MachineSpec
+    from torpor.sandbox.vm.accel import probe
+    from torpor.sandbox.vm.machine import Machine, MachineSpec
 
     report = await asyncio.to_thread(probe, kernel=info.kernel, initrd=info.initrd)
     say("accel", f"{report.accel}: {report.reason}")
@@ -292,7 +292,7 @@ async def _boot_and_snapshot(info: TemplateInfo, say: Progress, *, lines: bool) 
 async def _warm_up(sock: Path) -> None:
     """Run a first bit of code so the snapshot holds a started interpreter (every sandbox's
     first ``run_code`` then skips Python's start-up), and flush the guest's file systems."""
-    from torpor.sandbox.channel import GuestChannel
+    from torpor.sandbox.vm.channel import GuestChannel
 
     async with await GuestChannel.connect(sock, timeout=60) as channel:
         execution = await channel.run_code("None", timeout=AGENT_TIMEOUT)
@@ -309,7 +309,7 @@ async def wait_for_agent(
 ) -> float:
     """Wait until the guest agent behind ``sock`` answers a ping; return the seconds waited.
 
-    Uses :class:`torpor.sandbox.channel.GuestChannel` (one connection that pings until the
+    Uses :class:`torpor.sandbox.vm.channel.GuestChannel` (one connection that pings until the
     agent answers), or with ``lines`` a newline-JSON ping (the protocol of a throwaway test
     agent). Raises GuestError on timeout, EngineError if ``alive()`` turns False (QEMU died);
     both with the console tail in the message.
@@ -345,10 +345,10 @@ async def _ping_task(sock: Path, deadline: float, lines: bool) -> bool:
             await asyncio.sleep(0.5)
         return False
     try:
-        from torpor.sandbox.channel import GuestChannel
+        from torpor.sandbox.vm.channel import GuestChannel
     except ImportError as exc:
         raise EngineError(
-            "torpor.sandbox.channel is missing: cannot talk to the agent", exc=exc
+            "torpor.sandbox.vm.channel is missing: cannot talk to the agent", exc=exc
         ) from exc
     left = deadline - time.monotonic()
     try:

@@ -1,0 +1,13 @@
+"""torpor.sandbox.storage: what outlives a machine, on the host's disk.
+
+* :mod:`.chunks` — the content-addressed chunk store (sha256, zstd, deduplicated)
+* :mod:`.snapshots` — immutable, verified snapshots (manifests over chunks), freezing a
+  machine directory
+* :mod:`.volumes`, :mod:`.volume_files` — disk images that outlive sandboxes; reading a file
+  from one without a VM
+* :mod:`.drives` — host directories shared read-write into many sandboxes (virtio-9p)
+* :mod:`.records` — the JSON record store volumes and drives share (atomic writes, locks)
+* :mod:`.retention` — garbage collection: what no snapshot, sandbox or template needs
+
+Imports: torpor.config, torpor.errors, torpor.sandbox.vm (disk utilities only).
+"""

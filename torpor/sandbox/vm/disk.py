@@ -1,0 +1,117 @@
+"""Disk and file utilities every layer of the sandbox package shares: one copy of each.
+
+* :func:`copy_sparse` — copy a (mostly sparse) RAM file or image: a reflink where the file
+  system can, else only its data extents; across file systems too.
+* :func:`qemu_img` — run ``qemu-img`` (overlays, conversions), errors as EngineError.
+* :func:`write_atomic` — a file appears whole or not at all (tmp + fsync + rename + dir fsync).
+* :func:`fsync_dir` — make the renames and unlinks in a directory durable.
+
+These raise ``OSError`` (except :func:`qemu_img`); callers translate it into the error of their
+layer (EngineError for a machine directory, StorageError for stored data).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import subprocess
+from pathlib import Path
+
+from torpor.errors import EngineError
+
+__all__ = ["copy_sparse", "fsync_dir", "qemu_img", "write_atomic"]
+
+_FICLONE = 0x40049409  # ioctl: share the source's extents (btrfs, xfs)
+#: errors after which copy_file_range cannot work between these two files: copy by hand
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+_BLOCK = 1 << 20
+
+
+def copy_sparse(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` (replacing it): a reflink if the file system can, else the data
+    extents only, so holes stay holes. Works across file systems. Raises OSError."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        ifd, ofd = fin.fileno(), fout.fileno()
+        try:
+            fcntl.ioctl(ofd, _FICLONE, ifd)
+            return
+        except OSError:
+            pass
+        size = os.fstat(ifd).st_size
+        os.ftruncate(ofd, size)
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(ifd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data after pos
+                    break
+                raise
+            end = os.lseek(ifd, start, os.SEEK_HOLE)
+            _copy_range(ifd, ofd, start, end)
+            pos = end
+
+
+def _copy_range(ifd: int, ofd: int, start: int, end: int) -> None:
+    off = start
+    while off < end:
+        try:
+            n = os.copy_file_range(ifd, ofd, end - off, off, off)
+        except OSError as exc:
+            if exc.errno not in _NO_COPY_RANGE:
+                raise
+            n = _copy_by_hand(ifd, ofd, off, end)
+        if n == 0:
+            return
+        off += n
+
+
+def _copy_by_hand(ifd: int, ofd: int, off: int, end: int) -> int:
+    """Copy one block with pread/pwrite (a home split across file systems: EXDEV)."""
+    data = os.pread(ifd, min(_BLOCK, end - off), off)
+    if data:
+        os.pwrite(ofd, data, off)
+    return len(data)
+
+
+def qemu_img(*args: str) -> None:
+    """Run ``qemu-img *args``. Raises EngineError with its stderr if it fails or is missing."""
+    try:
+        proc = subprocess.run(["qemu-img", *args], capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise EngineError(f"cannot run qemu-img: {exc}", exc=exc) from exc
+    if proc.returncode != 0:
+        raise EngineError(f"qemu-img {args[0]} failed: {proc.stderr.strip()}")
+
+
+def fsync_dir(path: Path, *, missing_ok: bool = False) -> None:
+    """fsync a directory, so the renames and unlinks in it are durable. Raises OSError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
+    """Write ``data`` to ``path`` so that it appears whole or not at all (a hidden tmp file,
+    fsync, rename; with ``sync_dir`` the directory too, so the rename survives a crash). No tmp
+    file is left behind on failure. Raises OSError."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
