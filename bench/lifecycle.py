@@ -21,14 +21,10 @@ import functools
 import os
 import platform
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import bench_home, summary, write_results
 
@@ -181,11 +177,13 @@ async def _cold_boot(home: Path) -> float:
     """One cold boot of the template's image until the agent answers."""
     from torpor.sandbox import template as templates
     from torpor.sandbox.vm.channel import GuestChannel
-    from torpor.sandbox.vm.machine import Machine, MachineSpec
+    from torpor.sandbox.vm.machine import MachineSpec, QemuMachine
 
     info = templates.get("python")
     directory = home / "cold"
-    machine = Machine(directory, info, MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib))
+    machine = QemuMachine(
+        directory, info, MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib)
+    )
     t0 = time.perf_counter()
     await machine.boot()
     channel = await GuestChannel.connect(machine.agent_socket, timeout=600)
@@ -198,8 +196,8 @@ async def _cold_boot(home: Path) -> float:
 async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
     from torpor.config import paths
     from torpor.sandbox import template as templates
+    from torpor.sandbox.engine import QemuEngine
     from torpor.sandbox.manager import SandboxManager
-    from torpor.sandbox.vm.engine import QemuEngine
 
     info = templates.get("python")
     samples: dict[str, list[float]] = {

@@ -32,9 +32,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from rich.console import Console
 from rich.table import Table
 

@@ -33,13 +33,9 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import bench_home, summary, write_results
 

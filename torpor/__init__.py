@@ -16,8 +16,7 @@ import importlib
 from typing import Any
 
 from torpor import errors as _errors
-
-__version__ = "0.1.0"
+from torpor._version import __version__
 
 #: public name -> module that defines it
 _LAZY = {

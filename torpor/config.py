@@ -16,6 +16,7 @@ Everything lives under one home directory, ``$TORPOR_HOME`` (default
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 from dataclasses import dataclass
@@ -98,6 +99,11 @@ class Paths:
         return self.home / "server.sock"
 
     @property
+    def server_pid(self) -> Path:
+        """Where the owning server's pid and lock live."""
+        return self.home / "server.pid"
+
+    @property
     def cache(self) -> Path:
         return self.home / "cache"
 
@@ -121,3 +127,18 @@ def paths(home: str | os.PathLike[str] | None = None) -> Paths:
     if home is None:
         home = os.environ.get("TORPOR_HOME") or Path.home() / ".local" / "share" / "torpor"
     return Paths(Path(home).expanduser().resolve())
+
+
+def server_pid(home: str | os.PathLike[str] | None = None) -> int | None:
+    """The pid of the server that owns ``home`` (it holds the pid file's lock), or None."""
+    try:
+        with open(paths(home).server_pid) as handle:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                text = handle.read().strip()
+                return int(text) if text.isdigit() else None
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            return None
+    except FileNotFoundError:
+        return None

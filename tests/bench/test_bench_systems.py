@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench._quality import docs_of
 from bench._scale import ProjectionEmbedder, ScaleResult, scale_run

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,10 +13,7 @@ import pytest
 import uvicorn
 
 # The fake manager lives with the server tests; share it rather than keep two.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-
-from fake_manager import FakeManager
-
+from tests.server.fake_manager import FakeManager
 from torpor.client import Runtime
 from torpor.server.app import create_app
 from torpor.server.auth import TokenStore

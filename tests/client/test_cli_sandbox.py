@@ -13,7 +13,7 @@ from torpor.cli import sandbox as sandbox_cli
 from torpor.client import set_default_runtime
 
 if TYPE_CHECKING:
-    from conftest import Served
+    from tests.client.conftest import Served
 
 
 @pytest.fixture

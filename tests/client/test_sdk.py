@@ -21,7 +21,7 @@ from torpor.errors import (
 )
 
 if TYPE_CHECKING:
-    from conftest import Served
+    from tests.client.conftest import Served
 
 
 def test_lifecycle(served: Served) -> None:

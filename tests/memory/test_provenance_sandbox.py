@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -86,8 +85,7 @@ def _mkfs(image: Path, files: dict[str, str]) -> None:
 def test_volume_sources_over_http_without_a_vm(tmp_path: Path) -> None:
     """The volume route, Volume.read_file and the default volume resolver, on the real
     manager with its fake engine: no sandbox ever runs."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sandbox"))
-    from fakes import FakeEngine
+    from tests.sandbox.fakes import FakeEngine
 
     home = tmp_path / "home"
     manager = SandboxManager(paths(home).ensure(), engine=FakeEngine())

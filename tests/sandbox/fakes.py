@@ -23,8 +23,8 @@ from typing import Any
 
 from torpor.config import check_name
 from torpor.errors import EngineError, GuestError, PathNotFound, TemplateNotFound
+from torpor.sandbox.engine import DirStatus, MachineConfig
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, Result
-from torpor.sandbox.vm.engine import DirStatus, MachineConfig
 
 _pids = itertools.count(90000)
 
@@ -46,7 +46,7 @@ class FakeWorld:
 
 
 class FakeEngine:
-    """The :class:`~torpor.sandbox.vm.engine.Engine` protocol without VMs.
+    """The :class:`~torpor.sandbox.engine.Engine` protocol without VMs.
 
     ``faults`` maps a point to the number of times it fires:
     ``wake`` (QEMU dies before ``cont``: state kept), ``wake:after-cont`` (dies after the state

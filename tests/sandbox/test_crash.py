@@ -21,10 +21,10 @@ import pytest
 
 from torpor.config import paths
 from torpor.errors import StateLost
+from torpor.sandbox.engine import QemuEngine
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import Registry
-from torpor.sandbox.vm.engine import QemuEngine
 
 pytestmark = pytest.mark.qemu
 

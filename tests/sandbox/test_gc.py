@@ -14,7 +14,7 @@ from torpor.sandbox.storage.snapshots import SnapshotStore, freeze
 from torpor.sandbox.storage.volumes import VolumeStore
 
 try:  # plain pytest puts this directory on sys.path; a package layout needs the relative form
-    from storage_helpers import make_home, make_machine, qemu_io
+    from tests.sandbox.storage_helpers import make_home, make_machine, qemu_io
 except ImportError:  # pragma: no cover
     from .storage_helpers import make_home, make_machine, qemu_io
 
@@ -148,8 +148,7 @@ def test_expired_pauses_are_killed_and_fresh_ones_kept(tmp_path: Path) -> None:
     import asyncio
     import time
 
-    from fakes import FakeEngine
-
+    from tests.sandbox.fakes import FakeEngine
     from torpor.config import paths
     from torpor.sandbox.checkpoints import Checkpoints
     from torpor.sandbox.manager import SandboxManager

@@ -622,12 +622,12 @@ def test_agent_in_a_real_vm(qemu_home: Path) -> None:
     """The agent on the virtio port: commands, files, interpreter, refresh, and a hibernate
     and wake in the middle (a new QEMU, a new connection) that keep processes and variables."""
     from torpor.sandbox import template as templates
-    from torpor.sandbox.vm.machine import Machine, MachineSpec, clone_machine_dir
+    from torpor.sandbox.vm.machine import MachineSpec, QemuMachine, clone_machine_dir
 
     info = templates.get("python")
     directory = qemu_home / "sandboxes" / "agent-test"
     clone_machine_dir(info.snapshot_dir, directory)
-    machine = Machine(directory, info, MachineSpec())
+    machine = QemuMachine(directory, info, MachineSpec())
     data = os.urandom(50 * 1024 * 1024 + 17)  # 50 MB both ways over the virtio port
     first: dict[str, Any] = {}  # what session one saw, for session two
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from torpor.errors import InvalidState, SandboxClosed, StorageError
-from torpor.sandbox.lifecycle import (
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry.lifecycle import (
     OPERATIONS,
     TRANSITIONS,
     Lifecycle,
@@ -17,7 +18,6 @@ from torpor.sandbox.lifecycle import (
     require,
     require_for,
 )
-from torpor.sandbox.models import SandboxState as S
 
 LEGAL = [(src, dst) for src, dsts in TRANSITIONS.items() for dst in dsts]
 ILLEGAL = [(src, dst) for src in S for dst in S if dst not in TRANSITIONS[src]]

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from fakes import FakeEngine, FakeWorld
 
+from tests.sandbox.fakes import FakeEngine, FakeWorld
 from torpor.config import paths
 from torpor.errors import (
     Conflict,

@@ -18,8 +18,8 @@ from torpor.sandbox import template as templates
 from torpor.sandbox.template import TemplateInfo
 from torpor.sandbox.vm.machine import (
     DiskSpec,
-    Machine,
     MachineSpec,
+    QemuMachine,
     ShareSpec,
     build_command,
     clone_machine_dir,
@@ -28,7 +28,7 @@ from torpor.sandbox.vm.machine import (
     read_machine_json,
     socket_path,
 )
-from torpor.sandbox.vm.machine_dir import _add_device, new_machine_config
+from torpor.sandbox.vm.machine_dir import add_device, new_machine_config
 
 MiB = 1024 * 1024
 
@@ -84,7 +84,7 @@ def test_extra_devices_get_stable_slots_and_appear_on_the_command_line(tmp_path:
     config = new_machine_config(_fake_template(tmp_path), spec, "tcg")
     slots = [d["slot"] for d in config["devices"]]
     assert slots == [8, 9]
-    rec = _add_device(config, DiskSpec("vol2", tmp_path / "w.qcow2"))
+    rec = add_device(config, DiskSpec("vol2", tmp_path / "w.qcow2"))
     assert rec["slot"] == 10
     cmd = build_command(config, incoming=True)
     devices = _arg_after(cmd, "-device")
@@ -199,7 +199,7 @@ def test_wake_without_state_is_an_invalid_state(tmp_path: Path) -> None:
     d = tmp_path / "m"
     _fake_hibernated(d)
     (d / "state").unlink()
-    machine = Machine(d, _fake_template(tmp_path), MachineSpec())
+    machine = QemuMachine(d, _fake_template(tmp_path), MachineSpec())
     with pytest.raises(InvalidState):
         asyncio.run(machine.wake())
     with pytest.raises(InvalidState):
@@ -209,7 +209,7 @@ def test_wake_without_state_is_an_invalid_state(tmp_path: Path) -> None:
 # -- real QEMU -----------------------------------------------------------------------------------
 
 
-async def _run(machine: Machine, code: str) -> str | None:
+async def _run(machine: QemuMachine, code: str) -> str | None:
     from torpor.sandbox.vm.channel import GuestChannel
 
     async with await GuestChannel.connect(machine.agent_socket, timeout=120) as ch:
@@ -218,7 +218,7 @@ async def _run(machine: Machine, code: str) -> str | None:
         return execution.text
 
 
-async def _shell(machine: Machine, cmd: str) -> str:
+async def _shell(machine: QemuMachine, cmd: str) -> str:
     from torpor.sandbox.vm.channel import GuestChannel
 
     async with await GuestChannel.connect(machine.agent_socket, timeout=120) as ch:
@@ -227,11 +227,11 @@ async def _shell(machine: Machine, cmd: str) -> str:
         return result.stdout
 
 
-def _clone(qemu_home: Path, name: str, source: Path | None = None) -> Machine:
+def _clone(qemu_home: Path, name: str, source: Path | None = None) -> QemuMachine:
     info = templates.get("python")
     d = qemu_home / "sandboxes" / name
     clone_machine_dir(source or info.snapshot_dir, d)
-    return Machine(d, info, MachineSpec())
+    return QemuMachine(d, info, MachineSpec())
 
 
 @pytest.mark.qemu

@@ -22,7 +22,7 @@ from torpor.sandbox.storage.chunks import ChunkStore
 from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, backing_file, freeze
 
 try:  # plain pytest puts this directory on sys.path; a package layout needs the relative form
-    from storage_helpers import make_home, make_machine, qemu_io
+    from tests.sandbox.storage_helpers import make_home, make_machine, qemu_io
 except ImportError:  # pragma: no cover
     from .storage_helpers import make_home, make_machine, qemu_io
 

@@ -71,12 +71,14 @@ def test_a_clone_gets_a_new_id_that_then_stays(tmp_path: Path) -> None:
 @pytest.mark.qemu
 def test_wakes_keep_the_id_and_clones_change_it(qemu_home: Path) -> None:
     from torpor.sandbox import template as templates
-    from torpor.sandbox.vm.machine import Machine, MachineSpec
+    from torpor.sandbox.vm.machine import MachineSpec, QemuMachine
 
     info = templates.get("python")
     directory = qemu_home / "sandboxes" / "gen"
     clone_machine_dir(info.snapshot_dir, directory)
-    machine = Machine(directory, info, MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib))
+    machine = QemuMachine(
+        directory, info, MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib)
+    )
 
     async def guid() -> str:
         return str(

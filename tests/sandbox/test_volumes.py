@@ -114,9 +114,9 @@ def test_user_paths_accepted(path: str, norm: str) -> None:
 
 def test_http_routes_map_errors(tmp_path: Path) -> None:
     """The checkpoint routes over the real manager (fake engine): typed errors cross HTTP."""
-    from fakes import FakeEngine
     from fastapi.testclient import TestClient
 
+    from tests.sandbox.fakes import FakeEngine
     from torpor.errors import from_wire
     from torpor.sandbox.manager import SandboxManager
     from torpor.server.app import create_app

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_manager import FakeManager
 from fastapi.testclient import TestClient
 
+from tests.server.fake_manager import FakeManager
 from torpor.errors import from_wire
 from torpor.server.app import create_app
 from torpor.server.auth import TokenStore

@@ -6,20 +6,17 @@ wake-on-request, typed errors — where test_routes.py pins the HTTP layer itsel
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.sandbox.fakes import FakeEngine
 from torpor.config import paths
 from torpor.sandbox.manager import SandboxManager
 from torpor.server.app import create_app
 from torpor.server.auth import TokenStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sandbox"))
-from fakes import FakeEngine
 
 A = {"Authorization": "Bearer " + "a" * 32}
 B = {"Authorization": "Bearer " + "b" * 32}

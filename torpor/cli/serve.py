@@ -55,8 +55,7 @@ def status() -> None:
     Example: torpor server status
     """
     from torpor.client import Runtime, Sandbox
-    from torpor.config import paths
-    from torpor.server.daemon import server_pid
+    from torpor.config import paths, server_pid
 
     pid = server_pid()
     if pid is None:

@@ -82,7 +82,7 @@ def ensure_local_server(p: Paths, *, timeout: float = 120.0) -> None:
                 return
             if proc.poll() is not None:
                 # It may have lost the race to a server started by hand: that one will answer.
-                from torpor.server.daemon import server_pid
+                from torpor.config import server_pid
 
                 if server_pid(p.home) is None:
                     raise ServerUnavailable(

@@ -28,7 +28,7 @@ __all__ = [
 
 
 class SandboxState(enum.StrEnum):
-    """The lifecycle of a sandbox (see ``torpor.sandbox.lifecycle`` for the transitions)."""
+    """The lifecycle of a sandbox (the transitions: ``torpor.sandbox.registry.lifecycle``)."""
 
     CREATING = "creating"
     RUNNING = "running"

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import torpor
+from torpor._version import __version__
 from torpor.config import LIMITS
 from torpor.errors import InvalidArgument, NotFound, TorporError
 from torpor.server.auth import TokenStore
@@ -145,7 +145,7 @@ def create_app(
             log.info("torpor server stopped")
 
     app = FastAPI(
-        title="torpor", version=torpor.__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+        title="torpor", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.manager = manager
     app.state.tokens = tokens or TokenStore(None)
@@ -162,7 +162,7 @@ def create_app(
         return {
             "ok": True,
             "pid": os.getpid(),
-            "version": torpor.__version__,
+            "version": __version__,
             "tenant": tenant,
             "home": str(getattr(home, "home", "")) or None,
         }

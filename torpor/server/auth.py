@@ -50,7 +50,7 @@ def add_token(path: str | os.PathLike[str], tenant: str) -> str:
     file = Path(path)
     tokens: dict[str, str] = {}
     if file.exists():
-        tokens = dict(TokenStore.load(file)._tokens or {})
+        tokens = TokenStore.load(file).tenants()
     token = new_token()
     tokens[token] = tenant
     tmp = file.with_name(file.name + ".tmp")
@@ -83,6 +83,10 @@ class TokenStore:
                 if not isinstance(token, str) or len(token) < 16:
                     raise InvalidArgument("a token must be a string of at least 16 characters")
                 self._tokens[token] = check_name(tenant, "tenant")
+
+    def tenants(self) -> dict[str, str]:
+        """A copy of the token -> tenant map (empty when no token is required)."""
+        return dict(self._tokens or {})
 
     @property
     def required(self) -> bool:

@@ -24,23 +24,18 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
-from torpor.config import Paths, paths
+from torpor.config import Paths, paths, server_pid
 from torpor.errors import Conflict, InvalidArgument, ServerUnavailable, StorageError
 from torpor.server.auth import TokenStore
 
-__all__ = ["bind_unix_socket", "pidfile", "serve", "server_pid", "stop_server"]
+__all__ = ["bind_unix_socket", "serve", "server_pid", "stop_server"]
 
 log = logging.getLogger(__name__)
 
 
-def pidfile(p: Paths) -> Path:
-    """Where the owning server's pid and lock live."""
-    return p.home / "server.pid"
-
-
 def _lock(p: Paths) -> IO[str]:
     """Take the home's server lock and write our pid. Raises :class:`Conflict` if it is held."""
-    file = pidfile(p)
+    file = p.server_pid
     try:
         handle = open(file, "a+")  # noqa: SIM115 - held for the life of the process
     except OSError as exc:
@@ -61,22 +56,6 @@ def _lock(p: Paths) -> IO[str]:
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
-
-
-def server_pid(home: str | os.PathLike[str] | None = None) -> int | None:
-    """The pid of the server that owns ``home``, or None when none runs."""
-    file = pidfile(paths(home))
-    try:
-        with open(file) as handle:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                text = handle.read().strip()
-                return int(text) if text.isdigit() else None
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-            return None
-    except FileNotFoundError:
-        return None
 
 
 def stop_server(home: str | os.PathLike[str] | None = None, *, timeout: float = 30.0) -> int | None:

@@ -138,14 +138,14 @@ async def fork(id_or_name: str, body: ForkBody, tenant: Tenant, cp: Cp) -> list[
 
 @router.post("/sandboxes/{id_or_name}/volumes")
 async def attach_volume(id_or_name: str, body: AttachBody, tenant: Tenant, cp: Cp) -> VolumeInfo:
-    return await cp.attach_volume(
+    return await cp.attachments.attach_volume(
         id_or_name, body.volume or "", body.path, read_only=body.read_only, tenant=tenant
     )
 
 
 @router.post("/sandboxes/{id_or_name}/drives")
 async def attach_drive(id_or_name: str, body: AttachBody, tenant: Tenant, cp: Cp) -> DriveInfo:
-    return await cp.attach_drive(
+    return await cp.attachments.attach_drive(
         id_or_name, body.drive or "", body.path, read_only=body.read_only, tenant=tenant
     )
 
@@ -204,7 +204,7 @@ def _delete_shared(
 ) -> Response:
     """Delete a volume or drive once attachments of killed sandboxes are dropped (they no
     longer hold it). Raises NotFound, Conflict while a live sandbox has it attached."""
-    store.release(keep=cp._live_ids())
+    store.release(keep=cp.attachments.live_ids())
     store.delete(id_or_name, tenant=tenant)
     return Response(status_code=204)
 

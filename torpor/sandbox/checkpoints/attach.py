@@ -3,9 +3,10 @@ hibernate.
 
 A volume is hot-plugged as a virtio disk and mounted by the guest agent; a drive is a virtio-9p
 share, which QEMU can only add to a hibernated machine and which blocks migration while mounted,
-so :class:`AttachMixin` is also a manager guest hook: it unmounts a sandbox's drives before every
-hibernate and mounts them again after the wake (a busy mount is a Conflict). Part of
-:class:`~torpor.sandbox.checkpoints.Checkpoints`; the stores are
+so :class:`Attachments` is also a manager guest hook: it unmounts a sandbox's drives before
+every hibernate and mounts them again after the wake (a busy mount is a Conflict). A component
+of :class:`~torpor.sandbox.checkpoints.Checkpoints`, working on the manager through
+:class:`~torpor.sandbox.manager.Held` only; the stores are
 :mod:`torpor.sandbox.storage.volumes` and :mod:`torpor.sandbox.storage.drives`.
 """
 
@@ -18,7 +19,7 @@ import time
 from typing import Any
 
 from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState
-from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.manager import Held
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
@@ -29,18 +30,18 @@ from torpor.sandbox.storage.volumes import (
     find_guest_disk,
 )
 
-__all__ = ["AttachMixin"]
+__all__ = ["Attachments"]
 
 log = logging.getLogger(__name__)
 
 
-class AttachMixin:
-    """Volume and drive attachment of :class:`~torpor.sandbox.checkpoints.Checkpoints` (needs
-    its ``manager``, ``volumes`` and ``drives``)."""
+class Attachments:
+    """Attaches volumes and drives to running sandboxes; the manager's guest hook for drives."""
 
-    manager: SandboxManager
-    volumes: VolumeStore
-    drives: DriveStore
+    def __init__(self, manager: Held, volumes: VolumeStore, drives: DriveStore) -> None:
+        self.manager = manager
+        self.volumes = volumes
+        self.drives = drives
 
     # -- drives around a hibernate (the manager calls these: guest_hooks) -----------------
 
@@ -68,10 +69,11 @@ class AttachMixin:
 
     # -- attaching -----------------------------------------------------------------------
 
-    def _live_ids(self) -> set[str]:
+    def live_ids(self) -> set[str]:
+        """Ids of the sandboxes not killed (attachments of the others are stale)."""
         return {r.id for r in self.manager.registry.list() if r.state is not S.STOPPED}
 
-    async def _running_channel(self, tenant: str, id_or_name: str) -> SandboxRecord:
+    async def running_channel(self, tenant: str, id_or_name: str) -> SandboxRecord:
         rec = self.manager.registry.find(tenant, id_or_name)
         if rec.state is S.PAUSED:
             await self.manager.resume(rec.id, tenant=tenant)
@@ -85,7 +87,7 @@ class AttachMixin:
             )
         return rec
 
-    def _check_path_free(self, sandbox_id: str, path: str) -> None:
+    def check_path_free(self, sandbox_id: str, path: str) -> None:
         used = [a.path for _, a in self.volumes.attached_to(sandbox_id)]
         used += [a.path for _, a in self.drives.attached_to(sandbox_id)]
         for other in used:
@@ -113,11 +115,11 @@ class AttachMixin:
         from torpor.sandbox.vm.machine import DiskSpec
 
         path = check_mount_path(path)
-        self.volumes.release(keep=self._live_ids())  # attachments of killed sandboxes
-        rec = await self._running_channel(tenant, id_or_name)
-        self._check_path_free(rec.id, path)
+        self.volumes.release(keep=self.live_ids())  # attachments of killed sandboxes
+        rec = await self.running_channel(tenant, id_or_name)
+        self.check_path_free(rec.id, path)
         vol = self.volumes.attach(volume, rec.id, path, read_only=read_only, tenant=tenant)
-        live = self.manager._live(rec.id)
+        live = self.manager.live(rec.id)
         try:
             async with live.lock:
                 if live.machine is None or live.channel is None:
@@ -163,12 +165,12 @@ class AttachMixin:
         from torpor.sandbox.vm.machine import ShareSpec
 
         path = check_mount_path(path)
-        self.drives.release(keep=self._live_ids())
-        rec = await self._running_channel(tenant, id_or_name)
-        self._check_path_free(rec.id, path)
+        self.drives.release(keep=self.live_ids())
+        rec = await self.running_channel(tenant, id_or_name)
+        self.check_path_free(rec.id, path)
         info = self.drives.get(drive, tenant=tenant)
         m = self.manager
-        live = m._live(rec.id)
+        live = m.live(rec.id)
         async with live.lock:
             if live.machine is None or live.channel is None:
                 raise InvalidState(

@@ -1,11 +1,13 @@
 """Cloning children from a frozen sandbox: the machinery under fork and restore.
 
 A frozen dir (see :func:`~torpor.sandbox.storage.snapshots.freeze`) holds a hibernated machine: RAM,
-device state and a disk layer. :class:`CloneMixin` turns it into ``count`` new sandboxes in two
+device state and a disk layer. :class:`Cloner` turns it into ``count`` new sandboxes in two
 phases, so a fork can clone while its source is still paused and wake the children alongside
-it: :meth:`~CloneMixin._prepare` makes the registry rows and machine dirs,
-:meth:`~CloneMixin._wake_children` wakes them (fresh entropy and clock) and mounts the drives
-they inherit. Both are all or none. Part of :class:`~torpor.sandbox.checkpoints.Checkpoints`.
+it: :meth:`~Cloner.prepare` makes the registry rows and machine dirs,
+:meth:`~Cloner.wake_children` wakes them (fresh entropy and clock) and mounts the drives
+they inherit. Both are all or none. A component of
+:class:`~torpor.sandbox.checkpoints.Checkpoints`, working on the manager through
+:class:`~torpor.sandbox.manager.Held` only.
 """
 
 from __future__ import annotations
@@ -23,26 +25,26 @@ from typing import Any
 
 from torpor.config import LIMITS
 from torpor.errors import DriveNotFound, InvalidArgument, TorporError
-from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.manager import Held
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.volumes import Attachment
 
-__all__ = ["CloneMixin", "check_count", "drop_ram"]
+__all__ = ["Cloner", "check_count", "drop_ram"]
 
 log = logging.getLogger(__name__)
 
 
-class CloneMixin:
-    """Cloning of :class:`~torpor.sandbox.checkpoints.Checkpoints` (needs its ``manager`` and
-    ``drives``)."""
+class Cloner:
+    """Makes sandboxes out of a frozen dir: rows, machine dirs, wakes, inherited drives."""
 
-    manager: SandboxManager
-    drives: DriveStore
+    def __init__(self, manager: Held, drives: DriveStore) -> None:
+        self.manager = manager
+        self.drives = drives
 
-    async def _spawn(
+    async def spawn(
         self,
         frozen: Path,
         *,
@@ -57,8 +59,8 @@ class CloneMixin:
         recorded_drives: list[dict[str, Any]] | None = None,
     ) -> list[SandboxInfo]:
         """Clone, wake and refresh ``count`` sandboxes from a frozen dir; all or none."""
-        drives = self._drives_for(frozen, drives_of, recorded_drives)
-        recs = await self._prepare(
+        drives = self.drives_for(frozen, drives_of, recorded_drives)
+        recs = await self.prepare(
             frozen,
             count=count,
             labels=labels,
@@ -68,9 +70,9 @@ class CloneMixin:
             tenant=tenant,
             reason=reason,
         )
-        return await self._wake_children(recs, drives, tenant=tenant, reason=reason)
+        return await self.wake_children(recs, drives, tenant=tenant, reason=reason)
 
-    async def _prepare(
+    async def prepare(
         self,
         frozen: Path,
         *,
@@ -114,11 +116,11 @@ class CloneMixin:
             )
         except BaseException as exc:
             for rec in recs:
-                await m._abort_create(rec, m._live(rec.id), exc)
+                await m.abort_create(rec, m.live(rec.id), exc)
             raise
         return recs
 
-    async def _wake_children(
+    async def wake_children(
         self,
         recs: list[SandboxRecord],
         drives: list[tuple[DriveInfo, str, bool]],
@@ -131,10 +133,10 @@ class CloneMixin:
         m = self.manager
 
         async def one(rec: SandboxRecord) -> SandboxInfo:
-            live = m._live(rec.id)
+            live = m.live(rec.id)
             async with live.lock:
                 try:
-                    await m._boot(rec, live)
+                    await m.boot(rec, live)
                     for drive, path, ro in drives:
                         self.drives.attach(
                             drive.id, rec.id, path, read_only=ro, tenant=drive.tenant
@@ -142,9 +144,9 @@ class CloneMixin:
                         await mount_in_guest(live.channel, drive, path, ro)
                 except BaseException as exc:
                     self.drives.release({rec.id})
-                    await m._abort_create(rec, live, exc)
+                    await m.abort_create(rec, live, exc)
                     raise
-                return m._move(rec, S.RUNNING, reason, last_active_at=time.time()).to_info()
+                return m.move(rec, S.RUNNING, reason, last_active_at=time.time()).to_info()
 
         # children wake concurrently (QEMU start-up overlaps); all or none
         results = await asyncio.gather(*(one(r) for r in recs), return_exceptions=True)
@@ -159,13 +161,13 @@ class CloneMixin:
         log.info("%s: %d sandbox(es) %s", reason, len(made), [c.id for c in made])
         return made
 
-    def _drive_records(self, sandbox_id: str) -> list[dict[str, Any]]:
+    def drive_records(self, sandbox_id: str) -> list[dict[str, Any]]:
         return [
             {"id": d.id, "tenant": d.tenant, "path": a.path, "read_only": a.read_only}
             for d, a in self.drives.attached_to(sandbox_id)
         ]
 
-    def _drives_for(
+    def drives_for(
         self,
         frozen: Path,
         source: str | None,

@@ -50,9 +50,9 @@ from torpor.errors import (
     InvalidState,
     TorporError,
 )
-from torpor.sandbox.checkpoints.attach import AttachMixin
-from torpor.sandbox.checkpoints.clones import CloneMixin, check_count, drop_ram
-from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.checkpoints.attach import Attachments
+from torpor.sandbox.checkpoints.clones import Cloner, check_count, drop_ram
+from torpor.sandbox.manager import Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
@@ -79,7 +79,7 @@ VOLUME_SNAPSHOT_REFUSAL = (
 )
 
 
-class Checkpoints(AttachMixin, CloneMixin):
+class Checkpoints:
     """Snapshots, restores, forks, volumes and drives of one :class:`SandboxManager`.
 
     Coroutines raise SandboxNotFound / SnapshotNotFound / VolumeNotFound / DriveNotFound,
@@ -87,9 +87,12 @@ class Checkpoints(AttachMixin, CloneMixin):
     snapshot), InvalidState / StateLost (the sandbox's state), CorruptData (a bad chunk),
     StorageError / EngineError / GuestError from below.
 
-    ``attach_volume``, ``attach_drive`` and the drive hooks come from
-    :class:`~torpor.sandbox.checkpoints.attach.AttachMixin`; cloning children from
-    :class:`~torpor.sandbox.checkpoints.clones.CloneMixin`.
+    Two components do part of the work: :attr:`attachments`
+    (:class:`~torpor.sandbox.checkpoints.attach.Attachments`: attaching volumes and drives, and
+    the manager's guest hook for drives) and :attr:`cloner`
+    (:class:`~torpor.sandbox.checkpoints.clones.Cloner`: children out of a frozen dir). Both,
+    and this class, reach the manager's internals only through
+    :class:`~torpor.sandbox.manager.Held`.
     """
 
     def __init__(self, manager: SandboxManager) -> None:
@@ -98,9 +101,12 @@ class Checkpoints(AttachMixin, CloneMixin):
         self.snapshots = SnapshotStore(self.paths)
         self.volumes = VolumeStore(self.paths)
         self.drives = DriveStore(self.paths)
-        hooks = getattr(manager, "guest_hooks", None)
-        if hooks is not None and not any(isinstance(h, Checkpoints) for h in hooks):
-            hooks.append(self)  # the manager unmounts/remounts drives around every hibernate
+        self.held: Held = manager
+        self.attachments = Attachments(manager, self.volumes, self.drives)
+        self.cloner = Cloner(manager, self.drives)
+        hooks = manager.guest_hooks
+        if not any(isinstance(h, Attachments) for h in hooks):
+            hooks.append(self.attachments)  # drives are unmounted/remounted around a hibernate
 
     # -- freezing a live sandbox ---------------------------------------------------------
 
@@ -119,7 +125,7 @@ class Checkpoints(AttachMixin, CloneMixin):
         ``link_ram`` the frozen RAM is the source's own file, so it must be done with it and
         drop it before returning); ``then(record, frozen_dir, before_wake's result)`` runs
         alongside the source's wake. Returns what ``then`` returns."""
-        m = self.manager
+        m = self.held
         rec = m.registry.find(tenant, id_or_name)
         vols = self.volumes.attached_to(rec.id)
         if vols:
@@ -132,11 +138,11 @@ class Checkpoints(AttachMixin, CloneMixin):
                 sandbox_id=rec.id,
                 volumes=[v.id for v, _ in vols],
             )
-        live = m._live(rec.id)
+        live = m.live(rec.id)
         async with live.lock:
             rec = m.registry.get(rec.id)
             if rec.state is S.ERROR:
-                raise m._lost(rec)
+                raise m.lost(rec)
             if rec.state not in (S.RUNNING, S.PAUSED):
                 raise InvalidState(
                     f"sandbox {rec.id} is {rec.state.value}; snapshot and fork need it running "
@@ -147,8 +153,8 @@ class Checkpoints(AttachMixin, CloneMixin):
                 )
             was_running = rec.state is S.RUNNING
             if was_running:
-                await m._drain(live)
-                rec = await m._pause_locked(rec, live, "snapshot")  # drives: via guest_hooks
+                await m.drain(live)
+                rec = await m.pause_held(rec, live, "snapshot")  # drives: via guest_hooks
             try:
                 with self.snapshots.lock():
                     frozen = await asyncio.to_thread(
@@ -157,13 +163,13 @@ class Checkpoints(AttachMixin, CloneMixin):
                 prepared = None if before_wake is None else await before_wake(rec, frozen)
             except BaseException:
                 if was_running:
-                    await m._wake_locked(rec, live, "snapshot failed")
+                    await m.wake_held(rec, live, "snapshot failed")
                 raise
             # The frozen dir is immutable from here: the source wakes while ``then`` (capture
             # or clone children) works on the copy, so the two costs overlap.
             jobs: list[Awaitable[Any]] = [then(rec, frozen, prepared)]
             if was_running:
-                jobs.append(m._wake_locked(rec, live, "snapshot taken"))
+                jobs.append(m.wake_held(rec, live, "snapshot taken"))
             results = await asyncio.gather(*jobs, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -191,7 +197,7 @@ class Checkpoints(AttachMixin, CloneMixin):
         rec = self.manager.registry.find(tenant, id_or_name)
         name = name or f"{rec.name}-{time.strftime('%Y%m%d-%H%M%S')}"[:63]
         check_name(name, "snapshot name")
-        self.snapshots._check_free(name, tenant)  # fail before pausing anything
+        self.snapshots.check_name_free(name, tenant)  # fail before pausing anything
 
         async def capture(rec: SandboxRecord, frozen: Path, _: Any) -> SnapshotInfo:
             try:
@@ -204,7 +210,7 @@ class Checkpoints(AttachMixin, CloneMixin):
                     sandbox_id=rec.id,
                     template=rec.template,
                     labels=dict(labels or {}),
-                    drives=self._drive_records(rec.id),
+                    drives=self.cloner.drive_records(rec.id),
                 )
             finally:
                 drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
@@ -268,7 +274,7 @@ class Checkpoints(AttachMixin, CloneMixin):
         with self.snapshots.lock():
             frozen = await asyncio.to_thread(self.snapshots.materialize, info.id, tenant=tenant)
             try:
-                return await self._spawn(
+                return await self.cloner.spawn(
                     frozen,
                     count=count,
                     labels=labels,
@@ -305,8 +311,8 @@ class Checkpoints(AttachMixin, CloneMixin):
         async def clone(rec: SandboxRecord, frozen: Path) -> Any:
             # the frozen RAM is a hard link to the source's: clone it before the source wakes
             try:
-                drives = self._drives_for(frozen, rec.id)
-                recs = await self._prepare(
+                drives = self.cloner.drives_for(frozen, rec.id)
+                recs = await self.cloner.prepare(
                     frozen,
                     count=count,
                     labels={**rec.labels, **(labels or {})},
@@ -322,7 +328,7 @@ class Checkpoints(AttachMixin, CloneMixin):
 
         async def wake(rec: SandboxRecord, frozen: Path, prepared: Any) -> list[SandboxInfo]:
             recs, drives = prepared
-            return await self._wake_children(
+            return await self.cloner.wake_children(
                 recs, drives, tenant=tenant, reason=f"forked from {rec.id}"
             )
 
@@ -359,7 +365,7 @@ class Checkpoints(AttachMixin, CloneMixin):
             info = await self.manager.create(tenant=tenant, **kwargs)
         try:
             for v in vols:
-                await self.attach_volume(
+                await self.attachments.attach_volume(
                     info.id,
                     str(v["volume"]),
                     str(v.get("path", "")),
@@ -367,7 +373,7 @@ class Checkpoints(AttachMixin, CloneMixin):
                     tenant=tenant,
                 )
             for d in drvs:
-                await self.attach_drive(
+                await self.attachments.attach_drive(
                     info.id,
                     str(d["drive"]),
                     str(d.get("path", "")),
@@ -399,7 +405,7 @@ class Checkpoints(AttachMixin, CloneMixin):
             collect,
             self.paths,
             now=datetime.fromtimestamp(now, UTC),
-            live_sandboxes=self._live_ids(),
+            live_sandboxes=self.attachments.live_ids(),
             dry_run=dry_run,
         )
         report.expired_sandboxes = expired

@@ -296,7 +296,7 @@ class SnapshotStore:
         """
         check_name(name, "snapshot name")
         check_retention(retention_days)
-        self._check_free(name, tenant)
+        self.check_name_free(name, tenant)
         sid = f"snap-{uuid.uuid4().hex[:12]}"
         created = datetime.now(UTC)
         files: dict[str, Any] = {}
@@ -359,12 +359,13 @@ class SnapshotStore:
                 "anchors": anchors,
             }
             with self.lock(exclusive=True, name="names"):
-                self._check_free(name, tenant)
+                self.check_name_free(name, tenant)
                 self._write_manifest(sid, body)
         log.info("snapshot %s (%s): %d bytes, %d new in the store", sid, name, size, new)
         return info
 
-    def _check_free(self, name: str, tenant: str) -> None:
+    def check_name_free(self, name: str, tenant: str) -> None:
+        """Raise Conflict if ``tenant`` has a snapshot named ``name`` (expired ones count)."""
         for info in self.list(tenant=tenant, include_expired=True):
             if info.name == name:
                 raise Conflict(

@@ -242,5 +242,5 @@ def read_volume_file(
             # killed sandbox committed but never wrote in place. The next attach would
             # replay the same journal.
             log.info("replaying the journal of volume %s before reading it", info.id)
-            store._replay_journal(info.id)
+            store.replay_journal(info.id)
         return read_image_file(image, path, max_bytes=max_bytes)

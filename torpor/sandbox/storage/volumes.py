@@ -182,7 +182,7 @@ class VolumeStore(RecordStore[VolumeInfo]):
             read_only,
             tenant,
             exclusive_writer=True,
-            before_first=self._replay_journal,
+            before_first=self.replay_journal,
         )
         path = info.attachments[-1].path
         log.info(
@@ -194,7 +194,7 @@ class VolumeStore(RecordStore[VolumeInfo]):
         )
         return info
 
-    def _replay_journal(self, volume_id: str) -> None:
+    def replay_journal(self, volume_id: str) -> None:
         """Replay the ext4 journal of an image nobody has attached.
 
         A sandbox killed with the volume mounted leaves a journal to replay; a guest mounting

@@ -259,11 +259,11 @@ def _new_build(
 async def _boot_and_snapshot(info: TemplateInfo, say: Progress, *, lines: bool) -> str:
     """Cold-boot the build's image, wait for the agent, hibernate; return the accel used."""
     from torpor.sandbox.vm.accel import probe
-    from torpor.sandbox.vm.machine import Machine, MachineSpec
+    from torpor.sandbox.vm.machine import MachineSpec, QemuMachine
 
     report = await asyncio.to_thread(probe, kernel=info.kernel, initrd=info.initrd)
     say("accel", f"{report.accel}: {report.reason}")
-    machine = Machine(
+    machine = QemuMachine(
         info.snapshot_dir,
         info,
         MachineSpec(vcpus=info.vcpus, memory_mib=info.memory_mib, accel=report.accel),

@@ -22,9 +22,10 @@ no state file — never a state older than the RAM file.
 The machine type is ``pc-i440fx-7.2`` (pinned: a migration stream needs the same machine type on
 both sides). Its root PCI bus takes ACPI hot-plug in every slot, so disks (virtio-blk) and shares
 (virtio-9p) can be added to a running guest and then appear on the next wake's command line at
-the same address. QEMU has no QMP command to create a 9p backend, so :meth:`Machine.attach_share`
-hibernates and wakes once with the backend on the command line, then hot-plugs the device. Note
-that QEMU refuses to migrate while a 9p share is *mounted* in the guest: unmount before hibernate.
+the same address. QEMU has no QMP command to create a 9p backend, so
+:meth:`QemuMachine.attach_share` hibernates and wakes once with the backend on the command
+line, then hot-plugs the device. Note that QEMU refuses to migrate while a 9p share is
+*mounted* in the guest: unmount before hibernate.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qemu.qmp import QMPClient, QMPError
 
@@ -48,36 +49,34 @@ from torpor.sandbox.vm.machine_dir import (
     MIGRATE_TIMEOUT,
     QEMU_BINARY,
     QMP_TIMEOUT,
+    BootImage,
     DirInfo,
     DiskSpec,
     MachineSpec,
     ShareSpec,
-    _add_device,
-    _disk_args,
-    _qemu_pid,
-    _share_args,
-    _tail,
-    _write_machine_json,
+    add_device,
     build_command,
     clone_machine_dir,
     discard_state,
+    disk_args,
     ensure_generation_id,
     inspect_dir,
     new_machine_config,
+    qemu_pid,
     read_machine_json,
+    share_args,
     socket_path,
+    tail_text,
+    write_machine_json,
 )
-
-if TYPE_CHECKING:
-    from torpor.sandbox.template import TemplateInfo
 
 __all__ = [
     "MACHINE_TYPE",
     "QEMU_BINARY",
     "DirInfo",
     "DiskSpec",
-    "Machine",
     "MachineSpec",
+    "QemuMachine",
     "ShareSpec",
     "build_command",
     "clone_machine_dir",
@@ -90,7 +89,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class Machine:
+class QemuMachine:
     """One QEMU process on one directory. Not safe for concurrent use: one caller at a time
     (the sandbox manager serialises operations per sandbox).
 
@@ -99,7 +98,7 @@ class Machine:
     running machine, ``hibernate`` on a stopped one ...).
     """
 
-    def __init__(self, directory: Path, template: TemplateInfo, spec: MachineSpec) -> None:
+    def __init__(self, directory: Path, template: BootImage, spec: MachineSpec) -> None:
         self.directory = Path(directory).resolve()
         self.template = template
         self.spec = spec
@@ -110,7 +109,7 @@ class Machine:
         self._pid: int | None = None
 
     def __repr__(self) -> str:
-        return f"Machine({str(self.directory)!r}, running={self.is_running()})"
+        return f"QemuMachine({str(self.directory)!r}, running={self.is_running()})"
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -119,7 +118,7 @@ class Machine:
         if self._proc is not None:
             return self._proc.poll() is None
         if self._pid is not None:
-            return _qemu_pid(self.directory) == self._pid
+            return qemu_pid(self.directory) == self._pid
         return False
 
     @property
@@ -129,10 +128,10 @@ class Machine:
 
     def console_tail(self, lines: int = 30) -> str:
         """The last lines of the guest's serial console (for error messages)."""
-        return _tail(self.console_log, lines)
+        return tail_text(self.console_log, lines)
 
     def _require_stopped(self, op: str) -> None:
-        if self.is_running() or _qemu_pid(self.directory) is not None:
+        if self.is_running() or qemu_pid(self.directory) is not None:
             raise InvalidState(
                 f"cannot {op}: a QEMU is already running on {self.directory}",
                 state="running",
@@ -214,7 +213,7 @@ class Machine:
         code = self._proc.poll() if self._proc is not None else None
         return (
             f"{what} (exit status {code})\n--- qemu.log ---\n"
-            f"{_tail(self.directory / 'qemu.log', 15)}\n--- console.log ---\n"
+            f"{tail_text(self.directory / 'qemu.log', 15)}\n--- console.log ---\n"
             f"{self.console_tail()}"
         )
 
@@ -319,7 +318,7 @@ class Machine:
                 )
             with open(self.directory / "ram", "wb") as f:  # noqa: ASYNC230 (a sparse RAM file)
                 f.truncate(config["memory_mib"] * 1024 * 1024)
-            _write_machine_json(self.directory, config)
+            write_machine_json(self.directory, config)
         except OSError as exc:
             raise EngineError(f"cannot prepare {self.directory}: {exc}", exc=exc) from exc
         await self._start(config, incoming=False)
@@ -432,15 +431,15 @@ class Machine:
     async def kill(self) -> None:
         """Kill QEMU at once (no state saved). Files are kept. A no-op when not running."""
         if self._pid is None:
-            self._pid = _qemu_pid(self.directory)
+            self._pid = qemu_pid(self.directory)
         await self._reap(force=True)
 
     @classmethod
-    async def attach(cls, directory: Path, template: TemplateInfo, spec: MachineSpec) -> Machine:
+    async def attach(cls, directory: Path, template: BootImage, spec: MachineSpec) -> QemuMachine:
         """Take over the QEMU still running on ``directory`` (left by a process that died),
         leaving its guest running. Raises EngineError if there is none or QMP will not answer."""
         machine = cls(directory, template, spec)
-        pid = _qemu_pid(machine.directory)
+        pid = qemu_pid(machine.directory)
         if pid is None:
             raise EngineError(f"no QEMU is running on {machine.directory}")
         machine._pid = pid
@@ -454,8 +453,8 @@ class Machine:
         (so every later wake has it). Raises InvalidArgument, EngineError, InvalidState."""
         self._require_running("attach a disk")
         config = read_machine_json(self.directory)
-        rec = _add_device(config, disk)
-        node, dev = _disk_args(rec)
+        rec = add_device(config, disk)
+        node, dev = disk_args(rec)
         await self._qmp_exec("blockdev-add", node)
         try:
             await self._qmp_exec("device_add", dev)
@@ -463,7 +462,7 @@ class Machine:
             with contextlib.suppress(EngineError):
                 await self._qmp_exec("blockdev-del", {"node-name": node["node-name"]})
             raise
-        _write_machine_json(self.directory, config)
+        write_machine_json(self.directory, config)
 
     async def attach_share(self, share: ShareSpec) -> None:
         """Share a host directory into the running guest (virtio-9p, tag ``share.tag``).
@@ -476,12 +475,12 @@ class Machine:
         if not share.path.is_dir():
             raise EngineError(f"share path {share.path} is not a directory")
         config = read_machine_json(self.directory)
-        rec = _add_device(config, share)  # validates and picks the slot; saved after plug
+        rec = add_device(config, share)  # validates and picks the slot; saved after plug
         await self.hibernate()
         await self._wake(pending_shares=[rec])
-        _fsdev, dev = _share_args(rec)
+        _fsdev, dev = share_args(rec)
         await self._qmp_exec("device_add", dev)
-        _write_machine_json(self.directory, config)
+        write_machine_json(self.directory, config)
 
     async def detach(self, device_id: str, *, timeout: float = 30.0) -> None:
         """Unplug a hot-plugged disk or share (the guest must release it: unmount first) and
@@ -505,7 +504,7 @@ class Machine:
             with contextlib.suppress(EngineError):
                 await self._qmp_exec("blockdev-del", {"node-name": f"blk-{device_id}"})
         config["devices"] = [d for d in config["devices"] if d["id"] != device_id]
-        _write_machine_json(self.directory, config)
+        write_machine_json(self.directory, config)
 
     async def qmp(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
         """Run a raw QMP command on the running machine (for tests and diagnostics)."""

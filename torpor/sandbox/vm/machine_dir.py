@@ -38,18 +38,16 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torpor.config import check_name
 from torpor.errors import EngineError, InvalidArgument, InvalidState
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, qemu_img, write_atomic
 
-if TYPE_CHECKING:
-    from torpor.sandbox.template import TemplateInfo
-
 __all__ = [
     "MACHINE_TYPE",
     "QEMU_BINARY",
+    "BootImage",
     "DirInfo",
     "DiskSpec",
     "MachineSpec",
@@ -86,6 +84,23 @@ SECCOMP_SANDBOX = (
 )
 QMP_TIMEOUT = 30.0
 MIGRATE_TIMEOUT = 120.0
+
+
+class BootImage(Protocol):
+    """What a machine boots from: a template's kernel, initrd and base disk (a
+    :class:`~torpor.sandbox.template.TemplateInfo` is one; the VM layer knows no templates)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kernel(self) -> Path: ...
+
+    @property
+    def initrd(self) -> Path: ...
+
+    @property
+    def base_image(self) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -140,7 +155,7 @@ def _device_record(dev: DiskSpec | ShareSpec, slot: int) -> dict[str, Any]:
     return rec
 
 
-def new_machine_config(template: TemplateInfo, spec: MachineSpec, accel: str) -> dict[str, Any]:
+def new_machine_config(template: BootImage, spec: MachineSpec, accel: str) -> dict[str, Any]:
     """The machine.json content of a machine about to cold-boot."""
     if spec.vcpus < 1 or spec.vcpus > 64:
         raise InvalidArgument(f"vcpus must be 1-64, not {spec.vcpus}", vcpus=spec.vcpus)
@@ -165,11 +180,13 @@ def new_machine_config(template: TemplateInfo, spec: MachineSpec, accel: str) ->
     }
     devices: list[DiskSpec | ShareSpec] = [*spec.disks, *spec.shares]
     for dev in devices:
-        _add_device(config, dev)
+        add_device(config, dev)
     return config
 
 
-def _add_device(config: dict[str, Any], dev: DiskSpec | ShareSpec) -> dict[str, Any]:
+def add_device(config: dict[str, Any], dev: DiskSpec | ShareSpec) -> dict[str, Any]:
+    """Add ``dev`` to ``config`` at the first free hot-plug slot; return its record.
+    Raises InvalidName / InvalidArgument (id taken, bad format, no free slot)."""
     check_name(dev.id, "device id")
     if any(d["id"] == dev.id for d in config["devices"]):
         raise InvalidArgument(f"device id {dev.id!r} already in use", id=dev.id)
@@ -184,7 +201,8 @@ def _add_device(config: dict[str, Any], dev: DiskSpec | ShareSpec) -> dict[str, 
     return rec
 
 
-def _disk_args(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def disk_args(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``-blockdev`` node and ``-device`` of a disk record (also QMP arguments)."""
     node = {
         "driver": rec["format"],
         "node-name": f"blk-{rec['id']}",
@@ -203,7 +221,8 @@ def _disk_args(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return node, dev
 
 
-def _share_args(rec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def share_args(rec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The ``-fsdev`` option and ``-device`` of a 9p share record."""
     # mapped-xattr: the guest's owner, mode and file type live in user.virtfs.* xattrs, and QEMU
     # creates every host file 0600 (directories 0700) as itself. A guest's chown/chmod 4755 or
     # mknod never becomes host ownership, a setuid bit, an exec bit or a device node; a guest
@@ -290,13 +309,13 @@ def build_command(
     ]
     for rec in config["devices"]:
         if rec["kind"] == "disk":
-            node, dev = _disk_args(rec)
+            node, dev = disk_args(rec)
             cmd += ["-blockdev", json.dumps(node), "-device", _opts(dev)]
         else:
-            fsdev, dev = _share_args(rec)
+            fsdev, dev = share_args(rec)
             cmd += ["-fsdev", fsdev, "-device", _opts(dev)]
     for rec in pending_shares or []:
-        cmd += ["-fsdev", _share_args(rec)[0]]
+        cmd += ["-fsdev", share_args(rec)[0]]
     if incoming:
         cmd += ["-S", "-incoming", "defer"]
     return cmd
@@ -309,7 +328,7 @@ def ensure_generation_id(directory: Path, config: dict[str, Any]) -> None:
         return
     config["vmgenid"] = str(uuid.uuid4())
     try:
-        _write_machine_json(directory, config)
+        write_machine_json(directory, config)
     except OSError as exc:
         raise EngineError(f"cannot write {directory / 'machine.json'}: {exc}", exc=exc) from exc
 
@@ -323,11 +342,13 @@ def read_machine_json(directory: Path) -> dict[str, Any]:
     return data
 
 
-def _write_machine_json(directory: Path, config: dict[str, Any]) -> None:
+def write_machine_json(directory: Path, config: dict[str, Any]) -> None:
+    """Save ``config`` as the directory's machine.json, atomically. Raises OSError."""
     write_atomic(directory / "machine.json", json.dumps(config, indent=2).encode())
 
 
-def _tail(path: Path, lines: int = 30) -> str:
+def tail_text(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file (empty if unreadable), for error messages."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -348,7 +369,7 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def _qemu_pid(directory: Path) -> int | None:
+def qemu_pid(directory: Path) -> int | None:
     """The pid of a QEMU still running on ``directory`` (from qemu.pid, checked in /proc)."""
     try:
         pid = int((directory / "qemu.pid").read_text().strip())
@@ -366,7 +387,7 @@ def _qemu_pid(directory: Path) -> int | None:
 def inspect_dir(directory: Path) -> DirInfo:
     """What ``directory`` can back: a whole saved state (``state`` next to ``ram``), a live QEMU."""
     has_state = (directory / "state").is_file() and (directory / "ram").is_file()
-    return DirInfo(has_state=has_state, qemu_pid=_qemu_pid(directory))
+    return DirInfo(has_state=has_state, qemu_pid=qemu_pid(directory))
 
 
 def discard_state(directory: Path) -> None:

@@ -27,8 +27,8 @@ from typing import Any
 
 from torpor.config import check_name
 from torpor.errors import Conflict, InvalidArgument, InvalidState, SandboxNotFound, StorageError
-from torpor.sandbox.lifecycle import Transition, check_transition
 from torpor.sandbox.models import SandboxInfo, SandboxState
+from torpor.sandbox.registry.lifecycle import Transition, check_transition
 
 __all__ = ["SCHEMA_VERSION", "Registry", "SandboxRecord"]
 

@@ -1,25 +1,21 @@
-"""The steps that move one sandbox's machine between states, under the sandbox's lock.
+"""The manager's state, and the steps that move one sandbox's machine between states.
 
-:class:`SandboxSteps` is the base of :class:`~torpor.sandbox.manager.SandboxManager`: it holds
+:class:`ManagerCore` is the base of :class:`~torpor.sandbox.manager.SandboxManager`: it holds
 the manager's state (engine, registry, one :class:`Live` per sandbox) and the steps its public
 operations are made of: pause (hibernate) and wake a held sandbox, undo a failed create, mark a
 sandbox whose RAM is gone as lost, and after a restart bring a registry row in line with what its
-directory holds (:meth:`SandboxSteps._reconcile`, the table is
-:func:`~torpor.sandbox.lifecycle.recovery`).
+directory holds (:meth:`ManagerCore._reconcile`, the table is
+:func:`~torpor.sandbox.registry.lifecycle.recovery`).
 
-Every step that changes state goes through :meth:`SandboxSteps._move`, which the lifecycle table
+Every step that changes state goes through :meth:`ManagerCore.move`, which the lifecycle table
 guards, and records a state only after the files that back it are durable (see
 :mod:`torpor.sandbox.manager` for the crash-safety rule).
 
-**Internal interface.** :mod:`torpor.sandbox.checkpoints` (snapshot, fork, attachments) works on
-sandboxes with these, and with nothing else of the manager's private state:
-
-* ``registry``, ``engine``, :meth:`~SandboxSteps.directory`, ``guest_hooks``;
-* :meth:`~SandboxSteps._live` (the sandbox's lock, machine and channel; hold ``live.lock``),
-  :meth:`~SandboxSteps._drain` (wait for in-flight calls);
-* :meth:`~SandboxSteps._pause_locked`, :meth:`~SandboxSteps._wake_locked`,
-  :meth:`~SandboxSteps._boot` (with ``live.lock`` held);
-* :meth:`~SandboxSteps._move`, :meth:`~SandboxSteps._abort_create`, :meth:`~SandboxSteps._lost`.
+**The held-sandbox interface.** :class:`Held` names the part of the core that the checkpoint
+component (:mod:`torpor.sandbox.checkpoints`: snapshot, fork, attachments) works with, and
+nothing else of the manager's state: look a sandbox's :class:`Live` up, take ``live.lock``,
+then pause, wake or boot it, record a transition, undo a failed create. Everything else here is
+private to the manager.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from torpor.config import Paths
 from torpor.errors import (
@@ -45,12 +41,13 @@ from torpor.errors import (
     StateLost,
     TorporError,
 )
-from torpor.sandbox.lifecycle import Lifecycle, Recovery, recovery, require_for
+from torpor.sandbox.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
+from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import Registry, SandboxRecord
-from torpor.sandbox.vm.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
+from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
 
-__all__ = ["SYNC_TIMEOUT", "Live", "SandboxSteps", "StepHook", "wrap_error"]
+__all__ = ["SYNC_TIMEOUT", "Held", "Live", "ManagerCore", "StepHook", "wrap_error"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +70,49 @@ class Live:
     busy: int = 0
 
 
+class Held(Protocol):
+    """What the checkpoint component may use of the manager (``SandboxManager`` is one).
+
+    Look up a sandbox's :meth:`live` side and hold ``live.lock``; then :meth:`drain` in-flight
+    calls, :meth:`pause_held` / :meth:`wake_held` it, :meth:`boot` a freshly cloned machine,
+    :meth:`move` its registry row (the lifecycle table guards it), :meth:`abort_create` a
+    half-made one, or raise :meth:`lost` for one whose RAM is gone.
+    """
+
+    paths: Paths
+    registry: Registry
+    engine: Engine
+    guest_hooks: builtins.list[Any]
+
+    def directory(self, sandbox_id: str) -> Path: ...
+
+    def live(self, sandbox_id: str) -> Live: ...
+
+    async def drain(self, live: Live) -> None: ...
+
+    async def pause_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord: ...
+
+    async def wake_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord: ...
+
+    async def boot(
+        self, rec: SandboxRecord, live: Live, *, woken_step: str | None = None
+    ) -> Channel: ...
+
+    def move(
+        self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any
+    ) -> SandboxRecord: ...
+
+    async def abort_create(self, rec: SandboxRecord, live: Live, exc: BaseException) -> None: ...
+
+    def lost(self, rec: SandboxRecord) -> StateLost: ...
+
+    # two of the manager's own operations: a fork removes the children made before a failure;
+    # an attach wakes a paused sandbox first
+    async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo: ...
+
+    async def resume(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo: ...
+
+
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
 
@@ -86,7 +126,7 @@ def wrap_error(exc: BaseException, what: str, sandbox_id: str) -> TorporError:
     )
 
 
-class SandboxSteps:
+class ManagerCore:
     """The state and the locked steps of a :class:`~torpor.sandbox.manager.SandboxManager`
     (see the module docstring). Not used on its own."""
 
@@ -109,14 +149,15 @@ class SandboxSteps:
         """The sandbox's machine directory."""
         return self.paths.sandboxes / sandbox_id
 
-    def _live(self, sandbox_id: str) -> Live:
+    def live(self, sandbox_id: str) -> Live:
+        """The in-process side of a sandbox (its lock, machine, channel), made on first use."""
         return self._lives.setdefault(sandbox_id, Live())
 
     @staticmethod
     def _config(rec: SandboxRecord) -> MachineConfig:
         return MachineConfig(template=rec.template, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
 
-    def _move(self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any) -> SandboxRecord:
+    def move(self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any) -> SandboxRecord:
         """Record ``rec -> dst`` in the registry (the lifecycle table guards it) and return the
         fresh row."""
         lifecycle = Lifecycle(
@@ -145,7 +186,7 @@ class SandboxSteps:
             "minus writes the guest had not flushed"
         )
 
-    def _lost(self, rec: SandboxRecord) -> StateLost:
+    def lost(self, rec: SandboxRecord) -> StateLost:
         return StateLost(
             f"sandbox {rec.id} lost its state: {rec.error}",
             sandbox_id=rec.id,
@@ -155,8 +196,8 @@ class SandboxSteps:
 
     def _mark_lost(self, rec: SandboxRecord, reason: str) -> StateLost:
         lost = self._lost_message(rec)
-        rec = self._move(rec, S.ERROR, reason, error=lost)
-        return self._lost(rec)
+        rec = self.move(rec, S.ERROR, reason, error=lost)
+        return self.lost(rec)
 
     async def _current(self, sandbox_id: str, live: Live) -> SandboxRecord:
         """The sandbox's row, read under its lock. A running sandbox this manager never
@@ -167,7 +208,7 @@ class SandboxSteps:
             await self._reconcile(rec)
             rec = self.registry.get(sandbox_id)
         if rec.state is S.ERROR:
-            raise self._lost(rec)
+            raise self.lost(rec)
         return rec
 
     def _find(self, tenant: str, id_or_name: str) -> SandboxRecord:
@@ -198,18 +239,18 @@ class SandboxSteps:
         current row and Live. Raises SandboxNotFound, StateLost, and InvalidState /
         SandboxClosed when the state forbids the operation."""
         rec = self._find(tenant, id_or_name)
-        live = self._live(rec.id)
+        live = self.live(rec.id)
         async with live.lock:
             rec = await self._current(rec.id, live)
             require_for(operation, rec.id, rec.state)
             yield rec, live
 
-    async def _drain(self, live: Live) -> None:
+    async def drain(self, live: Live) -> None:
         """Wait until no call is in flight on the sandbox (hold ``live.lock``: none can start)."""
         async with live.idle:
             await live.idle.wait_for(lambda: live.busy == 0)
 
-    async def _boot(
+    async def boot(
         self,
         rec: SandboxRecord,
         live: Live,
@@ -232,20 +273,20 @@ class SandboxSteps:
 
     # -- steps of create, pause and wake --------------------------------------------------
 
-    async def _abort_create(self, rec: SandboxRecord, live: Live, exc: BaseException) -> None:
+    async def abort_create(self, rec: SandboxRecord, live: Live, exc: BaseException) -> None:
         log.warning("create of %s failed: %r; removing it", rec.id, exc)
         directory = self.directory(rec.id)
         await self._quiet_kill(live, directory)
-        rec = self._move(rec, S.ERROR, "create failed", error=f"create failed: {exc}")
-        self._move(rec, S.STOPPED, "create failed")
+        rec = self.move(rec, S.ERROR, "create failed", error=f"create failed: {exc}")
+        self.move(rec, S.STOPPED, "create failed")
         await asyncio.to_thread(shutil.rmtree, directory, True)
         self._lives.pop(rec.id, None)
 
-    async def _pause_locked(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
+    async def pause_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
         if live.channel is not None:
             for hook in self.guest_hooks:  # may refuse (busy drive): still running then
                 await hook.before_pause(rec.id, live.channel)
-        rec = self._move(rec, S.PAUSING, reason)
+        rec = self.move(rec, S.PAUSING, reason)
         await self._step("pause:begin", rec.id)
         directory = self.directory(rec.id)
         channel, live.channel = live.channel, None
@@ -265,7 +306,7 @@ class SandboxSteps:
         live.machine = None
         await self._step("pause:saved", rec.id)
         # Only now, with the state file durable, does the registry say "paused".
-        return self._move(rec, S.PAUSED, reason, paused_at=time.time())
+        return self.move(rec, S.PAUSED, reason, paused_at=time.time())
 
     async def _pause_failed(
         self, rec: SandboxRecord, live: Live, machine: Machine, exc: Exception
@@ -279,18 +320,18 @@ class SandboxSteps:
             except Exception:
                 await self._quiet_kill(live, directory)
             else:
-                self._move(rec, S.RUNNING, "pause failed; still running")
+                self.move(rec, S.RUNNING, "pause failed; still running")
                 if isinstance(exc, TorporError):
                     raise exc
                 raise wrap_error(exc, "pause", rec.id) from exc
         await self._quiet_kill(live, directory)
         if self.engine.inspect(directory).has_state:
             log.warning("sandbox %s: QEMU died after its state was saved; paused", rec.id)
-            return self._move(rec, S.PAUSED, "state saved before QEMU died", paused_at=time.time())
+            return self.move(rec, S.PAUSED, "state saved before QEMU died", paused_at=time.time())
         raise self._mark_lost(rec, f"QEMU died while pausing: {exc}") from exc
 
-    async def _wake_locked(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
-        rec = self._move(rec, S.WAKING, reason)
+    async def wake_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
+        rec = self.move(rec, S.WAKING, reason)
         await self._step("wake:begin", rec.id)
         directory = self.directory(rec.id)
         machine = self.engine.machine(directory, self._config(rec))
@@ -300,7 +341,7 @@ class SandboxSteps:
         except Exception as exc:
             await self._quiet_kill(live, directory)
             if self.engine.inspect(directory).has_state:
-                self._move(rec, S.PAUSED, f"wake failed, saved state intact: {exc}")
+                self.move(rec, S.PAUSED, f"wake failed, saved state intact: {exc}")
                 raise EngineError(
                     f"waking sandbox {rec.id} failed: {exc}; it stays paused "
                     "with its state intact and can be woken again",
@@ -319,7 +360,7 @@ class SandboxSteps:
                 await hook.after_wake(rec.id, live.channel)
             except TorporError as exc:
                 log.warning("after-wake hook of %s failed: %s", rec.id, exc)
-        return self._move(rec, S.RUNNING, reason, last_active_at=time.time(), paused_at=None)
+        return self.move(rec, S.RUNNING, reason, last_active_at=time.time(), paused_at=None)
 
     async def _guest_unreachable(
         self, rec: SandboxRecord, live: Live, machine: Machine, exc: Exception
@@ -339,7 +380,7 @@ class SandboxSteps:
                 log.warning("re-hibernating %s failed: %r", rec.id, again)
             else:
                 live.machine = None
-                self._move(
+                self.move(
                     rec,
                     S.PAUSED,
                     f"guest unreachable after wake; re-hibernated: {exc}",
@@ -365,12 +406,12 @@ class SandboxSteps:
 
     async def _reconcile(self, rec: SandboxRecord) -> None:
         """Bring one registry row in line with its directory after a restart (the table is
-        :func:`~torpor.sandbox.lifecycle.recovery`)."""
+        :func:`~torpor.sandbox.registry.lifecycle.recovery`)."""
         directory = self.directory(rec.id)
         status = self.engine.inspect(directory)
         if rec.state is S.STOPPED and not status.exists:
             return  # the common case for killed sandboxes: nothing left to clean
-        live = self._live(rec.id)
+        live = self.live(rec.id)
         action = recovery(
             rec.state, has_state=status.has_state, qemu_alive=status.qemu_pid is not None
         )
@@ -387,15 +428,15 @@ class SandboxSteps:
                     rec.state, has_state=self.engine.inspect(directory).has_state, qemu_alive=False
                 )
         if action is Recovery.UNDO_CREATE:
-            await self._abort_create(rec, live, EngineError("interrupted by a restart"))
+            await self.abort_create(rec, live, EngineError("interrupted by a restart"))
             return
         await self._quiet_kill(live, directory)
         if action is Recovery.DELETE_FILES:
             await asyncio.to_thread(shutil.rmtree, directory, True)
         elif action is Recovery.PAUSED:
             if rec.state is S.RUNNING:
-                rec = self._move(rec, S.PAUSING, "recovered: re-hibernated")
-            self._move(rec, S.PAUSED, "recovered: saved state is whole", paused_at=time.time())
+                rec = self.move(rec, S.PAUSING, "recovered: re-hibernated")
+            self.move(rec, S.PAUSED, "recovered: saved state is whole", paused_at=time.time())
         elif action is Recovery.LOST:
             self._mark_lost(rec, f"recovered: no QEMU and no saved state while {rec.state.value}")
 
@@ -412,8 +453,8 @@ class SandboxSteps:
         machine = await self.engine.attach(directory, self._config(rec))
         live.machine = machine
         if rec.state is S.PAUSING:  # finish the pause it was in
-            await self._pause_locked(
-                self._move(rec, S.RUNNING, "recovered: re-attached"),
+            await self.pause_held(
+                self.move(rec, S.RUNNING, "recovered: re-attached"),
                 live,
                 "recovered: finish pause",
             )
@@ -421,7 +462,7 @@ class SandboxSteps:
         live.channel = await self.engine.connect(machine, directory)
         if rec.state is S.WAKING:
             await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-            self._move(
+            self.move(
                 rec,
                 S.RUNNING,
                 "recovered: wake finished",

@@ -15,7 +15,7 @@ what the directory holds. When RAM cannot be recovered the sandbox goes to ``err
 raise :class:`~torpor.errors.StateLost` whose ``lost`` says what went and what was kept.
 
 The steps these operations are made of (pause, wake, recovery after a restart) are in
-:mod:`torpor.sandbox._steps`, the base class of :class:`SandboxManager`.
+:mod:`torpor.sandbox.manager.core`, the base class of :class:`SandboxManager`.
 """
 
 from __future__ import annotations
@@ -39,20 +39,20 @@ from torpor.errors import (
     SandboxNotFound,
     TorporError,
 )
-from torpor.sandbox._steps import SYNC_TIMEOUT, SandboxSteps, StepHook, wrap_error
+from torpor.sandbox.engine import Channel, MachineConfig
+from torpor.sandbox.manager.core import ManagerCore, wrap_error
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
-from torpor.sandbox.vm.engine import Channel, MachineConfig
 
-__all__ = ["SYNC_TIMEOUT", "SandboxManager", "StepHook"]
+__all__ = ["SandboxManager"]
 
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[str], Any]
 
 
-class SandboxManager(SandboxSteps):
+class SandboxManager(ManagerCore):
     """Owns every sandbox of one torpor home. All methods are coroutines; ``tenant`` (keyword,
     default ``"default"``) scopes names and lookups.
 
@@ -104,19 +104,19 @@ class SandboxManager(SandboxSteps):
             last_active_at=now,
         )
         self.registry.insert(rec)
-        live = self._live(sandbox_id)
+        live = self.live(sandbox_id)
         directory = self.directory(sandbox_id)
         async with live.lock:
             try:
                 await self.engine.clone(template, directory, self._config(rec))
                 await self._step("create:cloned", sandbox_id)
-                await self._boot(rec, live, woken_step="create:woken")
+                await self.boot(rec, live, woken_step="create:woken")
             except BaseException as exc:
-                await self._abort_create(rec, live, exc)
+                await self.abort_create(rec, live, exc)
                 if isinstance(exc, Exception) and not isinstance(exc, TorporError):
                     raise wrap_error(exc, "create", sandbox_id) from exc
                 raise
-            rec = self._move(rec, S.RUNNING, "created", last_active_at=time.time())
+            rec = self.move(rec, S.RUNNING, "created", last_active_at=time.time())
         log.info("created sandbox %s (%s) from %s", sandbox_id, name, template)
         return rec.to_info()
 
@@ -176,8 +176,8 @@ class SandboxManager(SandboxSteps):
         already paused). Raises SandboxClosed, InvalidState, StateLost, EngineError."""
         async with self._held(tenant, id_or_name, "pause") as (rec, live):
             if rec.state is S.RUNNING:
-                await self._drain(live)
-                rec = await self._pause_locked(rec, live, "pause")
+                await self.drain(live)
+                rec = await self.pause_held(rec, live, "pause")
         return rec.to_info()
 
     async def resume(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
@@ -185,14 +185,14 @@ class SandboxManager(SandboxSteps):
         StateLost (state gone), EngineError (wake failed, the sandbox stays paused)."""
         async with self._held(tenant, id_or_name, "resume") as (rec, live):
             if rec.state is S.PAUSED:
-                rec = await self._wake_locked(rec, live, "resume")
+                rec = await self.wake_held(rec, live, "resume")
         return rec.to_info()
 
     async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
         """Stop a sandbox for good and delete its files (idempotent). In-flight calls fail with
         GuestError. Raises SandboxNotFound."""
         rec = self._find(tenant, id_or_name)
-        live = self._live(rec.id)
+        live = self.live(rec.id)
         if rec.state is not S.STOPPED and live.lock.locked():
             # Another operation holds the sandbox (a pause draining a call that never ends, a
             # slow wake): cut it short instead of queueing behind it. It fails on the dead
@@ -204,7 +204,7 @@ class SandboxManager(SandboxSteps):
             if rec.state is not S.STOPPED:
                 directory = self.directory(rec.id)
                 await self._quiet_kill(live, directory)
-                rec = self._move(rec, S.STOPPED, "kill")
+                rec = self.move(rec, S.STOPPED, "kill")
                 await asyncio.to_thread(shutil.rmtree, directory, True)
         # a killed sandbox needs no lock any more: every later call reads "stopped" and fails
         self._lives.pop(rec.id, None)
@@ -218,7 +218,7 @@ class SandboxManager(SandboxSteps):
         self._check_open()
         async with self._held(tenant, id_or_name, "call") as (rec, live):
             if rec.state is S.PAUSED:
-                rec = await self._wake_locked(rec, live, "wake on request")
+                rec = await self.wake_held(rec, live, "wake on request")
             channel = live.channel
             if channel is None:
                 raise GuestError(f"sandbox {rec.id} has no guest channel", sandbox_id=rec.id)
@@ -336,7 +336,7 @@ class SandboxManager(SandboxSteps):
                         and live.busy == 0
                         and now - rec.last_active_at >= (rec.idle_pause_seconds or 0)
                     ):
-                        await self._pause_locked(rec, live, "idle")
+                        await self.pause_held(rec, live, "idle")
                         paused.append(rec.id)
             except TorporError as exc:
                 log.warning("idle pause of %s failed: %s", rec.id, exc)

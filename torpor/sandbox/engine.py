@@ -187,7 +187,7 @@ class QemuEngine:
 
     def machine(self, directory: Path, config: MachineConfig) -> Machine:
         from torpor.sandbox import template as templates
-        from torpor.sandbox.vm.machine import Machine as QemuMachine
+        from torpor.sandbox.vm.machine import QemuMachine
 
         machine: Machine = QemuMachine(
             directory, templates.get(config.template), self._spec(config)
@@ -211,7 +211,7 @@ class QemuEngine:
 
     async def attach(self, directory: Path, config: MachineConfig) -> Machine:
         from torpor.sandbox import template as templates
-        from torpor.sandbox.vm.machine import Machine as QemuMachine
+        from torpor.sandbox.vm.machine import QemuMachine
 
         machine = await QemuMachine.attach(
             directory, templates.get(config.template), self._spec(config)

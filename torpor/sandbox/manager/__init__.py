@@ -1,0 +1,16 @@
+"""torpor.sandbox.manager: the one owner of every sandbox of a torpor home.
+
+* :mod:`.sandboxes` — :class:`SandboxManager`: create, get, list, pause, resume, kill, and the
+  calls that run inside a sandbox (commands, files, the interpreter), with wake-on-request and
+  the idle supervisor
+* :mod:`.core` — the manager's state and the steps its operations are made of (pause, wake,
+  boot, recovery after a restart), and :class:`~.core.Held`, the part of it the checkpoint
+  component may use
+
+Imports: the registry, the engine, models; never checkpoints (which sit on top of it).
+"""
+
+from torpor.sandbox.manager.core import SYNC_TIMEOUT, Held, StepHook
+from torpor.sandbox.manager.sandboxes import SandboxManager
+
+__all__ = ["SYNC_TIMEOUT", "Held", "SandboxManager", "StepHook"]
