@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.sandbox.storage.drives import DriveStore
-from torpor.sandbox.storage.retention import collect
+from torpor.sandbox.storage.retention import collect_garbage
 from torpor.sandbox.storage.snapshots import SnapshotStore, freeze
 from torpor.sandbox.storage.volumes import VolumeStore
 
@@ -34,7 +34,7 @@ def test_expired_snapshot_goes_and_shared_chunks_stay(tmp_path: Path) -> None:
     long = store.save(freeze(m, store.frozen_root), name="long", retention_days=30)
     shared = short_chunks & _chunks_of(store, long.id)
     assert shared  # the two snapshots share most chunks
-    report = collect(p, now=LATER)
+    report = collect_garbage(p, now=LATER)
     assert report.expired_snapshots == [short.id]
     assert report.removed_chunks > 0
     assert set(store.chunks) == _chunks_of(store, long.id)
@@ -61,7 +61,7 @@ def test_nothing_referenced_is_removed(tmp_path: Path) -> None:
     m = make_machine(p, "sb1")
     info = store.save(freeze(m, store.frozen_root), name="keep", retention_days=30)
     before = set(store.chunks)
-    report = collect(p)
+    report = collect_garbage(p)
     assert report.expired_snapshots == [] and report.removed_chunks == 0
     assert set(store.chunks) == before
     assert report.removed_frozen == []  # sb1's overlay is backed by the frozen layer
@@ -79,7 +79,7 @@ def test_orphan_chunks_and_unused_frozen_dirs_go(tmp_path: Path) -> None:
     gone = make_machine(p, "gone", fill=0x43)
     unused = freeze(gone, store.frozen_root)
     shutil.rmtree(gone)  # the sandbox was deleted
-    report = collect(p)
+    report = collect_garbage(p)
     assert not store.chunks.has(orphan)
     assert report.removed_frozen == [unused.name]
     assert used.exists() and used2.exists()
@@ -95,7 +95,7 @@ def test_corrupt_manifest_still_protects_its_chunks(tmp_path: Path) -> None:
     body["info"]["name"] = "tampered"
     mpath.write_text(json.dumps(body))
     before = set(store.chunks)
-    collect(p)
+    collect_garbage(p)
     assert set(store.chunks) == before
 
 
@@ -104,7 +104,7 @@ def test_dry_run_removes_nothing(tmp_path: Path) -> None:
     store = SnapshotStore(p)
     store.save(freeze(make_machine(p, "sb1"), store.frozen_root), name="s", retention_days=1)
     before = set(store.chunks)
-    report = collect(p, now=LATER, dry_run=True)
+    report = collect_garbage(p, now=LATER, dry_run=True)
     assert report.expired_snapshots and report.removed_chunks == len(before)
     assert set(store.chunks) == before and len(store.list()) == 1
 
@@ -118,7 +118,7 @@ def test_attachments_of_dead_sandboxes_are_released(tmp_path: Path) -> None:
     d = drives.create("d")
     drives.attach(d.id, "alive", "/shared")
     drives.attach(d.id, "dead", "/shared")
-    report = collect(p)
+    report = collect_garbage(p)
     assert report.released_attachments == 2
     assert vols.get("v").attachments == []
     assert [a.sandbox_id for a in drives.get("d").attachments] == ["alive"]

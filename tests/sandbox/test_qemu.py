@@ -415,6 +415,24 @@ def test_long_socket_paths_get_a_short_symlink(tmp_path: Path) -> None:
     assert socket_path(tmp_path / "a.sock") == tmp_path / "a.sock"
 
 
+def test_short_links_of_deleted_machines_are_pruned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    gone, paused = deep / "gone", deep / "paused"
+    gone.mkdir(parents=True)
+    paused.mkdir()
+    old = socket_path(gone / "agent.sock")
+    kept = socket_path(paused / "agent.sock")  # no socket yet: a paused machine's link stays
+    gone.rmdir()  # the sandbox was deleted
+    new = socket_path(deep / "new" / "agent.sock")  # making a link prunes the stale ones,
+    assert not old.is_symlink()
+    assert new.is_symlink()  # not itself (a machine's directory may come after its link)
+    assert kept.is_symlink()
+
+
 @pytest.mark.qemu
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.06])
 def test_a_kill_during_wake_leaves_the_state_loadable_or_consumed(

@@ -27,7 +27,7 @@ GROUPS = [
     "torpor.cli.sandbox",
     "torpor.cli.serve",
     "torpor.cli.memory",
-    "torpor.cli.gc",
+    "torpor.cli.storage",
 ]
 
 

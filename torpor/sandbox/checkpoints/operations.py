@@ -57,7 +57,7 @@ from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.storage.drives import DriveStore
-from torpor.sandbox.storage.retention import GcReport, collect
+from torpor.sandbox.storage.retention import GcReport, collect_garbage
 from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore, check_retention, freeze
 from torpor.sandbox.storage.volumes import (
     VolumeStore,
@@ -402,7 +402,7 @@ class Checkpoints:
         from datetime import UTC, datetime
 
         report = await asyncio.to_thread(
-            collect,
+            collect_garbage,
             self.paths,
             now=datetime.fromtimestamp(now, UTC),
             live_sandboxes=self.attachments.live_ids(),

@@ -37,7 +37,7 @@ from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, is_qcow2
 from torpor.sandbox.storage.volumes import VolumeStore
 
-__all__ = ["GcReport", "collect", "referenced_frozen"]
+__all__ = ["GcReport", "collect_garbage", "referenced_frozen"]
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _leftovers(root: Path, now: float) -> list[Path]:
     return found
 
 
-def collect(
+def collect_garbage(
     paths: Paths,
     *,
     now: datetime | None = None,

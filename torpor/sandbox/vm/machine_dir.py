@@ -414,11 +414,21 @@ def socket_path(path: Path) -> Path:
             tmp = link.with_name(link.name + f".{os.getpid()}")
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            _prune_links(runtime)
             tmp.symlink_to(path)
             os.replace(tmp, link)
     except OSError as exc:
         raise EngineError(f"cannot make a short socket path for {path}: {exc}", exc=exc) from exc
     return link
+
+
+def _prune_links(runtime: Path) -> None:
+    """Remove the short links of machine directories that are gone (a deleted sandbox's). A link
+    whose directory exists stays, socket or not: a paused machine's socket comes back."""
+    for entry in runtime.glob("*.sock"):
+        with contextlib.suppress(OSError):
+            if not Path(os.readlink(entry)).parent.is_dir():
+                entry.unlink()
 
 
 def clone_machine_dir(src: Path, dst: Path) -> None:

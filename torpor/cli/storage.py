@@ -1,4 +1,4 @@
-"""``torpor gc``, ``torpor snapshot ...``, ``torpor volume ...``, ``torpor drive ...``.
+"""Stored things: ``torpor snapshot``, ``torpor volume``, ``torpor drive``, ``torpor gc``.
 
 Thin commands over the SDK (:mod:`torpor.client.checkpoints`): parse, one call, render.
 ``torpor gc --local`` runs the collector on the home directly (no server), for a host where the
@@ -200,9 +200,9 @@ def gc(
     report: dict[str, Any]
     if local:
         from torpor.config import paths
-        from torpor.sandbox.storage.retention import collect
+        from torpor.sandbox.storage.retention import collect_garbage as collect_local
 
-        report = collect(paths(), dry_run=dry_run).to_json()
+        report = collect_local(paths(), dry_run=dry_run).to_json()
     else:
         report = collect_garbage(dry_run=dry_run)
     rows = [
