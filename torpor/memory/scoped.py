@@ -43,7 +43,7 @@ from torpor.memory.models import (
 from torpor.memory.recall import recall as _recall
 
 if TYPE_CHECKING:
-    from torpor.memory.api import Memory
+    from torpor.memory.memory import Memory
 
 log = logging.getLogger(__name__)
 

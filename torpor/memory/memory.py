@@ -1,4 +1,4 @@
-"""The public memory API: :class:`Memory` (one tenant's store) and :class:`ScopedMemory`.
+""":class:`Memory`: one tenant's memory store, the entry point of the knowledge layer.
 
 ::
 
@@ -30,7 +30,7 @@ from torpor.memory.scoped import ScopedMemory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Memory", "ScopedMemory"]
+__all__ = ["Memory"]
 
 
 class Memory:
