@@ -1,0 +1,30 @@
+"""Renamed public names keep working, each with a :class:`DeprecationWarning` naming its
+replacement."""
+
+from __future__ import annotations
+
+import pytest
+
+import torpor.memory
+
+
+@pytest.mark.parametrize("name", ["Memory", "ScopedMemory"])
+def test_api_module_names_still_resolve_with_a_warning(name: str) -> None:
+    with pytest.warns(DeprecationWarning, match=f"import {name} from torpor.memory"):
+        from torpor.memory import api
+
+        value = getattr(api, name)
+    assert value is getattr(torpor.memory, name)
+
+
+def test_api_module_from_import_warns() -> None:
+    with pytest.warns(DeprecationWarning, match="torpor.memory.api is deprecated"):
+        from torpor.memory.api import Memory
+    assert Memory is torpor.memory.Memory
+
+
+def test_api_module_has_no_other_names() -> None:
+    from torpor.memory import api
+
+    with pytest.raises(AttributeError):
+        _ = api.recall
