@@ -13,9 +13,9 @@ persistent/cache policy, and tenant isolation enforced by storage.
 
 from __future__ import annotations
 
-from torpor.memory.memory import Memory
 from torpor.memory.context import Context
 from torpor.memory.embeddings import Embedder, HashEmbedder, SentenceTransformerEmbedder
+from torpor.memory.memory import Memory
 from torpor.memory.models import Episode, Fact, Grant, Hit, Policy, Profile, Scope, SourceRef
 from torpor.memory.provenance import register_resolver
 from torpor.memory.scoped import ScopedMemory
