@@ -28,3 +28,19 @@ def test_api_module_has_no_other_names() -> None:
 
     with pytest.raises(AttributeError):
         _ = api.recall
+
+
+def test_rank_weights_is_the_hybrid_ranker_with_a_warning() -> None:
+    from torpor.memory import recall
+
+    with pytest.warns(DeprecationWarning, match=r"use torpor\.memory\.HybridRanker"):
+        weights = recall.RankWeights
+    assert weights is torpor.memory.HybridRanker
+    assert weights(tiered=False) == torpor.memory.HybridRanker(tiered=False)
+
+
+def test_recall_module_has_no_other_names() -> None:
+    from torpor.memory import recall
+
+    with pytest.raises(AttributeError):
+        _ = recall.Weights

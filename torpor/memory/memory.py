@@ -26,6 +26,7 @@ from torpor.memory.backends import open_backend
 from torpor.memory.backends.base import Vector
 from torpor.memory.embeddings import Embedder, resolve_embedder
 from torpor.memory.models import AuditEntry, Scope, from_us, now_us
+from torpor.memory.ranking import HybridRanker, Ranker
 from torpor.memory.scoped import ScopedMemory
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,13 @@ class Memory:
     ``home``: the torpor home (default ``$TORPOR_HOME``); ``token``: an API token (its tenant
     and grants then apply; without one the caller owns ``tenant``, default ``"default"``);
     ``embedder``: ``"default"`` (local MiniLM if installed, else lexical only), ``None``
-    (lexical only) or an :class:`Embedder`; ``backend``: ``"sqlite"`` or a PostgreSQL DSN.
+    (lexical only) or an :class:`Embedder`; ``backend``: ``"sqlite"`` or a PostgreSQL DSN;
+    ``ranking``: how recall orders what it finds, for every scope of this memory (a
+    :class:`~torpor.memory.ranking.Ranker`; default :class:`~torpor.memory.HybridRanker`, e.g.
+    ``HybridRanker(tiered=False)`` to let relevance outrank scope).
 
-    Raises :class:`AccessDenied` (audited) for an unknown/revoked token or a token of another
+    Raises :class:`InvalidArgument` for a ``ranking`` without a ``rank`` method,
+    :class:`AccessDenied` (audited) for an unknown/revoked token or a token of another
     tenant, :class:`InvalidName`, :class:`StorageError`, :class:`CorruptData`.
     """
 
@@ -53,7 +58,11 @@ class Memory:
         tenant: str | None = None,
         embedder: str | Embedder | None = "default",
         backend: str = "sqlite",
+        ranking: Ranker | None = None,
     ) -> None:
+        if ranking is not None and not callable(getattr(ranking, "rank", None)):
+            raise InvalidArgument(f"ranking must have a rank(candidates) method, not {ranking!r}")
+        self.ranking: Ranker = HybridRanker() if ranking is None else ranking
         self.paths = paths(home)
         self.backend = open_backend(backend, self.paths.memory)
         self.tokens = TokenManager(self.backend)

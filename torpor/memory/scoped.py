@@ -38,6 +38,7 @@ from torpor.memory.models import (
     now_us,
     path_within,
 )
+from torpor.memory.ranking import Ranker
 from torpor.memory.recall import recall as _recall
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class Owner(Protocol):
 
     @property
     def store(self) -> TenantStore: ...
+
+    @property
+    def ranking(self) -> Ranker: ...
 
     def usable_embedder(self) -> Embedder | None: ...
 
@@ -255,8 +259,9 @@ class ScopedMemory:
         session: str | None = None,
         min_similarity: float | None = None,
     ) -> list[Hit]:
-        """The ``k`` best records for ``query`` from this scope and its ancestors, most
-        specific scope first, then relevance, then recency (see :mod:`torpor.memory.recall`).
+        """The ``k`` best records for ``query`` from this scope and its ancestors, as the
+        memory's ranking orders them: by default most specific scope first, then relevance,
+        then recency (see :mod:`torpor.memory.recall`).
 
         Current facts only, unless ``include_history`` or ``as_of`` (what was valid then).
         Raises :class:`InvalidArgument`, :class:`AccessDenied`, :class:`StorageError`.
@@ -288,6 +293,7 @@ class ScopedMemory:
             k,
             query_scope=self.path,
             embedder=self.memory.usable_embedder(),
+            ranking=self.memory.ranking,
             min_similarity=min_similarity,
         )
 
