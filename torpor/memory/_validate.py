@@ -13,11 +13,15 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from torpor.config import LIMITS
-from torpor.errors import InvalidArgument, PayloadTooLarge
-from torpor.memory.models import Durability, Policy, to_us
+import jsonschema
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
 
-__all__ = ["expiry", "key", "metadata", "text", "time", "ttl"]
+from torpor.config import LIMITS
+from torpor.errors import InvalidArgument, PayloadTooLarge, SchemaViolation
+from torpor.memory.models import Durability, Policy, SourceRef, to_us
+
+__all__ = ["expiry", "key", "metadata", "profile", "source", "text", "time", "ttl"]
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
 _META_KEY_RE = re.compile(r'^[^"\\]{1,200}$')
@@ -86,6 +90,44 @@ def key(key: object) -> str | None:
             "_ . : / -, starting with a letter or digit"
         )
     return key
+
+
+def profile(
+    doc: Mapping[str, Any],
+    schema: type[BaseModel] | Mapping[str, Any] | None,
+    stored: dict[str, Any] | None,
+) -> dict[str, Any] | None:
+    """The JSON schema to keep with profile ``doc`` (``schema``: a pydantic model or a JSON
+    schema; without one, the ``stored`` schema), once ``doc`` is checked against it.
+
+    Raises :class:`~torpor.errors.SchemaViolation` for a document that breaks it and
+    :class:`InvalidArgument` for an invalid JSON schema."""
+    json_schema: dict[str, Any] | None
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        json_schema = schema.model_json_schema()
+        try:
+            schema.model_validate(doc)
+        except PydanticValidationError as exc:
+            raise SchemaViolation(f"profile breaks {schema.__name__}: {exc}") from None
+    else:
+        json_schema = dict(schema) if schema is not None else stored
+    if json_schema is not None:
+        try:
+            jsonschema.validate(doc, json_schema)
+        except jsonschema.ValidationError as exc:
+            raise SchemaViolation(f"profile breaks its schema: {exc.message}") from None
+        except jsonschema.SchemaError as exc:
+            raise InvalidArgument(f"invalid JSON schema: {exc.message}") from None
+    return json_schema
+
+
+def source(source: SourceRef | Mapping[str, Any] | None) -> SourceRef | None:
+    """None, or a :class:`~torpor.memory.SourceRef` (a mapping of its fields becomes one)."""
+    if source is None or isinstance(source, SourceRef):
+        return source
+    if not isinstance(source, Mapping):
+        raise InvalidArgument("source must be a SourceRef")
+    return SourceRef(**source)
 
 
 def ttl(ttl: float | timedelta | None) -> float | None:

@@ -1,7 +1,8 @@
 """:class:`ScopedMemory`: every record operation, seen from one scope.
 
 A scope sees its own records and its ancestors' (those the caller may read); it writes only
-to itself. Input is validated completely before anything is written.
+to itself. Input is validated completely (:mod:`torpor.memory._validate`) before anything is
+written.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-import jsonschema
 from pydantic import BaseModel
-from pydantic import ValidationError as PydanticValidationError
 
-from torpor.errors import InvalidArgument, RecordNotFound, SchemaViolation
+from torpor.errors import InvalidArgument, RecordNotFound
 from torpor.memory import _validate as check
 from torpor.memory import provenance, transfer
 from torpor.memory.access import Access
@@ -97,10 +96,7 @@ class ScopedMemory:
     ) -> Fact:
         text, key = check.text(text), check.key(key)
         meta, seconds = check.metadata(metadata), check.ttl(ttl)
-        if source is not None and not isinstance(source, SourceRef):
-            if not isinstance(source, Mapping):
-                raise InvalidArgument("source must be a SourceRef")
-            source = SourceRef(**source)
+        source = check.source(source)
         now = now_us()
         expires = check.expiry(policy, now, durability, seconds)
         verified, digest = False, None
@@ -363,22 +359,7 @@ class ScopedMemory:
         self.memory.access.require("write", self.path, "set_profile")
         old = self.memory.store.get_profile(self.path)
         doc = {**(old.data if (merge and old) else {}), **check.metadata(data)}
-        json_schema: dict[str, Any] | None
-        if isinstance(schema, type) and issubclass(schema, BaseModel):
-            json_schema = schema.model_json_schema()
-            try:
-                schema.model_validate(doc)
-            except PydanticValidationError as exc:
-                raise SchemaViolation(f"profile breaks {schema.__name__}: {exc}") from None
-        else:
-            json_schema = dict(schema) if schema is not None else (old.json_schema if old else None)
-        if json_schema is not None:
-            try:
-                jsonschema.validate(doc, json_schema)
-            except jsonschema.ValidationError as exc:
-                raise SchemaViolation(f"profile breaks its schema: {exc.message}") from None
-            except jsonschema.SchemaError as exc:
-                raise InvalidArgument(f"invalid JSON schema: {exc.message}") from None
+        json_schema = check.profile(doc, schema, old.json_schema if old else None)
         return self.memory.store.put_profile(
             Profile(
                 scope=self.path, data=doc, json_schema=json_schema, updated_at=from_us(now_us())
