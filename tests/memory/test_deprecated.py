@@ -3,9 +3,12 @@ replacement."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 import torpor.memory
+from torpor.memory import Memory
 
 
 @pytest.mark.parametrize("name", ["Memory", "ScopedMemory"])
@@ -44,3 +47,22 @@ def test_recall_module_has_no_other_names() -> None:
 
     with pytest.raises(AttributeError):
         _ = recall.Weights
+
+
+def test_scoped_profile_warns_and_still_returns_the_document(mem: Memory) -> None:
+    u = mem.scope(app="a", user="u")
+    with pytest.warns(DeprecationWarning, match=r"use get_profile\(\)"):
+        assert u.profile() is None
+    u.set_profile({"plan": "pro"})
+    with pytest.warns(DeprecationWarning, match=r"use get_profile\(\)"):
+        doc = u.profile()
+    assert doc is not None and doc.data == {"plan": "pro"} == u.get_profile()
+
+
+def test_get_profile_and_context_do_not_warn(mem: Memory) -> None:
+    u = mem.scope(app="a", user="u")
+    u.set_profile({"plan": "pro"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert u.get_profile() == {"plan": "pro"}
+        assert "pro" in u.context("which plan?").text

@@ -8,6 +8,7 @@ written.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -307,7 +308,7 @@ class ScopedMemory:
         return build_context(
             budget_tokens=budget_tokens,
             count=token_counter(),
-            profile=self.profile(),
+            profile=self._profile(),
             facts=[f for f in facts if isinstance(f, Fact)],
             episodes=[e for e in episodes if isinstance(e, Episode)],
         )
@@ -336,15 +337,25 @@ class ScopedMemory:
         return rec
 
     # -- profile and policy -----------------------------------------------------------------
+    def get_profile(self) -> dict[str, Any]:
+        """This scope's profile data (``{}`` when none is set): what :meth:`set_profile`
+        stored. Raises :class:`AccessDenied`."""
+        profile = self._profile()
+        return {} if profile is None else dict(profile.data)
+
     def profile(self) -> Profile | None:
-        """This scope's profile document, or None."""
+        """Deprecated: use :meth:`get_profile` (the data; :meth:`set_profile` returns the
+        whole document). This scope's profile document, or None."""
+        warnings.warn(
+            "ScopedMemory.profile() is deprecated: use get_profile()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._profile()
+
+    def _profile(self) -> Profile | None:
         self.memory.access.require("read", self.path, "get_profile")
         return self.memory.store.get_profile(self.path)
-
-    def get_profile(self) -> dict[str, Any]:
-        """This scope's profile data (``{}`` when none is set)."""
-        profile = self.profile()
-        return {} if profile is None else dict(profile.data)
 
     def set_profile(
         self,
