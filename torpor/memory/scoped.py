@@ -85,6 +85,10 @@ class ScopedMemory:
     def _policy(self) -> Policy:
         return self.memory.store.get_policy(self.path) or Policy()
 
+    def _add(self, records: Sequence[AnyRecord]) -> list[AnyRecord]:
+        """Store ``records`` with their vectors, in one transaction."""
+        return self.memory.store.add(records, self.memory.embed([r.text for r in records]))
+
     def _fact(
         self,
         text: str,
@@ -172,9 +176,7 @@ class ScopedMemory:
                     policy,
                 )
             )
-        vectors = self.memory.embed([f.text for f in facts])
-        stored = self.memory.store.add(facts, vectors)
-        return [f for f in stored if isinstance(f, Fact)]
+        return [f for f in self._add(facts) if isinstance(f, Fact)]
 
     def log(
         self,
@@ -237,9 +239,7 @@ class ScopedMemory:
                     expires_at=None if expires is None else from_us(expires),
                 )
             )
-        vectors = self.memory.embed([e.text for e in episodes])
-        stored = self.memory.store.add(episodes, vectors)
-        return [e for e in stored if isinstance(e, Episode)]
+        return [e for e in self._add(episodes) if isinstance(e, Episode)]
 
     # -- reads ------------------------------------------------------------------------------
     def recall(
