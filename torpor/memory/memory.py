@@ -9,8 +9,9 @@
 
 Every operation checks the caller's grants first (:mod:`torpor.memory.access`), validates its
 input completely before writing (bad input leaves no partial state), and then makes one
-backend call; ranking lives in :mod:`torpor.memory.recall`, context in
-:mod:`torpor.memory.context`.
+backend call. The operations of a scope are in :mod:`torpor.memory.scoped`, recall in
+:mod:`torpor.memory.recall` (its ranking, which ``Memory(ranking=...)`` replaces, in
+:mod:`torpor.memory.ranking`), context in :mod:`torpor.memory.context`.
 """
 
 from __future__ import annotations
