@@ -1,8 +1,9 @@
 """torpor.memory: the knowledge layer.
 
 Facts that supersede (bi-temporal, history kept), append-only episodes, one profile per scope,
-hybrid recall (FTS5/full-text + vectors), a budgeted context block, checked provenance,
-persistent/cache policy, and tenant isolation enforced by storage.
+hybrid recall (FTS5/full-text + vectors, ranked by a pluggable :class:`Ranker`), a budgeted
+context block, checked provenance, persistent/cache policy, and tenant isolation enforced by
+storage.
 
     import torpor
     mem = torpor.Memory()
@@ -13,14 +14,16 @@ persistent/cache policy, and tenant isolation enforced by storage.
 
 from __future__ import annotations
 
-from torpor.memory.api import Memory
 from torpor.memory.context import Context
 from torpor.memory.embeddings import Embedder, HashEmbedder, SentenceTransformerEmbedder
+from torpor.memory.memory import Memory
 from torpor.memory.models import Episode, Fact, Grant, Hit, Policy, Profile, Scope, SourceRef
 from torpor.memory.provenance import register_resolver
+from torpor.memory.ranking import Candidates, HybridRanker, Ranker
 from torpor.memory.scoped import ScopedMemory
 
 __all__ = [
+    "Candidates",
     "Context",
     "Embedder",
     "Episode",
@@ -28,9 +31,11 @@ __all__ = [
     "Grant",
     "HashEmbedder",
     "Hit",
+    "HybridRanker",
     "Memory",
     "Policy",
     "Profile",
+    "Ranker",
     "Scope",
     "ScopedMemory",
     "SentenceTransformerEmbedder",

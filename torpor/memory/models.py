@@ -325,9 +325,10 @@ class Profile(BaseModel):
 
 
 class Hit(BaseModel):
-    """One recalled record. ``score`` is the final rank score; ``scores`` says why:
-    ``lexical`` (normalized bm25), ``vector`` (cosine), ``relevance`` (their blend),
-    ``scope`` (specificity weight), ``kind`` (prior), ``recency`` (weight)."""
+    """One recalled record. ``score`` is the final rank score; ``scores`` says why, as the
+    ranker reports it (the default's: ``coverage``, ``bm25``, ``lexical`` (their blend),
+    ``vector`` (cosine), ``relevance``, ``scope_distance``, ``scope``, ``kind``, ``recency``;
+    see :mod:`torpor.memory.ranking`)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,29 +1,28 @@
 """:class:`ScopedMemory`: every record operation, seen from one scope.
 
 A scope sees its own records and its ancestors' (those the caller may read); it writes only
-to itself. Input is validated completely before anything is written.
+to itself. Input is validated completely (:mod:`torpor.memory._validate`) before anything is
+written.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
-import jsonschema
 from pydantic import BaseModel
-from pydantic import ValidationError as PydanticValidationError
 
-from torpor.config import LIMITS
-from torpor.errors import InvalidArgument, PayloadTooLarge, RecordNotFound, SchemaViolation
+from torpor.errors import InvalidArgument, RecordNotFound
+from torpor.memory import _validate as check
 from torpor.memory import provenance, transfer
-from torpor.memory.backends.base import AnyRecord, RecordFilter
+from torpor.memory.access import Access
+from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore, Vector
 from torpor.memory.context import Context, build_context
-from torpor.memory.embeddings import token_counter
+from torpor.memory.embeddings import Embedder, token_counter
 from torpor.memory.models import (
     Durability,
     Episode,
@@ -38,104 +37,39 @@ from torpor.memory.models import (
     new_id,
     now_us,
     path_within,
-    to_us,
 )
+from torpor.memory.ranking import Ranker
 from torpor.memory.recall import recall as _recall
-
-if TYPE_CHECKING:
-    from torpor.memory.api import Memory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ScopedMemory"]
-
-_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
-_META_KEY_RE = re.compile(r'^[^"\\]{1,200}$')
+__all__ = ["Owner", "ScopedMemory"]
 
 
-def _text(text: object, what: str = "text") -> str:
-    if not isinstance(text, str) or not text.strip():
-        raise InvalidArgument(f"{what} must be a non-empty string")
-    if "\x00" in text:  # PostgreSQL cannot store it; refuse it on every backend alike
-        raise InvalidArgument(f"{what} must not contain NUL characters")
-    if len(text) > LIMITS.max_memory_text_chars:
-        raise PayloadTooLarge(
-            f"{what} is {len(text)} characters, over the limit of {LIMITS.max_memory_text_chars}",
-            size=len(text),
-            limit=LIMITS.max_memory_text_chars,
-        )
-    return text
+class Owner(Protocol):
+    """What a :class:`ScopedMemory` uses of the :class:`~torpor.memory.Memory` that made it.
 
+    A protocol, not an import: :mod:`torpor.memory.memory` makes scopes, so it sits above
+    this module and this module never imports it."""
 
-def _has_nul(value: object) -> bool:
-    """True if a NUL character hides anywhere in a JSON-like value (keys included).
+    @property
+    def access(self) -> Access: ...
 
-    Checked on the values, not on their JSON text: a literal backslash-u-0000 string is text,
-    not a NUL, and its encoding contains the same six characters."""
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, Mapping):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return any(_has_nul(v) for v in value)
-    return False
+    @property
+    def store(self) -> TenantStore: ...
 
+    @property
+    def ranking(self) -> Ranker: ...
 
-def _metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, Mapping):
-        raise InvalidArgument("metadata must be a mapping")
-    out = dict(metadata)
-    for k in out:
-        if not isinstance(k, str) or not _META_KEY_RE.match(k):
-            raise InvalidArgument(f"invalid metadata key {k!r}")
-    try:
-        encoded = json.dumps(out)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"metadata must be JSON-serializable: {exc}") from None
-    if _has_nul(out):
-        raise InvalidArgument("metadata must not contain NUL characters")
-    size = len(encoded)
-    if size > LIMITS.max_memory_text_chars:
-        raise PayloadTooLarge(
-            f"metadata is {size} characters of JSON", size=size, limit=LIMITS.max_memory_text_chars
-        )
-    return out
+    def usable_embedder(self) -> Embedder | None: ...
 
-
-def _key(key: object) -> str | None:
-    if key is None:
-        return None
-    if not isinstance(key, str) or not _KEY_RE.match(key):
-        raise InvalidArgument(
-            f"invalid key {key!r}: 1-200 characters of letters, digits and "
-            "_ . : / -, starting with a letter or digit"
-        )
-    return key
-
-
-def _ttl(ttl: float | timedelta | None) -> float | None:
-    if ttl is None:
-        return None
-    seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
-    if seconds <= 0:
-        raise InvalidArgument(f"ttl must be positive, not {ttl!r}")
-    return seconds
-
-
-def _opt_us(value: datetime | None, what: str) -> int | None:
-    if value is None:
-        return None
-    if not isinstance(value, datetime):
-        raise InvalidArgument(f"{what} must be a datetime")
-    return to_us(value)
+    def embed(self, texts: list[str]) -> list[Vector | None] | None: ...
 
 
 class ScopedMemory:
     """The records of one scope (see the module docstring). Made by :meth:`Memory.scope`."""
 
-    def __init__(self, memory: Memory, scope: Scope) -> None:
+    def __init__(self, memory: Owner, scope: Scope) -> None:
         self.memory = memory
         self.scope = scope
         self.path = scope.path
@@ -151,14 +85,9 @@ class ScopedMemory:
     def _policy(self) -> Policy:
         return self.memory.store.get_policy(self.path) or Policy()
 
-    @staticmethod
-    def _expiry(policy: Policy, now: int, durability: Durability, ttl: float | None) -> int | None:
-        if durability not in ("persistent", "cache"):
-            raise InvalidArgument(f"durability must be 'persistent' or 'cache', not {durability!r}")
-        if ttl is None and durability == "cache":
-            ttl = policy.cache_ttl_seconds
-        ends = [now + int(s * 1e6) for s in (ttl, policy.retention_seconds) if s is not None]
-        return min(ends) if ends else None
+    def _add(self, records: Sequence[AnyRecord]) -> list[AnyRecord]:
+        """Store ``records`` with their vectors, in one transaction."""
+        return self.memory.store.add(records, self.memory.embed([r.text for r in records]))
 
     def _fact(
         self,
@@ -170,13 +99,11 @@ class ScopedMemory:
         ttl: float | timedelta | None,
         policy: Policy,
     ) -> Fact:
-        text, key, meta, seconds = _text(text), _key(key), _metadata(metadata), _ttl(ttl)
-        if source is not None and not isinstance(source, SourceRef):
-            if not isinstance(source, Mapping):
-                raise InvalidArgument("source must be a SourceRef")
-            source = SourceRef(**source)
+        text, key = check.text(text), check.key(key)
+        meta, seconds = check.metadata(metadata), check.ttl(ttl)
+        source = check.source(source)
         now = now_us()
-        expires = self._expiry(policy, now, durability, seconds)
+        expires = check.expiry(policy, now, durability, seconds)
         verified, digest = False, None
         if source is not None:
             outcome = provenance.check(source)
@@ -249,9 +176,7 @@ class ScopedMemory:
                     policy,
                 )
             )
-        vectors = self.memory.embed([f.text for f in facts])
-        stored = self.memory.store.add(facts, vectors)
-        return [f for f in stored if isinstance(f, Fact)]
+        return [f for f in self._add(facts) if isinstance(f, Fact)]
 
     def log(
         self,
@@ -290,16 +215,16 @@ class ScopedMemory:
             unknown = set(spec) - {"role", "text", "session", "metadata", "at", "durability", "ttl"}
             if unknown:
                 raise InvalidArgument(f"unknown fields {sorted(unknown)}")
-            role = _text(spec.get("role"), "role")
-            text = _text(spec.get("text"))
-            meta, seconds = _metadata(spec.get("metadata")), _ttl(spec.get("ttl"))
+            role = check.text(spec.get("role"), "role")
+            text = check.text(spec.get("text"))
+            meta, seconds = check.metadata(spec.get("metadata")), check.ttl(spec.get("ttl"))
             session = spec.get("session") or self.scope.session
             if session is not None:
-                _text(session, "session")
+                check.text(session, "session")
             now = now_us()
-            at = _opt_us(spec.get("at"), "at")
+            at = check.time(spec.get("at"), "at")
             durability: Durability = spec.get("durability") or "persistent"
-            expires = self._expiry(policy, now, durability, seconds)
+            expires = check.expiry(policy, now, durability, seconds)
             episodes.append(
                 Episode(
                     id=new_id(),
@@ -314,9 +239,7 @@ class ScopedMemory:
                     expires_at=None if expires is None else from_us(expires),
                 )
             )
-        vectors = self.memory.embed([e.text for e in episodes])
-        stored = self.memory.store.add(episodes, vectors)
-        return [e for e in stored if isinstance(e, Episode)]
+        return [e for e in self._add(episodes) if isinstance(e, Episode)]
 
     # -- reads ------------------------------------------------------------------------------
     def recall(
@@ -333,13 +256,14 @@ class ScopedMemory:
         session: str | None = None,
         min_similarity: float | None = None,
     ) -> list[Hit]:
-        """The ``k`` best records for ``query`` from this scope and its ancestors, most
-        specific scope first, then relevance, then recency (see :mod:`torpor.memory.recall`).
+        """The ``k`` best records for ``query`` from this scope and its ancestors, as the
+        memory's ranking orders them: by default most specific scope first, then relevance,
+        then recency (see :mod:`torpor.memory.recall`).
 
         Current facts only, unless ``include_history`` or ``as_of`` (what was valid then).
         Raises :class:`InvalidArgument`, :class:`AccessDenied`, :class:`StorageError`.
         """
-        _text(query, "query")
+        check.text(query, "query")
         if not isinstance(k, int) or k < 0:
             raise InvalidArgument("k must be a non-negative integer")
         kinds: tuple[Kind, ...] = (
@@ -352,10 +276,10 @@ class ScopedMemory:
         flt = self._filter(
             now_us(),
             kinds=kinds,
-            metadata=_metadata(metadata),
-            since=_opt_us(since, "since"),
-            until=_opt_us(until, "until"),
-            as_of=_opt_us(as_of, "as_of"),
+            metadata=check.metadata(metadata),
+            since=check.time(since, "since"),
+            until=check.time(until, "until"),
+            as_of=check.time(as_of, "as_of"),
             include_history=include_history,
             session=session,
         )
@@ -366,6 +290,7 @@ class ScopedMemory:
             k,
             query_scope=self.path,
             embedder=self.memory.usable_embedder(),
+            ranking=self.memory.ranking,
             min_similarity=min_similarity,
         )
 
@@ -383,7 +308,7 @@ class ScopedMemory:
         return build_context(
             budget_tokens=budget_tokens,
             count=token_counter(),
-            profile=self.profile(),
+            profile=self._profile(),
             facts=[f for f in facts if isinstance(f, Fact)],
             episodes=[e for e in episodes if isinstance(e, Episode)],
         )
@@ -392,7 +317,7 @@ class ScopedMemory:
         """Every fact with ``key`` in this scope, oldest first, with ``valid_from``/``valid_to``.
         Raises :class:`RecordNotFound` for a key never used here."""
         self.memory.access.require("read", self.path, "history")
-        facts = self.memory.store.history(self.path, _key(key) or "", now_us())
+        facts = self.memory.store.history(self.path, check.key(key) or "", now_us())
         if not facts:
             raise RecordNotFound(f"no facts with key {key!r} in {self.scope}", kind="key", name=key)
         return facts
@@ -412,15 +337,25 @@ class ScopedMemory:
         return rec
 
     # -- profile and policy -----------------------------------------------------------------
+    def get_profile(self) -> dict[str, Any]:
+        """This scope's profile data (``{}`` when none is set): what :meth:`set_profile`
+        stored. Raises :class:`AccessDenied`."""
+        profile = self._profile()
+        return {} if profile is None else dict(profile.data)
+
     def profile(self) -> Profile | None:
-        """This scope's profile document, or None."""
+        """Deprecated: use :meth:`get_profile` (the data; :meth:`set_profile` returns the
+        whole document). This scope's profile document, or None."""
+        warnings.warn(
+            "ScopedMemory.profile() is deprecated: use get_profile()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._profile()
+
+    def _profile(self) -> Profile | None:
         self.memory.access.require("read", self.path, "get_profile")
         return self.memory.store.get_profile(self.path)
-
-    def get_profile(self) -> dict[str, Any]:
-        """This scope's profile data (``{}`` when none is set)."""
-        profile = self.profile()
-        return {} if profile is None else dict(profile.data)
 
     def set_profile(
         self,
@@ -434,23 +369,8 @@ class ScopedMemory:
         Raises :class:`SchemaViolation`, :class:`InvalidArgument`."""
         self.memory.access.require("write", self.path, "set_profile")
         old = self.memory.store.get_profile(self.path)
-        doc = {**(old.data if (merge and old) else {}), **_metadata(data)}
-        json_schema: dict[str, Any] | None
-        if isinstance(schema, type) and issubclass(schema, BaseModel):
-            json_schema = schema.model_json_schema()
-            try:
-                schema.model_validate(doc)
-            except PydanticValidationError as exc:
-                raise SchemaViolation(f"profile breaks {schema.__name__}: {exc}") from None
-        else:
-            json_schema = dict(schema) if schema is not None else (old.json_schema if old else None)
-        if json_schema is not None:
-            try:
-                jsonschema.validate(doc, json_schema)
-            except jsonschema.ValidationError as exc:
-                raise SchemaViolation(f"profile breaks its schema: {exc.message}") from None
-            except jsonschema.SchemaError as exc:
-                raise InvalidArgument(f"invalid JSON schema: {exc.message}") from None
+        doc = {**(old.data if (merge and old) else {}), **check.metadata(data)}
+        json_schema = check.profile(doc, schema, old.json_schema if old else None)
         return self.memory.store.put_profile(
             Profile(
                 scope=self.path, data=doc, json_schema=json_schema, updated_at=from_us(now_us())

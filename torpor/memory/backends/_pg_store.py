@@ -1,6 +1,7 @@
 """The records of one tenant in the PostgreSQL backend (see :mod:`.postgres`).
 
-Every method is one transaction from :meth:`PostgresBackend.transaction`, which runs as
+Every method is one transaction from its backend's ``transaction`` (:class:`Transactions`,
+:meth:`~torpor.memory.backends.postgres.PostgresBackend.transaction`), which runs as
 ``torpor_app`` with ``torpor.tenant`` set: row-level security confines each statement to this
 store's tenant whatever its ``WHERE`` says. The explicit ``tenant_id = <setting>`` in queries
 is for the planner (it matches the leading column of every index), not for isolation.
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -28,10 +29,7 @@ from torpor.memory.backends.base import (
 )
 from torpor.memory.models import Fact, Policy, Profile, from_us, to_us
 
-if TYPE_CHECKING:
-    from torpor.memory.backends.postgres import PostgresBackend
-
-__all__ = ["PostgresTenantStore", "vec_text"]
+__all__ = ["PostgresTenantStore", "Transactions", "vec_text"]
 
 _RCOLS = ", ".join(f"r.{c}" for c in schema.COLUMNS.split(", "))
 _T = schema.TENANT
@@ -52,10 +50,26 @@ def _within_sql(prefix: str, column: str = "scope") -> tuple[str, list[Any]]:
     return f"({column} = %s OR starts_with({column}, %s))", [prefix, prefix + "/"]
 
 
+class Transactions(Protocol):
+    """What a :class:`PostgresTenantStore` uses of the
+    :class:`~torpor.memory.backends.postgres.PostgresBackend` that made it (a protocol, so the
+    backend imports this module and never the reverse)."""
+
+    def transaction(
+        self, what: str, tenant: str | None
+    ) -> AbstractContextManager[psycopg.Cursor[Any]]:
+        """A cursor in a transaction pinned to ``tenant`` by row-level security."""
+        ...
+
+    def note_dims(self, vectors: Sequence[Vector | None] | None) -> None:
+        """Count new embeddings per dimension (the backend builds HNSW indexes from them)."""
+        ...
+
+
 class PostgresTenantStore(TenantStore):
     """The records of one tenant: every transaction is pinned to it by RLS."""
 
-    def __init__(self, backend: PostgresBackend, tenant: str) -> None:
+    def __init__(self, backend: Transactions, tenant: str) -> None:
         self.tenant = tenant
         self._backend = backend
         self._closed = False

@@ -6,7 +6,7 @@ The cache is refreshed when the database changes (the caller passes a change tok
 rows are appended, deleted rows dropped, and the small per-row columns re-read so
 supersession and expiry show up.
 
-Below :data:`IVF_MIN` vectors the search is exact (brute force: ~5 ms for 50k x 384).
+Below :data:`IVF_MIN` vectors the search is exact (brute force is fast enough there).
 From there an IVF index (inverted file: spherical k-means into ``sqrt(n)/4`` lists, at most
 256) is built lazily on the next query: rows are stored list by list, a query scores the
 centroids and scans the ``nprobe`` nearest lists (about a sixteenth of the data) plus the rows
@@ -16,10 +16,9 @@ vectors, since a scan is bound by memory bandwidth, and re-scores the best 1024 
 Appends keep the index; a deletion, or a tail over a quarter of the indexed rows, triggers a
 rebuild.
 
-Measured at 1M x 384 (random-projection bag-of-words vectors, a structureless worst case):
-vector search p50 ~10 ms, recall@10 against exact search 0.26 (0.39 without the projection
-stage). Topical embeddings cluster, which is what IVF relies on: clustered test data reaches
->= 0.8. Exact search stays the default below 50k vectors.
+The approximation costs recall most on structureless vectors; topical embeddings cluster,
+which is what IVF relies on. Exact search stays the default below 50k vectors. What each
+stage measured is in ``bench/README.md`` ("SQLite vector index").
 
 The index only *proposes* candidates: the store re-checks every candidate against the full
 filter in SQL, so a stale cache can cost a result but can never leak an invisible record.

@@ -5,7 +5,7 @@ every record operation goes through a ``TenantStore``, so code above the backend
 another tenant's data. Isolation is the backend's job: SQLite keeps one database file per
 tenant, PostgreSQL sets the tenant per transaction under row-level security.
 
-What stays *above* the backend (``torpor.memory.api`` and friends), so both backends behave the
+What stays *above* the backend (``torpor.memory.memory`` and friends), so both backends behave the
 same: tokenizing queries, embedding, fusing and ranking hits, building context, checking
 grants, provenance hashing, policy arithmetic. What the backend owns: atomic writes
 (supersede), filtering by :class:`RecordFilter`, lexical and vector top-k, and durability.

@@ -241,10 +241,11 @@ class SQLiteTenantStore(TenantStore):
         FTS5 finds the matching rows per term (cheap), and the ranking is done here in numpy:
         a BM25 with tf = 1 and no length normalization, i.e. the sum of the matched terms'
         ``idf = ln(1 + (N - df + 0.5) / (df + 0.5))``. Scoring every match with FTS5's
-        ``bm25()`` costs ~6 us a row, 100+ ms for a common query over a million records;
-        memory records are short, so term frequency and length add little. A term matching
-        more than :data:`_TERM_CAP` rows contributes only its newest matches (its idf is small).
-        Candidates are then checked against ``flt`` in SQL, best first, widening as needed.
+        ``bm25()`` is far slower for a common query over a large store (figures in
+        ``bench/README.md``, "SQLite lexical search"), and memory records are short, so term
+        frequency and length add little. A term matching more than :data:`_TERM_CAP` rows
+        contributes only its newest matches (its idf is small). Candidates are then checked
+        against ``flt`` in SQL, best first, widening as needed.
         """
         terms = [t for t in dict.fromkeys(terms) if t]
         if not terms or limit <= 0:

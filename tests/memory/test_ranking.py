@@ -1,0 +1,188 @@
+"""The ranking seam: :class:`HybridRanker`'s options each change the answer, and a ranking
+passed to :class:`Memory` is the one every scope's recall uses."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torpor.errors import InvalidArgument
+from torpor.memory import Candidates, Episode, Fact, Hit, HybridRanker, Memory
+from torpor.memory.backends.base import AnyRecord
+from torpor.memory.models import from_us, now_us, to_us
+
+NOW = now_us()
+USER = "app/a/user/u"
+
+
+def _record(
+    kind: type[Fact] | type[Episode], rid: str, text: str, scope: str, days: float
+) -> AnyRecord:
+    at = from_us(NOW - int(days * 86_400e6))
+    return kind(id=rid, scope=scope, text=text, created_at=at, valid_from=at)
+
+
+LOCAL = _record(Fact, "local", "kayak trip on the lake", USER, 10)
+TALK = _record(Episode, "talk", "is the kayak mine or is it a long story about lakes", USER, 40)
+PARENT = _record(Fact, "parent", "kayak", "app/a", 1)
+WEAK = _record(Fact, "weak", "the lake house", USER, 5)
+NEAR = _record(Fact, "near", "a paddle", USER, 2)  # found by vectors only, under the floor
+
+
+def _found(min_similarity: float | None = None) -> Candidates:
+    return Candidates(
+        query="is the kayak mine",
+        terms=("is", "the", "kayak", "mine"),
+        scope=USER,
+        now=NOW,
+        lexical=[(PARENT, 3.0), (LOCAL, 2.0), (TALK, 1.5), (WEAK, 0.2)],
+        vector=[(PARENT, 0.9), (LOCAL, 0.5), (TALK, 0.3), (NEAR, 0.1), (WEAK, 0.05)],
+        min_similarity=min_similarity,
+    )
+
+
+def _answer(hits: list[Hit]) -> list[tuple[str, float]]:
+    return [(h.id, h.score) for h in hits]
+
+
+# Each option of HybridRanker, a value that differs from its default, and the ranker it is
+# changed on (scope_decay only weighs the score when scope is not a tier of its own).
+OPTIONS = [
+    pytest.param("coverage", 0.3, HybridRanker(), id="coverage"),
+    pytest.param("stopword", 1.0, HybridRanker(), id="stopword"),
+    pytest.param("bm25_k1", 2.0, HybridRanker(), id="bm25_k1"),
+    pytest.param("bm25_b", 0.0, HybridRanker(), id="bm25_b"),
+    pytest.param("lexical", 0.6, HybridRanker(), id="lexical"),
+    pytest.param("scope_decay", 0.3, HybridRanker(tiered=False), id="scope_decay"),
+    pytest.param("episode", 1.0, HybridRanker(), id="episode"),
+    pytest.param("recency", 0.5, HybridRanker(), id="recency"),
+    pytest.param("half_life_days", 3.0, HybridRanker(), id="half_life_days"),
+    pytest.param("min_similarity", 0.05, HybridRanker(), id="min_similarity"),
+    pytest.param("relative_floor", 0.5, HybridRanker(), id="relative_floor"),
+    pytest.param("tiered", False, HybridRanker(), id="tiered"),
+]
+
+
+def test_every_option_is_tested() -> None:
+    tested = {p.values[0] for p in OPTIONS}
+    assert tested == {f.name for f in dataclasses.fields(HybridRanker)}
+
+
+@pytest.mark.parametrize(("option", "value", "base"), OPTIONS)
+def test_every_option_changes_the_answer(option: str, value: object, base: HybridRanker) -> None:
+    changed = dataclasses.replace(base, **{option: value})
+    assert _answer(changed.rank(_found())) != _answer(base.rank(_found()))
+
+
+def test_tiered_puts_the_own_scope_first_and_flat_lets_a_better_ancestor_win() -> None:
+    tiered = [h.id for h in HybridRanker().rank(_found())]
+    flat = [h.id for h in HybridRanker(tiered=False).rank(_found())]
+    assert tiered[0] == "local" and tiered.index("parent") > tiered.index("weak")
+    assert flat[0] == "parent"
+
+
+def test_relative_floor_drops_what_is_far_below_the_best() -> None:
+    kept = HybridRanker().rank(_found())
+    floored = HybridRanker(relative_floor=0.5).rank(_found())
+    top = max(h.scores["relevance"] for h in kept)
+    assert "weak" in [h.id for h in kept]
+    assert [h.id for h in floored] == [h.id for h in kept if h.scores["relevance"] >= 0.5 * top]
+    assert "weak" not in [h.id for h in floored]
+
+
+@pytest.mark.parametrize(
+    ("ranker_floor", "query_floor", "admitted"),
+    [
+        pytest.param(0.15, None, False, id="default-floor"),
+        pytest.param(0.05, None, True, id="ranker-floor"),
+        pytest.param(0.15, 0.05, True, id="query-floor-overrides"),
+        pytest.param(0.05, 0.15, False, id="query-floor-overrides-down"),
+    ],
+)
+def test_a_vector_only_candidate_needs_the_floor(
+    ranker_floor: float, query_floor: float | None, admitted: bool
+) -> None:
+    hits = HybridRanker(min_similarity=ranker_floor).rank(_found(query_floor))
+    assert ("near" in [h.id for h in hits]) is admitted
+    assert "weak" in [h.id for h in hits]  # under the floor too, but also a lexical match
+
+
+def test_without_vectors_relevance_is_lexical() -> None:
+    found = dataclasses.replace(_found(), vector=None)
+    hits = HybridRanker().rank(found)
+    assert "near" not in [h.id for h in hits]
+    assert all("vector" not in h.scores for h in hits)
+    assert all(h.scores["relevance"] == h.scores["lexical"] for h in hits)
+
+
+# -- through Memory ----------------------------------------------------------------------------
+class Recording:
+    """A ranker that keeps what it was given and returns the default order reversed."""
+
+    def __init__(self) -> None:
+        self.seen: list[Candidates] = []
+
+    def rank(self, found: Candidates) -> list[Hit]:
+        self.seen.append(found)
+        return HybridRanker().rank(found)[::-1]
+
+
+OpenMemory = Callable[..., Memory]
+
+
+@pytest.fixture
+def open_mem(backend_spec: str, home: Path) -> Iterator[OpenMemory]:
+    """Opens lexical-only Memories on the backend under test (closed at the end)."""
+    opened: list[Memory] = []
+
+    def make(**kw: Any) -> Memory:
+        opened.append(Memory(str(home), embedder=None, backend=backend_spec, **kw))
+        return opened[-1]
+
+    yield make
+    for m in opened:
+        m.close()
+
+
+def test_default_ranking_is_the_hybrid_ranker(mem: Memory) -> None:
+    assert mem.ranking == HybridRanker()
+
+
+def test_a_ranking_without_rank_is_refused(home: Path) -> None:
+    with pytest.raises(InvalidArgument, match="rank"):
+        Memory(str(home), embedder=None, ranking="flat")  # type: ignore[arg-type]
+
+
+def test_every_scope_of_a_memory_ranks_with_its_ranking(open_mem: OpenMemory) -> None:
+    ranker = Recording()
+    mem = open_mem(ranking=ranker)
+    u = mem.scope(app="a", user="u")
+    first = u.remember("kayak trip")
+    second = u.remember("kayak trip on the lake with friends")
+    assert [h.id for h in u.recall("kayak trip", k=2)] == [second.id, first.id]
+    seen = ranker.seen[-1]
+    assert (seen.query, seen.scope, seen.vector) == ("kayak trip", u.path, None)
+    assert {rec.id for rec, _ in seen.lexical} == {first.id, second.id}
+    mem.scope_from_path(u.path).recall("kayak")
+    u.fork(user="u2").recall("kayak", as_of=first.valid_from)
+    assert len(ranker.seen) == 3
+    assert ranker.seen[-1].now == to_us(first.valid_from)
+
+
+def test_memory_ranking_changes_the_order(open_mem: OpenMemory) -> None:
+    tiered, flat = open_mem(), open_mem(ranking=HybridRanker(tiered=False))
+    app = tiered.scope(app="a")
+    app.remember("the kayak is stored in the boathouse by the lake")
+    user = tiered.scope(app="a", user="u")
+    user.log("user", "my kayak", at=from_us(NOW) - timedelta(days=400))
+    query = "where is the kayak stored by the lake"
+    assert [h.scope for h in user.recall(query, k=2)] == [user.path, app.path]
+    assert [h.scope for h in flat.scope(app="a", user="u").recall(query, k=2)] == [
+        app.path,
+        user.path,
+    ]

@@ -1,0 +1,160 @@
+"""Checks of what a caller passes to :class:`~torpor.memory.ScopedMemory`, before any write.
+
+Each function returns the value in the form the models store, or raises
+:class:`~torpor.errors.InvalidArgument` (:class:`~torpor.errors.PayloadTooLarge` for a value
+over :data:`torpor.config.LIMITS`). Used as ``check.text(...)``, ``check.key(...)`` and so on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+import jsonschema
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
+
+from torpor.config import LIMITS
+from torpor.errors import InvalidArgument, PayloadTooLarge, SchemaViolation
+from torpor.memory.models import Durability, Policy, SourceRef, to_us
+
+__all__ = ["expiry", "key", "metadata", "profile", "source", "text", "time", "ttl"]
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
+_META_KEY_RE = re.compile(r'^[^"\\]{1,200}$')
+
+
+def text(text: object, what: str = "text") -> str:
+    """A non-empty string without NUL, at most ``LIMITS.max_memory_text_chars`` long."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidArgument(f"{what} must be a non-empty string")
+    if "\x00" in text:  # PostgreSQL cannot store it; refuse it on every backend alike
+        raise InvalidArgument(f"{what} must not contain NUL characters")
+    if len(text) > LIMITS.max_memory_text_chars:
+        raise PayloadTooLarge(
+            f"{what} is {len(text)} characters, over the limit of {LIMITS.max_memory_text_chars}",
+            size=len(text),
+            limit=LIMITS.max_memory_text_chars,
+        )
+    return text
+
+
+def _has_nul(value: object) -> bool:
+    """True if a NUL character hides anywhere in a JSON-like value (keys included).
+
+    Checked on the values, not on their JSON text: a literal backslash-u-0000 string is text,
+    not a NUL, and its encoding contains the same six characters."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, Mapping):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
+def metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A JSON-serializable mapping with valid keys and no NUL, its JSON within the limit."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidArgument("metadata must be a mapping")
+    out = dict(metadata)
+    for k in out:
+        if not isinstance(k, str) or not _META_KEY_RE.match(k):
+            raise InvalidArgument(f"invalid metadata key {k!r}")
+    try:
+        encoded = json.dumps(out)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"metadata must be JSON-serializable: {exc}") from None
+    if _has_nul(out):
+        raise InvalidArgument("metadata must not contain NUL characters")
+    size = len(encoded)
+    if size > LIMITS.max_memory_text_chars:
+        raise PayloadTooLarge(
+            f"metadata is {size} characters of JSON", size=size, limit=LIMITS.max_memory_text_chars
+        )
+    return out
+
+
+def key(key: object) -> str | None:
+    """None, or a fact key: 1-200 letters, digits and ``_ . : / -``."""
+    if key is None:
+        return None
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise InvalidArgument(
+            f"invalid key {key!r}: 1-200 characters of letters, digits and "
+            "_ . : / -, starting with a letter or digit"
+        )
+    return key
+
+
+def profile(
+    doc: Mapping[str, Any],
+    schema: type[BaseModel] | Mapping[str, Any] | None,
+    stored: dict[str, Any] | None,
+) -> dict[str, Any] | None:
+    """The JSON schema to keep with profile ``doc`` (``schema``: a pydantic model or a JSON
+    schema; without one, the ``stored`` schema), once ``doc`` is checked against it.
+
+    Raises :class:`~torpor.errors.SchemaViolation` for a document that breaks it and
+    :class:`InvalidArgument` for an invalid JSON schema."""
+    json_schema: dict[str, Any] | None
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        json_schema = schema.model_json_schema()
+        try:
+            schema.model_validate(doc)
+        except PydanticValidationError as exc:
+            raise SchemaViolation(f"profile breaks {schema.__name__}: {exc}") from None
+    else:
+        json_schema = dict(schema) if schema is not None else stored
+    if json_schema is not None:
+        try:
+            jsonschema.validate(doc, json_schema)
+        except jsonschema.ValidationError as exc:
+            raise SchemaViolation(f"profile breaks its schema: {exc.message}") from None
+        except jsonschema.SchemaError as exc:
+            raise InvalidArgument(f"invalid JSON schema: {exc.message}") from None
+    return json_schema
+
+
+def source(source: SourceRef | Mapping[str, Any] | None) -> SourceRef | None:
+    """None, or a :class:`~torpor.memory.SourceRef` (a mapping of its fields becomes one)."""
+    if source is None or isinstance(source, SourceRef):
+        return source
+    if not isinstance(source, Mapping):
+        raise InvalidArgument("source must be a SourceRef")
+    return SourceRef(**source)
+
+
+def ttl(ttl: float | timedelta | None) -> float | None:
+    """None, or a positive time to live in seconds."""
+    if ttl is None:
+        return None
+    seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
+    if seconds <= 0:
+        raise InvalidArgument(f"ttl must be positive, not {ttl!r}")
+    return seconds
+
+
+def time(value: datetime | None, what: str) -> int | None:
+    """None, or a datetime in microseconds since the epoch."""
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise InvalidArgument(f"{what} must be a datetime")
+    return to_us(value)
+
+
+def expiry(policy: Policy, now: int, durability: Durability, ttl: float | None) -> int | None:
+    """When a record written ``now`` expires (microseconds), or None: the sooner of its TTL
+    (a ``cache`` record's default: the policy's) and the scope's retention."""
+    if durability not in ("persistent", "cache"):
+        raise InvalidArgument(f"durability must be 'persistent' or 'cache', not {durability!r}")
+    if ttl is None and durability == "cache":
+        ttl = policy.cache_ttl_seconds
+    ends = [now + int(s * 1e6) for s in (ttl, policy.retention_seconds) if s is not None]
+    return min(ends) if ends else None

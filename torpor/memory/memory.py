@@ -1,0 +1,188 @@
+""":class:`Memory`: one tenant's memory store, the entry point of the knowledge layer.
+
+::
+
+    mem = Memory()                                   # SQLite under paths().memory, tenant "default"
+    u = mem.scope(app="support", user="u-42")
+    u.remember("prefers daily summaries", key="summary_cadence")
+    u.recall("how often should I send summaries?", k=3)
+
+Every operation checks the caller's grants first (:mod:`torpor.memory.access`), validates its
+input completely before writing (bad input leaves no partial state), and then makes one
+backend call. The operations of a scope are in :mod:`torpor.memory.scoped`, recall in
+:mod:`torpor.memory.recall` (its ranking, which ``Memory(ranking=...)`` replaces, in
+:mod:`torpor.memory.ranking`), context in :mod:`torpor.memory.context`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Self
+
+from torpor.config import paths
+from torpor.errors import AccessDenied, InvalidArgument, RecordNotFound
+from torpor.memory.access import Access, TokenManager, hash_token
+from torpor.memory.backends import open_backend
+from torpor.memory.backends.base import Vector
+from torpor.memory.embeddings import Embedder, resolve_embedder
+from torpor.memory.models import AuditEntry, Scope, from_us, now_us
+from torpor.memory.ranking import HybridRanker, Ranker
+from torpor.memory.scoped import ScopedMemory
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Memory"]
+
+
+class Memory:
+    """One tenant's memory store.
+
+    ``home``: the torpor home (default ``$TORPOR_HOME``); ``token``: an API token (its tenant
+    and grants then apply; without one the caller owns ``tenant``, default ``"default"``);
+    ``embedder``: ``"default"`` (local MiniLM if installed, else lexical only), ``None``
+    (lexical only) or an :class:`Embedder`; ``backend``: ``"sqlite"`` or a PostgreSQL DSN;
+    ``ranking``: how recall orders what it finds, for every scope of this memory (a
+    :class:`~torpor.memory.ranking.Ranker`; default :class:`~torpor.memory.HybridRanker`, e.g.
+    ``HybridRanker(tiered=False)`` to let relevance outrank scope).
+
+    Raises :class:`InvalidArgument` for a ``ranking`` without a ``rank`` method,
+    :class:`AccessDenied` (audited) for an unknown/revoked token or a token of another
+    tenant, :class:`InvalidName`, :class:`StorageError`, :class:`CorruptData`.
+    """
+
+    def __init__(
+        self,
+        home: str | os.PathLike[str] | None = None,
+        *,
+        token: str | None = None,
+        tenant: str | None = None,
+        embedder: str | Embedder | None = "default",
+        backend: str = "sqlite",
+        ranking: Ranker | None = None,
+    ) -> None:
+        if ranking is not None and not callable(getattr(ranking, "rank", None)):
+            raise InvalidArgument(f"ranking must have a rank(candidates) method, not {ranking!r}")
+        self.ranking: Ranker = HybridRanker() if ranking is None else ranking
+        self.paths = paths(home)
+        self.backend = open_backend(backend, self.paths.memory)
+        self.tokens = TokenManager(self.backend)
+        if token is not None:
+            info = self.tokens.lookup(token)
+            actor = f"token:{hash_token(token)[:12]}"
+            if info is None:
+                self.backend.append_audit(
+                    AuditEntry(
+                        at=from_us(now_us()),
+                        tenant=tenant or "",
+                        actor=actor,
+                        action="connect",
+                        allowed=False,
+                        detail={"reason": "unknown or revoked token"},
+                    )
+                )
+                raise AccessDenied("unknown or revoked token", tenant=tenant or "", scope="")
+            self.access = Access(self.backend, info.tenant, actor, list(info.grants))
+            if tenant is not None:
+                self.access.require_tenant(tenant, "connect")
+        else:
+            self.access = Access(self.backend, tenant or "default", "local", None)
+        self.tenant = self.access.tenant
+        self.store = self.backend.tenant(self.tenant)
+        self.embedder = resolve_embedder(embedder)
+        self._vectors_checked = False
+
+    # -- embedding bookkeeping --------------------------------------------------------------
+    def usable_embedder(self) -> Embedder | None:
+        """The embedder, if it matches the model this tenant's vectors were made with."""
+        if self.embedder is None:
+            return None
+        if not self._vectors_checked:
+            stored = self.store.get_meta("embedding_model")
+            if stored is None:
+                self.store.set_meta("embedding_model", self.embedder.name)
+            elif stored != self.embedder.name:
+                log.warning(
+                    "tenant %s holds %s vectors; embedder %s is ignored (lexical only)",
+                    self.tenant,
+                    stored,
+                    self.embedder.name,
+                )
+                self.embedder = None
+            self._vectors_checked = True
+        return self.embedder
+
+    def embed(self, texts: list[str]) -> list[Vector | None] | None:
+        """Vectors for ``texts`` with the usable embedder, or None (lexical only)."""
+        emb = self.usable_embedder()
+        if emb is None or not texts:
+            return None
+        return list(emb.embed(texts))
+
+    # -- scopes -----------------------------------------------------------------------------
+    def scope(
+        self,
+        *,
+        app: str | None = None,
+        user: str | None = None,
+        agent: str | None = None,
+        session: str | None = None,
+        tenant: str | None = None,
+    ) -> ScopedMemory:
+        """A handle on one scope of this tenant (levels are optional and composable).
+
+        Raises :class:`InvalidArgument` for a bad name, :class:`AccessDenied` (audited) for
+        another tenant or a scope the token cannot read.
+        """
+        if tenant is not None:
+            self.access.require_tenant(tenant, "scope")
+        scope = Scope(tenant=self.tenant, app=app, user=user, agent=agent, session=session)
+        self.access.require("read", scope.path, "scope")
+        return ScopedMemory(self, scope)
+
+    def scope_from_path(self, path: str) -> ScopedMemory:
+        """:meth:`scope` from a path such as ``"app/support/user/u-42"``."""
+        scope = Scope.from_path(path, tenant=self.tenant)
+        self.access.require("read", scope.path, "scope")
+        return ScopedMemory(self, scope)
+
+    # -- tenant-wide operations -------------------------------------------------------------
+    def forget(self, target: str | ScopedMemory) -> int:
+        """Erase a record by id, or a whole scope subtree (``forget(mem.scope(user=...))``).
+        Returns how many records were erased. Raises :class:`RecordNotFound`,
+        :class:`AccessDenied`."""
+        if isinstance(target, ScopedMemory):
+            return target.forget()
+        if not isinstance(target, str):
+            raise InvalidArgument("forget() takes a record id or a scope")
+        found = self.store.get([target], 0)  # expired records can be erased too
+        if not found:
+            raise RecordNotFound(f"no record {target!r}", kind="record", name=target)
+        self.access.require("write", found[0].scope, "forget")
+        n = self.store.forget([target])
+        self.access.audit("forget.record", found[0].scope, id=target)
+        return n
+
+    def gc(self) -> int:
+        """Purge expired records for good. Returns how many. Needs write on the root scope."""
+        self.access.require("write", "", "gc")
+        n = self.store.purge_expired(now_us())
+        log.info("memory gc purged %d records from tenant %s", n, self.tenant)
+        return n
+
+    def audit_log(self, limit: int = 100) -> list[AuditEntry]:
+        """This tenant's newest audit entries."""
+        return self.backend.audit_log(self.tenant, limit)
+
+    def close(self) -> None:
+        """Close the backend (later calls raise :class:`StorageError`)."""
+        self.backend.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Memory(tenant={self.tenant!r}, backend={self.backend.name!r})"

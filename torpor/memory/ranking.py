@@ -1,0 +1,232 @@
+"""How recall ranks what it found: the :class:`Ranker` seam and its default, :class:`HybridRanker`.
+
+A ranker receives the :class:`Candidates` of one query (the records the backend's lexical and
+vector searches found, already confined to what the caller may see) and returns the hits to
+give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``. Pass one as
+``torpor.Memory(ranking=...)``; every scope that memory hands out ranks with it.
+
+:class:`HybridRanker` scores each candidate (every factor lands in ``Hit.scores``)::
+
+    coverage  = weighted share of the query's terms found in the text (light suffix stemming;
+                a stop word weighs ``stopword`` = 0.2, any other term 1)
+    bm25      = engine score * length norm / best such score among the candidates, where
+                length norm = (k1 + 1) / (1 + k1 * (1 - b + b * words / mean words)),
+                k1 = 1.2, b = 0.75 (BM25's, over the candidates' word counts)
+    lexical   = 0.8 * coverage + 0.2 * bm25                  (0 when not matched)
+    vector    = cosine similarity to the query                (only with an embedder)
+    relevance = 0.2 * lexical + 0.8 * max(vector, 0)          with an embedder
+              = lexical                                       without one
+    kind      = 1.0 for facts, 0.5 for episodes  (distilled knowledge over raw history:
+                "user facts > session > raw history")
+    recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
+    scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
+    score     = relevance * kind * recency  (tiered, the default)
+              = relevance * kind * recency * scope  (``tiered=False``)
+
+then drops what should not be returned, and orders the rest:
+
+* **Abstention.** A candidate found only by vector search is dropped below ``min_similarity``
+  (0.15, for MiniLM-like models), so an unrelated query returns nothing instead of the
+  nearest noise. A hit whose relevance is 0, or under ``relative_floor`` times the best
+  relevance (0 by default: off), is dropped too. ``Hit.score`` is comparable across queries,
+  for a caller's own threshold.
+* **Order**, as the design asks: the most specific scope first, then score, then the newest
+  ``valid_from`` (``tiered``). ``tiered=False`` folds scope into the score instead, so a much
+  better ancestor hit may outrank a weak local one.
+
+Why a normalized blend rather than reciprocal rank fusion: RRF discards how much better one
+candidate is than the next, which the kind prior and callers' abstention thresholds need.
+Coverage stands next to bm25 because bm25's IDF collapses in small stores. Stop words weigh
+little in coverage and only through the engine's IDF in bm25, so they decide only where content
+words tie or fail (why they are searched at all: :mod:`torpor.memory.recall`). The weights were
+tuned on the benchmark's quality set (``bench/memory.py``: paraphrased questions, MiniLM); what
+they measured, and what the alternatives cost, is in ``bench/README.md`` ("Ranking").
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torpor.memory.backends.base import AnyRecord
+from torpor.memory.models import Fact, Hit, path_depth, to_us
+
+__all__ = ["STOPWORDS", "Candidates", "HybridRanker", "Ranker", "coverage", "stem", "words"]
+
+STOPWORDS = frozenset(
+    """
+    a about above after again all am an and any are as at be been before being below between
+    both but by can could did do does doing down during each few for from further had has
+    have having he her here hers herself him himself his how i if in into is it its itself
+    just me more most my myself no nor not now of off on once only or other our ours
+    ourselves out over own same she should so some such than that the their theirs them
+    themselves then there these they this those through to too under until up very was we
+    were what when where which while who whom why will with would you your yours yourself
+    yourselves
+    """.split()  # noqa: SIM905 (a word list reads better as words than as 124 quoted strings)
+)
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def words(text: str) -> list[str]:
+    """The word tokens of ``text``, as they are (recall lower-cases and stems them)."""
+    return _WORD.findall(text)
+
+
+_SUFFIXES = (
+    ("ies", "y"),
+    ("sses", "ss"),
+    ("es", ""),
+    ("s", ""),
+    ("ing", ""),
+    ("ed", ""),
+    ("ly", ""),
+)
+
+
+@functools.lru_cache(maxsize=65_536)
+def stem(word: str) -> str:
+    """A light suffix stemmer (enough to match plurals and tenses for coverage)."""
+    w = word.lower()
+    w = w.removesuffix("'s")
+    for suffix, repl in _SUFFIXES:
+        if w.endswith(suffix) and len(w) - len(suffix) >= 3:
+            return w[: -len(suffix)] + repl
+    return w
+
+
+def coverage(terms: Sequence[str], text: str, stopword: float = 1.0) -> float:
+    """The share of ``terms`` (stemmed) that occur in ``text`` (stemmed words), a stop word
+    counting ``stopword`` and any other term 1."""
+    weights = [stopword if t in STOPWORDS else 1.0 for t in terms]
+    total = sum(weights)
+    if total <= 0:
+        return 0.0
+    found = {stem(w) for w in words(text)}
+    return sum(w for t, w in zip(terms, weights, strict=True) if stem(t) in found) / total
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What one query found, before ranking: every record here is visible to the caller.
+
+    ``lexical``: (record, engine score: higher is better, any positive scale), best first.
+    ``vector``: (record, cosine similarity), best first; None when recall has no embedder.
+    ``terms``: the terms the lexical search was given. ``scope``: the path of the scope
+    asking. ``now``: the instant recency is measured from (``as_of`` when asked, in
+    microseconds). ``min_similarity``: the caller's vector floor for this query, or None
+    (the ranker's own).
+    """
+
+    query: str
+    terms: tuple[str, ...]
+    scope: str
+    now: int
+    lexical: Sequence[tuple[AnyRecord, float]]
+    vector: Sequence[tuple[AnyRecord, float]] | None
+    min_similarity: float | None = None
+
+
+class Ranker(Protocol):
+    """Anything that turns :class:`Candidates` into hits: the seam of recall's ranking."""
+
+    def rank(self, found: Candidates) -> list[Hit]:
+        """The hits to return, best first (recall keeps the first ``k``). It may drop
+        candidates; it should not return records that are not among them."""
+        ...
+
+
+@dataclass(frozen=True)
+class HybridRanker:
+    """The default ranking (see the module docstring); each field is one of its constants."""
+
+    coverage: float = 0.8
+    stopword: float = 0.2
+    bm25_k1: float = 1.2
+    bm25_b: float = 0.75
+    lexical: float = 0.2
+    scope_decay: float = 0.7
+    episode: float = 0.5
+    recency: float = 0.05
+    half_life_days: float = 30.0
+    min_similarity: float = 0.15
+    relative_floor: float = 0.0
+    tiered: bool = True
+
+    def rank(self, found: Candidates) -> list[Hit]:
+        """Score the candidates, drop the weak ones, order the rest."""
+        bm25 = self._bm25(found.lexical)
+        records = {rec.id: rec for rec, _ in found.lexical}
+        floor = self.min_similarity if found.min_similarity is None else found.min_similarity
+        vector: dict[str, float] = {}
+        for rec, similarity in found.vector or ():
+            vector[rec.id] = similarity
+            if rec.id in bm25 or similarity >= floor:
+                records[rec.id] = rec
+        hits = [
+            self._score(rec, found, bm25.get(rec.id), vector.get(rec.id, 0.0))
+            for rec in records.values()
+        ]
+        top = max((h.scores["relevance"] for h in hits), default=0.0)
+        return self.order(
+            h
+            for h in hits
+            if h.scores["relevance"] >= self.relative_floor * top and h.scores["relevance"] > 0
+        )
+
+    def order(self, hits: Iterable[Hit]) -> list[Hit]:
+        """Most specific scope, then score, then newest first (``tiered``); or score first."""
+        if self.tiered:
+            return sorted(
+                hits, key=lambda h: (h.scores["scope_distance"], -h.score, -to_us(h.valid_from))
+            )
+        return sorted(
+            hits, key=lambda h: (-h.score, h.scores["scope_distance"], -to_us(h.valid_from))
+        )
+
+    def _bm25(self, found: Sequence[tuple[AnyRecord, float]]) -> dict[str, float]:
+        """Engine scores times BM25's length normalization, over the best of them.
+
+        With a term frequency of 1 the normalization is one factor per record, so it applies
+        on top of the engine's IDF sum; the mean length is the candidates' own (a record's
+        length relative to its peers)."""
+        lengths = {rec.id: max(len(words(rec.text)), 1) for rec, _ in found}
+        mean = sum(lengths.values()) / len(lengths) if lengths else 1.0
+        k1, b = self.bm25_k1, self.bm25_b
+        normed = {
+            rec.id: s * (k1 + 1) / (1 + k1 * (1 - b + b * lengths[rec.id] / mean))
+            for rec, s in found
+        }
+        best = max(normed.values(), default=0.0)
+        return {rid: s / best if best > 0 else 1.0 for rid, s in normed.items()}
+
+    def _score(self, rec: AnyRecord, found: Candidates, bm25: float | None, vector: float) -> Hit:
+        scores: dict[str, float] = {}
+        if bm25 is not None:
+            scores["coverage"] = coverage(found.terms, rec.text, self.stopword)
+            scores["bm25"] = bm25
+            scores["lexical"] = (
+                self.coverage * scores["coverage"] + (1 - self.coverage) * scores["bm25"]
+            )
+        else:
+            scores["lexical"] = 0.0
+        if found.vector is not None:
+            scores["vector"] = vector
+            relevance = self.lexical * scores["lexical"] + (1 - self.lexical) * max(vector, 0.0)
+        else:
+            relevance = scores["lexical"]
+        distance = max(path_depth(found.scope) - path_depth(rec.scope), 0)
+        age_days = max(found.now - to_us(rec.valid_from), 0) / 86_400e6
+        scores["relevance"] = relevance
+        scores["scope_distance"] = float(distance)
+        scores["scope"] = self.scope_decay**distance
+        scores["kind"] = 1.0 if isinstance(rec, Fact) else self.episode
+        scores["recency"] = 1 + self.recency * 0.5 ** (age_days / self.half_life_days)
+        score = relevance * scores["kind"] * scores["recency"]
+        if not self.tiered:
+            score *= scores["scope"]
+        return Hit.model_construct(record=rec, score=score, scores=scores)
