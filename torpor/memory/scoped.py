@@ -463,7 +463,7 @@ class ScopedMemory:
                 raise InvalidArgument(f"cannot read {src}: {exc}", exc=exc) from exc
         else:
             bundle = transfer.parse_lines(src)
-        return self._load(transfer.reroot(bundle, self.path), "import")
+        return _load_into(self, transfer.reroot(bundle, self.path), "import")
 
     def fork(self, **levels: str) -> ScopedMemory:
         """Copy this scope subtree (records with history, profiles, policies) to a new scope
@@ -474,23 +474,25 @@ class ScopedMemory:
         )
         emb = self.memory.store.get_meta("embedding_model")
         bundle = transfer.parse_lines(transfer.export_lines(self.memory.store, self.path, emb))
-        target._load(transfer.reroot(bundle, target.path), "fork")
+        _load_into(target, transfer.reroot(bundle, target.path), "fork")
         return target
 
-    def _load(self, bundle: transfer.Bundle, action: str) -> int:
-        access, store = self.memory.access, self.memory.store
-        for path in {r.scope for r in bundle.records} | {p.scope for p in bundle.profiles}:
-            access.require("write", path, action)
-        vectors: list[Any] | None = list(bundle.vectors)
-        emb = self.memory.usable_embedder()
-        if emb is None:
-            vectors = None
-        elif bundle.embedding_model != emb.name:  # re-embed with this tenant's model
-            vectors = self.memory.embed([r.text for r in bundle.records])
-        n = store.import_records(bundle.records, vectors)
-        for profile in bundle.profiles:
-            store.put_profile(profile)
-        for path, policy in bundle.policies:
-            store.set_policy(path, policy)
-        access.audit(action, self.path, records=n)
-        return n
+
+def _load_into(scope: ScopedMemory, bundle: transfer.Bundle, action: str) -> int:
+    """Insert a parsed, re-rooted bundle into ``scope`` (import and fork). Returns records."""
+    access, store = scope.memory.access, scope.memory.store
+    for path in {r.scope for r in bundle.records} | {p.scope for p in bundle.profiles}:
+        access.require("write", path, action)
+    vectors: list[Any] | None = list(bundle.vectors)
+    emb = scope.memory.usable_embedder()
+    if emb is None:
+        vectors = None
+    elif bundle.embedding_model != emb.name:  # re-embed with this tenant's model
+        vectors = scope.memory.embed([r.text for r in bundle.records])
+    n = store.import_records(bundle.records, vectors)
+    for profile in bundle.profiles:
+        store.put_profile(profile)
+    for path, policy in bundle.policies:
+        store.set_policy(path, policy)
+    access.audit(action, scope.path, records=n)
+    return n
