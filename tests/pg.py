@@ -108,13 +108,13 @@ def start_cluster(base: Path) -> PgCluster:
         import pgserver
 
         try:
-            server = pgserver.get_server(base / "data", cleanup_mode="delete")
+            server = pgserver.get_server(base / "data", cleanup_mode="delete")  # type: ignore[attr-defined]
         except subprocess.CalledProcessError:
             # As root, pgserver first creates a 'pgserver' system user; two sessions starting
             # at once on a fresh machine race on that useradd. The second try finds the user.
             log.warning("pgserver failed to start; retrying once", exc_info=True)
             shutil.rmtree(base / "data", ignore_errors=True)
-            server = pgserver.get_server(base / "data", cleanup_mode="delete")
+            server = pgserver.get_server(base / "data", cleanup_mode="delete")  # type: ignore[attr-defined]
     info = server.get_postmaster_info()
     cluster = PgCluster(socket_dir=str(info.socket_dir), server=server)
     try:
@@ -192,5 +192,5 @@ def pg_memory_dsn(pg_cluster: PgCluster, _pg_memory_database: str) -> str:
                 "WHERE schemaname = 'torpor' AND tablename <> 'schema_version'"
             )
         ]
-        conn.execute(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY")  # type: ignore[arg-type]
+        conn.execute(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY")
     return dsn

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from datetime import datetime
 
 import pytest
 
@@ -156,11 +158,11 @@ class _Oracle:
         self.by_text = {(q.user, q.text, q.as_of): q for q in ds.questions}
         self.stale_first = stale_first
 
-    def add(self, docs: object) -> None:
+    def add(self, docs: Sequence[Doc]) -> None:
         pass
 
     def search(
-        self, user: str, query: str, k: int, as_of: object = None
+        self, user: str, query: str, k: int, as_of: datetime | None = None
     ) -> list[tuple[str, float]]:
         q = self.by_text[(user, query, as_of)]
         ids = sorted(min(g) for g in q.gold)
@@ -175,7 +177,7 @@ class _Oracle:
 def test_scoring_an_oracle_gives_full_marks(ds: Dataset) -> None:
     from bench._quality import evaluate
 
-    res = evaluate(_Oracle(ds), ds)  # type: ignore[arg-type]
+    res = evaluate(_Oracle(ds), ds)
     assert all(res.recall[k] == 1.0 for k in KINDS), res.recall
     assert res.current == 1.0 and res.current_found == 1.0
 
@@ -183,7 +185,7 @@ def test_scoring_an_oracle_gives_full_marks(ds: Dataset) -> None:
 def test_scoring_catches_a_stale_value_first(ds: Dataset) -> None:
     from bench._quality import evaluate
 
-    res = evaluate(_Oracle(ds, stale_first=True), ds)  # type: ignore[arg-type]
+    res = evaluate(_Oracle(ds, stale_first=True), ds)
     assert res.current == 0.0
     assert res.current_found == 1.0
 

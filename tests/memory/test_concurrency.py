@@ -76,7 +76,7 @@ def test_corrupt_database_is_typed(tmp_path: Path) -> None:
     (mem_dir / "broken.db").write_bytes(b"this is not a database at all" * 100)
     with pytest.raises(CorruptData) as err:
         Memory(str(tmp_path), tenant="broken", embedder=None)
-    assert "broken.db" in err.value.path
+    assert "broken.db" in err.value.data["path"]
     # other tenants are unaffected
     ok = Memory(str(tmp_path), tenant="fine", embedder=None)
     ok.scope(app="a").remember("still works")
@@ -108,7 +108,7 @@ def test_locked_database_times_out_typed_then_recovers(
     u.remember("first")
     blocker = sqlite3.connect(tmp_path / "memory" / "default.db", timeout=0.1)
     blocker.execute("BEGIN EXCLUSIVE")
-    m.store._db.conn.execute("PRAGMA busy_timeout = 50")  # type: ignore[attr-defined,union-attr]
+    m.store._db.conn.execute("PRAGMA busy_timeout = 50")  # type: ignore[attr-defined]
     with pytest.raises(StorageError):
         u.remember("blocked")
     blocker.rollback()

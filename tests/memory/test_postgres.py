@@ -166,7 +166,7 @@ def test_api_write_into_another_tenant_is_access_denied_and_audited(
             "INSERT INTO torpor.records (tenant_id, id, kind, scope, text, created_at, "
             "valid_from) VALUES ('acme', 'x', 'fact', '', 'evil', 0, 0)"
         )
-    assert info.value.tenant == "globex"
+    assert info.value.data["tenant"] == "globex"
     denied = backend.audit_log("globex")
     assert denied and denied[0].allowed is False and denied[0].action == "smuggle"
     assert [r.text for r in backend.tenant("acme").scan(_flt(), 10) if r.text == "evil"] == []

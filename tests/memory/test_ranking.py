@@ -75,7 +75,7 @@ def test_every_option_is_tested() -> None:
 
 @pytest.mark.parametrize(("option", "value", "base"), OPTIONS)
 def test_every_option_changes_the_answer(option: str, value: object, base: HybridRanker) -> None:
-    changed = dataclasses.replace(base, **{option: value})
+    changed = dataclasses.replace(base, **{option: value})  # type: ignore[arg-type]
     assert _answer(changed.rank(_found())) != _answer(base.rank(_found()))
 
 

@@ -92,22 +92,22 @@ def test_stop_words_are_searched_only_when_content_words_leave_room(mem: Memory)
     spy = _Spy(mem.store)
     flt = RecordFilter(scopes=(u.path,), now=now_us())
     hits = recall(
-        spy,
+        spy,  # type: ignore[arg-type]
         "is the kayak mine",
         flt,
         5,
-        query_scope=u.path,  # type: ignore[arg-type]
+        query_scope=u.path,
         embedder=None,
     )
     assert spy.searches == [["kayak", "mine"]]  # 30+ content matches: no stop-word search
     assert len(hits) == 5
     spy.searches.clear()
     recall(
-        spy,
+        spy,  # type: ignore[arg-type]
         "is the canoe blue",
         flt,
         5,
-        query_scope=u.path,  # type: ignore[arg-type]
+        query_scope=u.path,
         embedder=None,
     )
     assert spy.searches == [["canoe", "blue"], ["is", "the", "canoe", "blue"]]

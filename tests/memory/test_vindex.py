@@ -28,7 +28,8 @@ def _vecs(n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     centers = np.random.default_rng(0).normal(size=(40, DIM))
     v = (centers[rng.integers(40, size=n)] + 0.35 * rng.normal(size=(n, DIM))).astype(np.float32)
-    return v / np.linalg.norm(v, axis=1, keepdims=True)
+    out: np.ndarray = v / np.linalg.norm(v, axis=1, keepdims=True)
+    return out
 
 
 @pytest.fixture

@@ -256,6 +256,7 @@ class FakeChannel:
         ns = self._proc().ram
         tree = ast.parse(code)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        assert last is None or isinstance(last, ast.Expr)
         exec(compile(tree, "<cell>", "exec"), {}, ns)
         if last is None:
             return Execution()

@@ -12,6 +12,7 @@ import pytest
 from torpor.errors import (
     Conflict,
     CorruptData,
+    EngineError,
     InvalidArgument,
     InvalidName,
     SnapshotNotFound,
@@ -205,10 +206,10 @@ def test_freeze_failure_leaves_machine_intact(
     before = sorted(x.name for x in m.iterdir())
 
     def boom(*args: str) -> None:
-        raise snapmod.EngineError("qemu-img create failed")
+        raise EngineError("qemu-img create failed")
 
     monkeypatch.setattr(snapmod, "qemu_img", boom)
-    with pytest.raises(snapmod.EngineError):
+    with pytest.raises(EngineError):
         freeze(m, p.snapshots / "frozen")
     assert sorted(x.name for x in m.iterdir()) == before
     assert backing_file(m / "disk.qcow2") == p.templates / "python" / "snapshot" / "disk.qcow2"

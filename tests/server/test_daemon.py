@@ -93,7 +93,7 @@ def test_tcp_with_tokens(home: Path, tmp_path: Path) -> None:
 
     def up() -> bool:
         try:
-            return Runtime(url=url, token=token).health()["tenant"] == "acme"
+            return bool(Runtime(url=url, token=token).health()["tenant"] == "acme")
         except TorporError:  # not listening yet
             return False
 
