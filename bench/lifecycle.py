@@ -6,8 +6,8 @@ the floor measured in the same run — how long QEMU alone takes from process st
 answers, on the same machine command line a wake uses. It then shows what a paused sandbox
 costs: no QEMU process (so no CPU and no RSS) and the disk its directory uses.
 
-    python3 bench/lifecycle.py               # 10 repetitions
-    python3 bench/lifecycle.py --reps 20 --cold   # also time one cold boot of the template
+    python3 -m bench.lifecycle               # 10 repetitions
+    python3 -m bench.lifecycle --reps 20 --cold   # also time one cold boot of the template
 
 Results go to ``bench/results/lifecycle.json``; each target prints PASS/FAIL with the ratio
 measured/target (<= 1.00 passes).

@@ -2,10 +2,10 @@
 
 Run from the repository root::
 
-    python bench/memory.py --quick                 # a smoke run, about a minute
-    python bench/memory.py                         # quality + 10k/100k/1M (long: see README)
-    python bench/memory.py --skip-scale            # quality only
-    python bench/memory.py --skip-quality --sizes 100k,1M --reps 200
+    python -m bench.memory --quick                 # a smoke run, about a minute
+    python -m bench.memory                         # quality + 10k/100k/1M (long: see README)
+    python -m bench.memory --skip-scale            # quality only
+    python -m bench.memory --skip-quality --sizes 100k,1M --reps 200
 
 Sections (each can be skipped; a run merges its sections into the existing JSON file):
 

@@ -17,8 +17,8 @@ Runs on real QEMU through :class:`torpor.sandbox.checkpoints.Checkpoints` with t
 * **floor**: a sparse copy of the template's RAM file, the cost every fork and restore pays
   (measured in the same run).
 
-    python3 bench/snapshots.py                 # 10 repetitions
-    python3 bench/snapshots.py --reps 3 --sandboxes 5   # a quick look
+    python3 -m bench.snapshots                 # 10 repetitions
+    python3 -m bench.snapshots --reps 3 --sandboxes 5   # a quick look
 
 Results go to ``bench/results/snapshots.json``; each target prints PASS/FAIL with the ratio
 measured/target (<= 1.00 passes).
