@@ -12,19 +12,36 @@ Everything lives under one home directory, ``$TORPOR_HOME`` (default
     registry.db            the server's SQLite registry
     server.sock            the local server's unix socket
     memory/<tenant>.db     the embedded memory store, one file per tenant
+
+The home is private: 0700, so no other local user reads a guest's RAM, a disk or a tenant's
+memory through it (:meth:`Paths.ensure` makes it so, and fixes, with a warning, a home found
+open); the server runs with umask 077, so what it and QEMU create is 0600 as well.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from torpor.errors import InvalidName
 
-__all__ = ["LIMITS", "NAME_RE", "Limits", "Paths", "check_name", "paths"]
+__all__ = [
+    "LIMITS",
+    "NAME_RE",
+    "Limits",
+    "Paths",
+    "check_name",
+    "make_private",
+    "paths",
+    "server_pid",
+]
+
+log = logging.getLogger(__name__)
 
 #: Names of sandboxes, templates, snapshots, volumes and drives: 1-63 characters,
 #: lowercase letters, digits, ``-``, ``_`` and ``.``, starting with a letter or digit.
@@ -108,6 +125,8 @@ class Paths:
         return self.home / "cache"
 
     def ensure(self) -> Paths:
+        """Create the home (private, see :meth:`make_private`) and its directories."""
+        self.make_private()
         for d in (
             self.templates,
             self.sandboxes,
@@ -120,6 +139,20 @@ class Paths:
         ):
             d.mkdir(parents=True, exist_ok=True)
         return self
+
+    def make_private(self) -> None:
+        """Create the home 0700, or close a home found open (see :func:`make_private`)."""
+        make_private(self.home)
+
+
+def make_private(directory: Path) -> None:
+    """Create ``directory`` 0700, or make it 0700 if it lets group or others in (logged: a home
+    found open may have leaked already). Raises OSError."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(directory.stat().st_mode)
+    if mode & 0o077:
+        directory.chmod(mode & 0o700 | 0o700)
+        log.warning("%s was readable by other users (mode %o); made it 0700", directory, mode)
 
 
 def paths(home: str | os.PathLike[str] | None = None) -> Paths:

@@ -218,3 +218,7 @@ def test_issue_scenario_through_the_sdk(served_home: Path) -> None:
     report = collect_garbage(runtime=rt)
     assert report["removed_chunks"] > 0  # the deleted snapshot's chunks, nothing else:
     assert restored.interpreter.run("1 + 1").text == "2"
+    # what the server and QEMU wrote (guest RAM, disks, state, the registry) is the owner's only
+    for f in [served_home / "registry.db", *(served_home / "sandboxes").rglob("*")]:
+        if f.is_file() and not f.is_symlink():
+            assert f.stat().st_mode & 0o077 == 0, f"{f} is readable by others"

@@ -123,6 +123,9 @@ def serve(
 
     from torpor.server.app import create_app
 
+    # What the server and its QEMU children create (RAM files, disks, state, the registry) is
+    # for the home's owner only, whatever umask it was started with.
+    os.umask(0o077)
     p = paths(home).ensure()
     tokens = TokenStore.load(token_file) if token_file is not None else None
     if host is not None and tokens is None:

@@ -9,6 +9,7 @@ lock; the 10 s busy timeout covers the wait inside SQLite itself.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from torpor.config import make_private
 from torpor.errors import CorruptData, InvalidArgument, StorageError
 
 log = logging.getLogger(__name__)
@@ -42,9 +44,11 @@ def connect(path: Path, migrations: list[str]) -> sqlite3.Connection:
     """Open (creating if needed) the database at ``path``, in WAL mode, migrated to the latest
     version. Raises :class:`CorruptData` or :class:`StorageError`."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private(path.parent)  # a tenant's rows are for the owner of the home only
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # created 0600 whatever the umask
+        os.close(fd)
     except OSError as exc:
-        raise StorageError(f"cannot create {path.parent}: {exc}", exc=exc) from exc
+        raise StorageError(f"cannot create {path}: {exc}", exc=exc) from exc
     try:
         conn = sqlite3.connect(
             path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_MS / 1000
