@@ -205,10 +205,10 @@ def test_freeze_failure_leaves_machine_intact(
     m = make_machine(p, "sb1")
     before = sorted(x.name for x in m.iterdir())
 
-    def boom(*args: str) -> None:
+    def boom(*args: Path) -> None:
         raise EngineError("qemu-img create failed")
 
-    monkeypatch.setattr(snapmod, "qemu_img", boom)
+    monkeypatch.setattr(snapmod, "new_overlay", boom)
     with pytest.raises(EngineError):
         freeze(m, p.snapshots / "frozen")
     assert sorted(x.name for x in m.iterdir()) == before

@@ -48,7 +48,7 @@ from torpor.errors import (
 )
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest
 from torpor.sandbox.storage.records import write_record
-from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, qemu_img
+from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay, rebase
 
 __all__ = [
     "FORMAT_VERSION",
@@ -152,6 +152,14 @@ def backing_chain(path: Path) -> list[Path]:
     return chain
 
 
+def _folded_copy(layer: Path, dest: Path, anchor: Path | None) -> None:
+    """Copy the qcow2 ``layer`` to ``dest`` with the local layers under it folded in, so it
+    is backed by ``anchor`` (the template's disk) alone. Raises OSError, EngineError."""
+    copy_sparse(layer, dest)
+    dest.chmod(0o600)
+    rebase(dest, anchor)
+
+
 # -- frozen dirs --------------------------------------------------------------------------------
 
 
@@ -188,20 +196,7 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
                 # Every freeze adds a layer under the machine; past a few, fold them into one
                 # layer on the template's disk so the chain (and each disk read) stays short.
                 # The old layers stay as they are for whoever else is backed by them.
-                copy_sparse(entry, tmp / entry.name)
-                (tmp / entry.name).chmod(0o600)
-                anchor = _anchor(entry, (frozen_root,))
-                qemu_img(
-                    "rebase",
-                    "-q",
-                    "-f",
-                    "qcow2",
-                    "-F",
-                    "qcow2",
-                    "-b",
-                    "" if anchor is None else str(anchor),
-                    str(tmp / entry.name),
-                )
+                _folded_copy(entry, tmp / entry.name, _anchor(entry, (frozen_root,)))
                 flattened.append(entry)
             else:
                 os.rename(entry, tmp / entry.name)
@@ -210,7 +205,7 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
         for original in [m for m, _ in moved] + flattened:
             layer = final / original.name
             fresh = original.with_name(f".{original.name}.tmp")
-            qemu_img("create", "-q", "-f", "qcow2", "-b", str(layer), "-F", "qcow2", str(fresh))
+            new_overlay(layer, fresh)
             os.replace(fresh, original)
         for f in final.iterdir():
             if not (link_ram and f.name == "ram"):  # a link shares the source's mode
@@ -316,19 +311,7 @@ class SnapshotStore:
                             # fold the local frozen layers in: rebase onto the template's disk
                             work.mkdir(exist_ok=True)
                             source = work / entry.name
-                            copy_sparse(entry, source)
-                            source.chmod(0o600)
-                            qemu_img(
-                                "rebase",
-                                "-q",
-                                "-f",
-                                "qcow2",
-                                "-F",
-                                "qcow2",
-                                "-b",
-                                "" if anchor is None else str(anchor),
-                                str(source),
-                            )
+                            _folded_copy(entry, source, anchor)
                         anchors[entry.name] = None if anchor is None else _identity(anchor)
                     fm = self.chunks.put_file(source)
                     files[entry.name] = fm.to_json()

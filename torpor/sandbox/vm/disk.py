@@ -2,7 +2,8 @@
 
 * :func:`copy_sparse` — copy a (mostly sparse) RAM file or image: a reflink where the file
   system can, else only its data extents; across file systems too.
-* :func:`qemu_img` — run ``qemu-img`` (overlays, conversions), errors as EngineError.
+* :func:`qemu_img` — run ``qemu-img``, errors as EngineError; :func:`new_overlay` and
+  :func:`rebase` for the two things every layer does with it.
 * :func:`write_atomic` — a file appears whole or not at all (tmp + fsync + rename + dir fsync).
 * :func:`fsync_dir` — make the renames and unlinks in a directory durable.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from torpor.errors import EngineError
 
-__all__ = ["copy_sparse", "fsync_dir", "qemu_img", "write_atomic"]
+__all__ = ["copy_sparse", "fsync_dir", "new_overlay", "qemu_img", "rebase", "write_atomic"]
 
 _FICLONE = 0x40049409  # ioctl: share the source's extents (btrfs, xfs)
 #: errors after which copy_file_range cannot work between these two files: copy by hand
@@ -83,6 +84,27 @@ def qemu_img(*args: str) -> None:
         raise EngineError(f"cannot run qemu-img: {exc}", exc=exc) from exc
     if proc.returncode != 0:
         raise EngineError(f"qemu-img {args[0]} failed: {proc.stderr.strip()}")
+
+
+def new_overlay(backing: Path, path: Path) -> None:
+    """Make ``path`` a new, empty qcow2 overlay on ``backing`` (a qcow2). Raises EngineError."""
+    qemu_img("create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(path))
+
+
+def rebase(path: Path, backing: Path | None) -> None:
+    """Rewrite the qcow2 ``path`` onto ``backing`` (None: standalone), folding in the layers
+    between them, so the image reads the same. Raises EngineError."""
+    qemu_img(
+        "rebase",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "qcow2",
+        "-b",
+        "" if backing is None else str(backing),
+        str(path),
+    )
 
 
 def fsync_dir(path: Path, *, missing_ok: bool = False) -> None:

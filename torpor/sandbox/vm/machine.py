@@ -43,7 +43,7 @@ from typing import Any
 from qemu.qmp import QMPClient, QMPError
 
 from torpor.errors import EngineError, InvalidArgument, InvalidState
-from torpor.sandbox.vm.disk import fsync_dir, qemu_img
+from torpor.sandbox.vm.disk import fsync_dir, new_overlay
 from torpor.sandbox.vm.machine_dir import (
     MACHINE_TYPE,
     MIGRATE_TIMEOUT,
@@ -305,17 +305,7 @@ class QemuMachine:
             discard_state(self.directory)
             disk = self.directory / "disk.qcow2"
             if not disk.exists():
-                qemu_img(
-                    "create",
-                    "-q",
-                    "-f",
-                    "qcow2",
-                    "-F",
-                    "qcow2",
-                    "-b",
-                    str(self.template.base_image),
-                    str(disk),
-                )
+                new_overlay(Path(self.template.base_image), disk)
             with open(self.directory / "ram", "wb") as f:  # noqa: ASYNC230 (a sparse RAM file)
                 f.truncate(config["memory_mib"] * 1024 * 1024)
             write_machine_json(self.directory, config)

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 from torpor.config import check_name
 from torpor.errors import EngineError, InvalidArgument, InvalidState
-from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, qemu_img, write_atomic
+from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay, write_atomic
 
 __all__ = [
     "MACHINE_TYPE",
@@ -455,17 +455,7 @@ def clone_machine_dir(src: Path, dst: Path) -> None:
         config = read_machine_json(src)
         config.pop("vmgenid", None)  # a clone is a new generation: its first wake picks one
         (dst / "machine.json").write_text(json.dumps(config, indent=2))
-        qemu_img(
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            str(src / "disk.qcow2"),
-            str(dst / "disk.qcow2"),
-        )
+        new_overlay(src / "disk.qcow2", dst / "disk.qcow2")
         shutil.copyfile(src / "state", dst / "state.tmp")
         with open(dst / "state.tmp", "rb") as f:
             os.fsync(f.fileno())
