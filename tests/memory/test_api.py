@@ -133,6 +133,12 @@ def test_batched_writes(hmem: Memory) -> None:
         pytest.param(lambda u: u.recall(""), id="query"),
         pytest.param(lambda u: u.recall("x", kind="note"), id="kind"),
         pytest.param(lambda u: u.context("x", budget_tokens=0), id="budget"),
+        pytest.param(lambda u: u.remember("bad \ud800 text"), id="lone-surrogate"),
+        pytest.param(lambda u: u.log("user", "x \udfff"), id="lone-surrogate-log"),
+        pytest.param(lambda u: u.remember("x", metadata={"k": ["\ud800"]}), id="surrogate-meta"),
+        pytest.param(lambda u: u.remember("x", metadata=_nested(600)), id="deep-metadata"),
+        pytest.param(lambda u: u.set_profile(_nested(600)), id="deep-profile"),
+        pytest.param(lambda u: u.recall("where \ud800"), id="surrogate-query"),
     ],
 )
 def test_bad_input_is_typed_and_writes_nothing(mem: Memory, bad: object) -> None:
@@ -140,6 +146,27 @@ def test_bad_input_is_typed_and_writes_nothing(mem: Memory, bad: object) -> None
     with pytest.raises(InvalidArgument):
         bad(u)  # type: ignore[operator]
     assert list(mem.store.iter_records("")) == []
+    assert u.get_profile() == {}
+
+
+def _nested(depth: int) -> dict[str, object]:
+    doc: dict[str, object] = {"leaf": 1}
+    for _ in range(depth):
+        doc = {"a": doc}
+    return doc
+
+
+def test_nesting_up_to_the_limit_is_kept(mem: Memory) -> None:
+    u = mem.scope(app="a", user="u")
+    u.set_profile(_nested(20))
+    assert u.get_profile() != {}
+
+
+def test_hybrid_recall_refuses_a_lone_surrogate(hmem: Memory) -> None:
+    u = hmem.scope(app="a", user="u")
+    u.remember("lives in Lisbon")
+    with pytest.raises(InvalidArgument, match="surrogate"):
+        u.recall("where do I live \ud800")
 
 
 def test_oversized_text(mem: Memory) -> None:

@@ -24,6 +24,8 @@ from torpor.memory.models import Durability, Policy, SourceRef, to_us
 __all__ = ["expiry", "key", "metadata", "profile", "source", "text", "time", "ttl"]
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
+#: how deep metadata and profiles may nest (a JSON document, not a recursion bomb)
+MAX_DEPTH = 32
 _META_KEY_RE = re.compile(r'^[^"\\]{1,200}$')
 
 
@@ -33,6 +35,7 @@ def text(text: object, what: str = "text") -> str:
         raise InvalidArgument(f"{what} must be a non-empty string")
     if "\x00" in text:  # PostgreSQL cannot store it; refuse it on every backend alike
         raise InvalidArgument(f"{what} must not contain NUL characters")
+    _encodable(text, what)
     if len(text) > LIMITS.max_memory_text_chars:
         raise PayloadTooLarge(
             f"{what} is {len(text)} characters, over the limit of {LIMITS.max_memory_text_chars}",
@@ -42,40 +45,54 @@ def text(text: object, what: str = "text") -> str:
     return text
 
 
-def _has_nul(value: object) -> bool:
-    """True if a NUL character hides anywhere in a JSON-like value (keys included).
-
-    Checked on the values, not on their JSON text: a literal backslash-u-0000 string is text,
-    not a NUL, and its encoding contains the same six characters."""
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, Mapping):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return any(_has_nul(v) for v in value)
-    return False
+def _encodable(value: str, what: str) -> None:
+    """Refuse a lone surrogate (``"\\ud800"``): no store can encode it as UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(
+            f"{what} is not valid Unicode (a lone surrogate at position {exc.start})"
+        ) from None
 
 
-def metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+def _strings(value: object, what: str) -> None:
+    """Check every string in a JSON-like value (keys included) and its depth, without
+    recursion: no NUL (checked on the values, not on their JSON text: a literal
+    backslash-u-0000 string is text), no lone surrogate, at most :data:`MAX_DEPTH` levels."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                raise InvalidArgument(f"{what} must not contain NUL characters")
+            _encodable(item, what)
+            continue
+        if isinstance(item, Mapping | list | tuple):
+            if depth >= MAX_DEPTH:
+                raise InvalidArgument(f"{what} nests deeper than {MAX_DEPTH} levels")
+            children = [*item.keys(), *item.values()] if isinstance(item, Mapping) else item
+            stack.extend((child, depth + 1) for child in children)
+
+
+def metadata(metadata: Mapping[str, Any] | None, what: str = "metadata") -> dict[str, Any]:
     """A JSON-serializable mapping with valid keys and no NUL, its JSON within the limit."""
     if metadata is None:
         return {}
     if not isinstance(metadata, Mapping):
-        raise InvalidArgument("metadata must be a mapping")
+        raise InvalidArgument(f"{what} must be a mapping")
     out = dict(metadata)
     for k in out:
         if not isinstance(k, str) or not _META_KEY_RE.match(k):
-            raise InvalidArgument(f"invalid metadata key {k!r}")
+            raise InvalidArgument(f"invalid {what} key {k!r}")
+    _strings(out, what)  # before json.dumps: it recurses, and would pass a surrogate
     try:
         encoded = json.dumps(out)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"metadata must be JSON-serializable: {exc}") from None
-    if _has_nul(out):
-        raise InvalidArgument("metadata must not contain NUL characters")
+        raise InvalidArgument(f"{what} must be JSON-serializable: {exc}") from None
     size = len(encoded)
     if size > LIMITS.max_memory_text_chars:
         raise PayloadTooLarge(
-            f"metadata is {size} characters of JSON", size=size, limit=LIMITS.max_memory_text_chars
+            f"{what} is {size} characters of JSON", size=size, limit=LIMITS.max_memory_text_chars
         )
     return out
 

@@ -369,7 +369,7 @@ class ScopedMemory:
         Raises :class:`SchemaViolation`, :class:`InvalidArgument`."""
         self.memory.access.require("write", self.path, "set_profile")
         old = self.memory.store.get_profile(self.path)
-        doc = {**(old.data if (merge and old) else {}), **check.metadata(data)}
+        doc = {**(old.data if (merge and old) else {}), **check.metadata(data, "profile")}
         json_schema = check.profile(doc, schema, old.json_schema if old else None)
         return self.memory.store.put_profile(
             Profile(
