@@ -24,6 +24,7 @@ from torpor.errors import (
     SandboxClosed,
     SandboxNotFound,
     StateLost,
+    StorageError,
     TemplateNotFound,
 )
 from torpor.sandbox.manager import SandboxManager
@@ -167,6 +168,30 @@ def test_pause_waits_for_calls_in_flight(home: Path) -> None:
         await asyncio.sleep(0.05)
         await mgr.pause(info.id)
         assert (await slow).exit_code == 0  # the command finished before the machine paused
+        assert (await mgr.get(info.id)).state is S.PAUSED
+
+    with_manager(home, body)
+
+
+def test_a_failed_touch_leaks_no_call_in_flight(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registry cannot record activity (a full disk): the call fails, typed, and holds
+    nothing, so pause and close still finish (the in-flight count once leaked and hung them)."""
+
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        real = mgr.registry.touch
+
+        def full_disk(sandbox_id: str) -> None:
+            raise StorageError("database or disk is full")
+
+        monkeypatch.setattr(mgr.registry, "touch", full_disk)
+        with pytest.raises(StorageError):
+            await mgr.run_command(info.id, "echo hi")
+        monkeypatch.setattr(mgr.registry, "touch", real)
+        assert mgr.live(info.id).busy == 0
+        await asyncio.wait_for(mgr.pause(info.id), 30)  # a leak would wait here for ever
         assert (await mgr.get(info.id)).state is S.PAUSED
 
     with_manager(home, body)

@@ -222,8 +222,8 @@ class SandboxManager(ManagerCore):
             channel = live.channel
             if channel is None:
                 raise GuestError(f"sandbox {rec.id} has no guest channel", sandbox_id=rec.id)
-            live.busy += 1
-            self.registry.touch(rec.id)
+            self.registry.touch(rec.id)  # first: if it raises, nothing is held yet
+            live.busy += 1  # from here on, the finally below releases it
         try:
             yield channel
         except (GuestError, EngineError):
