@@ -43,6 +43,7 @@ class FakeWorld:
     """Process table shared by engines: directory -> running fake QEMU."""
 
     processes: dict[Path, FakeProcess] = field(default_factory=dict)
+    trimmed: list[Path] = field(default_factory=list)  # directories whose logs were trimmed
 
 
 class FakeEngine:
@@ -107,6 +108,9 @@ class FakeEngine:
 
     def terminate(self, directory: Path) -> None:
         self.world.processes.pop(directory, None)
+
+    def trim_logs(self, directory: Path) -> None:
+        self.world.trimmed.append(directory)
 
     def crash(self, directory: Path) -> None:
         """SIGKILL the fake QEMU of ``directory``: RAM gone, files kept."""

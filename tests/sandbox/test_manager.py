@@ -470,6 +470,21 @@ def test_idle_sweep(home: Path) -> None:
     with_manager(home, body)
 
 
+def test_the_supervisor_trims_the_logs_of_running_sandboxes(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        running = await mgr.create()
+        paused = await mgr.create()
+        await mgr.pause(paused.id)
+        task = asyncio.create_task(mgr.supervise(interval=0.01))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        trimmed = set(engine.world.trimmed)
+        assert mgr.directory(running.id) in trimmed
+        assert mgr.directory(paused.id) not in trimmed  # no QEMU writes its console
+
+    with_manager(home, body)
+
+
 def test_supervisor_pauses_idle_sandboxes(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
         await mgr.start(interval=0.05)

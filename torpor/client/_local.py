@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from torpor._tail import log_tail
 from torpor.config import Paths
 from torpor.errors import ServerUnavailable
 
@@ -40,13 +41,6 @@ def is_alive(socket_path: Path, *, timeout: float = 2.0) -> bool:
             return c.get("/v1/health").status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _log_tail(log_file: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(log_file.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def ensure_local_server(p: Paths, *, timeout: float = 120.0) -> None:
@@ -87,12 +81,12 @@ def ensure_local_server(p: Paths, *, timeout: float = 120.0) -> None:
                 if server_pid(p.home) is None:
                     raise ServerUnavailable(
                         f"the local torpor server exited with code {proc.returncode}:\n"
-                        f"{_log_tail(log_file)}",
+                        f"{log_tail(log_file, 15)}",
                         log=str(log_file),
                     )
             time.sleep(0.1)
         raise ServerUnavailable(
             f"the local torpor server did not answer within {timeout:.0f} s:\n"
-            f"{_log_tail(log_file)}",
+            f"{log_tail(log_file, 15)}",
             log=str(log_file),
         )

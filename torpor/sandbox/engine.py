@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from torpor._tail import LOG_KEEP, trim_log
 from torpor.config import Paths
 from torpor.errors import EngineError, InvalidArgument
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
@@ -142,6 +143,9 @@ class Engine(Protocol):
     def terminate(self, directory: Path) -> None:
         """Kill (SIGKILL) any QEMU still running on ``directory``; files are kept."""
 
+    def trim_logs(self, directory: Path) -> None:
+        """Keep the logs a running machine writes (its guest's console) within their bound."""
+
 
 class QemuEngine:
     """The real backend: QEMU machines from ``torpor.sandbox.vm.machine`` on templates from
@@ -223,6 +227,15 @@ class QemuEngine:
             await machine.qmp("cont")
         result: Machine = machine
         return result
+
+    def trim_logs(self, directory: Path) -> None:
+        try:
+            if trim_log(directory / "console.log"):
+                log.info(
+                    "%s: console.log trimmed to its last %d KiB", directory.name, LOG_KEEP >> 10
+                )
+        except OSError as exc:
+            log.warning("cannot trim the console log of %s: %s", directory.name, exc)
 
     def terminate(self, directory: Path) -> None:
         pid = self.inspect(directory).qemu_pid

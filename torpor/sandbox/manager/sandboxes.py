@@ -347,9 +347,17 @@ class SandboxManager(ManagerCore):
         while True:
             try:
                 await self.idle_sweep()
+                self.trim_logs()
             except Exception:  # keep supervising; a bad sweep must not end idle pausing
                 log.exception("idle sweep failed")
             await asyncio.sleep(interval)
+
+    def trim_logs(self) -> None:
+        """Keep each running machine's logs within their bound (a guest can print gigabytes
+        of console a day; its directory must not grow with them)."""
+        for sandbox_id, live in builtins.list(self._lives.items()):
+            if live.machine is not None:
+                self.engine.trim_logs(self.directory(sandbox_id))
 
     async def start(self, *, supervise: bool = True, interval: float = 1.0) -> None:
         """Reconcile the registry with the sandbox directories after a (re)start, then start

@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from torpor._tail import log_tail
 from torpor.config import check_name, paths
 from torpor.errors import EngineError, GuestError, StorageError, TemplateNotFound, TorporError
 from torpor.sandbox.template import rootfs as _rootfs
@@ -376,11 +377,7 @@ def _ping_lines(sock: Path) -> bool:
 def _console_tail(console: Path | None, lines: int = 25) -> str:
     if console is None:
         return ""
-    try:
-        text = console.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return ""
-    return "--- console.log ---\n" + "\n".join(text)
+    return "--- console.log ---\n" + log_tail(console, lines)
 
 
 def _publish(info: TemplateInfo) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 
 from qemu.qmp import QMPClient, QMPError
 
+from torpor._tail import log_tail
 from torpor.errors import EngineError, InvalidArgument, InvalidState
 from torpor.sandbox.vm.disk import fsync_dir, new_overlay
 from torpor.sandbox.vm.machine_dir import (
@@ -66,7 +67,6 @@ from torpor.sandbox.vm.machine_dir import (
     read_machine_json,
     share_args,
     socket_path,
-    tail_text,
     write_machine_json,
 )
 
@@ -128,7 +128,7 @@ class QemuMachine:
 
     def console_tail(self, lines: int = 30) -> str:
         """The last lines of the guest's serial console (for error messages)."""
-        return tail_text(self.console_log, lines)
+        return log_tail(self.console_log, lines)
 
     def _require_stopped(self, op: str) -> None:
         if self.is_running() or qemu_pid(self.directory) is not None:
@@ -213,7 +213,7 @@ class QemuMachine:
         code = self._proc.poll() if self._proc is not None else None
         return (
             f"{what} (exit status {code})\n--- qemu.log ---\n"
-            f"{tail_text(self.directory / 'qemu.log', 15)}\n--- console.log ---\n"
+            f"{log_tail(self.directory / 'qemu.log', 15)}\n--- console.log ---\n"
             f"{self.console_tail()}"
         )
 

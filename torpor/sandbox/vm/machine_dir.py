@@ -347,14 +347,6 @@ def write_machine_json(directory: Path, config: dict[str, Any]) -> None:
     write_atomic(directory / "machine.json", json.dumps(config, indent=2).encode())
 
 
-def tail_text(path: Path, lines: int = 30) -> str:
-    """The last ``lines`` lines of a log file (empty if unreadable), for error messages."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
