@@ -105,6 +105,47 @@ def test_flipped_byte_fails_restore_naming_the_snapshot(tmp_path: Path) -> None:
     assert set(store.frozen_root.iterdir()) == before  # nothing half-made left
 
 
+def _flip_a_byte(store: SnapshotStore, chunk: str) -> None:
+    path = store.chunks.path_of(chunk)
+    blob = bytearray(path.read_bytes())
+    blob[-3] ^= 0x40
+    path.chmod(0o600)
+    path.write_bytes(bytes(blob))
+
+
+def test_one_bad_chunk_does_not_poison_later_snapshots(tmp_path: Path) -> None:
+    """A chunk that fails its check is quarantined, so the next snapshot of the same data
+    writes it again, and the earlier snapshot that names it reads again too."""
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    m = make_machine(p, "sb1")
+    first = store.save(freeze(m, store.frozen_root), name="first")
+    for chunk in list(store.chunks):
+        _flip_a_byte(store, chunk)
+    with pytest.raises(CorruptData):
+        store.materialize(first.id)  # the first bad read quarantines what it reads
+    report = store.verify()  # the scrub quarantines the rest and names who is hurt
+    assert report["affected"].keys() <= {first.id}
+    assert not list(store.chunks)  # every flipped chunk moved aside
+    second = store.save(freeze(m, store.frozen_root), name="second")  # same data, rewritten
+    store.materialize(second.id)
+    store.materialize(first.id)  # healed by content addressing
+    assert store.verify()["bad_chunks"] == []
+
+
+def test_a_scrub_names_the_snapshots_a_bad_chunk_affects(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    info = store.save(freeze(make_machine(p, "sb1"), store.frozen_root), name="s")
+    assert store.verify() == {"chunks": len(list(store.chunks)), "bad_chunks": [], "affected": {}}
+    chunk = sorted(store.chunks)[0]
+    _flip_a_byte(store, chunk)
+    report = store.verify()
+    assert report["bad_chunks"] == [chunk]
+    assert report["affected"] == {info.id: [chunk]}
+    assert (store.chunks.root / "quarantine" / f"{chunk}.zst").exists()
+
+
 def test_tampered_manifest_is_not_listed(tmp_path: Path) -> None:
     p = make_home(tmp_path)
     store = SnapshotStore(p)

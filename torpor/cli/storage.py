@@ -212,9 +212,31 @@ def gc(
     _table(["what", "count" if not dry_run else "would remove"], rows)
 
 
+storage_app = typer.Typer(help="The chunk store snapshots live in.", no_args_is_help=True)
+
+
+@storage_app.command("verify")
+def storage_verify() -> None:
+    """Read back every chunk a snapshot names (a scrub of the home's store); quarantine bad
+    ones and list the snapshots they affect. Exits 1 when any chunk is bad.
+
+    Example: torpor storage verify
+    """
+    from torpor.config import paths
+    from torpor.sandbox.storage.snapshots import SnapshotStore
+
+    report = SnapshotStore(paths()).verify()
+    rows = [[sid, ", ".join(d[:12] for d in chunks)] for sid, chunks in report["affected"].items()]
+    typer.echo(f"{report['chunks']} chunks checked, {len(report['bad_chunks'])} bad")
+    if rows:
+        _table(["snapshot", "bad chunks (quarantined)"], rows)
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``gc`` and the ``snapshot``, ``volume``, ``drive`` groups to the ``torpor`` app."""
+    """Add ``gc`` and the ``snapshot``, ``volume``, ``drive``, ``storage`` groups."""
     app.command("gc")(gc)
+    app.add_typer(storage_app, name="storage")
     app.add_typer(snapshot_app, name="snapshot")
     app.add_typer(volume_app, name="volume")
     app.add_typer(drive_app, name="drive")

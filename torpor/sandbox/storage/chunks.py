@@ -166,22 +166,53 @@ class ChunkStore:
                 snapshot_id=snapshot_id,
                 chunk=digest,
             ) from exc
-        try:
-            data = zstandard.ZstdDecompressor().decompress(blob)
-        except zstandard.ZstdError as exc:
+        data = self._decode(digest, blob)
+        if data is None:
+            self._quarantine(digest)
             raise CorruptData(
-                f"{who}chunk {digest[:12]} cannot be decompressed",
-                exc=exc,
-                snapshot_id=snapshot_id,
-                chunk=digest,
-            ) from exc
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise CorruptData(
-                f"{who}chunk {digest[:12]} does not match its hash",
+                f"{who}chunk {digest[:12]} is corrupt (quarantined: the next snapshot holding "
+                "the same data writes it again, and every snapshot naming it reads again)",
                 snapshot_id=snapshot_id,
                 chunk=digest,
             )
         return data
+
+    @staticmethod
+    def _decode(digest: str, blob: bytes) -> bytes | None:
+        """The chunk's data, or None when it does not decompress or match its name."""
+        try:
+            data = zstandard.ZstdDecompressor().decompress(blob)
+        except zstandard.ZstdError:
+            return None
+        return data if hashlib.sha256(data).hexdigest() == digest else None
+
+    def _quarantine(self, digest: str) -> None:
+        """Move a bad chunk aside (``quarantine/``), so a put of the same data rewrites it
+        instead of trusting it: one flipped byte must not poison every later snapshot."""
+        bad = self.root / "quarantine" / f"{digest}.zst"
+        try:
+            bad.parent.mkdir(exist_ok=True)
+            os.replace(self.path_of(digest), bad)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.error("cannot quarantine chunk %s: %s", digest[:12], exc)
+            return
+        log.error("chunk %s failed its check; moved to %s", digest[:12], bad)
+
+    def verify(self, digest: str) -> bool:
+        """True if chunk ``digest`` reads back whole; a bad one is quarantined. A missing one
+        is False. Raises StorageError when the file cannot be read."""
+        try:
+            blob = self.path_of(digest).read_bytes()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"cannot read chunk {digest[:12]}: {exc}", exc=exc) from exc
+        if self._decode(digest, blob) is None:
+            self._quarantine(digest)
+            return False
+        return True
 
     def remove(self, digest: str) -> int:
         """Delete a chunk; return the bytes freed (0 if it was not there)."""

@@ -498,6 +498,27 @@ class SnapshotStore:
         log.info("materialized snapshot %s into %s", info.id, fid)
         return final
 
+    def verify(self) -> dict[str, Any]:
+        """Scrub the store: read back every chunk a manifest names, quarantine the bad ones and
+        say which snapshots they belong to. A snapshot whose chunks are bad or missing reads
+        again once a later snapshot stores the same data (chunks are named by content).
+
+        Returns ``{"chunks": checked, "bad_chunks": [...], "affected": {snapshot_id: [chunk,
+        ...]}}``. Raises StorageError when a chunk cannot be read at all."""
+        users: dict[str, list[str]] = {}
+        for info, body in self.manifests():
+            for fm in body["files"].values():
+                for digest in FileManifest.from_json(fm).hashes():
+                    users.setdefault(digest, []).append(info.id)
+        bad = sorted(d for d in users if not self.chunks.verify(d))
+        affected: dict[str, list[str]] = {}
+        for digest in bad:
+            for sid in users[digest]:
+                affected.setdefault(sid, []).append(digest)
+        if bad:
+            log.error("scrub: %d bad chunk(s) in %d snapshot(s)", len(bad), len(affected))
+        return {"chunks": len(users), "bad_chunks": bad, "affected": affected}
+
     def referenced_chunks(self) -> set[str]:
         """Every chunk some manifest names (expired ones included: GC deletes those first)."""
         refs: set[str] = set()
