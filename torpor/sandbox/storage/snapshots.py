@@ -30,7 +30,7 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -163,21 +163,35 @@ def _folded_copy(layer: Path, dest: Path, anchor: Path | None) -> None:
 # -- frozen dirs --------------------------------------------------------------------------------
 
 
+#: Called with the name of each step of :func:`freeze` as it completes; tests raise from it to
+#: stop the process at an exact point (a crash), as the manager's ``on_step`` does for pause.
+failpoint: Callable[[str], None] | None = None
+
+
+def _step(name: str) -> None:
+    if failpoint is not None:
+        failpoint(name)
+
+
 def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> Path:
     """Make an immutable local copy of the hibernated machine in ``machine_dir``.
 
     The machine must not be running. Returns the new frozen dir. Regular files are copied
-    sparsely; each qcow2 overlay is moved into the frozen dir and replaced in ``machine_dir`` by a
-    new overlay backed by it (same guest-visible content). ``link_ram``: hard-link the RAM file
-    instead of copying it — only for a caller that clones it and removes the link before the
-    machine runs again (a fork). On failure the machine dir is left as it was and no frozen dir
-    remains. Raises StorageError / EngineError.
+    sparsely; each qcow2 overlay is hard-linked into the frozen dir, and only once that dir is
+    whole and durable is the overlay in ``machine_dir`` swapped (rename) for a new overlay
+    backed by it (same guest-visible content). So at every instant ``machine_dir`` holds a
+    whole disk: the old overlay, or the new one over the frozen layer; a crash at any point
+    loses nothing (a frozen dir left unreferenced is only extra links, for GC). ``link_ram``:
+    hard-link the RAM file instead of copying it — only for a caller that clones it and removes
+    the link before the machine runs again (a fork). On failure the machine dir is left as it
+    was and no frozen dir remains. Raises StorageError / EngineError.
     """
     frozen_root.mkdir(parents=True, exist_ok=True)
     fid = f"frz-{uuid.uuid4().hex[:12]}"
     tmp = frozen_root / f".{fid}.tmp"
     final = frozen_root / fid
-    moved: list[tuple[Path, Path]] = []
+    layers: list[Path] = []  # the machine's qcow2 files, to swap for overlays on the frozen dir
+    swapped: list[Path] = []
     try:
         tmp.mkdir()
         for entry in sorted(machine_dir.iterdir()):
@@ -187,39 +201,38 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
                 os.link(entry, tmp / entry.name)
             elif not is_qcow2(entry):
                 copy_sparse(entry, tmp / entry.name)
-        flattened: list[Path] = []
-        for entry in sorted(machine_dir.iterdir()):
-            if not entry.is_file() or entry.is_symlink() or not is_qcow2(entry):
-                continue
-            local = [b for b in backing_chain(entry) if _under(b, frozen_root)]
-            if len(local) >= MAX_LOCAL_LAYERS:
+            elif len([b for b in backing_chain(entry) if _under(b, frozen_root)]) >= (
+                MAX_LOCAL_LAYERS
+            ):
                 # Every freeze adds a layer under the machine; past a few, fold them into one
                 # layer on the template's disk so the chain (and each disk read) stays short.
                 # The old layers stay as they are for whoever else is backed by them.
                 _folded_copy(entry, tmp / entry.name, _anchor(entry, (frozen_root,)))
-                flattened.append(entry)
+                layers.append(entry)
             else:
-                os.rename(entry, tmp / entry.name)
-                moved.append((entry, tmp / entry.name))
+                os.link(entry, tmp / entry.name)  # the machine keeps its disk meanwhile
+                layers.append(entry)
+        _step("freeze:copied")
         os.rename(tmp, final)
-        for original in [m for m, _ in moved] + flattened:
-            layer = final / original.name
+        fsync_dir(frozen_root)  # the frozen dir is durable before anything depends on it
+        _step("freeze:published")
+        for original in layers:
             fresh = original.with_name(f".{original.name}.tmp")
-            new_overlay(layer, fresh)
-            os.replace(fresh, original)
+            new_overlay(final / original.name, fresh)
+            os.replace(fresh, original)  # atomic: the old overlay or the new one, never none
+            swapped.append(original)
+            _step("freeze:swapped")
+        fsync_dir(machine_dir)
         for f in final.iterdir():
             if not (link_ram and f.name == "ram"):  # a link shares the source's mode
                 f.chmod(0o400)  # a frozen layer is never written again
-        fsync_dir(machine_dir)
-        fsync_dir(frozen_root)
     except (OSError, StorageError, EngineError) as exc:
         base = final if final.exists() else tmp
-        for original in flattened:  # its overlay was never swapped: drop the spare
+        for original in layers:  # a spare overlay never swapped in
             original.with_name(f".{original.name}.tmp").unlink(missing_ok=True)
-        for original, _ in moved:  # put the machine back as it was
+        for original in swapped:  # put the machine's own layer back as it was
             with contextlib.suppress(OSError):
-                original.unlink(missing_ok=True)
-                os.rename(base / original.name, original)
+                os.replace(base / original.name, original)
         shutil.rmtree(base, ignore_errors=True)
         if isinstance(exc, OSError):
             raise StorageError(f"cannot freeze {machine_dir.name}: {exc}", exc=exc) from exc

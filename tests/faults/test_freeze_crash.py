@@ -1,0 +1,66 @@
+"""A crash at every step of freezing a sandbox (under snapshot and fork) loses nothing.
+
+Freezing once moved the machine's disk into the frozen dir before its replacement overlay
+existed: a SIGKILL in between left a sandbox with no disk, and GC offered to delete the orphan
+that held the only copy. Each step here is a deterministic crash point (``snapshots.failpoint``
+raising a BaseException nothing catches, as a dying process would); after each, as after a
+restart, GC runs, and the machine must still hold its whole disk and freeze again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox.storage_helpers import make_home, make_machine, qemu_io
+from torpor.sandbox.storage import snapshots as snapmod
+from torpor.sandbox.storage.retention import collect_garbage
+from torpor.sandbox.storage.snapshots import SnapshotStore, freeze, is_qcow2
+
+
+class Crash(BaseException):
+    """The process dies here (nothing below catches a BaseException)."""
+
+
+@pytest.fixture
+def crash_at(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    steps: list[str] = []  # steps[0]: where to crash
+
+    def failpoint(name: str) -> None:
+        if steps and name == steps[0]:
+            raise Crash(name)
+
+    monkeypatch.setattr(snapmod, "failpoint", failpoint)
+    yield steps
+
+
+def _disk_is_whole(machine: Path) -> None:
+    disk = machine / "disk.qcow2"
+    assert is_qcow2(disk)
+    assert "read 65536" in qemu_io(disk, "read -P 0x42 2M 64k")  # the machine's own write
+    assert "read 1048576" in qemu_io(disk, "read -P 0x11 0 1M")  # the template's data
+
+
+@pytest.mark.parametrize("step", ["freeze:copied", "freeze:published", "freeze:swapped"])
+@pytest.mark.parametrize("link_ram", [False, True], ids=["snapshot", "fork"])
+def test_a_crash_at_any_step_of_a_freeze_loses_nothing(
+    tmp_path: Path, crash_at: list[str], step: str, link_ram: bool
+) -> None:
+    p = make_home(tmp_path)
+    machine = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    crash_at.append(step)
+    with pytest.raises(Crash):
+        freeze(machine, store.frozen_root, link_ram=link_ram)
+    crash_at.clear()
+    _disk_is_whole(machine)
+    collect_garbage(p)  # after the restart: GC must not take what the machine stands on
+    _disk_is_whole(machine)
+    qemu_io(machine / "disk.qcow2", "write -P 0x55 6M 64k")  # the machine runs on
+    frozen = freeze(machine, store.frozen_root)  # and freezes again
+    info = store.save(frozen, name="after-crash")
+    out = store.materialize(info.id)
+    assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x55 6M 64k")
+    assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x42 2M 64k")
