@@ -18,7 +18,6 @@ Every call that acts inside a paused sandbox wakes it first (the server does it)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Self, TypeVar
 from urllib.parse import quote
@@ -29,10 +28,10 @@ from torpor.client.checkpoints import ForkMethod, Snapshot, create_sandbox, snap
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.errors import NotFound, SandboxClosed, ServerUnavailable, from_wire
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
+from torpor.types import OutputCallback
 
 __all__ = ["Commands", "Files", "Interpreter", "Sandbox"]
 
-OutputCallback = Callable[[str], Any]
 M = TypeVar("M", bound=BaseModel)
 
 #: Extra seconds the HTTP call may take beyond a command's own timeout (waking the sandbox).

@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -36,13 +35,12 @@ from torpor.errors import (
 )
 from torpor.sandbox.guest import protocol as proto
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, ExecutionError, Result
+from torpor.types import OutputCallback
 
-__all__ = ["GuestChannel", "OutputCallback"]
+__all__ = ["GuestChannel"]
 
 log = logging.getLogger(__name__)
 
-#: called with each decoded chunk of stdout/stderr; may return an awaitable
-OutputCallback = Callable[[str], Any]
 #: extra seconds the host waits past a command's own timeout (the guest enforces that one)
 TIMEOUT_GRACE = 15.0
 #: the first ping's first retry (seconds); later retries back off by 1.5x up to 1 s

@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,12 +22,11 @@ from typing import Any, Protocol
 from torpor.config import Paths
 from torpor.errors import EngineError, InvalidArgument
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
+from torpor.types import OutputCallback
 
 __all__ = ["Channel", "DirStatus", "Engine", "Machine", "MachineConfig", "QemuEngine"]
 
 log = logging.getLogger(__name__)
-
-OutputCallback = Callable[[str], Any]
 
 
 @dataclass(frozen=True)

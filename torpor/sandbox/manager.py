@@ -26,7 +26,7 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -44,12 +44,11 @@ from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.types import OutputCallback
 
 __all__ = ["SYNC_TIMEOUT", "SandboxManager", "StepHook"]
 
 log = logging.getLogger(__name__)
-
-OutputCallback = Callable[[str], Any]
 
 
 class SandboxManager(SandboxSteps):
