@@ -27,24 +27,34 @@ from pydantic import BaseModel
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.sandbox.drives import DriveInfo
 from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.requests import (
+    DriveSpec,
+    ForkSpec,
+    GcSpec,
+    RestoreSpec,
+    SnapshotSpec,
+    Spec,
+    VolumeSpec,
+)
 from torpor.sandbox.snapshots import SnapshotInfo
 from torpor.sandbox.volumes import VolumeInfo
+from torpor.types import Labels
 
 if TYPE_CHECKING:
     from torpor.client.sandbox import Sandbox
 
 __all__ = [
+    "LONG_TIMEOUT",
     "Drive",
     "ForkMethod",
     "Snapshot",
     "Volume",
     "collect_garbage",
-    "create_sandbox",
     "snapshot_sandbox",
 ]
 
-#: snapshots, restores and forks copy RAM and wake machines: give them time
-_LONG = 600.0
+#: seconds to wait for snapshots, restores and forks: they copy RAM and wake machines
+LONG_TIMEOUT = 600.0
 
 
 class _Named(Protocol):
@@ -120,48 +130,51 @@ class Snapshot(_Resource[SnapshotInfo]):
         """Delete the snapshot (its storage is reclaimed by the next GC)."""
         self._delete()
 
-    def restore(self, *, name: str | None = None, labels: dict[str, str] | None = None) -> Sandbox:
+    def restore(self, *, name: str | None = None, labels: Labels | None = None) -> Sandbox:
         """A new running sandbox as the snapshot was. Raises SnapshotNotFound, CorruptData."""
         from torpor.client.sandbox import Sandbox
 
-        body = {k: v for k, v in {"name": name, "labels": labels}.items() if v is not None}
-        data = self._runtime.json(
-            "POST", f"/v1/snapshots/{_q(self.id)}/restore", json=body, timeout=_LONG
-        )
+        spec = RestoreSpec.of(name=name, labels=labels)
+        data = _post(self._runtime, f"/v1/snapshots/{_q(self.id)}/restore", spec)
         return Sandbox(SandboxInfo.model_validate(data), self._runtime)
 
     def fork(
-        self, count: int = 1, *, labels: dict[str, str] | None = None
+        self, count: int | None = None, *, labels: Labels | None = None
     ) -> builtins.list[Sandbox]:
-        """``count`` new sandboxes from this snapshot."""
-        return _fork_snapshot(self.id, count=count, labels=labels, runtime=self._runtime)
+        """``count`` (default 1) new sandboxes from this snapshot."""
+        return _fork_snapshot(self.id, count, labels=labels, runtime=self._runtime)
+
+
+def _post(rt: Runtime, path: str, spec: Spec) -> Any:
+    """POST the fields of ``spec`` the caller gave; the decoded answer. These calls copy RAM
+    and wake machines: they get :data:`LONG_TIMEOUT`."""
+    return rt.json("POST", path, json=spec.given(), timeout=LONG_TIMEOUT)
 
 
 def _fork_snapshot(
     snapshot_id: str,
-    count: int = 1,
+    count: int | None = None,
     *,
-    labels: dict[str, str] | None = None,
+    labels: Labels | None = None,
     names: builtins.list[str] | None = None,
     runtime: Runtime | None = None,
 ) -> builtins.list[Sandbox]:
     rt = runtime or default_runtime()
-    body = {"count": count, "labels": labels, "names": names}
-    data = rt.json("POST", f"/v1/snapshots/{_q(snapshot_id)}/fork", json=body, timeout=_LONG)
-    return _sandboxes(data, rt)
+    spec = ForkSpec.of(count=count, labels=labels, names=names)
+    return _sandboxes(_post(rt, f"/v1/snapshots/{_q(snapshot_id)}/fork", spec), rt)
 
 
 def snapshot_sandbox(
     sbx: Sandbox,
     name: str | None = None,
     *,
-    retention_days: int = 7,
-    labels: dict[str, str] | None = None,
+    retention_days: int | None = None,
+    labels: Labels | None = None,
 ) -> Snapshot:
     """``sbx.snapshot(...)``: see :meth:`torpor.sandbox.checkpoints.Checkpoints.snapshot`."""
     rt: Runtime = sbx._runtime
-    body = {"name": name, "retention_days": retention_days, "labels": labels}
-    data = rt.json("POST", f"/v1/sandboxes/{_q(sbx.id)}/snapshots", json=body, timeout=_LONG)
+    spec = SnapshotSpec.of(name=name, retention_days=retention_days, labels=labels)
+    data = _post(rt, f"/v1/sandboxes/{_q(sbx.id)}/snapshots", spec)
     return Snapshot(SnapshotInfo.model_validate(data), rt)
 
 
@@ -175,32 +188,26 @@ class ForkMethod:
         sbx = obj
 
         def fork(
-            count: int = 1,
+            count: int | None = None,
             *,
-            labels: dict[str, str] | None = None,
+            labels: Labels | None = None,
             names: builtins.list[str] | None = None,
         ) -> builtins.list[Sandbox]:
-            """``count`` live copies of this sandbox (it keeps running, or stays paused).
-            Raises InvalidArgument (count 0 or over the limit), Conflict (a volume attached)."""
+            """``count`` (default 1) live copies of this sandbox (it keeps running, or stays
+            paused). Raises InvalidArgument (count 0 or over the limit), Conflict (a volume
+            attached)."""
             rt: Runtime = sbx._runtime
-            body = {"count": count, "labels": labels, "names": names}
-            data = rt.json("POST", f"/v1/sandboxes/{_q(sbx.id)}/fork", json=body, timeout=_LONG)
-            return _sandboxes(data, rt)
+            spec = ForkSpec.of(count=count, labels=labels, names=names)
+            return _sandboxes(_post(rt, f"/v1/sandboxes/{_q(sbx.id)}/fork", spec), rt)
 
         return fork
 
 
-def create_sandbox(runtime: Runtime, body: dict[str, Any]) -> SandboxInfo:
-    """Create through the checkpoint route (``snapshot=``, ``volumes=``, ``drives=``)."""
-    return SandboxInfo.model_validate(
-        runtime.json("POST", "/v1/checkpoints/sandboxes", json=body, timeout=_LONG)
-    )
-
-
 def collect_garbage(*, dry_run: bool = False, runtime: Runtime | None = None) -> dict[str, Any]:
     """Run the server's retention + GC now; returns its report."""
-    rt = runtime or default_runtime()
-    result: dict[str, Any] = rt.json("POST", "/v1/gc", json={"dry_run": dry_run}, timeout=_LONG)
+    result: dict[str, Any] = _post(
+        runtime or default_runtime(), "/v1/gc", GcSpec.of(dry_run=dry_run)
+    )
     return result
 
 
@@ -214,10 +221,13 @@ class Volume(_Resource[VolumeInfo]):
         return f"<Volume {self.id} {self.name!r} {self.info.size_mib} MiB>"
 
     @classmethod
-    def create(cls, name: str, size_mib: int = 1024, *, runtime: Runtime | None = None) -> Volume:
-        """A new empty (ext4) volume. Raises InvalidName, InvalidArgument, Conflict."""
+    def create(
+        cls, name: str, size_mib: int | None = None, *, runtime: Runtime | None = None
+    ) -> Volume:
+        """A new empty (ext4) volume of ``size_mib`` (default 1024). Raises InvalidName,
+        InvalidArgument, Conflict."""
         rt = runtime or default_runtime()
-        return cls._from(rt.json("POST", cls._route, json={"name": name, "size_mib": size_mib}), rt)
+        return cls._from(_post(rt, cls._route, VolumeSpec.of(name, size_mib=size_mib)), rt)
 
     def delete(self) -> None:
         """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
@@ -248,7 +258,7 @@ class Drive(_Resource[DriveInfo]):
     def create(cls, name: str, *, runtime: Runtime | None = None) -> Drive:
         """A new empty drive. Raises InvalidName, Conflict."""
         rt = runtime or default_runtime()
-        return cls._from(rt.json("POST", cls._route, json={"name": name}), rt)
+        return cls._from(_post(rt, cls._route, DriveSpec.of(name)), rt)
 
     def delete(self) -> None:
         """Delete the drive and its files. Raises Conflict while mounted somewhere."""

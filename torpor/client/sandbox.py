@@ -24,11 +24,21 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 
-from torpor.client.checkpoints import ForkMethod, Snapshot, create_sandbox, snapshot_sandbox
+from torpor.client.checkpoints import LONG_TIMEOUT, ForkMethod, Snapshot, snapshot_sandbox
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.errors import NotFound, SandboxClosed, ServerUnavailable, from_wire
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
-from torpor.types import OutputCallback
+from torpor.sandbox.requests import (
+    COMMAND_TIMEOUT,
+    CodeSpec,
+    CommandSpec,
+    DriveMount,
+    SandboxOptions,
+    SandboxSpec,
+    Spec,
+    VolumeMount,
+)
+from torpor.types import Env, Labels, OutputCallback
 
 __all__ = ["Commands", "Files", "Interpreter", "Sandbox"]
 
@@ -45,15 +55,15 @@ def _http_timeout(timeout: float | None) -> float | None:
 def _post_run(
     sbx: Sandbox,
     route: str,
-    body: dict[str, Any],
+    spec: CommandSpec | CodeSpec,
     model: type[M],
     on_stdout: OutputCallback | None,
     on_stderr: OutputCallback | None,
-    timeout: float | None,
 ) -> M:
-    """POST ``body`` to the sandbox's ``route``: one JSON answer when no callback is given,
+    """POST ``spec`` to the sandbox's ``route``: one JSON answer when no callback is given,
     else the ``<route>/stream`` variant feeding output to the callbacks as it comes."""
     rt = sbx._runtime
+    body, timeout = spec.given(), spec.timeout
     if on_stdout is None and on_stderr is None:
         data = rt.json("POST", sbx._path(route), json=body, timeout=_http_timeout(timeout))
         return model.model_validate(data)
@@ -95,8 +105,8 @@ class Commands:
         cmd: str,
         *,
         cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout: float | None = 60.0,
+        env: Env | None = None,
+        timeout: float | None = COMMAND_TIMEOUT,
         background: bool = False,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
@@ -109,8 +119,8 @@ class Commands:
         :class:`~torpor.errors.OperationTimeout` after ``timeout`` seconds (the process group
         is killed), :class:`~torpor.errors.PayloadTooLarge` for output over the limit.
         """
-        body = {"cmd": cmd, "cwd": cwd, "env": env, "timeout": timeout, "background": background}
-        return _post_run(self._sbx, "/commands", body, CommandResult, on_stdout, on_stderr, timeout)
+        spec = CommandSpec.of(cmd=cmd, cwd=cwd, env=env, timeout=timeout, background=background)
+        return _post_run(self._sbx, "/commands", spec, CommandResult, on_stdout, on_stderr)
 
 
 class Files:
@@ -182,8 +192,8 @@ class Interpreter:
         code prints as it prints it. Raises :class:`~torpor.errors.OperationTimeout` after
         ``timeout`` seconds (variables kept).
         """
-        body = {"code": code, "timeout": timeout}
-        return _post_run(self._sbx, "/interpreter", body, Execution, on_stdout, on_stderr, timeout)
+        spec = CodeSpec.of(code=code, timeout=timeout)
+        return _post_run(self._sbx, "/interpreter", spec, Execution, on_stdout, on_stderr)
 
 
 class Sandbox:
@@ -203,51 +213,41 @@ class Sandbox:
 
     # -- constructors ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _options(**options: Any) -> dict[str, Any]:
-        return {k: v for k, v in options.items() if v is not None}
+    @classmethod
+    def _made(cls, rt: Runtime, method: str, path: str, spec: Spec, **kwargs: Any) -> Sandbox:
+        """Send ``spec`` (the fields the caller gave); a handle on the sandbox answered."""
+        data = rt.json(method, path, json=spec.given(), **kwargs)
+        return cls(SandboxInfo.model_validate(data), rt)
 
     @classmethod
     def create(
         cls,
-        template: str = "python",
+        template: str | None = None,
         *,
         name: str | None = None,
-        labels: dict[str, str] | None = None,
+        labels: Labels | None = None,
         idle_pause_seconds: int | None = None,
         vcpus: int | None = None,
         memory_mib: int | None = None,
         pause_retention_days: int | None = None,
         snapshot: str | None = None,
-        volumes: list[dict[str, Any]] | None = None,
-        drives: list[dict[str, Any]] | None = None,
+        volumes: list[VolumeMount | dict[str, Any]] | None = None,
+        drives: list[DriveMount | dict[str, Any]] | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
-        """A new running sandbox from ``template`` (a fork of its booted snapshot).
+        """A new running sandbox from ``template`` (default ``"python"``: a fork of its booted
+        snapshot). Options left out (None) take the server's defaults; the bounds are those of
+        :class:`~torpor.sandbox.requests.SandboxSpec`.
 
         ``idle_pause_seconds``: hibernate after that long without a call.
         ``snapshot``: restore that snapshot instead (template and sizes come from it);
         ``volumes=[{"volume", "path", "read_only"}]``, ``drives=[{"drive", "path"}]``: mount
         those (see :mod:`torpor.client.checkpoints`).
-        Raises :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
+        Raises :class:`~torpor.errors.InvalidArgument` (a value out of bounds, before anything
+        is sent), :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
         :class:`~torpor.errors.Conflict` (name taken).
         """
-        rt = runtime or default_runtime()
-        if snapshot is not None or volumes or drives:
-            body = cls._options(
-                template=None if snapshot else template,
-                name=name,
-                labels=labels,
-                idle_pause_seconds=idle_pause_seconds,
-                vcpus=vcpus,
-                memory_mib=memory_mib,
-                pause_retention_days=pause_retention_days,
-                snapshot=snapshot,
-                volumes=volumes,
-                drives=drives,
-            )
-            return cls(create_sandbox(rt, body), rt)
-        body = cls._options(
+        spec = SandboxSpec.of(
             template=template,
             name=name,
             labels=labels,
@@ -255,8 +255,13 @@ class Sandbox:
             vcpus=vcpus,
             memory_mib=memory_mib,
             pause_retention_days=pause_retention_days,
+            snapshot=snapshot,
+            volumes=volumes,
+            drives=drives,
         )
-        return cls(SandboxInfo.model_validate(rt.json("POST", "/v1/sandboxes", json=body)), rt)
+        # a restore or a mount takes longer than a fork of the template
+        slow = {} if spec.plain else {"timeout": LONG_TIMEOUT}
+        return cls._made(runtime or default_runtime(), "POST", "/v1/sandboxes", spec, **slow)
 
     @classmethod
     def get_or_create(
@@ -264,7 +269,7 @@ class Sandbox:
         name: str,
         *,
         template: str | None = None,
-        labels: dict[str, str] | None = None,
+        labels: Labels | None = None,
         idle_pause_seconds: int | None = None,
         vcpus: int | None = None,
         memory_mib: int | None = None,
@@ -272,9 +277,8 @@ class Sandbox:
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """The sandbox called ``name``, woken if paused (``info.reused`` is True), or a new one
-        made with the given options. Concurrent callers get one sandbox."""
-        rt = runtime or default_runtime()
-        body = cls._options(
+        made with the given options (as :meth:`create`). Concurrent callers get one sandbox."""
+        spec = SandboxOptions.of(
             template=template,
             labels=labels,
             idle_pause_seconds=idle_pause_seconds,
@@ -282,8 +286,8 @@ class Sandbox:
             memory_mib=memory_mib,
             pause_retention_days=pause_retention_days,
         )
-        data = rt.json("PUT", f"/v1/sandboxes/by-name/{quote(name, safe='')}", json=body)
-        return cls(SandboxInfo.model_validate(data), rt)
+        path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
+        return cls._made(runtime or default_runtime(), "PUT", path, spec)
 
     @classmethod
     def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Sandbox:
@@ -296,7 +300,7 @@ class Sandbox:
     @classmethod
     def list(
         cls,
-        labels: dict[str, str] | None = None,
+        labels: Labels | None = None,
         *,
         include_stopped: bool = False,
         runtime: Runtime | None = None,
@@ -349,12 +353,13 @@ class Sandbox:
         self,
         name: str | None = None,
         *,
-        retention_days: int = 7,
-        labels: dict[str, str] | None = None,
+        retention_days: int | None = None,
+        labels: Labels | None = None,
     ) -> Snapshot:
-        """An immutable copy of the whole machine (RAM + disk); the sandbox keeps running (or
-        stays paused). Raises Conflict (name taken, or a volume attached: volumes are never
-        part of a snapshot), InvalidArgument (retention_days outside 1-365)."""
+        """An immutable copy of the whole machine (RAM + disk), kept ``retention_days``
+        (default 7); the sandbox keeps running (or stays paused). Raises Conflict (name taken,
+        or a volume attached: volumes are never part of a snapshot), InvalidArgument
+        (retention_days outside 1-365)."""
         return snapshot_sandbox(self, name, retention_days=retention_days, labels=labels)
 
     #: ``sbx.fork(count=N)`` (live copies) / ``Sandbox.fork(snapshot_id, count=N)``

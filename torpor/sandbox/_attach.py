@@ -18,11 +18,13 @@ import time
 from typing import Any
 
 from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState
+from torpor.sandbox._records import RecordStore
 from torpor.sandbox.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
-from torpor.sandbox.volumes import VolumeInfo, VolumeStore, check_mount_path, find_guest_disk
+from torpor.sandbox.requests import DriveMount, VolumeMount
+from torpor.sandbox.volumes import VolumeInfo, VolumeStore, find_guest_disk
 
 __all__ = ["AttachMixin"]
 
@@ -80,6 +82,17 @@ class AttachMixin:
             )
         return rec
 
+    async def _attachable(
+        self, store: RecordStore[Any], tenant: str, id_or_name: str, path: str
+    ) -> SandboxRecord:
+        """The running sandbox to attach a resource of ``store`` to at ``path``, once the
+        attachments of killed sandboxes are dropped. Raises InvalidState, InvalidArgument
+        (``path`` overlaps a mount)."""
+        store.release(keep=self._live_ids())
+        rec = await self._running_channel(tenant, id_or_name)
+        self._check_path_free(rec.id, path)
+        return rec
+
     def _check_path_free(self, sandbox_id: str, path: str) -> None:
         used = [a.path for _, a in self.volumes.attached_to(sandbox_id)]
         used += [a.path for _, a in self.drives.attached_to(sandbox_id)]
@@ -94,24 +107,25 @@ class AttachMixin:
     async def attach_volume(
         self,
         id_or_name: str,
-        volume: str,
-        path: str,
+        mount: VolumeMount | None = None,
+        /,
         *,
-        read_only: bool = False,
         tenant: str = "default",
+        **fields: Any,
     ) -> VolumeInfo:
-        """Attach a volume to a sandbox (hot-plugged) and mount it at ``path``.
+        """Attach a volume to a sandbox (hot-plugged) and mount it: a
+        :class:`~torpor.sandbox.requests.VolumeMount`, or its fields (``volume``, ``path``,
+        ``read_only``).
 
         Raises VolumeNotFound, InvalidArgument (path), Conflict (read-write elsewhere),
         InvalidState, EngineError/GuestError (then the attachment is undone).
         """
         from torpor.sandbox.qemu import DiskSpec
 
-        path = check_mount_path(path)
-        self.volumes.release(keep=self._live_ids())  # attachments of killed sandboxes
-        rec = await self._running_channel(tenant, id_or_name)
-        self._check_path_free(rec.id, path)
-        vol = self.volumes.attach(volume, rec.id, path, read_only=read_only, tenant=tenant)
+        spec = VolumeMount.of(mount, **fields)
+        path, read_only = spec.path, spec.read_only
+        rec = await self._attachable(self.volumes, tenant, id_or_name, path)
+        vol = self.volumes.attach(spec.volume, rec.id, path, read_only=read_only, tenant=tenant)
         live = self.manager._live(rec.id)
         try:
             async with live.lock:
@@ -144,24 +158,25 @@ class AttachMixin:
     async def attach_drive(
         self,
         id_or_name: str,
-        drive: str,
-        path: str,
+        mount: DriveMount | None = None,
+        /,
         *,
-        read_only: bool = False,
         tenant: str = "default",
+        **fields: Any,
     ) -> DriveInfo:
-        """Share a drive into a sandbox (virtio-9p) and mount it at ``path``.
+        """Share a drive into a sandbox (virtio-9p) and mount it: a
+        :class:`~torpor.sandbox.requests.DriveMount`, or its fields (``drive``, ``path``,
+        ``read_only``).
 
         Adding a 9p device costs one hibernate + wake of the sandbox. Raises DriveNotFound,
         InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError.
         """
         from torpor.sandbox.qemu import ShareSpec
 
-        path = check_mount_path(path)
-        self.drives.release(keep=self._live_ids())
-        rec = await self._running_channel(tenant, id_or_name)
-        self._check_path_free(rec.id, path)
-        info = self.drives.get(drive, tenant=tenant)
+        spec = DriveMount.of(mount, **fields)
+        path, read_only = spec.path, spec.read_only
+        rec = await self._attachable(self.drives, tenant, id_or_name, path)
+        info = self.drives.get(spec.drive, tenant=tenant)
         m = self.manager
         live = m._live(rec.id)
         async with live.lock:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from torpor.config import Paths
 from torpor.errors import EngineError, InvalidArgument
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
+from torpor.sandbox.requests import CodeSpec, CommandSpec
 from torpor.types import OutputCallback
 
 __all__ = ["Channel", "DirStatus", "Engine", "Machine", "MachineConfig", "QemuEngine"]
@@ -57,12 +58,9 @@ class Channel(Protocol):
 
     async def run_command(
         self,
-        cmd: str,
+        command: CommandSpec,
+        /,
         *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout: float | None = 60,
-        background: bool = False,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> CommandResult: ...
@@ -81,9 +79,9 @@ class Channel(Protocol):
 
     async def run_code(
         self,
-        code: str,
+        code: CodeSpec,
+        /,
         *,
-        timeout: float | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> Execution: ...

@@ -49,6 +49,7 @@ from torpor.errors import (
 )
 from torpor.sandbox._records import fsync_dir, write_record
 from torpor.sandbox.chunks import ChunkStore, FileManifest
+from torpor.sandbox.requests import MAX_RETENTION_DAYS
 
 __all__ = [
     "FORMAT_VERSION",
@@ -97,10 +98,11 @@ class SnapshotInfo(BaseModel):
 
 
 def check_retention(days: int, *, what: str = "retention_days") -> int:
-    """Return ``days`` if it is an int in 1..365, else raise InvalidArgument."""
-    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 365:
+    """Return ``days`` if it is an int in 1..:data:`~torpor.sandbox.requests.MAX_RETENTION_DAYS`
+    (the store's own guard; requests are checked by their model), else raise InvalidArgument."""
+    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= MAX_RETENTION_DAYS:
         raise InvalidArgument(
-            f"{what} must be a whole number of days from 1 to 365, not {days!r}",
+            f"{what} must be a whole number of days from 1 to {MAX_RETENTION_DAYS}, not {days!r}",
             field=what,
             value=str(days),
         )
