@@ -92,6 +92,7 @@ def test_none_means_not_given_unless_it_means_something() -> None:
     [
         pytest.param(lambda: SandboxSpec.of(name="Not OK"), InvalidName, id="sandbox-name"),
         pytest.param(lambda: SandboxSpec.of(template="No Such"), InvalidName, id="template"),
+        pytest.param(lambda: SandboxSpec.of(name="agent\n"), InvalidName, id="name-newline"),
         pytest.param(lambda: ForkSpec.of(count=2, names=["a", "B"]), InvalidName, id="fork-name"),
         pytest.param(lambda: ForkSpec.of(count=2, names=["a"]), InvalidArgument, id="names"),
         pytest.param(lambda: ForkSpec.of(count=0), InvalidArgument, id="fork-count"),
