@@ -50,7 +50,7 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
 def check_name(name: str, what: str = "name") -> str:
     """Return ``name`` if it is valid, else raise :class:`InvalidName`."""
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):  # match() lets "a\n" past "$"
         raise InvalidName(
             f"invalid {what} {name!r}: use 1-63 characters of a-z, 0-9, '.', '_' and '-', "
             "starting with a letter or digit",

@@ -36,7 +36,7 @@ def test_lifecycle(served: Served) -> None:
     assert sbx.info.state.value == "paused"
     assert sbx.resume().state.value == "running"
     sbx.kill()
-    assert sbx.info.state.value == "stopped"
+    assert str(sbx.info.state.value) == "stopped"
     assert [i.name for i in Sandbox.list(runtime=rt)] == ["agent-2"]
     assert len(Sandbox.list(include_stopped=True, runtime=rt)) == 2
 

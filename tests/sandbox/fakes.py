@@ -25,6 +25,7 @@ from torpor.config import check_name
 from torpor.errors import EngineError, GuestError, PathNotFound, TemplateNotFound
 from torpor.sandbox.engine import DirStatus, MachineConfig
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, Result
+from torpor.sandbox.requests import CodeSpec, CommandSpec
 
 _pids = itertools.count(90000)
 
@@ -184,18 +185,10 @@ class FakeChannel:
         return self.directory / "disk" / path.lstrip("/")
 
     async def run_command(
-        self,
-        cmd: str,
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout: float | None = 60,
-        background: bool = False,
-        on_stdout: Any = None,
-        on_stderr: Any = None,
+        self, command: CommandSpec, /, *, on_stdout: Any = None, on_stderr: Any = None
     ) -> CommandResult:
         self._proc()
-        word, _, rest = cmd.partition(" ")
+        word, _, rest = command.cmd.partition(" ")
         if word == "sleep":
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._closing.wait(), float(rest))
@@ -250,15 +243,10 @@ class FakeChannel:
         self._path(path).mkdir(parents=True, exist_ok=True)
 
     async def run_code(
-        self,
-        code: str,
-        *,
-        timeout: float | None = None,
-        on_stdout: Any = None,
-        on_stderr: Any = None,
+        self, code: CodeSpec, /, *, on_stdout: Any = None, on_stderr: Any = None
     ) -> Execution:
         ns = self._proc().ram
-        tree = ast.parse(code)
+        tree = ast.parse(code.code)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
         assert last is None or isinstance(last, ast.Expr)
         exec(compile(tree, "<cell>", "exec"), {}, ns)

@@ -184,7 +184,7 @@ def served_home(qemu_home: Path) -> Any:
 def test_issue_scenario_through_the_sdk(served_home: Path) -> None:
     """The issue's example, end to end: SDK -> local server -> checkpoints -> QEMU."""
     import torpor
-    from torpor.client.checkpoints import collect_garbage
+    from torpor.client.storage import collect_garbage
 
     rt = torpor.Runtime(home=served_home)
     sbx = torpor.Sandbox.get_or_create("agent-u-42", runtime=rt)

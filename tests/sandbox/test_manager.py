@@ -264,7 +264,7 @@ def test_bad_input(home: Path) -> None:
         with pytest.raises(InvalidArgument):
             await mgr.create(idle_pause_seconds=0)
         with pytest.raises(InvalidArgument):
-            await mgr.create(labels={"n": 1})  # type: ignore[dict-item]
+            await mgr.create(labels={"n": 1})
         with pytest.raises(Conflict):
             await mgr.create(name="ok")
         with pytest.raises(SandboxNotFound):
@@ -279,6 +279,37 @@ def test_bad_input(home: Path) -> None:
         assert [i.id for i in await mgr.list(include_stopped=True)] == [ok.id]
         assert sorted(p.name for p in mgr.paths.sandboxes.iterdir()) == [ok.id]
         assert (await mgr.run_command("ok", "echo fine")).stdout == "fine\n"
+
+    with_manager(home, body)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda m, s: m.remove(s, "/"), id="remove-root"),
+        pytest.param(lambda m, s: m.remove(s, "/usr"), id="remove-system-dir"),
+        pytest.param(lambda m, s: m.remove(s, "/usr/lib/"), id="remove-under-system-dir"),
+        pytest.param(lambda m, s: m.remove(s, "//etc"), id="remove-double-slash"),
+        pytest.param(lambda m, s: m.remove(s, "usr"), id="remove-relative"),
+        pytest.param(lambda m, s: m.write_file(s, "/workspace/a\x00b", "x"), id="write-nul"),
+        pytest.param(lambda m, s: m.read_file(s, "/etc/pass\x00wd"), id="read-nul"),
+        pytest.param(lambda m, s: m.exists(s, ""), id="exists-empty"),
+        pytest.param(lambda m, s: m.list_dir(s, "/" + "a" * 5000), id="list-too-long"),
+        pytest.param(lambda m, s: m.make_dir(s, "/x\x00"), id="mkdir-nul"),
+    ],
+)
+def test_a_bad_guest_path_is_refused_before_the_guest_sees_it(
+    home: Path, call: Callable[[SandboxManager, str], Awaitable[Any]]
+) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.write_file(info.id, "/workspace/mine.txt", "kept")
+        await mgr.pause(info.id)
+        with pytest.raises(InvalidArgument):
+            await call(mgr, info.id)
+        assert (await mgr.get(info.id)).state is S.PAUSED  # not even woken for it
+        await mgr.remove(info.id, "/workspace/mine.txt")  # the agent's own files: fine
+        assert not await mgr.exists(info.id, "/workspace/mine.txt")
 
     with_manager(home, body)
 

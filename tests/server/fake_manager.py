@@ -8,6 +8,7 @@ with real QEMU in tests/sandbox and in this package's ``qemu`` tests.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import io
 import uuid
@@ -15,7 +16,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from torpor.config import check_name
 from torpor.errors import (
     InvalidState,
     OperationTimeout,
@@ -32,6 +32,7 @@ from torpor.sandbox.models import (
     SandboxInfo,
     SandboxState,
 )
+from torpor.sandbox.requests import CodeSpec, CommandSpec, SandboxOptions, Spec
 
 
 class FakeManager:
@@ -42,6 +43,7 @@ class FakeManager:
         self.files: dict[str, dict[str, bytes]] = {}
         self.scopes: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, str]] = []  # (method, tenant)
+        self.requests: list[Spec] = []  # the request models the calls got, in order
         self.started = False
         self.closed = False
         self.sweeps = 0
@@ -83,34 +85,28 @@ class FakeManager:
         return info
 
     async def create(
-        self,
-        template: str = "python",
-        name: str | None = None,
-        labels: dict[str, str] | None = None,
-        idle_pause_seconds: int | None = None,
-        vcpus: int = 1,
-        memory_mib: int = 512,
-        pause_retention_days: int = 30,
-        *,
-        tenant: str = "default",
+        self, options: SandboxOptions | None = None, /, *, tenant: str = "default", **fields: Any
     ) -> SandboxInfo:
+        spec = SandboxOptions.of(options, **fields)
         self.calls.append(("create", tenant))
-        if template != "python":
-            raise TemplateNotFound(f"no template {template!r}", kind="template", name=template)
+        self.requests.append(spec)
+        if spec.template != "python":
+            raise TemplateNotFound(
+                f"no template {spec.template!r}", kind="template", name=spec.template
+            )
         sid = "sbx-" + uuid.uuid4().hex[:12]
-        name = check_name(name or sid)
         now = datetime.now(UTC)
         info = SandboxInfo(
             id=sid,
-            name=name,
+            name=spec.name or sid,
             tenant=tenant,
-            template=template,
+            template=spec.template,
             state=SandboxState.RUNNING,
-            labels=labels or {},
-            vcpus=vcpus,
-            memory_mib=memory_mib,
-            idle_pause_seconds=idle_pause_seconds,
-            pause_retention_days=pause_retention_days,
+            labels=spec.labels or {},
+            vcpus=spec.vcpus,
+            memory_mib=spec.memory_mib,
+            idle_pause_seconds=spec.idle_pause_seconds,
+            pause_retention_days=spec.pause_retention_days,
             created_at=now,
             last_active_at=now,
         )
@@ -120,14 +116,21 @@ class FakeManager:
         return info.model_copy()
 
     async def get_or_create(
-        self, name: str, *, tenant: str = "default", **options: Any
+        self,
+        name: str,
+        options: SandboxOptions | None = None,
+        /,
+        *,
+        tenant: str = "default",
+        **fields: Any,
     ) -> SandboxInfo:
+        spec = SandboxOptions.of(options, **fields).named(name)
         async with self._lock:
             try:
                 info = self._live(name, tenant)
                 return info.model_copy(update={"reused": True})
             except SandboxNotFound:
-                return await self.create(name=name, tenant=tenant, **options)
+                return await self.create(spec, tenant=tenant)
 
     async def get(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
         self.calls.append(("get", tenant))
@@ -177,24 +180,25 @@ class FakeManager:
     async def run_command(
         self,
         id_or_name: str,
-        cmd: str,
+        command: CommandSpec | str,
+        /,
         *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout: float | None = 60,
-        background: bool = False,
         on_stdout: Callable[[str], Any] | None = None,
         on_stderr: Callable[[str], Any] | None = None,
         tenant: str = "default",
+        **fields: Any,
     ) -> CommandResult:
         """``echo X`` prints X; ``fail`` exits 3 with stderr; ``sleep`` times out; ``boom`` is a
         bug."""
+        spec = CommandSpec.of(command, **fields)
+        self.requests.append(spec)
+        cmd, cwd, env, timeout = spec.cmd, spec.cwd, spec.env, spec.timeout
         self._live(id_or_name, tenant)
         if cmd == "boom":
             raise RuntimeError("a bug below the server")
         if cmd.startswith("sleep"):
             raise OperationTimeout("command timed out", seconds=timeout)
-        if background:
+        if spec.background:
             return CommandResult(exit_code=0, pid=4242)
         if cmd == "fail":
             if on_stderr:
@@ -229,7 +233,7 @@ class FakeManager:
 
     async def list_dir(
         self, id_or_name: str, path: str, *, tenant: str = "default"
-    ) -> list[EntryInfo]:
+    ) -> builtins.list[EntryInfo]:
         info = self._live(id_or_name, tenant)
         prefix = path.rstrip("/") + "/"
         return [
@@ -253,13 +257,17 @@ class FakeManager:
     async def run_code(
         self,
         id_or_name: str,
-        code: str,
+        code: CodeSpec | str,
+        /,
         *,
-        timeout: float | None = None,
         on_stdout: Callable[[str], Any] | None = None,
         on_stderr: Callable[[str], Any] | None = None,
         tenant: str = "default",
+        **fields: Any,
     ) -> Execution:
+        spec = CodeSpec.of(code, **fields)
+        self.requests.append(spec)
+        code = spec.code
         info = self._live(id_or_name, tenant)
         scope = self.scopes[info.id]
         out = io.StringIO()

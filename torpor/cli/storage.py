@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torpor.client import Drive, Sandbox, Snapshot, Volume
-from torpor.client.checkpoints import collect_garbage
+from torpor.client.storage import collect_garbage
 
 __all__ = ["register"]
 

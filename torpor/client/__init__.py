@@ -7,9 +7,9 @@
 
 from __future__ import annotations
 
-from torpor.client.checkpoints import Drive, Snapshot, Volume
 from torpor.client.runtime import Runtime, default_runtime, set_default_runtime
-from torpor.client.sandbox import Commands, Files, Interpreter, Sandbox
+from torpor.client.sandbox import Commands, Files, Interpreter, Sandbox, Snapshot
+from torpor.client.storage import Drive, Volume
 
 __all__ = [
     "Commands",

@@ -17,6 +17,7 @@ Every call that acts inside a paused sandbox wakes it first (the server does it)
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 from collections.abc import Callable
 from types import TracebackType
@@ -25,14 +26,28 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 
-from torpor.client.checkpoints import ForkMethod, Snapshot, create_sandbox, snapshot_sandbox
 from torpor.client.runtime import Runtime, default_runtime
+from torpor.client.storage import LONG_TIMEOUT, Resource, post_spec, quote_id
 from torpor.errors import NotFound, SandboxClosed, ServerUnavailable, from_wire
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
+from torpor.sandbox.requests import (
+    COMMAND_TIMEOUT,
+    CodeSpec,
+    CommandSpec,
+    DriveMount,
+    ForkSpec,
+    RestoreSpec,
+    SandboxOptions,
+    SandboxSpec,
+    SnapshotSpec,
+    Spec,
+    VolumeMount,
+)
+from torpor.sandbox.storage.snapshots import SnapshotInfo
+from torpor.types import Env, Labels, OutputCallback
 
-__all__ = ["Commands", "Files", "Interpreter", "Sandbox"]
+__all__ = ["Commands", "Files", "Interpreter", "Sandbox", "Snapshot"]
 
-OutputCallback = Callable[[str], Any]
 M = TypeVar("M", bound=BaseModel)
 
 #: Extra seconds the HTTP call may take beyond a command's own timeout (waking the sandbox).
@@ -46,19 +61,19 @@ def _http_timeout(timeout: float | None) -> float | None:
 def _post_run(
     sbx: Sandbox,
     route: str,
-    body: dict[str, Any],
+    spec: CommandSpec | CodeSpec,
     model: type[M],
     on_stdout: OutputCallback | None,
     on_stderr: OutputCallback | None,
-    timeout: float | None,
 ) -> M:
-    """POST ``body`` to the sandbox's ``route``: one JSON answer when no callback is given,
+    """POST ``spec`` to the sandbox's ``route``: one JSON answer when no callback is given,
     else the ``<route>/stream`` variant feeding output to the callbacks as it comes."""
-    rt = sbx._runtime
+    rt = sbx.runtime
+    body, timeout = spec.given(), spec.timeout
     if on_stdout is None and on_stderr is None:
-        data = rt.json("POST", sbx._path(route), json=body, timeout=_http_timeout(timeout))
+        data = rt.json("POST", sbx.route(route), json=body, timeout=_http_timeout(timeout))
         return model.model_validate(data)
-    return _streamed(rt, sbx._path(route + "/stream"), body, model, on_stdout, on_stderr, timeout)
+    return _streamed(rt, sbx.route(route + "/stream"), body, model, on_stdout, on_stderr, timeout)
 
 
 def _streamed(
@@ -96,8 +111,8 @@ class Commands:
         cmd: str,
         *,
         cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout: float | None = 60.0,
+        env: Env | None = None,
+        timeout: float | None = COMMAND_TIMEOUT,
         background: bool = False,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
@@ -110,8 +125,8 @@ class Commands:
         :class:`~torpor.errors.OperationTimeout` after ``timeout`` seconds (the process group
         is killed), :class:`~torpor.errors.PayloadTooLarge` for output over the limit.
         """
-        body = {"cmd": cmd, "cwd": cwd, "env": env, "timeout": timeout, "background": background}
-        return _post_run(self._sbx, "/commands", body, CommandResult, on_stdout, on_stderr, timeout)
+        spec = CommandSpec.of(cmd=cmd, cwd=cwd, env=env, timeout=timeout, background=background)
+        return _post_run(self._sbx, "/commands", spec, CommandResult, on_stdout, on_stderr)
 
 
 class Files:
@@ -122,8 +137,8 @@ class Files:
         self._sbx = sandbox
 
     def _call(self, method: str, suffix: str, path: str, **kwargs: Any) -> Any:
-        return self._sbx._runtime.request(
-            method, self._sbx._path("/files" + suffix), params={"path": path}, **kwargs
+        return self._sbx.runtime.request(
+            method, self._sbx.route("/files" + suffix), params={"path": path}, **kwargs
         )
 
     def read(self, path: str) -> bytes:
@@ -183,8 +198,93 @@ class Interpreter:
         code prints as it prints it. Raises :class:`~torpor.errors.OperationTimeout` after
         ``timeout`` seconds (variables kept).
         """
-        body = {"code": code, "timeout": timeout}
-        return _post_run(self._sbx, "/interpreter", body, Execution, on_stdout, on_stderr, timeout)
+        spec = CodeSpec.of(code=code, timeout=timeout)
+        return _post_run(self._sbx, "/interpreter", spec, Execution, on_stdout, on_stderr)
+
+
+# -- snapshots and forks ------------------------------------------------------------------
+
+
+def _sandboxes(data: Any, rt: Runtime) -> builtins.list[Sandbox]:
+    return [Sandbox(SandboxInfo.model_validate(d), rt) for d in data]
+
+
+class Snapshot(Resource[SnapshotInfo]):
+    """An immutable copy of a whole sandbox (RAM, processes, disk), kept for ``retention_days``."""
+
+    _route = "/v1/snapshots"
+    _model = SnapshotInfo
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.id} {self.name!r}>"
+
+    def delete(self) -> None:
+        """Delete the snapshot (its storage is reclaimed by the next GC)."""
+        self._delete()
+
+    def restore(self, *, name: str | None = None, labels: Labels | None = None) -> Sandbox:
+        """A new running sandbox as the snapshot was. Raises SnapshotNotFound, CorruptData."""
+        spec = RestoreSpec.of(name=name, labels=labels)
+        data = post_spec(self._runtime, f"/v1/snapshots/{quote_id(self.id)}/restore", spec)
+        return Sandbox(SandboxInfo.model_validate(data), self._runtime)
+
+    def fork(
+        self, count: int | None = None, *, labels: Labels | None = None
+    ) -> builtins.list[Sandbox]:
+        """``count`` (default 1) new sandboxes from this snapshot."""
+        return _fork_snapshot(self.id, count, labels=labels, runtime=self._runtime)
+
+
+def _fork_snapshot(
+    snapshot_id: str,
+    count: int | None = None,
+    *,
+    labels: Labels | None = None,
+    names: builtins.list[str] | None = None,
+    runtime: Runtime | None = None,
+) -> builtins.list[Sandbox]:
+    rt = runtime or default_runtime()
+    spec = ForkSpec.of(count=count, labels=labels, names=names)
+    return _sandboxes(post_spec(rt, f"/v1/snapshots/{quote_id(snapshot_id)}/fork", spec), rt)
+
+
+def snapshot_sandbox(
+    sbx: Sandbox,
+    name: str | None = None,
+    *,
+    retention_days: int | None = None,
+    labels: Labels | None = None,
+) -> Snapshot:
+    """``sbx.snapshot(...)``: see :meth:`torpor.sandbox.checkpoints.Checkpoints.snapshot`."""
+    rt: Runtime = sbx.runtime
+    spec = SnapshotSpec.of(name=name, retention_days=retention_days, labels=labels)
+    data = post_spec(rt, f"/v1/sandboxes/{quote_id(sbx.id)}/snapshots", spec)
+    return Snapshot(SnapshotInfo.model_validate(data), rt)
+
+
+class ForkMethod:
+    """``sbx.fork(count=N)`` forks a live sandbox; ``Sandbox.fork(snapshot_id, count=N)`` forks
+    a stored snapshot. One name, two receivers: a descriptor picks by how it is reached."""
+
+    def __get__(self, obj: Sandbox | None, owner: type | None = None) -> Callable[..., Any]:
+        if obj is None:
+            return _fork_snapshot
+        sbx = obj
+
+        def fork(
+            count: int | None = None,
+            *,
+            labels: Labels | None = None,
+            names: builtins.list[str] | None = None,
+        ) -> builtins.list[Sandbox]:
+            """``count`` (default 1) live copies of this sandbox (it keeps running, or stays
+            paused). Raises InvalidArgument (count 0 or over the limit), Conflict (a volume
+            attached)."""
+            rt: Runtime = sbx.runtime
+            spec = ForkSpec.of(count=count, labels=labels, names=names)
+            return _sandboxes(post_spec(rt, f"/v1/sandboxes/{quote_id(sbx.id)}/fork", spec), rt)
+
+        return fork
 
 
 class Sandbox:
@@ -204,51 +304,41 @@ class Sandbox:
 
     # -- constructors ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _options(**options: Any) -> dict[str, Any]:
-        return {k: v for k, v in options.items() if v is not None}
+    @classmethod
+    def _made(cls, rt: Runtime, method: str, path: str, spec: Spec, **kwargs: Any) -> Sandbox:
+        """Send ``spec`` (the fields the caller gave); a handle on the sandbox answered."""
+        data = rt.json(method, path, json=spec.given(), **kwargs)
+        return cls(SandboxInfo.model_validate(data), rt)
 
     @classmethod
     def create(
         cls,
-        template: str = "python",
+        template: str | None = None,
         *,
         name: str | None = None,
-        labels: dict[str, str] | None = None,
+        labels: Labels | None = None,
         idle_pause_seconds: int | None = None,
         vcpus: int | None = None,
         memory_mib: int | None = None,
         pause_retention_days: int | None = None,
         snapshot: str | None = None,
-        volumes: list[dict[str, Any]] | None = None,
-        drives: list[dict[str, Any]] | None = None,
+        volumes: list[VolumeMount | dict[str, Any]] | None = None,
+        drives: list[DriveMount | dict[str, Any]] | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
-        """A new running sandbox from ``template`` (a fork of its booted snapshot).
+        """A new running sandbox from ``template`` (default ``"python"``: a fork of its booted
+        snapshot). Options left out (None) take the server's defaults; the bounds are those of
+        :class:`~torpor.sandbox.requests.SandboxSpec`.
 
         ``idle_pause_seconds``: hibernate after that long without a call.
         ``snapshot``: restore that snapshot instead (template and sizes come from it);
         ``volumes=[{"volume", "path", "read_only"}]``, ``drives=[{"drive", "path"}]``: mount
         those (see :mod:`torpor.client.checkpoints`).
-        Raises :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
+        Raises :class:`~torpor.errors.InvalidArgument` (a value out of bounds, before anything
+        is sent), :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
         :class:`~torpor.errors.Conflict` (name taken).
         """
-        rt = runtime or default_runtime()
-        if snapshot is not None or volumes or drives:
-            body = cls._options(
-                template=None if snapshot else template,
-                name=name,
-                labels=labels,
-                idle_pause_seconds=idle_pause_seconds,
-                vcpus=vcpus,
-                memory_mib=memory_mib,
-                pause_retention_days=pause_retention_days,
-                snapshot=snapshot,
-                volumes=volumes,
-                drives=drives,
-            )
-            return cls(create_sandbox(rt, body), rt)
-        body = cls._options(
+        spec = SandboxSpec.of(
             template=template,
             name=name,
             labels=labels,
@@ -256,8 +346,13 @@ class Sandbox:
             vcpus=vcpus,
             memory_mib=memory_mib,
             pause_retention_days=pause_retention_days,
+            snapshot=snapshot,
+            volumes=volumes,
+            drives=drives,
         )
-        return cls(SandboxInfo.model_validate(rt.json("POST", "/v1/sandboxes", json=body)), rt)
+        # a restore or a mount takes longer than a fork of the template
+        slow = {} if spec.plain else {"timeout": LONG_TIMEOUT}
+        return cls._made(runtime or default_runtime(), "POST", "/v1/sandboxes", spec, **slow)
 
     @classmethod
     def get_or_create(
@@ -265,7 +360,7 @@ class Sandbox:
         name: str,
         *,
         template: str | None = None,
-        labels: dict[str, str] | None = None,
+        labels: Labels | None = None,
         idle_pause_seconds: int | None = None,
         vcpus: int | None = None,
         memory_mib: int | None = None,
@@ -273,9 +368,8 @@ class Sandbox:
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """The sandbox called ``name``, woken if paused (``info.reused`` is True), or a new one
-        made with the given options. Concurrent callers get one sandbox."""
-        rt = runtime or default_runtime()
-        body = cls._options(
+        made with the given options (as :meth:`create`). Concurrent callers get one sandbox."""
+        spec = SandboxOptions.of(
             template=template,
             labels=labels,
             idle_pause_seconds=idle_pause_seconds,
@@ -283,8 +377,8 @@ class Sandbox:
             memory_mib=memory_mib,
             pause_retention_days=pause_retention_days,
         )
-        data = rt.json("PUT", f"/v1/sandboxes/by-name/{quote(name, safe='')}", json=body)
-        return cls(SandboxInfo.model_validate(data), rt)
+        path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
+        return cls._made(runtime or default_runtime(), "PUT", path, spec)
 
     @classmethod
     def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Sandbox:
@@ -297,7 +391,7 @@ class Sandbox:
     @classmethod
     def list(
         cls,
-        labels: dict[str, str] | None = None,
+        labels: Labels | None = None,
         *,
         include_stopped: bool = False,
         runtime: Runtime | None = None,
@@ -314,8 +408,14 @@ class Sandbox:
 
     # -- state ----------------------------------------------------------------------------------
 
-    def _path(self, suffix: str = "") -> str:
-        return f"/v1/sandboxes/{quote(self._info.id, safe='')}{suffix}"
+    @property
+    def runtime(self) -> Runtime:
+        """The server this handle talks to."""
+        return self._runtime
+
+    def route(self, suffix: str = "") -> str:
+        """The API path of this sandbox (``/v1/sandboxes/<id>``), plus ``suffix``."""
+        return f"/v1/sandboxes/{quote_id(self._info.id)}{suffix}"
 
     def _update(self, data: Any) -> SandboxInfo:
         self._info = SandboxInfo.model_validate(data).model_copy(update={"reused": self._reused})
@@ -335,27 +435,28 @@ class Sandbox:
     def info(self) -> SandboxInfo:
         """Fresh details from the server; ``reused`` is that of the call that made this
         handle."""
-        return self._update(self._runtime.json("GET", self._path()))
+        return self._update(self._runtime.json("GET", self.route()))
 
     def pause(self) -> SandboxInfo:
         """Hibernate: RAM, processes and files go to disk; the sandbox holds no CPU or RAM.
         Raises :class:`~torpor.errors.InvalidState` if it is not running."""
-        return self._update(self._runtime.json("POST", self._path("/pause")))
+        return self._update(self._runtime.json("POST", self.route("/pause")))
 
     def resume(self) -> SandboxInfo:
         """Wake a paused sandbox (any call inside it does this too)."""
-        return self._update(self._runtime.json("POST", self._path("/resume")))
+        return self._update(self._runtime.json("POST", self.route("/resume")))
 
     def snapshot(
         self,
         name: str | None = None,
         *,
-        retention_days: int = 7,
-        labels: dict[str, str] | None = None,
+        retention_days: int | None = None,
+        labels: Labels | None = None,
     ) -> Snapshot:
-        """An immutable copy of the whole machine (RAM + disk); the sandbox keeps running (or
-        stays paused). Raises Conflict (name taken, or a volume attached: volumes are never
-        part of a snapshot), InvalidArgument (retention_days outside 1-365)."""
+        """An immutable copy of the whole machine (RAM + disk), kept ``retention_days``
+        (default 7); the sandbox keeps running (or stays paused). Raises Conflict (name taken,
+        or a volume attached: volumes are never part of a snapshot), InvalidArgument
+        (retention_days outside 1-365)."""
         return snapshot_sandbox(self, name, retention_days=retention_days, labels=labels)
 
     #: ``sbx.fork(count=N)`` (live copies) / ``Sandbox.fork(snapshot_id, count=N)``
@@ -363,7 +464,7 @@ class Sandbox:
 
     def kill(self) -> None:
         """Stop the sandbox for good and delete its machine files."""
-        self._runtime.request("DELETE", self._path())
+        self._runtime.request("DELETE", self.route())
 
     def __enter__(self) -> Self:
         return self

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from torpor.client.checkpoints import Volume
 from torpor.client.runtime import Runtime
 from torpor.client.sandbox import Sandbox
+from torpor.client.storage import Volume
 from torpor.errors import PathNotFound
 
 __all__ = ["CitesSandbox", "CitesVolume", "sandbox_resolver", "volume_resolver"]

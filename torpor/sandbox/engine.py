@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,12 +23,12 @@ from torpor._tail import LOG_KEEP, trim_log
 from torpor.config import Paths
 from torpor.errors import EngineError, InvalidArgument
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
+from torpor.sandbox.requests import CodeSpec, CommandSpec
+from torpor.types import OutputCallback
 
 __all__ = ["Channel", "DirStatus", "Engine", "Machine", "MachineConfig", "QemuEngine"]
 
 log = logging.getLogger(__name__)
-
-OutputCallback = Callable[[str], Any]
 
 
 @dataclass(frozen=True)
@@ -60,12 +59,9 @@ class Channel(Protocol):
 
     async def run_command(
         self,
-        cmd: str,
+        command: CommandSpec,
+        /,
         *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout: float | None = 60,
-        background: bool = False,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> CommandResult: ...
@@ -84,9 +80,9 @@ class Channel(Protocol):
 
     async def run_code(
         self,
-        code: str,
+        code: CodeSpec,
+        /,
         *,
-        timeout: float | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
     ) -> Execution: ...

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from torpor._version import __version__
 from torpor.config import LIMITS
 from torpor.errors import InvalidArgument, NotFound, TorporError
+from torpor.sandbox.requests import invalid_argument
 from torpor.server.auth import TokenStore
 from torpor.server.deps import Tenant
 
@@ -62,12 +63,7 @@ async def _torpor_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    problems = [
-        {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))}
-        for e in exc.errors()
-    ]
-    text = "; ".join(f"{'.'.join(p['loc'])}: {p['msg']}" for p in problems)
-    return error_response(InvalidArgument(f"bad request: {text}", problems=problems))
+    return error_response(invalid_argument(exc.errors(), "bad request"))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -6,7 +6,6 @@
     POST   /v1/sandboxes/{id}/fork          fork a sandbox              -> [SandboxInfo] (201)
     POST   /v1/sandboxes/{id}/volumes       attach + mount a volume     -> VolumeInfo
     POST   /v1/sandboxes/{id}/drives        attach + mount a drive      -> DriveInfo
-    POST   /v1/checkpoints/sandboxes        create with snapshot/volumes/drives -> SandboxInfo (201)
     GET    /v1/snapshots                    list                        -> [SnapshotInfo]
     GET    /v1/snapshots/{id}               get                         -> SnapshotInfo
     DELETE /v1/snapshots/{id}               delete                      -> 204
@@ -15,6 +14,9 @@
     POST   /v1/volumes   GET /v1/volumes   GET|DELETE /v1/volumes/{id}
     POST   /v1/drives    GET /v1/drives    GET|DELETE /v1/drives/{id}
     POST   /v1/gc                           retention + garbage collection -> GcReport
+
+The bodies are :mod:`torpor.sandbox.requests` models. A create from a snapshot or with volumes
+and drives is ``POST /v1/sandboxes`` (:mod:`torpor.server.routes_sandboxes`), like every create.
 """
 
 from __future__ import annotations
@@ -25,10 +27,19 @@ import os
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.requests import (
+    DriveMount,
+    DriveSpec,
+    ForkSpec,
+    GcSpec,
+    RestoreSpec,
+    SnapshotSpec,
+    VolumeMount,
+    VolumeSpec,
+)
 from torpor.sandbox.storage.drives import DriveInfo
 from torpor.sandbox.storage.records import RecordStore
 from torpor.sandbox.storage.snapshots import SnapshotInfo
@@ -59,101 +70,27 @@ def _checkpoints(request: Request, manager: Manager) -> Checkpoints:
 Cp = Annotated[Checkpoints, Depends(_checkpoints)]
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SnapshotBody(_Body):
-    name: str | None = None
-    retention_days: int = 7
-    labels: dict[str, str] | None = None
-
-
-class ForkBody(_Body):
-    count: int = 1
-    labels: dict[str, str] | None = None
-    names: list[str] | None = None
-
-
-class RestoreBody(_Body):
-    name: str | None = None
-    labels: dict[str, str] | None = None
-    idle_pause_seconds: int | None = Field(default=None, ge=1)
-    pause_retention_days: int = 30
-
-
-class AttachBody(_Body):
-    volume: str | None = None
-    drive: str | None = None
-    path: str
-    read_only: bool = False
-
-
-class ComposeBody(_Body):
-    template: str | None = None
-    name: str | None = None
-    labels: dict[str, str] | None = None
-    idle_pause_seconds: int | None = Field(default=None, ge=1)
-    pause_retention_days: int | None = None
-    vcpus: int | None = None
-    memory_mib: int | None = None
-    snapshot: str | None = None
-    volumes: list[dict[str, Any]] | None = None
-    drives: list[dict[str, Any]] | None = None
-
-
-class VolumeBody(_Body):
-    name: str
-    size_mib: int = 1024
-
-
-class DriveBody(_Body):
-    name: str
-
-
-class GcBody(_Body):
-    dry_run: bool = False
-
-
 # -- sandboxes -------------------------------------------------------------------------------
 
 
 @router.post("/sandboxes/{id_or_name}/snapshots", status_code=201)
-async def snapshot(id_or_name: str, body: SnapshotBody, tenant: Tenant, cp: Cp) -> SnapshotInfo:
-    return await cp.snapshot(
-        id_or_name,
-        name=body.name,
-        retention_days=body.retention_days,
-        labels=body.labels,
-        tenant=tenant,
-    )
+async def snapshot(id_or_name: str, body: SnapshotSpec, tenant: Tenant, cp: Cp) -> SnapshotInfo:
+    return await cp.snapshot(id_or_name, body, tenant=tenant)
 
 
 @router.post("/sandboxes/{id_or_name}/fork", status_code=201)
-async def fork(id_or_name: str, body: ForkBody, tenant: Tenant, cp: Cp) -> list[SandboxInfo]:
-    return await cp.fork(
-        id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant
-    )
+async def fork(id_or_name: str, body: ForkSpec, tenant: Tenant, cp: Cp) -> list[SandboxInfo]:
+    return await cp.fork(id_or_name, body, tenant=tenant)
 
 
 @router.post("/sandboxes/{id_or_name}/volumes")
-async def attach_volume(id_or_name: str, body: AttachBody, tenant: Tenant, cp: Cp) -> VolumeInfo:
-    return await cp.attachments.attach_volume(
-        id_or_name, body.volume or "", body.path, read_only=body.read_only, tenant=tenant
-    )
+async def attach_volume(id_or_name: str, body: VolumeMount, tenant: Tenant, cp: Cp) -> VolumeInfo:
+    return await cp.attachments.attach_volume(id_or_name, body, tenant=tenant)
 
 
 @router.post("/sandboxes/{id_or_name}/drives")
-async def attach_drive(id_or_name: str, body: AttachBody, tenant: Tenant, cp: Cp) -> DriveInfo:
-    return await cp.attachments.attach_drive(
-        id_or_name, body.drive or "", body.path, read_only=body.read_only, tenant=tenant
-    )
-
-
-@router.post("/checkpoints/sandboxes", status_code=201)
-async def compose(body: ComposeBody, tenant: Tenant, cp: Cp) -> SandboxInfo:
-    options = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
-    return await cp.create(tenant=tenant, **options)
+async def attach_drive(id_or_name: str, body: DriveMount, tenant: Tenant, cp: Cp) -> DriveInfo:
+    return await cp.attachments.attach_drive(id_or_name, body, tenant=tenant)
 
 
 # -- snapshots -------------------------------------------------------------------------------
@@ -176,24 +113,15 @@ async def delete_snapshot(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
 
 
 @router.post("/snapshots/{id_or_name}/restore", status_code=201)
-async def restore(id_or_name: str, body: RestoreBody, tenant: Tenant, cp: Cp) -> SandboxInfo:
-    return await cp.restore(
-        id_or_name,
-        name=body.name,
-        labels=body.labels,
-        idle_pause_seconds=body.idle_pause_seconds,
-        pause_retention_days=body.pause_retention_days,
-        tenant=tenant,
-    )
+async def restore(id_or_name: str, body: RestoreSpec, tenant: Tenant, cp: Cp) -> SandboxInfo:
+    return await cp.restore(id_or_name, body, tenant=tenant)
 
 
 @router.post("/snapshots/{id_or_name}/fork", status_code=201)
 async def fork_snapshot(
-    id_or_name: str, body: ForkBody, tenant: Tenant, cp: Cp
+    id_or_name: str, body: ForkSpec, tenant: Tenant, cp: Cp
 ) -> list[SandboxInfo]:
-    return await cp.fork_snapshot(
-        id_or_name, count=body.count, labels=body.labels, names=body.names, tenant=tenant
-    )
+    return await cp.fork_snapshot(id_or_name, body, tenant=tenant)
 
 
 # -- volumes and drives ----------------------------------------------------------------------
@@ -210,8 +138,8 @@ def _delete_shared(
 
 
 @router.post("/volumes", status_code=201)
-async def create_volume(body: VolumeBody, tenant: Tenant, cp: Cp) -> VolumeInfo:
-    return cp.volumes.create(body.name, size_mib=body.size_mib, tenant=tenant)
+async def create_volume(body: VolumeSpec, tenant: Tenant, cp: Cp) -> VolumeInfo:
+    return cp.volumes.create(body, tenant=tenant)
 
 
 @router.get("/volumes")
@@ -230,8 +158,8 @@ async def delete_volume(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
 
 
 @router.post("/drives", status_code=201)
-async def create_drive(body: DriveBody, tenant: Tenant, cp: Cp) -> DriveInfo:
-    return cp.drives.create(body.name, tenant=tenant)
+async def create_drive(body: DriveSpec, tenant: Tenant, cp: Cp) -> DriveInfo:
+    return cp.drives.create(body, tenant=tenant)
 
 
 @router.get("/drives")
@@ -253,8 +181,8 @@ async def delete_drive(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
 
 
 @router.post("/gc")
-async def gc(body: GcBody, tenant: Tenant, cp: Cp) -> dict[str, Any]:
-    report = await cp.collect_garbage(dry_run=body.dry_run)
+async def gc(body: GcSpec, tenant: Tenant, cp: Cp) -> dict[str, Any]:
+    report = await cp.collect_garbage(body)
     return report.to_json()
 
 

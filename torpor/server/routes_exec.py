@@ -15,8 +15,10 @@ Each wakes a paused sandbox first (the manager does that: wake-on-request). ::
     POST   /v1/sandboxes/{id}/interpreter       run code                 -> Execution
     POST   /v1/sandboxes/{id}/interpreter/stream same, streamed like commands/stream
 
-Bodies over the limit (``app.state.max_file_bytes``, :data:`torpor.config.LIMITS`) are refused
-with :class:`~torpor.errors.PayloadTooLarge` (413) before they are read in full.
+The JSON bodies are :class:`~torpor.sandbox.requests.CommandSpec` and
+:class:`~torpor.sandbox.requests.CodeSpec`. File bodies over the limit
+(``app.state.max_file_bytes``, :data:`torpor.config.LIMITS`) and code or commands over theirs are
+refused with :class:`~torpor.errors.PayloadTooLarge` (413), files before they are read in full.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from torpor.config import LIMITS
 from torpor.errors import PayloadTooLarge, TorporError
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
+from torpor.sandbox.requests import CodeSpec, CommandSpec, Spec
 from torpor.server.deps import Manager, Tenant
 
-__all__ = ["RunCode", "RunCommand", "read_body", "router", "stream_ndjson"]
+__all__ = ["read_body", "router", "stream_ndjson"]
 
 log = logging.getLogger(__name__)
 
@@ -46,44 +49,12 @@ router = APIRouter(prefix="/v1/sandboxes/{id_or_name}", tags=["exec"])
 PathQuery = Annotated[str, Query(min_length=1)]
 
 
-class RunCommand(BaseModel):
-    """A shell command to run through ``/bin/sh -c``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    cmd: str = Field(min_length=1)
-    cwd: str | None = None
-    env: dict[str, str] | None = None
-    timeout: float | None = Field(default=60.0, gt=0)
-    background: bool = False
-
-
-class RunCode(BaseModel):
-    """Python code for the sandbox's long-lived interpreter."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    code: str
-    timeout: float | None = Field(default=None, gt=0)
-
-
-def _command_kwargs(body: RunCommand) -> dict[str, Any]:
-    return {
-        "cwd": body.cwd,
-        "env": body.env,
-        "timeout": body.timeout,
-        "background": body.background,
-    }
-
-
 @router.post("/commands")
 async def run_command(
-    id_or_name: str, body: RunCommand, manager: Manager, tenant: Tenant
+    id_or_name: str, body: CommandSpec, manager: Manager, tenant: Tenant
 ) -> CommandResult:
     """Run a command and answer when it ends (or at once with its pid, if ``background``)."""
-    result: CommandResult = await manager.run_command(
-        id_or_name, body.cmd, **_command_kwargs(body), tenant=tenant
-    )
+    result: CommandResult = await manager.run_command(id_or_name, body, tenant=tenant)
     return result
 
 
@@ -136,22 +107,22 @@ def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
+def _stream(
+    run: Callable[..., Awaitable[BaseModel]], id_or_name: str, body: Spec, tenant: str, what: str
+) -> StreamingResponse:
+    """:func:`stream_ndjson` of the manager's ``run`` (``run_command`` / ``run_code``)."""
+    return stream_ndjson(
+        lambda out, err: run(id_or_name, body, on_stdout=out, on_stderr=err, tenant=tenant),
+        f"{what} in {id_or_name}",
+    )
+
+
 @router.post("/commands/stream")
 async def run_command_stream(
-    id_or_name: str, body: RunCommand, manager: Manager, tenant: Tenant
+    id_or_name: str, body: CommandSpec, manager: Manager, tenant: Tenant
 ) -> StreamingResponse:
     """Run a command, streaming its output as it comes (NDJSON, see the module docstring)."""
-    return stream_ndjson(
-        lambda out, err: manager.run_command(
-            id_or_name,
-            body.cmd,
-            **_command_kwargs(body),
-            on_stdout=out,
-            on_stderr=err,
-            tenant=tenant,
-        ),
-        f"command in {id_or_name}",
-    )
+    return _stream(manager.run_command, id_or_name, body, tenant, "command")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -229,33 +200,16 @@ async def make_dir(id_or_name: str, manager: Manager, tenant: Tenant, path: Path
     return Response(status_code=204)
 
 
-def _check_code(code: str) -> None:
-    size = len(code.encode())
-    if size > LIMITS.max_code_bytes:
-        raise PayloadTooLarge(
-            f"code of {size} bytes is over the limit", size=size, limit=LIMITS.max_code_bytes
-        )
-
-
 @router.post("/interpreter")
-async def run_code(id_or_name: str, body: RunCode, manager: Manager, tenant: Tenant) -> Execution:
+async def run_code(id_or_name: str, body: CodeSpec, manager: Manager, tenant: Tenant) -> Execution:
     """Run code in the sandbox's interpreter; variables persist between calls and pauses."""
-    _check_code(body.code)
-    execution: Execution = await manager.run_code(
-        id_or_name, body.code, timeout=body.timeout, tenant=tenant
-    )
+    execution: Execution = await manager.run_code(id_or_name, body, tenant=tenant)
     return execution
 
 
 @router.post("/interpreter/stream")
 async def run_code_stream(
-    id_or_name: str, body: RunCode, manager: Manager, tenant: Tenant
+    id_or_name: str, body: CodeSpec, manager: Manager, tenant: Tenant
 ) -> StreamingResponse:
     """Run code, streaming what it prints as it comes, then the Execution (NDJSON)."""
-    _check_code(body.code)
-    return stream_ndjson(
-        lambda out, err: manager.run_code(
-            id_or_name, body.code, timeout=body.timeout, on_stdout=out, on_stderr=err, tenant=tenant
-        ),
-        f"code in {id_or_name}",
-    )
+    return _stream(manager.run_code, id_or_name, body, tenant, "code")

@@ -9,41 +9,28 @@
     POST   /v1/sandboxes/{id_or_name}/pause   pause             -> SandboxInfo
     POST   /v1/sandboxes/{id_or_name}/resume  resume            -> SandboxInfo
     DELETE /v1/sandboxes/{id_or_name}         kill              -> 204
+
+The bodies are :mod:`torpor.sandbox.requests` models: a create takes the whole
+:class:`~torpor.sandbox.requests.SandboxSpec` (a template fork, or a restore of ``snapshot``, with
+``volumes`` and ``drives``); a get-or-create its :class:`~torpor.sandbox.requests.SandboxOptions`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Query, Request, Response
 
-from torpor.errors import InvalidArgument, SandboxNotFound
+from torpor.errors import SandboxNotFound
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import parse_labels as _parse_labels
+from torpor.sandbox.requests import SandboxOptions, SandboxSpec
 from torpor.server.deps import Manager, Tenant
+from torpor.server.routes_checkpoints import checkpoints_of
 
-__all__ = ["CreateSandbox", "own", "parse_labels", "router"]
+__all__ = ["own", "parse_labels", "router"]
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
-
-
-class CreateSandbox(BaseModel):
-    """The body of a create or get-or-create; fields left out take the manager's defaults."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    template: str | None = None
-    name: str | None = None
-    labels: dict[str, str] | None = None
-    idle_pause_seconds: int | None = Field(default=None, ge=1)
-    pause_retention_days: int | None = Field(default=None, ge=1, le=365)
-    vcpus: int | None = Field(default=None, ge=1, le=64)
-    memory_mib: int | None = Field(default=None, ge=64, le=1024 * 1024)
-
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments to pass on: only what the caller set."""
-        return {k: v for k, v in self.model_dump(exclude_unset=True).items() if v is not None}
 
 
 def parse_labels(labels: list[str] | None) -> dict[str, str] | None:
@@ -74,21 +61,24 @@ async def _fresh(manager: Any, result: Any, id_or_name: str, tenant: str) -> San
 
 
 @router.post("", status_code=201)
-async def create_sandbox(body: CreateSandbox, manager: Manager, tenant: Tenant) -> SandboxInfo:
-    """Create a sandbox (a fork of its template's booted snapshot)."""
-    info: SandboxInfo = await manager.create(**body.options(), tenant=tenant)
+async def create_sandbox(
+    body: SandboxSpec, request: Request, manager: Manager, tenant: Tenant
+) -> SandboxInfo:
+    """Create a sandbox: a fork of its template's booted snapshot or, with ``snapshot``, a
+    restore of that snapshot; with ``volumes`` and ``drives`` mounted."""
+    if body.plain:  # the manager alone makes it (and a test double of the manager can)
+        info: SandboxInfo = await manager.create(body.narrow(SandboxOptions), tenant=tenant)
+    else:
+        info = await checkpoints_of(request, manager).create(body, tenant=tenant)
     return info
 
 
 @router.put("/by-name/{name}")
 async def get_or_create_sandbox(
-    name: str, body: CreateSandbox, manager: Manager, tenant: Tenant
+    name: str, body: SandboxOptions, manager: Manager, tenant: Tenant
 ) -> SandboxInfo:
     """Return the sandbox called ``name`` (woken if paused), creating it if there is none."""
-    options = body.options()
-    if options.pop("name", name) != name:
-        raise InvalidArgument("the body's name differs from the path's", name=name)
-    info: SandboxInfo = await manager.get_or_create(name, **options, tenant=tenant)
+    info: SandboxInfo = await manager.get_or_create(name, body, tenant=tenant)
     return own(info, tenant, name)
 
 

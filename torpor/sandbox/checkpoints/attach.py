@@ -22,13 +22,10 @@ from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState
 from torpor.sandbox.manager import Held
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.requests import DriveMount, VolumeMount
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
-from torpor.sandbox.storage.volumes import (
-    VolumeInfo,
-    VolumeStore,
-    check_mount_path,
-    find_guest_disk,
-)
+from torpor.sandbox.storage.records import RecordStore
+from torpor.sandbox.storage.volumes import VolumeInfo, VolumeStore, find_guest_disk
 
 __all__ = ["Attachments"]
 
@@ -87,6 +84,17 @@ class Attachments:
             )
         return rec
 
+    async def attachable(
+        self, store: RecordStore[Any], tenant: str, id_or_name: str, path: str
+    ) -> SandboxRecord:
+        """The running sandbox to attach a resource of ``store`` to at ``path``, once the
+        attachments of killed sandboxes are dropped. Raises InvalidState, InvalidArgument
+        (``path`` overlaps a mount)."""
+        store.release(keep=self.live_ids())
+        rec = await self.running_channel(tenant, id_or_name)
+        self.check_path_free(rec.id, path)
+        return rec
+
     def check_path_free(self, sandbox_id: str, path: str) -> None:
         used = [a.path for _, a in self.volumes.attached_to(sandbox_id)]
         used += [a.path for _, a in self.drives.attached_to(sandbox_id)]
@@ -101,24 +109,25 @@ class Attachments:
     async def attach_volume(
         self,
         id_or_name: str,
-        volume: str,
-        path: str,
+        mount: VolumeMount | None = None,
+        /,
         *,
-        read_only: bool = False,
         tenant: str = "default",
+        **fields: Any,
     ) -> VolumeInfo:
-        """Attach a volume to a sandbox (hot-plugged) and mount it at ``path``.
+        """Attach a volume to a sandbox (hot-plugged) and mount it: a
+        :class:`~torpor.sandbox.requests.VolumeMount`, or its fields (``volume``, ``path``,
+        ``read_only``).
 
         Raises VolumeNotFound, InvalidArgument (path), Conflict (read-write elsewhere),
         InvalidState, EngineError/GuestError (then the attachment is undone).
         """
         from torpor.sandbox.vm.machine import DiskSpec
 
-        path = check_mount_path(path)
-        self.volumes.release(keep=self.live_ids())  # attachments of killed sandboxes
-        rec = await self.running_channel(tenant, id_or_name)
-        self.check_path_free(rec.id, path)
-        vol = self.volumes.attach(volume, rec.id, path, read_only=read_only, tenant=tenant)
+        spec = VolumeMount.of(mount, **fields)
+        path, read_only = spec.path, spec.read_only
+        rec = await self.attachable(self.volumes, tenant, id_or_name, path)
+        vol = self.volumes.attach(spec.volume, rec.id, path, read_only=read_only, tenant=tenant)
         live = self.manager.live(rec.id)
         try:
             async with live.lock:
@@ -151,24 +160,25 @@ class Attachments:
     async def attach_drive(
         self,
         id_or_name: str,
-        drive: str,
-        path: str,
+        mount: DriveMount | None = None,
+        /,
         *,
-        read_only: bool = False,
         tenant: str = "default",
+        **fields: Any,
     ) -> DriveInfo:
-        """Share a drive into a sandbox (virtio-9p) and mount it at ``path``.
+        """Share a drive into a sandbox (virtio-9p) and mount it: a
+        :class:`~torpor.sandbox.requests.DriveMount`, or its fields (``drive``, ``path``,
+        ``read_only``).
 
         Adding a 9p device costs one hibernate + wake of the sandbox. Raises DriveNotFound,
         InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError.
         """
         from torpor.sandbox.vm.machine import ShareSpec
 
-        path = check_mount_path(path)
-        self.drives.release(keep=self.live_ids())
-        rec = await self.running_channel(tenant, id_or_name)
-        self.check_path_free(rec.id, path)
-        info = self.drives.get(drive, tenant=tenant)
+        spec = DriveMount.of(mount, **fields)
+        path, read_only = spec.path, spec.read_only
+        rec = await self.attachable(self.drives, tenant, id_or_name, path)
+        info = self.drives.get(spec.drive, tenant=tenant)
         m = self.manager
         live = m.live(rec.id)
         async with live.lock:

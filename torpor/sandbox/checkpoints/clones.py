@@ -23,8 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torpor.config import LIMITS
-from torpor.errors import DriveNotFound, InvalidArgument, TorporError
+from torpor.errors import DriveNotFound, TorporError
 from torpor.sandbox.manager import Held
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
@@ -32,7 +31,7 @@ from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.volumes import Attachment
 
-__all__ = ["Cloner", "check_count", "drop_ram"]
+__all__ = ["Cloner", "drop_ram"]
 
 log = logging.getLogger(__name__)
 
@@ -212,19 +211,3 @@ def drop_ram(frozen: Path) -> None:
     with contextlib.suppress(OSError):
         if not any(frozen.iterdir()):
             shutil.rmtree(frozen)
-
-
-def check_count(count: int, names: list[str] | None) -> None:
-    if (
-        isinstance(count, bool)
-        or not isinstance(count, int)
-        or not 1 <= count <= LIMITS.max_fork_count
-    ):
-        raise InvalidArgument(
-            f"fork count must be 1 to {LIMITS.max_fork_count}, not {count!r}",
-            field="count",
-            value=str(count),
-            limit=LIMITS.max_fork_count,
-        )
-    if names is not None and len(names) != count:
-        raise InvalidArgument(f"{len(names)} names for {count} children", field="names")

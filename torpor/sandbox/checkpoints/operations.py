@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -51,18 +51,23 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.sandbox.checkpoints.attach import Attachments
-from torpor.sandbox.checkpoints.clones import Cloner, check_count, drop_ram
+from torpor.sandbox.checkpoints.clones import Cloner, drop_ram
 from torpor.sandbox.manager import Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.requests import (
+    ForkSpec,
+    GcSpec,
+    RestoreSpec,
+    SandboxOptions,
+    SandboxSpec,
+    SnapshotSpec,
+)
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.retention import GcReport, collect_garbage
-from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore, check_retention, freeze
-from torpor.sandbox.storage.volumes import (
-    VolumeStore,
-    check_mount_path,
-)
+from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore, freeze
+from torpor.sandbox.storage.volumes import VolumeStore
 
 __all__ = ["VOLUME_SNAPSHOT_REFUSAL", "Checkpoints"]
 
@@ -181,21 +186,23 @@ class Checkpoints:
     async def snapshot(
         self,
         id_or_name: str,
+        spec: SnapshotSpec | None = None,
+        /,
         *,
-        name: str | None = None,
-        retention_days: int = 7,
-        labels: Mapping[str, str] | None = None,
         tenant: str = "default",
+        **fields: Any,
     ) -> SnapshotInfo:
         """Snapshot a running or paused sandbox (RAM + disk); it keeps its state afterwards.
+        ``spec`` (or ``fields``: ``name``, ``retention_days``, ``labels``) is a
+        :class:`~torpor.sandbox.requests.SnapshotSpec`.
 
         ``name`` defaults to ``<sandbox name>-<time>``. Raises InvalidName / InvalidArgument,
         Conflict (name taken; a volume attached), InvalidState, StorageError (e.g. disk full:
         nothing is listed and the sandbox is unharmed).
         """
-        check_retention(retention_days)
+        snap = SnapshotSpec.of(spec, **fields)
         rec = self.manager.registry.find(tenant, id_or_name)
-        name = name or f"{rec.name}-{time.strftime('%Y%m%d-%H%M%S')}"[:63]
+        name = snap.name or f"{rec.name}-{time.strftime('%Y%m%d-%H%M%S')}"[:63]
         check_name(name, "snapshot name")
         self.snapshots.check_name_free(name, tenant)  # fail before pausing anything
 
@@ -206,10 +213,10 @@ class Checkpoints:
                     frozen,
                     name=str(name),
                     tenant=tenant,
-                    retention_days=retention_days,
+                    retention_days=snap.retention_days,
                     sandbox_id=rec.id,
                     template=rec.template,
-                    labels=dict(labels or {}),
+                    labels=dict(snap.labels or {}),
                     drives=self.cloner.drive_records(rec.id),
                 )
             finally:
@@ -232,42 +239,48 @@ class Checkpoints:
     async def restore(
         self,
         snapshot: str,
+        spec: RestoreSpec | None = None,
+        /,
         *,
-        name: str | None = None,
-        labels: Mapping[str, str] | None = None,
-        idle_pause_seconds: int | None = None,
-        pause_retention_days: int = 30,
         tenant: str = "default",
+        **fields: Any,
     ) -> SandboxInfo:
         """A new running sandbox from a stored snapshot (RAM, processes and files as they were).
+        ``spec`` (or ``fields``: ``name``, ``labels``, ``idle_pause_seconds``,
+        ``pause_retention_days``) is a :class:`~torpor.sandbox.requests.RestoreSpec`.
 
         Raises SnapshotNotFound (deleted or expired), CorruptData (a chunk fails its hash),
         Conflict (name taken), and leaves no half-made sandbox behind.
         """
-        children = await self.fork_snapshot(
-            snapshot,
-            count=1,
-            labels=labels,
-            names=[name] if name else None,
-            idle_pause_seconds=idle_pause_seconds,
-            pause_retention_days=pause_retention_days,
-            tenant=tenant,
-        )
+        options = RestoreSpec.of(spec, **fields)
+        names = None if options.name is None else [options.name]
+        children = await self._from_snapshot(snapshot, 1, names, options, tenant)
         return children[0]
 
     async def fork_snapshot(
         self,
         snapshot: str,
+        spec: ForkSpec | None = None,
+        /,
         *,
-        count: int = 1,
-        labels: Mapping[str, str] | None = None,
-        names: list[str] | None = None,
-        idle_pause_seconds: int | None = None,
-        pause_retention_days: int = 30,
         tenant: str = "default",
+        **fields: Any,
     ) -> list[SandboxInfo]:
-        """``count`` new sandboxes from one stored snapshot (see :meth:`restore`)."""
-        check_count(count, names)
+        """``count`` new sandboxes from one stored snapshot (see :meth:`restore`); ``spec`` (or
+        ``fields``: ``count``, ``labels``, ``names``) is a
+        :class:`~torpor.sandbox.requests.ForkSpec`."""
+        fork = ForkSpec.of(spec, **fields)
+        options = RestoreSpec.of(labels=fork.labels)
+        return await self._from_snapshot(snapshot, fork.count, fork.names, options, tenant)
+
+    async def _from_snapshot(
+        self,
+        snapshot: str,
+        count: int,
+        names: list[str] | None,
+        options: RestoreSpec,
+        tenant: str,
+    ) -> list[SandboxInfo]:
         info = self.snapshots.get(snapshot, tenant=tenant)
         # held until the children exist: until then no overlay names the frozen dir, and GC
         # (which takes this lock exclusively) must not take it for garbage
@@ -277,10 +290,10 @@ class Checkpoints:
                 return await self.cloner.spawn(
                     frozen,
                     count=count,
-                    labels=labels,
+                    labels=options.labels,
                     names=names,
-                    idle_pause_seconds=idle_pause_seconds,
-                    pause_retention_days=pause_retention_days,
+                    idle_pause_seconds=options.idle_pause_seconds,
+                    pause_retention_days=options.pause_retention_days,
                     tenant=tenant,
                     reason=f"restored from {info.id}",
                     drives_of=info.sandbox_id,
@@ -292,21 +305,21 @@ class Checkpoints:
     async def fork(
         self,
         id_or_name: str,
+        spec: ForkSpec | None = None,
+        /,
         *,
-        count: int = 1,
-        labels: Mapping[str, str] | None = None,
-        names: list[str] | None = None,
         tenant: str = "default",
+        **fields: Any,
     ) -> list[SandboxInfo]:
-        """``count`` live copies of a running or paused sandbox, diverging from now on.
+        """``count`` live copies of a running or paused sandbox, diverging from now on; ``spec``
+        (or ``fields``: ``count``, ``labels``, ``names``) is a
+        :class:`~torpor.sandbox.requests.ForkSpec`.
 
         Children inherit the source's labels (updated with ``labels``). Raises InvalidArgument
         (count 0 or over the limit), Conflict (a volume attached, names), InvalidState.
         """
-        check_count(count, names)
+        fork = ForkSpec.of(spec, **fields)
         self.manager.registry.find(tenant, id_or_name)  # SandboxNotFound before any work
-        for n in names or []:
-            check_name(n, "sandbox name")
 
         async def clone(rec: SandboxRecord, frozen: Path) -> Any:
             # the frozen RAM is a hard link to the source's: clone it before the source wakes
@@ -314,9 +327,9 @@ class Checkpoints:
                 drives = self.cloner.drives_for(frozen, rec.id)
                 recs = await self.cloner.prepare(
                     frozen,
-                    count=count,
-                    labels={**rec.labels, **(labels or {})},
-                    names=names,
+                    count=fork.count,
+                    labels={**rec.labels, **(fork.labels or {})},
+                    names=fork.names,
                     idle_pause_seconds=rec.idle_pause_seconds,
                     pause_retention_days=rec.pause_retention_days,
                     tenant=tenant,
@@ -335,51 +348,33 @@ class Checkpoints:
         return await self._freeze(tenant, id_or_name, wake, before_wake=clone, link_ram=True)
 
     async def create(
-        self,
-        *,
-        snapshot: str | None = None,
-        volumes: list[Mapping[str, Any]] | None = None,
-        drives: list[Mapping[str, Any]] | None = None,
-        tenant: str = "default",
-        **kwargs: Any,
+        self, spec: SandboxSpec | None = None, /, *, tenant: str = "default", **fields: Any
     ) -> SandboxInfo:
-        """``Sandbox.create`` with ``snapshot=``, ``volumes=[{"volume", "path", "read_only"}]``
-        and ``drives=[{"drive", "path"}]``. Every reference is checked before anything is made;
-        if an attach fails the new sandbox is killed (no half-made sandbox)."""
-        vols, drvs = list(volumes or []), list(drives or [])
-        for v in vols:
-            self.volumes.get(str(v.get("volume", "")), tenant=tenant)
-            check_mount_path(str(v.get("path", "")))
-        for d in drvs:
-            self.drives.get(str(d.get("drive", "")), tenant=tenant)
-            check_mount_path(str(d.get("path", "")))
-        if snapshot is not None:
-            unknown = set(kwargs) - {"name", "labels", "idle_pause_seconds", "pause_retention_days"}
-            if unknown:
+        """``Sandbox.create``: a :class:`~torpor.sandbox.requests.SandboxSpec` (or its
+        fields): a template fork, or with ``snapshot`` a restore, with ``volumes`` and
+        ``drives`` mounted. Every reference is checked before anything is made; if an attach
+        fails the new sandbox is killed (no half-made sandbox). Raises as :meth:`restore`,
+        :meth:`SandboxManager.create`, :meth:`attach_volume` and :meth:`attach_drive`;
+        InvalidArgument when a restore is given a template or sizes."""
+        want = SandboxSpec.of(spec, **fields)
+        for v in want.volumes:
+            self.volumes.get(v.volume, tenant=tenant)
+        for d in want.drives:
+            self.drives.get(d.drive, tenant=tenant)
+        if want.snapshot is not None:
+            fixed = sorted(want.model_fields_set & {"template", "vcpus", "memory_mib"})
+            if fixed:
                 raise InvalidArgument(
-                    f"a restore takes its template and sizes from the "
-                    f"snapshot; drop {sorted(unknown)}"
+                    f"a restore takes its template and sizes from the snapshot; drop {fixed}"
                 )
-            info = await self.restore(snapshot, tenant=tenant, **kwargs)
+            info = await self.restore(want.snapshot, want.narrow(RestoreSpec), tenant=tenant)
         else:
-            info = await self.manager.create(tenant=tenant, **kwargs)
+            info = await self.manager.create(want.narrow(SandboxOptions), tenant=tenant)
         try:
-            for v in vols:
-                await self.attachments.attach_volume(
-                    info.id,
-                    str(v["volume"]),
-                    str(v.get("path", "")),
-                    read_only=bool(v.get("read_only", False)),
-                    tenant=tenant,
-                )
-            for d in drvs:
-                await self.attachments.attach_drive(
-                    info.id,
-                    str(d["drive"]),
-                    str(d.get("path", "")),
-                    read_only=bool(d.get("read_only", False)),
-                    tenant=tenant,
-                )
+            for v in want.volumes:
+                await self.attachments.attach_volume(info.id, v, tenant=tenant)
+            for d in want.drives:
+                await self.attachments.attach_drive(info.id, d, tenant=tenant)
         except BaseException:
             with contextlib.suppress(TorporError):
                 await self.manager.kill(info.id, tenant=tenant)
@@ -390,8 +385,12 @@ class Checkpoints:
 
     # -- retention -----------------------------------------------------------------------
 
-    async def collect_garbage(self, *, now: float | None = None, dry_run: bool = False) -> GcReport:
-        """Kill sandboxes paused past their ``pause_retention_days``, then run :func:`collect`."""
+    async def collect_garbage(
+        self, spec: GcSpec | None = None, /, *, now: float | None = None, **fields: Any
+    ) -> GcReport:
+        """Kill sandboxes paused past their ``pause_retention_days``, then run :func:`collect`
+        (``spec`` or ``dry_run=True``: report what would go, remove nothing)."""
+        dry_run = GcSpec.of(spec, **fields).dry_run
         now = time.time() if now is None else now
         expired: list[str] = []
         for rec in self.manager.registry.list(states={S.PAUSED}):

@@ -26,7 +26,7 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -35,7 +35,6 @@ from torpor.errors import (
     Conflict,
     EngineError,
     GuestError,
-    InvalidArgument,
     SandboxNotFound,
     TorporError,
 )
@@ -44,12 +43,12 @@ from torpor.sandbox.manager.core import ManagerCore, wrap_error
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.requests import CodeSpec, CommandSpec, SandboxOptions, check_guest_path
+from torpor.types import OutputCallback
 
 __all__ = ["SandboxManager"]
 
 log = logging.getLogger(__name__)
-
-OutputCallback = Callable[[str], Any]
 
 
 class SandboxManager(ManagerCore):
@@ -65,41 +64,34 @@ class SandboxManager(ManagerCore):
     # -- create ---------------------------------------------------------------------------
 
     async def create(
-        self,
-        template: str = "python",
-        name: str | None = None,
-        labels: Mapping[str, str] | None = None,
-        idle_pause_seconds: int | None = None,
-        vcpus: int = 1,
-        memory_mib: int = 512,
-        pause_retention_days: int = 30,
-        *,
-        tenant: str = "default",
+        self, options: SandboxOptions | None = None, /, *, tenant: str = "default", **fields: Any
     ) -> SandboxInfo:
-        """Fork a new running sandbox from ``template``'s booted snapshot.
+        """Fork a new running sandbox from its template's booted snapshot. ``options`` (or
+        ``fields``: ``template``, ``name``, ``labels``, ``vcpus``, ... with their bounds and
+        defaults) are a :class:`~torpor.sandbox.requests.SandboxOptions`.
 
         Raises InvalidName / InvalidArgument / TemplateNotFound before anything is made,
         Conflict when ``name`` is taken, EngineError / GuestError when the machine fails (the
         half-made sandbox is then removed and its name freed).
         """
         self._check_open()
-        sandbox_id = "sbx-" + secrets.token_hex(6)
-        name = sandbox_id if name is None else check_name(name, "sandbox name")
+        spec = SandboxOptions.of(options, **fields)
         check_name(tenant, "tenant")
-        _check_sizes(idle_pause_seconds, vcpus, memory_mib, pause_retention_days)
-        self.engine.check_template(template, MachineConfig(template, vcpus, memory_mib))
+        sandbox_id = "sbx-" + secrets.token_hex(6)
+        template = spec.template
+        self.engine.check_template(template, MachineConfig(template, spec.vcpus, spec.memory_mib))
         now = time.time()
         rec = SandboxRecord(
             id=sandbox_id,
             tenant=tenant,
-            name=name,
+            name=spec.name or sandbox_id,
             template=template,
             state=S.CREATING,
-            labels=dict(labels or {}),
-            vcpus=vcpus,
-            memory_mib=memory_mib,
-            idle_pause_seconds=idle_pause_seconds,
-            pause_retention_days=pause_retention_days,
+            labels=dict(spec.labels or {}),
+            vcpus=spec.vcpus,
+            memory_mib=spec.memory_mib,
+            idle_pause_seconds=spec.idle_pause_seconds,
+            pause_retention_days=spec.pause_retention_days,
             created_at=now,
             last_active_at=now,
         )
@@ -117,23 +109,32 @@ class SandboxManager(ManagerCore):
                     raise wrap_error(exc, "create", sandbox_id) from exc
                 raise
             rec = self.move(rec, S.RUNNING, "created", last_active_at=time.time())
-        log.info("created sandbox %s (%s) from %s", sandbox_id, name, template)
+        log.info("created sandbox %s (%s) from %s", sandbox_id, rec.name, template)
         return rec.to_info()
 
     async def get_or_create(
-        self, name: str, *, tenant: str = "default", **kwargs: Any
+        self,
+        name: str,
+        options: SandboxOptions | None = None,
+        /,
+        *,
+        tenant: str = "default",
+        **fields: Any,
     ) -> SandboxInfo:
         """The tenant's live sandbox called ``name`` (woken if paused; ``reused=True``), else a
-        new one made with ``kwargs`` (as :meth:`create`). N concurrent callers get one sandbox.
-        Options of an existing sandbox are not changed. Raises like :meth:`create`; a sandbox
-        in ``error`` is returned as is (its calls raise StateLost)."""
+        new one made with ``options`` / ``fields`` (as :meth:`create`). N concurrent callers
+        get one sandbox. Options of an existing sandbox are not changed. Raises like
+        :meth:`create` (bad options even when the sandbox exists; InvalidArgument when they
+        name another sandbox); a sandbox in ``error`` is returned as is (its calls raise
+        StateLost)."""
         check_name(name, "sandbox name")
+        spec = SandboxOptions.of(options, **fields).named(name)
         lock = self._name_locks.setdefault((tenant, name), asyncio.Lock())
         async with lock:
             rec = self.registry.live_by_name(tenant, name)
             if rec is None:
                 try:
-                    return await self.create(name=name, tenant=tenant, **kwargs)
+                    return await self.create(spec, tenant=tenant)
                 except Conflict:  # another process created it between our look and insert
                     rec = self.registry.live_by_name(tenant, name)
                     if rec is None:
@@ -241,75 +242,77 @@ class SandboxManager(ManagerCore):
     async def run_command(
         self,
         id_or_name: str,
-        cmd: str,
+        command: CommandSpec | str,
+        /,
         *,
         tenant: str = "default",
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout: float | None = 60,
-        background: bool = False,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        **fields: Any,
     ) -> CommandResult:
-        """Run a shell command in the sandbox (waking it first)."""
+        """Run a shell command in the sandbox (waking it first): a
+        :class:`~torpor.sandbox.requests.CommandSpec`, or ``cmd`` and its fields (``cwd``,
+        ``env``, ``timeout``, ``background``). Raises InvalidArgument / PayloadTooLarge for a
+        bad spec before waking anything, then as the guest channel's ``run_command``."""
+        spec = CommandSpec.of(command, **fields)
         async with self._use(tenant, id_or_name) as ch:
-            return await ch.run_command(
-                cmd,
-                cwd=cwd,
-                env=env,
-                timeout=timeout,
-                background=background,
-                on_stdout=on_stdout,
-                on_stderr=on_stderr,
-            )
+            return await ch.run_command(spec, on_stdout=on_stdout, on_stderr=on_stderr)
 
     async def run_code(
         self,
         id_or_name: str,
-        code: str,
+        code: CodeSpec | str,
+        /,
         *,
         tenant: str = "default",
-        timeout: float | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        **fields: Any,
     ) -> Execution:
-        """Run code in the sandbox's long-lived interpreter (waking it first)."""
+        """Run code in the sandbox's long-lived interpreter (waking it first): a
+        :class:`~torpor.sandbox.requests.CodeSpec`, or ``code`` and its ``timeout``."""
+        spec = CodeSpec.of(code, **fields)
         async with self._use(tenant, id_or_name) as ch:
-            return await ch.run_code(
-                code, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr
-            )
+            return await ch.run_code(spec, on_stdout=on_stdout, on_stderr=on_stderr)
 
     async def read_file(self, id_or_name: str, path: str, *, tenant: str = "default") -> bytes:
-        """A file's bytes. Raises PathNotFound."""
+        """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path)."""
+        check_guest_path(path)
         async with self._use(tenant, id_or_name) as ch:
             return await ch.read_file(path)
 
     async def write_file(
         self, id_or_name: str, path: str, data: bytes | str, *, tenant: str = "default"
     ) -> None:
-        """Write a file (parents created)."""
+        """Write a file (parents created). Raises InvalidArgument (a bad path)."""
+        check_guest_path(path)
         async with self._use(tenant, id_or_name) as ch:
             await ch.write_file(path, data)
 
     async def list_dir(
         self, id_or_name: str, path: str, *, tenant: str = "default"
     ) -> builtins.list[EntryInfo]:
-        """A directory's entries. Raises PathNotFound."""
+        """A directory's entries. Raises PathNotFound, InvalidArgument (a bad path)."""
+        check_guest_path(path)
         async with self._use(tenant, id_or_name) as ch:
             return await ch.list_dir(path)
 
     async def exists(self, id_or_name: str, path: str, *, tenant: str = "default") -> bool:
-        """Whether a path exists in the sandbox."""
+        """Whether a path exists in the sandbox. Raises InvalidArgument (a bad path)."""
+        check_guest_path(path)
         async with self._use(tenant, id_or_name) as ch:
             return await ch.exists(path)
 
     async def remove(self, id_or_name: str, path: str, *, tenant: str = "default") -> None:
-        """Remove a file or a tree. Raises PathNotFound."""
+        """Remove a file or a tree. Raises PathNotFound, InvalidArgument (a bad path, or one
+        that would wipe the guest's OS: see :func:`~torpor.sandbox.requests.check_guest_path`)."""
+        check_guest_path(path, removing=True)
         async with self._use(tenant, id_or_name) as ch:
             await ch.remove(path)
 
     async def make_dir(self, id_or_name: str, path: str, *, tenant: str = "default") -> None:
-        """Make a directory (and parents)."""
+        """Make a directory (and parents). Raises InvalidArgument (a bad path)."""
+        check_guest_path(path)
         async with self._use(tenant, id_or_name) as ch:
             await ch.make_dir(path)
 
@@ -397,23 +400,3 @@ class SandboxManager(ManagerCore):
                 live.channel = None
         self._closed = True
         self.registry.close()
-
-
-def _check_sizes(
-    idle_pause_seconds: int | None, vcpus: int, memory_mib: int, pause_retention_days: int
-) -> None:
-    if idle_pause_seconds is not None and (
-        not isinstance(idle_pause_seconds, int) or idle_pause_seconds < 1
-    ):
-        raise InvalidArgument(
-            "idle_pause_seconds must be a positive integer or None",
-            idle_pause_seconds=idle_pause_seconds,
-        )
-    if not isinstance(vcpus, int) or not 1 <= vcpus <= 64:
-        raise InvalidArgument("vcpus must be 1-64", vcpus=vcpus)
-    if not isinstance(memory_mib, int) or not 64 <= memory_mib <= 65536:
-        raise InvalidArgument("memory_mib must be 64-65536", memory_mib=memory_mib)
-    if not isinstance(pause_retention_days, int) or not 1 <= pause_retention_days <= 365:
-        raise InvalidArgument(
-            "pause_retention_days must be 1-365", pause_retention_days=pause_retention_days
-        )

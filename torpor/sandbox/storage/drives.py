@@ -23,8 +23,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from torpor.config import Paths, check_name
+from torpor.config import Paths
 from torpor.errors import Conflict, DriveNotFound, GuestError, StorageError
+from torpor.sandbox.requests import DriveSpec
 from torpor.sandbox.storage.records import Attachment, RecordStore, locked
 
 __all__ = ["DriveInfo", "DriveStore", "mount_in_guest"]
@@ -68,9 +69,12 @@ class DriveStore(RecordStore[DriveInfo]):
     def _remove_data(self, rid: str) -> None:
         shutil.rmtree(self.directory(rid))
 
-    def create(self, name: str, *, tenant: str = "default") -> DriveInfo:
-        """Make an empty drive. Raises InvalidName, Conflict (name taken), StorageError."""
-        check_name(name, "drive name")
+    def create(
+        self, spec: DriveSpec | str | None = None, /, *, tenant: str = "default", **fields: Any
+    ) -> DriveInfo:
+        """Make an empty drive: a :class:`~torpor.sandbox.requests.DriveSpec`, or its
+        ``name``. Raises InvalidName, Conflict (name taken), StorageError."""
+        name = DriveSpec.of(spec, **fields).name
         did = f"drv-{uuid.uuid4().hex[:12]}"
         with locked(self.root):
             if any(d.name == name for d in self.list(tenant=tenant)):

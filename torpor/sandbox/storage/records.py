@@ -19,7 +19,6 @@ import fcntl
 import json
 import logging
 import os
-import posixpath
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -27,7 +26,8 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from torpor.errors import Conflict, InvalidArgument, NotFound, StorageError
+from torpor.errors import Conflict, NotFound, StorageError
+from torpor.sandbox.requests import SYSTEM_DIRS, check_mount_path
 from torpor.sandbox.vm.disk import write_atomic
 
 __all__ = [
@@ -42,56 +42,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-#: guest directories a volume or drive may not be mounted on or under
-SYSTEM_DIRS = (
-    "/bin",
-    "/boot",
-    "/dev",
-    "/etc",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/opt",
-    "/proc",
-    "/root",
-    "/run",
-    "/sbin",
-    "/sys",
-    "/tmp",
-    "/usr",
-    "/var",
-)
-
-
-def check_mount_path(path: str) -> str:
-    """Return the normalized absolute guest path, or raise InvalidArgument.
-
-    Refuses relative paths, ``..``, ``/`` and anything on or under a system directory.
-    """
-    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
-        raise InvalidArgument(
-            f"mount path must be an absolute guest path, not {path!r}",
-            field="path",
-            value=str(path),
-        )
-    if ".." in path.split("/"):
-        raise InvalidArgument(f"mount path {path!r} may not contain '..'", field="path", value=path)
-    norm = posixpath.normpath(path)
-    if norm.startswith("//"):
-        norm = norm[1:]
-    for system in SYSTEM_DIRS:
-        if norm == "/" or norm == system or norm.startswith(system + "/"):
-            shown = system if norm != "/" else "/"
-            raise InvalidArgument(
-                f"mount path {path!r} collides with the system directory {shown}"
-                "; use a path such as /memory, /data or /mnt/<name>",
-                field="path",
-                value=path,
-            )
-    return norm
 
 
 class Attachment(BaseModel):

@@ -46,6 +46,7 @@ from torpor.errors import (
     SnapshotNotFound,
     StorageError,
 )
+from torpor.sandbox.requests import MAX_RETENTION_DAYS
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest
 from torpor.sandbox.storage.records import write_record
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay, rebase
@@ -97,10 +98,11 @@ class SnapshotInfo(BaseModel):
 
 
 def check_retention(days: int, *, what: str = "retention_days") -> int:
-    """Return ``days`` if it is an int in 1..365, else raise InvalidArgument."""
-    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= 365:
+    """Return ``days`` if it is an int in 1..:data:`~torpor.sandbox.requests.MAX_RETENTION_DAYS`
+    (the store's own guard; requests are checked by their model), else raise InvalidArgument."""
+    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= MAX_RETENTION_DAYS:
         raise InvalidArgument(
-            f"{what} must be a whole number of days from 1 to 365, not {days!r}",
+            f"{what} must be a whole number of days from 1 to {MAX_RETENTION_DAYS}, not {days!r}",
             field=what,
             value=str(days),
         )

@@ -35,15 +35,15 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from torpor.config import Paths, check_name
+from torpor.config import Paths
 from torpor.errors import (
     Conflict,
     EngineError,
     GuestError,
-    InvalidArgument,
     StorageError,
     VolumeNotFound,
 )
+from torpor.sandbox.requests import MAX_VOLUME_MIB, VolumeSpec  # MAX_VOLUME_MIB: re-exported
 from torpor.sandbox.storage.records import (  # check_mount_path, SYSTEM_DIRS: re-exported
     SYSTEM_DIRS,
     Attachment,
@@ -62,8 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-MAX_VOLUME_MIB = 1024 * 1024  # 1 TiB: a sparse file costs nothing until written
 
 
 class VolumeInfo(BaseModel):
@@ -98,23 +96,17 @@ class VolumeStore(RecordStore[VolumeInfo]):
     def _remove_data(self, rid: str) -> None:
         self.image(rid).unlink(missing_ok=True)
 
-    def create(self, name: str, *, size_mib: int = 1024, tenant: str = "default") -> VolumeInfo:
-        """Make an empty ext4 volume of ``size_mib`` (sparse).
+    def create(
+        self, spec: VolumeSpec | str | None = None, /, *, tenant: str = "default", **fields: Any
+    ) -> VolumeInfo:
+        """Make an empty ext4 volume (sparse): a :class:`~torpor.sandbox.requests.VolumeSpec`,
+        or its ``name`` and ``size_mib``.
 
         Raises InvalidName, InvalidArgument (size), Conflict (name taken in the tenant),
         EngineError (mkfs failed), StorageError. Nothing is left behind on failure.
         """
-        check_name(name, "volume name")
-        if (
-            isinstance(size_mib, bool)
-            or not isinstance(size_mib, int)
-            or not 16 <= size_mib <= MAX_VOLUME_MIB
-        ):
-            raise InvalidArgument(
-                f"size_mib must be a whole number from 16 to {MAX_VOLUME_MIB}, not {size_mib!r}",
-                field="size_mib",
-                value=str(size_mib),
-            )
+        want = VolumeSpec.of(spec, **fields)
+        name, size_mib = want.name, want.size_mib
         vid = f"vol-{uuid.uuid4().hex[:12]}"
         image = self.image(vid)
         with locked(self.root):

@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -36,13 +35,13 @@ from torpor.errors import (
 )
 from torpor.sandbox.guest import protocol as proto
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, ExecutionError, Result
+from torpor.sandbox.requests import CodeSpec, CommandSpec
+from torpor.types import OutputCallback
 
-__all__ = ["GuestChannel", "OutputCallback"]
+__all__ = ["GuestChannel"]
 
 log = logging.getLogger(__name__)
 
-#: called with each decoded chunk of stdout/stderr; may return an awaitable
-OutputCallback = Callable[[str], Any]
 #: extra seconds the host waits past a command's own timeout (the guest enforces that one)
 TIMEOUT_GRACE = 15.0
 #: the first ping's first retry (seconds); later retries back off by 1.5x up to 1 s
@@ -374,28 +373,26 @@ class GuestChannel:
 
     async def run_command(
         self,
-        cmd: str,
+        command: CommandSpec | str,
+        /,
         *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        timeout: float | None = 60,
-        background: bool = False,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        **fields: Any,
     ) -> CommandResult:
-        """Run ``cmd`` with /bin/sh in the guest. A non-zero exit is a result, not an error.
-        ``background=True`` returns at once with the pid (exit_code -1 while it runs).
-        Raises OperationTimeout (the process group is killed), PayloadTooLarge (output over
-        the limit), PathNotFound (``cwd`` missing). OperationTimeout carries the output
+        """Run a command (a :class:`CommandSpec`, or ``cmd`` and its fields) with /bin/sh in
+        the guest. A non-zero exit is a result, not an error. ``background=True`` returns at
+        once with the pid (exit_code -1 while it runs). Raises InvalidArgument /
+        PayloadTooLarge (a bad spec; output over the limit), OperationTimeout (the process
+        group is killed), PathNotFound (``cwd`` missing). OperationTimeout carries the output
         printed before the kill in ``.stdout``/``.stderr``."""
+        spec = CommandSpec.of(command, **fields)
         args = {
-            "cmd": cmd,
-            "cwd": cwd,
-            "env": env or {},
-            "timeout": timeout,
-            "background": background,
+            **spec.model_dump(),
+            "env": spec.env or {},
             "max_output": self.limits.max_output_bytes,
         }
+        timeout = spec.timeout
         deadline = None if timeout is None else timeout + TIMEOUT_GRACE
         got: list[_Pending] = []
         try:
@@ -423,16 +420,20 @@ class GuestChannel:
 
     async def run_code(
         self,
-        code: str,
+        code: CodeSpec | str,
+        /,
         *,
-        timeout: float | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        **fields: Any,
     ) -> Execution:
-        """Run Python ``code`` in the sandbox's long-lived interpreter. An exception in the
-        code is ``Execution.error``. Raises OperationTimeout (the code was interrupted; the
-        variables are kept), PayloadTooLarge (code or output over the limit)."""
-        raw = code.encode("utf-8")
+        """Run Python code (a :class:`CodeSpec`, or ``code`` and its ``timeout``) in the
+        sandbox's long-lived interpreter. An exception in the code is ``Execution.error``.
+        Raises OperationTimeout (the code was interrupted; the variables are kept),
+        PayloadTooLarge (code or output over the limit)."""
+        spec = CodeSpec.of(code, **fields)
+        timeout = spec.timeout
+        raw = spec.code.encode("utf-8")
         if len(raw) > self.limits.max_code_bytes:
             raise PayloadTooLarge(
                 f"code of {len(raw)} bytes is over the limit",

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from torpor.config import check_name
 from torpor.errors import EngineError, InvalidArgument, InvalidState
+from torpor.sandbox.requests import MAX_MEMORY_MIB, MAX_VCPUS, MIN_MEMORY_MIB
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay, write_atomic
 
 __all__ = [
@@ -157,11 +158,12 @@ def _device_record(dev: DiskSpec | ShareSpec, slot: int) -> dict[str, Any]:
 
 def new_machine_config(template: BootImage, spec: MachineSpec, accel: str) -> dict[str, Any]:
     """The machine.json content of a machine about to cold-boot."""
-    if spec.vcpus < 1 or spec.vcpus > 64:
-        raise InvalidArgument(f"vcpus must be 1-64, not {spec.vcpus}", vcpus=spec.vcpus)
-    if spec.memory_mib < 128 or spec.memory_mib > 1 << 20:
+    if not 1 <= spec.vcpus <= MAX_VCPUS:
+        raise InvalidArgument(f"vcpus must be 1-{MAX_VCPUS}, not {spec.vcpus}", vcpus=spec.vcpus)
+    if not MIN_MEMORY_MIB <= spec.memory_mib <= MAX_MEMORY_MIB:
         raise InvalidArgument(
-            f"memory_mib must be >= 128, not {spec.memory_mib}", memory_mib=spec.memory_mib
+            f"memory_mib must be {MIN_MEMORY_MIB}-{MAX_MEMORY_MIB}, not {spec.memory_mib}",
+            memory_mib=spec.memory_mib,
         )
     if accel not in ("kvm", "tcg"):
         raise InvalidArgument(f"accel must be 'kvm' or 'tcg', not {accel!r}", accel=accel)

@@ -1,0 +1,167 @@
+"""``torpor.Volume``, ``torpor.Drive`` and what every stored resource shares (``Snapshot``,
+which returns sandboxes, lives with :class:`~torpor.client.sandbox.Sandbox`).
+
+::
+
+    vol = torpor.Volume.create("memory-u-42", size_mib=1024)               # outlives sandboxes
+    torpor.Sandbox.create(volumes=[{"volume": vol.id, "path": "/memory"}])
+    drive = torpor.Drive.create("research")                                # many writers
+    torpor.Sandbox.create(drives=[{"drive": drive.id, "path": "/shared"}])
+
+A snapshot of a sandbox with a volume attached is refused (Conflict): volumes are never part of a
+snapshot, see :mod:`torpor.sandbox.checkpoints`. ``collect_garbage`` runs the server's GC.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar, cast
+from urllib.parse import quote
+
+from pydantic import BaseModel
+
+from torpor.client.runtime import Runtime, default_runtime
+from torpor.sandbox.requests import (
+    DriveSpec,
+    GcSpec,
+    Spec,
+    VolumeSpec,
+)
+from torpor.sandbox.storage.drives import DriveInfo
+from torpor.sandbox.storage.volumes import VolumeInfo
+
+__all__ = [
+    "LONG_TIMEOUT",
+    "Drive",
+    "Resource",
+    "Volume",
+    "collect_garbage",
+    "post_spec",
+    "quote_id",
+]
+
+#: seconds to wait for snapshots, restores and forks: they copy RAM and wake machines
+LONG_TIMEOUT = 600.0
+
+
+class _Named(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+
+
+InfoT = TypeVar("InfoT", bound=_Named)
+
+
+def quote_id(value: str) -> str:
+    """``value`` safe as one path segment of a URL."""
+    return quote(value, safe="")
+
+
+class Resource(Generic[InfoT]):
+    """What Snapshot, Volume and Drive share: an info model, a runtime, and the list / get /
+    delete calls on ``<_route>`` and ``<_route>/<id>``."""
+
+    _route: ClassVar[str]
+    _model: ClassVar[type[BaseModel]]
+
+    def __init__(self, info: InfoT, runtime: Runtime) -> None:
+        self.info = info
+        self._runtime = runtime
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @classmethod
+    def _from(cls, data: Any, rt: Runtime) -> Self:
+        return cls(cast(InfoT, cls._model.model_validate(data)), rt)
+
+    @classmethod
+    def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Self]:
+        """This tenant's, oldest first (snapshots: only checked, unexpired ones)."""
+        rt = runtime or default_runtime()
+        return [cls._from(d, rt) for d in rt.json("GET", cls._route)]
+
+    @classmethod
+    def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Self:
+        """One by id or name. Raises SnapshotNotFound (also once expired) / VolumeNotFound /
+        DriveNotFound."""
+        rt = runtime or default_runtime()
+        return cls._from(rt.json("GET", f"{cls._route}/{quote_id(id_or_name)}"), rt)
+
+    def _delete(self) -> None:
+        self._runtime.request("DELETE", f"{self._route}/{quote_id(self.id)}")
+
+
+def post_spec(rt: Runtime, path: str, spec: Spec) -> Any:
+    """POST the fields of ``spec`` the caller gave; the decoded answer. These calls copy RAM
+    and wake machines: they get :data:`LONG_TIMEOUT`."""
+    return rt.json("POST", path, json=spec.given(), timeout=LONG_TIMEOUT)
+
+
+def collect_garbage(*, dry_run: bool = False, runtime: Runtime | None = None) -> dict[str, Any]:
+    """Run the server's retention + GC now; returns its report."""
+    result: dict[str, Any] = post_spec(
+        runtime or default_runtime(), "/v1/gc", GcSpec.of(dry_run=dry_run)
+    )
+    return result
+
+
+class Volume(Resource[VolumeInfo]):
+    """A disk image that outlives sandboxes: read-write in one sandbox or read-only in many."""
+
+    _route = "/v1/volumes"
+    _model = VolumeInfo
+
+    def __repr__(self) -> str:
+        return f"<Volume {self.id} {self.name!r} {self.info.size_mib} MiB>"
+
+    @classmethod
+    def create(
+        cls, name: str, size_mib: int | None = None, *, runtime: Runtime | None = None
+    ) -> Volume:
+        """A new empty (ext4) volume of ``size_mib`` (default 1024). Raises InvalidName,
+        InvalidArgument, Conflict."""
+        rt = runtime or default_runtime()
+        return cls._from(post_spec(rt, cls._route, VolumeSpec.of(name, size_mib=size_mib)), rt)
+
+    def delete(self) -> None:
+        """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
+        self._delete()
+
+    def read_file(self, path: str) -> bytes:
+        """The bytes of ``path`` inside the volume (its root is the volume's root), read on the
+        server with no sandbox running. A volume attached read-write shows what the guest has
+        flushed (``sync``, or a pause). Raises PathNotFound, InvalidArgument (a directory or
+        link), PayloadTooLarge, EngineError."""
+        response = self._runtime.request(
+            "GET", f"{self._route}/{quote_id(self.id)}/files", params={"path": path}
+        )
+        content: bytes = response.content
+        return content
+
+
+class Drive(Resource[DriveInfo]):
+    """A host directory mounted read-write into many sandboxes at once (virtio-9p)."""
+
+    _route = "/v1/drives"
+    _model = DriveInfo
+
+    def __repr__(self) -> str:
+        return f"<Drive {self.id} {self.name!r}>"
+
+    @classmethod
+    def create(cls, name: str, *, runtime: Runtime | None = None) -> Drive:
+        """A new empty drive. Raises InvalidName, Conflict."""
+        rt = runtime or default_runtime()
+        return cls._from(post_spec(rt, cls._route, DriveSpec.of(name)), rt)
+
+    def delete(self) -> None:
+        """Delete the drive and its files. Raises Conflict while mounted somewhere."""
+        self._delete()
