@@ -126,9 +126,9 @@ async def _dedup(manager: Any, cp: Any, n: int) -> dict[str, Any]:
     """n paused sandboxes from one template, each captured: store bytes vs one snapshot."""
     for s in cp.snapshots.list():  # start from an empty store
         cp.snapshots.delete(s.id)
-    from torpor.sandbox.storage.retention import collect
+    from torpor.sandbox.storage.retention import collect_garbage
 
-    await asyncio.to_thread(collect, cp.paths)
+    await asyncio.to_thread(collect_garbage, cp.paths)
     base_store = cp.snapshots.chunks.stored_bytes()
     fresh = await manager.create(name="dedup-template")
     await cp.snapshot(fresh.id, name="dedup-template")
