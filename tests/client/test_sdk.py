@@ -169,3 +169,22 @@ def test_environment_selects_a_remote_server(
     assert rt.health()["tenant"] == "globex"
     # an explicit home means the local server, whatever the environment says
     assert Runtime(home="/nonexistent").url is None
+
+
+def test_leaving_a_block_pauses_a_named_sandbox_and_kills_a_made_one(served: Served) -> None:
+    """A persistent agent's machine reached by name survives ``with``; one made for the block
+    does not (issue: leaving a get_or_create block killed the user's sandbox)."""
+    rt = served.runtime
+    with Sandbox.get_or_create("agent-u-101", runtime=rt) as kept:
+        kept.files.write("/workspace/notes.md", "kept")
+    assert Sandbox.get("agent-u-101", runtime=rt).info.state.value == "paused"
+    again = Sandbox.get_or_create("agent-u-101", runtime=rt)
+    assert again.info.reused and again.id == kept.id  # the same machine, not a new one
+    with Sandbox.get("agent-u-101", runtime=rt):
+        pass
+    assert Sandbox.get("agent-u-101", runtime=rt).info.state.value == "paused"
+    with Sandbox.get("agent-u-101", runtime=rt):  # leaving a paused one: nothing to do
+        pass
+    with Sandbox.create(name="scratch", runtime=rt) as scratch:
+        pass
+    assert Sandbox.get(scratch.id, runtime=rt).info.state.value == "stopped"

@@ -21,14 +21,14 @@ import builtins
 import contextlib
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel
 
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.client.storage import LONG_TIMEOUT, Resource, post_spec, quote_id
-from torpor.errors import NotFound, SandboxClosed, ServerUnavailable, from_wire
+from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable, from_wire
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.requests import (
     COMMAND_TIMEOUT,
@@ -289,10 +289,19 @@ class ForkMethod:
 
 class Sandbox:
     """A handle on one sandbox. Build it with :meth:`create`, :meth:`get_or_create` or
-    :meth:`get`; it is a context manager that kills the sandbox on exit."""
+    :meth:`get`.
 
-    def __init__(self, info: SandboxInfo, runtime: Runtime) -> None:
+    It is a context manager, and what leaving the ``with`` block does depends on where the
+    handle came from: a sandbox made by :meth:`create` (or a fork or restore) is killed, as in
+    E2B — it was made for the block; one reached by name with :meth:`get_or_create` or
+    :meth:`get` is **paused**, never killed — it is an agent's persistent machine, and its
+    RAM, processes and files are what the next session wakes to."""
+
+    def __init__(
+        self, info: SandboxInfo, runtime: Runtime, *, on_exit: Literal["kill", "pause"] = "kill"
+    ) -> None:
         self._runtime = runtime
+        self._on_exit = on_exit
         self._info = info
         self._reused = info.reused
         self.commands = Commands(self)
@@ -305,10 +314,19 @@ class Sandbox:
     # -- constructors ---------------------------------------------------------------------------
 
     @classmethod
-    def _made(cls, rt: Runtime, method: str, path: str, spec: Spec, **kwargs: Any) -> Sandbox:
+    def _made(
+        cls,
+        rt: Runtime,
+        method: str,
+        path: str,
+        spec: Spec,
+        *,
+        on_exit: Literal["kill", "pause"] = "kill",
+        **kwargs: Any,
+    ) -> Sandbox:
         """Send ``spec`` (the fields the caller gave); a handle on the sandbox answered."""
         data = rt.json(method, path, json=spec.given(), **kwargs)
-        return cls(SandboxInfo.model_validate(data), rt)
+        return cls(SandboxInfo.model_validate(data), rt, on_exit=on_exit)
 
     @classmethod
     def create(
@@ -351,7 +369,7 @@ class Sandbox:
             drives=drives,
         )
         # a restore or a mount takes longer than a fork of the template
-        slow = {} if spec.plain else {"timeout": LONG_TIMEOUT}
+        slow: dict[str, Any] = {} if spec.plain else {"timeout": LONG_TIMEOUT}
         return cls._made(runtime or default_runtime(), "POST", "/v1/sandboxes", spec, **slow)
 
     @classmethod
@@ -378,7 +396,8 @@ class Sandbox:
             pause_retention_days=pause_retention_days,
         )
         path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
-        return cls._made(runtime or default_runtime(), "PUT", path, spec)
+        # a persistent, named machine: leaving a ``with`` block pauses it, never kills it
+        return cls._made(runtime or default_runtime(), "PUT", path, spec, on_exit="pause")
 
     @classmethod
     def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Sandbox:
@@ -386,7 +405,7 @@ class Sandbox:
         :class:`~torpor.errors.SandboxNotFound`."""
         rt = runtime or default_runtime()
         data = rt.json("GET", f"/v1/sandboxes/{quote(id_or_name, safe='')}")
-        return cls(SandboxInfo.model_validate(data), rt)
+        return cls(SandboxInfo.model_validate(data), rt, on_exit="pause")
 
     @classmethod
     def list(
@@ -475,5 +494,10 @@ class Sandbox:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._on_exit == "pause":
+            # already paused, killed or gone: nothing to keep safe
+            with contextlib.suppress(NotFound, SandboxClosed, InvalidState):
+                self.pause()
+            return
         with contextlib.suppress(NotFound, SandboxClosed):  # already gone: nothing to clean up
             self.kill()
