@@ -43,7 +43,12 @@ def _live_ids(manager: SandboxManager) -> set[str]:
 
 def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
     async def body(m: SandboxManager, cp: Checkpoints) -> None:
-        src = await m.create(name="agent-u-42")
+        src = await m.create(
+            name="agent-u-42",
+            labels={"user": "u-42"},
+            idle_pause_seconds=600,
+            pause_retention_days=90,
+        )
         await m.run_code(src.id, "notes = ['prefers weekly summaries']")
         await m.write_file(src.id, "/workspace/ledger.csv", "plan,pro\n")
         snap = await cp.snapshot(src.id, name="u-42-before", retention_days=30)
@@ -53,7 +58,11 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
         await m.run_command(src.id, "rm -rf /workspace/*")
         await m.run_code(src.id, "notes.clear()")
         await asyncio.sleep(3)  # the snapshot's clock is now behind the host's
-        restored = await cp.restore(snap.id)
+        restored = await cp.restore(snap.id, labels={"restored": "yes"})
+        # the source's settings came along: traceable to its user, still pausing when idle
+        assert restored.labels == {"user": "u-42", "restored": "yes"}
+        assert restored.idle_pause_seconds == 600
+        assert restored.pause_retention_days == 90
         guest_now = float((await m.run_code(restored.id, "import time\ntime.time()")).text or 0)
         assert abs(guest_now - time.time()) < 2  # the clock was set from the host
         out = await m.run_code(restored.id, "notes")
@@ -66,7 +75,8 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
         for k in kids:
             r = await m.run_code(k.id, "import random, os\n(random.random(), os.urandom(16).hex())")
             draws.add(r.text)
-            assert k.labels == {"strategy": "try"}
+            assert k.labels == {"user": "u-42", "strategy": "try"}  # carried over, then updated
+            assert k.idle_pause_seconds == 600
         assert len(draws) == 3
         await m.write_file(kids[0].id, "/workspace/mine.txt", "kid 0")
         assert not await m.exists(kids[1].id, "/workspace/mine.txt")

@@ -66,7 +66,12 @@ from torpor.sandbox.requests import (
 )
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.retention import GcReport, collect_garbage
-from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore, freeze
+from torpor.sandbox.storage.snapshots import (
+    CarriedSettings,
+    SnapshotInfo,
+    SnapshotStore,
+    freeze,
+)
 from torpor.sandbox.storage.volumes import VolumeStore
 
 __all__ = ["VOLUME_SNAPSHOT_REFUSAL", "Checkpoints"]
@@ -218,6 +223,11 @@ class Checkpoints:
                     template=rec.template,
                     labels=dict(snap.labels or {}),
                     drives=self.cloner.drive_records(rec.id),
+                    carried=CarriedSettings(
+                        labels=rec.labels,
+                        idle_pause_seconds=rec.idle_pause_seconds,
+                        pause_retention_days=rec.pause_retention_days,
+                    ),
                 )
             finally:
                 drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
@@ -245,7 +255,10 @@ class Checkpoints:
         tenant: str = "default",
         **fields: Any,
     ) -> SandboxInfo:
-        """A new running sandbox from a stored snapshot (RAM, processes and files as they were).
+        """A new running sandbox from a stored snapshot (RAM, processes and files as they were),
+        with the source sandbox's labels (updated with ``labels``), idle pause and pause
+        retention unless the caller gives them (a restored user's VM stays traceable to its
+        user, and still pauses when idle).
         ``spec`` (or ``fields``: ``name``, ``labels``, ``idle_pause_seconds``,
         ``pause_retention_days``) is a :class:`~torpor.sandbox.requests.RestoreSpec`.
 
@@ -282,6 +295,14 @@ class Checkpoints:
         tenant: str,
     ) -> list[SandboxInfo]:
         info = self.snapshots.get(snapshot, tenant=tenant)
+        # the source's settings unless the caller gives its own (labels: merged, as for a fork)
+        carried, given = info.carried, options.model_fields_set
+        idle = options.idle_pause_seconds
+        if "idle_pause_seconds" not in given:
+            idle = carried.idle_pause_seconds
+        retention = options.pause_retention_days
+        if "pause_retention_days" not in given and carried.pause_retention_days is not None:
+            retention = carried.pause_retention_days
         # held until the children exist: until then no overlay names the frozen dir, and GC
         # (which takes this lock exclusively) must not take it for garbage
         with self.snapshots.lock():
@@ -290,10 +311,10 @@ class Checkpoints:
                 return await self.cloner.spawn(
                     frozen,
                     count=count,
-                    labels=options.labels,
+                    labels={**carried.labels, **(options.labels or {})},
                     names=names,
-                    idle_pause_seconds=options.idle_pause_seconds,
-                    pause_retention_days=options.pause_retention_days,
+                    idle_pause_seconds=idle,
+                    pause_retention_days=retention,
                     tenant=tenant,
                     reason=f"restored from {info.id}",
                     drives_of=info.sandbox_id,

@@ -72,6 +72,16 @@ MAX_LOCAL_LAYERS = 4
 _VOLATILE_SUFFIXES = (".sock", ".log", ".pid", ".lock", ".tmp")
 
 
+class CarriedSettings(BaseModel):
+    """The settings of the sandbox a snapshot was taken of, which a restore or a fork of the
+    snapshot carries over unless the caller gives its own: whose the machine is (labels), when
+    it pauses by itself, and how long a pause is kept."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    idle_pause_seconds: int | None = None
+    pause_retention_days: int | None = None
+
+
 class SnapshotInfo(BaseModel):
     """What a caller sees of a stored snapshot."""
 
@@ -92,6 +102,8 @@ class SnapshotInfo(BaseModel):
     #: drives the source had mounted ({"id", "tenant", "path", "read_only"}): their contents
     #: are not in the snapshot, but a restore mounts them again where they were
     drives: list[dict[str, Any]] = Field(default_factory=list)
+    #: the source sandbox's settings, carried over to what is restored or forked from this
+    carried: CarriedSettings = Field(default_factory=CarriedSettings)
 
     def expired(self, now: datetime | None = None) -> bool:
         return (now or datetime.now(UTC)) >= self.expires_at
@@ -297,6 +309,7 @@ class SnapshotStore:
         labels: dict[str, str] | None = None,
         volumes: list[dict[str, Any]] | None = None,
         drives: list[dict[str, Any]] | None = None,
+        carried: CarriedSettings | None = None,
     ) -> SnapshotInfo:
         """Capture the frozen dir ``frozen`` into the chunk store as snapshot ``name``.
 
@@ -342,6 +355,7 @@ class SnapshotStore:
                 sandbox_id=sandbox_id,
                 template=template,
                 labels=dict(labels or {}),
+                carried=carried or CarriedSettings(),
                 retention_days=retention_days,
                 created_at=created,
                 expires_at=created + timedelta(days=retention_days),
