@@ -248,6 +248,29 @@ def test_get_or_create_reuses_and_wakes_paused(home: Path) -> None:
 # -- bad input: typed errors, nothing half-made, sandbox still usable -----------------------
 
 
+def test_get_or_create_applies_what_can_change_and_refuses_what_cannot(home: Path) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        first = await mgr.get_or_create("agent-u-7", labels={"user": "u-7"}, idle_pause_seconds=600)
+        await mgr.pause(first.id)
+        again = await mgr.get_or_create(
+            "agent-u-7", labels={"tier": "pro"}, idle_pause_seconds=60, pause_retention_days=90
+        )
+        assert again.id == first.id and again.reused
+        assert again.labels == {"user": "u-7", "tier": "pro"}  # updated, not replaced
+        assert again.idle_pause_seconds == 60 and again.pause_retention_days == 90
+        fixed: list[tuple[str, object]] = [("vcpus", 2), ("memory_mib", 1024), ("template", "x")]
+        for field, value in fixed:
+            with pytest.raises(Conflict) as err:
+                await mgr.get_or_create("agent-u-7", labels={"x": "y"}, **{field: value})
+            assert err.value.data["field"] == field
+        same = await mgr.get_or_create("agent-u-7")  # nothing given: nothing changes
+        assert same.labels == {"user": "u-7", "tier": "pro"}  # the refused calls changed nothing
+        assert same.idle_pause_seconds == 60 and same.pause_retention_days == 90
+        assert [i.id for i in await mgr.list()] == [first.id]  # never a second sandbox
+
+    with_manager(home, body)
+
+
 def test_bad_input(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
         ok = await mgr.create(name="ok")

@@ -123,7 +123,12 @@ class SandboxManager(ManagerCore):
     ) -> SandboxInfo:
         """The tenant's live sandbox called ``name`` (woken if paused; ``reused=True``), else a
         new one made with ``options`` / ``fields`` (as :meth:`create`). N concurrent callers
-        get one sandbox. Options of an existing sandbox are not changed. Raises like
+        get one sandbox.
+
+        Options given for an existing sandbox are applied where they can change (labels are
+        updated with the given ones; idle pause and pause retention replaced) and refused where
+        they cannot: a different ``template``, ``vcpus`` or ``memory_mib`` is a Conflict naming
+        the field (the machine is what it is; nothing is changed then). Raises like
         :meth:`create` (bad options even when the sandbox exists; InvalidArgument when they
         name another sandbox); a sandbox in ``error`` is returned as is (its calls raise
         StateLost)."""
@@ -139,10 +144,37 @@ class SandboxManager(ManagerCore):
                     rec = self.registry.live_by_name(tenant, name)
                     if rec is None:
                         raise
+            rec = self._apply_options(rec, spec)
             if rec.state in (S.PAUSED, S.RUNNING):
                 info = await self.resume(rec.id, tenant=tenant)
                 return info.model_copy(update={"reused": True})
             return rec.to_info(reused=True)
+
+    def _apply_options(self, rec: SandboxRecord, spec: SandboxOptions) -> SandboxRecord:
+        """Bring an existing sandbox in line with the options a get-or-create gave (see
+        :meth:`get_or_create`); returns the fresh row. Raises Conflict for a fixed field."""
+        given = spec.model_fields_set
+        for field in ("template", "vcpus", "memory_mib"):
+            if field in given and getattr(spec, field) != getattr(rec, field):
+                raise Conflict(
+                    f"sandbox {rec.name!r} exists with {field}={getattr(rec, field)!r}, not "
+                    f"{getattr(spec, field)!r}; that cannot change on a live machine (kill it, "
+                    "or fork it into a new one)",
+                    sandbox_id=rec.id,
+                    field=field,
+                )
+        changes: dict[str, Any] = {}
+        if "labels" in given and spec.labels:
+            changes["labels"] = {**rec.labels, **spec.labels}
+        if "idle_pause_seconds" in given:
+            changes["idle_pause_seconds"] = spec.idle_pause_seconds
+        if "pause_retention_days" in given:
+            changes["pause_retention_days"] = spec.pause_retention_days
+        if changes:
+            self.registry.update_settings(rec.id, **changes)
+            log.info("sandbox %s: options updated: %s", rec.id, sorted(changes))
+            rec = self.registry.get(rec.id)
+        return rec
 
     # -- queries --------------------------------------------------------------------------
 

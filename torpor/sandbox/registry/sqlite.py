@@ -146,6 +146,13 @@ def _check_labels(labels: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+class _Unset:
+    """The type of :data:`_UNSET`: a keyword not given (None is a value: "never")."""
+
+
+_UNSET = _Unset()
+
+
 class Registry:
     """The SQLite registry of sandboxes. Thread-safe (one connection behind a lock).
 
@@ -338,11 +345,33 @@ class Registry:
 
     def set_labels(self, sandbox_id: str, labels: Mapping[str, str]) -> None:
         """Replace a sandbox's labels. Raises InvalidArgument or StorageError."""
-        clean = _check_labels(labels)
+        self.update_settings(sandbox_id, labels=labels)
+
+    def update_settings(
+        self,
+        sandbox_id: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        idle_pause_seconds: int | _Unset | None = _UNSET,
+        pause_retention_days: int | None = None,
+    ) -> None:
+        """Change what may change of a live sandbox: its labels (replaced), idle pause (None:
+        never) and pause retention; what is not given stays. Raises InvalidArgument or
+        StorageError."""
+        columns: dict[str, Any] = {}
+        if labels is not None:
+            columns["labels"] = json.dumps(_check_labels(labels), sort_keys=True)
+        if not isinstance(idle_pause_seconds, _Unset):
+            columns["idle_pause_seconds"] = idle_pause_seconds
+        if pause_retention_days is not None:
+            columns["pause_retention_days"] = pause_retention_days
+        if not columns:
+            return
+        assignments = ", ".join(f"{column} = ?" for column in columns)  # names from this code
         with self._tx() as db:
             db.execute(
-                "UPDATE sandboxes SET labels = ? WHERE id = ?",
-                (json.dumps(clean, sort_keys=True), sandbox_id),
+                f"UPDATE sandboxes SET {assignments} WHERE id = ?",
+                (*columns.values(), sandbox_id),
             )
 
     # -- reads ----------------------------------------------------------------------------
