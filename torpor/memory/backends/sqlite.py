@@ -28,6 +28,7 @@ import numpy as np
 from torpor.config import check_name
 from torpor.errors import InvalidArgument, RecordNotFound
 from torpor.memory.backends import _sqlite_schema as schema
+from torpor.memory.backends._rows import audit_from_row, token_from_row
 from torpor.memory.backends._sqlite_conn import Conn, connect
 from torpor.memory.backends._vindex import VectorIndex
 from torpor.memory.backends.base import (
@@ -41,7 +42,6 @@ from torpor.memory.backends.base import (
 from torpor.memory.models import (
     AuditEntry,
     Fact,
-    Grant,
     Policy,
     Profile,
     TokenInfo,
@@ -495,14 +495,7 @@ class SQLiteBackend(MemoryBackend):
             ).fetchone()
         if row is None:
             return None
-        return TokenInfo(
-            token_hash=row[0],
-            tenant=row[1],
-            grants=[Grant(**g) for g in json.loads(row[2])],
-            name=row[3],
-            created_at=from_us(row[4]),
-            revoked=bool(row[5]),
-        )
+        return token_from_row(row, json_text=True)
 
     def revoke_token(self, token_hash: str) -> bool:
         with self._sys().write("revoke token") as conn:
@@ -536,18 +529,7 @@ class SQLiteBackend(MemoryBackend):
                 f"audit {where} ORDER BY seq DESC LIMIT ?",
                 [*params, limit],
             ).fetchall()
-        return [
-            AuditEntry(
-                at=from_us(r[0]),
-                tenant=r[1],
-                actor=r[2],
-                action=r[3],
-                scope=r[4],
-                allowed=bool(r[5]),
-                detail=json.loads(r[6]),
-            )
-            for r in rows
-        ]
+        return [audit_from_row(r, json_text=True) for r in rows]
 
     def close(self) -> None:
         with self._lock:
