@@ -93,29 +93,41 @@ class SQLiteTenantStore(TenantStore):
             for i, rec in enumerate(records):
                 if isinstance(rec, Fact) and rec.key is not None:
                     rec = self._supersede(conn, rec)
-                cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
-                vec = None if vectors is None else vectors[i]
-                if vec is not None:
-                    conn.execute(
-                        "INSERT INTO vectors (rid, vec) VALUES (?, ?)",
-                        (cur.lastrowid, _vec_blob(vec)),
-                    )
+                self._insert(conn, rec, None if vectors is None else vectors[i])
                 stored.append(rec)
         return stored
 
-    def _supersede(self, conn: sqlite3.Connection, rec: Fact) -> Fact:
-        row = conn.execute(
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, rec: AnyRecord, vec: Vector | None) -> None:
+        cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
+        if vec is not None:
+            conn.execute(
+                "INSERT INTO vectors (rid, vec) VALUES (?, ?)", (cur.lastrowid, _vec_blob(vec))
+            )
+
+    @staticmethod
+    def _current(conn: sqlite3.Connection, rec: Fact) -> Any:
+        """``(rid, id, valid_from)`` of the current fact of ``rec``'s scope and key, or None."""
+        return conn.execute(
             "SELECT rid, id, valid_from FROM records WHERE scope = ? AND key = ? "
             "AND valid_to IS NULL",
             (rec.scope, rec.key),
         ).fetchone()
+
+    @staticmethod
+    def _close(conn: sqlite3.Connection, rid: int, by: Fact) -> None:
+        """End the fact at ``rid`` where its successor ``by`` starts."""
+        conn.execute(
+            "UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
+            (to_us(by.valid_from), by.id, rid),
+        )
+
+    def _supersede(self, conn: sqlite3.Connection, rec: Fact) -> Fact:
+        row = self._current(conn, rec)
         if row is None:
             return rec
         rec = successor(rec, row[2])
-        conn.execute(
-            "UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
-            (to_us(rec.valid_from), rec.id, row[0]),
-        )
+        self._close(conn, row[0], rec)
         return rec
 
     def import_records(
@@ -127,27 +139,14 @@ class SQLiteTenantStore(TenantStore):
                 if conn.execute("SELECT 1 FROM records WHERE id = ?", (rec.id,)).fetchone():
                     continue
                 if isinstance(rec, Fact) and rec.key is not None and rec.valid_to is None:
-                    row = conn.execute(
-                        "SELECT rid, id, valid_from FROM records WHERE scope = ? AND key = ? "
-                        "AND valid_to IS NULL",
-                        (rec.scope, rec.key),
-                    ).fetchone()
+                    row = self._current(conn, rec)
                     if row is not None and row[2] < to_us(rec.valid_from):
-                        conn.execute(
-                            "UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
-                            (to_us(rec.valid_from), rec.id, row[0]),
-                        )
+                        self._close(conn, row[0], rec)
                     elif row is not None:  # the existing fact is newer: import this one ended
                         rec = rec.model_copy(
                             update={"valid_to": from_us(row[2]), "superseded_by": row[1]}
                         )
-                cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
-                vec = None if vectors is None else vectors[i]
-                if vec is not None:
-                    conn.execute(
-                        "INSERT INTO vectors (rid, vec) VALUES (?, ?)",
-                        (cur.lastrowid, _vec_blob(vec)),
-                    )
+                self._insert(conn, rec, None if vectors is None else vectors[i])
                 inserted += 1
         return inserted
 
