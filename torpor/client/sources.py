@@ -49,6 +49,16 @@ class CitesVolume(Protocol):
     def path(self) -> str | None: ...
 
 
+def _cited(kind: str, where: str | None, path: str | None) -> tuple[str, str]:
+    """The ``kind`` (sandbox, volume) and path a reference cites. Raises PathNotFound when it
+    lacks either."""
+    if not where or not path:
+        raise PathNotFound(
+            f"a {kind} source needs a {kind} and a path", kind="path", name=f"{where}:{path}"
+        )
+    return where, path
+
+
 def sandbox_resolver(runtime: Runtime | None = None) -> Callable[[CitesSandbox], bytes]:
     """A resolver returning the whole file a reference cites in a sandbox.
 
@@ -59,13 +69,8 @@ def sandbox_resolver(runtime: Runtime | None = None) -> Callable[[CitesSandbox],
     """
 
     def read(ref: CitesSandbox) -> bytes:
-        if not ref.sandbox or not ref.path:
-            raise PathNotFound(
-                "a sandbox source needs a sandbox and a path",
-                kind="path",
-                name=f"{ref.sandbox}:{ref.path}",
-            )
-        return Sandbox.get(ref.sandbox, runtime=runtime).files.read(ref.path)
+        sandbox, path = _cited("sandbox", ref.sandbox, ref.path)
+        return Sandbox.get(sandbox, runtime=runtime).files.read(path)
 
     return read
 
@@ -80,12 +85,7 @@ def volume_resolver(runtime: Runtime | None = None) -> Callable[[CitesVolume], b
     """
 
     def read(ref: CitesVolume) -> bytes:
-        if not ref.volume or not ref.path:
-            raise PathNotFound(
-                "a volume source needs a volume and a path",
-                kind="path",
-                name=f"{ref.volume}:{ref.path}",
-            )
-        return Volume.get(ref.volume, runtime=runtime).read_file(ref.path)
+        volume, path = _cited("volume", ref.volume, ref.path)
+        return Volume.get(volume, runtime=runtime).read_file(path)
 
     return read

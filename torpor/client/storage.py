@@ -61,7 +61,7 @@ def quote_id(value: str) -> str:
 
 class Resource(Generic[InfoT]):
     """What Snapshot, Volume and Drive share: an info model, a runtime, and the list / get /
-    delete calls on ``<_route>`` and ``<_route>/<id>``."""
+    create / delete calls on ``<_route>`` and ``<_route>/<id>``."""
 
     _route: ClassVar[str]
     _model: ClassVar[type[BaseModel]]
@@ -94,6 +94,11 @@ class Resource(Generic[InfoT]):
         DriveNotFound."""
         rt = runtime or default_runtime()
         return cls._from(rt.json("GET", f"{cls._route}/{quote_id(id_or_name)}"), rt)
+
+    @classmethod
+    def _create(cls, spec: Spec, runtime: Runtime | None) -> Self:
+        rt = runtime or default_runtime()
+        return cls._from(post_spec(rt, cls._route, spec), rt)
 
     def _delete(self) -> None:
         self._runtime.request("DELETE", f"{self._route}/{quote_id(self.id)}")
@@ -128,8 +133,7 @@ class Volume(Resource[VolumeInfo]):
     ) -> Volume:
         """A new empty (ext4) volume of ``size_mib`` (default 1024). Raises InvalidName,
         InvalidArgument, Conflict."""
-        rt = runtime or default_runtime()
-        return cls._from(post_spec(rt, cls._route, VolumeSpec.of(name, size_mib=size_mib)), rt)
+        return cls._create(VolumeSpec.of(name, size_mib=size_mib), runtime)
 
     def delete(self) -> None:
         """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
@@ -159,8 +163,7 @@ class Drive(Resource[DriveInfo]):
     @classmethod
     def create(cls, name: str, *, runtime: Runtime | None = None) -> Drive:
         """A new empty drive. Raises InvalidName, Conflict."""
-        rt = runtime or default_runtime()
-        return cls._from(post_spec(rt, cls._route, DriveSpec.of(name)), rt)
+        return cls._create(DriveSpec.of(name), runtime)
 
     def delete(self) -> None:
         """Delete the drive and its files. Raises Conflict while mounted somewhere."""

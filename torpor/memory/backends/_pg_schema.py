@@ -37,8 +37,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from torpor.memory.backends._rows import RECORD_COLUMNS, record_from_row, record_to_row
 from torpor.memory.backends.base import AnyRecord, RecordFilter, time_clauses
-from torpor.memory.models import Episode, Fact, SourceRef, from_us, to_us
 
 log = logging.getLogger(__name__)
 
@@ -334,11 +334,7 @@ def hnsw_index_sql(dim: int) -> sql.Composed:
     ).format(name=sql.Identifier(f"records_hnsw_{int(dim)}"), dim=sql.Literal(int(dim)))
 
 
-COLUMNS = (
-    "id, kind, scope, key, text, metadata, created_at, valid_from, valid_to, "
-    "durability, expires_at, role, session, source, source_hash, verified, stale, "
-    "superseded_by"
-)
+COLUMNS = RECORD_COLUMNS
 _NCOLS = len(COLUMNS.split(", "))
 INSERT_SQL = (
     f"INSERT INTO torpor.records (tenant_id, {COLUMNS}, embedding, embedding_dim) "
@@ -347,83 +343,9 @@ INSERT_SQL = (
 )
 
 
-def _opt_us(value: Any) -> int | None:
-    return None if value is None else to_us(value)
-
-
-def record_to_row(r: AnyRecord) -> tuple[Any, ...]:
-    """The INSERT parameters for ``r`` (in :data:`COLUMNS` order, without the embedding)."""
-    is_fact = isinstance(r, Fact)
-    source = (
-        r.source.model_dump_json(exclude_none=True) if isinstance(r, Fact) and r.source else None
-    )
-    return (
-        r.id,
-        r.kind,
-        r.scope,
-        r.key if isinstance(r, Fact) else None,
-        r.text,
-        json.dumps(r.metadata, separators=(",", ":")),
-        to_us(r.created_at),
-        to_us(r.valid_from),
-        _opt_us(r.valid_to),
-        r.durability,
-        _opt_us(r.expires_at),
-        r.role if isinstance(r, Episode) else None,
-        r.session if isinstance(r, Episode) else None,
-        source,
-        r.source_hash if isinstance(r, Fact) else None,
-        bool(r.verified) if isinstance(r, Fact) else False,
-        bool(r.stale) if isinstance(r, Fact) else False,
-        r.superseded_by if is_fact and isinstance(r, Fact) else None,
-    )
-
-
 def row_to_record(row: tuple[Any, ...] | Any) -> AnyRecord:
-    """A model from a row selected with :data:`COLUMNS` first (trusted data: no re-validation)."""
-    (
-        id_,
-        kind,
-        scope,
-        key,
-        text,
-        metadata,
-        created_at,
-        valid_from,
-        valid_to,
-        durability,
-        expires_at,
-        role,
-        session,
-        source,
-        source_hash,
-        verified,
-        stale,
-        superseded_by,
-    ) = row[:_NCOLS]
-    common: dict[str, Any] = {
-        "id": id_,
-        "scope": scope,
-        "text": text,
-        "metadata": metadata,
-        "created_at": from_us(created_at),
-        "valid_from": from_us(valid_from),
-        "valid_to": None if valid_to is None else from_us(valid_to),
-        "durability": durability,
-        "expires_at": None if expires_at is None else from_us(expires_at),
-    }
-    if kind == "fact":
-        return Fact.model_construct(
-            kind="fact",
-            key=key,
-            source=None if source is None else SourceRef.model_validate(source),
-            source_hash=source_hash,
-            verified=bool(verified),
-            stale=bool(stale),
-            superseded_by=superseded_by,
-            **common,
-        )
-    return Episode.model_construct(kind="episode", role=role or "user", session=session, **common)
+    """A model from a row selected with :data:`COLUMNS` first (jsonb arrives decoded)."""
+    return record_from_row(row, json_text=False)
 
 
 def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:

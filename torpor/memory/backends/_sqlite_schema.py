@@ -1,4 +1,5 @@
-"""SQLite schema, migrations, row conversion and the SQL form of :class:`RecordFilter`.
+"""SQLite schema, migrations and the SQL form of :class:`RecordFilter` (the row conversion it
+shares with PostgreSQL is :mod:`torpor.memory.backends._rows`).
 
 The schema version is ``PRAGMA user_version``; :data:`MIGRATIONS` lists the steps, each run in
 one transaction, so a database is always at a whole version. Records live in one table
@@ -12,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from torpor.memory.backends._rows import RECORD_COLUMNS, record_from_row, record_to_row
 from torpor.memory.backends.base import AnyRecord, RecordFilter, time_clauses
-from torpor.memory.models import Episode, Fact, SourceRef, from_us, to_us
 
 __all__ = [
     "COLUMNS",
@@ -111,97 +112,16 @@ SYSTEM_MIGRATIONS: list[str] = [
     """,
 ]
 
-COLUMNS = (
-    "rid, id, kind, scope, key, text, metadata, created_at, valid_from, valid_to, "
-    "durability, expires_at, role, session, source, source_hash, verified, stale, "
-    "superseded_by"
-)
-_INSERT_COLUMNS = COLUMNS.replace("rid, ", "")
+COLUMNS = "rid, " + RECORD_COLUMNS
 INSERT_SQL = (
-    f"INSERT INTO records ({_INSERT_COLUMNS}) VALUES "
-    f"({', '.join('?' * len(_INSERT_COLUMNS.split(', ')))})"
+    f"INSERT INTO records ({RECORD_COLUMNS}) VALUES "
+    f"({', '.join('?' * len(RECORD_COLUMNS.split(', ')))})"
 )
-
-
-def _opt_us(value: Any) -> int | None:
-    return None if value is None else to_us(value)
-
-
-def record_to_row(r: AnyRecord) -> tuple[Any, ...]:
-    """The INSERT parameters for ``r`` (in :data:`INSERT_SQL` order)."""
-    common = (r.id, r.kind, r.scope)
-    times = (
-        json.dumps(r.metadata, separators=(",", ":")),
-        to_us(r.created_at),
-        to_us(r.valid_from),
-        _opt_us(r.valid_to),
-        r.durability,
-        _opt_us(r.expires_at),
-    )
-    if isinstance(r, Fact):
-        source = r.source.model_dump_json(exclude_none=True) if r.source else None
-        return (
-            *common,
-            r.key,
-            r.text,
-            *times,
-            None,
-            None,
-            source,
-            r.source_hash,
-            int(r.verified),
-            int(r.stale),
-            r.superseded_by,
-        )
-    return (*common, None, r.text, *times, r.role, r.session, None, None, 0, 0, None)
 
 
 def row_to_record(row: tuple[Any, ...]) -> AnyRecord:
-    """A model from a row selected with :data:`COLUMNS` (trusted data: no re-validation)."""
-    (
-        _rid,
-        id_,
-        kind,
-        scope,
-        key,
-        text,
-        metadata,
-        created_at,
-        valid_from,
-        valid_to,
-        durability,
-        expires_at,
-        role,
-        session,
-        source,
-        source_hash,
-        verified,
-        stale,
-        superseded_by,
-    ) = row[:19]
-    common: dict[str, Any] = {
-        "id": id_,
-        "scope": scope,
-        "text": text,
-        "metadata": json.loads(metadata),
-        "created_at": from_us(created_at),
-        "valid_from": from_us(valid_from),
-        "valid_to": None if valid_to is None else from_us(valid_to),
-        "durability": durability,
-        "expires_at": None if expires_at is None else from_us(expires_at),
-    }
-    if kind == "fact":
-        return Fact.model_construct(
-            kind="fact",
-            key=key,
-            source=None if source is None else SourceRef.model_validate_json(source),
-            source_hash=source_hash,
-            verified=bool(verified),
-            stale=bool(stale),
-            superseded_by=superseded_by,
-            **common,
-        )
-    return Episode.model_construct(kind="episode", role=role or "user", session=session, **common)
+    """A model from a row selected with :data:`COLUMNS` (``rid`` first; JSON as text)."""
+    return record_from_row(row[1:], json_text=True)
 
 
 def _json_path(key: str) -> str:

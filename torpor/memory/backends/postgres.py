@@ -48,8 +48,9 @@ from torpor.errors import (
 from torpor.memory.backends import _pg_schema as schema
 from torpor.memory.backends._pg_pool import Pool, make_pool
 from torpor.memory.backends._pg_store import PostgresTenantStore
+from torpor.memory.backends._rows import audit_from_row, token_from_row
 from torpor.memory.backends.base import MemoryBackend, TenantStore, Vector
-from torpor.memory.models import AuditEntry, Grant, TokenInfo, from_us, to_us
+from torpor.memory.models import AuditEntry, TokenInfo, from_us, to_us
 
 log = logging.getLogger(__name__)
 
@@ -293,14 +294,7 @@ class PostgresBackend(MemoryBackend):
             ).fetchone()
         if row is None:
             return None
-        return TokenInfo(
-            token_hash=row[0],
-            tenant=row[1],
-            grants=[Grant(**g) for g in row[2]],
-            name=row[3],
-            created_at=from_us(row[4]),
-            revoked=bool(row[5]),
-        )
+        return token_from_row(row, json_text=False)
 
     def revoke_token(self, token_hash: str) -> bool:
         token = self.get_token(token_hash)
@@ -344,18 +338,7 @@ class PostgresBackend(MemoryBackend):
                     "ORDER BY seq DESC LIMIT %s",
                     (limit,),
                 ).fetchall()
-        return [
-            AuditEntry(
-                at=from_us(r[0]),
-                tenant=r[1],
-                actor=r[2],
-                action=r[3],
-                scope=r[4],
-                allowed=bool(r[5]),
-                detail=r[6],
-            )
-            for r in rows
-        ]
+        return [audit_from_row(r, json_text=False) for r in rows]
 
     def close(self) -> None:
         with self._lock:

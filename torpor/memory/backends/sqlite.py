@@ -28,6 +28,7 @@ import numpy as np
 from torpor.config import check_name
 from torpor.errors import InvalidArgument, RecordNotFound
 from torpor.memory.backends import _sqlite_schema as schema
+from torpor.memory.backends._rows import audit_from_row, token_from_row
 from torpor.memory.backends._sqlite_conn import Conn, connect
 from torpor.memory.backends._vindex import VectorIndex
 from torpor.memory.backends.base import (
@@ -41,7 +42,6 @@ from torpor.memory.backends.base import (
 from torpor.memory.models import (
     AuditEntry,
     Fact,
-    Grant,
     Policy,
     Profile,
     TokenInfo,
@@ -93,29 +93,41 @@ class SQLiteTenantStore(TenantStore):
             for i, rec in enumerate(records):
                 if isinstance(rec, Fact) and rec.key is not None:
                     rec = self._supersede(conn, rec)
-                cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
-                vec = None if vectors is None else vectors[i]
-                if vec is not None:
-                    conn.execute(
-                        "INSERT INTO vectors (rid, vec) VALUES (?, ?)",
-                        (cur.lastrowid, _vec_blob(vec)),
-                    )
+                self._insert(conn, rec, None if vectors is None else vectors[i])
                 stored.append(rec)
         return stored
 
-    def _supersede(self, conn: sqlite3.Connection, rec: Fact) -> Fact:
-        row = conn.execute(
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, rec: AnyRecord, vec: Vector | None) -> None:
+        cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
+        if vec is not None:
+            conn.execute(
+                "INSERT INTO vectors (rid, vec) VALUES (?, ?)", (cur.lastrowid, _vec_blob(vec))
+            )
+
+    @staticmethod
+    def _current(conn: sqlite3.Connection, rec: Fact) -> Any:
+        """``(rid, id, valid_from)`` of the current fact of ``rec``'s scope and key, or None."""
+        return conn.execute(
             "SELECT rid, id, valid_from FROM records WHERE scope = ? AND key = ? "
             "AND valid_to IS NULL",
             (rec.scope, rec.key),
         ).fetchone()
+
+    @staticmethod
+    def _close(conn: sqlite3.Connection, rid: int, by: Fact) -> None:
+        """End the fact at ``rid`` where its successor ``by`` starts."""
+        conn.execute(
+            "UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
+            (to_us(by.valid_from), by.id, rid),
+        )
+
+    def _supersede(self, conn: sqlite3.Connection, rec: Fact) -> Fact:
+        row = self._current(conn, rec)
         if row is None:
             return rec
         rec = successor(rec, row[2])
-        conn.execute(
-            "UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
-            (to_us(rec.valid_from), rec.id, row[0]),
-        )
+        self._close(conn, row[0], rec)
         return rec
 
     def import_records(
@@ -127,27 +139,14 @@ class SQLiteTenantStore(TenantStore):
                 if conn.execute("SELECT 1 FROM records WHERE id = ?", (rec.id,)).fetchone():
                     continue
                 if isinstance(rec, Fact) and rec.key is not None and rec.valid_to is None:
-                    row = conn.execute(
-                        "SELECT rid, id, valid_from FROM records WHERE scope = ? AND key = ? "
-                        "AND valid_to IS NULL",
-                        (rec.scope, rec.key),
-                    ).fetchone()
+                    row = self._current(conn, rec)
                     if row is not None and row[2] < to_us(rec.valid_from):
-                        conn.execute(
-                            "UPDATE records SET valid_to = ?, superseded_by = ? WHERE rid = ?",
-                            (to_us(rec.valid_from), rec.id, row[0]),
-                        )
+                        self._close(conn, row[0], rec)
                     elif row is not None:  # the existing fact is newer: import this one ended
                         rec = rec.model_copy(
                             update={"valid_to": from_us(row[2]), "superseded_by": row[1]}
                         )
-                cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
-                vec = None if vectors is None else vectors[i]
-                if vec is not None:
-                    conn.execute(
-                        "INSERT INTO vectors (rid, vec) VALUES (?, ?)",
-                        (cur.lastrowid, _vec_blob(vec)),
-                    )
+                self._insert(conn, rec, None if vectors is None else vectors[i])
                 inserted += 1
         return inserted
 
@@ -495,14 +494,7 @@ class SQLiteBackend(MemoryBackend):
             ).fetchone()
         if row is None:
             return None
-        return TokenInfo(
-            token_hash=row[0],
-            tenant=row[1],
-            grants=[Grant(**g) for g in json.loads(row[2])],
-            name=row[3],
-            created_at=from_us(row[4]),
-            revoked=bool(row[5]),
-        )
+        return token_from_row(row, json_text=True)
 
     def revoke_token(self, token_hash: str) -> bool:
         with self._sys().write("revoke token") as conn:
@@ -536,18 +528,7 @@ class SQLiteBackend(MemoryBackend):
                 f"audit {where} ORDER BY seq DESC LIMIT ?",
                 [*params, limit],
             ).fetchall()
-        return [
-            AuditEntry(
-                at=from_us(r[0]),
-                tenant=r[1],
-                actor=r[2],
-                action=r[3],
-                scope=r[4],
-                allowed=bool(r[5]),
-                detail=json.loads(r[6]),
-            )
-            for r in rows
-        ]
+        return [audit_from_row(r, json_text=True) for r in rows]
 
     def close(self) -> None:
         with self._lock:

@@ -19,7 +19,9 @@ import time
 from typing import Any
 
 from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState
+from torpor.sandbox.engine import Channel, Machine
 from torpor.sandbox.manager import Held
+from torpor.sandbox.manager.core import Live
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.requests import DriveMount, VolumeMount
@@ -95,6 +97,19 @@ class Attachments:
         self.check_path_free(rec.id, path)
         return rec
 
+    @staticmethod
+    def running_machine(sandbox_id: str, live: Live) -> tuple[Machine, Channel]:
+        """The machine and guest channel of ``live`` (the sandbox's live side, its lock held).
+        Raises InvalidState when it has none (a pause came between the wake and the lock)."""
+        if live.machine is None or live.channel is None:
+            raise InvalidState(
+                f"sandbox {sandbox_id} has no running machine",
+                sandbox_id=sandbox_id,
+                state="paused",
+                required="running",
+            )
+        return live.machine, live.channel
+
     def check_path_free(self, sandbox_id: str, path: str) -> None:
         used = [a.path for _, a in self.volumes.attached_to(sandbox_id)]
         used += [a.path for _, a in self.drives.attached_to(sandbox_id)]
@@ -131,14 +146,8 @@ class Attachments:
         live = self.manager.live(rec.id)
         try:
             async with live.lock:
-                if live.machine is None or live.channel is None:
-                    raise InvalidState(
-                        f"sandbox {rec.id} has no running machine",
-                        sandbox_id=rec.id,
-                        state="paused",
-                        required="running",
-                    )
-                await live.machine.attach_disk(  # type: ignore[attr-defined]
+                machine, channel = self.running_machine(rec.id, live)
+                await machine.attach_disk(  # type: ignore[attr-defined]
                     DiskSpec(
                         id=vol.id,
                         path=self.volumes.image(vol.id),
@@ -147,8 +156,8 @@ class Attachments:
                         serial=vol.id,
                     )
                 )
-                device = await find_guest_disk(live.channel, vol.id)
-                await live.channel.mount(  # type: ignore[attr-defined]
+                device = await find_guest_disk(channel, vol.id)
+                await channel.mount(  # type: ignore[attr-defined]
                     device, path, fstype="ext4", options="ro" if read_only else None
                 )
         except BaseException:
@@ -182,20 +191,14 @@ class Attachments:
         m = self.manager
         live = m.live(rec.id)
         async with live.lock:
-            if live.machine is None or live.channel is None:
-                raise InvalidState(
-                    f"sandbox {rec.id} has no running machine",
-                    sandbox_id=rec.id,
-                    state="paused",
-                    required="running",
-                )
-            await self.before_pause(rec.id, live.channel)  # attach_share hibernates once
-            channel, live.channel = live.channel, None
+            machine, channel = self.running_machine(rec.id, live)
+            await self.before_pause(rec.id, channel)  # attach_share hibernates once
+            live.channel = None
             with contextlib.suppress(Exception):
                 await channel.sync()
                 await channel.close()
             try:
-                await live.machine.attach_share(  # type: ignore[attr-defined]
+                await machine.attach_share(  # type: ignore[attr-defined]
                     ShareSpec(
                         id=info.id,
                         path=self.drives.directory(info.id),
@@ -204,7 +207,7 @@ class Attachments:
                     )
                 )
             finally:
-                live.channel = await m.engine.connect(live.machine, m.directory(rec.id))
+                live.channel = await m.engine.connect(machine, m.directory(rec.id))
                 await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
                 await self.after_wake(rec.id, live.channel)
             self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)

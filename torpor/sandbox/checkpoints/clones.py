@@ -20,6 +20,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,23 @@ from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.volumes import Attachment
 
-__all__ = ["Cloner", "drop_ram"]
+__all__ = ["Children", "Cloner", "drop_ram"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Children:
+    """The sandboxes one clone makes: how many, their names (None: their ids) and labels,
+    their pause settings, their tenant, and the reason their registry rows record."""
+
+    count: int
+    labels: Mapping[str, str] | None
+    names: list[str] | None
+    idle_pause_seconds: int | None
+    pause_retention_days: int
+    tenant: str
+    reason: str
 
 
 class Cloner:
@@ -46,69 +61,45 @@ class Cloner:
     async def spawn(
         self,
         frozen: Path,
+        children: Children,
         *,
-        count: int,
-        labels: Mapping[str, str] | None,
-        names: list[str] | None,
-        idle_pause_seconds: int | None,
-        pause_retention_days: int,
-        tenant: str,
-        reason: str,
         drives_of: str | None,
         recorded_drives: list[dict[str, Any]] | None = None,
     ) -> list[SandboxInfo]:
-        """Clone, wake and refresh ``count`` sandboxes from a frozen dir; all or none."""
+        """Clone, wake and refresh ``children`` from a frozen dir; all or none."""
         drives = self.drives_for(frozen, drives_of, recorded_drives)
-        recs = await self.prepare(
-            frozen,
-            count=count,
-            labels=labels,
-            names=names,
-            idle_pause_seconds=idle_pause_seconds,
-            pause_retention_days=pause_retention_days,
-            tenant=tenant,
-            reason=reason,
+        recs = await self.prepare(frozen, children)
+        return await self.wake_children(
+            recs, drives, tenant=children.tenant, reason=children.reason
         )
-        return await self.wake_children(recs, drives, tenant=tenant, reason=reason)
 
-    async def prepare(
-        self,
-        frozen: Path,
-        *,
-        count: int,
-        labels: Mapping[str, str] | None,
-        names: list[str] | None,
-        idle_pause_seconds: int | None,
-        pause_retention_days: int,
-        tenant: str,
-        reason: str,
-    ) -> list[SandboxRecord]:
+    async def prepare(self, frozen: Path, children: Children) -> list[SandboxRecord]:
         """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
-        ``count`` children. All or none: on failure every row and dir made here is removed."""
+        ``children``. All or none: on failure every row and dir made here is removed."""
         from torpor.sandbox.vm.machine import clone_machine_dir
 
         m = self.manager
         config = json.loads((frozen / "machine.json").read_text())
         recs: list[SandboxRecord] = []
         try:
-            for i in range(count):  # registry rows first: a taken name fails before any work
+            for i in range(children.count):  # registry rows first: a taken name fails first
                 sid = "sbx-" + secrets.token_hex(6)
                 now = time.time()
                 rec = SandboxRecord(
                     id=sid,
-                    tenant=tenant,
-                    name=names[i] if names else sid,
+                    tenant=children.tenant,
+                    name=children.names[i] if children.names else sid,
                     template=str(config.get("template", "python")),
                     state=S.CREATING,
-                    labels=dict(labels or {}),
+                    labels=dict(children.labels or {}),
                     vcpus=int(config.get("vcpus", 1)),
                     memory_mib=int(config.get("memory_mib", 512)),
-                    idle_pause_seconds=idle_pause_seconds,
-                    pause_retention_days=pause_retention_days,
+                    idle_pause_seconds=children.idle_pause_seconds,
+                    pause_retention_days=children.pause_retention_days,
                     created_at=now,
                     last_active_at=now,
                 )
-                m.registry.insert(rec, reason=reason)
+                m.registry.insert(rec, reason=children.reason)
                 recs.append(rec)
             await asyncio.gather(
                 *(asyncio.to_thread(clone_machine_dir, frozen, m.directory(r.id)) for r in recs)

@@ -51,7 +51,7 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.sandbox.checkpoints.attach import Attachments
-from torpor.sandbox.checkpoints.clones import Cloner, drop_ram
+from torpor.sandbox.checkpoints.clones import Children, Cloner, drop_ram
 from torpor.sandbox.manager import Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
@@ -308,8 +308,7 @@ class Checkpoints:
         with self.snapshots.lock():
             frozen = await asyncio.to_thread(self.snapshots.materialize, info.id, tenant=tenant)
             try:
-                return await self.cloner.spawn(
-                    frozen,
+                children = Children(
                     count=count,
                     labels={**carried.labels, **(options.labels or {})},
                     names=names,
@@ -317,6 +316,10 @@ class Checkpoints:
                     pause_retention_days=retention,
                     tenant=tenant,
                     reason=f"restored from {info.id}",
+                )
+                return await self.cloner.spawn(
+                    frozen,
+                    children,
                     drives_of=info.sandbox_id,
                     recorded_drives=info.drives,
                 )
@@ -346,8 +349,7 @@ class Checkpoints:
             # the frozen RAM is a hard link to the source's: clone it before the source wakes
             try:
                 drives = self.cloner.drives_for(frozen, rec.id)
-                recs = await self.cloner.prepare(
-                    frozen,
+                children = Children(
                     count=fork.count,
                     labels={**rec.labels, **(fork.labels or {})},
                     names=fork.names,
@@ -356,6 +358,7 @@ class Checkpoints:
                     tenant=tenant,
                     reason=f"forked from {rec.id}",
                 )
+                recs = await self.cloner.prepare(frozen, children)
             finally:
                 drop_ram(frozen)
             return recs, drives

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from torpor.config import Paths
-from torpor.errors import Conflict, DriveNotFound, GuestError, StorageError
+from torpor.errors import DriveNotFound, GuestError
 from torpor.sandbox.requests import DriveSpec
-from torpor.sandbox.storage.records import Attachment, RecordStore, locked
+from torpor.sandbox.storage.records import Attachment, RecordStore
 
 __all__ = ["DriveInfo", "DriveStore", "mount_in_guest"]
 
@@ -49,12 +48,14 @@ class DriveInfo(BaseModel):
 
 
 class DriveStore(RecordStore[DriveInfo]):
-    """The drives of one torpor home (list, get, detach, release, delete: see RecordStore)."""
+    """The drives of one torpor home (list, get, attach, detach, release, delete: see
+    RecordStore): any number of sandboxes may attach one, read-write."""
 
     kind = "drive"
     prefix = "drv"
     not_found = DriveNotFound
     in_use = "is mounted in"
+    exclusive_writer = False
 
     def __init__(self, paths: Paths) -> None:
         super().__init__(paths.drives, DriveInfo.model_validate)
@@ -69,46 +70,26 @@ class DriveStore(RecordStore[DriveInfo]):
     def _remove_data(self, rid: str) -> None:
         shutil.rmtree(self.directory(rid))
 
+    def _discard(self, rid: str) -> None:
+        shutil.rmtree(self.directory(rid), ignore_errors=True)
+
     def create(
         self, spec: DriveSpec | str | None = None, /, *, tenant: str = "default", **fields: Any
     ) -> DriveInfo:
         """Make an empty drive: a :class:`~torpor.sandbox.requests.DriveSpec`, or its
         ``name``. Raises InvalidName, Conflict (name taken), StorageError."""
         name = DriveSpec.of(spec, **fields).name
-        did = f"drv-{uuid.uuid4().hex[:12]}"
-        with locked(self.root):
-            if any(d.name == name for d in self.list(tenant=tenant)):
-                raise Conflict(f"a drive named {name!r} already exists", kind="drive", name=name)
-            try:
-                # private: QEMU (9p security_model=mapped-xattr) reads and writes it as the
-                # owner, and keeps the guest's owners and modes in xattrs, never on the files
-                self.directory(did).mkdir(mode=0o700)
-                self.directory(did).chmod(0o700)
-                info = DriveInfo(id=did, name=name, tenant=tenant, created_at=datetime.now(UTC))
-                self._save(info)
-            except OSError as exc:
-                shutil.rmtree(self.directory(did), ignore_errors=True)
-                raise StorageError(f"cannot create drive {name!r}: {exc}", exc=exc) from exc
-            except BaseException:
-                shutil.rmtree(self.directory(did), ignore_errors=True)
-                raise
-        log.info("created drive %s (%s)", did, name)
+
+        def make(did: str) -> DriveInfo:
+            # private: QEMU (9p security_model=mapped-xattr) reads and writes it as the
+            # owner, and keeps the guest's owners and modes in xattrs, never on the files
+            self.directory(did).mkdir(mode=0o700)
+            self.directory(did).chmod(0o700)
+            return DriveInfo(id=did, name=name, tenant=tenant, created_at=datetime.now(UTC))
+
+        info = self._create(name, tenant, make)
+        log.info("created drive %s (%s)", info.id, name)
         return info
-
-    def attach(
-        self,
-        id_or_name: str,
-        sandbox_id: str,
-        path: str,
-        *,
-        read_only: bool = False,
-        tenant: str = "default",
-    ) -> DriveInfo:
-        """Record that ``sandbox_id`` mounts the drive at ``path`` (any number may, read-write).
-
-        Raises DriveNotFound, InvalidArgument (path), Conflict (already attached there).
-        """
-        return self._attach(id_or_name, sandbox_id, path, read_only, tenant, exclusive_writer=False)
 
 
 async def mount_in_guest(

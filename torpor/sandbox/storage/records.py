@@ -7,8 +7,8 @@ A shared resource (a :mod:`~torpor.sandbox.storage.volumes` volume, a
 :mod:`~torpor.sandbox.storage.drives` drive) lives in one directory as ``<prefix>-<hex>.json``
 records next to its data, guarded by
 ``<directory>/.lock`` across processes. :class:`RecordStore` holds the code both stores run on
-those records (list, get, detach, who is attached, release, delete); each store adds how its
-data is made, attached and removed.
+those records (list, get, create, attach, detach, who is attached, release, delete); each store
+adds how its data is made and removed.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -150,14 +151,16 @@ class RecordStore(Generic[InfoT]):
     """The records of one kind of shared resource in ``root``.
 
     A subclass sets ``kind`` ("volume"), ``prefix`` ("vol"), ``not_found`` (the NotFound
-    subclass), ``in_use`` (how a delete refusal names the holders) and implements
-    :meth:`_exists` and :meth:`_remove_data`.
+    subclass), ``in_use`` (how a delete refusal names the holders), ``exclusive_writer`` (the
+    sharing rule of :func:`check_attach`) and implements :meth:`_exists` and
+    :meth:`_remove_data` and :meth:`_discard`; it may override :meth:`_before_first_attach`.
     """
 
     kind: ClassVar[str]
     prefix: ClassVar[str]
     not_found: ClassVar[type[NotFound]]
     in_use: ClassVar[str]
+    exclusive_writer: ClassVar[bool]
 
     def __init__(self, root: Path, parse: Callable[[Any], InfoT]) -> None:
         self.root = root
@@ -171,6 +174,9 @@ class RecordStore(Generic[InfoT]):
     def _remove_data(self, rid: str) -> None:
         """Delete the resource's data. May raise OSError."""
         raise NotImplementedError
+
+    def _before_first_attach(self, rid: str) -> None:
+        """Runs under the lock when an attach finds nobody else attached (default: nothing)."""
 
     def _record(self, rid: str) -> Path:
         return self.root / f"{rid}.json"
@@ -208,20 +214,46 @@ class RecordStore(Generic[InfoT]):
             f"{self.kind} {id_or_name!r} not found", kind=self.kind, name=id_or_name
         )
 
-    def _attach(
+    def _discard(self, rid: str) -> None:
+        """Remove what a failed create left of the resource's data. Never raises."""
+        raise NotImplementedError
+
+    def _create(self, name: str, tenant: str, make: Callable[[str], InfoT]) -> InfoT:
+        """A new resource named ``name``, under the store's lock: ``make(id)`` builds its data
+        for a fresh ``<prefix>-<hex>`` id and returns the record, saved here. On any failure
+        :meth:`_discard` removes what was made. Raises Conflict (name taken in the tenant),
+        StorageError (an OSError), or what ``make`` raised."""
+        rid = f"{self.prefix}-{uuid.uuid4().hex[:12]}"
+        with locked(self.root):
+            if any(i.name == name for i in self.list(tenant=tenant)):
+                raise Conflict(
+                    f"a {self.kind} named {name!r} already exists", kind=self.kind, name=name
+                )
+            try:
+                info = make(rid)
+                self._save(info)
+            except OSError as exc:
+                self._discard(rid)
+                raise StorageError(f"cannot create {self.kind} {name!r}: {exc}", exc=exc) from exc
+            except BaseException:
+                self._discard(rid)
+                raise
+        return info
+
+    def attach(
         self,
         id_or_name: str,
         sandbox_id: str,
         path: str,
-        read_only: bool,
-        tenant: str,
         *,
-        exclusive_writer: bool,
-        before_first: Callable[[str], None] | None = None,
+        read_only: bool = False,
+        tenant: str = "default",
     ) -> InfoT:
         """Record that ``sandbox_id`` mounts the resource at ``path`` (checked and normalized
-        here) under the store's lock; ``before_first(id)`` runs when nobody else has it
-        attached. Raises NotFound, InvalidArgument (path), Conflict (the sharing rule)."""
+        here), under the store's lock; :meth:`_before_first_attach` runs when nobody else has
+        it attached. Raises the store's NotFound subclass, InvalidArgument (path), Conflict
+        (the sharing rule of :func:`check_attach`: never twice to one sandbox; for a volume,
+        one writer or any number of readers)."""
         path = check_mount_path(path)
         with locked(self.root):
             info = self.get(id_or_name, tenant=tenant)
@@ -231,14 +263,22 @@ class RecordStore(Generic[InfoT]):
                 info.attachments,
                 sandbox_id,
                 read_only,
-                exclusive_writer=exclusive_writer,
+                exclusive_writer=self.exclusive_writer,
             )
-            if before_first is not None and not info.attachments:
-                before_first(info.id)
+            if not info.attachments:
+                self._before_first_attach(info.id)
             info.attachments.append(
                 Attachment(sandbox_id=sandbox_id, path=path, read_only=read_only)
             )
             self._save(info)
+        log.info(
+            "%s %s attached to %s at %s (%s)",
+            self.kind,
+            info.id,
+            sandbox_id,
+            path,
+            "ro" if read_only else "rw",
+        )
         return info
 
     def detach(self, id_or_name: str, sandbox_id: str, *, tenant: str = "default") -> InfoT:

@@ -86,18 +86,6 @@ def _errors(stderr: bytes) -> list[str]:
     return [ln.strip() for ln in lines if ln.strip() and not any(p.search(ln) for p in _NOISE)]
 
 
-def _debugfs(image: Path, request: str) -> list[str]:
-    """argv of a read-only debugfs run of one request. ``-c`` (catastrophic mode) opens the
-    image read-only without loading the allocation bitmaps: nothing to write, faster on a
-    large volume, and a bitmap a live guest is rewriting cannot fail the open."""
-    return ["debugfs", "-c", "-R", request, str(image)]
-
-
-def _env() -> dict[str, str]:
-    # debugfs pipes some output through a pager when one is configured; never here.
-    return {**os.environ, "DEBUGFS_PAGER": "__none__", "PAGER": "__none__"}
-
-
 def _fail(image: Path, path: str, errors: list[str]) -> None:
     """Raise the typed error for debugfs's complaints about ``path`` (when there are any)."""
     if not errors:
@@ -116,20 +104,30 @@ def _fail(image: Path, path: str, errors: list[str]) -> None:
     )
 
 
-def _stat(image: Path, path: str) -> tuple[str, int]:
-    """The file type (``regular``, ``directory``, ``symlink`` ...) and size of ``path``."""
+def _debugfs(image: Path, path: str, request: str, timeout: float) -> bytes:
+    """The stdout of a read-only debugfs run of one ``request`` about ``path``. ``-c``
+    (catastrophic mode) opens the image read-only without loading the allocation bitmaps:
+    nothing to write, faster on a large volume, and a bitmap a live guest is rewriting cannot
+    fail the open. Raises EngineError (debugfs missing or too slow), as :func:`_fail`."""
+    # debugfs pipes some output through a pager when one is configured; never here.
+    env = {**os.environ, "DEBUGFS_PAGER": "__none__", "PAGER": "__none__"}
     try:
         proc = subprocess.run(
-            _debugfs(image, f"stat {_quote(path)}"),
+            ["debugfs", "-c", "-R", request, str(image)],
             capture_output=True,
-            env=_env(),
+            env=env,
             check=False,
-            timeout=120,
+            timeout=timeout,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise EngineError(f"cannot run debugfs: {exc}", exc=exc) from exc
     _fail(image, path, _errors(proc.stderr))
-    out = proc.stdout.decode("utf-8", "replace")
+    return proc.stdout
+
+
+def _stat(image: Path, path: str) -> tuple[str, int]:
+    """The file type (``regular``, ``directory``, ``symlink`` ...) and size of ``path``."""
+    out = _debugfs(image, path, f"stat {_quote(path)}", timeout=120).decode("utf-8", "replace")
     kind, size = _TYPE_RE.search(out), _SIZE_RE.search(out)
     if kind is None or size is None:
         raise EngineError(
@@ -169,17 +167,7 @@ def read_image_file(
     # in the content.
     with tempfile.TemporaryDirectory(prefix="torpor-volread-") as tmp:
         out = Path(tmp) / "file"
-        try:
-            proc = subprocess.run(
-                _debugfs(image, f"dump {_quote(path)} {_quote(str(out))}"),
-                capture_output=True,
-                env=_env(),
-                check=False,
-                timeout=600,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise EngineError(f"cannot run debugfs: {exc}", exc=exc) from exc
-        _fail(image, path, _errors(proc.stderr))
+        stdout = _debugfs(image, path, f"dump {_quote(path)} {_quote(str(out))}", timeout=600)
         try:
             # The file may have grown since the stat (a live guest): check again.
             got = out.stat().st_size
@@ -190,7 +178,7 @@ def read_image_file(
             return out.read_bytes()
         except FileNotFoundError as exc:
             raise EngineError(
-                f"debugfs wrote nothing for {path}: {proc.stdout.decode('utf-8', 'replace')[:300]}",
+                f"debugfs wrote nothing for {path}: {stdout.decode('utf-8', 'replace')[:300]}",
                 image=str(image),
                 path=path,
                 exc=exc,

@@ -20,7 +20,7 @@ kernel that believes it has a disk that has moved on. So :mod:`torpor.sandbox.ch
 to snapshot or fork such a sandbox with a Conflict that says how to proceed (detach the volume,
 or copy what you need into the sandbox's own disk). Nothing is lost either way.
 
-The record code volumes and drives share (list, get, attach, detach, release, delete, and
+The record code volumes and drives share (list, get, create, attach, detach, release, delete, and
 :func:`check_mount_path`, re-exported here) is :mod:`torpor.sandbox.storage.records`.
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,8 @@ from pydantic import BaseModel, Field
 
 from torpor.config import Paths
 from torpor.errors import (
-    Conflict,
     EngineError,
     GuestError,
-    StorageError,
     VolumeNotFound,
 )
 from torpor.sandbox.requests import MAX_VOLUME_MIB, VolumeSpec  # MAX_VOLUME_MIB: re-exported
@@ -49,7 +46,6 @@ from torpor.sandbox.storage.records import (  # check_mount_path, SYSTEM_DIRS: r
     Attachment,
     RecordStore,
     check_mount_path,
-    locked,
 )
 
 __all__ = [
@@ -76,12 +72,14 @@ class VolumeInfo(BaseModel):
 
 
 class VolumeStore(RecordStore[VolumeInfo]):
-    """The volumes of one torpor home (list, get, detach, release, delete: see RecordStore)."""
+    """The volumes of one torpor home (list, get, attach, detach, release, delete: see
+    RecordStore): one writer or any number of readers."""
 
     kind = "volume"
     prefix = "vol"
     not_found = VolumeNotFound
     in_use = "is attached to"
+    exclusive_writer = True
 
     def __init__(self, paths: Paths) -> None:
         super().__init__(paths.volumes, VolumeInfo.model_validate)
@@ -96,6 +94,9 @@ class VolumeStore(RecordStore[VolumeInfo]):
     def _remove_data(self, rid: str) -> None:
         self.image(rid).unlink(missing_ok=True)
 
+    def _discard(self, rid: str) -> None:
+        self.image(rid).unlink(missing_ok=True)
+
     def create(
         self, spec: VolumeSpec | str | None = None, /, *, tenant: str = "default", **fields: Any
     ) -> VolumeInfo:
@@ -107,14 +108,12 @@ class VolumeStore(RecordStore[VolumeInfo]):
         """
         want = VolumeSpec.of(spec, **fields)
         name, size_mib = want.name, want.size_mib
-        vid = f"vol-{uuid.uuid4().hex[:12]}"
-        image = self.image(vid)
-        with locked(self.root):
-            if any(v.name == name for v in self.list(tenant=tenant)):
-                raise Conflict(f"a volume named {name!r} already exists", kind="volume", name=name)
+
+        def make(vid: str) -> VolumeInfo:
+            image = self.image(vid)
+            with open(image, "wb") as f:
+                f.truncate(size_mib << 20)
             try:
-                with open(image, "wb") as f:
-                    f.truncate(size_mib << 20)
                 subprocess.run(
                     [
                         "mkfs.ext4",
@@ -132,59 +131,20 @@ class VolumeStore(RecordStore[VolumeInfo]):
                     capture_output=True,
                     text=True,
                 )
-                info = VolumeInfo(
-                    id=vid,
-                    name=name,
-                    tenant=tenant,
-                    size_mib=size_mib,
-                    created_at=datetime.now(UTC),
-                )
-                self._save(info)
             except subprocess.CalledProcessError as exc:
-                image.unlink(missing_ok=True)
                 raise EngineError(
                     f"mkfs.ext4 failed for volume {name!r}: {exc.stderr.strip()}", exc=exc
                 ) from exc
-            except OSError as exc:
-                image.unlink(missing_ok=True)
-                raise StorageError(f"cannot create volume {name!r}: {exc}", exc=exc) from exc
-            except BaseException:
-                image.unlink(missing_ok=True)
-                raise
-        log.info("created volume %s (%s, %d MiB)", vid, name, size_mib)
+            return VolumeInfo(
+                id=vid, name=name, tenant=tenant, size_mib=size_mib, created_at=datetime.now(UTC)
+            )
+
+        info = self._create(name, tenant, make)
+        log.info("created volume %s (%s, %d MiB)", info.id, name, size_mib)
         return info
 
-    def attach(
-        self,
-        id_or_name: str,
-        sandbox_id: str,
-        path: str,
-        *,
-        read_only: bool = False,
-        tenant: str = "default",
-    ) -> VolumeInfo:
-        """Record that ``sandbox_id`` uses the volume at ``path``.
-
-        Raises VolumeNotFound, InvalidArgument (path), Conflict (the sharing rule).
-        """
-        info = self._attach(
-            id_or_name,
-            sandbox_id,
-            path,
-            read_only,
-            tenant,
-            exclusive_writer=True,
-            before_first=self.replay_journal,
-        )
-        path = info.attachments[-1].path
-        log.info(
-            "volume %s attached to %s at %s (%s)",
-            info.id,
-            sandbox_id,
-            path,
-            "ro" if read_only else "rw",
-        )
-        return info
+    def _before_first_attach(self, rid: str) -> None:
+        self.replay_journal(rid)
 
     def replay_journal(self, volume_id: str) -> None:
         """Replay the ext4 journal of an image nobody has attached.

@@ -1,14 +1,8 @@
 """The QEMU machine of one sandbox directory: cold boot, hibernate, wake, kill, hot-plug.
 
-A sandbox directory holds everything its machine is::
-
-    ram            guest RAM (memory-backend-file, share=on): the RAM *is* this file
-    state          the saved device state (only while hibernated; appears whole or not at all)
-    disk.qcow2     the root disk: an overlay on the template's (or a snapshot's) frozen disk
-    machine.json   the machine's shape: accel, CPU, RAM size, kernel, every device with its id
-                   and PCI address (a wake must rebuild exactly this device set)
-    qmp.sock       QMP (QEMU's control socket);  agent.sock  the guest agent's virtio-serial port
-    console.log    the guest's serial console;  qemu.log  QEMU's own stderr;  qemu.pid
+A sandbox directory holds everything its machine is: its guest RAM file ``ram``, the saved
+device state ``state``, its disk, ``machine.json`` and sockets (the layout, the machine type and
+the command line are :mod:`torpor.sandbox.vm.machine_dir`'s).
 
 Hibernate = ``stop`` + migrate device state only (capability ``x-ignore-shared``: the RAM stays
 in ``ram``) to ``state.tmp``, fsync, rename to ``state``, quit. Wake = a new QEMU on the same
@@ -19,13 +13,10 @@ Crash safety: ``state`` only ever appears whole (tmp + fsync + rename), and a wa
 *before* ``cont``, so a QEMU killed at any point leaves either a loadable (ram, state) pair or
 no state file — never a state older than the RAM file.
 
-The machine type is ``pc-i440fx-7.2`` (pinned: a migration stream needs the same machine type on
-both sides). Its root PCI bus takes ACPI hot-plug in every slot, so disks (virtio-blk) and shares
-(virtio-9p) can be added to a running guest and then appear on the next wake's command line at
-the same address. QEMU has no QMP command to create a 9p backend, so
-:meth:`QemuMachine.attach_share` hibernates and wakes once with the backend on the command
-line, then hot-plugs the device. Note that QEMU refuses to migrate while a 9p share is
-*mounted* in the guest: unmount before hibernate.
+Disks (virtio-blk) and shares (virtio-9p) are hot-plugged into the running guest. QEMU has no
+QMP command to create a 9p backend, so :meth:`QemuMachine.attach_share` hibernates and wakes
+once with the backend on the command line, then hot-plugs the device. Note that QEMU refuses to
+migrate while a 9p share is *mounted* in the guest: unmount before hibernate.
 """
 
 from __future__ import annotations

@@ -13,10 +13,8 @@ A sandbox directory holds everything its machine is::
     qmp.sock       QMP (QEMU's control socket), agent.sock (the guest agent's virtio-serial port)
     console.log    the guest's serial console;  qemu.log  QEMU's own stderr;  qemu.pid
 
-Hibernate = ``stop`` + migrate device state only (capability ``x-ignore-shared``: the RAM stays
-in ``ram``) to ``state.tmp``, fsync, rename to ``state``, quit. Wake = a new QEMU on the same
-``ram`` with ``-incoming defer``, load ``state``, delete it, ``cont``. No RAM is copied either
-way, so both cost tens of milliseconds whatever the RAM size.
+How hibernate and wake use ``ram`` and ``state`` (no RAM is copied either way) is
+:mod:`torpor.sandbox.vm.machine`'s.
 
 The machine type is ``pc-i440fx-7.2`` (pinned: a migration stream needs the same machine type on
 both sides). Its root PCI bus takes ACPI hot-plug in every slot, so disks (virtio-blk) and shares
