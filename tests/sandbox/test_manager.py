@@ -261,7 +261,7 @@ def test_get_or_create_applies_what_can_change_and_refuses_what_cannot(home: Pat
         fixed: list[tuple[str, object]] = [("vcpus", 2), ("memory_mib", 1024), ("template", "x")]
         for field, value in fixed:
             with pytest.raises(Conflict) as err:
-                await mgr.get_or_create("agent-u-7", labels={"x": "y"}, **{field: value})
+                await mgr.get_or_create("agent-u-7", labels={"x": "y"}, **{field: value})  # type: ignore[arg-type]
             assert err.value.data["field"] == field
         same = await mgr.get_or_create("agent-u-7")  # nothing given: nothing changes
         assert same.labels == {"user": "u-7", "tier": "pro"}  # the refused calls changed nothing
