@@ -8,6 +8,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.retention import collect_garbage
 from torpor.sandbox.storage.snapshots import SnapshotStore, freeze
@@ -174,6 +176,44 @@ def test_expired_pauses_are_killed_and_fresh_ones_kept(tmp_path: Path) -> None:
         assert (await m.get(running.id)).state is SandboxState.RUNNING  # only pauses expire
         report = await cp.collect_garbage(now=time.time() + 31 * 86400)
         assert report.expired_sandboxes == [default.id]
+        await m.close()
+
+    asyncio.run(main())
+
+
+def test_a_pause_shows_when_it_expires_and_warns_a_day_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``expires_at`` is visible while paused, and the GC warns in the day before it."""
+    import asyncio
+    import logging
+    from datetime import timedelta
+
+    from tests.sandbox.fakes import FakeEngine
+    from torpor.config import paths
+    from torpor.sandbox.checkpoints import Checkpoints
+    from torpor.sandbox.manager import SandboxManager
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
+        cp = Checkpoints(m)
+        sbx = await m.create(name="agent-u-9", pause_retention_days=3)
+        assert sbx.expires_at is None and sbx.paused_at is None  # running: nothing expires
+        await m.pause(sbx.id)
+        info = await m.get(sbx.id)
+        assert info.paused_at is not None and info.expires_at is not None
+        assert info.expires_at - info.paused_at == timedelta(days=3)
+        soon = info.expires_at.timestamp() - 3600
+        with caplog.at_level(logging.WARNING, logger="torpor.sandbox.checkpoints"):
+            report = await cp.collect_garbage(now=soon)
+        assert report.expired_sandboxes == []
+        assert any("will be deleted in 1.0 h" in r.getMessage() for r in caplog.records)
+        extended = await m.get_or_create("agent-u-9", pause_retention_days=30)
+        assert extended.pause_retention_days == 30
+        await m.pause(sbx.id)
+        later = (await m.get(sbx.id)).expires_at
+        assert later is not None and later - info.expires_at > timedelta(days=26)
+        assert (await cp.collect_garbage(now=soon + 7200)).expired_sandboxes == []
         await m.close()
 
     asyncio.run(main())

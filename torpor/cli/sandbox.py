@@ -47,8 +47,11 @@ def _show(info: SandboxInfo) -> None:
         ("idle pause", f"{info.idle_pause_seconds} s" if info.idle_pause_seconds else "never"),
         ("created", created),
         ("last active", active),
+        ("pause kept", f"{info.pause_retention_days} days"),
     ]:
         table.add_row(key, value)
+    if info.expires_at is not None:
+        table.add_row("deleted at", info.expires_at.strftime("%Y-%m-%d %H:%M:%S") + " unless woken")
     if info.error:
         table.add_row("error", info.error)
     console.print(table)
@@ -62,6 +65,9 @@ def create(
     idle_pause: Annotated[int | None, typer.Option(help="pause after N idle seconds")] = None,
     vcpus: Annotated[int | None, typer.Option()] = None,
     memory: Annotated[int | None, typer.Option(help="MiB of RAM")] = None,
+    retention_days: Annotated[
+        int | None, typer.Option(help="keep a pause N days (1-365; default 30), then delete it")
+    ] = None,
 ) -> None:
     """Create a running sandbox.
 
@@ -75,6 +81,7 @@ def create(
             idle_pause_seconds=idle_pause,
             vcpus=vcpus,
             memory_mib=memory,
+            pause_retention_days=retention_days,
         ).info
     )
 
@@ -89,7 +96,7 @@ def ls(
     Example: torpor sandbox ls --label user=u-42
     """
     infos = Sandbox.list(labels=parse_labels(label), include_stopped=all_)
-    table = Table("id", "name", "state", "template", "labels", "last active")
+    table = Table("id", "name", "state", "template", "labels", "last active", "deleted at")
     for info in infos:
         table.add_row(
             info.id,
@@ -98,6 +105,7 @@ def ls(
             info.template,
             ", ".join(f"{k}={v}" for k, v in info.labels.items()),
             _when(info)[1],
+            "" if info.expires_at is None else info.expires_at.strftime("%Y-%m-%d %H:%M"),
         )
     console.print(table)
 

@@ -118,6 +118,11 @@ class SandboxInfo(BaseModel):
     created_at: datetime
     last_active_at: datetime
     error: str | None = None
+    #: while paused: since when, and when the pause is deleted (``paused_at`` +
+    #: ``pause_retention_days``) unless the sandbox is woken first or its retention extended
+    #: (``get_or_create(name, pause_retention_days=...)``)
+    paused_at: datetime | None = None
+    expires_at: datetime | None = None
 
 
 def parse_labels(items: list[str] | None, *, what: str = "label") -> dict[str, str] | None:

@@ -79,6 +79,9 @@ __all__ = ["VOLUME_SNAPSHOT_REFUSAL", "Checkpoints"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: how long before its pause expires a paused sandbox is warned about (at each GC)
+EXPIRY_WARNING = 24 * 3600.0
+
 #: what a snapshot or fork of a sandbox with a volume does (also the Conflict's message)
 VOLUME_SNAPSHOT_REFUSAL = (
     "sandbox {sandbox} has volume(s) {volumes} attached; volumes are never part of a snapshot "
@@ -418,10 +421,21 @@ class Checkpoints:
         now = time.time() if now is None else now
         expired: list[str] = []
         for rec in self.manager.registry.list(states={S.PAUSED}):
-            if rec.paused_at is not None and now - rec.paused_at > rec.pause_retention_days * 86400:
+            ends = rec.expires_at
+            if ends is not None and now > ends:
                 expired.append(rec.id)
                 if not dry_run:
                     await self.manager.kill(rec.id, tenant=rec.tenant)
+            elif ends is not None and ends - now < EXPIRY_WARNING:
+                log.warning(
+                    "paused sandbox %s (%s) will be deleted in %.1f h (pause_retention_days=%d); "
+                    "wake it, or extend it with get_or_create(%r, pause_retention_days=...)",
+                    rec.id,
+                    rec.name,
+                    (ends - now) / 3600,
+                    rec.pause_retention_days,
+                    rec.name,
+                )
         from datetime import UTC, datetime
 
         report = await asyncio.to_thread(

@@ -109,7 +109,16 @@ class SandboxRecord:
             created_at=_dt(self.created_at),
             last_active_at=_dt(self.last_active_at),
             error=self.error,
+            paused_at=None if self.expires_at is None else _dt(self.paused_at or 0.0),
+            expires_at=None if self.expires_at is None else _dt(self.expires_at),
         )
+
+    @property
+    def expires_at(self) -> float | None:
+        """When a paused sandbox's pause is deleted (None unless paused)."""
+        if self.state is not SandboxState.PAUSED or self.paused_at is None:
+            return None
+        return self.paused_at + self.pause_retention_days * 86400
 
     def with_state(self, state: SandboxState, **changes: Any) -> SandboxRecord:
         return replace(self, state=state, **changes)
