@@ -52,6 +52,9 @@ class DirStatus:
     exists: bool
     has_state: bool
     qemu_pid: int | None = None
+    #: what makes the saved machine unwakeable for good (a truncated file, a bad disk), if
+    #: anything: a wake that failed with this set will fail every time
+    damage: str | None = None
 
 
 class Channel(Protocol):
@@ -202,12 +205,15 @@ class QemuEngine:
         return channel
 
     def inspect(self, directory: Path) -> DirStatus:
-        from torpor.sandbox.vm.machine import inspect_dir
+        from torpor.sandbox.vm.machine_dir import find_damage, inspect_dir
 
         if not directory.is_dir():
             return DirStatus(exists=False, has_state=False)
         found = inspect_dir(directory)
-        return DirStatus(exists=True, has_state=found.has_state, qemu_pid=found.qemu_pid)
+        damage = find_damage(directory) if found.has_state and found.qemu_pid is None else None
+        return DirStatus(
+            exists=True, has_state=found.has_state, qemu_pid=found.qemu_pid, damage=damage
+        )
 
     async def attach(self, directory: Path, config: MachineConfig) -> Machine:
         from torpor.sandbox import template as templates

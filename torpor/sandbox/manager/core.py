@@ -195,7 +195,7 @@ class ManagerCore:
         )
 
     def _mark_lost(self, rec: SandboxRecord, reason: str) -> StateLost:
-        lost = self._lost_message(rec)
+        lost = f"{self._lost_message(rec)}; cause: {reason}"
         rec = self.move(rec, S.ERROR, reason, error=lost)
         return self.lost(rec)
 
@@ -340,7 +340,10 @@ class ManagerCore:
             await machine.wake()
         except Exception as exc:
             await self._quiet_kill(live, directory)
-            if self.engine.inspect(directory).has_state:
+            status = self.engine.inspect(directory)
+            if status.damage is not None:  # it would fail the same way every time
+                raise self._mark_lost(rec, f"cannot be woken: {status.damage}") from exc
+            if status.has_state:
                 self.move(rec, S.PAUSED, f"wake failed, saved state intact: {exc}")
                 raise EngineError(
                     f"waking sandbox {rec.id} failed: {exc}; it stays paused "

@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -380,6 +381,43 @@ def inspect_dir(directory: Path) -> DirInfo:
     """What ``directory`` can back: a whole saved state (``state`` next to ``ram``), a live QEMU."""
     has_state = (directory / "state").is_file() and (directory / "ram").is_file()
     return DirInfo(has_state=has_state, qemu_pid=qemu_pid(directory))
+
+
+#: the first bytes of a QEMU migration stream and of a qcow2 image
+_STATE_MAGIC = b"QEVM"
+_QCOW2_MAGIC = b"QFI\xfb"
+
+
+def find_damage(directory: Path) -> str | None:
+    """What makes the hibernated machine in ``directory`` unwakeable for good, or None: an
+    unreadable machine.json, a RAM file not of the machine's size, a truncated or foreign state
+    file, a missing or bad disk. A wake that failed for one of these fails the same way every
+    time (a retry cannot help); one that failed for none of them may succeed later."""
+    try:
+        config = json.loads((directory / "machine.json").read_text())
+        memory = int(config["memory_mib"]) << 20
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"machine.json is unreadable ({exc})"
+    checks: list[tuple[str, Callable[[Path], bool], str]] = [
+        ("ram", lambda f: f.stat().st_size == memory, f"is not {memory >> 20} MiB"),
+        ("state", lambda f: _starts_with(f, _STATE_MAGIC), "is not a whole saved state"),
+        ("disk.qcow2", lambda f: _starts_with(f, _QCOW2_MAGIC), "is not a qcow2 disk"),
+    ]
+    for name, ok, what in checks:
+        path = directory / name
+        try:
+            if not path.is_file():
+                return f"{name} is missing"
+            if not ok(path):
+                return f"{name} {what}"
+        except OSError as exc:
+            return f"{name} cannot be read ({exc})"
+    return None
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
 
 
 def discard_state(directory: Path) -> None:

@@ -1,0 +1,79 @@
+"""A sandbox whose saved machine is damaged for good (a truncated state or RAM file, a bad
+disk, an unreadable machine.json) is not reported as "can be woken again": the row goes to
+``error`` with the cause, and calls raise StateLost saying what is lost and why."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from torpor.config import paths
+from torpor.errors import StateLost
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.models import SandboxState
+from torpor.sandbox.vm.machine_dir import find_damage
+
+
+def _machine(d: Path) -> Path:
+    d.mkdir()
+    (d / "machine.json").write_text(json.dumps({"memory_mib": 1}))
+    with open(d / "ram", "wb") as f:
+        f.truncate(1 << 20)
+    (d / "state").write_bytes(b"QEVM" + b"\0" * 100)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(d / "disk.qcow2"), "1M"], check=True
+    )
+    return d
+
+
+@pytest.mark.parametrize(
+    ("harm", "found"),
+    [
+        pytest.param(lambda d: (d / "state").write_bytes(b""), "state is not a whole", id="state"),
+        pytest.param(lambda d: (d / "ram").write_bytes(b"x"), "ram is not 1 MiB", id="ram"),
+        pytest.param(lambda d: (d / "disk.qcow2").unlink(), "disk.qcow2 is missing", id="disk"),
+        pytest.param(
+            lambda d: (d / "disk.qcow2").write_bytes(b"garbage"), "not a qcow2", id="qcow2"
+        ),
+        pytest.param(
+            lambda d: (d / "machine.json").write_text("{"), "machine.json", id="machine-json"
+        ),
+    ],
+)
+def test_damage_is_named(tmp_path: Path, harm: Callable[[Path], object], found: str) -> None:
+    d = _machine(tmp_path / "m")
+    assert find_damage(d) is None  # a whole machine: a failed wake may be retried
+    harm(d)
+    damage = find_damage(d)
+    assert damage is not None and found in damage
+
+
+@pytest.mark.qemu
+def test_a_truncated_state_puts_the_sandbox_in_error_with_its_cause(qemu_home: Path) -> None:
+    async def main() -> None:
+        m = SandboxManager(paths(qemu_home))
+        await m.start(supervise=False)
+        try:
+            sbx = await m.create(name="agent-u-5")
+            await m.pause(sbx.id)
+            state = m.directory(sbx.id) / "state"
+            state.write_bytes(state.read_bytes()[:100])  # truncated, as by a full disk
+            with pytest.raises(StateLost) as err:
+                await m.run_code(sbx.id, "1 + 1")
+            assert "state is not a whole saved state" in str(err.value)
+            got = await m.get(sbx.id)
+            assert got.state is SandboxState.ERROR and got.error and "cause:" in got.error
+            with pytest.raises(StateLost):  # the same answer every time, no retry loop
+                await m.run_code(sbx.id, "1 + 1")
+            assert (m.directory(sbx.id) / "disk.qcow2").exists()  # the disk is kept
+        finally:
+            for info in await m.list():
+                await m.kill(info.id)
+            await m.close(pause=False)
+
+    asyncio.run(main())
