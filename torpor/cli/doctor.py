@@ -37,13 +37,26 @@ def doctor(
     reprobe: Annotated[
         bool, typer.Option("--reprobe", help="test KVM again, ignoring the cached answer")
     ] = False,
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="rebuild registry rows for sandbox directories that have none (run with the "
+            "server stopped)",
+        ),
+    ] = False,
 ) -> None:
-    """Show the QEMU version, the accelerator in use and why, templates and the home path.
+    """Show the QEMU version, the accelerator in use and why, templates and the home path;
+    with --repair, give orphaned sandbox directories their registry rows back.
 
     Example:
 
         torpor doctor --reprobe
+        torpor doctor --repair
     """
+    if repair:
+        _repair()
+        return
     report = accel_probe.probe(force=reprobe)
     table = Table(show_header=False, box=None)
     table.add_row("home", str(paths().home))
@@ -67,6 +80,25 @@ def doctor(
         "templates", "\n".join(rows) or "[yellow]none: run `torpor template build python`[/]"
     )
     console.print(table)
+
+
+def _repair() -> None:
+    from torpor.config import server_pid
+    from torpor.sandbox.registry import Registry
+    from torpor.sandbox.registry.repair import repair
+
+    if server_pid() is not None:
+        typer.secho("the server is running: stop it first (torpor serve stop)", err=True, fg="red")
+        raise typer.Exit(1)
+    p = paths()
+    registry = Registry(p.registry)
+    try:
+        made = repair(p, registry)
+    finally:
+        registry.close()
+    for rec in made:
+        console.print(f"rebuilt {rec.id}: {rec.state.value}")
+    console.print(f"{len(made)} sandbox row(s) rebuilt" if made else "nothing to repair")
 
 
 def register(app: typer.Typer) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 from torpor.config import check_name
 from torpor.errors import (
     Conflict,
+    CorruptData,
     EngineError,
     GuestError,
     SandboxNotFound,
@@ -43,6 +44,7 @@ from torpor.sandbox.manager.core import ManagerCore, wrap_error
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.registry.repair import orphans
 from torpor.sandbox.requests import CodeSpec, CommandSpec, SandboxOptions, check_guest_path
 from torpor.types import OutputCallback
 
@@ -397,8 +399,23 @@ class SandboxManager(ManagerCore):
     async def start(self, *, supervise: bool = True, interval: float = 1.0) -> None:
         """Reconcile the registry with the sandbox directories after a (re)start, then start
         the idle supervisor. Paused sandboxes stay paused; running ones whose QEMU is alive
-        are re-attached; half-done pauses and wakes are resolved (see ``recovery``)."""
+        are re-attached; half-done pauses and wakes are resolved (see ``recovery``).
+
+        Raises CorruptData, and starts nothing, when sandbox directories have no registry
+        row: the registry was deleted or truncated, and starting would orphan them (``torpor
+        doctor --repair`` rebuilds the rows; see :mod:`torpor.sandbox.registry.repair`)."""
         self._check_open()
+        lost = orphans(self.paths, self.registry)
+        if lost:
+            raise CorruptData(
+                f"the registry ({self.paths.registry}) has no row for {len(lost)} sandbox "
+                f"director{'y' if len(lost) == 1 else 'ies'} ({', '.join(d.name for d in lost[:5])}"
+                f"{' ...' if len(lost) > 5 else ''}): it was deleted or truncated. Nothing was "
+                "started or changed; run `torpor doctor --repair` to rebuild it from the "
+                "directories",
+                path=str(self.paths.registry),
+                orphans=[d.name for d in lost],
+            )
         for rec in self.registry.list():
             try:
                 await self._reconcile(rec)

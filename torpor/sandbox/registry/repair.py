@@ -1,0 +1,87 @@
+"""A registry that lost its rows: detect it at start, rebuild it on request.
+
+The registry is the one record of which sandbox directories are whose. If ``registry.db`` is
+deleted or truncated, a server that started anyway would see an empty world: every sandbox
+directory orphaned (paused machines never woken, then collected as garbage), running QEMUs
+left behind. So :func:`orphans` lists the sandbox directories the registry has no row for, and
+the manager refuses to start while there are any; ``torpor doctor --repair`` calls
+:func:`repair`, which gives each orphan a row again from what its directory holds:
+
+* a QEMU still running on it -> ``running`` (the manager re-attaches it at start);
+* a whole saved machine -> ``paused``;
+* neither -> ``error`` (the RAM is gone; the disk is kept).
+
+What the directory cannot tell is lost and said so in the row's transition: the sandbox's name
+(it becomes its id), tenant (``default``), labels and idle pause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from torpor.config import Paths
+from torpor.sandbox.models import SandboxState
+from torpor.sandbox.registry.sqlite import Registry, SandboxRecord
+from torpor.sandbox.vm.machine_dir import inspect_dir
+
+__all__ = ["orphans", "repair"]
+
+log = logging.getLogger(__name__)
+
+#: the note every rebuilt row carries in its first transition
+REBUILT = "rebuilt by torpor doctor --repair: name, tenant, labels and idle pause were lost"
+
+
+def orphans(paths: Paths, registry: Registry) -> list[Path]:
+    """The sandbox directories the registry has no row for, oldest first."""
+    root = paths.sandboxes
+    if not root.is_dir():
+        return []
+    known = {rec.id for rec in registry.list()}
+    found = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("sbx-")]
+    return sorted((d for d in found if d.name not in known), key=lambda d: d.stat().st_mtime)
+
+
+def repair(paths: Paths, registry: Registry) -> list[SandboxRecord]:
+    """Give every orphaned sandbox directory a registry row again (see the module docstring);
+    return the rows made. Raises StorageError when the registry cannot be written."""
+    made = []
+    for directory in orphans(paths, registry):
+        rec = _record(directory)
+        registry.insert(rec, reason=REBUILT)
+        log.warning("registry: rebuilt %s as %s", rec.id, rec.state.value)
+        made.append(rec)
+    return made
+
+
+def _record(directory: Path) -> SandboxRecord:
+    try:
+        config = json.loads((directory / "machine.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    status = inspect_dir(directory)
+    now = time.time()
+    started = directory.stat().st_mtime
+    if status.qemu_pid is not None:
+        state, error, paused_at = SandboxState.RUNNING, None, None
+    elif status.has_state:
+        state, error, paused_at = SandboxState.PAUSED, None, (directory / "state").stat().st_mtime
+    else:
+        state, error, paused_at = SandboxState.ERROR, "RAM and processes; disk kept", None
+    return SandboxRecord(
+        id=directory.name,
+        tenant="default",
+        name=directory.name,
+        template=str(config.get("template", "python")),
+        state=state,
+        labels={},
+        vcpus=int(config.get("vcpus", 1)),
+        memory_mib=int(config.get("memory_mib", 512)),
+        created_at=started,
+        last_active_at=now,
+        paused_at=paused_at,
+        error=error,
+    )
