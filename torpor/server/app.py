@@ -35,6 +35,7 @@ from torpor.errors import InvalidArgument, NotFound, TorporError
 from torpor.sandbox.requests import invalid_argument
 from torpor.server.auth import TokenStore
 from torpor.server.deps import Tenant
+from torpor.server.limits import BodyLimit
 
 __all__ = ["ROUTERS", "create_app", "error_response"]
 
@@ -146,6 +147,7 @@ def create_app(
     app.state.manager = manager
     app.state.tokens = tokens or TokenStore(None)
     app.state.max_file_bytes = max_file_bytes
+    app.add_middleware(BodyLimit)  # every body bounded before it is parsed
     app.add_exception_handler(TorporError, _torpor_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
