@@ -38,6 +38,7 @@ def test_every_error_is_exported_and_under_the_root() -> None:
                 "Closed",
                 "Timeout",
                 "Denied",
+                "Exceeded",
                 "Unavailable",
                 "Data",
                 "Lost",

@@ -56,6 +56,7 @@ __all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
     "SandboxClosed",
     "OperationTimeout",
     "AccessDenied",
+    "QuotaExceeded",
     "EngineError",
     "AccelerationUnavailable",
     "GuestError",

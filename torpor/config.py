@@ -21,6 +21,7 @@ open); the server runs with umask 077, so what it and QEMU create is 0600 as wel
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
@@ -28,13 +29,14 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from torpor.errors import InvalidName
+from torpor.errors import InvalidArgument, InvalidName, QuotaExceeded
 
 __all__ = [
     "LIMITS",
     "NAME_RE",
     "Limits",
     "Paths",
+    "Quotas",
     "check_name",
     "make_private",
     "paths",
@@ -143,6 +145,52 @@ class Paths:
     def make_private(self) -> None:
         """Create the home 0700, or close a home found open (see :func:`make_private`)."""
         make_private(self.home)
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """What one tenant may hold at once. Over one, an operation raises
+    :class:`~torpor.errors.QuotaExceeded` and makes nothing.
+
+    Set per home in ``<home>/quotas.json``: ``{"*": {...}, "<tenant>": {...}}`` with any of
+    these field names (``"*"`` applies to every tenant, a tenant's own entry over it).
+    """
+
+    running_sandboxes: int = 32
+    running_memory_mib: int = 64 * 1024
+    volumes: int = 64
+    volume_mib: int = 256 * 1024
+    snapshots: int = 256
+
+    @classmethod
+    def of(cls, paths: Paths, tenant: str) -> Quotas:
+        """The quotas of ``tenant`` in the home of ``paths`` (defaults when none are set).
+        Raises InvalidArgument for a quotas.json that is not what this says."""
+        file = paths.home / "quotas.json"
+        try:
+            table = json.loads(file.read_text())
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"cannot read {file}: {exc}", path=str(file)) from exc
+        merged = {**dict(table.get("*", {})), **dict(table.get(tenant, {}))}
+        try:
+            return cls(**{k: int(v) for k, v in merged.items()})
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"bad quota in {file}: {exc}", path=str(file)) from exc
+
+    def check(self, tenant: str, quota: str, used: int, adding: int = 1) -> None:
+        """Raise QuotaExceeded if ``used + adding`` goes over the quota named ``quota``."""
+        limit = int(getattr(self, quota))
+        if used + adding > limit:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} is at its {quota.replace('_', ' ')} quota: {used} of "
+                f"{limit} used, {adding} more asked (raise it in quotas.json)",
+                tenant=tenant,
+                quota=quota,
+                limit=limit,
+                used=used,
+            )
 
 
 def make_private(directory: Path) -> None:

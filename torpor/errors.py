@@ -20,6 +20,7 @@
     │   └── SandboxClosed            the sandbox was killed
     ├── OperationTimeout             .seconds: a command or wake that ran out of time
     ├── AccessDenied                 .tenant, .scope: a token reaching outside its grants
+    ├── QuotaExceeded                .tenant, .quota, .limit, .used: over a per-tenant quota
     ├── EngineError                  QEMU / QMP / host tooling failed (.exc wraps the cause)
     │   └── AccelerationUnavailable
     ├── GuestError                   the agent inside the VM failed or hung up
@@ -52,6 +53,7 @@ __all__ = [
     "OperationTimeout",
     "PathNotFound",
     "PayloadTooLarge",
+    "QuotaExceeded",
     "RecordNotFound",
     "SandboxClosed",
     "SandboxNotFound",
@@ -177,6 +179,13 @@ class AccessDenied(TorporError):
     """A token reaching outside its tenant or grants (``tenant``, ``scope``)."""
 
     http_status = 403
+
+
+class QuotaExceeded(TorporError):
+    """A tenant at one of its quotas (``tenant``, ``quota``, ``limit``, ``used``): running
+    sandboxes, their RAM, volumes and their size, snapshots. Nothing was made."""
+
+    http_status = 429
 
 
 class EngineError(TorporError):

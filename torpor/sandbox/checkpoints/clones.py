@@ -80,6 +80,8 @@ class Cloner:
 
         m = self.manager
         config = json.loads((frozen / "machine.json").read_text())
+        memory = int(config.get("memory_mib", 512))
+        m.check_room(children.tenant, sandboxes=children.count, memory_mib=children.count * memory)
         recs: list[SandboxRecord] = []
         try:
             for i in range(children.count):  # registry rows first: a taken name fails first

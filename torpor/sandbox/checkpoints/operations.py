@@ -213,6 +213,7 @@ class Checkpoints:
         name = snap.name or f"{rec.name}-{time.strftime('%Y%m%d-%H%M%S')}"[:63]
         check_name(name, "snapshot name")
         self.snapshots.check_name_free(name, tenant)  # fail before pausing anything
+        self.snapshots.check_room(tenant)
 
         async def capture(rec: SandboxRecord, frozen: Path, _: Any) -> SnapshotInfo:
             try:

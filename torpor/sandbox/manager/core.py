@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from torpor.config import Paths
+from torpor.config import Paths, Quotas
 from torpor.errors import (
     EngineError,
     GuestError,
@@ -106,11 +106,17 @@ class Held(Protocol):
 
     def lost(self, rec: SandboxRecord) -> StateLost: ...
 
+    def check_room(self, tenant: str, *, sandboxes: int, memory_mib: int) -> None: ...
+
     # two of the manager's own operations: a fork removes the children made before a failure;
     # an attach wakes a paused sandbox first
     async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo: ...
 
     async def resume(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo: ...
+
+
+#: the states in which a sandbox holds (or is about to hold) a machine with its RAM
+_HOLDING_RAM = {S.CREATING, S.RUNNING, S.WAKING, S.PAUSING}
 
 
 def _iso(ts: float) -> str:
@@ -148,6 +154,14 @@ class ManagerCore:
     def directory(self, sandbox_id: str) -> Path:
         """The sandbox's machine directory."""
         return self.paths.sandboxes / sandbox_id
+
+    def check_room(self, tenant: str, *, sandboxes: int, memory_mib: int) -> None:
+        """Raise QuotaExceeded unless ``tenant`` may run ``sandboxes`` more machines of
+        ``memory_mib`` MiB of RAM in all (its :class:`~torpor.config.Quotas`)."""
+        quotas = Quotas.of(self.paths, tenant)
+        running = self.registry.list(tenant=tenant, states=_HOLDING_RAM)
+        quotas.check(tenant, "running_sandboxes", len(running), sandboxes)
+        quotas.check(tenant, "running_memory_mib", sum(r.memory_mib for r in running), memory_mib)
 
     def live(self, sandbox_id: str) -> Live:
         """The in-process side of a sandbox (its lock, machine, channel), made on first use."""
@@ -331,6 +345,7 @@ class ManagerCore:
         raise self._mark_lost(rec, f"QEMU died while pausing: {exc}") from exc
 
     async def wake_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
+        self.check_room(rec.tenant, sandboxes=1, memory_mib=rec.memory_mib)
         rec = self.move(rec, S.WAKING, reason)
         await self._step("wake:begin", rec.id)
         directory = self.directory(rec.id)

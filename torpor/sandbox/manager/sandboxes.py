@@ -82,6 +82,7 @@ class SandboxManager(ManagerCore):
         sandbox_id = "sbx-" + secrets.token_hex(6)
         template = spec.template
         self.engine.check_template(template, MachineConfig(template, spec.vcpus, spec.memory_mib))
+        self.check_room(tenant, sandboxes=1, memory_mib=spec.memory_mib)
         now = time.time()
         rec = SandboxRecord(
             id=sandbox_id,

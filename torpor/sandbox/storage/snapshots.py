@@ -37,7 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from torpor.config import Paths, check_name
+from torpor.config import Paths, Quotas, check_name
 from torpor.errors import (
     Conflict,
     CorruptData,
@@ -320,6 +320,7 @@ class SnapshotStore:
         check_name(name, "snapshot name")
         check_retention(retention_days)
         self.check_name_free(name, tenant)
+        self.check_room(tenant)
         sid = f"snap-{uuid.uuid4().hex[:12]}"
         created = datetime.now(UTC)
         files: dict[str, Any] = {}
@@ -375,6 +376,12 @@ class SnapshotStore:
                 self._write_manifest(sid, body)
         log.info("snapshot %s (%s): %d bytes, %d new in the store", sid, name, size, new)
         return info
+
+    def check_room(self, tenant: str) -> None:
+        """Raise QuotaExceeded if ``tenant`` holds its quota of snapshots (expired ones count
+        until GC removes them)."""
+        held = self.list(tenant=tenant, include_expired=True)
+        Quotas.of(self.paths, tenant).check(tenant, "snapshots", len(held))
 
     def check_name_free(self, name: str, tenant: str) -> None:
         """Raise Conflict if ``tenant`` has a snapshot named ``name`` (expired ones count)."""

@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from torpor.config import Paths
+from torpor.config import Paths, Quotas
 from torpor.errors import (
     EngineError,
     GuestError,
@@ -83,6 +83,7 @@ class VolumeStore(RecordStore[VolumeInfo]):
 
     def __init__(self, paths: Paths) -> None:
         super().__init__(paths.volumes, VolumeInfo.model_validate)
+        self.paths = paths
 
     def image(self, volume_id: str) -> Path:
         """The disk image of a volume."""
@@ -108,6 +109,9 @@ class VolumeStore(RecordStore[VolumeInfo]):
         """
         want = VolumeSpec.of(spec, **fields)
         name, size_mib = want.name, want.size_mib
+        quotas, held = Quotas.of(self.paths, tenant), self.list(tenant=tenant)
+        quotas.check(tenant, "volumes", len(held))
+        quotas.check(tenant, "volume_mib", sum(v.size_mib for v in held), size_mib)
 
         def make(vid: str) -> VolumeInfo:
             image = self.image(vid)

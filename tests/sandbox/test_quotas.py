@@ -1,0 +1,103 @@
+"""Per-tenant quotas (``<home>/quotas.json``): over one, a typed QuotaExceeded, nothing made."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox.fakes import FakeEngine
+from torpor.config import Quotas, paths
+from torpor.errors import InvalidArgument, QuotaExceeded, from_wire
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.storage.volumes import VolumeStore
+
+
+def _quotas(home: Path, table: dict[str, dict[str, int]]) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "quotas.json").write_text(json.dumps(table))
+
+
+def test_running_sandboxes_and_their_ram_are_bounded_per_tenant(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    _quotas(
+        home,
+        {
+            "*": {"running_sandboxes": 2, "running_memory_mib": 2048},
+            "big": {"running_sandboxes": 3},
+        },
+    )
+
+    async def main() -> None:
+        m = SandboxManager(paths(home), engine=FakeEngine())
+        try:
+            a = await m.create(name="a")
+            await m.create(name="b")
+            with pytest.raises(QuotaExceeded) as err:
+                await m.create(name="c")
+            assert err.value.data == {
+                "tenant": "default",
+                "quota": "running_sandboxes",
+                "limit": 2,
+                "used": 2,
+            }
+            assert sorted(i.name for i in await m.list()) == ["a", "b"]  # nothing made
+            assert len(list(m.paths.sandboxes.iterdir())) == 2
+            await m.pause(a.id)
+            await m.create(name="c")  # a paused sandbox holds no RAM: room again
+            with pytest.raises(QuotaExceeded):
+                await m.run_command(a.id, "echo")  # waking it would be a third
+            assert (await m.get(a.id)).state is S.PAUSED  # and it stays as it was
+            for name in ("x", "y", "z"):
+                await m.create(name=name, tenant="big")  # its own quota, its own count
+            with pytest.raises(QuotaExceeded, match="running memory mib"):
+                await m.create(name="w", tenant="other", memory_mib=4096)
+        finally:
+            await m.close(pause=False)
+
+    asyncio.run(main())
+
+
+def test_volumes_are_bounded_in_number_and_size(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    _quotas(home, {"*": {"volumes": 2, "volume_mib": 100}})
+    store = VolumeStore(paths(home).ensure())
+    store.create("one", size_mib=64)
+    with pytest.raises(QuotaExceeded, match="volume mib"):
+        store.create("two", size_mib=64)
+    store.create("two", size_mib=16)
+    with pytest.raises(QuotaExceeded) as err:
+        store.create("three", size_mib=16)
+    assert err.value.data["quota"] == "volumes"
+    assert sorted(v.name for v in store.list()) == ["one", "two"]
+    assert len(list(paths(home).volumes.glob("*.img"))) == 2  # no image left behind
+
+
+def test_quota_errors_cross_the_wire_and_bad_files_are_typed(tmp_path: Path) -> None:
+    err = QuotaExceeded("over", tenant="t", quota="snapshots", limit=1, used=1)
+    assert err.http_status == 429
+    back = from_wire(err.to_wire())
+    assert isinstance(back, QuotaExceeded) and back.data["quota"] == "snapshots"
+    p = paths(tmp_path / "home")
+    assert Quotas.of(p, "anyone") == Quotas()  # no file: the defaults
+    _quotas(p.home, {"*": {"snapshots": "many"}})  # type: ignore[dict-item]
+    with pytest.raises(InvalidArgument):
+        Quotas.of(p, "anyone")
+
+
+def test_snapshots_are_bounded(tmp_path: Path) -> None:
+    from tests.sandbox.storage_helpers import make_home, make_machine
+    from torpor.sandbox.storage.snapshots import SnapshotStore, freeze
+
+    p = make_home(tmp_path)
+    _quotas(p.home, {"*": {"snapshots": 1}})
+    store = SnapshotStore(p)
+    m = make_machine(p, "sb1")
+    store.save(freeze(m, store.frozen_root), name="one")
+    with pytest.raises(QuotaExceeded) as err:
+        store.save(freeze(m, store.frozen_root), name="two")
+    assert err.value.data["quota"] == "snapshots"
+    assert [s.name for s in store.list()] == ["one"]
