@@ -24,7 +24,10 @@ def _machine(d: Path) -> Path:
     (d / "machine.json").write_text(json.dumps({"memory_mib": 1}))
     with open(d / "ram", "wb") as f:
         f.truncate(1 << 20)
-    (d / "state").write_bytes(b"QEVM" + b"\0" * 100)
+    description = b'{"page_size": 4096}'  # a stream's end: 0x06, its length, the JSON
+    (d / "state").write_bytes(
+        b"QEVM" + b"\0" * 100 + b"\x06" + len(description).to_bytes(4, "big") + description
+    )
     subprocess.run(
         ["qemu-img", "create", "-q", "-f", "qcow2", str(d / "disk.qcow2"), "1M"], check=True
     )
@@ -35,6 +38,11 @@ def _machine(d: Path) -> Path:
     ("harm", "found"),
     [
         pytest.param(lambda d: (d / "state").write_bytes(b""), "state is not a whole", id="state"),
+        pytest.param(
+            lambda d: (d / "state").write_bytes((d / "state").read_bytes()[:-3]),
+            "state is not a whole",
+            id="state-cut-short",
+        ),
         pytest.param(lambda d: (d / "ram").write_bytes(b"x"), "ram is not 1 MiB", id="ram"),
         pytest.param(lambda d: (d / "disk.qcow2").unlink(), "disk.qcow2 is missing", id="disk"),
         pytest.param(

@@ -117,7 +117,8 @@ def test_volume_sources_over_http_without_a_vm(tmp_path: Path) -> None:
 @pytest.mark.qemu
 def test_sandbox_file_citations(qemu_home: Path) -> None:
     """A fact citing a line of a sandbox file: verified; a wrong line, path or sandbox is not;
-    a paused sandbox is woken to re-check; a changed file makes the fact stale."""
+    a paused sandbox is woken to re-check and paused again; a changed file makes the fact
+    stale."""
     with serve(SandboxManager(paths(qemu_home)), qemu_home) as rt:
         sbx = torpor.Sandbox.create(name="agent-u-42", runtime=rt)
         sbx.files.write("/workspace/ledger.csv", LEDGER)
@@ -138,9 +139,9 @@ def test_sandbox_file_citations(qemu_home: Path) -> None:
         ).verified
 
         sbx.pause()
-        [same] = u.verify(fact.id)  # wakes the sandbox to read the file
+        [same] = u.verify(fact.id)  # wakes the sandbox to read the file, then pauses it again
         assert same.verified and not same.stale
-        assert torpor.Sandbox.get("agent-u-42", runtime=rt).info.state.value == "running"
+        assert torpor.Sandbox.get("agent-u-42", runtime=rt).info.state.value == "paused"
 
         sbx.files.write("/workspace/ledger.csv", LEDGER.replace("upgraded to Pro", "downgraded"))
         [changed] = u.verify(fact.id)

@@ -11,20 +11,23 @@ another server::
     torpor.memory.register_resolver("sandbox", sandbox_resolver(rt))
     torpor.memory.register_resolver("volume", volume_resolver(rt))
 
-The sandbox resolver wakes a paused sandbox to read the file, like any other call. The volume
+The sandbox resolver wakes a paused sandbox to read the file and pauses it again after (checking
+a fact never leaves an agent's machine running). The volume
 resolver reads the volume's disk image on the server, with no sandbox running; a volume that a
 sandbox has attached shows what the guest has flushed (``sync`` in the guest, or a pause).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
 from torpor.client.runtime import Runtime
 from torpor.client.sandbox import Sandbox
 from torpor.client.storage import Volume
-from torpor.errors import PathNotFound
+from torpor.errors import PathNotFound, TorporError
+from torpor.sandbox.models import SandboxState
 
 __all__ = ["CitesSandbox", "CitesVolume", "sandbox_resolver", "volume_resolver"]
 
@@ -70,7 +73,14 @@ def sandbox_resolver(runtime: Runtime | None = None) -> Callable[[CitesSandbox],
 
     def read(ref: CitesSandbox) -> bytes:
         sandbox, path = _cited("sandbox", ref.sandbox, ref.path)
-        return Sandbox.get(sandbox, runtime=runtime).files.read(path)
+        sbx = Sandbox.get(sandbox, runtime=runtime)
+        was_paused = sbx.info.state is SandboxState.PAUSED
+        try:
+            return sbx.files.read(path)  # a paused sandbox wakes for the read ...
+        finally:
+            if was_paused:  # ... and goes back to sleep: checking a fact is not using it
+                with contextlib.suppress(TorporError):
+                    sbx.pause()
 
     return read
 

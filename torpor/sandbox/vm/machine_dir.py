@@ -385,6 +385,8 @@ def inspect_dir(directory: Path) -> DirInfo:
 
 #: the first bytes of a QEMU migration stream and of a qcow2 image
 _STATE_MAGIC = b"QEVM"
+_VM_EOF, _VM_DESCRIPTION = b"\x01", b"\x06"  # the stream's end, and the description after it
+_STATE_TAIL = 4 << 20  # where the end is looked for (the description is tens of KiB)
 _QCOW2_MAGIC = b"QFI\xfb"
 
 
@@ -400,7 +402,7 @@ def find_damage(directory: Path) -> str | None:
         return f"machine.json is unreadable ({exc})"
     checks: list[tuple[str, Callable[[Path], bool], str]] = [
         ("ram", lambda f: f.stat().st_size == memory, f"is not {memory >> 20} MiB"),
-        ("state", lambda f: _starts_with(f, _STATE_MAGIC), "is not a whole saved state"),
+        ("state", _whole_state, "is not a whole saved state"),
         ("disk.qcow2", lambda f: _starts_with(f, _QCOW2_MAGIC), "is not a qcow2 disk"),
     ]
     for name, ok, what in checks:
@@ -413,6 +415,23 @@ def find_damage(directory: Path) -> str | None:
         except OSError as exc:
             return f"{name} cannot be read ({exc})"
     return None
+
+
+def _whole_state(path: Path) -> bool:
+    """True if ``path`` reads as a whole migration stream: QEMU's magic first, and last the
+    device description QEMU appends (``QEMU_VM_VMDESCRIPTION``, a 32-bit length, exactly that
+    many bytes of JSON to the end), or the end marker (``QEMU_VM_EOF``) when there is none."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if f.read(len(_STATE_MAGIC)) != _STATE_MAGIC:
+            return False
+        f.seek(max(0, size - _STATE_TAIL))
+        tail = f.read()
+    # the description is JSON (no 0x06 byte in it): its marker is the last 0x06 of the file
+    at = tail.rfind(_VM_DESCRIPTION)
+    if at >= 0 and len(tail) - at >= 5:
+        return at + 5 + int.from_bytes(tail[at + 1 : at + 5], "big") == len(tail)
+    return tail.endswith(_VM_EOF)
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:
