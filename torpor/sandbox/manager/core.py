@@ -39,6 +39,7 @@ from torpor.errors import (
     GuestError,
     InvalidArgument,
     StateLost,
+    StorageError,
     TorporError,
 )
 from torpor.sandbox.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
@@ -106,7 +107,9 @@ class Held(Protocol):
 
     def lost(self, rec: SandboxRecord) -> StateLost: ...
 
-    def check_room(self, tenant: str, *, sandboxes: int, memory_mib: int) -> None: ...
+    def check_room(
+        self, tenant: str, *, sandboxes: int, memory_mib: int, allocated: int = 0
+    ) -> None: ...
 
     # two of the manager's own operations: a fork removes the children made before a failure;
     # an attach wakes a paused sandbox first
@@ -155,13 +158,38 @@ class ManagerCore:
         """The sandbox's machine directory."""
         return self.paths.sandboxes / sandbox_id
 
-    def check_room(self, tenant: str, *, sandboxes: int, memory_mib: int) -> None:
+    def check_room(
+        self, tenant: str, *, sandboxes: int, memory_mib: int, allocated: int = 0
+    ) -> None:
         """Raise QuotaExceeded unless ``tenant`` may run ``sandboxes`` more machines of
-        ``memory_mib`` MiB of RAM in all (its :class:`~torpor.config.Quotas`)."""
+        ``memory_mib`` MiB of RAM in all (its :class:`~torpor.config.Quotas`), and
+        StorageError unless the disk can back that RAM.
+
+        Guest RAM is a shared file mapping: a guest touching a page the file system cannot
+        allocate gets QEMU killed by SIGBUS, and the sandbox's RAM with it. So a machine only
+        starts (create, wake, fork, restore) when the free space holds all of its RAM
+        (``allocated``: bytes its RAM file already holds)."""
+        need = (memory_mib << 20) - allocated
+        free = shutil.disk_usage(self.paths.sandboxes).free
+        if need > free:
+            raise StorageError(
+                f"not enough disk to back {memory_mib} MiB of guest RAM: {free >> 20} MiB free "
+                f"under {self.paths.sandboxes}, {need >> 20} MiB needed (a guest that touched "
+                "a page the disk could not hold would be killed); free some space",
+                free=free,
+                needed=need,
+            )
         quotas = Quotas.of(self.paths, tenant)
         running = self.registry.list(tenant=tenant, states=_HOLDING_RAM)
         quotas.check(tenant, "running_sandboxes", len(running), sandboxes)
         quotas.check(tenant, "running_memory_mib", sum(r.memory_mib for r in running), memory_mib)
+
+    def _ram_held(self, sandbox_id: str) -> int:
+        """Bytes the sandbox's RAM file already holds on disk (0 when there is none)."""
+        try:
+            return (self.directory(sandbox_id) / "ram").stat().st_blocks * 512
+        except OSError:
+            return 0
 
     def live(self, sandbox_id: str) -> Live:
         """The in-process side of a sandbox (its lock, machine, channel), made on first use."""
@@ -345,7 +373,9 @@ class ManagerCore:
         raise self._mark_lost(rec, f"QEMU died while pausing: {exc}") from exc
 
     async def wake_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
-        self.check_room(rec.tenant, sandboxes=1, memory_mib=rec.memory_mib)
+        self.check_room(
+            rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=self._ram_held(rec.id)
+        )
         rec = self.move(rec, S.WAKING, reason)
         await self._step("wake:begin", rec.id)
         directory = self.directory(rec.id)
