@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from tests.sandbox.fakes import FakeEngine
 from torpor.config import paths
+from torpor.errors import from_wire
 from torpor.sandbox.manager import SandboxManager
 from torpor.server.app import create_app
 from torpor.server.auth import TokenStore
@@ -87,3 +88,14 @@ def test_real_manager_errors(client: TestClient) -> None:
     client.delete(f"/v1/sandboxes/{sid}", headers=A)
     r = client.post(f"/v1/sandboxes/{sid}/pause", headers=A)
     assert r.status_code == 409 and r.json()["error"]["type"] == "SandboxClosed"
+
+
+def test_gc_is_for_the_homes_owner_only(client: TestClient, tmp_path: Path) -> None:
+    """GC acts on every tenant's data: a token holder of one tenant may not run it."""
+    r = client.post("/v1/gc", json={"dry_run": True}, headers=A)
+    assert r.status_code == 403
+    assert from_wire(r.json()["error"]).data["scope"] == "gc"
+    owner = SandboxManager(paths(tmp_path / "owner"), engine=FakeEngine())
+    with TestClient(create_app(owner, supervise=False)) as local:  # the local socket: no tokens
+        r = local.post("/v1/gc", json={"dry_run": True})
+        assert r.status_code == 200 and "removed_chunks" in r.json()

@@ -28,6 +28,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from torpor.errors import AccessDenied
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.requests import (
@@ -181,7 +182,17 @@ async def delete_drive(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
 
 
 @router.post("/gc")
-async def gc(body: GcSpec, tenant: Tenant, cp: Cp) -> dict[str, Any]:
+async def gc(body: GcSpec, tenant: Tenant, cp: Cp, request: Request) -> dict[str, Any]:
+    """Run retention and GC now. They act on the whole home (every tenant's expired pauses,
+    unreferenced chunks): only the home's owner may ask, on the local socket (a server with
+    tokens answers AccessDenied; it collects on its own timer)."""
+    if request.app.state.tokens.required:
+        raise AccessDenied(
+            "GC acts on every tenant of this home: only its owner may run it, on the local "
+            "socket (the server also collects on its own every hour)",
+            tenant=tenant,
+            scope="gc",
+        )
     report = await cp.collect_garbage(body)
     return report.to_json()
 
