@@ -215,3 +215,31 @@ def test_cli_template_commands(home: Path) -> None:
     result = runner.invoke(app, ["doctor"], env={"TORPOR_ACCEL": "tcg"})
     assert result.exit_code == 0 and "set by TORPOR_ACCEL" in result.output
     assert "torpor template build python" in result.output  # no templates in this home
+
+
+def test_a_rebuild_without_options_keeps_the_templates_recipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`torpor template build python` again (or scripts/setup) must not drop the packages and
+    machine size the template was built with; options given replace them; another name is
+    another template."""
+    monkeypatch.setenv("TORPOR_HOME", str(tmp_path / "home"))
+    d = tmp_path / "home" / "templates" / "python"
+    d.mkdir(parents=True)
+    built = templates.TemplateInfo(
+        name="python",
+        directory=d,
+        build_id="b",
+        kernel=d / "k",
+        initrd=d / "i",
+        base_image=d / "b.qcow2",
+        snapshot_dir=d / "s",
+        vcpus=2,
+        memory_mib=1024,
+        apt=["git"],
+        pip=["numpy"],
+    )
+    (d / "template.json").write_text(json.dumps(built.to_json()))
+    assert templates.recipe("python", None, None, None, None) == (["git"], ["numpy"], 2, 1024)
+    assert templates.recipe("python", ["jq"], [], None, 512) == (["jq"], [], 2, 512)
+    assert templates.recipe("data", None, None, None, None) == ([], [], 1, 512)

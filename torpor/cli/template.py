@@ -57,7 +57,8 @@ def build(
             bar.update(task, description=detail, step=step)
             bar.console.log(f"{step}: {detail}")
 
-        info = templates.build(name, apt=apt or (), pip=pip or (), force=force, progress=progress)
+        # no --apt/--pip: the template's own recipe (a rebuild keeps what it was built with)
+        info = templates.build(name, apt=apt, pip=pip, force=force, progress=progress)
         bar.update(task, description=f"ready ({info.build_id})", step="done")
     console.print(
         f"template [bold]{info.name}[/] ready: accel {info.accel}, "

@@ -14,7 +14,17 @@ from torpor.sandbox.template.templates import (
     build,
     get,
     list_templates,
+    recipe,
     remove,
 )
 
-__all__ = ["AGENT_TIMEOUT", "GUEST_DIR", "TemplateInfo", "build", "get", "list_templates", "remove"]
+__all__ = [
+    "AGENT_TIMEOUT",
+    "GUEST_DIR",
+    "TemplateInfo",
+    "build",
+    "get",
+    "list_templates",
+    "recipe",
+    "remove",
+]

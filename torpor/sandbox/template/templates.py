@@ -48,6 +48,7 @@ __all__ = [
     "build",
     "get",
     "list_templates",
+    "recipe",
     "remove",
 ]
 
@@ -153,28 +154,53 @@ def _lock(name: str) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def recipe(
+    name: str,
+    apt: Sequence[str] | None,
+    pip: Sequence[str] | None,
+    vcpus: int | None,
+    memory_mib: int | None,
+) -> tuple[list[str], list[str], int, int]:
+    """What a build of ``name`` makes: each of ``apt``, ``pip``, ``vcpus``, ``memory_mib``
+    as given, or, when None, as the built template of that name has it (its recipe), else
+    the defaults (no extra packages, 1 vCPU, 512 MiB). So rebuilding a template without
+    options reproduces it instead of dropping the packages it was built with. Raises
+    InvalidArgument for a bad package name."""
+    try:
+        cur: TemplateInfo | None = get(name)
+    except TemplateNotFound:
+        cur = None
+    return (
+        _rootfs.check_packages(apt if apt is not None else (cur.apt if cur else ()), "apt"),
+        _rootfs.check_packages(pip if pip is not None else (cur.pip if cur else ()), "pip"),
+        vcpus if vcpus is not None else (cur.vcpus if cur else 1),
+        memory_mib if memory_mib is not None else (cur.memory_mib if cur else 512),
+    )
+
+
 def build(
     name: str = "python",
     *,
-    apt: Sequence[str] = (),
-    pip: Sequence[str] = (),
+    apt: Sequence[str] | None = None,
+    pip: Sequence[str] | None = None,
     force: bool = False,
     progress: Progress | None = None,
-    vcpus: int = 1,
-    memory_mib: int = 512,
+    vcpus: int | None = None,
+    memory_mib: int | None = None,
     guest_dir: Path | None = None,
 ) -> TemplateInfo:
     """Build template ``name`` (or return it unchanged if it is already up to date).
 
-    ``apt``/``pip``: extra packages installed in the guest. ``force``: rebuild every layer.
+    ``apt``/``pip``: extra packages installed in the guest; ``vcpus``/``memory_mib``: its
+    machine. Each left None keeps what the template was built with (see :func:`recipe`), so a
+    rebuild reproduces it; another ``name`` is another template. ``force``: rebuild every layer.
     ``progress(step, detail)`` is called as the build goes. ``guest_dir`` replaces the
     packaged guest files (for tests). Raises InvalidName, InvalidArgument (a bad package
     name), EngineError (debootstrap, QEMU or the boot failed), GuestError (the agent never
     answered).
     """
     check_name(name, "template name")
-    apt_l = _rootfs.check_packages(apt, "apt")
-    pip_l = _rootfs.check_packages(pip, "pip")
+    apt_l, pip_l, vcpus, memory_mib = recipe(name, apt, pip, vcpus, memory_mib)
     say = progress or (lambda step, detail: None)
     p = paths().ensure()
     files = _rootfs.guest_files(guest_dir or GUEST_DIR)
