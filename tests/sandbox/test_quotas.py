@@ -101,3 +101,23 @@ def test_snapshots_are_bounded(tmp_path: Path) -> None:
         store.save(freeze(m, store.frozen_root), name="two")
     assert err.value.data["quota"] == "snapshots"
     assert [s.name for s in store.list()] == ["one"]
+
+
+def test_a_fork_over_quota_is_refused_before_its_source_pauses(tmp_path: Path) -> None:
+    from torpor.sandbox.checkpoints import Checkpoints
+
+    home = tmp_path / "home"
+    _quotas(home, {"*": {"running_sandboxes": 2}})
+
+    async def main() -> None:
+        m = SandboxManager(paths(home), engine=FakeEngine())
+        try:
+            src = await m.create(name="src")
+            with pytest.raises(QuotaExceeded):
+                await Checkpoints(m).fork(src.id, count=2)  # 1 running + 2 children > 2
+            assert (await m.get(src.id)).state is S.RUNNING  # untouched
+            assert [i.id for i in await m.list()] == [src.id]  # no child made
+        finally:
+            await m.close(pause=False)
+
+    asyncio.run(main())

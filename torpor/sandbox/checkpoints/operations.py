@@ -347,7 +347,10 @@ class Checkpoints:
         (count 0 or over the limit), Conflict (a volume attached, names), InvalidState.
         """
         fork = ForkSpec.of(spec, **fields)
-        self.manager.registry.find(tenant, id_or_name)  # SandboxNotFound before any work
+        src = self.manager.registry.find(tenant, id_or_name)  # SandboxNotFound before any work
+        # the quota for where this ends (the source as it is, and the children), checked before
+        # the source pauses: it must never be left paused because its children took its room
+        self.held.check_room(tenant, sandboxes=fork.count, memory_mib=fork.count * src.memory_mib)
 
         async def clone(rec: SandboxRecord, frozen: Path) -> Any:
             # the frozen RAM is a hard link to the source's: clone it before the source wakes
