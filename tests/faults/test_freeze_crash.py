@@ -17,7 +17,8 @@ import pytest
 from tests.sandbox.storage_helpers import make_home, make_machine, qemu_io
 from torpor.sandbox.storage import snapshots as snapmod
 from torpor.sandbox.storage.retention import collect_garbage
-from torpor.sandbox.storage.snapshots import SnapshotStore, freeze, is_qcow2
+from torpor.sandbox.storage.snapshots import SnapshotStore, freeze
+from torpor.sandbox.vm.disk import is_qcow2
 
 
 class Crash(BaseException):

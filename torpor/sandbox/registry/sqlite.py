@@ -352,10 +352,6 @@ class Registry:
                 with suppress(sqlite3.Error):
                     self._db.execute("PRAGMA synchronous=FULL")
 
-    def set_labels(self, sandbox_id: str, labels: Mapping[str, str]) -> None:
-        """Replace a sandbox's labels. Raises InvalidArgument or StorageError."""
-        self.update_settings(sandbox_id, labels=labels)
-
     def update_settings(
         self,
         sandbox_id: str,

@@ -34,8 +34,9 @@ from torpor.config import Paths
 from torpor.errors import StorageError
 from torpor.sandbox.storage.chunks import FileManifest
 from torpor.sandbox.storage.drives import DriveStore
-from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, is_qcow2
+from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain
 from torpor.sandbox.storage.volumes import VolumeStore
+from torpor.sandbox.vm.disk import is_qcow2
 
 __all__ = ["GcReport", "collect_garbage", "referenced_frozen"]
 

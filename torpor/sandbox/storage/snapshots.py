@@ -49,7 +49,7 @@ from torpor.errors import (
 from torpor.sandbox.requests import MAX_RETENTION_DAYS
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest
 from torpor.sandbox.storage.records import write_record
-from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay, rebase
+from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, is_qcow2, new_overlay, rebase
 
 __all__ = [
     "FORMAT_VERSION",
@@ -60,7 +60,6 @@ __all__ = [
     "backing_file",
     "check_retention",
     "freeze",
-    "is_qcow2",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,15 +121,6 @@ def check_retention(days: int, *, what: str = "retention_days") -> int:
 
 
 # -- qcow2 headers ------------------------------------------------------------------------------
-
-
-def is_qcow2(path: Path) -> bool:
-    """True if ``path`` starts with the qcow2 magic."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"QFI\xfb"
-    except OSError:
-        return False
 
 
 def backing_file(path: Path) -> Path | None:

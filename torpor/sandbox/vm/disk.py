@@ -21,7 +21,15 @@ from pathlib import Path
 
 from torpor.errors import EngineError
 
-__all__ = ["copy_sparse", "fsync_dir", "new_overlay", "qemu_img", "rebase", "write_atomic"]
+__all__ = [
+    "copy_sparse",
+    "fsync_dir",
+    "is_qcow2",
+    "new_overlay",
+    "qemu_img",
+    "rebase",
+    "write_atomic",
+]
 
 _FICLONE = 0x40049409  # ioctl: share the source's extents (btrfs, xfs)
 #: errors after which copy_file_range cannot work between these two files: copy by hand
@@ -84,6 +92,15 @@ def qemu_img(*args: str) -> None:
         raise EngineError(f"cannot run qemu-img: {exc}", exc=exc) from exc
     if proc.returncode != 0:
         raise EngineError(f"qemu-img {args[0]} failed: {proc.stderr.strip()}")
+
+
+def is_qcow2(path: Path) -> bool:
+    """True if ``path`` starts with the qcow2 magic (False when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"QFI\xfb"
+    except OSError:
+        return False
 
 
 def new_overlay(backing: Path, path: Path) -> None:

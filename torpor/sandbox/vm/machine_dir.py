@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from torpor.config import check_name
 from torpor.errors import EngineError, InvalidArgument, InvalidState
 from torpor.sandbox.requests import MAX_MEMORY_MIB, MAX_VCPUS, MIN_MEMORY_MIB
-from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay, write_atomic
+from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, is_qcow2, new_overlay, write_atomic
 
 __all__ = [
     "MACHINE_TYPE",
@@ -383,11 +383,10 @@ def inspect_dir(directory: Path) -> DirInfo:
     return DirInfo(has_state=has_state, qemu_pid=qemu_pid(directory))
 
 
-#: the first bytes of a QEMU migration stream and of a qcow2 image
+#: the first bytes of a QEMU migration stream
 _STATE_MAGIC = b"QEVM"
 _VM_EOF, _VM_DESCRIPTION = b"\x01", b"\x06"  # the stream's end, and the description after it
 _STATE_TAIL = 4 << 20  # where the end is looked for (the description is tens of KiB)
-_QCOW2_MAGIC = b"QFI\xfb"
 
 
 def find_damage(directory: Path) -> str | None:
@@ -403,7 +402,7 @@ def find_damage(directory: Path) -> str | None:
     checks: list[tuple[str, Callable[[Path], bool], str]] = [
         ("ram", lambda f: f.stat().st_size == memory, f"is not {memory >> 20} MiB"),
         ("state", _whole_state, "is not a whole saved state"),
-        ("disk.qcow2", lambda f: _starts_with(f, _QCOW2_MAGIC), "is not a qcow2 disk"),
+        ("disk.qcow2", is_qcow2, "is not a qcow2 disk"),
     ]
     for name, ok, what in checks:
         path = directory / name
@@ -432,11 +431,6 @@ def _whole_state(path: Path) -> bool:
     if at >= 0 and len(tail) - at >= 5:
         return at + 5 + int.from_bytes(tail[at + 1 : at + 5], "big") == len(tail)
     return tail.endswith(_VM_EOF)
-
-
-def _starts_with(path: Path, magic: bytes) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(magic)) == magic
 
 
 def discard_state(directory: Path) -> None:
