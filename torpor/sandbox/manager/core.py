@@ -47,6 +47,8 @@ from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
+from torpor.sandbox.registry.meters import UP_STATES
+from torpor.sandbox.vm.machine_dir import process_cpu_seconds, qemu_pid
 
 __all__ = ["SYNC_TIMEOUT", "Held", "Live", "ManagerCore", "StepHook", "wrap_error"]
 
@@ -191,6 +193,22 @@ class ManagerCore:
         except OSError:
             return 0
 
+    def cpu_reading(self, sandbox_id: str) -> float | None:
+        """CPU seconds the QEMU process running the sandbox has used (None: none runs)."""
+        pid = qemu_pid(self.directory(sandbox_id))
+        return None if pid is None else process_cpu_seconds(pid)
+
+    def owned_bytes(self, sandbox_id: str) -> int:
+        """Bytes the sandbox's directory holds on disk (its RAM and state files, its own disk
+        overlay; not the template or frozen layers it is backed by, which others share)."""
+        total = 0
+        with suppress(OSError):
+            for f in self.directory(sandbox_id).iterdir():
+                with suppress(OSError):
+                    if f.is_file() and not f.is_symlink():
+                        total += f.stat().st_blocks * 512
+        return total
+
     def live(self, sandbox_id: str) -> Live:
         """The in-process side of a sandbox (its lock, machine, channel), made on first use."""
         return self._lives.setdefault(sandbox_id, Live())
@@ -201,7 +219,13 @@ class ManagerCore:
 
     def move(self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any) -> SandboxRecord:
         """Record ``rec -> dst`` in the registry (the lifecycle table guards it) and return the
-        fresh row."""
+        fresh row. The row carries what usage meters: the QEMU process's CPU seconds when
+        leaving a state in which it runs (``cpu_reading``, unless given), and the bytes the
+        sandbox owns on disk when entering ``paused``."""
+        if rec.state in UP_STATES and "cpu_reading" not in columns:
+            columns["cpu_reading"] = self.cpu_reading(rec.id)
+        if dst is S.PAUSED:
+            columns["owned_bytes"] = self.owned_bytes(rec.id)
         lifecycle = Lifecycle(
             rec.id,
             rec.state,

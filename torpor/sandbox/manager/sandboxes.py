@@ -239,8 +239,9 @@ class SandboxManager(ManagerCore):
             rec = self.registry.get(rec.id)
             if rec.state is not S.STOPPED:
                 directory = self.directory(rec.id)
+                cpu = self.cpu_reading(rec.id)  # before the machine goes: usage meters it
                 await self._quiet_kill(live, directory)
-                rec = self.move(rec, S.STOPPED, "kill")
+                rec = self.move(rec, S.STOPPED, "kill", cpu_reading=cpu)
                 await asyncio.to_thread(shutil.rmtree, directory, True)
         # a killed sandbox needs no lock any more: every later call reads "stopped" and fails
         self._lives.pop(rec.id, None)

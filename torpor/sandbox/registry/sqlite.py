@@ -29,12 +29,13 @@ from torpor.config import check_name
 from torpor.errors import Conflict, InvalidArgument, InvalidState, SandboxNotFound, StorageError
 from torpor.sandbox.models import SandboxInfo, SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition
+from torpor.sandbox.registry.meters import Meters, MeterRow, accrue, extrapolate, interpolate
 
 __all__ = ["SCHEMA_VERSION", "Registry", "SandboxRecord"]
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA_V1 = """
 CREATE TABLE sandboxes (
@@ -65,8 +66,69 @@ CREATE TABLE transitions (
 CREATE INDEX transitions_sandbox ON transitions (sandbox_id, seq);
 """
 
+# Version 2: usage meters on the transitions log (see torpor.sandbox.registry.meters): the QEMU
+# process's CPU seconds read at the transition, the bytes a pause owns, and the cumulative
+# meters; an index to find a sandbox's row at an instant; and the ledger of stored things
+# (snapshots, volumes) that usage prices by size x time, kept after they are deleted.
+_SCHEMA_V2 = """
+ALTER TABLE transitions ADD COLUMN cpu_reading REAL;
+ALTER TABLE transitions ADD COLUMN owned_bytes INTEGER;
+ALTER TABLE transitions ADD COLUMN m_vcpu REAL NOT NULL DEFAULT 0;
+ALTER TABLE transitions ADD COLUMN m_cpu REAL NOT NULL DEFAULT 0;
+ALTER TABLE transitions ADD COLUMN m_ram REAL NOT NULL DEFAULT 0;
+ALTER TABLE transitions ADD COLUMN m_paused REAL NOT NULL DEFAULT 0;
+CREATE INDEX transitions_at ON transitions (sandbox_id, at);
+CREATE TABLE stored (
+    kind        TEXT NOT NULL,
+    id          TEXT NOT NULL,
+    tenant      TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    labels      TEXT NOT NULL DEFAULT '{}',
+    bytes       INTEGER NOT NULL,
+    started_at  REAL NOT NULL,
+    ended_at    REAL,
+    expires_at  REAL,
+    PRIMARY KEY (kind, id)
+);
+CREATE INDEX stored_tenant ON stored (tenant);
+"""
+
 #: user_version -> the script that brings the schema from the previous version to it.
-_MIGRATIONS = {1: _SCHEMA_V1}
+_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
+
+
+def _backfill_meters(db: sqlite3.Connection) -> None:
+    """Version 2: replay every sandbox's transitions into cumulative meters (no CPU readings
+    or owned bytes exist for them: used CPU counts as allocated, old pauses as 0 bytes)."""
+    specs = {r[0]: json.loads(r[1] or "{}") for r in db.execute("SELECT id, spec FROM sandboxes")}
+    prev: dict[str, MeterRow] = {}
+    rows = list(db.execute("SELECT seq, sandbox_id, dst, at FROM transitions ORDER BY seq"))
+    for seq, sandbox_id, dst, at in rows:
+        spec = specs.get(sandbox_id, {})
+        row = accrue(
+            prev.get(sandbox_id),
+            at,
+            SandboxState(dst),
+            vcpus=int(spec.get("vcpus", 1)),
+            memory_mib=int(spec.get("memory_mib", 512)),
+        )
+        prev[sandbox_id] = row
+        m = row.meters
+        db.execute(
+            "UPDATE transitions SET m_vcpu = ?, m_cpu = ?, m_ram = ?, m_paused = ? WHERE seq = ?",
+            (m.vcpu_seconds, m.cpu_seconds, m.ram_gib_seconds, m.paused_byte_seconds, seq),
+        )
+
+
+#: user_version -> what runs after its script, in the same transaction (data, not schema).
+_BACKFILLS = {2: _backfill_meters}
+
+_METER_COLUMNS = "dst, at, cpu_reading, owned_bytes, m_vcpu, m_cpu, m_ram, m_paused"
+
+
+def _meter_row(values: tuple[Any, ...] | sqlite3.Row) -> MeterRow:
+    dst, at, cpu, owned, vcpu, used, ram, paused = tuple(values)
+    return MeterRow(at, SandboxState(dst), cpu, owned, Meters(vcpu, used, ram, paused))
 
 
 def _dt(ts: float) -> datetime:
@@ -230,6 +292,8 @@ class Registry:
                 for statement in _MIGRATIONS[target].split(";"):
                     if statement.strip():
                         self._db.execute(statement)
+                if target in _BACKFILLS:
+                    _BACKFILLS[target](self._db)
                 self._db.execute(f"PRAGMA user_version={target}")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -281,7 +345,7 @@ class Registry:
                 db.execute(
                     "INSERT INTO transitions (sandbox_id, src, dst, at, reason) VALUES (?,?,?,?,?)",
                     (rec.id, None, rec.state.value, rec.created_at, reason),
-                )
+                )  # the first row: every meter at zero
         except Conflict as exc:
             raise Conflict(
                 f"a sandbox named {rec.name!r} already exists",
@@ -298,6 +362,8 @@ class Registry:
         *,
         reason: str = "",
         at: float | None = None,
+        cpu_reading: float | None = None,
+        owned_bytes: int | None = None,
         **columns: Any,
     ) -> Transition:
         """Move ``sandbox_id`` from ``src`` to ``dst`` (compare-and-set) and log it; ``columns``
@@ -327,11 +393,55 @@ class Registry:
                     )
                 check_transition(sandbox_id, SandboxState(row["state"]), dst)
                 raise _moved(sandbox_id, SandboxState(row["state"]), src)
+            row = self._accrue(db, sandbox_id, when, dst, cpu_reading, owned_bytes)
+            m = row.meters
             db.execute(
-                "INSERT INTO transitions (sandbox_id, src, dst, at, reason) VALUES (?,?,?,?,?)",
-                (sandbox_id, src.value, dst.value, when, reason),
+                "INSERT INTO transitions (sandbox_id, src, dst, at, reason, cpu_reading,"
+                " owned_bytes, m_vcpu, m_cpu, m_ram, m_paused) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    sandbox_id,
+                    src.value,
+                    dst.value,
+                    when,
+                    reason,
+                    cpu_reading,
+                    row.owned_bytes,
+                    m.vcpu_seconds,
+                    m.cpu_seconds,
+                    m.ram_gib_seconds,
+                    m.paused_byte_seconds,
+                ),
             )
         return Transition(sandbox_id, src, dst, when, reason)
+
+    @staticmethod
+    def _accrue(
+        db: sqlite3.Connection,
+        sandbox_id: str,
+        at: float,
+        dst: SandboxState,
+        cpu_reading: float | None,
+        owned_bytes: int | None,
+    ) -> MeterRow:
+        """The meter row of a new transition: the last one's meters plus what accrued since."""
+        last = db.execute(
+            f"SELECT {_METER_COLUMNS} FROM transitions WHERE sandbox_id = ?"
+            " ORDER BY seq DESC LIMIT 1",
+            (sandbox_id,),
+        ).fetchone()
+        spec = json.loads(
+            db.execute("SELECT spec FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()[0]
+            or "{}"
+        )
+        return accrue(
+            None if last is None else _meter_row(last),
+            at,
+            dst,
+            vcpus=int(spec.get("vcpus", 1)),
+            memory_mib=int(spec.get("memory_mib", 512)),
+            cpu_reading=cpu_reading,
+            owned_bytes=owned_bytes,
+        )
 
     def touch(self, sandbox_id: str, at: float | None = None) -> None:
         """Set ``last_active_at`` (the idle clock) to ``at`` (default: now).
@@ -445,6 +555,126 @@ class Registry:
                 r["reason"],
             )
             for r in rows
+        ]
+
+
+    # -- usage ----------------------------------------------------------------------------
+
+    def meters_at(
+        self, instants: tuple[float, ...], *, tenant: str | None = None
+    ) -> builtins.list[tuple[SandboxRecord, builtins.list[Meters], MeterRow | None]]:
+        """Every sandbox (of ``tenant``, or all) with its cumulative usage meters at each of
+        ``instants``, and its last transition row at or before the last instant (None if it
+        did not exist yet). Two index seeks per sandbox and instant, whatever its history's
+        length (see :mod:`torpor.sandbox.registry.meters`). Raises StorageError."""
+        sql = "SELECT s.*"
+        args: builtins.list[Any] = []
+        for i, t in enumerate(instants):
+            sql += (
+                f", (SELECT seq FROM transitions WHERE sandbox_id = s.id AND at <= ?"
+                f" ORDER BY at DESC, seq DESC LIMIT 1) AS b{i}"
+                f", (SELECT seq FROM transitions WHERE sandbox_id = s.id AND at > ?"
+                f" ORDER BY at, seq LIMIT 1) AS a{i}"
+            )
+            args += [t, t]
+        sql += " FROM sandboxes s"
+        if tenant is not None:
+            sql += " WHERE s.tenant = ?"
+            args.append(tenant)
+        found = self._query(sql + " ORDER BY s.created_at, s.id", tuple(args))
+        seqs = {r[f"{k}{i}"] for r in found for i in range(len(instants)) for k in "ab"}
+        seqs.discard(None)
+        rows: dict[int, MeterRow] = {}
+        ordered = sorted(seqs)
+        for start in range(0, len(ordered), 900):  # under SQLite's bound-parameter limit
+            part = ordered[start : start + 900]
+            for r in self._query(
+                f"SELECT seq, {_METER_COLUMNS} FROM transitions WHERE seq IN"
+                f" ({','.join('?' * len(part))})",
+                tuple(part),
+            ):
+                rows[r[0]] = _meter_row(tuple(r)[1:])
+        out: builtins.list[tuple[SandboxRecord, builtins.list[Meters], MeterRow | None]] = []
+        for r in found:
+            rec = _row_to_record(r)
+            values: builtins.list[Meters] = []
+            last: MeterRow | None = None
+            for i, t in enumerate(instants):
+                before, after = rows.get(r[f"b{i}"]), rows.get(r[f"a{i}"])
+                last = before
+                if before is None:
+                    values.append(Meters())
+                elif after is None:
+                    values.append(
+                        extrapolate(before, t, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
+                    )
+                else:
+                    values.append(interpolate(before, after, t))
+            out.append((rec, values, last))
+        return out
+
+    def record_stored(
+        self,
+        kind: str,
+        item_id: str,
+        *,
+        tenant: str,
+        name: str,
+        size_bytes: int,
+        started_at: float,
+        labels: Mapping[str, str] | None = None,
+        expires_at: float | None = None,
+    ) -> None:
+        """Enter a stored thing (``kind`` "snapshot" or "volume") in the usage ledger, or
+        update its size, labels and expiry if it is there. Raises StorageError."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO stored (kind, id, tenant, name, labels, bytes, started_at,"
+                " expires_at) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (kind, id) DO UPDATE SET"
+                " labels = excluded.labels, bytes = excluded.bytes,"
+                " expires_at = excluded.expires_at",
+                (
+                    kind,
+                    item_id,
+                    tenant,
+                    name,
+                    json.dumps(dict(labels or {}), sort_keys=True),
+                    size_bytes,
+                    started_at,
+                    expires_at,
+                ),
+            )
+
+    def end_stored(self, kind: str, item_ids: set[str], at: float | None = None) -> int:
+        """Mark stored things gone at ``at`` (default now) in the usage ledger, those not
+        already ended; returns how many. Raises StorageError."""
+        when = time.time() if at is None else at
+        count = 0
+        with self._tx() as db:
+            for item_id in sorted(item_ids):
+                cur = db.execute(
+                    "UPDATE stored SET ended_at = ? WHERE kind = ? AND id = ? AND ended_at IS NULL",
+                    (when, kind, item_id),
+                )
+                count += cur.rowcount
+        return count
+
+    def stored(
+        self, *, tenant: str | None = None, kind: str | None = None, live: bool = False
+    ) -> builtins.list[dict[str, Any]]:
+        """Rows of the usage ledger (``live``: only those not ended), oldest first."""
+        sql, args = "SELECT * FROM stored WHERE 1=1", []
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            args.append(tenant)
+        if kind is not None:
+            sql += " AND kind = ?"
+            args.append(kind)
+        if live:
+            sql += " AND ended_at IS NULL"
+        return [
+            dict(r, labels=json.loads(r["labels"] or "{}"))
+            for r in self._query(sql + " ORDER BY started_at, id", tuple(args))
         ]
 
 

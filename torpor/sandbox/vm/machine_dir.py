@@ -377,6 +377,18 @@ def qemu_pid(directory: Path) -> int | None:
     return pid if Path(cwd) == directory.resolve() else None
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) the process ``pid`` has used since it started,
+    from ``/proc/<pid>/stat``; None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+        # after "pid (comm) ": state is field 3, so utime (14) and stime (15) are 11 and 12 here
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def inspect_dir(directory: Path) -> DirInfo:
     """What ``directory`` can back: a whole saved state (``state`` next to ``ram``), a live QEMU."""
     has_state = (directory / "state").is_file() and (directory / "ram").is_file()

@@ -1,0 +1,151 @@
+"""Usage meters carried by the transitions log: pure functions, no I/O.
+
+Every transition row carries the sandbox's **cumulative** meters up to that instant, so a
+sandbox's usage over ``[since, until)`` is ``at(until) - at(since)``: two index seeks per
+sandbox, whatever the length of its history (a usage report over 10,000 sandboxes reads 40,000
+rows, not the millions of transitions a month makes).
+
+The meters (all since the sandbox was created):
+
+* ``vcpu_seconds``: allocated vCPUs x seconds the machine was up (creating, waking, running,
+  pausing: the states in which a QEMU process holds the machine);
+* ``cpu_seconds``: vCPU-seconds the machine actually used, from the QEMU process's CPU time
+  (``utime + stime``) read at each transition while it runs; a stretch of up time without two
+  readings of the same process counts as allocated (never less than the truth is billed);
+  capped at the allocation;
+* ``ram_gib_seconds``: GiB of guest RAM x seconds up;
+* ``paused_byte_seconds``: bytes the sandbox alone owns on disk (its RAM file, state file and
+  disk overlay, not the shared template or frozen layers) x seconds paused, with the bytes
+  measured when the pause was written.
+
+Between two rows every meter grows linearly (that is how :func:`interpolate` reads a meter at
+any instant); after the last row it grows at the rate of the state the sandbox is in, with the
+used CPU of an open up-stretch counted as allocated until the next reading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torpor.sandbox.models import SandboxState
+
+__all__ = ["UP_STATES", "Meters", "MeterRow", "accrue", "extrapolate", "interpolate"]
+
+S = SandboxState
+
+#: states in which a QEMU process holds the machine (vCPUs and RAM are allocated)
+UP_STATES = frozenset({S.CREATING, S.WAKING, S.RUNNING, S.PAUSING})
+#: states in which a new QEMU process starts, so a CPU reading there starts from zero
+_FRESH_PROCESS = frozenset({S.CREATING, S.WAKING})
+
+_GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Meters:
+    """Cumulative usage of one sandbox (see the module docstring for the units)."""
+
+    vcpu_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    ram_gib_seconds: float = 0.0
+    paused_byte_seconds: float = 0.0
+
+    def __add__(self, other: Meters) -> Meters:
+        return Meters(
+            self.vcpu_seconds + other.vcpu_seconds,
+            self.cpu_seconds + other.cpu_seconds,
+            self.ram_gib_seconds + other.ram_gib_seconds,
+            self.paused_byte_seconds + other.paused_byte_seconds,
+        )
+
+    def __sub__(self, other: Meters) -> Meters:
+        return Meters(
+            self.vcpu_seconds - other.vcpu_seconds,
+            self.cpu_seconds - other.cpu_seconds,
+            self.ram_gib_seconds - other.ram_gib_seconds,
+            self.paused_byte_seconds - other.paused_byte_seconds,
+        )
+
+    def scaled(self, factor: float) -> Meters:
+        return Meters(
+            self.vcpu_seconds * factor,
+            self.cpu_seconds * factor,
+            self.ram_gib_seconds * factor,
+            self.paused_byte_seconds * factor,
+        )
+
+
+@dataclass(frozen=True)
+class MeterRow:
+    """What metering needs of one transition row: when, into which state, the QEMU process's
+    CPU seconds read then (None: no process, or unreadable), the bytes owned from then on (set
+    on entering ``paused``) and the cumulative meters at that instant."""
+
+    at: float
+    state: SandboxState
+    cpu_reading: float | None = None
+    owned_bytes: int | None = None
+    meters: Meters = Meters()
+
+
+def _segment(
+    prev: MeterRow, at: float, cpu_reading: float | None, vcpus: int, memory_mib: int
+) -> Meters:
+    """The usage accrued from ``prev`` to ``at`` (the sandbox stayed in ``prev.state``)."""
+    dt = max(0.0, at - prev.at)
+    if prev.state in UP_STATES:
+        allocated = vcpus * dt
+        base = 0.0 if prev.state in _FRESH_PROCESS else prev.cpu_reading
+        if cpu_reading is not None and base is not None and cpu_reading >= base:
+            used = min(allocated, cpu_reading - base)
+        else:
+            used = allocated
+        return Meters(allocated, used, memory_mib / 1024 * dt, 0.0)
+    if prev.state is S.PAUSED:
+        return Meters(paused_byte_seconds=(prev.owned_bytes or 0) * dt)
+    return Meters()
+
+
+def accrue(
+    prev: MeterRow | None,
+    at: float,
+    state: SandboxState,
+    *,
+    vcpus: int,
+    memory_mib: int,
+    cpu_reading: float | None = None,
+    owned_bytes: int | None = None,
+) -> MeterRow:
+    """The row for a transition into ``state`` at ``at``, following ``prev`` (None: the
+    sandbox's first row, all meters zero). ``owned_bytes`` not given on entering ``paused``
+    keeps the bytes of the previous pause."""
+    if prev is None:
+        return MeterRow(at, state, cpu_reading, owned_bytes, Meters())
+    if owned_bytes is None and state is S.PAUSED:
+        owned_bytes = prev.owned_bytes
+    meters = prev.meters + _segment(prev, at, cpu_reading, vcpus, memory_mib)
+    return MeterRow(at, state, cpu_reading, owned_bytes, meters)
+
+
+def extrapolate(last: MeterRow, at: float, *, vcpus: int, memory_mib: int) -> Meters:
+    """The meters at ``at``, after the sandbox's last row ``last`` (it is still in that state;
+    the used CPU of an up-stretch still open counts as allocated)."""
+    if at <= last.at:
+        return last.meters
+    return last.meters + _segment(last, at, None, vcpus, memory_mib)
+
+
+def interpolate(before: MeterRow, after: MeterRow, at: float) -> Meters:
+    """The meters at ``at`` between two consecutive rows (each meter grows linearly between
+    them)."""
+    span = after.at - before.at
+    if at <= before.at or span <= 0:
+        return before.meters
+    if at >= after.at:
+        return after.meters
+    return before.meters + (after.meters - before.meters).scaled((at - before.at) / span)
+
+
+def gib(byte_count: float) -> float:
+    """Bytes in GiB."""
+    return byte_count / _GIB
