@@ -10,17 +10,20 @@ The meters (all since the sandbox was created):
 * ``vcpu_seconds``: allocated vCPUs x seconds the machine was up (creating, waking, running,
   pausing: the states in which a QEMU process holds the machine);
 * ``cpu_seconds``: vCPU-seconds the machine actually used, from the QEMU process's CPU time
-  (``utime + stime``) read at each transition while it runs; a stretch of up time without two
-  readings of the same process counts as allocated (never less than the truth is billed);
-  capped at the allocation;
+  (``utime + stime``) read at each transition that leaves a state in which it runs (a new
+  process starts at create and at each wake, so a reading there counts from zero); capped at
+  the allocation. A stretch with no reading at its end (the last milliseconds of a pause,
+  after which QEMU is gone; a machine still running) is estimated at the share of its
+  allocation the machine used in the last stretch that was read (``cpu_ratio``), and at the
+  whole allocation when none ever was (never less than the truth is billed);
 * ``ram_gib_seconds``: GiB of guest RAM x seconds up;
 * ``paused_byte_seconds``: bytes the sandbox alone owns on disk (its RAM file, state file and
   disk overlay, not the shared template or frozen layers) x seconds paused, with the bytes
   measured when the pause was written.
 
 Between two rows every meter grows linearly (that is how :func:`interpolate` reads a meter at
-any instant); after the last row it grows at the rate of the state the sandbox is in, with the
-used CPU of an open up-stretch counted as allocated until the next reading.
+any instant); after the last row it grows at the rate of the state the sandbox is in (the used
+CPU of a stretch still open estimated as above until its reading).
 """
 
 from __future__ import annotations
@@ -37,8 +40,6 @@ S = SandboxState
 UP_STATES = frozenset({S.CREATING, S.WAKING, S.RUNNING, S.PAUSING})
 #: states in which a new QEMU process starts, so a CPU reading there starts from zero
 _FRESH_PROCESS = frozenset({S.CREATING, S.WAKING})
-
-_GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -79,31 +80,38 @@ class Meters:
 class MeterRow:
     """What metering needs of one transition row: when, into which state, the QEMU process's
     CPU seconds read then (None: no process, or unreadable), the bytes owned from then on (set
-    on entering ``paused``) and the cumulative meters at that instant."""
+    on entering ``paused``), the cumulative meters at that instant, and the share of its
+    allocation the machine used in the last stretch that was read (None: never read)."""
 
     at: float
     state: SandboxState
     cpu_reading: float | None = None
     owned_bytes: int | None = None
     meters: Meters = Meters()
+    cpu_ratio: float | None = None
 
 
 def _segment(
     prev: MeterRow, at: float, cpu_reading: float | None, vcpus: int, memory_mib: int
-) -> Meters:
-    """The usage accrued from ``prev`` to ``at`` (the sandbox stayed in ``prev.state``)."""
+) -> tuple[Meters, float | None]:
+    """The usage accrued from ``prev`` to ``at`` (the sandbox stayed in ``prev.state``), and
+    the used share of the allocation to carry on (``prev.cpu_ratio`` unless this stretch was
+    read)."""
     dt = max(0.0, at - prev.at)
+    ratio = prev.cpu_ratio
     if prev.state in UP_STATES:
         allocated = vcpus * dt
         base = 0.0 if prev.state in _FRESH_PROCESS else prev.cpu_reading
         if cpu_reading is not None and base is not None and cpu_reading >= base:
             used = min(allocated, cpu_reading - base)
+            if allocated > 0:
+                ratio = used / allocated
         else:
-            used = allocated
-        return Meters(allocated, used, memory_mib / 1024 * dt, 0.0)
+            used = allocated * (1.0 if ratio is None else ratio)
+        return Meters(allocated, used, memory_mib / 1024 * dt, 0.0), ratio
     if prev.state is S.PAUSED:
-        return Meters(paused_byte_seconds=(prev.owned_bytes or 0) * dt)
-    return Meters()
+        return Meters(paused_byte_seconds=(prev.owned_bytes or 0) * dt), ratio
+    return Meters(), ratio
 
 
 def accrue(
@@ -123,16 +131,16 @@ def accrue(
         return MeterRow(at, state, cpu_reading, owned_bytes, Meters())
     if owned_bytes is None and state is S.PAUSED:
         owned_bytes = prev.owned_bytes
-    meters = prev.meters + _segment(prev, at, cpu_reading, vcpus, memory_mib)
-    return MeterRow(at, state, cpu_reading, owned_bytes, meters)
+    accrued, ratio = _segment(prev, at, cpu_reading, vcpus, memory_mib)
+    return MeterRow(at, state, cpu_reading, owned_bytes, prev.meters + accrued, ratio)
 
 
 def extrapolate(last: MeterRow, at: float, *, vcpus: int, memory_mib: int) -> Meters:
     """The meters at ``at``, after the sandbox's last row ``last`` (it is still in that state;
-    the used CPU of an up-stretch still open counts as allocated)."""
+    the used CPU of an up-stretch still open is estimated, see the module docstring)."""
     if at <= last.at:
         return last.meters
-    return last.meters + _segment(last, at, None, vcpus, memory_mib)
+    return last.meters + _segment(last, at, None, vcpus, memory_mib)[0]
 
 
 def interpolate(before: MeterRow, after: MeterRow, at: float) -> Meters:
@@ -144,8 +152,3 @@ def interpolate(before: MeterRow, after: MeterRow, at: float) -> Meters:
     if at >= after.at:
         return after.meters
     return before.meters + (after.meters - before.meters).scaled((at - before.at) / span)
-
-
-def gib(byte_count: float) -> float:
-    """Bytes in GiB."""
-    return byte_count / _GIB

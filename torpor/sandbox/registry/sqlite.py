@@ -77,6 +77,7 @@ ALTER TABLE transitions ADD COLUMN m_vcpu REAL NOT NULL DEFAULT 0;
 ALTER TABLE transitions ADD COLUMN m_cpu REAL NOT NULL DEFAULT 0;
 ALTER TABLE transitions ADD COLUMN m_ram REAL NOT NULL DEFAULT 0;
 ALTER TABLE transitions ADD COLUMN m_paused REAL NOT NULL DEFAULT 0;
+ALTER TABLE transitions ADD COLUMN cpu_ratio REAL;
 CREATE INDEX transitions_at ON transitions (sandbox_id, at);
 CREATE TABLE stored (
     kind        TEXT NOT NULL,
@@ -123,12 +124,12 @@ def _backfill_meters(db: sqlite3.Connection) -> None:
 #: user_version -> what runs after its script, in the same transaction (data, not schema).
 _BACKFILLS = {2: _backfill_meters}
 
-_METER_COLUMNS = "dst, at, cpu_reading, owned_bytes, m_vcpu, m_cpu, m_ram, m_paused"
+_METER_COLUMNS = "dst, at, cpu_reading, owned_bytes, m_vcpu, m_cpu, m_ram, m_paused, cpu_ratio"
 
 
 def _meter_row(values: tuple[Any, ...] | sqlite3.Row) -> MeterRow:
-    dst, at, cpu, owned, vcpu, used, ram, paused = tuple(values)
-    return MeterRow(at, SandboxState(dst), cpu, owned, Meters(vcpu, used, ram, paused))
+    dst, at, cpu, owned, vcpu, used, ram, paused, ratio = tuple(values)
+    return MeterRow(at, SandboxState(dst), cpu, owned, Meters(vcpu, used, ram, paused), ratio)
 
 
 def _dt(ts: float) -> datetime:
@@ -397,7 +398,8 @@ class Registry:
             m = row.meters
             db.execute(
                 "INSERT INTO transitions (sandbox_id, src, dst, at, reason, cpu_reading,"
-                " owned_bytes, m_vcpu, m_cpu, m_ram, m_paused) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                " owned_bytes, m_vcpu, m_cpu, m_ram, m_paused, cpu_ratio)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     sandbox_id,
                     src.value,
@@ -410,6 +412,7 @@ class Registry:
                     m.cpu_seconds,
                     m.ram_gib_seconds,
                     m.paused_byte_seconds,
+                    row.cpu_ratio,
                 ),
             )
         return Transition(sandbox_id, src, dst, when, reason)
@@ -556,7 +559,6 @@ class Registry:
             )
             for r in rows
         ]
-
 
     # -- usage ----------------------------------------------------------------------------
 

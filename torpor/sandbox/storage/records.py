@@ -205,6 +205,11 @@ class RecordStore(Generic[InfoT]):
                 found.append(info)
         return sorted(found, key=lambda i: i.created_at)
 
+    def list_all(self) -> builtins.list[InfoT]:
+        """Every tenant's resources whose data exists, oldest first (usage meters them)."""
+        found = [info for info in self._infos() if self._exists(info.id)]
+        return sorted(found, key=lambda i: i.created_at)
+
     def get(self, id_or_name: str, *, tenant: str = "default") -> InfoT:
         """One resource by id or name. Raises the store's NotFound subclass."""
         for info in self.list(tenant=tenant):

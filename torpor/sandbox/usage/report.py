@@ -1,0 +1,247 @@
+"""Build a usage report from what the registry recorded, priced by the rate card.
+
+Sandboxes: their cumulative meters at ``since`` and ``until`` (see
+:mod:`torpor.sandbox.registry.meters`; the difference is the window's usage). Snapshots and
+volumes: the registry's ledger of stored things (:meth:`sync_stored` enters what the stores
+hold and ends what they no longer do), each billed for its bytes over the part of the window
+it existed, a snapshot no later than its expiry.
+
+:func:`price` and :func:`stored_in_window` are pure; :func:`build` does the reading.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from torpor.config import Paths
+from torpor.sandbox.models import SandboxState
+from torpor.sandbox.registry import Registry, SandboxRecord
+from torpor.sandbox.registry.meters import Meters
+from torpor.sandbox.storage.snapshots import SnapshotStore
+from torpor.sandbox.storage.volumes import VolumeStore
+from torpor.sandbox.usage.models import (
+    Costs,
+    RetentionCost,
+    UsageLine,
+    UsageQuery,
+    UsageReport,
+    parse_query,
+)
+from torpor.sandbox.usage.rates import GB, GIB, MONTH_HOURS, RateCard
+
+__all__ = ["build", "price", "stored_in_window", "sync_stored"]
+
+_MIB = 1024**2
+
+
+def stored_in_window(item: Mapping[str, Any], since: float, until: float) -> float:
+    """Seconds of ``[since, until)`` during which a ledger row (``started_at``, ``ended_at``,
+    ``expires_at``) was stored."""
+    end = until
+    for bound in (item.get("ended_at"), item.get("expires_at")):
+        if bound is not None:
+            end = min(end, float(bound))
+    return max(0.0, end - max(since, float(item["started_at"])))
+
+
+def price(line: UsageLine, rates: RateCard) -> UsageLine:
+    """``line`` with its costs filled in from its quantities."""
+    cpu_hours = line.cpu_hours if rates.cpu_basis == "used" else line.vcpu_hours
+    cost = Costs(
+        cpu=cpu_hours * rates.cpu_vcpu_hour,
+        memory=line.ram_gib_hours * rates.memory_gib_hour,
+        paused=line.paused_gb_months * rates.paused_gb_month,
+        snapshots=line.snapshot_gb_months * rates.snapshot_gb_month,
+        volumes=line.volume_gib_hours * rates.volume_gib_hour,
+    )
+    cost.total = cost.cpu + cost.memory + cost.paused + cost.snapshots + cost.volumes
+    return line.model_copy(update={"cost": cost})
+
+
+def _add_meters(line: UsageLine, m: Meters) -> None:
+    line.vcpu_hours += m.vcpu_seconds / 3600
+    line.cpu_hours += m.cpu_seconds / 3600
+    line.ram_gib_hours += m.ram_gib_seconds / 3600
+    line.paused_gb_months += m.paused_byte_seconds / GB / 3600 / MONTH_HOURS
+
+
+def sync_stored(registry: Registry, paths: Paths, *, now: float | None = None) -> None:
+    """Bring the registry's ledger of stored things in line with the snapshot and volume
+    stores: enter (or update: size, labels, expiry) every snapshot and volume there is, and
+    end the ones that are gone. Raises StorageError."""
+    now = time.time() if now is None else now
+    snapshots: set[str] = set()
+    for info, _ in SnapshotStore(paths).manifests():
+        snapshots.add(info.id)
+        registry.record_stored(
+            "snapshot",
+            info.id,
+            tenant=info.tenant,
+            name=info.name,
+            size_bytes=info.stored_bytes,
+            started_at=info.created_at.timestamp(),
+            labels={**info.carried.labels, **info.labels},
+            expires_at=info.expires_at.timestamp(),
+        )
+    volumes: set[str] = set()
+    for vol in VolumeStore(paths).list_all():
+        volumes.add(vol.id)
+        registry.record_stored(
+            "volume",
+            vol.id,
+            tenant=vol.tenant,
+            name=vol.name,
+            size_bytes=vol.size_mib * _MIB,
+            started_at=vol.created_at.timestamp(),
+        )
+    for kind, present in (("snapshot", snapshots), ("volume", volumes)):
+        gone = {r["id"] for r in registry.stored(kind=kind, live=True)} - present
+        if gone:
+            registry.end_stored(kind, gone, now)
+
+
+def _group(
+    rec_labels: Mapping[str, str], rec_id: str, tenant: str, query: UsageQuery
+) -> str | None:
+    if query.label is not None:
+        return rec_labels.get(query.label)
+    return rec_id if query.by == "sandbox" else tenant
+
+
+def _lines_for(
+    records: Iterable[tuple[SandboxRecord, list[Meters], Any]],
+    stored: Iterable[Mapping[str, Any]],
+    query: UsageQuery,
+) -> dict[str | None, UsageLine]:
+    since, until = query.since.timestamp(), query.until.timestamp()
+    lines: dict[str | None, UsageLine] = {}
+
+    def line(key: str | None, name: str | None = None) -> UsageLine:
+        if key not in lines:
+            lines[key] = UsageLine(key=key, name=name if query.by == "sandbox" else None)
+        return lines[key]
+
+    for rec, (start, end), _ in records:
+        used = end - start
+        if rec.created_at >= until or (used == Meters() and rec.state is SandboxState.STOPPED):
+            continue
+        target = line(_group(rec.labels, rec.id, rec.tenant, query), rec.name)
+        target.sandboxes += 1
+        _add_meters(target, used)
+    for item in stored:
+        seconds = stored_in_window(item, since, until)
+        if seconds <= 0:
+            continue
+        target = line(_group(item["labels"], item["id"], item["tenant"], query), item["name"])
+        if item["kind"] == "snapshot":
+            target.snapshots += 1
+            target.snapshot_gb_months += item["bytes"] / GB * seconds / 3600 / MONTH_HOURS
+        else:
+            target.volumes += 1
+            target.volume_gib_hours += item["bytes"] / GIB * seconds / 3600
+    return lines
+
+
+def _retention(
+    records: Iterable[tuple[SandboxRecord, list[Meters], Any]],
+    stored: Iterable[Mapping[str, Any]],
+    query: UsageQuery,
+    rates: RateCard,
+    now: float,
+) -> list[RetentionCost]:
+    out: list[RetentionCost] = []
+    for rec, _, last in records:
+        ends = rec.expires_at
+        if ends is None or ends <= now:
+            continue
+        owned = int((last.owned_bytes if last is not None else 0) or 0)
+        per_day = owned / GB * rates.paused_gb_month * 24 / MONTH_HOURS
+        out.append(
+            RetentionCost(
+                kind="sandbox",
+                id=rec.id,
+                name=rec.name,
+                key=_group(rec.labels, rec.id, rec.tenant, query),
+                bytes=owned,
+                retention_days=rec.pause_retention_days,
+                expires_at=datetime.fromtimestamp(ends, UTC),
+                cost_per_day=per_day,
+                projected_cost=per_day * (ends - now) / 86400,
+            )
+        )
+    for item in stored:
+        ends = item.get("expires_at")
+        if item["kind"] != "snapshot" or item.get("ended_at") is not None or ends is None:
+            continue
+        if ends <= now:
+            continue
+        per_day = item["bytes"] / GB * rates.snapshot_gb_month * 24 / MONTH_HOURS
+        out.append(
+            RetentionCost(
+                kind="snapshot",
+                id=item["id"],
+                name=item["name"],
+                key=_group(item["labels"], item["id"], item["tenant"], query),
+                bytes=item["bytes"],
+                retention_days=max(1, round((ends - item["started_at"]) / 86400)),
+                expires_at=datetime.fromtimestamp(ends, UTC),
+                cost_per_day=per_day,
+                projected_cost=per_day * (ends - now) / 86400,
+            )
+        )
+    return out
+
+
+def build(
+    registry: Registry,
+    paths: Paths | None = None,
+    *,
+    tenant: str | None = None,
+    by: str = "tenant",
+    since: Any = None,
+    until: Any = None,
+    rates: RateCard | None = None,
+    now: datetime | None = None,
+) -> UsageReport:
+    """The usage report of ``tenant`` (None: every tenant) grouped ``by`` over ``[since,
+    until)``. ``paths``: the home whose snapshot and volume stores are synced into the ledger
+    first (None: use the ledger as it is) and whose ``rates.json`` prices it (unless
+    ``rates``). Raises InvalidArgument (a bad query or rates.json) or StorageError."""
+    now = now or datetime.now(UTC)
+    query = parse_query(by, since, until, now=now)
+    if rates is None:
+        rates = RateCard.of(paths) if paths is not None else RateCard()
+    if paths is not None:
+        sync_stored(registry, paths, now=now.timestamp())
+    records = registry.meters_at((query.since.timestamp(), query.until.timestamp()), tenant=tenant)
+    stored = registry.stored(tenant=tenant)
+    grouped = _lines_for(records, stored, query)
+    lines = [price(line, rates) for line in grouped.values()]
+    lines.sort(key=lambda item: (-item.cost.total, item.key or ""))
+    total = UsageLine(key=None)
+    for item in lines:
+        for field in (
+            "sandboxes",
+            "snapshots",
+            "volumes",
+            "vcpu_hours",
+            "cpu_hours",
+            "ram_gib_hours",
+            "paused_gb_months",
+            "snapshot_gb_months",
+            "volume_gib_hours",
+        ):
+            setattr(total, field, getattr(total, field) + getattr(item, field))
+    return UsageReport(
+        by=query.by,
+        tenant=tenant,
+        since=query.since,
+        until=query.until,
+        rates=rates,
+        lines=lines,
+        total=price(total, rates),
+        retention=_retention(records, stored, query, rates, now.timestamp()),
+    )
