@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from torpor.sandbox.models import SandboxState
 
-__all__ = ["UP_STATES", "Meters", "MeterRow", "accrue", "extrapolate", "interpolate"]
+__all__ = ["UP_STATES", "MeterRow", "Meters", "accrue", "extrapolate", "interpolate"]
 
 S = SandboxState
 

@@ -29,7 +29,7 @@ from torpor.config import check_name
 from torpor.errors import Conflict, InvalidArgument, InvalidState, SandboxNotFound, StorageError
 from torpor.sandbox.models import SandboxInfo, SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition
-from torpor.sandbox.registry.meters import Meters, MeterRow, accrue, extrapolate, interpolate
+from torpor.sandbox.registry.meters import MeterRow, Meters, accrue, extrapolate, interpolate
 
 __all__ = ["SCHEMA_VERSION", "Registry", "SandboxRecord"]
 
