@@ -22,6 +22,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import date, datetime
 from types import TracebackType
 from typing import Any, Self
 
@@ -30,6 +31,7 @@ import httpx
 from torpor.client._local import ensure_local_server
 from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
+from torpor.sandbox.usage import UsageReport, parse_query
 
 __all__ = ["Runtime", "default_runtime", "set_default_runtime"]
 
@@ -179,6 +181,22 @@ class Runtime:
         """The server's identity: ``{"ok", "pid", "version", "tenant", "home"}``."""
         result: dict[str, Any] = self.json("GET", "/v1/health")
         return result
+
+    def usage(
+        self,
+        by: str = "tenant",
+        since: datetime | date | str | None = None,
+        until: datetime | date | str | None = None,
+    ) -> UsageReport:
+        """What this tenant's sandboxes, snapshots and volumes used over ``[since, until)``
+        (default: this month so far) and what it costs, one line per ``by`` group
+        (``tenant``, ``sandbox`` or ``label:KEY``), with what each retention still to run will
+        cost. Raises InvalidArgument for a bad grouping or window."""
+        query = parse_query(by, since, until)  # checked here too: a typed error, no round trip
+        params = {"by": query.by, "since": query.since.isoformat()}
+        if until is not None:
+            params["until"] = query.until.isoformat()
+        return UsageReport.model_validate(self.json("GET", "/v1/usage", params=params))
 
     def close(self) -> None:
         """Close the connection pool (the local server keeps running)."""

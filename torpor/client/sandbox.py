@@ -44,6 +44,7 @@ from torpor.sandbox.requests import (
     VolumeMount,
 )
 from torpor.sandbox.storage.snapshots import SnapshotInfo
+from torpor.sandbox.usage import RetentionSpec
 from torpor.types import Env, Labels, OutputCallback
 
 __all__ = ["Commands", "Files", "Interpreter", "Sandbox", "Snapshot"]
@@ -221,6 +222,16 @@ class Snapshot(Resource[SnapshotInfo]):
     def delete(self) -> None:
         """Delete the snapshot (its storage is reclaimed by the next GC)."""
         self._delete()
+
+    def set_retention(self, days: int) -> SnapshotInfo:
+        """Keep the snapshot ``days`` days (1-365) from when it was taken; returns the info
+        with its new ``expires_at``. Raises InvalidArgument, SnapshotNotFound."""
+        spec = RetentionSpec.of(days=days)
+        data = self._runtime.json(
+            "POST", f"/v1/snapshots/{quote_id(self.id)}/retention", json=spec.given()
+        )
+        self.info = SnapshotInfo.model_validate(data)
+        return self.info
 
     def restore(self, *, name: str | None = None, labels: Labels | None = None) -> Sandbox:
         """A new running sandbox as the snapshot was. Raises SnapshotNotFound, CorruptData."""
@@ -464,6 +475,13 @@ class Sandbox:
     def resume(self) -> SandboxInfo:
         """Wake a paused sandbox (any call inside it does this too)."""
         return self._update(self._runtime.json("POST", self.route("/resume")))
+
+    def set_retention(self, days: int) -> SandboxInfo:
+        """Keep this sandbox's pause ``days`` days (1-365) from when it was paused (a running
+        sandbox: from its next pause); the info's ``expires_at`` says until when. Raises
+        InvalidArgument, SandboxClosed."""
+        spec = RetentionSpec.of(days=days)
+        return self._update(self._runtime.json("POST", self.route("/retention"), json=spec.given()))
 
     def snapshot(
         self,

@@ -248,7 +248,16 @@ class Checkpoints:
 
     def delete_snapshot(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
         """Delete a snapshot (its chunks go at the next GC). Raises SnapshotNotFound."""
-        return self.snapshots.delete(id_or_name, tenant=tenant)
+        info = self.snapshots.delete(id_or_name, tenant=tenant)
+        self.manager.registry.end_stored("snapshot", {info.id})  # usage bills it until now
+        return info
+
+    def set_snapshot_retention(
+        self, id_or_name: str, days: int, *, tenant: str = "default"
+    ) -> SnapshotInfo:
+        """Keep a snapshot ``days`` days (1-365) from when it was taken (see
+        :meth:`SnapshotStore.set_retention`). Raises InvalidArgument, SnapshotNotFound."""
+        return self.snapshots.set_retention(id_or_name, days, tenant=tenant)
 
     async def restore(
         self,

@@ -36,6 +36,7 @@ from torpor.errors import (
     CorruptData,
     EngineError,
     GuestError,
+    SandboxClosed,
     SandboxNotFound,
     TorporError,
 )
@@ -46,6 +47,7 @@ from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.registry.repair import orphans
 from torpor.sandbox.requests import CodeSpec, CommandSpec, SandboxOptions, check_guest_path
+from torpor.sandbox.storage.snapshots import check_retention
 from torpor.types import OutputCallback
 
 __all__ = ["SandboxManager"]
@@ -178,6 +180,28 @@ class SandboxManager(ManagerCore):
             log.info("sandbox %s: options updated: %s", rec.id, sorted(changes))
             rec = self.registry.get(rec.id)
         return rec
+
+    async def set_retention(
+        self, id_or_name: str, days: int, *, tenant: str = "default"
+    ) -> SandboxInfo:
+        """Keep the sandbox's pauses ``days`` days (1-365), counted from when it was paused:
+        a paused sandbox's ``expires_at`` moves at once (GC deletes it then, unless woken),
+        a running one's applies to its next pause. Raises InvalidArgument (days),
+        SandboxNotFound, SandboxClosed (killed)."""
+        check_retention(days, what="pause_retention_days")
+        rec = self._find(tenant, id_or_name)
+        async with self.live(rec.id).lock:  # not while a pause or wake is changing it
+            rec = self.registry.get(rec.id)
+            if rec.state is S.STOPPED:
+                raise SandboxClosed(
+                    f"sandbox {rec.id} was killed; it has no retention to change",
+                    sandbox_id=rec.id,
+                    state=rec.state.value,
+                    required=[s.value for s in S if s is not S.STOPPED],
+                )
+            self.registry.update_settings(rec.id, pause_retention_days=days)
+        log.info("sandbox %s: pause retention set to %d days", rec.id, days)
+        return self.registry.get(rec.id).to_info()
 
     # -- queries --------------------------------------------------------------------------
 

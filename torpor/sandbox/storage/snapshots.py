@@ -403,6 +403,27 @@ class SnapshotStore:
             snapshot_id=sid,
         )
 
+    def set_retention(
+        self, id_or_name: str, days: int, *, tenant: str = "default"
+    ) -> SnapshotInfo:
+        """Keep a snapshot ``days`` days (1-365) from when it was taken: its manifest is
+        rewritten (atomically, digest renewed) with the new ``retention_days`` and
+        ``expires_at``. A snapshot past its expiry that GC has not removed yet can be kept
+        longer this way. Holds the store exclusively, so GC cannot remove it meanwhile.
+        Raises InvalidArgument (days), SnapshotNotFound, StorageError."""
+        check_retention(days)
+        with self.lock(exclusive=True):
+            info, body = self._find(id_or_name, tenant, include_expired=True)
+            info = info.model_copy(
+                update={
+                    "retention_days": days,
+                    "expires_at": info.created_at + timedelta(days=days),
+                }
+            )
+            self._write_manifest(info.id, dict(body, info=info.model_dump(mode="json")))
+        log.info("snapshot %s (%s): retention set to %d days", info.id, info.name, days)
+        return info
+
     def delete(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
         """Remove a snapshot's manifest (its chunks go at the next GC). Raises SnapshotNotFound."""
         info = self.get(id_or_name, tenant=tenant, include_expired=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from datetime import UTC, date, datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from torpor.errors import InvalidArgument
-from torpor.sandbox.requests import RetentionDays
+from torpor.sandbox.requests import RetentionDays, Spec
 from torpor.sandbox.usage.rates import RateCard
 
 __all__ = [
@@ -32,11 +32,9 @@ __all__ = [
 _MAX_BY = 300
 
 
-class RetentionSpec(BaseModel):
+class RetentionSpec(Spec):
     """``POST .../retention``: keep a pause (or a snapshot) ``days`` days (1-365), counted from
     when it was paused (or taken)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     days: RetentionDays
 
