@@ -21,8 +21,8 @@ from torpor.errors import InvalidArgument
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SCHEMA_VERSION, Registry, SandboxRecord
 from torpor.sandbox.registry.meters import MeterRow, Meters, accrue, interpolate
-from torpor.sandbox.usage import RateCard, build, parse_query
-from torpor.sandbox.usage.report import stored_in_window
+from torpor.sandbox.registry.usage import RateCard, build, parse_query
+from torpor.sandbox.registry.usage.report import stored_in_window
 
 HOUR = 3600.0
 T0 = 1_790_000_000.0  # a fixed instant: the fake clock's start of the month

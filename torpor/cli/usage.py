@@ -22,7 +22,7 @@ from rich.table import Table
 
 from torpor.client import Sandbox, Snapshot
 from torpor.client.runtime import default_runtime
-from torpor.sandbox.usage import UsageLine, UsageReport
+from torpor.sandbox.registry.usage import UsageLine, UsageReport
 
 __all__ = ["register", "write_csv"]
 
@@ -59,7 +59,7 @@ def _csv_row(line: UsageLine, key: str) -> list[str]:
         str(line.snapshots),
         str(line.volumes),
         *(
-            f"{v:.6f}"
+            repr(float(v))  # full precision: a spreadsheet rounds, a script should not have to
             for v in (
                 line.vcpu_hours,
                 line.cpu_hours,

@@ -31,7 +31,7 @@ import httpx
 from torpor.client._local import ensure_local_server
 from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
-from torpor.sandbox.usage import UsageReport, parse_query
+from torpor.sandbox.registry.usage import UsageReport, parse_query
 
 __all__ = ["Runtime", "default_runtime", "set_default_runtime"]
 

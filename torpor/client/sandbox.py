@@ -30,6 +30,7 @@ from torpor.client.runtime import Runtime, default_runtime
 from torpor.client.storage import LONG_TIMEOUT, Resource, post_spec, quote_id
 from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable, from_wire
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
+from torpor.sandbox.registry.usage import RetentionSpec
 from torpor.sandbox.requests import (
     COMMAND_TIMEOUT,
     CodeSpec,
@@ -44,7 +45,6 @@ from torpor.sandbox.requests import (
     VolumeMount,
 )
 from torpor.sandbox.storage.snapshots import SnapshotInfo
-from torpor.sandbox.usage import RetentionSpec
 from torpor.types import Env, Labels, OutputCallback
 
 __all__ = ["Commands", "Files", "Interpreter", "Sandbox", "Snapshot"]

@@ -1,4 +1,4 @@
-"""Usage and retention routes (over :mod:`torpor.sandbox.usage`).
+"""Usage and retention routes (over :mod:`torpor.sandbox.registry.usage`).
 
 ::
 
@@ -21,8 +21,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.registry.usage import RetentionSpec, UsageReport, build
 from torpor.sandbox.storage.snapshots import SnapshotInfo
-from torpor.sandbox.usage import RetentionSpec, UsageReport, build
 from torpor.server.deps import Manager, Tenant
 from torpor.server.routes_checkpoints import checkpoints_of
 from torpor.server.routes_sandboxes import own

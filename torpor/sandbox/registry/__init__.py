@@ -4,8 +4,12 @@
   operation, and what a restarted manager does with each state (recovery)
 * :mod:`.sqlite` — :class:`Registry`: one SQLite database (WAL, ``synchronous=FULL``) of
   sandbox rows and their transitions; a transition is a compare-and-set the lifecycle checks
+* :mod:`.meters` — the usage meters each transition row carries (pure functions)
+* :mod:`.usage` — usage reports and the rate card, derived from the transitions and the ledger
+  of stored snapshots and volumes
 
-Imports: torpor.config, torpor.errors, torpor.sandbox.models.
+Imports: torpor.config, torpor.errors, torpor.sandbox.models (and, for usage, torpor.sandbox.storage
+and torpor.sandbox.requests).
 """
 
 from torpor.sandbox.registry.sqlite import SCHEMA_VERSION, Registry, SandboxRecord

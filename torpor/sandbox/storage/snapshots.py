@@ -403,9 +403,7 @@ class SnapshotStore:
             snapshot_id=sid,
         )
 
-    def set_retention(
-        self, id_or_name: str, days: int, *, tenant: str = "default"
-    ) -> SnapshotInfo:
+    def set_retention(self, id_or_name: str, days: int, *, tenant: str = "default") -> SnapshotInfo:
         """Keep a snapshot ``days`` days (1-365) from when it was taken: its manifest is
         rewritten (atomically, digest renewed) with the new ``retention_days`` and
         ``expires_at``. A snapshot past its expiry that GC has not removed yet can be kept

@@ -1,4 +1,4 @@
-"""torpor.sandbox.usage: what sandboxes, snapshots and volumes used, and what it costs.
+"""What sandboxes, snapshots and volumes used, and what it costs (torpor.sandbox.registry.usage).
 
 Usage comes from the transitions the registry records (no separate metering engine): each
 transition row carries the sandbox's cumulative meters (:mod:`torpor.sandbox.registry.meters`),
@@ -10,11 +10,12 @@ their bytes over the time they were stored (the registry's ledger of stored thin
 * :mod:`.report` — :func:`build`: read the registry and the stores, group, price; and what
   each pause's or snapshot's retention will cost until it expires
 
-Imports: torpor.config, torpor.errors, torpor.sandbox.registry, torpor.sandbox.storage,
+It lives with the registry because it is derived from it (and reads the snapshot and volume
+stores below it). Imports: torpor.config, torpor.errors, the registry, torpor.sandbox.storage,
 torpor.sandbox.requests, torpor.sandbox.models.
 """
 
-from torpor.sandbox.usage.models import (
+from torpor.sandbox.registry.usage.models import (
     Costs,
     RetentionCost,
     RetentionSpec,
@@ -22,8 +23,8 @@ from torpor.sandbox.usage.models import (
     UsageReport,
     parse_query,
 )
-from torpor.sandbox.usage.rates import RateCard
-from torpor.sandbox.usage.report import build
+from torpor.sandbox.registry.usage.rates import RateCard
+from torpor.sandbox.registry.usage.report import build
 
 __all__ = [
     "Costs",

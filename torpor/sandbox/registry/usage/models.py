@@ -14,8 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from torpor.errors import InvalidArgument
+from torpor.sandbox.registry.usage.rates import RateCard
 from torpor.sandbox.requests import RetentionDays, Spec
-from torpor.sandbox.usage.rates import RateCard
 
 __all__ = [
     "Costs",

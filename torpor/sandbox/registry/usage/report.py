@@ -20,9 +20,7 @@ from torpor.config import Paths
 from torpor.sandbox.models import SandboxState
 from torpor.sandbox.registry import Registry, SandboxRecord
 from torpor.sandbox.registry.meters import Meters
-from torpor.sandbox.storage.snapshots import SnapshotStore
-from torpor.sandbox.storage.volumes import VolumeStore
-from torpor.sandbox.usage.models import (
+from torpor.sandbox.registry.usage.models import (
     Costs,
     RetentionCost,
     UsageLine,
@@ -30,7 +28,9 @@ from torpor.sandbox.usage.models import (
     UsageReport,
     parse_query,
 )
-from torpor.sandbox.usage.rates import GB, GIB, MONTH_HOURS, RateCard
+from torpor.sandbox.registry.usage.rates import GB, GIB, MONTH_HOURS, RateCard
+from torpor.sandbox.storage.snapshots import SnapshotStore
+from torpor.sandbox.storage.volumes import VolumeStore
 
 __all__ = ["build", "price", "stored_in_window", "sync_stored"]
 
