@@ -210,18 +210,20 @@ def test_killed_sandbox_stops_accruing(reg: Registry) -> None:
 
 
 def test_stored_things_are_billed_while_they_exist(reg: Registry) -> None:
+    snapshot = {
+        "id": "snap-1",
+        "tenant": "t",
+        "name": "s",
+        "bytes": 2 * 10**9,
+        "started_at": T0,
+        "labels": {"user": "u-1"},
+        "expires_at": T0 + 15 * 24 * HOUR,
+    }
+    reg.record_stored("snapshot", [snapshot])
+    reg.record_stored("snapshot", [snapshot])  # again: one row, updated
     reg.record_stored(
-        "snapshot",
-        "snap-1",
-        tenant="t",
-        name="s",
-        size_bytes=2 * 10**9,
-        started_at=T0,
-        labels={"user": "u-1"},
-        expires_at=T0 + 15 * 24 * HOUR,
-    )
-    reg.record_stored(
-        "volume", "vol-1", tenant="t", name="v", size_bytes=10 * 1024**3, started_at=T0
+        "volume",
+        [{"id": "vol-1", "tenant": "t", "name": "v", "bytes": 10 * 1024**3, "started_at": T0}],
     )
     reg.end_stored("volume", {"vol-1"}, T0 + 100 * HOUR)
     end = datetime.fromtimestamp(T0 + MONTH, UTC)

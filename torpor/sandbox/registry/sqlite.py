@@ -18,7 +18,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -615,36 +615,33 @@ class Registry:
             out.append((rec, values, last))
         return out
 
-    def record_stored(
-        self,
-        kind: str,
-        item_id: str,
-        *,
-        tenant: str,
-        name: str,
-        size_bytes: int,
-        started_at: float,
-        labels: Mapping[str, str] | None = None,
-        expires_at: float | None = None,
-    ) -> None:
-        """Enter a stored thing (``kind`` "snapshot" or "volume") in the usage ledger, or
-        update its size, labels and expiry if it is there. Raises StorageError."""
+    def record_stored(self, kind: str, items: Sequence[Mapping[str, Any]]) -> None:
+        """Enter stored things of ``kind`` ("snapshot", "volume") in the usage ledger, or
+        update the size, labels and expiry of those already there, in one transaction. Each
+        item has ``id``, ``tenant``, ``name``, ``bytes``, ``started_at`` and optionally
+        ``labels`` and ``expires_at``. Raises StorageError."""
+        rows = [
+            (
+                kind,
+                item["id"],
+                item["tenant"],
+                item["name"],
+                json.dumps(dict(item.get("labels") or {}), sort_keys=True),
+                int(item["bytes"]),
+                float(item["started_at"]),
+                item.get("expires_at"),
+            )
+            for item in items
+        ]
+        if not rows:
+            return
         with self._tx() as db:
-            db.execute(
+            db.executemany(
                 "INSERT INTO stored (kind, id, tenant, name, labels, bytes, started_at,"
                 " expires_at) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (kind, id) DO UPDATE SET"
                 " labels = excluded.labels, bytes = excluded.bytes,"
                 " expires_at = excluded.expires_at",
-                (
-                    kind,
-                    item_id,
-                    tenant,
-                    name,
-                    json.dumps(dict(labels or {}), sort_keys=True),
-                    size_bytes,
-                    started_at,
-                    expires_at,
-                ),
+                rows,
             )
 
     def end_stored(self, kind: str, item_ids: set[str], at: float | None = None) -> int:

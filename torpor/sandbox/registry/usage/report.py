@@ -73,32 +73,31 @@ def sync_stored(registry: Registry, paths: Paths, *, now: float | None = None) -
     stores: enter (or update: size, labels, expiry) every snapshot and volume there is, and
     end the ones that are gone. Raises StorageError."""
     now = time.time() if now is None else now
-    snapshots: set[str] = set()
-    for info, _ in SnapshotStore(paths).manifests():
-        snapshots.add(info.id)
-        registry.record_stored(
-            "snapshot",
-            info.id,
-            tenant=info.tenant,
-            name=info.name,
-            size_bytes=info.stored_bytes,
-            started_at=info.created_at.timestamp(),
-            labels={**info.carried.labels, **info.labels},
-            expires_at=info.expires_at.timestamp(),
-        )
-    volumes: set[str] = set()
-    for vol in VolumeStore(paths).list_all():
-        volumes.add(vol.id)
-        registry.record_stored(
-            "volume",
-            vol.id,
-            tenant=vol.tenant,
-            name=vol.name,
-            size_bytes=vol.size_mib * _MIB,
-            started_at=vol.created_at.timestamp(),
-        )
-    for kind, present in (("snapshot", snapshots), ("volume", volumes)):
-        gone = {r["id"] for r in registry.stored(kind=kind, live=True)} - present
+    snapshots = [
+        {
+            "id": info.id,
+            "tenant": info.tenant,
+            "name": info.name,
+            "bytes": info.stored_bytes,
+            "started_at": info.created_at.timestamp(),
+            "labels": {**info.carried.labels, **info.labels},
+            "expires_at": info.expires_at.timestamp(),
+        }
+        for info, _ in SnapshotStore(paths).manifests()
+    ]
+    volumes = [
+        {
+            "id": vol.id,
+            "tenant": vol.tenant,
+            "name": vol.name,
+            "bytes": vol.size_mib * _MIB,
+            "started_at": vol.created_at.timestamp(),
+        }
+        for vol in VolumeStore(paths).list_all()
+    ]
+    for kind, items in (("snapshot", snapshots), ("volume", volumes)):
+        registry.record_stored(kind, items)
+        gone = {r["id"] for r in registry.stored(kind=kind, live=True)} - {i["id"] for i in items}
         if gone:
             registry.end_stored(kind, gone, now)
 
