@@ -28,7 +28,7 @@ CPU of a stretch still open estimated as above until its reading).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torpor.sandbox.models import SandboxState
 
@@ -42,9 +42,11 @@ UP_STATES = frozenset({S.CREATING, S.WAKING, S.RUNNING, S.PAUSING})
 _FRESH_PROCESS = frozenset({S.CREATING, S.WAKING})
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Meters:
-    """Cumulative usage of one sandbox (see the module docstring for the units)."""
+    """Cumulative usage of one sandbox (see the module docstring for the units). Treated as
+    a value: never changed in place (not frozen only because a frozen dataclass is several
+    times slower to make, and a usage report makes tens of thousands)."""
 
     vcpu_seconds: float = 0.0
     cpu_seconds: float = 0.0
@@ -76,18 +78,19 @@ class Meters:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MeterRow:
     """What metering needs of one transition row: when, into which state, the QEMU process's
     CPU seconds read then (None: no process, or unreadable), the bytes owned from then on (set
     on entering ``paused``), the cumulative meters at that instant, and the share of its
-    allocation the machine used in the last stretch that was read (None: never read)."""
+    allocation the machine used in the last stretch that was read (None: never read). A value,
+    like :class:`Meters`."""
 
     at: float
     state: SandboxState
     cpu_reading: float | None = None
     owned_bytes: int | None = None
-    meters: Meters = Meters()
+    meters: Meters = field(default_factory=Meters)
     cpu_ratio: float | None = None
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +128,12 @@ _BACKFILLS = {2: _backfill_meters}
 _METER_COLUMNS = "dst, at, cpu_reading, owned_bytes, m_vcpu, m_cpu, m_ram, m_paused, cpu_ratio"
 
 
+_STATES = {state.value: state for state in SandboxState}
+
+
 def _meter_row(values: tuple[Any, ...] | sqlite3.Row) -> MeterRow:
     dst, at, cpu, owned, vcpu, used, ram, paused, ratio = tuple(values)
-    return MeterRow(at, SandboxState(dst), cpu, owned, Meters(vcpu, used, ram, paused), ratio)
+    return MeterRow(at, _STATES[dst], cpu, owned, Meters(vcpu, used, ram, paused), ratio)
 
 
 def _dt(ts: float) -> datetime:
@@ -187,17 +191,24 @@ class SandboxRecord:
         return replace(self, state=state, **changes)
 
 
+@lru_cache(maxsize=256)
+def _spec(text: str) -> tuple[int, int]:
+    """(vcpus, memory_mib) of a spec column (cached: most sandboxes share a few specs)."""
+    spec = json.loads(text or "{}")
+    return int(spec.get("vcpus", 1)), int(spec.get("memory_mib", 512))
+
+
 def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
-    spec = json.loads(row["spec"] or "{}")
+    vcpus, memory_mib = _spec(row["spec"])
     return SandboxRecord(
         id=row["id"],
         tenant=row["tenant"],
         name=row["name"],
         template=row["template"],
-        state=SandboxState(row["state"]),
+        state=_STATES[row["state"]],
         labels=json.loads(row["labels"] or "{}"),
-        vcpus=int(spec.get("vcpus", 1)),
-        memory_mib=int(spec.get("memory_mib", 512)),
+        vcpus=vcpus,
+        memory_mib=memory_mib,
         idle_pause_seconds=row["idle_pause_seconds"],
         pause_retention_days=row["pause_retention_days"],
         created_at=row["created_at"],
@@ -569,49 +580,46 @@ class Registry:
         ``instants``, and its last transition row at or before the last instant (None if it
         did not exist yet). Two index seeks per sandbox and instant, whatever its history's
         length (see :mod:`torpor.sandbox.registry.meters`). Raises StorageError."""
-        sql = "SELECT s.*"
+        columns = [
+            f"{side}{i}.{c.strip()}"
+            for i in range(len(instants))
+            for side in "ba"
+            for c in _METER_COLUMNS.split(",")
+        ]
+        sql = "SELECT s.*, " + ", ".join(columns) + " FROM sandboxes s"
         args: builtins.list[Any] = []
         for i, t in enumerate(instants):
             sql += (
-                f", (SELECT seq FROM transitions WHERE sandbox_id = s.id AND at <= ?"
-                f" ORDER BY at DESC, seq DESC LIMIT 1) AS b{i}"
-                f", (SELECT seq FROM transitions WHERE sandbox_id = s.id AND at > ?"
-                f" ORDER BY at, seq LIMIT 1) AS a{i}"
+                f" LEFT JOIN transitions b{i} ON b{i}.seq = (SELECT seq FROM transitions"
+                f" WHERE sandbox_id = s.id AND at <= ? ORDER BY at DESC, seq DESC LIMIT 1)"
+                f" LEFT JOIN transitions a{i} ON a{i}.seq = (SELECT seq FROM transitions"
+                f" WHERE sandbox_id = s.id AND at > ? ORDER BY at, seq LIMIT 1)"
             )
             args += [t, t]
-        sql += " FROM sandboxes s"
         if tenant is not None:
             sql += " WHERE s.tenant = ?"
             args.append(tenant)
         found = self._query(sql + " ORDER BY s.created_at, s.id", tuple(args))
-        seqs = {r[f"{k}{i}"] for r in found for i in range(len(instants)) for k in "ab"}
-        seqs.discard(None)
-        rows: dict[int, MeterRow] = {}
-        ordered = sorted(seqs)
-        for start in range(0, len(ordered), 900):  # under SQLite's bound-parameter limit
-            part = ordered[start : start + 900]
-            for r in self._query(
-                f"SELECT seq, {_METER_COLUMNS} FROM transitions WHERE seq IN"
-                f" ({','.join('?' * len(part))})",
-                tuple(part),
-            ):
-                rows[r[0]] = _meter_row(tuple(r)[1:])
+        width = len(_METER_COLUMNS.split(","))
         out: builtins.list[tuple[SandboxRecord, builtins.list[Meters], MeterRow | None]] = []
         for r in found:
             rec = _row_to_record(r)
+            tail = tuple(r)[len(r) - len(columns) :]
             values: builtins.list[Meters] = []
             last: MeterRow | None = None
             for i, t in enumerate(instants):
-                before, after = rows.get(r[f"b{i}"]), rows.get(r[f"a{i}"])
+                b = tail[2 * i * width : (2 * i + 1) * width]
+                a = tail[(2 * i + 1) * width : (2 * i + 2) * width]
+                before = None if b[0] is None else _meter_row(b)
                 last = before
                 if before is None:
                     values.append(Meters())
-                elif after is None:
+                elif a[0] is None:
                     values.append(
                         extrapolate(before, t, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
                     )
                 else:
-                    values.append(interpolate(before, after, t))
+                    values.append(interpolate(before, _meter_row(a), t))
             out.append((rec, values, last))
         return out
 

@@ -61,13 +61,6 @@ def price(line: UsageLine, rates: RateCard) -> UsageLine:
     return line.model_copy(update={"cost": cost})
 
 
-def _add_meters(line: UsageLine, m: Meters) -> None:
-    line.vcpu_hours += m.vcpu_seconds / 3600
-    line.cpu_hours += m.cpu_seconds / 3600
-    line.ram_gib_hours += m.ram_gib_seconds / 3600
-    line.paused_gb_months += m.paused_byte_seconds / GB / 3600 / MONTH_HOURS
-
-
 def sync_stored(registry: Registry, paths: Paths, *, now: float | None = None) -> None:
     """Bring the registry's ledger of stored things in line with the snapshot and volume
     stores: enter (or update: size, labels, expiry) every snapshot and volume there is, and
@@ -110,38 +103,69 @@ def _group(
     return rec_id if query.by == "sandbox" else tenant
 
 
+#: the quantities a line sums, in the order :func:`_lines_for` accumulates them
+_QUANTITIES = (
+    "sandboxes",
+    "snapshots",
+    "volumes",
+    "vcpu_hours",
+    "cpu_hours",
+    "ram_gib_hours",
+    "paused_gb_months",
+    "snapshot_gb_months",
+    "volume_gib_hours",
+)
+_PAUSED = 1 / GB / 3600 / MONTH_HOURS  # byte-seconds -> GB-months
+
+
 def _lines_for(
     records: Iterable[tuple[SandboxRecord, list[Meters], Any]],
     stored: Iterable[Mapping[str, Any]],
     query: UsageQuery,
-) -> dict[str | None, UsageLine]:
+) -> list[UsageLine]:
     since, until = query.since.timestamp(), query.until.timestamp()
-    lines: dict[str | None, UsageLine] = {}
-
-    def line(key: str | None, name: str | None = None) -> UsageLine:
-        if key not in lines:
-            lines[key] = UsageLine(key=key, name=name if query.by == "sandbox" else None)
-        return lines[key]
-
+    sums: dict[str | None, list[float]] = {}
+    names: dict[str | None, str] = {}
+    zero = Meters()
     for rec, (start, end), _ in records:
         used = end - start
-        if rec.created_at >= until or (used == Meters() and rec.state is SandboxState.STOPPED):
+        if rec.created_at >= until or (used == zero and rec.state is SandboxState.STOPPED):
             continue
-        target = line(_group(rec.labels, rec.id, rec.tenant, query), rec.name)
-        target.sandboxes += 1
-        _add_meters(target, used)
+        key = _group(rec.labels, rec.id, rec.tenant, query)
+        acc = sums.setdefault(key, [0.0] * len(_QUANTITIES))
+        names.setdefault(key, rec.name)
+        acc[0] += 1
+        acc[3] += used.vcpu_seconds / 3600
+        acc[4] += used.cpu_seconds / 3600
+        acc[5] += used.ram_gib_seconds / 3600
+        acc[6] += used.paused_byte_seconds * _PAUSED
     for item in stored:
         seconds = stored_in_window(item, since, until)
         if seconds <= 0:
             continue
-        target = line(_group(item["labels"], item["id"], item["tenant"], query), item["name"])
+        key = _group(item["labels"], item["id"], item["tenant"], query)
+        acc = sums.setdefault(key, [0.0] * len(_QUANTITIES))
+        names.setdefault(key, item["name"])
         if item["kind"] == "snapshot":
-            target.snapshots += 1
-            target.snapshot_gb_months += item["bytes"] / GB * seconds / 3600 / MONTH_HOURS
+            acc[1] += 1
+            acc[7] += item["bytes"] / GB * seconds / 3600 / MONTH_HOURS
         else:
-            target.volumes += 1
-            target.volume_gib_hours += item["bytes"] / GIB * seconds / 3600
-    return lines
+            acc[2] += 1
+            acc[8] += item["bytes"] / GIB * seconds / 3600
+    by_sandbox = query.by == "sandbox"
+    return [
+        UsageLine.model_validate(
+            {
+                "key": key,
+                "name": names.get(key) if by_sandbox else None,
+                **{
+                    field: int(value) if i < 3 else value
+                    for i, (field, value) in enumerate(zip(_QUANTITIES, acc, strict=True))
+                },
+            }
+        )
+        for key, acc in sums.items()
+    ]
 
 
 def _retention(
@@ -217,23 +241,9 @@ def build(
         sync_stored(registry, paths, now=now.timestamp())
     records = registry.meters_at((query.since.timestamp(), query.until.timestamp()), tenant=tenant)
     stored = registry.stored(tenant=tenant)
-    grouped = _lines_for(records, stored, query)
-    lines = [price(line, rates) for line in grouped.values()]
+    lines = [price(line, rates) for line in _lines_for(records, stored, query)]
     lines.sort(key=lambda item: (-item.cost.total, item.key or ""))
-    total = UsageLine(key=None)
-    for item in lines:
-        for field in (
-            "sandboxes",
-            "snapshots",
-            "volumes",
-            "vcpu_hours",
-            "cpu_hours",
-            "ram_gib_hours",
-            "paused_gb_months",
-            "snapshot_gb_months",
-            "volume_gib_hours",
-        ):
-            setattr(total, field, getattr(total, field) + getattr(item, field))
+    total = UsageLine(key=None, **{f: sum(getattr(line, f) for line in lines) for f in _QUANTITIES})
     return UsageReport(
         by=query.by,
         tenant=tenant,
