@@ -16,10 +16,11 @@ honours it, and the report's ``retention`` list says what each one still to run 
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 
+from torpor.errors import NotFound
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.registry.usage import RetentionSpec, UsageReport, build
 from torpor.sandbox.storage.snapshots import SnapshotInfo
@@ -32,6 +33,15 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1", tags=["usage"])
 
 
+def _needs(manager: Any, attribute: str) -> Any:
+    """``manager.<attribute>``; a manager without it (a test double serving the HTTP layer)
+    answers NotFound, never a 500."""
+    found = getattr(manager, attribute, None)
+    if found is None:
+        raise NotFound(f"this server keeps no {attribute}", kind="feature", name=attribute)
+    return found
+
+
 @router.get("/usage")
 async def usage(
     manager: Manager,
@@ -42,8 +52,9 @@ async def usage(
 ) -> UsageReport:
     """What the tenant's sandboxes, snapshots and volumes used over ``[since, until)``, and
     what it costs by the home's rate card (``<home>/rates.json`` over the defaults)."""
+    registry, home = _needs(manager, "registry"), _needs(manager, "paths")
     return await asyncio.to_thread(
-        build, manager.registry, manager.paths, tenant=tenant, by=by, since=since, until=until
+        build, registry, home, tenant=tenant, by=by, since=since, until=until
     )
 
 
@@ -53,7 +64,7 @@ async def set_sandbox_retention(
 ) -> SandboxInfo:
     """Keep the sandbox's pause ``days`` days from when it was paused (a running sandbox:
     from its next pause); ``expires_at`` says until when."""
-    info: SandboxInfo = await manager.set_retention(id_or_name, body.days, tenant=tenant)
+    info: SandboxInfo = await _needs(manager, "set_retention")(id_or_name, body.days, tenant=tenant)
     return own(info, tenant, id_or_name)
 
 
