@@ -222,3 +222,20 @@ def test_cli_usage_json_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         finally:
             set_default_runtime(None)
             rt.close()
+
+
+def test_a_deleted_volume_stops_costing(client: TestClient, manager: SandboxManager) -> None:
+    r = client.post("/v1/volumes", json={"name": "vol-a", "size_mib": 64}, headers=A)
+    assert r.status_code == 201, r.text
+    vid = r.json()["id"]
+    report = client.get("/v1/usage", params={"since": _since()}, headers=A).json()
+    assert report["total"]["volumes"] == 1 and report["total"]["volume_gib_hours"] > 0
+    assert client.delete(f"/v1/volumes/{vid}", headers=A).status_code == 204
+    asyncio.run(Checkpoints(manager).collect_garbage())  # the periodic GC pass ends it
+    (row,) = manager.registry.stored(kind="volume")
+    assert row["id"] == vid and row["ended_at"] is not None
+    ended = row["ended_at"]
+    time.sleep(0.1)
+    later = client.get("/v1/usage", params={"since": _since()}, headers=A).json()
+    hours = later["total"]["volume_gib_hours"]
+    assert hours == pytest.approx(64 / 1024 * (ended - row["started_at"]) / 3600)

@@ -56,6 +56,7 @@ from torpor.sandbox.manager import Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.registry.usage.report import sync_stored
 from torpor.sandbox.requests import (
     ForkSpec,
     GcSpec,
@@ -459,4 +460,6 @@ class Checkpoints:
             dry_run=dry_run,
         )
         report.expired_sandboxes = expired
+        if not dry_run:  # usage bills what GC removed (and what was deleted) until now
+            await asyncio.to_thread(sync_stored, self.manager.registry, self.paths)
         return report
