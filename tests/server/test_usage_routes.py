@@ -179,6 +179,7 @@ def test_cli_usage_json_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
     from tests.client.conftest import _run
     from torpor.cli import _load, app
+    from torpor.client import Snapshot
     from torpor.client.runtime import Runtime, set_default_runtime
     from torpor.server.daemon import bind_unix_socket
 
@@ -202,6 +203,11 @@ def test_cli_usage_json_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             assert "90 days" in out.output
             bad = runner.invoke(app, ["sandbox", "retention", "agent-u-1", "400"])
             assert bad.exit_code != 0
+            snap = runner.invoke(app, ["snapshot", "create", "agent-u-1", "--name", "s1"])
+            assert snap.exit_code == 0, snap.output
+            kept = runner.invoke(app, ["snapshot", "retention", "s1", "20"])
+            assert kept.exit_code == 0 and "20 days" in kept.output, kept.output
+            assert Snapshot.get("s1", runtime=rt).info.retention_days == 20
             since = _since()
             as_json = runner.invoke(
                 app, ["usage", "--by", "label:user", "--since", since, "--json"]
@@ -209,7 +215,8 @@ def test_cli_usage_json_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             assert as_json.exit_code == 0, as_json.output
             report = json.loads(as_json.output)
             assert [line["key"] for line in report["lines"]] == ["u-1"]
-            assert report["retention"][0]["retention_days"] == 90
+            days = {item["kind"]: item["retention_days"] for item in report["retention"]}
+            assert days == {"sandbox": 90, "snapshot": 20}
             as_csv = runner.invoke(app, ["usage", "--by", "label:user", "--since", since, "--csv"])
             rows = list(csv.DictReader(io.StringIO(as_csv.output)))
             assert [r["key"] for r in rows] == ["u-1", "total"]
