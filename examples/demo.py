@@ -121,6 +121,14 @@ def second_session() -> None:
 
     sbx.pause()
     clock.lap("pause again")
+    report = sbx.runtime.usage(by="label:user")  # metered from the registry's transitions
+    clock.lap("usage report")
+    for line in report.lines:
+        print(
+            f"  usage:    user={line.key}: {line.cpu_hours * 3600:.1f} vCPU-s used of "
+            f"{line.vcpu_hours * 3600:.1f} allocated, {line.ram_gib_hours:.4f} GiB-h RAM, "
+            f"${line.cost.total:.6f} this month"
+        )
     print(
         f"\nok: the sandbox {NAME} is paused on disk; wake it with "
         f"`torpor sandbox exec {NAME} -- cat /workspace/memory.md`"

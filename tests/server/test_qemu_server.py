@@ -61,6 +61,7 @@ def test_demo_scenario_across_two_processes(home: Path) -> None:
     assert "notes:    ['prefers weekly summaries']" in proc.stdout
     assert "http:     200" in proc.stdout
     assert "(source verified: True)" in proc.stdout  # memory fact citing the sandbox's file
+    assert "usage:    user=u-42:" in proc.stdout  # metered from its transitions
     assert server_pid(home) is not None  # the auto-started server keeps running
     info = Sandbox.get("agent-u-42", runtime=Runtime(home=home, autostart=False)).info
     assert info.state.value == "paused"

@@ -47,18 +47,25 @@ def stored_in_window(item: Mapping[str, Any], since: float, until: float) -> flo
     return max(0.0, end - max(since, float(item["started_at"])))
 
 
-def price(line: UsageLine, rates: RateCard) -> UsageLine:
-    """``line`` with its costs filled in from its quantities."""
-    cpu_hours = line.cpu_hours if rates.cpu_basis == "used" else line.vcpu_hours
-    cost = Costs(
-        cpu=cpu_hours * rates.cpu_vcpu_hour,
-        memory=line.ram_gib_hours * rates.memory_gib_hour,
-        paused=line.paused_gb_months * rates.paused_gb_month,
-        snapshots=line.snapshot_gb_months * rates.snapshot_gb_month,
-        volumes=line.volume_gib_hours * rates.volume_gib_hour,
+def price(quantities: Mapping[str, Any], rates: RateCard) -> dict[str, float]:
+    """The costs (:class:`Costs` fields) of a line's ``quantities`` at ``rates``."""
+    cpu_hours = quantities["cpu_hours" if rates.cpu_basis == "used" else "vcpu_hours"]
+    cost = {
+        "cpu": cpu_hours * rates.cpu_vcpu_hour,
+        "memory": quantities["ram_gib_hours"] * rates.memory_gib_hour,
+        "paused": quantities["paused_gb_months"] * rates.paused_gb_month,
+        "snapshots": quantities["snapshot_gb_months"] * rates.snapshot_gb_month,
+        "volumes": quantities["volume_gib_hours"] * rates.volume_gib_hour,
+    }
+    cost["total"] = sum(cost.values())
+    return cost
+
+
+def _line(quantities: dict[str, Any], rates: RateCard) -> UsageLine:
+    # made without re-validation: every value here was computed by this module
+    return UsageLine.model_construct(
+        **quantities, cost=Costs.model_construct(None, **price(quantities, rates))
     )
-    cost.total = cost.cpu + cost.memory + cost.paused + cost.snapshots + cost.volumes
-    return line.model_copy(update={"cost": cost})
 
 
 def sync_stored(registry: Registry, paths: Paths, *, now: float | None = None) -> None:
@@ -122,7 +129,8 @@ def _lines_for(
     records: Iterable[tuple[SandboxRecord, list[Meters], Any]],
     stored: Iterable[Mapping[str, Any]],
     query: UsageQuery,
-) -> list[UsageLine]:
+) -> list[dict[str, Any]]:
+    """One dict of quantities per group (``key``, ``name`` and :data:`_QUANTITIES`)."""
     since, until = query.since.timestamp(), query.until.timestamp()
     sums: dict[str | None, list[float]] = {}
     names: dict[str | None, str] = {}
@@ -154,16 +162,14 @@ def _lines_for(
             acc[8] += item["bytes"] / GIB * seconds / 3600
     by_sandbox = query.by == "sandbox"
     return [
-        UsageLine.model_validate(
-            {
-                "key": key,
-                "name": names.get(key) if by_sandbox else None,
-                **{
-                    field: int(value) if i < 3 else value
-                    for i, (field, value) in enumerate(zip(_QUANTITIES, acc, strict=True))
-                },
-            }
-        )
+        {
+            "key": key,
+            "name": names.get(key) if by_sandbox else None,
+            **{
+                field: int(value) if i < 3 else value
+                for i, (field, value) in enumerate(zip(_QUANTITIES, acc, strict=True))
+            },
+        }
         for key, acc in sums.items()
     ]
 
@@ -183,7 +189,7 @@ def _retention(
         owned = int((last.owned_bytes if last is not None else 0) or 0)
         per_day = owned / GB * rates.paused_gb_month * 24 / MONTH_HOURS
         out.append(
-            RetentionCost(
+            RetentionCost.model_construct(
                 kind="sandbox",
                 id=rec.id,
                 name=rec.name,
@@ -203,7 +209,7 @@ def _retention(
             continue
         per_day = item["bytes"] / GB * rates.snapshot_gb_month * 24 / MONTH_HOURS
         out.append(
-            RetentionCost(
+            RetentionCost.model_construct(
                 kind="snapshot",
                 id=item["id"],
                 name=item["name"],
@@ -241,9 +247,11 @@ def build(
         sync_stored(registry, paths, now=now.timestamp())
     records = registry.meters_at((query.since.timestamp(), query.until.timestamp()), tenant=tenant)
     stored = registry.stored(tenant=tenant)
-    lines = [price(line, rates) for line in _lines_for(records, stored, query)]
+    groups = _lines_for(records, stored, query)
+    lines = [_line(group, rates) for group in groups]
     lines.sort(key=lambda item: (-item.cost.total, item.key or ""))
-    total = UsageLine(key=None, **{f: sum(getattr(line, f) for line in lines) for f in _QUANTITIES})
+    total = {"key": None, "name": None}
+    total.update({f: sum(group[f] for group in groups) for f in _QUANTITIES})
     return UsageReport(
         by=query.by,
         tenant=tenant,
@@ -251,6 +259,6 @@ def build(
         until=query.until,
         rates=rates,
         lines=lines,
-        total=price(total, rates),
+        total=_line(total, rates),
         retention=_retention(records, stored, query, rates, now.timestamp()),
     )
