@@ -589,13 +589,16 @@ class Registry:
         sql = "SELECT s.*, " + ", ".join(columns) + " FROM sandboxes s"
         args: builtins.list[Any] = []
         for i, t in enumerate(instants):
+            # a sandbox created at or after t has used nothing by then: no seek for it
             sql += (
-                f" LEFT JOIN transitions b{i} ON b{i}.seq = (SELECT seq FROM transitions"
-                f" WHERE sandbox_id = s.id AND at <= ? ORDER BY at DESC, seq DESC LIMIT 1)"
-                f" LEFT JOIN transitions a{i} ON a{i}.seq = (SELECT seq FROM transitions"
-                f" WHERE sandbox_id = s.id AND at > ? ORDER BY at, seq LIMIT 1)"
+                f" LEFT JOIN transitions b{i} ON b{i}.seq = CASE WHEN s.created_at >= ? THEN NULL"
+                f" ELSE (SELECT seq FROM transitions WHERE sandbox_id = s.id AND at <= ?"
+                f" ORDER BY at DESC, seq DESC LIMIT 1) END"
+                f" LEFT JOIN transitions a{i} ON a{i}.seq = CASE WHEN s.created_at >= ? THEN NULL"
+                f" ELSE (SELECT seq FROM transitions WHERE sandbox_id = s.id AND at > ?"
+                f" ORDER BY at, seq LIMIT 1) END"
             )
-            args += [t, t]
+            args += [t, t, t, t]
         if tenant is not None:
             sql += " WHERE s.tenant = ?"
             args.append(tenant)
