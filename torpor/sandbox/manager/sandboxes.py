@@ -46,6 +46,7 @@ from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.registry.repair import orphans
 from torpor.sandbox.requests import CodeSpec, CommandSpec, SandboxOptions, check_guest_path
+from torpor.sandbox.storage.relocate import relocate
 from torpor.types import OutputCallback
 
 __all__ = ["SandboxManager"]
@@ -406,6 +407,7 @@ class SandboxManager(ManagerCore):
         row: the registry was deleted or truncated, and starting would orphan them (``torpor
         doctor --repair`` rebuilds the rows; see :mod:`torpor.sandbox.registry.repair`)."""
         self._check_open()
+        relocate(self.paths)  # a copied or moved home points its stored paths at itself
         lost = orphans(self.paths, self.registry)
         if lost:
             raise CorruptData(

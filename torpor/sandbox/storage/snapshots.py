@@ -48,8 +48,15 @@ from torpor.errors import (
 )
 from torpor.sandbox.requests import MAX_RETENTION_DAYS
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest
-from torpor.sandbox.storage.records import write_record
-from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, is_qcow2, new_overlay, rebase
+from torpor.sandbox.storage.records import rewrite_prefix, write_record
+from torpor.sandbox.vm.disk import (
+    copy_sparse,
+    fsync_dir,
+    is_qcow2,
+    new_overlay,
+    rebase,
+    set_backing,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -403,6 +410,19 @@ class SnapshotStore:
             snapshot_id=sid,
         )
 
+    def rewrite_paths(self, old: str, new: str) -> int:
+        """Move every path a manifest stores under directory ``old`` to ``new`` (the home was
+        moved: :mod:`torpor.sandbox.storage.relocate`), with a fresh digest. Returns how many
+        manifests changed. Raises StorageError."""
+        changed = 0
+        with self.lock(exclusive=True):
+            for info, body in self.manifests():
+                moved = rewrite_prefix(body, old, new)
+                if moved != body:
+                    self._write_manifest(info.id, moved)
+                    changed += 1
+        return changed
+
     def delete(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
         """Remove a snapshot's manifest (its chunks go at the next GC). Raises SnapshotNotFound."""
         info = self.get(id_or_name, tenant=tenant, include_expired=True)
@@ -509,6 +529,10 @@ class SnapshotStore:
                 self.chunks.restore_file(
                     FileManifest.from_json(fm), tmp / name, snapshot_id=info.id
                 )
+                anchor_id = body.get("anchors", {}).get(name)
+                if anchor_id is not None and backing_file(tmp / name) != Path(anchor_id["path"]):
+                    # the manifest is what says where the template disk is (a moved home)
+                    set_backing(tmp / name, Path(anchor_id["path"]))
             final = self.frozen_root / fid
             os.rename(tmp, final)
         except OSError as exc:
