@@ -225,7 +225,7 @@ class ManagerCore:
         )
         return (
             f"RAM and processes since {_iso(since)} (the last wake); disk kept, "
-            "minus writes the guest had not flushed"
+            "minus writes the guest had not flushed (its files can still be read)"
         )
 
     def lost(self, rec: SandboxRecord) -> StateLost:

@@ -37,6 +37,7 @@ from torpor.errors import (
     EngineError,
     GuestError,
     SandboxNotFound,
+    StateLost,
     TorporError,
 )
 from torpor.sandbox.engine import Channel, MachineConfig
@@ -47,11 +48,23 @@ from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.registry.repair import orphans
 from torpor.sandbox.requests import CodeSpec, CommandSpec, SandboxOptions, check_guest_path
 from torpor.sandbox.storage.relocate import relocate
+from torpor.sandbox.storage.volume_files import read_disk_file
 from torpor.types import OutputCallback
 
 __all__ = ["SandboxManager"]
 
 log = logging.getLogger(__name__)
+
+
+async def _stopped(machine: Any, grace: float = 0.2) -> bool:
+    """Whether ``machine``'s QEMU has exited, giving a process that is being killed
+    ``grace`` seconds to be gone (a broken channel is often the first sign of its death)."""
+    deadline = time.monotonic() + grace
+    while machine.is_running():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 class SandboxManager(ManagerCore):
@@ -263,10 +276,14 @@ class SandboxManager(ManagerCore):
             live.busy += 1  # from here on, the finally below releases it
         try:
             yield channel
-        except (GuestError, EngineError):
+        except (GuestError, EngineError) as exc:
             machine = live.machine
-            if machine is not None and not machine.is_running():
+            if machine is not None and await _stopped(machine):
+                # the call saw its machine die: say what that lost, not "connection broke"
                 await self._machine_died(rec.id, live)
+                now = self.registry.get(rec.id)
+                if now.state is S.ERROR:
+                    raise self.lost(now) from exc
             raise
         finally:
             live.busy -= 1
@@ -312,10 +329,22 @@ class SandboxManager(ManagerCore):
             return await ch.run_code(spec, on_stdout=on_stdout, on_stderr=on_stderr)
 
     async def read_file(self, id_or_name: str, path: str, *, tenant: str = "default") -> bytes:
-        """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path)."""
+        """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path).
+
+        A sandbox that lost its machine (``error``, StateLost: "disk kept") is still read,
+        from the disk it kept: what the guest had written to it (committed journal
+        included). Every other call on it raises StateLost."""
         check_guest_path(path)
-        async with self._use(tenant, id_or_name) as ch:
-            return await ch.read_file(path)
+        try:
+            async with self._use(tenant, id_or_name) as ch:
+                return await ch.read_file(path)
+        except StateLost:
+            rec = self._find(tenant, id_or_name)
+            disk = self.directory(rec.id) / "disk.qcow2"
+            if rec.state is not S.ERROR or not disk.exists():
+                raise
+            async with self.live(rec.id).lock:  # nothing wakes or deletes it meanwhile
+                return await asyncio.to_thread(read_disk_file, disk, path)
 
     async def write_file(
         self, id_or_name: str, path: str, data: bytes | str, *, tenant: str = "default"
