@@ -134,7 +134,7 @@ class S3Server:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(3)
+                proc.wait(2)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)

@@ -7,7 +7,9 @@ What goes, in this order (each step only removes what nothing references):
    a fork's or restore's children run on qcow2 overlays backed by a frozen layer, so a frozen
    layer lives exactly as long as some sandbox dir (or another live frozen layer) names it;
 3. **chunks** that no manifest names (a manifest that fails its digest still protects every
-   chunk it names: GC never turns a corrupt snapshot into a lost one);
+   chunk it names: GC never turns a corrupt snapshot into a lost one) — mark-and-sweep:
+   the manifests give the mark set, :meth:`ChunkStore.sweep` the rest. A store shared by
+   many nodes (``s3://``) is not swept from one home, whose manifests are its own only;
 4. **attachments** of volumes and drives held by sandboxes that no longer exist;
 5. leftovers of interrupted work (``.*.tmp``, ``.*.work``) older than an hour.
 
@@ -182,15 +184,18 @@ def collect_garbage(
                     if info.id not in expired:
                         for fm in body["files"].values():
                             named |= FileManifest.from_json(fm).hashes()
-            for digest in list(store.chunks):
-                if digest in named:
-                    report.kept_chunks += 1
-                    continue
-                report.removed_chunks += 1
-                if dry_run:
-                    report.freed_bytes += store.chunks.path_of(digest).stat().st_size
-                else:
-                    report.freed_bytes += store.chunks.remove(digest)
+            if store.chunks.backend.shared:
+                # the manifests here are this node's only: a sweep would take other nodes'
+                # chunks. A shared store is swept with the cluster's whole mark set.
+                log.info(
+                    "gc: %s is shared; its chunks are not swept from one home",
+                    store.chunks.location,
+                )
+            else:
+                swept = store.chunks.sweep(named, dry_run=dry_run)
+                report.removed_chunks += swept.removed
+                report.kept_chunks += swept.kept
+                report.freed_bytes += swept.freed_bytes
             for p in _leftovers(store.root, time.time()) + _leftovers(paths.chunks, time.time()):
                 report.freed_bytes += _du(p)
                 if not dry_run:

@@ -47,7 +47,7 @@ from torpor.errors import (
     StorageError,
 )
 from torpor.sandbox.requests import MAX_RETENTION_DAYS
-from torpor.sandbox.storage.chunks import ChunkStore, FileManifest
+from torpor.sandbox.storage.chunks import STORE_ENV, ChunkStore, FileManifest, open_chunk_store
 from torpor.sandbox.storage.records import write_record
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, is_qcow2, new_overlay, rebase
 
@@ -264,13 +264,17 @@ def _identity(path: Path) -> dict[str, Any]:
 
 class SnapshotStore:
     """Stored snapshots of one torpor home: manifests under ``snapshots/``, chunks in
-    ``chunks/``."""
+    ``chunks/`` (or in the store ``$TORPOR_STORE`` names, e.g. ``s3://bucket/prefix``: see
+    :func:`~torpor.sandbox.storage.chunks.open_chunk_store`)."""
 
     def __init__(self, paths: Paths, *, chunks: ChunkStore | None = None) -> None:
         self.paths = paths
         self.root = paths.snapshots
         self.frozen_root = paths.snapshots / "frozen"
-        self.chunks = chunks or ChunkStore(paths.chunks)
+        if chunks is None:
+            url = os.environ.get(STORE_ENV)
+            chunks = open_chunk_store(url, paths.home) if url else ChunkStore(paths.chunks)
+        self.chunks = chunks
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- locking: saves share the store, GC takes it alone, names commit one at a time --------
