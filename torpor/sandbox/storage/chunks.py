@@ -40,6 +40,7 @@ from typing import Any
 
 import zstandard
 
+from torpor.config import Paths
 from torpor.errors import CorruptData, InvalidArgument, StorageError
 from torpor.sandbox.storage.chunk_backends import (
     ChunkBackend,
@@ -55,6 +56,7 @@ __all__ = [
     "ChunkStore",
     "FileManifest",
     "SweepReport",
+    "home_chunk_store",
     "open_chunk_store",
 ]
 
@@ -314,12 +316,12 @@ class ChunkStore:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 count = -(-size // self.chunk_size)
-                data_ranges = _data_ranges(f.fileno(), size)
+                extents = data_ranges(f.fileno(), size)
 
                 def work(index: int) -> tuple[str | None, int]:
                     start = index * self.chunk_size
                     length = min(self.chunk_size, size - start)
-                    if not _overlaps(data_ranges, start, start + length):
+                    if not overlaps(extents, start, start + length):
                         return None, 0
                     data = os.pread(f.fileno(), length, start)
                     if len(data) != length:
@@ -388,7 +390,7 @@ class ChunkStore:
             ) from exc
 
 
-def _data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
+def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
     """The (start, end) extents of ``fd`` that hold data, found with SEEK_DATA/SEEK_HOLE."""
     ranges: list[tuple[int, int]] = []
     pos = 0
@@ -406,7 +408,7 @@ def _data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+def overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
     # Ranges are sorted and disjoint: the first one ending after ``start`` decides.
     i = bisect.bisect_right(ranges, (start, start))
     if i > 0 and ranges[i - 1][1] > start:
@@ -463,3 +465,10 @@ def open_chunk_store(
     )
     # remote requests wait on the network, not the CPU: more of them in flight
     return ChunkStore(backend=backend, workers=8)
+
+
+def home_chunk_store(paths: Paths) -> ChunkStore:
+    """The chunk store of the home ``paths``: ``$TORPOR_STORE`` when set, else ``chunks/``.
+    Raises as :func:`open_chunk_store`."""
+    url = os.environ.get(STORE_ENV)
+    return open_chunk_store(url, paths.home) if url else ChunkStore(paths.chunks)

@@ -9,7 +9,8 @@ What goes, in this order (each step only removes what nothing references):
 3. **chunks** that no manifest names (a manifest that fails its digest still protects every
    chunk it names: GC never turns a corrupt snapshot into a lost one) — mark-and-sweep:
    the manifests give the mark set, :meth:`ChunkStore.sweep` the rest. A store shared by
-   many nodes (``s3://``) is not swept from one home, whose manifests are its own only;
+   many nodes (``s3://``) is not swept from one home, whose manifests are its own only.
+   Compacted paused sandboxes (:mod:`.compaction`) mark the chunks of their RAM;
 4. **attachments** of volumes and drives held by sandboxes that no longer exist;
 5. leftovers of interrupted work (``.*.tmp``, ``.*.work``) older than an hour.
 
@@ -33,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from torpor.config import Paths
-from torpor.errors import StorageError
+from torpor.errors import CorruptData, StorageError
 from torpor.sandbox.storage.chunks import FileManifest
+from torpor.sandbox.storage.compaction import referenced_by_compacted
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain
 from torpor.sandbox.storage.volumes import VolumeStore
@@ -184,7 +186,14 @@ def collect_garbage(
                     if info.id not in expired:
                         for fm in body["files"].values():
                             named |= FileManifest.from_json(fm).hashes()
-            if store.chunks.backend.shared:
+            try:  # compacted paused sandboxes keep their RAM's chunks
+                named |= set(referenced_by_compacted(paths.sandboxes))
+                compacted: CorruptData | None = None
+            except CorruptData as exc:
+                compacted = exc
+            if compacted is not None:
+                log.error("gc: %s; no chunk is swept until it is fixed", compacted)
+            elif store.chunks.backend.shared:
                 # the manifests here are this node's only: a sweep would take other nodes'
                 # chunks. A shared store is swept with the cluster's whole mark set.
                 log.info(

@@ -47,7 +47,8 @@ from torpor.errors import (
     StorageError,
 )
 from torpor.sandbox.requests import MAX_RETENTION_DAYS
-from torpor.sandbox.storage.chunks import STORE_ENV, ChunkStore, FileManifest, open_chunk_store
+from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, home_chunk_store
+from torpor.sandbox.storage.compaction import MARKER as COMPACTED_MARKER
 from torpor.sandbox.storage.records import write_record
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, is_qcow2, new_overlay, rebase
 
@@ -190,6 +191,12 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
     the link before the machine runs again (a fork). On failure the machine dir is left as it
     was and no frozen dir remains. Raises StorageError / EngineError.
     """
+    if (machine_dir / COMPACTED_MARKER).is_file():
+        # its RAM file is an empty shell until expanded (storage.compaction.expand)
+        raise StorageError(
+            f"{machine_dir} is compacted: expand its RAM from the chunk store before freezing",
+            path=str(machine_dir),
+        )
     frozen_root.mkdir(parents=True, exist_ok=True)
     fid = f"frz-{uuid.uuid4().hex[:12]}"
     tmp = frozen_root / f".{fid}.tmp"
@@ -271,10 +278,7 @@ class SnapshotStore:
         self.paths = paths
         self.root = paths.snapshots
         self.frozen_root = paths.snapshots / "frozen"
-        if chunks is None:
-            url = os.environ.get(STORE_ENV)
-            chunks = open_chunk_store(url, paths.home) if url else ChunkStore(paths.chunks)
-        self.chunks = chunks
+        self.chunks = chunks or home_chunk_store(paths)
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- locking: saves share the store, GC takes it alone, names commit one at a time --------
