@@ -1,0 +1,417 @@
+"""The sandbox registry on PostgreSQL: the same interface as the SQLite
+:class:`~torpor.sandbox.registry.Registry`, for many nodes sharing one registry.
+
+Tables live in their own schema, ``torpor_registry`` (the memory store's is ``torpor``, so both
+can share one database): ``sandboxes`` (one row per sandbox, the same columns as SQLite's),
+``transitions`` (the append-only log) and ``schema_version``. A state change and its log entry
+are one transaction, compare-and-set on the old state (``UPDATE ... WHERE state = old``), so
+two nodes racing to move one sandbox cannot both win: the loser gets InvalidState. Names are
+unique per tenant among sandboxes that are not stopped (a partial unique index).
+
+Migrations are versioned (``schema_version``), each step in one transaction under an advisory
+lock, so two nodes starting at once migrate once. A database newer than this torpor is refused.
+
+A dropped connection (PostgreSQL restarted) is reopened on the next call; a call that fails
+that way raises StorageError and may be retried. psycopg is imported only when this registry is
+opened (the ``postgres`` extra).
+
+Not here yet (issue 9 part 1): nodes, leases, snapshots, volumes, drives and usage tables.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from torpor.config import check_name
+from torpor.errors import Conflict, InvalidArgument, SandboxNotFound, StorageError
+from torpor.sandbox.models import SandboxState
+from torpor.sandbox.registry.lifecycle import Transition, check_transition
+from torpor.sandbox.registry.sqlite import (
+    _UNSET,
+    SandboxRecord,
+    _check_labels,
+    _moved,
+    _Unset,
+)
+
+__all__ = ["PG_SCHEMA_VERSION", "PostgresRegistry"]
+
+log = logging.getLogger(__name__)
+
+PG_SCHEMA_VERSION = 1
+_MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
+
+_BOOTSTRAP = """
+CREATE SCHEMA IF NOT EXISTS torpor_registry;
+CREATE TABLE IF NOT EXISTS torpor_registry.schema_version (
+    version     INTEGER PRIMARY KEY,
+    applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+"""
+
+_SCHEMA_V1 = """
+CREATE TABLE torpor_registry.sandboxes (
+    id                   TEXT PRIMARY KEY,
+    tenant               TEXT NOT NULL,
+    name                 TEXT NOT NULL,
+    template             TEXT NOT NULL,
+    state                TEXT NOT NULL,
+    labels               TEXT NOT NULL DEFAULT '{}',
+    spec                 TEXT NOT NULL DEFAULT '{}',
+    idle_pause_seconds   INTEGER,
+    pause_retention_days INTEGER NOT NULL DEFAULT 30,
+    created_at           DOUBLE PRECISION NOT NULL,
+    last_active_at       DOUBLE PRECISION NOT NULL,
+    paused_at            DOUBLE PRECISION,
+    error                TEXT
+);
+CREATE UNIQUE INDEX sandboxes_live_name ON torpor_registry.sandboxes (tenant, name)
+    WHERE state <> 'stopped';
+CREATE INDEX sandboxes_state ON torpor_registry.sandboxes (state);
+CREATE TABLE torpor_registry.transitions (
+    seq        BIGSERIAL PRIMARY KEY,
+    sandbox_id TEXT NOT NULL,
+    src        TEXT,
+    dst        TEXT NOT NULL,
+    at         DOUBLE PRECISION NOT NULL,
+    reason     TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX transitions_sandbox ON torpor_registry.transitions (sandbox_id, seq);
+"""
+
+#: version -> the script that brings the schema from the previous version to it
+_MIGRATIONS = {1: _SCHEMA_V1}
+
+_COLUMNS = (
+    "id, tenant, name, template, state, labels, spec, idle_pause_seconds, "
+    "pause_retention_days, created_at, last_active_at, paused_at, error"
+)
+
+
+def _row_to_record(row: tuple[Any, ...]) -> SandboxRecord:
+    (
+        id_,
+        tenant,
+        name,
+        template,
+        state,
+        labels,
+        spec_text,
+        idle,
+        retention,
+        created,
+        active,
+        paused,
+        error,
+    ) = row
+    spec = json.loads(spec_text or "{}")
+    return SandboxRecord(
+        id=id_,
+        tenant=tenant,
+        name=name,
+        template=template,
+        state=SandboxState(state),
+        labels=json.loads(labels or "{}"),
+        vcpus=int(spec.get("vcpus", 1)),
+        memory_mib=int(spec.get("memory_mib", 512)),
+        idle_pause_seconds=idle,
+        pause_retention_days=retention,
+        created_at=created,
+        last_active_at=active,
+        paused_at=paused,
+        error=error,
+    )
+
+
+class PostgresRegistry:
+    """The registry of sandboxes in PostgreSQL at ``dsn``; see the module docstring.
+    Thread-safe (one connection behind a lock, reopened when it drops).
+
+    Every method raises :class:`StorageError` when PostgreSQL fails; lookups raise
+    :class:`SandboxNotFound`; a taken name raises :class:`Conflict`.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self._lock = threading.RLock()
+        self._conn: Any = None
+        with self._lock:
+            try:
+                self._migrate(self._connection())
+            except StorageError:
+                raise
+            except Exception as exc:
+                raise StorageError(f"cannot open the registry database: {exc}", exc=exc) from exc
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _connection(self) -> Any:
+        import psycopg
+
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            try:
+                self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
+            except psycopg.Error as exc:
+                raise StorageError(
+                    f"cannot connect to the registry database: {exc}", exc=exc
+                ) from exc
+        return self._conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[Any]:
+        """One transaction; psycopg errors become StorageError (Conflict for a taken name)."""
+        import psycopg
+
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction():
+                    yield conn
+            except psycopg.errors.UniqueViolation as exc:
+                raise Conflict(f"registry constraint failed: {exc}", exc=exc) from exc
+            except psycopg.Error as exc:
+                raise StorageError(f"registry error: {exc}", exc=exc) from exc
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> builtins.list[tuple[Any, ...]]:
+        import psycopg
+
+        with self._lock:
+            try:
+                return list(self._connection().execute(sql.encode(), args).fetchall())
+            except psycopg.Error as exc:
+                raise StorageError(f"registry error: {exc}", exc=exc) from exc
+
+    def _migrate(self, conn: Any) -> None:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            conn.execute(_BOOTSTRAP.encode())
+        version = self.schema_version
+        if version > PG_SCHEMA_VERSION:
+            raise StorageError(
+                f"the registry database has schema version {version}, newer than this torpor "
+                f"({PG_SCHEMA_VERSION})"
+            )
+        while version < PG_SCHEMA_VERSION:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+                version = self.schema_version  # another node may have migrated meanwhile
+                if version >= PG_SCHEMA_VERSION:
+                    break
+                conn.execute(_MIGRATIONS[version + 1].encode())
+                conn.execute(
+                    "INSERT INTO torpor_registry.schema_version (version) VALUES (%s)",
+                    (version + 1,),
+                )
+                version += 1
+                log.info("registry (postgres): migrated to schema version %d", version)
+
+    @property
+    def schema_version(self) -> int:
+        rows = self._query("SELECT coalesce(max(version), 0) FROM torpor_registry.schema_version")
+        return int(rows[0][0])
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def insert(self, rec: SandboxRecord, *, reason: str = "create") -> None:
+        """Add a sandbox and log its first state. Raises InvalidName, InvalidArgument,
+        Conflict (name taken by a live sandbox of the tenant) or StorageError."""
+        check_name(rec.name, "sandbox name")
+        labels = _check_labels(rec.labels)
+        spec = json.dumps({"vcpus": rec.vcpus, "memory_mib": rec.memory_mib})
+        try:
+            with self._tx() as db:
+                db.execute(
+                    f"INSERT INTO torpor_registry.sandboxes ({_COLUMNS}) VALUES "
+                    "(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                    (
+                        rec.id,
+                        rec.tenant,
+                        rec.name,
+                        rec.template,
+                        rec.state.value,
+                        json.dumps(labels, sort_keys=True),
+                        spec,
+                        rec.idle_pause_seconds,
+                        rec.pause_retention_days,
+                        rec.created_at,
+                        rec.last_active_at,
+                        rec.paused_at,
+                        rec.error,
+                    ),
+                )
+                db.execute(
+                    "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
+                    " VALUES (%s,%s,%s,%s,%s)",
+                    (rec.id, None, rec.state.value, rec.created_at, reason),
+                )
+        except Conflict as exc:
+            raise Conflict(
+                f"a sandbox named {rec.name!r} already exists",
+                exc=exc.exc,
+                name=rec.name,
+                tenant=rec.tenant,
+            ) from exc
+
+    def set_state(
+        self,
+        sandbox_id: str,
+        src: SandboxState,
+        dst: SandboxState,
+        *,
+        reason: str = "",
+        at: float | None = None,
+        **columns: Any,
+    ) -> Transition:
+        """Move ``sandbox_id`` from ``src`` to ``dst`` (compare-and-set) and log it; ``columns``
+        (``paused_at``, ``error``, ``last_active_at``) are updated in the same transaction.
+
+        Raises InvalidState/SandboxClosed for an illegal move or when the row is no longer in
+        ``src`` (another node moved it), SandboxNotFound, or StorageError.
+        """
+        check_transition(sandbox_id, src, dst)
+        allowed = {"paused_at", "error", "last_active_at"}
+        if not set(columns) <= allowed:
+            raise InvalidArgument(f"cannot set {sorted(set(columns) - allowed)}")
+        when = time.time() if at is None else at
+        sets = ", ".join(["state = %s"] + [f"{c} = %s" for c in columns])  # names from above
+        with self._tx() as db:
+            cur = db.execute(
+                f"UPDATE torpor_registry.sandboxes SET {sets} WHERE id = %s AND state = %s",
+                (dst.value, *columns.values(), sandbox_id, src.value),
+            )
+            if cur.rowcount != 1:
+                row = db.execute(
+                    "SELECT state FROM torpor_registry.sandboxes WHERE id = %s", (sandbox_id,)
+                ).fetchone()
+                if row is None:
+                    raise SandboxNotFound(
+                        f"no sandbox {sandbox_id}", kind="sandbox", name=sandbox_id
+                    )
+                check_transition(sandbox_id, SandboxState(row[0]), dst)
+                raise _moved(sandbox_id, SandboxState(row[0]), src)
+            db.execute(
+                "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
+                " VALUES (%s,%s,%s,%s,%s)",
+                (sandbox_id, src.value, dst.value, when, reason),
+            )
+        return Transition(sandbox_id, src, dst, when, reason)
+
+    def touch(self, sandbox_id: str, at: float | None = None) -> None:
+        """Set ``last_active_at`` (the idle clock) to ``at`` (default: now), without waiting
+        for the WAL flush (``synchronous_commit = off``: a clock a little behind after a crash
+        only delays an idle pause)."""
+        with self._tx() as db:
+            db.execute("SET LOCAL synchronous_commit = off")
+            db.execute(
+                "UPDATE torpor_registry.sandboxes SET last_active_at = %s WHERE id = %s",
+                (time.time() if at is None else at, sandbox_id),
+            )
+
+    def update_settings(
+        self,
+        sandbox_id: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        idle_pause_seconds: int | _Unset | None = _UNSET,
+        pause_retention_days: int | None = None,
+    ) -> None:
+        """Change what may change of a live sandbox: its labels (replaced), idle pause (None:
+        never) and pause retention; what is not given stays. Raises InvalidArgument or
+        StorageError."""
+        columns: dict[str, Any] = {}
+        if labels is not None:
+            columns["labels"] = json.dumps(_check_labels(labels), sort_keys=True)
+        if not isinstance(idle_pause_seconds, _Unset):
+            columns["idle_pause_seconds"] = idle_pause_seconds
+        if pause_retention_days is not None:
+            columns["pause_retention_days"] = pause_retention_days
+        if not columns:
+            return
+        assignments = ", ".join(f"{column} = %s" for column in columns)  # names from this code
+        with self._tx() as db:
+            db.execute(
+                f"UPDATE torpor_registry.sandboxes SET {assignments} WHERE id = %s",
+                (*columns.values(), sandbox_id),
+            )
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        """The row of ``sandbox_id``. Raises SandboxNotFound."""
+        rows = self._query(
+            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes WHERE id = %s", (sandbox_id,)
+        )
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
+        return _row_to_record(rows[0])
+
+    def find(self, tenant: str, id_or_name: str) -> SandboxRecord:
+        """A tenant's sandbox by id, else by name (the live one, else the latest killed one).
+        Raises SandboxNotFound (also for another tenant's id)."""
+        rows = self._query(
+            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes"
+            " WHERE tenant = %s AND (id = %s OR name = %s)"
+            " ORDER BY (id = %s) DESC, (state <> 'stopped') DESC, created_at DESC LIMIT 1",
+            (tenant, id_or_name, id_or_name, id_or_name),
+        )
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {id_or_name!r}", kind="sandbox", name=id_or_name)
+        return _row_to_record(rows[0])
+
+    def live_by_name(self, tenant: str, name: str) -> SandboxRecord | None:
+        """The tenant's sandbox called ``name`` that is not stopped, or None."""
+        rows = self._query(
+            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes"
+            " WHERE tenant = %s AND name = %s AND state <> 'stopped'",
+            (tenant, name),
+        )
+        return _row_to_record(rows[0]) if rows else None
+
+    def list(
+        self,
+        *,
+        tenant: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        states: set[SandboxState] | None = None,
+    ) -> builtins.list[SandboxRecord]:
+        """Sandboxes, oldest first, filtered by tenant, states and labels (all must match)."""
+        sql = f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes WHERE true"
+        args: builtins.list[Any] = []
+        if tenant is not None:
+            sql += " AND tenant = %s"
+            args.append(tenant)
+        if states is not None:
+            sql += " AND state = ANY(%s)"
+            args.append([s.value for s in states])
+        rows = [
+            _row_to_record(r) for r in self._query(sql + " ORDER BY created_at, id", tuple(args))
+        ]
+        # labels matched in Python, exactly as the SQLite registry does
+        wanted = dict(labels or {})
+        return [r for r in rows if all(r.labels.get(k) == v for k, v in wanted.items())]
+
+    def transitions(self, sandbox_id: str) -> builtins.list[Transition]:
+        """Every recorded transition of a sandbox, in order."""
+        rows = self._query(
+            "SELECT sandbox_id, src, dst, at, reason FROM torpor_registry.transitions"
+            " WHERE sandbox_id = %s ORDER BY seq",
+            (sandbox_id,),
+        )
+        return [
+            Transition(sid, SandboxState(src) if src else None, SandboxState(dst), at, reason)
+            for sid, src, dst, at, reason in rows
+        ]
