@@ -15,6 +15,7 @@ import pytest
 from tests.sandbox.fakes import FakeEngine
 from torpor.config import Paths, paths
 from torpor.errors import CorruptData, StorageError
+from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.storage.chunks import ChunkStore
 from torpor.sandbox.storage.compaction import (
@@ -189,7 +190,20 @@ def test_manager_compacts_long_paused_sandboxes_and_wakes_them(tmp_path: Path) -
             run = await mgr.run_code("agent", "notes")  # wakes it: the RAM is rebuilt first
             assert run.results[0].data["text/plain"] == "[1, 2]"
             assert not is_compacted(directory)
+
+            # a snapshot of a compacted paused sandbox expands it first, and restores whole
+            await mgr.pause("agent")
+            await mgr.compact_sweep()
+            assert is_compacted(directory)
+            cp = Checkpoints(mgr)
+            snap = await cp.snapshot(info.id, name="from-compacted")
+            assert not is_compacted(directory)
+            restored = await cp.restore(snap.id)
+            out = await mgr.run_code(restored.id, "notes")
+            assert out.results[0].data["text/plain"] == "[1, 2]"
         finally:
+            for sandbox in await mgr.list():
+                await mgr.kill(sandbox.id)
             await mgr.close(pause=False)
 
     asyncio.run(main())
@@ -230,7 +244,20 @@ def test_compacted_sandbox_wakes_with_its_ram(qemu_home: Path) -> None:
             run = await mgr.run_code("agent", "notes")
             assert run.results[0].data["text/plain"] == "[1, 2]"
             assert not is_compacted(directory)
+
+            # a snapshot of a compacted paused sandbox expands it first, and restores whole
+            await mgr.pause("agent")
+            await mgr.compact_sweep()
+            assert is_compacted(directory)
+            cp = Checkpoints(mgr)
+            snap = await cp.snapshot(info.id, name="from-compacted")
+            assert not is_compacted(directory)
+            restored = await cp.restore(snap.id)
+            out = await mgr.run_code(restored.id, "notes")
+            assert out.results[0].data["text/plain"] == "[1, 2]"
         finally:
+            for sandbox in await mgr.list():
+                await mgr.kill(sandbox.id)
             await mgr.close(pause=False)
 
     asyncio.run(main())
