@@ -415,3 +415,57 @@ def test_default_store_is_the_local_directory(tmp_path: Path) -> None:
     digest, _ = store.put(b"local")
     assert store.path_of(digest).is_file()
     assert json.loads(json.dumps(sorted(store))) == [digest]
+
+
+# -- a process killed mid-upload --------------------------------------------------------------
+
+_UPLOADER = """
+import sys
+from pathlib import Path
+from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
+store = open_chunk_store(sys.argv[1], Path(sys.argv[2]))
+store.workers = 1  # one chunk at a time: slow enough to be killed half-way
+store.put_file(Path(sys.argv[3]))
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.s3
+def test_upload_killed_half_way_leaves_whole_objects_and_a_retry_completes(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    src = tmp_path / "ram"
+    src.write_bytes(os.urandom(48 * (256 << 10)))  # 48 chunks of the default size
+    url = f"s3://{s3_bucket}/killed"
+    env = {**os.environ, **s3_server.env(), "PYTHONPATH": str(Path(__file__).parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _UPLOADER, url, str(tmp_path / "home"), str(src)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_keys(s3_server, s3_bucket, "killed/chunks/")) < 3:
+            assert proc.poll() is None, "the uploader ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    partial = _keys(s3_server, s3_bucket, "killed/chunks/")
+    assert 3 <= len(partial) < 48
+
+    store = open_chunk_store(url, tmp_path / "home2", client=s3_server.client())
+    for key in partial:  # every object there is whole: a PUT is atomic
+        assert store.verify(key.rsplit("/", 1)[1][:-4])
+    fm = store.put_file(src)  # the retry uploads only what is missing
+    assert len(_keys(s3_server, s3_bucket, "killed/chunks/")) == 48
+    assert fm.new_bytes < 48 * (256 << 10)
+    out = tmp_path / "out"
+    store.restore_file(fm, out)
+    assert out.read_bytes() == src.read_bytes()
