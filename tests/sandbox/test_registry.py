@@ -21,13 +21,14 @@ from torpor.errors import (
     InvalidArgument,
     InvalidName,
     InvalidState,
+    NotFound,
     SandboxClosed,
     SandboxNotFound,
     StorageError,
 )
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SCHEMA_VERSION, Registry, SandboxRecord
-from torpor.sandbox.registry.postgres import PG_SCHEMA_VERSION, PostgresRegistry
+from torpor.sandbox.registry.postgres import PG_SCHEMA_VERSION, NodeInfo, PostgresRegistry
 
 AnyRegistry = Registry | PostgresRegistry
 
@@ -297,3 +298,99 @@ def test_postgres_dropped_connection_is_reopened(pg_dsn: str) -> None:
 def test_postgres_unreachable_is_storage_error(tmp_path: Path) -> None:
     with pytest.raises(StorageError):
         PostgresRegistry(f"postgresql://nobody@/x?host={tmp_path}&connect_timeout=2")
+
+
+# -- PostgreSQL only: nodes and leases (schema v2) --------------------------------------------
+
+
+def _node(name: str, **kw: object) -> NodeInfo:
+    fields: dict[str, object] = {"accelerator": "tcg", "cpu_model": "qemu64", "capacity_mib": 4096}
+    fields.update(kw)
+    return NodeInfo(id=name, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.postgres
+def test_postgres_nodes_heartbeat(pg_dsn: str) -> None:
+    reg = PostgresRegistry(pg_dsn)
+    reg.heartbeat(_node("n1", accelerator="kvm"), lease_seconds=10, at=100.0)
+    reg.heartbeat(_node("n2"), lease_seconds=10, at=100.0)
+    reg.heartbeat(_node("n1", accelerator="kvm", capacity_mib=8192), lease_seconds=10, at=105.0)
+    n1, n2 = reg.nodes()
+    assert (n1.id, n1.accelerator, n1.capacity_mib, n1.started_at, n1.heartbeat_at) == (
+        "n1",
+        "kvm",
+        8192,
+        100.0,
+        105.0,
+    )
+    assert n1.alive(110.0, stale_after=6) and not n2.alive(110.0, stale_after=6)
+    assert reg.node("n2").cpu_model == "qemu64"
+    with pytest.raises(NotFound):
+        reg.node("n3")
+    with pytest.raises(InvalidName):
+        reg.heartbeat(_node("Bad Name"), lease_seconds=10)
+    reg.close()
+
+
+@pytest.mark.postgres
+def test_postgres_one_owner_per_sandbox_with_a_lease(pg_dsn: str) -> None:
+    n1, n2 = PostgresRegistry(pg_dsn), PostgresRegistry(pg_dsn)
+    n1.insert(rec())
+    n1.acquire("sbx-1", "n1", lease_seconds=10, at=100.0)
+    n1.acquire("sbx-1", "n1", lease_seconds=10, at=101.0)  # its own: renewed
+    with pytest.raises(Conflict) as taken:
+        n2.acquire("sbx-1", "n2", lease_seconds=10, at=105.0)
+    assert taken.value.data["owner_node"] == "n1"  # the node to proxy to
+    assert n2.owner("sbx-1", at=105.0) == "n1"
+    # n1 heartbeats: its lease moves on
+    n1.heartbeat(_node("n1"), lease_seconds=10, at=109.0)
+    assert n2.lapsed(at=115.0) == []
+    # n1 stops heartbeating: past its lease the sandbox is listed lapsed, and n2 may take it
+    assert [r.id for r in n2.lapsed(at=120.0)] == ["sbx-1"]
+    assert n2.owner("sbx-1", at=120.0) is None
+    n2.acquire("sbx-1", "n2", lease_seconds=10, at=120.0)
+    assert n2.owner("sbx-1", at=121.0) == "n2"
+    assert n1.release("sbx-1", "n1") is False  # n1 came back: it holds nothing to give
+    assert n2.release("sbx-1", "n2") is True
+    assert n1.owner("sbx-1", at=121.0) is None
+    with pytest.raises(SandboxNotFound):
+        n1.acquire("nope", "n1", lease_seconds=10)
+    n1.close()
+    n2.close()
+
+
+@pytest.mark.postgres
+def test_postgres_nodes_racing_to_acquire_one_wins(pg_dsn: str) -> None:
+    nodes = [PostgresRegistry(pg_dsn) for _ in range(4)]
+    nodes[0].insert(rec())
+    won: list[int] = []
+    start = threading.Barrier(len(nodes))
+
+    def take(i: int) -> None:
+        start.wait()
+        with contextlib.suppress(Conflict):
+            nodes[i].acquire("sbx-1", f"n{i}", lease_seconds=30)
+            won.append(i)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(len(nodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and nodes[0].owner("sbx-1") == f"n{won[0]}"
+    for n in nodes:
+        n.close()
+
+
+@pytest.mark.postgres
+def test_postgres_v1_database_migrates_to_v2_keeping_rows(pg_dsn: str) -> None:
+    old = PostgresRegistry(pg_dsn, schema_version=1)  # as an older torpor left it
+    assert old.schema_version == 1
+    old.insert(rec())
+    old.close()
+    new = PostgresRegistry(pg_dsn)
+    assert new.schema_version == PG_SCHEMA_VERSION == 2
+    assert new.get("sbx-1").name == "agent"
+    new.acquire("sbx-1", "n1", lease_seconds=10)
+    assert new.owner("sbx-1") == "n1"
+    new.close()

@@ -15,7 +15,16 @@ A dropped connection (PostgreSQL restarted) is reopened on the next call; a call
 that way raises StorageError and may be retried. psycopg is imported only when this registry is
 opened (the ``postgres`` extra).
 
-Not here yet (issue 9 part 1): nodes, leases, snapshots, volumes, drives and usage tables.
+**Nodes and leases** (schema v2, PostgreSQL only: one machine needs neither). Each node
+heartbeats (:meth:`PostgresRegistry.heartbeat`: its accelerator, CPU model, capacity), which
+also renews the leases of the sandboxes it owns. A node takes a sandbox before it runs it
+(:meth:`PostgresRegistry.acquire`, compare-and-set: free, its own, or a lapsed lease) and gives
+it back once it is paused (:meth:`PostgresRegistry.release`); another node asking gets Conflict
+naming the owner (to proxy to). :meth:`PostgresRegistry.lapsed` lists the sandboxes whose
+owner stopped heartbeating, for another node to recover.
+
+Not here yet (issue 9 part 1): snapshots, volumes, drives and usage tables; recovery of lapsed
+sandboxes (it needs pauses made durable off-node, part 3).
 """
 
 from __future__ import annotations
@@ -27,10 +36,11 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from torpor.config import check_name
-from torpor.errors import Conflict, InvalidArgument, SandboxNotFound, StorageError
+from torpor.errors import Conflict, InvalidArgument, NotFound, SandboxNotFound, StorageError
 from torpor.sandbox.models import SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition
 from torpor.sandbox.registry.sqlite import (
@@ -41,11 +51,11 @@ from torpor.sandbox.registry.sqlite import (
     _Unset,
 )
 
-__all__ = ["PG_SCHEMA_VERSION", "PostgresRegistry"]
+__all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PostgresRegistry"]
 
 log = logging.getLogger(__name__)
 
-PG_SCHEMA_VERSION = 1
+PG_SCHEMA_VERSION = 2
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
 
 _BOOTSTRAP = """
@@ -86,13 +96,49 @@ CREATE TABLE torpor_registry.transitions (
 CREATE INDEX transitions_sandbox ON torpor_registry.transitions (sandbox_id, seq);
 """
 
+# v2: nodes (heartbeat, capacity, accelerator, CPU model) and one owner node per sandbox that
+# holds a machine, with a lease the owner renews by heartbeating
+_SCHEMA_V2 = """
+CREATE TABLE torpor_registry.nodes (
+    id            TEXT PRIMARY KEY,
+    url           TEXT NOT NULL DEFAULT '',
+    accelerator   TEXT NOT NULL,
+    cpu_model     TEXT NOT NULL,
+    capacity_mib  INTEGER NOT NULL,
+    started_at    DOUBLE PRECISION NOT NULL,
+    heartbeat_at  DOUBLE PRECISION NOT NULL,
+    draining      BOOLEAN NOT NULL DEFAULT false
+);
+ALTER TABLE torpor_registry.sandboxes ADD COLUMN owner_node TEXT;
+ALTER TABLE torpor_registry.sandboxes ADD COLUMN lease_until DOUBLE PRECISION;
+CREATE INDEX sandboxes_owner ON torpor_registry.sandboxes (owner_node);
+"""
+
 #: version -> the script that brings the schema from the previous version to it
-_MIGRATIONS = {1: _SCHEMA_V1}
+_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
 
 _COLUMNS = (
     "id, tenant, name, template, state, labels, spec, idle_pause_seconds, "
     "pause_retention_days, created_at, last_active_at, paused_at, error"
 )
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node of a cluster as the registry knows it."""
+
+    id: str
+    accelerator: str  # "kvm" or "tcg": a snapshot wakes only where it was taken's kind is
+    cpu_model: str
+    capacity_mib: int  # guest RAM it may run
+    url: str = ""
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    draining: bool = False
+
+    def alive(self, now: float, stale_after: float) -> bool:
+        """Whether the node heartbeat within ``stale_after`` seconds of ``now``."""
+        return now - self.heartbeat_at <= stale_after
 
 
 def _row_to_record(row: tuple[Any, ...]) -> SandboxRecord:
@@ -138,13 +184,13 @@ class PostgresRegistry:
     :class:`SandboxNotFound`; a taken name raises :class:`Conflict`.
     """
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, *, schema_version: int = PG_SCHEMA_VERSION) -> None:
         self.dsn = dsn
         self._lock = threading.RLock()
         self._conn: Any = None
         with self._lock:
             try:
-                self._migrate(self._connection())
+                self._migrate(self._connection(), schema_version)
             except StorageError:
                 raise
             except Exception as exc:
@@ -188,7 +234,7 @@ class PostgresRegistry:
             except psycopg.Error as exc:
                 raise StorageError(f"registry error: {exc}", exc=exc) from exc
 
-    def _migrate(self, conn: Any) -> None:
+    def _migrate(self, conn: Any, target: int = PG_SCHEMA_VERSION) -> None:
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
             conn.execute(_BOOTSTRAP.encode())
@@ -198,11 +244,11 @@ class PostgresRegistry:
                 f"the registry database has schema version {version}, newer than this torpor "
                 f"({PG_SCHEMA_VERSION})"
             )
-        while version < PG_SCHEMA_VERSION:
+        while version < target:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
                 version = self.schema_version  # another node may have migrated meanwhile
-                if version >= PG_SCHEMA_VERSION:
+                if version >= target:
                     break
                 conn.execute(_MIGRATIONS[version + 1].encode())
                 conn.execute(
@@ -415,3 +461,117 @@ class PostgresRegistry:
             Transition(sid, SandboxState(src) if src else None, SandboxState(dst), at, reason)
             for sid, src, dst, at, reason in rows
         ]
+
+    # -- nodes and leases (schema v2) -----------------------------------------------------
+
+    def heartbeat(self, node: NodeInfo, *, lease_seconds: float, at: float | None = None) -> None:
+        """Record that ``node`` is alive (registering it the first time) and renew the leases
+        of every sandbox it owns to ``at + lease_seconds``. Raises InvalidArgument for a bad
+        node, StorageError."""
+        check_name(node.id, "node name")
+        if node.capacity_mib < 0 or lease_seconds <= 0:
+            raise InvalidArgument("capacity must be >= 0 and the lease > 0")
+        now = time.time() if at is None else at
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO torpor_registry.nodes (id, url, accelerator, cpu_model,"
+                " capacity_mib, started_at, heartbeat_at, draining)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT (id) DO UPDATE SET"
+                " url = excluded.url, accelerator = excluded.accelerator,"
+                " cpu_model = excluded.cpu_model, capacity_mib = excluded.capacity_mib,"
+                " heartbeat_at = excluded.heartbeat_at, draining = excluded.draining",
+                (
+                    node.id,
+                    node.url,
+                    node.accelerator,
+                    node.cpu_model,
+                    node.capacity_mib,
+                    node.started_at or now,
+                    now,
+                    node.draining,
+                ),
+            )
+            db.execute(
+                "UPDATE torpor_registry.sandboxes SET lease_until = %s WHERE owner_node = %s",
+                (now + lease_seconds, node.id),
+            )
+
+    def nodes(self) -> builtins.list[NodeInfo]:
+        """Every node that ever heartbeat, by name."""
+        rows = self._query(
+            "SELECT id, accelerator, cpu_model, capacity_mib, url, started_at, heartbeat_at,"
+            " draining FROM torpor_registry.nodes ORDER BY id"
+        )
+        return [NodeInfo(*row) for row in rows]
+
+    def acquire(
+        self, sandbox_id: str, node_id: str, *, lease_seconds: float, at: float | None = None
+    ) -> None:
+        """Make ``node_id`` the owner of ``sandbox_id`` until ``at + lease_seconds``: when it
+        has no owner, is this node's already, or its owner's lease lapsed (compare-and-set, so
+        of two nodes racing exactly one gets it). Raises Conflict naming the owner
+        (``owner_node``) otherwise, SandboxNotFound, StorageError."""
+        now = time.time() if at is None else at
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE torpor_registry.sandboxes SET owner_node = %s, lease_until = %s"
+                " WHERE id = %s AND (owner_node IS NULL OR owner_node = %s OR lease_until < %s)",
+                (node_id, now + lease_seconds, sandbox_id, node_id, now),
+            )
+            if cur.rowcount == 1:
+                return
+            row = db.execute(
+                "SELECT owner_node, lease_until FROM torpor_registry.sandboxes WHERE id = %s",
+                (sandbox_id,),
+            ).fetchone()
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
+        raise Conflict(
+            f"sandbox {sandbox_id} is held by node {row[0]} (lease until {row[1]:.0f})",
+            sandbox_id=sandbox_id,
+            owner_node=row[0],
+            lease_until=row[1],
+        )
+
+    def release(self, sandbox_id: str, node_id: str) -> bool:
+        """Give ``sandbox_id`` up (after its pause is durable). True when ``node_id`` held it;
+        False when it did not (another node took it over: nothing to give). Raises
+        StorageError."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE torpor_registry.sandboxes SET owner_node = NULL, lease_until = NULL"
+                " WHERE id = %s AND owner_node = %s",
+                (sandbox_id, node_id),
+            )
+            return bool(cur.rowcount == 1)
+
+    def owner(self, sandbox_id: str, *, at: float | None = None) -> str | None:
+        """The node holding ``sandbox_id`` with a lease still running, or None. Raises
+        SandboxNotFound, StorageError."""
+        now = time.time() if at is None else at
+        rows = self._query(
+            "SELECT owner_node, lease_until FROM torpor_registry.sandboxes WHERE id = %s",
+            (sandbox_id,),
+        )
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
+        owner, until = rows[0]
+        return str(owner) if owner is not None and until is not None and until >= now else None
+
+    def lapsed(self, *, at: float | None = None) -> builtins.list[SandboxRecord]:
+        """Sandboxes whose owner's lease ran out (the owner stopped heartbeating): another
+        node must recover them. Raises StorageError."""
+        now = time.time() if at is None else at
+        rows = self._query(
+            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes"
+            " WHERE owner_node IS NOT NULL AND lease_until < %s ORDER BY created_at, id",
+            (now,),
+        )
+        return [_row_to_record(r) for r in rows]
+
+    def node(self, node_id: str) -> NodeInfo:
+        """One node. Raises NotFound, StorageError."""
+        for n in self.nodes():
+            if n.id == node_id:
+                return n
+        raise NotFound(f"no node {node_id!r}", kind="node", name=node_id)
