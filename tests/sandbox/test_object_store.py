@@ -469,3 +469,40 @@ def test_upload_killed_half_way_leaves_whole_objects_and_a_retry_completes(
     out = tmp_path / "out"
     store.restore_file(fm, out)
     assert out.read_bytes() == src.read_bytes()
+
+
+# -- retry classification, with botocore's own stubber (a unit test of the backend's layer) ----
+
+
+def _stubbed() -> tuple[Any, Any]:
+    import boto3
+    from botocore.stub import Stubber
+
+    client = boto3.client(
+        "s3", region_name="us-east-1", aws_access_key_id="k", aws_secret_access_key="s"
+    )
+    return client, Stubber(client)
+
+
+def test_throttling_and_5xx_are_retried_then_succeed(caplog: pytest.LogCaptureFixture) -> None:
+    client, stub = _stubbed()
+    stub.add_client_error("head_object", "404", http_status_code=404)
+    stub.add_client_error("put_object", "SlowDown", http_status_code=503)
+    stub.add_client_error("put_object", "InternalError", http_status_code=500)
+    stub.add_response("put_object", {})
+    backend = S3ChunkBackend("s3://bucket/p", client=client, backoff_seconds=0.001)
+    with stub, caplog.at_level(logging.WARNING):
+        _, written = ChunkStore(backend=backend, chunk_size=CS).put(b"data" * 100)
+        stub.assert_no_pending_responses()
+    assert written > 0
+    assert sum("retry" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_access_denied_is_not_retried() -> None:
+    client, stub = _stubbed()
+    stub.add_client_error("get_object", "AccessDenied", http_status_code=403)
+    backend = S3ChunkBackend("s3://bucket/p", client=client, attempts=5)
+    with stub, pytest.raises(StorageError) as err:
+        ChunkStore(backend=backend, chunk_size=CS).get("ab" * 32, snapshot_id="snap-x")
+    assert err.value.data["attempts"] == 1 and err.value.data["snapshot_id"] == "snap-x"
+    assert not isinstance(err.value, CorruptData)
