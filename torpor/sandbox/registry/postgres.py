@@ -23,8 +23,13 @@ it back once it is paused (:meth:`PostgresRegistry.release`); another node askin
 naming the owner (to proxy to). :meth:`PostgresRegistry.lapsed` lists the sandboxes whose
 owner stopped heartbeating, for another node to recover.
 
-Not here yet (issue 9 part 1): snapshots, volumes, drives and usage tables; recovery of lapsed
-sandboxes (it needs pauses made durable off-node, part 3).
+**Snapshot manifests** (schema v3): :meth:`PostgresRegistry.put_snapshot` keeps the manifest a
+:class:`~torpor.sandbox.storage.snapshots.SnapshotStore` writes, so every node sees every
+snapshot, and :meth:`PostgresRegistry.referenced_chunks` is the mark set of a sweep of the
+shared chunk store (:func:`~torpor.sandbox.storage.retention.sweep_shared_store`).
+
+Not here yet (issue 9 part 1): volumes, drives and usage tables; pause manifests; recovery of
+lapsed sandboxes (it needs pauses made durable off-node, part 3).
 """
 
 from __future__ import annotations
@@ -40,7 +45,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from torpor.config import check_name
-from torpor.errors import Conflict, InvalidArgument, NotFound, SandboxNotFound, StorageError
+from torpor.errors import (
+    Conflict,
+    CorruptData,
+    InvalidArgument,
+    NotFound,
+    SandboxNotFound,
+    SnapshotNotFound,
+    StorageError,
+)
 from torpor.sandbox.models import SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition
 from torpor.sandbox.registry.sqlite import (
@@ -55,7 +68,7 @@ __all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PostgresRegistry"]
 
 log = logging.getLogger(__name__)
 
-PG_SCHEMA_VERSION = 2
+PG_SCHEMA_VERSION = 3
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
 
 _BOOTSTRAP = """
@@ -114,8 +127,23 @@ ALTER TABLE torpor_registry.sandboxes ADD COLUMN lease_until DOUBLE PRECISION;
 CREATE INDEX sandboxes_owner ON torpor_registry.sandboxes (owner_node);
 """
 
+# v3: snapshot manifests (the body a SnapshotStore writes), so every node sees every snapshot
+# and a sweep of the shared chunk store marks from all of them
+_SCHEMA_V3 = """
+CREATE TABLE torpor_registry.snapshots (
+    id          TEXT PRIMARY KEY,
+    tenant      TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    node        TEXT,
+    created_at  DOUBLE PRECISION NOT NULL,
+    expires_at  DOUBLE PRECISION NOT NULL,
+    manifest    TEXT NOT NULL
+);
+CREATE UNIQUE INDEX snapshots_name ON torpor_registry.snapshots (tenant, name);
+"""
+
 #: version -> the script that brings the schema from the previous version to it
-_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}
+_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3}
 
 _COLUMNS = (
     "id, tenant, name, template, state, labels, spec, idle_pause_seconds, "
@@ -575,3 +603,75 @@ class PostgresRegistry:
             if n.id == node_id:
                 return n
         raise NotFound(f"no node {node_id!r}", kind="node", name=node_id)
+
+    # -- snapshot manifests (schema v3) ---------------------------------------------------
+
+    def put_snapshot(self, body: dict[str, Any], *, node: str | None = None) -> None:
+        """Record a snapshot's manifest (``{"info": {...}, "files": {...}, ...}`` as the
+        snapshot store writes it). Raises Conflict (the tenant has a snapshot of that name, or
+        the id exists), InvalidArgument for a body without its info, StorageError."""
+        try:
+            info = body["info"]
+            row = (
+                str(info["id"]),
+                str(info["tenant"]),
+                str(info["name"]),
+                node,
+                _epoch(info["created_at"]),
+                _epoch(info["expires_at"]),
+                json.dumps(body, sort_keys=True),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"not a snapshot manifest: {exc}") from exc
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO torpor_registry.snapshots"
+                " (id, tenant, name, node, created_at, expires_at, manifest)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s)",
+                row,
+            )
+
+    def snapshot_manifest(self, snapshot_id: str) -> dict[str, Any]:
+        """A snapshot's manifest. Raises SnapshotNotFound, StorageError."""
+        rows = self._query(
+            "SELECT manifest FROM torpor_registry.snapshots WHERE id = %s", (snapshot_id,)
+        )
+        if not rows:
+            raise SnapshotNotFound(
+                f"no snapshot {snapshot_id!r}", kind="snapshot", name=snapshot_id
+            )
+        body: dict[str, Any] = json.loads(rows[0][0])
+        return body
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Forget a snapshot (its chunks go at the next sweep); True when it was there."""
+        with self._tx() as db:
+            cur = db.execute("DELETE FROM torpor_registry.snapshots WHERE id = %s", (snapshot_id,))
+            return bool(cur.rowcount == 1)
+
+    def referenced_chunks(self) -> set[str]:
+        """Every chunk some recorded manifest names (expired ones included: they go first,
+        by :meth:`delete_snapshot`). Raises CorruptData when a manifest does not parse (a
+        sweep must then not run), StorageError."""
+        from torpor.sandbox.storage.chunks import FileManifest
+
+        refs: set[str] = set()
+        for sid, text in self._query("SELECT id, manifest FROM torpor_registry.snapshots"):
+            try:
+                for fm in json.loads(text)["files"].values():
+                    refs |= FileManifest.from_json(fm).hashes()
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise CorruptData(
+                    f"snapshot {sid}: its manifest in the registry is unreadable ({exc})",
+                    snapshot_id=sid,
+                ) from exc
+        return refs
+
+
+def _epoch(value: Any) -> float:
+    """A manifest's time (ISO 8601 text or seconds) in seconds since the epoch."""
+    if isinstance(value, int | float):
+        return float(value)
+    from datetime import datetime
+
+    return datetime.fromisoformat(str(value)).timestamp()

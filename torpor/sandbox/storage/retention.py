@@ -35,14 +35,14 @@ from typing import Any
 
 from torpor.config import Paths
 from torpor.errors import CorruptData, StorageError
-from torpor.sandbox.storage.chunks import FileManifest
+from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, SweepReport
 from torpor.sandbox.storage.compaction import referenced_by_compacted
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import is_qcow2
 
-__all__ = ["GcReport", "collect_garbage", "referenced_frozen"]
+__all__ = ["GcReport", "collect_garbage", "referenced_frozen", "sweep_shared_store"]
 
 log = logging.getLogger(__name__)
 
@@ -216,3 +216,23 @@ def collect_garbage(
         raise StorageError(f"garbage collection failed: {exc}", exc=exc) from exc
     log.info("gc: %s", report.to_json())
     return report
+
+
+def sweep_shared_store(
+    chunks: ChunkStore,
+    marked: set[str],
+    *,
+    dry_run: bool = False,
+    min_age_seconds: float | None = None,
+) -> SweepReport:
+    """Sweep a chunk store many nodes share: delete every chunk not in ``marked``, which must
+    come from whatever holds every node's manifests (the PostgreSQL registry:
+    ``referenced_chunks()``). Chunks younger than ``min_age_seconds`` (default: the store's
+    grace, an hour for S3) stay, since a node may be uploading a snapshot whose manifest is not
+    recorded yet. Raises StorageError."""
+    grace = getattr(chunks.backend, "gc_grace_seconds", 0.0)
+    return chunks.sweep(
+        marked,
+        dry_run=dry_run,
+        min_age_seconds=grace if min_age_seconds is None else min_age_seconds,
+    )
