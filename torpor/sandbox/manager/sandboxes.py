@@ -47,6 +47,7 @@ from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.registry.repair import orphans
 from torpor.sandbox.requests import CodeSpec, CommandSpec, SandboxOptions, check_guest_path
+from torpor.sandbox.storage.compaction import CompactionReport, compact, is_compacted
 from torpor.sandbox.storage.relocate import relocate
 from torpor.sandbox.storage.volume_files import read_disk_file
 from torpor.types import OutputCallback
@@ -54,6 +55,9 @@ from torpor.types import OutputCallback
 __all__ = ["SandboxManager"]
 
 log = logging.getLogger(__name__)
+
+#: below this fraction of the disk free, every paused sandbox is compacted, whatever its age
+LOW_DISK_FRACTION = 0.10
 
 
 async def _stopped(machine: Any, grace: float = 0.2) -> bool:
@@ -410,12 +414,54 @@ class SandboxManager(ManagerCore):
                 log.warning("idle pause of %s failed: %s", rec.id, exc)
         return paused
 
+    async def compact_sweep(
+        self, now: float | None = None, *, limit: int = 1
+    ) -> builtins.list[CompactionReport]:
+        """Compact (see :mod:`torpor.sandbox.storage.compaction`) up to ``limit`` sandboxes
+        paused for at least ``compact_after_seconds`` — or any paused one, longest first, when
+        the disk is below :data:`LOW_DISK_FRACTION` free. Returns what was done; a failure is
+        logged, not raised (the sandbox stays paused with its RAM file)."""
+        now = time.time() if now is None else now
+        usage = shutil.disk_usage(self.paths.sandboxes)
+        low_disk = usage.free < usage.total * LOW_DISK_FRACTION
+        after = self.compact_after_seconds
+        if after is None and not low_disk:
+            return []
+        done: builtins.list[CompactionReport] = []
+        candidates = sorted(self.registry.list(states={S.PAUSED}), key=lambda r: r.paused_at or 0)
+        for rec in candidates:
+            if len(done) >= limit:
+                break
+            paused_for = now - (rec.paused_at or now)
+            if not low_disk and (after is None or paused_for < after):
+                continue
+            directory = self.directory(rec.id)
+            if is_compacted(directory):
+                continue
+            live = self.live(rec.id)
+            if live.lock.locked():
+                continue
+            try:
+                async with live.lock:
+                    rec = self.registry.get(rec.id)
+                    if rec.state is not S.PAUSED or live.machine is not None:
+                        continue
+                    template_ram = self.paths.templates / rec.template / "snapshot" / "ram"
+                    done.append(
+                        await asyncio.to_thread(compact, directory, self.chunk_store, template_ram)
+                    )
+            except TorporError as exc:
+                log.warning("compaction of %s failed: %s", rec.id, exc)
+        return done
+
     async def supervise(self, interval: float = 1.0) -> None:
-        """Run :meth:`idle_sweep` every ``interval`` seconds until cancelled."""
+        """Run :meth:`idle_sweep` (and :meth:`compact_sweep`) every ``interval`` seconds until
+        cancelled."""
         while True:
             try:
                 await self.idle_sweep()
                 self.trim_logs()
+                await self.compact_sweep()
             except Exception:  # keep supervising; a bad sweep must not end idle pausing
                 log.exception("idle sweep failed")
             await asyncio.sleep(interval)

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 #: Directories of a home whose files never hold a path (content-addressed chunks, the memory
 #: store's database files).
-_SKIP = ("chunks", "memory")
+_SKIP = ("chunks", "chunk-cache", "memory")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ from torpor.errors import (
     StorageError,
 )
 from torpor.sandbox.requests import MAX_RETENTION_DAYS
-from torpor.sandbox.storage.chunks import ChunkStore, FileManifest
+from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, home_chunk_store
+from torpor.sandbox.storage.compaction import MARKER as COMPACTED_MARKER
 from torpor.sandbox.storage.records import rewrite_prefix, write_record
 from torpor.sandbox.vm.disk import (
     copy_sparse,
@@ -197,6 +198,12 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
     the link before the machine runs again (a fork). On failure the machine dir is left as it
     was and no frozen dir remains. Raises StorageError / EngineError.
     """
+    if (machine_dir / COMPACTED_MARKER).is_file():
+        # its RAM file is an empty shell until expanded (storage.compaction.expand)
+        raise StorageError(
+            f"{machine_dir} is compacted: expand its RAM from the chunk store before freezing",
+            path=str(machine_dir),
+        )
     frozen_root.mkdir(parents=True, exist_ok=True)
     fid = f"frz-{uuid.uuid4().hex[:12]}"
     tmp = frozen_root / f".{fid}.tmp"
@@ -271,13 +278,14 @@ def _identity(path: Path) -> dict[str, Any]:
 
 class SnapshotStore:
     """Stored snapshots of one torpor home: manifests under ``snapshots/``, chunks in
-    ``chunks/``."""
+    ``chunks/`` (or in the store ``$TORPOR_STORE`` names, e.g. ``s3://bucket/prefix``: see
+    :func:`~torpor.sandbox.storage.chunks.open_chunk_store`)."""
 
     def __init__(self, paths: Paths, *, chunks: ChunkStore | None = None) -> None:
         self.paths = paths
         self.root = paths.snapshots
         self.frozen_root = paths.snapshots / "frozen"
-        self.chunks = chunks or ChunkStore(paths.chunks)
+        self.chunks = chunks or home_chunk_store(paths)
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- locking: saves share the store, GC takes it alone, names commit one at a time --------
