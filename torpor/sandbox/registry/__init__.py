@@ -4,12 +4,15 @@
   operation, and what a restarted manager does with each state (recovery)
 * :mod:`.sqlite` — :class:`Registry`: one SQLite database (WAL, ``synchronous=FULL``) of
   sandbox rows and their transitions; a transition is a compare-and-set the lifecycle checks
+* :mod:`.postgres` — :class:`~torpor.sandbox.registry.postgres.PostgresRegistry`: the same
+  interface on PostgreSQL (schema ``torpor_registry``, versioned migrations), for many nodes
+  sharing one registry (issue 9; not wired to the manager yet; no usage meters yet)
 * :mod:`.meters` — the usage meters each transition row carries (pure functions)
 * :mod:`.usage` — usage reports and the rate card, derived from the transitions and the ledger
   of stored snapshots and volumes
 
-Imports: torpor.config, torpor.errors, torpor.sandbox.models (and, for usage, torpor.sandbox.storage
-and torpor.sandbox.requests).
+Imports: torpor.config, torpor.errors, torpor.sandbox.models; psycopg only when a
+PostgresRegistry is opened; for usage, torpor.sandbox.storage and torpor.sandbox.requests.
 """
 
 from torpor.sandbox.registry.sqlite import SCHEMA_VERSION, Registry, SandboxRecord
