@@ -222,6 +222,7 @@ class QemuEngine:
         machine = await QemuMachine.attach(
             directory, templates.get(config.template), self._spec(config)
         )
+        await machine.adopt_top_layer()  # a capture interrupted between switch and rename
         # A wake that died between deleting the state and `cont` leaves the guest stopped;
         # a pause that died mid-save too. Either way the RAM file is the truth: run it.
         status = await machine.qmp("query-status")

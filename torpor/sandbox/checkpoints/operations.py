@@ -52,7 +52,7 @@ from torpor.errors import (
 )
 from torpor.sandbox.checkpoints.attach import Attachments
 from torpor.sandbox.checkpoints.clones import Children, Cloner, drop_ram
-from torpor.sandbox.manager import Held, SandboxManager
+from torpor.sandbox.manager import SYNC_TIMEOUT, Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
@@ -71,6 +71,7 @@ from torpor.sandbox.storage.snapshots import (
     SnapshotInfo,
     SnapshotStore,
     freeze,
+    freeze_live,
 )
 from torpor.sandbox.storage.volumes import VolumeStore
 
@@ -117,6 +118,8 @@ class Checkpoints:
         self.held: Held = manager
         self.attachments = Attachments(manager, self.volumes, self.drives)
         self.cloner = Cloner(manager, self.drives)
+        #: how long the guest stood still in the last live snapshot or fork (seconds)
+        self.last_downtime: float | None = None
         hooks = manager.guest_hooks
         if not any(isinstance(h, Attachments) for h in hooks):
             hooks.append(self.attachments)  # drives are unmounted/remounted around a hibernate
@@ -165,29 +168,72 @@ class Checkpoints:
                     required=["running", "paused"],
                 )
             was_running = rec.state is S.RUNNING
-            if was_running:
+            if was_running and self._can_capture_live(rec, live):
                 await m.drain(live)
-                rec = await m.pause_held(rec, live, "snapshot")  # drives: via guest_hooks
-            try:
-                with self.snapshots.lock():
-                    frozen = await asyncio.to_thread(
-                        freeze, m.directory(rec.id), self.snapshots.frozen_root, link_ram=link_ram
-                    )
-                prepared = None if before_wake is None else await before_wake(rec, frozen)
-            except BaseException:
+                frozen = await self._freeze_live(rec, live, for_clones=link_ram)
+                was_running = False  # nothing to wake: the source never stopped running
+                try:
+                    prepared = None if before_wake is None else await before_wake(rec, frozen)
+                except BaseException:
+                    drop_ram(frozen)
+                    raise
+                jobs: list[Awaitable[Any]] = []
+            else:
                 if was_running:
-                    await m.wake_held(rec, live, "snapshot failed")
-                raise
-            # The frozen dir is immutable from here: the source wakes while ``then`` (capture
-            # or clone children) works on the copy, so the two costs overlap.
-            jobs: list[Awaitable[Any]] = [then(rec, frozen, prepared)]
-            if was_running:
-                jobs.append(m.wake_held(rec, live, "snapshot taken"))
-            results = await asyncio.gather(*jobs, return_exceptions=True)
+                    await m.drain(live)
+                    rec = await m.pause_held(rec, live, "snapshot")  # drives: via guest_hooks
+                try:
+                    with self.snapshots.lock():
+                        frozen = await asyncio.to_thread(
+                            freeze,
+                            m.directory(rec.id),
+                            self.snapshots.frozen_root,
+                            link_ram=link_ram,
+                        )
+                    prepared = None if before_wake is None else await before_wake(rec, frozen)
+                except BaseException:
+                    if was_running:
+                        await m.wake_held(rec, live, "snapshot failed")
+                    raise
+                # The frozen dir is immutable from here: the source wakes while ``then``
+                # (capture or clone children) works on the copy, so the two costs overlap.
+                jobs = [then(rec, frozen, prepared)]
+                if was_running:
+                    jobs.append(m.wake_held(rec, live, "snapshot taken"))
+                results = await asyncio.gather(*jobs, return_exceptions=True)
+        if not jobs:  # live: the source's calls go on while ``then`` works on the frozen dir
+            return await then(rec, frozen, prepared)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         return cast(T, results[0])
+
+    def _can_capture_live(self, rec: SandboxRecord, live: Any) -> bool:
+        """True if the running sandbox can be copied without pausing it: its machine can
+        (the QEMU engine's can) and no 9p drive is mounted (QEMU refuses to save the state of
+        a mounted 9p share; such a sandbox is paused and woken as before)."""
+        if live.machine is None or live.channel is None:
+            return False
+        if not callable(getattr(live.machine, "capture", None)):
+            return False
+        return not self.drives.attached_to(rec.id)
+
+    async def _freeze_live(self, rec: SandboxRecord, live: Any, *, for_clones: bool) -> Path:
+        """Flush the guest's file systems (so the disk layer alone is whole too), then
+        :func:`~torpor.sandbox.storage.snapshots.freeze_live` the running machine."""
+        try:
+            await asyncio.wait_for(live.channel.sync(), SYNC_TIMEOUT)
+        except Exception as exc:  # RAM and disk are captured at one instant either way
+            log.warning("sync before the snapshot of %s failed: %r", rec.id, exc)
+        with self.snapshots.lock():
+            frozen, downtime = await freeze_live(
+                self.held.directory(rec.id),
+                self.snapshots.frozen_root,
+                live.machine,
+                for_clones=for_clones,
+            )
+        self.last_downtime = downtime
+        return frozen
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -326,6 +372,7 @@ class Checkpoints:
                     children,
                     drives_of=info.sandbox_id,
                     recorded_drives=info.drives,
+                    take_ram=True,  # the materialized RAM is this restore's own
                 )
             finally:
                 drop_ram(frozen)
@@ -365,7 +412,7 @@ class Checkpoints:
                     tenant=tenant,
                     reason=f"forked from {rec.id}",
                 )
-                recs = await self.cloner.prepare(frozen, children)
+                recs = await self.cloner.prepare(frozen, children, take_ram=True)
             finally:
                 drop_ram(frozen)
             return recs, drives
