@@ -317,9 +317,10 @@ async def freeze_live(
         new_overlay(final / "disk.qcow2", overlay, size=virtual_size(disk))
 
     def settle() -> None:
+        # no fsync: a frozen dir's RAM and state are inputs of the save (whose chunks and
+        # manifest are made durable) or of clones (whose own state is); a power loss before
+        # that leaves a frozen dir that nothing lists, and GC keeps only its disk layer
         for name in ("state", "ram"):
-            with open(final / f"{name}.tmp", "rb") as f:
-                os.fsync(f.fileno())
             os.replace(final / f"{name}.tmp", final / name)
         fsync_dir(final)
         layer = final / "disk.qcow2"

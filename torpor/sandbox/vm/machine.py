@@ -404,18 +404,25 @@ class QemuMachine:
             marks.append(time.monotonic())
             if stopped is not None:
                 stopped("capture:swapped")
-            await self._set_ignore_shared()
-            fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            # the RAM copy (the long part) runs beside the device state's save
+            copy = asyncio.ensure_future(
+                asyncio.to_thread(copy_sparse, self.directory / "ram", ram)
+            )
             try:
-                assert self._qmp is not None
-                self._qmp.send_fd_scm(fd)
-                await self._qmp_exec("getfd", {"fdname": "state"})
-                await self._qmp_exec("migrate", {"uri": "fd:state"})
-                await self._wait_migration("saving the device state")
+                await self._set_ignore_shared()
+                fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    assert self._qmp is not None
+                    self._qmp.send_fd_scm(fd)
+                    await self._qmp_exec("getfd", {"fdname": "state"})
+                    await self._qmp_exec("migrate", {"uri": "fd:state"})
+                    await self._wait_migration("saving the device state")
+                finally:
+                    os.close(fd)
+                marks.append(time.monotonic())
             finally:
-                os.close(fd)
-            marks.append(time.monotonic())
-            await asyncio.to_thread(copy_sparse, self.directory / "ram", ram)
+                await asyncio.wait([copy])
+            copy.result()
             marks.append(time.monotonic())
             if stopped is not None:
                 stopped("capture:saved")
@@ -450,7 +457,10 @@ class QemuMachine:
         self.last_capture = {
             name: round((b - a) * 1000, 2)
             for name, a, b in zip(
-                ("stop", "switch", "state", "ram", "cont"), marks, marks[1:], strict=False
+                ("stop", "switch", "state", "ram_after_state", "cont"),
+                marks,
+                marks[1:],
+                strict=False,
             )
         }
         downtime = marks[-1] - marks[0]
