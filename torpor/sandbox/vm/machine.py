@@ -373,8 +373,9 @@ class QemuMachine:
 
         ``overlay`` keeps its name while QEMU runs: the next capture makes this layer read-only
         and QEMU reopens it by the name it was opened with. A hibernate removes it.
-        ``stopped(step)`` is called at ``"capture:swapped"`` and ``"capture:saved"`` (tests
-        crash there). On failure before the switch nothing changed; after it the machine runs
+        ``stopped(step)`` is called at ``"capture:switched"``, ``"capture:swapped"`` and
+        ``"capture:saved"`` (tests crash there; a restart adopts a switched overlay:
+        :meth:`adopt_top_layer`). On failure before the switch nothing changed; after it the machine runs
         on the overlay (the same guest-visible disk). Either way the guest is resumed,
         ``state`` and ``ram`` are removed, and EngineError / InvalidState is raised.
         """
@@ -397,6 +398,8 @@ class QemuMachine:
             marks.append(time.monotonic())
             await self._qmp_exec("blockdev-snapshot", {"node": top, "overlay": node})
             switched = True
+            if stopped is not None:
+                stopped("capture:switched")  # QEMU writes the overlay; the name follows next
             _link_as(overlay, self.directory / "disk.qcow2")
             if alias is not None:  # the old top was reopened read-only by this name: done
                 with contextlib.suppress(FileNotFoundError):
