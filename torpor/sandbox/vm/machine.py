@@ -375,8 +375,8 @@ class QemuMachine:
         and QEMU reopens it by the name it was opened with. A hibernate removes it.
         ``stopped(step)`` is called at ``"capture:switched"``, ``"capture:swapped"`` and
         ``"capture:saved"`` (tests crash there; a restart adopts a switched overlay:
-        :meth:`adopt_top_layer`). On failure before the switch nothing changed; after it the machine runs
-        on the overlay (the same guest-visible disk). Either way the guest is resumed,
+        :meth:`adopt_top_layer`). On failure before the switch nothing changed; after it the
+        machine runs on the overlay (the same guest-visible disk). Either way the guest is resumed,
         ``state`` and ``ram`` are removed, and EngineError / InvalidState is raised.
         """
         self._require_running("capture")
