@@ -175,12 +175,12 @@ async def run(
         starts.extend([await _start_floor(tdir, p.cache) for _ in range(reps)])
         for mib, template in sizes:
             try:
-                info = templates.get(template)
+                built = templates.get(template)
             except TemplateNotFound:
                 out["skipped"][str(mib)] = f"no template {template!r} (build it: see --help)"
                 continue
-            if info.memory_mib != mib:
-                out["skipped"][str(mib)] = f"template {template!r} is {info.memory_mib} MiB"
+            if built.memory_mib != mib:
+                out["skipped"][str(mib)] = f"template {template!r} is {built.memory_mib} MiB"
                 continue
             out["sizes"][str(mib)] = await _one_size(manager, cp, template, mib, reps)
         out["floor_ram_copy"] = summary(floors)
