@@ -3,8 +3,8 @@
 Runs on real QEMU through :class:`torpor.sandbox.manager.SandboxManager` with the built
 ``python`` template (512 MiB guest) and ``python-2g`` (2 GiB) when it is built, ``--reps``
 times each (create also from a pool of ready clones: :mod:`torpor.sandbox.vm.pool`), and
-prints medians and p95 next to the floor measured in the same run — how long QEMU alone takes from process start until QMP
-answers, on the same machine command line a wake uses. It then shows what a paused sandbox
+prints medians and p95 next to the floor measured in the same run — how long QEMU alone takes
+from process start until QMP answers, on the same machine command line a wake uses. It then shows what a paused sandbox
 costs: no QEMU process (so no CPU and no RSS) and the disk its directory uses.
 
     python3 -m bench.lifecycle               # 10 repetitions
