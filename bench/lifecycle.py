@@ -3,9 +3,10 @@
 Runs on real QEMU through :class:`torpor.sandbox.manager.SandboxManager` with the built
 ``python`` template (512 MiB guest) and ``python-2g`` (2 GiB) when it is built, ``--reps``
 times each (create also from a pool of ready clones: :mod:`torpor.sandbox.vm.pool`), and
-prints medians and p95 next to the floor measured in the same run — how long QEMU alone takes
-from process start until QMP answers, on the same machine command line a wake uses. It then shows what a paused sandbox
-costs: no QEMU process (so no CPU and no RSS) and the disk its directory uses.
+prints medians and p95 next to the floor measured in the same run: how long QEMU alone takes
+from process start until QMP answers, on the same machine command line a wake uses. It then
+shows what a paused sandbox costs: no QEMU process (so no CPU and no RSS) and the disk its
+directory uses.
 
     python3 -m bench.lifecycle               # 10 repetitions
     python3 -m bench.lifecycle --reps 20 --cold   # also time one cold boot of the template
@@ -209,8 +210,10 @@ async def _pooled_creates(home: Path, template: str, reps: int) -> list[float]:
         engine.pool.refill_soon(template, snap)
         for i in range(reps):
             deadline = time.monotonic() + 120
-            while len(engine.pool.ready(template, snap)) < 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)  # noqa: ASYNC110 - the filler is a thread
+            while len(engine.pool.ready(template, snap)) < 2:  # the filler is a thread
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
             await asyncio.sleep(0.2)  # the filler's last rename settles
             create = functools.partial(mgr.create, name=f"p{i}", template=template)
             out.append(await _timed(create))
