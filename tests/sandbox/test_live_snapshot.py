@@ -126,3 +126,44 @@ def test_live_snapshot_and_fork_leave_the_source_running(qemu_home: Path, tmp_pa
             await m.close(pause=False)
 
     asyncio.run(main())
+
+
+def test_a_create_from_the_clone_pool_is_a_fresh_reseeded_machine(qemu_home: Path) -> None:
+    from torpor.sandbox import template as templates
+    from torpor.sandbox.engine import QemuEngine
+
+    async def main() -> None:
+        engine = QemuEngine(paths(qemu_home), pool_size=1)
+        snap = Path(templates.get("python").snapshot_dir)
+        m = SandboxManager(paths(qemu_home), engine=engine)
+        await m.start(supervise=False)
+        try:
+            a = await m.create(name="first")  # the pool is empty: cloned, then a refill starts
+            for _ in range(1200):
+                if engine.pool.ready("python", snap):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            (pooled,) = engine.pool.ready("python", snap)
+            b = await m.create(name="second")
+            assert not pooled.exists()  # b is that clone, moved into its directory
+            assert (await m.get(b.id)).state is S.RUNNING
+            draws = [
+                (await m.run_code(x.id, "import random; random.random()")).text for x in (a, b)
+            ]
+            assert draws[0] != draws[1]
+            ids = [
+                (await m.run_command(x.id, "cat /proc/sys/kernel/random/boot_id")).stdout
+                for x in (a, b)
+            ]
+            assert ids[0] == ids[1]  # the same booted machine underneath ...
+            assert (m.directory(b.id) / "machine.json").read_text() != (
+                m.directory(a.id) / "machine.json"
+            ).read_text()  # ... with its own VM generation id
+        finally:
+            for info in await m.list():
+                await m.kill(info.id)
+            await m.close(pause=False)
+            engine.pool.drain()
+
+    asyncio.run(main())
