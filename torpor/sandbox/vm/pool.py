@@ -27,6 +27,7 @@ import os
 import secrets
 import shutil
 import threading
+import time
 from pathlib import Path
 
 from torpor.errors import TorporError
@@ -35,6 +36,9 @@ from torpor.sandbox.vm.machine_dir import clone_machine_dir
 __all__ = ["ClonePool", "pool_size_from_env"]
 
 log = logging.getLogger(__name__)
+
+#: seconds a refill waits before it starts (the wake of the create that took a clone first)
+REFILL_DELAY = 1.0
 
 
 def pool_size_from_env() -> int:
@@ -92,6 +96,11 @@ class ClonePool:
         ).start()
 
     def _fill(self, template: str, snapshot_dir: Path, d: Path) -> None:
+        # the filler yields to the create that just took a clone: it starts a moment later,
+        # at the lowest CPU priority (this thread only; qemu-img inherits it)
+        time.sleep(REFILL_DELAY)
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             d.mkdir(parents=True, exist_ok=True)
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
