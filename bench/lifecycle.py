@@ -31,6 +31,8 @@ from typing import Any
 from bench._common import bench_home, summary, write_results
 
 RESULTS = Path(__file__).parent / "results" / "lifecycle.json"
+#: the QEMU start floor (ms) of the idle host the issue's goals were measured on
+ISSUE_FLOOR_MS = 36.0
 
 
 async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
@@ -362,11 +364,19 @@ def render(result: dict[str, Any]) -> None:
     console.print(
         f"RAM intact after {result['reps']} pause/wake cycles: {result['ram_intact_after_wakes']}"
     )
+    # A goal in milliseconds was set on an idle host (QEMU start floor ISSUE_FLOOR_MS); it is
+    # also checked as the same multiple of this run's floor, which load inflates alike.
+    floor = result["stats"]["floor"]["median_ms"]
+    scale = floor / ISSUE_FLOOR_MS
+    console.print(f"QEMU start floor {floor:.0f} ms = {scale:.1f} x the idle host's")
     for t in result["targets"]:
         mark = "[green]PASS[/green]" if t["pass"] else "[red]FAIL[/red]"
-        console.print(
-            f"{mark} {t['name']}: {t['value']:.1f} vs {t['target']:.1f} (ratio {t['ratio']:.2f})"
-        )
+        line = f"{mark} {t['name']}: {t['value']:.1f} vs {t['target']:.1f} (ratio {t['ratio']:.2f})"
+        if t["name"].split(" ")[-1] == "ms" and t["target"]:
+            scaled = t["value"] / (t["target"] * scale)
+            line += f"; {'PASS' if scaled <= 1 else 'FAIL'} vs the same multiple of this run's "
+            line += f"floor (ratio {scaled:.2f})"
+        console.print(line)
 
 
 def main() -> None:
