@@ -205,7 +205,8 @@ async def _pooled_creates(home: Path, template: str, reps: int) -> list[float]:
     from torpor.sandbox.manager import SandboxManager
 
     engine = QemuEngine(paths(home), pool_size=2)
-    snap = Path(templates.get(template).snapshot_dir)
+    info = templates.get(template)
+    snap = Path(info.snapshot_dir)
     mgr = SandboxManager(paths(home), engine=engine)
     out: list[float] = []
     try:
@@ -217,7 +218,9 @@ async def _pooled_creates(home: Path, template: str, reps: int) -> list[float]:
                     break
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.2)  # the filler's last rename settles
-            create = functools.partial(mgr.create, name=f"p{i}", template=template)
+            create = functools.partial(
+                mgr.create, name=f"p{i}", template=template, memory_mib=info.memory_mib
+            )
             out.append(await _timed(create))
             await mgr.kill(f"p{i}")
     finally:
@@ -243,11 +246,13 @@ async def run(reps: int, cold: bool, home: Path, template: str = "python") -> di
     )
     try:
         # create: a fork of the template's booted snapshot (each one killed afterwards)
-        sbx = await mgr.create(name="bench", template=template)
+        sbx = await mgr.create(name="bench", template=template, memory_mib=info.memory_mib)
         await mgr.run_code("bench", "0")  # start the guest's interpreter once
         marks.phase = "create"
         for i in range(reps):
-            create = functools.partial(mgr.create, name=f"c{i}", template=template)
+            create = functools.partial(
+                mgr.create, name=f"c{i}", template=template, memory_mib=info.memory_mib
+            )
             samples["create"].append(await _timed(create))
             await mgr.kill(f"c{i}")
         for _ in range(reps):
