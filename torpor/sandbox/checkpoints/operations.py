@@ -2,19 +2,25 @@
 
 How each one works (the storage is in :mod:`~torpor.sandbox.storage.snapshots`):
 
-* **snapshot(sandbox)**: under the sandbox's lock, a running sandbox is paused (hibernated),
-  :func:`~torpor.sandbox.storage.snapshots.freeze` makes an immutable local copy (RAM
-  copied sparsely, the disk overlay moved aside and replaced by a new overlay on top of it)
-  and the sandbox is woken again at once; a paused one stays paused. The frozen copy is then
-  captured into the content-addressed chunk store while the sandbox runs on. The snapshot is
-  listed only once its manifest is written and checked.
+* **snapshot(sandbox)**: under the sandbox's lock, a *running* sandbox is not paused: the
+  guest flushes its file systems, then
+  :func:`~torpor.sandbox.storage.snapshots.freeze_live` stops its vCPUs only while QEMU
+  switches the disk to a new overlay (the old top layer becomes the frozen one), saves the
+  device state and the RAM file is copied, and resumes it; the same QEMU, channel and
+  processes run on (:attr:`Checkpoints.last_downtime` says how long it stood still). A
+  paused one (or one with a drive mounted: QEMU cannot save a mounted 9p share) is frozen by
+  :func:`~torpor.sandbox.storage.snapshots.freeze` (RAM copied sparsely, the disk overlay
+  moved aside and replaced by a new overlay on top of it), paused and woken around it as
+  needed. The frozen copy is then captured into the content-addressed chunk store while the
+  sandbox runs on. The snapshot is listed only once its manifest is written and checked.
 * **restore(snapshot)**: the snapshot is rebuilt from verified chunks into a frozen dir and a new
   sandbox is cloned from it (RAM copied, a new qcow2 overlay), woken, and given fresh entropy
   and the host's clock.
-* **fork(sandbox, count)**: freeze as for a snapshot (but the frozen RAM is a hard link to the
-  paused source's, cloned into every child before the source wakes), then the children and
-  the source wake together. Nothing goes through the chunk store, so a child costs one sparse
-  RAM copy and a wake. All children or none: a failure removes the ones already made.
+* **fork(sandbox, count)**: freeze as for a snapshot (live for a running source; for a
+  paused one the frozen RAM is a hard link to the source's, cloned into every child before
+  the source could run again), then the children wake. Nothing goes through the chunk store,
+  so a child costs one sparse RAM copy and a wake (the last child takes the frozen copy
+  itself). All children or none: a failure removes the ones already made.
 
 **Volumes and snapshots.** A volume is shared, long-lived data and is never part of a snapshot.
 The guest has it mounted with cached file-system state, so a snapshot or fork of a sandbox with a
@@ -135,12 +141,16 @@ class Checkpoints:
         before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None = None,
         link_ram: bool = False,
     ) -> T:
-        """Freeze the sandbox (pause + freeze, and wake it again if it was running).
+        """Freeze the sandbox: a running one live (:meth:`_freeze_live`, never paused), a
+        paused one as it is, one with a drive mounted by pause + freeze + wake.
 
-        ``before_wake(record, frozen_dir)`` runs while the source is still paused (with
-        ``link_ram`` the frozen RAM is the source's own file, so it must be done with it and
-        drop it before returning); ``then(record, frozen_dir, before_wake's result)`` runs
-        alongside the source's wake. Returns what ``then`` returns."""
+        ``before_wake(record, frozen_dir)`` runs under the sandbox's lock, before the source
+        could change the frozen files (with ``link_ram`` on the pause path the frozen RAM is
+        the source's own file, so it must be done with it and drop it before returning; on
+        the live path the frozen RAM is a copy it may let the last child take);
+        ``then(record, frozen_dir, before_wake's result)`` runs after (alongside the source's
+        wake on the pause path, after the lock is released on the live path, so the source's
+        calls go on meanwhile). Returns what ``then`` returns."""
         m = self.held
         rec = m.registry.find(tenant, id_or_name)
         vols = self.volumes.attached_to(rec.id)

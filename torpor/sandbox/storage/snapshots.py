@@ -7,7 +7,9 @@ Two kinds of frozen machine directory exist:
   from a paused sandbox in well under a second: the RAM file is copied (reflink where the file
   system allows, sparse otherwise) and the sandbox's qcow2 overlay is *moved* into the frozen dir
   and replaced by a fresh overlay on top of it, so the sandbox can run on while the frozen layer
-  stays immutable. Forks and restores clone a frozen dir (``qemu.clone_machine_dir``).
+  stays immutable. :func:`freeze_live` makes one from a *running* sandbox without pausing it
+  (QEMU switches to the new overlay and the RAM is copied while the guest is stopped for
+  those milliseconds). Forks and restores clone a frozen dir (``qemu.clone_machine_dir``).
 * a **stored snapshot** is a frozen dir captured into the chunk store by :meth:`SnapshotStore.save`:
   every file as hashed, compressed, deduplicated chunks plus a manifest ``snapshots/<id>.json``.
   The disk layer is stored relative to the template's disk (``qemu-img rebase`` folds any
