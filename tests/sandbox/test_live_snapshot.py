@@ -167,3 +167,34 @@ def test_a_create_from_the_clone_pool_is_a_fresh_reseeded_machine(qemu_home: Pat
             engine.pool.drain()
 
     asyncio.run(main())
+
+
+def test_the_live_path_runs_under_kvm_where_kvm_works(qemu_home: Path) -> None:
+    """Where the accelerator probe finds a working KVM the template runs under it, and a live
+    snapshot (stop, switch, save, RAM copy, cont) runs there too; elsewhere this says why not."""
+    from torpor.sandbox import template as templates
+    from torpor.sandbox.vm.accel import probe
+
+    info = templates.get("python")
+    report = probe(kernel=Path(info.kernel))
+    if report.accel != "kvm":
+        pytest.skip(f"no usable KVM on this host: {report.reason}")
+    assert info.accel == "kvm", "KVM works here but the template was built for TCG"
+
+    async def main() -> None:
+        m = SandboxManager(paths(qemu_home))
+        await m.start(supervise=False)
+        cp = Checkpoints(m)
+        try:
+            src = await m.create(name="kvm-src")
+            await m.run_code(src.id, "v = 7")
+            snap = await cp.snapshot(src.id, name="under-kvm")
+            assert cp.last_downtime is not None
+            restored = await cp.restore(snap.id)
+            assert (await m.run_code(restored.id, "v")).text == "7"
+        finally:
+            for s in await m.list():
+                await m.kill(s.id)
+            await m.close(pause=False)
+
+    asyncio.run(main())
