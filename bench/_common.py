@@ -37,11 +37,16 @@ def bench_home() -> Iterator[Path]:
     shared = paths()
     home = Path(tempfile.mkdtemp(prefix="torpor-bench-"))
     (home / "templates").symlink_to(shared.templates)
+    before = os.environ.get("TORPOR_HOME")
     os.environ["TORPOR_HOME"] = str(home)
     try:
         yield home
     finally:
         shutil.rmtree(home, ignore_errors=True)
+        if before is None:  # the next home (another guest size) starts from the same one
+            os.environ.pop("TORPOR_HOME", None)
+        else:
+            os.environ["TORPOR_HOME"] = before
 
 
 def write_results(path: Path, result: dict[str, Any]) -> None:

@@ -1,10 +1,12 @@
 """Sandbox lifecycle benchmark: create, command and interpreter round trips, pause, wake.
 
 Runs on real QEMU through :class:`torpor.sandbox.manager.SandboxManager` with the built
-``python`` template (512 MiB guest), ``--reps`` times each, and prints medians and p95 next to
-the floor measured in the same run — how long QEMU alone takes from process start until QMP
-answers, on the same machine command line a wake uses. It then shows what a paused sandbox
-costs: no QEMU process (so no CPU and no RSS) and the disk its directory uses.
+``python`` template (512 MiB guest) and ``python-2g`` (2 GiB) when it is built, ``--reps``
+times each (create also from a pool of ready clones: :mod:`torpor.sandbox.vm.pool`), and
+prints medians and p95 next to the floor measured in the same run: how long QEMU alone takes
+from process start until QMP answers, on the same machine command line a wake uses. It then
+shows what a paused sandbox costs: no QEMU process (so no CPU and no RSS) and the disk its
+directory uses.
 
     python3 -m bench.lifecycle               # 10 repetitions
     python3 -m bench.lifecycle --reps 20 --cold   # also time one cold boot of the template
@@ -29,6 +31,8 @@ from typing import Any
 from bench._common import bench_home, summary, write_results
 
 RESULTS = Path(__file__).parent / "results" / "lifecycle.json"
+#: the QEMU start floor (ms) of the idle host the issue's goals were measured on
+ISSUE_FLOOR_MS = 36.0
 
 
 async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
@@ -193,25 +197,63 @@ async def _cold_boot(home: Path) -> float:
     return elapsed
 
 
-async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
+async def _pooled_creates(home: Path, template: str, reps: int) -> list[float]:
+    """Creates that take a ready clone from a pool of 2 (each waits for the refill first)."""
     from torpor.config import paths
     from torpor.sandbox import template as templates
     from torpor.sandbox.engine import QemuEngine
     from torpor.sandbox.manager import SandboxManager
 
-    info = templates.get("python")
+    engine = QemuEngine(paths(home), pool_size=2)
+    info = templates.get(template)
+    snap = Path(info.snapshot_dir)
+    mgr = SandboxManager(paths(home), engine=engine)
+    out: list[float] = []
+    try:
+        engine.pool.refill_soon(template, snap)
+        for i in range(reps):
+            deadline = time.monotonic() + 120
+            while len(engine.pool.ready(template, snap)) < 2:  # the filler is a thread
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # the filler's last rename settles
+            create = functools.partial(
+                mgr.create, name=f"p{i}", template=template, memory_mib=info.memory_mib
+            )
+            out.append(await _timed(create))
+            await mgr.kill(f"p{i}")
+    finally:
+        await mgr.close()
+        engine.pool.drain()
+    return out
+
+
+async def run(reps: int, cold: bool, home: Path, template: str = "python") -> dict[str, Any]:
+    from torpor.config import paths
+    from torpor.sandbox import template as templates
+    from torpor.sandbox.engine import QemuEngine
+    from torpor.sandbox.manager import SandboxManager
+
+    info = templates.get(template)
     samples: dict[str, list[float]] = {
-        k: [] for k in ("floor", "create", "command", "interpreter", "pause", "wake")
+        k: []
+        for k in ("floor", "create", "command", "interpreter", "pause", "wake", "wake_and_call")
     }
     marks = _Marks(samples)
-    mgr = SandboxManager(paths(home), engine=_TimedEngine(QemuEngine(paths(home)), marks))
+    mgr = SandboxManager(
+        paths(home), engine=_TimedEngine(QemuEngine(paths(home), pool_size=0), marks)
+    )
     try:
         # create: a fork of the template's booted snapshot (each one killed afterwards)
-        sbx = await mgr.create(name="bench")
+        sbx = await mgr.create(name="bench", template=template, memory_mib=info.memory_mib)
         await mgr.run_code("bench", "0")  # start the guest's interpreter once
         marks.phase = "create"
         for i in range(reps):
-            samples["create"].append(await _timed(functools.partial(mgr.create, name=f"c{i}")))
+            create = functools.partial(
+                mgr.create, name=f"c{i}", template=template, memory_mib=info.memory_mib
+            )
+            samples["create"].append(await _timed(create))
             await mgr.kill(f"c{i}")
         for _ in range(reps):
             samples["command"].append(await _timed(lambda: mgr.run_command("bench", "true")))
@@ -222,7 +264,11 @@ async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
             samples["pause"].append(await _timed(lambda: mgr.pause("bench")))
             samples["floor"].append(await _floor(mgr.directory(sbx.id)))
             marks.phase = "wake"
-            samples["wake"].append(await _timed(lambda: mgr.resume("bench")))
+            t0 = time.perf_counter()
+            await mgr.resume("bench")
+            samples["wake"].append(time.perf_counter() - t0)
+            await mgr.run_code("bench", "1")
+            samples["wake_and_call"].append(time.perf_counter() - t0)
         marks.phase = "other"
         ok = (await mgr.run_code("bench", "sum(kept)")).text == str(sum(range(1000)))
         await mgr.pause("bench")
@@ -231,18 +277,20 @@ async def run(reps: int, cold: bool, home: Path) -> dict[str, Any]:
         cold_s = await _cold_boot(home) if cold else None
     finally:
         await mgr.close()
+    samples["create_pooled"] = await _pooled_creates(home, template, reps)
     stats = {k: summary(v) for k, v in samples.items()}
     floor = stats["floor"]["median_ms"]
     targets = [
-        ("pause", stats["pause"]["median_ms"], 100.0),
-        ("wake", stats["wake"]["median_ms"], 300.0),
-        ("wake vs 4x floor", stats["wake"]["median_ms"], 4 * floor),
+        ("pause <= 50 ms", stats["pause"]["median_ms"], 50.0),
+        ("wake <= 100 ms", stats["wake"]["median_ms"], 100.0),
+        ("wake <= 3x floor", stats["wake"]["median_ms"], 3 * floor),
         (
-            "engine part of wake (QEMU+load+cont) vs 4x floor",
+            "engine part of wake (QEMU+load+cont) vs 3x floor",
             stats["wake: QEMU start + load state + cont"]["median_ms"],
-            4 * floor,
+            3 * floor,
         ),
-        ("create", stats["create"]["median_ms"], 500.0),
+        ("create from the pool <= 100 ms", stats["create_pooled"]["median_ms"], 100.0),
+        ("create from the pool <= 3x floor", stats["create_pooled"]["median_ms"], 3 * floor),
         ("command round trip", stats["command"]["median_ms"], 50.0),
         ("paused: no QEMU, RSS 0", float(len(paused["qemu_pids"]) + paused["rss_kib"]), 0.0),
     ]
@@ -286,11 +334,13 @@ def render(result: dict[str, Any]) -> None:
         table.add_column(col, justify="right" if col != "step" else "left")
     labels = {
         "floor": "floor: QEMU start -> QMP ready",
-        "create": "create (fork of template)",
+        "create": "create (fork of template, no pool)",
+        "create_pooled": "create (a ready clone from a pool of 2)",
         "command": "command round trip",
         "interpreter": "interpreter round trip",
         "pause": "pause (guest sync + hibernate + registry)",
         "wake": "wake (+ channel + refresh + registry)",
+        "wake_and_call": "wake + first interpreter call",
     }
     for key, label in labels.items():
         s = result["stats"][key]
@@ -319,22 +369,46 @@ def render(result: dict[str, Any]) -> None:
     console.print(
         f"RAM intact after {result['reps']} pause/wake cycles: {result['ram_intact_after_wakes']}"
     )
+    # A goal in milliseconds was set on an idle host (QEMU start floor ISSUE_FLOOR_MS); it is
+    # also checked as the same multiple of this run's floor, which load inflates alike.
+    floor = result["stats"]["floor"]["median_ms"]
+    scale = floor / ISSUE_FLOOR_MS
+    console.print(f"QEMU start floor {floor:.0f} ms = {scale:.1f} x the idle host's")
     for t in result["targets"]:
         mark = "[green]PASS[/green]" if t["pass"] else "[red]FAIL[/red]"
-        console.print(
-            f"{mark} {t['name']}: {t['value']:.1f} vs {t['target']:.1f} (ratio {t['ratio']:.2f})"
-        )
+        line = f"{mark} {t['name']}: {t['value']:.1f} vs {t['target']:.1f} (ratio {t['ratio']:.2f})"
+        if t["name"].split(" ")[-1] == "ms" and t["target"]:
+            scaled = t["value"] / (t["target"] * scale)
+            line += f"; {'PASS' if scaled <= 1 else 'FAIL'} vs the same multiple of this run's "
+            line += f"floor (ratio {scaled:.2f})"
+        console.print(line)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--cold", action="store_true", help="also time one cold boot")
+    parser.add_argument(
+        "--sizes",
+        default="512:python,2048:python-2g",
+        help="guest sizes as MiB:template (a size whose template is missing is skipped)",
+    )
     args = parser.parse_args()
-    with bench_home() as home:
-        result = asyncio.run(run(args.reps, args.cold, home))
-    write_results(RESULTS, result)
-    render(result)
+    from torpor.errors import TemplateNotFound
+    from torpor.sandbox import template as templates
+
+    results: dict[str, Any] = {}
+    for size, template in (x.split(":") for x in args.sizes.split(",")):
+        try:
+            templates.get(template)
+        except TemplateNotFound:
+            print(f"{size} MiB skipped: no template {template!r}")
+            continue
+        with bench_home() as home:
+            result = asyncio.run(run(args.reps, args.cold, home, template))
+        render(result)
+        results[size] = result
+    write_results(RESULTS, {"sizes": results})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ restart, GC runs, and the machine must still hold its whole disk and freeze agai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ import pytest
 from tests.sandbox.storage_helpers import make_home, make_machine, qemu_io
 from torpor.sandbox.storage import snapshots as snapmod
 from torpor.sandbox.storage.retention import collect_garbage
-from torpor.sandbox.storage.snapshots import SnapshotStore, freeze
+from torpor.sandbox.storage.snapshots import SnapshotStore, freeze, freeze_live
 from torpor.sandbox.vm.disk import is_qcow2
 
 
@@ -65,3 +68,60 @@ def test_a_crash_at_any_step_of_a_freeze_loses_nothing(
     out = store.materialize(info.id)
     assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x55 6M 64k")
     assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x42 2M 64k")
+
+
+class FakeLiveMachine:
+    """The file side of a live capture, without QEMU (what the storage layer relies on): the
+    disk name moves to the overlay at the switch, then device state and a RAM copy appear."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    async def capture(
+        self,
+        *,
+        overlay: Path,
+        state: Path,
+        ram: Path,
+        stopped: Callable[[str], None] | None = None,
+    ) -> float:
+        os.link(overlay, self.directory / ".disk.qcow2.link")
+        os.replace(self.directory / ".disk.qcow2.link", self.directory / "disk.qcow2")
+        for old in self.directory.glob(".disk-*.qcow2"):  # the old top's name: done with
+            if old != overlay:
+                old.unlink()
+        if stopped is not None:
+            stopped("capture:swapped")
+        state.write_bytes((self.directory / "state").read_bytes())
+        shutil.copyfile(self.directory / "ram", ram)
+        if stopped is not None:
+            stopped("capture:saved")
+        return 0.001
+
+
+@pytest.mark.parametrize(
+    "step",
+    ["freeze:copied", "freeze:published", "capture:swapped", "capture:saved", "freeze:captured"],
+)
+def test_a_crash_at_any_step_of_a_live_freeze_loses_nothing(
+    tmp_path: Path, crash_at: list[str], step: str
+) -> None:
+    p = make_home(tmp_path)
+    machine = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    crash_at.append(step)
+    with pytest.raises(Crash):
+        asyncio.run(freeze_live(machine, store.frozen_root, FakeLiveMachine(machine)))
+    crash_at.clear()
+    _disk_is_whole(machine)
+    collect_garbage(p)  # after the restart: GC must not take what the machine stands on
+    _disk_is_whole(machine)
+    qemu_io(machine / "disk.qcow2", "write -P 0x55 6M 64k")  # the machine runs on
+    frozen, _ = asyncio.run(freeze_live(machine, store.frozen_root, FakeLiveMachine(machine)))
+    aliases = list(machine.glob(".disk-*.qcow2"))  # the name QEMU opened the overlay by
+    assert len(aliases) == 1 and aliases[0].samefile(machine / "disk.qcow2")
+    info = store.save(frozen, name="after-crash")
+    out = store.materialize(info.id)
+    assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x55 6M 64k")
+    assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x42 2M 64k")
+    assert (out / "ram").read_bytes() == (machine / "ram").read_bytes()

@@ -78,6 +78,17 @@ async def main():
 
     mgr.on_step = hook
     outcome = "ok"
+    if phase == "snapshot":  # a live snapshot: the manager dies at a step of its capture
+        from torpor.sandbox.checkpoints import Checkpoints
+        from torpor.sandbox.storage import snapshots as snapmod
+
+        def failpoint(name):
+            if name == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        snapmod.failpoint = failpoint
+        await Checkpoints(mgr).snapshot(info.id, name="crashy-snap")
+        return
     try:
         await (mgr.pause(info.id) if phase == "pause" else mgr.resume(info.id))
     except TorporError as exc:
@@ -130,6 +141,17 @@ CASES = [
     pytest.param("pause", "pause:saved", "qemu", {"intact"}, id="qemu-killed-state-saved"),
     pytest.param("wake", "wake:begin", "qemu-before-cont", {"intact"}, id="qemu-dies-before-cont"),
     pytest.param("wake", "wake:woken", "qemu", {"lost"}, id="qemu-dies-after-cont"),
+    # a live snapshot: the manager dies while the guest is stopped, after QEMU switched to the
+    # new overlay (the restart adopts it and runs the guest on), and after the state was saved
+    pytest.param(
+        "snapshot", "capture:switched", "manager", {"intact"}, id="manager-dies-capture-switched"
+    ),
+    pytest.param(
+        "snapshot", "capture:swapped", "manager", {"intact"}, id="manager-dies-capture-swapped"
+    ),
+    pytest.param(
+        "snapshot", "capture:saved", "manager", {"intact"}, id="manager-dies-capture-saved"
+    ),
 ]
 
 
@@ -172,6 +194,12 @@ def test_crash_then_restart(
             assert info.state in (S.PAUSED, S.RUNNING)
             assert (await mgr.run_code(sandbox_id, "v")).text == "'kept-in-ram'"
             assert await mgr.read_file(sandbox_id, "/root/disk.txt") == b"on disk"
+            if phase == "snapshot":  # the disk name follows what QEMU writes: a wake sees it
+                await mgr.run_command(sandbox_id, "echo after > /root/after.txt && sync")
+                await mgr.pause(sandbox_id)
+                await mgr.resume(sandbox_id)
+                assert await mgr.read_file(sandbox_id, "/root/after.txt") == b"after\n"
+                assert await mgr.read_file(sandbox_id, "/root/disk.txt") == b"on disk"
             return "intact"
         finally:
             await mgr.kill(sandbox_id)

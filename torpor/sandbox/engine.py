@@ -154,9 +154,18 @@ class QemuEngine:
     argument), sandboxes live in the manager's home.
     """
 
-    def __init__(self, paths: Paths, *, connect_timeout: float = 30.0) -> None:
+    def __init__(
+        self, paths: Paths, *, connect_timeout: float = 30.0, pool_size: int | None = None
+    ) -> None:
+        from torpor.sandbox.vm.pool import ClonePool, pool_size_from_env
+
         self.paths = paths
         self.connect_timeout = connect_timeout
+        #: ready clones a create takes instead of cloning (``pool_size`` or
+        #: ``TORPOR_CLONE_POOL``; 0: none): see :mod:`torpor.sandbox.vm.pool`
+        self.pool = ClonePool(
+            paths.cache / "pool", pool_size_from_env() if pool_size is None else pool_size
+        )
 
     def check_template(self, template: str, config: MachineConfig | None = None) -> None:
         from torpor.sandbox import template as templates
@@ -186,7 +195,10 @@ class QemuEngine:
         from torpor.sandbox.vm.machine import clone_machine_dir
 
         info = templates.get(template)
-        await asyncio.to_thread(clone_machine_dir, Path(info.snapshot_dir), directory)
+        source = Path(info.snapshot_dir)
+        if not await asyncio.to_thread(self.pool.take, template, source, directory):
+            await asyncio.to_thread(clone_machine_dir, source, directory)
+        self.pool.refill_soon(template, source)
 
     def machine(self, directory: Path, config: MachineConfig) -> Machine:
         from torpor.sandbox import template as templates
@@ -222,6 +234,7 @@ class QemuEngine:
         machine = await QemuMachine.attach(
             directory, templates.get(config.template), self._spec(config)
         )
+        await machine.adopt_top_layer()  # a capture interrupted between switch and rename
         # A wake that died between deleting the state and `cont` leaves the guest stopped;
         # a pause that died mid-save too. Either way the RAM file is the truth: run it.
         status = await machine.qmp("query-status")

@@ -65,17 +65,23 @@ class Cloner:
         *,
         drives_of: str | None,
         recorded_drives: list[dict[str, Any]] | None = None,
+        take_ram: bool = False,
     ) -> list[SandboxInfo]:
-        """Clone, wake and refresh ``children`` from a frozen dir; all or none."""
+        """Clone, wake and refresh ``children`` from a frozen dir; all or none (``take_ram``:
+        as for :meth:`prepare`)."""
         drives = self.drives_for(frozen, drives_of, recorded_drives)
-        recs = await self.prepare(frozen, children)
+        recs = await self.prepare(frozen, children, take_ram=take_ram)
         return await self.wake_children(
             recs, drives, tenant=children.tenant, reason=children.reason
         )
 
-    async def prepare(self, frozen: Path, children: Children) -> list[SandboxRecord]:
+    async def prepare(
+        self, frozen: Path, children: Children, *, take_ram: bool = False
+    ) -> list[SandboxRecord]:
         """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
-        ``children``. All or none: on failure every row and dir made here is removed."""
+        ``children``. ``take_ram``: the caller drops the frozen RAM afterwards, so the last
+        child may take it (when it has no other name). All or none: on failure every row and
+        dir made here is removed."""
         from torpor.sandbox.vm.machine import clone_machine_dir
 
         m = self.manager
@@ -103,8 +109,15 @@ class Cloner:
                 )
                 m.registry.insert(rec, reason=children.reason)
                 recs.append(rec)
-            await asyncio.gather(
-                *(asyncio.to_thread(clone_machine_dir, frozen, m.directory(r.id)) for r in recs)
+            # the last child takes the frozen RAM itself when no one else has a name for it
+            # (a live freeze's or a restore's copy; the caller drops it after): one copy fewer
+            own = (frozen / "ram").stat().st_nlink == 1 and take_ram
+            copies = [
+                asyncio.to_thread(clone_machine_dir, frozen, m.directory(r.id)) for r in recs[:-1]
+            ]
+            await asyncio.gather(*copies)
+            await asyncio.to_thread(
+                clone_machine_dir, frozen, m.directory(recs[-1].id), take_ram=own
             )
         except BaseException as exc:
             for rec in recs:

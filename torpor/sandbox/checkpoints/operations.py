@@ -2,19 +2,25 @@
 
 How each one works (the storage is in :mod:`~torpor.sandbox.storage.snapshots`):
 
-* **snapshot(sandbox)**: under the sandbox's lock, a running sandbox is paused (hibernated),
-  :func:`~torpor.sandbox.storage.snapshots.freeze` makes an immutable local copy (RAM
-  copied sparsely, the disk overlay moved aside and replaced by a new overlay on top of it)
-  and the sandbox is woken again at once; a paused one stays paused. The frozen copy is then
-  captured into the content-addressed chunk store while the sandbox runs on. The snapshot is
-  listed only once its manifest is written and checked.
+* **snapshot(sandbox)**: under the sandbox's lock, a *running* sandbox is not paused: the
+  guest flushes its file systems, then
+  :func:`~torpor.sandbox.storage.snapshots.freeze_live` stops its vCPUs only while QEMU
+  switches the disk to a new overlay (the old top layer becomes the frozen one), saves the
+  device state and the RAM file is copied, and resumes it; the same QEMU, channel and
+  processes run on (:attr:`Checkpoints.last_downtime` says how long it stood still). A
+  paused one (or one with a drive mounted: QEMU cannot save a mounted 9p share) is frozen by
+  :func:`~torpor.sandbox.storage.snapshots.freeze` (RAM copied sparsely, the disk overlay
+  moved aside and replaced by a new overlay on top of it), paused and woken around it as
+  needed. The frozen copy is then captured into the content-addressed chunk store while the
+  sandbox runs on. The snapshot is listed only once its manifest is written and checked.
 * **restore(snapshot)**: the snapshot is rebuilt from verified chunks into a frozen dir and a new
   sandbox is cloned from it (RAM copied, a new qcow2 overlay), woken, and given fresh entropy
   and the host's clock.
-* **fork(sandbox, count)**: freeze as for a snapshot (but the frozen RAM is a hard link to the
-  paused source's, cloned into every child before the source wakes), then the children and
-  the source wake together. Nothing goes through the chunk store, so a child costs one sparse
-  RAM copy and a wake. All children or none: a failure removes the ones already made.
+* **fork(sandbox, count)**: freeze as for a snapshot (live for a running source; for a
+  paused one the frozen RAM is a hard link to the source's, cloned into every child before
+  the source could run again), then the children wake. Nothing goes through the chunk store,
+  so a child costs one sparse RAM copy and a wake (the last child takes the frozen copy
+  itself). All children or none: a failure removes the ones already made.
 
 **Volumes and snapshots.** A volume is shared, long-lived data and is never part of a snapshot.
 The guest has it mounted with cached file-system state, so a snapshot or fork of a sandbox with a
@@ -52,7 +58,7 @@ from torpor.errors import (
 )
 from torpor.sandbox.checkpoints.attach import Attachments
 from torpor.sandbox.checkpoints.clones import Children, Cloner, drop_ram
-from torpor.sandbox.manager import Held, SandboxManager
+from torpor.sandbox.manager import SYNC_TIMEOUT, Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
@@ -73,6 +79,7 @@ from torpor.sandbox.storage.snapshots import (
     SnapshotInfo,
     SnapshotStore,
     freeze,
+    freeze_live,
 )
 from torpor.sandbox.storage.volumes import VolumeStore
 
@@ -119,6 +126,8 @@ class Checkpoints:
         self.held: Held = manager
         self.attachments = Attachments(manager, self.volumes, self.drives)
         self.cloner = Cloner(manager, self.drives)
+        #: how long the guest stood still in the last live snapshot or fork (seconds)
+        self.last_downtime: float | None = None
         hooks = manager.guest_hooks
         if not any(isinstance(h, Attachments) for h in hooks):
             hooks.append(self.attachments)  # drives are unmounted/remounted around a hibernate
@@ -134,12 +143,16 @@ class Checkpoints:
         before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None = None,
         link_ram: bool = False,
     ) -> T:
-        """Freeze the sandbox (pause + freeze, and wake it again if it was running).
+        """Freeze the sandbox: a running one live (:meth:`_freeze_live`, never paused), a
+        paused one as it is, one with a drive mounted by pause + freeze + wake.
 
-        ``before_wake(record, frozen_dir)`` runs while the source is still paused (with
-        ``link_ram`` the frozen RAM is the source's own file, so it must be done with it and
-        drop it before returning); ``then(record, frozen_dir, before_wake's result)`` runs
-        alongside the source's wake. Returns what ``then`` returns."""
+        ``before_wake(record, frozen_dir)`` runs under the sandbox's lock, before the source
+        could change the frozen files (with ``link_ram`` on the pause path the frozen RAM is
+        the source's own file, so it must be done with it and drop it before returning; on
+        the live path the frozen RAM is a copy it may let the last child take);
+        ``then(record, frozen_dir, before_wake's result)`` runs after (alongside the source's
+        wake on the pause path, after the lock is released on the live path, so the source's
+        calls go on meanwhile). Returns what ``then`` returns."""
         m = self.held
         rec = m.registry.find(tenant, id_or_name)
         vols = self.volumes.attached_to(rec.id)
@@ -167,34 +180,74 @@ class Checkpoints:
                     required=["running", "paused"],
                 )
             was_running = rec.state is S.RUNNING
-            if was_running:
+            if was_running and self._can_capture_live(rec, live):
                 await m.drain(live)
-                rec = await m.pause_held(rec, live, "snapshot")  # drives: via guest_hooks
-            try:
-                directory = m.directory(rec.id)
-                if is_compacted(directory):  # a long-paused one: its RAM is in the chunk store
-                    await asyncio.to_thread(
-                        expand, directory, self.snapshots.chunks, sandbox_id=rec.id
-                    )
-                with self.snapshots.lock():
-                    frozen = await asyncio.to_thread(
-                        freeze, directory, self.snapshots.frozen_root, link_ram=link_ram
-                    )
-                prepared = None if before_wake is None else await before_wake(rec, frozen)
-            except BaseException:
+                frozen = await self._freeze_live(rec, live, for_clones=link_ram)
+                was_running = False  # nothing to wake: the source never stopped running
+                try:
+                    prepared = None if before_wake is None else await before_wake(rec, frozen)
+                except BaseException:
+                    drop_ram(frozen)
+                    raise
+                jobs: list[Awaitable[Any]] = []
+            else:
                 if was_running:
-                    await m.wake_held(rec, live, "snapshot failed")
-                raise
-            # The frozen dir is immutable from here: the source wakes while ``then`` (capture
-            # or clone children) works on the copy, so the two costs overlap.
-            jobs: list[Awaitable[Any]] = [then(rec, frozen, prepared)]
-            if was_running:
-                jobs.append(m.wake_held(rec, live, "snapshot taken"))
-            results = await asyncio.gather(*jobs, return_exceptions=True)
+                    await m.drain(live)
+                    rec = await m.pause_held(rec, live, "snapshot")  # drives: via guest_hooks
+                try:
+                    directory = m.directory(rec.id)
+                    if is_compacted(directory):  # a long-paused one: its RAM is in the chunk store
+                        await asyncio.to_thread(
+                            expand, directory, self.snapshots.chunks, sandbox_id=rec.id
+                        )
+                    with self.snapshots.lock():
+                        frozen = await asyncio.to_thread(
+                            freeze, directory, self.snapshots.frozen_root, link_ram=link_ram
+                        )
+                    prepared = None if before_wake is None else await before_wake(rec, frozen)
+                except BaseException:
+                    if was_running:
+                        await m.wake_held(rec, live, "snapshot failed")
+                    raise
+                # The frozen dir is immutable from here: the source wakes while ``then``
+                # (capture or clone children) works on the copy, so the two costs overlap.
+                jobs = [then(rec, frozen, prepared)]
+                if was_running:
+                    jobs.append(m.wake_held(rec, live, "snapshot taken"))
+                results = await asyncio.gather(*jobs, return_exceptions=True)
+        if not jobs:  # live: the source's calls go on while ``then`` works on the frozen dir
+            return await then(rec, frozen, prepared)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         return cast(T, results[0])
+
+    def _can_capture_live(self, rec: SandboxRecord, live: Any) -> bool:
+        """True if the running sandbox can be copied without pausing it: its machine can
+        (the QEMU engine's can) and no 9p drive is mounted (QEMU refuses to save the state of
+        a mounted 9p share; such a sandbox is paused and woken as before)."""
+        if live.machine is None or live.channel is None:
+            return False
+        if not callable(getattr(live.machine, "capture", None)):
+            return False
+        return not self.drives.attached_to(rec.id)
+
+    async def _freeze_live(self, rec: SandboxRecord, live: Any, *, for_clones: bool) -> Path:
+        """Flush the guest's file systems (so the disk layer alone is whole too), then
+        :func:`~torpor.sandbox.storage.snapshots.freeze_live` the running machine."""
+        try:
+            await asyncio.wait_for(live.channel.sync(), SYNC_TIMEOUT)
+        except Exception as exc:  # RAM and disk are captured at one instant either way
+            log.warning("sync before the snapshot of %s failed: %r", rec.id, exc)
+        with self.snapshots.lock():
+            frozen, downtime = await freeze_live(
+                self.held.directory(rec.id),
+                self.snapshots.frozen_root,
+                live.machine,
+                for_clones=for_clones,
+            )
+        self.last_downtime = downtime
+        return frozen
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -342,6 +395,7 @@ class Checkpoints:
                     children,
                     drives_of=info.sandbox_id,
                     recorded_drives=info.drives,
+                    take_ram=True,  # the materialized RAM is this restore's own
                 )
             finally:
                 drop_ram(frozen)
@@ -381,7 +435,7 @@ class Checkpoints:
                     tenant=tenant,
                     reason=f"forked from {rec.id}",
                 )
-                recs = await self.cloner.prepare(frozen, children)
+                recs = await self.cloner.prepare(frozen, children, take_ram=True)
             finally:
                 drop_ram(frozen)
             return recs, drives

@@ -7,7 +7,9 @@ Two kinds of frozen machine directory exist:
   from a paused sandbox in well under a second: the RAM file is copied (reflink where the file
   system allows, sparse otherwise) and the sandbox's qcow2 overlay is *moved* into the frozen dir
   and replaced by a fresh overlay on top of it, so the sandbox can run on while the frozen layer
-  stays immutable. Forks and restores clone a frozen dir (``qemu.clone_machine_dir``).
+  stays immutable. :func:`freeze_live` makes one from a *running* sandbox without pausing it
+  (QEMU switches to the new overlay and the RAM is copied while the guest is stopped for
+  those milliseconds). Forks and restores clone a frozen dir (``qemu.clone_machine_dir``).
 * a **stored snapshot** is a frozen dir captured into the chunk store by :meth:`SnapshotStore.save`:
   every file as hashed, compressed, deduplicated chunks plus a manifest ``snapshots/<id>.json``.
   The disk layer is stored relative to the template's disk (``qemu-img rebase`` folds any
@@ -21,6 +23,7 @@ naming the snapshot).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -33,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -43,6 +46,7 @@ from torpor.errors import (
     CorruptData,
     EngineError,
     InvalidArgument,
+    InvalidState,
     SnapshotNotFound,
     StorageError,
 )
@@ -57,6 +61,7 @@ from torpor.sandbox.vm.disk import (
     new_overlay,
     rebase,
     set_backing,
+    virtual_size,
 )
 
 __all__ = [
@@ -68,6 +73,7 @@ __all__ = [
     "backing_file",
     "check_retention",
     "freeze",
+    "freeze_live",
 ]
 
 log = logging.getLogger(__name__)
@@ -215,6 +221,8 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
         for entry in sorted(machine_dir.iterdir()):
             if not entry.is_file() or entry.is_symlink() or entry.name.endswith(_VOLATILE_SUFFIXES):
                 continue
+            if entry.name.startswith("."):  # a live capture's overlay alias, a spare overlay
+                continue
             if link_ram and entry.name == "ram":
                 os.link(entry, tmp / entry.name)
             elif not is_qcow2(entry):
@@ -257,6 +265,109 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
         raise
     log.info("froze %s into %s", machine_dir.name, fid)
     return final
+
+
+class LiveMachine(Protocol):
+    """A running machine that can be copied without hibernating it
+    (:meth:`torpor.sandbox.vm.machine.QemuMachine.capture` is one)."""
+
+    async def capture(
+        self,
+        *,
+        overlay: Path,
+        state: Path,
+        ram: Path,
+        stopped: Callable[[str], None] | None = None,
+    ) -> float: ...
+
+
+async def freeze_live(
+    machine_dir: Path, frozen_root: Path, machine: LiveMachine, *, for_clones: bool = False
+) -> tuple[Path, float]:
+    """Make an immutable local copy of the *running* machine in ``machine_dir``; the machine
+    runs on. Returns the frozen dir and how long the guest stood still (seconds).
+
+    Before the guest stops, the frozen dir is published holding a hard link of the machine's
+    disk layer and a copy of ``machine.json``, and a new overlay backed by that link is made
+    beside the disk. During the stop (:meth:`LiveMachine.capture`) QEMU switches to the
+    overlay, which is renamed to ``disk.qcow2``, and the device state and a copy of the RAM
+    are written into the frozen dir; they get their final names (after an fsync) once the
+    guest runs again. So at every instant ``disk.qcow2`` names the layer QEMU writes and every
+    layer under it exists: a crash at any point loses nothing (a frozen dir left without RAM
+    is only a disk layer, kept while an overlay names it, else removed by GC). Past
+    :data:`MAX_LOCAL_LAYERS` the frozen layer is replaced by a folded copy (same content)
+    after the guest runs again. ``for_clones``: the RAM copy stays writable (a fork's children
+    take it). On failure no RAM or state remains in a frozen dir. Raises StorageError /
+    EngineError / InvalidState.
+    """
+    fid = f"frz-{uuid.uuid4().hex[:12]}"
+    tmp, final = frozen_root / f".{fid}.tmp", frozen_root / fid
+    disk = machine_dir / "disk.qcow2"
+    overlay = machine_dir / f".disk-{fid}.qcow2"
+
+    def publish() -> None:
+        frozen_root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        for entry in sorted(machine_dir.iterdir()):
+            if not entry.is_file() or entry.is_symlink() or entry.name.endswith(_VOLATILE_SUFFIXES):
+                continue
+            if entry.name in ("ram", "state") or entry.name.startswith("."):
+                continue
+            if entry.name == "disk.qcow2":
+                os.link(entry, tmp / entry.name)  # QEMU writes it until the switch
+            elif is_qcow2(entry):
+                raise StorageError(f"{machine_dir.name} has a second disk {entry.name}")
+            else:
+                copy_sparse(entry, tmp / entry.name)
+        _step("freeze:copied")
+        os.rename(tmp, final)
+        fsync_dir(frozen_root)
+        _step("freeze:published")
+        new_overlay(final / "disk.qcow2", overlay, size=virtual_size(disk))
+
+    def settle() -> None:
+        # no fsync: a frozen dir's RAM and state are inputs of the save (whose chunks and
+        # manifest are made durable) or of clones (whose own state is); a power loss before
+        # that leaves a frozen dir that nothing lists, and GC keeps only its disk layer
+        for name in ("state", "ram"):
+            os.replace(final / f"{name}.tmp", final / name)
+        fsync_dir(final)
+        layer = final / "disk.qcow2"
+        if len([b for b in backing_chain(layer) if _under(b, frozen_root)]) >= MAX_LOCAL_LAYERS:
+            # the machine's chain grows by one per capture: past a few, the frozen layer is
+            # replaced by a folded copy (the same disk); the running QEMU keeps its open chain
+            folded = final / ".disk.qcow2.fold"
+            _folded_copy(layer, folded, _anchor(layer, (frozen_root,)))
+            os.replace(folded, layer)
+            fsync_dir(final)
+        for f in final.iterdir():
+            if not (for_clones and f.name == "ram"):
+                f.chmod(0o400)  # a frozen layer is never written again
+
+    try:
+        await asyncio.to_thread(publish)
+        downtime = await machine.capture(
+            overlay=overlay, state=final / "state.tmp", ram=final / "ram.tmp", stopped=_step
+        )
+        _step("freeze:captured")
+        await asyncio.to_thread(settle)
+    except (OSError, StorageError, EngineError, InvalidState) as exc:
+        overlay.unlink(missing_ok=True)
+        for name in ("state", "ram", "state.tmp", "ram.tmp"):
+            with contextlib.suppress(OSError):
+                (final / name).unlink()
+        try:
+            named = backing_file(disk)
+        except StorageError:
+            named = None
+        if named is None or not _under(named, final):  # the machine is not on it: drop it
+            shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise StorageError(f"cannot freeze {machine_dir.name}: {exc}", exc=exc) from exc
+        raise
+    log.info("froze running %s into %s (stood still %.3fs)", machine_dir.name, fid, downtime)
+    return final, downtime
 
 
 def _under(path: Path, root: Path) -> bool:

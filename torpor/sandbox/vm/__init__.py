@@ -1,6 +1,8 @@
 """torpor.sandbox.vm: one QEMU machine and the host's side of talking to it.
 
-* :mod:`.machine` — :class:`~.machine.QemuMachine`: cold boot, hibernate, wake, kill, hot-plug
+* :mod:`.machine` — :class:`~.machine.QemuMachine`: cold boot, hibernate, wake, kill,
+  hot-plug, and a live capture (a copy of the running machine without hibernating it)
+* :mod:`.pool` — ready clones of a template's booted machine, so a create skips the clone
 * :mod:`.machine_dir` — a machine's directory: machine.json, the QEMU command line,
   inspection after a crash, clones
 * :mod:`.engine` — the :class:`~.engine.Engine` seam the manager drives (QEMU, or a fake in

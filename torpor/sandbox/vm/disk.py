@@ -29,6 +29,7 @@ __all__ = [
     "qemu_img",
     "rebase",
     "set_backing",
+    "virtual_size",
     "write_atomic",
 ]
 
@@ -104,9 +105,36 @@ def is_qcow2(path: Path) -> bool:
         return False
 
 
-def new_overlay(backing: Path, path: Path) -> None:
-    """Make ``path`` a new, empty qcow2 overlay on ``backing`` (a qcow2). Raises EngineError."""
-    qemu_img("create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(path))
+def new_overlay(backing: Path, path: Path, *, size: int | None = None) -> None:
+    """Make ``path`` a new, empty qcow2 overlay on ``backing`` (a qcow2). With ``size`` (the
+    backing's virtual size in bytes) ``backing`` is not opened (``-u``): it may be a layer a
+    running QEMU still writes, or not exist yet. Raises EngineError."""
+    if size is None:
+        qemu_img("create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(path))
+    else:
+        qemu_img(
+            "create",
+            "-q",
+            "-u",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            str(backing),
+            str(path),
+            str(size),
+        )
+
+
+def virtual_size(path: Path) -> int:
+    """The guest-visible size of the qcow2 ``path`` (its header's u64 at offset 24), read
+    without ``qemu-img``. Raises OSError (also when it is not a qcow2)."""
+    with open(path, "rb") as f:
+        header = f.read(32)
+    if len(header) < 32 or header[:4] != b"QFI\xfb":
+        raise OSError(f"{path} is not a qcow2 image")
+    return int.from_bytes(header[24:32], "big")
 
 
 def rebase(path: Path, backing: Path | None) -> None:

@@ -486,8 +486,12 @@ def _prune_links(runtime: Path) -> None:
                 entry.unlink()
 
 
-def clone_machine_dir(src: Path, dst: Path) -> None:
+def clone_machine_dir(src: Path, dst: Path, *, take_ram: bool = False) -> None:
     """Make ``dst`` a hibernated copy of the hibernated machine in ``src``.
+
+    ``take_ram``: hard-link ``src/ram`` instead of copying it: only for a caller that removes
+    ``src/ram`` before the clone runs and copies from it no more (the last child of a fork or
+    restore whose frozen RAM is its own: one RAM copy saved).
 
     Copies ``ram`` (reflink or sparse copy), ``machine.json`` and ``state`` (last, atomically:
     a clone interrupted half-way has no state and cannot be woken), and makes ``disk.qcow2``
@@ -506,7 +510,11 @@ def clone_machine_dir(src: Path, dst: Path) -> None:
         for name in ("disk.qcow2", "ram"):
             with contextlib.suppress(FileNotFoundError):
                 (dst / name).unlink()
-        copy_sparse(src / "ram", dst / "ram")
+        if take_ram:
+            os.link(src / "ram", dst / "ram")
+            (dst / "ram").chmod(0o600)
+        else:
+            copy_sparse(src / "ram", dst / "ram")
         config = read_machine_json(src)
         config.pop("vmgenid", None)  # a clone is a new generation: its first wake picks one
         (dst / "machine.json").write_text(json.dumps(config, indent=2))
