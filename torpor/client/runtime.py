@@ -16,6 +16,7 @@ cannot be reached is :class:`~torpor.errors.ServerUnavailable`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -23,13 +24,16 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
 from torpor.client._local import ensure_local_server
 from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
+
+if TYPE_CHECKING:
+    from torpor.client.tokens import Tokens
 
 __all__ = ["Runtime", "default_runtime", "set_default_runtime"]
 
@@ -174,6 +178,13 @@ class Runtime:
                 raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
 
     # -- public -------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def tokens(self) -> Tokens:
+        """The server's tokens: create, list, revoke (:mod:`torpor.client.tokens`)."""
+        from torpor.client.tokens import Tokens
+
+        return Tokens(self)
 
     def health(self) -> dict[str, Any]:
         """The server's identity: ``{"ok", "pid", "version", "tenant", "home"}``."""

@@ -45,7 +45,7 @@ from torpor.sandbox.storage.drives import DriveInfo
 from torpor.sandbox.storage.records import RecordStore
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.sandbox.storage.volumes import VolumeInfo
-from torpor.server.deps import Manager, Tenant
+from torpor.server.deps import CallerDep, Manager, Tenant
 
 __all__ = ["checkpoints_of", "router", "start_background"]
 
@@ -182,11 +182,11 @@ async def delete_drive(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
 
 
 @router.post("/gc")
-async def gc(body: GcSpec, tenant: Tenant, cp: Cp, request: Request) -> dict[str, Any]:
+async def gc(body: GcSpec, tenant: Tenant, caller: CallerDep, cp: Cp) -> dict[str, Any]:
     """Run retention and GC now. They act on the whole home (every tenant's expired pauses,
-    unreferenced chunks): only the home's owner may ask, on the local socket (a server with
-    tokens answers AccessDenied; it collects on its own timer)."""
-    if request.app.state.tokens.required:
+    unreferenced chunks): only the home's owner may ask, on the local socket (a token holder
+    gets AccessDenied; the server collects on its own timer)."""
+    if not caller.is_owner:
         raise AccessDenied(
             "GC acts on every tenant of this home: only its owner may run it, on the local "
             "socket (the server also collects on its own every hour)",
