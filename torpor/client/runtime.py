@@ -33,6 +33,7 @@ from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
 
 if TYPE_CHECKING:
+    from torpor.client.memory import RemoteMemory
     from torpor.client.tokens import Tokens
 
 __all__ = ["Runtime", "default_runtime", "set_default_runtime"]
@@ -152,6 +153,13 @@ class Runtime:
         Raises like :meth:`request`; starts the local server if the connection is refused
         (nothing was sent then, so sending again is safe).
         """
+        with self.stream_lines(method, path, **kwargs) as lines:
+            yield (json.loads(line) for line in lines if line.strip())
+
+    @contextmanager
+    def stream_lines(self, method: str, path: str, **kwargs: Any) -> Iterator[Iterator[str]]:
+        """Send a request and yield its answer's lines as they arrive (raises like
+        :meth:`stream_events`)."""
         with contextlib.ExitStack() as stack:
             for attempt in (1, 2):
                 try:
@@ -171,13 +179,21 @@ class Runtime:
                 response.read()
                 raise self._error(response)
             try:
-                yield (json.loads(line) for line in response.iter_lines() if line.strip())
+                yield response.iter_lines()
             except httpx.TimeoutException as exc:
                 raise OperationTimeout(f"{method} {path}: no answer in time", exc=exc) from exc
             except httpx.HTTPError as exc:
                 raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
 
     # -- public -------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def memory(self) -> RemoteMemory:
+        """The server's memory, with :class:`torpor.Memory` 's API
+        (``rt.memory.scope(app=..., user=...)``; :mod:`torpor.client.memory`)."""
+        from torpor.client.memory import RemoteMemory
+
+        return RemoteMemory(self)
 
     @functools.cached_property
     def tokens(self) -> Tokens:

@@ -37,6 +37,7 @@ from torpor.config import LIMITS
 from torpor.errors import InvalidArgument, NotFound, TorporError
 from torpor.memory.backends import open_backend
 from torpor.memory.backends.base import MemoryBackend
+from torpor.memory.embeddings import Embedder
 from torpor.sandbox.requests import invalid_argument
 from torpor.server.auth import Identity, TokenStore
 from torpor.server.deps import CallerDep
@@ -132,6 +133,8 @@ def create_app(
     *,
     tokens: TokenStore | None = None,
     memory: MemoryBackend | str | None = None,
+    memory_embedder: Embedder | str | None = "default",
+    max_import_bytes: int = 256 << 20,
     require_token: bool | None = None,
     supervise: bool = True,
     idle_interval: float = 1.0,
@@ -146,6 +149,8 @@ def create_app(
     (:class:`~torpor.server.auth.Identity`). ``require_token``: tokenless requests that do not
     come over the unix socket are refused (default: when ``tokens`` is given).
     ``tokens``: a deprecated token file's tokens, imported into the store at start.
+    ``memory_embedder``: the memory routes' embedder (as ``Memory(embedder=...)``; loaded on
+    first use); ``max_import_bytes``: the largest memory import body.
     ``supervise``: run the idle supervisor (``manager.idle_sweep()`` every ``idle_interval``
     seconds). ``on_shutdown``: plain callables run after the manager closed (the daemon
     removes its socket and pidfile there).
@@ -189,6 +194,8 @@ def create_app(
         identity.adopt(tokens)
     app.state.identity = identity
     app.state.memory_backend = backend
+    app.state.memory_embedder = memory_embedder
+    app.state.max_import_bytes = max_import_bytes
     app.state.max_file_bytes = max_file_bytes
     app.add_middleware(BodyLimit)  # every body bounded before it is parsed
     app.add_exception_handler(TorporError, _torpor_error)
