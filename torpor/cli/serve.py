@@ -40,6 +40,12 @@ def serve(
             envvar="TORPOR_MEMORY_BACKEND", help="memory store: sqlite (default) or a postgres DSN"
         ),
     ] = None,
+    embedder: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TORPOR_EMBEDDER", help="memory embedder: default, none (lexical) or a model"
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
 ) -> None:
     """Run the torpor server in the foreground until SIGTERM or Ctrl-C.
@@ -57,6 +63,7 @@ def serve(
         port=port,
         token_file=token_file,
         memory=memory,
+        embedder=embedder,
         log_level=log_level.lower(),
     )
 

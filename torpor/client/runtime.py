@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,7 +77,14 @@ class Runtime:
             )
         else:
             assert url is not None
-            self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=limits)
+            # TCP_NODELAY: a POST's body must not wait behind its headers for a delayed ACK
+            nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+            self._http = httpx.Client(
+                transport=httpx.HTTPTransport(socket_options=nodelay),
+                base_url=url.rstrip("/"),
+                headers=headers,
+                timeout=limits,
+            )
         self._started = False
         self._start_lock = threading.Lock()
 

@@ -95,6 +95,13 @@ def bind_unix_socket(path: Path) -> socket.socket:
     return sock
 
 
+def _embedder_spec(spec: str | None) -> str | None:
+    """``None``/``"default"`` -> the default model; ``"none"`` -> lexical only."""
+    if spec is None:
+        return "default"
+    return None if spec.lower() in ("none", "") else spec
+
+
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal; exit
     # cleanly at that point (a traceback for Ctrl-C would suggest something went wrong).
@@ -110,6 +117,7 @@ def serve(
     token_file: Path | None = None,
     manager: Any = None,
     memory: str | None = None,
+    embedder: str | None = None,
     log_level: str = "info",
 ) -> None:
     """Run the server in this process until SIGTERM/SIGINT.
@@ -119,7 +127,9 @@ def serve(
     request needs a bearer token from the token store (``torpor token create``).
     ``token_file``: a deprecated token file, imported into the store at start. ``memory``: the
     memory store's backend (``"sqlite"``, the default, or a PostgreSQL DSN; default
-    ``$TORPOR_MEMORY_BACKEND``). ``manager`` defaults to a
+    ``$TORPOR_MEMORY_BACKEND``). ``embedder``: the memory routes' embedder (``"default"``:
+    the local model if installed; ``"none"``: lexical only; or a model name; default
+    ``$TORPOR_EMBEDDER`` or ``"default"``). ``manager`` defaults to a
     :class:`~torpor.sandbox.manager.SandboxManager` on ``home``.
     Raises :class:`Conflict` when another server owns ``home``, :class:`InvalidArgument` for a
     bad token file.
@@ -155,6 +165,9 @@ def serve(
     if host is not None:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted sockets inherit it: without it a response's body waits behind its headers
+        # for the client's delayed ACK (40 ms per request on Linux).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
@@ -170,6 +183,7 @@ def serve(
         manager,
         tokens=tokens,
         memory=memory or os.environ.get("TORPOR_MEMORY_BACKEND") or "sqlite",
+        memory_embedder=_embedder_spec(embedder or os.environ.get("TORPOR_EMBEDDER")),
         require_token=host is not None,
         on_shutdown=cleanup,
     )
