@@ -38,7 +38,17 @@ from bench._common import write_results
 console = Console(width=120)
 OUT = Path(__file__).resolve().parent / "results" / "service.json"
 
-_WORDS = ["summary", "invoice", "garden", "travel", "lisbon", "berlin", "coffee", "meeting", "report", "weekly", "daily", "plan", "budget", "project", "deadline", "holiday", "music", "guitar", "running", "swimming", "family", "dinner", "recipe", "doctor", "dentist", "flight", "hotel", "train", "ticket", "birthday", "gift", "book", "movie", "series", "podcast", "kotlin", "python", "rust", "database", "server", "backup", "laptop", "phone", "camera", "bicycle", "car", "insurance", "mortgage", "salary", "bonus", "review", "promotion", "team", "manager", "colleague", "client", "contract"]
+# fmt: off
+_WORDS = (
+    "summary", "invoice", "garden", "travel", "lisbon", "berlin", "coffee", "meeting", "report",
+    "weekly", "daily", "plan", "budget", "project", "deadline", "holiday", "music", "guitar",
+    "running", "swimming", "family", "dinner", "recipe", "doctor", "dentist", "flight", "hotel",
+    "train", "ticket", "birthday", "gift", "book", "movie", "series", "podcast", "kotlin",
+    "python", "rust", "database", "server", "backup", "laptop", "phone", "camera", "bicycle",
+    "car", "insurance", "mortgage", "salary", "bonus", "review", "promotion", "team", "manager",
+    "colleague", "client", "contract",
+)
+# fmt: on
 
 
 def _text(rng: random.Random, n: int = 8) -> str:
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [f"u{i}" for i in rng.sample(range(users), 20)]
         results: dict[str, Any] = {}
         with Memory(str(home), embedder=None) as mem:
-            transports = {
+            transports: dict[str, list[Any]] = {
                 "embedded": [mem.scope(app="bench", user=n) for n in names],
                 "http-socket": [local.memory.scope(app="bench", user=n) for n in names],
                 "http-tcp": [tcp.memory.scope(app="bench", user=n) for n in names],

@@ -146,7 +146,7 @@ class Api:
     def as_token(self, grants: list[tuple[str, str]], tenant: str = "default") -> object:
         """The same API acting with a fresh token of ``tenant`` holding ``grants``."""
         if self.kind == "embedded":
-            token = self.owner.tokens.issue(tenant, grants)  # type: ignore[union-attr]
+            token = self.owner.tokens.issue(tenant, grants)
             m = Memory(str(self.home), token=token, embedder=self.embedder, backend=self.spec)  # type: ignore[arg-type]
             self._closers.append(m.close)
             return m

@@ -251,12 +251,13 @@ def test_grants_apply_alike(api: Api) -> None:
     u = t.scope(app="a", user="u")
     u.remember("u's own note")
     assert [h.text for h in u.recall("note")] == ["u's own note"]
-    for attempt in (
+    attempts: list[Any] = [
         lambda: t.scope(app="a", user="v"),
         lambda: t.scope(app="a"),
         lambda: t.scope(),
         lambda: t.scope(app="a", user="u", tenant="other"),
-    ):
+    ]
+    for attempt in attempts:
         with pytest.raises(AccessDenied):
             attempt()
     r: Any = api.as_token([("read", "app/a/user/u")])

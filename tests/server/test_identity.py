@@ -245,7 +245,7 @@ def test_token_file_is_imported_hashed_and_revocation_sticks() -> None:
     identity: Identity = app.state.identity
     assert identity.tokens.revoke_id("acme", stored.id)
     assert identity.adopt(legacy) == 0  # a restart re-reads the file: still revoked
-    assert backend.get_token(hash_token("a" * 32)).revoked  # type: ignore[union-attr]
+    assert backend.get_token(hash_token("a" * 32)).revoked
     backend.close()
 
 

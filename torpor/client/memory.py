@@ -25,17 +25,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Generic, TypeVar
+from typing import IO, Any, Generic, TypeVar
 
 from pydantic import BaseModel, TypeAdapter
 
+from torpor.client.tokens import Connection, Tokens
 from torpor.errors import InvalidArgument
 from torpor.memory.context import Context
 from torpor.memory.models import AuditEntry, Episode, Fact, Hit, Policy, Profile, Scope
-
-if TYPE_CHECKING:
-    from torpor.client.runtime import Runtime
-    from torpor.client.tokens import Tokens
 
 __all__ = ["Call", "RemoteMemory", "RemoteScope", "encode"]
 
@@ -44,7 +41,7 @@ T = TypeVar("T")
 _FACTS = TypeAdapter(list[Fact])
 _EPISODES = TypeAdapter(list[Episode])
 _HITS = TypeAdapter(list[Hit])
-_RECORD: TypeAdapter[Fact | Episode] = TypeAdapter(Fact | Episode)  # type: ignore[arg-type]
+_RECORD: TypeAdapter[Fact | Episode] = TypeAdapter(Fact | Episode)
 _AUDIT = TypeAdapter(list[AuditEntry])
 
 
@@ -78,7 +75,7 @@ class Call(Generic[T]):
     path: str
     params: dict[str, Any] = field(default_factory=dict)
     body: object = None
-    parse: Callable[[Any], T] = field(default=lambda data: data)  # type: ignore[assignment]
+    parse: Callable[[Any], T] = field(default=lambda data: data)
 
     def request_kwargs(self) -> dict[str, Any]:
         """The ``httpx`` keyword arguments of this call."""
@@ -160,8 +157,9 @@ class RemoteScope:
     def __repr__(self) -> str:
         return f"RemoteScope({self.scope})"
 
-    def _do(self, call: Call[T]) -> T:
-        return self.memory._do(call)
+    def do(self, call: Call[T]) -> T:
+        """Send one :class:`Call` through the memory's runtime."""
+        return self.memory.do(call)
 
     # -- writes
     def remember(
@@ -183,14 +181,14 @@ class RemoteScope:
             "durability": durability,
             "ttl": ttl,
         }
-        return self._do(
+        return self.do(
             Call("POST", "/v1/memory/remember", _q(self.path), item, Fact.model_validate)
         )
 
     def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
         """As :meth:`ScopedMemory.remember_many <torpor.memory.ScopedMemory.remember_many>`:
         one request, one transaction."""
-        return self._do(
+        return self.do(
             call_remember_many(self.path, [i if isinstance(i, str) else dict(i) for i in items])
         )
 
@@ -215,11 +213,11 @@ class RemoteScope:
             "durability": durability,
             "ttl": ttl,
         }
-        return self._do(Call("POST", "/v1/memory/log", _q(self.path), turn, Episode.model_validate))
+        return self.do(Call("POST", "/v1/memory/log", _q(self.path), turn, Episode.model_validate))
 
     def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
         """As :meth:`ScopedMemory.log_many <torpor.memory.ScopedMemory.log_many>`."""
-        return self._do(call_log_many(self.path, [dict(t) for t in turns]))
+        return self.do(call_log_many(self.path, [dict(t) for t in turns]))
 
     # -- reads
     def recall(
@@ -249,7 +247,7 @@ class RemoteScope:
             "session": session,
             "min_similarity": min_similarity,
         }
-        return self._do(call_recall(self.path, body))
+        return self.do(call_recall(self.path, body))
 
     def context(
         self, query: str, budget_tokens: int = 500, *, k_facts: int = 20, k_episodes: int = 10
@@ -261,22 +259,22 @@ class RemoteScope:
             "k_facts": k_facts,
             "k_episodes": k_episodes,
         }
-        return self._do(call_context(self.path, body))
+        return self.do(call_context(self.path, body))
 
     def history(self, key: str) -> list[Fact]:
         """As :meth:`ScopedMemory.history <torpor.memory.ScopedMemory.history>`."""
         if not isinstance(key, str):
             raise InvalidArgument("key must be a string")
-        return self._do(call_history(self.path, key))
+        return self.do(call_history(self.path, key))
 
     def get(self, record_id: str) -> Fact | Episode:
         """As :meth:`ScopedMemory.get <torpor.memory.ScopedMemory.get>`."""
-        return self._do(call_get(self.path, record_id))
+        return self.do(call_get(self.path, record_id))
 
     # -- profile and policy
     def get_profile(self) -> dict[str, Any]:
         """As :meth:`ScopedMemory.get_profile <torpor.memory.ScopedMemory.get_profile>`."""
-        data: dict[str, Any] = self._do(Call("GET", "/v1/memory/profile", _q(self.path)))
+        data: dict[str, Any] = self.do(Call("GET", "/v1/memory/profile", _q(self.path)))
         return data
 
     def set_profile(
@@ -293,7 +291,7 @@ class RemoteScope:
         else:
             json_schema = None if schema is None else dict(schema)
         body = {"data": data, "schema": json_schema, "merge": merge}
-        return self._do(
+        return self.do(
             Call("PUT", "/v1/memory/profile", _q(self.path), body, Profile.model_validate)
         )
 
@@ -302,14 +300,12 @@ class RemoteScope:
     ) -> Policy:
         """As :meth:`ScopedMemory.set_policy <torpor.memory.ScopedMemory.set_policy>`."""
         body = {"retention_seconds": retention_seconds, "cache_ttl_seconds": cache_ttl_seconds}
-        return self._do(
-            Call("PUT", "/v1/memory/policy", _q(self.path), body, Policy.model_validate)
-        )
+        return self.do(Call("PUT", "/v1/memory/policy", _q(self.path), body, Policy.model_validate))
 
     # -- erase, verify, move
     def forget(self, record_id: str | None = None) -> int:
         """As :meth:`ScopedMemory.forget <torpor.memory.ScopedMemory.forget>`."""
-        return self._do(call_forget(self.path, record_id))
+        return self.do(call_forget(self.path, record_id))
 
     def verify(self, record_id: str | None = None) -> list[Fact]:
         """As :meth:`ScopedMemory.verify <torpor.memory.ScopedMemory.verify>` (sources are
@@ -321,7 +317,7 @@ class RemoteScope:
             {"record_id": record_id},
             _FACTS.validate_python,
         )
-        return self._do(call)
+        return self.do(call)
 
     def export_lines(self) -> Iterator[str]:
         """This scope subtree as JSON lines, streamed from the server."""
@@ -349,9 +345,7 @@ class RemoteScope:
             except OSError as exc:
                 raise InvalidArgument(f"cannot read {src}: {exc}", exc=exc) from exc
         else:
-            parts = []
-            for line in src:
-                parts.append(line if line.endswith("\n") else line + "\n")
+            parts = [line if line.endswith("\n") else line + "\n" for line in src]
             try:
                 data = "".join(parts).encode("utf-8")
             except UnicodeEncodeError as exc:
@@ -367,8 +361,8 @@ class RemoteScope:
 
     def fork(self, **levels: str) -> RemoteScope:
         """As :meth:`ScopedMemory.fork <torpor.memory.ScopedMemory.fork>`."""
-        target = Scope(tenant=self.scope.tenant, **levels) if levels else self.scope  # type: ignore[arg-type]
-        self._do(Call("POST", "/v1/memory/fork", _q(self.path), {"levels": levels}))
+        target = Scope(tenant=self.scope.tenant, **levels) if levels else self.scope
+        self.do(Call("POST", "/v1/memory/fork", _q(self.path), {"levels": levels}))
         return RemoteScope(self.memory, target)
 
 
@@ -377,14 +371,15 @@ class RemoteMemory:
     (see the module docstring). Made by :attr:`Runtime.memory <torpor.client.Runtime.memory>`.
     """
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Connection) -> None:
         self.runtime = runtime
         self._tenant: str | None = None
 
     def __repr__(self) -> str:
         return f"RemoteMemory({self.runtime!r})"
 
-    def _do(self, call: Call[T]) -> T:
+    def do(self, call: Call[T]) -> T:
+        """Send one :class:`Call` and parse its answer (raises the server's typed error)."""
         data = self.runtime.json(call.method, call.path, **call.request_kwargs())
         return call.parse(data)
 
@@ -398,7 +393,7 @@ class RemoteMemory:
     @property
     def tokens(self) -> Tokens:
         """The server's tokens (:attr:`Runtime.tokens <torpor.client.Runtime.tokens>`)."""
-        return self.runtime.tokens
+        return Tokens(self.runtime)
 
     def scope(
         self,
@@ -419,7 +414,7 @@ class RemoteMemory:
         """As :meth:`Memory.scope_from_path <torpor.memory.Memory.scope_from_path>`."""
         if not isinstance(path, str):
             raise InvalidArgument(f"a scope path is a string, not {path!r}")
-        opened = self._do(call_open(path, tenant))
+        opened = self.do(call_open(path, tenant))
         self._tenant = str(opened["tenant"])
         return RemoteScope(self, Scope.from_path(str(opened["scope"]), tenant=self._tenant))
 
@@ -430,15 +425,15 @@ class RemoteMemory:
             return target.forget()
         if not isinstance(target, str):
             raise InvalidArgument("forget() takes a record id or a scope")
-        return self._do(call_forget(None, target))
+        return self.do(call_forget(None, target))
 
     def gc(self) -> int:
         """As :meth:`Memory.gc <torpor.memory.Memory.gc>`."""
-        return self._do(Call("POST", "/v1/memory/gc", {}, None, lambda d: int(d["purged"])))
+        return self.do(Call("POST", "/v1/memory/gc", {}, None, lambda d: int(d["purged"])))
 
     def audit_log(self, limit: int = 100) -> list[AuditEntry]:
         """The tenant's newest audit entries (needs read on the tenant's root)."""
-        return self._do(
+        return self.do(
             Call("GET", "/v1/memory/audit", {"limit": limit}, None, _AUDIT.validate_python)
         )
 

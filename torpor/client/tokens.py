@@ -15,16 +15,31 @@ Only an admin may call these: the local owner (any tenant), or a token created w
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import httpx
 
 from torpor.errors import InvalidArgument
 from torpor.memory.models import Grant, NewToken, TokenSpec, TokenSummary
 
-if TYPE_CHECKING:
-    from torpor.client.runtime import Runtime
+__all__ = ["Connection", "Tokens", "parse_grant"]
 
-__all__ = ["Tokens", "parse_grant"]
+
+class Connection(Protocol):
+    """What the SDK's area clients use of a :class:`~torpor.client.Runtime` (a protocol, so
+    they need not import it: the runtime makes them)."""
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response: ...
+
+    def json(self, method: str, path: str, **kwargs: Any) -> Any: ...
+
+    def stream_lines(
+        self, method: str, path: str, **kwargs: Any
+    ) -> AbstractContextManager[Iterator[str]]: ...
+
+    def health(self) -> dict[str, Any]: ...
 
 
 def parse_grant(grant: Grant | tuple[str, str] | str) -> Grant:
@@ -45,7 +60,7 @@ def parse_grant(grant: Grant | tuple[str, str] | str) -> Grant:
 class Tokens:
     """The token routes of one :class:`~torpor.client.runtime.Runtime`."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Connection) -> None:
         self._rt = runtime
 
     def create(

@@ -47,8 +47,8 @@ def get_identity(request: Request) -> Identity:
 
 def over_socket(request: Request) -> bool:
     """True when the request came over a unix socket (uvicorn reports no port for one)."""
-    server = request.scope.get("server")
-    return bool(server) and server[1] is None
+    server: Any = request.scope.get("server")
+    return server is not None and server[1] is None
 
 
 def get_caller(request: Request) -> Caller:
