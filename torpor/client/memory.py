@@ -86,7 +86,8 @@ class Call(Generic[T]):
         return kwargs
 
 
-def _q(scope: str, tenant: str | None = None) -> dict[str, Any]:
+def scope_params(scope: str, tenant: str | None = None) -> dict[str, Any]:
+    """The query parameters naming a scope (and a tenant) for the memory routes."""
     return {"scope": scope} if tenant is None else {"scope": scope, "tenant": tenant}
 
 
@@ -94,43 +95,123 @@ def _q(scope: str, tenant: str | None = None) -> dict[str, Any]:
 
 
 def call_open(path: str, tenant: str | None) -> Call[dict[str, Any]]:
-    return Call("GET", "/v1/memory/scope", _q(path, tenant))
+    return Call("GET", "/v1/memory/scope", scope_params(path, tenant))
 
 
 def call_remember_many(path: str, items: list[Any]) -> Call[list[Fact]]:
     return Call(
-        "POST", "/v1/memory/remember_many", _q(path), {"items": items}, _FACTS.validate_python
+        "POST",
+        "/v1/memory/remember_many",
+        scope_params(path),
+        {"items": items},
+        _FACTS.validate_python,
     )
 
 
 def call_log_many(path: str, turns: list[Any]) -> Call[list[Episode]]:
     return Call(
-        "POST", "/v1/memory/log_many", _q(path), {"turns": turns}, _EPISODES.validate_python
+        "POST",
+        "/v1/memory/log_many",
+        scope_params(path),
+        {"turns": turns},
+        _EPISODES.validate_python,
     )
 
 
-def call_recall(path: str, body: dict[str, Any]) -> Call[list[Hit]]:
-    return Call("POST", "/v1/memory/recall", _q(path), body, _HITS.validate_python)
+def call_remember(path: str, text: Any, **fields: Any) -> Call[Fact]:
+    item = {"text": text, **fields}
+    return Call("POST", "/v1/memory/remember", scope_params(path), item, Fact.model_validate)
 
 
-def call_context(path: str, body: dict[str, Any]) -> Call[Context]:
-    return Call("POST", "/v1/memory/context", _q(path), body, lambda d: Context(**d))
+def call_log(path: str, role: Any, text: Any, **fields: Any) -> Call[Episode]:
+    turn = {"role": role, "text": text, **fields}
+    return Call("POST", "/v1/memory/log", scope_params(path), turn, Episode.model_validate)
+
+
+def call_recall(path: str, query: Any, k: Any, **fields: Any) -> Call[list[Hit]]:
+    kind = fields.get("kind")
+    if kind is not None and not isinstance(kind, str):
+        fields["kind"] = list(kind)
+    body = {"query": query, "k": k, **fields}
+    return Call("POST", "/v1/memory/recall", scope_params(path), body, _HITS.validate_python)
+
+
+def call_context(path: str, query: Any, **fields: Any) -> Call[Context]:
+    body = {"query": query, **fields}
+    return Call("POST", "/v1/memory/context", scope_params(path), body, lambda d: Context(**d))
+
+
+def call_get_profile(path: str) -> Call[dict[str, Any]]:
+    return Call("GET", "/v1/memory/profile", scope_params(path), None, dict)
+
+
+def call_set_profile(
+    path: str, data: Any, schema: type[BaseModel] | Mapping[str, Any] | None, merge: bool
+) -> Call[Profile]:
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        json_schema: Any = schema.model_json_schema()  # a pydantic schema travels as JSON
+    else:
+        json_schema = None if schema is None else dict(schema)
+    body = {"data": data, "schema": json_schema, "merge": merge}
+    return Call("PUT", "/v1/memory/profile", scope_params(path), body, Profile.model_validate)
+
+
+def call_set_policy(path: str, **fields: Any) -> Call[Policy]:
+    return Call("PUT", "/v1/memory/policy", scope_params(path), fields, Policy.model_validate)
+
+
+def call_verify(path: str, record_id: str | None) -> Call[list[Fact]]:
+    body = {"record_id": record_id}
+    return Call("POST", "/v1/memory/verify", scope_params(path), body, _FACTS.validate_python)
+
+
+def call_fork(scope: Scope, levels: dict[str, str]) -> Call[Scope]:
+    target = Scope(tenant=scope.tenant, **levels) if levels else scope
+    return Call(
+        "POST", "/v1/memory/fork", scope_params(scope.path), {"levels": levels}, lambda _: target
+    )
+
+
+def import_body(src: str | Path | IO[str] | Iterable[str]) -> bytes:
+    """The body of an import: a file's bytes, or the lines of a stream or iterable."""
+    if isinstance(src, (str, Path)):
+        try:
+            return Path(src).read_bytes()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read {src}: {exc}", exc=exc) from exc
+    parts = [line if line.endswith("\n") else line + "\n" for line in src]
+    try:
+        return "".join(parts).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"an import is UTF-8 JSON lines: {exc}") from None
 
 
 def call_history(path: str, key: str) -> Call[list[Fact]]:
-    return Call("GET", "/v1/memory/history", {**_q(path), "key": key}, None, _FACTS.validate_python)
+    return Call(
+        "GET",
+        "/v1/memory/history",
+        {**scope_params(path), "key": key},
+        None,
+        _FACTS.validate_python,
+    )
 
 
 def call_get(path: str, record_id: str) -> Call[Fact | Episode]:
     return Call(
-        "GET", f"/v1/memory/records/{_id(record_id)}", _q(path), None, _RECORD.validate_python
+        "GET",
+        f"/v1/memory/records/{_id(record_id)}",
+        scope_params(path),
+        None,
+        _RECORD.validate_python,
     )
 
 
 def call_forget(path: str | None, record_id: str | None) -> Call[int]:
     if record_id is None:
-        return Call("DELETE", "/v1/memory/scope", _q(path or ""), None, lambda d: int(d["erased"]))
-    params = {} if path is None else _q(path)
+        return Call(
+            "DELETE", "/v1/memory/scope", scope_params(path or ""), None, lambda d: int(d["erased"])
+        )
+    params = {} if path is None else scope_params(path)
     return Call(
         "DELETE", f"/v1/memory/records/{_id(record_id)}", params, None, lambda d: int(d["erased"])
     )
@@ -173,16 +254,16 @@ class RemoteScope:
         ttl: float | timedelta | None = None,
     ) -> Fact:
         """As :meth:`ScopedMemory.remember <torpor.memory.ScopedMemory.remember>`."""
-        item = {
-            "text": text,
-            "key": key,
-            "metadata": metadata,
-            "source": source,
-            "durability": durability,
-            "ttl": ttl,
-        }
         return self.do(
-            Call("POST", "/v1/memory/remember", _q(self.path), item, Fact.model_validate)
+            call_remember(
+                self.path,
+                text,
+                key=key,
+                metadata=metadata,
+                source=source,
+                durability=durability,
+                ttl=ttl,
+            )
         )
 
     def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
@@ -204,16 +285,18 @@ class RemoteScope:
         ttl: float | timedelta | None = None,
     ) -> Episode:
         """As :meth:`ScopedMemory.log <torpor.memory.ScopedMemory.log>`."""
-        turn = {
-            "role": role,
-            "text": text,
-            "session": session,
-            "metadata": metadata,
-            "at": at,
-            "durability": durability,
-            "ttl": ttl,
-        }
-        return self.do(Call("POST", "/v1/memory/log", _q(self.path), turn, Episode.model_validate))
+        return self.do(
+            call_log(
+                self.path,
+                role,
+                text,
+                session=session,
+                metadata=metadata,
+                at=at,
+                durability=durability,
+                ttl=ttl,
+            )
+        )
 
     def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
         """As :meth:`ScopedMemory.log_many <torpor.memory.ScopedMemory.log_many>`."""
@@ -235,31 +318,30 @@ class RemoteScope:
         min_similarity: float | None = None,
     ) -> list[Hit]:
         """As :meth:`ScopedMemory.recall <torpor.memory.ScopedMemory.recall>`."""
-        body = {
-            "query": query,
-            "k": k,
-            "kind": kind if kind is None or isinstance(kind, str) else list(kind),
-            "metadata": metadata,
-            "since": since,
-            "until": until,
-            "as_of": as_of,
-            "include_history": include_history,
-            "session": session,
-            "min_similarity": min_similarity,
-        }
-        return self.do(call_recall(self.path, body))
+        return self.do(
+            call_recall(
+                self.path,
+                query,
+                k,
+                kind=kind,
+                metadata=metadata,
+                since=since,
+                until=until,
+                as_of=as_of,
+                include_history=include_history,
+                session=session,
+                min_similarity=min_similarity,
+            )
+        )
 
     def context(
         self, query: str, budget_tokens: int = 500, *, k_facts: int = 20, k_episodes: int = 10
     ) -> Context:
         """As :meth:`ScopedMemory.context <torpor.memory.ScopedMemory.context>`."""
-        body = {
-            "query": query,
-            "budget_tokens": budget_tokens,
-            "k_facts": k_facts,
-            "k_episodes": k_episodes,
-        }
-        return self.do(call_context(self.path, body))
+        call = call_context(
+            self.path, query, budget_tokens=budget_tokens, k_facts=k_facts, k_episodes=k_episodes
+        )
+        return self.do(call)
 
     def history(self, key: str) -> list[Fact]:
         """As :meth:`ScopedMemory.history <torpor.memory.ScopedMemory.history>`."""
@@ -274,8 +356,7 @@ class RemoteScope:
     # -- profile and policy
     def get_profile(self) -> dict[str, Any]:
         """As :meth:`ScopedMemory.get_profile <torpor.memory.ScopedMemory.get_profile>`."""
-        data: dict[str, Any] = self.do(Call("GET", "/v1/memory/profile", _q(self.path)))
-        return data
+        return self.do(call_get_profile(self.path))
 
     def set_profile(
         self,
@@ -286,21 +367,16 @@ class RemoteScope:
     ) -> Profile:
         """As :meth:`ScopedMemory.set_profile <torpor.memory.ScopedMemory.set_profile>` (a
         pydantic ``schema`` travels as its JSON schema)."""
-        if isinstance(schema, type) and issubclass(schema, BaseModel):
-            json_schema: Any = schema.model_json_schema()
-        else:
-            json_schema = None if schema is None else dict(schema)
-        body = {"data": data, "schema": json_schema, "merge": merge}
-        return self.do(
-            Call("PUT", "/v1/memory/profile", _q(self.path), body, Profile.model_validate)
-        )
+        return self.do(call_set_profile(self.path, data, schema, merge))
 
     def set_policy(
         self, *, retention_seconds: float | None = None, cache_ttl_seconds: float | None = None
     ) -> Policy:
         """As :meth:`ScopedMemory.set_policy <torpor.memory.ScopedMemory.set_policy>`."""
-        body = {"retention_seconds": retention_seconds, "cache_ttl_seconds": cache_ttl_seconds}
-        return self.do(Call("PUT", "/v1/memory/policy", _q(self.path), body, Policy.model_validate))
+        call = call_set_policy(
+            self.path, retention_seconds=retention_seconds, cache_ttl_seconds=cache_ttl_seconds
+        )
+        return self.do(call)
 
     # -- erase, verify, move
     def forget(self, record_id: str | None = None) -> int:
@@ -310,19 +386,12 @@ class RemoteScope:
     def verify(self, record_id: str | None = None) -> list[Fact]:
         """As :meth:`ScopedMemory.verify <torpor.memory.ScopedMemory.verify>` (sources are
         read where the server runs)."""
-        call = Call(
-            "POST",
-            "/v1/memory/verify",
-            _q(self.path),
-            {"record_id": record_id},
-            _FACTS.validate_python,
-        )
-        return self.do(call)
+        return self.do(call_verify(self.path, record_id))
 
     def export_lines(self) -> Iterator[str]:
         """This scope subtree as JSON lines, streamed from the server."""
         with self.memory.runtime.stream_lines(
-            "GET", "/v1/memory/export", params=_q(self.path)
+            "GET", "/v1/memory/export", params=scope_params(self.path)
         ) as lines:
             yield from lines
 
@@ -339,31 +408,18 @@ class RemoteScope:
 
     def import_(self, src: str | Path | IO[str] | Iterable[str]) -> int:
         """As :meth:`ScopedMemory.import_ <torpor.memory.ScopedMemory.import_>`."""
-        if isinstance(src, (str, Path)):
-            try:
-                data = Path(src).read_bytes()
-            except OSError as exc:
-                raise InvalidArgument(f"cannot read {src}: {exc}", exc=exc) from exc
-        else:
-            parts = [line if line.endswith("\n") else line + "\n" for line in src]
-            try:
-                data = "".join(parts).encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InvalidArgument(f"an import is UTF-8 JSON lines: {exc}") from None
         response = self.memory.runtime.request(
             "POST",
             "/v1/memory/import",
-            params=_q(self.path),
-            content=data,
+            params=scope_params(self.path),
+            content=import_body(src),
             headers={"content-type": "application/x-ndjson"},
         )
         return int(response.json()["imported"])
 
     def fork(self, **levels: str) -> RemoteScope:
         """As :meth:`ScopedMemory.fork <torpor.memory.ScopedMemory.fork>`."""
-        target = Scope(tenant=self.scope.tenant, **levels) if levels else self.scope
-        self.do(Call("POST", "/v1/memory/fork", _q(self.path), {"levels": levels}))
-        return RemoteScope(self.memory, target)
+        return RemoteScope(self.memory, self.do(call_fork(self.scope, levels)))
 
 
 class RemoteMemory:

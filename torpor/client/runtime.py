@@ -37,13 +37,28 @@ if TYPE_CHECKING:
     from torpor.client.memory import RemoteMemory
     from torpor.client.tokens import Tokens
 
-__all__ = ["Runtime", "default_runtime", "set_default_runtime"]
+__all__ = ["DEFAULT_TIMEOUT", "Runtime", "default_runtime", "error_of", "set_default_runtime"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds to wait for an answer when the call has no timeout of its own. Generous: a call may
 #: first wake a paused sandbox, and under TCG a cold template boot takes a while.
 DEFAULT_TIMEOUT = 300.0
+
+
+def error_of(response: httpx.Response) -> TorporError:
+    """The typed error an error answer of a torpor server stands for (its wire form; a body
+    that is not one is a plain :class:`TorporError`, or :class:`ServerUnavailable` for 502/503)."""
+    try:
+        payload = response.json()["error"]
+        if not isinstance(payload, dict):
+            raise TypeError(payload)
+        return from_wire(payload)
+    except (ValueError, KeyError, TypeError):
+        err = TorporError(
+            f"HTTP {response.status_code}: {response.text[:500]}", status=response.status_code
+        )
+        return ServerUnavailable(err.message) if response.status_code in (502, 503) else err
 
 
 class Runtime:
@@ -117,16 +132,7 @@ class Runtime:
 
     @staticmethod
     def _error(response: httpx.Response) -> TorporError:
-        try:
-            payload = response.json()["error"]
-            if not isinstance(payload, dict):
-                raise TypeError(payload)
-            return from_wire(payload)
-        except (ValueError, KeyError, TypeError):
-            err = TorporError(
-                f"HTTP {response.status_code}: {response.text[:500]}", status=response.status_code
-            )
-            return ServerUnavailable(err.message) if response.status_code in (502, 503) else err
+        return error_of(response)
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """Send one request (``kwargs`` as for :meth:`httpx.Client.request`), checked.
