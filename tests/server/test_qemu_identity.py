@@ -10,7 +10,7 @@ import pytest
 
 from tests.served import stop_server_and_vms
 from torpor.client import Runtime, Sandbox
-from torpor.errors import SandboxNotFound
+from torpor.errors import AccessDenied, SandboxNotFound
 
 pytestmark = pytest.mark.qemu
 
@@ -42,6 +42,9 @@ def test_a_users_token_reaches_its_own_vm_only(home: Path) -> None:
     ):
         with pytest.raises(SandboxNotFound):
             attempt()
+    # nor can its owner hand a copy to the other user by labelling a fork
+    with pytest.raises(AccessDenied):
+        me.request("POST", f"/v1/sandboxes/{sbx.id}/fork", json={"labels": {"user": "u-43"}})
     # untouched: still running, RAM intact, and its owner can pause and wake it
     again = Sandbox.get("agent-u-42", runtime=me)
     assert again.info.state.value == "running"
@@ -51,5 +54,5 @@ def test_a_users_token_reaches_its_own_vm_only(home: Path) -> None:
         "['prefers weekly summaries']"
     )
     denied = [e for e in owner.memory.audit_log(limit=100) if not e.allowed]
-    assert len(denied) >= 4
+    assert len(denied) >= 5
     woke.kill()

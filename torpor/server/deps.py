@@ -14,7 +14,7 @@ functions, so a route stays "parse, one manager call, render":
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, Request
 
@@ -31,6 +31,7 @@ __all__ = [
     "get_manager",
     "get_tenant",
     "over_socket",
+    "within_selector",
 ]
 
 
@@ -103,3 +104,30 @@ async def get_tenant(request: Request, caller: CallerDep) -> str:
 # against managers that CHECKPOINTS extends; each route calls one documented method.
 Manager = Annotated[Any, Depends(get_manager)]
 Tenant = Annotated[str, Depends(get_tenant)]
+
+
+class _Labelled(Protocol):
+    labels: dict[str, str] | None
+
+    def model_copy(self: L, *, update: dict[str, Any] | None = None, deep: bool = False) -> L: ...
+
+
+L = TypeVar("L", bound=_Labelled)
+
+
+def within_selector(
+    body: L, caller: Caller, identity: Identity, action: str, name: str | None
+) -> L:
+    """``body`` (a request that labels new sandboxes: create, get-or-create, fork) with the
+    caller's label selector added to its labels, so a restricted caller's sandboxes always
+    carry them. Raises :class:`~torpor.errors.AccessDenied` (audited) for labels that
+    contradict the selector."""
+    selector = caller.sandboxes or {}
+    if not selector:
+        return body
+    labels = dict(body.labels or {})
+    if any(labels.get(k, v) != v for k, v in selector.items()):
+        raise identity.deny(
+            caller, action, f"sandbox:{name or ''}", f"labels {labels} are outside {selector}"
+        )
+    return body.model_copy(update={"labels": {**labels, **selector}})

@@ -45,7 +45,7 @@ from torpor.sandbox.storage.drives import DriveInfo
 from torpor.sandbox.storage.records import RecordStore
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.sandbox.storage.volumes import VolumeInfo
-from torpor.server.deps import CallerDep, Manager, Tenant
+from torpor.server.deps import CallerDep, IdentityDep, Manager, Tenant, within_selector
 
 __all__ = ["checkpoints_of", "router", "start_background"]
 
@@ -80,7 +80,15 @@ async def snapshot(id_or_name: str, body: SnapshotSpec, tenant: Tenant, cp: Cp) 
 
 
 @router.post("/sandboxes/{id_or_name}/fork", status_code=201)
-async def fork(id_or_name: str, body: ForkSpec, tenant: Tenant, cp: Cp) -> list[SandboxInfo]:
+async def fork(
+    id_or_name: str,
+    body: ForkSpec,
+    tenant: Tenant,
+    caller: CallerDep,
+    identity: IdentityDep,
+    cp: Cp,
+) -> list[SandboxInfo]:
+    body = within_selector(body, caller, identity, "POST /v1/sandboxes/{id}/fork", id_or_name)
     return await cp.fork(id_or_name, body, tenant=tenant)
 
 

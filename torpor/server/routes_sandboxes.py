@@ -21,7 +21,7 @@ The bodies are :mod:`torpor.sandbox.requests` models: a create takes the whole
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 
@@ -29,15 +29,13 @@ from torpor.errors import SandboxNotFound
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import parse_labels as _parse_labels
 from torpor.sandbox.requests import SandboxOptions, SandboxSpec
-from torpor.server.auth import Caller, Identity, labels_match
-from torpor.server.deps import CallerDep, IdentityDep, Manager, Tenant
+from torpor.server.auth import labels_match
+from torpor.server.deps import CallerDep, IdentityDep, Manager, Tenant, within_selector
 from torpor.server.routes_checkpoints import checkpoints_of
 
 __all__ = ["own", "parse_labels", "router"]
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
-
-SpecT = TypeVar("SpecT", SandboxSpec, SandboxOptions)
 
 
 def parse_labels(labels: list[str] | None) -> dict[str, str] | None:
@@ -67,23 +65,6 @@ async def _fresh(manager: Any, result: Any, id_or_name: str, tenant: str) -> San
     return own(info, tenant, id_or_name)
 
 
-def _labelled(
-    body: SpecT, caller: Caller, identity: Identity, action: str, name: str | None = None
-) -> SpecT:
-    """``body`` with the caller's label selector added to its labels (a restricted caller's
-    sandboxes always carry them). Raises :class:`AccessDenied` (audited) for labels that
-    contradict the selector."""
-    selector = caller.sandboxes or {}
-    if not selector:
-        return body
-    labels = dict(body.labels or {})
-    if any(labels.get(k, v) != v for k, v in selector.items()):
-        raise identity.deny(
-            caller, action, f"sandbox:{name or ''}", f"labels {labels} are outside {selector}"
-        )
-    return body.model_copy(update={"labels": {**labels, **selector}})
-
-
 @router.post("", status_code=201)
 async def create_sandbox(
     body: SandboxSpec,
@@ -95,7 +76,7 @@ async def create_sandbox(
 ) -> SandboxInfo:
     """Create a sandbox: a fork of its template's booted snapshot or, with ``snapshot``, a
     restore of that snapshot; with ``volumes`` and ``drives`` mounted."""
-    body = _labelled(body, caller, identity, "POST /v1/sandboxes", body.name)
+    body = within_selector(body, caller, identity, "POST /v1/sandboxes", body.name)
     if caller.restricted and body.snapshot is not None:
         raise identity.deny(
             caller, "POST /v1/sandboxes", "", "restoring a snapshot needs every sandbox's rights"
@@ -118,7 +99,7 @@ async def get_or_create_sandbox(
 ) -> SandboxInfo:
     """Return the sandbox called ``name`` (woken if paused), creating it if there is none."""
     action = "PUT /v1/sandboxes/by-name/{name}"
-    body = _labelled(body, caller, identity, action, name)
+    body = within_selector(body, caller, identity, action, name)
     if caller.restricted:
         try:
             found = await manager.get(name, tenant=tenant)
