@@ -46,7 +46,7 @@ def test_expired_and_bad_tokens(backend: MemoryBackend) -> None:
     past = tm.issue("acme", [], expires_at=datetime.now(UTC) - timedelta(seconds=1))
     assert tm.lookup(past) is None and len(tm.list("acme")) == 1
     bads: list[Any] = [
-        lambda: tm.issue("acme", [], sandboxes={"user": 3}),
+        lambda: tm.issue("acme", [], sandboxes={"user": 3}),  # type: ignore[dict-item]
         lambda: tm.issue("acme", [], expires_at=datetime(2030, 1, 1)),
         lambda: tm.issue("acme", [("admin", "")]),
     ]
