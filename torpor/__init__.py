@@ -27,6 +27,7 @@ _LAZY = {
     "Drive": "torpor.client",
     "Memory": "torpor.memory",
     "SourceRef": "torpor.memory",
+    "AsyncRuntime": "torpor.client.aio",
 }
 
 __all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
@@ -37,6 +38,7 @@ __all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
     "Drive",
     "Memory",
     "SourceRef",
+    "AsyncRuntime",
     # the errors every caller may catch; the whole tree is drawn in torpor.errors
     "TorporError",
     "InvalidArgument",

@@ -208,7 +208,7 @@ def test_migrates_from_an_older_version_keeping_data(
     backend = PostgresBackend(dsn)
     try:
         store = backend.tenant("acme")
-        assert store.schema_version() == schema.LATEST == 6
+        assert store.schema_version() == schema.LATEST == 7
         hits = store.lexical_search(["plan"], _flt(), 5)
         assert [h[0].id for h in hits] == ["old1"]
         # the old current fact is superseded by a new one under the new schema
@@ -220,7 +220,7 @@ def test_migrates_from_an_older_version_keeping_data(
         versions = [
             r[0] for r in conn.execute("SELECT version FROM torpor.schema_version ORDER BY version")
         ]
-    assert versions == [1, 2, 3, 4, 5, 6]
+    assert versions == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_a_newer_schema_is_refused(pg_cluster: PgCluster, pg_database: str) -> None:

@@ -109,10 +109,53 @@ def test_tcp_with_tokens(home: Path, tmp_path: Path) -> None:
         proc.communicate(timeout=120)
 
 
-def test_tcp_without_tokens_is_refused(home: Path) -> None:
-    proc = _serve(home, "--host", "127.0.0.1", "--port", str(_free_port()))
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "token-file" in out
+def _cli(home: Path, *args: str) -> str:
+    env = {**os.environ, "TORPOR_HOME": str(home)}
+    env.pop("TORPOR_URL", None)
+    env.pop("TORPOR_TOKEN", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "torpor.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_tcp_with_store_tokens_live(home: Path) -> None:
+    """No token file: the owner makes tokens over the local socket, TCP callers use them, and
+    a revoke is effective on the next request (no restart)."""
+    port = _free_port()
+    proc = _serve(home, "--host", "127.0.0.1", "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return bool(Runtime(home=home, autostart=False).health()["ok"])
+        except TorporError:
+            return False
+
+    try:
+        _wait(up, proc)
+        with pytest.raises(AccessDenied):  # TCP without a token
+            Runtime(url=url).health()
+        token = _cli(home, "token", "create", "--tenant", "acme", "--all-sandboxes").strip()
+        rt = Runtime(url=url, token=token)
+        assert rt.health()["tenant"] == "acme"
+        assert Sandbox.list(runtime=rt) == []
+        [row] = json.loads(_cli(home, "token", "ls", "--tenant", "acme", "--json"))
+        assert row["tenant"] == "acme" and row["sandboxes"] == {} and not row["revoked"]
+        assert token not in json.dumps(row)  # never the secret
+        _cli(home, "token", "revoke", row["id"], "--tenant", "acme")
+        with pytest.raises(AccessDenied):
+            rt.health()
+        with pytest.raises(AccessDenied):
+            Sandbox.list(runtime=Runtime(url=url, token=new_token()))
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -136,8 +179,7 @@ def test_add_token_keeps_existing_ones(tmp_path: Path) -> None:
     first = add_token(path, "acme")
     second = add_token(path, "globex")
     store = TokenStore.load(path)
-    assert store.tenant_for(f"Bearer {first}") == "acme"
-    assert store.tenant_for(f"Bearer {second}") == "globex"
+    assert store.tenants() == {first: "acme", second: "globex"}
     with pytest.raises(InvalidName):
         add_token(path, "Not A Tenant")
 

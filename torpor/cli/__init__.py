@@ -29,6 +29,7 @@ GROUPS = [
     "torpor.cli.memory",
     "torpor.cli.storage",
     "torpor.cli.usage",
+    "torpor.cli.token",
 ]
 
 

@@ -7,6 +7,10 @@ renders the answer (``--json`` for programs). Group options pick the store and t
     torpor memory --scope app/support/user/u-42 recall "how often should I send summaries?"
 
 Recall is lexical-only unless ``--embeddings`` is given (loading the model takes seconds).
+
+With ``--url`` and ``--token`` (or ``$TORPOR_URL`` / ``$TORPOR_TOKEN``) every command goes to
+that server's memory instead (``rt.memory``; the server's embedder and the token's grants
+apply); ``--server`` uses the local server over its socket.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -41,10 +45,19 @@ class _Opts:
     scope: str
     embeddings: bool
     as_json: bool
+    url: str | None = None
+    server: bool = False
 
 
 def _scope(ctx: typer.Context) -> ScopedMemory:
     o: _Opts = ctx.obj
+    if o.url or o.server:
+        from torpor.client import Runtime
+
+        rt = Runtime(url=o.url, token=o.token) if o.url else Runtime(home=o.home, token=o.token)
+        ctx.call_on_close(rt.close)
+        remote: Any = rt.memory.scope_from_path(o.scope, tenant=o.tenant)
+        return cast(ScopedMemory, remote)  # the same API (torpor.client.memory)
     mem = Memory(
         o.home, token=o.token, tenant=o.tenant, embedder="default" if o.embeddings else None
     )
@@ -77,6 +90,12 @@ def main(
         bool, typer.Option("--embeddings", help="use the local embedding model too")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    url: Annotated[
+        str | None, typer.Option(envvar="TORPOR_URL", help="a torpor server (with --token)")
+    ] = None,
+    server: Annotated[
+        bool, typer.Option("--server", help="the local server's memory (over its socket)")
+    ] = False,
 ) -> None:
     """Options shared by every memory command.
 
@@ -84,7 +103,7 @@ def main(
 
         torpor memory --scope app/support/user/u-42 recall "summaries" -k 3
     """
-    ctx.obj = _Opts(home, tenant, token, scope, embeddings, as_json)
+    ctx.obj = _Opts(home, tenant, token, scope, embeddings, as_json, url, server)
 
 
 @app.command()

@@ -26,17 +26,31 @@ def serve(
         Path | None, typer.Option(help="unix socket (default: <home>/server.sock)")
     ] = None,
     host: Annotated[
-        str | None, typer.Option(help="listen on TCP instead (needs --token-file)")
+        str | None,
+        typer.Option(help="also listen on TCP (bearer tokens from 'torpor token create')"),
     ] = None,
     port: Annotated[int, typer.Option(help="TCP port, with --host")] = 8765,
     token_file: Annotated[
-        Path | None, typer.Option(help='JSON {"tokens": {TOKEN: TENANT}} for bearer auth')
+        Path | None,
+        typer.Option(help='deprecated: a JSON {"tokens": {TOKEN: TENANT}} file, imported'),
+    ] = None,
+    memory: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TORPOR_MEMORY_BACKEND", help="memory store: sqlite (default) or a postgres DSN"
+        ),
+    ] = None,
+    embedder: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TORPOR_EMBEDDER", help="memory embedder: default, none (lexical) or a model"
+        ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
 ) -> None:
     """Run the torpor server in the foreground until SIGTERM or Ctrl-C.
 
-    Example: torpor serve --host 0.0.0.0 --port 8765 --token-file tokens.json
+    Example: torpor serve --host 0.0.0.0 --port 8765   (then: torpor token create --tenant acme)
     """
     from torpor.server.daemon import serve as run
 
@@ -44,7 +58,13 @@ def serve(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     run(
-        socket_path=socket, host=host, port=port, token_file=token_file, log_level=log_level.lower()
+        socket_path=socket,
+        host=host,
+        port=port,
+        token_file=token_file,
+        memory=memory,
+        embedder=embedder,
+        log_level=log_level.lower(),
     )
 
 
@@ -89,9 +109,10 @@ def token(
     tenant: Annotated[str, typer.Argument(help="the tenant the token acts for")],
     token_file: Annotated[Path, typer.Option(help="the token file to add it to")],
 ) -> None:
-    """Add a bearer token for TENANT to a token file and print it (restart the server).
+    """Deprecated (use 'torpor token create'): add a token for TENANT to a token file.
 
-    Example: torpor server token acme --token-file /etc/torpor/tokens.json
+    The server imports the file at start (restart it). Example:
+    torpor server token acme --token-file /etc/torpor/tokens.json
     """
     from torpor.server.auth import add_token
 

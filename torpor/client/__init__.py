@@ -7,11 +7,13 @@
 
 from __future__ import annotations
 
+from torpor.client.aio import AsyncRuntime
 from torpor.client.runtime import Runtime, default_runtime, set_default_runtime
 from torpor.client.sandbox import Commands, Files, Interpreter, Sandbox, Snapshot
 from torpor.client.storage import Drive, Volume
 
 __all__ = [
+    "AsyncRuntime",
     "Commands",
     "Drive",
     "Files",

@@ -16,15 +16,17 @@ cannot be reached is :class:`~torpor.errors.ServerUnavailable`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import date, datetime
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
@@ -33,13 +35,32 @@ from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
 from torpor.sandbox.registry.usage import UsageReport, parse_query
 
-__all__ = ["Runtime", "default_runtime", "set_default_runtime"]
+if TYPE_CHECKING:
+    from torpor.client.memory import RemoteMemory
+    from torpor.client.tokens import Tokens
+
+__all__ = ["DEFAULT_TIMEOUT", "Runtime", "default_runtime", "error_of", "set_default_runtime"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds to wait for an answer when the call has no timeout of its own. Generous: a call may
 #: first wake a paused sandbox, and under TCG a cold template boot takes a while.
 DEFAULT_TIMEOUT = 300.0
+
+
+def error_of(response: httpx.Response) -> TorporError:
+    """The typed error an error answer of a torpor server stands for (its wire form; a body
+    that is not one is a plain :class:`TorporError`, or :class:`ServerUnavailable` for 502/503)."""
+    try:
+        payload = response.json()["error"]
+        if not isinstance(payload, dict):
+            raise TypeError(payload)
+        return from_wire(payload)
+    except (ValueError, KeyError, TypeError):
+        err = TorporError(
+            f"HTTP {response.status_code}: {response.text[:500]}", status=response.status_code
+        )
+        return ServerUnavailable(err.message) if response.status_code in (502, 503) else err
 
 
 class Runtime:
@@ -73,7 +94,14 @@ class Runtime:
             )
         else:
             assert url is not None
-            self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=limits)
+            # TCP_NODELAY: a POST's body must not wait behind its headers for a delayed ACK
+            nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+            self._http = httpx.Client(
+                transport=httpx.HTTPTransport(socket_options=nodelay),
+                base_url=url.rstrip("/"),
+                headers=headers,
+                timeout=limits,
+            )
         self._started = False
         self._start_lock = threading.Lock()
 
@@ -106,16 +134,7 @@ class Runtime:
 
     @staticmethod
     def _error(response: httpx.Response) -> TorporError:
-        try:
-            payload = response.json()["error"]
-            if not isinstance(payload, dict):
-                raise TypeError(payload)
-            return from_wire(payload)
-        except (ValueError, KeyError, TypeError):
-            err = TorporError(
-                f"HTTP {response.status_code}: {response.text[:500]}", status=response.status_code
-            )
-            return ServerUnavailable(err.message) if response.status_code in (502, 503) else err
+        return error_of(response)
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """Send one request (``kwargs`` as for :meth:`httpx.Client.request`), checked.
@@ -150,6 +169,13 @@ class Runtime:
         Raises like :meth:`request`; starts the local server if the connection is refused
         (nothing was sent then, so sending again is safe).
         """
+        with self.stream_lines(method, path, **kwargs) as lines:
+            yield (json.loads(line) for line in lines if line.strip())
+
+    @contextmanager
+    def stream_lines(self, method: str, path: str, **kwargs: Any) -> Iterator[Iterator[str]]:
+        """Send a request and yield its answer's lines as they arrive (raises like
+        :meth:`stream_events`)."""
         with contextlib.ExitStack() as stack:
             for attempt in (1, 2):
                 try:
@@ -169,13 +195,28 @@ class Runtime:
                 response.read()
                 raise self._error(response)
             try:
-                yield (json.loads(line) for line in response.iter_lines() if line.strip())
+                yield response.iter_lines()
             except httpx.TimeoutException as exc:
                 raise OperationTimeout(f"{method} {path}: no answer in time", exc=exc) from exc
             except httpx.HTTPError as exc:
                 raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
 
     # -- public -------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def memory(self) -> RemoteMemory:
+        """The server's memory, with :class:`torpor.Memory` 's API
+        (``rt.memory.scope(app=..., user=...)``; :mod:`torpor.client.memory`)."""
+        from torpor.client.memory import RemoteMemory
+
+        return RemoteMemory(self)
+
+    @functools.cached_property
+    def tokens(self) -> Tokens:
+        """The server's tokens: create, list, revoke (:mod:`torpor.client.tokens`)."""
+        from torpor.client.tokens import Tokens
+
+        return Tokens(self)
 
     def health(self) -> dict[str, Any]:
         """The server's identity: ``{"ok", "pid", "version", "tenant", "home"}``."""

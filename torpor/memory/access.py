@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from torpor.config import check_name
 from torpor.errors import AccessDenied, InvalidArgument
@@ -48,18 +49,53 @@ def _grants(grants: Iterable[Grant | tuple[str, str]]) -> list[Grant]:
     return out
 
 
+def _selector(labels: Mapping[str, str] | None) -> dict[str, str] | None:
+    """A sandbox label selector, checked (``None``: no sandbox rights)."""
+    if labels is None:
+        return None
+    if not isinstance(labels, Mapping):
+        raise InvalidArgument(f"sandbox rights are a label mapping, not {labels!r}")
+    out = {}
+    for k, v in labels.items():
+        if not isinstance(k, str) or not isinstance(v, str) or not k or len(k) > 63 or len(v) > 255:
+            raise InvalidArgument(f"a sandbox label selector needs short strings, not {k!r}={v!r}")
+        out[k] = v
+    return out
+
+
 class TokenManager:
-    """Issue, look up and revoke API tokens (``mem.tokens``)."""
+    """Issue, look up, list and revoke API tokens (``mem.tokens``; the server's one identity).
+
+    A token is shown once, at :meth:`issue`; afterwards only its hash is stored and its public
+    id (:attr:`TokenInfo.id`, the start of the hash) names it.
+    """
 
     def __init__(self, backend: MemoryBackend) -> None:
         self._backend = backend
 
     def issue(
-        self, tenant: str, grants: Iterable[Grant | tuple[str, str]], *, name: str = ""
+        self,
+        tenant: str,
+        grants: Iterable[Grant | tuple[str, str]],
+        *,
+        name: str = "",
+        sandboxes: Mapping[str, str] | None = None,
+        admin: bool = False,
+        expires_at: datetime | None = None,
+        actor: str = "admin",
     ) -> str:
-        """A new token for ``tenant`` with ``grants``; returns the secret (shown once).
-        Raises :class:`InvalidArgument` / :class:`InvalidName`."""
+        """A new token for ``tenant``; returns the secret (shown once).
+
+        ``grants``: memory rights; ``sandboxes``: sandbox rights as a label selector (None:
+        none, ``{}``: every sandbox of the tenant); ``admin``: may manage the tenant's tokens;
+        ``expires_at``: refused from then on. Raises :class:`InvalidArgument` /
+        :class:`InvalidName`.
+        """
         check_name(tenant, "tenant name")
+        if not isinstance(name, str) or len(name) > 200:
+            raise InvalidArgument("a token name is a string of at most 200 characters")
+        if expires_at is not None and expires_at.tzinfo is None:
+            raise InvalidArgument("expires_at must be timezone-aware")
         token = _PREFIX + secrets.token_urlsafe(24)
         info = TokenInfo(
             token_hash=hash_token(token),
@@ -67,27 +103,80 @@ class TokenManager:
             grants=_grants(grants),
             name=name,
             created_at=from_us(now_us()),
+            sandboxes=_selector(sandboxes),
+            admin=bool(admin),
+            expires_at=expires_at,
         )
         self._backend.put_token(info)
         self._backend.append_audit(
             AuditEntry(
                 at=info.created_at,
                 tenant=tenant,
-                actor="admin",
+                actor=actor,
                 action="token.issue",
-                detail={"name": name},
+                detail={"name": name, "id": info.id},
             )
         )
         return token
 
     def lookup(self, token: str) -> TokenInfo | None:
-        """The live (not revoked) token record, or None."""
+        """The live (not revoked, not expired) token record, or None."""
         info = self._backend.get_token(hash_token(token))
-        return None if info is None or info.revoked else info
+        return None if info is None or not info.live(from_us(now_us())) else info
+
+    def list(self, tenant: str) -> list[TokenInfo]:
+        """Every token of ``tenant`` (revoked and expired ones too), oldest first."""
+        return self._backend.list_tokens(check_name(tenant, "tenant name"))
+
+    def find(self, tenant: str, token_id: str) -> TokenInfo | None:
+        """The token of ``tenant`` whose id is ``token_id`` (or a unique longer prefix of its
+        hash), or None."""
+        if not isinstance(token_id, str) or len(token_id) < 8:
+            return None
+        found = [t for t in self.list(tenant) if t.token_hash.startswith(token_id)]
+        return found[0] if len(found) == 1 else None
 
     def revoke(self, token: str) -> bool:
-        """Revoke ``token``; False if unknown."""
+        """Revoke ``token`` (the secret); False if unknown."""
         return self._backend.revoke_token(hash_token(token))
+
+    def revoke_id(self, tenant: str, token_id: str, *, actor: str = "admin") -> bool:
+        """Revoke the token of ``tenant`` named by its id; False if there is none."""
+        info = self.find(tenant, token_id)
+        if info is None:
+            return False
+        self._backend.revoke_token(info.token_hash)
+        self._backend.append_audit(
+            AuditEntry(
+                at=from_us(now_us()),
+                tenant=tenant,
+                actor=actor,
+                action="token.revoke",
+                detail={"id": info.id, "name": info.name},
+            )
+        )
+        return True
+
+    def adopt(self, token: str, tenant: str, *, name: str) -> bool:
+        """Store a token that already exists elsewhere (a legacy token file) as a full-rights
+        admin token of ``tenant``: every memory scope, every sandbox. Returns False, leaving
+        it as it is, when the store knows it already (a revoked token stays revoked)."""
+        check_name(tenant, "tenant name")
+        token_hash = hash_token(token)
+        if self._backend.get_token(token_hash) is not None:
+            return False
+        self._backend.put_token(
+            TokenInfo(
+                token_hash=token_hash,
+                tenant=tenant,
+                grants=[Grant(mode="write", prefix="")],
+                name=name,
+                created_at=from_us(now_us()),
+                sandboxes={},
+                admin=True,
+            )
+        )
+        return True
 
 
 @dataclass

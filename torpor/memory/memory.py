@@ -16,6 +16,7 @@ backend call. The operations of a scope are in :mod:`torpor.memory.scoped`, reca
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Self
@@ -24,7 +25,7 @@ from torpor.config import paths
 from torpor.errors import AccessDenied, InvalidArgument, RecordNotFound
 from torpor.memory.access import Access, TokenManager, hash_token
 from torpor.memory.backends import open_backend
-from torpor.memory.backends.base import Vector
+from torpor.memory.backends.base import MemoryBackend, Vector
 from torpor.memory.embeddings import Embedder, resolve_embedder
 from torpor.memory.models import AuditEntry, Scope, from_us, now_us
 from torpor.memory.ranking import HybridRanker, Ranker
@@ -91,6 +92,42 @@ class Memory:
         self.store = self.backend.tenant(self.tenant)
         self.embedder = resolve_embedder(embedder)
         self._vectors_checked = False
+
+    @classmethod
+    def attach(
+        cls,
+        backend: MemoryBackend,
+        tenant: str,
+        *,
+        embedder: Embedder | None = None,
+        ranking: Ranker | None = None,
+        home: str | os.PathLike[str] | None = None,
+    ) -> Memory:
+        """A Memory of ``tenant`` over a backend that someone else opened and closes (the
+        server's), as the tenant's owner; :meth:`acting_as` narrows it to a caller.
+        ``embedder`` is an :class:`Embedder` or None (lexical only): never loaded here.
+        Raises :class:`InvalidName`, :class:`StorageError`."""
+        self = cls.__new__(cls)
+        self.ranking = HybridRanker() if ranking is None else ranking
+        self.paths = paths(home)
+        self.backend = backend
+        self.tokens = TokenManager(backend)
+        self.access = Access(backend, tenant, "local", None)
+        self.tenant = tenant
+        self.store = backend.tenant(tenant)
+        self.embedder = embedder
+        self._vectors_checked = False
+        return self
+
+    def acting_as(self, access: Access) -> Memory:
+        """This memory as seen by another caller of the same tenant (its grants apply).
+        Raises :class:`AccessDenied` (audited) for a caller of another tenant."""
+        if access.tenant != self.tenant:
+            raise access.deny("connect", "", "another tenant's memory", tenant=self.tenant)
+        self.usable_embedder()  # settle the vector check once, on the shared original
+        view = copy.copy(self)
+        view.access = access
+        return view
 
     # -- embedding bookkeeping --------------------------------------------------------------
     def usable_embedder(self) -> Embedder | None:

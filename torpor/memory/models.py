@@ -40,12 +40,15 @@ __all__ = [
     "Grant",
     "Hit",
     "Kind",
+    "NewToken",
     "Policy",
     "Profile",
     "Record",
     "Scope",
     "SourceRef",
     "TokenInfo",
+    "TokenSpec",
+    "TokenSummary",
     "from_us",
     "new_id",
     "now_us",
@@ -379,7 +382,14 @@ class Grant(_Model):
 
 
 class TokenInfo(BaseModel):
-    """A stored API token: only its SHA-256 hash is kept."""
+    """A stored API token: only its SHA-256 hash is kept.
+
+    One token serves both layers: ``grants`` are its memory rights; ``sandboxes`` its sandbox
+    rights as a label selector (``None``: none; ``{}``: every sandbox of the tenant;
+    ``{"user": "u-42"}``: only sandboxes carrying those labels, and a sandbox it creates gets
+    them); ``admin`` lets it create, list and revoke its tenant's tokens. A token past
+    ``expires_at`` is refused like a revoked one.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -389,6 +399,66 @@ class TokenInfo(BaseModel):
     name: str = ""
     created_at: datetime
     revoked: bool = False
+    sandboxes: dict[str, str] | None = None
+    admin: bool = False
+    expires_at: datetime | None = None
+
+    @property
+    def id(self) -> str:
+        """The token's public id: the start of its hash (what lists show, what revoke takes)."""
+        return self.token_hash[:16]
+
+    def live(self, now: datetime) -> bool:
+        """Neither revoked nor expired at ``now``."""
+        return not self.revoked and (self.expires_at is None or now < self.expires_at)
+
+
+class TokenSpec(BaseModel):
+    """What ``POST /v1/tokens`` (``torpor token create``) takes: see :class:`TokenInfo`.
+
+    ``tenant``: only the home's owner may name another tenant than its own;
+    ``expires_in_seconds``: the token is refused from then on.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str | None = None
+    name: str = Field(default="", max_length=200)
+    grants: list[Grant] = Field(default_factory=list, max_length=100)
+    sandboxes: dict[str, str] | None = None
+    admin: bool = False
+    expires_in_seconds: float | None = Field(default=None, gt=0, le=10 * 365 * 86400)
+
+
+class TokenSummary(BaseModel):
+    """A token as lists show it: its public id, never its secret or its hash."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    tenant: str
+    name: str = ""
+    grants: list[Grant]
+    sandboxes: dict[str, str] | None = None
+    admin: bool = False
+    created_at: datetime
+    expires_at: datetime | None = None
+    revoked: bool = False
+
+    @classmethod
+    def of(cls, info: TokenInfo) -> TokenSummary:
+        """The summary of a stored token."""
+        data = info.model_dump(exclude={"token_hash"})
+        return cls(id=info.id, **data)
+
+
+class NewToken(BaseModel):
+    """A token just created: its secret (shown this once) and its summary."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token: str
+    info: TokenSummary
 
 
 class AuditEntry(BaseModel):

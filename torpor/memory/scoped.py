@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -438,11 +438,16 @@ class ScopedMemory:
             out.append(fact.model_copy(update={"verified": verified, "stale": stale}))
         return out
 
-    def export(self, dest: str | Path | IO[str]) -> int:
-        """Write this scope subtree as JSONL to a path or text stream. Returns lines written."""
+    def export_lines(self) -> Iterator[str]:
+        """This scope subtree as JSONL lines, produced as they are read (the access check runs
+        now, before the first line). Raises :class:`AccessDenied`."""
         self.memory.access.require("read", self.path, "export")
         emb = self.memory.store.get_meta("embedding_model")
-        lines = transfer.export_lines(self.memory.store, self.path, emb)
+        return transfer.export_lines(self.memory.store, self.path, emb)
+
+    def export(self, dest: str | Path | IO[str]) -> int:
+        """Write this scope subtree as JSONL to a path or text stream. Returns lines written."""
+        lines = self.export_lines()
         if isinstance(dest, (str, Path)):
             try:
                 with open(dest, "w", encoding="utf-8") as fh:

@@ -21,7 +21,10 @@ import contextlib
 import importlib
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,9 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from torpor._version import __version__
 from torpor.config import LIMITS
 from torpor.errors import InvalidArgument, NotFound, TorporError
+from torpor.memory.backends import open_backend
+from torpor.memory.backends.base import MemoryBackend
+from torpor.memory.embeddings import Embedder
 from torpor.sandbox.requests import invalid_argument
-from torpor.server.auth import TokenStore
-from torpor.server.deps import Tenant
+from torpor.server.auth import Identity, TokenStore
+from torpor.server.deps import CallerDep
 from torpor.server.limits import BodyLimit
 
 __all__ = ["ROUTERS", "create_app", "error_response"]
@@ -48,6 +54,8 @@ ROUTERS = [
     "torpor.server.routes_checkpoints",
     "torpor.server.routes_volume_files",
     "torpor.server.routes_usage",
+    "torpor.server.routes_tokens",
+    "torpor.server.routes_memory",
 ]
 
 
@@ -101,10 +109,34 @@ async def _supervise(manager: Any, interval: float) -> None:
             log.exception("idle sweep failed")
 
 
+def _memory_backend(manager: Any, memory: MemoryBackend | str | None) -> tuple[MemoryBackend, bool]:
+    """The memory backend to serve, and whether the app opened it (and so closes it)."""
+    if isinstance(memory, MemoryBackend):
+        return memory, False
+    home = getattr(manager, "paths", None)
+    if home is not None:
+        return open_backend(memory or "sqlite", Path(home.memory)), True
+    # a test double of the manager: a store of this app's own, removed with it
+    directory = Path(tempfile.mkdtemp(prefix="torpor-memory-"))
+    backend = open_backend(memory or "sqlite", directory)
+    close = backend.close
+
+    def close_and_remove() -> None:
+        close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+    backend.close = close_and_remove  # type: ignore[method-assign]
+    return backend, True
+
+
 def create_app(
     manager: Any,
     *,
     tokens: TokenStore | None = None,
+    memory: MemoryBackend | str | None = None,
+    memory_embedder: Embedder | str | None = "default",
+    max_import_bytes: int = 256 << 20,
+    require_token: bool | None = None,
     supervise: bool = True,
     idle_interval: float = 1.0,
     max_file_bytes: int = LIMITS.max_file_bytes,
@@ -112,7 +144,14 @@ def create_app(
 ) -> FastAPI:
     """A FastAPI app serving ``manager`` (a :class:`~torpor.sandbox.manager.SandboxManager`).
 
-    ``tokens``: bearer tokens -> tenants (None: every caller is the local tenant).
+    ``memory``: the memory store (a backend, or a spec for
+    :func:`~torpor.memory.backends.open_backend`: ``"sqlite"`` (default) under the manager's
+    home, or a PostgreSQL DSN); it also holds the tokens and the audit log
+    (:class:`~torpor.server.auth.Identity`). ``require_token``: tokenless requests that do not
+    come over the unix socket are refused (default: when ``tokens`` is given).
+    ``tokens``: a deprecated token file's tokens, imported into the store at start.
+    ``memory_embedder``: the memory routes' embedder (as ``Memory(embedder=...)``; loaded on
+    first use); ``max_import_bytes``: the largest memory import body.
     ``supervise``: run the idle supervisor (``manager.idle_sweep()`` every ``idle_interval``
     seconds). ``on_shutdown``: plain callables run after the manager closed (the daemon
     removes its socket and pidfile there).
@@ -146,7 +185,18 @@ def create_app(
         title="torpor", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.manager = manager
-    app.state.tokens = tokens or TokenStore(None)
+    backend, owned = _memory_backend(manager, memory)
+    if owned:
+        on_shutdown = [*(on_shutdown or ()), backend.close]
+    identity = Identity(
+        backend, require_token=tokens is not None if require_token is None else require_token
+    )
+    if tokens is not None:
+        identity.adopt(tokens)
+    app.state.identity = identity
+    app.state.memory_backend = backend
+    app.state.memory_embedder = memory_embedder
+    app.state.max_import_bytes = max_import_bytes
     app.state.max_file_bytes = max_file_bytes
     app.add_middleware(BodyLimit)  # every body bounded before it is parsed
     app.add_exception_handler(TorporError, _torpor_error)
@@ -155,8 +205,9 @@ def create_app(
     app.add_exception_handler(Exception, _unexpected_error)
 
     @app.get("/v1/health")
-    async def health(tenant: Tenant) -> dict[str, Any]:
+    async def health(caller: CallerDep) -> dict[str, Any]:
         """Liveness, and who this server is (the client's auto-start polls it)."""
+        tenant = caller.tenant
         home = getattr(manager, "paths", None)
         return {
             "ok": True,

@@ -1,37 +1,220 @@
-"""Who is calling: bearer tokens that map to tenants.
+"""Who is calling: one identity for both layers.
 
-The unix socket is protected by its file permissions (0600, the owner only), so a request that
-arrives there belongs to the local tenant ``"default"`` and needs no token. A server that listens
-on TCP must be given a token file; every request then carries ``Authorization: Bearer <token>``
-and acts for the tenant that token maps to — it can neither see nor touch another tenant's
-sandboxes (the manager scopes every call by tenant).
+A request is made by a :class:`Caller`: a tenant, an actor (who, for the audit log), memory
+grants (read/write on scope prefixes) and sandbox rights (a label selector). Two kinds of
+caller exist:
 
-The token file is JSON, a mapping of token to tenant::
+* **The local owner.** The unix socket is protected by its file permissions (0600, the home's
+  owner only), so a request that arrives there without a token is the trusted owner of the
+  tenant ``"default"``: every scope, every sandbox, may manage tokens. A server that only
+  listens on its socket (the default) treats every tokenless request so.
+* **A token.** Every other request carries ``Authorization: Bearer <token>``. Tokens live in
+  the memory store's token table (:class:`~torpor.memory.access.TokenManager`: only the
+  SHA-256 is stored; SQLite or PostgreSQL, whichever backs the server's memory), each scoped to
+  one tenant with grants, created, listed and revoked through ``/v1/tokens`` or
+  ``torpor token ...``. Every request looks its token up, so a revoke is effective on the next
+  request, without a restart.
 
-    {"tokens": {"3f9c...e1": "acme", "77ab...02": "globex"}}
+Every refusal is an :class:`~torpor.errors.AccessDenied` (or a ``NotFound`` where saying more
+would leak) *and* an entry in the audit log (:meth:`Identity.deny`), written before the error
+is raised.
 
-A token is compared in constant time; a tenant name follows :data:`torpor.config.NAME_RE`.
+The token file of earlier versions (JSON, ``{"tokens": {TOKEN: TENANT}}``, read at start) is
+deprecated: :meth:`Identity.adopt_file` imports it at start, hashed, each token becoming a
+full-rights admin token of its tenant; a token revoked since stays revoked. New tokens go to
+the store only (``torpor token create``).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
 import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torpor.config import check_name
 from torpor.errors import AccessDenied, InvalidArgument, StorageError
+from torpor.memory.access import Access, TokenManager, hash_token
+from torpor.memory.backends.base import MemoryBackend
+from torpor.memory.models import AuditEntry, Grant, from_us, now_us
 
-__all__ = ["LOCAL_TENANT", "TokenStore", "add_token", "new_token"]
+__all__ = [
+    "LOCAL_TENANT",
+    "Caller",
+    "Identity",
+    "TokenStore",
+    "add_token",
+    "labels_match",
+    "new_token",
+]
 
 log = logging.getLogger(__name__)
 
-#: The tenant of every request made over the local unix socket.
+#: The tenant of every tokenless request made over the local unix socket.
 LOCAL_TENANT = "default"
+
+
+def labels_match(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
+    """True when ``labels`` carry every ``key=value`` of ``selector``."""
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a request acts for, and what it may touch.
+
+    ``grants``: memory rights (None: every scope of the tenant). ``sandboxes``: sandbox rights
+    as a label selector (None: no sandbox at all; ``{}``: every sandbox of the tenant;
+    ``{"user": "u-42"}``: only sandboxes carrying those labels). ``admin``: may manage the
+    tenant's tokens. ``token_id``: the public id of the token used (None for the local owner).
+    """
+
+    tenant: str
+    actor: str
+    grants: tuple[Grant, ...] | None = None
+    sandboxes: dict[str, str] | None = field(default_factory=dict)
+    admin: bool = True
+    token_id: str | None = None
+
+    @property
+    def is_owner(self) -> bool:
+        """The trusted local owner (no token)."""
+        return self.token_id is None
+
+    @property
+    def restricted(self) -> bool:
+        """True when the caller sees only some of the tenant's sandboxes (or none)."""
+        return self.sandboxes is None or bool(self.sandboxes)
+
+    def sees(self, labels: Mapping[str, str]) -> bool:
+        """True when a sandbox with ``labels`` is within this caller's sandbox rights."""
+        return self.sandboxes is not None and labels_match(labels, self.sandboxes)
+
+    def access(self, backend: MemoryBackend) -> Access:
+        """The memory-layer access check for this caller."""
+        return Access(
+            backend, self.tenant, self.actor, None if self.grants is None else list(self.grants)
+        )
+
+
+def owner(tenant: str = LOCAL_TENANT) -> Caller:
+    """The trusted local owner of ``tenant``."""
+    return Caller(tenant=tenant, actor="local")
+
+
+class Identity:
+    """Resolves requests to :class:`Caller` s and audits refusals, over a memory backend's
+    token table and audit log.
+
+    ``require_token``: tokenless requests that did not come over the unix socket are refused
+    (a TCP server); otherwise every tokenless request is the local owner.
+    """
+
+    def __init__(self, backend: MemoryBackend, *, require_token: bool = False) -> None:
+        self.backend = backend
+        self.tokens = TokenManager(backend)
+        self.require_token = require_token
+
+    def caller(self, authorization: str | None, *, trusted: bool) -> Caller:
+        """The caller an ``Authorization`` header value (or its absence) stands for.
+
+        ``trusted``: the request came over the unix socket. A token, when given, is always
+        honoured (even on the socket: it narrows what the request may do). Raises
+        :class:`AccessDenied` (audited) for a missing, malformed, unknown, revoked or expired
+        token.
+        """
+        if not authorization:
+            if trusted or not self.require_token:
+                return owner()
+            raise self.deny(None, "connect", "", "this server requires a bearer token")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise self.deny(None, "connect", "", "use 'Authorization: Bearer <token>'")
+        info = self.tokens.lookup(token)
+        if info is None:
+            raise self.deny(
+                None,
+                "connect",
+                "",
+                "unknown, revoked or expired token",
+                actor=f"token:{hash_token(token)[:16]}",
+            )
+        return Caller(
+            tenant=info.tenant,
+            actor=f"token:{info.id}",
+            grants=tuple(info.grants),
+            sandboxes=None if info.sandboxes is None else dict(info.sandboxes),
+            admin=info.admin,
+            token_id=info.id,
+        )
+
+    def deny(
+        self,
+        caller: Caller | None,
+        action: str,
+        target: str,
+        message: str,
+        *,
+        actor: str | None = None,
+        error: type[AccessDenied] | None = None,
+    ) -> AccessDenied:
+        """Write the audit entry of a refusal and return the :class:`AccessDenied` to raise."""
+        tenant = caller.tenant if caller is not None else ""
+        who = actor or (caller.actor if caller is not None else "anonymous")
+        self.backend.append_audit(
+            AuditEntry(
+                at=from_us(now_us()),
+                tenant=tenant,
+                actor=who,
+                action=action,
+                scope=target,
+                allowed=False,
+                detail={"reason": message},
+            )
+        )
+        log.warning("access denied: %s %s %s: %s", who, action, target, message)
+        return (error or AccessDenied)(message, tenant=tenant, scope=target)
+
+    def audit(self, caller: Caller, action: str, target: str, **detail: object) -> None:
+        """Record a refusal that is answered as NotFound (so nothing leaks) or an allowed
+        administrative action."""
+        self.backend.append_audit(
+            AuditEntry(
+                at=from_us(now_us()),
+                tenant=caller.tenant,
+                actor=caller.actor,
+                action=action,
+                scope=target,
+                allowed=bool(detail.pop("allowed", True)),
+                detail=dict(detail),
+            )
+        )
+
+    def adopt(self, legacy: TokenStore) -> int:
+        """Import the tokens of a legacy :class:`TokenStore` (hashed, full rights, admin).
+        Returns how many were new."""
+        n = sum(
+            self.tokens.adopt(token, tenant, name="imported from a token file")
+            for token, tenant in legacy.tenants().items()
+        )
+        if n:
+            log.warning(
+                "imported %d token(s) from a token file into the token store; token files are "
+                "deprecated: manage tokens with 'torpor token create/ls/revoke'",
+                n,
+            )
+        return n
+
+    def adopt_file(self, path: str | os.PathLike[str]) -> int:
+        """:meth:`adopt` the token file at ``path``. Raises like :meth:`TokenStore.load`."""
+        return self.adopt(TokenStore.load(path))
+
+
+# -- the deprecated token file ---------------------------------------------------------------
 
 
 def new_token() -> str:
@@ -40,8 +223,9 @@ def new_token() -> str:
 
 
 def add_token(path: str | os.PathLike[str], tenant: str) -> str:
-    """Add a fresh token for ``tenant`` to the token file at ``path`` (created 0600 if
-    missing) and return it. A running server reads the file at start: restart it.
+    """Deprecated (use ``torpor token create``): add a fresh token for ``tenant`` to the token
+    file at ``path`` (created 0600 if missing) and return it. A server imports the file at
+    start: restart it.
 
     Raises :class:`InvalidName` for a bad tenant, :class:`InvalidArgument` for a file that is
     not a token file, :class:`StorageError` when it cannot be written.
@@ -69,10 +253,10 @@ def add_token(path: str | os.PathLike[str], tenant: str) -> str:
 
 
 class TokenStore:
-    """Maps bearer tokens to tenants.
+    """Deprecated: the token -> tenant map of a token file (see the module docstring), kept
+    to import it into the token store (:meth:`Identity.adopt`).
 
-    ``TokenStore(None)`` is the local mode: no token is asked for and every caller is
-    :data:`LOCAL_TENANT`.
+    ``TokenStore(None)`` is the local mode: no token is asked for.
     """
 
     def __init__(self, tokens: Mapping[str, str] | None = None) -> None:
@@ -117,25 +301,3 @@ class TokenStore:
         if file.stat().st_mode & 0o077:
             log.warning("token file %s is readable by other users", file)
         return cls({str(k): str(v) for k, v in tokens.items()})
-
-    def tenant_for(self, authorization: str | None) -> str:
-        """The tenant an ``Authorization`` header value acts for.
-
-        Raises :class:`AccessDenied` for a missing, malformed or unknown token.
-        """
-        if self._tokens is None:
-            return LOCAL_TENANT
-        if not authorization:
-            raise AccessDenied("this server requires a bearer token")
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise AccessDenied("use 'Authorization: Bearer <token>'")
-        # Compare against every token so the time taken says nothing about which one matched.
-        found: str | None = None
-        for known, tenant in self._tokens.items():
-            if hmac.compare_digest(known.encode(), token.encode()):
-                found = tenant
-        if found is None:
-            raise AccessDenied("unknown token")
-        return found

@@ -1,4 +1,4 @@
-"""Running the server process: one per home, on a private unix socket or on TCP with tokens.
+"""Running the server process: one per home, on a private unix socket, and on TCP with tokens.
 
 A server holds an exclusive ``flock`` on ``<home>/server.pid`` for its whole life and writes its
 pid there, so two servers never own one home (the second one fails with
@@ -95,6 +95,13 @@ def bind_unix_socket(path: Path) -> socket.socket:
     return sock
 
 
+def _embedder_spec(spec: str | None) -> str | None:
+    """``None``/``"default"`` -> the default model; ``"none"`` -> lexical only."""
+    if spec is None:
+        return "default"
+    return None if spec.lower() in ("none", "") else spec
+
+
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal; exit
     # cleanly at that point (a traceback for Ctrl-C would suggest something went wrong).
@@ -109,15 +116,23 @@ def serve(
     port: int = 8765,
     token_file: Path | None = None,
     manager: Any = None,
+    memory: str | None = None,
+    embedder: str | None = None,
     log_level: str = "info",
 ) -> None:
     """Run the server in this process until SIGTERM/SIGINT.
 
-    Listens on ``socket_path`` (default ``paths(home).socket``), or on ``host:port`` when
-    ``host`` is given — which needs ``token_file`` (tokens -> tenants). ``manager`` defaults to
-    a :class:`~torpor.sandbox.manager.SandboxManager` on ``home``.
-    Raises :class:`Conflict` when another server owns ``home``, :class:`InvalidArgument` for
-    TCP without tokens.
+    Listens on ``socket_path`` (default ``paths(home).socket``), where a tokenless request is
+    the home's trusted owner, and also on ``host:port`` when ``host`` is given, where every
+    request needs a bearer token from the token store (``torpor token create``).
+    ``token_file``: a deprecated token file, imported into the store at start. ``memory``: the
+    memory store's backend (``"sqlite"``, the default, or a PostgreSQL DSN; default
+    ``$TORPOR_MEMORY_BACKEND``). ``embedder``: the memory routes' embedder (``"default"``:
+    the local model if installed; ``"none"``: lexical only; or a model name; default
+    ``$TORPOR_EMBEDDER`` or ``"default"``). ``manager`` defaults to a
+    :class:`~torpor.sandbox.manager.SandboxManager` on ``home``.
+    Raises :class:`Conflict` when another server owns ``home``, :class:`InvalidArgument` for a
+    bad token file.
     """
     import uvicorn
 
@@ -128,8 +143,6 @@ def serve(
     os.umask(0o077)
     p = paths(home).ensure()
     tokens = TokenStore.load(token_file) if token_file is not None else None
-    if host is not None and tokens is None:
-        raise InvalidArgument("a TCP server needs --token-file (bearer tokens -> tenants)")
     lock = _lock(p)
     sock_file = socket_path or p.socket
     if manager is None:
@@ -138,24 +151,42 @@ def serve(
         manager = SandboxManager(p)
 
     cleanup: list[Any] = []
-    if host is None:
-        sock = bind_unix_socket(sock_file)
-        ino = sock_file.stat().st_ino
+    local = bind_unix_socket(sock_file)
+    ino = sock_file.stat().st_ino
 
-        def remove_socket() -> None:
-            # Only our own socket: a successor may already have bound a new one.
-            with contextlib.suppress(FileNotFoundError):
-                if sock_file.stat().st_ino == ino:
-                    sock_file.unlink()
+    def remove_socket() -> None:
+        # Only our own socket: a successor may already have bound a new one.
+        with contextlib.suppress(FileNotFoundError):
+            if sock_file.stat().st_ino == ino:
+                sock_file.unlink()
 
-        cleanup.append(remove_socket)
-    else:
+    cleanup.append(remove_socket)
+    sockets = [local]
+    if host is not None:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        # Accepted sockets inherit it: without it a response's body waits behind its headers
+        # for the client's delayed ACK (40 ms per request on Linux).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            local.close()
+            remove_socket()
+            lock.close()
+            raise InvalidArgument(f"cannot listen on {host}:{port}: {exc}", exc=exc) from exc
         sock.listen(128)
+        sockets.append(sock)
 
-    app = create_app(manager, tokens=tokens, on_shutdown=cleanup)
+    app = create_app(
+        manager,
+        tokens=tokens,
+        memory=memory or os.environ.get("TORPOR_MEMORY_BACKEND") or "sqlite",
+        memory_embedder=_embedder_spec(embedder or os.environ.get("TORPOR_EMBEDDER")),
+        require_token=host is not None,
+        on_shutdown=cleanup,
+    )
     # The stock asyncio loop, not uvloop: qemu.qmp relies on asyncio's own socket objects.
     config = uvicorn.Config(
         app,
@@ -166,11 +197,11 @@ def serve(
         timeout_graceful_shutdown=10,
     )
     server = uvicorn.Server(config)
-    where = str(sock_file) if host is None else f"{host}:{sock.getsockname()[1]}"
+    where = str(sock_file) + ("" if host is None else f" and {host}:{sockets[-1].getsockname()[1]}")
     log.info("torpor server pid %d for %s listening on %s", os.getpid(), p.home, where)
     previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=sockets)
         if not server.started:
             raise ServerUnavailable("the server failed to start; see the log above")
     finally:
@@ -178,6 +209,7 @@ def serve(
             signal.signal(sig, handler)
         for callback in cleanup:
             callback()
-        sock.close()
+        for each in sockets:
+            each.close()
         lock.close()
         sys.stdout.flush()

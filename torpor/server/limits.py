@@ -4,7 +4,8 @@ The request models bound each field (labels, names, commands, env ...), but a mo
 a body once it is parsed: 200 MB of labels used to take the server to 1.8 GiB of RSS before
 any check ran. :class:`BodyLimit` refuses a body over its limit at the door: by its
 ``Content-Length`` at once, and by counting while it arrives when it has none (chunked). The
-file upload route reads its own, larger body (``max_file_bytes``) and is exempt here; every
+file upload route and the memory import read their own, larger bodies (``max_file_bytes``,
+``max_import_bytes``) and are exempt here; every
 other body is JSON and bounded by :data:`MAX_JSON_BODY` (code, the largest field, plus room).
 An oversized body is answered ``413`` with a :class:`~torpor.errors.PayloadTooLarge`.
 """
@@ -24,7 +25,7 @@ __all__ = ["MAX_JSON_BODY", "BodyLimit"]
 #: the largest JSON body any route takes: interpreter code at its limit, and room for the rest
 MAX_JSON_BODY = LIMITS.max_code_bytes + (1 << 20)
 #: the routes that stream a raw body of their own (they enforce max_file_bytes themselves)
-_RAW_BODY = re.compile(r"^/v1/sandboxes/[^/]+/files$")
+_RAW_BODY = re.compile(r"^/v1/sandboxes/[^/]+/files$|^/v1/memory/import$")
 
 
 class BodyLimit:

@@ -45,7 +45,7 @@ from torpor.sandbox.storage.drives import DriveInfo
 from torpor.sandbox.storage.records import RecordStore
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.sandbox.storage.volumes import VolumeInfo
-from torpor.server.deps import Manager, Tenant
+from torpor.server.deps import CallerDep, IdentityDep, Manager, Tenant, within_selector
 
 __all__ = ["checkpoints_of", "router", "start_background"]
 
@@ -80,7 +80,15 @@ async def snapshot(id_or_name: str, body: SnapshotSpec, tenant: Tenant, cp: Cp) 
 
 
 @router.post("/sandboxes/{id_or_name}/fork", status_code=201)
-async def fork(id_or_name: str, body: ForkSpec, tenant: Tenant, cp: Cp) -> list[SandboxInfo]:
+async def fork(
+    id_or_name: str,
+    body: ForkSpec,
+    tenant: Tenant,
+    caller: CallerDep,
+    identity: IdentityDep,
+    cp: Cp,
+) -> list[SandboxInfo]:
+    body = within_selector(body, caller, identity, "POST /v1/sandboxes/{id}/fork", id_or_name)
     return await cp.fork(id_or_name, body, tenant=tenant)
 
 
@@ -182,11 +190,11 @@ async def delete_drive(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
 
 
 @router.post("/gc")
-async def gc(body: GcSpec, tenant: Tenant, cp: Cp, request: Request) -> dict[str, Any]:
+async def gc(body: GcSpec, tenant: Tenant, caller: CallerDep, cp: Cp) -> dict[str, Any]:
     """Run retention and GC now. They act on the whole home (every tenant's expired pauses,
-    unreferenced chunks): only the home's owner may ask, on the local socket (a server with
-    tokens answers AccessDenied; it collects on its own timer)."""
-    if request.app.state.tokens.required:
+    unreferenced chunks): only the home's owner may ask, on the local socket (a token holder
+    gets AccessDenied; the server collects on its own timer)."""
+    if not caller.is_owner:
         raise AccessDenied(
             "GC acts on every tenant of this home: only its owner may run it, on the local "
             "socket (the server also collects on its own every hour)",

@@ -10,6 +10,10 @@
     POST   /v1/sandboxes/{id_or_name}/resume  resume            -> SandboxInfo
     DELETE /v1/sandboxes/{id_or_name}         kill              -> 204
 
+A caller whose token reaches only sandboxes with some labels (``sandboxes={"user": "u-42"}``)
+lists only those, and a sandbox it creates gets those labels; any other sandbox is NotFound for
+it (audited; :func:`torpor.server.deps.get_tenant`).
+
 The bodies are :mod:`torpor.sandbox.requests` models: a create takes the whole
 :class:`~torpor.sandbox.requests.SandboxSpec` (a template fork, or a restore of ``snapshot``, with
 ``volumes`` and ``drives``); a get-or-create its :class:`~torpor.sandbox.requests.SandboxOptions`.
@@ -25,7 +29,8 @@ from torpor.errors import SandboxNotFound
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import parse_labels as _parse_labels
 from torpor.sandbox.requests import SandboxOptions, SandboxSpec
-from torpor.server.deps import Manager, Tenant
+from torpor.server.auth import labels_match
+from torpor.server.deps import CallerDep, IdentityDep, Manager, Tenant, within_selector
 from torpor.server.routes_checkpoints import checkpoints_of
 
 __all__ = ["own", "parse_labels", "router"]
@@ -62,10 +67,20 @@ async def _fresh(manager: Any, result: Any, id_or_name: str, tenant: str) -> San
 
 @router.post("", status_code=201)
 async def create_sandbox(
-    body: SandboxSpec, request: Request, manager: Manager, tenant: Tenant
+    body: SandboxSpec,
+    request: Request,
+    manager: Manager,
+    tenant: Tenant,
+    caller: CallerDep,
+    identity: IdentityDep,
 ) -> SandboxInfo:
     """Create a sandbox: a fork of its template's booted snapshot or, with ``snapshot``, a
     restore of that snapshot; with ``volumes`` and ``drives`` mounted."""
+    body = within_selector(body, caller, identity, "POST /v1/sandboxes", body.name)
+    if caller.restricted and body.snapshot is not None:
+        raise identity.deny(
+            caller, "POST /v1/sandboxes", "", "restoring a snapshot needs every sandbox's rights"
+        )
     if body.plain:  # the manager alone makes it (and a test double of the manager can)
         info: SandboxInfo = await manager.create(body.narrow(SandboxOptions), tenant=tenant)
     else:
@@ -75,10 +90,27 @@ async def create_sandbox(
 
 @router.put("/by-name/{name}")
 async def get_or_create_sandbox(
-    name: str, body: SandboxOptions, manager: Manager, tenant: Tenant
+    name: str,
+    body: SandboxOptions,
+    manager: Manager,
+    tenant: Tenant,
+    caller: CallerDep,
+    identity: IdentityDep,
 ) -> SandboxInfo:
     """Return the sandbox called ``name`` (woken if paused), creating it if there is none."""
+    action = "PUT /v1/sandboxes/by-name/{name}"
+    body = within_selector(body, caller, identity, action, name)
+    if caller.restricted:
+        try:
+            found = await manager.get(name, tenant=tenant)
+        except SandboxNotFound:
+            found = None
+        if found is not None and not caller.sees(found.labels):
+            # the name is taken in this tenant, by a sandbox this caller may not see
+            raise identity.deny(caller, action, f"sandbox:{name}", "the name belongs to another")
     info: SandboxInfo = await manager.get_or_create(name, body, tenant=tenant)
+    if not caller.sees(info.labels):  # lost a race with another caller's create
+        raise identity.deny(caller, action, f"sandbox:{name}", "the name belongs to another")
     return own(info, tenant, name)
 
 
@@ -86,16 +118,20 @@ async def get_or_create_sandbox(
 async def list_sandboxes(
     manager: Manager,
     tenant: Tenant,
+    caller: CallerDep,
     label: Annotated[list[str] | None, Query()] = None,
     include_stopped: Annotated[bool, Query(alias="all")] = False,
 ) -> list[SandboxInfo]:
-    """The tenant's sandboxes, optionally only those carrying every ``label=KEY=VALUE``;
-    killed ones too with ``all=true``."""
+    """The tenant's sandboxes (those the caller may see), optionally only those carrying every
+    ``label=KEY=VALUE``; killed ones too with ``all=true``."""
     extra = {"include_stopped": True} if include_stopped else {}
-    infos: list[SandboxInfo] = await manager.list(
-        labels=parse_labels(label), tenant=tenant, **extra
-    )
-    return [i for i in infos if i.tenant == tenant]
+    wanted = parse_labels(label) or {}
+    selector = caller.sandboxes or {}
+    if any(wanted.get(k, v) != v for k, v in selector.items()):
+        return []  # a filter that contradicts the caller's own labels matches nothing
+    labels = {**wanted, **selector} or None
+    infos: list[SandboxInfo] = await manager.list(labels=labels, tenant=tenant, **extra)
+    return [i for i in infos if i.tenant == tenant and labels_match(i.labels, selector)]
 
 
 @router.get("/{id_or_name}")

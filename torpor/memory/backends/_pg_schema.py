@@ -26,6 +26,8 @@ transaction, under an advisory lock so that concurrent openers serialize.
   (With a non-superuser owner FORCE RLS applies inside too: still correct, only slower.)
 * v5: the scope index also orders by ``seq``, so "newest N of a scope" is an index range scan.
 * v6: ``lexical_candidates()`` plans each call with its actual arguments (plpgsql EXECUTE).
+* v7: one identity for both layers: a token's sandbox rights (a label selector), ``admin``
+  (manages its tenant's tokens) and ``expires_at``.
 """
 
 from __future__ import annotations
@@ -255,6 +257,13 @@ END
 $fn$;
 """
 
+_V7 = """
+ALTER TABLE torpor.tokens ADD COLUMN sandboxes jsonb;
+ALTER TABLE torpor.tokens ADD COLUMN admin boolean NOT NULL DEFAULT false;
+ALTER TABLE torpor.tokens ADD COLUMN expires_at bigint;
+CREATE INDEX tokens_tenant ON torpor.tokens (tenant_id);
+"""
+
 #: Migration steps; version N is MIGRATIONS[N - 1]. Append only, never edit a shipped step.
 MIGRATIONS: list[tuple[str, str]] = [
     ("tables and row-level security", _V1 + "".join(_rls(t) for t in _TENANT_TABLES) + _GRANTS),
@@ -263,6 +272,7 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("lexical candidates through the GIN index", _V4),
     ("scope index ordered like scans (valid_from, seq)", _V5),
     ("lexical candidates planned per call", _V6),
+    ("one identity: tokens with sandbox rights, admin, expiry", _V7),
 ]
 LATEST = len(MIGRATIONS)
 

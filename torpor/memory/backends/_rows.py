@@ -26,10 +26,12 @@ from torpor.memory.models import (
 
 __all__ = [
     "RECORD_COLUMNS",
+    "TOKEN_COLUMNS",
     "audit_from_row",
     "record_from_row",
     "record_to_row",
     "token_from_row",
+    "token_to_row",
 ]
 
 #: the record columns, in the order :func:`record_to_row` and :func:`record_from_row` use
@@ -129,8 +131,36 @@ def record_from_row(values: Sequence[Any], *, json_text: bool) -> AnyRecord:
     return Episode.model_construct(kind="episode", role=role or "user", session=session, **common)
 
 
+#: the token columns both backends select, in :func:`token_from_row`'s order
+TOKEN_COLUMNS = (
+    "token_hash, {tenant}, grants, name, created_at, revoked, sandboxes, admin, expires_at"
+)
+
+
+def token_to_row(token: TokenInfo, *, json_text: bool) -> tuple[Any, ...]:
+    """The row of :data:`TOKEN_COLUMNS` for ``token`` (JSON as text for SQLite, objects for
+    PostgreSQL, which the caller wraps in ``Jsonb``)."""
+    grants: Any = [g.model_dump() for g in token.grants]
+    sandboxes: Any = token.sandboxes
+    if json_text:
+        grants = json.dumps(grants)
+        sandboxes = None if sandboxes is None else json.dumps(sandboxes)
+    return (
+        token.token_hash,
+        token.tenant,
+        grants,
+        token.name,
+        to_us(token.created_at),
+        token.revoked,
+        sandboxes,
+        token.admin,
+        None if token.expires_at is None else to_us(token.expires_at),
+    )
+
+
 def token_from_row(row: Sequence[Any], *, json_text: bool) -> TokenInfo:
-    """A token from ``token_hash, tenant, grants, name, created_at, revoked``."""
+    """A token from a row of :data:`TOKEN_COLUMNS`."""
+    sandboxes = row[6]
     return TokenInfo(
         token_hash=row[0],
         tenant=row[1],
@@ -138,6 +168,9 @@ def token_from_row(row: Sequence[Any], *, json_text: bool) -> TokenInfo:
         name=row[3],
         created_at=from_us(row[4]),
         revoked=bool(row[5]),
+        sandboxes=None if sandboxes is None else _json(sandboxes, json_text),
+        admin=bool(row[7]),
+        expires_at=None if row[8] is None else from_us(row[8]),
     )
 
 

@@ -110,6 +110,13 @@ SYSTEM_MIGRATIONS: list[str] = [
     );
     CREATE INDEX audit_tenant ON audit (tenant, seq);
     """,
+    # v2: one identity for both layers: sandbox rights (a label selector), admin, expiry
+    """
+    ALTER TABLE tokens ADD COLUMN sandboxes TEXT;
+    ALTER TABLE tokens ADD COLUMN admin INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE tokens ADD COLUMN expires_at INTEGER;
+    CREATE INDEX tokens_tenant ON tokens (tenant);
+    """,
 ]
 
 COLUMNS = "rid, " + RECORD_COLUMNS

@@ -312,6 +312,10 @@ class MemoryBackend(abc.ABC):
         """The token record with this hash, or None."""
 
     @abc.abstractmethod
+    def list_tokens(self, tenant: str) -> list[TokenInfo]:
+        """Every token record of ``tenant`` (revoked ones too), oldest first."""
+
+    @abc.abstractmethod
     def revoke_token(self, token_hash: str) -> bool:
         """Mark a token revoked. Returns False if it did not exist."""
 

@@ -48,7 +48,12 @@ from torpor.errors import (
 from torpor.memory.backends import _pg_schema as schema
 from torpor.memory.backends._pg_pool import Pool, make_pool
 from torpor.memory.backends._pg_store import PostgresTenantStore
-from torpor.memory.backends._rows import audit_from_row, token_from_row
+from torpor.memory.backends._rows import (
+    TOKEN_COLUMNS,
+    audit_from_row,
+    token_from_row,
+    token_to_row,
+)
 from torpor.memory.backends.base import MemoryBackend, TenantStore, Vector
 from torpor.memory.models import AuditEntry, TokenInfo, from_us, to_us
 
@@ -270,31 +275,40 @@ class PostgresBackend(MemoryBackend):
 
     # -- tokens and audit -----------------------------------------------------------------
     def put_token(self, token: TokenInfo) -> None:
+        row = list(token_to_row(token, json_text=False))
+        row[2] = Jsonb(row[2])
+        row[6] = None if row[6] is None else Jsonb(row[6])
+        del row[1]  # the tenant is the transaction's (RLS checks the row against it)
+        cols = TOKEN_COLUMNS.format(tenant="tenant_id")
+        updates = ", ".join(
+            f"{c} = EXCLUDED.{c}" for c in cols.split(", ") if c not in ("token_hash", "tenant_id")
+        )
         with self.transaction("put token", token.tenant) as cur:
             cur.execute(
-                f"INSERT INTO torpor.tokens VALUES (%s, {_T}, %s, %s, %s, %s) "
-                "ON CONFLICT (token_hash) DO UPDATE SET grants = EXCLUDED.grants, "
-                "name = EXCLUDED.name, created_at = EXCLUDED.created_at, "
-                "revoked = EXCLUDED.revoked",
-                (
-                    token.token_hash,
-                    Jsonb([g.model_dump() for g in token.grants]),
-                    token.name,
-                    to_us(token.created_at),
-                    token.revoked,
-                ),
+                f"INSERT INTO torpor.tokens ({cols}) VALUES "
+                f"(%s, {_T}, %s, %s, %s, %s, %s, %s, %s) "
+                f"ON CONFLICT (token_hash) DO UPDATE SET {updates}",
+                row,
             )
 
     def get_token(self, token_hash: str) -> TokenInfo | None:
+        cols = TOKEN_COLUMNS.format(tenant="tenant_id")
         with self.transaction("get token", None) as cur:
             row = cur.execute(
-                "SELECT token_hash, tenant_id, grants, name, created_at, revoked "
-                "FROM torpor.token_by_hash(%s)",
-                (token_hash,),
+                f"SELECT {cols} FROM torpor.token_by_hash(%s)", (token_hash,)
             ).fetchone()
         if row is None:
             return None
         return token_from_row(row, json_text=False)
+
+    def list_tokens(self, tenant: str) -> list[TokenInfo]:
+        cols = TOKEN_COLUMNS.format(tenant="tenant_id")
+        with self.transaction("list tokens", tenant) as cur:
+            rows = cur.execute(
+                f"SELECT {cols} FROM torpor.tokens WHERE tenant_id = {_T} "
+                "ORDER BY created_at, token_hash"
+            ).fetchall()
+        return [token_from_row(r, json_text=False) for r in rows]
 
     def revoke_token(self, token_hash: str) -> bool:
         token = self.get_token(token_hash)

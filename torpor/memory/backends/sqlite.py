@@ -28,7 +28,12 @@ import numpy as np
 from torpor.config import check_name
 from torpor.errors import InvalidArgument, RecordNotFound
 from torpor.memory.backends import _sqlite_schema as schema
-from torpor.memory.backends._rows import audit_from_row, token_from_row
+from torpor.memory.backends._rows import (
+    TOKEN_COLUMNS,
+    audit_from_row,
+    token_from_row,
+    token_to_row,
+)
 from torpor.memory.backends._sqlite_conn import Conn, connect
 from torpor.memory.backends._vindex import VectorIndex
 from torpor.memory.backends.base import (
@@ -472,29 +477,31 @@ class SQLiteBackend(MemoryBackend):
         return sorted(p.stem for p in self.directory.glob("*.db") if not p.stem.startswith("_"))
 
     def put_token(self, token: TokenInfo) -> None:
+        cols = TOKEN_COLUMNS.format(tenant="tenant")
         with self._sys().write("put token") as conn:
             conn.execute(
-                "INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    token.token_hash,
-                    token.tenant,
-                    json.dumps([g.model_dump() for g in token.grants]),
-                    token.name,
-                    to_us(token.created_at),
-                    int(token.revoked),
-                ),
+                f"INSERT OR REPLACE INTO tokens ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                token_to_row(token, json_text=True),
             )
 
     def get_token(self, token_hash: str) -> TokenInfo | None:
+        cols = TOKEN_COLUMNS.format(tenant="tenant")
         with self._sys().read("get token") as conn:
             row = conn.execute(
-                "SELECT token_hash, tenant, grants, name, created_at, revoked "
-                "FROM tokens WHERE token_hash = ?",
-                (token_hash,),
+                f"SELECT {cols} FROM tokens WHERE token_hash = ?", (token_hash,)
             ).fetchone()
         if row is None:
             return None
         return token_from_row(row, json_text=True)
+
+    def list_tokens(self, tenant: str) -> list[TokenInfo]:
+        cols = TOKEN_COLUMNS.format(tenant="tenant")
+        with self._sys().read("list tokens") as conn:
+            rows = conn.execute(
+                f"SELECT {cols} FROM tokens WHERE tenant = ? ORDER BY created_at, token_hash",
+                (tenant,),
+            ).fetchall()
+        return [token_from_row(r, json_text=True) for r in rows]
 
     def revoke_token(self, token_hash: str) -> bool:
         with self._sys().write("revoke token") as conn:

@@ -1,0 +1,268 @@
+"""One suite, two transports: every memory operation through the embedded :class:`Memory`
+and through ``rt.memory`` against a real server, on every backend (fixture ``api``).
+
+The same calls, the same models, the same typed errors: this file never asks which one it
+has, except to build tokens (``Api.as_token``).
+"""
+
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from tests.memory.conftest import Api
+from torpor.errors import (
+    AccessDenied,
+    InvalidArgument,
+    PayloadTooLarge,
+    RecordNotFound,
+    SchemaViolation,
+)
+from torpor.memory import Context, Episode, Fact, Hit, Policy, Profile
+from torpor.memory.models import from_us, now_us
+
+
+def _lines(m: Any) -> int:
+    """How many export lines the tenant's root holds (1: the header alone)."""
+    buf = io.StringIO()
+    return int(m.scope().export(buf))
+
+
+def test_issue_example(api: Api) -> None:
+    m: Any = api.mem
+    u = m.scope(app="support", user="u-42")
+    u.set_profile({"plan": "pro", "name": "Jordan"})
+    u.log("user", "Can you send me summaries every week?", session="s1")
+    f = u.remember("prefers weekly summaries", key="summary_cadence")
+    assert isinstance(f, Fact) and f.scope == "app/support/user/u-42"
+    u.remember("prefers daily summaries", key="summary_cadence")
+    hits = u.recall("how often should I send summaries?", k=3)
+    assert all(isinstance(h, Hit) for h in hits)
+    texts = [h.text for h in hits]
+    assert "prefers daily summaries" in texts and "prefers weekly summaries" not in texts
+    facts = u.recall("how often should I send summaries?", k=3, kind="fact")
+    assert [h.text for h in facts] == ["prefers daily summaries"]
+    hist = u.history("summary_cadence")
+    assert [h.text for h in hist] == ["prefers weekly summaries", "prefers daily summaries"]
+    assert hist[0].valid_to == hist[1].valid_from and hist[1].valid_to is None
+    then = [h.text for h in u.recall("summaries", as_of=f.valid_from)]
+    assert "prefers weekly summaries" in then and "prefers daily summaries" not in then
+    ctx = u.context("write Jordan a short update", budget_tokens=300)
+    assert isinstance(ctx, Context) and "Jordan" in str(ctx) and ctx.tokens <= 300
+    assert "prefers daily summaries" in ctx.text
+    got = u.get(f.id)  # superseded since: the same fact, its validity now closed
+    assert got.model_copy(update={"valid_to": None, "superseded_by": None}) == f
+    assert got.valid_to == hist[1].valid_from
+
+
+def test_scopes_see_ancestors_not_siblings(api: Api) -> None:
+    m: Any = api.mem
+    app, u, v = m.scope(app="a"), m.scope(app="a", user="u"), m.scope(app="a", user="v")
+    app.remember("office hours are nine to five")
+    u.remember("u likes office hours in the morning")
+    v.remember("v office hours secret")
+    texts = [h.text for h in u.recall("office hours", k=10)]
+    assert texts == ["u likes office hours in the morning", "office hours are nine to five"]
+    assert [h.text for h in app.recall("office hours", k=10)] == ["office hours are nine to five"]
+
+
+def test_filters_kind_metadata_time(api: Api) -> None:
+    u: Any = api.mem.scope(app="a", user="u")  # type: ignore[attr-defined]
+    old = u.log("user", "talked about the garden", at=from_us(now_us() - 86_400_000_000 * 3))
+    new = u.log("assistant", "garden advice given", session="s2", metadata={"lang": "en"})
+    assert isinstance(new, Episode) and old.at < new.at
+    f = u.remember("has a garden")
+    assert [h.id for h in u.recall("garden", kind="fact")] == [f.id]
+    assert {h.id for h in u.recall("garden", kind="episode")} == {old.id, new.id}
+    assert [h.id for h in u.recall("garden", metadata={"lang": "en"})] == [new.id]
+    assert [h.id for h in u.recall("garden", session="s2")] == [new.id]
+    day_ago = from_us(now_us() - 86_400_000_000)
+    assert [h.id for h in u.recall("garden", until=day_ago)] == [old.id]
+    assert old.id not in [h.id for h in u.recall("garden", since=day_ago)]
+
+
+def test_batched_writes(hapi: Api) -> None:
+    u: Any = hapi.mem.scope(app="a", user="u")  # type: ignore[attr-defined]
+    facts = u.remember_many(
+        [f"note number {i}" for i in range(200)]
+        + [{"text": "keyed", "key": "k", "metadata": {"x": 1}}]
+    )
+    assert len(facts) == 201 and facts[-1].key == "k"
+    eps = u.log_many([{"role": "user", "text": f"turn {i}", "session": "s"} for i in range(50)])
+    assert len(eps) == 50 and eps[0].session == "s"
+    hits = u.recall("note number 17", k=3)
+    assert len(hits) == 3 and hits[0].scores["vector"] > 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda u: u.remember(""), id="empty"),
+        pytest.param(lambda u: u.remember("a\x00b"), id="nul"),
+        pytest.param(lambda u: u.remember("x", key="bad key!"), id="key"),
+        pytest.param(lambda u: u.remember("x", metadata={"a": object()}), id="metadata"),
+        pytest.param(lambda u: u.remember("x", ttl=-1), id="ttl"),
+        pytest.param(lambda u: u.remember("x", durability="forever"), id="durability"),
+        pytest.param(lambda u: u.remember("x", source={"path": "relative"}), id="source"),
+        pytest.param(lambda u: u.remember_many(["ok", ""]), id="batch"),
+        pytest.param(lambda u: u.remember_many([{"text": "a", "colour": 1}]), id="unknown-field"),
+        pytest.param(lambda u: u.log("", "hi"), id="role"),
+        pytest.param(
+            lambda u: u.log_many([{"role": "u", "text": "ok"}, {"text": "x"}]), id="turns"
+        ),
+        pytest.param(lambda u: u.recall(""), id="query"),
+        pytest.param(lambda u: u.recall("x", kind="note"), id="kind"),
+        pytest.param(lambda u: u.recall("x", k=-1), id="k"),
+        pytest.param(lambda u: u.context("x", budget_tokens=0), id="budget"),
+        pytest.param(lambda u: u.remember("bad \ud800 text"), id="lone-surrogate"),
+        pytest.param(lambda u: u.recall("where \ud800"), id="surrogate-query"),
+        pytest.param(lambda u: u.import_(io.StringIO('{"type": "fact"}\n')), id="import"),
+    ],
+)
+def test_bad_input_is_typed_and_writes_nothing(api: Api, bad: Any) -> None:
+    m: Any = api.mem
+    u = m.scope(app="a", user="u")
+    with pytest.raises(InvalidArgument):
+        bad(u)
+    assert _lines(m) == 1
+    assert u.get_profile() == {}
+
+
+def test_bad_scope_names(api: Api) -> None:
+    m: Any = api.mem
+    with pytest.raises(InvalidArgument):
+        m.scope(app="not a name!")
+
+
+def test_oversized_text(api: Api) -> None:
+    m: Any = api.mem
+    u = m.scope(app="a", user="u")
+    with pytest.raises(PayloadTooLarge) as err:
+        u.remember("x" * 40_000)
+    assert err.value.data["limit"] == 32_000
+    with pytest.raises(PayloadTooLarge):
+        u.remember_many(["fine", "y" * 40_000])
+    assert _lines(m) == 1
+
+
+def test_not_found(api: Api) -> None:
+    m: Any = api.mem
+    with pytest.raises(RecordNotFound):
+        m.scope(app="a").history("never_used")
+    with pytest.raises(RecordNotFound):
+        m.scope(app="a").get("no-such-record")
+    with pytest.raises(RecordNotFound):
+        m.forget("no-such-record")
+
+
+def test_profile_schema(api: Api) -> None:
+    class P(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        plan: str
+        name: str | None = None
+
+    m: Any = api.mem
+    u = m.scope(app="a", user="u")
+    assert isinstance(u.set_profile({"plan": "pro", "name": "Jordan"}, schema=P), Profile)
+    with pytest.raises(SchemaViolation):
+        u.set_profile({"plan": 3})
+    with pytest.raises(SchemaViolation):
+        u.set_profile({"plan": "pro", "unknown": 1}, merge=True)
+    assert u.get_profile() == {"plan": "pro", "name": "Jordan"}
+    v = m.scope(app="a", user="v")
+    v.set_profile({"age": 3}, schema={"type": "object", "properties": {"age": {"type": "integer"}}})
+    with pytest.raises(SchemaViolation):
+        v.set_profile({"age": "three"})
+    assert v.set_profile({"tz": "UTC"}, merge=True).data == {"age": 3, "tz": "UTC"}
+
+
+def test_ttl_cache_retention_gc(api: Api) -> None:
+    m: Any = api.mem
+    u = m.scope(app="a", user="u")
+    u.remember("temporary value", durability="cache", ttl=timedelta(microseconds=1))
+    keep = u.remember("permanent value")
+    assert [h.id for h in u.recall("value")] == [keep.id]
+    assert isinstance(u.set_policy(cache_ttl_seconds=3600), Policy)
+    c = u.remember("cached value", durability="cache")
+    assert c.expires_at is not None and c.durability == "cache"
+    u.set_policy(retention_seconds=1e-6)
+    assert u.recall("value") == []
+    assert m.gc() >= 3
+    assert _lines(m) == 1  # purged for good: not even an export holds them
+
+
+def test_forget_record_and_scope(api: Api) -> None:
+    m: Any = api.mem
+    u, v = m.scope(app="a", user="u"), m.scope(app="a", user="v")
+    f = u.remember("forget me")
+    g = u.remember("keep me")
+    other = v.remember("forget me too")
+    with pytest.raises(RecordNotFound):
+        u.forget(other.id)
+    assert m.forget(f.id) == 1
+    assert [h.id for h in u.recall("me")] == [g.id]
+    assert m.forget(u) == 1
+    assert u.recall("me") == [] and [h.id for h in v.recall("forget")] == [other.id]
+    assert any(e.action == "forget.scope" for e in m.audit_log())
+
+
+def test_export_import_fork_roundtrip(hapi: Api, tmp_path: Path) -> None:
+    m: Any = hapi.mem
+    u = m.scope(app="a", user="u")
+    u.set_profile({"plan": "pro"})
+    u.remember("weekly", key="cadence")
+    u.remember("daily", key="cadence")
+    u.log("user", "hello there", session="s1")
+    path = tmp_path / "u.jsonl"
+    assert u.export(path) >= 5
+    w = m.scope(app="a", user="w")
+    assert w.import_(path) == 3
+    assert [f.text for f in w.history("cadence")] == ["weekly", "daily"]
+    assert w.get_profile() == {"plan": "pro"}
+    u2 = u.fork(app="a", user="x")
+    assert u2.path == "app/a/user/x"
+    assert [h.text for h in u2.recall("daily", k=5)] == ["daily"]
+    assert [f.text for f in u2.history("cadence")] == ["weekly", "daily"]
+    buf = io.StringIO()
+    u.export(buf)
+    assert u.import_(io.StringIO(buf.getvalue())) == 0  # same scope, same ids: idempotent
+    assert u.import_(buf.getvalue().splitlines()) == 0  # any iterable of lines
+
+
+def test_export_is_streamed_in_order(api: Api) -> None:
+    m: Any = api.mem
+    u = m.scope(app="big")
+    u.remember_many([f"line {i} " + "z" * 500 for i in range(2000)])
+    buf = io.StringIO()
+    assert u.export(buf) == 2001
+    first = buf.getvalue().splitlines()[0]
+    assert '"torpor-memory"' in first
+
+
+def test_grants_apply_alike(api: Api) -> None:
+    m: Any = api.mem
+    m.scope(app="a", user="v").remember("v's secret plan")
+    t: Any = api.as_token([("write", "app/a/user/u")])
+    u = t.scope(app="a", user="u")
+    u.remember("u's own note")
+    assert [h.text for h in u.recall("note")] == ["u's own note"]
+    attempts: list[Any] = [
+        lambda: t.scope(app="a", user="v"),
+        lambda: t.scope(app="a"),
+        lambda: t.scope(),
+        lambda: t.scope(app="a", user="u", tenant="other"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(AccessDenied):
+            attempt()
+    r: Any = api.as_token([("read", "app/a/user/u")])
+    assert [h.text for h in r.scope(app="a", user="u").recall("note")] == ["u's own note"]
+    with pytest.raises(AccessDenied):
+        r.scope(app="a", user="u").remember("no write grant")
+    denied = [e for e in m.audit_log(limit=50) if not e.allowed]
+    assert len(denied) >= 4  # (the refusal naming tenant "other" is in that tenant's log)

@@ -1,0 +1,77 @@
+"""The memory routes' own bounds: oversized bodies and imports are typed errors that write
+nothing; the export streams JSON lines. (Semantics are in tests/memory/test_shared_api.py.)"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.server.fake_manager import FakeManager
+from torpor.server.app import create_app
+from torpor.server.limits import MAX_JSON_BODY
+
+Q = {"scope": "app/a/user/u"}
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    app = create_app(
+        FakeManager(), supervise=False, memory_embedder=None, max_import_bytes=64 * 1024
+    )
+    with TestClient(app) as c:
+        yield c
+
+
+def _count(c: TestClient) -> int:
+    lines = c.get("/v1/memory/export", params={"scope": ""}).text.splitlines()
+    return len(lines) - 1
+
+
+def test_oversized_bodies_are_refused_before_any_write(client: TestClient) -> None:
+    big = ["x" * 1000] * (MAX_JSON_BODY // 1000 + 10)
+    r = client.post("/v1/memory/remember_many", params=Q, json={"items": big})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "PayloadTooLarge"
+    header = json.dumps({"type": "torpor-memory", "version": 1, "scope": "app/a/user/u"})
+    body = header + "\n" + "\n".join(["{}"] * 40_000)
+    r = client.post("/v1/memory/import", params=Q, content=body.encode())
+    assert r.status_code == 413 and r.json()["error"]["data"]["limit"] == 64 * 1024
+    r = client.post("/v1/memory/remember", params=Q, json={"text": "y" * 40_000})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "PayloadTooLarge"
+    assert _count(client) == 0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"\xff\xfe not utf-8", id="not-utf8"),
+        pytest.param(b'{"type": "fact"}\n', id="no-header"),
+        pytest.param(b"not json\n", id="not-json"),
+    ],
+)
+def test_bad_imports_are_typed(client: TestClient, body: bytes) -> None:
+    r = client.post("/v1/memory/import", params=Q, content=body)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "InvalidArgument"
+    assert _count(client) == 0
+
+
+def test_bad_requests_are_typed(client: TestClient) -> None:
+    for r in (
+        client.post("/v1/memory/recall", params=Q, content=b"{not json"),
+        client.post("/v1/memory/remember", params={"scope": "app"}, json={"text": "x"}),
+        client.post("/v1/memory/remember", params=Q, json={"text": "x", "colour": 1}),
+        client.get("/v1/memory/audit", params={"limit": 0}),
+    ):
+        assert r.status_code == 400 and r.json()["error"]["type"] == "InvalidArgument", r.text
+
+
+def test_export_streams_json_lines(client: TestClient) -> None:
+    client.post(
+        "/v1/memory/remember_many", params=Q, json={"items": [f"n {i}" for i in range(300)]}
+    )
+    with client.stream("GET", "/v1/memory/export", params=Q) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[0]["type"] == "torpor-memory" and len(lines) == 301

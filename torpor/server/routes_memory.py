@@ -1,0 +1,473 @@
+"""Memory routes: every operation of :class:`~torpor.memory.Memory` and
+:class:`~torpor.memory.ScopedMemory`, over HTTP, with the same semantics and typed errors.
+
+The scope is a query parameter, a scope path (``?scope=app/support/user/u-42``; absent or
+empty: the tenant's root); ``?tenant=`` may name the caller's own tenant (any other is an
+audited AccessDenied, as ``Memory.scope(tenant=...)``)::
+
+    GET    /v1/memory/scope                open the scope (the read check)  -> ScopeOut
+    POST   /v1/memory/remember             ScopedMemory.remember            -> Fact
+    POST   /v1/memory/remember_many        ScopedMemory.remember_many       -> [Fact]
+    POST   /v1/memory/log                  ScopedMemory.log                 -> Episode
+    POST   /v1/memory/log_many             ScopedMemory.log_many            -> [Episode]
+    POST   /v1/memory/recall               ScopedMemory.recall              -> [Hit]
+    POST   /v1/memory/context              ScopedMemory.context             -> ContextOut
+    GET    /v1/memory/history?key=         ScopedMemory.history             -> [Fact]
+    GET    /v1/memory/records/{id}         ScopedMemory.get                 -> Fact | Episode
+    DELETE /v1/memory/records/{id}         forget one record (Memory.forget without a scope)
+    DELETE /v1/memory/scope                forget the scope subtree         -> Erased
+    GET    /v1/memory/profile              ScopedMemory.get_profile         -> {...}
+    PUT    /v1/memory/profile              ScopedMemory.set_profile         -> Profile
+    PUT    /v1/memory/policy               ScopedMemory.set_policy (retention) -> Policy
+    POST   /v1/memory/verify               ScopedMemory.verify              -> [Fact]
+    GET    /v1/memory/export               JSON lines, streamed as read
+    POST   /v1/memory/import               JSON lines in the body           -> Imported
+    POST   /v1/memory/fork                 ScopedMemory.fork                -> ScopeOut
+    POST   /v1/memory/gc                   Memory.gc                        -> Purged
+    GET    /v1/memory/audit                Memory.audit_log                 -> [AuditEntry]
+
+Tokens are :mod:`torpor.server.routes_tokens`. The caller's grants apply exactly as they do to
+an embedded ``Memory(token=...)`` (the local owner has every scope). The routes are plain
+``def``: the stores block, so FastAPI runs them on its thread pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from torpor.errors import InvalidArgument, PayloadTooLarge
+from torpor.memory import Memory, ScopedMemory
+from torpor.memory.embeddings import Embedder, resolve_embedder
+from torpor.memory.models import AuditEntry, Episode, Fact, Hit, Policy, Profile
+from torpor.server.auth import Caller
+from torpor.server.deps import CallerDep
+
+__all__ = ["MAX_IMPORT_BYTES", "router"]
+
+router = APIRouter(prefix="/v1/memory", tags=["memory"])
+
+#: the largest import body (JSON lines) a server takes by default
+MAX_IMPORT_BYTES = 256 << 20
+
+ScopeQuery = Annotated[str, Query(max_length=2000, description="scope path, '' = tenant root")]
+TenantQuery = Annotated[str | None, Query(max_length=200)]
+
+
+class _Body(BaseModel):
+    # Fields the memory layer validates itself stay loose here, so bad input gets the same
+    # typed error (and message) as the embedded call, not a generic 400 from the model.
+    model_config = ConfigDict(extra="forbid")
+
+
+class RememberBody(_Body):
+    text: Any = None
+    key: Any = None
+    metadata: Any = None
+    source: Any = None
+    durability: Any = "persistent"
+    ttl: Any = None
+
+
+class RememberManyBody(_Body):
+    items: list[Any] = Field(max_length=100_000)
+
+
+class LogBody(_Body):
+    role: Any = None
+    text: Any = None
+    session: Any = None
+    metadata: Any = None
+    at: datetime | None = None
+    durability: Any = "persistent"
+    ttl: Any = None
+
+
+class LogManyBody(_Body):
+    turns: list[dict[str, Any]] = Field(max_length=100_000)
+
+
+class RecallBody(_Body):
+    query: Any = None
+    k: Any = 5
+    kind: Any = None
+    metadata: Any = None
+    since: datetime | None = None
+    until: datetime | None = None
+    as_of: datetime | None = None
+    include_history: bool = False
+    session: str | None = None
+    min_similarity: float | None = None
+
+
+class ContextBody(_Body):
+    query: Any = None
+    budget_tokens: Any = 500
+    k_facts: Any = 20
+    k_episodes: Any = 10
+
+
+class ProfileBody(_Body):
+    data: Any = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    merge: bool = False
+
+
+class PolicyBody(_Body):
+    retention_seconds: float | None = None
+    cache_ttl_seconds: float | None = None
+
+
+class VerifyBody(_Body):
+    record_id: str | None = None
+
+
+class ForkBody(_Body):
+    levels: dict[str, str] = Field(default_factory=dict, max_length=4)
+
+
+class ScopeOut(BaseModel):
+    tenant: str
+    scope: str
+
+
+class ContextOut(BaseModel):
+    """:class:`~torpor.memory.Context` on the wire."""
+
+    text: str
+    tokens: int
+    budget_tokens: int
+    ids: list[str]
+    profile_used: bool
+
+
+class Erased(BaseModel):
+    erased: int
+
+
+class Imported(BaseModel):
+    imported: int
+
+
+class Purged(BaseModel):
+    purged: int
+
+
+# -- the caller's memory -----------------------------------------------------------------------
+
+_lock = threading.Lock()
+
+
+def _embedder(request: Request) -> Embedder | None:
+    state = request.app.state
+    with _lock:
+        if not getattr(state, "memory_embedder_ready", False):
+            state.memory_embedder = resolve_embedder(getattr(state, "memory_embedder", None))
+            state.memory_embedder_ready = True
+    embedder: Embedder | None = state.memory_embedder
+    return embedder
+
+
+def memory_of(request: Request, caller: Caller) -> Memory:
+    """The server's memory of ``caller`` 's tenant, seen with ``caller`` 's grants."""
+    state = request.app.state
+    with _lock:
+        cache: dict[str, Memory] | None = getattr(state, "memories", None)
+        if cache is None:
+            cache = state.memories = {}
+        base = cache.get(caller.tenant)
+    if base is None:
+        base = Memory.attach(state.memory_backend, caller.tenant, embedder=_embedder(request))
+        with _lock:
+            base = cache.setdefault(caller.tenant, base)
+    if caller.is_owner:
+        return base
+    return base.acting_as(caller.access(state.memory_backend))
+
+
+def _scope(request: Request, caller: Caller, scope: str, tenant: str | None) -> ScopedMemory:
+    mem = memory_of(request, caller)
+    if tenant is not None:
+        mem.access.require_tenant(tenant, "scope")
+    return mem.scope_from_path(scope)
+
+
+# -- routes --------------------------------------------------------------------------------------
+
+
+@router.get("/scope")
+def open_scope(
+    request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
+) -> ScopeOut:
+    """Open a scope: what ``Memory.scope()`` checks (a valid path the caller may read)."""
+    s = _scope(request, caller, scope, tenant)
+    return ScopeOut(tenant=s.scope.tenant, scope=s.path)
+
+
+@router.post("/remember")
+def remember(
+    body: RememberBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> Fact:
+    """Store a fact (with ``key``: supersede the current fact with that key)."""
+    [fact] = _scope(request, caller, scope, tenant).remember_many([body.model_dump()])
+    return fact
+
+
+@router.post("/remember_many")
+def remember_many(
+    body: RememberManyBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> list[Fact]:
+    """Store many facts in one transaction (all or nothing)."""
+    return _scope(request, caller, scope, tenant).remember_many(body.items)
+
+
+@router.post("/log")
+def log_turn(
+    body: LogBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> Episode:
+    """Append one turn to the episodic log."""
+    [episode] = _scope(request, caller, scope, tenant).log_many([body.model_dump()])
+    return episode
+
+
+@router.post("/log_many")
+def log_many(
+    body: LogManyBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> list[Episode]:
+    """Append many turns in one transaction (all or nothing)."""
+    turns = [{**t, "at": _time(t.get("at"), "at")} if "at" in t else t for t in body.turns]
+    return _scope(request, caller, scope, tenant).log_many(turns)
+
+
+def _time(value: Any, what: str) -> datetime | None:
+    if value is None or isinstance(value, datetime):
+        return value
+    try:
+        return datetime.fromisoformat(str(value))
+    except ValueError:
+        raise InvalidArgument(f"{what} must be an ISO 8601 time, not {value!r}") from None
+
+
+@router.post("/recall")
+def recall(
+    body: RecallBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> list[Hit]:
+    """The best records for a query from this scope and its ancestors."""
+    return _scope(request, caller, scope, tenant).recall(**body.model_dump())
+
+
+@router.post("/context")
+def context(
+    body: ContextBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> ContextOut:
+    """A prompt-ready block within a token budget."""
+    c = _scope(request, caller, scope, tenant).context(**body.model_dump())
+    return ContextOut(
+        text=c.text,
+        tokens=c.tokens,
+        budget_tokens=c.budget_tokens,
+        ids=list(c.ids),
+        profile_used=c.profile_used,
+    )
+
+
+@router.get("/history")
+def history(
+    request: Request,
+    caller: CallerDep,
+    key: Annotated[str, Query(max_length=1000)],
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> list[Fact]:
+    """Every version of a keyed fact in this scope, oldest first."""
+    return _scope(request, caller, scope, tenant).history(key)
+
+
+@router.get("/records/{record_id}")
+def get_record(
+    record_id: str,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> Fact | Episode:
+    """One record visible from this scope."""
+    return _scope(request, caller, scope, tenant).get(record_id)
+
+
+@router.delete("/records/{record_id}")
+def forget_record(
+    record_id: str,
+    request: Request,
+    caller: CallerDep,
+    scope: Annotated[str | None, Query(max_length=2000)] = None,
+    tenant: TenantQuery = None,
+) -> Erased:
+    """Erase one record: anywhere in the tenant (``Memory.forget(id)``), or with ``scope``
+    only in that scope subtree (``ScopedMemory.forget(id)``)."""
+    if scope is None:
+        mem = memory_of(request, caller)
+        if tenant is not None:
+            mem.access.require_tenant(tenant, "forget")
+        return Erased(erased=mem.forget(record_id))
+    return Erased(erased=_scope(request, caller, scope, tenant).forget(record_id))
+
+
+@router.delete("/scope")
+def forget_scope(
+    request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
+) -> Erased:
+    """Erase the whole scope subtree (records, profiles, policies)."""
+    return Erased(erased=_scope(request, caller, scope, tenant).forget())
+
+
+@router.get("/profile")
+def get_profile(
+    request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
+) -> dict[str, Any]:
+    """This scope's profile data (``{}`` when none is set)."""
+    return _scope(request, caller, scope, tenant).get_profile()
+
+
+@router.put("/profile")
+def set_profile(
+    body: ProfileBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> Profile:
+    """Replace (or merge into) the profile, checked against a JSON schema."""
+    s = _scope(request, caller, scope, tenant)
+    return s.set_profile(body.data, schema=body.json_schema, merge=body.merge)
+
+
+@router.put("/policy")
+def set_policy(
+    body: PolicyBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> Policy:
+    """Set this scope's retention and the default TTL of cache records."""
+    return _scope(request, caller, scope, tenant).set_policy(**body.model_dump())
+
+
+@router.post("/verify")
+def verify(
+    body: VerifyBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> list[Fact]:
+    """Re-check the sources of one fact or of every sourced fact in this scope."""
+    return _scope(request, caller, scope, tenant).verify(body.record_id)
+
+
+@router.get("/export", response_class=StreamingResponse)
+def export(
+    request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
+) -> StreamingResponse:
+    """This scope subtree as JSON lines (``application/x-ndjson``), streamed as it is read."""
+    lines = _scope(request, caller, scope, tenant).export_lines()
+
+    def body() -> Iterator[bytes]:
+        for line in lines:
+            yield (line + "\n").encode()
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+@router.post("/import")
+async def import_(
+    request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
+) -> Imported:
+    """Load an export (JSON lines in the body) into this scope; all or nothing. A body over
+    the server's import limit is :class:`PayloadTooLarge`, with nothing written."""
+    from starlette.concurrency import run_in_threadpool
+
+    s = await run_in_threadpool(_scope, request, caller, scope, tenant)
+    limit: int = getattr(request.app.state, "max_import_bytes", MAX_IMPORT_BYTES)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(
+                f"import body over the {limit}-byte limit", size=size, limit=limit
+            )
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"an import is UTF-8 JSON lines: {exc}") from None
+    n = await run_in_threadpool(s.import_, text.splitlines())
+    return Imported(imported=n)
+
+
+@router.post("/fork")
+def fork(
+    body: ForkBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> ScopeOut:
+    """Copy this scope subtree to a new scope of the same tenant."""
+    target = _scope(request, caller, scope, tenant).fork(**body.levels)
+    return ScopeOut(tenant=target.scope.tenant, scope=target.path)
+
+
+@router.post("/gc")
+def gc(request: Request, caller: CallerDep, tenant: TenantQuery = None) -> Purged:
+    """Purge expired records for good (needs write on the tenant's root)."""
+    mem = memory_of(request, caller)
+    if tenant is not None:
+        mem.access.require_tenant(tenant, "gc")
+    return Purged(purged=mem.gc())
+
+
+@router.get("/audit")
+def audit(
+    request: Request,
+    caller: CallerDep,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    tenant: TenantQuery = None,
+) -> list[AuditEntry]:
+    """The tenant's newest audit entries (needs read on the tenant's root)."""
+    mem = memory_of(request, caller)
+    if tenant is not None:
+        mem.access.require_tenant(tenant, "audit")
+    mem.access.require("read", "", "audit")
+    return mem.audit_log(limit)
