@@ -105,8 +105,17 @@ def is_qcow2(path: Path) -> bool:
 
 
 def new_overlay(backing: Path, path: Path) -> None:
-    """Make ``path`` a new, empty qcow2 overlay on ``backing`` (a qcow2). Raises EngineError."""
+    """Make ``path`` a new, empty qcow2 overlay on ``backing`` (a qcow2). In a directory an
+    unprivileged QEMU owns (:mod:`torpor.sandbox.vm.jail`), the overlay is that QEMU's too, so
+    it can open it while running. Raises EngineError."""
     qemu_img("create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(path))
+    if os.geteuid() == 0:
+        try:
+            owner = path.parent.stat()
+            if owner.st_uid != 0:
+                os.chown(path, owner.st_uid, owner.st_gid)
+        except OSError as exc:
+            raise EngineError(f"cannot hand {path} to its machine's user: {exc}", exc=exc) from exc
 
 
 def rebase(path: Path, backing: Path | None) -> None:

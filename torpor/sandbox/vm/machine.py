@@ -36,6 +36,7 @@ from qemu.qmp import QMPClient, QMPError
 from torpor._tail import log_tail
 from torpor.errors import EngineError, InvalidArgument, InvalidState
 from torpor.sandbox.vm.disk import fsync_dir, new_overlay
+from torpor.sandbox.vm.jail import popen_args, prepare, prepare_path
 from torpor.sandbox.vm.machine_dir import (
     MACHINE_TYPE,
     MIGRATE_TIMEOUT,
@@ -151,6 +152,13 @@ class QemuMachine:
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / name).unlink()
         cmd = build_command(config, incoming=incoming, pending_shares=pending_shares)
+        jail = self.spec.jail
+        if jail is not None:  # QEMU runs as the tenant's uid: let it reach what it opens
+            await asyncio.to_thread(prepare, self.directory, jail, config)
+            for rec in pending_shares or []:
+                await asyncio.to_thread(
+                    prepare_path, self.directory / rec["path"], jail, write=True
+                )
         log.debug("starting %s", " ".join(cmd))
         try:
             with open(self.directory / "qemu.log", "ab") as errlog:  # noqa: ASYNC230
@@ -161,6 +169,7 @@ class QemuMachine:
                     stdout=errlog,
                     stderr=errlog,
                     start_new_session=True,
+                    **popen_args(jail),
                 )
         except OSError as exc:
             raise EngineError(f"cannot start {QEMU_BINARY}: {exc}", exc=exc) from exc
@@ -435,6 +444,10 @@ class QemuMachine:
         self._require_running("attach a disk")
         config = read_machine_json(self.directory)
         rec = add_device(config, disk)
+        if self.spec.jail is not None:
+            await asyncio.to_thread(
+                prepare_path, self.directory / rec["path"], self.spec.jail, write=not disk.read_only
+            )
         node, dev = disk_args(rec)
         await self._qmp_exec("blockdev-add", node)
         try:
