@@ -34,7 +34,7 @@ from torpor.config import Paths
 from torpor.errors import StorageError
 from torpor.sandbox.storage.chunks import FileManifest
 from torpor.sandbox.storage.drives import DriveStore
-from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain
+from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, step
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import is_qcow2
 
@@ -153,6 +153,7 @@ def collect_garbage(
                     report.expired_snapshots.append(info.id)
                     if not dry_run:
                         (store.root / f"{info.id}.json").unlink(missing_ok=True)
+                        step("gc:expired")
             frozen_root = store.frozen_root
             if frozen_root.is_dir():
                 used = referenced_frozen(paths, frozen_root)
@@ -170,6 +171,7 @@ def collect_garbage(
                         report.freed_bytes += _du(d)
                         if not dry_run:
                             shutil.rmtree(d)
+                            step("gc:frozen")
                 for p in _leftovers(frozen_root, time.time()):
                     report.freed_bytes += _du(p)
                     if not dry_run:
@@ -191,11 +193,13 @@ def collect_garbage(
                     report.freed_bytes += store.chunks.path_of(digest).stat().st_size
                 else:
                     report.freed_bytes += store.chunks.remove(digest)
+                    step("gc:chunk")
             for p in _leftovers(store.root, time.time()) + _leftovers(paths.chunks, time.time()):
                 report.freed_bytes += _du(p)
                 if not dry_run:
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         if not dry_run:
+            step("gc:attachments")
             report.released_attachments += VolumeStore(paths).release(keep=live_sandboxes)
             report.released_attachments += DriveStore(paths).release(keep=live_sandboxes)
     except OSError as exc:
