@@ -196,9 +196,21 @@ class QemuMachine:
                 if sock.exists():
                     client = QMPClient(self.directory.name)
                     try:
-                        await client.connect(address)
+                        # QEMU serves one QMP client at a time: while another holds it (a
+                        # process that kept its connection), a connect is accepted but never
+                        # greeted, so it needs a deadline of its own
+                        left = max(0.1, deadline - time.monotonic())
+                        await asyncio.wait_for(client.connect(address), left)
                         self._qmp = client
                         return
+                    except TimeoutError as exc:
+                        with contextlib.suppress(Exception):
+                            await client.disconnect()
+                        raise EngineError(
+                            f"QMP of {self.directory} did not answer within {QMP_TIMEOUT}s "
+                            "(is another process connected to it?)",
+                            exc=exc,
+                        ) from exc
                     except (QMPError, OSError) as exc:
                         if time.monotonic() > deadline:
                             raise EngineError(f"cannot connect QMP: {exc}", exc=exc) from exc
