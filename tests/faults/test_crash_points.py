@@ -16,6 +16,7 @@ grace over: the restart came later), and:
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from torpor.sandbox.storage.chunks import FileManifest
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.retention import collect_garbage, referenced_frozen
 from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore, freeze
+from torpor.sandbox.storage.volumes import VolumeStore
 
 WORKER = r"""
 import os, sys
@@ -133,3 +135,43 @@ def test_a_crash_at_any_step_of_gc_loses_nothing(tmp_path: Path, step: str) -> N
     collect_garbage(p, now=datetime.now(UTC) + timedelta(days=LATER))  # after the restart
     _nothing_lost_nothing_half(p, machine, kept)
     assert short.id not in {i.id for i, _ in SnapshotStore(p).manifests()}
+
+
+def _machine_json(machine: Path, devices: list[dict[str, str]]) -> None:
+    (machine / "machine.json").write_text(json.dumps({"version": 1, "devices": devices}))
+
+
+def test_a_crash_between_recording_an_attach_and_plugging_it_is_undone(tmp_path: Path) -> None:
+    """An attach records the attachment (it reserves the resource), then plugs the device.
+    A process that dies in between leaves a record no machine backs: the volume stayed
+    attached for good (a read-write attach elsewhere was a Conflict). GC releases it once the
+    record is older than an attach in flight; a plugged attachment stays."""
+    p = make_home(tmp_path)
+    machine = make_machine(p, "sbx-1")
+    volumes, drives = VolumeStore(p), DriveStore(p)
+    vol = volumes.create("data", size_mib=16)
+    half, whole = drives.create("half"), drives.create("whole")
+    volumes.attach(vol.id, "sbx-1", "/data")  # recorded, then the crash: never plugged
+    drives.attach(half.id, "sbx-1", "/mnt/half")
+    drives.attach(whole.id, "sbx-1", "/mnt/whole")
+    _machine_json(machine, [{"id": whole.id, "kind": "share"}])
+
+    report = collect_garbage(p, live_sandboxes={"sbx-1"})  # after the restart
+    assert report.released_attachments == 2
+    assert not volumes.get(vol.id).attachments and not drives.get(half.id).attachments
+    assert [a.sandbox_id for a in drives.get(whole.id).attachments] == ["sbx-1"]
+    make_machine(p, "sbx-2")
+    volumes.attach(vol.id, "sbx-2", "/data")  # no Conflict: the volume is free again
+
+
+def test_an_attach_in_flight_is_not_taken_for_a_crashed_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(retention, "LEFTOVER_GRACE_SECONDS", 3600.0)
+    p = make_home(tmp_path)
+    _machine_json(make_machine(p, "sbx-1"), [])
+    drives = DriveStore(p)
+    drive = drives.create("shared")
+    drives.attach(drive.id, "sbx-1", "/mnt/shared")  # plugging now, in another task
+    assert collect_garbage(p, live_sandboxes={"sbx-1"}).released_attachments == 0
+    assert drives.get(drive.id).attachments

@@ -112,6 +112,17 @@ def _all_named_chunks(store: SnapshotStore) -> set[str]:
     return refs
 
 
+def _plugged(paths: Paths, sandbox_id: str, device_id: str) -> bool:
+    """Whether the machine of ``sandbox_id`` has the device ``device_id`` (a volume's disk or
+    a drive's share); True when its machine.json cannot tell (nothing is released on doubt)."""
+    try:
+        config = json.loads((paths.sandboxes / sandbox_id / "machine.json").read_text())
+        devices = config["devices"]
+        return any(d.get("id") == device_id for d in devices)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True
+
+
 def _leftovers(root: Path, now: float) -> list[Path]:
     found: list[Path] = []
     for pattern in (".*.tmp", ".*.work", "*/.*.tmp"):
@@ -131,7 +142,8 @@ def collect_garbage(
     live_sandboxes: set[str] | None = None,
     dry_run: bool = False,
 ) -> GcReport:
-    """Remove expired snapshots and unreferenced frozen dirs, chunks and attachments.
+    """Remove expired snapshots and unreferenced frozen dirs, chunks and attachments (of
+    sandboxes that are gone, and those recorded but never plugged: a crash mid-attach).
 
     ``live_sandboxes``: ids of sandboxes that still exist (default: the dirs under
     ``sandboxes/``); attachments of any other sandbox are released. ``dry_run`` reports what
@@ -200,8 +212,12 @@ def collect_garbage(
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         if not dry_run:
             step("gc:attachments")
-            report.released_attachments += VolumeStore(paths).release(keep=live_sandboxes)
-            report.released_attachments += DriveStore(paths).release(keep=live_sandboxes)
+            before = time.time() - LEFTOVER_GRACE_SECONDS
+            for records in (VolumeStore(paths), DriveStore(paths)):
+                report.released_attachments += records.release(keep=live_sandboxes)
+                report.released_attachments += records.release_unplugged(
+                    lambda sid, rid: _plugged(paths, sid, rid), before=before
+                )
     except OSError as exc:
         raise StorageError(f"garbage collection failed: {exc}", exc=exc) from exc
     log.info("gc: %s", report.to_json())
