@@ -15,6 +15,9 @@ shares the one server.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,10 +44,13 @@ def template_home() -> Path:
 
 
 @pytest.fixture
-def qemu_home(tmp_path: Path, template_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fresh torpor home for one test that shares the built templates (read-only)."""
-    home = tmp_path / "home"
-    home.mkdir()
+def qemu_home(template_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh torpor home for one test that shares the built templates (read-only).
+
+    It lives directly in /tmp, not in pytest's 0700 ``tmp_path``: as root, QEMU runs as an
+    unprivileged uid (torpor.sandbox.vm.jail), which must be able to walk down to the home."""
+    home = Path(tempfile.mkdtemp(prefix="torpor-home-"))
     (home / "templates").symlink_to(template_home / "templates")
     monkeypatch.setenv("TORPOR_HOME", str(home))
-    return home
+    yield home
+    shutil.rmtree(home, ignore_errors=True)

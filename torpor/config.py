@@ -15,7 +15,10 @@ Everything lives under one home directory, ``$TORPOR_HOME`` (default
 
 The home is private: 0700, so no other local user reads a guest's RAM, a disk or a tenant's
 memory through it (:meth:`Paths.ensure` makes it so, and fixes, with a warning, a home found
-open); the server runs with umask 077, so what it and QEMU create is 0600 as well.
+open); the server runs with umask 077, so what it and QEMU create is 0600 as well. When the
+server is root, its QEMU processes run as unprivileged uids of group :data:`QEMU_GID`
+(:mod:`torpor.sandbox.vm.jail`), and the directories they must pass through (the home among
+them) are ``0710`` with that group: traversable by QEMU, closed to every other user.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from torpor.errors import InvalidArgument, InvalidName, QuotaExceeded
 __all__ = [
     "LIMITS",
     "NAME_RE",
+    "QEMU_GID",
+    "QEMU_UID_BASE",
+    "QEMU_UID_COUNT",
     "Limits",
     "Paths",
     "Quotas",
@@ -59,6 +65,14 @@ def check_name(name: str, what: str = "name") -> str:
             name=str(name),
         )
     return name
+
+
+#: The reserved range of numeric uids QEMU runs as when the server is root (one per tenant,
+#: :mod:`torpor.sandbox.vm.jail`; no /etc/passwd entry needed), and their one group, which may
+#: traverse the home and read the templates.
+QEMU_UID_BASE = 1_610_000_000
+QEMU_UID_COUNT = 1_000_000
+QEMU_GID = QEMU_UID_BASE
 
 
 @dataclass(frozen=True)
@@ -143,8 +157,24 @@ class Paths:
         return self
 
     def make_private(self) -> None:
-        """Create the home 0700, or close a home found open (see :func:`make_private`)."""
+        """Create the home 0700, or close a home found open (see :func:`make_private`).
+
+        As root, QEMU's group may traverse the home (:mod:`torpor.sandbox.vm.jail`), so no
+        file in it may rely on the home's mode alone: the process's umask becomes 077 and what
+        lies directly in the home loses every group and other bit but the QEMU group's
+        traversal of a directory."""
         make_private(self.home)
+        if os.geteuid() != 0:
+            return
+        os.umask(0o077)
+        for entry in self.home.iterdir():
+            st = entry.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            mode = stat.S_IMODE(st.st_mode)
+            keep = 0o010 if stat.S_ISDIR(st.st_mode) and st.st_gid == QEMU_GID else 0
+            if mode & 0o077 & ~keep:
+                entry.chmod(mode & (0o700 | keep))
 
 
 @dataclass(frozen=True)
@@ -195,10 +225,12 @@ class Quotas:
 
 def make_private(directory: Path) -> None:
     """Create ``directory`` 0700, or make it 0700 if it lets group or others in (logged: a home
-    found open may have leaked already). Raises OSError."""
+    found open may have leaked already). A home that only lets the QEMU group (:data:`QEMU_GID`)
+    traverse it (``0710``) is private too. Raises OSError."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    mode = stat.S_IMODE(directory.stat().st_mode)
-    if mode & 0o077:
+    st = directory.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077 and not (mode & 0o077 == 0o010 and st.st_gid == QEMU_GID):
         directory.chmod(mode & 0o700 | 0o700)
         log.warning("%s was readable by other users (mode %o); made it 0700", directory, mode)
 

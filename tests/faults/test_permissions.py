@@ -74,3 +74,25 @@ def test_another_user_cannot_read_a_tenants_rows(open_base: Path) -> None:
     proc = subprocess.run([*as_nobody, "cat", str(db)], capture_output=True, check=False)
     assert proc.returncode != 0 and b"4912" not in proc.stdout
     assert b"Permission denied" in proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_as_root_what_lies_in_the_home_is_closed(open_base: Path) -> None:
+    """As root the QEMU group may traverse the home (torpor.sandbox.vm.jail), so nothing in it
+    may rely on the home's mode: opening a home closes what is directly in it and sets umask
+    077 for what comes after."""
+    home = open_base / "home"
+    home.mkdir()
+    (home / "registry.db").write_text("rows")
+    (home / "registry.db").chmod(0o644)
+    (home / "chunks").mkdir(mode=0o755)
+    (home / "chunks").chmod(0o755)
+    old = os.umask(0o022)
+    try:
+        paths(home).ensure()
+        now = os.umask(0o022)
+    finally:
+        os.umask(old)
+    assert now == 0o077
+    assert _mode(home / "registry.db") == 0o600
+    assert _mode(home / "chunks") == 0o700

@@ -161,6 +161,8 @@ def test_a_moved_home_wakes_its_sandbox_and_restores_its_snapshot(
             again = await m.run_code(restored.id, "notes")
             return woken.results[0].data["text/plain"], again.results[0].data["text/plain"]
         finally:
+            for info in await m.list():  # no QEMU outlives the test
+                await m.kill(info.id)
             await m.close(pause=False)
 
     assert asyncio.run(after()) == ("[1, 2]", "[1, 2]")

@@ -38,6 +38,8 @@ class MachineConfig:
     template: str
     vcpus: int = 1
     memory_mib: int = 512
+    #: whose machine it is: with a root server, QEMU runs as this tenant's own uid
+    tenant: str = "default"
 
 
 @dataclass(frozen=True)
@@ -186,9 +188,14 @@ class QemuEngine:
             )
 
     def _spec(self, config: MachineConfig) -> Any:
+        from torpor.sandbox.vm.jail import jail_for
         from torpor.sandbox.vm.machine import MachineSpec
 
-        return MachineSpec(vcpus=config.vcpus, memory_mib=config.memory_mib)
+        return MachineSpec(
+            vcpus=config.vcpus,
+            memory_mib=config.memory_mib,
+            jail=jail_for(self.paths.home, config.tenant),
+        )
 
     async def clone(self, template: str, directory: Path, config: MachineConfig) -> None:
         from torpor.sandbox import template as templates

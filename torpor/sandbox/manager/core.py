@@ -248,7 +248,9 @@ class ManagerCore:
 
     @staticmethod
     def _config(rec: SandboxRecord) -> MachineConfig:
-        return MachineConfig(template=rec.template, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
+        return MachineConfig(
+            template=rec.template, vcpus=rec.vcpus, memory_mib=rec.memory_mib, tenant=rec.tenant
+        )
 
     def move(self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any) -> SandboxRecord:
         """Record ``rec -> dst`` in the registry (the lifecycle table guards it) and return the

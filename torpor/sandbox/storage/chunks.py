@@ -32,7 +32,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,6 +274,7 @@ class ChunkStore:
         min_age_seconds: float = 0.0,
         dry_run: bool = False,
         now: float | None = None,
+        on_removed: Callable[[str], None] | None = None,
     ) -> SweepReport:
         """Mark-and-sweep's sweep: delete every chunk not in ``marked``.
 
@@ -281,7 +282,8 @@ class ChunkStore:
         (for a shared store: every node's). Chunks written less than ``min_age_seconds`` ago
         are kept, since a snapshot being saved writes its chunks before its manifest (the
         caller also holds the store's exclusive lock; the age covers writers that do not
-        share that lock). ``dry_run`` counts and deletes nothing. Raises StorageError.
+        share that lock). ``dry_run`` counts and deletes nothing; ``on_removed`` is called with
+        each chunk deleted (a crash point in the fault tests). Raises StorageError.
         """
         now = time.time() if now is None else now
         report = SweepReport()
@@ -294,6 +296,8 @@ class ChunkStore:
                 report.freed_bytes += entry.size
             else:
                 report.freed_bytes += self.backend.delete(entry.digest)
+                if on_removed is not None:
+                    on_removed(entry.digest)
         log.info(
             "sweep of %s: %d removed, %d kept, %d bytes%s",
             self.location,

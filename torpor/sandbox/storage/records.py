@@ -337,6 +337,36 @@ class RecordStore(Generic[InfoT]):
                     self._save(info)
         return dropped
 
+    def release_unplugged(self, plugged: Callable[[str, str], bool], *, before: float) -> int:
+        """Drop attachments whose sandbox's machine has no device for the resource
+        (``plugged(sandbox_id, resource_id)`` is False), in records last written before
+        ``before`` (a Unix time: an attach in flight is younger). A process that died between
+        recording an attach and plugging the device leaves exactly that; the resource stays
+        attached for good otherwise. Returns how many were dropped. Used by GC."""
+        dropped = 0
+        with locked(self.root):
+            for info in self._infos():
+                try:
+                    if self._record(info.id).stat().st_mtime >= before:
+                        continue
+                except FileNotFoundError:
+                    continue
+                kept = [a for a in info.attachments if plugged(a.sandbox_id, info.id)]
+                if len(kept) != len(info.attachments):
+                    for a in info.attachments:
+                        if a not in kept:
+                            log.warning(
+                                "%s %s was recorded as attached to %s but never plugged into "
+                                "it (a crash mid-attach): released",
+                                self.kind,
+                                info.id,
+                                a.sandbox_id,
+                            )
+                    dropped += len(info.attachments) - len(kept)
+                    info.attachments = kept
+                    self._save(info)
+        return dropped
+
     def delete(self, id_or_name: str, *, tenant: str = "default") -> InfoT:
         """Delete a resource and its data. Raises NotFound, Conflict while attached,
         StorageError."""

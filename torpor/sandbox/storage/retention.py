@@ -38,7 +38,7 @@ from torpor.errors import CorruptData, StorageError
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, SweepReport
 from torpor.sandbox.storage.compaction import referenced_by_compacted
 from torpor.sandbox.storage.drives import DriveStore
-from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain
+from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, step
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import is_qcow2
 
@@ -116,6 +116,17 @@ def _all_named_chunks(store: SnapshotStore) -> set[str]:
     return refs
 
 
+def _plugged(paths: Paths, sandbox_id: str, device_id: str) -> bool:
+    """Whether the machine of ``sandbox_id`` has the device ``device_id`` (a volume's disk or
+    a drive's share); True when its machine.json cannot tell (nothing is released on doubt)."""
+    try:
+        config = json.loads((paths.sandboxes / sandbox_id / "machine.json").read_text())
+        devices = config["devices"]
+        return any(d.get("id") == device_id for d in devices)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True
+
+
 def _leftovers(root: Path, now: float) -> list[Path]:
     found: list[Path] = []
     for pattern in (".*.tmp", ".*.work", "*/.*.tmp"):
@@ -135,7 +146,8 @@ def collect_garbage(
     live_sandboxes: set[str] | None = None,
     dry_run: bool = False,
 ) -> GcReport:
-    """Remove expired snapshots and unreferenced frozen dirs, chunks and attachments.
+    """Remove expired snapshots and unreferenced frozen dirs, chunks and attachments (of
+    sandboxes that are gone, and those recorded but never plugged: a crash mid-attach).
 
     ``live_sandboxes``: ids of sandboxes that still exist (default: the dirs under
     ``sandboxes/``); attachments of any other sandbox are released. ``dry_run`` reports what
@@ -157,6 +169,7 @@ def collect_garbage(
                     report.expired_snapshots.append(info.id)
                     if not dry_run:
                         (store.root / f"{info.id}.json").unlink(missing_ok=True)
+                        step("gc:expired")
             frozen_root = store.frozen_root
             if frozen_root.is_dir():
                 used = referenced_frozen(paths, frozen_root)
@@ -174,6 +187,7 @@ def collect_garbage(
                         report.freed_bytes += _du(d)
                         if not dry_run:
                             shutil.rmtree(d)
+                            step("gc:frozen")
                 for p in _leftovers(frozen_root, time.time()):
                     report.freed_bytes += _du(p)
                     if not dry_run:
@@ -201,7 +215,9 @@ def collect_garbage(
                     store.chunks.location,
                 )
             else:
-                swept = store.chunks.sweep(named, dry_run=dry_run)
+                swept = store.chunks.sweep(
+                    named, dry_run=dry_run, on_removed=lambda _: step("gc:chunk")
+                )
                 report.removed_chunks += swept.removed
                 report.kept_chunks += swept.kept
                 report.freed_bytes += swept.freed_bytes
@@ -210,8 +226,13 @@ def collect_garbage(
                 if not dry_run:
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         if not dry_run:
-            report.released_attachments += VolumeStore(paths).release(keep=live_sandboxes)
-            report.released_attachments += DriveStore(paths).release(keep=live_sandboxes)
+            step("gc:attachments")
+            before = time.time() - LEFTOVER_GRACE_SECONDS
+            for records in (VolumeStore(paths), DriveStore(paths)):
+                report.released_attachments += records.release(keep=live_sandboxes)
+                report.released_attachments += records.release_unplugged(
+                    lambda sid, rid: _plugged(paths, sid, rid), before=before
+                )
     except OSError as exc:
         raise StorageError(f"garbage collection failed: {exc}", exc=exc) from exc
     log.info("gc: %s", report.to_json())

@@ -181,12 +181,14 @@ def _folded_copy(layer: Path, dest: Path, anchor: Path | None) -> None:
 # -- frozen dirs --------------------------------------------------------------------------------
 
 
-#: Called with the name of each step of :func:`freeze` as it completes; tests raise from it to
-#: stop the process at an exact point (a crash), as the manager's ``on_step`` does for pause.
+#: Called with the name of each step of :func:`freeze`, :meth:`SnapshotStore.materialize` (a
+#: restore) and GC as it completes; tests raise or exit from it to stop the process at an exact
+#: point (a crash), as the manager's ``on_step`` does for pause (``tests/faults``).
 failpoint: Callable[[str], None] | None = None
 
 
-def _step(name: str) -> None:
+def step(name: str) -> None:
+    """Report the step ``name`` to :data:`failpoint` (a crash point in the fault tests)."""
     if failpoint is not None:
         failpoint(name)
 
@@ -238,16 +240,16 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
             else:
                 os.link(entry, tmp / entry.name)  # the machine keeps its disk meanwhile
                 layers.append(entry)
-        _step("freeze:copied")
+        step("freeze:copied")
         os.rename(tmp, final)
         fsync_dir(frozen_root)  # the frozen dir is durable before anything depends on it
-        _step("freeze:published")
+        step("freeze:published")
         for original in layers:
             fresh = original.with_name(f".{original.name}.tmp")
             new_overlay(final / original.name, fresh)
             os.replace(fresh, original)  # atomic: the old overlay or the new one, never none
             swapped.append(original)
-            _step("freeze:swapped")
+            step("freeze:swapped")
         fsync_dir(machine_dir)
         for f in final.iterdir():
             if not (link_ram and f.name == "ram"):  # a link shares the source's mode
@@ -319,10 +321,10 @@ async def freeze_live(
                 raise StorageError(f"{machine_dir.name} has a second disk {entry.name}")
             else:
                 copy_sparse(entry, tmp / entry.name)
-        _step("freeze:copied")
+        step("freeze:copied")
         os.rename(tmp, final)
         fsync_dir(frozen_root)
-        _step("freeze:published")
+        step("freeze:published")
         new_overlay(final / "disk.qcow2", overlay, size=virtual_size(disk))
 
     def settle() -> None:
@@ -347,9 +349,9 @@ async def freeze_live(
     try:
         await asyncio.to_thread(publish)
         downtime = await machine.capture(
-            overlay=overlay, state=final / "state.tmp", ram=final / "ram.tmp", stopped=_step
+            overlay=overlay, state=final / "state.tmp", ram=final / "ram.tmp", stopped=step
         )
-        _step("freeze:captured")
+        step("freeze:captured")
         await asyncio.to_thread(settle)
     except (OSError, StorageError, EngineError, InvalidState) as exc:
         overlay.unlink(missing_ok=True)
@@ -671,8 +673,10 @@ class SnapshotStore:
                 if anchor_id is not None and backing_file(tmp / name) != Path(anchor_id["path"]):
                     # the manifest is what says where the template disk is (a moved home)
                     set_backing(tmp / name, Path(anchor_id["path"]))
+            step("materialize:restored")
             final = self.frozen_root / fid
             os.rename(tmp, final)
+            step("materialize:renamed")
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise StorageError(

@@ -10,6 +10,7 @@
 * :mod:`.channel` — the guest channel (virtio-serial): commands, files, the interpreter
 * :mod:`.accel` — KVM or TCG, decided by a probe boot
 * :mod:`.disk` — disk and file utilities: qemu-img, sparse copies, atomic writes, fsync
+* :mod:`.jail` — who QEMU runs as: a tenant's own unprivileged uid under a root server
 
 Imports: torpor.config, torpor.errors, torpor.sandbox.models, torpor.sandbox.guest.protocol.
 Nothing here knows about the registry, templates or stored snapshots.

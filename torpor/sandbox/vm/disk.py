@@ -108,7 +108,9 @@ def is_qcow2(path: Path) -> bool:
 def new_overlay(backing: Path, path: Path, *, size: int | None = None) -> None:
     """Make ``path`` a new, empty qcow2 overlay on ``backing`` (a qcow2). With ``size`` (the
     backing's virtual size in bytes) ``backing`` is not opened (``-u``): it may be a layer a
-    running QEMU still writes, or not exist yet. Raises EngineError."""
+    running QEMU still writes, or not exist yet. In a directory an unprivileged QEMU owns
+    (:mod:`torpor.sandbox.vm.jail`), the overlay is that QEMU's too, so it can open it while
+    running. Raises EngineError."""
     if size is None:
         qemu_img("create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(path))
     else:
@@ -125,6 +127,13 @@ def new_overlay(backing: Path, path: Path, *, size: int | None = None) -> None:
             str(path),
             str(size),
         )
+    if os.geteuid() == 0:
+        try:
+            owner = path.parent.stat()
+            if owner.st_uid != 0:
+                os.chown(path, owner.st_uid, owner.st_gid)
+        except OSError as exc:
+            raise EngineError(f"cannot hand {path} to its machine's user: {exc}", exc=exc) from exc
 
 
 def virtual_size(path: Path) -> int:

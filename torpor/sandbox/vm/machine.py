@@ -37,6 +37,7 @@ from qemu.qmp import QMPClient, QMPError
 from torpor._tail import log_tail
 from torpor.errors import EngineError, InvalidArgument, InvalidState
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay
+from torpor.sandbox.vm.jail import popen_args, prepare, prepare_path
 from torpor.sandbox.vm.machine_dir import (
     MACHINE_TYPE,
     MIGRATE_TIMEOUT,
@@ -156,6 +157,13 @@ class QemuMachine:
         with contextlib.suppress(OSError):
             drop_layer_aliases(self.directory)  # names only the QEMU that opened them used
         cmd = build_command(config, incoming=incoming, pending_shares=pending_shares)
+        jail = self.spec.jail
+        if jail is not None:  # QEMU runs as the tenant's uid: let it reach what it opens
+            await asyncio.to_thread(prepare, self.directory, jail, config)
+            for rec in pending_shares or []:
+                await asyncio.to_thread(
+                    prepare_path, self.directory / rec["path"], jail, write=True
+                )
         log.debug("starting %s", " ".join(cmd))
         try:
             with open(self.directory / "qemu.log", "ab") as errlog:  # noqa: ASYNC230
@@ -166,6 +174,7 @@ class QemuMachine:
                     stdout=errlog,
                     stderr=errlog,
                     start_new_session=True,
+                    **popen_args(jail),
                 )
         except OSError as exc:
             raise EngineError(f"cannot start {QEMU_BINARY}: {exc}", exc=exc) from exc
@@ -192,9 +201,21 @@ class QemuMachine:
                 if sock.exists():
                     client = QMPClient(self.directory.name)
                     try:
-                        await client.connect(address)
+                        # QEMU serves one QMP client at a time: while another holds it (a
+                        # process that kept its connection), a connect is accepted but never
+                        # greeted, so it needs a deadline of its own
+                        left = max(0.1, deadline - time.monotonic())
+                        await asyncio.wait_for(client.connect(address), left)
                         self._qmp = client
                         return
+                    except TimeoutError as exc:
+                        with contextlib.suppress(Exception):
+                            await client.disconnect()
+                        raise EngineError(
+                            f"QMP of {self.directory} did not answer within {QMP_TIMEOUT}s "
+                            "(is another process connected to it?)",
+                            exc=exc,
+                        ) from exc
                     except (QMPError, OSError) as exc:
                         if time.monotonic() > deadline:
                             raise EngineError(f"cannot connect QMP: {exc}", exc=exc) from exc
@@ -585,6 +606,10 @@ class QemuMachine:
         self._require_running("attach a disk")
         config = read_machine_json(self.directory)
         rec = add_device(config, disk)
+        if self.spec.jail is not None:
+            await asyncio.to_thread(
+                prepare_path, self.directory / rec["path"], self.spec.jail, write=not disk.read_only
+            )
         node, dev = disk_args(rec)
         await self._qmp_exec("blockdev-add", node)
         try:

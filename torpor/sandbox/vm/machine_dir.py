@@ -43,6 +43,7 @@ from torpor.config import check_name
 from torpor.errors import EngineError, InvalidArgument, InvalidState
 from torpor.sandbox.requests import MAX_MEMORY_MIB, MAX_VCPUS, MIN_MEMORY_MIB
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, is_qcow2, new_overlay, write_atomic
+from torpor.sandbox.vm.jail import Jail
 
 __all__ = [
     "MACHINE_TYPE",
@@ -134,6 +135,8 @@ class MachineSpec:
     accel: str | None = None
     disks: list[DiskSpec] = field(default_factory=list)
     shares: list[ShareSpec] = field(default_factory=list)
+    #: who QEMU runs as (:mod:`torpor.sandbox.vm.jail`); None: the server's own user
+    jail: Jail | None = None
 
 
 @dataclass(frozen=True)
