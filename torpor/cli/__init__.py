@@ -28,6 +28,7 @@ GROUPS = [
     "torpor.cli.serve",
     "torpor.cli.memory",
     "torpor.cli.storage",
+    "torpor.cli.mcp",
 ]
 
 

@@ -36,6 +36,7 @@ from torpor.sandbox.requests import invalid_argument
 from torpor.server.auth import TokenStore
 from torpor.server.deps import Tenant
 from torpor.server.limits import BodyLimit
+from torpor.server.mcp.http import mount as mount_mcp
 
 __all__ = ["ROUTERS", "create_app", "error_response"]
 
@@ -129,7 +130,8 @@ def create_app(
             gc_task = start_background(app, manager) if supervise else None
         log.info("torpor server ready (pid %d)", os.getpid())
         try:
-            yield
+            async with mcp_running():
+                yield
         finally:
             for background in (task, gc_task):
                 if background is not None:
@@ -165,6 +167,7 @@ def create_app(
             "home": str(getattr(home, "home", "")) or None,
         }
 
+    mcp_running = mount_mcp(app)  # /mcp: the MCP tools (torpor.server.mcp)
     for name in ROUTERS:
         try:
             module = importlib.import_module(name)

@@ -150,7 +150,10 @@ def serve(
 
         cleanup.append(remove_socket)
     else:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on sockets that say
+        # so, and without it every response waits out the client's delayed ACK (~40 ms).
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
