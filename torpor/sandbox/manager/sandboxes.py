@@ -97,6 +97,7 @@ class SandboxManager(ManagerCore):
             pause_retention_days=spec.pause_retention_days,
             created_at=now,
             last_active_at=now,
+            memory_scope=None if spec.memory_scope is None else spec.memory_scope.record(),
         )
         self.registry.insert(rec)
         live = self.live(sandbox_id)

@@ -1,4 +1,5 @@
-"""``/mcp``: the MCP tools over streamable HTTP, in the server's own app.
+"""``/mcp``: the MCP tools over streamable HTTP, in the server's own app (and, through
+:mod:`torpor.server.mcp.relay`, at ``localhost:7777`` inside each sandbox).
 
 :func:`mount` adds the endpoint to a FastAPI app and returns the context manager the app's
 lifespan enters (it runs the MCP session manager and closes the tenants' memories). The
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,15 @@ from torpor.sandbox.requests import CodeSpec, CommandSpec, ForkSpec, SandboxOpti
 from torpor.server.deps import get_tenant
 from torpor.server.mcp.tools import ToolContext, build_server
 
-__all__ = ["PATH", "ManagerOps", "caller_context", "memory_for", "mount"]
+__all__ = [
+    "PATH",
+    "Endpoint",
+    "ManagerOps",
+    "caller_context",
+    "from_request",
+    "memory_for",
+    "mount",
+]
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +154,11 @@ async def caller_context(request: Request) -> ToolContext:
     )
 
 
-async def _from_request(ctx: Context) -> ToolContext:
+async def from_request(ctx: Context) -> ToolContext:
+    """The :class:`ToolContext` an :class:`Endpoint` left on the tool call's HTTP request.
+
+    Raises :class:`InvalidArgument` for a call that did not come through one (a wiring bug).
+    """
     request = ctx.request_context.request
     found = getattr(request, "scope", {}).get(_SCOPE_KEY)
     if not isinstance(found, ToolContext):  # the endpoint always sets it: a wiring bug
@@ -153,18 +166,22 @@ async def _from_request(ctx: Context) -> ToolContext:
     return found
 
 
-class _Endpoint:
-    """The ASGI endpoint: authenticate, then hand the request to the MCP session manager."""
+class Endpoint:
+    """An ASGI endpoint: decide who calls (``resolve``), then hand the request to the MCP
+    session manager of ``server``, whose tools find the caller with :func:`from_request`."""
 
-    def __init__(self, server: MCPServer) -> None:
+    def __init__(
+        self, server: MCPServer, resolve: Callable[[Request], Awaitable[ToolContext]]
+    ) -> None:
         self.server = server
+        self.resolve = resolve
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         from torpor.server.app import error_response
 
         request = Request(scope, receive)
         try:
-            scope[_SCOPE_KEY] = await caller_context(request)
+            scope[_SCOPE_KEY] = await self.resolve(request)
         except TorporError as exc:
             await error_response(exc)(scope, receive, send)
             return
@@ -173,23 +190,31 @@ class _Endpoint:
 
 def mount(app: FastAPI) -> Callable[[], contextlib.AbstractAsyncContextManager[None]]:
     """Serve the MCP tools at :data:`PATH` on ``app``; returns what its lifespan enters."""
-    server = build_server(_from_request)
+    from torpor.server.mcp.relay import GuestRelay  # it builds on this module
+
+    server = build_server(from_request)
+    guest = GuestRelay(app)
+    app.state.guest_relay = guest
 
     def new_session_manager() -> None:
         # The Starlette app this returns is not used (the endpoint below is); the session
         # manager it makes runs once, so each start of the app makes its own. DNS-rebinding
         # checks are off: every TCP caller needs a bearer token, which a browser tricked into
         # calling us would not have, and the unix socket is not reachable from a browser.
-        server.streamable_http_app(
-            stateless_http=True,
-            json_response=True,
-            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
-        )
+        for each in (server, guest.server):
+            each.streamable_http_app(
+                stateless_http=True,
+                json_response=True,
+                transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+            )
 
     app.state.mcp = server
     app.state.memories = {}
     app.state.memories_lock = asyncio.Lock()
-    endpoint = _Endpoint(server)
+    endpoint = Endpoint(server, caller_context)
+    engine = getattr(app.state.manager, "engine", None)
+    if engine is not None and hasattr(engine, "guest_calls"):  # QEMU: sandboxes ask through it
+        engine.guest_calls = guest
     app.router.routes.append(
         Route(PATH, endpoint=endpoint, methods=["GET", "POST", "DELETE"], include_in_schema=False)
     )
@@ -199,9 +224,10 @@ def mount(app: FastAPI) -> Callable[[], contextlib.AbstractAsyncContextManager[N
         new_session_manager()
         app.state.memories_lock = asyncio.Lock()  # of this start's event loop
         try:
-            async with server.session_manager.run():
+            async with server.session_manager.run(), guest.server.session_manager.run():
                 yield
         finally:
+            await guest.close()
             memories: dict[str, Any] = app.state.memories
             for memory in memories.values():
                 with contextlib.suppress(Exception):
