@@ -124,8 +124,12 @@ def test_the_scope_survives_pause_and_wake(client: TestClient) -> None:
     sbx = make(client, "agent-u-42", A, memory_scope=U42)
     guest(client, sbx["id"], "/v1/memory/remember", {"text": "likes green tea"})
     assert client.post(f"/v1/sandboxes/{sbx['id']}/pause", headers=A).json()["state"] == "paused"
-    woken = make(client, "agent-u-42", A, memory_scope={"user": "u-99"})  # not a new one
+    woken = make(client, "agent-u-42", A, memory_scope=U42)
     assert woken["reused"] and woken["memory_scope"] == U42
+    other = client.put(
+        "/v1/sandboxes/by-name/agent-u-42", json={"memory_scope": {"user": "u-9"}}, headers=A
+    )
+    assert other.status_code == 409 and other.json()["error"]["type"] == "Conflict"
     status, found = guest(client, sbx["id"], "/v1/memory/recall", {"query": "tea"})
     assert status == 200
     assert [h["record"]["text"] for h in found["hits"]] == ["likes green tea"]

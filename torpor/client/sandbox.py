@@ -394,8 +394,8 @@ class Sandbox:
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """The sandbox called ``name``, woken if paused (``info.reused`` is True), or a new one
-        made with the given options (as :meth:`create`; ``memory_scope`` applies to a new
-        one). Concurrent callers get one sandbox."""
+        made with the given options (as :meth:`create`; another ``memory_scope`` than an
+        existing sandbox's is a Conflict). Concurrent callers get one sandbox."""
         spec = SandboxOptions.of(
             template=template,
             labels=labels,
