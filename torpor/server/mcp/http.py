@@ -20,41 +20,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio.to_thread
 from fastapi import FastAPI
-from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from torpor.errors import InvalidArgument, TorporError
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.models import CommandResult, Execution, SandboxInfo
 from torpor.sandbox.requests import CodeSpec, CommandSpec, ForkSpec, SandboxOptions, SnapshotSpec
 from torpor.server.deps import get_tenant
+from torpor.server.mcp.endpoint import Endpoint, from_request, memory_for
+from torpor.server.mcp.relay import GuestRelay
 from torpor.server.mcp.tools import ToolContext, build_server
 
-__all__ = [
-    "PATH",
-    "Endpoint",
-    "ManagerOps",
-    "caller_context",
-    "from_request",
-    "memory_for",
-    "mount",
-]
+__all__ = ["PATH", "ManagerOps", "caller_context", "mount"]
 
 log = logging.getLogger(__name__)
 
 #: where the endpoint is served
 PATH = "/mcp"
-#: the request scope key under which the endpoint leaves the caller's ToolContext
-_SCOPE_KEY = "torpor.mcp.context"
 
 
 @dataclass
@@ -105,38 +93,6 @@ class ManagerOps:
         return children
 
 
-#: ``factory(tenant)`` -> a memory of that tenant; the default opens ``torpor.Memory`` at the
-#: server's home. Tests and embedders set ``app.state.memory_factory``.
-MemoryFactory = Callable[[str], Any]
-
-
-def _default_memory(app: FastAPI) -> MemoryFactory:
-    from torpor.memory import Memory
-
-    home = getattr(getattr(app.state.manager, "paths", None), "home", None)
-    if home is None:
-        raise InvalidArgument("this server has no home for memory (set app.state.memory_factory)")
-    return lambda tenant: Memory(home, tenant=tenant)
-
-
-async def memory_for(app: FastAPI, tenant: str) -> Any:
-    """The app's memory of ``tenant``, opened on first use and kept until shutdown.
-
-    Raises what opening the store raises (:class:`~torpor.errors.StorageError` ...).
-    """
-    memories: dict[str, Any] = app.state.memories
-    found = memories.get(tenant)
-    if found is not None:
-        return found
-    async with app.state.memories_lock:
-        if tenant not in memories:
-            factory: MemoryFactory = getattr(app.state, "memory_factory", None) or _default_memory(
-                app
-            )
-            memories[tenant] = await anyio.to_thread.run_sync(factory, tenant)
-        return memories[tenant]
-
-
 async def caller_context(request: Request) -> ToolContext:
     """Who this HTTP request acts for, as the tools' context: THE place identity enters MCP.
 
@@ -154,44 +110,8 @@ async def caller_context(request: Request) -> ToolContext:
     )
 
 
-async def from_request(ctx: Context) -> ToolContext:
-    """The :class:`ToolContext` an :class:`Endpoint` left on the tool call's HTTP request.
-
-    Raises :class:`InvalidArgument` for a call that did not come through one (a wiring bug).
-    """
-    request = ctx.request_context.request
-    found = getattr(request, "scope", {}).get(_SCOPE_KEY)
-    if not isinstance(found, ToolContext):  # the endpoint always sets it: a wiring bug
-        raise InvalidArgument("this MCP request carries no caller")
-    return found
-
-
-class Endpoint:
-    """An ASGI endpoint: decide who calls (``resolve``), then hand the request to the MCP
-    session manager of ``server``, whose tools find the caller with :func:`from_request`."""
-
-    def __init__(
-        self, server: MCPServer, resolve: Callable[[Request], Awaitable[ToolContext]]
-    ) -> None:
-        self.server = server
-        self.resolve = resolve
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from torpor.server.app import error_response
-
-        request = Request(scope, receive)
-        try:
-            scope[_SCOPE_KEY] = await self.resolve(request)
-        except TorporError as exc:
-            await error_response(exc)(scope, receive, send)
-            return
-        await self.server.session_manager.handle_request(scope, receive, send)
-
-
 def mount(app: FastAPI) -> Callable[[], contextlib.AbstractAsyncContextManager[None]]:
     """Serve the MCP tools at :data:`PATH` on ``app``; returns what its lifespan enters."""
-    from torpor.server.mcp.relay import GuestRelay  # it builds on this module
-
     server = build_server(from_request)
     guest = GuestRelay(app)
     app.state.guest_relay = guest

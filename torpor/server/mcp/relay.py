@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from torpor import errors
 from torpor.errors import AccessDenied, InvalidArgument, NotFound, TorporError
-from torpor.server.mcp.http import Endpoint, from_request, memory_for
+from torpor.server.mcp.endpoint import Endpoint, from_request, memory_for
 from torpor.server.mcp.tools import LEVELS, ToolContext, build_server
 
 __all__ = ["GuestRelay"]
