@@ -6,9 +6,12 @@ official ``mcp`` SDK's. Each sample is one ``tools/call`` of ``recall`` (the ser
 query with the default model when it is installed, as it would for a real agent). The peer,
 measured in the same run, is the same recall made on the embedded library in this process.
 
+``--lexical`` takes the model out (the server is started with no embedding model), so what
+is left is the MCP round trip itself plus a lexical recall.
+
 Target: p50 of the MCP round trip <= 15 ms.
 
-    python3 -m bench.mcp [--reps 200] [--records 1000]
+    python3 -m bench.mcp [--reps 200] [--records 1000] [--lexical]
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import httpx
 
 from bench._common import summary, write_results
 
-RESULTS = Path(__file__).parent / "results" / "mcp.json"
+RESULTS = Path(__file__).parent / "results" / "mcp.json"  # mcp-lexical.json with --lexical
 TARGET_MS = 15.0
 QUERIES = ["how often should I send summaries?", "which plan is the user on?", "favourite tea"]
 
@@ -44,10 +47,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def served(home: Path, token_file: Path) -> Iterator[str]:
+def served(home: Path, token_file: Path, lexical: bool) -> Iterator[str]:
     """``torpor serve`` on a free TCP port of 127.0.0.1; yields its MCP URL."""
     port = _free_port()
     env = {**os.environ, "TORPOR_HOME": str(home)}
+    if lexical:  # no model where the server looks for one: its memory is lexical only
+        env["TORPOR_EMBEDDING_MODEL"] = str(home / "no-model")
     cmd = [sys.executable, "-m", "torpor.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--token-file", str(token_file), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env)
@@ -66,11 +71,11 @@ def served(home: Path, token_file: Path) -> Iterator[str]:
         proc.wait(60)
 
 
-def fill(home: Path, records: int) -> Any:
+def fill(home: Path, records: int, lexical: bool) -> Any:
     """``records`` facts for app support / user u-42 of tenant bench; the scope."""
     from torpor.memory import Memory
 
-    mem = Memory(home, tenant="bench")
+    mem = Memory(home, tenant="bench", embedder=None if lexical else "default")
     scope = mem.scope(app="support", user="u-42")
     texts = [f"note {i}: the user mentioned topic {i % 97} and item {i}" for i in range(records)]
     texts[: len(QUERIES)] = [
@@ -106,12 +111,12 @@ async def measure(url: str, token: str, reps: int) -> list[float]:
     return samples
 
 
-def run(reps: int, records: int) -> dict[str, Any]:
+def run(reps: int, records: int, lexical: bool) -> dict[str, Any]:
     from torpor.server.auth import add_token
 
     with tempfile.TemporaryDirectory(prefix="torpor-bench-mcp-") as tmp:
         home = Path(tmp)
-        mem, scope = fill(home, records)
+        mem, scope = fill(home, records, lexical)
         embedded = []
         for i in range(reps + 5):
             t0 = time.perf_counter()
@@ -121,7 +126,7 @@ def run(reps: int, records: int) -> dict[str, Any]:
         embedder = mem.embedder.name if mem.embedder is not None else None
         mem.close()
         token = add_token(home / "tokens.json", "bench")
-        with served(home, home / "tokens.json") as url:
+        with served(home, home / "tokens.json", lexical) as url:
             over_mcp = asyncio.run(measure(url, token, reps))
     return {
         "records": records,
@@ -159,8 +164,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--records", type=int, default=1000)
+    parser.add_argument("--lexical", action="store_true", help="no embedding model")
     args = parser.parse_args()
-    result = run(args.reps, args.records)
+    result = run(args.reps, args.records, args.lexical)
     result["host"] = {
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
@@ -175,7 +181,7 @@ def main() -> None:
             "pass": ok,
         }
     ]
-    write_results(RESULTS, result)
+    write_results(RESULTS.with_stem("mcp-lexical") if args.lexical else RESULTS, result)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,11 @@ class ManagerOps:
 async def caller_context(request: Request) -> ToolContext:
     """Who this HTTP request acts for, as the tools' context: THE place identity enters MCP.
 
+    Today the bearer token's tenant (:func:`~torpor.server.deps.get_tenant`), owning its whole
+    memory and every sandbox of the tenant. A caller with narrower grants maps onto the same
+    context: memory scope prefixes onto ``ToolContext.scope`` / ``read_only``, a sandbox label
+    selector onto a check in :class:`ManagerOps`.
+
     Raises :class:`~torpor.errors.AccessDenied` for a missing, malformed or unknown token.
     """
     from torpor.server.routes_checkpoints import checkpoints_of
