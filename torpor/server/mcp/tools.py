@@ -152,6 +152,12 @@ _WRITE = ToolAnnotations(read_only_hint=False, destructive_hint=False, open_worl
 _ERASE = ToolAnnotations(read_only_hint=False, destructive_hint=True, open_world_hint=False)
 
 
+def _lv(
+    app: str | None, user: str | None, agent: str | None, session: str | None
+) -> dict[str, str | None]:
+    return {"app": app, "user": user, "agent": agent, "session": session}
+
+
 def _json(model: Any) -> dict[str, Any]:
     dumped: dict[str, Any] = model.model_dump(mode="json")
     return dumped
@@ -184,12 +190,15 @@ def build_server(
         name, version=__version__, instructions=INSTRUCTIONS, log_level="WARNING"
     )
 
-    async def scoped(ctx: Context, write: bool, **levels: str | None) -> Any:
+    async def scoped(
+        ctx: Context, write: bool, levels: dict[str, str | None], op: Callable[[Any], Any]
+    ) -> Any:
+        """``op(scope)`` on the caller's scope, in one worker thread (the store is sync)."""
         tc = await get_context(ctx)
         if write:
             tc.writable()
         lv = tc.levels(levels)
-        return await anyio.to_thread.run_sync(lambda: tc.memory.scope(**lv))
+        return await anyio.to_thread.run_sync(lambda: op(tc.memory.scope(**lv)))
 
     async def sandboxes(ctx: Context) -> SandboxOps:
         tc = await get_context(ctx)
@@ -221,9 +230,11 @@ def build_server(
         stays in `history`. Returns the stored fact with its id."""
 
         async def run() -> dict[str, Any]:
-            sm = await scoped(ctx, True, app=app, user=user, agent=agent, session=session)
-            fact = await anyio.to_thread.run_sync(
-                lambda: sm.remember(text, key=key, metadata=metadata)
+            fact = await scoped(
+                ctx,
+                True,
+                _lv(app, user, agent, session),
+                lambda sm: sm.remember(text, key=key, metadata=metadata),
             )
             return _json(fact)
 
@@ -247,8 +258,12 @@ def build_server(
         the most specific scope first, then relevance, then recency."""
 
         async def run() -> dict[str, Any]:
-            sm = await scoped(ctx, False, app=app, user=user, agent=agent, session=session)
-            hits = await anyio.to_thread.run_sync(lambda: sm.recall(query, k, kind=kind))
+            hits = await scoped(
+                ctx,
+                False,
+                _lv(app, user, agent, session),
+                lambda sm: sm.recall(query, k, kind=kind),
+            )
             return {"hits": [_json(h) for h in hits]}
 
         result: dict[str, Any] = await _call("recall", run)
@@ -270,8 +285,12 @@ def build_server(
         (relevant first) and relevant episodes, never over `budget_tokens`."""
 
         async def run() -> dict[str, Any]:
-            sm = await scoped(ctx, False, app=app, user=user, agent=agent, session=session)
-            block = await anyio.to_thread.run_sync(lambda: sm.context(query, budget_tokens))
+            block = await scoped(
+                ctx,
+                False,
+                _lv(app, user, agent, session),
+                lambda sm: sm.context(query, budget_tokens),
+            )
             return {"text": block.text, "tokens": block.tokens, "ids": list(block.ids)}
 
         result: dict[str, Any] = await _call("context", run)
@@ -290,8 +309,9 @@ def build_server(
         was valid (`valid_from`, `valid_to`)."""
 
         async def run() -> dict[str, Any]:
-            sm = await scoped(ctx, False, app=app, user=user, agent=agent, session=session)
-            facts = await anyio.to_thread.run_sync(lambda: sm.history(key))
+            facts = await scoped(
+                ctx, False, _lv(app, user, agent, session), lambda sm: sm.history(key)
+            )
             return {"facts": [_json(f) for f in facts]}
 
         result: dict[str, Any] = await _call("history", run)
@@ -309,8 +329,9 @@ def build_server(
         """Erase one record (a fact or an episode) of this scope or below it, for good."""
 
         async def run() -> dict[str, Any]:
-            sm = await scoped(ctx, True, app=app, user=user, agent=agent, session=session)
-            n = await anyio.to_thread.run_sync(lambda: sm.forget(record_id))
+            n = await scoped(
+                ctx, True, _lv(app, user, agent, session), lambda sm: sm.forget(record_id)
+            )
             return {"erased": n}
 
         result: dict[str, Any] = await _call("forget", run)
@@ -328,8 +349,8 @@ def build_server(
         `{}` when none is set."""
 
         async def run() -> dict[str, Any]:
-            sm = await scoped(ctx, False, app=app, user=user, agent=agent, session=session)
-            return {"profile": await anyio.to_thread.run_sync(sm.get_profile)}
+            levels = _lv(app, user, agent, session)
+            return {"profile": await scoped(ctx, False, levels, lambda sm: sm.get_profile())}
 
         result: dict[str, Any] = await _call("profile_get", run)
         return result
@@ -349,8 +370,12 @@ def build_server(
         """Set the scope's profile (checked against its stored schema, if it has one)."""
 
         async def run() -> dict[str, Any]:
-            sm = await scoped(ctx, True, app=app, user=user, agent=agent, session=session)
-            doc = await anyio.to_thread.run_sync(lambda: sm.set_profile(data, merge=merge))
+            doc = await scoped(
+                ctx,
+                True,
+                _lv(app, user, agent, session),
+                lambda sm: sm.set_profile(data, merge=merge),
+            )
             return {"profile": dict(doc.data), "version": doc.version}
 
         result: dict[str, Any] = await _call("profile_set", run)
