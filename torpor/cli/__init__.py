@@ -30,6 +30,7 @@ GROUPS = [
     "torpor.cli.storage",
     "torpor.cli.usage",
     "torpor.cli.token",
+    "torpor.cli.mcp",
 ]
 
 

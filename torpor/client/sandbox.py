@@ -37,6 +37,7 @@ from torpor.sandbox.requests import (
     CommandSpec,
     DriveMount,
     ForkSpec,
+    MemoryScope,
     RestoreSpec,
     SandboxOptions,
     SandboxSpec,
@@ -287,12 +288,13 @@ class ForkMethod:
             *,
             labels: Labels | None = None,
             names: builtins.list[str] | None = None,
+            memory_scope: MemoryScope | dict[str, Any] | None = None,
         ) -> builtins.list[Sandbox]:
             """``count`` (default 1) live copies of this sandbox (it keeps running, or stays
-            paused). Raises InvalidArgument (count 0 or over the limit), Conflict (a volume
-            attached)."""
+            paused); they keep its ``memory_scope`` unless given another. Raises
+            InvalidArgument (count 0 or over the limit), Conflict (a volume attached)."""
             rt: Runtime = sbx.runtime
-            spec = ForkSpec.of(count=count, labels=labels, names=names)
+            spec = ForkSpec.of(count=count, labels=labels, names=names, memory_scope=memory_scope)
             return _sandboxes(post_spec(rt, f"/v1/sandboxes/{quote_id(sbx.id)}/fork", spec), rt)
 
         return fork
@@ -353,6 +355,7 @@ class Sandbox:
         snapshot: str | None = None,
         volumes: list[VolumeMount | dict[str, Any]] | None = None,
         drives: list[DriveMount | dict[str, Any]] | None = None,
+        memory_scope: MemoryScope | dict[str, Any] | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """A new running sandbox from ``template`` (default ``"python"``: a fork of its booted
@@ -363,6 +366,9 @@ class Sandbox:
         ``snapshot``: restore that snapshot instead (template and sizes come from it);
         ``volumes=[{"volume", "path", "read_only"}]``, ``drives=[{"drive", "path"}]``: mount
         those (see :mod:`torpor.client.checkpoints`).
+        ``memory_scope={"app": ..., "user": ...}``: the memory its agent reaches at
+        ``localhost:7777`` inside the VM, with no credential (``"read_only": True``: recall
+        only).
         Raises :class:`~torpor.errors.InvalidArgument` (a value out of bounds, before anything
         is sent), :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
         :class:`~torpor.errors.Conflict` (name taken).
@@ -378,6 +384,7 @@ class Sandbox:
             snapshot=snapshot,
             volumes=volumes,
             drives=drives,
+            memory_scope=memory_scope,
         )
         # a restore or a mount takes longer than a fork of the template
         slow: dict[str, Any] = {} if spec.plain else {"timeout": LONG_TIMEOUT}
@@ -394,10 +401,12 @@ class Sandbox:
         vcpus: int | None = None,
         memory_mib: int | None = None,
         pause_retention_days: int | None = None,
+        memory_scope: MemoryScope | dict[str, Any] | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """The sandbox called ``name``, woken if paused (``info.reused`` is True), or a new one
-        made with the given options (as :meth:`create`). Concurrent callers get one sandbox."""
+        made with the given options (as :meth:`create`; another ``memory_scope`` than an
+        existing sandbox's is a Conflict). Concurrent callers get one sandbox."""
         spec = SandboxOptions.of(
             template=template,
             labels=labels,
@@ -405,6 +414,7 @@ class Sandbox:
             vcpus=vcpus,
             memory_mib=memory_mib,
             pause_retention_days=pause_retention_days,
+            memory_scope=memory_scope,
         )
         path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
         # a persistent, named machine: leaving a ``with`` block pauses it, never kills it

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,9 +27,23 @@ from torpor.sandbox.models import CommandResult, EntryInfo, Execution
 from torpor.sandbox.requests import CodeSpec, CommandSpec
 from torpor.types import OutputCallback
 
-__all__ = ["Channel", "DirStatus", "Engine", "Machine", "MachineConfig", "QemuEngine"]
+__all__ = [
+    "Channel",
+    "DirStatus",
+    "Engine",
+    "GuestCalls",
+    "Machine",
+    "MachineConfig",
+    "QemuEngine",
+]
 
 log = logging.getLogger(__name__)
+
+#: what answers the calls of every sandbox's guest: ``(sandbox_id, method, path, headers,
+#: body) -> (status, headers, body)`` (see :mod:`torpor.sandbox.guest.relay`)
+GuestCalls = Callable[
+    [str, str, str, dict[str, str], bytes], Awaitable[tuple[int, dict[str, str], bytes]]
+]
 
 
 @dataclass(frozen=True)
@@ -168,6 +183,9 @@ class QemuEngine:
         self.pool = ClonePool(
             paths.cache / "pool", pool_size_from_env() if pool_size is None else pool_size
         )
+        #: answers what a sandbox's guest asks at its ``localhost:7777`` (the server sets it):
+        #: ``(sandbox_id, method, path, headers, body) -> (status, headers, body)``
+        self.guest_calls: GuestCalls | None = None
 
     def check_template(self, template: str, config: MachineConfig | None = None) -> None:
         from torpor.sandbox import template as templates
@@ -220,7 +238,20 @@ class QemuEngine:
         from torpor.sandbox.vm.channel import GuestChannel
 
         socket = getattr(machine, "agent_socket", directory / "agent.sock")
-        channel: Channel = await GuestChannel.connect(Path(socket), timeout=self.connect_timeout)
+        handler = self.guest_calls
+        on_call = None
+        if handler is not None:
+            sandbox_id = directory.name
+
+            async def on_call(
+                method: str, path: str, headers: dict[str, str], body: bytes
+            ) -> tuple[int, dict[str, str], bytes]:
+                assert handler is not None
+                return await handler(sandbox_id, method, path, headers, body)
+
+        channel: Channel = await GuestChannel.connect(
+            Path(socket), timeout=self.connect_timeout, on_call=on_call
+        )
         return channel
 
     def inspect(self, directory: Path) -> DirStatus:

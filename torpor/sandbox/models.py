@@ -123,6 +123,8 @@ class SandboxInfo(BaseModel):
     #: (``get_or_create(name, pause_retention_days=...)``)
     paused_at: datetime | None = None
     expires_at: datetime | None = None
+    #: the memory its agent reaches at ``localhost:7777`` (levels, ``read_only``), or None
+    memory_scope: dict[str, Any] | None = None
 
 
 def parse_labels(items: list[str] | None, *, what: str = "label") -> dict[str, str] | None:

@@ -368,12 +368,35 @@ class RestoreSpec(Spec):
     )
 
 
+ScopeName = Annotated[
+    str, AfterValidator(lambda v: check_name(v, "memory scope name")), _NAME_SCHEMA
+]
+
+
+class MemoryScope(Spec):
+    """The memory a sandbox's agent reaches from inside, at ``localhost:7777`` with no
+    credential: this scope of the sandbox's tenant (and the scopes below it)."""
+
+    app: ScopeName | None = None
+    user: ScopeName | None = None
+    agent: ScopeName | None = None
+    session: ScopeName | None = None
+    read_only: bool = Field(default=False, description="recall only: no remember or forget")
+
+    def record(self) -> dict[str, Any]:
+        """What the registry keeps: the levels set, and ``read_only`` when true."""
+        return self.model_dump(exclude_none=True, exclude_defaults=True)
+
+
 class SandboxOptions(RestoreSpec):
     """A new sandbox forked from a template's booted snapshot (create, get-or-create)."""
 
     template: TemplateName = "python"
     vcpus: int = Field(default=1, ge=1, le=MAX_VCPUS)
     memory_mib: int = Field(default=512, ge=MIN_MEMORY_MIB, le=MAX_MEMORY_MIB)
+    memory_scope: MemoryScope | None = Field(
+        default=None, description="the memory its agent reaches at localhost:7777; None: none"
+    )
 
     def named(self, name: str) -> SandboxOptions:
         """These options for the sandbox called ``name`` (get-or-create's path). Raises
@@ -458,6 +481,9 @@ class ForkSpec(Spec):
     count: int = Field(default=1, ge=1, le=LIMITS.max_fork_count)
     labels: Labels | None = None
     names: list[SandboxName] | None = Field(default=None, description="one per child")
+    memory_scope: MemoryScope | None = Field(
+        default=None, description="the children's memory scope; None: the source's"
+    )
 
     @model_validator(mode="after")
     def _one_name_each(self) -> Self:

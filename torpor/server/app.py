@@ -42,6 +42,7 @@ from torpor.sandbox.requests import invalid_argument
 from torpor.server.auth import Identity, TokenStore
 from torpor.server.deps import CallerDep
 from torpor.server.limits import BodyLimit
+from torpor.server.mcp.http import mount as mount_mcp
 
 __all__ = ["ROUTERS", "create_app", "error_response"]
 
@@ -169,7 +170,8 @@ def create_app(
             gc_task = start_background(app, manager) if supervise else None
         log.info("torpor server ready (pid %d)", os.getpid())
         try:
-            yield
+            async with mcp_running():
+                yield
         finally:
             for background in (task, gc_task):
                 if background is not None:
@@ -217,6 +219,7 @@ def create_app(
             "home": str(getattr(home, "home", "")) or None,
         }
 
+    mcp_running = mount_mcp(app)  # /mcp: the MCP tools (torpor.server.mcp)
     for name in ROUTERS:
         try:
             module = importlib.import_module(name)

@@ -163,7 +163,9 @@ def serve(
     cleanup.append(remove_socket)
     sockets = [local]
     if host is not None:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on sockets that say so
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # Accepted sockets inherit it: without it a response's body waits behind its headers
         # for the client's delayed ACK (40 ms per request on Linux).

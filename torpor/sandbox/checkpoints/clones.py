@@ -49,6 +49,8 @@ class Children:
     pause_retention_days: int
     tenant: str
     reason: str
+    #: the memory scope the children reach from inside (a fork: the source's unless given)
+    memory_scope: dict[str, Any] | None = None
 
 
 class Cloner:
@@ -106,6 +108,7 @@ class Cloner:
                     pause_retention_days=children.pause_retention_days,
                     created_at=now,
                     last_active_at=now,
+                    memory_scope=children.memory_scope,
                 )
                 m.registry.insert(rec, reason=children.reason)
                 recs.append(rec)

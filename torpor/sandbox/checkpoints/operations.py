@@ -434,6 +434,11 @@ class Checkpoints:
                     pause_retention_days=rec.pause_retention_days,
                     tenant=tenant,
                     reason=f"forked from {rec.id}",
+                    memory_scope=(
+                        rec.memory_scope
+                        if fork.memory_scope is None
+                        else fork.memory_scope.record()
+                    ),
                 )
                 recs = await self.cloner.prepare(frozen, children, take_ram=True)
             finally:
@@ -463,10 +468,13 @@ class Checkpoints:
         for d in want.drives:
             self.drives.get(d.drive, tenant=tenant)
         if want.snapshot is not None:
-            fixed = sorted(want.model_fields_set & {"template", "vcpus", "memory_mib"})
+            fixed = sorted(
+                want.model_fields_set & {"template", "vcpus", "memory_mib", "memory_scope"}
+            )
             if fixed:
                 raise InvalidArgument(
-                    f"a restore takes its template and sizes from the snapshot; drop {fixed}"
+                    "a restore takes its template, sizes and memory scope from the snapshot;"
+                    f" drop {fixed}"
                 )
             info = await self.restore(want.snapshot, want.narrow(RestoreSpec), tenant=tenant)
         else:

@@ -31,12 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 if __package__:  # imported as torpor.sandbox.guest.agent (type checks, host tools)
-    from . import interpreter, ops
+    from . import interpreter, ops, relay
     from . import protocol as proto
 else:  # run as a script in the guest: the modules sit next to this file
     import interpreter  # type: ignore[no-redef]
     import ops  # type: ignore[no-redef]
     import protocol as proto  # type: ignore[no-redef]
+    import relay  # type: ignore[no-redef]
 
 log = logging.getLogger("torpor.agent")
 
@@ -185,8 +186,19 @@ class Request:
             self.cancel_hook()
 
 
+class _Call:
+    """A call to the host (the memory relay) waiting for its answer."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.done = threading.Event()
+        self.answer: dict[str, Any] | None = None
+        self.payload = b""
+
+
 class Agent:
-    """Reads frames from the link and runs each request on a thread of its own."""
+    """Reads frames from the link and runs each request on a thread of its own; makes the
+    relay's calls to the host (:meth:`call`)."""
 
     def __init__(self, link: Link, *, set_clock: bool = True) -> None:
         self.link = link
@@ -197,6 +209,31 @@ class Agent:
         self._uploads: dict[int, tuple[Request, ops.Upload]] = {}
         self.kernel = interpreter.KernelClient()
         self.ops = ops.Operations(self.kernel, set_clock=set_clock)
+        self._calls: dict[int, _Call] = {}
+        self._call_ids = itertools.count(1)
+
+    def call(
+        self, request: dict[str, Any], body: bytes, timeout: float
+    ) -> tuple[dict[str, Any], bytes]:
+        """One round trip to the host: a ``call`` frame, then its ``answer``.
+
+        Raises :class:`relay.CallFailed`: 503 with no host connected (or one that hung up
+        before answering), 504 when no answer came within ``timeout`` seconds.
+        """
+        cid = next(self._call_ids)
+        with self._send_lock:
+            if not self.connected:
+                raise relay.CallFailed(503, "the torpor host is not connected")
+            pending = self._calls[cid] = _Call(self.generation)
+        try:
+            self.send(pending.generation, {"i": cid, "t": proto.CALL, **request}, body)
+            if not pending.done.wait(timeout):
+                raise relay.CallFailed(504, f"the torpor host did not answer within {timeout} s")
+        finally:
+            self._calls.pop(cid, None)
+        if pending.answer is None:
+            raise relay.CallFailed(503, "the torpor host hung up before answering")
+        return pending.answer, pending.payload
 
     def send(self, generation: int, header: dict[str, Any], payload: bytes = b"") -> None:
         """Send one frame, unless the connection it answers has hung up since."""
@@ -237,6 +274,8 @@ class Agent:
         for _, upload in self._uploads.values():
             upload.abort()
         self._uploads.clear()
+        for pending in list(self._calls.values()):  # their answers will never come
+            pending.done.set()
         log.debug("host hung up; now generation %d", self.generation)
 
     def _on_frame(self, frame: proto.Frame) -> None:
@@ -272,6 +311,11 @@ class Agent:
             if not header.get("more"):
                 del self._uploads[rid]
                 self._start(entry[0], entry[1])
+        elif frame.type == proto.ANSWER:
+            waiting = self._calls.get(rid)
+            if waiting is not None and not waiting.done.is_set():
+                waiting.answer, waiting.payload = dict(header), frame.payload
+                waiting.done.set()
         elif frame.type == proto.CANCEL:
             req_or_none = self._active.get(rid)
             if req_or_none is not None:
@@ -355,6 +399,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="start the interpreter on the first run, not at start-up",
     )
+    parser.add_argument(
+        "--relay-port",
+        type=int,
+        help=f"serve the memory relay on 127.0.0.1:PORT (default with --port: {relay.PORT}; "
+        "0: none)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     workdir = args.workdir or ("/workspace" if args.port and os.path.isdir("/workspace") else None)
@@ -367,6 +417,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     link: Link = PortLink(args.port) if args.port else SocketLink(args.socket)
     agent = Agent(link, set_clock=not args.no_clock)
+    relay_port = (
+        args.relay_port if args.relay_port is not None else (relay.PORT if args.port else 0)
+    )
+    if relay_port:
+        relay.serve(agent, relay_port)
     if not args.cold_interpreter:
         threading.Thread(target=agent.kernel.warm_up, daemon=True, name="warm-up").start()
     while True:  # exiting would lose the interpreter: log, pause, serve again

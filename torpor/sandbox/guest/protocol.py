@@ -23,6 +23,10 @@ Every header has ``"i"`` (the request id, chosen by the host) and ``"t"`` (the f
            :mod:`torpor.errors` class, which the host raises. A large result is sent as
            ``data`` frames holding its JSON, and the reply says ``"result_in_data": true``.
 ``cancel`` host -> guest: stop request ``i`` (kill its command, interrupt its code).
+``call``   guest -> host: an HTTP request made to the guest's ``localhost:7777`` (the memory
+           relay, :mod:`relay`): ``{"method", "path", "headers"}`` + the body. Its ``i`` is
+           chosen by the guest, apart from the host's ids (the types keep them apart).
+``answer`` host -> guest, the one reply to call ``i``: ``{"status", "headers"}`` + the body.
 
 Several requests may be in flight; frames of different requests interleave freely.
 """
@@ -36,6 +40,8 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 __all__ = [
+    "ANSWER",
+    "CALL",
     "CANCEL",
     "CHUNK",
     "DATA",
@@ -69,7 +75,9 @@ DATA = "data"
 EVENT = "event"
 REPLY = "reply"
 CANCEL = "cancel"
-_TYPES = frozenset({REQ, DATA, EVENT, REPLY, CANCEL})
+CALL = "call"
+ANSWER = "answer"
+_TYPES = frozenset({REQ, DATA, EVENT, REPLY, CANCEL, CALL, ANSWER})
 
 
 class ProtocolError(ValueError):

@@ -117,6 +117,7 @@ class SandboxManager(ManagerCore):
             pause_retention_days=spec.pause_retention_days,
             created_at=now,
             last_active_at=now,
+            memory_scope=None if spec.memory_scope is None else spec.memory_scope.record(),
         )
         self.registry.insert(rec)
         live = self.live(sandbox_id)
@@ -186,6 +187,14 @@ class SandboxManager(ManagerCore):
                     sandbox_id=rec.id,
                     field=field,
                 )
+        wanted_scope = None if spec.memory_scope is None else spec.memory_scope.record()
+        if "memory_scope" in given and wanted_scope != rec.memory_scope:
+            raise Conflict(
+                f"sandbox {rec.name!r} exists with memory_scope={rec.memory_scope!r}, not "
+                f"{wanted_scope!r}; it is fixed at create (fork it with another scope)",
+                sandbox_id=rec.id,
+                field="memory_scope",
+            )
         changes: dict[str, Any] = {}
         if "labels" in given and spec.labels:
             changes["labels"] = {**rec.labels, **spec.labels}

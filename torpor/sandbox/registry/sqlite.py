@@ -158,6 +158,8 @@ class SandboxRecord:
     last_active_at: float = field(default_factory=time.time)
     paused_at: float | None = None
     error: str | None = None
+    #: the memory scope its agent reaches from inside (``MemoryScope.record()``), or None
+    memory_scope: dict[str, Any] | None = None
 
     def to_info(self, *, reused: bool = False) -> SandboxInfo:
         """The public :class:`SandboxInfo` for this row."""
@@ -178,6 +180,7 @@ class SandboxRecord:
             error=self.error,
             paused_at=None if self.expires_at is None else _dt(self.paused_at or 0.0),
             expires_at=None if self.expires_at is None else _dt(self.expires_at),
+            memory_scope=None if self.memory_scope is None else dict(self.memory_scope),
         )
 
     @property
@@ -215,6 +218,7 @@ def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
         last_active_at=row["last_active_at"],
         paused_at=row["paused_at"],
         error=row["error"],
+        memory_scope=spec.get("memory_scope"),
     )
 
 
@@ -331,7 +335,10 @@ class Registry:
         Conflict (name taken by a live sandbox of the tenant) or StorageError."""
         check_name(rec.name, "sandbox name")
         labels = _check_labels(rec.labels)
-        spec = json.dumps({"vcpus": rec.vcpus, "memory_mib": rec.memory_mib})
+        machine: dict[str, Any] = {"vcpus": rec.vcpus, "memory_mib": rec.memory_mib}
+        if rec.memory_scope is not None:
+            machine["memory_scope"] = rec.memory_scope
+        spec = json.dumps(machine, sort_keys=True)
         try:
             with self._tx() as db:
                 db.execute(

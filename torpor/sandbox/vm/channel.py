@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -38,7 +39,14 @@ from torpor.sandbox.models import CommandResult, EntryInfo, Execution, Execution
 from torpor.sandbox.requests import CodeSpec, CommandSpec
 from torpor.types import OutputCallback
 
-__all__ = ["GuestChannel"]
+__all__ = ["CallHandler", "GuestChannel"]
+
+#: answers a call the guest makes (an HTTP request to its ``localhost:7777``, see
+#: :mod:`torpor.sandbox.guest.relay`): ``(method, path, headers, body) -> (status, headers,
+#: body)``
+CallHandler = Callable[
+    [str, str, dict[str, str], bytes], Awaitable[tuple[int, dict[str, str], bytes]]
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +111,11 @@ class GuestChannel:
         *,
         limits: Limits = LIMITS,
         op_timeout: float = 120.0,
+        on_call: CallHandler | None = None,
     ) -> None:
         self._reader, self._writer = reader, writer
+        self.on_call = on_call
+        self._calls: set[asyncio.Task[None]] = set()
         self.limits = limits
         self.op_timeout = op_timeout
         self._pending: dict[int, _Pending] = {}
@@ -127,6 +138,7 @@ class GuestChannel:
         limits: Limits = LIMITS,
         op_timeout: float = 120.0,
         refresh: bool = True,
+        on_call: CallHandler | None = None,
     ) -> GuestChannel:
         """Connect to ``socket_path`` and wait until the agent answers a ping, retrying while
         the socket does not exist yet or refuses. With ``refresh`` (the default: every
@@ -145,7 +157,7 @@ class GuestChannel:
                 last_exc = exc
                 await asyncio.sleep(0.005)
                 continue
-            channel = cls(reader, writer, limits=limits, op_timeout=op_timeout)
+            channel = cls(reader, writer, limits=limits, op_timeout=op_timeout, on_call=on_call)
             try:
                 await channel._first_ping(deadline, refresh)
                 return channel
@@ -250,6 +262,11 @@ class GuestChannel:
         self._fail_all(error)
 
     def _on_frame(self, frame: proto.Frame) -> None:
+        if frame.type == proto.CALL:  # the guest asks (the memory relay); its own ids
+            task = asyncio.get_running_loop().create_task(self._answer(frame))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+            return
         pending = self._pending.get(frame.id)
         if pending is None or pending.future.done():
             log.debug("dropping a frame for unknown request %s", frame.id)
@@ -271,6 +288,39 @@ class GuestChannel:
                 self._send_cancel(frame.id)
         elif kind == proto.REPLY:
             pending.future.set_result(frame.header)
+
+    async def _answer(self, frame: proto.Frame) -> None:
+        """Answer one ``call`` of the guest with :attr:`on_call` (503 without one)."""
+        header = frame.header
+        status, headers, body = 503, {"content-type": "application/json"}, b""
+        try:
+            if self.on_call is None:
+                wire = TorporError("this sandbox has no memory endpoint").to_wire()
+                body = json.dumps({"error": wire}).encode()
+            else:
+                raw = header.get("headers")
+                given = {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+                status, headers, body = await self.on_call(
+                    str(header.get("method", "GET")),
+                    str(header.get("path", "/")),
+                    given,
+                    frame.payload,
+                )
+            if len(body) > proto.MAX_PAYLOAD:
+                wire = PayloadTooLarge(
+                    f"an answer of {len(body)} bytes is over {proto.MAX_PAYLOAD}",
+                    size=len(body),
+                    limit=proto.MAX_PAYLOAD,
+                ).to_wire()
+                status, headers = 413, {"content-type": "application/json"}
+                body = json.dumps({"error": wire}).encode()
+        except Exception:  # the handler's bug: the guest gets a 500, the log the traceback
+            log.exception("answering a guest call failed")
+            status, headers = 500, {"content-type": "application/json"}
+            body = json.dumps({"error": TorporError("internal server error").to_wire()}).encode()
+        if self._closed is None:
+            answer = {"i": frame.id, "t": proto.ANSWER, "status": status, "headers": headers}
+            self._writer.write(proto.encode_frame(answer, body))
 
     # -- requests ------------------------------------------------------------------------
 

@@ -1,0 +1,135 @@
+"""The host's side of ``localhost:7777`` (torpor.server.mcp.relay), without a VM: what a
+sandbox's guest sends is answered for the sandbox's tenant and ``memory_scope`` only.
+(tests/server/test_mcp_relay_qemu.py makes the same calls from inside a real VM.)"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.sandbox.fakes import FakeEngine
+from torpor.config import paths
+from torpor.memory import Memory
+from torpor.sandbox.manager import SandboxManager
+from torpor.server.app import create_app
+from torpor.server.auth import TokenStore
+
+A = {"Authorization": "Bearer " + "a" * 32}
+B = {"Authorization": "Bearer " + "b" * 32}
+U42 = {"app": "support", "user": "u-42"}
+JSON = {"content-type": "application/json"}
+MCP = {**JSON, "accept": "application/json, text/event-stream"}
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    manager = SandboxManager(paths(tmp_path), engine=FakeEngine())
+    app = create_app(
+        manager, tokens=TokenStore({"a" * 32: "acme", "b" * 32: "globex"}), supervise=False
+    )
+    app.state.memory_factory = lambda tenant: Memory(tmp_path, tenant=tenant, embedder=None)
+    with TestClient(app) as c:
+        yield c
+
+
+def make(client: TestClient, name: str, headers: dict[str, str], **body: Any) -> dict[str, Any]:
+    r = client.put(f"/v1/sandboxes/by-name/{name}", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    info: dict[str, Any] = r.json()
+    return info
+
+
+def guest(
+    client: TestClient, sandbox_id: str, path: str, body: Any, headers: dict[str, str] = JSON
+) -> tuple[int, Any]:
+    """What the relay answers a request made inside ``sandbox_id``."""
+    relay = client.app.state.guest_relay  # type: ignore[attr-defined]
+    raw = json.dumps(body).encode()
+    assert client.portal is not None
+    status, _, answer = client.portal.call(relay, sandbox_id, "POST", path, headers, raw)
+    return status, json.loads(answer)
+
+
+def test_the_guest_reaches_its_scope_and_nothing_else(client: TestClient) -> None:
+    sbx = make(client, "agent-u-42", A, memory_scope=U42)
+    assert sbx["memory_scope"] == U42
+    status, fact = guest(client, sbx["id"], "/v1/memory/remember", {"text": "likes green tea"})
+    assert status == 200 and fact["scope"] == "app/support/user/u-42"
+    status, found = guest(client, sbx["id"], "/v1/memory/recall", {"query": "tea"})
+    assert status == 200
+    assert [h["record"]["text"] for h in found["hits"]] == ["likes green tea"]
+    # a level below its scope is fine; another user, app or a bad argument is refused
+    status, _ = guest(client, sbx["id"], "/v1/memory/remember", {"text": "x", "session": "s1"})
+    assert status == 200
+    for other in ({"user": "u-43"}, {"app": "billing"}):
+        status, err = guest(client, sbx["id"], "/v1/memory/recall", {"query": "tea", **other})
+        assert (status, err["error"]["type"]) == (403, "AccessDenied")
+    status, err = guest(client, sbx["id"], "/v1/memory/recall", {"query": ""})
+    assert (status, err["error"]["type"]) == (400, "InvalidArgument")
+    status, err = guest(client, sbx["id"], "/v1/memory/no_such_tool", {})
+    assert (status, err["error"]["type"]) == (404, "NotFound")
+    status, err = guest(client, sbx["id"], "/v1/memory/sandbox_exec", {"sandbox": "x", "cmd": "id"})
+    assert status == 404  # no sandbox tools inside a sandbox
+    # the memory is the tenant's own: its token sees the fact, another tenant's does not
+    with Memory(client.app.state.manager.paths.home, tenant="acme", embedder=None) as mem:  # type: ignore[attr-defined]
+        assert [h.record.text for h in mem.scope(**U42).recall("green tea")] == ["likes green tea"]
+    with Memory(client.app.state.manager.paths.home, tenant="globex", embedder=None) as mem:  # type: ignore[attr-defined]
+        assert mem.scope(**U42).recall("green tea") == []
+
+
+def test_mcp_inside_the_sandbox(client: TestClient) -> None:
+    sbx = make(client, "agent-u-42", A, memory_scope=U42)
+    guest(client, sbx["id"], "/v1/memory/remember", {"text": "prefers daily summaries"})
+    call = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "recall", "arguments": {"query": "summaries"}},
+    }
+    status, answer = guest(client, sbx["id"], "/mcp", call, MCP)
+    assert status == 200, answer
+    hits = answer["result"]["structuredContent"]["hits"]
+    assert [h["record"]["text"] for h in hits] == ["prefers daily summaries"]
+    listed = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+    status, answer = guest(client, sbx["id"], "/mcp", listed, MCP)
+    names = {t["name"] for t in answer["result"]["tools"]}
+    assert "recall" in names and not any(n.startswith("sandbox_") for n in names)
+
+
+def test_refusals(client: TestClient) -> None:
+    plain = make(client, "no-scope", A)
+    assert plain["memory_scope"] is None
+    status, err = guest(client, plain["id"], "/v1/memory/recall", {"query": "x"})
+    assert (status, err["error"]["type"]) == (403, "AccessDenied")
+    status, err = guest(client, "sbx-000000000000", "/v1/memory/recall", {"query": "x"})
+    assert (status, err["error"]["type"]) == (404, "SandboxNotFound")
+    reader = make(client, "reader", A, memory_scope={**U42, "read_only": True})
+    status, err = guest(client, reader["id"], "/v1/memory/remember", {"text": "x"})
+    assert (status, err["error"]["type"]) == (403, "AccessDenied")
+    status, _ = guest(client, reader["id"], "/v1/memory/recall", {"query": "x"})
+    assert status == 200
+    bad = client.put("/v1/sandboxes/by-name/bad", json={"memory_scope": {"user": "a/b"}}, headers=A)
+    assert bad.status_code == 400
+    bad = client.put("/v1/sandboxes/by-name/bad", json={"memory_scope": {"team": "x"}}, headers=A)
+    assert bad.status_code == 400
+
+
+def test_the_scope_survives_pause_and_wake(client: TestClient) -> None:
+    # (forks need real machine files: tests/server/test_mcp_relay_qemu.py forks a real VM)
+    sbx = make(client, "agent-u-42", A, memory_scope=U42)
+    guest(client, sbx["id"], "/v1/memory/remember", {"text": "likes green tea"})
+    assert client.post(f"/v1/sandboxes/{sbx['id']}/pause", headers=A).json()["state"] == "paused"
+    woken = make(client, "agent-u-42", A, memory_scope=U42)
+    assert woken["reused"] and woken["memory_scope"] == U42
+    other = client.put(
+        "/v1/sandboxes/by-name/agent-u-42", json={"memory_scope": {"user": "u-9"}}, headers=A
+    )
+    assert other.status_code == 409 and other.json()["error"]["type"] == "Conflict"
+    status, found = guest(client, sbx["id"], "/v1/memory/recall", {"query": "tea"})
+    assert status == 200
+    assert [h["record"]["text"] for h in found["hits"]] == ["likes green tea"]
