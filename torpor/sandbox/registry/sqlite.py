@@ -195,14 +195,20 @@ class SandboxRecord:
 
 
 @lru_cache(maxsize=256)
-def _spec(text: str) -> tuple[int, int]:
-    """(vcpus, memory_mib) of a spec column (cached: most sandboxes share a few specs)."""
+def _spec(text: str) -> tuple[int, int, str | None]:
+    """(vcpus, memory_mib, memory_scope as JSON) of a spec column (cached: most sandboxes
+    share a few specs; the scope stays text so no caller can change the cached value)."""
     spec = json.loads(text or "{}")
-    return int(spec.get("vcpus", 1)), int(spec.get("memory_mib", 512))
+    scope = spec.get("memory_scope")
+    return (
+        int(spec.get("vcpus", 1)),
+        int(spec.get("memory_mib", 512)),
+        None if scope is None else json.dumps(scope),
+    )
 
 
 def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
-    vcpus, memory_mib = _spec(row["spec"])
+    vcpus, memory_mib, scope = _spec(row["spec"])
     return SandboxRecord(
         id=row["id"],
         tenant=row["tenant"],
@@ -218,7 +224,7 @@ def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
         last_active_at=row["last_active_at"],
         paused_at=row["paused_at"],
         error=row["error"],
-        memory_scope=spec.get("memory_scope"),
+        memory_scope=None if scope is None else json.loads(scope),
     )
 
 
