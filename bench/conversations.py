@@ -85,7 +85,7 @@ class Conversation:
 
     def record_text(self, turn: Turn) -> str:
         """The string every system indexes: ``"speaker: text"``."""
-        return f"{turn.role}: {turn.text}"
+        return f"{turn.role}: {turn.text}"[:MAX_CHARS]
 
 
 def _anchor(text: str | None) -> datetime | None:
@@ -144,7 +144,7 @@ def _conversation(name: str, d: Path) -> Conversation:
                 if start is not None and start > when:
                     when = start
                 when += timedelta(minutes=1)
-                text = _MARKER.sub("", msg["content"]).strip()[:MAX_CHARS] or "(empty)"
+                text = _MARKER.sub("", msg["content"]).strip() or "(empty)"
                 turns.append(Turn(int(msg["id"]), msg["role"], text, session, when))
     conv = Conversation(name, turns)
     probing = json.loads((d / "probing_questions" / "probing_questions.json").read_text())

@@ -185,12 +185,12 @@ class ScopedMemory:
         *,
         session: str | None = None,
         metadata: Mapping[str, Any] | None = None,
-        at: datetime | None = None,
+        at: datetime | str | None = None,
         durability: Durability = "persistent",
         ttl: float | timedelta | None = None,
     ) -> Episode:
-        """Append one turn (``role``: who spoke; ``at``: back-fill its time). Raises as
-        :meth:`remember` does."""
+        """Append one turn (``role``: who spoke; ``at``: back-fill its time, a datetime or an
+        ISO 8601 string; without an offset it is UTC). Raises as :meth:`remember` does."""
         return self.log_many(
             [
                 {
@@ -249,9 +249,9 @@ class ScopedMemory:
         *,
         kind: Kind | Sequence[Kind] | None = None,
         metadata: Mapping[str, Any] | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        as_of: datetime | None = None,
+        since: datetime | str | None = None,
+        until: datetime | str | None = None,
+        as_of: datetime | str | None = None,
         include_history: bool = False,
         session: str | None = None,
         min_similarity: float | None = None,
@@ -261,6 +261,8 @@ class ScopedMemory:
         then recency (see :mod:`torpor.memory.recall`).
 
         Current facts only, unless ``include_history`` or ``as_of`` (what was valid then).
+        ``since``, ``until`` and ``as_of`` take a datetime or an ISO 8601 string; a time
+        without an offset (naive datetime, ``"2024-03-15"``) is UTC.
         Raises :class:`InvalidArgument`, :class:`AccessDenied`, :class:`StorageError`.
         """
         check.text(query, "query")
