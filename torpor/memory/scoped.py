@@ -63,6 +63,8 @@ class Owner(Protocol):
 
     def usable_embedder(self) -> Embedder | None: ...
 
+    def writer_embedder(self) -> Embedder | None: ...
+
     def embed(self, texts: list[str]) -> list[Vector | None] | None: ...
 
 
@@ -486,7 +488,7 @@ def _load_into(scope: ScopedMemory, bundle: transfer.Bundle, action: str) -> int
     for path in {r.scope for r in bundle.records} | {p.scope for p in bundle.profiles}:
         access.require("write", path, action)
     vectors: list[Any] | None = list(bundle.vectors)
-    emb = scope.memory.usable_embedder()
+    emb = scope.memory.writer_embedder()
     if emb is None:
         vectors = None
     elif bundle.embedding_model != emb.name:  # re-embed with this tenant's model

@@ -363,6 +363,27 @@ class SQLiteTenantStore(TenantStore):
             vec = None if row[-1] is None else np.frombuffer(row[-1], np.float32).tolist()
             yield schema.row_to_record(row), vec
 
+    def without_vectors(self, limit: int) -> list[tuple[str, str]]:
+        with self._db.read("records without vectors") as conn:
+            rows = conn.execute(
+                "SELECT r.id, r.text FROM records r LEFT JOIN vectors v ON v.rid = r.rid "
+                "WHERE v.rid IS NULL ORDER BY r.rid LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [(str(i), str(t)) for i, t in rows]
+
+    def set_vectors(self, pairs: Sequence[tuple[str, Vector]]) -> int:
+        n = 0
+        with self._db.write("set vectors") as conn:
+            for rid, vec in pairs:
+                cur = conn.execute(
+                    "INSERT OR REPLACE INTO vectors (rid, vec) "
+                    "SELECT rid, ? FROM records WHERE id = ?",
+                    (_vec_blob(vec), rid),
+                )
+                n += max(cur.rowcount, 0)
+        return n
+
     # -- profiles, policies, metadata -----------------------------------------------------
     @staticmethod
     def _profile(row: tuple[Any, ...]) -> Profile:
