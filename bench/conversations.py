@@ -124,8 +124,7 @@ def load(data: Path, sizes: Sequence[str], limit: int | None) -> list[Conversati
         if not root.is_dir():
             raise SystemExit(f"no BEAM chats at {root}: see bench/README.md for how to get them")
         dirs = sorted((d for d in root.iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
-        for d in dirs[:limit]:
-            out.append(_conversation(f"{size}/{d.name}", d))
+        out.extend(_conversation(f"{size}/{d.name}", d) for d in dirs[:limit])
     return out
 
 
@@ -356,7 +355,7 @@ def verdicts(tables: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str, 
 
 
 def print_tables(tables: dict[str, dict[str, dict[str, float]]], tallies: dict[str, Tally]) -> None:
-    abilities = sorted({a for t in tables.values() for a in t if a != "all"}) + ["all"]
+    abilities = [*sorted({a for t in tables.values() for a in t if a != "all"}), "all"]
     table = Table(title="Recall@1 / @5 / @10 per ability (evidence turns found)")
     table.add_column("ability")
     table.add_column("n", justify="right")
