@@ -99,6 +99,14 @@ def stem(word: str) -> str:
     return w
 
 
+@functools.lru_cache(maxsize=8192)
+def text_terms(text: str) -> tuple[int, frozenset[str]]:
+    """How many words ``text`` has and the set of their stems. Cached: the same records come
+    back query after query, and tokenizing a long turn costs more than ranking it."""
+    found = words(text)
+    return len(found), frozenset(stem(w) for w in found)
+
+
 def coverage(terms: Sequence[str], text: str, stopword: float = 1.0) -> float:
     """The share of ``terms`` (stemmed) that occur in ``text`` (stemmed words), a stop word
     counting ``stopword`` and any other term 1."""
@@ -106,7 +114,7 @@ def coverage(terms: Sequence[str], text: str, stopword: float = 1.0) -> float:
     total = sum(weights)
     if total <= 0:
         return 0.0
-    found = {stem(w) for w in words(text)}
+    found = text_terms(text)[1]
     return sum(w for t, w in zip(terms, weights, strict=True) if stem(t) in found) / total
 
 
@@ -194,7 +202,7 @@ class HybridRanker:
         With a term frequency of 1 the normalization is one factor per record, so it applies
         on top of the engine's IDF sum; the mean length is the candidates' own (a record's
         length relative to its peers)."""
-        lengths = {rec.id: max(len(words(rec.text)), 1) for rec, _ in found}
+        lengths = {rec.id: max(text_terms(rec.text)[0], 1) for rec, _ in found}
         mean = sum(lengths.values()) / len(lengths) if lengths else 1.0
         k1, b = self.bm25_k1, self.bm25_b
         normed = {

@@ -28,8 +28,14 @@ matches only add noise to the lexical side. The figures behind each choice are i
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore
 from torpor.memory.embeddings import Embedder
@@ -62,6 +68,41 @@ def _lexical(
     return found
 
 
+HYBRID_STOPWORDS = False
+_QUERY_CACHE_SIZE = 256
+_query_vectors: OrderedDict[tuple[int, str, str], npt.NDArray[np.float32]] = OrderedDict()
+_query_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _embed_query(
+    embedder: Embedder, query: str
+) -> npt.NDArray[np.float32] | Future[npt.NDArray[np.float32]]:
+    """The query's vector if it was embedded lately (the last :data:`_QUERY_CACHE_SIZE`
+    queries: ``context()`` asks twice, agents repeat themselves), else a future of it."""
+    global _pool
+    key = (id(embedder), embedder.name, query)
+    with _query_lock:
+        vec = _query_vectors.get(key)
+        if vec is not None:
+            _query_vectors.move_to_end(key)
+            return vec
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torpor-embed")
+    return _pool.submit(_embed_and_keep, embedder, query, key)
+
+
+def _embed_and_keep(
+    embedder: Embedder, query: str, key: tuple[int, str, str]
+) -> npt.NDArray[np.float32]:
+    vec = embedder.embed([query])[0]
+    with _query_lock:
+        _query_vectors[key] = vec
+        while len(_query_vectors) > _QUERY_CACHE_SIZE:
+            _query_vectors.popitem(last=False)
+    return vec
+
+
 def candidates(
     store: TenantStore,
     query: str,
@@ -77,13 +118,24 @@ def candidates(
     Raises what the store raises (:class:`StorageError`).
     """
     terms = query_terms(query)
-    if embedder is not None:  # see the module docstring: stop words only without vectors
+    if embedder is None:
+        return Candidates(
+            query=query,
+            terms=tuple(terms),
+            scope=query_scope,
+            now=flt.as_of if flt.as_of is not None else flt.now,
+            lexical=_lexical(store, terms, flt, pool),
+            vector=None,
+            min_similarity=min_similarity,
+        )
+    # the query's embedding (the slow part) runs in a worker thread while the lexical
+    # search runs here: the model releases the GIL, so the two overlap
+    pending = _embed_query(embedder, query)
+    if not HYBRID_STOPWORDS:
         terms = [t for t in terms if t not in STOPWORDS] or terms
     lexical = _lexical(store, terms, flt, pool)
-    vector = None
-    if embedder is not None:
-        qvec = embedder.embed([query])[0]
-        vector = store.vector_search(qvec.tolist(), flt, pool)
+    qvec = pending.result() if isinstance(pending, Future) else pending
+    vector = store.vector_search(qvec.tolist(), flt, pool)
     return Candidates(
         query=query,
         terms=tuple(terms),

@@ -89,13 +89,34 @@ class SQLiteTenantStore(TenantStore):
         if vectors is not None and len(vectors) != len(records):
             raise InvalidArgument("records and vectors differ in length")
         stored: list[AnyRecord] = []
+        rows: list[tuple[Any, ...]] = []
+        vecs: list[tuple[bytes, str]] = []
         with self._db.write("add") as conn:
             for i, rec in enumerate(records):
                 if isinstance(rec, Fact) and rec.key is not None:
+                    self._insert_many(conn, rows, vecs)  # supersession sees what came before
                     rec = self._supersede(conn, rec)
-                self._insert(conn, rec, None if vectors is None else vectors[i])
+                rows.append(schema.record_to_row(rec))
+                vec = None if vectors is None else vectors[i]
+                if vec is not None:
+                    vecs.append((_vec_blob(vec), rec.id))
                 stored.append(rec)
+            self._insert_many(conn, rows, vecs)
         return stored
+
+    @staticmethod
+    def _insert_many(
+        conn: sqlite3.Connection, rows: list[tuple[Any, ...]], vecs: list[tuple[bytes, str]]
+    ) -> None:
+        """Insert the pending ``rows`` and their vectors (by record id), then clear both."""
+        if rows:
+            conn.executemany(schema.INSERT_SQL, rows)
+            rows.clear()
+        if vecs:
+            conn.executemany(
+                "INSERT INTO vectors (rid, vec) SELECT rid, ? FROM records WHERE id = ?", vecs
+            )
+            vecs.clear()
 
     @staticmethod
     def _insert(conn: sqlite3.Connection, rec: AnyRecord, vec: Vector | None) -> None:
