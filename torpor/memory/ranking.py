@@ -46,6 +46,7 @@ they measured, and what the alternatives cost, is in ``bench/README.md`` ("Ranki
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -156,7 +157,9 @@ class HybridRanker:
     stopword: float = 0.2
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
-    lexical: float = 0.2
+    lexical: float = 0.5
+    hybrid_coverage: float = 0.5
+    spread_floor: float = 0.01
     scope_decay: float = 0.7
     episode: float = 0.5
     recency: float = 0.05
@@ -175,16 +178,54 @@ class HybridRanker:
             vector[rec.id] = similarity
             if rec.id in bm25 or similarity >= floor:
                 records[rec.id] = rec
-        hits = [
-            self._score(rec, found, bm25.get(rec.id), vector.get(rec.id, 0.0))
-            for rec in records.values()
-        ]
+        share = self.coverage if found.vector is None else self.hybrid_coverage
+        covered = {
+            rec.id: coverage(found.terms, rec.text, self.stopword) for rec, _ in found.lexical
+        }
+        lexical = {rid: share * c + (1 - share) * bm25[rid] for rid, c in covered.items()}
+        weight, fill_lexical, fill_vector = self._blend(lexical, vector)
+        hits = []
+        for rid, rec in records.items():
+            scores: dict[str, float] = {"lexical": lexical.get(rid, 0.0)}
+            if rid in lexical:
+                scores["coverage"], scores["bm25"] = covered[rid], bm25[rid]
+            if found.vector is None:
+                relevance = scores["lexical"]
+            else:
+                scores["vector"] = vector.get(rid, fill_vector)
+                scores["lexical_weight"] = weight
+                relevance = weight * lexical.get(rid, fill_lexical) + (1 - weight) * max(
+                    scores["vector"], 0.0
+                )
+            hits.append(self._score(rec, found, scores, relevance))
         top = max((h.scores["relevance"] for h in hits), default=0.0)
         return self.order(
             h
             for h in hits
             if h.scores["relevance"] >= self.relative_floor * top and h.scores["relevance"] > 0
         )
+
+    def _blend(
+        self, lexical: dict[str, float], vector: dict[str, float]
+    ) -> tuple[float, float, float]:
+        """This query's lexical weight, and the scores that stand in for a side's missing
+        candidate: that side's weakest candidate's (it ranked below all of them).
+
+        The weight makes the blend order the candidates as the sum of the two sides'
+        standard scores would, the lexical one weighed ``lexical``: the side whose best
+        candidates stand out from the rest counts more for this query."""
+        fill_lexical = min(lexical.values(), default=0.0)
+        fill_vector = min(vector.values(), default=0.0)
+        lex_spread, vec_spread = _spread(lexical.values()), _spread(vector.values())
+        lex_flat, vec_flat = lex_spread < self.spread_floor, vec_spread < self.spread_floor
+        if not vector or (vec_flat and not lex_flat):  # the vectors tell nothing apart
+            return 1.0, fill_lexical, fill_vector
+        if not lexical or (lex_flat and not vec_flat):  # nor the words (stop words alone)
+            return 0.0, fill_lexical, fill_vector
+        if lex_flat and vec_flat:
+            return 0.5, fill_lexical, fill_vector
+        weight = (self.lexical / lex_spread) / (self.lexical / lex_spread + 1 / vec_spread)
+        return weight, fill_lexical, fill_vector
 
     def order(self, hits: Iterable[Hit]) -> list[Hit]:
         """Most specific scope, then score, then newest first (``tiered``); or score first."""
@@ -212,21 +253,9 @@ class HybridRanker:
         best = max(normed.values(), default=0.0)
         return {rid: s / best if best > 0 else 1.0 for rid, s in normed.items()}
 
-    def _score(self, rec: AnyRecord, found: Candidates, bm25: float | None, vector: float) -> Hit:
-        scores: dict[str, float] = {}
-        if bm25 is not None:
-            scores["coverage"] = coverage(found.terms, rec.text, self.stopword)
-            scores["bm25"] = bm25
-            scores["lexical"] = (
-                self.coverage * scores["coverage"] + (1 - self.coverage) * scores["bm25"]
-            )
-        else:
-            scores["lexical"] = 0.0
-        if found.vector is not None:
-            scores["vector"] = vector
-            relevance = self.lexical * scores["lexical"] + (1 - self.lexical) * max(vector, 0.0)
-        else:
-            relevance = scores["lexical"]
+    def _score(
+        self, rec: AnyRecord, found: Candidates, scores: dict[str, float], relevance: float
+    ) -> Hit:
         distance = max(path_depth(found.scope) - path_depth(rec.scope), 0)
         age_days = max(found.now - to_us(rec.valid_from), 0) / 86_400e6
         scores["relevance"] = relevance
@@ -238,3 +267,12 @@ class HybridRanker:
         if not self.tiered:
             score *= scores["scope"]
         return Hit.model_construct(record=rec, score=score, scores=scores)
+
+
+def _spread(values: Iterable[float]) -> float:
+    """The population standard deviation of ``values`` (0 for fewer than two)."""
+    xs = list(values)
+    if len(xs) < 2:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))

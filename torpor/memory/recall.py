@@ -68,7 +68,6 @@ def _lexical(
     return found
 
 
-HYBRID_STOPWORDS = False
 _QUERY_CACHE_SIZE = 256
 _query_vectors: OrderedDict[tuple[int, str, str], npt.NDArray[np.float32]] = OrderedDict()
 _query_lock = threading.Lock()
@@ -131,8 +130,6 @@ def candidates(
     # the query's embedding (the slow part) runs in a worker thread while the lexical
     # search runs here: the model releases the GIL, so the two overlap
     pending = _embed_query(embedder, query)
-    if not HYBRID_STOPWORDS:
-        terms = [t for t in terms if t not in STOPWORDS] or terms
     lexical = _lexical(store, terms, flt, pool)
     qvec = pending.result() if isinstance(pending, Future) else pending
     vector = store.vector_search(qvec.tolist(), flt, pool)
