@@ -12,10 +12,15 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     bm25      = engine score * length norm / best such score among the candidates, where
                 length norm = (k1 + 1) / (1 + k1 * (1 - b + b * words / mean words)),
                 k1 = 1.2, b = 0.75 (BM25's, over the candidates' word counts)
-    lexical   = 0.8 * coverage + 0.2 * bm25                  (0 when not matched)
-    vector    = cosine similarity to the query                (only with an embedder)
-    relevance = 0.2 * lexical + 0.8 * max(vector, 0)          with an embedder
-              = lexical                                       without one
+    lexical   = c * coverage + (1 - c) * bm25     (0 when not matched; c = ``coverage`` = 0.8
+                without an embedder, ``hybrid_coverage`` = 0.5 with one)
+    vector    = cosine similarity to the query     (only with an embedder)
+    relevance = lexical                            without an embedder
+              = w * lexical + (1 - w) * max(vector, 0)            with one, where a candidate
+                that one side did not find counts as that side's weakest candidate, and the
+                query's lexical weight (``Hit.scores["lexical_weight"]``) is
+                w = (L / sd_lex) / (L / sd_lex + 1 / sd_vec),  L = ``lexical`` = 0.5,
+                sd_* = the standard deviation of that side's candidate scores
     kind      = 1.0 for facts, 0.5 for episodes  (distilled knowledge over raw history:
                 "user facts > session > raw history")
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
@@ -34,13 +39,22 @@ then drops what should not be returned, and orders the rest:
   ``valid_from`` (``tiered``). ``tiered=False`` folds scope into the score instead, so a much
   better ancestor hit may outrank a weak local one.
 
-Why a normalized blend rather than reciprocal rank fusion: RRF discards how much better one
-candidate is than the next, which the kind prior and callers' abstention thresholds need.
-Coverage stands next to bm25 because bm25's IDF collapses in small stores. Stop words weigh
-little in coverage and only through the engine's IDF in bm25, so they decide only where content
-words tie or fail (why they are searched at all: :mod:`torpor.memory.recall`). The weights were
-tuned on the benchmark's quality set (``bench/memory.py``: paraphrased questions, MiniLM); what
-they measured, and what the alternatives cost, is in ``bench/README.md`` ("Ranking").
+Why this blend. It orders candidates exactly as the sum of the two sides' standard scores
+(``(x - mean) / sd`` over each side's candidates, the lexical one weighed 0.5) would, so the
+side whose best candidates stand out from the rest decides more for this query: names and rare
+words that match a short turn make a peaked lexical side, a paraphrase makes a peaked vector
+side. Written as a convex blend of the raw scores, relevance keeps its absolute scale, so
+``Hit.score`` stays comparable across queries (abstention thresholds, the kind prior). A side
+whose candidates all score alike (spread under ``spread_floor``, e.g. only stop words matched)
+gets no weight. Reciprocal rank fusion and fixed blends lost to MiniLM alone on real
+conversations; the fixed 0.2/0.8 blend it replaces had been tuned on generated questions that
+share few words with their answers, which rewarded the weaker retriever on real data. Coverage
+stands next to bm25 because bm25's IDF collapses in small stores; with vectors it is half the
+lexical score, since long turns contain most words of a question. Stop words weigh little in
+coverage and only through the engine's IDF in bm25 (why they are searched at all:
+:mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
+BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in
+``bench/README.md`` ("Ranking").
 """
 
 from __future__ import annotations

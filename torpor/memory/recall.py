@@ -1,18 +1,20 @@
 """Hybrid recall, one query at a time: terms -> candidates -> ranker -> the first ``k`` hits.
 
-1. **Terms.** :func:`query_terms` splits the query into lower-cased words; with an embedder its
-   stop words are dropped (unless it has no other words).
+1. **Terms.** :func:`query_terms` splits the query into lower-cased words, stop words kept
+   (with or without an embedder: the lexical side of hybrid recall is lexical-only recall).
 2. **Candidates.** The backend's lexical search (FTS5 / PostgreSQL full text) and, with an
    embedder, its vector search each return up to ``max(3k, 30)`` records, already confined by
    the :class:`~torpor.memory.backends.base.RecordFilter` to what the caller may see
-   (:class:`~torpor.memory.ranking.Candidates`).
+   (:class:`~torpor.memory.ranking.Candidates`). The query is embedded in a worker thread while
+   the lexical search runs (the model releases the GIL), and the last 256 query vectors are
+   kept, since ``context()`` asks twice and agents repeat themselves.
 3. **Ranker.** A :class:`~torpor.memory.ranking.Ranker` scores them, drops the weak ones and
    orders the rest; the default, :class:`~torpor.memory.ranking.HybridRanker`, puts the most
    specific scope first, then relevance, then recency (its formulas are in
    :mod:`torpor.memory.ranking`). Another one is passed as ``torpor.Memory(ranking=...)``.
 4. **The first k** of that order are the answer.
 
-Why stop words are searched without an embedder: a question is mostly function words ("what is
+Why stop words are searched: a question is mostly function words ("what is
 my ...", "who am I ..."), and when its content words are paraphrased away they are all that
 links it to the statement that answers it ("My role is nurse now."). Dropping them left
 lexical-only recall with nothing to rank, far below plain BM25, which keeps them and lets IDF
@@ -20,8 +22,9 @@ weigh them. They are kept off the hot path all the same: the backend is first as
 content words alone, and for all the words only when that finds fewer candidates than wanted,
 so a query whose content words match costs what it did without stop words, and one whose
 content words match nothing costs one more search, bounded by the backend's per-term cap,
-instead of an empty answer. With an embedder the vectors bridge paraphrases and stop-word
-matches only add noise to the lexical side. The figures behind each choice are in
+instead of an empty answer. Hybrid recall used to drop stop words from its lexical side; on
+real conversations keeping them measured the same with vectors and better without, so both
+modes now share one lexical search. The figures behind each choice are in
 ``bench/README.md`` ("Ranking").
 """
 
