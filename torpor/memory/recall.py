@@ -97,7 +97,7 @@ def _embed_query(
 def _embed_and_keep(
     embedder: Embedder, query: str, key: tuple[int, str, str]
 ) -> npt.NDArray[np.float32]:
-    vec = embedder.embed([query])[0]
+    vec: npt.NDArray[np.float32] = embedder.embed([query])[0]
     with _query_lock:
         _query_vectors[key] = vec
         while len(_query_vectors) > _QUERY_CACHE_SIZE:
