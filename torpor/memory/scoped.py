@@ -141,7 +141,8 @@ class ScopedMemory:
 
         With ``source``, read and hash the cited content (``verified``). Raises
         :class:`InvalidArgument`, :class:`PayloadTooLarge`, :class:`AccessDenied`,
-        :class:`StorageError`.
+        :class:`StorageError`, :class:`Conflict` (the store's vectors come from another
+        embedding model than this memory's).
         """
         return self.remember_many(
             [
@@ -159,7 +160,8 @@ class ScopedMemory:
     def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
         """Store many facts in one transaction with one embedding batch. Each item is a text
         or a mapping with ``text`` and optionally ``key``, ``metadata``, ``source``,
-        ``durability``, ``ttl``. All or nothing."""
+        ``durability``, ``ttl``. All or nothing: every item is checked before anything is
+        written. Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "remember")
         facts, policy = [], self._policy()
         for item in items:
@@ -209,7 +211,9 @@ class ScopedMemory:
 
     def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
         """Append many turns in one transaction (mappings with ``role``, ``text`` and
-        optionally ``session``, ``metadata``, ``at``, ``durability``, ``ttl``)."""
+        optionally ``session``, ``metadata``, ``at``, ``durability``, ``ttl``), with one
+        embedding batch. All or nothing: every turn is checked before anything is written.
+        Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "log")
         episodes, policy = [], self._policy()
         for turn in turns:
