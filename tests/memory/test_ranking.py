@@ -51,13 +51,16 @@ def _answer(hits: list[Hit]) -> list[tuple[str, float]]:
 
 
 # Each option of HybridRanker, a value that differs from its default, and the ranker it is
-# changed on (scope_decay only weighs the score when scope is not a tier of its own).
+# changed on (scope_decay only weighs the score when scope is not a tier of its own; coverage
+# is tried without vectors).
 OPTIONS = [
     pytest.param("coverage", 0.3, HybridRanker(), id="coverage"),
     pytest.param("stopword", 1.0, HybridRanker(), id="stopword"),
     pytest.param("bm25_k1", 2.0, HybridRanker(), id="bm25_k1"),
     pytest.param("bm25_b", 0.0, HybridRanker(), id="bm25_b"),
-    pytest.param("lexical", 0.6, HybridRanker(), id="lexical"),
+    pytest.param("lexical", 0.9, HybridRanker(), id="lexical"),
+    pytest.param("hybrid_coverage", 0.9, HybridRanker(), id="hybrid_coverage"),
+    pytest.param("spread_floor", 0.5, HybridRanker(), id="spread_floor"),
     pytest.param("scope_decay", 0.3, HybridRanker(tiered=False), id="scope_decay"),
     pytest.param("episode", 1.0, HybridRanker(), id="episode"),
     pytest.param("recency", 0.5, HybridRanker(), id="recency"),
@@ -76,7 +79,9 @@ def test_every_option_is_tested() -> None:
 @pytest.mark.parametrize(("option", "value", "base"), OPTIONS)
 def test_every_option_changes_the_answer(option: str, value: object, base: HybridRanker) -> None:
     changed = dataclasses.replace(base, **{option: value})  # type: ignore[arg-type]
-    assert _answer(changed.rank(_found())) != _answer(base.rank(_found()))
+    # coverage is the lexical-only blend (hybrid_coverage is the one used with vectors)
+    found = dataclasses.replace(_found(), vector=None) if option == "coverage" else _found()
+    assert _answer(changed.rank(found)) != _answer(base.rank(found))
 
 
 def test_tiered_puts_the_own_scope_first_and_flat_lets_a_better_ancestor_win() -> None:
@@ -110,6 +115,30 @@ def test_a_vector_only_candidate_needs_the_floor(
     hits = HybridRanker(min_similarity=ranker_floor).rank(_found(query_floor))
     assert ("near" in [h.id for h in hits]) is admitted
     assert "weak" in [h.id for h in hits]  # under the floor too, but also a lexical match
+
+
+def test_the_blend_weighs_each_side_by_how_its_best_candidates_stand_out() -> None:
+    ranker = HybridRanker()
+    hits = {h.id: h for h in ranker.rank(_found(0.05))}
+    weight = hits["local"].scores["lexical_weight"]
+    assert 0 < weight < 1 and all(h.scores["lexical_weight"] == weight for h in hits.values())
+    for h in hits.values():  # a convex blend of the two sides, so comparable across queries
+        lexical = (
+            h.scores["lexical"]
+            if "bm25" in h.scores
+            else min(x.scores["lexical"] for x in hits.values() if "bm25" in x.scores)
+        )  # a record the lexical side missed counts as its weakest candidate
+        expected = weight * lexical + (1 - weight) * max(h.scores["vector"], 0.0)
+        assert h.scores["relevance"] == pytest.approx(expected)
+        assert 0 <= h.scores["relevance"] <= 1
+    # flatten the vector side: its spread shrinks, so it counts more per unit of score
+    flat = dataclasses.replace(
+        _found(0.05), vector=[(r, 0.4 + s / 4) for r, s in _found().vector or ()]
+    )
+    assert ranker.rank(flat)[0].scores["lexical_weight"] < weight
+    # no vector candidates: the lexical side decides alone
+    alone = dataclasses.replace(_found(0.05), vector=[])
+    assert {h.scores["lexical_weight"] for h in ranker.rank(alone)} == {1.0}
 
 
 def test_without_vectors_relevance_is_lexical() -> None:

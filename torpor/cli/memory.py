@@ -1,4 +1,5 @@
-"""``torpor memory``: remember, recall, context, log, forget, history, export, import.
+"""``torpor memory``: remember, recall, context, log, forget, history, export, import,
+reindex.
 
 Each command parses its arguments, makes one library call on a :class:`ScopedMemory` and
 renders the answer (``--json`` for programs). Group options pick the store and the scope::
@@ -26,7 +27,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from torpor.errors import InvalidArgument
 from torpor.memory import Memory, ScopedMemory, SourceRef
+from torpor.memory.embeddings import INSTALL_HINT
 
 __all__ = ["app", "register"]
 
@@ -272,6 +275,27 @@ def import_(ctx: typer.Context, src: Path) -> None:
     """
     n = _scope(ctx).import_(src)
     _emit(ctx, {"imported": n}, f"imported {n} record(s)")
+
+
+@app.command()
+def reindex(
+    ctx: typer.Context,
+    batch: Annotated[int, typer.Option(help="texts embedded per batch")] = 256,
+) -> None:
+    """Embed the records that have no vector yet (written without --embeddings), with the
+    local embedding model. The whole tenant, whatever --scope says.
+
+    Example:
+
+        torpor memory reindex
+    """
+    o: _Opts = ctx.obj
+    mem = Memory(o.home, token=o.token, tenant=o.tenant, embedder="default")
+    ctx.call_on_close(mem.close)
+    if mem.embedder is None:
+        raise InvalidArgument(f"no local embedding model: {INSTALL_HINT}")
+    n = mem.reindex(batch=batch)
+    _emit(ctx, {"reindexed": n}, f"embedded {n} record(s) with {mem.embedder.name}")
 
 
 def register(root: typer.Typer) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from typing import Any
 
 import jsonschema
@@ -157,13 +157,33 @@ def ttl(ttl: float | timedelta | None) -> float | None:
     return seconds
 
 
-def time(value: datetime | None, what: str) -> int | None:
-    """None, or a datetime in microseconds since the epoch."""
+def time(value: datetime | date | str | None, what: str) -> int | None:
+    """None, or a point in time in microseconds since the epoch.
+
+    Accepted: a :class:`~datetime.datetime`; an ISO 8601 string (``"2024-03-15T09:30:00Z"``,
+    ``"2024-03-15T09:30:00+02:00"``, ``"2024-03-15 09:30"``, ``"2024-03-15"``); a
+    :class:`~datetime.date` (its midnight). **A time without an offset is UTC**: a naive
+    datetime, an ISO string without ``Z`` or ``+hh:mm`` and a bare date are all read as UTC
+    (never as the machine's local time, which would make the same call mean different
+    instants on different hosts). Raises :class:`InvalidArgument` for anything else.
+    """
     if value is None:
         return None
-    if not isinstance(value, datetime):
-        raise InvalidArgument(f"{what} must be a datetime")
-    return to_us(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            parsed = datetime.fromisoformat(text)
+        except ValueError:
+            raise InvalidArgument(
+                f"{what} must be a datetime or an ISO 8601 string such as "
+                f"2024-03-15T09:30:00Z, not {value[:64]!r}"
+            ) from None
+        return to_us(parsed)
+    if isinstance(value, datetime):
+        return to_us(value)
+    if isinstance(value, date):
+        return to_us(datetime(value.year, value.month, value.day))
+    raise InvalidArgument(f"{what} must be a datetime or an ISO 8601 string")
 
 
 def expiry(policy: Policy, now: int, durability: Durability, ttl: float | None) -> int | None:

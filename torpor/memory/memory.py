@@ -22,11 +22,11 @@ import os
 from typing import Self
 
 from torpor.config import paths
-from torpor.errors import AccessDenied, InvalidArgument, RecordNotFound
+from torpor.errors import AccessDenied, Conflict, InvalidArgument, RecordNotFound
 from torpor.memory.access import Access, TokenManager, hash_token
 from torpor.memory.backends import open_backend
 from torpor.memory.backends.base import MemoryBackend, Vector
-from torpor.memory.embeddings import Embedder, resolve_embedder
+from torpor.memory.embeddings import INSTALL_HINT, Embedder, resolve_embedder
 from torpor.memory.models import AuditEntry, Scope, from_us, now_us
 from torpor.memory.ranking import HybridRanker, Ranker
 from torpor.memory.scoped import ScopedMemory
@@ -91,7 +91,9 @@ class Memory:
         self.tenant = self.access.tenant
         self.store = self.backend.tenant(self.tenant)
         self.embedder = resolve_embedder(embedder)
-        self._vectors_checked = False
+        self._model: str | None = None
+        self._model_known = False
+        self._mismatch_warned = False
 
     @classmethod
     def attach(
@@ -116,7 +118,9 @@ class Memory:
         self.tenant = tenant
         self.store = backend.tenant(tenant)
         self.embedder = embedder
-        self._vectors_checked = False
+        self._model = None
+        self._model_known = False
+        self._mismatch_warned = False
         return self
 
     def acting_as(self, access: Access) -> Memory:
@@ -130,31 +134,96 @@ class Memory:
         return view
 
     # -- embedding bookkeeping --------------------------------------------------------------
+    # A store records the model its vectors come from (meta ``embedding_model`` and
+    # ``embedding_dim``), set by the first write that stores vectors. Vectors of two models
+    # are never mixed: a writer with another model gets Conflict, a reader with another model
+    # searches lexically (with a warning). A lexical-only writer (``embedder=None``, the CLI
+    # by default) stores records without vectors; :meth:`reindex` fills them in.
+    def _stored_model(self) -> str | None:
+        if not self._model_known:
+            self._model = self.store.get_meta("embedding_model")
+            self._model_known = self._model is not None
+        return self._model
+
     def usable_embedder(self) -> Embedder | None:
-        """The embedder, if it matches the model this tenant's vectors were made with."""
+        """The embedder for reads: None without one, or when this store's vectors come from
+        another model (recall is then lexical only, and a warning says so once)."""
         if self.embedder is None:
             return None
-        if not self._vectors_checked:
-            stored = self.store.get_meta("embedding_model")
-            if stored is None:
-                self.store.set_meta("embedding_model", self.embedder.name)
-            elif stored != self.embedder.name:
+        stored = self._stored_model()
+        if stored is not None and stored != self.embedder.name:
+            if not self._mismatch_warned:
                 log.warning(
-                    "tenant %s holds %s vectors; embedder %s is ignored (lexical only)",
+                    "tenant %s holds %s vectors; embedder %s is not used for recall (lexical only)",
                     self.tenant,
                     stored,
                     self.embedder.name,
                 )
-                self.embedder = None
-            self._vectors_checked = True
+                self._mismatch_warned = True
+            return None
+        return self.embedder
+
+    def writer_embedder(self) -> Embedder | None:
+        """The embedder for writes, recording its model in the store on first use; None
+        without one (records are stored without vectors).
+
+        Raises :class:`Conflict` when the store's vectors come from another model (mixing
+        them would make vector search meaningless), :class:`StorageError`."""
+        if self.embedder is None:
+            return None
+        stored = self._stored_model()
+        if stored is None:
+            self.store.set_meta("embedding_model", self.embedder.name)
+            self.store.set_meta("embedding_dim", str(self.embedder.dim))
+            self._model, self._model_known = self.embedder.name, True
+        elif stored != self.embedder.name:
+            raise Conflict(
+                f"tenant {self.tenant!r} holds vectors of {stored}, not of this memory's "
+                f"embedder {self.embedder.name}: open it with that model, or with "
+                "embedder=None (records are then stored without vectors)",
+                kind="embedding_model",
+                stored=stored,
+                embedder=self.embedder.name,
+            )
         return self.embedder
 
     def embed(self, texts: list[str]) -> list[Vector | None] | None:
-        """Vectors for ``texts`` with the usable embedder, or None (lexical only)."""
-        emb = self.usable_embedder()
+        """Vectors for ``texts`` to store with them, or None (lexical only). Raises what
+        :meth:`writer_embedder` raises."""
+        emb = self.writer_embedder()
         if emb is None or not texts:
             return None
         return list(emb.embed(texts))
+
+    def reindex(self, *, batch: int = 256) -> int:
+        """Embed every record of this tenant that has no vector (written by a lexical-only
+        writer, such as the CLI without ``--embeddings``), ``batch`` texts at a time.
+        Returns how many records got a vector. Needs write on the tenant root (audited).
+
+        Raises :class:`InvalidArgument` when this memory has no embedder or ``batch`` < 1,
+        :class:`Conflict` when the store's vectors come from another model,
+        :class:`AccessDenied`, :class:`StorageError`."""
+        if not isinstance(batch, int) or batch < 1:
+            raise InvalidArgument("batch must be a positive integer")
+        self.access.require("write", "", "reindex")
+        emb = self.writer_embedder()
+        if emb is None:
+            raise InvalidArgument(
+                "reindex needs an embedder: open the memory with embedder='default' "
+                f"(install: {INSTALL_HINT})"
+            )
+        done = 0
+        while todo := self.store.without_vectors(batch):
+            vectors = emb.embed([text for _, text in todo])
+            n = self.store.set_vectors(
+                [(rid, v) for (rid, _), v in zip(todo, vectors, strict=True)]
+            )
+            done += n
+            if n == 0:  # every one of them was erased meanwhile: nothing left to do here
+                break
+        self.access.audit("reindex", "", records=done, model=emb.name)
+        log.info("reindexed %d records of tenant %s with %s", done, self.tenant, emb.name)
+        return done
 
     # -- scopes -----------------------------------------------------------------------------
     def scope(

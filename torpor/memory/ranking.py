@@ -12,10 +12,15 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     bm25      = engine score * length norm / best such score among the candidates, where
                 length norm = (k1 + 1) / (1 + k1 * (1 - b + b * words / mean words)),
                 k1 = 1.2, b = 0.75 (BM25's, over the candidates' word counts)
-    lexical   = 0.8 * coverage + 0.2 * bm25                  (0 when not matched)
-    vector    = cosine similarity to the query                (only with an embedder)
-    relevance = 0.2 * lexical + 0.8 * max(vector, 0)          with an embedder
-              = lexical                                       without one
+    lexical   = c * coverage + (1 - c) * bm25     (0 when not matched; c = ``coverage`` = 0.8
+                without an embedder, ``hybrid_coverage`` = 0.5 with one)
+    vector    = cosine similarity to the query     (only with an embedder)
+    relevance = lexical                            without an embedder
+              = w * lexical + (1 - w) * max(vector, 0)            with one, where a candidate
+                that one side did not find counts as that side's weakest candidate, and the
+                query's lexical weight (``Hit.scores["lexical_weight"]``) is
+                w = (L / sd_lex) / (L / sd_lex + 1 / sd_vec),  L = ``lexical`` = 0.5,
+                sd_* = the standard deviation of that side's candidate scores
     kind      = 1.0 for facts, 0.5 for episodes  (distilled knowledge over raw history:
                 "user facts > session > raw history")
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
@@ -34,18 +39,28 @@ then drops what should not be returned, and orders the rest:
   ``valid_from`` (``tiered``). ``tiered=False`` folds scope into the score instead, so a much
   better ancestor hit may outrank a weak local one.
 
-Why a normalized blend rather than reciprocal rank fusion: RRF discards how much better one
-candidate is than the next, which the kind prior and callers' abstention thresholds need.
-Coverage stands next to bm25 because bm25's IDF collapses in small stores. Stop words weigh
-little in coverage and only through the engine's IDF in bm25, so they decide only where content
-words tie or fail (why they are searched at all: :mod:`torpor.memory.recall`). The weights were
-tuned on the benchmark's quality set (``bench/memory.py``: paraphrased questions, MiniLM); what
-they measured, and what the alternatives cost, is in ``bench/README.md`` ("Ranking").
+Why this blend. It orders candidates exactly as the sum of the two sides' standard scores
+(``(x - mean) / sd`` over each side's candidates, the lexical one weighed 0.5) would, so the
+side whose best candidates stand out from the rest decides more for this query: names and rare
+words that match a short turn make a peaked lexical side, a paraphrase makes a peaked vector
+side. Written as a convex blend of the raw scores, relevance keeps its absolute scale, so
+``Hit.score`` stays comparable across queries (abstention thresholds, the kind prior). A side
+whose candidates all score alike (spread under ``spread_floor``, e.g. only stop words matched)
+gets no weight. Reciprocal rank fusion and fixed blends lost to MiniLM alone on real
+conversations; the fixed 0.2/0.8 blend it replaces had been tuned on generated questions that
+share few words with their answers, which rewarded the weaker retriever on real data. Coverage
+stands next to bm25 because bm25's IDF collapses in small stores; with vectors it is half the
+lexical score, since long turns contain most words of a question. Stop words weigh little in
+coverage and only through the engine's IDF in bm25 (why they are searched at all:
+:mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
+BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in
+``bench/README.md`` ("Ranking").
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -99,6 +114,14 @@ def stem(word: str) -> str:
     return w
 
 
+@functools.lru_cache(maxsize=8192)
+def text_terms(text: str) -> tuple[int, frozenset[str]]:
+    """How many words ``text`` has and the set of their stems. Cached: the same records come
+    back query after query, and tokenizing a long turn costs more than ranking it."""
+    found = words(text)
+    return len(found), frozenset(stem(w) for w in found)
+
+
 def coverage(terms: Sequence[str], text: str, stopword: float = 1.0) -> float:
     """The share of ``terms`` (stemmed) that occur in ``text`` (stemmed words), a stop word
     counting ``stopword`` and any other term 1."""
@@ -106,7 +129,7 @@ def coverage(terms: Sequence[str], text: str, stopword: float = 1.0) -> float:
     total = sum(weights)
     if total <= 0:
         return 0.0
-    found = {stem(w) for w in words(text)}
+    found = text_terms(text)[1]
     return sum(w for t, w in zip(terms, weights, strict=True) if stem(t) in found) / total
 
 
@@ -148,7 +171,9 @@ class HybridRanker:
     stopword: float = 0.2
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
-    lexical: float = 0.2
+    lexical: float = 0.5
+    hybrid_coverage: float = 0.5
+    spread_floor: float = 0.01
     scope_decay: float = 0.7
     episode: float = 0.5
     recency: float = 0.05
@@ -167,16 +192,54 @@ class HybridRanker:
             vector[rec.id] = similarity
             if rec.id in bm25 or similarity >= floor:
                 records[rec.id] = rec
-        hits = [
-            self._score(rec, found, bm25.get(rec.id), vector.get(rec.id, 0.0))
-            for rec in records.values()
-        ]
+        share = self.coverage if found.vector is None else self.hybrid_coverage
+        covered = {
+            rec.id: coverage(found.terms, rec.text, self.stopword) for rec, _ in found.lexical
+        }
+        lexical = {rid: share * c + (1 - share) * bm25[rid] for rid, c in covered.items()}
+        weight, fill_lexical, fill_vector = self._blend(lexical, vector)
+        hits = []
+        for rid, rec in records.items():
+            scores: dict[str, float] = {"lexical": lexical.get(rid, 0.0)}
+            if rid in lexical:
+                scores["coverage"], scores["bm25"] = covered[rid], bm25[rid]
+            if found.vector is None:
+                relevance = scores["lexical"]
+            else:
+                scores["vector"] = vector.get(rid, fill_vector)
+                scores["lexical_weight"] = weight
+                relevance = weight * lexical.get(rid, fill_lexical) + (1 - weight) * max(
+                    scores["vector"], 0.0
+                )
+            hits.append(self._score(rec, found, scores, relevance))
         top = max((h.scores["relevance"] for h in hits), default=0.0)
         return self.order(
             h
             for h in hits
             if h.scores["relevance"] >= self.relative_floor * top and h.scores["relevance"] > 0
         )
+
+    def _blend(
+        self, lexical: dict[str, float], vector: dict[str, float]
+    ) -> tuple[float, float, float]:
+        """This query's lexical weight, and the scores that stand in for a side's missing
+        candidate: that side's weakest candidate's (it ranked below all of them).
+
+        The weight makes the blend order the candidates as the sum of the two sides'
+        standard scores would, the lexical one weighed ``lexical``: the side whose best
+        candidates stand out from the rest counts more for this query."""
+        fill_lexical = min(lexical.values(), default=0.0)
+        fill_vector = min(vector.values(), default=0.0)
+        lex_spread, vec_spread = _spread(lexical.values()), _spread(vector.values())
+        lex_flat, vec_flat = lex_spread < self.spread_floor, vec_spread < self.spread_floor
+        if not vector or (vec_flat and not lex_flat):  # the vectors tell nothing apart
+            return 1.0, fill_lexical, fill_vector
+        if not lexical or (lex_flat and not vec_flat):  # nor the words (stop words alone)
+            return 0.0, fill_lexical, fill_vector
+        if lex_flat and vec_flat:
+            return 0.5, fill_lexical, fill_vector
+        weight = (self.lexical / lex_spread) / (self.lexical / lex_spread + 1 / vec_spread)
+        return weight, fill_lexical, fill_vector
 
     def order(self, hits: Iterable[Hit]) -> list[Hit]:
         """Most specific scope, then score, then newest first (``tiered``); or score first."""
@@ -194,7 +257,7 @@ class HybridRanker:
         With a term frequency of 1 the normalization is one factor per record, so it applies
         on top of the engine's IDF sum; the mean length is the candidates' own (a record's
         length relative to its peers)."""
-        lengths = {rec.id: max(len(words(rec.text)), 1) for rec, _ in found}
+        lengths = {rec.id: max(text_terms(rec.text)[0], 1) for rec, _ in found}
         mean = sum(lengths.values()) / len(lengths) if lengths else 1.0
         k1, b = self.bm25_k1, self.bm25_b
         normed = {
@@ -204,21 +267,9 @@ class HybridRanker:
         best = max(normed.values(), default=0.0)
         return {rid: s / best if best > 0 else 1.0 for rid, s in normed.items()}
 
-    def _score(self, rec: AnyRecord, found: Candidates, bm25: float | None, vector: float) -> Hit:
-        scores: dict[str, float] = {}
-        if bm25 is not None:
-            scores["coverage"] = coverage(found.terms, rec.text, self.stopword)
-            scores["bm25"] = bm25
-            scores["lexical"] = (
-                self.coverage * scores["coverage"] + (1 - self.coverage) * scores["bm25"]
-            )
-        else:
-            scores["lexical"] = 0.0
-        if found.vector is not None:
-            scores["vector"] = vector
-            relevance = self.lexical * scores["lexical"] + (1 - self.lexical) * max(vector, 0.0)
-        else:
-            relevance = scores["lexical"]
+    def _score(
+        self, rec: AnyRecord, found: Candidates, scores: dict[str, float], relevance: float
+    ) -> Hit:
         distance = max(path_depth(found.scope) - path_depth(rec.scope), 0)
         age_days = max(found.now - to_us(rec.valid_from), 0) / 86_400e6
         scores["relevance"] = relevance
@@ -230,3 +281,12 @@ class HybridRanker:
         if not self.tiered:
             score *= scores["scope"]
         return Hit.model_construct(record=rec, score=score, scores=scores)
+
+
+def _spread(values: Iterable[float]) -> float:
+    """The population standard deviation of ``values`` (0 for fewer than two)."""
+    xs = list(values)
+    if len(xs) < 2:
+        return 0.0
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))

@@ -1,18 +1,20 @@
 """Hybrid recall, one query at a time: terms -> candidates -> ranker -> the first ``k`` hits.
 
-1. **Terms.** :func:`query_terms` splits the query into lower-cased words; with an embedder its
-   stop words are dropped (unless it has no other words).
+1. **Terms.** :func:`query_terms` splits the query into lower-cased words, stop words kept
+   (with or without an embedder: the lexical side of hybrid recall is lexical-only recall).
 2. **Candidates.** The backend's lexical search (FTS5 / PostgreSQL full text) and, with an
    embedder, its vector search each return up to ``max(3k, 30)`` records, already confined by
    the :class:`~torpor.memory.backends.base.RecordFilter` to what the caller may see
-   (:class:`~torpor.memory.ranking.Candidates`).
+   (:class:`~torpor.memory.ranking.Candidates`). The query is embedded in a worker thread while
+   the lexical search runs (the model releases the GIL), and the last 256 query vectors are
+   kept, since ``context()`` asks twice and agents repeat themselves.
 3. **Ranker.** A :class:`~torpor.memory.ranking.Ranker` scores them, drops the weak ones and
    orders the rest; the default, :class:`~torpor.memory.ranking.HybridRanker`, puts the most
    specific scope first, then relevance, then recency (its formulas are in
    :mod:`torpor.memory.ranking`). Another one is passed as ``torpor.Memory(ranking=...)``.
 4. **The first k** of that order are the answer.
 
-Why stop words are searched without an embedder: a question is mostly function words ("what is
+Why stop words are searched: a question is mostly function words ("what is
 my ...", "who am I ..."), and when its content words are paraphrased away they are all that
 links it to the statement that answers it ("My role is nurse now."). Dropping them left
 lexical-only recall with nothing to rank, far below plain BM25, which keeps them and lets IDF
@@ -20,16 +22,23 @@ weigh them. They are kept off the hot path all the same: the backend is first as
 content words alone, and for all the words only when that finds fewer candidates than wanted,
 so a query whose content words match costs what it did without stop words, and one whose
 content words match nothing costs one more search, bounded by the backend's per-term cap,
-instead of an empty answer. With an embedder the vectors bridge paraphrases and stop-word
-matches only add noise to the lexical side. The figures behind each choice are in
+instead of an empty answer. Hybrid recall used to drop stop words from its lexical side; on
+real conversations keeping them measured the same with vectors and better without, so both
+modes now share one lexical search. The figures behind each choice are in
 ``bench/README.md`` ("Ranking").
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore
 from torpor.memory.embeddings import Embedder
@@ -62,6 +71,40 @@ def _lexical(
     return found
 
 
+_QUERY_CACHE_SIZE = 256
+_query_vectors: OrderedDict[tuple[int, str, str], npt.NDArray[np.float32]] = OrderedDict()
+_query_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _embed_query(
+    embedder: Embedder, query: str
+) -> npt.NDArray[np.float32] | Future[npt.NDArray[np.float32]]:
+    """The query's vector if it was embedded lately (the last :data:`_QUERY_CACHE_SIZE`
+    queries: ``context()`` asks twice, agents repeat themselves), else a future of it."""
+    global _pool
+    key = (id(embedder), embedder.name, query)
+    with _query_lock:
+        vec = _query_vectors.get(key)
+        if vec is not None:
+            _query_vectors.move_to_end(key)
+            return vec
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torpor-embed")
+    return _pool.submit(_embed_and_keep, embedder, query, key)
+
+
+def _embed_and_keep(
+    embedder: Embedder, query: str, key: tuple[int, str, str]
+) -> npt.NDArray[np.float32]:
+    vec: npt.NDArray[np.float32] = embedder.embed([query])[0]
+    with _query_lock:
+        _query_vectors[key] = vec
+        while len(_query_vectors) > _QUERY_CACHE_SIZE:
+            _query_vectors.popitem(last=False)
+    return vec
+
+
 def candidates(
     store: TenantStore,
     query: str,
@@ -77,13 +120,22 @@ def candidates(
     Raises what the store raises (:class:`StorageError`).
     """
     terms = query_terms(query)
-    if embedder is not None:  # see the module docstring: stop words only without vectors
-        terms = [t for t in terms if t not in STOPWORDS] or terms
+    if embedder is None:
+        return Candidates(
+            query=query,
+            terms=tuple(terms),
+            scope=query_scope,
+            now=flt.as_of if flt.as_of is not None else flt.now,
+            lexical=_lexical(store, terms, flt, pool),
+            vector=None,
+            min_similarity=min_similarity,
+        )
+    # the query's embedding (the slow part) runs in a worker thread while the lexical
+    # search runs here: the model releases the GIL, so the two overlap
+    pending = _embed_query(embedder, query)
     lexical = _lexical(store, terms, flt, pool)
-    vector = None
-    if embedder is not None:
-        qvec = embedder.embed([query])[0]
-        vector = store.vector_search(qvec.tolist(), flt, pool)
+    qvec = pending.result() if isinstance(pending, Future) else pending
+    vector = store.vector_search(qvec.tolist(), flt, pool)
     return Candidates(
         query=query,
         terms=tuple(terms),

@@ -63,6 +63,8 @@ class Owner(Protocol):
 
     def usable_embedder(self) -> Embedder | None: ...
 
+    def writer_embedder(self) -> Embedder | None: ...
+
     def embed(self, texts: list[str]) -> list[Vector | None] | None: ...
 
 
@@ -139,7 +141,8 @@ class ScopedMemory:
 
         With ``source``, read and hash the cited content (``verified``). Raises
         :class:`InvalidArgument`, :class:`PayloadTooLarge`, :class:`AccessDenied`,
-        :class:`StorageError`.
+        :class:`StorageError`, :class:`Conflict` (the store's vectors come from another
+        embedding model than this memory's).
         """
         return self.remember_many(
             [
@@ -157,7 +160,8 @@ class ScopedMemory:
     def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
         """Store many facts in one transaction with one embedding batch. Each item is a text
         or a mapping with ``text`` and optionally ``key``, ``metadata``, ``source``,
-        ``durability``, ``ttl``. All or nothing."""
+        ``durability``, ``ttl``. All or nothing: every item is checked before anything is
+        written. Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "remember")
         facts, policy = [], self._policy()
         for item in items:
@@ -185,12 +189,12 @@ class ScopedMemory:
         *,
         session: str | None = None,
         metadata: Mapping[str, Any] | None = None,
-        at: datetime | None = None,
+        at: datetime | str | None = None,
         durability: Durability = "persistent",
         ttl: float | timedelta | None = None,
     ) -> Episode:
-        """Append one turn (``role``: who spoke; ``at``: back-fill its time). Raises as
-        :meth:`remember` does."""
+        """Append one turn (``role``: who spoke; ``at``: back-fill its time, a datetime or an
+        ISO 8601 string; without an offset it is UTC). Raises as :meth:`remember` does."""
         return self.log_many(
             [
                 {
@@ -207,7 +211,9 @@ class ScopedMemory:
 
     def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
         """Append many turns in one transaction (mappings with ``role``, ``text`` and
-        optionally ``session``, ``metadata``, ``at``, ``durability``, ``ttl``)."""
+        optionally ``session``, ``metadata``, ``at``, ``durability``, ``ttl``), with one
+        embedding batch. All or nothing: every turn is checked before anything is written.
+        Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "log")
         episodes, policy = [], self._policy()
         for turn in turns:
@@ -249,9 +255,9 @@ class ScopedMemory:
         *,
         kind: Kind | Sequence[Kind] | None = None,
         metadata: Mapping[str, Any] | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        as_of: datetime | None = None,
+        since: datetime | str | None = None,
+        until: datetime | str | None = None,
+        as_of: datetime | str | None = None,
         include_history: bool = False,
         session: str | None = None,
         min_similarity: float | None = None,
@@ -261,6 +267,8 @@ class ScopedMemory:
         then recency (see :mod:`torpor.memory.recall`).
 
         Current facts only, unless ``include_history`` or ``as_of`` (what was valid then).
+        ``since``, ``until`` and ``as_of`` take a datetime or an ISO 8601 string; a time
+        without an offset (naive datetime, ``"2024-03-15"``) is UTC.
         Raises :class:`InvalidArgument`, :class:`AccessDenied`, :class:`StorageError`.
         """
         check.text(query, "query")
@@ -489,7 +497,7 @@ def _load_into(scope: ScopedMemory, bundle: transfer.Bundle, action: str) -> int
     for path in {r.scope for r in bundle.records} | {p.scope for p in bundle.profiles}:
         access.require("write", path, action)
     vectors: list[Any] | None = list(bundle.vectors)
-    emb = scope.memory.usable_embedder()
+    emb = scope.memory.writer_embedder()
     if emb is None:
         vectors = None
     elif bundle.embedding_model != emb.name:  # re-embed with this tenant's model

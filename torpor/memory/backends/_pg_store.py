@@ -365,6 +365,28 @@ class PostgresTenantStore(TenantStore):
             vec = None if row[-1] is None else [float(x) for x in json.loads(row[-1])]
             yield schema.row_to_record(row), vec
 
+    def without_vectors(self, limit: int) -> list[tuple[str, str]]:
+        with self._tx("records without vectors") as cur:
+            rows = cur.execute(
+                f"SELECT id, text FROM torpor.records WHERE tenant_id = {_T} "
+                "AND embedding IS NULL ORDER BY seq LIMIT %s",
+                (limit,),
+            ).fetchall()
+        return [(str(i), str(t)) for i, t in rows]
+
+    def set_vectors(self, pairs: Sequence[tuple[str, Vector]]) -> int:
+        n = 0
+        with self._tx("set vectors") as cur:
+            for rid, vec in pairs:
+                cur.execute(
+                    "UPDATE torpor.records SET embedding = %s, embedding_dim = %s "
+                    f"WHERE tenant_id = {_T} AND id = %s",
+                    (vec_text(vec), len(vec), rid),
+                )
+                n += max(cur.rowcount, 0)
+        self._backend.note_dims([v for _, v in pairs])
+        return n
+
     # -- profiles, policies, metadata -----------------------------------------------------
     @staticmethod
     def _profile(row: Any) -> Profile:

@@ -255,6 +255,16 @@ class TenantStore(abc.ABC):
         """Every record at ``prefix`` or below (expired included), with its embedding, in
         insertion order: the export stream."""
 
+    @abc.abstractmethod
+    def without_vectors(self, limit: int) -> list[tuple[str, str]]:
+        """``(id, text)`` of up to ``limit`` records that have no embedding (expired and
+        superseded ones included), oldest first: what a reindex fills in."""
+
+    @abc.abstractmethod
+    def set_vectors(self, pairs: Sequence[tuple[str, Vector]]) -> int:
+        """Store the embedding of each ``(id, vector)`` (replacing any), in one transaction.
+        Ids that no longer exist are skipped. Returns how many records got a vector."""
+
     # -- profiles, policies, metadata -----------------------------------------------------
     @abc.abstractmethod
     def get_profile(self, scope: str) -> Profile | None:

@@ -94,13 +94,34 @@ class SQLiteTenantStore(TenantStore):
         if vectors is not None and len(vectors) != len(records):
             raise InvalidArgument("records and vectors differ in length")
         stored: list[AnyRecord] = []
+        rows: list[tuple[Any, ...]] = []
+        vecs: list[tuple[bytes, str]] = []
         with self._db.write("add") as conn:
             for i, rec in enumerate(records):
                 if isinstance(rec, Fact) and rec.key is not None:
+                    self._insert_many(conn, rows, vecs)  # supersession sees what came before
                     rec = self._supersede(conn, rec)
-                self._insert(conn, rec, None if vectors is None else vectors[i])
+                rows.append(schema.record_to_row(rec))
+                vec = None if vectors is None else vectors[i]
+                if vec is not None:
+                    vecs.append((_vec_blob(vec), rec.id))
                 stored.append(rec)
+            self._insert_many(conn, rows, vecs)
         return stored
+
+    @staticmethod
+    def _insert_many(
+        conn: sqlite3.Connection, rows: list[tuple[Any, ...]], vecs: list[tuple[bytes, str]]
+    ) -> None:
+        """Insert the pending ``rows`` and their vectors (by record id), then clear both."""
+        if rows:
+            conn.executemany(schema.INSERT_SQL, rows)
+            rows.clear()
+        if vecs:
+            conn.executemany(
+                "INSERT INTO vectors (rid, vec) SELECT rid, ? FROM records WHERE id = ?", vecs
+            )
+            vecs.clear()
 
     @staticmethod
     def _insert(conn: sqlite3.Connection, rec: AnyRecord, vec: Vector | None) -> None:
@@ -367,6 +388,27 @@ class SQLiteTenantStore(TenantStore):
         for row in rows:
             vec = None if row[-1] is None else np.frombuffer(row[-1], np.float32).tolist()
             yield schema.row_to_record(row), vec
+
+    def without_vectors(self, limit: int) -> list[tuple[str, str]]:
+        with self._db.read("records without vectors") as conn:
+            rows = conn.execute(
+                "SELECT r.id, r.text FROM records r LEFT JOIN vectors v ON v.rid = r.rid "
+                "WHERE v.rid IS NULL ORDER BY r.rid LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [(str(i), str(t)) for i, t in rows]
+
+    def set_vectors(self, pairs: Sequence[tuple[str, Vector]]) -> int:
+        n = 0
+        with self._db.write("set vectors") as conn:
+            for rid, vec in pairs:
+                cur = conn.execute(
+                    "INSERT OR REPLACE INTO vectors (rid, vec) "
+                    "SELECT rid, ? FROM records WHERE id = ?",
+                    (_vec_blob(vec), rid),
+                )
+                n += max(cur.rowcount, 0)
+        return n
 
     # -- profiles, policies, metadata -----------------------------------------------------
     @staticmethod

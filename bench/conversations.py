@@ -1,0 +1,433 @@
+"""Recall on real multi-session conversations (BEAM): torpor against its own parts and BM25.
+
+Run from the repository root (the data is not in this repository; see ``bench/README.md``)::
+
+    python -m bench.conversations                      # 100K chats: 20 conversations, minutes
+    python -m bench.conversations --sizes 100K,500K    # + the 35 longer ones (longer run)
+    python -m bench.conversations --limit 5            # the first 5 conversations of each size
+
+Each conversation is indexed on its own, turn by turn, as episodes of one scope:
+``scope.log_many([{"role": speaker, "text": "speaker: text", "session": batch, "at": time}])``,
+with ``at`` the batch's time anchor plus one minute per turn. Then each of its probing
+questions is asked (``scope.recall(question, k=10)``) and scored against its evidence turns
+(``source_chat_ids``): Recall@k is the share of a question's evidence turns among the first
+``k`` hits, averaged per memory ability (``abstention`` questions have no evidence and are
+left out). Systems, on the same strings:
+
+* ``torpor`` -- the default configuration (``Memory()``: MiniLM hybrid recall);
+* ``torpor-lexical`` -- ``Memory(embedder=None)``;
+* ``bm25`` -- plain Okapi BM25 (``rank-bm25``), lower-cased alphanumeric tokens;
+* ``dense`` -- MiniLM cosine similarity alone (exact, numpy).
+
+Document vectors are computed once per text with the real model and cached on disk
+(``--cache``), so a rerun only embeds the queries; torpor's search time includes its own
+query embedding (queries are never served from the cache to torpor). Prints a table per
+ability and writes ``bench/results/conversations.json``; ends with PASS/FAIL for the goal that
+the default is at or above every other row on every ability with at least 30 questions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from rich.console import Console
+from rich.table import Table
+
+log = logging.getLogger("bench.conversations")
+console = Console(width=160)
+OUT = Path(__file__).resolve().parent / "results" / "conversations.json"
+DEFAULT_DATA = Path.home() / ".cache" / "torpor-bench" / "BEAM"
+KS = (1, 5, 10)
+SYSTEMS = ("torpor", "torpor-lexical", "bm25", "dense")
+MAX_CHARS = 32_000  # torpor's text limit (LIMITS.max_memory_text_chars); longer turns are cut
+_MARKER = re.compile(r"\s*->->\s*\d+\s*,\s*\d+\s*$")  # the generator's batch,turn tag
+_TOKEN = re.compile(r"[a-z0-9]+")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message of a conversation: its id (what evidence names), speaker, text, batch."""
+
+    id: int
+    role: str
+    text: str
+    session: str
+    at: datetime
+
+
+@dataclass(frozen=True)
+class Question:
+    ability: str
+    text: str
+    evidence: frozenset[int]
+
+
+@dataclass
+class Conversation:
+    name: str
+    turns: list[Turn]
+    questions: list[Question] = field(default_factory=list)
+
+    def record_text(self, turn: Turn) -> str:
+        """The string every system indexes: ``"speaker: text"``."""
+        return f"{turn.role}: {turn.text}"[:MAX_CHARS]
+
+
+def _anchor(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    for fmt in ("%B-%d-%Y", "%b-%d-%Y", "%B %d, %Y", "%Y-%m-%d"):
+        try:
+            return datetime.strptime(text.strip(), fmt).replace(tzinfo=UTC)
+        except ValueError:
+            continue
+    return None
+
+
+def _ids(value: Any) -> set[int]:
+    """Every turn id in a ``source_chat_ids`` value (a list, or a dict of lists)."""
+    if value is None:
+        return set()
+    if isinstance(value, dict):
+        return set().union(*(_ids(v) for v in value.values())) if value else set()
+    if isinstance(value, list):
+        out: set[int] = set()
+        for v in value:
+            out |= _ids(v)
+        return out
+    try:
+        return {int(value)}
+    except (TypeError, ValueError):
+        return set()
+
+
+def load(data: Path, sizes: Sequence[str], limit: int | None) -> list[Conversation]:
+    """The conversations under ``data/chats/<size>/<n>/`` (numeric order), ``limit`` per size."""
+    out: list[Conversation] = []
+    for size in sizes:
+        root = data / "chats" / size
+        if not root.is_dir():
+            raise SystemExit(f"no BEAM chats at {root}: see bench/README.md for how to get them")
+        dirs = sorted((d for d in root.iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+        out.extend(_conversation(f"{size}/{d.name}", d) for d in dirs[:limit])
+    return out
+
+
+def _conversation(name: str, d: Path) -> Conversation:
+    chat = json.loads((d / "chat.json").read_text())
+    turns: list[Turn] = []
+    when = datetime(2024, 1, 1, tzinfo=UTC)
+    for batch in chat:
+        session = f"batch-{batch.get('batch_number', len(turns))}"
+        start = _anchor(batch.get("time_anchor"))
+        if start is not None:
+            when = max(when, start)
+        for pair in batch["turns"]:
+            for msg in pair:
+                start = _anchor(msg.get("time_anchor"))
+                if start is not None and start > when:
+                    when = start
+                when += timedelta(minutes=1)
+                text = _MARKER.sub("", msg["content"]).strip() or "(empty)"
+                turns.append(Turn(int(msg["id"]), msg["role"], text, session, when))
+    conv = Conversation(name, turns)
+    probing = json.loads((d / "probing_questions" / "probing_questions.json").read_text())
+    known = {t.id for t in turns}
+    for ability, questions in probing.items():
+        for q in questions:
+            evidence = frozenset(_ids(q.get("source_chat_ids")) & known)
+            if evidence and q.get("question"):
+                conv.questions.append(Question(ability, q["question"], evidence))
+    return conv
+
+
+# -- embeddings -----------------------------------------------------------------------------
+class CachedEmbedder:
+    """torpor's default embedder with a per-text cache, kept on disk between runs.
+
+    It carries the model's own ``name`` (the store records it), so torpor sees exactly the
+    default configuration. ``serve_queries`` False: texts not in the cache are embedded by the
+    model each time, which is how torpor's query embedding stays in its measured search time.
+    """
+
+    def __init__(self, cache_dir: Path) -> None:
+        from torpor.memory.embeddings import SentenceTransformerEmbedder
+
+        self.model = SentenceTransformerEmbedder()
+        self.name = self.model.name
+        self.cache_dir = cache_dir
+        self.cache: dict[str, npt.NDArray[np.float32]] = {}
+        self.queries: dict[str, npt.NDArray[np.float32]] = {}
+
+    @property
+    def dim(self) -> int:
+        return self.model.dim
+
+    def _file(self, key: str) -> Path:
+        return self.cache_dir / f"{key}.npy"
+
+    def warm(self, conv: Conversation) -> float:
+        """Embed (or load) every turn of ``conv``; returns seconds spent embedding (0 if cached)."""
+        texts = [conv.record_text(t) for t in conv.turns]
+        key = hashlib.sha256(("\x00".join([self.name, *texts])).encode()).hexdigest()[:24]
+        path = self._file(key)
+        spent = 0.0
+        if path.exists():
+            vecs = np.load(path)
+        else:
+            t0 = time.perf_counter()
+            vecs = self.model.embed(texts)
+            spent = time.perf_counter() - t0
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            np.save(path, vecs)
+        for text, vec in zip(texts, vecs, strict=True):
+            self.cache[text] = vec
+        return spent
+
+    def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        missing = [t for t in texts if t not in self.cache]
+        fresh = self.model.embed(missing) if missing else None
+        got = dict(zip(missing, fresh if fresh is not None else [], strict=True))
+        self.queries.update(got)
+        rows = [self.cache[t] if t in self.cache else got[t] for t in texts]
+        return np.stack(rows) if rows else np.zeros((0, self.dim), dtype=np.float32)
+
+    def query(self, text: str) -> npt.NDArray[np.float32]:
+        """A query's vector (the one torpor's run computed, when there was one)."""
+        if text not in self.queries:
+            self.queries[text] = self.model.embed([text])[0]
+        return self.queries[text]
+
+
+# -- systems --------------------------------------------------------------------------------
+Search = Callable[[str, int], list[int]]
+
+
+def torpor_index(conv: Conversation, home: Path, embedder: Any) -> tuple[Search, float]:
+    """Index ``conv`` in a fresh torpor memory; returns its search and the indexing seconds."""
+    import torpor
+
+    mem = torpor.Memory(home=str(home), embedder=embedder)
+    scope = mem.scope(app="beam", user=conv.name.replace("/", "-").lower())
+    t0 = time.perf_counter()
+    recs = scope.log_many(
+        [
+            {"role": t.role, "text": conv.record_text(t), "session": t.session, "at": t.at}
+            for t in conv.turns
+        ]
+    )
+    spent = time.perf_counter() - t0
+    by_id = {r.id: t.id for r, t in zip(recs, conv.turns, strict=True)}
+
+    def search(query: str, k: int) -> list[int]:
+        return [by_id[h.id] for h in scope.recall(query, k)]
+
+    return search, spent
+
+
+def bm25_index(conv: Conversation) -> tuple[Search, float]:
+    from rank_bm25 import BM25Okapi
+
+    t0 = time.perf_counter()
+    index = BM25Okapi([_TOKEN.findall(conv.record_text(t).lower()) or ["_"] for t in conv.turns])
+    spent = time.perf_counter() - t0
+    ids = [t.id for t in conv.turns]
+
+    def search(query: str, k: int) -> list[int]:
+        scores = index.get_scores(_TOKEN.findall(query.lower()))
+        order = np.argsort(-scores, kind="stable")[:k]
+        return [ids[i] for i in order if scores[i] > 0]
+
+    return search, spent
+
+
+def dense_index(conv: Conversation, emb: CachedEmbedder) -> tuple[Search, float]:
+    mat = np.stack([emb.cache[conv.record_text(t)] for t in conv.turns])
+    ids = [t.id for t in conv.turns]
+
+    def search(query: str, k: int) -> list[int]:
+        sims = mat @ emb.query(query)
+        return [ids[i] for i in np.argsort(-sims, kind="stable")[:k]]
+
+    return search, 0.0
+
+
+# -- scoring --------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    """Recall@k sums per ability, search times and indexing figures of one system."""
+
+    recall: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    search_s: list[float] = field(default_factory=list)
+    index_s: float = 0.0
+    indexed: int = 0
+
+    def add(self, q: Question, got: Sequence[int]) -> None:
+        row = self.recall.setdefault(q.ability, {k: [] for k in KS})
+        for k in KS:
+            row[k].append(len(q.evidence & set(got[:k])) / len(q.evidence))
+
+    def table(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        every: dict[int, list[float]] = {k: [] for k in KS}
+        for ability, row in sorted(self.recall.items()):
+            out[ability] = {f"R@{k}": statistics.fmean(row[k]) for k in KS}
+            out[ability]["n"] = len(row[KS[0]])
+            for k in KS:
+                every[k] += row[k]
+        if every[KS[0]]:
+            out["all"] = {f"R@{k}": statistics.fmean(every[k]) for k in KS}
+            out["all"]["n"] = len(every[KS[0]])
+        return out
+
+
+def _pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1000 if ordered else 0
+
+
+def run(convs: Sequence[Conversation], systems: Sequence[str], cache: Path) -> dict[str, Tally]:
+    """Every system on every conversation; returns their tallies."""
+    tallies = {s: Tally() for s in systems}
+    emb = CachedEmbedder(cache) if {"torpor", "dense"} & set(systems) else None
+    if emb is not None:
+        emb.model.embed(["load the model before anything is timed"])
+    for n, conv in enumerate(convs, 1):
+        embed_s = emb.warm(conv) if emb is not None else 0.0
+        console.print(
+            f"  [{n}/{len(convs)}] {conv.name}: {len(conv.turns)} turns, "
+            f"{len(conv.questions)} questions"
+            + (f" (embedded in {embed_s:.0f}s)" if embed_s else "")
+        )
+        with tempfile.TemporaryDirectory(prefix="torpor-beam-") as tmp:
+            for system in systems:
+                if system == "torpor":
+                    search, spent = torpor_index(conv, Path(tmp) / "default", emb)
+                elif system == "torpor-lexical":
+                    search, spent = torpor_index(conv, Path(tmp) / "lexical", None)
+                elif system == "bm25":
+                    search, spent = bm25_index(conv)
+                else:
+                    assert emb is not None
+                    search, spent = dense_index(conv, emb)
+                tally = tallies[system]
+                tally.index_s += spent
+                tally.indexed += len(conv.turns)
+                for q in conv.questions:
+                    t0 = time.perf_counter()
+                    got = search(q.text, max(KS))
+                    tally.search_s.append(time.perf_counter() - t0)
+                    tally.add(q, got)
+    return tallies
+
+
+def verdicts(tables: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str, bool, str]]:
+    """The default at or above every other row on every ability with >= 30 questions."""
+    rows = []
+    base = tables.get("torpor", {})
+    for ability, fig in base.items():
+        if ability == "all" or fig["n"] < 30:
+            continue
+        worse = [
+            f"{s} {k} {tables[s][ability][k]:.3f} > {fig[k]:.3f}"
+            for s in tables
+            if s != "torpor" and ability in tables[s]
+            for k in (f"R@{k}" for k in KS)
+            if tables[s][ability][k] > fig[k] + 1e-9
+        ]
+        rows.append((f"default >= every row: {ability}", not worse, "; ".join(worse) or "ok"))
+    return rows
+
+
+def print_tables(tables: dict[str, dict[str, dict[str, float]]], tallies: dict[str, Tally]) -> None:
+    abilities = [*sorted({a for t in tables.values() for a in t if a != "all"}), "all"]
+    table = Table(title="Recall@1 / @5 / @10 per ability (evidence turns found)")
+    table.add_column("ability")
+    table.add_column("n", justify="right")
+    for s in tables:
+        table.add_column(s, justify="right")
+    for a in abilities:
+        n = next((int(t[a]["n"]) for t in tables.values() if a in t), 0)
+        cells = []
+        for s in tables:
+            f = tables[s].get(a)
+            cells.append("-" if f is None else " / ".join(f"{f[f'R@{k}']:.3f}" for k in KS))
+        table.add_row(a, str(n), *cells)
+    console.print(table)
+    speed = Table(title="speed")
+    for col in ("system", "search p50 ms", "search p95 ms", "index turns/s"):
+        speed.add_column(col, justify="right")
+    for s, t in tallies.items():
+        rate = f"{t.indexed / t.index_s:,.0f}" if t.index_s > 0 else "-"
+        speed.add_row(s, f"{_pct(t.search_s, 0.5):.2f}", f"{_pct(t.search_s, 0.95):.2f}", rate)
+    console.print(speed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns 0 (a missed goal is a FAIL row, not an error)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the BEAM checkout")
+    ap.add_argument("--sizes", default="100K", help="comma-separated chat sizes (100K,500K)")
+    ap.add_argument("--limit", type=int, default=None, help="conversations per size")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--cache", type=Path, default=DEFAULT_DATA.parent / "vectors")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}")
+    convs = load(args.data.expanduser(), sizes, args.limit)
+    nq = sum(len(c.questions) for c in convs)
+    console.print(
+        f"[bold]BEAM[/] {','.join(sizes)}: {len(convs)} conversations, "
+        f"{sum(len(c.turns) for c in convs)} turns, {nq} questions with evidence"
+    )
+    t0 = time.perf_counter()
+    tallies = run(convs, systems, args.cache.expanduser())
+    tables = {s: t.table() for s, t in tallies.items()}
+    print_tables(tables, tallies)
+    rows = verdicts(tables) if "torpor" in tables else []
+    for name, ok, detail in rows:
+        console.print(f"{'[green]PASS[/]' if ok else '[red]FAIL[/]'} {name}: {detail}")
+    report = {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "data": {"set": "BEAM", "sizes": sizes, "limit": args.limit, "conversations": len(convs)},
+        "questions": nq,
+        "recall": tables,
+        "speed": {
+            s: {
+                "search_p50_ms": _pct(t.search_s, 0.5),
+                "search_p95_ms": _pct(t.search_s, 0.95),
+                "index_turns_per_s": t.indexed / t.index_s if t.index_s > 0 else None,
+            }
+            for s, t in tallies.items()
+        },
+        "targets": [{"target": n, "pass": ok, "detail": d} for n, ok, d in rows],
+        "seconds": time.perf_counter() - t0,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
