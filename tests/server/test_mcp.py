@@ -55,12 +55,21 @@ def tcp_socket() -> socket.socket:
     return sock
 
 
+#: tokens of two users of acme, each granted only its own memory scope and sandboxes
+USER_TOKENS: dict[str, str] = {}
+
+
 @pytest.fixture
 def url(tmp_path: Path) -> Iterator[str]:
-    """``http://127.0.0.1:PORT/mcp`` of a real server with tenants acme and globex."""
+    """``http://127.0.0.1:PORT/mcp`` of a real server with tenants acme and globex, and
+    :data:`USER_TOKENS` of acme's users u-1 and u-2."""
     manager = SandboxManager(paths(tmp_path), engine=FakeEngine())
     app = create_app(manager, tokens=TokenStore({ACME: "acme", GLOBEX: "globex"}), supervise=False)
     app.state.memory_factory = lambda tenant: Memory(tmp_path, tenant=tenant, embedder=None)
+    for user in ("u-1", "u-2"):
+        USER_TOKENS[user] = app.state.identity.tokens.issue(
+            "acme", [("write", f"app/support/user/{user}")], sandboxes={"user": user}
+        )
     sock = tcp_socket()
     server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -362,3 +371,44 @@ def test_a_bound_caller_may_narrow_but_not_leave_its_scope() -> None:
         tc.levels({"user": "u-43"})
     with pytest.raises(AccessDenied):
         ToolContext(tenant="acme", memory=None, read_only=True).writable()
+
+
+def test_a_users_token_reaches_only_that_users_memory_and_sandboxes(url: str) -> None:
+    """One identity: a token granted one user's scope and sandboxes (label user=u-1) cannot
+    read the other user's memory or reach the other user's sandbox through MCP either."""
+    u1 = {"app": "support", "user": "u-1"}
+    u2 = {"app": "support", "user": "u-2"}
+
+    async def first(c: Client) -> Any:
+        fact = data(await c.call_tool("remember", {"text": "u-1 likes tea", **u1}))
+        made = data(await c.call_tool("sandbox_get_or_create", {"name": "agent-u-1"}))
+        own = data(await c.call_tool("sandbox_exec", {"sandbox": "agent-u-1", "cmd": "echo ok"}))
+        return fact, made, own
+
+    fact, made, own = with_client(url, USER_TOKENS["u-1"], first)
+    assert made["labels"] == {"user": "u-1"}  # the token's selector labels what it makes
+    assert own["stdout"] == "ok\n"
+
+    async def second(c: Client) -> Any:
+        return (
+            await c.call_tool("recall", {"query": "tea", **u1}),
+            await c.call_tool("forget", {"record_id": fact["id"], **u1}),
+            await c.call_tool("sandbox_exec", {"sandbox": "agent-u-1", "cmd": "echo hi"}),
+            await c.call_tool("sandbox_get_or_create", {"name": "agent-u-1"}),
+            await c.call_tool(
+                "sandbox_get_or_create", {"name": "agent-x", "labels": {"user": "u-1"}}
+            ),
+            await c.call_tool("sandbox_snapshot", {"sandbox": "agent-u-1"}),
+            data(await c.call_tool("recall", {"query": "tea", **u2}))["hits"],
+        )
+
+    recall, forget, exec_, take, mislabel, snap, own_hits = with_client(
+        url, USER_TOKENS["u-2"], second
+    )
+    assert ": AccessDenied: " in error_text(recall)
+    assert ": AccessDenied: " in error_text(forget)
+    assert ": SandboxNotFound: " in error_text(exec_)  # as over HTTP: nothing leaks
+    assert ": AccessDenied: " in error_text(take)
+    assert ": AccessDenied: " in error_text(mislabel)
+    assert ": AccessDenied: " in error_text(snap)
+    assert own_hits == []

@@ -49,7 +49,7 @@ from torpor.memory.models import AuditEntry, Episode, Fact, Hit, Policy, Profile
 from torpor.server.auth import Caller
 from torpor.server.deps import CallerDep
 
-__all__ = ["MAX_IMPORT_BYTES", "router"]
+__all__ = ["MAX_IMPORT_BYTES", "memory_of", "router", "tenant_memory"]
 
 router = APIRouter(prefix="/v1/memory", tags=["memory"])
 
@@ -164,8 +164,7 @@ class Purged(BaseModel):
 _lock = threading.Lock()
 
 
-def _embedder(request: Request) -> Embedder | None:
-    state = request.app.state
+def _embedder(state: Any) -> Embedder | None:
     with _lock:
         if not getattr(state, "memory_embedder_ready", False):
             state.memory_embedder = resolve_embedder(getattr(state, "memory_embedder", None))
@@ -174,21 +173,28 @@ def _embedder(request: Request) -> Embedder | None:
     return embedder
 
 
+def tenant_memory(app: Any, tenant: str) -> Memory:
+    """The server's memory of ``tenant`` as its owner (one per tenant, over the app's
+    backend; shared by the memory routes and the MCP tools)."""
+    state = app.state
+    with _lock:
+        cache: dict[str, Memory] | None = getattr(state, "tenant_memories", None)
+        if cache is None:
+            cache = state.tenant_memories = {}
+        base = cache.get(tenant)
+    if base is None:
+        base = Memory.attach(state.memory_backend, tenant, embedder=_embedder(state))
+        with _lock:
+            base = cache.setdefault(tenant, base)
+    return base
+
+
 def memory_of(request: Request, caller: Caller) -> Memory:
     """The server's memory of ``caller`` 's tenant, seen with ``caller`` 's grants."""
-    state = request.app.state
-    with _lock:
-        cache: dict[str, Memory] | None = getattr(state, "memories", None)
-        if cache is None:
-            cache = state.memories = {}
-        base = cache.get(caller.tenant)
-    if base is None:
-        base = Memory.attach(state.memory_backend, caller.tenant, embedder=_embedder(request))
-        with _lock:
-            base = cache.setdefault(caller.tenant, base)
+    base = tenant_memory(request.app, caller.tenant)
     if caller.is_owner:
         return base
-    return base.acting_as(caller.access(state.memory_backend))
+    return base.acting_as(caller.access(request.app.state.memory_backend))
 
 
 def _scope(request: Request, caller: Caller, scope: str, tenant: str | None) -> ScopedMemory:

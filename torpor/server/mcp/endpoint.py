@@ -31,34 +31,28 @@ log = logging.getLogger(__name__)
 _SCOPE_KEY = "torpor.mcp.context"
 
 
-#: ``factory(tenant)`` -> a memory of that tenant; the default opens ``torpor.Memory`` at the
-#: server's home. Tests and embedders set ``app.state.memory_factory``.
+#: ``factory(tenant)`` -> a memory of that tenant, for tests and embedders that set
+#: ``app.state.memory_factory``; without one the tools use the server's own memory (the one the
+#: memory routes serve, :func:`torpor.server.routes_memory.tenant_memory`).
 MemoryFactory = Callable[[str], Any]
 
 
-def _default_memory(app: FastAPI) -> MemoryFactory:
-    from torpor.memory import Memory
-
-    home = getattr(getattr(app.state.manager, "paths", None), "home", None)
-    if home is None:
-        raise InvalidArgument("this server has no home for memory (set app.state.memory_factory)")
-    return lambda tenant: Memory(home, tenant=tenant)
-
-
 async def memory_for(app: FastAPI, tenant: str) -> Any:
-    """The app's memory of ``tenant``, opened on first use and kept until shutdown.
+    """The app's memory of ``tenant`` as its owner (callers narrow it to their grants).
 
     Raises what opening the store raises (:class:`~torpor.errors.StorageError` ...).
     """
-    memories: dict[str, Any] = app.state.memories
+    factory: MemoryFactory | None = getattr(app.state, "memory_factory", None)
+    if factory is None:
+        from torpor.server.routes_memory import tenant_memory
+
+        return await anyio.to_thread.run_sync(tenant_memory, app, tenant)
+    memories: dict[str, Any] = app.state.mcp_memories
     found = memories.get(tenant)
     if found is not None:
         return found
-    async with app.state.memories_lock:
+    async with app.state.mcp_memories_lock:
         if tenant not in memories:
-            factory: MemoryFactory = getattr(app.state, "memory_factory", None) or _default_memory(
-                app
-            )
             memories[tenant] = await anyio.to_thread.run_sync(factory, tenant)
         return memories[tenant]
 

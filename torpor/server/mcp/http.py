@@ -29,10 +29,12 @@ from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
 from starlette.routing import Route
 
+from torpor.errors import SandboxNotFound
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.models import CommandResult, Execution, SandboxInfo
 from torpor.sandbox.requests import CodeSpec, CommandSpec, ForkSpec, SandboxOptions, SnapshotSpec
-from torpor.server.deps import get_tenant
+from torpor.server.auth import Caller, Identity
+from torpor.server.deps import get_caller, get_identity
 from torpor.server.mcp.endpoint import Endpoint, from_request, memory_for
 from torpor.server.mcp.relay import GuestRelay
 from torpor.server.mcp.tools import ToolContext, build_server
@@ -52,43 +54,97 @@ class ManagerOps:
     manager: Any
     checkpoints: Checkpoints
     tenant: str
+    #: the caller, whose sandbox label selector limits what the tools reach (None: the owner)
+    caller: Caller | None = None
+    identity: Identity | None = None
 
     def _own(self, info: SandboxInfo, ref: str) -> SandboxInfo:
         from torpor.server.routes_sandboxes import own
 
         return own(info, self.tenant, ref)
 
+    @property
+    def _selector(self) -> dict[str, str]:
+        return {} if self.caller is None else dict(self.caller.sandboxes or {})
+
+    def _deny(self, action: str, target: str, message: str) -> Exception:
+        assert self.caller is not None and self.identity is not None
+        return self.identity.deny(self.caller, f"mcp {action}", target, message)
+
+    async def _check(self, sandbox: str, action: str) -> None:
+        """SandboxNotFound (audited) for a sandbox outside the caller's label selector, as
+        the HTTP routes answer."""
+        if not self._selector:
+            return
+        assert self.caller is not None and self.identity is not None
+        info = await self.manager.get(sandbox, tenant=self.tenant)
+        if not self.caller.sees(info.labels):
+            self.identity.audit(self.caller, f"mcp {action}", f"sandbox:{sandbox}", allowed=False)
+            raise SandboxNotFound(f"no sandbox {sandbox!r}", kind="sandbox", name=sandbox)
+
+    def _labelled(self, labels: Mapping[str, str] | None, action: str, name: str) -> dict[str, str]:
+        """``labels`` with the caller's selector added (AccessDenied if they contradict it)."""
+        out = dict(labels or {})
+        if any(out.get(k, v) != v for k, v in self._selector.items()):
+            raise self._deny(
+                action, f"sandbox:{name}", f"labels {out} are outside {self._selector}"
+            )
+        return {**out, **self._selector}
+
     async def get_or_create(self, name: str, options: SandboxOptions) -> SandboxInfo:
+        if self._selector:
+            labels = self._labelled(options.labels, "get_or_create", name)
+            options = options.model_copy(update={"labels": labels})
+            try:  # first: a get-or-create would apply this caller's labels to another's
+                found = await self.manager.get(name, tenant=self.tenant)
+            except SandboxNotFound:
+                found = None
+            if found is not None and not self.caller.sees(found.labels):  # type: ignore[union-attr]
+                raise self._deny("get_or_create", f"sandbox:{name}", f"{name!r} is another's")
         info = await self.manager.get_or_create(name, options, tenant=self.tenant)
+        if self._selector and not self.caller.sees(info.labels):  # type: ignore[union-attr]
+            raise self._deny("get_or_create", f"sandbox:{name}", f"{name!r} is another's")
         return self._own(info, name)
 
     async def run_command(self, sandbox: str, spec: CommandSpec) -> CommandResult:
+        await self._check(sandbox, "exec")
         result: CommandResult = await self.manager.run_command(sandbox, spec, tenant=self.tenant)
         return result
 
     async def run_code(self, sandbox: str, spec: CodeSpec) -> Execution:
+        await self._check(sandbox, "run_code")
         result: Execution = await self.manager.run_code(sandbox, spec, tenant=self.tenant)
         return result
 
     async def read_file(self, sandbox: str, path: str) -> bytes:
+        await self._check(sandbox, "read_file")
         data: bytes = await self.manager.read_file(sandbox, path, tenant=self.tenant)
         return data
 
     async def write_file(self, sandbox: str, path: str, data: bytes) -> None:
+        await self._check(sandbox, "write_file")
         await self.manager.write_file(sandbox, path, data, tenant=self.tenant)
 
     async def pause(self, sandbox: str) -> SandboxInfo:
+        await self._check(sandbox, "pause")
         result = await self.manager.pause(sandbox, tenant=self.tenant)
         if not isinstance(result, SandboxInfo):
             result = await self.manager.get(sandbox, tenant=self.tenant)
         return self._own(result, sandbox)
 
     async def snapshot(self, sandbox: str, spec: SnapshotSpec) -> Mapping[str, Any]:
+        if self._selector:  # snapshots are the tenant's, as over HTTP
+            raise self._deny(
+                "snapshot", f"sandbox:{sandbox}", "snapshots need rights on every sandbox"
+            )
         info = await self.checkpoints.snapshot(sandbox, spec, tenant=self.tenant)
         dumped: dict[str, Any] = info.model_dump(mode="json")
         return dumped
 
     async def fork(self, sandbox: str, spec: ForkSpec) -> list[SandboxInfo]:
+        await self._check(sandbox, "fork")
+        if self._selector:
+            spec = spec.model_copy(update={"labels": self._labelled(spec.labels, "fork", sandbox)})
         children: list[SandboxInfo] = await self.checkpoints.fork(sandbox, spec, tenant=self.tenant)
         return children
 
@@ -96,23 +152,33 @@ class ManagerOps:
 async def caller_context(request: Request) -> ToolContext:
     """Who this HTTP request acts for, as the tools' context: THE place identity enters MCP.
 
-    Today the bearer token's tenant (:func:`~torpor.server.deps.get_tenant`), owning its whole
-    memory and every sandbox of the tenant. A caller with narrower grants maps onto the same
-    context: memory scope prefixes onto ``ToolContext.scope`` / ``read_only``, a sandbox label
-    selector onto a check in :class:`ManagerOps`.
+    The caller is the server's one identity (:func:`torpor.server.deps.get_caller`: the bearer
+    token, or the unix socket's trusted owner), never anything in the URL or the MCP message.
+    Its memory grants apply to the memory tools (the tenant's memory seen through them, as the
+    memory routes do), its sandbox label selector to the sandbox tools (:class:`ManagerOps`);
+    a token without sandbox rights gets no sandbox tools at all.
 
-    Raises :class:`~torpor.errors.AccessDenied` for a missing, malformed or unknown token.
+    Raises :class:`~torpor.errors.AccessDenied` (audited) for a missing, malformed, unknown,
+    expired or revoked token.
     """
     from torpor.server.routes_checkpoints import checkpoints_of
 
-    tenant = get_tenant(request)
+    caller = get_caller(request)
     app: FastAPI = request.app
     manager = app.state.manager
-    return ToolContext(
-        tenant=tenant,
-        memory=await memory_for(app, tenant),
-        sandboxes=ManagerOps(manager, checkpoints_of(request, manager), tenant),
-    )
+    memory = await memory_for(app, caller.tenant)
+    if not caller.is_owner:
+        memory = memory.acting_as(caller.access(memory.backend))
+    sandboxes = None
+    if caller.sandboxes is not None:
+        sandboxes = ManagerOps(
+            manager,
+            checkpoints_of(request, manager),
+            caller.tenant,
+            caller=caller,
+            identity=get_identity(request),
+        )
+    return ToolContext(tenant=caller.tenant, memory=memory, sandboxes=sandboxes)
 
 
 def mount(app: FastAPI) -> Callable[[], contextlib.AbstractAsyncContextManager[None]]:
@@ -134,8 +200,8 @@ def mount(app: FastAPI) -> Callable[[], contextlib.AbstractAsyncContextManager[N
             )
 
     app.state.mcp = server
-    app.state.memories = {}
-    app.state.memories_lock = asyncio.Lock()
+    app.state.mcp_memories = {}
+    app.state.mcp_memories_lock = asyncio.Lock()
     endpoint = Endpoint(server, caller_context)
     engine = getattr(app.state.manager, "engine", None)
     if engine is not None and hasattr(engine, "guest_calls"):  # QEMU: sandboxes ask through it
@@ -147,13 +213,13 @@ def mount(app: FastAPI) -> Callable[[], contextlib.AbstractAsyncContextManager[N
     @contextlib.asynccontextmanager
     async def running() -> AsyncIterator[None]:
         new_session_manager()
-        app.state.memories_lock = asyncio.Lock()  # of this start's event loop
+        app.state.mcp_memories_lock = asyncio.Lock()  # of this start's event loop
         try:
             async with server.session_manager.run(), guest.server.session_manager.run():
                 yield
         finally:
             await guest.close()
-            memories: dict[str, Any] = app.state.memories
+            memories: dict[str, Any] = app.state.mcp_memories
             for memory in memories.values():
                 with contextlib.suppress(Exception):
                     memory.close()
