@@ -7,6 +7,11 @@ sandbox by name, which wakes it with its RAM intact: the variable is still there
 and the web server answers without having been restarted. Then the agent remembers a fact
 that cites the file it came from, and recalls it.
 
+Inside its VM the agent also has its own memory, with no credential in the guest: the guest
+agent serves ``localhost:7777`` and relays each call to the server, which scopes it to the
+``memory_scope`` the sandbox was created with. The agent remembers a preference from inside
+its VM in session 1; in session 2 the host recalls it, and so does the agent again.
+
 Run:  python examples/demo.py      (after `bash scripts/setup`; the local torpor server starts
                                     by itself on first use and keeps running, like Docker's)
 """
@@ -14,7 +19,9 @@ Run:  python examples/demo.py      (after `bash scripts/setup`; the local torpor
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -26,6 +33,12 @@ from torpor.client.sources import sandbox_resolver
 NAME = "agent-u-42"
 NOTES = "['prefers weekly summaries']"
 MEMORY_MD = "# u-42\n- prefers weekly summaries\n- upgraded to Pro on the 3rd\n"
+#: the agent's own memory from inside its VM: ``python3 /opt/ask.py TOOL '{json args}'``
+ASK_PY = """import json, sys, urllib.request as u
+req = u.Request("http://127.0.0.1:7777/v1/memory/" + sys.argv[1], data=sys.argv[2].encode(),
+                headers={"Content-Type": "application/json"})
+print(u.urlopen(req, timeout=300).read().decode())
+"""
 PROBE = (
     'python3 -c "import urllib.request as u; '
     "print(u.urlopen('http://127.0.0.1:8000/memory.md', timeout=5).status)\""
@@ -46,6 +59,15 @@ class Clock:
         self._t = now
 
 
+def ask(sbx: torpor.Sandbox, tool: str, **args: object) -> dict[str, object]:
+    """Call the in-sandbox memory endpoint from inside the VM, as the agent would."""
+    out = sbx.commands.run(f"python3 /opt/ask.py {tool} {shlex.quote(json.dumps(args))}")
+    if out.exit_code != 0:
+        raise SystemExit(f"localhost:7777/{tool} failed in the sandbox: {out.stderr}")
+    answer: dict[str, object] = json.loads(out.stdout)
+    return answer
+
+
 def first_session() -> None:
     """Create the sandbox, leave state in it, pause it."""
     print(f"session 1 (pid {os.getpid()}): a new sandbox for user u-42")
@@ -55,7 +77,12 @@ def first_session() -> None:
         torpor.Sandbox.get(NAME).kill()
     clock.lap("local server up, old sandbox removed")
 
-    sbx = torpor.Sandbox.get_or_create(NAME, idle_pause_seconds=600, labels={"user": "u-42"})
+    sbx = torpor.Sandbox.get_or_create(
+        NAME,
+        idle_pause_seconds=600,
+        labels={"user": "u-42"},
+        memory_scope={"app": "demo", "user": "u-42"},  # its memory at localhost:7777
+    )
     assert not sbx.info.reused
     clock.lap(f"create {sbx.id} (a fork of the booted template)")
 
@@ -71,6 +98,9 @@ def first_session() -> None:
     else:
         raise SystemExit("the web server in the sandbox did not start")
     clock.lap("background http.server answers 200")
+    sbx.files.write("/opt/ask.py", ASK_PY)
+    ask(sbx, "remember", text="prefers weekly summaries", key="summary_cadence")
+    clock.lap("remember from inside the VM (localhost:7777)")
 
     sbx.pause()
     clock.lap("pause (hibernate RAM + processes to disk)")
@@ -118,6 +148,14 @@ def second_session() -> None:
     assert hits and hits[0].id == fact.id, hits
     hit = hits[0]
     print(f"  memory:   {hit.text!r} (source verified: {fact.verified})")
+    cadence = u.recall("how often should summaries be sent?", k=1)
+    clock.lap("host recalls what the agent remembered in its VM")
+    assert cadence and cadence[0].text == "prefers weekly summaries", cadence
+    inside = ask(sbx, "recall", query="which plan did they upgrade to?", k=1)
+    clock.lap("recall from inside the VM (localhost:7777)")
+    found = inside["hits"][0]["record"]["text"]  # type: ignore[index]
+    assert found == fact.text, inside
+    print(f"  in-VM:    remembered {cadence[0].text!r} in session 1; recalls {found!r} now")
 
     sbx.pause()
     clock.lap("pause again")
