@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from torpor.config import check_name
-from torpor.errors import EngineError, GuestError, PathNotFound, TemplateNotFound
+from torpor.errors import (
+    EngineError,
+    GuestError,
+    OperationTimeout,
+    PathNotFound,
+    TemplateNotFound,
+)
 from torpor.sandbox.engine import DirStatus, MachineConfig
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, Result
 from torpor.sandbox.requests import CodeSpec, CommandSpec
@@ -190,8 +196,15 @@ class FakeChannel:
         self._proc()
         word, _, rest = command.cmd.partition(" ")
         if word == "sleep":
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), float(rest))
+            wanted = float(rest)
+            limit = wanted if command.timeout is None else min(wanted, command.timeout)
+            try:
+                await asyncio.wait_for(self._closing.wait(), limit)
+            except TimeoutError:
+                if limit < wanted:  # as the guest: killed at the timeout
+                    raise OperationTimeout(
+                        f"command timed out after {command.timeout} s", timeout=command.timeout
+                    ) from None
         self._proc()  # the machine may have died meanwhile
         if word == "echo":
             return CommandResult(exit_code=0, stdout=rest + "\n")

@@ -30,6 +30,7 @@ import httpx
 from torpor.client._local import ensure_local_server
 from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
+from torpor.sandbox.models import EventPage, SandboxEvent
 
 __all__ = ["Runtime", "default_runtime", "set_default_runtime"]
 
@@ -179,6 +180,36 @@ class Runtime:
         """The server's identity: ``{"ok", "pid", "version", "tenant", "home"}``."""
         result: dict[str, Any] = self.json("GET", "/v1/health")
         return result
+
+    def events(
+        self,
+        *,
+        after: int = 0,
+        sandbox: str | None = None,
+        follow: bool = False,
+        wait: float = 10.0,
+    ) -> Iterator[SandboxEvent]:
+        """This tenant's sandbox lifecycle events (``create``, ``pause``, ``wake``, ``kill``,
+        ``expire``, ``error`` ...), oldest first, from ``seq`` ``after`` on; only those of
+        ``sandbox`` (id or name) if given. With ``follow`` the iterator then waits for new
+        ones (long polls of ``wait`` seconds) until the caller stops it; the history is kept
+        in the server's registry, so it survives a restart.
+
+        Raises like :meth:`request` (:class:`~torpor.errors.SandboxNotFound` for an unknown
+        ``sandbox``)."""
+        while True:
+            params: dict[str, Any] = {"after": after}
+            if sandbox is not None:
+                params["sandbox"] = sandbox
+            if follow:
+                params["wait"] = wait
+            page = EventPage.model_validate(
+                self.json("GET", "/v1/events", params=params, timeout=wait + 30.0)
+            )
+            yield from page.events
+            if not page.events and page.next == after and not follow:
+                return
+            after = page.next
 
     def close(self) -> None:
         """Close the connection pool (the local server keeps running)."""

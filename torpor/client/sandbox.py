@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 from urllib.parse import quote
@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.client.storage import LONG_TIMEOUT, Resource, post_spec, quote_id
 from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable, from_wire
-from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxEvent, SandboxInfo
 from torpor.sandbox.requests import (
     COMMAND_TIMEOUT,
     CodeSpec,
@@ -38,6 +38,7 @@ from torpor.sandbox.requests import (
     ForkSpec,
     RestoreSpec,
     SandboxOptions,
+    SandboxSettings,
     SandboxSpec,
     SnapshotSpec,
     Spec,
@@ -464,6 +465,26 @@ class Sandbox:
     def resume(self) -> SandboxInfo:
         """Wake a paused sandbox (any call inside it does this too)."""
         return self._update(self._runtime.json("POST", self.route("/resume")))
+
+    def set(
+        self, *, labels: Labels | None = None, idle_pause_seconds: int | None = None
+    ) -> SandboxInfo:
+        """Change the sandbox's ``labels`` (the given dict replaces them all) and/or its
+        ``idle_pause_seconds`` (``0``: never pause when idle); None leaves a field as it is.
+        Works on a paused sandbox without waking it. Raises
+        :class:`~torpor.errors.InvalidArgument` (before anything is sent),
+        :class:`~torpor.errors.SandboxClosed` (killed)."""
+        spec = SandboxSettings.of(labels=labels, idle_pause_seconds=idle_pause_seconds)
+        return self._update(self._runtime.json("PATCH", self.route(), json=spec.given()))
+
+    def logs(self, lines: int = 100) -> str:
+        """The last ``lines`` lines of the guest's console (does not wake a paused sandbox)."""
+        text: str = self._runtime.request("GET", self.route("/logs"), params={"lines": lines}).text
+        return text
+
+    def events(self, *, after: int = 0, follow: bool = False) -> Iterator[SandboxEvent]:
+        """This sandbox's lifecycle events (see :meth:`torpor.Runtime.events`)."""
+        return self._runtime.events(after=after, sandbox=self.id, follow=follow)
 
     def snapshot(
         self,

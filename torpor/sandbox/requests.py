@@ -161,6 +161,7 @@ __all__ = [
     "GcSpec",
     "RestoreSpec",
     "SandboxOptions",
+    "SandboxSettings",
     "SandboxSpec",
     "SnapshotSpec",
     "Spec",
@@ -383,6 +384,19 @@ class SandboxOptions(RestoreSpec):
                 f"the options name {self.name!r}, not {name!r}", name=name, field="name"
             )
         return SandboxOptions.of(self, name=name)
+
+
+class SandboxSettings(Spec):
+    """What may change on a live sandbox (``sbx.set``, ``PATCH /v1/sandboxes/{id}``); a field
+    left out stays as it is."""
+
+    labels: Labels | None = Field(default=None, description="the new labels (replace all)")
+    idle_pause_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_IDLE_PAUSE_SECONDS,
+        description="hibernate after that long without a call; 0: never",
+    )
 
 
 class _Mount(Spec):

@@ -47,6 +47,7 @@ ROUTERS = [
     "torpor.server.routes_exec",
     "torpor.server.routes_checkpoints",
     "torpor.server.routes_volume_files",
+    "torpor.server.routes_events",
 ]
 
 

@@ -13,6 +13,7 @@ The unix socket is created here rather than by uvicorn so it is ``0600`` from th
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -47,7 +48,8 @@ def _lock(p: Paths) -> IO[str]:
         owner = handle.read().strip()
         handle.close()
         raise Conflict(
-            f"another torpor server (pid {owner or '?'}) owns {p.home}",
+            f"another torpor server (pid {owner or '?'}) owns {p.home}; stop it with "
+            "`torpor server stop` (running sandboxes are paused, nothing is lost)",
             pid=int(owner) if owner.isdigit() else None,
             home=str(p.home),
         ) from None
@@ -56,6 +58,13 @@ def _lock(p: Paths) -> IO[str]:
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
+
+
+def _unlock(p: Paths, lock: IO[str]) -> None:
+    """Give up the home's server lock and remove the pid file (we never served)."""
+    with contextlib.suppress(OSError):
+        p.server_pid.unlink()
+    lock.close()
 
 
 def stop_server(home: str | os.PathLike[str] | None = None, *, timeout: float = 30.0) -> int | None:
@@ -152,8 +161,24 @@ def serve(
     else:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
+        try:
+            sock.bind((host, port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            _unlock(p, lock)  # no pid file of a server that never ran
+            in_use = exc.errno == errno.EADDRINUSE
+            raise (Conflict if in_use else StorageError)(
+                f"cannot listen on {host} port {port}: "
+                + (
+                    "it is in use (another torpor serve? pick another --port)"
+                    if in_use
+                    else str(exc)
+                ),
+                exc=exc,
+                host=host,
+                port=port,
+            ) from exc
 
     app = create_app(manager, tokens=tokens, on_shutdown=cleanup)
     # The stock asyncio loop, not uvloop: qemu.qmp relies on asyncio's own socket objects.

@@ -56,6 +56,7 @@ from torpor.sandbox.manager import Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.registry.lifecycle import EXPIRED
 from torpor.sandbox.requests import (
     ForkSpec,
     GcSpec,
@@ -429,7 +430,7 @@ class Checkpoints:
             if ends is not None and now > ends:
                 expired.append(rec.id)
                 if not dry_run:
-                    await self.manager.kill(rec.id, tenant=rec.tenant)
+                    await self.manager.kill(rec.id, tenant=rec.tenant, reason=EXPIRED)
             elif ends is not None and ends - now < EXPIRY_WARNING:
                 log.warning(
                     "paused sandbox %s (%s) will be deleted in %.1f h (pause_retention_days=%d); "

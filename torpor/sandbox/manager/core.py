@@ -113,7 +113,9 @@ class Held(Protocol):
 
     # two of the manager's own operations: a fork removes the children made before a failure;
     # an attach wakes a paused sandbox first
-    async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo: ...
+    async def kill(
+        self, id_or_name: str, *, tenant: str = "default", reason: str = "kill"
+    ) -> SandboxInfo: ...
 
     async def resume(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo: ...
 

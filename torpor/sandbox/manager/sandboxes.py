@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
+from torpor._tail import log_tail
 from torpor.config import check_name
 from torpor.errors import (
     Conflict,
@@ -41,11 +42,18 @@ from torpor.errors import (
 )
 from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.manager.core import ManagerCore, wrap_error
-from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxEvent, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.registry.lifecycle import require
 from torpor.sandbox.registry.repair import orphans
-from torpor.sandbox.requests import CodeSpec, CommandSpec, SandboxOptions, check_guest_path
+from torpor.sandbox.requests import (
+    CodeSpec,
+    CommandSpec,
+    SandboxOptions,
+    SandboxSettings,
+    check_guest_path,
+)
 from torpor.types import OutputCallback
 
 __all__ = ["SandboxManager"]
@@ -182,8 +190,73 @@ class SandboxManager(ManagerCore):
     # -- queries --------------------------------------------------------------------------
 
     async def get(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
-        """A sandbox by id or name (killed ones too). Raises SandboxNotFound."""
-        return self._find(tenant, id_or_name).to_info()
+        """A sandbox by id or name (killed ones too), with the disk it owns measured. Raises
+        SandboxNotFound."""
+        return self._measured(self._find(tenant, id_or_name))
+
+    def _measured(self, rec: SandboxRecord) -> SandboxInfo:
+        """``rec``'s info with ``owned_bytes``: the blocks its directory holds (RAM file,
+        saved state, disk overlay); the template's base image is shared, so not counted."""
+        info = rec.to_info()
+        directory = self.directory(rec.id)
+        total = 0
+        with suppress(OSError):
+            for path in directory.rglob("*"):
+                with suppress(OSError):  # a file removed while counting
+                    if path.is_file() and not path.is_symlink():
+                        total += path.stat().st_blocks * 512
+        return info.model_copy(update={"owned_bytes": total})
+
+    async def update(
+        self,
+        id_or_name: str,
+        settings: SandboxSettings | None = None,
+        /,
+        *,
+        tenant: str = "default",
+        **fields: Any,
+    ) -> SandboxInfo:
+        """Change what may change on a sandbox that is not killed: its labels (replaced) and
+        idle pause (``0``: never); ``settings`` or ``fields`` are a
+        :class:`~torpor.sandbox.requests.SandboxSettings`, fields left out stay. The new idle
+        pause counts from the last call, so a sandbox idle for longer pauses at the next sweep.
+
+        Raises InvalidArgument (a bad value, nothing changed), SandboxNotFound, SandboxClosed
+        (killed)."""
+        spec = SandboxSettings.of(settings, **fields)
+        rec = self._find(tenant, id_or_name)
+        require(rec.id, rec.state, {s for s in S if s is not S.STOPPED})
+        changes: dict[str, Any] = {}
+        if spec.labels is not None:
+            changes["labels"] = spec.labels
+        if spec.idle_pause_seconds is not None:
+            changes["idle_pause_seconds"] = spec.idle_pause_seconds or None
+        if changes:
+            self.registry.update_settings(rec.id, **changes)
+            log.info("sandbox %s: settings changed: %s", rec.id, sorted(changes))
+        return self._measured(self.registry.get(rec.id))
+
+    async def logs(self, id_or_name: str, *, tenant: str = "default", lines: int = 100) -> str:
+        """The last ``lines`` lines of the sandbox's guest console (boot messages, kernel
+        warnings, what the guest wrote to its console); read from disk, so a paused sandbox is
+        not woken. Empty for a killed one. Raises SandboxNotFound."""
+        rec = self._find(tenant, id_or_name)
+        return log_tail(self.directory(rec.id) / "console.log", lines, max_bytes=1 << 20)
+
+    async def events(
+        self,
+        *,
+        tenant: str = "default",
+        after: int = 0,
+        sandbox: str | None = None,
+        limit: int = 500,
+    ) -> tuple[builtins.list[SandboxEvent], int]:
+        """The tenant's lifecycle events after ``seq`` ``after`` (only those of the sandbox
+        id or name ``sandbox`` if given) and the ``seq`` to continue from; see
+        :meth:`Registry.events <torpor.sandbox.registry.Registry.events>`. Raises
+        SandboxNotFound for an unknown ``sandbox``."""
+        sandbox_id = None if sandbox is None else self._find(tenant, sandbox).id
+        return self.registry.events(tenant, after=after, sandbox=sandbox_id, limit=limit)
 
     async def list(
         self,
@@ -195,7 +268,8 @@ class SandboxManager(ManagerCore):
         """The tenant's sandboxes whose labels include all of ``labels``, oldest first."""
         states: set[S] | None = None if include_stopped else {s for s in S if s is not S.STOPPED}
         return [
-            r.to_info() for r in self.registry.list(tenant=tenant, labels=labels, states=states)
+            self._measured(r)
+            for r in self.registry.list(tenant=tenant, labels=labels, states=states)
         ]
 
     def transitions(self, sandbox_id: str) -> builtins.list[tuple[str | None, str]]:
@@ -224,9 +298,12 @@ class SandboxManager(ManagerCore):
                 rec = await self.wake_held(rec, live, "resume")
         return rec.to_info()
 
-    async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
+    async def kill(
+        self, id_or_name: str, *, tenant: str = "default", reason: str = "kill"
+    ) -> SandboxInfo:
         """Stop a sandbox for good and delete its files (idempotent). In-flight calls fail with
-        GuestError. Raises SandboxNotFound."""
+        GuestError. ``reason`` is recorded (``"expired"``: retention ran out). Raises
+        SandboxNotFound."""
         rec = self._find(tenant, id_or_name)
         live = self.live(rec.id)
         if rec.state is not S.STOPPED and live.lock.locked():
@@ -240,7 +317,7 @@ class SandboxManager(ManagerCore):
             if rec.state is not S.STOPPED:
                 directory = self.directory(rec.id)
                 await self._quiet_kill(live, directory)
-                rec = self.move(rec, S.STOPPED, "kill")
+                rec = self.move(rec, S.STOPPED, reason)
                 await asyncio.to_thread(shutil.rmtree, directory, True)
         # a killed sandbox needs no lock any more: every later call reads "stopped" and fails
         self._lives.pop(rec.id, None)

@@ -27,8 +27,8 @@ from typing import Any
 
 from torpor.config import check_name
 from torpor.errors import Conflict, InvalidArgument, InvalidState, SandboxNotFound, StorageError
-from torpor.sandbox.models import SandboxInfo, SandboxState
-from torpor.sandbox.registry.lifecycle import Transition, check_transition
+from torpor.sandbox.models import SandboxEvent, SandboxInfo, SandboxState
+from torpor.sandbox.registry.lifecycle import Transition, check_transition, event_kind
 
 __all__ = ["SCHEMA_VERSION", "Registry", "SandboxRecord"]
 
@@ -446,6 +446,56 @@ class Registry:
             )
             for r in rows
         ]
+
+    def events(
+        self,
+        tenant: str,
+        *,
+        after: int = 0,
+        sandbox: str | None = None,
+        limit: int = 500,
+    ) -> tuple[builtins.list[SandboxEvent], int]:
+        """The tenant's lifecycle events (see :func:`event_kind`) with ``seq`` above ``after``,
+        oldest first; only those of sandbox id ``sandbox`` if given; and the ``seq`` to continue
+        from (``after`` of the next call).
+
+        They are read from the transitions log, so they survive a restart. Up to ``limit``
+        transitions are read per call, and the steps in between are not events, so a call may
+        return fewer events than ``limit`` while more follow."""
+        sql = (
+            "SELECT t.seq, t.sandbox_id, t.src, t.dst, t.at, t.reason, s.name"
+            " FROM transitions t JOIN sandboxes s ON s.id = t.sandbox_id"
+            " WHERE s.tenant = ? AND t.seq > ?"
+        )
+        args: builtins.list[Any] = [tenant, after]
+        if sandbox is not None:
+            sql += " AND t.sandbox_id = ?"
+            args.append(sandbox)
+        rows = self._query(sql + " ORDER BY t.seq LIMIT ?", (*args, limit))
+        out: builtins.list[SandboxEvent] = []
+        last = after
+        for r in rows:
+            last = r["seq"]
+            src = SandboxState(r["src"]) if r["src"] else None
+            dst = SandboxState(r["dst"])
+            kind = event_kind(src, dst, r["reason"])
+            if kind is not None:
+                out.append(
+                    SandboxEvent(
+                        seq=r["seq"],
+                        at=_dt(r["at"]),
+                        sandbox_id=r["sandbox_id"],
+                        name=r["name"],
+                        kind=kind,
+                        state=dst,
+                        reason=r["reason"],
+                    )
+                )
+        return out, last
+
+    def last_seq(self) -> int:
+        """The ``seq`` of the newest transition of the home (0 for none)."""
+        return int(self._query("SELECT COALESCE(MAX(seq), 0) FROM transitions")[0][0])
 
 
 def _moved(sandbox_id: str, actual: SandboxState, expected: SandboxState) -> InvalidState:
