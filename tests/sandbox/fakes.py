@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import contextlib
 import itertools
 import json
 import os
