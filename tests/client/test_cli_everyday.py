@@ -189,6 +189,16 @@ def test_exec_timeout_exits_124_and_run_reads_files_and_stdin(
     assert r.code == 1 and "one of them" in r.err
 
 
+def test_create_with_env(home: Home, capsys: pytest.CaptureFixture[str]) -> None:
+    r = cli(capsys, "sandbox", "create", "envy", "--env", "TORPOR_TEST_TOKEN=abc=1", "--json")
+    assert r.code == 0, r.err
+    assert "abc=1" not in r.out  # not in the info
+    r = cli(capsys, "sandbox", "exec", "envy", "--", "printenv", "TORPOR_TEST_TOKEN")
+    assert r.code == 0 and r.out == "abc=1\n"
+    bad = cli(capsys, "sandbox", "create", "envy2", "--env", "NOEQUALS")
+    assert bad.code == 1 and "--env 'NOEQUALS' is not KEY=VALUE" in bad.err
+
+
 def test_logs(home: Home, capsys: pytest.CaptureFixture[str]) -> None:
     sbx = Sandbox.create(name="lg")
     (home.path / "sandboxes" / sbx.id / "console.log").write_text("boot\nready\n")

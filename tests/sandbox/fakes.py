@@ -207,6 +207,11 @@ class FakeChannel:
         self._proc()  # the machine may have died meanwhile
         if word == "echo":
             return CommandResult(exit_code=0, stdout=rest + "\n")
+        if word == "printenv":  # the environment the command got
+            out = (command.env or {}).get(rest, "") + "\n"
+            if on_stdout is not None:  # streamed, as the guest does
+                on_stdout(out)
+            return CommandResult(exit_code=0, stdout=out)
         if word == "exit":
             return CommandResult(exit_code=int(rest))
         return CommandResult(exit_code=0)

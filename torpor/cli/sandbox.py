@@ -126,6 +126,10 @@ def create(
     drive: Annotated[
         list[str] | None, typer.Option(help="DRIVE:/path, mount a shared drive, repeatable")
     ] = None,
+    env: Annotated[
+        list[str] | None,
+        typer.Option("--env", "-e", help="KEY=VALUE for every command (kept secret), repeatable"),
+    ] = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
@@ -140,6 +144,7 @@ def create(
         torpor sandbox create --snapshot before-import --volume data:/data
     """
     labels = parse_labels(label)
+    envs = parse_labels(env, what="--env")
     if get_or_create:
         if name is None:
             raise InvalidArgument("--get-or-create needs a NAME", option="--get-or-create")
@@ -157,6 +162,7 @@ def create(
             vcpus=vcpus,
             memory_mib=memory,
             pause_retention_days=retention_days,
+            envs=envs,
         )
         _show(sbx.info, as_json, quiet)
         return
@@ -178,6 +184,7 @@ def create(
         snapshot=snapshot,
         volumes=volumes or None,
         drives=drives or None,
+        envs=envs,
     )
     _show(sbx.info, as_json, quiet)
 

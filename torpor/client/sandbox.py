@@ -343,6 +343,7 @@ class Sandbox:
         snapshot: str | None = None,
         volumes: list[VolumeMount | dict[str, Any]] | None = None,
         drives: list[DriveMount | dict[str, Any]] | None = None,
+        envs: Env | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """A new running sandbox from ``template`` (default ``"python"``: a fork of its booted
@@ -353,6 +354,8 @@ class Sandbox:
         ``snapshot``: restore that snapshot instead (template and sizes come from it);
         ``volumes=[{"volume", "path", "read_only"}]``, ``drives=[{"drive", "path"}]``: mount
         those (see :mod:`torpor.client.checkpoints`).
+        ``envs``: environment variables (secrets too) of every command and of the interpreter;
+        kept in the server's registry, never shown in ``info`` (a fork has its source's).
         Raises :class:`~torpor.errors.InvalidArgument` (a value out of bounds, before anything
         is sent), :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
         :class:`~torpor.errors.Conflict` (name taken).
@@ -368,6 +371,7 @@ class Sandbox:
             snapshot=snapshot,
             volumes=volumes,
             drives=drives,
+            envs=envs,
         )
         # a restore or a mount takes longer than a fork of the template
         slow: dict[str, Any] = {} if spec.plain else {"timeout": LONG_TIMEOUT}
@@ -384,10 +388,12 @@ class Sandbox:
         vcpus: int | None = None,
         memory_mib: int | None = None,
         pause_retention_days: int | None = None,
+        envs: Env | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """The sandbox called ``name``, woken if paused (``info.reused`` is True), or a new one
-        made with the given options (as :meth:`create`). Concurrent callers get one sandbox."""
+        made with the given options (as :meth:`create`). Concurrent callers get one sandbox.
+        For an existing one, labels, idle pause, retention and ``envs`` given are applied."""
         spec = SandboxOptions.of(
             template=template,
             labels=labels,
@@ -395,6 +401,7 @@ class Sandbox:
             vcpus=vcpus,
             memory_mib=memory_mib,
             pause_retention_days=pause_retention_days,
+            envs=envs,
         )
         path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
         # a persistent, named machine: leaving a ``with`` block pauses it, never kills it

@@ -367,6 +367,11 @@ class RestoreSpec(Spec):
     pause_retention_days: RetentionDays = Field(
         default=30, description="kill the sandbox once it has been paused that long"
     )
+    envs: Env | None = Field(
+        default=None,
+        description="environment variables of every command and of the interpreter (kept "
+        "secret: never in the sandbox's info)",
+    )
 
 
 class SandboxOptions(RestoreSpec):

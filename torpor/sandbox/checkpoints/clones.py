@@ -49,6 +49,8 @@ class Children:
     pause_retention_days: int
     tenant: str
     reason: str
+    #: environment variables of the children's commands (a fork's are its source's)
+    envs: Mapping[str, str] | None = None
 
 
 class Cloner:
@@ -98,6 +100,7 @@ class Cloner:
                     memory_mib=int(config.get("memory_mib", 512)),
                     idle_pause_seconds=children.idle_pause_seconds,
                     pause_retention_days=children.pause_retention_days,
+                    envs=dict(children.envs or {}),
                     created_at=now,
                     last_active_at=now,
                 )

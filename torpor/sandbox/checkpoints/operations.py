@@ -321,6 +321,7 @@ class Checkpoints:
                     pause_retention_days=retention,
                     tenant=tenant,
                     reason=f"restored from {info.id}",
+                    envs=options.envs,
                 )
                 return await self.cloner.spawn(
                     frozen,
@@ -365,6 +366,7 @@ class Checkpoints:
                     pause_retention_days=rec.pause_retention_days,
                     tenant=tenant,
                     reason=f"forked from {rec.id}",
+                    envs=rec.envs,
                 )
                 recs = await self.cloner.prepare(frozen, children)
             finally:

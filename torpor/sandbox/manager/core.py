@@ -69,6 +69,9 @@ class Live:
     machine: Machine | None = None
     channel: Channel | None = None
     busy: int = 0
+    #: the sandbox's ``envs`` were set in its interpreter (a new Live, e.g. after a restart,
+    #: sets them again: harmless)
+    envs_sent: bool = False
 
 
 class Held(Protocol):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import json
 import logging
 import secrets
 import shutil
@@ -37,6 +38,7 @@ from torpor.errors import (
     CorruptData,
     EngineError,
     GuestError,
+    OperationTimeout,
     SandboxNotFound,
     TorporError,
 )
@@ -59,6 +61,16 @@ from torpor.types import OutputCallback
 __all__ = ["SandboxManager"]
 
 log = logging.getLogger(__name__)
+
+
+def _set_envs_code(envs: Mapping[str, str]) -> str:
+    """Python that puts ``envs`` into the interpreter's ``os.environ`` (what it starts
+    inherits them) and leaves no name behind. A JSON object of strings is a Python literal."""
+    return (
+        "import os as _torpor_os\n"
+        f"_torpor_os.environ.update({json.dumps(dict(envs))})\n"
+        "del _torpor_os\n"
+    )
 
 
 class SandboxManager(ManagerCore):
@@ -103,6 +115,7 @@ class SandboxManager(ManagerCore):
             memory_mib=spec.memory_mib,
             idle_pause_seconds=spec.idle_pause_seconds,
             pause_retention_days=spec.pause_retention_days,
+            envs=dict(spec.envs or {}),
             created_at=now,
             last_active_at=now,
         )
@@ -181,6 +194,9 @@ class SandboxManager(ManagerCore):
             changes["idle_pause_seconds"] = spec.idle_pause_seconds
         if "pause_retention_days" in given:
             changes["pause_retention_days"] = spec.pause_retention_days
+        if "envs" in given and spec.envs != rec.envs:
+            changes["envs"] = spec.envs or {}
+            self.live(rec.id).envs_sent = False  # the interpreter gets the new ones
         if changes:
             self.registry.update_settings(rec.id, **changes)
             log.info("sandbox %s: options updated: %s", rec.id, sorted(changes))
@@ -367,6 +383,9 @@ class SandboxManager(ManagerCore):
         ``env``, ``timeout``, ``background``). Raises InvalidArgument / PayloadTooLarge for a
         bad spec before waking anything, then as the guest channel's ``run_command``."""
         spec = CommandSpec.of(command, **fields)
+        envs = self._find(tenant, id_or_name).envs
+        if envs:  # the sandbox's own variables, under the command's
+            spec = CommandSpec.of(spec, env={**envs, **(spec.env or {})})
         async with self._use(tenant, id_or_name) as ch:
             return await ch.run_command(spec, on_stdout=on_stdout, on_stderr=on_stderr)
 
@@ -385,7 +404,16 @@ class SandboxManager(ManagerCore):
         :class:`~torpor.sandbox.requests.CodeSpec`, or ``code`` and its ``timeout``."""
         spec = CodeSpec.of(code, **fields)
         async with self._use(tenant, id_or_name) as ch:
-            return await ch.run_code(spec, on_stdout=on_stdout, on_stderr=on_stderr)
+            rec = self._find(tenant, id_or_name)
+            live = self.live(rec.id)
+            if rec.envs and not live.envs_sent:
+                await ch.run_code(CodeSpec.of(_set_envs_code(rec.envs)))
+                live.envs_sent = True
+            try:
+                return await ch.run_code(spec, on_stdout=on_stdout, on_stderr=on_stderr)
+            except OperationTimeout:  # the guest may restart an interpreter it had to stop
+                live.envs_sent = False
+                raise
 
     async def read_file(self, id_or_name: str, path: str, *, tenant: str = "default") -> bytes:
         """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path)."""

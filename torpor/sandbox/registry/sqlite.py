@@ -87,6 +87,8 @@ class SandboxRecord:
     memory_mib: int = 512
     idle_pause_seconds: int | None = None
     pause_retention_days: int = 30
+    #: environment variables of every command and of the interpreter; never in the info
+    envs: dict[str, str] = field(default_factory=dict, repr=False)
     created_at: float = field(default_factory=time.time)
     last_active_at: float = field(default_factory=time.time)
     paused_at: float | None = None
@@ -135,6 +137,7 @@ def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
         labels=json.loads(row["labels"] or "{}"),
         vcpus=int(spec.get("vcpus", 1)),
         memory_mib=int(spec.get("memory_mib", 512)),
+        envs=dict(spec.get("envs") or {}),
         idle_pause_seconds=row["idle_pause_seconds"],
         pause_retention_days=row["pause_retention_days"],
         created_at=row["created_at"],
@@ -142,6 +145,14 @@ def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
         paused_at=row["paused_at"],
         error=row["error"],
     )
+
+
+def _spec_json(vcpus: int, memory_mib: int, envs: Mapping[str, str]) -> str:
+    """The ``spec`` column: the machine's size and the sandbox's environment variables."""
+    spec: dict[str, Any] = {"vcpus": vcpus, "memory_mib": memory_mib}
+    if envs:
+        spec["envs"] = dict(envs)
+    return json.dumps(spec, sort_keys=True)
 
 
 def _check_labels(labels: Mapping[str, str]) -> dict[str, str]:
@@ -255,7 +266,7 @@ class Registry:
         Conflict (name taken by a live sandbox of the tenant) or StorageError."""
         check_name(rec.name, "sandbox name")
         labels = _check_labels(rec.labels)
-        spec = json.dumps({"vcpus": rec.vcpus, "memory_mib": rec.memory_mib})
+        spec = _spec_json(rec.vcpus, rec.memory_mib, rec.envs)
         try:
             with self._tx() as db:
                 db.execute(
@@ -359,11 +370,15 @@ class Registry:
         labels: Mapping[str, str] | None = None,
         idle_pause_seconds: int | _Unset | None = _UNSET,
         pause_retention_days: int | None = None,
+        envs: Mapping[str, str] | None = None,
     ) -> None:
         """Change what may change of a live sandbox: its labels (replaced), idle pause (None:
-        never) and pause retention; what is not given stays. Raises InvalidArgument or
-        StorageError."""
+        never), pause retention and environment variables (replaced); what is not given
+        stays. Raises InvalidArgument or StorageError."""
         columns: dict[str, Any] = {}
+        if envs is not None:
+            rec = self.get(sandbox_id)
+            columns["spec"] = _spec_json(rec.vcpus, rec.memory_mib, envs)
         if labels is not None:
             columns["labels"] = json.dumps(_check_labels(labels), sort_keys=True)
         if not isinstance(idle_pause_seconds, _Unset):
