@@ -257,3 +257,20 @@ def test_a_narrow_terminal_wraps_other_columns_not_ids() -> None:
     assert all(len(line) <= 40 for line in text.splitlines())
     for sid in ids:
         assert sid in text  # whole, on one line
+
+
+def test_stored_things_print_json_and_ids(home: Home, capsys: pytest.CaptureFixture[str]) -> None:
+    r = cli(capsys, "volume", "create", "vol-a", "--size-mib", "16", "--json")
+    assert r.code == 0, r.err
+    vol = r.json()
+    assert isinstance(vol, dict) and vol["name"] == "vol-a" and vol["size_mib"] == 16
+    assert cli(capsys, "--json", "volume", "ls").json() == [vol]
+    assert cli(capsys, "volume", "ls", "-q").out == vol["id"] + "\n"
+    d = cli(capsys, "drive", "create", "dr-a", "-q")
+    assert d.code == 0 and len(d.out.split()) == 1, d.err
+    drives = cli(capsys, "drive", "ls", "--json").json()
+    assert isinstance(drives, list) and [x["id"] for x in drives] == [d.out.strip()]
+    assert cli(capsys, "snapshot", "ls", "--json").json() == []
+    assert cli(capsys, "template", "ls", "--json").json() == []
+    gc = cli(capsys, "gc", "--dry-run", "--json").json()
+    assert isinstance(gc, dict) and gc["dry_run"] is True
