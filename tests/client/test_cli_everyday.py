@@ -274,3 +274,19 @@ def test_stored_things_print_json_and_ids(home: Home, capsys: pytest.CaptureFixt
     assert cli(capsys, "template", "ls", "--json").json() == []
     gc = cli(capsys, "gc", "--dry-run", "--json").json()
     assert isinstance(gc, dict) and gc["dry_run"] is True
+
+
+def test_docs_name_every_sandbox_command() -> None:
+    """docs/cli.md lists every command of the sandbox-side groups (the groups other areas add
+    are documented with them)."""
+    import typer
+
+    from torpor.cli import _load, app
+
+    _load()
+    doc = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    commands = getattr(typer.main.get_command(app), "commands", {})
+    missing = [name for name in ("run", "events", "gc", "serve", "doctor") if name not in doc]
+    for group in ("sandbox", "snapshot", "volume", "drive", "template", "server"):
+        missing += [f"{group} {sub}" for sub in commands[group].commands if sub not in doc]
+    assert missing == []

@@ -23,7 +23,10 @@ from torpor.errors import TorporError
 
 app = typer.Typer(
     name="torpor",
-    help="Memory for AI agents: sandboxes that hibernate with their RAM, and a knowledge store.",
+    help="Memory for AI agents: sandboxes that hibernate with their RAM, and a knowledge store."
+    "\n\n--json (print JSON) and -q (ids only) work anywhere on the line. TORPOR_URL and "
+    "TORPOR_TOKEN pick a remote server; without them the local one is used (started on "
+    "demand). Details: docs/cli.md",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -45,11 +48,7 @@ def _root(
         ),
     ] = False,
 ) -> None:
-    """Memory for AI agents: sandboxes that hibernate with their RAM, and a knowledge store.
-
-    --json (print JSON) and -q (ids only) work anywhere on the line; TORPOR_URL and
-    TORPOR_TOKEN select a remote server (default: the local one, started on demand).
-    """
+    """The root options (the help shown is the app's)."""
 
 
 #: module -> how it plugs in: a sub-module defines either ``app`` (a group) or ``register(app)``.
