@@ -26,10 +26,19 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 
+from torpor.client.processes import ProcessHandle, list_processes
+from torpor.client.processes import start as start_process
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.client.storage import LONG_TIMEOUT, Resource, post_spec, quote_id
 from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable, from_wire
-from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxEvent, SandboxInfo
+from torpor.sandbox.models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ProcessInfo,
+    SandboxEvent,
+    SandboxInfo,
+)
 from torpor.sandbox.requests import (
     COMMAND_TIMEOUT,
     CodeSpec,
@@ -128,6 +137,21 @@ class Commands:
         """
         spec = CommandSpec.of(cmd=cmd, cwd=cwd, env=env, timeout=timeout, background=background)
         return _post_run(self._sbx, "/commands", spec, CommandResult, on_stdout, on_stderr)
+
+    def start(self, cmd: str, *, cwd: str | None = None) -> ProcessHandle:
+        """Start ``cmd`` in the background and return a handle to wait for it, read its
+        output, send it stdin or kill it (see :mod:`torpor.client.processes`). Raises
+        InvalidArgument."""
+        return start_process(self._sbx, cmd, cwd=cwd)
+
+    def list(self, *, include_exited: bool = False) -> builtins.list[ProcessInfo]:
+        """The background processes :meth:`start` made that still run (all of them with
+        ``include_exited``)."""
+        return list_processes(self._sbx, include_exited=include_exited)
+
+    def connect(self, pid: int) -> ProcessHandle:
+        """A handle on a process :meth:`start` made (e.g. in another session)."""
+        return ProcessHandle(self._sbx, pid)
 
 
 class Files:
