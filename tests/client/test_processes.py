@@ -111,3 +111,14 @@ def test_cwd_and_a_handle_from_another_session(sbx: Any, tmp_path: Path) -> None
     assert again.output().stdout == f"{tmp_path}\n"
     with pytest.raises(InvalidArgument):
         start(sbx, "  ")
+
+
+def test_a_shell_session_line_by_line(sbx: Any) -> None:
+    from torpor.cli.sandbox import shell_session
+
+    out: list[str] = []
+    code = shell_session(sbx, ["x=41", "echo $((x + 1))", "echo err >&2", "false"], out.append)
+    text = "".join(out)
+    assert "42\n" in text and "err\n" in text
+    assert code == 1  # `exit` after `false`: the shell exits with the last status
+    assert list_processes(sbx, include_exited=True) == []  # forgotten

@@ -7,9 +7,12 @@ SDK's model as JSON) or ``-q`` (ids only). The JSON shapes are listed in ``docs/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import sys
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,7 +20,8 @@ import typer
 
 from torpor.cli.output import AsJson, Quiet, emit, human_bytes, table, to_json
 from torpor.client import Runtime, Sandbox, default_runtime
-from torpor.errors import InvalidArgument, OperationTimeout
+from torpor.client.processes import start as start_process
+from torpor.errors import InvalidArgument, OperationTimeout, TorporError
 from torpor.sandbox.models import SandboxEvent, SandboxInfo, parse_labels
 
 __all__ = ["register"]
@@ -301,6 +305,58 @@ def logs(
     text = Sandbox.get(name).logs(lines)
     if text:
         typer.echo(text.rstrip("\n"))
+
+
+def shell_session(
+    sbx: Any, lines: Iterable[str], write: Callable[[str], object], *, poll: float = 0.2
+) -> int:
+    """Run ``sh -i`` in ``sbx`` as a background process: each of ``lines`` goes to its stdin,
+    its output (stdout and stderr together) to ``write`` as it comes. At the end of ``lines``
+    the shell gets ``exit``; returns its exit code."""
+    proc = start_process(sbx, "exec sh -i 2>&1")
+    seen = 0
+    stop = threading.Event()
+
+    def follow() -> None:
+        nonlocal seen
+        while True:
+            done = stop.is_set()
+            text = proc.read_from(seen)
+            if text:
+                seen += len(text.encode())
+                write(text)
+            if done:
+                return
+            stop.wait(poll)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    try:
+        for line in lines:
+            proc.send_stdin(line if line.endswith("\n") else line + "\n")
+        proc.send_stdin("exit\n")
+        code = proc.wait(timeout=None).exit_code
+    finally:
+        stop.set()
+        reader.join(30)
+        with contextlib.suppress(TorporError):
+            proc.kill()
+        with contextlib.suppress(TorporError):
+            proc.forget()
+    return code
+
+
+@sandbox_app.command("shell")
+def shell(name: Name) -> None:
+    """An interactive shell in a sandbox (waking it); Ctrl-D ends it. Line by line, without a
+    terminal (PTY): commands and their output, not full-screen programs.
+
+    Example: torpor sandbox shell agent-u-42
+    """
+    sbx = Sandbox.get(name)
+    typer.secho(f"shell in {sbx.name} ({sbx.id}); Ctrl-D to leave", err=True)
+    code = shell_session(sbx, sys.stdin, _out(sys.stdout))
+    raise typer.Exit(code)
 
 
 def _out(stream: Any) -> Any:

@@ -166,6 +166,13 @@ class ProcessHandle:
         )
         return got.exit_code == 0
 
+    def read_from(self, offset: int) -> str:
+        """What it wrote to stdout from byte ``offset`` on (for following its output)."""
+        got = self._sbx.commands.run(
+            f"tail -c +{int(offset) + 1} {self._dir}/stdout", timeout=_QUICK
+        )
+        return got.stdout
+
     def forget(self) -> None:
         """Remove its files from the guest (kill it first if it should stop)."""
         self._sbx.commands.run(f'rm -rf "$(readlink -f {self._dir})" {self._dir}', timeout=_QUICK)
