@@ -290,3 +290,20 @@ def test_docs_name_every_sandbox_command() -> None:
     for group in ("sandbox", "snapshot", "volume", "drive", "template", "server"):
         missing += [f"{group} {sub}" for sub in commands[group].commands if sub not in doc]
     assert missing == []
+
+
+def test_doctor_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from torpor.cli import doctor
+
+    monkeypatch.setenv("TORPOR_HOME", str(tmp_path / "h"))
+    probe = SimpleNamespace(accel="tcg", reason="no /dev/kvm (stub)")
+    monkeypatch.setattr(doctor.accel_probe, "probe", lambda force=False: probe)
+    r = cli(capsys, "doctor", "--json")
+    assert r.code == 0, r.err
+    got = r.json()
+    assert isinstance(got, dict)
+    assert got["accel"] == "tcg" and got["templates"] == [] and got["home"] == str(tmp_path / "h")
