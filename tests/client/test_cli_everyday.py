@@ -297,11 +297,11 @@ def test_doctor_json(
 ) -> None:
     from types import SimpleNamespace
 
-    from torpor.cli import doctor
+    from torpor.sandbox.vm import accel
 
     monkeypatch.setenv("TORPOR_HOME", str(tmp_path / "h"))
     probe = SimpleNamespace(accel="tcg", reason="no /dev/kvm (stub)")
-    monkeypatch.setattr(doctor.accel_probe, "probe", lambda force=False: probe)
+    monkeypatch.setattr(accel, "probe", lambda force=False: probe)
     r = cli(capsys, "doctor", "--json")
     assert r.code == 0, r.err
     got = r.json()
