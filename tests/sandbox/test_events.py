@@ -26,7 +26,9 @@ def test_events_follow_the_lifecycle_and_survive_a_restart(tmp_path: Path) -> No
         await m.start(supervise=False)
         a = await m.create(name="agent-a")
         other = await m.create(name="agent-o", tenant="other")
+        mark = m.events_mark()
         await m.pause(a.id)
+        assert m.events_mark() != mark  # followers see that something happened
         await m.run_code(a.id, "x = 1")  # wake on request
         await m.update(a.id, idle_pause_seconds=1)
         await m.idle_sweep(now=time.time() + 5)  # idle pause

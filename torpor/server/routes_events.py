@@ -23,14 +23,16 @@ from fastapi import APIRouter, Query
 from torpor.sandbox.models import EventPage
 from torpor.server.deps import Manager, Tenant
 
-__all__ = ["MAX_WAIT", "POLL_INTERVAL", "router"]
+__all__ = ["MAX_WAIT", "POLL_INTERVAL", "QUERY_INTERVAL", "router"]
 
 router = APIRouter(prefix="/v1/events", tags=["events"])
 
 #: the longest a follow request is held (seconds)
 MAX_WAIT = 30.0
-#: how often a held request looks for new events (seconds)
-POLL_INTERVAL = 0.2
+#: how often a held request checks the manager's cheap "anything new?" mark (seconds)
+POLL_INTERVAL = 0.05
+#: how often it queries the registry even when the mark did not move (seconds)
+QUERY_INTERVAL = 1.0
 
 
 @router.get("")
@@ -46,10 +48,17 @@ async def list_events(
 ) -> EventPage:
     """The tenant's lifecycle events after ``after``, oldest first, and ``next`` (the ``after``
     of the next call)."""
+    mark = getattr(manager, "events_mark", None)  # a manager without one is queried each time
     deadline = time.monotonic() + wait
     while True:
+        seen = mark() if mark is not None else None
         events, nxt = await manager.events(tenant=tenant, after=after, sandbox=sandbox, limit=limit)
         if events or time.monotonic() >= deadline:
             return EventPage(events=events, next=nxt)
         after = nxt
-        await asyncio.sleep(min(POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
+        queried = time.monotonic()
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
+            moved = mark is None or mark() != seen
+            if moved or time.monotonic() - queried >= QUERY_INTERVAL:
+                break

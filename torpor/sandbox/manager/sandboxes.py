@@ -259,6 +259,11 @@ class SandboxManager(ManagerCore):
         rec = self._find(tenant, id_or_name)
         return log_tail(self.directory(rec.id) / "console.log", lines, max_bytes=1 << 20)
 
+    def events_mark(self) -> int:
+        """A number that changes whenever a transition is recorded (followers of
+        :meth:`events` check it before they query)."""
+        return self.registry.generation
+
     async def events(
         self,
         *,

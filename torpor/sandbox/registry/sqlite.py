@@ -183,6 +183,9 @@ class Registry:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._lock = threading.RLock()
+        #: grows with every transition this process records (a cheap "anything new?" for
+        #: event followers, before they query)
+        self.generation = 0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(
@@ -293,6 +296,7 @@ class Registry:
                     "INSERT INTO transitions (sandbox_id, src, dst, at, reason) VALUES (?,?,?,?,?)",
                     (rec.id, None, rec.state.value, rec.created_at, reason),
                 )
+            self.generation += 1
         except Conflict as exc:
             raise Conflict(
                 f"a sandbox named {rec.name!r} already exists",
@@ -342,6 +346,7 @@ class Registry:
                 "INSERT INTO transitions (sandbox_id, src, dst, at, reason) VALUES (?,?,?,?,?)",
                 (sandbox_id, src.value, dst.value, when, reason),
             )
+        self.generation += 1
         return Transition(sandbox_id, src, dst, when, reason)
 
     def touch(self, sandbox_id: str, at: float | None = None) -> None:
