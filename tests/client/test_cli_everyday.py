@@ -272,6 +272,8 @@ def test_stored_things_print_json_and_ids(home: Home, capsys: pytest.CaptureFixt
     assert isinstance(drives, list) and [x["id"] for x in drives] == [d.out.strip()]
     assert cli(capsys, "snapshot", "ls", "--json").json() == []
     assert cli(capsys, "template", "ls", "--json").json() == []
+    verify = cli(capsys, "storage", "verify", "--json")
+    assert verify.code == 0 and verify.json() == {"chunks": 0, "bad_chunks": [], "affected": {}}
     gc = cli(capsys, "gc", "--dry-run", "--json").json()
     assert isinstance(gc, dict) and gc["dry_run"] is True
 

@@ -284,7 +284,7 @@ storage_app = typer.Typer(help="The chunk store snapshots live in.", no_args_is_
 
 
 @storage_app.command("verify")
-def storage_verify() -> None:
+def storage_verify(as_json: AsJson = False) -> None:
     """Read back every chunk a snapshot names (a scrub of the home's store); quarantine bad
     ones and list the snapshots they affect. Exits 1 when any chunk is bad.
 
@@ -294,6 +294,11 @@ def storage_verify() -> None:
     from torpor.sandbox.storage.snapshots import SnapshotStore
 
     report = SnapshotStore(paths()).verify()
+    if as_json:
+        emit(report, as_json=True)
+        if report["bad_chunks"]:
+            raise typer.Exit(1)
+        return
     rows = [[sid, ", ".join(d[:12] for d in chunks)] for sid, chunks in report["affected"].items()]
     typer.echo(f"{report['chunks']} chunks checked, {len(report['bad_chunks'])} bad")
     if rows:
