@@ -309,3 +309,39 @@ def test_doctor_json(
     got = r.json()
     assert isinstance(got, dict)
     assert got["accel"] == "tcg" and got["templates"] == [] and got["home"] == str(tmp_path / "h")
+
+
+def test_a_follower_continues_across_a_server_restart(tmp_path: Path) -> None:
+    from tests.sandbox.fakes import FakeWorld
+
+    h = tmp_path / "h"
+    world = FakeWorld()
+    seen: list[tuple[int, str, str]] = []
+    done = threading.Event()
+
+    def follow() -> None:
+        rt = Runtime(home=h, autostart=False)
+        for e in rt.events(follow=True, wait=1.0):
+            seen.append((e.seq, e.kind, e.name))
+            if e.name == "second" and e.kind == "create":
+                done.set()
+                return
+
+    reader = threading.Thread(target=follow, daemon=True)
+
+    def serve_once(name: str) -> None:
+        manager = SandboxManager(paths(h), engine=FakeEngine(world))
+        sock = bind_unix_socket(paths(h).socket)
+        for _ in _run(create_app(manager, supervise=False), sock):
+            Sandbox.create(name=name, runtime=Runtime(home=h, autostart=False))
+            if not reader.is_alive():
+                reader.start()
+            time.sleep(1.5)  # the follower reads, then the server goes away under it
+
+    serve_once("first")  # its close pauses "first"
+    time.sleep(1.0)  # the follower meets a refused connection
+    serve_once("second")
+    assert done.wait(30), seen
+    kinds = [(k, n) for _, k, n in seen]
+    assert kinds == [("create", "first"), ("pause", "first"), ("create", "second")]
+    assert [s for s, _, _ in seen] == sorted({s for s, _, _ in seen})  # in order, no repeats

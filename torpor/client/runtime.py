@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -35,6 +36,9 @@ from torpor.sandbox.models import EventPage, SandboxEvent
 __all__ = ["Runtime", "default_runtime", "set_default_runtime"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a follower of events waits before asking a server that could not be reached again.
+RECONNECT_DELAY = 0.5
 
 #: Seconds to wait for an answer when the call has no timeout of its own. Generous: a call may
 #: first wake a paused sandbox, and under TCG a cold template boot takes a while.
@@ -192,8 +196,8 @@ class Runtime:
         """This tenant's sandbox lifecycle events (``create``, ``pause``, ``wake``, ``kill``,
         ``expire``, ``error`` ...), oldest first, from ``seq`` ``after`` on; only those of
         ``sandbox`` (id or name) if given. With ``follow`` the iterator then waits for new
-        ones (long polls of ``wait`` seconds) until the caller stops it; the history is kept
-        in the server's registry, so it survives a restart.
+        ones (long polls of ``wait`` seconds) until the caller stops it, across a restart of
+        the server too (the history is kept in its registry: nothing is lost or repeated).
 
         Raises like :meth:`request` (:class:`~torpor.errors.SandboxNotFound` for an unknown
         ``sandbox``)."""
@@ -203,9 +207,17 @@ class Runtime:
                 params["sandbox"] = sandbox
             if follow:
                 params["wait"] = wait
-            page = EventPage.model_validate(
-                self.json("GET", "/v1/events", params=params, timeout=wait + 30.0)
-            )
+            try:
+                page = EventPage.model_validate(
+                    self.json("GET", "/v1/events", params=params, timeout=wait + 30.0)
+                )
+            except ServerUnavailable:
+                if not follow:
+                    raise
+                # a restarting server: its registry keeps the events, so ask again from the
+                # same place once it is back (nothing is lost or repeated)
+                time.sleep(RECONNECT_DELAY)
+                continue
             yield from page.events
             if not page.events and page.next == after and not follow:
                 return
