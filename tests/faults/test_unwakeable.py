@@ -85,3 +85,42 @@ def test_a_truncated_state_puts_the_sandbox_in_error_with_its_cause(qemu_home: P
             await m.close(pause=False)
 
     asyncio.run(main())
+
+
+@pytest.mark.qemu
+def test_a_sandbox_whose_machine_died_is_still_read_from_its_kept_disk(qemu_home: Path) -> None:
+    """QEMU dies under a running sandbox: RAM is lost (StateLost), but the disk it kept is
+    readable through the same ``read_file`` (hardening item 12: "disk kept" must mean the
+    files can be had), while every other call keeps saying what was lost."""
+    import os
+    import signal
+
+    from torpor.errors import PathNotFound
+
+    async def body() -> None:
+        mgr = SandboxManager(paths())
+        await mgr.start(supervise=False)
+        try:
+            info = await mgr.create(name="doomed")
+            await mgr.write_file(info.id, "/root/report.md", "# findings\nkept on disk\n")
+            await mgr.run_command(info.id, "sync")
+            pid = mgr.engine.inspect(mgr.directory(info.id)).qemu_pid
+            assert pid
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(StateLost) as err:
+                await mgr.run_code(info.id, "1 + 1")
+            assert "disk kept" in err.value.data["lost"]
+            assert (await mgr.get(info.id)).state is SandboxState.ERROR
+            # reading still works, from the kept disk; writing does not
+            got = await mgr.read_file(info.id, "/root/report.md")
+            assert got == b"# findings\nkept on disk\n"
+            with pytest.raises(PathNotFound):
+                await mgr.read_file(info.id, "/root/never-written")
+            with pytest.raises(StateLost):
+                await mgr.write_file(info.id, "/root/report.md", "new")
+            killed = await mgr.kill(info.id)
+            assert killed.state is SandboxState.STOPPED
+        finally:
+            await mgr.close(pause=False)
+
+    asyncio.run(body())

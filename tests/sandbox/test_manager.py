@@ -491,8 +491,9 @@ def test_qemu_dies_while_running(home: Path) -> None:
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
         info = await mgr.create()
         engine.crash(mgr.directory(info.id))
-        with pytest.raises(GuestError):
+        with pytest.raises(StateLost) as err:  # the call that saw it die says what was lost
             await mgr.run_command(info.id, "echo")
+        assert isinstance(err.value.__cause__, GuestError)
         assert (await mgr.get(info.id)).state is S.ERROR
         with pytest.raises(StateLost):
             await mgr.run_command(info.id, "echo")

@@ -65,6 +65,7 @@ from torpor.sandbox.requests import (
     SandboxSpec,
     SnapshotSpec,
 )
+from torpor.sandbox.storage.compaction import expand, is_compacted
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.retention import GcReport, collect_garbage
 from torpor.sandbox.storage.snapshots import (
@@ -170,9 +171,14 @@ class Checkpoints:
                 await m.drain(live)
                 rec = await m.pause_held(rec, live, "snapshot")  # drives: via guest_hooks
             try:
+                directory = m.directory(rec.id)
+                if is_compacted(directory):  # a long-paused one: its RAM is in the chunk store
+                    await asyncio.to_thread(
+                        expand, directory, self.snapshots.chunks, sandbox_id=rec.id
+                    )
                 with self.snapshots.lock():
                     frozen = await asyncio.to_thread(
-                        freeze, m.directory(rec.id), self.snapshots.frozen_root, link_ram=link_ram
+                        freeze, directory, self.snapshots.frozen_root, link_ram=link_ram
                     )
                 prepared = None if before_wake is None else await before_wake(rec, frozen)
             except BaseException:

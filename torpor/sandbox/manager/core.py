@@ -47,6 +47,8 @@ from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
+from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
+from torpor.sandbox.storage.compaction import expand, is_compacted
 
 __all__ = ["SYNC_TIMEOUT", "Held", "Live", "ManagerCore", "StepHook", "wrap_error"]
 
@@ -123,6 +125,27 @@ class Held(Protocol):
     async def resume(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo: ...
 
 
+#: seconds a sandbox stays paused before its RAM is compacted into the chunk store
+#: (``$TORPOR_COMPACT_AFTER_SECONDS``; ``off`` never compacts)
+COMPACT_AFTER_SECONDS = 3600.0
+COMPACT_ENV = "TORPOR_COMPACT_AFTER_SECONDS"
+
+
+def _compact_after() -> float | None:
+    raw = os.environ.get(COMPACT_ENV, "").strip()
+    if not raw:
+        return COMPACT_AFTER_SECONDS
+    if raw.lower() == "off":
+        return None
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise InvalidArgument(f"{COMPACT_ENV} must be seconds or 'off', not {raw!r}") from exc
+    if value < 0:
+        raise InvalidArgument(f"{COMPACT_ENV} must be >= 0, not {raw!r}")
+    return value
+
+
 #: the states in which a sandbox holds (or is about to hold) a machine with its RAM
 _HOLDING_RAM = {S.CREATING, S.RUNNING, S.WAKING, S.PAUSING}
 
@@ -156,8 +179,18 @@ class ManagerCore:
         self._name_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._supervisor: asyncio.Task[None] | None = None
         self._closed = False
+        self._chunks: ChunkStore | None = None
+        #: a sandbox paused longer than this is compacted into the chunk store (None: never)
+        self.compact_after_seconds: float | None = _compact_after()
 
     # -- helpers --------------------------------------------------------------------------
+
+    @property
+    def chunk_store(self) -> ChunkStore:
+        """The home's chunk store (where compacted sandboxes keep their RAM), opened once."""
+        if self._chunks is None:
+            self._chunks = home_chunk_store(self.paths)
+        return self._chunks
 
     def directory(self, sandbox_id: str) -> Path:
         """The sandbox's machine directory."""
@@ -230,7 +263,7 @@ class ManagerCore:
         )
         return (
             f"RAM and processes since {_iso(since)} (the last wake); disk kept, "
-            "minus writes the guest had not flushed"
+            "minus writes the guest had not flushed (its files can still be read)"
         )
 
     def lost(self, rec: SandboxRecord) -> StateLost:
@@ -381,9 +414,11 @@ class ManagerCore:
         self.check_room(
             rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=self._ram_held(rec.id)
         )
+        directory = self.directory(rec.id)
+        if is_compacted(directory):  # its RAM is in the chunk store: rebuild it first
+            await asyncio.to_thread(expand, directory, self.chunk_store, sandbox_id=rec.id)
         rec = self.move(rec, S.WAKING, reason)
         await self._step("wake:begin", rec.id)
-        directory = self.directory(rec.id)
         machine = self.engine.machine(directory, self._config(rec))
         live.machine = machine
         try:

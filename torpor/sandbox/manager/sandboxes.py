@@ -40,6 +40,7 @@ from torpor.errors import (
     GuestError,
     OperationTimeout,
     SandboxNotFound,
+    StateLost,
     TorporError,
 )
 from torpor.sandbox.engine import Channel, MachineConfig
@@ -56,11 +57,28 @@ from torpor.sandbox.requests import (
     SandboxSettings,
     check_guest_path,
 )
+from torpor.sandbox.storage.compaction import CompactionReport, compact, is_compacted
+from torpor.sandbox.storage.relocate import relocate
+from torpor.sandbox.storage.volume_files import read_disk_file
 from torpor.types import OutputCallback
 
 __all__ = ["SandboxManager"]
 
 log = logging.getLogger(__name__)
+
+#: below this fraction of the disk free, every paused sandbox is compacted, whatever its age
+LOW_DISK_FRACTION = 0.10
+
+
+async def _stopped(machine: Any, grace: float = 0.2) -> bool:
+    """Whether ``machine``'s QEMU has exited, giving a process that is being killed
+    ``grace`` seconds to be gone (a broken channel is often the first sign of its death)."""
+    deadline = time.monotonic() + grace
+    while machine.is_running():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 def _set_envs_code(envs: Mapping[str, str]) -> str:
@@ -360,10 +378,14 @@ class SandboxManager(ManagerCore):
             live.busy += 1  # from here on, the finally below releases it
         try:
             yield channel
-        except (GuestError, EngineError):
+        except (GuestError, EngineError) as exc:
             machine = live.machine
-            if machine is not None and not machine.is_running():
+            if machine is not None and await _stopped(machine):
+                # the call saw its machine die: say what that lost, not "connection broke"
                 await self._machine_died(rec.id, live)
+                now = self.registry.get(rec.id)
+                if now.state is S.ERROR:
+                    raise self.lost(now) from exc
             raise
         finally:
             live.busy -= 1
@@ -421,10 +443,22 @@ class SandboxManager(ManagerCore):
                 raise
 
     async def read_file(self, id_or_name: str, path: str, *, tenant: str = "default") -> bytes:
-        """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path)."""
+        """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path).
+
+        A sandbox that lost its machine (``error``, StateLost: "disk kept") is still read,
+        from the disk it kept: what the guest had written to it (committed journal
+        included). Every other call on it raises StateLost."""
         check_guest_path(path)
-        async with self._use(tenant, id_or_name) as ch:
-            return await ch.read_file(path)
+        try:
+            async with self._use(tenant, id_or_name) as ch:
+                return await ch.read_file(path)
+        except StateLost:
+            rec = self._find(tenant, id_or_name)
+            disk = self.directory(rec.id) / "disk.qcow2"
+            if rec.state is not S.ERROR or not disk.exists():
+                raise
+            async with self.live(rec.id).lock:  # nothing wakes or deletes it meanwhile
+                return await asyncio.to_thread(read_disk_file, disk, path)
 
     async def write_file(
         self, id_or_name: str, path: str, data: bytes | str, *, tenant: str = "default"
@@ -490,12 +524,54 @@ class SandboxManager(ManagerCore):
                 log.warning("idle pause of %s failed: %s", rec.id, exc)
         return paused
 
+    async def compact_sweep(
+        self, now: float | None = None, *, limit: int = 1
+    ) -> builtins.list[CompactionReport]:
+        """Compact (see :mod:`torpor.sandbox.storage.compaction`) up to ``limit`` sandboxes
+        paused for at least ``compact_after_seconds`` — or any paused one, longest first, when
+        the disk is below :data:`LOW_DISK_FRACTION` free. Returns what was done; a failure is
+        logged, not raised (the sandbox stays paused with its RAM file)."""
+        now = time.time() if now is None else now
+        usage = shutil.disk_usage(self.paths.sandboxes)
+        low_disk = usage.free < usage.total * LOW_DISK_FRACTION
+        after = self.compact_after_seconds
+        if after is None and not low_disk:
+            return []
+        done: builtins.list[CompactionReport] = []
+        candidates = sorted(self.registry.list(states={S.PAUSED}), key=lambda r: r.paused_at or 0)
+        for rec in candidates:
+            if len(done) >= limit:
+                break
+            paused_for = now - (rec.paused_at or now)
+            if not low_disk and (after is None or paused_for < after):
+                continue
+            directory = self.directory(rec.id)
+            if is_compacted(directory):
+                continue
+            live = self.live(rec.id)
+            if live.lock.locked():
+                continue
+            try:
+                async with live.lock:
+                    rec = self.registry.get(rec.id)
+                    if rec.state is not S.PAUSED or live.machine is not None:
+                        continue
+                    template_ram = self.paths.templates / rec.template / "snapshot" / "ram"
+                    done.append(
+                        await asyncio.to_thread(compact, directory, self.chunk_store, template_ram)
+                    )
+            except TorporError as exc:
+                log.warning("compaction of %s failed: %s", rec.id, exc)
+        return done
+
     async def supervise(self, interval: float = 1.0) -> None:
-        """Run :meth:`idle_sweep` every ``interval`` seconds until cancelled."""
+        """Run :meth:`idle_sweep` (and :meth:`compact_sweep`) every ``interval`` seconds until
+        cancelled."""
         while True:
             try:
                 await self.idle_sweep()
                 self.trim_logs()
+                await self.compact_sweep()
             except Exception:  # keep supervising; a bad sweep must not end idle pausing
                 log.exception("idle sweep failed")
             await asyncio.sleep(interval)
@@ -516,6 +592,7 @@ class SandboxManager(ManagerCore):
         row: the registry was deleted or truncated, and starting would orphan them (``torpor
         doctor --repair`` rebuilds the rows; see :mod:`torpor.sandbox.registry.repair`)."""
         self._check_open()
+        relocate(self.paths)  # a copied or moved home points its stored paths at itself
         lost = orphans(self.paths, self.registry)
         if lost:
             raise CorruptData(

@@ -18,7 +18,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -482,40 +482,49 @@ class Registry:
         They are read from the transitions log, so they survive a restart. Up to ``limit``
         transitions are read per call, and the steps in between are not events, so a call may
         return fewer events than ``limit`` while more follow."""
-        sql = (
-            "SELECT t.seq, t.sandbox_id, t.src, t.dst, t.at, t.reason, s.name"
-            " FROM transitions t JOIN sandboxes s ON s.id = t.sandbox_id"
-            " WHERE s.tenant = ? AND t.seq > ?"
-        )
-        args: builtins.list[Any] = [tenant, after]
-        if sandbox is not None:
-            sql += " AND t.sandbox_id = ?"
-            args.append(sandbox)
-        rows = self._query(sql + " ORDER BY t.seq LIMIT ?", (*args, limit))
-        out: builtins.list[SandboxEvent] = []
-        last = after
-        for r in rows:
-            last = r["seq"]
-            src = SandboxState(r["src"]) if r["src"] else None
-            dst = SandboxState(r["dst"])
-            kind = event_kind(src, dst, r["reason"])
-            if kind is not None:
-                out.append(
-                    SandboxEvent(
-                        seq=r["seq"],
-                        at=_dt(r["at"]),
-                        sandbox_id=r["sandbox_id"],
-                        name=r["name"],
-                        kind=kind,
-                        state=dst,
-                        reason=r["reason"],
-                    )
-                )
-        return out, last
+        by_sandbox = "" if sandbox is None else " AND t.sandbox_id = ?"
+        sql = EVENTS_SQL.format(prefix="", p="?", by_sandbox=by_sandbox)
+        args = (tenant, after) + (() if sandbox is None else (sandbox,)) + (limit,)
+        rows = self._query(sql, args)
+        return events_from_rows(rows, after)
 
     def last_seq(self) -> int:
         """The ``seq`` of the newest transition of the home (0 for none)."""
         return int(self._query("SELECT COALESCE(MAX(seq), 0) FROM transitions")[0][0])
+
+
+def events_from_rows(rows: Iterable[Sequence[Any]], after: int) -> tuple[list[SandboxEvent], int]:
+    """Transitions rows ``(seq, sandbox_id, src, dst, at, reason, name)`` as the events a
+    user sees (see :func:`event_kind`), and the ``seq`` to continue from (both registries)."""
+    out: list[SandboxEvent] = []
+    last = after
+    for seq, sandbox_id, src_text, dst_text, at, reason, name in rows:
+        last = int(seq)
+        src = SandboxState(src_text) if src_text else None
+        dst = SandboxState(dst_text)
+        kind = event_kind(src, dst, reason)
+        if kind is not None:
+            out.append(
+                SandboxEvent(
+                    seq=int(seq),
+                    at=_dt(at),
+                    sandbox_id=sandbox_id,
+                    name=name,
+                    kind=kind,
+                    state=dst,
+                    reason=reason,
+                )
+            )
+    return out, last
+
+
+#: the query of :func:`events_from_rows`'s rows (``?`` or ``%s`` placeholders, then the
+#: tenant, after, [sandbox,] limit)
+EVENTS_SQL = (
+    "SELECT t.seq, t.sandbox_id, t.src, t.dst, t.at, t.reason, s.name"
+    " FROM {prefix}transitions t JOIN {prefix}sandboxes s ON s.id = t.sandbox_id"
+    " WHERE s.tenant = {p} AND t.seq > {p}{by_sandbox} ORDER BY t.seq LIMIT {p}"
+)
 
 
 def _moved(sandbox_id: str, actual: SandboxState, expected: SandboxState) -> InvalidState:

@@ -1,6 +1,9 @@
-"""torpor.sandbox.storage: what outlives a machine, on the host's disk.
+"""torpor.sandbox.storage: what outlives a machine, on the host's disk (chunks optionally in
+S3-compatible object storage).
 
-* :mod:`.chunks` — the content-addressed chunk store (sha256, zstd, deduplicated)
+* :mod:`.chunks` — the content-addressed chunk store (sha256, zstd, deduplicated, verified)
+* :mod:`.chunk_backends` — where chunks are kept: the interface and the local directory
+* :mod:`.object_store` — chunks in S3-compatible object storage, with a bounded node cache
 * :mod:`.snapshots` — immutable, verified snapshots (manifests over chunks), freezing a
   machine directory
 * :mod:`.volumes`, :mod:`.volume_files` — disk images that outlive sandboxes; reading a file
@@ -9,5 +12,6 @@
 * :mod:`.records` — the JSON record store volumes and drives share (atomic writes, locks)
 * :mod:`.retention` — garbage collection: what no snapshot, sandbox or template needs
 
-Imports: torpor.config, torpor.errors, torpor.sandbox.vm (disk utilities only).
+Imports: torpor.config, torpor.errors, torpor.sandbox.vm (disk utilities only); boto3 only
+when an ``s3://`` store is opened.
 """

@@ -15,15 +15,23 @@ the snapshot layer writes its manifest only after that (see
 
 Integrity: :meth:`ChunkStore.get` checks every chunk against its name on the way out, and raises
 :class:`~torpor.errors.CorruptData` on a mismatch, so a flipped byte on disk never reaches a guest.
+
+Where: the store hashes, compresses and verifies; a backend
+(:mod:`torpor.sandbox.storage.chunk_backends`) only keeps the blobs. The default is the home's
+``chunks/`` directory; a store URL ``s3://bucket/prefix`` (:func:`open_chunk_store`,
+``$TORPOR_STORE``) keeps them in S3-compatible object storage shared by many nodes, with a
+bounded cache on each (:mod:`torpor.sandbox.storage.object_store`). Garbage collection is
+mark-and-sweep: whoever holds the manifests gives the mark set, :meth:`ChunkStore.sweep` removes
+the rest.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,15 +40,29 @@ from typing import Any
 
 import zstandard
 
+from torpor.config import Paths
 from torpor.errors import CorruptData, InvalidArgument, StorageError
-from torpor.sandbox.vm.disk import fsync_dir
+from torpor.sandbox.storage.chunk_backends import (
+    ChunkBackend,
+    LocalChunkBackend,
+    check_hash,
+    is_hash,
+)
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "ChunkStore", "FileManifest"]
+__all__ = [
+    "CACHE_ENV",
+    "DEFAULT_CHUNK_SIZE",
+    "STORE_ENV",
+    "ChunkStore",
+    "FileManifest",
+    "SweepReport",
+    "home_chunk_store",
+    "open_chunk_store",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
-_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass
@@ -66,7 +88,7 @@ class FileManifest:
             if len(chunks) != -(-size // chunk_size):
                 raise ValueError("chunk count does not match the size")
             for c in chunks:
-                if c is not None and not _is_hash(c):
+                if c is not None and not is_hash(c):
                     raise ValueError(f"bad chunk name {c!r}")
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptData(f"malformed file manifest: {exc}", exc=exc) from exc
@@ -77,96 +99,116 @@ class FileManifest:
         return {c for c in self.chunks if c is not None}
 
 
-def _is_hash(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
+@dataclass
+class SweepReport:
+    """What a sweep removed (or would remove, in a dry run) and kept."""
+
+    removed: int = 0
+    kept: int = 0
+    freed_bytes: int = 0
 
 
 class ChunkStore:
-    """Chunks named by sha256 under ``root``; see the module docstring.
+    """Chunks named by sha256, kept by a :class:`ChunkBackend`; see the module docstring.
 
-    ``level`` is the zstd level (low: snapshots are on the hot path). ``workers`` threads hash
-    and compress in parallel (both release the GIL).
+    ``root`` is the local directory of the embedded default; ``backend`` replaces it (an S3
+    bucket, see :func:`open_chunk_store`). ``level`` is the zstd level (low: snapshots are on
+    the hot path). ``workers`` threads hash, compress and move chunks in parallel (all release
+    the GIL).
     """
 
     def __init__(
-        self, root: Path, *, chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = 1, workers: int = 2
+        self,
+        root: Path | None = None,
+        *,
+        backend: ChunkBackend | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        level: int = 1,
+        workers: int = 2,
     ) -> None:
         if chunk_size <= 0 or chunk_size % 4096:
             raise InvalidArgument(
                 f"chunk size must be a positive multiple of 4096, not {chunk_size}"
             )
-        self.root = Path(root)
+        if backend is None:
+            if root is None:
+                raise InvalidArgument("a chunk store needs a directory or a backend")
+            backend = LocalChunkBackend(Path(root))
+        self.backend: ChunkBackend = backend
         self.chunk_size = chunk_size
         self.level = level
         self.workers = max(1, workers)
         self._zero = bytes(chunk_size)
-        self._touched: set[Path] = set()
+
+    @property
+    def location(self) -> str:
+        """Where the chunks live (a directory or ``s3://bucket/prefix``)."""
+        return self.backend.location
+
+    @property
+    def root(self) -> Path:
+        """The local directory of the chunks. Raises InvalidArgument for a remote store."""
+        return self._local().root
+
+    def _local(self) -> LocalChunkBackend:
+        if not isinstance(self.backend, LocalChunkBackend):
+            raise InvalidArgument(f"chunks in {self.location} have no local path")
+        return self.backend
 
     # -- single chunks ------------------------------------------------------------------------
 
     def path_of(self, digest: str) -> Path:
-        """Where the chunk ``digest`` lives (whether or not it exists)."""
-        if not _is_hash(digest):
-            raise InvalidArgument(f"not a chunk name: {digest!r}")
-        return self.root / digest[:2] / f"{digest}.zst"
+        """Where the chunk ``digest`` lives on this disk (whether or not it exists).
+
+        Raises InvalidArgument for a bad name, or when the chunks are not in a local directory.
+        """
+        return self._local().path_of(digest)
 
     def has(self, digest: str) -> bool:
-        return self.path_of(digest).exists()
+        """Whether chunk ``digest`` is stored. Raises StorageError when the store fails."""
+        return self.backend.exists(check_hash(digest))
 
     def put(self, data: bytes) -> tuple[str, int]:
         """Store ``data``; return (its sha256, bytes newly written: 0 if it was there already).
 
-        Raises StorageError when the file system fails.
+        Raises StorageError when the store fails.
         """
         digest = hashlib.sha256(data).hexdigest()
         return digest, self._put_known(digest, data)
 
     def _put_known(self, digest: str, data: bytes) -> int:
-        target = self.path_of(digest)
-        if target.exists():
+        # idempotent: content names the chunk, so one already there is this very data (or a
+        # corrupt copy, which its first failed read quarantines, so the next put rewrites it)
+        if self.backend.exists(digest):
             return 0
         blob = zstandard.ZstdCompressor(level=self.level).compress(data)
-        tmp = target.with_name(f".{digest}.{os.getpid()}.{id(data)}.tmp")
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise StorageError(
-                f"cannot write chunk {digest[:12]}: {exc}", exc=exc, chunk=digest
-            ) from exc
-        self._touched.add(target.parent)
-        return len(blob)
+        return self.backend.write(digest, blob)
 
     def get(self, digest: str, *, snapshot_id: str | None = None) -> bytes:
         """The raw bytes of chunk ``digest``, checked against its name.
 
         Raises CorruptData (naming ``snapshot_id`` when given) if the chunk is missing,
-        undecodable or its hash does not match.
+        undecodable or its hash does not match; StorageError when the store cannot be read.
         """
-        path = self.path_of(digest)
+        check_hash(digest)
         who = f"snapshot {snapshot_id}: " if snapshot_id else ""
         try:
-            blob = path.read_bytes()
-        except FileNotFoundError as exc:
+            blob = self.backend.read(digest)
+            data = None if blob is None else self._decode(digest, blob)
+            if data is None and self.backend.caches:
+                # a bad local copy is not a bad chunk: read the store itself before judging
+                blob = self.backend.read(digest, cached=False)
+                data = None if blob is None else self._decode(digest, blob)
+        except StorageError as exc:
+            exc.data.setdefault("snapshot_id", snapshot_id)
+            exc.data.setdefault("chunk", digest)
+            raise
+        if blob is None:
             raise CorruptData(
-                f"{who}chunk {digest[:12]} is missing from the store",
-                exc=exc,
+                f"{who}chunk {digest[:12]} is missing from the store ({self.location})",
                 snapshot_id=snapshot_id,
                 chunk=digest,
-            ) from exc
-        except OSError as exc:
-            raise StorageError(
-                f"{who}cannot read chunk {digest[:12]}: {exc}",
-                exc=exc,
-                snapshot_id=snapshot_id,
-                chunk=digest,
-            ) from exc
-        data = self._decode(digest, blob)
+            )
         if data is None:
             self._quarantine(digest)
             raise CorruptData(
@@ -187,28 +229,22 @@ class ChunkStore:
         return data if hashlib.sha256(data).hexdigest() == digest else None
 
     def _quarantine(self, digest: str) -> None:
-        """Move a bad chunk aside (``quarantine/``), so a put of the same data rewrites it
-        instead of trusting it: one flipped byte must not poison every later snapshot."""
-        bad = self.root / "quarantine" / f"{digest}.zst"
+        """Move a bad chunk aside, so a put of the same data rewrites it instead of trusting
+        it: one flipped byte must not poison every later snapshot."""
         try:
-            bad.parent.mkdir(exist_ok=True)
-            os.replace(self.path_of(digest), bad)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
+            self.backend.quarantine(digest)
+        except StorageError as exc:
             log.error("cannot quarantine chunk %s: %s", digest[:12], exc)
             return
-        log.error("chunk %s failed its check; moved to %s", digest[:12], bad)
+        log.error("chunk %s failed its check; quarantined in %s", digest[:12], self.location)
 
     def verify(self, digest: str) -> bool:
-        """True if chunk ``digest`` reads back whole; a bad one is quarantined. A missing one
-        is False. Raises StorageError when the file cannot be read."""
-        try:
-            blob = self.path_of(digest).read_bytes()
-        except FileNotFoundError:
+        """True if chunk ``digest`` reads back whole from the store itself (not a cache); a
+        bad one is quarantined. A missing one is False. Raises StorageError when the store
+        cannot be read."""
+        blob = self.backend.read(check_hash(digest), cached=False)
+        if blob is None:
             return False
-        except OSError as exc:
-            raise StorageError(f"cannot read chunk {digest[:12]}: {exc}", exc=exc) from exc
         if self._decode(digest, blob) is None:
             self._quarantine(digest)
             return False
@@ -216,44 +252,57 @@ class ChunkStore:
 
     def remove(self, digest: str) -> int:
         """Delete a chunk; return the bytes freed (0 if it was not there)."""
-        path = self.path_of(digest)
-        try:
-            size = path.stat().st_size
-            path.unlink()
-        except FileNotFoundError:
-            return 0
-        except OSError as exc:
-            raise StorageError(f"cannot remove chunk {digest[:12]}: {exc}", exc=exc) from exc
-        return size
+        return self.backend.delete(check_hash(digest))
 
     def __iter__(self) -> Iterator[str]:
-        """Every chunk name in the store (temporary files excluded)."""
-        if not self.root.is_dir():
-            return
-        for sub in self.root.iterdir():
-            if len(sub.name) != 2 or not sub.is_dir():
-                continue
-            for f in sub.iterdir():
-                name = f.name
-                if name.endswith(".zst") and _is_hash(name[:-4]):
-                    yield name[:-4]
+        """Every chunk name in the store (temporary and quarantined files excluded)."""
+        return (entry.digest for entry in self.backend.entries())
 
     def stored_bytes(self) -> int:
-        """Bytes the store occupies on disk (compressed chunks)."""
-        total = 0
-        for digest in self:
-            with contextlib.suppress(FileNotFoundError):
-                total += self.path_of(digest).stat().st_size
-        return total
+        """Bytes the store occupies (compressed chunks)."""
+        return sum(entry.size for entry in self.backend.entries())
 
     def sync_dirs(self) -> None:
-        """fsync every directory a new chunk was renamed into, so the names are durable too."""
-        for d in sorted(self._touched | {self.root}):
-            try:
-                fsync_dir(d, missing_ok=True)
-            except OSError as exc:
-                raise StorageError(f"cannot fsync {d}: {exc}", exc=exc) from exc
-        self._touched.clear()
+        """Make every chunk written so far durable, names included (fsync of the directories
+        for a local store). Raises StorageError."""
+        self.backend.sync()
+
+    def sweep(
+        self,
+        marked: set[str],
+        *,
+        min_age_seconds: float = 0.0,
+        dry_run: bool = False,
+        now: float | None = None,
+    ) -> SweepReport:
+        """Mark-and-sweep's sweep: delete every chunk not in ``marked``.
+
+        ``marked`` must be every chunk any manifest names, from whatever holds the manifests
+        (for a shared store: every node's). Chunks written less than ``min_age_seconds`` ago
+        are kept, since a snapshot being saved writes its chunks before its manifest (the
+        caller also holds the store's exclusive lock; the age covers writers that do not
+        share that lock). ``dry_run`` counts and deletes nothing. Raises StorageError.
+        """
+        now = time.time() if now is None else now
+        report = SweepReport()
+        for entry in list(self.backend.entries()):
+            if entry.digest in marked or now - entry.modified < min_age_seconds:
+                report.kept += 1
+                continue
+            report.removed += 1
+            if dry_run:
+                report.freed_bytes += entry.size
+            else:
+                report.freed_bytes += self.backend.delete(entry.digest)
+        log.info(
+            "sweep of %s: %d removed, %d kept, %d bytes%s",
+            self.location,
+            report.removed,
+            report.kept,
+            report.freed_bytes,
+            " (dry run)" if dry_run else "",
+        )
+        return report
 
     # -- whole files --------------------------------------------------------------------------
 
@@ -267,12 +316,12 @@ class ChunkStore:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 count = -(-size // self.chunk_size)
-                data_ranges = _data_ranges(f.fileno(), size)
+                extents = data_ranges(f.fileno(), size)
 
                 def work(index: int) -> tuple[str | None, int]:
                     start = index * self.chunk_size
                     length = min(self.chunk_size, size - start)
-                    if not _overlaps(data_ranges, start, start + length):
+                    if not overlaps(extents, start, start + length):
                         return None, 0
                     data = os.pread(f.fileno(), length, start)
                     if len(data) != length:
@@ -341,7 +390,7 @@ class ChunkStore:
             ) from exc
 
 
-def _data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
+def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
     """The (start, end) extents of ``fd`` that hold data, found with SEEK_DATA/SEEK_HOLE."""
     ranges: list[tuple[int, int]] = []
     pos = 0
@@ -359,9 +408,67 @@ def _data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+def overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
     # Ranges are sorted and disjoint: the first one ending after ``start`` decides.
     i = bisect.bisect_right(ranges, (start, start))
     if i > 0 and ranges[i - 1][1] > start:
         return True
     return i < len(ranges) and ranges[i][0] < end
+
+
+#: the store URL of a home when none is given (empty: the local ``chunks/`` directory)
+STORE_ENV = "TORPOR_STORE"
+#: the byte budget of a node's cache of a remote store, in MiB
+CACHE_ENV = "TORPOR_STORE_CACHE_MIB"
+
+
+def open_chunk_store(
+    url: str | None,
+    home: Path,
+    *,
+    endpoint_url: str | None = None,
+    cache_bytes: int | None = None,
+    client: Any = None,
+) -> ChunkStore:
+    """The chunk store a store URL names, for the torpor home ``home``.
+
+    ``None`` or ``""`` is the embedded default: ``<home>/chunks``, zero configuration.
+    ``s3://bucket/prefix`` keeps chunks in an S3-compatible bucket (see
+    :mod:`torpor.sandbox.storage.object_store` for the endpoint and credentials), with this
+    node's cache in ``<home>/chunk-cache`` bounded by ``cache_bytes`` (default
+    ``$TORPOR_STORE_CACHE_MIB`` MiB, else 2 GiB). Raises InvalidArgument for another URL or
+    a bad size, StorageError when boto3 is missing.
+    """
+    if not url:
+        return ChunkStore(home / "chunks")
+    if not url.startswith("s3://"):
+        raise InvalidArgument(f"unknown chunk store {url!r}: use s3://bucket/prefix or none")
+    from torpor.sandbox.storage.object_store import (
+        DEFAULT_CACHE_BYTES,
+        ChunkCache,
+        S3ChunkBackend,
+    )
+
+    if cache_bytes is None:
+        raw = os.environ.get(CACHE_ENV)
+        try:
+            cache_bytes = int(raw) * 1024 * 1024 if raw else DEFAULT_CACHE_BYTES
+        except ValueError as exc:
+            raise InvalidArgument(
+                f"{CACHE_ENV} must be a whole number of MiB, not {raw!r}"
+            ) from exc
+    backend = S3ChunkBackend(
+        url,
+        cache=ChunkCache(home / "chunk-cache", cache_bytes),
+        client=client,
+        endpoint_url=endpoint_url,
+    )
+    # remote requests wait on the network, not the CPU: more of them in flight
+    return ChunkStore(backend=backend, workers=8)
+
+
+def home_chunk_store(paths: Paths) -> ChunkStore:
+    """The chunk store of the home ``paths``: ``$TORPOR_STORE`` when set, else ``chunks/``.
+    Raises as :func:`open_chunk_store`."""
+    url = os.environ.get(STORE_ENV)
+    return open_chunk_store(url, paths.home) if url else ChunkStore(paths.chunks)

@@ -39,6 +39,7 @@ __all__ = [
     "check_mount_path",
     "locked",
     "read_records",
+    "rewrite_prefix",
     "write_record",
 ]
 
@@ -68,6 +69,19 @@ def write_record(
         write_atomic(path, json.dumps(data, sort_keys=True).encode(), sync_dir=sync_dir)
     except OSError as exc:
         raise StorageError(f"cannot write {what or path.name}: {exc}", exc=exc, **context) from exc
+
+
+def rewrite_prefix(value: Any, old: str, new: str) -> Any:
+    """``value`` (a JSON value) with every string under directory ``old`` moved under ``new``."""
+    if isinstance(value, str):
+        if value == old or value.startswith(old + "/"):
+            return new + value[len(old) :]
+        return value
+    if isinstance(value, list):
+        return [rewrite_prefix(v, old, new) for v in value]
+    if isinstance(value, dict):
+        return {k: rewrite_prefix(v, old, new) for k, v in value.items()}
+    return value
 
 
 @contextlib.contextmanager

@@ -7,7 +7,10 @@ What goes, in this order (each step only removes what nothing references):
    a fork's or restore's children run on qcow2 overlays backed by a frozen layer, so a frozen
    layer lives exactly as long as some sandbox dir (or another live frozen layer) names it;
 3. **chunks** that no manifest names (a manifest that fails its digest still protects every
-   chunk it names: GC never turns a corrupt snapshot into a lost one);
+   chunk it names: GC never turns a corrupt snapshot into a lost one) — mark-and-sweep:
+   the manifests give the mark set, :meth:`ChunkStore.sweep` the rest. A store shared by
+   many nodes (``s3://``) is not swept from one home, whose manifests are its own only.
+   Compacted paused sandboxes (:mod:`.compaction`) mark the chunks of their RAM;
 4. **attachments** of volumes and drives held by sandboxes that no longer exist;
 5. leftovers of interrupted work (``.*.tmp``, ``.*.work``) older than an hour.
 
@@ -31,14 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from torpor.config import Paths
-from torpor.errors import StorageError
-from torpor.sandbox.storage.chunks import FileManifest
+from torpor.errors import CorruptData, StorageError
+from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, SweepReport
+from torpor.sandbox.storage.compaction import referenced_by_compacted
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import is_qcow2
 
-__all__ = ["GcReport", "collect_garbage", "referenced_frozen"]
+__all__ = ["GcReport", "collect_garbage", "referenced_frozen", "sweep_shared_store"]
 
 log = logging.getLogger(__name__)
 
@@ -182,15 +186,25 @@ def collect_garbage(
                     if info.id not in expired:
                         for fm in body["files"].values():
                             named |= FileManifest.from_json(fm).hashes()
-            for digest in list(store.chunks):
-                if digest in named:
-                    report.kept_chunks += 1
-                    continue
-                report.removed_chunks += 1
-                if dry_run:
-                    report.freed_bytes += store.chunks.path_of(digest).stat().st_size
-                else:
-                    report.freed_bytes += store.chunks.remove(digest)
+            try:  # compacted paused sandboxes keep their RAM's chunks
+                named |= set(referenced_by_compacted(paths.sandboxes))
+                compacted: CorruptData | None = None
+            except CorruptData as exc:
+                compacted = exc
+            if compacted is not None:
+                log.error("gc: %s; no chunk is swept until it is fixed", compacted)
+            elif store.chunks.backend.shared:
+                # the manifests here are this node's only: a sweep would take other nodes'
+                # chunks. A shared store is swept with the cluster's whole mark set.
+                log.info(
+                    "gc: %s is shared; its chunks are not swept from one home",
+                    store.chunks.location,
+                )
+            else:
+                swept = store.chunks.sweep(named, dry_run=dry_run)
+                report.removed_chunks += swept.removed
+                report.kept_chunks += swept.kept
+                report.freed_bytes += swept.freed_bytes
             for p in _leftovers(store.root, time.time()) + _leftovers(paths.chunks, time.time()):
                 report.freed_bytes += _du(p)
                 if not dry_run:
@@ -202,3 +216,23 @@ def collect_garbage(
         raise StorageError(f"garbage collection failed: {exc}", exc=exc) from exc
     log.info("gc: %s", report.to_json())
     return report
+
+
+def sweep_shared_store(
+    chunks: ChunkStore,
+    marked: set[str],
+    *,
+    dry_run: bool = False,
+    min_age_seconds: float | None = None,
+) -> SweepReport:
+    """Sweep a chunk store many nodes share: delete every chunk not in ``marked``, which must
+    come from whatever holds every node's manifests (the PostgreSQL registry:
+    ``referenced_chunks()``). Chunks younger than ``min_age_seconds`` (default: the store's
+    grace, an hour for S3) stay, since a node may be uploading a snapshot whose manifest is not
+    recorded yet. Raises StorageError."""
+    grace = getattr(chunks.backend, "gc_grace_seconds", 0.0)
+    return chunks.sweep(
+        marked,
+        dry_run=dry_run,
+        min_age_seconds=grace if min_age_seconds is None else min_age_seconds,
+    )

@@ -47,9 +47,17 @@ from torpor.errors import (
     StorageError,
 )
 from torpor.sandbox.requests import MAX_RETENTION_DAYS
-from torpor.sandbox.storage.chunks import ChunkStore, FileManifest
-from torpor.sandbox.storage.records import write_record
-from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, is_qcow2, new_overlay, rebase
+from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, home_chunk_store
+from torpor.sandbox.storage.compaction import MARKER as COMPACTED_MARKER
+from torpor.sandbox.storage.records import rewrite_prefix, write_record
+from torpor.sandbox.vm.disk import (
+    copy_sparse,
+    fsync_dir,
+    is_qcow2,
+    new_overlay,
+    rebase,
+    set_backing,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -190,6 +198,12 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
     the link before the machine runs again (a fork). On failure the machine dir is left as it
     was and no frozen dir remains. Raises StorageError / EngineError.
     """
+    if (machine_dir / COMPACTED_MARKER).is_file():
+        # its RAM file is an empty shell until expanded (storage.compaction.expand)
+        raise StorageError(
+            f"{machine_dir} is compacted: expand its RAM from the chunk store before freezing",
+            path=str(machine_dir),
+        )
     frozen_root.mkdir(parents=True, exist_ok=True)
     fid = f"frz-{uuid.uuid4().hex[:12]}"
     tmp = frozen_root / f".{fid}.tmp"
@@ -264,13 +278,14 @@ def _identity(path: Path) -> dict[str, Any]:
 
 class SnapshotStore:
     """Stored snapshots of one torpor home: manifests under ``snapshots/``, chunks in
-    ``chunks/``."""
+    ``chunks/`` (or in the store ``$TORPOR_STORE`` names, e.g. ``s3://bucket/prefix``: see
+    :func:`~torpor.sandbox.storage.chunks.open_chunk_store`)."""
 
     def __init__(self, paths: Paths, *, chunks: ChunkStore | None = None) -> None:
         self.paths = paths
         self.root = paths.snapshots
         self.frozen_root = paths.snapshots / "frozen"
-        self.chunks = chunks or ChunkStore(paths.chunks)
+        self.chunks = chunks or home_chunk_store(paths)
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- locking: saves share the store, GC takes it alone, names commit one at a time --------
@@ -403,6 +418,19 @@ class SnapshotStore:
             snapshot_id=sid,
         )
 
+    def rewrite_paths(self, old: str, new: str) -> int:
+        """Move every path a manifest stores under directory ``old`` to ``new`` (the home was
+        moved: :mod:`torpor.sandbox.storage.relocate`), with a fresh digest. Returns how many
+        manifests changed. Raises StorageError."""
+        changed = 0
+        with self.lock(exclusive=True):
+            for info, body in self.manifests():
+                moved = rewrite_prefix(body, old, new)
+                if moved != body:
+                    self._write_manifest(info.id, moved)
+                    changed += 1
+        return changed
+
     def delete(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
         """Remove a snapshot's manifest (its chunks go at the next GC). Raises SnapshotNotFound."""
         info = self.get(id_or_name, tenant=tenant, include_expired=True)
@@ -509,6 +537,10 @@ class SnapshotStore:
                 self.chunks.restore_file(
                     FileManifest.from_json(fm), tmp / name, snapshot_id=info.id
                 )
+                anchor_id = body.get("anchors", {}).get(name)
+                if anchor_id is not None and backing_file(tmp / name) != Path(anchor_id["path"]):
+                    # the manifest is what says where the template disk is (a moved home)
+                    set_backing(tmp / name, Path(anchor_id["path"]))
             final = self.frozen_root / fid
             os.rename(tmp, final)
         except OSError as exc:

@@ -45,8 +45,9 @@ from torpor.errors import (
 )
 from torpor.sandbox.storage.records import locked
 from torpor.sandbox.storage.volumes import VolumeStore
+from torpor.sandbox.vm.disk import qemu_img
 
-__all__ = ["needs_recovery", "read_image_file", "read_volume_file"]
+__all__ = ["needs_recovery", "read_disk_file", "read_image_file", "read_volume_file"]
 
 log = logging.getLogger(__name__)
 
@@ -232,3 +233,44 @@ def read_volume_file(
             log.info("replaying the journal of volume %s before reading it", info.id)
             store.replay_journal(info.id)
         return read_image_file(image, path, max_bytes=max_bytes)
+
+
+def read_disk_file(
+    disk: str | os.PathLike[str], path: str, *, max_bytes: int = LIMITS.max_file_bytes
+) -> bytes:
+    """The bytes of ``path`` in the root file system of a machine's qcow2 ``disk`` (with its
+    backing chain) that no QEMU has open: the disk a sandbox kept when its machine died.
+
+    The chain is flattened into a private raw copy beside the disk (``rescue.raw``, made
+    again when the disk is newer; it goes with the sandbox's directory) and its journal
+    replayed there, so the read sees every write the guest had committed; the disk itself is
+    never modified. Raises as :func:`read_image_file`, and :class:`EngineError` when the disk
+    cannot be flattened or its file system needs more than a journal replay.
+    """
+    disk = Path(disk)
+    path = _normalize(path)
+    raw = disk.with_name("rescue.raw")
+    try:
+        fresh = raw.exists() and raw.stat().st_mtime_ns >= disk.stat().st_mtime_ns
+    except OSError as exc:
+        raise EngineError(f"the disk {disk} is gone: {exc}", exc=exc, path=str(disk)) from exc
+    if not fresh:
+        tmp = raw.with_name(raw.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        qemu_img("convert", "-U", "-f", "qcow2", "-O", "raw", str(disk), str(tmp))
+        if needs_recovery(tmp):
+            proc = subprocess.run(
+                ["e2fsck", "-p", "-E", "journal_only", str(tmp)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode >= 4:
+                tmp.unlink(missing_ok=True)
+                raise EngineError(
+                    f"the kept disk {disk} needs repair: {proc.stdout.strip()} "
+                    f"{proc.stderr.strip()}",
+                    exit_code=proc.returncode,
+                )
+        os.replace(tmp, raw)
+    return read_image_file(raw, path, max_bytes=max_bytes)

@@ -31,7 +31,7 @@ import shutil
 import socket
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,15 @@ class TemplateInfo:
         }
         return cls(**known)
 
+    def moved_to(self, directory: Path) -> TemplateInfo:
+        """This template with every path under its old directory moved under ``directory``."""
+        moved: dict[str, Any] = {
+            k: directory / v.relative_to(self.directory)
+            for k, v in vars(self).items()
+            if isinstance(v, Path) and v.is_relative_to(self.directory)
+        }
+        return replace(self, **moved)
+
 
 def _template_dir(name: str) -> Path:
     return paths().templates / check_name(name, "template name")
@@ -111,7 +120,13 @@ def get(name: str) -> TemplateInfo:
         ) from exc
     except (OSError, ValueError) as exc:
         raise StorageError(f"cannot read {tj}: {exc}", exc=exc) from exc
-    return TemplateInfo.from_json(data)
+    info = TemplateInfo.from_json(data)
+    if info.directory.resolve() != tj.parent.resolve():
+        # A copied or moved home (before the manager relocates it, see
+        # torpor.sandbox.storage.relocate): the template's files are the ones beside this
+        # template.json, never the original's.
+        info = info.moved_to(tj.parent)
+    return info
 
 
 def _did_you_mean(name: str) -> str:

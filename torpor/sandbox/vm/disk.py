@@ -28,6 +28,7 @@ __all__ = [
     "new_overlay",
     "qemu_img",
     "rebase",
+    "set_backing",
     "write_atomic",
 ]
 
@@ -122,6 +123,12 @@ def rebase(path: Path, backing: Path | None) -> None:
         "" if backing is None else str(backing),
         str(path),
     )
+
+
+def set_backing(path: Path, backing: Path) -> None:
+    """Name ``backing`` as the qcow2 ``path``'s backing file without touching its data (the
+    same image under another path: a moved home). Raises EngineError."""
+    qemu_img("rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(path))
 
 
 def fsync_dir(path: Path, *, missing_ok: bool = False) -> None:

@@ -1,0 +1,265 @@
+"""Compaction of paused sandboxes: the RAM file into the chunk store and back, the template
+fast path, crash points, GC marks, bad input; the manager's sweep on the fake engine and a
+real QEMU round trip (marked ``qemu``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.s3 import S3Server
+from tests.sandbox.fakes import FakeEngine
+from torpor.config import Paths, paths
+from torpor.errors import CorruptData, StorageError
+from torpor.sandbox.checkpoints import Checkpoints
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
+from torpor.sandbox.storage.compaction import (
+    MARKER,
+    compact,
+    expand,
+    is_compacted,
+    owned_bytes,
+)
+from torpor.sandbox.storage.retention import collect_garbage
+from torpor.sandbox.storage.snapshots import freeze
+
+try:  # plain pytest puts this directory on sys.path; a package layout needs the relative form
+    from tests.sandbox.storage_helpers import make_home, make_machine
+except ImportError:  # pragma: no cover
+    from .storage_helpers import make_home, make_machine
+
+MIB = 1 << 20
+
+
+def _template_ram(p: Paths) -> Path:
+    """A template's booted RAM: 8 MiB sparse, 3 MiB of it data (as make_machine's layout)."""
+    ram = p.templates / "python" / "snapshot" / "ram"
+    with open(ram, "wb") as f:
+        f.truncate(8 * MIB)
+        f.seek(1 * MIB)
+        f.write(b"\x42" * (256 << 10))
+        f.seek(4 * MIB)
+        f.write(os.urandom(3 * MIB))
+    return ram
+
+
+def _sandbox(p: Paths, template_ram: Path, sid: str = "sb1") -> Path:
+    """A paused sandbox cloned from the template that then changed 64 KiB of its RAM."""
+    d = make_machine(p, sid)
+    shutil.copyfile(template_ram, d / "ram")
+    with open(d / "ram", "r+b") as f:
+        f.seek(5 * MIB)
+        f.write(os.urandom(64 << 10))
+    return d
+
+
+def _allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def test_compact_and_expand_round_trip(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    report = compact(d, store, tram)
+    assert is_compacted(d)
+    assert report.ram_bytes_before >= 3 * MIB and report.ram_bytes_after == 0
+    assert (d / "ram").stat().st_size == 8 * MIB  # same size: recovery's checks still hold
+    assert report.from_template == report.chunks - 1  # only the chunk it changed is its own
+    # owned: the local files and its one changed chunk, not the template's 3 MiB
+    own = owned_bytes(d, store)
+    assert own < 1 * MIB
+    assert compact(d, store, tram).chunks == 0  # idempotent
+
+    seconds = expand(d, store, sandbox_id="sb1")
+    assert seconds > 0 and not is_compacted(d)
+    assert (d / "ram").read_bytes() == original
+    assert _allocated(d / "ram") < 5 * MIB  # rebuilt sparse
+    assert expand(d, store) == 0.0  # nothing to do
+
+
+def test_expand_without_the_template_reads_every_chunk_from_the_store(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    _template_ram(p)  # the template is rebuilt: new content, new identity
+    expand(d, store)
+    assert (d / "ram").read_bytes() == original
+
+
+def test_crash_after_the_manifest_before_emptying_the_ram(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    (d / "ram").write_bytes(original)  # as if the process died before truncating
+    expand(d, store)
+    assert (d / "ram").read_bytes() == original and not is_compacted(d)
+
+
+def test_missing_chunk_is_corrupt_data_and_keeps_the_manifest(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    body = json.loads((d / MARKER).read_text())
+    own = [c for i, c in enumerate(body["ram"]["chunks"]) if c and i not in body["from_template"]]
+    saved = store.get(own[0])
+    store.remove(own[0])
+    with pytest.raises(CorruptData) as err:
+        expand(d, store, sandbox_id="sb1")
+    assert err.value.data["sandbox_id"] == "sb1" and "sb1" in str(err.value)
+    assert is_compacted(d)  # nothing lost: once the chunk is back, it expands
+    store.put(saved)
+    expand(d, store)
+    assert (d / "ram").read_bytes() == original
+
+
+def test_unreadable_manifest_is_corrupt_data(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    d = _sandbox(p, _template_ram(p))
+    (d / MARKER).write_text("{not json")
+    with pytest.raises(CorruptData):
+        expand(d, ChunkStore(p.chunks))
+
+
+def test_gc_keeps_a_compacted_sandboxs_chunks(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    report = collect_garbage(p)
+    assert report.removed_chunks == 0 and report.kept_chunks > 0
+    expand(d, store)
+    assert (d / "ram").read_bytes() == original
+    compact(d, store, tram)
+    shutil.rmtree(d)  # the sandbox is gone: its chunks go at the next GC
+    assert collect_garbage(p).removed_chunks > 0
+    # a manifest GC cannot read protects everything: no sweep at all
+    d2 = _sandbox(p, tram, "sb2")
+    compact(d2, store, tram)
+    (d2 / MARKER).write_text("{broken")
+    assert collect_garbage(p).removed_chunks == 0
+
+
+def test_freeze_refuses_a_compacted_dir(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    compact(d, ChunkStore(p.chunks), tram)
+    with pytest.raises(StorageError, match="compacted"):
+        freeze(d, p.snapshots / "frozen")
+
+
+# -- the manager's sweep, on the fake engine --------------------------------------------------
+
+
+def test_manager_compacts_long_paused_sandboxes_and_wakes_them(tmp_path: Path) -> None:
+    async def main() -> None:
+        mgr = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
+        mgr.compact_after_seconds = 600
+        try:
+            info = await mgr.create(name="agent")
+            await mgr.run_code("agent", "notes = [1, 2]")
+            await mgr.pause("agent")
+            rec = mgr.registry.get(info.id)
+            assert rec.paused_at is not None
+            directory = mgr.directory(info.id)
+            assert await mgr.compact_sweep(now=rec.paused_at + 599) == []  # not yet
+            done = await mgr.compact_sweep(now=rec.paused_at + 601)
+            assert [r.sandbox_dir for r in done] == [str(directory)]
+            assert is_compacted(directory) and _allocated(directory / "ram") == 0
+            mgr.compact_after_seconds = None
+            assert await mgr.compact_sweep(now=rec.paused_at + 10**6) == []
+            run = await mgr.run_code("agent", "notes")  # wakes it: the RAM is rebuilt first
+            assert run.results[0].data["text/plain"] == "[1, 2]"
+            assert not is_compacted(directory)
+        finally:
+            await mgr.close(pause=False)
+
+    asyncio.run(main())
+
+
+def test_compact_after_setting_is_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from torpor.errors import InvalidArgument
+
+    monkeypatch.setenv("TORPOR_COMPACT_AFTER_SECONDS", "off")
+    assert SandboxManager(paths(tmp_path / "h1"), engine=FakeEngine()).compact_after_seconds is None
+    monkeypatch.setenv("TORPOR_COMPACT_AFTER_SECONDS", "120")
+    assert SandboxManager(paths(tmp_path / "h2"), engine=FakeEngine()).compact_after_seconds == 120
+    for bad in ("soon", "-5"):
+        monkeypatch.setenv("TORPOR_COMPACT_AFTER_SECONDS", bad)
+        with pytest.raises(InvalidArgument):
+            SandboxManager(paths(tmp_path / "h3"), engine=FakeEngine())
+
+
+# -- real QEMU ------------------------------------------------------------------------------
+
+
+@pytest.mark.qemu
+def test_compacted_sandbox_wakes_with_its_ram(qemu_home: Path) -> None:
+    async def main() -> None:
+        mgr = SandboxManager(paths(qemu_home))
+        mgr.compact_after_seconds = 0
+        await mgr.start(supervise=False)
+        try:
+            info = await mgr.create(name="agent")
+            await mgr.run_code("agent", "notes = [1, 2]")
+            await mgr.pause("agent")
+            directory = mgr.directory(info.id)
+            held = _allocated(directory / "ram")
+            [report] = await mgr.compact_sweep()
+            assert report.ram_bytes_before == held and _allocated(directory / "ram") == 0
+            assert report.from_template > report.chunks // 2  # mostly the template's RAM
+            collect_garbage(mgr.paths)  # the chunks it needs survive a GC
+            run = await mgr.run_code("agent", "notes")
+            assert run.results[0].data["text/plain"] == "[1, 2]"
+            assert not is_compacted(directory)
+
+            # a snapshot of a compacted paused sandbox expands it first, and restores whole
+            await mgr.pause("agent")
+            await mgr.compact_sweep()
+            assert is_compacted(directory)
+            cp = Checkpoints(mgr)
+            snap = await cp.snapshot(info.id, name="from-compacted")
+            assert not is_compacted(directory)
+            restored = await cp.restore(snap.id)
+            out = await mgr.run_code(restored.id, "notes")
+            assert out.results[0].data["text/plain"] == "[1, 2]"
+        finally:
+            for sandbox in await mgr.list():
+                await mgr.kill(sandbox.id)
+            await mgr.close(pause=False)
+
+    asyncio.run(main())
+
+
+@pytest.mark.s3
+def test_compaction_into_an_s3_store(tmp_path: Path, s3_server: S3Server, s3_bucket: str) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    original = (d / "ram").read_bytes()
+    store = open_chunk_store(f"s3://{s3_bucket}/c", p.home, client=s3_server.client())
+    report = compact(d, store, tram)
+    assert report.ram_bytes_after == 0 and report.new_chunk_bytes > 0
+    shutil.rmtree(p.home / "chunk-cache")  # this node's cache is gone: the bucket has it all
+    expand(d, store)
+    assert (d / "ram").read_bytes() == original

@@ -1,0 +1,704 @@
+"""The sandbox registry on PostgreSQL: the same interface as the SQLite
+:class:`~torpor.sandbox.registry.Registry`, for many nodes sharing one registry.
+
+Tables live in their own schema, ``torpor_registry`` (the memory store's is ``torpor``, so both
+can share one database): ``sandboxes`` (one row per sandbox, the same columns as SQLite's),
+``transitions`` (the append-only log) and ``schema_version``. A state change and its log entry
+are one transaction, compare-and-set on the old state (``UPDATE ... WHERE state = old``), so
+two nodes racing to move one sandbox cannot both win: the loser gets InvalidState. Names are
+unique per tenant among sandboxes that are not stopped (a partial unique index).
+
+Migrations are versioned (``schema_version``), each step in one transaction under an advisory
+lock, so two nodes starting at once migrate once. A database newer than this torpor is refused.
+
+A dropped connection (PostgreSQL restarted) is reopened on the next call; a call that fails
+that way raises StorageError and may be retried. psycopg is imported only when this registry is
+opened (the ``postgres`` extra).
+
+**Nodes and leases** (schema v2, PostgreSQL only: one machine needs neither). Each node
+heartbeats (:meth:`PostgresRegistry.heartbeat`: its accelerator, CPU model, capacity), which
+also renews the leases of the sandboxes it owns. A node takes a sandbox before it runs it
+(:meth:`PostgresRegistry.acquire`, compare-and-set: free, its own, or a lapsed lease) and gives
+it back once it is paused (:meth:`PostgresRegistry.release`); another node asking gets Conflict
+naming the owner (to proxy to). :meth:`PostgresRegistry.lapsed` lists the sandboxes whose
+owner stopped heartbeating, for another node to recover.
+
+**Snapshot manifests** (schema v3): :meth:`PostgresRegistry.put_snapshot` keeps the manifest a
+:class:`~torpor.sandbox.storage.snapshots.SnapshotStore` writes, so every node sees every
+snapshot, and :meth:`PostgresRegistry.referenced_chunks` is the mark set of a sweep of the
+shared chunk store (:func:`~torpor.sandbox.storage.retention.sweep_shared_store`).
+
+Not here yet (issue 9 part 1): volumes, drives and usage tables; pause manifests; recovery of
+lapsed sandboxes (it needs pauses made durable off-node, part 3).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from torpor.config import check_name
+from torpor.errors import (
+    Conflict,
+    CorruptData,
+    InvalidArgument,
+    NotFound,
+    SandboxNotFound,
+    SnapshotNotFound,
+    StorageError,
+)
+from torpor.sandbox.models import SandboxEvent, SandboxState
+from torpor.sandbox.registry.lifecycle import Transition, check_transition
+from torpor.sandbox.registry.sqlite import (
+    _UNSET,
+    EVENTS_SQL,
+    SandboxRecord,
+    _check_labels,
+    _moved,
+    _spec_json,
+    _Unset,
+    events_from_rows,
+)
+
+__all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PostgresRegistry"]
+
+log = logging.getLogger(__name__)
+
+PG_SCHEMA_VERSION = 3
+_MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
+
+_BOOTSTRAP = """
+CREATE SCHEMA IF NOT EXISTS torpor_registry;
+CREATE TABLE IF NOT EXISTS torpor_registry.schema_version (
+    version     INTEGER PRIMARY KEY,
+    applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+"""
+
+_SCHEMA_V1 = """
+CREATE TABLE torpor_registry.sandboxes (
+    id                   TEXT PRIMARY KEY,
+    tenant               TEXT NOT NULL,
+    name                 TEXT NOT NULL,
+    template             TEXT NOT NULL,
+    state                TEXT NOT NULL,
+    labels               TEXT NOT NULL DEFAULT '{}',
+    spec                 TEXT NOT NULL DEFAULT '{}',
+    idle_pause_seconds   INTEGER,
+    pause_retention_days INTEGER NOT NULL DEFAULT 30,
+    created_at           DOUBLE PRECISION NOT NULL,
+    last_active_at       DOUBLE PRECISION NOT NULL,
+    paused_at            DOUBLE PRECISION,
+    error                TEXT
+);
+CREATE UNIQUE INDEX sandboxes_live_name ON torpor_registry.sandboxes (tenant, name)
+    WHERE state <> 'stopped';
+CREATE INDEX sandboxes_state ON torpor_registry.sandboxes (state);
+CREATE TABLE torpor_registry.transitions (
+    seq        BIGSERIAL PRIMARY KEY,
+    sandbox_id TEXT NOT NULL,
+    src        TEXT,
+    dst        TEXT NOT NULL,
+    at         DOUBLE PRECISION NOT NULL,
+    reason     TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX transitions_sandbox ON torpor_registry.transitions (sandbox_id, seq);
+"""
+
+# v2: nodes (heartbeat, capacity, accelerator, CPU model) and one owner node per sandbox that
+# holds a machine, with a lease the owner renews by heartbeating
+_SCHEMA_V2 = """
+CREATE TABLE torpor_registry.nodes (
+    id            TEXT PRIMARY KEY,
+    url           TEXT NOT NULL DEFAULT '',
+    accelerator   TEXT NOT NULL,
+    cpu_model     TEXT NOT NULL,
+    capacity_mib  INTEGER NOT NULL,
+    started_at    DOUBLE PRECISION NOT NULL,
+    heartbeat_at  DOUBLE PRECISION NOT NULL,
+    draining      BOOLEAN NOT NULL DEFAULT false
+);
+ALTER TABLE torpor_registry.sandboxes ADD COLUMN owner_node TEXT;
+ALTER TABLE torpor_registry.sandboxes ADD COLUMN lease_until DOUBLE PRECISION;
+CREATE INDEX sandboxes_owner ON torpor_registry.sandboxes (owner_node);
+"""
+
+# v3: snapshot manifests (the body a SnapshotStore writes), so every node sees every snapshot
+# and a sweep of the shared chunk store marks from all of them
+_SCHEMA_V3 = """
+CREATE TABLE torpor_registry.snapshots (
+    id          TEXT PRIMARY KEY,
+    tenant      TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    node        TEXT,
+    created_at  DOUBLE PRECISION NOT NULL,
+    expires_at  DOUBLE PRECISION NOT NULL,
+    manifest    TEXT NOT NULL
+);
+CREATE UNIQUE INDEX snapshots_name ON torpor_registry.snapshots (tenant, name);
+"""
+
+#: version -> the script that brings the schema from the previous version to it
+_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3}
+
+_COLUMNS = (
+    "id, tenant, name, template, state, labels, spec, idle_pause_seconds, "
+    "pause_retention_days, created_at, last_active_at, paused_at, error"
+)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node of a cluster as the registry knows it."""
+
+    id: str
+    accelerator: str  # "kvm" or "tcg": a snapshot wakes only where it was taken's kind is
+    cpu_model: str
+    capacity_mib: int  # guest RAM it may run
+    url: str = ""
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    draining: bool = False
+
+    def alive(self, now: float, stale_after: float) -> bool:
+        """Whether the node heartbeat within ``stale_after`` seconds of ``now``."""
+        return now - self.heartbeat_at <= stale_after
+
+
+def _row_to_record(row: tuple[Any, ...]) -> SandboxRecord:
+    (
+        id_,
+        tenant,
+        name,
+        template,
+        state,
+        labels,
+        spec_text,
+        idle,
+        retention,
+        created,
+        active,
+        paused,
+        error,
+    ) = row
+    spec = json.loads(spec_text or "{}")
+    return SandboxRecord(
+        id=id_,
+        tenant=tenant,
+        name=name,
+        template=template,
+        state=SandboxState(state),
+        labels=json.loads(labels or "{}"),
+        vcpus=int(spec.get("vcpus", 1)),
+        memory_mib=int(spec.get("memory_mib", 512)),
+        envs=dict(spec.get("envs") or {}),
+        idle_pause_seconds=idle,
+        pause_retention_days=retention,
+        created_at=created,
+        last_active_at=active,
+        paused_at=paused,
+        error=error,
+    )
+
+
+class PostgresRegistry:
+    """The registry of sandboxes in PostgreSQL at ``dsn``; see the module docstring.
+    Thread-safe (one connection behind a lock, reopened when it drops).
+
+    Every method raises :class:`StorageError` when PostgreSQL fails; lookups raise
+    :class:`SandboxNotFound`; a taken name raises :class:`Conflict`.
+    """
+
+    def __init__(self, dsn: str, *, schema_version: int = PG_SCHEMA_VERSION) -> None:
+        self.dsn = dsn
+        self._lock = threading.RLock()
+        #: grows with every transition this process records (see the SQLite registry)
+        self.generation = 0
+        self._conn: Any = None
+        with self._lock:
+            try:
+                self._migrate(self._connection(), schema_version)
+            except StorageError:
+                raise
+            except Exception as exc:
+                raise StorageError(f"cannot open the registry database: {exc}", exc=exc) from exc
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _connection(self) -> Any:
+        import psycopg
+
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            try:
+                self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
+            except psycopg.Error as exc:
+                raise StorageError(
+                    f"cannot connect to the registry database: {exc}", exc=exc
+                ) from exc
+        return self._conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[Any]:
+        """One transaction; psycopg errors become StorageError (Conflict for a taken name)."""
+        import psycopg
+
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction():
+                    yield conn
+            except psycopg.errors.UniqueViolation as exc:
+                raise Conflict(f"registry constraint failed: {exc}", exc=exc) from exc
+            except psycopg.Error as exc:
+                raise StorageError(f"registry error: {exc}", exc=exc) from exc
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> builtins.list[tuple[Any, ...]]:
+        import psycopg
+
+        with self._lock:
+            try:
+                return list(self._connection().execute(sql.encode(), args).fetchall())
+            except psycopg.Error as exc:
+                raise StorageError(f"registry error: {exc}", exc=exc) from exc
+
+    def _migrate(self, conn: Any, target: int = PG_SCHEMA_VERSION) -> None:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            conn.execute(_BOOTSTRAP.encode())
+        version = self.schema_version
+        if version > PG_SCHEMA_VERSION:
+            raise StorageError(
+                f"the registry database has schema version {version}, newer than this torpor "
+                f"({PG_SCHEMA_VERSION})"
+            )
+        while version < target:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+                version = self.schema_version  # another node may have migrated meanwhile
+                if version >= target:
+                    break
+                conn.execute(_MIGRATIONS[version + 1].encode())
+                conn.execute(
+                    "INSERT INTO torpor_registry.schema_version (version) VALUES (%s)",
+                    (version + 1,),
+                )
+                version += 1
+                log.info("registry (postgres): migrated to schema version %d", version)
+
+    @property
+    def schema_version(self) -> int:
+        rows = self._query("SELECT coalesce(max(version), 0) FROM torpor_registry.schema_version")
+        return int(rows[0][0])
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def insert(self, rec: SandboxRecord, *, reason: str = "create") -> None:
+        """Add a sandbox and log its first state. Raises InvalidName, InvalidArgument,
+        Conflict (name taken by a live sandbox of the tenant) or StorageError."""
+        check_name(rec.name, "sandbox name")
+        labels = _check_labels(rec.labels)
+        spec = _spec_json(rec.vcpus, rec.memory_mib, rec.envs)
+        try:
+            with self._tx() as db:
+                db.execute(
+                    f"INSERT INTO torpor_registry.sandboxes ({_COLUMNS}) VALUES "
+                    "(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                    (
+                        rec.id,
+                        rec.tenant,
+                        rec.name,
+                        rec.template,
+                        rec.state.value,
+                        json.dumps(labels, sort_keys=True),
+                        spec,
+                        rec.idle_pause_seconds,
+                        rec.pause_retention_days,
+                        rec.created_at,
+                        rec.last_active_at,
+                        rec.paused_at,
+                        rec.error,
+                    ),
+                )
+                db.execute(
+                    "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
+                    " VALUES (%s,%s,%s,%s,%s)",
+                    (rec.id, None, rec.state.value, rec.created_at, reason),
+                )
+            self.generation += 1
+        except Conflict as exc:
+            raise Conflict(
+                f"a sandbox named {rec.name!r} already exists",
+                exc=exc.exc,
+                name=rec.name,
+                tenant=rec.tenant,
+            ) from exc
+
+    def set_state(
+        self,
+        sandbox_id: str,
+        src: SandboxState,
+        dst: SandboxState,
+        *,
+        reason: str = "",
+        at: float | None = None,
+        **columns: Any,
+    ) -> Transition:
+        """Move ``sandbox_id`` from ``src`` to ``dst`` (compare-and-set) and log it; ``columns``
+        (``paused_at``, ``error``, ``last_active_at``) are updated in the same transaction.
+
+        Raises InvalidState/SandboxClosed for an illegal move or when the row is no longer in
+        ``src`` (another node moved it), SandboxNotFound, or StorageError.
+        """
+        check_transition(sandbox_id, src, dst)
+        allowed = {"paused_at", "error", "last_active_at"}
+        if not set(columns) <= allowed:
+            raise InvalidArgument(f"cannot set {sorted(set(columns) - allowed)}")
+        when = time.time() if at is None else at
+        sets = ", ".join(["state = %s"] + [f"{c} = %s" for c in columns])  # names from above
+        with self._tx() as db:
+            cur = db.execute(
+                f"UPDATE torpor_registry.sandboxes SET {sets} WHERE id = %s AND state = %s",
+                (dst.value, *columns.values(), sandbox_id, src.value),
+            )
+            if cur.rowcount != 1:
+                row = db.execute(
+                    "SELECT state FROM torpor_registry.sandboxes WHERE id = %s", (sandbox_id,)
+                ).fetchone()
+                if row is None:
+                    raise SandboxNotFound(
+                        f"no sandbox {sandbox_id}", kind="sandbox", name=sandbox_id
+                    )
+                check_transition(sandbox_id, SandboxState(row[0]), dst)
+                raise _moved(sandbox_id, SandboxState(row[0]), src)
+            db.execute(
+                "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
+                " VALUES (%s,%s,%s,%s,%s)",
+                (sandbox_id, src.value, dst.value, when, reason),
+            )
+        self.generation += 1
+        return Transition(sandbox_id, src, dst, when, reason)
+
+    def touch(self, sandbox_id: str, at: float | None = None) -> None:
+        """Set ``last_active_at`` (the idle clock) to ``at`` (default: now), without waiting
+        for the WAL flush (``synchronous_commit = off``: a clock a little behind after a crash
+        only delays an idle pause)."""
+        with self._tx() as db:
+            db.execute("SET LOCAL synchronous_commit = off")
+            db.execute(
+                "UPDATE torpor_registry.sandboxes SET last_active_at = %s WHERE id = %s",
+                (time.time() if at is None else at, sandbox_id),
+            )
+
+    def update_settings(
+        self,
+        sandbox_id: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        idle_pause_seconds: int | _Unset | None = _UNSET,
+        pause_retention_days: int | None = None,
+        envs: Mapping[str, str] | None = None,
+    ) -> None:
+        """Change what may change of a live sandbox: its labels (replaced), idle pause (None:
+        never), pause retention and environment variables (replaced); what is not given
+        stays. Raises InvalidArgument or StorageError."""
+        columns: dict[str, Any] = {}
+        if envs is not None:
+            rec = self.get(sandbox_id)
+            columns["spec"] = _spec_json(rec.vcpus, rec.memory_mib, envs)
+        if labels is not None:
+            columns["labels"] = json.dumps(_check_labels(labels), sort_keys=True)
+        if not isinstance(idle_pause_seconds, _Unset):
+            columns["idle_pause_seconds"] = idle_pause_seconds
+        if pause_retention_days is not None:
+            columns["pause_retention_days"] = pause_retention_days
+        if not columns:
+            return
+        assignments = ", ".join(f"{column} = %s" for column in columns)  # names from this code
+        with self._tx() as db:
+            db.execute(
+                f"UPDATE torpor_registry.sandboxes SET {assignments} WHERE id = %s",
+                (*columns.values(), sandbox_id),
+            )
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        """The row of ``sandbox_id``. Raises SandboxNotFound."""
+        rows = self._query(
+            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes WHERE id = %s", (sandbox_id,)
+        )
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
+        return _row_to_record(rows[0])
+
+    def find(self, tenant: str, id_or_name: str) -> SandboxRecord:
+        """A tenant's sandbox by id, else by name (the live one, else the latest killed one).
+        Raises SandboxNotFound (also for another tenant's id)."""
+        rows = self._query(
+            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes"
+            " WHERE tenant = %s AND (id = %s OR name = %s)"
+            " ORDER BY (id = %s) DESC, (state <> 'stopped') DESC, created_at DESC LIMIT 1",
+            (tenant, id_or_name, id_or_name, id_or_name),
+        )
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {id_or_name!r}", kind="sandbox", name=id_or_name)
+        return _row_to_record(rows[0])
+
+    def live_by_name(self, tenant: str, name: str) -> SandboxRecord | None:
+        """The tenant's sandbox called ``name`` that is not stopped, or None."""
+        rows = self._query(
+            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes"
+            " WHERE tenant = %s AND name = %s AND state <> 'stopped'",
+            (tenant, name),
+        )
+        return _row_to_record(rows[0]) if rows else None
+
+    def list(
+        self,
+        *,
+        tenant: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        states: set[SandboxState] | None = None,
+    ) -> builtins.list[SandboxRecord]:
+        """Sandboxes, oldest first, filtered by tenant, states and labels (all must match)."""
+        sql = f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes WHERE true"
+        args: builtins.list[Any] = []
+        if tenant is not None:
+            sql += " AND tenant = %s"
+            args.append(tenant)
+        if states is not None:
+            sql += " AND state = ANY(%s)"
+            args.append([s.value for s in states])
+        rows = [
+            _row_to_record(r) for r in self._query(sql + " ORDER BY created_at, id", tuple(args))
+        ]
+        # labels matched in Python, exactly as the SQLite registry does
+        wanted = dict(labels or {})
+        return [r for r in rows if all(r.labels.get(k) == v for k, v in wanted.items())]
+
+    def transitions(self, sandbox_id: str) -> builtins.list[Transition]:
+        """Every recorded transition of a sandbox, in order."""
+        rows = self._query(
+            "SELECT sandbox_id, src, dst, at, reason FROM torpor_registry.transitions"
+            " WHERE sandbox_id = %s ORDER BY seq",
+            (sandbox_id,),
+        )
+        return [
+            Transition(sid, SandboxState(src) if src else None, SandboxState(dst), at, reason)
+            for sid, src, dst, at, reason in rows
+        ]
+
+    def events(
+        self,
+        tenant: str,
+        *,
+        after: int = 0,
+        sandbox: str | None = None,
+        limit: int = 500,
+    ) -> tuple[builtins.list[SandboxEvent], int]:
+        """The tenant's lifecycle events after ``after`` and the ``seq`` to continue from (as
+        the SQLite registry's :meth:`~torpor.sandbox.registry.Registry.events`)."""
+        by_sandbox = "" if sandbox is None else " AND t.sandbox_id = %s"
+        sql = EVENTS_SQL.format(prefix="torpor_registry.", p="%s", by_sandbox=by_sandbox)
+        args = (tenant, after) + (() if sandbox is None else (sandbox,)) + (limit,)
+        return events_from_rows(self._query(sql, args), after)
+
+    # -- nodes and leases (schema v2) -----------------------------------------------------
+
+    def heartbeat(self, node: NodeInfo, *, lease_seconds: float, at: float | None = None) -> None:
+        """Record that ``node`` is alive (registering it the first time) and renew the leases
+        of every sandbox it owns to ``at + lease_seconds``. Raises InvalidArgument for a bad
+        node, StorageError."""
+        check_name(node.id, "node name")
+        if node.capacity_mib < 0 or lease_seconds <= 0:
+            raise InvalidArgument("capacity must be >= 0 and the lease > 0")
+        now = time.time() if at is None else at
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO torpor_registry.nodes (id, url, accelerator, cpu_model,"
+                " capacity_mib, started_at, heartbeat_at, draining)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT (id) DO UPDATE SET"
+                " url = excluded.url, accelerator = excluded.accelerator,"
+                " cpu_model = excluded.cpu_model, capacity_mib = excluded.capacity_mib,"
+                " heartbeat_at = excluded.heartbeat_at, draining = excluded.draining",
+                (
+                    node.id,
+                    node.url,
+                    node.accelerator,
+                    node.cpu_model,
+                    node.capacity_mib,
+                    node.started_at or now,
+                    now,
+                    node.draining,
+                ),
+            )
+            db.execute(
+                "UPDATE torpor_registry.sandboxes SET lease_until = %s WHERE owner_node = %s",
+                (now + lease_seconds, node.id),
+            )
+
+    def nodes(self) -> builtins.list[NodeInfo]:
+        """Every node that ever heartbeat, by name."""
+        rows = self._query(
+            "SELECT id, accelerator, cpu_model, capacity_mib, url, started_at, heartbeat_at,"
+            " draining FROM torpor_registry.nodes ORDER BY id"
+        )
+        return [NodeInfo(*row) for row in rows]
+
+    def acquire(
+        self, sandbox_id: str, node_id: str, *, lease_seconds: float, at: float | None = None
+    ) -> None:
+        """Make ``node_id`` the owner of ``sandbox_id`` until ``at + lease_seconds``: when it
+        has no owner, is this node's already, or its owner's lease lapsed (compare-and-set, so
+        of two nodes racing exactly one gets it). Raises Conflict naming the owner
+        (``owner_node``) otherwise, SandboxNotFound, StorageError."""
+        now = time.time() if at is None else at
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE torpor_registry.sandboxes SET owner_node = %s, lease_until = %s"
+                " WHERE id = %s AND (owner_node IS NULL OR owner_node = %s OR lease_until < %s)",
+                (node_id, now + lease_seconds, sandbox_id, node_id, now),
+            )
+            if cur.rowcount == 1:
+                return
+            row = db.execute(
+                "SELECT owner_node, lease_until FROM torpor_registry.sandboxes WHERE id = %s",
+                (sandbox_id,),
+            ).fetchone()
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
+        raise Conflict(
+            f"sandbox {sandbox_id} is held by node {row[0]} (lease until {row[1]:.0f})",
+            sandbox_id=sandbox_id,
+            owner_node=row[0],
+            lease_until=row[1],
+        )
+
+    def release(self, sandbox_id: str, node_id: str) -> bool:
+        """Give ``sandbox_id`` up (after its pause is durable). True when ``node_id`` held it;
+        False when it did not (another node took it over: nothing to give). Raises
+        StorageError."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE torpor_registry.sandboxes SET owner_node = NULL, lease_until = NULL"
+                " WHERE id = %s AND owner_node = %s",
+                (sandbox_id, node_id),
+            )
+            return bool(cur.rowcount == 1)
+
+    def owner(self, sandbox_id: str, *, at: float | None = None) -> str | None:
+        """The node holding ``sandbox_id`` with a lease still running, or None. Raises
+        SandboxNotFound, StorageError."""
+        now = time.time() if at is None else at
+        rows = self._query(
+            "SELECT owner_node, lease_until FROM torpor_registry.sandboxes WHERE id = %s",
+            (sandbox_id,),
+        )
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
+        owner, until = rows[0]
+        return str(owner) if owner is not None and until is not None and until >= now else None
+
+    def lapsed(self, *, at: float | None = None) -> builtins.list[SandboxRecord]:
+        """Sandboxes whose owner's lease ran out (the owner stopped heartbeating): another
+        node must recover them. Raises StorageError."""
+        now = time.time() if at is None else at
+        rows = self._query(
+            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes"
+            " WHERE owner_node IS NOT NULL AND lease_until < %s ORDER BY created_at, id",
+            (now,),
+        )
+        return [_row_to_record(r) for r in rows]
+
+    def node(self, node_id: str) -> NodeInfo:
+        """One node. Raises NotFound, StorageError."""
+        for n in self.nodes():
+            if n.id == node_id:
+                return n
+        raise NotFound(f"no node {node_id!r}", kind="node", name=node_id)
+
+    # -- snapshot manifests (schema v3) ---------------------------------------------------
+
+    def put_snapshot(self, body: dict[str, Any], *, node: str | None = None) -> None:
+        """Record a snapshot's manifest (``{"info": {...}, "files": {...}, ...}`` as the
+        snapshot store writes it). Raises Conflict (the tenant has a snapshot of that name, or
+        the id exists), InvalidArgument for a body without its info, StorageError."""
+        try:
+            info = body["info"]
+            row = (
+                str(info["id"]),
+                str(info["tenant"]),
+                str(info["name"]),
+                node,
+                _epoch(info["created_at"]),
+                _epoch(info["expires_at"]),
+                json.dumps(body, sort_keys=True),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"not a snapshot manifest: {exc}") from exc
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO torpor_registry.snapshots"
+                " (id, tenant, name, node, created_at, expires_at, manifest)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s)",
+                row,
+            )
+
+    def snapshot_manifest(self, snapshot_id: str) -> dict[str, Any]:
+        """A snapshot's manifest. Raises SnapshotNotFound, StorageError."""
+        rows = self._query(
+            "SELECT manifest FROM torpor_registry.snapshots WHERE id = %s", (snapshot_id,)
+        )
+        if not rows:
+            raise SnapshotNotFound(
+                f"no snapshot {snapshot_id!r}", kind="snapshot", name=snapshot_id
+            )
+        body: dict[str, Any] = json.loads(rows[0][0])
+        return body
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Forget a snapshot (its chunks go at the next sweep); True when it was there."""
+        with self._tx() as db:
+            cur = db.execute("DELETE FROM torpor_registry.snapshots WHERE id = %s", (snapshot_id,))
+            return bool(cur.rowcount == 1)
+
+    def referenced_chunks(self) -> set[str]:
+        """Every chunk some recorded manifest names (expired ones included: they go first,
+        by :meth:`delete_snapshot`). Raises CorruptData when a manifest does not parse (a
+        sweep must then not run), StorageError."""
+        from torpor.sandbox.storage.chunks import FileManifest
+
+        refs: set[str] = set()
+        for sid, text in self._query("SELECT id, manifest FROM torpor_registry.snapshots"):
+            try:
+                for fm in json.loads(text)["files"].values():
+                    refs |= FileManifest.from_json(fm).hashes()
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise CorruptData(
+                    f"snapshot {sid}: its manifest in the registry is unreadable ({exc})",
+                    snapshot_id=sid,
+                ) from exc
+        return refs
+
+
+def _epoch(value: Any) -> float:
+    """A manifest's time (ISO 8601 text or seconds) in seconds since the epoch."""
+    if isinstance(value, int | float):
+        return float(value)
+    from datetime import datetime
+
+    return datetime.fromisoformat(str(value)).timestamp()

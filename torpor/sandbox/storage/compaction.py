@@ -1,0 +1,318 @@
+"""Compaction of long-paused sandboxes: their RAM file into the chunk store, out of the disk.
+
+A paused sandbox keeps its RAM file in its directory for a fast wake: a sparse file holding
+every page the guest touched (173 MiB for an idle 512 MiB guest), most of it the same as the
+template's booted RAM it was cloned from. ext4 has no reflink, so each paused sandbox owns all
+of those bytes. :func:`compact` stores the RAM file in the content-addressed chunk store (the
+chunks it shares with the template's RAM and with its siblings are stored once), writes
+``compacted.json`` (the RAM's manifest, and which chunks equal the template's at the same
+offset), then empties the RAM file to a hole of the same size. What the sandbox owns after
+that: its device state, its disk overlay and the chunks nobody else has.
+
+:func:`expand` rebuilds the RAM file before anything reads it (a wake, a snapshot, a fork):
+chunks equal to the template's are copied from the template's RAM file by the kernel
+(``copy_file_range``, no hashing: the template file is the one every fork is cloned from, and
+its identity is checked), the others are read from the chunk store and verified.
+
+Crash safety: the manifest is durable before the RAM file is emptied, and the RAM file is
+whole and durable before the manifest goes. So a crash leaves either the RAM file whole, or
+the manifest that rebuilds it; :func:`expand` is idempotent. A directory with the manifest is
+never woken as it is (the manager expands first).
+
+Garbage collection keeps every chunk a ``compacted.json`` names (see
+:func:`referenced_by_compacted`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torpor.errors import CorruptData, StorageError
+from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, data_ranges, overlaps
+from torpor.sandbox.vm.disk import fsync_dir
+
+__all__ = [
+    "MARKER",
+    "CompactionReport",
+    "compact",
+    "expand",
+    "is_compacted",
+    "owned_bytes",
+    "referenced_by_compacted",
+]
+
+log = logging.getLogger(__name__)
+
+#: the manifest of a compacted sandbox's RAM, in its directory
+MARKER = "compacted.json"
+_VERSION = 1
+
+
+@dataclass
+class CompactionReport:
+    """What one compaction did."""
+
+    sandbox_dir: str
+    ram_bytes_before: int  # bytes the RAM file held on disk
+    ram_bytes_after: int
+    new_chunk_bytes: int  # bytes this compaction added to the chunk store
+    from_template: int  # chunks equal to the template's at the same offset
+    chunks: int  # non-zero chunks in all
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def is_compacted(directory: Path) -> bool:
+    """Whether ``directory``'s RAM lives in the chunk store (it must be expanded to wake)."""
+    return (directory / MARKER).is_file()
+
+
+def _allocated(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def _identity(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _template_hashes(template_ram: Path, chunk_size: int) -> list[str | None]:
+    """The sha256 of each chunk of the template's RAM (None for a hole or zeros)."""
+    import hashlib
+
+    zero = bytes(chunk_size)
+    with open(template_ram, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        ranges = data_ranges(f.fileno(), size)
+        out: list[str | None] = []
+        for index in range(-(-size // chunk_size)):
+            start = index * chunk_size
+            length = min(chunk_size, size - start)
+            if not overlaps(ranges, start, start + length):
+                out.append(None)
+                continue
+            data = os.pread(f.fileno(), length, start)
+            out.append(None if data == zero[:length] else hashlib.sha256(data).hexdigest())
+    return out
+
+
+def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> CompactionReport:
+    """Move the hibernated machine's RAM file in ``directory`` into ``chunks``.
+
+    The machine must be paused (no QEMU on the directory: the caller holds the sandbox's lock).
+    ``template_ram`` is the RAM file the sandbox was cloned from (None: no template fast path
+    at wake). Idempotent: a directory already compacted is left as it is. Raises StorageError
+    (nothing changed then: the RAM file is emptied only after the manifest is durable).
+    """
+    started = time.perf_counter()
+    ram = directory / "ram"
+    if is_compacted(directory):
+        return CompactionReport(str(directory), 0, 0, 0, 0, 0, 0.0)
+    before = _allocated(ram)
+    manifest = chunks.put_file(ram)
+    chunks.sync_dirs()
+    equal: list[int] = []
+    template: dict[str, Any] | None = None
+    if template_ram is not None and template_ram.is_file():
+        try:
+            template = _identity(template_ram)
+            theirs = _template_hashes(template_ram, chunks.chunk_size)
+        except OSError as exc:
+            log.warning("compaction: template RAM %s unreadable (%s)", template_ram, exc)
+            template = None
+        else:
+            equal = [
+                i
+                for i, digest in enumerate(manifest.chunks)
+                if digest is not None and i < len(theirs) and theirs[i] == digest
+            ]
+    body = {
+        "version": _VERSION,
+        "ram": manifest.to_json(),
+        "template": template,
+        "from_template": equal,
+        "store": chunks.location,
+    }
+    _write_json(directory / MARKER, body)
+    try:
+        with open(ram, "r+b") as f:
+            f.truncate(0)
+            f.truncate(manifest.size)
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise StorageError(
+            f"cannot empty {ram} after compacting it: {exc}", exc=exc, path=str(ram)
+        ) from exc
+    report = CompactionReport(
+        sandbox_dir=str(directory),
+        ram_bytes_before=before,
+        ram_bytes_after=_allocated(ram),
+        new_chunk_bytes=manifest.new_bytes,
+        from_template=len(equal),
+        chunks=sum(c is not None for c in manifest.chunks),
+        seconds=time.perf_counter() - started,
+    )
+    log.info(
+        "compacted %s: RAM %d -> %d bytes on disk, %d new chunk bytes, %d/%d chunks as in the "
+        "template (%.2f s)",
+        directory.name,
+        report.ram_bytes_before,
+        report.ram_bytes_after,
+        report.new_chunk_bytes,
+        report.from_template,
+        report.chunks,
+        report.seconds,
+    )
+    return report
+
+
+def _read_marker(directory: Path) -> dict[str, Any]:
+    path = directory / MARKER
+    try:
+        body: dict[str, Any] = json.loads(path.read_text())
+        if body.get("version") != _VERSION:
+            raise ValueError(f"unknown version {body.get('version')!r}")
+        FileManifest.from_json(body["ram"])
+        [int(i) for i in body.get("from_template", [])]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptData(
+            f"{path} is unreadable ({exc}): the sandbox's RAM cannot be rebuilt",
+            exc=exc,
+            path=str(path),
+        ) from exc
+    return body
+
+
+def expand(directory: Path, chunks: ChunkStore, *, sandbox_id: str | None = None) -> float:
+    """Rebuild the RAM file of a compacted ``directory`` and drop its manifest; return the
+    seconds it took (0 when the directory was not compacted).
+
+    Raises CorruptData (a chunk bad or missing, the manifest unreadable: the manifest stays, so
+    nothing is lost by trying again once the chunk is back), StorageError.
+    """
+    if not is_compacted(directory):
+        return 0.0
+    started = time.perf_counter()
+    body = _read_marker(directory)
+    manifest = FileManifest.from_json(body["ram"])
+    from_template = {int(i) for i in body.get("from_template", [])}
+    template = body.get("template")
+    template_fd: int | None = None
+    if template and from_template:
+        tpath = Path(template["path"])
+        try:
+            if _identity(tpath) == template:
+                template_fd = os.open(tpath, os.O_RDONLY)
+        except OSError:
+            template_fd = None
+        if template_fd is None:
+            log.warning("expand %s: template RAM changed; every chunk from the store", directory)
+            from_template = set()
+    ram = directory / "ram"
+    who = sandbox_id or directory.name
+    try:
+        fd = os.open(ram, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, manifest.size)
+
+            def work(item: tuple[int, str | None]) -> None:
+                index, digest = item
+                if digest is None:
+                    return
+                start = index * manifest.chunk_size
+                length = min(manifest.chunk_size, manifest.size - start)
+                if index in from_template and template_fd is not None:
+                    done = 0
+                    while done < length:
+                        n = os.copy_file_range(
+                            template_fd, fd, length - done, start + done, start + done
+                        )
+                        if n == 0:
+                            raise StorageError(f"template RAM ended early at {start + done}")
+                        done += n
+                    return
+                data = chunks.get(digest, snapshot_id=None)
+                if len(data) != length:
+                    raise CorruptData(
+                        f"sandbox {who}: chunk {digest[:12]} has {len(data)} bytes, "
+                        f"the RAM manifest says {length}",
+                        sandbox_id=sandbox_id,
+                        chunk=digest,
+                    )
+                os.pwrite(fd, data, start)
+
+            with ThreadPoolExecutor(chunks.workers) as pool:
+                list(pool.map(work, enumerate(manifest.chunks)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            if template_fd is not None:
+                os.close(template_fd)
+    except CorruptData as exc:
+        exc.data["sandbox_id"] = sandbox_id
+        exc.message = f"sandbox {who}: cannot rebuild its RAM: {exc.message}"
+        exc.args = (exc.message,)
+        raise
+    except OSError as exc:
+        raise StorageError(
+            f"sandbox {who}: cannot rebuild its RAM: {exc}", exc=exc, sandbox_id=sandbox_id
+        ) from exc
+    (directory / MARKER).unlink()
+    fsync_dir(directory)
+    seconds = time.perf_counter() - started
+    log.info("expanded %s's RAM from the chunk store in %.3f s", who, seconds)
+    return seconds
+
+
+def owned_bytes(directory: Path, chunks: ChunkStore, template_ram: Path | None = None) -> int:
+    """Bytes ``directory`` owns on this disk (allocated blocks of its files) plus, when it is
+    compacted, the stored chunks its RAM needs that the template's RAM does not have at the
+    same offset (the ones no template-mate shares by construction)."""
+    local = sum(_allocated(f) for f in directory.iterdir() if f.is_file() and not f.is_symlink())
+    if not is_compacted(directory):
+        return local
+    body = _read_marker(directory)
+    manifest = FileManifest.from_json(body["ram"])
+    equal = {int(i) for i in body.get("from_template", [])}
+    own = {d for i, d in enumerate(manifest.chunks) if d is not None and i not in equal}
+    stored = {e.digest: e.size for e in chunks.backend.entries() if e.digest in own}
+    return local + sum(stored.values())
+
+
+def referenced_by_compacted(sandboxes_root: Path) -> Iterator[str]:
+    """Every chunk some compacted sandbox under ``sandboxes_root`` needs (the GC's marks).
+    Raises CorruptData for an unreadable manifest (the caller must then sweep nothing)."""
+    if not sandboxes_root.is_dir():
+        return
+    for d in sandboxes_root.iterdir():
+        marker = d / MARKER
+        if marker.is_file():
+            yield from FileManifest.from_json(_read_marker(d)["ram"]).hashes()
+
+
+def _write_json(path: Path, body: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(body, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(f"cannot write {path}: {exc}", exc=exc, path=str(path)) from exc
