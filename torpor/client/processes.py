@@ -21,13 +21,31 @@ from __future__ import annotations
 
 import base64
 import shlex
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torpor.errors import InvalidArgument, NotFound, OperationTimeout
 from torpor.sandbox.models import CommandResult, ProcessInfo
 
-if TYPE_CHECKING:
-    from torpor.client.sandbox import Sandbox
+
+class _Commands(Protocol):
+    def run(self, cmd: str, *, timeout: float | None = ...) -> CommandResult: ...
+
+
+class _Files(Protocol):
+    def exists(self, path: str) -> bool: ...
+
+    def read_text(self, path: str) -> str: ...
+
+
+class Sandbox(Protocol):
+    """What a handle uses of a :class:`torpor.Sandbox` (its commands and files)."""
+
+    @property
+    def commands(self) -> _Commands: ...
+
+    @property
+    def files(self) -> _Files: ...
+
 
 __all__ = ["PROCS_DIR", "ProcessHandle", "list_processes", "start"]
 

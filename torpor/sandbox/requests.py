@@ -227,8 +227,8 @@ def _problem(e: Mapping[str, Any]) -> str:
     loc = [str(p) for p in e.get("loc", ())]
     ctx = e.get("ctx") or {}
     kind = str(e.get("type", ""))
-    if loc and loc[-1] == "[key]":  # a dict key: labels.a=b.[key]
-        where = f"{loc[0]} key {loc[-2]!r}" if len(loc) >= 2 else "key"
+    if loc and loc[-1] == "[key]":  # a dict key: labels.a=b.[key] -> labels key 'a=b'
+        where = f"{'.'.join(loc[:-2])} key {loc[-2]!r}".strip() if len(loc) >= 2 else "key"
     else:
         where = ".".join(loc)
     words = {
