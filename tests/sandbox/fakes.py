@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -22,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from torpor.config import check_name
-from torpor.errors import EngineError, GuestError, PathNotFound, TemplateNotFound
+from torpor.errors import (
+    EngineError,
+    GuestError,
+    OperationTimeout,
+    PathNotFound,
+    TemplateNotFound,
+)
 from torpor.sandbox.engine import DirStatus, MachineConfig
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, Result
 from torpor.sandbox.requests import CodeSpec, CommandSpec
@@ -190,11 +195,23 @@ class FakeChannel:
         self._proc()
         word, _, rest = command.cmd.partition(" ")
         if word == "sleep":
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), float(rest))
+            wanted = float(rest)
+            limit = wanted if command.timeout is None else min(wanted, command.timeout)
+            try:
+                await asyncio.wait_for(self._closing.wait(), limit)
+            except TimeoutError:
+                if limit < wanted:  # as the guest: killed at the timeout
+                    raise OperationTimeout(
+                        f"command timed out after {command.timeout} s", timeout=command.timeout
+                    ) from None
         self._proc()  # the machine may have died meanwhile
         if word == "echo":
             return CommandResult(exit_code=0, stdout=rest + "\n")
+        if word == "printenv":  # the environment the command got
+            out = (command.env or {}).get(rest, "") + "\n"
+            if on_stdout is not None:  # streamed, as the guest does
+                on_stdout(out)
+            return CommandResult(exit_code=0, stdout=out)
         if word == "exit":
             return CommandResult(exit_code=int(rest))
         return CommandResult(exit_code=0)

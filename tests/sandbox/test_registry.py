@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -394,3 +395,30 @@ def test_postgres_v1_database_migrates_to_the_latest_keeping_rows(pg_dsn: str) -
     new.acquire("sbx-1", "n1", lease_seconds=10)
     assert new.owner("sbx-1") == "n1"
     new.close()
+
+
+def test_events_envs_and_generation(reg: AnyRegistry) -> None:
+    """Both registries: the event log read from transitions (tenant-scoped, resumable), the
+    environment kept in the row (replaced by update_settings), the transition count."""
+    before = reg.generation
+    reg.insert(rec("sbx-a", "a", envs={"API_KEY": "k1"}))
+    reg.insert(rec("sbx-o", "o", tenant="other"))
+    reg.set_state("sbx-a", S.CREATING, S.RUNNING, reason="created")
+    reg.set_state("sbx-a", S.RUNNING, S.PAUSING, reason="idle")
+    reg.set_state("sbx-a", S.PAUSING, S.PAUSED, reason="idle", paused_at=time.time())
+    reg.set_state("sbx-a", S.PAUSED, S.STOPPED, reason="expired")
+    assert reg.generation == before + 6
+    events, nxt = reg.events("default")
+    assert [(e.kind, e.reason, e.name) for e in events] == [
+        ("create", "created", "a"),
+        ("pause", "idle", "a"),
+        ("expire", "expired", "a"),
+    ]
+    assert reg.events("default", after=events[1].seq) == ([events[2]], nxt)
+    assert reg.events("default", after=nxt) == ([], nxt)
+    assert reg.events("other") == ([], reg.events("other")[1])  # its first row is no event
+    assert reg.events("default", sandbox="sbx-o")[0] == []
+    assert reg.get("sbx-a").envs == {"API_KEY": "k1"}
+    assert "k1" not in reg.get("sbx-a").to_info().model_dump_json()
+    reg.update_settings("sbx-o", envs={"B": "2"})
+    assert reg.get("sbx-o").envs == {"B": "2"} and reg.get("sbx-o").memory_mib == 512

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torpor.errors import InvalidArgument, InvalidName, PayloadTooLarge
+from torpor.errors import InvalidArgument, InvalidName, PayloadTooLarge, TorporError
 from torpor.sandbox.requests import (
     MAX_ARG_BYTES,
     MAX_ENV_BYTES,
@@ -191,3 +191,53 @@ def test_what_the_sdk_sends_the_server_reads_back(fields: dict[str, Any]) -> Non
     assert set(wire) == set(fields)
     back = SandboxSpec.model_validate(wire)
     assert back == spec and back.model_fields_set == spec.model_fields_set
+
+
+@pytest.mark.parametrize(
+    "user",
+    [
+        pytest.param("jordan@example.com", id="email"),
+        pytest.param("auth0|123", id="auth0"),
+        pytest.param("U42", id="upper"),
+        pytest.param("名前 with spaces/and:colons", id="unicode"),
+        pytest.param("x" * 256, id="256-chars"),
+    ],
+)
+def test_user_ids_as_they_come_are_label_values(user: str) -> None:
+    from torpor.sandbox.requests import SandboxSpec
+
+    assert SandboxSpec.of(labels={"user": user}).labels == {"user": user}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        pytest.param(
+            {"labels": {"user": "x" * 257}},
+            "invalid sandbox spec: labels.user is longer than 256 characters",
+            id="long-value",
+        ),
+        pytest.param(
+            {"labels": {"a=b": "c"}},
+            "invalid sandbox spec: labels key 'a=b' must not contain '='",
+            id="key-with-equals",
+        ),
+        pytest.param(
+            {"vcpus": 0, "bogus": 1},
+            "invalid sandbox spec: vcpus must be at least 1; bogus is not an option here",
+            id="two-problems",
+        ),
+        pytest.param(
+            {"name": "Jordan Smith"},
+            "invalid sandbox name 'Jordan Smith': use 1-63 characters of a-z, 0-9, '.', '_' "
+            "and '-', starting with a letter or digit",
+            id="name",
+        ),
+    ],
+)
+def test_one_clean_message(fields: dict[str, Any], message: str) -> None:
+    from torpor.sandbox.requests import SandboxSpec
+
+    with pytest.raises(TorporError) as err:
+        SandboxSpec.of(**fields)
+    assert str(err.value) == message

@@ -25,6 +25,7 @@ from torpor.config import paths
 from torpor.errors import InvalidArgument, VolumeNotFound, from_wire
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.requests import (
+    MAX_LABEL_VALUE,
     MAX_LABELS,
     MAX_MEMORY_MIB,
     MIN_MEMORY_MIB,
@@ -79,7 +80,9 @@ BAD_OPTIONS = [
     pytest.param(
         {"labels": {f"k{i}": "v" for i in range(MAX_LABELS + 1)}}, "labels", id="too-many-labels"
     ),
-    pytest.param({"labels": {"user": "x" * 256}}, "labels", id="label-value-too-long"),
+    pytest.param(
+        {"labels": {"user": "x" * (MAX_LABEL_VALUE + 1)}}, "labels", id="label-value-too-long"
+    ),
     pytest.param({"labels": {"k" * 64: "v"}}, "labels", id="label-key-too-long"),
     pytest.param({"labels": {"a=b": "c"}}, "labels", id="label-key-with-equals"),
     pytest.param({"idle_pause_seconds": 10**19}, "idle_pause_seconds", id="idle-pause-overflow"),

@@ -2,23 +2,54 @@
 
 Each sub-module owns one group (``template``, ``sandbox``, ``memory`` ...) and registers a typer
 app in :data:`GROUPS`; every command parses its arguments, makes one library call and renders.
+
+:func:`main` first moves each option to the command that defines it (:mod:`torpor.cli.argv`:
+``--json`` and group options work in any position), and turns every error into one line on
+stderr and exit code 1: a :class:`~torpor.errors.TorporError` as ``error: Kind: message``,
+anything unexpected likewise (``TORPOR_DEBUG=1`` shows its traceback).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from typing import Annotated
 
 import typer
 
+from torpor._version import __version__
 from torpor.errors import TorporError
 
 app = typer.Typer(
     name="torpor",
-    help="Memory for AI agents: sandboxes that hibernate with their RAM, and a knowledge store.",
+    help="Memory for AI agents: sandboxes that hibernate with their RAM, and a knowledge store."
+    "\n\n--json (print JSON) and -q (ids only) work anywhere on the line. TORPOR_URL and "
+    "TORPOR_TOKEN pick a remote server; without them the local one is used (started on "
+    "demand). Details: docs/cli.md",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"torpor {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", "-V", callback=_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
+) -> None:
+    """The root options (the help shown is the app's)."""
+
 
 #: module -> how it plugs in: a sub-module defines either ``app`` (a group) or ``register(app)``.
 GROUPS = [
@@ -45,13 +76,38 @@ def _load() -> None:
         module.register(app)
 
 
-def main() -> None:
-    """Entry point of the ``torpor`` console script."""
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``torpor`` console script (``args``: default ``sys.argv[1:]``)."""
+    from torpor.cli.argv import normalize
+
     _load()
+    command = typer.main.get_command(app)
     try:
-        app()
+        argv = normalize(command, sys.argv[1:] if args is None else args)
+        code = command.main(args=argv, prog_name="torpor", standalone_mode=False)
+        if isinstance(code, int) and code:  # click returns a typer.Exit's code here
+            sys.exit(code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        typer.secho("aborted", err=True)
+        sys.exit(130)
     except TorporError as exc:
         typer.secho(f"error: {type(exc).__name__}: {exc}", err=True, fg="red")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # click's usage errors
+            exc.show()
+            sys.exit(exc.exit_code)
+        if os.environ.get("TORPOR_DEBUG"):
+            raise
+        typer.secho(
+            f"error: {type(exc).__name__}: {exc} (TORPOR_DEBUG=1 shows the traceback)",
+            err=True,
+            fg="red",
+        )
         sys.exit(1)
 
 

@@ -45,6 +45,7 @@ def doctor(
             "server stopped)",
         ),
     ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Show the QEMU version, the accelerator in use and why, templates and the home path;
     with --repair, give orphaned sandbox directories their registry rows back.
@@ -58,6 +59,27 @@ def doctor(
         _repair()
         return
     report = accel_probe.probe(force=reprobe)
+    if as_json:
+        from torpor.cli.output import emit
+
+        current = _rootfs.guest_hash(_rootfs.guest_files(templates.GUEST_DIR))
+        emit(
+            {
+                "home": str(paths().home),
+                "qemu": _qemu_version(),
+                "accel": report.accel,
+                "accel_reason": report.reason,
+                "tools": {
+                    tool: shutil.which(tool) for tool in ("debootstrap", "mkfs.ext4", "qemu-img")
+                },
+                "templates": [
+                    {**t.to_json(), "stale": t.guest_hash != current}
+                    for t in templates.list_templates()
+                ],
+            },
+            as_json=True,
+        )
+        return
     table = Table(show_header=False, box=None)
     table.add_row("home", str(paths().home))
     table.add_row("qemu", _qemu_version())

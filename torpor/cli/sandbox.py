@@ -1,66 +1,117 @@
-"""``torpor sandbox ...`` and ``torpor run``: sandboxes from the shell, through the SDK.
+"""``torpor sandbox ...``, ``torpor run`` and ``torpor events``: sandboxes from the shell.
 
 Each command parses its arguments, makes one SDK call (which talks to the local server,
-starting it if needed) and renders the answer with rich.
+starting it if needed, or to ``$TORPOR_URL``) and renders the answer: a table, ``--json`` (the
+SDK's model as JSON) or ``-q`` (ids only). The JSON shapes are listed in ``docs/cli.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shlex
 import sys
-from typing import Annotated
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from torpor.client import Sandbox
-from torpor.sandbox.models import SandboxInfo, parse_labels
+from torpor.cli.output import AsJson, Quiet, emit, human_bytes, table, to_json
+from torpor.client import Runtime, Sandbox, default_runtime
+from torpor.client.processes import start as start_process
+from torpor.errors import InvalidArgument, OperationTimeout, TorporError
+from torpor.sandbox.models import SandboxEvent, SandboxInfo, parse_labels
 
 __all__ = ["register"]
 
-console = Console()
-
 sandbox_app = typer.Typer(
-    help="Create, list, pause, wake, kill sandboxes and run commands.", no_args_is_help=True
+    help="Create, list, change, pause, wake, fork, kill sandboxes and run commands in them.",
+    no_args_is_help=True,
 )
 
 Labels = Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE, repeatable")]
+Name = Annotated[str, typer.Argument(help="id or name")]
+
+#: the exit code of a command that ran out of time, as timeout(1) has it
+TIMEOUT_EXIT = 124
+
+_FMT = "%Y-%m-%d %H:%M:%S"
 
 
-def _when(info: SandboxInfo) -> tuple[str, str]:
-    fmt = "%Y-%m-%d %H:%M:%S"
-    return info.created_at.strftime(fmt), info.last_active_at.strftime(fmt)
+def _labels(info: SandboxInfo) -> str:
+    return ", ".join(f"{k}={v}" for k, v in info.labels.items())
 
 
-def _show(info: SandboxInfo) -> None:
-    table = Table(show_header=False)
-    created, active = _when(info)
-    for key, value in [
+def _idle(info: SandboxInfo) -> str:
+    return f"{info.idle_pause_seconds} s" if info.idle_pause_seconds else "never"
+
+
+def _detail(info: SandboxInfo) -> Any:
+    rows = [
         ("id", info.id),
         ("name", info.name),
         ("state", info.state.value),
         ("template", info.template),
         ("reused", str(info.reused)),
-        ("labels", ", ".join(f"{k}={v}" for k, v in info.labels.items())),
+        ("labels", _labels(info)),
         ("vcpus / memory", f"{info.vcpus} / {info.memory_mib} MiB"),
-        ("idle pause", f"{info.idle_pause_seconds} s" if info.idle_pause_seconds else "never"),
-        ("created", created),
-        ("last active", active),
+        ("idle pause", _idle(info)),
+        ("created", info.created_at.strftime(_FMT)),
+        ("last active", info.last_active_at.strftime(_FMT)),
         ("pause kept", f"{info.pause_retention_days} days"),
-    ]:
-        table.add_row(key, value)
+    ]
+    if info.owned_bytes is not None:
+        rows.append(("disk owned", human_bytes(info.owned_bytes)))
     if info.expires_at is not None:
-        table.add_row("deleted at", info.expires_at.strftime("%Y-%m-%d %H:%M:%S") + " unless woken")
+        rows.append(("deleted at", info.expires_at.strftime(_FMT) + " unless woken"))
     if info.error:
-        table.add_row("error", info.error)
-    console.print(table)
+        rows.append(("error", info.error))
+    return table([], rows)
+
+
+def _show(info: SandboxInfo, as_json: bool = False, quiet: bool = False) -> None:
+    emit(info, as_json=as_json, quiet=quiet, ids=lambda i: [i.id], render=_detail)
+
+
+def _listing(infos: list[SandboxInfo]) -> Any:
+    columns = ["id", "name", "state", "labels", "idle pause", "disk", "last active", "deleted at"]
+    rows = [
+        [
+            i.id,
+            i.name,
+            i.state.value,
+            _labels(i),
+            _idle(i),
+            human_bytes(i.owned_bytes),
+            i.last_active_at.strftime("%Y-%m-%d %H:%M"),
+            "" if i.expires_at is None else i.expires_at.strftime("%Y-%m-%d %H:%M"),
+        ]
+        for i in infos
+    ]
+    return table(columns, rows, ids=["id", "name", "state"])
+
+
+def _many(infos: list[SandboxInfo], as_json: bool, quiet: bool) -> None:
+    emit(infos, as_json=as_json, quiet=quiet, ids=lambda xs: [i.id for i in xs], render=_listing)
+
+
+def _pairs(items: list[str] | None, what: str, example: str) -> list[list[str]]:
+    """``["vol:/data:ro"]`` -> ``[["vol", "/data", "ro"]]``. Raises InvalidArgument."""
+    out = []
+    for item in items or []:
+        parts = item.split(":")
+        if len(parts) < 2 or not parts[0] or not parts[1]:
+            raise InvalidArgument(f"{what} {item!r} is not {example}", option=what)
+        out.append(parts)
+    return out
 
 
 @sandbox_app.command("create")
 def create(
     name: Annotated[str | None, typer.Argument(help="a name (default: the id)")] = None,
-    template: Annotated[str, typer.Option(help="guest template")] = "python",
+    template: Annotated[str | None, typer.Option(help="guest template (default python)")] = None,
     label: Labels = None,
     idle_pause: Annotated[int | None, typer.Option(help="pause after N idle seconds")] = None,
     vcpus: Annotated[int | None, typer.Option()] = None,
@@ -68,121 +119,313 @@ def create(
     retention_days: Annotated[
         int | None, typer.Option(help="keep a pause N days (1-365; default 30), then delete it")
     ] = None,
+    get_or_create: Annotated[
+        bool,
+        typer.Option("--get-or-create", help="the live sandbox NAME if there is one (woken)"),
+    ] = False,
+    snapshot: Annotated[str | None, typer.Option(help="restore this snapshot (id or name)")] = None,
+    volume: Annotated[
+        list[str] | None, typer.Option(help="VOLUME:/path[:ro], mount a volume, repeatable")
+    ] = None,
+    drive: Annotated[
+        list[str] | None, typer.Option(help="DRIVE:/path, mount a shared drive, repeatable")
+    ] = None,
+    env: Annotated[
+        list[str] | None,
+        typer.Option("--env", "-e", help="KEY=VALUE for every command (kept secret), repeatable"),
+    ] = None,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
 ) -> None:
-    """Create a running sandbox.
+    """Create a running sandbox (or, with --get-or-create, reuse the one called NAME).
 
-    Example: torpor sandbox create agent-u-42 --label user=u-42 --idle-pause 600
+    Examples:
+
+        torpor sandbox create agent-u-42 --label user=u-42 --idle-pause 600
+
+        torpor sandbox create agent-u-42 --get-or-create -q     # the same id every day
+
+        torpor sandbox create --snapshot before-import --volume data:/data
     """
-    _show(
-        Sandbox.create(
-            template,
-            name=name,
-            labels=parse_labels(label),
+    labels = parse_labels(label)
+    envs = parse_labels(env, what="--env")
+    if get_or_create:
+        if name is None:
+            raise InvalidArgument("--get-or-create needs a NAME", option="--get-or-create")
+        if snapshot or volume or drive:
+            raise InvalidArgument(
+                "--get-or-create takes no --snapshot, --volume or --drive (create the sandbox "
+                "once with them, then reuse it by name)",
+                option="--get-or-create",
+            )
+        sbx = Sandbox.get_or_create(
+            name,
+            template=template,
+            labels=labels,
             idle_pause_seconds=idle_pause,
             vcpus=vcpus,
             memory_mib=memory,
             pause_retention_days=retention_days,
-        ).info
+            envs=envs,
+        )
+        _show(sbx.info, as_json, quiet)
+        return
+    volumes: list[Any] = [
+        {"volume": v[0], "path": v[1], "read_only": v[2:] == ["ro"]}
+        for v in _pairs(volume, "--volume", "VOLUME:/path[:ro]")
+    ]
+    drives: list[Any] = [
+        {"drive": d[0], "path": d[1]} for d in _pairs(drive, "--drive", "DRIVE:/path")
+    ]
+    sbx = Sandbox.create(
+        template,
+        name=name,
+        labels=labels,
+        idle_pause_seconds=idle_pause,
+        vcpus=vcpus,
+        memory_mib=memory,
+        pause_retention_days=retention_days,
+        snapshot=snapshot,
+        volumes=volumes or None,
+        drives=drives or None,
+        envs=envs,
     )
+    _show(sbx.info, as_json, quiet)
 
 
 @sandbox_app.command("ls")
 def ls(
     label: Labels = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="killed ones too")] = False,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
 ) -> None:
-    """List sandboxes.
+    """List sandboxes: state, labels, idle pause, the disk each owns, when a pause expires.
 
     Example: torpor sandbox ls --label user=u-42
     """
-    infos = Sandbox.list(labels=parse_labels(label), include_stopped=all_)
-    table = Table("id", "name", "state", "template", "labels", "last active", "deleted at")
-    for info in infos:
-        table.add_row(
-            info.id,
-            info.name,
-            info.state.value,
-            info.template,
-            ", ".join(f"{k}={v}" for k, v in info.labels.items()),
-            _when(info)[1],
-            "" if info.expires_at is None else info.expires_at.strftime("%Y-%m-%d %H:%M"),
-        )
-    console.print(table)
+    _many(Sandbox.list(labels=parse_labels(label), include_stopped=all_), as_json, quiet)
 
 
 @sandbox_app.command("get")
-def get(name: Annotated[str, typer.Argument(help="id or name")]) -> None:
+def get(name: Name, as_json: AsJson = False, quiet: Quiet = False) -> None:
     """Show one sandbox.
 
-    Example: torpor sandbox get agent-u-42
+    Example: torpor sandbox get agent-u-42 --json
     """
-    _show(Sandbox.get(name).info)
+    _show(Sandbox.get(name).info, as_json, quiet)
+
+
+@sandbox_app.command("set")
+def set_(
+    name: Name,
+    label: Annotated[
+        list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE to add or change")
+    ] = None,
+    unlabel: Annotated[list[str] | None, typer.Option(help="KEY to remove, repeatable")] = None,
+    idle_pause: Annotated[
+        int | None, typer.Option(help="pause after N idle seconds (0: never)")
+    ] = None,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+) -> None:
+    """Change a sandbox's labels or idle pause (a paused sandbox stays paused).
+
+    Example: torpor sandbox set agent-u-42 --label tier=pro --idle-pause 600
+    """
+    sbx = Sandbox.get(name)
+    labels = None
+    if label or unlabel:
+        labels = {**sbx.info.labels, **(parse_labels(label) or {})}
+        for key in unlabel or []:
+            labels.pop(key, None)
+    _show(sbx.set(labels=labels, idle_pause_seconds=idle_pause), as_json, quiet)
 
 
 @sandbox_app.command("pause")
-def pause(name: Annotated[str, typer.Argument(help="id or name")]) -> None:
+def pause(name: Name, as_json: AsJson = False, quiet: Quiet = False) -> None:
     """Hibernate a sandbox (RAM and processes to disk).
 
     Example: torpor sandbox pause agent-u-42
     """
-    _show(Sandbox.get(name).pause())
+    _show(Sandbox.get(name).pause(), as_json, quiet)
 
 
 @sandbox_app.command("resume")
-def resume(name: Annotated[str, typer.Argument(help="id or name")]) -> None:
+def resume(name: Name, as_json: AsJson = False, quiet: Quiet = False) -> None:
     """Wake a paused sandbox.
 
     Example: torpor sandbox resume agent-u-42
     """
-    _show(Sandbox.get(name).resume())
+    _show(Sandbox.get(name).resume(), as_json, quiet)
 
 
 @sandbox_app.command("kill")
-def kill(name: Annotated[str, typer.Argument(help="id or name")]) -> None:
+def kill(name: Name, as_json: AsJson = False, quiet: Quiet = False) -> None:
     """Stop a sandbox for good and delete its machine.
 
     Example: torpor sandbox kill agent-u-42
     """
-    Sandbox.get(name).kill()
-    console.print(f"killed {name}")
+    sbx = Sandbox.get(name)
+    sbx.kill()
+    emit(
+        {"id": sbx.id, "name": sbx.name, "state": "stopped"},
+        as_json=as_json,
+        quiet=quiet,
+        ids=lambda d: [d["id"]],
+        render=lambda d: f"killed {d['name']} ({d['id']})",
+    )
+
+
+@sandbox_app.command("fork")
+def fork(
+    name: Name,
+    count: Annotated[int, typer.Option("--count", "-n", help="how many copies")] = 1,
+    label: Labels = None,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+) -> None:
+    """Copy a sandbox, RAM and all, into COUNT new running ones (it keeps running).
+
+    Example: torpor sandbox fork agent-u-42 --count 3 -q
+    """
+    kids = Sandbox.get(name).fork(count, labels=parse_labels(label))
+    _many([k.info for k in kids], as_json, quiet)
+
+
+@sandbox_app.command("logs")
+def logs(
+    name: Name,
+    lines: Annotated[int, typer.Option("--lines", "-n", help="the last N lines")] = 100,
+) -> None:
+    """Print the end of a sandbox's guest console (does not wake a paused sandbox).
+
+    Example: torpor sandbox logs agent-u-42 -n 20
+    """
+    text = Sandbox.get(name).logs(lines)
+    if text:
+        typer.echo(text.rstrip("\n"))
+
+
+def shell_session(
+    sbx: Any, lines: Iterable[str], write: Callable[[str], object], *, poll: float = 0.2
+) -> int:
+    """Run ``sh -i`` in ``sbx`` as a background process: each of ``lines`` goes to its stdin,
+    its output (stdout and stderr together) to ``write`` as it comes. At the end of ``lines``
+    the shell gets ``exit``; returns its exit code."""
+    proc = start_process(sbx, "exec sh -i 2>&1")
+    seen = 0
+    stop = threading.Event()
+
+    def follow() -> None:
+        nonlocal seen
+        while True:
+            done = stop.is_set()
+            text = proc.read_from(seen)
+            if text:
+                seen += len(text.encode())
+                write(text)
+            if done:
+                return
+            stop.wait(poll)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    try:
+        for line in lines:
+            proc.send_stdin(line if line.endswith("\n") else line + "\n")
+        proc.send_stdin("exit\n")
+        code = proc.wait(timeout=None).exit_code
+    finally:
+        stop.set()
+        reader.join(30)
+        with contextlib.suppress(TorporError):
+            proc.kill()
+        with contextlib.suppress(TorporError):
+            proc.forget()
+    return code
+
+
+@sandbox_app.command("shell")
+def shell(name: Name) -> None:
+    """An interactive shell in a sandbox (waking it); Ctrl-D ends it. Line by line, without a
+    terminal (PTY): commands and their output, not full-screen programs.
+
+    Example: torpor sandbox shell agent-u-42
+    """
+    sbx = Sandbox.get(name)
+    typer.secho(f"shell in {sbx.name} ({sbx.id}); Ctrl-D to leave", err=True)
+    code = shell_session(sbx, sys.stdin, _out(sys.stdout))
+    raise typer.Exit(code)
+
+
+def _out(stream: Any) -> Any:
+    return lambda s: (stream.write(s), stream.flush())
 
 
 @sandbox_app.command("exec")
 def exec_(
-    name: Annotated[str, typer.Argument(help="id or name")],
+    name: Name,
     cmd: Annotated[list[str], typer.Argument(help="the command, after --")],
-    timeout: Annotated[float, typer.Option(help="seconds")] = 60.0,
+    timeout: Annotated[
+        float, typer.Option(help="seconds; then it is killed and the exit code is 124")
+    ] = 60.0,
     cwd: Annotated[str | None, typer.Option()] = None,
+    as_json: AsJson = False,
 ) -> None:
-    """Run a command in a sandbox (waking it), streaming its output; exits with its code.
+    """Run a command in a sandbox (waking it), streaming its output; exits with its code
+    (124 when it ran out of time, as timeout(1)).
 
-    Example: torpor sandbox exec agent-u-42 -- ls -la /workspace
+    Example: torpor sandbox exec agent-u-42 --timeout 10 -- ls -la /workspace
     """
     command = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
-    result = Sandbox.get(name).commands.run(
-        command,
-        cwd=cwd,
-        timeout=timeout,
-        on_stdout=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
-        on_stderr=lambda s: (sys.stderr.write(s), sys.stderr.flush()),
+    stream: dict[str, Any] = (
+        {} if as_json else {"on_stdout": _out(sys.stdout), "on_stderr": _out(sys.stderr)}
     )
+    try:
+        result = Sandbox.get(name).commands.run(command, cwd=cwd, timeout=timeout, **stream)
+    except OperationTimeout as exc:
+        if as_json:
+            emit({"exit_code": TIMEOUT_EXIT, "timed_out": True, "error": str(exc)}, as_json=True)
+        else:
+            typer.secho(f"timed out after {timeout:g} s: {exc}", err=True, fg="red")
+        raise typer.Exit(TIMEOUT_EXIT) from None
+    if as_json:
+        emit(result, as_json=True)
     raise typer.Exit(result.exit_code)
 
 
 def run(
-    name: Annotated[str, typer.Argument(help="id or name")],
-    code: Annotated[str, typer.Argument(help="Python code")],
+    name: Name,
+    code: Annotated[str | None, typer.Argument(help="Python code; '-' reads it from stdin")] = None,
+    file: Annotated[
+        Path | None, typer.Option("--file", "-f", help="run this file's code", exists=True)
+    ] = None,
     timeout: Annotated[float | None, typer.Option(help="seconds")] = None,
+    as_json: AsJson = False,
 ) -> None:
     """Run Python in a sandbox's interpreter (variables persist between runs).
 
-    Example: torpor run agent-u-42 "notes"
+    Examples:
+
+        torpor run agent-u-42 "notes"
+
+        torpor run agent-u-42 --file analysis.py
+
+        echo 'x = 1' | torpor run agent-u-42 -
     """
-    execution = Sandbox.get(name).interpreter.run(code, timeout=timeout)
+    if (code is None) == (file is None):
+        raise InvalidArgument("give the code, '-' (stdin) or --file PATH (one of them)")
+    source = file.read_text() if file is not None else sys.stdin.read() if code == "-" else code
+    assert source is not None
+    execution = Sandbox.get(name).interpreter.run(source, timeout=timeout)
+    if as_json:
+        emit(execution, as_json=True)
+        raise typer.Exit(1 if execution.error is not None else 0)
     sys.stdout.write(execution.stdout)
     sys.stderr.write(execution.stderr)
     if execution.text is not None:
-        console.print(execution.text, markup=False, highlight=False)
+        typer.echo(execution.text)
     if execution.error is not None:
         sys.stderr.write(
             execution.error.traceback or f"{execution.error.name}: {execution.error.value}\n"
@@ -190,7 +433,43 @@ def run(
         raise typer.Exit(1)
 
 
+def _event_line(event: SandboxEvent) -> str:
+    why = f"  ({event.reason})" if event.reason else ""
+    return (
+        f"{event.at.strftime(_FMT)}  {event.seq:>6}  {event.kind:<12} "
+        f"{event.name} {event.sandbox_id}{why}"
+    )
+
+
+def events(
+    sandbox: Annotated[str | None, typer.Argument(help="only this sandbox's (id or name)")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="wait for new events")] = False,
+    after: Annotated[int, typer.Option(help="only events after this seq")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object a line")] = False,
+) -> None:
+    """Show sandbox lifecycle events: create, pause, wake, kill, expire, error (kept by the
+    server across restarts); with --follow, wait for new ones until Ctrl-C.
+
+    Examples:
+
+        torpor events --follow
+
+        torpor events agent-u-42 --json
+    """
+    rt: Runtime = default_runtime()
+    try:
+        for event in rt.events(after=after, sandbox=sandbox, follow=follow):
+            if as_json:
+                typer.echo(json.dumps(to_json(event), ensure_ascii=False))
+            else:
+                typer.echo(_event_line(event))
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
 def register(app: typer.Typer) -> None:
-    """Add the ``sandbox`` group and ``run`` to the ``torpor`` command."""
+    """Add the ``sandbox`` group, ``run`` and ``events`` to the ``torpor`` command."""
     app.add_typer(sandbox_app, name="sandbox")
     app.command("run")(run)
+    app.command("events")(events)

@@ -69,7 +69,9 @@ def serve(
 
 
 @server_app.command("status")
-def status() -> None:
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
     """Show whether the local server runs, its pid, home and sandboxes.
 
     Example: torpor server status
@@ -83,6 +85,12 @@ def status() -> None:
         raise typer.Exit(1)
     rt = Runtime(autostart=False)
     health = rt.health()
+    if as_json:
+        from torpor.cli.output import emit
+
+        count = len(Sandbox.list(runtime=rt))
+        emit({**health, "socket": str(paths().socket), "sandboxes": count}, as_json=True)
+        return
     table = Table(show_header=False)
     table.add_row("pid", str(health["pid"]))
     table.add_row("home", str(health["home"]))

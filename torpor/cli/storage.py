@@ -7,12 +7,13 @@ server is stopped.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
+from torpor.cli.output import AsJson, Quiet, emit, table
 from torpor.client import Drive, Sandbox, Snapshot, Volume
 from torpor.client.storage import collect_garbage
 
@@ -38,10 +39,12 @@ def _size(n: int) -> str:
 
 
 def _table(columns: list[str], rows: list[list[str]]) -> None:
-    table = Table(*columns)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    emit(rows, render=lambda r: table(columns, r, ids=[c for c in columns if c in ("id", "name")]))
+
+
+def _quiet() -> contextlib.AbstractContextManager[None]:
+    """No progress display (for --json and -q: output a program reads)."""
+    return contextlib.nullcontext()
 
 
 # -- snapshots -------------------------------------------------------------------------------
@@ -52,22 +55,35 @@ def snapshot_create(
     sandbox: Annotated[str, typer.Argument(help="sandbox id or name")],
     name: Annotated[str | None, typer.Option(help="snapshot name (unique)")] = None,
     retention_days: Annotated[int, typer.Option(help="keep for N days (1-365)")] = 7,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
 ) -> None:
     """Snapshot a running or paused sandbox; it keeps running (or stays paused).
 
     Example: torpor snapshot create agent-u-42 --name before-import --retention-days 30
     """
-    with console.status("capturing RAM and disk ..."):
+    with console.status("capturing RAM and disk ...") if not (as_json or quiet) else _quiet():
         snap = Sandbox.get(sandbox).snapshot(name, retention_days=retention_days)
-    console.print(
-        f"{snap.id}  {snap.name}  {_size(snap.info.size_bytes)} "
-        f"({_size(snap.info.stored_bytes)} new in the store)"
+    emit(
+        snap.info,
+        as_json=as_json,
+        quiet=quiet,
+        ids=lambda i: [i.id],
+        render=lambda i: (
+            f"{i.id}  {i.name}  {_size(i.size_bytes)} ({_size(i.stored_bytes)} new in the store)"
+        ),
     )
 
 
 @snapshot_app.command("ls")
-def snapshot_ls() -> None:
+def snapshot_ls(as_json: AsJson = False, quiet: Quiet = False) -> None:
     """List snapshots. Example: torpor snapshot ls"""
+    snaps = Snapshot.list()
+    if as_json or quiet:
+        emit(
+            [s.info for s in snaps], as_json=as_json, quiet=quiet, ids=lambda xs: [x.id for x in xs]
+        )
+        return
     _table(
         ["id", "name", "sandbox", "created", "expires", "size", "new bytes"],
         [
@@ -80,7 +96,7 @@ def snapshot_ls() -> None:
                 _size(s.info.size_bytes),
                 _size(s.info.stored_bytes),
             ]
-            for s in Snapshot.list()
+            for s in snaps
         ],
     )
 
@@ -89,26 +105,41 @@ def snapshot_ls() -> None:
 def snapshot_restore(
     snapshot: Annotated[str, typer.Argument(help="snapshot id or name")],
     name: Annotated[str | None, typer.Option(help="name of the new sandbox")] = None,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
 ) -> None:
     """Restore a snapshot into a new running sandbox.
 
     Example: torpor snapshot restore before-import --name agent-u-42-undo
     """
-    with console.status("restoring ..."):
+    with console.status("restoring ...") if not (as_json or quiet) else _quiet():
         sbx = Snapshot.get(snapshot).restore(name=name)
-    console.print(f"{sbx.id}  {sbx.name}  running")
+    emit(
+        sbx.info,
+        as_json=as_json,
+        quiet=quiet,
+        ids=lambda i: [i.id],
+        render=lambda i: f"{i.id}  {i.name}  {i.state.value}",
+    )
 
 
 @snapshot_app.command("fork")
 def snapshot_fork(
     snapshot: Annotated[str, typer.Argument(help="snapshot id or name")],
     count: Annotated[int, typer.Option(help="how many sandboxes")] = 1,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
 ) -> None:
     """Start COUNT sandboxes from one snapshot. Example: torpor snapshot fork s1 --count 3"""
-    with console.status(f"forking {count} ..."):
+    with console.status(f"forking {count} ...") if not (as_json or quiet) else _quiet():
         kids = Snapshot.get(snapshot).fork(count)
-    for k in kids:
-        console.print(f"{k.id}  running")
+    emit(
+        [k.info for k in kids],
+        as_json=as_json,
+        quiet=quiet,
+        ids=lambda xs: [x.id for x in xs],
+        render=lambda xs: "\n".join(f"{x.id}  {x.state.value}" for x in xs),
+    )
 
 
 @snapshot_app.command("rm")
@@ -125,15 +156,29 @@ def snapshot_rm(snapshot: Annotated[str, typer.Argument(help="snapshot id or nam
 def volume_create(
     name: Annotated[str, typer.Argument(help="volume name")],
     size_mib: Annotated[int, typer.Option(help="size in MiB (sparse)")] = 1024,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
 ) -> None:
     """Make an empty volume. Example: torpor volume create memory-u-42 --size-mib 1024"""
     vol = Volume.create(name, size_mib)
-    console.print(f"{vol.id}  {vol.name}  {vol.info.size_mib} MiB")
+    emit(
+        vol.info,
+        as_json=as_json,
+        quiet=quiet,
+        ids=lambda i: [i.id],
+        render=lambda i: f"{i.id}  {i.name}  {i.size_mib} MiB",
+    )
 
 
 @volume_app.command("ls")
-def volume_ls() -> None:
+def volume_ls(as_json: AsJson = False, quiet: Quiet = False) -> None:
     """List volumes and who has them attached. Example: torpor volume ls"""
+    vols = Volume.list()
+    if as_json or quiet:
+        emit(
+            [v.info for v in vols], as_json=as_json, quiet=quiet, ids=lambda xs: [x.id for x in xs]
+        )
+        return
     _table(
         ["id", "name", "size", "attached to"],
         [
@@ -146,7 +191,7 @@ def volume_ls() -> None:
                     for a in v.info.attachments
                 ),
             ]
-            for v in Volume.list()
+            for v in vols
         ],
     )
 
@@ -159,20 +204,39 @@ def volume_rm(volume: Annotated[str, typer.Argument(help="volume id or name")]) 
 
 
 @drive_app.command("create")
-def drive_create(name: Annotated[str, typer.Argument(help="drive name")]) -> None:
+def drive_create(
+    name: Annotated[str, typer.Argument(help="drive name")],
+    as_json: AsJson = False,
+    quiet: Quiet = False,
+) -> None:
     """Make an empty shared drive. Example: torpor drive create research"""
     d = Drive.create(name)
-    console.print(f"{d.id}  {d.name}")
+    emit(
+        d.info,
+        as_json=as_json,
+        quiet=quiet,
+        ids=lambda i: [i.id],
+        render=lambda i: f"{i.id}  {i.name}",
+    )
 
 
 @drive_app.command("ls")
-def drive_ls() -> None:
+def drive_ls(as_json: AsJson = False, quiet: Quiet = False) -> None:
     """List drives. Example: torpor drive ls"""
+    drives = Drive.list()
+    if as_json or quiet:
+        emit(
+            [d.info for d in drives],
+            as_json=as_json,
+            quiet=quiet,
+            ids=lambda xs: [x.id for x in xs],
+        )
+        return
     _table(
         ["id", "name", "mounted in"],
         [
             [d.id, d.name, ", ".join(f"{a.sandbox_id}:{a.path}" for a in d.info.attachments)]
-            for d in Drive.list()
+            for d in drives
         ],
     )
 
@@ -192,6 +256,7 @@ def gc(
     local: Annotated[
         bool, typer.Option("--local", help="collect on the home directly (server stopped)")
     ] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Remove expired snapshots and pauses, and storage nothing references.
 
@@ -205,6 +270,9 @@ def gc(
         report = collect_local(paths(), dry_run=dry_run).to_json()
     else:
         report = collect_garbage(dry_run=dry_run)
+    if as_json:
+        emit(report, as_json=True)
+        return
     rows = [
         [k, str(len(v)) if isinstance(v, list) else (_size(v) if k == "freed_bytes" else str(v))]
         for k, v in report.items()
@@ -216,7 +284,7 @@ storage_app = typer.Typer(help="The chunk store snapshots live in.", no_args_is_
 
 
 @storage_app.command("verify")
-def storage_verify() -> None:
+def storage_verify(as_json: AsJson = False) -> None:
     """Read back every chunk a snapshot names (a scrub of the home's store); quarantine bad
     ones and list the snapshots they affect. Exits 1 when any chunk is bad.
 
@@ -226,6 +294,11 @@ def storage_verify() -> None:
     from torpor.sandbox.storage.snapshots import SnapshotStore
 
     report = SnapshotStore(paths()).verify()
+    if as_json:
+        emit(report, as_json=True)
+        if report["bad_chunks"]:
+            raise typer.Exit(1)
+        return
     rows = [[sid, ", ".join(d[:12] for d in chunks)] for sid, chunks in report["affected"].items()]
     typer.echo(f"{report['chunks']} chunks checked, {len(report['bad_chunks'])} bad")
     if rows:

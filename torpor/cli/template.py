@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from torpor.cli.output import AsJson, Quiet, emit
 from torpor.sandbox import template as templates
 
 __all__ = ["register"]
@@ -67,15 +68,24 @@ def build(
 
 
 @template_app.command("ls")
-def ls() -> None:
+def ls(as_json: AsJson = False, quiet: Quiet = False) -> None:
     """List built templates.
 
     Example:
 
         torpor template ls
     """
+    found = templates.list_templates()
+    if as_json or quiet:
+        emit(
+            [t.to_json() for t in found],
+            as_json=as_json,
+            quiet=quiet,
+            ids=lambda xs: [x["name"] for x in xs],
+        )
+        return
     table = Table("name", "build", "accel", "memory", "apt", "pip", "created")
-    for info in templates.list_templates():
+    for info in found:
         table.add_row(
             info.name,
             info.build_id,

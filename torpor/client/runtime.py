@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import date, datetime
@@ -33,6 +34,7 @@ import httpx
 from torpor.client._local import ensure_local_server
 from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
+from torpor.sandbox.models import EventPage, SandboxEvent
 from torpor.sandbox.registry.usage import UsageReport, parse_query
 
 if TYPE_CHECKING:
@@ -42,6 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_TIMEOUT", "Runtime", "default_runtime", "error_of", "set_default_runtime"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a follower of events waits before asking a server that could not be reached again.
+RECONNECT_DELAY = 0.5
 
 #: Seconds to wait for an answer when the call has no timeout of its own. Generous: a call may
 #: first wake a paused sandbox, and under TCG a cold template boot takes a while.
@@ -238,6 +243,44 @@ class Runtime:
         if until is not None:
             params["until"] = query.until.isoformat()
         return UsageReport.model_validate(self.json("GET", "/v1/usage", params=params))
+
+    def events(
+        self,
+        *,
+        after: int = 0,
+        sandbox: str | None = None,
+        follow: bool = False,
+        wait: float = 10.0,
+    ) -> Iterator[SandboxEvent]:
+        """This tenant's sandbox lifecycle events (``create``, ``pause``, ``wake``, ``kill``,
+        ``expire``, ``error`` ...), oldest first, from ``seq`` ``after`` on; only those of
+        ``sandbox`` (id or name) if given. With ``follow`` the iterator then waits for new
+        ones (long polls of ``wait`` seconds) until the caller stops it, across a restart of
+        the server too (the history is kept in its registry: nothing is lost or repeated).
+
+        Raises like :meth:`request` (:class:`~torpor.errors.SandboxNotFound` for an unknown
+        ``sandbox``)."""
+        while True:
+            params: dict[str, Any] = {"after": after}
+            if sandbox is not None:
+                params["sandbox"] = sandbox
+            if follow:
+                params["wait"] = wait
+            try:
+                page = EventPage.model_validate(
+                    self.json("GET", "/v1/events", params=params, timeout=wait + 30.0)
+                )
+            except ServerUnavailable:
+                if not follow:
+                    raise
+                # a restarting server: its registry keeps the events, so ask again from the
+                # same place once it is back (nothing is lost or repeated)
+                time.sleep(RECONNECT_DELAY)
+                continue
+            yield from page.events
+            if not page.events and page.next == after and not follow:
+                return
+            after = page.next
 
     def close(self) -> None:
         """Close the connection pool (the local server keeps running)."""

@@ -19,17 +19,26 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel
 
+from torpor.client.processes import ProcessHandle, list_processes
+from torpor.client.processes import start as start_process
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.client.storage import LONG_TIMEOUT, Resource, post_spec, quote_id
 from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable, from_wire
-from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
+from torpor.sandbox.models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ProcessInfo,
+    SandboxEvent,
+    SandboxInfo,
+)
 from torpor.sandbox.registry.usage import RetentionSpec
 from torpor.sandbox.requests import (
     COMMAND_TIMEOUT,
@@ -40,6 +49,7 @@ from torpor.sandbox.requests import (
     MemoryScope,
     RestoreSpec,
     SandboxOptions,
+    SandboxSettings,
     SandboxSpec,
     SnapshotSpec,
     Spec,
@@ -129,6 +139,21 @@ class Commands:
         """
         spec = CommandSpec.of(cmd=cmd, cwd=cwd, env=env, timeout=timeout, background=background)
         return _post_run(self._sbx, "/commands", spec, CommandResult, on_stdout, on_stderr)
+
+    def start(self, cmd: str, *, cwd: str | None = None) -> ProcessHandle:
+        """Start ``cmd`` in the background and return a handle to wait for it, read its
+        output, send it stdin or kill it (see :mod:`torpor.client.processes`). Raises
+        InvalidArgument."""
+        return start_process(self._sbx, cmd, cwd=cwd)
+
+    def list(self, *, include_exited: bool = False) -> builtins.list[ProcessInfo]:
+        """The background processes :meth:`start` made that still run (all of them with
+        ``include_exited``)."""
+        return list_processes(self._sbx, include_exited=include_exited)
+
+    def connect(self, pid: int) -> ProcessHandle:
+        """A handle on a process :meth:`start` made (e.g. in another session)."""
+        return ProcessHandle(self._sbx, pid)
 
 
 class Files:
@@ -356,6 +381,7 @@ class Sandbox:
         volumes: list[VolumeMount | dict[str, Any]] | None = None,
         drives: list[DriveMount | dict[str, Any]] | None = None,
         memory_scope: MemoryScope | dict[str, Any] | None = None,
+        envs: Env | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """A new running sandbox from ``template`` (default ``"python"``: a fork of its booted
@@ -369,6 +395,8 @@ class Sandbox:
         ``memory_scope={"app": ..., "user": ...}``: the memory its agent reaches at
         ``localhost:7777`` inside the VM, with no credential (``"read_only": True``: recall
         only).
+        ``envs``: environment variables (secrets too) of every command and of the interpreter;
+        kept in the server's registry, never shown in ``info`` (a fork has its source's).
         Raises :class:`~torpor.errors.InvalidArgument` (a value out of bounds, before anything
         is sent), :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
         :class:`~torpor.errors.Conflict` (name taken).
@@ -385,6 +413,7 @@ class Sandbox:
             volumes=volumes,
             drives=drives,
             memory_scope=memory_scope,
+            envs=envs,
         )
         # a restore or a mount takes longer than a fork of the template
         slow: dict[str, Any] = {} if spec.plain else {"timeout": LONG_TIMEOUT}
@@ -402,11 +431,13 @@ class Sandbox:
         memory_mib: int | None = None,
         pause_retention_days: int | None = None,
         memory_scope: MemoryScope | dict[str, Any] | None = None,
+        envs: Env | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """The sandbox called ``name``, woken if paused (``info.reused`` is True), or a new one
-        made with the given options (as :meth:`create`; another ``memory_scope`` than an
-        existing sandbox's is a Conflict). Concurrent callers get one sandbox."""
+        made with the given options (as :meth:`create`). Concurrent callers get one sandbox.
+        For an existing one, labels, idle pause, retention and ``envs`` given are applied;
+        another ``memory_scope`` than its own is a Conflict."""
         spec = SandboxOptions.of(
             template=template,
             labels=labels,
@@ -415,6 +446,7 @@ class Sandbox:
             memory_mib=memory_mib,
             pause_retention_days=pause_retention_days,
             memory_scope=memory_scope,
+            envs=envs,
         )
         path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
         # a persistent, named machine: leaving a ``with`` block pauses it, never kills it
@@ -492,6 +524,26 @@ class Sandbox:
         InvalidArgument, SandboxClosed."""
         spec = RetentionSpec.of(days=days)
         return self._update(self._runtime.json("POST", self.route("/retention"), json=spec.given()))
+
+    def set(
+        self, *, labels: Labels | None = None, idle_pause_seconds: int | None = None
+    ) -> SandboxInfo:
+        """Change the sandbox's ``labels`` (the given dict replaces them all) and/or its
+        ``idle_pause_seconds`` (``0``: never pause when idle); None leaves a field as it is.
+        Works on a paused sandbox without waking it. Raises
+        :class:`~torpor.errors.InvalidArgument` (before anything is sent),
+        :class:`~torpor.errors.SandboxClosed` (killed)."""
+        spec = SandboxSettings.of(labels=labels, idle_pause_seconds=idle_pause_seconds)
+        return self._update(self._runtime.json("PATCH", self.route(), json=spec.given()))
+
+    def logs(self, lines: int = 100) -> str:
+        """The last ``lines`` lines of the guest's console (does not wake a paused sandbox)."""
+        text: str = self._runtime.request("GET", self.route("/logs"), params={"lines": lines}).text
+        return text
+
+    def events(self, *, after: int = 0, follow: bool = False) -> Iterator[SandboxEvent]:
+        """This sandbox's lifecycle events (see :meth:`torpor.Runtime.events`)."""
+        return self._runtime.events(after=after, sandbox=self.id, follow=follow)
 
     def snapshot(
         self,

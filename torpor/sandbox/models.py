@@ -17,10 +17,12 @@ from torpor.errors import InvalidArgument
 __all__ = [
     "CommandResult",
     "EntryInfo",
+    "EventPage",
     "Execution",
     "ExecutionError",
     "ProcessInfo",
     "Result",
+    "SandboxEvent",
     "SandboxInfo",
     "SandboxState",
     "parse_labels",
@@ -125,6 +127,27 @@ class SandboxInfo(BaseModel):
     expires_at: datetime | None = None
     #: the memory its agent reaches at ``localhost:7777`` (levels, ``read_only``), or None
     memory_scope: dict[str, Any] | None = None
+    #: bytes of disk the sandbox alone holds: its RAM file, saved state and disk overlay (not
+    #: the template's base image it shares); None when not measured (a killed sandbox: 0)
+    owned_bytes: int | None = None
+
+
+class SandboxEvent(BaseModel):
+    """One lifecycle event of a sandbox, from the registry's transitions log.
+
+    ``kind`` is what happened: ``create``, ``pause``, ``wake``, ``kill``, ``expire`` (a pause
+    kept past ``pause_retention_days``), ``error`` (state lost), ``pause-failed`` /
+    ``wake-failed`` (rolled back, nothing lost). ``seq`` grows with every event of the home:
+    ``events(after=seq)`` continues where a reader left off.
+    """
+
+    seq: int
+    at: datetime
+    sandbox_id: str
+    name: str
+    kind: str
+    state: SandboxState
+    reason: str = ""
 
 
 def parse_labels(items: list[str] | None, *, what: str = "label") -> dict[str, str] | None:
@@ -142,3 +165,10 @@ def parse_labels(items: list[str] | None, *, what: str = "label") -> dict[str, s
             raise InvalidArgument(f"{what} {item!r} is not KEY=VALUE", label=item)
         out[key] = value
     return out
+
+
+class EventPage(BaseModel):
+    """A page of lifecycle events and where the next page starts (``after=next``)."""
+
+    events: list[SandboxEvent] = Field(default_factory=list)
+    next: int = 0

@@ -37,6 +37,7 @@ anyway, means "not given" (so the SDK can pass its keyword arguments through as 
 from __future__ import annotations
 
 import posixpath
+import re
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Self, TypeVar, Union, get_args, get_origin
@@ -161,6 +162,7 @@ __all__ = [
     "GcSpec",
     "RestoreSpec",
     "SandboxOptions",
+    "SandboxSettings",
     "SandboxSpec",
     "SnapshotSpec",
     "Spec",
@@ -184,7 +186,7 @@ MAX_IDLE_PAUSE_SECONDS = MAX_RETENTION_DAYS * 86400
 #: labels of one sandbox or snapshot, and the length of a key and of a value
 MAX_LABELS = 64
 MAX_LABEL_KEY = 63
-MAX_LABEL_VALUE = 255
+MAX_LABEL_VALUE = 256
 #: Linux's MAX_ARG_STRLEN less the NUL: the longest argument (the command) or ``KEY=VALUE``
 #: that exec takes
 MAX_ARG_BYTES = 128 * 1024 - 1
@@ -207,15 +209,58 @@ MAX_VOLUME_MIB = 1024 * 1024
 # -- errors ----------------------------------------------------------------------------------
 
 
+#: what a pattern of this module means, said in words
+_PATTERN_WORDS = {
+    r"^[^=]+$": "must not contain '='",
+    r"^[^=\x00]+$": "must not contain '=' or a NUL character",
+    r"^[^\x00]*$": "must not contain a NUL character",
+}
+
+
+def _words(name: str) -> str:
+    """``"SandboxSpec"`` -> ``"sandbox spec"``."""
+    return re.sub(r"(?<!^)(?=[A-Z])", " ", name).lower()
+
+
+def _problem(e: Mapping[str, Any]) -> str:
+    """One validation problem in plain words: where, then what is wrong."""
+    loc = [str(p) for p in e.get("loc", ())]
+    ctx = e.get("ctx") or {}
+    kind = str(e.get("type", ""))
+    if loc and loc[-1] == "[key]":  # a dict key: labels.a=b.[key] -> labels key 'a=b'
+        where = f"{'.'.join(loc[:-2])} key {loc[-2]!r}".strip() if len(loc) >= 2 else "key"
+    else:
+        where = ".".join(loc)
+    words = {
+        "string_pattern_mismatch": _PATTERN_WORDS.get(
+            str(ctx.get("pattern", "")), "has characters that are not allowed"
+        ),
+        "string_too_long": f"is longer than {ctx.get('max_length')} characters",
+        "string_too_short": "must not be empty"
+        if ctx.get("min_length") == 1
+        else f"is shorter than {ctx.get('min_length')} characters",
+        "too_long": f"has more than {ctx.get('max_length')} items",
+        "greater_than_equal": f"must be at least {ctx.get('ge')}",
+        "greater_than": f"must be more than {ctx.get('gt')}",
+        "less_than_equal": f"must be at most {ctx.get('le')}",
+        "extra_forbidden": "is not an option here",
+        "missing": "is required",
+    }.get(kind, str(e.get("msg", "")))
+    return f"{where} {words}" if where else words
+
+
 def invalid_argument(errors: Sequence[Mapping[str, Any]], what: str) -> InvalidArgument:
     """One :class:`InvalidArgument` for pydantic's ``errors`` (every bad field, with its
-    ``loc`` and ``msg`` in ``.problems``). The server's handler of bad bodies uses it too."""
+    ``loc`` and ``msg`` in ``.problems``), said in plain words (``labels key 'a=b' must not
+    contain '='``). The server's handler of bad bodies uses it too."""
     problems: list[dict[str, Any]] = []
     lines: list[str] = []
     for e in errors:
         loc, msg = [str(p) for p in e.get("loc", ())], str(e.get("msg", ""))
         problems.append({"loc": loc, "msg": msg})
-        lines.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+        line = _problem(e)
+        if line not in lines:
+            lines.append(line)
     return InvalidArgument(f"{what}: {'; '.join(lines)}", problems=problems)
 
 
@@ -340,7 +385,7 @@ class Spec(BaseModel):
         try:
             return cls.model_validate(fields)
         except ValidationError as exc:
-            raise invalid_argument(exc.errors(), f"invalid {cls.__name__}") from None
+            raise invalid_argument(exc.errors(), f"invalid {_words(cls.__name__)}") from None
 
     def given(self) -> dict[str, Any]:
         """The fields the caller set, as the SDK sends them."""
@@ -365,6 +410,11 @@ class RestoreSpec(Spec):
     )
     pause_retention_days: RetentionDays = Field(
         default=30, description="kill the sandbox once it has been paused that long"
+    )
+    envs: Env | None = Field(
+        default=None,
+        description="environment variables of every command and of the interpreter (kept "
+        "secret: never in the sandbox's info)",
     )
 
 
@@ -406,6 +456,19 @@ class SandboxOptions(RestoreSpec):
                 f"the options name {self.name!r}, not {name!r}", name=name, field="name"
             )
         return SandboxOptions.of(self, name=name)
+
+
+class SandboxSettings(Spec):
+    """What may change on a live sandbox (``sbx.set``, ``PATCH /v1/sandboxes/{id}``); a field
+    left out stays as it is."""
+
+    labels: Labels | None = Field(default=None, description="the new labels (replace all)")
+    idle_pause_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_IDLE_PAUSE_SECONDS,
+        description="hibernate after that long without a call; 0: never",
+    )
 
 
 class _Mount(Spec):

@@ -57,6 +57,7 @@ ROUTERS = [
     "torpor.server.routes_usage",
     "torpor.server.routes_tokens",
     "torpor.server.routes_memory",
+    "torpor.server.routes_events",
 ]
 
 

@@ -13,6 +13,7 @@ The unix socket is created here rather than by uvicorn so it is ``0600`` from th
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -25,7 +26,7 @@ from types import FrameType
 from typing import IO, Any
 
 from torpor.config import Paths, paths, server_pid
-from torpor.errors import Conflict, InvalidArgument, ServerUnavailable, StorageError
+from torpor.errors import Conflict, ServerUnavailable, StorageError
 from torpor.server.auth import TokenStore
 
 __all__ = ["bind_unix_socket", "serve", "server_pid", "stop_server"]
@@ -47,7 +48,8 @@ def _lock(p: Paths) -> IO[str]:
         owner = handle.read().strip()
         handle.close()
         raise Conflict(
-            f"another torpor server (pid {owner or '?'}) owns {p.home}",
+            f"another torpor server (pid {owner or '?'}) owns {p.home}; stop it with "
+            "`torpor server stop` (running sandboxes are paused, nothing is lost)",
             pid=int(owner) if owner.isdigit() else None,
             home=str(p.home),
         ) from None
@@ -56,6 +58,13 @@ def _lock(p: Paths) -> IO[str]:
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
+
+
+def _unlock(p: Paths, lock: IO[str]) -> None:
+    """Give up the home's server lock and remove the pid file (we never served)."""
+    with contextlib.suppress(OSError):
+        p.server_pid.unlink()
+    lock.close()
 
 
 def stop_server(home: str | os.PathLike[str] | None = None, *, timeout: float = 30.0) -> int | None:
@@ -172,13 +181,24 @@ def serve(
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((host, port))
+            sock.listen(128)
         except OSError as exc:
             sock.close()
             local.close()
             remove_socket()
-            lock.close()
-            raise InvalidArgument(f"cannot listen on {host}:{port}: {exc}", exc=exc) from exc
-        sock.listen(128)
+            _unlock(p, lock)  # no pid file of a server that never ran
+            in_use = exc.errno == errno.EADDRINUSE
+            raise (Conflict if in_use else StorageError)(
+                f"cannot listen on {host} port {port}: "
+                + (
+                    "it is in use (another torpor serve? pick another --port)"
+                    if in_use
+                    else str(exc)
+                ),
+                exc=exc,
+                host=host,
+                port=port,
+            ) from exc
         sockets.append(sock)
 
     app = create_app(

@@ -6,6 +6,8 @@
     PUT    /v1/sandboxes/by-name/{name}       get_or_create     -> SandboxInfo (reused says which)
     GET    /v1/sandboxes?label=k=v            list              -> [SandboxInfo]
     GET    /v1/sandboxes/{id_or_name}         get               -> SandboxInfo
+    PATCH  /v1/sandboxes/{id_or_name}         update            -> SandboxInfo (labels, idle pause)
+    GET    /v1/sandboxes/{id_or_name}/logs    logs              -> text (the guest console)
     POST   /v1/sandboxes/{id_or_name}/pause   pause             -> SandboxInfo
     POST   /v1/sandboxes/{id_or_name}/resume  resume            -> SandboxInfo
     DELETE /v1/sandboxes/{id_or_name}         kill              -> 204
@@ -24,11 +26,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import PlainTextResponse
 
 from torpor.errors import SandboxNotFound
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import parse_labels as _parse_labels
-from torpor.sandbox.requests import SandboxOptions, SandboxSpec
+from torpor.sandbox.requests import SandboxOptions, SandboxSettings, SandboxSpec
 from torpor.server.auth import labels_match
 from torpor.server.deps import CallerDep, IdentityDep, Manager, Tenant, within_selector
 from torpor.server.routes_checkpoints import checkpoints_of
@@ -138,6 +141,29 @@ async def list_sandboxes(
 async def get_sandbox(id_or_name: str, manager: Manager, tenant: Tenant) -> SandboxInfo:
     """One sandbox by id or name."""
     return own(await manager.get(id_or_name, tenant=tenant), tenant, id_or_name)
+
+
+@router.patch("/{id_or_name}")
+async def update_sandbox(
+    id_or_name: str, body: SandboxSettings, manager: Manager, tenant: Tenant
+) -> SandboxInfo:
+    """Change a sandbox's labels (replaced as a whole) or idle pause (0: never); fields left
+    out stay as they are."""
+    own(await manager.get(id_or_name, tenant=tenant), tenant, id_or_name)
+    return own(await manager.update(id_or_name, body, tenant=tenant), tenant, id_or_name)
+
+
+@router.get("/{id_or_name}/logs", response_class=PlainTextResponse)
+async def sandbox_logs(
+    id_or_name: str,
+    manager: Manager,
+    tenant: Tenant,
+    lines: Annotated[int, Query(ge=1, le=10000)] = 100,
+) -> PlainTextResponse:
+    """The last ``lines`` lines of the sandbox's guest console (a paused one is not woken)."""
+    own(await manager.get(id_or_name, tenant=tenant), tenant, id_or_name)
+    text: str = await manager.logs(id_or_name, tenant=tenant, lines=lines)
+    return PlainTextResponse(text)
 
 
 @router.post("/{id_or_name}/pause")

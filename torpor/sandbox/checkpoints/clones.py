@@ -51,6 +51,8 @@ class Children:
     reason: str
     #: the memory scope the children reach from inside (a fork: the source's unless given)
     memory_scope: dict[str, Any] | None = None
+    #: environment variables of the children's commands (a fork's are its source's)
+    envs: Mapping[str, str] | None = None
 
 
 class Cloner:
@@ -106,6 +108,7 @@ class Cloner:
                     memory_mib=int(config.get("memory_mib", 512)),
                     idle_pause_seconds=children.idle_pause_seconds,
                     pause_retention_days=children.pause_retention_days,
+                    envs=dict(children.envs or {}),
                     created_at=now,
                     last_active_at=now,
                     memory_scope=children.memory_scope,

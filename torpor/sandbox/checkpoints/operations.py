@@ -62,6 +62,7 @@ from torpor.sandbox.manager import SYNC_TIMEOUT, Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.registry.lifecycle import EXPIRED
 from torpor.sandbox.registry.usage.report import sync_stored
 from torpor.sandbox.requests import (
     ForkSpec,
@@ -389,6 +390,7 @@ class Checkpoints:
                     pause_retention_days=retention,
                     tenant=tenant,
                     reason=f"restored from {info.id}",
+                    envs=options.envs,
                 )
                 return await self.cloner.spawn(
                     frozen,
@@ -439,6 +441,7 @@ class Checkpoints:
                         if fork.memory_scope is None
                         else fork.memory_scope.record()
                     ),
+                    envs=rec.envs,
                 )
                 recs = await self.cloner.prepare(frozen, children, take_ram=True)
             finally:
@@ -507,7 +510,7 @@ class Checkpoints:
             if ends is not None and now > ends:
                 expired.append(rec.id)
                 if not dry_run:
-                    await self.manager.kill(rec.id, tenant=rec.tenant)
+                    await self.manager.kill(rec.id, tenant=rec.tenant, reason=EXPIRED)
             elif ends is not None and ends - now < EXPIRY_WARNING:
                 log.warning(
                     "paused sandbox %s (%s) will be deleted in %.1f h (pause_retention_days=%d); "

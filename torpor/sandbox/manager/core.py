@@ -73,6 +73,9 @@ class Live:
     machine: Machine | None = None
     channel: Channel | None = None
     busy: int = 0
+    #: the sandbox's ``envs`` were set in its interpreter (a new Live, e.g. after a restart,
+    #: sets them again: harmless)
+    envs_sent: bool = False
 
 
 class Held(Protocol):
@@ -117,7 +120,9 @@ class Held(Protocol):
 
     # two of the manager's own operations: a fork removes the children made before a failure;
     # an attach wakes a paused sandbox first
-    async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo: ...
+    async def kill(
+        self, id_or_name: str, *, tenant: str = "default", reason: str = "kill"
+    ) -> SandboxInfo: ...
 
     async def resume(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo: ...
 

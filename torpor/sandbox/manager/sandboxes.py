@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import json
 import logging
 import secrets
 import shutil
@@ -30,12 +31,14 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
+from torpor._tail import log_tail
 from torpor.config import check_name
 from torpor.errors import (
     Conflict,
     CorruptData,
     EngineError,
     GuestError,
+    OperationTimeout,
     SandboxClosed,
     SandboxNotFound,
     StateLost,
@@ -43,11 +46,18 @@ from torpor.errors import (
 )
 from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.manager.core import ManagerCore, wrap_error
-from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxEvent, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.registry.lifecycle import require
 from torpor.sandbox.registry.repair import orphans
-from torpor.sandbox.requests import CodeSpec, CommandSpec, SandboxOptions, check_guest_path
+from torpor.sandbox.requests import (
+    CodeSpec,
+    CommandSpec,
+    SandboxOptions,
+    SandboxSettings,
+    check_guest_path,
+)
 from torpor.sandbox.storage.compaction import CompactionReport, compact, is_compacted
 from torpor.sandbox.storage.relocate import relocate
 from torpor.sandbox.storage.snapshots import check_retention
@@ -71,6 +81,16 @@ async def _stopped(machine: Any, grace: float = 0.2) -> bool:
             return False
         await asyncio.sleep(0.01)
     return True
+
+
+def _set_envs_code(envs: Mapping[str, str]) -> str:
+    """Python that puts ``envs`` into the interpreter's ``os.environ`` (what it starts
+    inherits them) and leaves no name behind. A JSON object of strings is a Python literal."""
+    return (
+        "import os as _torpor_os\n"
+        f"_torpor_os.environ.update({json.dumps(dict(envs))})\n"
+        "del _torpor_os\n"
+    )
 
 
 class SandboxManager(ManagerCore):
@@ -115,6 +135,7 @@ class SandboxManager(ManagerCore):
             memory_mib=spec.memory_mib,
             idle_pause_seconds=spec.idle_pause_seconds,
             pause_retention_days=spec.pause_retention_days,
+            envs=dict(spec.envs or {}),
             created_at=now,
             last_active_at=now,
             memory_scope=None if spec.memory_scope is None else spec.memory_scope.record(),
@@ -202,6 +223,9 @@ class SandboxManager(ManagerCore):
             changes["idle_pause_seconds"] = spec.idle_pause_seconds
         if "pause_retention_days" in given:
             changes["pause_retention_days"] = spec.pause_retention_days
+        if "envs" in given and spec.envs != rec.envs:
+            changes["envs"] = spec.envs or {}
+            self.live(rec.id).envs_sent = False  # the interpreter gets the new ones
         if changes:
             self.registry.update_settings(rec.id, **changes)
             log.info("sandbox %s: options updated: %s", rec.id, sorted(changes))
@@ -233,8 +257,78 @@ class SandboxManager(ManagerCore):
     # -- queries --------------------------------------------------------------------------
 
     async def get(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
-        """A sandbox by id or name (killed ones too). Raises SandboxNotFound."""
-        return self._find(tenant, id_or_name).to_info()
+        """A sandbox by id or name (killed ones too), with the disk it owns measured. Raises
+        SandboxNotFound."""
+        return self._measured(self._find(tenant, id_or_name))
+
+    def _measured(self, rec: SandboxRecord) -> SandboxInfo:
+        """``rec``'s info with ``owned_bytes``: the blocks its directory holds (RAM file,
+        saved state, disk overlay); the template's base image is shared, so not counted."""
+        info = rec.to_info()
+        directory = self.directory(rec.id)
+        total = 0
+        with suppress(OSError):
+            for path in directory.rglob("*"):
+                with suppress(OSError):  # a file removed while counting
+                    if path.is_file() and not path.is_symlink():
+                        total += path.stat().st_blocks * 512
+        return info.model_copy(update={"owned_bytes": total})
+
+    async def update(
+        self,
+        id_or_name: str,
+        settings: SandboxSettings | None = None,
+        /,
+        *,
+        tenant: str = "default",
+        **fields: Any,
+    ) -> SandboxInfo:
+        """Change what may change on a sandbox that is not killed: its labels (replaced) and
+        idle pause (``0``: never); ``settings`` or ``fields`` are a
+        :class:`~torpor.sandbox.requests.SandboxSettings`, fields left out stay. The new idle
+        pause counts from the last call, so a sandbox idle for longer pauses at the next sweep.
+
+        Raises InvalidArgument (a bad value, nothing changed), SandboxNotFound, SandboxClosed
+        (killed)."""
+        spec = SandboxSettings.of(settings, **fields)
+        rec = self._find(tenant, id_or_name)
+        require(rec.id, rec.state, {s for s in S if s is not S.STOPPED})
+        changes: dict[str, Any] = {}
+        if spec.labels is not None:
+            changes["labels"] = spec.labels
+        if spec.idle_pause_seconds is not None:
+            changes["idle_pause_seconds"] = spec.idle_pause_seconds or None
+        if changes:
+            self.registry.update_settings(rec.id, **changes)
+            log.info("sandbox %s: settings changed: %s", rec.id, sorted(changes))
+        return self._measured(self.registry.get(rec.id))
+
+    async def logs(self, id_or_name: str, *, tenant: str = "default", lines: int = 100) -> str:
+        """The last ``lines`` lines of the sandbox's guest console (boot messages, kernel
+        warnings, what the guest wrote to its console); read from disk, so a paused sandbox is
+        not woken. Empty for a killed one. Raises SandboxNotFound."""
+        rec = self._find(tenant, id_or_name)
+        return log_tail(self.directory(rec.id) / "console.log", lines, max_bytes=1 << 20)
+
+    def events_mark(self) -> int:
+        """A number that changes whenever a transition is recorded (followers of
+        :meth:`events` check it before they query)."""
+        return self.registry.generation
+
+    async def events(
+        self,
+        *,
+        tenant: str = "default",
+        after: int = 0,
+        sandbox: str | None = None,
+        limit: int = 500,
+    ) -> tuple[builtins.list[SandboxEvent], int]:
+        """The tenant's lifecycle events after ``seq`` ``after`` (only those of the sandbox
+        id or name ``sandbox`` if given) and the ``seq`` to continue from; see
+        :meth:`Registry.events <torpor.sandbox.registry.Registry.events>`. Raises
+        SandboxNotFound for an unknown ``sandbox``."""
+        sandbox_id = None if sandbox is None else self._find(tenant, sandbox).id
+        return self.registry.events(tenant, after=after, sandbox=sandbox_id, limit=limit)
 
     async def list(
         self,
@@ -246,7 +340,8 @@ class SandboxManager(ManagerCore):
         """The tenant's sandboxes whose labels include all of ``labels``, oldest first."""
         states: set[S] | None = None if include_stopped else {s for s in S if s is not S.STOPPED}
         return [
-            r.to_info() for r in self.registry.list(tenant=tenant, labels=labels, states=states)
+            self._measured(r)
+            for r in self.registry.list(tenant=tenant, labels=labels, states=states)
         ]
 
     def transitions(self, sandbox_id: str) -> builtins.list[tuple[str | None, str]]:
@@ -275,9 +370,12 @@ class SandboxManager(ManagerCore):
                 rec = await self.wake_held(rec, live, "resume")
         return rec.to_info()
 
-    async def kill(self, id_or_name: str, *, tenant: str = "default") -> SandboxInfo:
+    async def kill(
+        self, id_or_name: str, *, tenant: str = "default", reason: str = "kill"
+    ) -> SandboxInfo:
         """Stop a sandbox for good and delete its files (idempotent). In-flight calls fail with
-        GuestError. Raises SandboxNotFound."""
+        GuestError. ``reason`` is recorded (``"expired"``: retention ran out). Raises
+        SandboxNotFound."""
         rec = self._find(tenant, id_or_name)
         live = self.live(rec.id)
         if rec.state is not S.STOPPED and live.lock.locked():
@@ -292,7 +390,7 @@ class SandboxManager(ManagerCore):
                 directory = self.directory(rec.id)
                 cpu = self.cpu_reading(rec.id)  # before the machine goes: usage meters it
                 await self._quiet_kill(live, directory)
-                rec = self.move(rec, S.STOPPED, "kill", cpu_reading=cpu)
+                rec = self.move(rec, S.STOPPED, reason, cpu_reading=cpu)
                 await asyncio.to_thread(shutil.rmtree, directory, True)
         # a killed sandbox needs no lock any more: every later call reads "stopped" and fails
         self._lives.pop(rec.id, None)
@@ -346,6 +444,9 @@ class SandboxManager(ManagerCore):
         ``env``, ``timeout``, ``background``). Raises InvalidArgument / PayloadTooLarge for a
         bad spec before waking anything, then as the guest channel's ``run_command``."""
         spec = CommandSpec.of(command, **fields)
+        envs = self._find(tenant, id_or_name).envs
+        if envs:  # the sandbox's own variables, under the command's
+            spec = CommandSpec.of(spec, env={**envs, **(spec.env or {})})
         async with self._use(tenant, id_or_name) as ch:
             return await ch.run_command(spec, on_stdout=on_stdout, on_stderr=on_stderr)
 
@@ -364,7 +465,16 @@ class SandboxManager(ManagerCore):
         :class:`~torpor.sandbox.requests.CodeSpec`, or ``code`` and its ``timeout``."""
         spec = CodeSpec.of(code, **fields)
         async with self._use(tenant, id_or_name) as ch:
-            return await ch.run_code(spec, on_stdout=on_stdout, on_stderr=on_stderr)
+            rec = self._find(tenant, id_or_name)
+            live = self.live(rec.id)
+            if rec.envs and not live.envs_sent:
+                await ch.run_code(CodeSpec.of(_set_envs_code(rec.envs)))
+                live.envs_sent = True
+            try:
+                return await ch.run_code(spec, on_stdout=on_stdout, on_stderr=on_stderr)
+            except OperationTimeout:  # the guest may restart an interpreter it had to stop
+                live.envs_sent = False
+                raise
 
     async def read_file(self, id_or_name: str, path: str, *, tenant: str = "default") -> bytes:
         """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path).

@@ -32,12 +32,14 @@ from torpor.errors import InvalidState, SandboxClosed
 from torpor.sandbox.models import SandboxState
 
 __all__ = [
+    "EXPIRED",
     "OPERATIONS",
     "TRANSITIONS",
     "Lifecycle",
     "Transition",
     "can_transition",
     "check_transition",
+    "event_kind",
     "require",
     "require_for",
 ]
@@ -185,6 +187,30 @@ class Lifecycle:
         self._state = dst
         self.history.append(step)
         return step
+
+
+#: the reason a kill records when a pause was kept past its ``pause_retention_days``
+EXPIRED = "expired"
+
+
+def event_kind(src: SandboxState | None, dst: SandboxState, reason: str = "") -> str | None:
+    """What a user sees of the transition ``src -> dst``: ``create``, ``pause``, ``wake``,
+    ``kill``, ``expire``, ``error``, ``pause-failed``, ``wake-failed``; None for the steps in
+    between (``creating``, ``pausing``, ``waking``) and for the clean-up of a failed create
+    (the caller got the error)."""
+    if src is None or dst in (S.PAUSING, S.WAKING):
+        return None
+    if dst is S.STOPPED:
+        if src in (S.CREATING, S.ERROR) and reason.startswith("create failed"):
+            return None
+        return "expire" if reason == EXPIRED else "kill"
+    if dst is S.ERROR:
+        return None if src is S.CREATING else "error"
+    if dst is S.RUNNING:
+        return {S.CREATING: "create", S.WAKING: "wake", S.PAUSING: "pause-failed"}.get(src)
+    if dst is S.PAUSED:
+        return "wake-failed" if src is S.WAKING else "pause"
+    return None
 
 
 class Recovery(enum.StrEnum):

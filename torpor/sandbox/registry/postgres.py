@@ -54,14 +54,17 @@ from torpor.errors import (
     SnapshotNotFound,
     StorageError,
 )
-from torpor.sandbox.models import SandboxState
+from torpor.sandbox.models import SandboxEvent, SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition
 from torpor.sandbox.registry.sqlite import (
     _UNSET,
+    EVENTS_SQL,
     SandboxRecord,
     _check_labels,
     _moved,
+    _spec_json,
     _Unset,
+    events_from_rows,
 )
 
 __all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PostgresRegistry"]
@@ -195,6 +198,7 @@ def _row_to_record(row: tuple[Any, ...]) -> SandboxRecord:
         labels=json.loads(labels or "{}"),
         vcpus=int(spec.get("vcpus", 1)),
         memory_mib=int(spec.get("memory_mib", 512)),
+        envs=dict(spec.get("envs") or {}),
         idle_pause_seconds=idle,
         pause_retention_days=retention,
         created_at=created,
@@ -215,6 +219,8 @@ class PostgresRegistry:
     def __init__(self, dsn: str, *, schema_version: int = PG_SCHEMA_VERSION) -> None:
         self.dsn = dsn
         self._lock = threading.RLock()
+        #: grows with every transition this process records (see the SQLite registry)
+        self.generation = 0
         self._conn: Any = None
         with self._lock:
             try:
@@ -305,7 +311,7 @@ class PostgresRegistry:
         Conflict (name taken by a live sandbox of the tenant) or StorageError."""
         check_name(rec.name, "sandbox name")
         labels = _check_labels(rec.labels)
-        spec = json.dumps({"vcpus": rec.vcpus, "memory_mib": rec.memory_mib})
+        spec = _spec_json(rec.vcpus, rec.memory_mib, rec.envs, rec.memory_scope)
         try:
             with self._tx() as db:
                 db.execute(
@@ -332,6 +338,7 @@ class PostgresRegistry:
                     " VALUES (%s,%s,%s,%s,%s)",
                     (rec.id, None, rec.state.value, rec.created_at, reason),
                 )
+            self.generation += 1
         except Conflict as exc:
             raise Conflict(
                 f"a sandbox named {rec.name!r} already exists",
@@ -382,6 +389,7 @@ class PostgresRegistry:
                 " VALUES (%s,%s,%s,%s,%s)",
                 (sandbox_id, src.value, dst.value, when, reason),
             )
+        self.generation += 1
         return Transition(sandbox_id, src, dst, when, reason)
 
     def touch(self, sandbox_id: str, at: float | None = None) -> None:
@@ -402,11 +410,15 @@ class PostgresRegistry:
         labels: Mapping[str, str] | None = None,
         idle_pause_seconds: int | _Unset | None = _UNSET,
         pause_retention_days: int | None = None,
+        envs: Mapping[str, str] | None = None,
     ) -> None:
         """Change what may change of a live sandbox: its labels (replaced), idle pause (None:
-        never) and pause retention; what is not given stays. Raises InvalidArgument or
-        StorageError."""
+        never), pause retention and environment variables (replaced); what is not given
+        stays. Raises InvalidArgument or StorageError."""
         columns: dict[str, Any] = {}
+        if envs is not None:
+            rec = self.get(sandbox_id)
+            columns["spec"] = _spec_json(rec.vcpus, rec.memory_mib, envs, rec.memory_scope)
         if labels is not None:
             columns["labels"] = json.dumps(_check_labels(labels), sort_keys=True)
         if not isinstance(idle_pause_seconds, _Unset):
@@ -489,6 +501,21 @@ class PostgresRegistry:
             Transition(sid, SandboxState(src) if src else None, SandboxState(dst), at, reason)
             for sid, src, dst, at, reason in rows
         ]
+
+    def events(
+        self,
+        tenant: str,
+        *,
+        after: int = 0,
+        sandbox: str | None = None,
+        limit: int = 500,
+    ) -> tuple[builtins.list[SandboxEvent], int]:
+        """The tenant's lifecycle events after ``after`` and the ``seq`` to continue from (as
+        the SQLite registry's :meth:`~torpor.sandbox.registry.Registry.events`)."""
+        by_sandbox = "" if sandbox is None else " AND t.sandbox_id = %s"
+        sql = EVENTS_SQL.format(prefix="torpor_registry.", p="%s", by_sandbox=by_sandbox)
+        args = (tenant, after) + (() if sandbox is None else (sandbox,)) + (limit,)
+        return events_from_rows(self._query(sql, args), after)
 
     # -- nodes and leases (schema v2) -----------------------------------------------------
 

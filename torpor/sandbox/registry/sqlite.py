@@ -18,7 +18,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -28,8 +28,8 @@ from typing import Any
 
 from torpor.config import check_name
 from torpor.errors import Conflict, InvalidArgument, InvalidState, SandboxNotFound, StorageError
-from torpor.sandbox.models import SandboxInfo, SandboxState
-from torpor.sandbox.registry.lifecycle import Transition, check_transition
+from torpor.sandbox.models import SandboxEvent, SandboxInfo, SandboxState
+from torpor.sandbox.registry.lifecycle import Transition, check_transition, event_kind
 from torpor.sandbox.registry.meters import MeterRow, Meters, accrue, extrapolate, interpolate
 
 __all__ = ["SCHEMA_VERSION", "Registry", "SandboxRecord"]
@@ -154,6 +154,8 @@ class SandboxRecord:
     memory_mib: int = 512
     idle_pause_seconds: int | None = None
     pause_retention_days: int = 30
+    #: environment variables of every command and of the interpreter; never in the info
+    envs: dict[str, str] = field(default_factory=dict, repr=False)
     created_at: float = field(default_factory=time.time)
     last_active_at: float = field(default_factory=time.time)
     paused_at: float | None = None
@@ -195,20 +197,21 @@ class SandboxRecord:
 
 
 @lru_cache(maxsize=256)
-def _spec(text: str) -> tuple[int, int, str | None]:
-    """(vcpus, memory_mib, memory_scope as JSON) of a spec column (cached: most sandboxes
-    share a few specs; the scope stays text so no caller can change the cached value)."""
+def _spec(text: str) -> tuple[int, int, tuple[tuple[str, str], ...], str | None]:
+    """(vcpus, memory_mib, envs, memory_scope as JSON) of a spec column (cached: most
+    sandboxes share a few specs; nothing mutable is cached, so no caller can change it)."""
     spec = json.loads(text or "{}")
     scope = spec.get("memory_scope")
     return (
         int(spec.get("vcpus", 1)),
         int(spec.get("memory_mib", 512)),
+        tuple(sorted((spec.get("envs") or {}).items())),
         None if scope is None else json.dumps(scope),
     )
 
 
 def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
-    vcpus, memory_mib, scope = _spec(row["spec"])
+    vcpus, memory_mib, envs, scope = _spec(row["spec"])
     return SandboxRecord(
         id=row["id"],
         tenant=row["tenant"],
@@ -218,6 +221,7 @@ def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
         labels=json.loads(row["labels"] or "{}"),
         vcpus=vcpus,
         memory_mib=memory_mib,
+        envs=dict(envs),
         idle_pause_seconds=row["idle_pause_seconds"],
         pause_retention_days=row["pause_retention_days"],
         created_at=row["created_at"],
@@ -226,6 +230,22 @@ def _row_to_record(row: sqlite3.Row) -> SandboxRecord:
         error=row["error"],
         memory_scope=None if scope is None else json.loads(scope),
     )
+
+
+def _spec_json(
+    vcpus: int,
+    memory_mib: int,
+    envs: Mapping[str, str],
+    memory_scope: Mapping[str, Any] | None = None,
+) -> str:
+    """The ``spec`` column: the machine's size, the sandbox's environment variables and the
+    memory scope its agent reaches from inside."""
+    spec: dict[str, Any] = {"vcpus": vcpus, "memory_mib": memory_mib}
+    if envs:
+        spec["envs"] = dict(envs)
+    if memory_scope is not None:
+        spec["memory_scope"] = dict(memory_scope)
+    return json.dumps(spec, sort_keys=True)
 
 
 def _check_labels(labels: Mapping[str, str]) -> dict[str, str]:
@@ -256,6 +276,9 @@ class Registry:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._lock = threading.RLock()
+        #: grows with every transition this process records (a cheap "anything new?" for
+        #: event followers, before they query)
+        self.generation = 0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(
@@ -341,10 +364,7 @@ class Registry:
         Conflict (name taken by a live sandbox of the tenant) or StorageError."""
         check_name(rec.name, "sandbox name")
         labels = _check_labels(rec.labels)
-        machine: dict[str, Any] = {"vcpus": rec.vcpus, "memory_mib": rec.memory_mib}
-        if rec.memory_scope is not None:
-            machine["memory_scope"] = rec.memory_scope
-        spec = json.dumps(machine, sort_keys=True)
+        spec = _spec_json(rec.vcpus, rec.memory_mib, rec.envs, rec.memory_scope)
         try:
             with self._tx() as db:
                 db.execute(
@@ -371,6 +391,7 @@ class Registry:
                     "INSERT INTO transitions (sandbox_id, src, dst, at, reason) VALUES (?,?,?,?,?)",
                     (rec.id, None, rec.state.value, rec.created_at, reason),
                 )  # the first row: every meter at zero
+            self.generation += 1
         except Conflict as exc:
             raise Conflict(
                 f"a sandbox named {rec.name!r} already exists",
@@ -439,6 +460,7 @@ class Registry:
                     row.cpu_ratio,
                 ),
             )
+        self.generation += 1
         return Transition(sandbox_id, src, dst, when, reason)
 
     @staticmethod
@@ -496,11 +518,15 @@ class Registry:
         labels: Mapping[str, str] | None = None,
         idle_pause_seconds: int | _Unset | None = _UNSET,
         pause_retention_days: int | None = None,
+        envs: Mapping[str, str] | None = None,
     ) -> None:
         """Change what may change of a live sandbox: its labels (replaced), idle pause (None:
-        never) and pause retention; what is not given stays. Raises InvalidArgument or
-        StorageError."""
+        never), pause retention and environment variables (replaced); what is not given
+        stays. Raises InvalidArgument or StorageError."""
         columns: dict[str, Any] = {}
+        if envs is not None:
+            rec = self.get(sandbox_id)
+            columns["spec"] = _spec_json(rec.vcpus, rec.memory_mib, envs, rec.memory_scope)
         if labels is not None:
             columns["labels"] = json.dumps(_check_labels(labels), sort_keys=True)
         if not isinstance(idle_pause_seconds, _Unset):
@@ -699,6 +725,65 @@ class Registry:
             dict(r, labels=json.loads(r["labels"] or "{}"))
             for r in self._query(sql + " ORDER BY started_at, id", tuple(args))
         ]
+
+    def events(
+        self,
+        tenant: str,
+        *,
+        after: int = 0,
+        sandbox: str | None = None,
+        limit: int = 500,
+    ) -> tuple[builtins.list[SandboxEvent], int]:
+        """The tenant's lifecycle events (see :func:`event_kind`) with ``seq`` above ``after``,
+        oldest first; only those of sandbox id ``sandbox`` if given; and the ``seq`` to continue
+        from (``after`` of the next call).
+
+        They are read from the transitions log, so they survive a restart. Up to ``limit``
+        transitions are read per call, and the steps in between are not events, so a call may
+        return fewer events than ``limit`` while more follow."""
+        by_sandbox = "" if sandbox is None else " AND t.sandbox_id = ?"
+        sql = EVENTS_SQL.format(prefix="", p="?", by_sandbox=by_sandbox)
+        args = (tenant, after) + (() if sandbox is None else (sandbox,)) + (limit,)
+        rows = self._query(sql, args)
+        return events_from_rows(rows, after)
+
+    def last_seq(self) -> int:
+        """The ``seq`` of the newest transition of the home (0 for none)."""
+        return int(self._query("SELECT COALESCE(MAX(seq), 0) FROM transitions")[0][0])
+
+
+def events_from_rows(rows: Iterable[Sequence[Any]], after: int) -> tuple[list[SandboxEvent], int]:
+    """Transitions rows ``(seq, sandbox_id, src, dst, at, reason, name)`` as the events a
+    user sees (see :func:`event_kind`), and the ``seq`` to continue from (both registries)."""
+    out: list[SandboxEvent] = []
+    last = after
+    for seq, sandbox_id, src_text, dst_text, at, reason, name in rows:
+        last = int(seq)
+        src = SandboxState(src_text) if src_text else None
+        dst = SandboxState(dst_text)
+        kind = event_kind(src, dst, reason)
+        if kind is not None:
+            out.append(
+                SandboxEvent(
+                    seq=int(seq),
+                    at=_dt(at),
+                    sandbox_id=sandbox_id,
+                    name=name,
+                    kind=kind,
+                    state=dst,
+                    reason=reason,
+                )
+            )
+    return out, last
+
+
+#: the query of :func:`events_from_rows`'s rows (``?`` or ``%s`` placeholders, then the
+#: tenant, after, [sandbox,] limit)
+EVENTS_SQL = (
+    "SELECT t.seq, t.sandbox_id, t.src, t.dst, t.at, t.reason, s.name"
+    " FROM {prefix}transitions t JOIN {prefix}sandboxes s ON s.id = t.sandbox_id"
+    " WHERE s.tenant = {p} AND t.seq > {p}{by_sandbox} ORDER BY t.seq LIMIT {p}"
+)
 
 
 def _moved(sandbox_id: str, actual: SandboxState, expected: SandboxState) -> InvalidState:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import fcntl
 import json
 import logging
@@ -115,9 +116,7 @@ def get(name: str) -> TemplateInfo:
         data = json.loads(tj.read_text())
     except FileNotFoundError as exc:
         raise TemplateNotFound(
-            f"no template named {name!r} (build it: torpor template build {name})",
-            kind="template",
-            name=name,
+            f"no template named {name!r}{_did_you_mean(name)}", kind="template", name=name
         ) from exc
     except (OSError, ValueError) as exc:
         raise StorageError(f"cannot read {tj}: {exc}", exc=exc) from exc
@@ -128,6 +127,17 @@ def get(name: str) -> TemplateInfo:
         # template.json, never the original's.
         info = info.moved_to(tj.parent)
     return info
+
+
+def _did_you_mean(name: str) -> str:
+    """``"; did you mean 'python'?"`` for a typo of a built template's name, else how to
+    build ``name``."""
+    root = paths().templates
+    built = sorted(p.parent.name for p in root.glob("*/template.json")) if root.is_dir() else []
+    close = difflib.get_close_matches(name, built, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}? (built: {', '.join(built)})"
+    return f" (build it: torpor template build {name})"
 
 
 def list_templates() -> list[TemplateInfo]:
