@@ -42,6 +42,7 @@ def test_every_error_is_exported_and_under_the_root() -> None:
                 "Unavailable",
                 "Data",
                 "Lost",
+                "Unauthenticated",
             )
         )
     }

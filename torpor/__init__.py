@@ -58,6 +58,7 @@ __all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
     "SandboxClosed",
     "OperationTimeout",
     "AccessDenied",
+    "Unauthenticated",
     "QuotaExceeded",
     "EngineError",
     "AccelerationUnavailable",

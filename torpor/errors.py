@@ -20,6 +20,7 @@
     │   └── SandboxClosed            the sandbox was killed
     ├── OperationTimeout             .seconds: a command or wake that ran out of time
     ├── AccessDenied                 .tenant, .scope: a token reaching outside its grants
+    │   └── Unauthenticated          no token, or one that is malformed, unknown or revoked
     ├── QuotaExceeded                .tenant, .quota, .limit, .used: over a per-tenant quota
     ├── EngineError                  QEMU / QMP / host tooling failed (.exc wraps the cause)
     │   └── AccelerationUnavailable
@@ -64,6 +65,7 @@ __all__ = [
     "StorageError",
     "TemplateNotFound",
     "TorporError",
+    "Unauthenticated",
     "VolumeNotFound",
     "from_wire",
 ]
@@ -179,6 +181,14 @@ class AccessDenied(TorporError):
     """A token reaching outside its tenant or grants (``tenant``, ``scope``)."""
 
     http_status = 403
+
+
+class Unauthenticated(AccessDenied):
+    """A request without a usable credential: no token where one is required, or one that is
+    malformed, unknown, revoked or expired (HTTP 401; a valid token that lacks a right is
+    :class:`AccessDenied`, 403). Catching AccessDenied catches both."""
+
+    http_status = 401
 
 
 class QuotaExceeded(TorporError):

@@ -176,9 +176,9 @@ def test_tokens_created_listed_revoked_live(served: tuple[FakeManager, Any, Test
     # an admin token stays inside its tenant
     assert c.post("/v1/tokens", json={"tenant": "globex"}, headers=admin).status_code == 403
     assert c.get("/v1/tokens", params={"tenant": "globex"}, headers=admin).status_code == 403
-    # revoked: refused from the next request on, no restart
+    # revoked: refused from the next request on, no restart (401: no usable credential)
     assert c.delete(f"/v1/tokens/{info['id']}", headers=admin).status_code == 204
-    assert c.get("/v1/health", headers=_auth(new)).status_code == 403
+    assert c.get("/v1/health", headers=_auth(new)).status_code == 401
     assert c.delete(f"/v1/tokens/{info['id'][:4]}", headers=admin).status_code == 404
     assert [
         t["revoked"] for t in c.get("/v1/tokens", headers=admin).json() if t["id"] == info["id"]
@@ -202,7 +202,8 @@ def test_bad_tokens_are_refused_and_audited(
     _, app, c = served
     before = _denials(app, "")
     r = c.get("/v1/memory/scope", headers={"Authorization": header} if header else {})
-    assert r.status_code == 403 and r.json()["error"]["type"] == "AccessDenied"
+    # 401, not 403: the caller has no usable credential (a valid token lacking a right is 403)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "Unauthenticated"
     assert _denials(app, "") == before + 1
 
 
@@ -211,7 +212,7 @@ def test_expired_token_is_refused(served: tuple[FakeManager, Any, TestClient]) -
     soon = _issue(app, grants=[("read", "")], expires_at=from_us(now_us() + 10**9))
     past = _issue(app, grants=[("read", "")], expires_at=datetime.now(UTC) - timedelta(seconds=1))
     assert c.get("/v1/memory/scope", headers=_auth(soon)).status_code == 200
-    assert c.get("/v1/memory/scope", headers=_auth(past)).status_code == 403
+    assert c.get("/v1/memory/scope", headers=_auth(past)).status_code == 401
     bad = c.post(
         "/v1/tokens", json={"expires_in_seconds": -5}, headers=_auth(_issue(app, admin=True))
     )

@@ -30,7 +30,7 @@ from mcp.types import CallToolResult
 from tests.sandbox.fakes import FakeEngine
 from tests.served import stop_server_and_vms
 from torpor.config import paths
-from torpor.errors import AccessDenied
+from torpor.errors import AccessDenied, Unauthenticated
 from torpor.memory import Memory
 from torpor.sandbox.manager import SandboxManager
 from torpor.server.app import create_app
@@ -270,8 +270,8 @@ def test_bad_calls_are_tool_errors(
 def test_a_refused_token_gets_the_typed_error(url: str, headers: dict[str, str]) -> None:
     message = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
     r = httpx.post(url, json=message, headers={**MCP_HEADERS, **headers})
-    assert r.status_code == AccessDenied.http_status
-    assert r.json()["error"]["type"] == "AccessDenied"
+    assert r.status_code == Unauthenticated.http_status == 401
+    assert r.json()["error"]["type"] == "Unauthenticated"
 
 
 def test_the_sdk_client_with_a_wrong_token_fails_cleanly(url: str) -> None:
@@ -281,8 +281,8 @@ def test_the_sdk_client_with_a_wrong_token_fails_cleanly(url: str) -> None:
     with pytest.raises(BaseException) as info:  # the SDK raises its own error (in a group)
         with_client(url, "w" * 32, body)
     assert (
-        "403" in repr(info.value)
-        or "AccessDenied" in repr(info.value)
+        "401" in repr(info.value)
+        or "Unauthenticated" in repr(info.value)
         or info.group_contains(MCPError)
     )
 

@@ -271,7 +271,7 @@ def test_token_required(tcp_app: tuple[FakeManager, Any], header: str | None) ->
     headers = {"Authorization": header} if header else {}
     with TestClient(app) as c:
         r = c.get("/v1/sandboxes", headers=headers)
-    assert r.status_code == 403 and r.json()["error"]["type"] == "AccessDenied"
+    assert r.status_code == 401 and r.json()["error"]["type"] == "Unauthenticated"
 
 
 def test_token_maps_to_tenant(tcp_app: tuple[FakeManager, Any]) -> None:

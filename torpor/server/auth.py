@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torpor.config import check_name
-from torpor.errors import AccessDenied, InvalidArgument, StorageError
+from torpor.errors import AccessDenied, InvalidArgument, StorageError, Unauthenticated
 from torpor.memory.access import Access, TokenManager, hash_token
 from torpor.memory.backends.base import MemoryBackend
 from torpor.memory.models import AuditEntry, Grant, from_us, now_us
@@ -129,11 +129,15 @@ class Identity:
         if not authorization:
             if trusted or not self.require_token:
                 return owner()
-            raise self.deny(None, "connect", "", "this server requires a bearer token")
+            raise self.deny(
+                None, "connect", "", "this server requires a bearer token", error=Unauthenticated
+            )
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise self.deny(None, "connect", "", "use 'Authorization: Bearer <token>'")
+            raise self.deny(
+                None, "connect", "", "use 'Authorization: Bearer <token>'", error=Unauthenticated
+            )
         info = self.tokens.lookup(token)
         if info is None:
             raise self.deny(
@@ -142,6 +146,7 @@ class Identity:
                 "",
                 "unknown, revoked or expired token",
                 actor=f"token:{hash_token(token)[:16]}",
+                error=Unauthenticated,
             )
         return Caller(
             tenant=info.tenant,
