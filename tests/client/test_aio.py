@@ -44,6 +44,16 @@ def test_async_memory_round_trip(api: Api, tmp_path: Path) -> None:
                 "prefers daily summaries",
             ]
             assert (await u.get(f.id)).text == "prefers weekly summaries"
+            page = await u.get_all(kind="fact", page_size=10)
+            assert page.total == 51 and len(page.items) == 10 and page.has_more
+            v = await rt.memory.scope(app="support", user="v")
+            old = await v.remember("plan basic", key="plan")
+            newer = await v.update(old.id, "plan pro")
+            assert newer.key == "plan" and [f.text for f in await v.history("plan")] == [
+                "plan basic",
+                "plan pro",
+            ]
+            assert await v.delete_all() == 2
             await u.set_profile({"plan": "pro"})
             assert await u.get_profile() == {"plan": "pro"}
             assert (await u.set_policy(cache_ttl_seconds=60)).cache_ttl_seconds == 60

@@ -266,3 +266,48 @@ def test_grants_apply_alike(api: Api) -> None:
         r.scope(app="a", user="u").remember("no write grant")
     denied = [e for e in m.audit_log(limit=50) if not e.allowed]
     assert len(denied) >= 4  # (the refusal naming tenant "other" is in that tenant's log)
+
+
+def test_get_all_update_and_delete_all(api: Api) -> None:
+    """What mem0 users reach for: every record of a user a page at a time (filtered by
+    metadata), update by id as a new version with history, and a delete_all that erases
+    everything however many records there are (a peer deleted only the first 100)."""
+    m: Any = api.mem
+    u = m.scope(app="support", user="u-7")
+    other = m.scope(app="support", user="u-8")
+    other.remember("not u-7's")
+    u.remember_many(
+        [{"text": f"note {i}", "metadata": {"topic": "a" if i % 2 else "b"}} for i in range(230)]
+    )
+    plan = u.remember("plan basic", key="plan")
+    u.log("user", "hello")
+
+    first = u.get_all(page_size=100)
+    assert first.total == 232 and len(first.items) == 100 and first.has_more
+    assert first.items[0].text == "hello"  # newest first
+    last = u.get_all(page=3, page_size=100)
+    assert len(last.items) == 32 and not last.has_more
+    seen = {r.id for p in (1, 2, 3) for r in u.get_all(page=p, page_size=100).items}
+    assert len(seen) == 232  # pages neither overlap nor skip
+    assert u.get_all(filters={"topic": "a"}).total == 115
+    assert [r.text for r in u.get_all(kind="episode").items] == ["hello"]
+    with pytest.raises(InvalidArgument):
+        u.get_all(page=0)
+    with pytest.raises(InvalidArgument):
+        u.get_all(page_size=1001)
+
+    newer = u.update(plan.id, "plan pro")
+    assert newer.key == "plan" and newer.id != plan.id
+    assert [f.text for f in u.history("plan")] == ["plan basic", "plan pro"]
+    assert u.get_all(filters={}, kind="fact").total == 231  # the old version is history
+    unkeyed = next(r for r in first.items if isinstance(r, Fact) and r.key is None)
+    with pytest.raises(InvalidArgument, match="key="):
+        u.update(unkeyed.id, "changed")
+    with pytest.raises(InvalidArgument, match="old version"):
+        u.update(plan.id, "again")
+    with pytest.raises(RecordNotFound):
+        u.update("rec-nope", "x")
+
+    assert u.delete_all() == 233  # 230 notes, two plan versions, the turn
+    assert u.get_all().total == 0
+    assert other.get_all().total == 1  # another user's records are untouched

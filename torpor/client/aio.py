@@ -35,6 +35,7 @@ from torpor.client.memory import (
     call_forget,
     call_fork,
     call_get,
+    call_get_all,
     call_get_profile,
     call_history,
     call_log,
@@ -45,6 +46,7 @@ from torpor.client.memory import (
     call_remember_many,
     call_set_policy,
     call_set_profile,
+    call_update,
     call_verify,
     import_body,
     scope_params,
@@ -53,7 +55,16 @@ from torpor.client.runtime import DEFAULT_TIMEOUT, error_of
 from torpor.config import Paths, paths
 from torpor.errors import InvalidArgument, OperationTimeout, ServerUnavailable
 from torpor.memory.context import Context
-from torpor.memory.models import AuditEntry, Episode, Fact, Hit, Policy, Profile, Scope
+from torpor.memory.models import (
+    AuditEntry,
+    Episode,
+    Fact,
+    Hit,
+    Policy,
+    Profile,
+    RecordPage,
+    Scope,
+)
 
 __all__ = ["AsyncRemoteMemory", "AsyncRemoteScope", "AsyncRuntime"]
 
@@ -296,6 +307,27 @@ class AsyncRemoteScope:
     async def get(self, record_id: str) -> Fact | Episode:
         """As :meth:`ScopedMemory.get <torpor.memory.ScopedMemory.get>`."""
         return await self.do(call_get(self.path, record_id))
+
+    async def get_all(
+        self,
+        *,
+        filters: Mapping[str, Any] | None = None,
+        kind: str | None = None,
+        page: int = 1,
+        page_size: int = 100,
+    ) -> RecordPage:
+        """As :meth:`ScopedMemory.get_all <torpor.memory.ScopedMemory.get_all>`."""
+        return await self.do(call_get_all(self.path, filters, kind, page, page_size))
+
+    async def update(
+        self, record_id: str, text: str, *, metadata: Mapping[str, Any] | None = None
+    ) -> Fact:
+        """As :meth:`ScopedMemory.update <torpor.memory.ScopedMemory.update>`."""
+        return await self.do(call_update(self.path, record_id, text, metadata))
+
+    async def delete_all(self) -> int:
+        """As :meth:`ScopedMemory.delete_all <torpor.memory.ScopedMemory.delete_all>`."""
+        return await self.do(call_forget(self.path, None))
 
     async def get_profile(self) -> dict[str, Any]:
         """As :meth:`ScopedMemory.get_profile <torpor.memory.ScopedMemory.get_profile>`."""

@@ -32,7 +32,16 @@ from pydantic import BaseModel, TypeAdapter
 from torpor.client.tokens import Connection, Tokens
 from torpor.errors import InvalidArgument
 from torpor.memory.context import Context
-from torpor.memory.models import AuditEntry, Episode, Fact, Hit, Policy, Profile, Scope
+from torpor.memory.models import (
+    AuditEntry,
+    Episode,
+    Fact,
+    Hit,
+    Policy,
+    Profile,
+    RecordPage,
+    Scope,
+)
 
 __all__ = ["Call", "RemoteMemory", "RemoteScope", "encode"]
 
@@ -206,6 +215,21 @@ def call_get(path: str, record_id: str) -> Call[Fact | Episode]:
     )
 
 
+def call_get_all(path: str, filters: Any, kind: Any, page: Any, page_size: Any) -> Call[RecordPage]:
+    body = {"filters": filters, "kind": kind, "page": page, "page_size": page_size}
+    return Call("POST", "/v1/memory/get_all", scope_params(path), body, RecordPage.model_validate)
+
+
+def call_update(path: str, record_id: str, text: Any, metadata: Any) -> Call[Fact]:
+    return Call(
+        "POST",
+        f"/v1/memory/records/{_id(record_id)}/update",
+        scope_params(path),
+        {"text": text, "metadata": metadata},
+        Fact.model_validate,
+    )
+
+
 def call_forget(path: str | None, record_id: str | None) -> Call[int]:
     if record_id is None:
         return Call(
@@ -352,6 +376,27 @@ class RemoteScope:
     def get(self, record_id: str) -> Fact | Episode:
         """As :meth:`ScopedMemory.get <torpor.memory.ScopedMemory.get>`."""
         return self.do(call_get(self.path, record_id))
+
+    def get_all(
+        self,
+        *,
+        filters: Mapping[str, Any] | None = None,
+        kind: str | None = None,
+        page: int = 1,
+        page_size: int = 100,
+    ) -> RecordPage:
+        """As :meth:`ScopedMemory.get_all <torpor.memory.ScopedMemory.get_all>`."""
+        return self.do(call_get_all(self.path, filters, kind, page, page_size))
+
+    def update(
+        self, record_id: str, text: str, *, metadata: Mapping[str, Any] | None = None
+    ) -> Fact:
+        """As :meth:`ScopedMemory.update <torpor.memory.ScopedMemory.update>`."""
+        return self.do(call_update(self.path, record_id, text, metadata))
+
+    def delete_all(self) -> int:
+        """As :meth:`ScopedMemory.delete_all <torpor.memory.ScopedMemory.delete_all>`."""
+        return self.do(call_forget(self.path, None))
 
     # -- profile and policy
     def get_profile(self) -> dict[str, Any]:

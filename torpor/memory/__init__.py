@@ -17,7 +17,17 @@ from __future__ import annotations
 from torpor.memory.context import Context
 from torpor.memory.embeddings import Embedder, HashEmbedder, SentenceTransformerEmbedder
 from torpor.memory.memory import Memory
-from torpor.memory.models import Episode, Fact, Grant, Hit, Policy, Profile, Scope, SourceRef
+from torpor.memory.models import (
+    Episode,
+    Fact,
+    Grant,
+    Hit,
+    Policy,
+    Profile,
+    RecordPage,
+    Scope,
+    SourceRef,
+)
 from torpor.memory.provenance import register_resolver
 from torpor.memory.ranking import Candidates, HybridRanker, Ranker
 from torpor.memory.scoped import ScopedMemory
@@ -36,6 +46,7 @@ __all__ = [
     "Policy",
     "Profile",
     "Ranker",
+    "RecordPage",
     "Scope",
     "ScopedMemory",
     "SentenceTransformerEmbedder",

@@ -44,6 +44,7 @@ __all__ = [
     "Policy",
     "Profile",
     "Record",
+    "RecordPage",
     "Scope",
     "SourceRef",
     "TokenInfo",
@@ -325,6 +326,23 @@ class Profile(BaseModel):
     json_schema: dict[str, Any] | None = None
     updated_at: datetime
     version: int = 1
+
+
+class RecordPage(BaseModel):
+    """One page of a scope's records (:meth:`ScopedMemory.get_all`), newest first: ``items``,
+    the ``page`` (from 1) and ``page_size`` asked for, and ``total`` records in all."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[Fact | Episode]
+    page: int
+    page_size: int
+    total: int
+
+    @property
+    def has_more(self) -> bool:
+        """True when a later page holds more records."""
+        return self.page * self.page_size < self.total
 
 
 class Hit(BaseModel):

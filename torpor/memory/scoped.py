@@ -31,6 +31,7 @@ from torpor.memory.models import (
     Kind,
     Policy,
     Profile,
+    RecordPage,
     Scope,
     SourceRef,
     from_us,
@@ -343,6 +344,80 @@ class ScopedMemory:
             )
         self.memory.access.require("read", rec.scope, "get")
         return rec
+
+    #: the largest page :meth:`get_all` returns
+    MAX_PAGE_SIZE = 1000
+
+    def get_all(
+        self,
+        *,
+        filters: Mapping[str, Any] | None = None,
+        kind: Kind | None = None,
+        page: int = 1,
+        page_size: int = 100,
+    ) -> RecordPage:
+        """The current records stored in this scope (not its ancestors or descendants),
+        newest first, one page at a time: ``filters`` are metadata equalities
+        (``{"topic": "billing"}``), ``kind`` is ``"fact"`` or ``"episode"`` (default both).
+        Raises :class:`InvalidArgument` (a page below 1, a page size outside 1-1000, a bad
+        filter), :class:`AccessDenied`."""
+        if not isinstance(page, int) or isinstance(page, bool) or page < 1:
+            raise InvalidArgument(f"page must be an integer from 1, not {page!r}")
+        if (
+            not isinstance(page_size, int)
+            or isinstance(page_size, bool)
+            or not 1 <= page_size <= self.MAX_PAGE_SIZE
+        ):
+            raise InvalidArgument(f"page_size must be 1-{self.MAX_PAGE_SIZE}, not {page_size!r}")
+        if kind not in (None, "fact", "episode"):
+            raise InvalidArgument(f"kind must be 'fact' or 'episode', not {kind!r}")
+        self.memory.access.require("read", self.path, "get_all")
+        flt = RecordFilter(
+            scopes=[self.path],
+            now=now_us(),
+            kinds=("fact", "episode") if kind is None else (kind,),
+            metadata=check.metadata(filters) or {},
+        )
+        store = self.memory.store
+        items = store.scan(flt, page_size, offset=(page - 1) * page_size)
+        return RecordPage(items=items, page=page, page_size=page_size, total=store.count(flt))
+
+    def update(
+        self, record_id: str, text: str, *, metadata: Mapping[str, Any] | None = None
+    ) -> Fact:
+        """A new version of the keyed fact ``record_id`` with ``text`` (and ``metadata``, else
+        the old one's): the old version ends and stays in :meth:`history`. A fact without a
+        key has no versions (remember it with ``key=`` to make it updatable) and an episode
+        is an event: both are :class:`InvalidArgument`. Raises :class:`RecordNotFound`,
+        :class:`AccessDenied`, and what :meth:`remember` raises."""
+        old = self.get(record_id)
+        if not isinstance(old, Fact) or old.key is None:
+            what = "an episode" if not isinstance(old, Fact) else "a fact without a key"
+            raise InvalidArgument(
+                f"record {record_id!r} is {what}: only keyed facts have versions "
+                "(remember it with key= to make it updatable)",
+                record_id=record_id,
+            )
+        if old.valid_to is not None:
+            raise InvalidArgument(
+                f"record {record_id!r} is an old version: update the current one",
+                record_id=record_id,
+            )
+        scope = self
+        if old.scope != self.path:  # an ancestor's or a descendant's: its own scope
+            scope = ScopedMemory(self.memory, Scope.from_path(old.scope, tenant=self.scope.tenant))
+        return scope.remember(
+            text,
+            key=old.key,
+            metadata=old.metadata if metadata is None else metadata,
+            durability=old.durability,
+        )
+
+    def delete_all(self) -> int:
+        """Erase everything in this scope and below (records, profiles, policies), however
+        many, in one transaction; returns how many records. As :meth:`forget` with no id.
+        Raises :class:`AccessDenied`."""
+        return self.forget()
 
     # -- profile and policy -----------------------------------------------------------------
     def get_profile(self) -> dict[str, Any]:

@@ -14,6 +14,8 @@ audited AccessDenied, as ``Memory.scope(tenant=...)``)::
     POST   /v1/memory/context              ScopedMemory.context             -> ContextOut
     GET    /v1/memory/history?key=         ScopedMemory.history             -> [Fact]
     GET    /v1/memory/records/{id}         ScopedMemory.get                 -> Fact | Episode
+    POST   /v1/memory/records/{id}/update  ScopedMemory.update (a new version) -> Fact
+    POST   /v1/memory/get_all              ScopedMemory.get_all (one page)  -> RecordPage
     DELETE /v1/memory/records/{id}         forget one record (Memory.forget without a scope)
     DELETE /v1/memory/scope                forget the scope subtree         -> Erased
     GET    /v1/memory/profile              ScopedMemory.get_profile         -> {...}
@@ -45,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torpor.errors import InvalidArgument, PayloadTooLarge
 from torpor.memory import Memory, ScopedMemory
 from torpor.memory.embeddings import Embedder, resolve_embedder
-from torpor.memory.models import AuditEntry, Episode, Fact, Hit, Policy, Profile
+from torpor.memory.models import AuditEntry, Episode, Fact, Hit, Policy, Profile, RecordPage
 from torpor.server.auth import Caller
 from torpor.server.deps import CallerDep
 
@@ -104,6 +106,18 @@ class RecallBody(_Body):
     include_history: bool = False
     session: str | None = None
     min_similarity: float | None = None
+
+
+class GetAllBody(_Body):
+    filters: Any = None
+    kind: Any = None
+    page: Any = 1
+    page_size: Any = 100
+
+
+class UpdateBody(_Body):
+    text: Any = None
+    metadata: Any = None
 
 
 class ContextBody(_Body):
@@ -329,6 +343,31 @@ def get_record(
 ) -> Fact | Episode:
     """One record visible from this scope."""
     return _scope(request, caller, scope, tenant).get(record_id)
+
+
+@router.post("/records/{record_id}/update")
+def update_record(
+    record_id: str,
+    body: UpdateBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> Fact:
+    """A new version of a keyed fact (the old one stays in its history)."""
+    return _scope(request, caller, scope, tenant).update(record_id, **body.model_dump())
+
+
+@router.post("/get_all")
+def get_all(
+    body: GetAllBody,
+    request: Request,
+    caller: CallerDep,
+    scope: ScopeQuery = "",
+    tenant: TenantQuery = None,
+) -> RecordPage:
+    """One page of the current records stored in this scope, newest first."""
+    return _scope(request, caller, scope, tenant).get_all(**body.model_dump())
 
 
 @router.delete("/records/{record_id}")

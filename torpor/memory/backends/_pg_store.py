@@ -263,8 +263,11 @@ class PostgresTenantStore(TenantStore):
             ).fetchall()
         return [r for r in map(schema.row_to_record, rows) if isinstance(r, Fact)]
 
-    def scan(self, flt: RecordFilter, limit: int, *, newest_first: bool = True) -> list[AnyRecord]:
+    def scan(
+        self, flt: RecordFilter, limit: int, *, newest_first: bool = True, offset: int = 0
+    ) -> list[AnyRecord]:
         order = "DESC" if newest_first else "ASC"
+        offset = max(offset, 0)
         # one index-ordered subquery per scope, merged: "scope = ANY(...) ORDER BY valid_from"
         # would read and sort every visible row of a large scope to return the newest few
         parts, params = [], []
@@ -274,14 +277,14 @@ class PostgresTenantStore(TenantStore):
                 f"(SELECT {_RCOLS}, r.seq FROM torpor.records r WHERE {where} "
                 f"ORDER BY r.valid_from {order}, r.seq {order} LIMIT %s)"
             )
-            params += [*p, max(limit, 0)]
+            params += [*p, max(limit, 0) + offset]  # a page may come from any one scope
         if not parts:
             return []
         with self._tx("scan") as cur:
             rows = cur.execute(
                 f"SELECT * FROM ({' UNION ALL '.join(parts)}) AS u "
-                f"ORDER BY u.valid_from {order}, u.seq {order} LIMIT %s",
-                [*params, max(limit, 0)],
+                f"ORDER BY u.valid_from {order}, u.seq {order} LIMIT %s OFFSET %s",
+                [*params, max(limit, 0), offset],
             ).fetchall()
         return [schema.row_to_record(r) for r in rows]
 

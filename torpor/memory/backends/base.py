@@ -229,8 +229,11 @@ class TenantStore(abc.ABC):
         """Every unexpired fact with ``key`` in exactly ``scope``, oldest ``valid_from`` first."""
 
     @abc.abstractmethod
-    def scan(self, flt: RecordFilter, limit: int, *, newest_first: bool = True) -> list[AnyRecord]:
-        """Visible records ordered by ``valid_from`` (newest first by default), up to ``limit``."""
+    def scan(
+        self, flt: RecordFilter, limit: int, *, newest_first: bool = True, offset: int = 0
+    ) -> list[AnyRecord]:
+        """Visible records ordered by ``valid_from`` (newest first by default), up to
+        ``limit``, after skipping the first ``offset`` (a page)."""
 
     @abc.abstractmethod
     def count(self, flt: RecordFilter) -> int:

@@ -240,14 +240,16 @@ class SQLiteTenantStore(TenantStore):
             ).fetchall()
         return [r for r in map(schema.row_to_record, rows) if isinstance(r, Fact)]
 
-    def scan(self, flt: RecordFilter, limit: int, *, newest_first: bool = True) -> list[AnyRecord]:
+    def scan(
+        self, flt: RecordFilter, limit: int, *, newest_first: bool = True, offset: int = 0
+    ) -> list[AnyRecord]:
         where, params = schema.filter_sql(flt)
         order = "DESC" if newest_first else "ASC"
         with self._db.read("scan") as conn:
             rows = conn.execute(
                 f"SELECT {_RCOLS} FROM records r WHERE {where} "
-                f"ORDER BY r.valid_from {order}, r.rid {order} LIMIT ?",
-                [*params, limit],
+                f"ORDER BY r.valid_from {order}, r.rid {order} LIMIT ? OFFSET ?",
+                [*params, limit, max(offset, 0)],
             ).fetchall()
         return [schema.row_to_record(r) for r in rows]
 
