@@ -60,7 +60,7 @@ def served(home: Path, token_file: Path, lexical: bool) -> Iterator[str]:
         deadline = time.monotonic() + 60
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/v1/health").status_code == 403:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/health").status_code == 401:
                     break  # up, and asking for a token
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
