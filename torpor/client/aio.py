@@ -51,8 +51,7 @@ from torpor.client.memory import (
     import_body,
     scope_params,
 )
-from torpor.client.runtime import DEFAULT_TIMEOUT, error_of
-from torpor.config import Paths, paths
+from torpor.client.runtime import DEFAULT_TIMEOUT, error_of, target
 from torpor.errors import InvalidArgument, OperationTimeout, ServerUnavailable
 from torpor.memory.context import Context
 from torpor.memory.models import (
@@ -85,12 +84,9 @@ class AsyncRuntime:
         timeout: float = DEFAULT_TIMEOUT,
         autostart: bool = True,
     ) -> None:
-        url = url or (os.environ.get("TORPOR_URL") if home is None else None)
-        token = token or os.environ.get("TORPOR_TOKEN") if url else token
+        url, self.paths, headers = target(url, token, home)
         self.url = url
-        self.paths: Paths | None = None if url else paths(home)
         self.autostart = autostart and url is None
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Timeout(timeout, connect=10.0)
         if self.paths is not None:
             transport = httpx.AsyncHTTPTransport(uds=str(self.paths.socket))

@@ -68,6 +68,19 @@ def error_of(response: httpx.Response) -> TorporError:
         return ServerUnavailable(err.message) if response.status_code in (502, 503) else err
 
 
+def target(
+    url: str | None, token: str | None, home: str | os.PathLike[str] | None
+) -> tuple[str | None, Paths | None, dict[str, str]]:
+    """Which server a client talks to (shared by :class:`Runtime` and the async client):
+    ``url`` (else ``$TORPOR_URL`` when no ``home`` is given) with ``token`` (else
+    ``$TORPOR_TOKEN``), or the local server of ``home``; returns the URL, the local home's
+    paths (None for a URL) and the request headers."""
+    url = url or (os.environ.get("TORPOR_URL") if home is None else None)
+    token = token or os.environ.get("TORPOR_TOKEN") if url else token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return url, None if url else paths(home), headers
+
+
 class Runtime:
     """A sync client for one torpor server.
 
@@ -85,12 +98,9 @@ class Runtime:
         timeout: float = DEFAULT_TIMEOUT,
         autostart: bool = True,
     ) -> None:
-        url = url or (os.environ.get("TORPOR_URL") if home is None else None)
-        token = token or os.environ.get("TORPOR_TOKEN") if url else token
+        url, self.paths, headers = target(url, token, home)
         self.url = url
-        self.paths: Paths | None = None if url else paths(home)
         self.autostart = autostart and url is None
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Timeout(timeout, connect=10.0)
         if self.paths is not None:
             transport = httpx.HTTPTransport(uds=str(self.paths.socket))
