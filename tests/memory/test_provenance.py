@@ -73,6 +73,24 @@ def test_sandbox_sources_need_a_resolver(mem: Memory, sandbox_files: dict[str, b
     assert u.verify(f.id)[0].stale
 
 
+def test_unverified_says_why(mem: Memory, sandbox_files: dict[str, bytes]) -> None:
+    """``verified=False`` comes with a ``reason`` (issue 11, item 6); a verified fact has none."""
+    u = mem.scope(app="a", user="u-7")
+    ref = SourceRef(sandbox="agent-u-7", path="/workspace/notes.md", quote="blue")
+    missing = u.remember("likes blue", source=ref)
+    assert not missing.verified and missing.reason and "missing" in missing.reason
+    sandbox_files["agent-u-7:/workspace/notes.md"] = b"likes green\n"
+    wrong = u.remember("likes blue", source=ref)
+    assert not wrong.verified and wrong.reason and "quote" in wrong.reason
+    sandbox_files["agent-u-7:/workspace/notes.md"] = b"likes blue\n"
+    ok = u.remember("likes blue", source=ref)
+    assert ok.verified and ok.reason is None
+    sandbox_files["agent-u-7:/workspace/notes.md"] = b"likes blue, and red\n"
+    changed = u.verify(ok.id)[0]
+    assert changed.stale and not changed.verified and changed.reason
+    assert "changed" in changed.reason
+
+
 def test_volume_source_without_a_server_is_unverified(tmp_path: Path) -> None:
     """Volume sources default to the SDK's resolver; no server to ask: unverified, no raise.
     (A runtime that does not auto-start, so no server is left behind; the real reads are

@@ -48,6 +48,7 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
             labels={"user": "u-42"},
             idle_pause_seconds=600,
             pause_retention_days=90,
+            envs={"TORPOR_USER": "u-42", "TORPOR_KEY": "k1"},
         )
         await m.run_code(src.id, "notes = ['prefers weekly summaries']")
         await m.write_file(src.id, "/workspace/ledger.csv", "plan,pro\n")
@@ -58,11 +59,16 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
         await m.run_command(src.id, "rm -rf /workspace/*")
         await m.run_code(src.id, "notes.clear()")
         await asyncio.sleep(3)  # the snapshot's clock is now behind the host's
-        restored = await cp.restore(snap.id, labels={"restored": "yes"})
+        restored = await cp.restore(snap.id, labels={"restored": "yes"}, envs={"TORPOR_KEY": "k2"})
         # the source's settings came along: traceable to its user, still pausing when idle
         assert restored.labels == {"user": "u-42", "restored": "yes"}
         assert restored.idle_pause_seconds == 600
         assert restored.pause_retention_days == 90
+        # and its envs, the one given overriding the source's (commands and the interpreter)
+        env = await m.run_command(restored.id, 'echo "$TORPOR_USER $TORPOR_KEY"')
+        assert env.stdout == "u-42 k2\n"
+        env_py = await m.run_code(restored.id, "import os\nos.environ['TORPOR_KEY']")
+        assert env_py.text == "'k2'"
         guest_now = float((await m.run_code(restored.id, "import time\ntime.time()")).text or 0)
         assert abs(guest_now - time.time()) < 2  # the clock was set from the host
         out = await m.run_code(restored.id, "notes")
@@ -85,6 +91,8 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
         live_kids = await cp.fork(src.id, count=2)
         assert (await m.get(src.id)).state is SandboxState.PAUSED
         assert {k.state for k in live_kids} == {SandboxState.RUNNING}
+        env = await m.run_command(live_kids[0].id, 'echo "$TORPOR_USER $TORPOR_KEY"')
+        assert env.stdout == "u-42 k1\n"  # a live fork keeps its source's envs too
         assert (await m.run_code(live_kids[0].id, "notes")).text == "[]"
 
     _run(qemu_home, body)

@@ -259,17 +259,21 @@ class Snapshot(Resource[SnapshotInfo]):
         self.info = SnapshotInfo.model_validate(data)
         return self.info
 
-    def restore(self, *, name: str | None = None, labels: Labels | None = None) -> Sandbox:
-        """A new running sandbox as the snapshot was. Raises SnapshotNotFound, CorruptData."""
-        spec = RestoreSpec.of(name=name, labels=labels)
+    def restore(
+        self, *, name: str | None = None, labels: Labels | None = None, envs: Env | None = None
+    ) -> Sandbox:
+        """A new running sandbox as the snapshot was; it keeps the source's labels and envs,
+        updated with ``labels``/``envs``. Raises SnapshotNotFound, CorruptData."""
+        spec = RestoreSpec.of(name=name, labels=labels, envs=envs)
         data = post_spec(self._runtime, f"/v1/snapshots/{quote_id(self.id)}/restore", spec)
         return Sandbox(SandboxInfo.model_validate(data), self._runtime)
 
     def fork(
-        self, count: int | None = None, *, labels: Labels | None = None
+        self, count: int | None = None, *, labels: Labels | None = None, envs: Env | None = None
     ) -> builtins.list[Sandbox]:
-        """``count`` (default 1) new sandboxes from this snapshot."""
-        return _fork_snapshot(self.id, count, labels=labels, runtime=self._runtime)
+        """``count`` (default 1) new sandboxes from this snapshot (its labels and envs
+        carried over, updated with ``labels``/``envs``)."""
+        return _fork_snapshot(self.id, count, labels=labels, envs=envs, runtime=self._runtime)
 
 
 def _fork_snapshot(
@@ -278,10 +282,11 @@ def _fork_snapshot(
     *,
     labels: Labels | None = None,
     names: builtins.list[str] | None = None,
+    envs: Env | None = None,
     runtime: Runtime | None = None,
 ) -> builtins.list[Sandbox]:
     rt = runtime or default_runtime()
-    spec = ForkSpec.of(count=count, labels=labels, names=names)
+    spec = ForkSpec.of(count=count, labels=labels, names=names, envs=envs)
     return _sandboxes(post_spec(rt, f"/v1/snapshots/{quote_id(snapshot_id)}/fork", spec), rt)
 
 
@@ -314,12 +319,16 @@ class ForkMethod:
             labels: Labels | None = None,
             names: builtins.list[str] | None = None,
             memory_scope: MemoryScope | dict[str, Any] | None = None,
+            envs: Env | None = None,
         ) -> builtins.list[Sandbox]:
             """``count`` (default 1) live copies of this sandbox (it keeps running, or stays
-            paused); they keep its ``memory_scope`` unless given another. Raises
-            InvalidArgument (count 0 or over the limit), Conflict (a volume attached)."""
+            paused); they keep its ``memory_scope`` unless given another, and its labels and
+            envs updated with ``labels``/``envs``. Raises InvalidArgument (count 0 or over the
+            limit), Conflict (a volume attached)."""
             rt: Runtime = sbx.runtime
-            spec = ForkSpec.of(count=count, labels=labels, names=names, memory_scope=memory_scope)
+            spec = ForkSpec.of(
+                count=count, labels=labels, names=names, memory_scope=memory_scope, envs=envs
+            )
             return _sandboxes(post_spec(rt, f"/v1/sandboxes/{quote_id(sbx.id)}/fork", spec), rt)
 
         return fork

@@ -299,6 +299,9 @@ class Fact(Record):
     source: SourceRef | None = None
     source_hash: str | None = None
     verified: bool = False
+    #: why ``verified`` is False, on the fact that ``remember``/``verify`` return (the check
+    #: just made: unreadable source, quote not found ...); not stored, None when read back
+    reason: str | None = None
     stale: bool = False
     superseded_by: str | None = None
 

@@ -107,10 +107,11 @@ class ScopedMemory:
         source = check.source(source)
         now = now_us()
         expires = check.expiry(policy, now, durability, seconds)
-        verified, digest = False, None
+        verified, digest, reason = False, None, None
         if source is not None:
             outcome = provenance.check(source)
             verified, digest = outcome.verified, outcome.sha256
+            reason = None if verified else outcome.reason or "not verified"
         t = from_us(now)
         return Fact(
             id=new_id(),
@@ -125,6 +126,7 @@ class ScopedMemory:
             source=source,
             source_hash=digest,
             verified=verified,
+            reason=reason,
         )
 
     # -- writes -----------------------------------------------------------------------------
@@ -512,13 +514,22 @@ class ScopedMemory:
             outcome = provenance.check(fact.source)
             stale = fact.source_hash is not None and outcome.sha256 != fact.source_hash
             verified = outcome.verified and not stale
+            reason = None
+            if not verified:
+                reason = (
+                    "the source changed since the fact was stored"
+                    if (stale and outcome.verified)
+                    else outcome.reason or "not verified"
+                )
             self.memory.store.set_verification(
                 fact.id,
                 verified=verified,
                 stale=stale,
                 source_hash=fact.source_hash or outcome.sha256,
             )
-            out.append(fact.model_copy(update={"verified": verified, "stale": stale}))
+            out.append(
+                fact.model_copy(update={"verified": verified, "stale": stale, "reason": reason})
+            )
         return out
 
     def export_lines(self) -> Iterator[str]:

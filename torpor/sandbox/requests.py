@@ -547,6 +547,10 @@ class ForkSpec(Spec):
     memory_scope: MemoryScope | None = Field(
         default=None, description="the children's memory scope; None: the source's"
     )
+    envs: Env | None = Field(
+        default=None,
+        description="environment variables set over the source's (which the children keep)",
+    )
 
     @model_validator(mode="after")
     def _one_name_each(self) -> Self:

@@ -293,6 +293,7 @@ class Checkpoints:
                         idle_pause_seconds=rec.idle_pause_seconds,
                         pause_retention_days=rec.pause_retention_days,
                     ),
+                    envs=rec.envs,
                 )
             finally:
                 drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
@@ -357,7 +358,7 @@ class Checkpoints:
         ``fields``: ``count``, ``labels``, ``names``) is a
         :class:`~torpor.sandbox.requests.ForkSpec`."""
         fork = ForkSpec.of(spec, **fields)
-        options = RestoreSpec.of(labels=fork.labels)
+        options = RestoreSpec.of(labels=fork.labels, envs=fork.envs)
         return await self._from_snapshot(snapshot, fork.count, fork.names, options, tenant)
 
     async def _from_snapshot(
@@ -369,7 +370,9 @@ class Checkpoints:
         tenant: str,
     ) -> list[SandboxInfo]:
         info = self.snapshots.get(snapshot, tenant=tenant)
-        # the source's settings unless the caller gives its own (labels: merged, as for a fork)
+        # the source's settings unless the caller gives its own (labels and envs: merged, as
+        # for a fork)
+        envs = {**self.snapshots.envs(info.id, tenant=tenant), **(options.envs or {})}
         carried, given = info.carried, options.model_fields_set
         idle = options.idle_pause_seconds
         if "idle_pause_seconds" not in given:
@@ -390,7 +393,7 @@ class Checkpoints:
                     pause_retention_days=retention,
                     tenant=tenant,
                     reason=f"restored from {info.id}",
-                    envs=options.envs,
+                    envs=envs,
                 )
                 return await self.cloner.spawn(
                     frozen,
@@ -415,7 +418,8 @@ class Checkpoints:
         (or ``fields``: ``count``, ``labels``, ``names``) is a
         :class:`~torpor.sandbox.requests.ForkSpec`.
 
-        Children inherit the source's labels (updated with ``labels``). Raises InvalidArgument
+        Children inherit the source's labels and envs (updated with ``labels``, ``envs``).
+        Raises InvalidArgument
         (count 0 or over the limit), Conflict (a volume attached, names), InvalidState.
         """
         fork = ForkSpec.of(spec, **fields)
@@ -441,7 +445,7 @@ class Checkpoints:
                         if fork.memory_scope is None
                         else fork.memory_scope.record()
                     ),
-                    envs=rec.envs,
+                    envs={**rec.envs, **(fork.envs or {})},
                 )
                 recs = await self.cloner.prepare(frozen, children, take_ram=True)
             finally:

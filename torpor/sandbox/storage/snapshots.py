@@ -428,8 +428,11 @@ class SnapshotStore:
         volumes: list[dict[str, Any]] | None = None,
         drives: list[dict[str, Any]] | None = None,
         carried: CarriedSettings | None = None,
+        envs: dict[str, str] | None = None,
     ) -> SnapshotInfo:
         """Capture the frozen dir ``frozen`` into the chunk store as snapshot ``name``.
+        ``envs``: the source's environment variables, kept in the manifest beside (not in)
+        its info, so a restore carries them over and no listing shows them (:meth:`envs`).
 
         Raises InvalidName / InvalidArgument for bad input, Conflict if ``name`` is taken in
         ``tenant``, StorageError / EngineError if capture fails (then nothing is listed; chunks
@@ -489,6 +492,8 @@ class SnapshotStore:
                 "files": files,
                 "anchors": anchors,
             }
+            if envs:
+                body["envs"] = dict(envs)
             with self.lock(exclusive=True, name="names"):
                 self.check_name_free(name, tenant)
                 self._write_manifest(sid, body)
@@ -620,6 +625,12 @@ class SnapshotStore:
     ) -> SnapshotInfo:
         """One snapshot by id or name. Raises SnapshotNotFound (also for an expired one)."""
         return self._find(id_or_name, tenant, include_expired)[0]
+
+    def envs(self, id_or_name: str, *, tenant: str = "default") -> dict[str, str]:
+        """The environment variables of the sandbox snapshot ``id_or_name`` was taken of
+        (empty for one taken before they were kept). Raises SnapshotNotFound."""
+        body = self._find(id_or_name, tenant, False)[1]
+        return {str(k): str(v) for k, v in (body.get("envs") or {}).items()}
 
     def _find(
         self, id_or_name: str, tenant: str, include_expired: bool
