@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from torpor.cli.output import AsJson, Quiet, emit, human_bytes, table, to_json
+from torpor.cli.terminal import raw_session
 from torpor.client import Runtime, Sandbox, default_runtime
 from torpor.client.processes import start as start_process
 from torpor.errors import InvalidArgument, OperationTimeout, TorporError
@@ -347,15 +348,33 @@ def shell_session(
 
 
 @sandbox_app.command("shell")
-def shell(name: Name) -> None:
-    """An interactive shell in a sandbox (waking it); Ctrl-D ends it. Line by line, without a
-    terminal (PTY): commands and their output, not full-screen programs.
+def shell(
+    name: Name,
+    cmd: Annotated[str, typer.Option("--cmd", help="the program to run")] = "bash",
+) -> None:
+    """An interactive shell in a sandbox (waking it), on a real terminal (PTY): full-screen
+    programs, Ctrl-C, window resizes; `exit` or Ctrl-D ends it. This terminal is put back as
+    it was however the session ends. When stdin is not a terminal (a pipe, a script), it runs
+    `sh -i` line by line instead.
 
     Example: torpor sandbox shell agent-u-42
     """
     sbx = Sandbox.get(name)
-    typer.secho(f"shell in {sbx.name} ({sbx.id}); Ctrl-D to leave", err=True)
-    code = shell_session(sbx, sys.stdin, _out(sys.stdout))
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        code = shell_session(sbx, sys.stdin, _out(sys.stdout))
+        raise typer.Exit(code)
+    out = sys.stdout.buffer
+
+    def write(chunk: bytes) -> None:
+        out.write(chunk)
+        out.flush()
+
+    typer.secho(f"shell in {sbx.name} ({sbx.id}); `exit` to leave", err=True)
+    code = raw_session(
+        lambda cols, rows: sbx.pty.create(cmd, cols=cols, rows=rows, on_data=write),
+        stdin_fd=sys.stdin.fileno(),
+        size_fd=sys.stdout.fileno(),
+    )
     raise typer.Exit(code)
 
 

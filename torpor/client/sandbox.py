@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from torpor.client.processes import ProcessHandle, list_processes
 from torpor.client.processes import start as start_process
+from torpor.client.pty import Pty
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.client.storage import LONG_TIMEOUT, Resource, post_spec, quote_id
 from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable, from_wire
@@ -354,6 +355,7 @@ class Sandbox:
         self.commands = Commands(self)
         self.files = Files(self)
         self.interpreter = Interpreter(self)
+        self.pty = Pty(self)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} {self.name!r} {self._info.state.value}>"

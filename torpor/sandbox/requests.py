@@ -160,6 +160,8 @@ __all__ = [
     "DriveSpec",
     "ForkSpec",
     "GcSpec",
+    "PtySize",
+    "PtySpec",
     "RestoreSpec",
     "SandboxOptions",
     "SandboxSettings",
@@ -519,6 +521,25 @@ class CommandSpec(Spec):
     env: Env | None = None
     timeout: Timeout = Field(default=COMMAND_TIMEOUT, description="seconds; None: no limit")
     background: bool = Field(default=False, description="answer at once with the pid")
+
+
+class PtySize(Spec):
+    """A terminal's window size, in characters."""
+
+    cols: int = Field(default=80, ge=1, le=1000)
+    rows: int = Field(default=24, ge=1, le=1000)
+
+
+class PtySpec(PtySize):
+    """A program on a terminal of its own (``sbx.pty.create``, ``torpor sandbox shell``)."""
+
+    _positional = "cmd"
+
+    cmd: Annotated[str, Field(min_length=1), _max_bytes(MAX_ARG_BYTES, "the command", _utf8)] = (
+        "bash"
+    )
+    cwd: str | None = Field(default=None, max_length=MAX_PATH)
+    env: Env | None = Field(default=None, description="over the sandbox's envs; TERM too")
 
 
 class CodeSpec(Spec):

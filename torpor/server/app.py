@@ -58,6 +58,7 @@ ROUTERS = [
     "torpor.server.routes_tokens",
     "torpor.server.routes_memory",
     "torpor.server.routes_events",
+    "torpor.server.routes_pty",
 ]
 
 

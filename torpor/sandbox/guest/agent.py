@@ -48,8 +48,9 @@ HANGUP_POLL = 0.01
 BIG_RESULT = 256 * 1024
 #: ops served on the read loop itself, in arrival order: quick, and after a wake the first
 #: answer is what the host waits for (a thread start costs milliseconds of freshly
-#: translated code under TCG); a refresh also takes effect before any later request starts
-INLINE_OPS = frozenset({"ping", "refresh"})
+#: translated code under TCG); a refresh also takes effect before any later request starts.
+#: Keystrokes and resizes too: in order, and a terminal is only as quick as its input.
+INLINE_OPS = frozenset({"ping", "refresh", "pty_input", "pty_resize"})
 
 
 class Link:
@@ -276,6 +277,7 @@ class Agent:
         self._uploads.clear()
         for pending in list(self._calls.values()):  # their answers will never come
             pending.done.set()
+        self.ops.terminals.hang_up()  # nobody reads them any more
         log.debug("host hung up; now generation %d", self.generation)
 
     def _on_frame(self, frame: proto.Frame) -> None:

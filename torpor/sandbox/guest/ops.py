@@ -26,10 +26,12 @@ if __package__:
     from . import protocol as proto
     from .interpreter import KernelClient
     from .spawn import Process, spawn_shell
+    from .terminal import Terminals
 else:
     import protocol as proto  # type: ignore[no-redef]
     from interpreter import KernelClient  # type: ignore[no-redef]
     from spawn import Process, spawn_shell  # type: ignore[no-redef]
+    from terminal import Terminals  # type: ignore[no-redef]
 
 log = logging.getLogger("torpor.agent.ops")
 
@@ -157,6 +159,7 @@ class Operations:
         self._refresh_lock = threading.Lock()
         self._ping_refresh: tuple[bytes | None, dict[str, Any]] | None = None
         self._urandom: int | None = None
+        self.terminals = Terminals(Failure)
 
     def handler(self, op: str) -> Callable[[Any, Any], dict[str, Any]]:
         """The function serving ``op``. Raises :class:`Failure` for an unknown op."""
@@ -362,6 +365,22 @@ class Operations:
     def _keep(self, proc: Process) -> None:
         # Reap the shell when it exits so it does not stay a zombie.
         threading.Thread(target=proc.wait, daemon=True, name=f"reap-{proc.pid}").start()
+
+    # -- terminals (see terminal.py) -----------------------------------------------------
+
+    def op_pty(self, req: Any, payload: bytes) -> dict[str, Any]:
+        """Run ``cmd`` on a new pty until it exits (``id``, ``cols``, ``rows``, ``env``,
+        ``cwd``): a ``started`` event, ``pty`` events with its output, its exit code."""
+        return self.terminals.run(req)
+
+    def op_pty_input(self, req: Any, payload: bytes) -> dict[str, Any]:
+        return self.terminals.input(req, payload)
+
+    def op_pty_resize(self, req: Any, payload: bytes) -> dict[str, Any]:
+        return self.terminals.resize(req)
+
+    def op_pty_kill(self, req: Any, payload: bytes) -> dict[str, Any]:
+        return self.terminals.kill(req)
 
     # -- files ---------------------------------------------------------------------------
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import functools
 import json
 import logging
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
@@ -46,6 +47,7 @@ from torpor.errors import (
 )
 from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.manager.core import ManagerCore, wrap_error
+from torpor.sandbox.manager.terminals import Terminals, TerminalSession
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxEvent, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
@@ -54,6 +56,7 @@ from torpor.sandbox.registry.repair import orphans
 from torpor.sandbox.requests import (
     CodeSpec,
     CommandSpec,
+    PtySpec,
     SandboxOptions,
     SandboxSettings,
     check_guest_path,
@@ -102,6 +105,11 @@ class SandboxManager(ManagerCore):
     SandboxClosed (the sandbox's state forbids the call), StateLost (a crash destroyed RAM),
     EngineError / GuestError / OperationTimeout from the machine and the agent.
     """
+
+    @functools.cached_property
+    def terminals(self) -> Terminals:
+        """Programs on terminals in the sandboxes (:mod:`torpor.sandbox.manager.terminals`)."""
+        return Terminals(self)
 
     # -- create ---------------------------------------------------------------------------
 
@@ -475,6 +483,25 @@ class SandboxManager(ManagerCore):
             except OperationTimeout:  # the guest may restart an interpreter it had to stop
                 live.envs_sent = False
                 raise
+
+    async def open_pty(
+        self,
+        id_or_name: str,
+        spec: PtySpec | str | None = None,
+        on_data: Callable[[bytes], None] | None = None,
+        *,
+        tenant: str = "default",
+    ) -> TerminalSession:
+        """Start ``spec`` (a :class:`~torpor.sandbox.requests.PtySpec` or a command; default
+        ``bash``) on a new terminal in the sandbox, waking it first; returns once it runs.
+        ``on_data`` gets its output. Input, resize and kill: :attr:`terminals`. Raises
+        InvalidArgument (a bad spec, an engine without terminals), PathNotFound (``cwd``),
+        SandboxNotFound, InvalidState, GuestError."""
+        spec = PtySpec.of(spec)
+        async with self._use(tenant, id_or_name) as ch:
+            rec = self._find(tenant, id_or_name)
+            env = {**rec.envs, **(spec.env or {})}
+            return await self.terminals.start(ch, rec.id, tenant, spec, env, on_data)
 
     async def read_file(self, id_or_name: str, path: str, *, tenant: str = "default") -> bytes:
         """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path).

@@ -70,6 +70,8 @@ class _Pending:
     decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
     #: tasks of async callbacks still running: held here so none is collected mid-flight
     tasks: set[asyncio.Future[Any]] = field(default_factory=set)
+    #: takes every event as raw bytes instead (a terminal): nothing decoded, nothing kept
+    raw: Callable[[str, bytes], None] | None = None
 
     def on_output(self, stream: str, chunk: bytes, final: bool = False) -> None:
         decoder = self.decoders.get(stream)
@@ -274,7 +276,14 @@ class GuestChannel:
         pending.last_activity = time.monotonic()
         kind = frame.type
         if kind == proto.EVENT:
-            pending.on_output(str(frame.header.get("s", "stdout")), frame.payload)
+            stream = str(frame.header.get("s", "stdout"))
+            if pending.raw is not None:
+                try:
+                    pending.raw(stream, frame.payload)
+                except Exception:  # a user's callback must not break the channel
+                    log.exception("%s event handler failed", pending.op)
+            else:
+                pending.on_output(stream, frame.payload)
         elif kind == proto.DATA:
             pending.data += frame.payload
             if len(pending.data) > pending.data_limit:
@@ -340,6 +349,7 @@ class GuestChannel:
         stdout: OutputCallback | None = None,
         stderr: OutputCallback | None = None,
         pending_out: list[_Pending] | None = None,
+        raw: Callable[[str, bytes], None] | None = None,
     ) -> dict[str, Any]:
         """Send one request and return its ``result``. ``deadline`` bounds the whole request
         (seconds from now), ``idle`` the silence between frames (-1: ``op_timeout``).
@@ -358,6 +368,7 @@ class GuestChannel:
             time.monotonic(),
             data_limit=data_limit or self.limits.max_output_bytes,
             callbacks={"stdout": stdout, "stderr": stderr},
+            raw=raw,
         )
         if pending_out is not None:
             pending_out.append(pending)
@@ -514,6 +525,59 @@ class GuestChannel:
             stderr=got[0].text("stderr"),
             error=None if not error else ExecutionError(**error),
         )
+
+    async def pty_open(
+        self,
+        pty_id: str,
+        cmd: str,
+        on_data: Callable[[bytes], None],
+        *,
+        cols: int = 80,
+        rows: int = 24,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> tuple[int, asyncio.Task[int]]:
+        """Start ``cmd`` on a new terminal in the guest, called ``pty_id`` by the other
+        ``pty_*`` calls. ``on_data`` gets its output as it comes. Returns its pid, once the
+        guest has it running, and a task ending with its exit code (cancelling the task kills
+        it). Raises PathNotFound (``cwd``), GuestError."""
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[int] = loop.create_future()
+
+        def on_event(stream: str, chunk: bytes) -> None:
+            if stream == "pty":
+                on_data(chunk)
+            elif stream == "started" and not started.done():
+                started.set_result(int(chunk.decode()))
+
+        args = {"id": pty_id, "cmd": cmd, "cols": cols, "rows": rows, "env": env or {}}
+        if cwd is not None:
+            args["cwd"] = cwd
+
+        async def run() -> int:
+            result = await self._request("pty", args, idle=None, raw=on_event)
+            return int(result.get("exit_code", -1))
+
+        task = loop.create_task(run())
+        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():  # it failed (or exited) before it said it started
+            started.cancel()
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+            raise GuestError(f"the terminal {pty_id} ended before it started")
+        return started.result(), task
+
+    async def pty_input(self, pty_id: str, data: bytes) -> None:
+        """Type ``data`` on terminal ``pty_id``. Raises NotFound (no such open terminal)."""
+        await self._request("pty_input", {"id": pty_id}, data)
+
+    async def pty_resize(self, pty_id: str, cols: int, rows: int) -> None:
+        """Set terminal ``pty_id``'s size (its program gets SIGWINCH). Raises NotFound."""
+        await self._request("pty_resize", {"id": pty_id, "cols": cols, "rows": rows})
+
+    async def pty_kill(self, pty_id: str) -> None:
+        """Kill the program on terminal ``pty_id`` and its session. Raises NotFound."""
+        await self._request("pty_kill", {"id": pty_id})
 
     async def restart_interpreter(self) -> None:
         """Kill the interpreter (its variables are lost); the next run starts a fresh one."""

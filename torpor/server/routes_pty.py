@@ -1,0 +1,111 @@
+"""Routes for programs on terminals in a sandbox (``sbx.pty``, ``torpor sandbox shell``). ::
+
+    POST   /v1/sandboxes/{id}/pty                 start (PtySpec) -> NDJSON stream:
+               {"type": "started", "id": "pty-...", "pid": N}
+               {"type": "output", "data": "<base64>"} ...
+               {"type": "exit", "exit_code": N}  or  {"type": "error", "error": {...}}
+    POST   /v1/sandboxes/{id}/pty/{pty}/input     raw bytes body: typed on the terminal -> 204
+    POST   /v1/sandboxes/{id}/pty/{pty}/resize    PtySize {cols, rows}                  -> 204
+    DELETE /v1/sandboxes/{id}/pty/{pty}           kill its program                      -> 204
+
+Why a streamed response and POSTs rather than a websocket: it is the shape every other
+streamed call here has (``commands/stream``), it needs no websocket library on either side
+(httpx speaks it, also over the server's unix socket), and any HTTP proxy passes it. A
+keystroke costs one small POST, which on a local or nearby server is far below what a person
+notices. The terminal lives as long as its stream: when the caller hangs up, its program is
+killed, so nothing is left running that nobody can reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from torpor.errors import TorporError
+from torpor.sandbox.requests import PtySize, PtySpec
+from torpor.server.deps import Manager, Tenant
+from torpor.server.routes_exec import read_body
+
+__all__ = ["router"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/sandboxes/{id_or_name}/pty", tags=["pty"])
+
+#: the largest input body (one paste)
+MAX_INPUT_BYTES = 1 << 20
+
+
+@router.post("")
+async def open_pty(
+    id_or_name: str, body: PtySpec, manager: Manager, tenant: Tenant
+) -> StreamingResponse:
+    """Start a program on a new terminal; its output streams as NDJSON (see the module
+    docstring) until it exits. Hanging up kills it."""
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    def on_data(chunk: bytes) -> None:
+        queue.put_nowait({"type": "output", "data": base64.b64encode(chunk).decode()})
+
+    async def work() -> None:
+        try:
+            session = await manager.open_pty(id_or_name, body, on_data, tenant=tenant)
+            queue.put_nowait({"type": "started", "id": session.id, "pid": session.pid})
+            try:
+                code = await session.done
+            except asyncio.CancelledError:
+                session.done.cancel()  # the guest kills the program
+                raise
+            queue.put_nowait({"type": "exit", "exit_code": code})
+        except TorporError as exc:
+            queue.put_nowait({"type": "error", "error": exc.to_wire()})
+        except Exception as exc:  # a bug below us: log it, tell the caller something useful
+            log.exception("terminal in %s failed", id_or_name)
+            wire = TorporError(f"internal server error: {type(exc).__name__}").to_wire()
+            queue.put_nowait({"type": "error", "error": wire})
+        finally:
+            queue.put_nowait(None)
+
+    async def lines() -> AsyncIterator[str]:
+        task = asyncio.create_task(work())
+        try:
+            while (item := await queue.get()) is not None:
+                yield json.dumps(item) + "\n"
+        finally:
+            if not task.done():  # the caller hung up: end the terminal
+                task.cancel()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.post("/{pty_id}/input", status_code=204)
+async def pty_input(
+    id_or_name: str, pty_id: str, request: Request, manager: Manager, tenant: Tenant
+) -> Response:
+    """Type the raw body on the terminal."""
+    data = await read_body(request, MAX_INPUT_BYTES)
+    await manager.terminals.send_input(id_or_name, pty_id, data, tenant=tenant)
+    return Response(status_code=204)
+
+
+@router.post("/{pty_id}/resize", status_code=204)
+async def pty_resize(
+    id_or_name: str, pty_id: str, body: PtySize, manager: Manager, tenant: Tenant
+) -> Response:
+    """Set the terminal's window size (its program gets SIGWINCH)."""
+    await manager.terminals.resize(id_or_name, pty_id, body, tenant=tenant)
+    return Response(status_code=204)
+
+
+@router.delete("/{pty_id}", status_code=204)
+async def pty_kill(id_or_name: str, pty_id: str, manager: Manager, tenant: Tenant) -> Response:
+    """Kill the terminal's program and what it started."""
+    await manager.terminals.kill(id_or_name, pty_id, tenant=tenant)
+    return Response(status_code=204)
