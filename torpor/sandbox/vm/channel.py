@@ -562,8 +562,15 @@ class GuestChannel:
         await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
         if not started.done():  # it failed (or exited) before it said it started
             started.cancel()
-            if task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            exc = task.exception()
+            if isinstance(exc, InvalidArgument) and "unknown guest operation" in exc.message:
+                raise InvalidArgument(
+                    "this sandbox's guest agent has no terminals: it comes from a template "
+                    "built by an older torpor (rebuild it: torpor template build python; "
+                    "sandboxes created after that have them)"
+                ) from exc
+            if exc is not None:
+                raise exc
             raise GuestError(f"the terminal {pty_id} ended before it started")
         return started.result(), task
 
