@@ -308,6 +308,21 @@ def logs(
         typer.echo(text.rstrip("\n"))
 
 
+@sandbox_app.command("port")
+def port(
+    name: Name,
+    guest_port: Annotated[int, typer.Argument(help="the port in the sandbox", min=1, max=65535)],
+    as_json: AsJson = False,
+) -> None:
+    """Print the host address (127.0.0.1:NNNNN, on the server's host) that reaches a port in
+    the sandbox; the same one every time, until the sandbox is killed.
+
+    Example: curl http://$(torpor sandbox port agent-u-42 8000)/
+    """
+    host = Sandbox.get(name).get_host(guest_port)
+    emit({"port": guest_port, "host": host}, as_json=as_json, render=lambda d: d["host"])
+
+
 def shell_session(
     sbx: Any, lines: Iterable[str], write: Callable[[str], object], *, poll: float = 0.2
 ) -> int:

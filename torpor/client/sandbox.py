@@ -547,6 +547,15 @@ class Sandbox:
         spec = SandboxSettings.of(labels=labels, idle_pause_seconds=idle_pause_seconds)
         return self._update(self._runtime.json("PATCH", self.route(), json=spec.given()))
 
+    def get_host(self, port: int) -> str:
+        """``127.0.0.1:NNNNN``: where a connection reaches ``port`` in this sandbox, on the
+        server's host (the local server: this machine). The same address for one port until
+        the sandbox is killed; a connection wakes it if paused, and a pause closes the
+        connections open then. Nothing needs to listen yet. Raises InvalidArgument,
+        SandboxNotFound, SandboxClosed."""
+        data = self._runtime.json("POST", self.route(f"/ports/{int(port)}"))
+        return str(data["host"])
+
     def logs(self, lines: int = 100) -> str:
         """The last ``lines`` lines of the guest's console (does not wake a paused sandbox)."""
         text: str = self._runtime.request("GET", self.route("/logs"), params={"lines": lines}).text

@@ -59,6 +59,7 @@ ROUTERS = [
     "torpor.server.routes_memory",
     "torpor.server.routes_events",
     "torpor.server.routes_pty",
+    "torpor.server.routes_ports",
 ]
 
 

@@ -49,8 +49,11 @@ BIG_RESULT = 256 * 1024
 #: ops served on the read loop itself, in arrival order: quick, and after a wake the first
 #: answer is what the host waits for (a thread start costs milliseconds of freshly
 #: translated code under TCG); a refresh also takes effect before any later request starts.
-#: Keystrokes and resizes too: in order, and a terminal is only as quick as its input.
-INLINE_OPS = frozenset({"ping", "refresh", "pty_input", "pty_resize"})
+#: Keystrokes, resizes and bytes for a tunnel too: they must arrive in order (they are only
+#: queued here, never waited on).
+INLINE_OPS = frozenset(
+    {"ping", "refresh", "pty_input", "pty_resize", "tunnel_send", "tunnel_close"}
+)
 
 
 class Link:
@@ -278,6 +281,7 @@ class Agent:
         for pending in list(self._calls.values()):  # their answers will never come
             pending.done.set()
         self.ops.terminals.hang_up()  # nobody reads them any more
+        self.ops.tunnels.hang_up()
         log.debug("host hung up; now generation %d", self.generation)
 
     def _on_frame(self, frame: proto.Frame) -> None:

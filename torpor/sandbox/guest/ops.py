@@ -27,11 +27,13 @@ if __package__:
     from .interpreter import KernelClient
     from .spawn import Process, spawn_shell
     from .terminal import Terminals
+    from .tunnel import Tunnels
 else:
     import protocol as proto  # type: ignore[no-redef]
     from interpreter import KernelClient  # type: ignore[no-redef]
     from spawn import Process, spawn_shell  # type: ignore[no-redef]
     from terminal import Terminals  # type: ignore[no-redef]
+    from tunnel import Tunnels  # type: ignore[no-redef]
 
 log = logging.getLogger("torpor.agent.ops")
 
@@ -160,6 +162,7 @@ class Operations:
         self._ping_refresh: tuple[bytes | None, dict[str, Any]] | None = None
         self._urandom: int | None = None
         self.terminals = Terminals(Failure)
+        self.tunnels = Tunnels(Failure)
 
     def handler(self, op: str) -> Callable[[Any, Any], dict[str, Any]]:
         """The function serving ``op``. Raises :class:`Failure` for an unknown op."""
@@ -381,6 +384,19 @@ class Operations:
 
     def op_pty_kill(self, req: Any, payload: bytes) -> dict[str, Any]:
         return self.terminals.kill(req)
+
+    # -- tunnels to guest ports (see tunnel.py) -------------------------------------------
+
+    def op_tunnel(self, req: Any, payload: bytes) -> dict[str, Any]:
+        """Connect to ``127.0.0.1:port`` (``id``, ``port``) until the guest's side closes: a
+        ``started`` event, ``data`` events with what it sends."""
+        return self.tunnels.run(req)
+
+    def op_tunnel_send(self, req: Any, payload: bytes) -> dict[str, Any]:
+        return self.tunnels.send(req, payload)
+
+    def op_tunnel_close(self, req: Any, payload: bytes) -> dict[str, Any]:
+        return self.tunnels.close(req)
 
     # -- files ---------------------------------------------------------------------------
 

@@ -18,7 +18,8 @@ Every header has ``"i"`` (the request id, chosen by the host) and ``"t"`` (the f
 ``data``   host -> guest continuation: ``{"more": bool}`` + a payload chunk;
            guest -> host: a chunk of a streamed result (``read`` sends the file this way).
 ``event``  guest -> host: ``{"s": "stdout" | "stderr"}`` + an output chunk, while a request runs
-           (a ``pty`` request: ``"started"`` with the pid, then ``"pty"`` chunks).
+           (a ``pty`` request: ``"started"`` with the pid, then ``"pty"`` chunks; a ``tunnel``:
+           ``"started"``, then ``"data"`` chunks).
 ``reply``  guest -> host, the last frame of a request: ``{"ok": true, "result": {...}}`` or
            ``{"ok": false, "error": {"type", "message", "data"}}``; ``type`` names a
            :mod:`torpor.errors` class, which the host raises. A large result is sent as

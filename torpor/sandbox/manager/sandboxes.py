@@ -39,6 +39,7 @@ from torpor.errors import (
     CorruptData,
     EngineError,
     GuestError,
+    InvalidArgument,
     OperationTimeout,
     SandboxClosed,
     SandboxNotFound,
@@ -47,11 +48,12 @@ from torpor.errors import (
 )
 from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.manager.core import ManagerCore, wrap_error
+from torpor.sandbox.manager.forwards import Forwards
 from torpor.sandbox.manager.terminals import Terminals, TerminalSession
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxEvent, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
-from torpor.sandbox.registry.lifecycle import require
+from torpor.sandbox.registry.lifecycle import require, require_for
 from torpor.sandbox.registry.repair import orphans
 from torpor.sandbox.requests import (
     CodeSpec,
@@ -110,6 +112,11 @@ class SandboxManager(ManagerCore):
     def terminals(self) -> Terminals:
         """Programs on terminals in the sandboxes (:mod:`torpor.sandbox.manager.terminals`)."""
         return Terminals(self)
+
+    @functools.cached_property
+    def forwards(self) -> Forwards:
+        """Host listeners for ports in the sandboxes (:mod:`torpor.sandbox.manager.forwards`)."""
+        return Forwards(self)
 
     # -- create ---------------------------------------------------------------------------
 
@@ -400,6 +407,7 @@ class SandboxManager(ManagerCore):
                 await self._quiet_kill(live, directory)
                 rec = self.move(rec, S.STOPPED, reason, cpu_reading=cpu)
                 await asyncio.to_thread(shutil.rmtree, directory, True)
+        await self.forwards.close_sandbox(rec.id)
         # a killed sandbox needs no lock any more: every later call reads "stopped" and fails
         self._lives.pop(rec.id, None)
         return rec.to_info()
@@ -502,6 +510,36 @@ class SandboxManager(ManagerCore):
             rec = self._find(tenant, id_or_name)
             env = {**rec.envs, **(spec.env or {})}
             return await self.terminals.start(ch, rec.id, tenant, spec, env, on_data)
+
+    async def get_host(self, id_or_name: str, port: int, *, tenant: str = "default") -> str:
+        """``127.0.0.1:NNNNN``: where on this host a connection reaches ``port`` in the sandbox
+        (the same address every time for one port, until the sandbox is killed; a connection
+        wakes a paused sandbox). Nothing needs to listen yet. Raises InvalidArgument (not a
+        port), SandboxNotFound, SandboxClosed (killed), EngineError."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidArgument(f"a port is 1 to 65535, not {port!r}", field="port")
+        rec = self._find(tenant, id_or_name)
+        require_for("call", rec.id, rec.state)
+        return (await self.forwards.expose(rec.id, tenant, port)).address
+
+    async def open_tunnel(
+        self,
+        id_or_name: str,
+        port: int,
+        tunnel_id: str,
+        on_data: Callable[[bytes], object],
+        *,
+        tenant: str = "default",
+    ) -> tuple[Any, asyncio.Task[int]]:
+        """Connect to ``port`` in the sandbox (waking it) for :attr:`forwards`: the channel
+        to send on (``tunnel_send``/``tunnel_close``) and a task ending when the guest's side
+        closes. Raises NotFound (nothing listens), InvalidArgument (an engine without
+        tunnels), SandboxNotFound, InvalidState, GuestError."""
+        async with self._use(tenant, id_or_name) as ch:
+            if not hasattr(ch, "tunnel_open"):
+                raise InvalidArgument("this sandbox engine cannot reach ports in its sandboxes")
+            done = await ch.tunnel_open(tunnel_id, port, on_data)
+            return ch, done
 
     async def read_file(self, id_or_name: str, path: str, *, tenant: str = "default") -> bytes:
         """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path).
@@ -680,6 +718,7 @@ class SandboxManager(ManagerCore):
         the manager, else just drop the channels; close the registry. Idempotent."""
         if self._closed:
             return
+        await self.forwards.close_all()
         if self._supervisor is not None:
             self._supervisor.cancel()
             with suppress(asyncio.CancelledError):

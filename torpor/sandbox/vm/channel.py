@@ -586,6 +586,53 @@ class GuestChannel:
         """Kill the program on terminal ``pty_id`` and its session. Raises NotFound."""
         await self._request("pty_kill", {"id": pty_id})
 
+    async def tunnel_open(
+        self, tunnel_id: str, port: int, on_data: Callable[[bytes], None]
+    ) -> asyncio.Task[int]:
+        """Connect to ``127.0.0.1:port`` in the guest, a connection called ``tunnel_id`` by
+        :meth:`tunnel_send` / :meth:`tunnel_close`. ``on_data`` gets what the guest's side
+        sends. Returns, once connected, a task that ends when the guest's side closes
+        (cancelling it drops the connection). Raises NotFound (nothing listens there),
+        GuestError."""
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[int] = loop.create_future()
+
+        def on_event(stream: str, chunk: bytes) -> None:
+            if stream == "data":
+                on_data(chunk)
+            elif stream == "started" and not started.done():
+                started.set_result(0)
+
+        async def run() -> int:
+            result = await self._request(
+                "tunnel", {"id": tunnel_id, "port": port}, idle=None, raw=on_event
+            )
+            return int(result.get("bytes", 0))
+
+        task = loop.create_task(run())
+        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():
+            started.cancel()
+            exc = task.exception()
+            if isinstance(exc, InvalidArgument) and "unknown guest operation" in exc.message:
+                raise InvalidArgument(
+                    "this sandbox's guest agent cannot reach its ports: it comes from a "
+                    "template built by an older torpor (rebuild it: torpor template build "
+                    "python; sandboxes created after that can)"
+                ) from exc
+            if exc is not None:
+                raise exc
+            raise GuestError(f"the tunnel to port {port} closed before it opened")
+        return task
+
+    async def tunnel_send(self, tunnel_id: str, data: bytes) -> None:
+        """Send ``data`` to the guest's side of the tunnel. Raises NotFound (closed)."""
+        await self._request("tunnel_send", {"id": tunnel_id}, data)
+
+    async def tunnel_close(self, tunnel_id: str) -> None:
+        """No more bytes for the guest's side (it reads EOF). Raises NotFound (closed)."""
+        await self._request("tunnel_close", {"id": tunnel_id})
+
     async def restart_interpreter(self) -> None:
         """Kill the interpreter (its variables are lost); the next run starts a fresh one."""
         await self._request("restart_interpreter", {})
