@@ -49,8 +49,7 @@ def test_get_host_reaches_a_server_in_the_sandbox(served_home: Path) -> None:
         assert _get(f"http://{host}/index.html").text == "hello from the sandbox\n"
         assert sbx.get_host(8000) == host  # one listener per port
         # a pause keeps the address; the next connection wakes the sandbox
-        sbx.pause()
-        assert sbx.info.state is SandboxState.PAUSED
+        assert sbx.pause().state is SandboxState.PAUSED
         assert _get(f"http://{host}/index.html").text == "hello from the sandbox\n"
         assert sbx.info.state is SandboxState.RUNNING
         # a port nobody listens on: the connection is closed, nothing else breaks
