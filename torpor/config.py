@@ -44,6 +44,7 @@ __all__ = [
     "Paths",
     "Quotas",
     "check_name",
+    "internet_allowed",
     "make_private",
     "paths",
     "server_pid",
@@ -221,6 +222,19 @@ class Quotas:
                 limit=limit,
                 used=used,
             )
+
+
+#: the operator's switch for sandboxes on the internet (see :func:`internet_allowed`)
+ALLOW_INTERNET_ENV = "TORPOR_ALLOW_INTERNET"
+
+
+def internet_allowed() -> bool:
+    """Whether this host lets sandboxes reach the internet: the operator sets
+    ``TORPOR_ALLOW_INTERNET=1`` (or true/yes/on) for the server. Off by default: a sandbox
+    runs code an agent wrote, and a network card would also let it reach services on the
+    host's loopback. When allowed, new sandboxes are on the internet unless created with
+    ``internet=False``; when not, asking for ``internet=True`` is refused."""
+    return os.environ.get(ALLOW_INTERNET_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def make_private(directory: Path) -> None:

@@ -65,6 +65,8 @@ def _detail(info: SandboxInfo) -> Any:
     ]
     if info.owned_bytes is not None:
         rows.append(("disk owned", human_bytes(info.owned_bytes)))
+    if info.internet is not None:
+        rows.append(("internet", "on" if info.internet else "off"))
     if info.expires_at is not None:
         rows.append(("deleted at", info.expires_at.strftime(_FMT) + " unless woken"))
     if info.error:
@@ -135,6 +137,14 @@ def create(
         list[str] | None,
         typer.Option("--env", "-e", help="KEY=VALUE for every command (kept secret), repeatable"),
     ] = None,
+    internet: Annotated[
+        bool | None,
+        typer.Option(
+            "--internet/--no-internet",
+            help="a network card to the internet (default: on if the host allows it, "
+            "TORPOR_ALLOW_INTERNET=1 for the server)",
+        ),
+    ] = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
@@ -168,6 +178,7 @@ def create(
             memory_mib=memory,
             pause_retention_days=retention_days,
             envs=envs,
+            internet=internet,
         )
         _show(sbx.info, as_json, quiet)
         return
@@ -190,6 +201,7 @@ def create(
         volumes=volumes or None,
         drives=drives or None,
         envs=envs,
+        internet=internet,
     )
     _show(sbx.info, as_json, quiet)
 

@@ -393,6 +393,7 @@ class Sandbox:
         drives: list[DriveMount | dict[str, Any]] | None = None,
         memory_scope: MemoryScope | dict[str, Any] | None = None,
         envs: Env | None = None,
+        internet: bool | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """A new running sandbox from ``template`` (default ``"python"``: a fork of its booted
@@ -408,6 +409,9 @@ class Sandbox:
         only).
         ``envs``: environment variables (secrets too) of every command and of the interpreter;
         kept in the server's registry, never shown in ``info`` (a fork has its source's).
+        ``internet``: a network card to the internet; None: on when the server's host allows
+        it (its operator sets ``TORPOR_ALLOW_INTERNET=1``), else off; True where the host
+        does not allow it is refused (a restore or fork keeps its source's card).
         Raises :class:`~torpor.errors.InvalidArgument` (a value out of bounds, before anything
         is sent), :class:`~torpor.errors.TemplateNotFound`, :class:`~torpor.errors.InvalidName`,
         :class:`~torpor.errors.Conflict` (name taken).
@@ -425,6 +429,7 @@ class Sandbox:
             drives=drives,
             memory_scope=memory_scope,
             envs=envs,
+            internet=internet,
         )
         # a restore or a mount takes longer than a fork of the template
         slow: dict[str, Any] = {} if spec.plain else {"timeout": LONG_TIMEOUT}
@@ -443,12 +448,13 @@ class Sandbox:
         pause_retention_days: int | None = None,
         memory_scope: MemoryScope | dict[str, Any] | None = None,
         envs: Env | None = None,
+        internet: bool | None = None,
         runtime: Runtime | None = None,
     ) -> Sandbox:
         """The sandbox called ``name``, woken if paused (``info.reused`` is True), or a new one
         made with the given options (as :meth:`create`). Concurrent callers get one sandbox.
         For an existing one, labels, idle pause, retention and ``envs`` given are applied;
-        another ``memory_scope`` than its own is a Conflict."""
+        another ``memory_scope`` or ``internet`` than its own is a Conflict."""
         spec = SandboxOptions.of(
             template=template,
             labels=labels,
@@ -458,6 +464,7 @@ class Sandbox:
             pause_retention_days=pause_retention_days,
             memory_scope=memory_scope,
             envs=envs,
+            internet=internet,
         )
         path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
         # a persistent, named machine: leaving a ``with`` block pauses it, never kills it

@@ -130,6 +130,9 @@ class SandboxInfo(BaseModel):
     #: bytes of disk the sandbox alone holds: its RAM file, saved state and disk overlay (not
     #: the template's base image it shares); None when not measured (a killed sandbox: 0)
     owned_bytes: int | None = None
+    #: whether it has a network card to the internet (``internet=`` at create); None when
+    #: not known (a killed sandbox)
+    internet: bool | None = None
 
 
 class SandboxEvent(BaseModel):

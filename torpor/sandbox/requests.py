@@ -449,6 +449,11 @@ class SandboxOptions(RestoreSpec):
     memory_scope: MemoryScope | None = Field(
         default=None, description="the memory its agent reaches at localhost:7777; None: none"
     )
+    internet: bool | None = Field(
+        default=None,
+        description="a network card to reach the internet (QEMU user-mode NAT); None: on "
+        "when the host allows it (TORPOR_ALLOW_INTERNET=1), else off",
+    )
 
     def named(self, name: str) -> SandboxOptions:
         """These options for the sandbox called ``name`` (get-or-create's path). Raises
@@ -502,6 +507,8 @@ class SandboxSpec(SandboxOptions):
     def _slots(self) -> Self:
         if len(self.volumes) + len(self.drives) > MAX_MOUNTS:
             raise ValueError(f"at most {MAX_MOUNTS} volumes and drives together")
+        if self.snapshot is not None and self.internet is not None:
+            raise ValueError("a restore keeps its snapshot's network: give no internet with it")
         return self
 
     @property

@@ -33,7 +33,7 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 from torpor._tail import log_tail
-from torpor.config import check_name
+from torpor.config import check_name, internet_allowed
 from torpor.errors import (
     Conflict,
     CorruptData,
@@ -67,6 +67,7 @@ from torpor.sandbox.storage.compaction import CompactionReport, compact, is_comp
 from torpor.sandbox.storage.relocate import relocate
 from torpor.sandbox.storage.snapshots import check_retention
 from torpor.sandbox.storage.volume_files import read_disk_file
+from torpor.sandbox.vm.machine_dir import has_nic, read_machine_json
 from torpor.types import OutputCallback
 
 __all__ = ["SandboxManager"]
@@ -75,6 +76,37 @@ log = logging.getLogger(__name__)
 
 #: below this fraction of the disk free, every paused sandbox is compacted, whatever its age
 LOW_DISK_FRACTION = 0.10
+
+#: brings the hot-plugged network card up in the guest (no DHCP client there): QEMU's
+#: user-mode network has the guest at 10.0.2.15, its gateway at .2 and a DNS at .3
+NETWORK_UP = r"""modprobe virtio_net 2>/dev/null
+dev=
+for i in $(seq 1 100); do
+  dev=$(ls /sys/class/net | grep -v '^lo$' | head -n 1)
+  [ -n "$dev" ] && break
+  sleep 0.1
+done
+[ -n "$dev" ] || { echo "no network device appeared" >&2; exit 1; }
+ip link set lo up
+ip link set "$dev" up
+ip addr add 10.0.2.15/24 dev "$dev"
+ip route add default via 10.0.2.2
+printf 'nameserver 10.0.2.3\n' > /etc/resolv.conf
+"""
+
+
+def _internet_policy(wanted: bool | None) -> bool:
+    """Whether a new sandbox gets a network card: what was asked, else the host's default
+    (:func:`torpor.config.internet_allowed`). Raises InvalidArgument when it asks for one the
+    host does not allow."""
+    allowed = internet_allowed()
+    if wanted and not allowed:
+        raise InvalidArgument(
+            "this host does not let sandboxes reach the internet (its operator allows it with "
+            "TORPOR_ALLOW_INTERNET=1 for the server)",
+            field="internet",
+        )
+    return allowed if wanted is None else wanted
 
 
 async def _stopped(machine: Any, grace: float = 0.2) -> bool:
@@ -134,6 +166,7 @@ class SandboxManager(ManagerCore):
         self._check_open()
         spec = SandboxOptions.of(options, **fields)
         check_name(tenant, "tenant")
+        internet = _internet_policy(spec.internet)
         sandbox_id = "sbx-" + secrets.token_hex(6)
         template = spec.template
         self.engine.check_template(template, MachineConfig(template, spec.vcpus, spec.memory_mib))
@@ -163,6 +196,8 @@ class SandboxManager(ManagerCore):
                 await self.engine.clone(template, directory, self._config(rec))
                 await self._step("create:cloned", sandbox_id)
                 await self.boot(rec, live, woken_step="create:woken")
+                if internet:
+                    await self._connect_internet(rec, live)
             except BaseException as exc:
                 await self.abort_create(rec, live, exc)
                 if isinstance(exc, Exception) and not isinstance(exc, TorporError):
@@ -170,7 +205,28 @@ class SandboxManager(ManagerCore):
                 raise
             rec = self.move(rec, S.RUNNING, "created", last_active_at=time.time())
         log.info("created sandbox %s (%s) from %s", sandbox_id, rec.name, template)
-        return rec.to_info()
+        return rec.to_info().model_copy(update={"internet": internet})
+
+    async def _connect_internet(self, rec: SandboxRecord, live: Any) -> None:
+        """Plug a network card into the new machine and bring it up in the guest. Raises
+        InvalidArgument (an engine without networks), EngineError, GuestError."""
+        machine, channel = live.machine, live.channel
+        if machine is None or channel is None or not hasattr(machine, "attach_nic"):
+            raise InvalidArgument("this sandbox engine cannot give sandboxes a network")
+        await machine.attach_nic()
+        up = await channel.run_command(NETWORK_UP, timeout=60)
+        if up.exit_code != 0:
+            raise GuestError(
+                f"the guest could not bring its network up: {(up.stderr or up.stdout).strip()}",
+                sandbox_id=rec.id,
+            )
+
+    def _has_internet(self, sandbox_id: str) -> bool | None:
+        """Whether the sandbox's machine has a network card (None: no machine.json)."""
+        try:
+            return has_nic(read_machine_json(self.directory(sandbox_id)))
+        except TorporError:
+            return None
 
     async def get_or_create(
         self,
@@ -224,6 +280,14 @@ class SandboxManager(ManagerCore):
                     field=field,
                 )
         wanted_scope = None if spec.memory_scope is None else spec.memory_scope.record()
+        had = self._has_internet(rec.id)
+        if "internet" in given and had is not None and bool(spec.internet) != had:
+            raise Conflict(
+                f"sandbox {rec.name!r} exists with internet={had}, not {spec.internet}; it is "
+                "fixed at create (kill it and create it again)",
+                sandbox_id=rec.id,
+                field="internet",
+            )
         if "memory_scope" in given and wanted_scope != rec.memory_scope:
             raise Conflict(
                 f"sandbox {rec.name!r} exists with memory_scope={rec.memory_scope!r}, not "
@@ -287,7 +351,9 @@ class SandboxManager(ManagerCore):
                 with suppress(OSError):  # a file removed while counting
                     if path.is_file() and not path.is_symlink():
                         total += path.stat().st_blocks * 512
-        return info.model_copy(update={"owned_bytes": total})
+        return info.model_copy(
+            update={"owned_bytes": total, "internet": self._has_internet(rec.id)}
+        )
 
     async def update(
         self,

@@ -257,4 +257,5 @@ def prepare(directory: Path, jail: Jail, config: dict[str, Any]) -> None:
     except OSError as exc:
         raise EngineError(f"cannot prepare {directory} for QEMU uid {jail.uid}: {exc}") from exc
     for rec in config.get("devices", []):
-        prepare_path(directory / rec["path"], jail, write=not rec.get("read_only"))
+        if "path" in rec:  # a disk or a share (a network card has no file)
+            prepare_path(directory / rec["path"], jail, write=not rec.get("read_only"))

@@ -49,6 +49,7 @@ from torpor.sandbox.vm.machine_dir import (
     MachineSpec,
     ShareSpec,
     add_device,
+    add_nic,
     build_command,
     clone_machine_dir,
     discard_state,
@@ -56,6 +57,7 @@ from torpor.sandbox.vm.machine_dir import (
     ensure_generation_id,
     inspect_dir,
     new_machine_config,
+    nic_args,
     qemu_pid,
     read_machine_json,
     share_args,
@@ -617,6 +619,24 @@ class QemuMachine:
         except EngineError:
             with contextlib.suppress(EngineError):
                 await self._qmp_exec("blockdev-del", {"node-name": node["node-name"]})
+            raise
+        write_machine_json(self.directory, config)
+
+    async def attach_nic(self) -> None:
+        """Hot-plug a network card on QEMU's user-mode network (see
+        :func:`~torpor.sandbox.vm.machine_dir.nic_args`) and record it in machine.json, so
+        every later wake has it. The guest still has to bring it up. Raises InvalidArgument
+        (one already), EngineError, InvalidState."""
+        self._require_running("attach a network card")
+        config = read_machine_json(self.directory)
+        rec = add_nic(config)
+        netdev, dev = nic_args(rec)
+        await self._qmp_exec("netdev_add", netdev)
+        try:
+            await self._qmp_exec("device_add", dev)
+        except EngineError:
+            with contextlib.suppress(EngineError):
+                await self._qmp_exec("netdev_del", {"id": netdev["id"]})
             raise
         write_machine_json(self.directory, config)
 

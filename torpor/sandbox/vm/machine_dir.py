@@ -205,6 +205,45 @@ def add_device(config: dict[str, Any], dev: DiskSpec | ShareSpec) -> dict[str, A
     return rec
 
 
+#: the id of a machine's network card (one at most) in machine.json's devices
+NIC_ID = "nic0"
+
+
+def add_nic(config: dict[str, Any]) -> dict[str, Any]:
+    """Add a virtio network card on QEMU's user-mode network (NAT to the host's, no
+    inbound connections) to ``config`` at the first free slot; return its record. Raises
+    InvalidArgument (it has one already, no free slot)."""
+    if any(d["id"] == NIC_ID for d in config["devices"]):
+        raise InvalidArgument("this machine has a network card already", id=NIC_ID)
+    used = {d["slot"] for d in config["devices"]}
+    free = [s for s in range(_FIRST_HOTPLUG_SLOT, _LAST_SLOT + 1) if s not in used]
+    if not free:
+        raise InvalidArgument("no free PCI slot for another device")
+    rec = {"kind": "nic", "id": NIC_ID, "slot": free[0]}
+    config["devices"].append(rec)
+    return rec
+
+
+def has_nic(config: dict[str, Any]) -> bool:
+    """Whether the machine of ``config`` (machine.json) has a network card."""
+    return any(d.get("kind") == "nic" for d in config.get("devices", []))
+
+
+def nic_args(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``-netdev`` backend and ``-device`` of a network card record (also QMP arguments).
+    The backend is user-mode networking: the guest reaches out through the host (as
+    10.0.2.15, gateway 10.0.2.2, DNS 10.0.2.3); nothing reaches in."""
+    netdev = {"type": "user", "id": f"net-{rec['id']}"}
+    dev = {
+        "driver": "virtio-net-pci",
+        "id": rec["id"],
+        "netdev": f"net-{rec['id']}",
+        "bus": "pci.0",
+        "addr": hex(rec["slot"]),
+    }
+    return netdev, dev
+
+
 def disk_args(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``-blockdev`` node and ``-device`` of a disk record (also QMP arguments)."""
     node = {
@@ -315,6 +354,9 @@ def build_command(
         if rec["kind"] == "disk":
             node, dev = disk_args(rec)
             cmd += ["-blockdev", json.dumps(node), "-device", _opts(dev)]
+        elif rec["kind"] == "nic":
+            netdev, dev = nic_args(rec)
+            cmd += ["-netdev", f"user,id={netdev['id']}", "-device", _opts(dev)]
         else:
             fsdev, dev = share_args(rec)
             cmd += ["-fsdev", fsdev, "-device", _opts(dev)]
