@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import torpor
-from torpor.errors import NotFound
+from torpor.errors import NotFound, TorporError
+from torpor.sandbox.models import SandboxState
 
 pytestmark = pytest.mark.qemu
 
@@ -52,5 +53,11 @@ def test_pty_is_a_terminal_that_answers(served_home: Path) -> None:
         assert top.kill()
         assert top.wait(timeout=30) == 137
         assert "sleep 300" not in sbx.commands.run("ps -eo args").stdout
+        # a pause does not wait for an open terminal; it ends it
+        left_open = sbx.pty.create("sh")
+        assert sbx.pause().state is SandboxState.PAUSED
+        with pytest.raises(TorporError):
+            left_open.wait(timeout=60)
+        assert "pts/" not in sbx.commands.run("ps -eo tty").stdout  # its program is gone
     finally:
         sbx.kill()

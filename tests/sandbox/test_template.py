@@ -87,6 +87,9 @@ def test_packaged_guest_files_include_the_boot_script() -> None:
     files = _rootfs.guest_files(templates.GUEST_DIR)
     assert "init.sh" in files and "agent.py" in files
     assert "/opt/torpor/agent.py --port" in files["init.sh"].read_text()
+    # the modules the agent imports go into the image too (a rebuild picks up new ones:
+    # they change the guest hash)
+    assert {"terminal.py", "tunnel.py", "ops.py", "protocol.py"} <= set(files)
 
 
 def test_host_mirror_reads_deb822_then_one_line_sources(tmp_path: Path) -> None:

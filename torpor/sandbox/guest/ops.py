@@ -192,6 +192,11 @@ class Operations:
             key = payload or None
             with self._refresh_lock:
                 if key is None or self._ping_refresh is None or self._ping_refresh[0] != key:
+                    # a new host connection (every one starts so): the terminals and tunnels
+                    # of an earlier one have nobody reading them, even if this guest was
+                    # frozen before it saw that host hang up
+                    self.terminals.hang_up()
+                    self.tunnels.hang_up()
                     self._ping_refresh = (key, self._refresh(payload, wanted.get("unix_time")))
                 info["refresh"] = self._ping_refresh[1]
         return info

@@ -9,7 +9,9 @@ requests act on it by the id the host chose: ``pty_input`` (the payload goes to 
 program's terminal), ``pty_resize`` (``cols``, ``rows``) and ``pty_kill``.
 
 A terminal belongs to the connection that opened it: when the host hangs up (a pause, a
-server restart) nobody reads it any more, so its session is killed.
+server restart) nobody reads it any more, so its session is killed; so it is when a new host
+connection starts (its first ping refreshes the guest), for a guest frozen by a pause before
+it noticed the hang-up.
 """
 
 from __future__ import annotations

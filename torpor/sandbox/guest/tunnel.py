@@ -9,8 +9,9 @@ bytes for the server) and ``tunnel_close`` (no more bytes: shut the write side) 
 connection by the host's id. Bytes to the server are written by a thread per connection, in
 order, so the agent's read loop never waits on a slow server.
 
-A connection belongs to the host connection that opened it: when the host hangs up (a pause)
-every tunnel is closed, and the host opens new ones after the wake.
+A connection belongs to the host connection that opened it: when the host hangs up (a pause),
+or a new host connection starts, every tunnel is closed, and the host opens new ones after
+the wake.
 """
 
 from __future__ import annotations
