@@ -20,14 +20,25 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from torpor.client.runtime import Runtime
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
 from torpor.sandbox.requests import PtySize, PtySpec
 from torpor.types import Env
 
-if TYPE_CHECKING:
-    from torpor.client.sandbox import Sandbox
+
+class Sandbox(Protocol):
+    """What a terminal uses of a :class:`torpor.Sandbox`."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def runtime(self) -> Runtime: ...
+
+    def route(self, suffix: str = "") -> str: ...
+
 
 __all__ = ["Pty", "PtyHandle"]
 

@@ -19,13 +19,26 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from torpor.errors import EngineError, TorporError
 
-if TYPE_CHECKING:
-    from torpor.sandbox.manager.sandboxes import SandboxManager
+
+class _Manager(Protocol):
+    """What the listeners use of the :class:`SandboxManager` that holds them."""
+
+    async def open_tunnel(
+        self,
+        id_or_name: str,
+        port: int,
+        tunnel_id: str,
+        on_data: Callable[[bytes], object],
+        *,
+        tenant: str = "default",
+    ) -> tuple[Any, asyncio.Task[int]]: ...
+
 
 __all__ = ["BIND_HOST", "Forward", "Forwards"]
 
@@ -54,7 +67,7 @@ class Forward:
 class Forwards:
     """The port listeners of one manager (``manager.forwards``)."""
 
-    def __init__(self, manager: SandboxManager) -> None:
+    def __init__(self, manager: _Manager) -> None:
         self.manager = manager
         self._by_port: dict[tuple[str, int], Forward] = {}
         self._lock = asyncio.Lock()

@@ -20,13 +20,19 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
 from torpor.errors import GuestError, InvalidArgument, NotFound, TorporError
+from torpor.sandbox.registry import Registry
 from torpor.sandbox.requests import PtySize, PtySpec
 
-if TYPE_CHECKING:
-    from torpor.sandbox.manager.sandboxes import SandboxManager
+
+class _Manager(Protocol):
+    """What the terminals use of the :class:`SandboxManager` that holds them."""
+
+    @property
+    def registry(self) -> Registry: ...
+
 
 __all__ = ["TOUCH_EVERY", "TerminalSession", "Terminals"]
 
@@ -72,7 +78,7 @@ class TerminalSession:
 class Terminals:
     """The open terminals of one manager (``manager.terminals``)."""
 
-    def __init__(self, manager: SandboxManager) -> None:
+    def __init__(self, manager: _Manager) -> None:
         self.manager = manager
         self._open: dict[str, TerminalSession] = {}
 
