@@ -28,6 +28,10 @@ transaction, under an advisory lock so that concurrent openers serialize.
 * v6: ``lexical_candidates()`` plans each call with its actual arguments (plpgsql EXECUTE).
 * v7: one identity for both layers: a token's sandbox rights (a label selector), ``admin``
   (manages its tenant's tokens) and ``expires_at``.
+* v8: ``tenants.records``, each tenant's record count for the memory-records quota, kept by
+  statement-level triggers running as the owner (``torpor_app`` may no longer update
+  ``tenants``, so it cannot move its own count). A write that inserts records takes the
+  tenant's row lock until it commits, so the quota check after the insert is exact.
 """
 
 from __future__ import annotations
@@ -264,6 +268,35 @@ ALTER TABLE torpor.tokens ADD COLUMN expires_at bigint;
 CREATE INDEX tokens_tenant ON torpor.tokens (tenant_id);
 """
 
+_V8 = """
+ALTER TABLE torpor.tenants ADD COLUMN records bigint NOT NULL DEFAULT 0;
+UPDATE torpor.tenants t SET records = (SELECT count(*) FROM torpor.records r
+                                       WHERE r.tenant_id = t.tenant_id);
+-- the app may not move its own count: the triggers run as the owner
+REVOKE UPDATE ON torpor.tenants FROM torpor_app;
+CREATE FUNCTION torpor.count_records() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $fn$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        UPDATE torpor.tenants t SET records = t.records + d.n
+          FROM (SELECT tenant_id, count(*) AS n FROM added GROUP BY tenant_id) d
+         WHERE t.tenant_id = d.tenant_id;
+    ELSE
+        UPDATE torpor.tenants t SET records = t.records - d.n
+          FROM (SELECT tenant_id, count(*) AS n FROM removed GROUP BY tenant_id) d
+         WHERE t.tenant_id = d.tenant_id;
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+REVOKE ALL ON FUNCTION torpor.count_records() FROM PUBLIC;
+CREATE TRIGGER records_count_ins AFTER INSERT ON torpor.records
+    REFERENCING NEW TABLE AS added FOR EACH STATEMENT EXECUTE FUNCTION torpor.count_records();
+CREATE TRIGGER records_count_del AFTER DELETE ON torpor.records
+    REFERENCING OLD TABLE AS removed FOR EACH STATEMENT EXECUTE FUNCTION torpor.count_records();
+"""
+
 #: Migration steps; version N is MIGRATIONS[N - 1]. Append only, never edit a shipped step.
 MIGRATIONS: list[tuple[str, str]] = [
     ("tables and row-level security", _V1 + "".join(_rls(t) for t in _TENANT_TABLES) + _GRANTS),
@@ -273,6 +306,7 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("scope index ordered like scans (valid_from, seq)", _V5),
     ("lexical candidates planned per call", _V6),
     ("one identity: tokens with sandbox rights, admin, expiry", _V7),
+    ("a record count per tenant for the memory-records quota", _V8),
 ]
 LATEST = len(MIGRATIONS)
 
