@@ -35,7 +35,9 @@ def _rows(m: Any) -> int:
 
 
 def test_record_quota(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
-    _set_quota(api.home, monkeypatch, {"*": {"memory_records": 2}, "default": {"memory_records": 5}})
+    _set_quota(
+        api.home, monkeypatch, {"*": {"memory_records": 2}, "default": {"memory_records": 5}}
+    )
     m: Any = api.mem
     u = m.scope(app="a", user="u")
     u.remember("plan is basic", key="plan")
@@ -85,7 +87,15 @@ def test_count_follows_every_write_and_erase(store: TenantStore) -> None:
 
     store.add([_fact("app/a", "x", key="k"), _fact("app/a", "y", key="k"), _fact("app/b", "z")])
     now = from_us(now_us())
-    ep = Episode(id=new_id(), scope="app/a", role="user", text="hi", session="s", created_at=now, valid_from=now)
+    ep = Episode(
+        id=new_id(),
+        scope="app/a",
+        role="user",
+        text="hi",
+        session="s",
+        created_at=now,
+        valid_from=now,
+    )
     store.add([ep])
     assert store.record_count() == rows() == 4
     store.forget([ep.id])

@@ -231,5 +231,6 @@ def start_background(app: Any, manager: Any) -> asyncio.Task[None] | None:
         return None
     cp = Checkpoints(manager)
     app.state.checkpoints = cp
+    cp.recover()  # a drive plugged by a crashed attach gets its record back
     interval = float(os.environ.get("TORPOR_GC_INTERVAL", GC_INTERVAL))
     return asyncio.get_running_loop().create_task(_gc_loop(cp, interval), name="torpor-gc")

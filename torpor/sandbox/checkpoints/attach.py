@@ -27,6 +27,7 @@ from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.requests import DriveMount, VolumeMount
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.records import RecordStore
+from torpor.sandbox.storage.snapshots import step
 from torpor.sandbox.storage.volumes import VolumeInfo, VolumeStore, find_guest_disk
 
 __all__ = ["Attachments"]
@@ -166,6 +167,20 @@ class Attachments:
         log.info("volume %s mounted in %s at %s", vol.id, rec.id, path)
         return self.volumes.get(vol.id, tenant=tenant)
 
+    async def _unplug_share(
+        self, machine: Machine, drive_id: str, sandbox_id: str, tenant: str
+    ) -> None:
+        """Undo a drive's attach whose mount failed: unplug the share, then drop the record.
+        A share the guest will not release stays recorded (the guest can still mount it)."""
+        try:
+            await machine.detach(drive_id)  # type: ignore[attr-defined]
+        except Exception as exc:
+            log.warning(
+                "cannot unplug drive %s from %s: %s; it stays attached", drive_id, sandbox_id, exc
+            )
+            return
+        self.drives.detach(drive_id, sandbox_id, tenant=tenant)
+
     async def attach_drive(
         self,
         id_or_name: str,
@@ -180,7 +195,15 @@ class Attachments:
         ``read_only``).
 
         Adding a 9p device costs one hibernate + wake of the sandbox. Raises DriveNotFound,
-        InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError.
+        InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError (then
+        the share is unplugged and the attachment undone; if the guest will not let the
+        device go, the attachment stays, since the guest can still mount it).
+
+        Steps (crash points, ``snapshots.step``): ``attach:plugged`` (the share is in the
+        machine and its machine.json, with the mount path), ``attach:recorded`` (the drive's
+        attachment record), ``attach:mounted``. A crash between the first two leaves a
+        device without a record: :func:`~torpor.sandbox.storage.retention.restore_unrecorded_drives`
+        restores the record at the restart (:meth:`Checkpoints.recover`) or in GC.
         """
         from torpor.sandbox.vm.machine import ShareSpec
 
@@ -204,17 +227,21 @@ class Attachments:
                         path=self.drives.directory(info.id),
                         tag=info.mount_tag,
                         read_only=read_only,
+                        guest_path=path,
                     )
                 )
             finally:
                 live.channel = await m.engine.connect(machine, m.directory(rec.id))
                 await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
                 await self.after_wake(rec.id, live.channel)
+            step("attach:plugged")
             self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)
+            step("attach:recorded")
             try:
                 await mount_in_guest(live.channel, info, path, read_only)
             except BaseException:
-                self.drives.detach(info.id, rec.id, tenant=tenant)
+                await self._unplug_share(machine, info.id, rec.id, tenant)
                 raise
+            step("attach:mounted")
         log.info("drive %s mounted in %s at %s", info.id, rec.id, path)
         return self.drives.get(info.id, tenant=tenant)

@@ -74,7 +74,11 @@ from torpor.sandbox.requests import (
 )
 from torpor.sandbox.storage.compaction import expand, is_compacted
 from torpor.sandbox.storage.drives import DriveStore
-from torpor.sandbox.storage.retention import GcReport, collect_garbage
+from torpor.sandbox.storage.retention import (
+    GcReport,
+    collect_garbage,
+    restore_unrecorded_drives,
+)
 from torpor.sandbox.storage.snapshots import (
     CarriedSettings,
     SnapshotInfo,
@@ -496,6 +500,13 @@ class Checkpoints:
         return await self.manager.get(info.id, tenant=tenant)
 
     # -- retention -----------------------------------------------------------------------
+
+    def recover(self) -> int:
+        """At a restart (nothing in flight yet): give back the attachment record of each drive
+        whose share a live sandbox's machine has without one (an attach that died between
+        plugging and recording). Returns how many; see
+        :func:`~torpor.sandbox.storage.retention.restore_unrecorded_drives`."""
+        return restore_unrecorded_drives(self.paths, self.attachments.live_ids())
 
     async def collect_garbage(
         self, spec: GcSpec | None = None, /, *, now: float | None = None, **fields: Any
