@@ -22,6 +22,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,7 +138,7 @@ def test_a_crash_at_any_step_of_gc_loses_nothing(tmp_path: Path, step: str) -> N
     assert short.id not in {i.id for i, _ in SnapshotStore(p).manifests()}
 
 
-def _machine_json(machine: Path, devices: list[dict[str, str]]) -> None:
+def _machine_json(machine: Path, devices: list[dict[str, Any]]) -> None:
     (machine / "machine.json").write_text(json.dumps({"version": 1, "devices": devices}))
 
 
@@ -189,7 +190,7 @@ def test_a_crash_between_plugging_a_drive_and_recording_it_is_reconciled(
     p = make_home(tmp_path)
     drives = DriveStore(p)
     crashed, legacy, gone, kept = (drives.create(n) for n in ("crashed", "legacy", "gone", "kept"))
-    share = {"kind": "share", "path": "/x", "tag": "t", "slot": 5}
+    share: dict[str, Any] = {"kind": "share", "path": "/x", "tag": "t", "slot": 5}
     _machine_json(
         make_machine(p, "sbx-1"),
         [

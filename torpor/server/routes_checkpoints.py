@@ -212,6 +212,10 @@ GC_INTERVAL = 3600.0
 
 
 async def _gc_loop(cp: Checkpoints, interval: float) -> None:
+    try:  # first, what a crash mid-attach left: drives plugged unrecorded, or unmounted
+        await cp.recover()
+    except Exception:
+        log.exception("recovering drive attachments failed")
     while True:
         await asyncio.sleep(interval)
         try:
@@ -231,6 +235,5 @@ def start_background(app: Any, manager: Any) -> asyncio.Task[None] | None:
         return None
     cp = Checkpoints(manager)
     app.state.checkpoints = cp
-    cp.recover()  # a drive plugged by a crashed attach gets its record back
     interval = float(os.environ.get("TORPOR_GC_INTERVAL", GC_INTERVAL))
     return asyncio.get_running_loop().create_task(_gc_loop(cp, interval), name="torpor-gc")

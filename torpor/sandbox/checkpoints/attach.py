@@ -15,16 +15,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import time
 from typing import Any
 
-from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState
+from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState, TorporError
 from torpor.sandbox.engine import Channel, Machine
 from torpor.sandbox.manager import Held
 from torpor.sandbox.manager.core import Live
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
-from torpor.sandbox.requests import DriveMount, VolumeMount
+from torpor.sandbox.requests import CommandSpec, DriveMount, VolumeMount
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.records import RecordStore
 from torpor.sandbox.storage.snapshots import step
@@ -66,6 +67,37 @@ class Attachments:
         """Mount the sandbox's drives again after a wake."""
         for drive, att in self.drives.attached_to(sandbox_id):
             await mount_in_guest(channel, drive, att.path, att.read_only)
+
+    async def remount_running(self) -> int:
+        """Mount, in every running sandbox, the attached drives its guest has not mounted: a
+        restart after a crash between a drive's plug (or a wake) and its mount finds them
+        recorded, plugged and unmounted. Returns how many it mounted; a failure is logged."""
+        mounted = 0
+        for rec in self.manager.registry.list(states={S.RUNNING}):
+            attached = self.drives.attached_to(rec.id)
+            if not attached:
+                continue
+            live = self.manager.live(rec.id)
+            async with live.lock:
+                channel = live.channel
+                if channel is None:
+                    continue
+                for drive, att in attached:
+                    probe = (
+                        f"awk -v p={shlex.quote(att.path)} '$2 == p {{f = 1}} END {{exit !f}}' "
+                        "/proc/mounts"
+                    )
+                    try:
+                        found = await channel.run_command(CommandSpec(cmd=probe, timeout=30))
+                        if found.exit_code == 0:
+                            continue
+                        await mount_in_guest(channel, drive, att.path, att.read_only)
+                    except TorporError as exc:
+                        log.warning("cannot mount drive %s in %s: %s", drive.id, rec.id, exc)
+                        continue
+                    log.info("drive %s mounted again in %s at %s", drive.id, rec.id, att.path)
+                    mounted += 1
+        return mounted
 
     # -- attaching -----------------------------------------------------------------------
 

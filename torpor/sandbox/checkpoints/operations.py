@@ -501,12 +501,18 @@ class Checkpoints:
 
     # -- retention -----------------------------------------------------------------------
 
-    def recover(self) -> int:
-        """At a restart (nothing in flight yet): give back the attachment record of each drive
-        whose share a live sandbox's machine has without one (an attach that died between
-        plugging and recording). Returns how many; see
-        :func:`~torpor.sandbox.storage.retention.restore_unrecorded_drives`."""
-        return restore_unrecorded_drives(self.paths, self.attachments.live_ids())
+    async def recover(self) -> int:
+        """After a restart, before any attach is in flight: give back the attachment record
+        of each drive whose share a live sandbox's machine has without one (an attach that
+        died between plugging and recording: see
+        :func:`~torpor.sandbox.storage.retention.restore_unrecorded_drives`), then mount the
+        attached drives that running sandboxes lack (a crash between a plug or a wake and
+        the mount). Returns how many records were restored."""
+        restored = await asyncio.to_thread(
+            restore_unrecorded_drives, self.paths, self.attachments.live_ids()
+        )
+        await self.attachments.remount_running()
+        return restored
 
     async def collect_garbage(
         self, spec: GcSpec | None = None, /, *, now: float | None = None, **fields: Any
