@@ -154,7 +154,6 @@ def rebase(path: Path, backing: Path | None) -> None:
     """Rewrite the qcow2 ``path`` onto ``backing`` (None: standalone), folding in the layers
     between them, so the image reads the same. Raises EngineError."""
     qemu_img(
-        "copy_range",
         "rebase",
         "-q",
         "-f",
