@@ -343,7 +343,7 @@ def test_concurrent_openers_migrate_once(pg_cluster: PgCluster, pg_database: str
 
 
 def test_login_without_ddl_rights_uses_a_migrated_schema_but_cannot_migrate(
-    pg_cluster: PgCluster, pg_database: str, app_login: str
+    pg_cluster: PgCluster, pg_database: str, app_login: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = PostgresBackend(app_login, admin_dsn=pg_cluster.admin_dsn(pg_database))
     try:
@@ -356,6 +356,9 @@ def test_login_without_ddl_rights_uses_a_migrated_schema_but_cannot_migrate(
     with pytest.raises(StorageError, match="tenant_key"):
         PostgresBackend(app_login)
     PostgresBackend(app_login, tenant_key=app.tenant_key).close()
+    monkeypatch.setenv("TORPOR_PG_TENANT_KEY", app.tenant_key)  # what a server is given
+    PostgresBackend(app_login).close()
+    monkeypatch.delenv("TORPOR_PG_TENANT_KEY")
     with pytest.raises(StorageError, match="refuses this backend's tenant proof"):
         PostgresBackend(app_login, tenant_key="ab" * 128)
     outsider = pg_cluster.login_dsn(pg_database, "not_a_member")
