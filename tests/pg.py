@@ -190,7 +190,8 @@ def pg_memory_dsn(pg_cluster: PgCluster, _pg_memory_database: str) -> str:
             r[0]
             for r in conn.execute(
                 "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables "
-                "WHERE schemaname = 'torpor' AND tablename <> 'schema_version'"
+                "WHERE schemaname = 'torpor' "
+                "AND tablename NOT IN ('schema_version', 'tenant_keys')"
             )
         ]
         conn.execute(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY")

@@ -192,6 +192,10 @@ class Quotas:
     volumes: int = 64
     volume_mib: int = 256 * 1024
     snapshots: int = 256
+    #: records in the tenant's memory store: facts and episodes, current, superseded and
+    #: expired-but-not-yet-purged alike (every row it stores; history is kept forever, so
+    #: it counts); profiles and policies do not count
+    memory_records: int = 1_000_000
 
     @classmethod
     def of(cls, paths: Paths, tenant: str) -> Quotas:

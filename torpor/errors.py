@@ -193,7 +193,7 @@ class Unauthenticated(AccessDenied):
 
 class QuotaExceeded(TorporError):
     """A tenant at one of its quotas (``tenant``, ``quota``, ``limit``, ``used``): running
-    sandboxes, their RAM, volumes and their size, snapshots. Nothing was made."""
+    sandboxes, their RAM, volumes and their size, snapshots, memory records. Nothing was made."""
 
     http_status = 429
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,7 +138,7 @@ def test_a_crash_at_any_step_of_gc_loses_nothing(tmp_path: Path, step: str) -> N
     assert short.id not in {i.id for i, _ in SnapshotStore(p).manifests()}
 
 
-def _machine_json(machine: Path, devices: list[dict[str, str]]) -> None:
+def _machine_json(machine: Path, devices: list[dict[str, Any]]) -> None:
     (machine / "machine.json").write_text(json.dumps({"version": 1, "devices": devices}))
 
 
@@ -175,3 +176,49 @@ def test_an_attach_in_flight_is_not_taken_for_a_crashed_one(
     drives.attach(drive.id, "sbx-1", "/mnt/shared")  # plugging now, in another task
     assert collect_garbage(p, live_sandboxes={"sbx-1"}).released_attachments == 0
     assert drives.get(drive.id).attachments
+
+
+def test_a_crash_between_plugging_a_drive_and_recording_it_is_reconciled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 12: the reverse of the case above. A drive attach plugs the 9p share (machine.json
+    names it, with the mount path), then records the attachment; a crash in between leaves a
+    device the guest can mount while the drive's record says nobody has it (so it could be
+    deleted under the sandbox, and it is never mounted again after a wake). At the restart
+    (and in GC) the record is restored: the device is in the machine's saved state, so it
+    cannot simply be dropped from a paused machine."""
+    p = make_home(tmp_path)
+    drives = DriveStore(p)
+    crashed, legacy, gone, kept = (drives.create(n) for n in ("crashed", "legacy", "gone", "kept"))
+    share: dict[str, Any] = {"kind": "share", "path": "/x", "tag": "t", "slot": 5}
+    _machine_json(
+        make_machine(p, "sbx-1"),
+        [
+            {**share, "id": crashed.id, "read_only": True, "guest_path": "/data/in"},
+            {**share, "id": legacy.id, "read_only": False},  # a machine.json from before
+            {**share, "id": gone.id, "read_only": False},
+            {**share, "id": kept.id, "read_only": False, "guest_path": "/k"},
+            {"kind": "disk", "id": "vol-1"},
+        ],
+    )
+    drives.attach(kept.id, "sbx-1", "/k")
+    drives.delete(gone.id)
+    devices = json.loads((p.sandboxes / "sbx-1" / "machine.json").read_text())["devices"]
+    assert [d["id"] for d in retention.unrecorded_shares(devices, {kept.id})] == [
+        crashed.id,
+        legacy.id,
+        gone.id,
+    ]
+    # GC leaves a machine.json younger than an attach in flight alone
+    monkeypatch.setattr(retention, "LEFTOVER_GRACE_SECONDS", 3600.0)
+    assert collect_garbage(p, live_sandboxes={"sbx-1"}).restored_attachments == 0
+    assert not drives.get(crashed.id).attachments
+    # the restart: nothing is in flight
+    assert retention.restore_unrecorded_drives(p, {"sbx-1"}) == 2
+    att = drives.get(crashed.id).attachments
+    assert [(a.sandbox_id, a.path, a.read_only) for a in att] == [("sbx-1", "/data/in", True)]
+    assert [a.path for a in drives.get(legacy.id).attachments] == ["/mnt/legacy"]
+    assert [a.path for a in drives.get(kept.id).attachments] == ["/k"]
+    assert retention.restore_unrecorded_drives(p, {"sbx-1"}) == 0  # idempotent
+    monkeypatch.setattr(retention, "LEFTOVER_GRACE_SECONDS", 0.0)
+    assert collect_garbage(p, live_sandboxes={"sbx-1"}).restored_attachments == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -166,3 +167,42 @@ def test_a_moved_home_wakes_its_sandbox_and_restores_its_snapshot(
             await m.close(pause=False)
 
     assert asyncio.run(after()) == ("[1, 2]", "[1, 2]")
+
+
+def test_a_home_split_across_file_systems_copies_by_hand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 12 item 14, the second half: where ``copy_file_range`` cannot work (EXDEV: the
+    templates, the sandboxes or the chunks on another file system), a sparse copy and the
+    expansion of a compacted sandbox's RAM from its template copy by hand instead of failing."""
+    import errno
+
+    from torpor.sandbox.storage.chunks import ChunkStore
+    from torpor.sandbox.storage.compaction import compact, expand
+    from torpor.sandbox.vm.disk import copy_sparse
+
+    def exdev(*_: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", exdev)
+    src = tmp_path / "src"
+    with open(src, "wb") as f:
+        f.truncate(8 << 20)
+        f.seek(3 << 20)
+        f.write(os.urandom(1 << 20))
+    copy_sparse(src, tmp_path / "dst")
+    assert (tmp_path / "dst").read_bytes() == src.read_bytes()
+
+    p = make_home(tmp_path / "home")
+    template_ram = p.templates / "python" / "snapshot" / "ram"
+    shutil.copyfile(src, template_ram)
+    machine = make_machine(p, "sbx-1")
+    shutil.copyfile(src, machine / "ram")
+    with open(machine / "ram", "r+b") as ram:
+        ram.seek(6 << 20)
+        ram.write(os.urandom(64 << 10))
+    original = (machine / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    assert compact(machine, store, template_ram).from_template > 0
+    expand(machine, store)  # the template's chunks come back through the fallback
+    assert (machine / "ram").read_bytes() == original

@@ -83,8 +83,15 @@ def test_app_role_is_neither_superuser_nor_owner_and_rls_is_forced(
         rows = conn.execute(
             "SELECT c.relname, pg_get_userbyid(c.relowner), c.relrowsecurity, "
             "c.relforcerowsecurity FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = 'torpor' AND c.relkind = 'r' AND c.relname <> 'schema_version'"
+            "WHERE n.nspname = 'torpor' AND c.relkind = 'r' "
+            "AND c.relname NOT IN ('schema_version', 'tenant_keys')"
         ).fetchall()
+        # the tenant-proof keys: no row-level security, because torpor_app has no right at all
+        rights = conn.execute(
+            "SELECT has_table_privilege('torpor_app', 'torpor.tenant_keys', 'SELECT, INSERT, "
+            "UPDATE, DELETE, TRUNCATE, REFERENCES, TRIGGER')"
+        ).fetchone()
+        assert rights == (False,)
     tables = {r[0]: r for r in rows}
     assert set(tables) == {"tenants", "records", "profiles", "policies", "meta", "tokens", "audit"}
     for name, owner, enabled, forced in tables.values():
@@ -103,15 +110,94 @@ def test_sql_without_tenant_or_with_another_tenant_sees_nothing(
         for table in ("records", "tenants", "tokens", "audit", "profiles", "meta"):
             assert conn.execute(f"SELECT count(*) FROM torpor.{table}").fetchone() == (0,)
         conn.rollback()
-        conn.execute("SELECT set_config('torpor.tenant', 'nobody', false)")
-        assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (0,)
+        # issue 12 item 6: setting torpor.tenant is a claim, not a credential
+        for tenant in ("nobody", "globex", "acme", ""):
+            conn.execute("SELECT set_config('torpor.tenant', %s, false)", (tenant,))
+            for table in ("records", "tenants", "tokens", "audit", "profiles", "meta"):
+                assert conn.execute(f"SELECT count(*) FROM torpor.{table}").fetchone() == (0,)
+        # a made-up proof is no better, nor is the backend's own proof once expired
         conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
+        expiry = now_us() + 60_000_000
+        conn.execute(
+            "SELECT set_config('torpor.tenant_proof', %s, false)", (f"{expiry}:{'0' * 64}",)
+        )
+        assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (0,)
+        assert conn.execute("SELECT torpor.bound_tenant()").fetchone() == (None,)
+        stale = _proof_at(backend, "globex", now_us() - 1_000_000)
+        conn.execute("SELECT set_config('torpor.tenant_proof', %s, false)", (stale,))
+        assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (0,)
+        # the same proof, unexpired, is what the backend sends: it binds (the positive control)
+        fresh = _proof_at(backend, "globex", now_us() + 60_000_000)
+        conn.execute("SELECT set_config('torpor.tenant_proof', %s, false)", (fresh,))
         texts = [r[0] for r in conn.execute("SELECT text FROM torpor.records")]
         assert texts == ["globex prefers daily summaries"]
+        # ... for globex only: the proof does not carry over to another claimed tenant
         conn.execute("SELECT set_config('torpor.tenant', 'acme', false)")
-        assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (2,)
-        conn.execute("SELECT set_config('torpor.tenant', '', false)")
         assert conn.execute("SELECT count(*) FROM torpor.records").fetchone() == (0,)
+
+
+def _proof_at(backend: PostgresBackend, tenant: str, expiry: int) -> str:
+    """The proof the backend would send for ``tenant``, with the given expiry (µs)."""
+    import hashlib
+
+    inner_key, outer_key = backend._keys
+    inner = hashlib.sha256(inner_key + f"{tenant}:{expiry}".encode()).digest()
+    return f"{expiry}:{hashlib.sha256(outer_key + inner).hexdigest()}"
+
+
+def _bind(conn: psycopg.Connection[Any], backend: PostgresBackend, tenant: str) -> None:
+    conn.execute(
+        "SELECT set_config('torpor.tenant', %s, false), set_config('torpor.tenant_proof', %s, "
+        "false)",
+        (tenant, _proof_at(backend, tenant, now_us() + 60_000_000)),
+    )
+
+
+def test_app_login_cannot_reach_across_tenants_through_definer_functions(
+    pg_cluster: PgCluster, pg_database: str, backend: PostgresBackend, app_login: str
+) -> None:
+    """Issue 12 item 6: the SECURITY DEFINER functions are no way around the proof."""
+    _two_tenants(backend)
+    backend.append_audit(
+        AuditEntry(at=from_us(now_us()), tenant="acme", actor="t", action="real", allowed=True)
+    )
+    deny = psycopg.errors.InsufficientPrivilege
+    with psycopg.connect(app_login, autocommit=True) as conn:
+        conn.execute("SET ROLE torpor_app")
+        conn.execute("SELECT set_config('torpor.tenant', 'acme', false)")
+        for call in (
+            "SELECT * FROM torpor.tenant_names()",
+            "SELECT * FROM torpor.audit_recent(100)",
+            "SELECT * FROM torpor.tenant_keys",
+        ):
+            with pytest.raises(deny):
+                conn.execute(call)
+        with pytest.raises(deny, match="proof"):  # a forged audit entry for a tenant
+            conn.execute(
+                "SELECT torpor.audit_append('acme', 0, 'someone', 'forged', '', true, '{}')"
+            )
+        # the GIN-index search as the owner proposes nothing without a proven tenant
+        rows = conn.execute(
+            "SELECT * FROM torpor.lexical_candidates(to_tsquery('torpor.english', 'summaries'), "
+            "%s, 10)",
+            (SCOPES,),
+        ).fetchall()
+        assert rows == []
+    with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
+        actions = [r[0] for r in conn.execute("SELECT action FROM torpor.audit")]
+    assert actions == ["real"]
+    # the backend itself still lists tenants and the whole log, through admin_dsn
+    assert backend.tenants() == ["acme", "globex"]
+    assert [e.action for e in backend.audit_log()] == ["real"]
+    # and a login granted torpor_admin may do the same in SQL
+    ops = pg_cluster.login_dsn(pg_database, "torpor_ops")
+    with psycopg.connect(pg_cluster.admin_dsn(pg_database), autocommit=True) as conn:
+        conn.execute("GRANT torpor_admin TO torpor_ops")
+    with psycopg.connect(ops) as conn:
+        assert [r[0] for r in conn.execute("SELECT * FROM torpor.tenant_names()")] == [
+            "acme",
+            "globex",
+        ]
 
 
 def test_superuser_connection_is_bound_by_rls_after_switching_role(
@@ -125,21 +211,22 @@ def test_superuser_connection_is_bound_by_rls_after_switching_role(
 
 
 def test_sql_write_into_another_tenant_is_refused(backend: PostgresBackend, app_login: str) -> None:
+    """Even with globex's own proof (as the backend binds a transaction), acme is out of reach."""
     _two_tenants(backend)
     with psycopg.connect(app_login) as conn:
-        conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
+        _bind(conn, backend, "globex")
         with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
             conn.execute(
                 "INSERT INTO torpor.records (tenant_id, id, kind, scope, text, "
                 "created_at, valid_from) VALUES ('acme', 'x', 'fact', '', 'evil', 0, 0)"
             )
         conn.rollback()
-        conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
+        _bind(conn, backend, "globex")
         # moving one's own row into another tenant is refused too
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("UPDATE torpor.records SET tenant_id = 'acme'")
         conn.rollback()
-        conn.execute("SELECT set_config('torpor.tenant', 'globex', false)")
+        _bind(conn, backend, "globex")
         # acme's rows are invisible to UPDATE and DELETE: nothing happens to them
         assert (
             conn.execute("UPDATE torpor.records SET text = 'x' WHERE tenant_id = 'acme'").rowcount
@@ -208,7 +295,8 @@ def test_migrates_from_an_older_version_keeping_data(
     backend = PostgresBackend(dsn)
     try:
         store = backend.tenant("acme")
-        assert store.schema_version() == schema.LATEST == 7
+        assert store.schema_version() == schema.LATEST == 9
+        assert store.record_count() == 1  # v8 counted the rows it found
         hits = store.lexical_search(["plan"], _flt(), 5)
         assert [h[0].id for h in hits] == ["old1"]
         # the old current fact is superseded by a new one under the new schema
@@ -220,7 +308,7 @@ def test_migrates_from_an_older_version_keeping_data(
         versions = [
             r[0] for r in conn.execute("SELECT version FROM torpor.schema_version ORDER BY version")
         ]
-    assert versions == [1, 2, 3, 4, 5, 6, 7]
+    assert versions == list(range(1, schema.LATEST + 1))
 
 
 def test_a_newer_schema_is_refused(pg_cluster: PgCluster, pg_database: str) -> None:
@@ -255,7 +343,7 @@ def test_concurrent_openers_migrate_once(pg_cluster: PgCluster, pg_database: str
 
 
 def test_login_without_ddl_rights_uses_a_migrated_schema_but_cannot_migrate(
-    pg_cluster: PgCluster, pg_database: str, app_login: str
+    pg_cluster: PgCluster, pg_database: str, app_login: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = PostgresBackend(app_login, admin_dsn=pg_cluster.admin_dsn(pg_database))
     try:
@@ -263,7 +351,16 @@ def test_login_without_ddl_rights_uses_a_migrated_schema_but_cannot_migrate(
         assert len(app.tenant("acme").scan(_flt(), 10)) == 1
     finally:
         app.close()
-    PostgresBackend(app_login).close()  # already at the latest version: nothing to run
+    # already at the latest version: nothing to run, but the app login cannot read the
+    # tenant-proof keys: it needs them given (or an admin_dsn that can read them)
+    with pytest.raises(StorageError, match="tenant_key"):
+        PostgresBackend(app_login)
+    PostgresBackend(app_login, tenant_key=app.tenant_key).close()
+    monkeypatch.setenv("TORPOR_PG_TENANT_KEY", app.tenant_key)  # what a server is given
+    PostgresBackend(app_login).close()
+    monkeypatch.delenv("TORPOR_PG_TENANT_KEY")
+    with pytest.raises(StorageError, match="refuses this backend's tenant proof"):
+        PostgresBackend(app_login, tenant_key="ab" * 128)
     outsider = pg_cluster.login_dsn(pg_database, "not_a_member")
     with pytest.raises(StorageError, match="GRANT torpor_app TO not_a_member"):
         PostgresBackend(outsider, admin_dsn=pg_cluster.admin_dsn(pg_database))
@@ -530,7 +627,8 @@ def test_rls_shows_a_role_exactly_its_tenant_rows(
     for tenant, user in rows:
         backend.tenant(tenant).add([_fact(f"{tenant} {user}", scope=f"user/{user}")])
     with psycopg.connect(app_login) as conn:
-        conn.execute("SELECT set_config('torpor.tenant', %s, false)", (setting,))
+        if setting:  # bound as the backend binds (with the proof)
+            _bind(conn, backend, setting)
         seen = sorted(r[0] for r in conn.execute("SELECT text FROM torpor.records"))
         # even naming other tenants explicitly returns nothing of theirs
         others = conn.execute(

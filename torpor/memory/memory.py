@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Self
 
-from torpor.config import paths
+from torpor.config import Quotas, paths
 from torpor.errors import AccessDenied, Conflict, InvalidArgument, RecordNotFound
 from torpor.memory.access import Access, TokenManager, hash_token
 from torpor.memory.backends import open_backend
@@ -186,6 +186,13 @@ class Memory:
                 embedder=self.embedder.name,
             )
         return self.embedder
+
+    def record_quota(self) -> int:
+        """How many records this tenant's store may hold: ``memory_records`` of its
+        :class:`~torpor.config.Quotas` (``<home>/quotas.json``, read per write like the other
+        quotas, so a change applies without a restart). Raises :class:`InvalidArgument` for a
+        bad quotas.json."""
+        return Quotas.of(self.paths, self.tenant).memory_records
 
     def embed(self, texts: list[str]) -> list[Vector | None] | None:
         """Vectors for ``texts`` to store with them, or None (lexical only). Raises what

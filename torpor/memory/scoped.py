@@ -68,6 +68,8 @@ class Owner(Protocol):
 
     def embed(self, texts: list[str]) -> list[Vector | None] | None: ...
 
+    def record_quota(self) -> int: ...
+
 
 class ScopedMemory:
     """The records of one scope (see the module docstring). Made by :meth:`Memory.scope`."""
@@ -89,8 +91,11 @@ class ScopedMemory:
         return self.memory.store.get_policy(self.path) or Policy()
 
     def _add(self, records: Sequence[AnyRecord]) -> list[AnyRecord]:
-        """Store ``records`` with their vectors, in one transaction."""
-        return self.memory.store.add(records, self.memory.embed([r.text for r in records]))
+        """Store ``records`` with their vectors, in one transaction (all or none: over the
+        tenant's memory-records quota, :class:`QuotaExceeded` and nothing written)."""
+        quota = self.memory.record_quota()
+        vectors = self.memory.embed([r.text for r in records])
+        return self.memory.store.add(records, vectors, quota=quota)
 
     def _fact(
         self,
@@ -145,7 +150,8 @@ class ScopedMemory:
         With ``source``, read and hash the cited content (``verified``). Raises
         :class:`InvalidArgument`, :class:`PayloadTooLarge`, :class:`AccessDenied`,
         :class:`StorageError`, :class:`Conflict` (the store's vectors come from another
-        embedding model than this memory's).
+        embedding model than this memory's), :class:`QuotaExceeded` (the tenant holds its
+        ``memory_records`` quota; nothing written).
         """
         return self.remember_many(
             [
@@ -552,7 +558,8 @@ class ScopedMemory:
 
     def import_(self, src: str | Path | IO[str] | Iterable[str]) -> int:
         """Load an export into this scope (re-rooted here). All or nothing. Returns records
-        inserted. Raises :class:`InvalidArgument` for a malformed file."""
+        inserted. Raises :class:`InvalidArgument` for a malformed file, :class:`QuotaExceeded`
+        (nothing inserted) when the records would take the tenant over its quota."""
         self.memory.access.require("write", self.path, "import")
         if isinstance(src, (str, Path)):
             try:
@@ -588,7 +595,7 @@ def _load_into(scope: ScopedMemory, bundle: transfer.Bundle, action: str) -> int
         vectors = None
     elif bundle.embedding_model != emb.name:  # re-embed with this tenant's model
         vectors = scope.memory.embed([r.text for r in bundle.records])
-    n = store.import_records(bundle.records, vectors)
+    n = store.import_records(bundle.records, vectors, quota=scope.memory.record_quota())
     for profile in bundle.profiles:
         store.put_profile(profile)
     for path, policy in bundle.policies:

@@ -212,6 +212,10 @@ GC_INTERVAL = 3600.0
 
 
 async def _gc_loop(cp: Checkpoints, interval: float) -> None:
+    try:  # first, what a crash mid-attach left: drives plugged unrecorded, or unmounted
+        await cp.recover()
+    except Exception:
+        log.exception("recovering drive attachments failed")
     while True:
         await asyncio.sleep(interval)
         try:

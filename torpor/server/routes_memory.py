@@ -197,7 +197,14 @@ def tenant_memory(app: Any, tenant: str) -> Memory:
             cache = state.tenant_memories = {}
         base = cache.get(tenant)
     if base is None:
-        base = Memory.attach(state.memory_backend, tenant, embedder=_embedder(state))
+        # quotas.json lives in the served home (None for a test double: $TORPOR_HOME)
+        served = getattr(getattr(state, "manager", None), "paths", None)
+        base = Memory.attach(
+            state.memory_backend,
+            tenant,
+            embedder=_embedder(state),
+            home=None if served is None else served.home,
+        )
         with _lock:
             base = cache.setdefault(tenant, base)
     return base

@@ -2,8 +2,9 @@
 
 Everything lives in the ``torpor`` schema of one database. Every tenant table carries a
 ``tenant_id`` column and a row-level-security policy that admits a row only when its
-``tenant_id`` equals ``current_setting('torpor.tenant')``, which the backend sets per
-transaction (``set_config(..., true)`` = ``SET LOCAL``). RLS is ``FORCE``d, so it holds for the
+``tenant_id`` equals ``torpor.bound_tenant()``: the ``torpor.tenant`` setting, if the
+``torpor.tenant_proof`` setting proves it (v9), both set by the backend per transaction
+(``set_config(..., true)`` = ``SET LOCAL``). RLS is ``FORCE``d, so it holds for the
 tables' owner too; only a superuser or a ``BYPASSRLS`` role escapes it, and the backend never
 queries as one (it switches to the non-owner role ``torpor_app`` in every transaction).
 
@@ -28,6 +29,17 @@ transaction, under an advisory lock so that concurrent openers serialize.
 * v6: ``lexical_candidates()`` plans each call with its actual arguments (plpgsql EXECUTE).
 * v7: one identity for both layers: a token's sandbox rights (a label selector), ``admin``
   (manages its tenant's tokens) and ``expires_at``.
+* v8: ``tenants.records``, each tenant's record count for the memory-records quota, kept by
+  statement-level triggers running as the owner (``torpor_app`` may no longer update
+  ``tenants``, so it cannot move its own count). A write that inserts records takes the
+  tenant's row lock until it commits, so the quota check after the insert is exact.
+* v9: the tenant is bound by a proof, not by a setting anyone may set. Every policy (and every
+  SECURITY DEFINER function that reads tenant rows) admits the tenant
+  ``torpor.bound_tenant()`` returns: ``torpor.tenant`` only when
+  ``torpor.tenant_proof`` carries a keyed hash of it with an unexpired time, made with the
+  keys in ``torpor.tenant_keys``, which ``torpor_app`` cannot read. The cross-tenant functions
+  (tenant list, whole audit log) move from ``torpor_app`` to the new role ``torpor_admin``;
+  ``audit_append`` accepts only the proven tenant (or none). See :mod:`.postgres`.
 """
 
 from __future__ import annotations
@@ -264,6 +276,134 @@ ALTER TABLE torpor.tokens ADD COLUMN expires_at bigint;
 CREATE INDEX tokens_tenant ON torpor.tokens (tenant_id);
 """
 
+_V8 = """
+ALTER TABLE torpor.tenants ADD COLUMN records bigint NOT NULL DEFAULT 0;
+UPDATE torpor.tenants t SET records = (SELECT count(*) FROM torpor.records r
+                                       WHERE r.tenant_id = t.tenant_id);
+-- the app may not move its own count: the triggers run as the owner
+REVOKE UPDATE ON torpor.tenants FROM torpor_app;
+CREATE FUNCTION torpor.count_records() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $fn$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        UPDATE torpor.tenants t SET records = t.records + d.n
+          FROM (SELECT tenant_id, count(*) AS n FROM added GROUP BY tenant_id) d
+         WHERE t.tenant_id = d.tenant_id;
+    ELSE
+        UPDATE torpor.tenants t SET records = t.records - d.n
+          FROM (SELECT tenant_id, count(*) AS n FROM removed GROUP BY tenant_id) d
+         WHERE t.tenant_id = d.tenant_id;
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+REVOKE ALL ON FUNCTION torpor.count_records() FROM PUBLIC;
+CREATE TRIGGER records_count_ins AFTER INSERT ON torpor.records
+    REFERENCING NEW TABLE AS added FOR EACH STATEMENT EXECUTE FUNCTION torpor.count_records();
+CREATE TRIGGER records_count_del AFTER DELETE ON torpor.records
+    REFERENCING OLD TABLE AS removed FOR EACH STATEMENT EXECUTE FUNCTION torpor.count_records();
+"""
+
+_TABLE_POLICY = """
+ALTER POLICY tenant_isolation ON torpor.{t}
+    USING (tenant_id = (SELECT torpor.bound_tenant()))
+    WITH CHECK (tenant_id = (SELECT torpor.bound_tenant()));
+"""
+
+_V9 = (
+    """
+DO $$ BEGIN
+    CREATE ROLE torpor_admin NOLOGIN NOSUPERUSER NOBYPASSRLS;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+END $$;
+-- the key that proves a tenant: two independent 64-byte keys (one SHA-256 block each), from
+-- the server's strong random source; readable by the owner and torpor_admin only
+CREATE TABLE torpor.tenant_keys (
+    id integer PRIMARY KEY CHECK (id = 1),
+    inner_key bytea NOT NULL CHECK (length(inner_key) = 64),
+    outer_key bytea NOT NULL CHECK (length(outer_key) = 64)
+);
+INSERT INTO torpor.tenant_keys
+SELECT 1, decode(a, 'hex'), decode(b, 'hex') FROM (
+    SELECT string_agg(replace(gen_random_uuid()::text, '-', ''), '') FILTER (WHERE i <= 4) a,
+           string_agg(replace(gen_random_uuid()::text, '-', ''), '') FILTER (WHERE i > 4) b
+    FROM generate_series(1, 8) i) k;
+REVOKE ALL ON torpor.tenant_keys FROM PUBLIC;
+GRANT SELECT ON torpor.tenant_keys TO torpor_admin;
+GRANT USAGE ON SCHEMA torpor TO torpor_admin;
+
+-- the tenant of this transaction, if its proof checks: torpor.tenant_proof must be
+-- '<expiry µs>:<mac>' with mac = hex(sha256(outer || sha256(inner || '<tenant>:<expiry>')))
+-- (HMAC's construction with independent keys) and the expiry not past. NULL otherwise.
+CREATE FUNCTION torpor.bound_tenant() RETURNS text LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $fn$
+DECLARE
+    claim text := nullif(current_setting('torpor.tenant', true), '');
+    proof text[] := string_to_array(current_setting('torpor.tenant_proof', true), ':');
+    k record;
+BEGIN
+    IF claim IS NULL OR coalesce(array_length(proof, 1), 0) <> 2
+       OR proof[1] !~ '^[0-9]{1,18}$' OR proof[2] !~ '^[0-9a-f]{64}$' THEN
+        RETURN NULL;
+    END IF;
+    IF proof[1]::bigint < (extract(epoch FROM now()) * 1000000)::bigint THEN
+        RETURN NULL;
+    END IF;
+    SELECT inner_key, outer_key INTO k FROM torpor.tenant_keys WHERE id = 1;
+    -- compared through one more hash, so the time "=" takes tells nothing about the mac
+    IF sha256(sha256(k.outer_key || sha256(k.inner_key
+              || convert_to(claim || ':' || proof[1], 'UTF8'))))
+       = sha256(decode(proof[2], 'hex')) THEN
+        RETURN claim;
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+REVOKE ALL ON FUNCTION torpor.bound_tenant() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION torpor.bound_tenant() TO torpor_app, torpor_admin;
+"""
+    + "".join(_TABLE_POLICY.format(t=t) for t in _TENANT_TABLES)
+    + """
+CREATE OR REPLACE FUNCTION torpor.lexical_candidates(q tsquery, scopes text[], lim integer)
+    RETURNS TABLE (id text, rank real) LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $fn$
+DECLARE
+    t text := torpor.bound_tenant();
+BEGIN
+    IF t IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY EXECUTE
+        'SELECT r.id, ts_rank_cd(r.tsv, $1, 1) FROM torpor.records r '
+        'WHERE r.tenant_id = $4 AND r.scope = ANY($2) AND r.tsv @@ $1 ORDER BY 2 DESC LIMIT $3'
+        USING q, scopes, lim, t;
+END
+$fn$;
+CREATE OR REPLACE FUNCTION torpor.audit_append(p_tenant text, p_at bigint, p_actor text,
+        p_action text, p_scope text, p_allowed boolean, p_detail jsonb)
+    RETURNS void LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $fn$
+BEGIN
+    -- an entry names the proven tenant, or none ('': a refusal before any tenant was known)
+    IF p_tenant <> '' AND p_tenant IS DISTINCT FROM torpor.bound_tenant() THEN
+        RAISE EXCEPTION 'audit entries of tenant % need that tenant''s proof', p_tenant
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    INSERT INTO torpor.audit (tenant_id, at, actor, action, scope, allowed, detail)
+    VALUES (p_tenant, p_at, p_actor, p_action, p_scope, p_allowed, p_detail);
+END
+$fn$;
+-- reading across tenants is for administrators (a login granted torpor_admin, or the owner)
+REVOKE EXECUTE ON FUNCTION torpor.tenant_names(), torpor.audit_recent(integer)
+    FROM torpor_app;
+GRANT EXECUTE ON FUNCTION torpor.tenant_names(), torpor.audit_recent(integer) TO torpor_admin;
+"""
+)
+
 #: Migration steps; version N is MIGRATIONS[N - 1]. Append only, never edit a shipped step.
 MIGRATIONS: list[tuple[str, str]] = [
     ("tables and row-level security", _V1 + "".join(_rls(t) for t in _TENANT_TABLES) + _GRANTS),
@@ -273,6 +413,8 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("scope index ordered like scans (valid_from, seq)", _V5),
     ("lexical candidates planned per call", _V6),
     ("one identity: tokens with sandbox rights, admin, expiry", _V7),
+    ("a record count per tenant for the memory-records quota", _V8),
+    ("the tenant bound by a proof (a keyed hash) that torpor_app cannot make", _V9),
 ]
 LATEST = len(MIGRATIONS)
 

@@ -25,6 +25,7 @@ from torpor.memory.backends.base import (
     RecordFilter,
     TenantStore,
     Vector,
+    check_record_quota,
     successor,
 )
 from torpor.memory.models import Fact, Policy, Profile, from_us, to_us
@@ -116,8 +117,29 @@ class PostgresTenantStore(TenantStore):
         for k in keys:
             cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (k,))
 
+    def _check_quota(self, cur: psycopg.Cursor[Any], quota: int | None, added: int) -> None:
+        """After this transaction inserted ``added`` records: refuse (and so roll back) if the
+        tenant now holds more than ``quota``. The insert's trigger updated the tenant's row,
+        so a concurrent writer of the same tenant waits for this one: the count is exact."""
+        if quota is None or not added:
+            return
+        check_record_quota(self.tenant, quota, self._count(cur) - added, added)
+
+    @staticmethod
+    def _count(cur: psycopg.Cursor[Any]) -> int:
+        row = cur.execute(f"SELECT records FROM torpor.tenants WHERE tenant_id = {_T}").fetchone()
+        return int(row[0]) if row else 0
+
+    def record_count(self) -> int:
+        with self._tx("record count") as cur:
+            return self._count(cur)
+
     def add(
-        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+        self,
+        records: Sequence[AnyRecord],
+        vectors: Sequence[Vector | None] | None = None,
+        *,
+        quota: int | None = None,
     ) -> list[AnyRecord]:
         if vectors is not None and len(vectors) != len(records):
             raise InvalidArgument("records and vectors differ in length")
@@ -132,6 +154,7 @@ class PostgresTenantStore(TenantStore):
                 pending.append(self._row(rec, None if vectors is None else vectors[i]))
                 stored.append(rec)
             self._insert(cur, pending)
+            self._check_quota(cur, quota, len(stored))
         self._backend.note_dims(vectors)
         return stored
 
@@ -152,7 +175,11 @@ class PostgresTenantStore(TenantStore):
         return rec
 
     def import_records(
-        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+        self,
+        records: Sequence[AnyRecord],
+        vectors: Sequence[Vector | None] | None = None,
+        *,
+        quota: int | None = None,
     ) -> int:
         if vectors is not None and len(vectors) != len(records):
             raise InvalidArgument("records and vectors differ in length")
@@ -182,6 +209,7 @@ class PostgresTenantStore(TenantStore):
                         )
                 self._insert(cur, [self._row(rec, None if vectors is None else vectors[i])])
                 inserted += 1
+            self._check_quota(cur, quota, inserted)
         self._backend.note_dims(vectors)
         return inserted
 

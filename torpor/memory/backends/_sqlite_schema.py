@@ -85,6 +85,17 @@ MIGRATIONS: list[str] = [
         cache_ttl_seconds REAL
     );
     """,
+    # v2: the record count the memory-records quota reads, kept by triggers (no scan per write)
+    """
+    CREATE TABLE counts (what TEXT PRIMARY KEY, n INTEGER NOT NULL);
+    INSERT INTO counts VALUES ('records', (SELECT count(*) FROM records));
+    CREATE TRIGGER records_count_ai AFTER INSERT ON records BEGIN
+        UPDATE counts SET n = n + 1 WHERE what = 'records';
+    END;
+    CREATE TRIGGER records_count_ad AFTER DELETE ON records BEGIN
+        UPDATE counts SET n = n - 1 WHERE what = 'records';
+    END;
+    """,
 ]
 
 SYSTEM_MIGRATIONS: list[str] = [

@@ -19,7 +19,13 @@ Conventions every backend follows (the shared tests in ``tests/memory`` check th
 * Scores: higher is better. Lexical = the engine's relevance (SQLite ``-bm25()``, PostgreSQL
   ``ts_rank_cd``), any positive scale; vector = cosine similarity in [-1, 1].
 * Errors: only :mod:`torpor.errors` classes leave a backend (``StorageError``, ``CorruptData``,
-  ``RecordNotFound``, ``InvalidArgument``); driver exceptions are wrapped with ``exc=``.
+  ``RecordNotFound``, ``InvalidArgument``, ``QuotaExceeded``); driver exceptions are wrapped
+  with ``exc=``.
+* Record quota: a store counts every row it holds (facts and episodes; current, superseded and
+  expired-but-unpurged alike) in a counter its own triggers keep, so checking a quota costs
+  no scan. :meth:`TenantStore.add` and :meth:`TenantStore.import_records` take ``quota=`` and
+  refuse, inside the write transaction, a batch that would take the count over it: all or
+  nothing (:func:`check_record_quota`).
 
 Version 1 of this interface. Changes are announced in commit messages.
 """
@@ -31,6 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torpor.errors import QuotaExceeded
 from torpor.memory.models import (
     AuditEntry,
     Episode,
@@ -51,6 +58,7 @@ __all__ = [
     "RecordFilter",
     "TenantStore",
     "Vector",
+    "check_record_quota",
     "successor",
     "time_clauses",
     "visible",
@@ -132,6 +140,21 @@ def successor(rec: Fact, current_valid_from_us: int) -> Fact:
     return rec
 
 
+def check_record_quota(tenant: str, quota: int | None, used: int, adding: int) -> None:
+    """Raise :class:`QuotaExceeded` (``quota="memory_records"``, ``limit``, ``used``) when a
+    store holding ``used`` records may not take ``adding`` more under ``quota`` (None: no
+    limit). Backends call it inside the write transaction, so a refused batch writes nothing."""
+    if quota is not None and adding > 0 and used + adding > quota:
+        raise QuotaExceeded(
+            f"tenant {tenant!r} is at its memory records quota: {used} of {quota} used, "
+            f"{adding} more asked (forget records, or raise it in quotas.json)",
+            tenant=tenant,
+            quota="memory_records",
+            limit=quota,
+            used=used,
+        )
+
+
 def time_clauses(flt: RecordFilter, alias: str, ph: str) -> tuple[list[str], list[Any]]:
     """The SQL both backends share for :func:`visible`'s time, key and session rules.
 
@@ -172,7 +195,11 @@ class TenantStore(abc.ABC):
     # -- writes ---------------------------------------------------------------------------
     @abc.abstractmethod
     def add(
-        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+        self,
+        records: Sequence[AnyRecord],
+        vectors: Sequence[Vector | None] | None = None,
+        *,
+        quota: int | None = None,
     ) -> list[AnyRecord]:
         """Insert ``records`` (with their optional embeddings) in one transaction, in order.
 
@@ -182,16 +209,28 @@ class TenantStore(abc.ABC):
         after the old one's, it is moved to old ``valid_from`` + 1 µs, so history is strictly
         ordered even across processes. Nothing outside that scope and key changes.
         Returns the stored records (with any adjusted ``valid_from``). All or nothing:
-        raises :class:`StorageError` (or :class:`InvalidArgument` for a duplicate id) and
-        leaves no partial state.
+        raises :class:`StorageError` (or :class:`InvalidArgument` for a duplicate id, or
+        :class:`QuotaExceeded` when the store would then hold more than ``quota`` records)
+        and leaves no partial state.
         """
 
     @abc.abstractmethod
     def import_records(
-        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+        self,
+        records: Sequence[AnyRecord],
+        vectors: Sequence[Vector | None] | None = None,
+        *,
+        quota: int | None = None,
     ) -> int:
         """Insert records exactly as given (ids, validity, supersession kept), skipping ids
-        that already exist. Returns how many were inserted. One transaction."""
+        that already exist. Returns how many were inserted. One transaction; raises
+        :class:`QuotaExceeded` (nothing inserted) when the store would then hold more than
+        ``quota`` records."""
+
+    @abc.abstractmethod
+    def record_count(self) -> int:
+        """How many records the store holds, as the record quota counts them (every row:
+        current, superseded and expired-but-unpurged facts and episodes)."""
 
     @abc.abstractmethod
     def set_verification(

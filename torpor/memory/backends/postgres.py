@@ -8,6 +8,20 @@ LOCAL``). The RLS policy on every table admits only rows of that tenant, for rea
 so a query that forgot its tenant sees nothing and a write naming another tenant is refused
 (SQLSTATE 42501, raised as :class:`~torpor.errors.AccessDenied` and written to the audit log).
 
+**The tenant is proven, not claimed.** Anyone connected as ``torpor_app`` may set
+``torpor.tenant``; so the policies admit a tenant only when the setting
+``torpor.tenant_proof`` carries ``<expiry>:<mac>``, a keyed SHA-256 (HMAC's construction) of
+``<tenant>:<expiry>`` under the keys in ``torpor.tenant_keys``, a table ``torpor_app`` cannot
+read, checked by the SECURITY DEFINER function ``torpor.bound_tenant()`` (schema v9). The
+backend reads the keys once at open through ``admin_dsn`` (the owner, or a login granted
+``torpor_admin``), or takes them as ``tenant_key=`` / ``$TORPOR_PG_TENANT_KEY`` (the
+:attr:`PostgresBackend.tenant_key` of a backend that could read them), and makes a proof valid
+:data:`PROOF_SECONDS` per transaction. So a holder of a ``torpor_app`` login (its password, a
+SQL injection through it) sees no tenant's rows, cannot list tenants, read the audit log or
+write audit entries for a tenant; what the process that holds the keys can do, it can do for
+every tenant (it serves them all). Cross-tenant reads (:meth:`~PostgresBackend.tenants`,
+the whole :meth:`~PostgresBackend.audit_log`) go through ``admin_dsn``.
+
 Open with a DSN: ``PostgresBackend("postgresql://app@db/torpor")``. The schema is migrated on
 open (see :mod:`._pg_schema`); that needs an owner-level role, so pass ``admin_dsn=`` when the
 application's own login cannot run DDL. Connections come from ``psycopg_pool`` when installed,
@@ -26,8 +40,10 @@ re-run exactly: a filter can make the result smaller only when fewer records are
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -62,6 +78,11 @@ log = logging.getLogger(__name__)
 __all__ = ["PostgresBackend", "PostgresTenantStore"]
 
 _T = schema.TENANT
+#: how long a tenant proof made for one transaction stays valid (it allows this much clock
+#: skew between this host and the database; a proof is never shown, so replay needs one seen)
+PROOF_SECONDS = 300
+#: the keys, hex, for a process whose admin_dsn cannot read them (tenant_key= wins)
+KEY_ENV = "TORPOR_PG_TENANT_KEY"
 
 
 def translate(exc: psycopg.Error, what: str, tenant: str | None = None) -> TorporError:
@@ -101,6 +122,7 @@ class PostgresBackend(MemoryBackend):
         admin_dsn: str | None = None,
         pool_size: int = 4,
         hnsw_min_rows: int = 20_000,
+        tenant_key: str | None = None,
     ) -> None:
         self.dsn = dsn
         self.admin_dsn = admin_dsn or dsn
@@ -112,7 +134,60 @@ class PostgresBackend(MemoryBackend):
         self._index_failed = False
         self._migrate()
         self._check_app_role()
+        self._keys = self._load_keys(tenant_key or os.environ.get(KEY_ENV) or None)
         self._pool: Pool | None = make_pool(dsn, pool_size)
+        self._check_proof()
+
+    # -- the tenant proof -----------------------------------------------------------------
+    @property
+    def tenant_key(self) -> str:
+        """The tenant-proof keys as one hex string: what ``tenant_key=`` (or
+        ``$TORPOR_PG_TENANT_KEY``) takes in a process whose login cannot read them. A
+        secret: whoever holds it and a ``torpor_app`` login can act as any tenant."""
+        return (self._keys[0] + self._keys[1]).hex()
+
+    def _load_keys(self, given: str | None) -> tuple[bytes, bytes]:
+        if given is not None:
+            try:
+                raw = bytes.fromhex(given)
+            except ValueError:
+                raw = b""
+            if len(raw) != 128:
+                raise StorageError("tenant_key must be 256 hex digits (PostgresBackend.tenant_key)")
+            return raw[:64], raw[64:]
+        try:
+            with self._admin() as conn:
+                row = conn.execute(
+                    "SELECT inner_key, outer_key FROM torpor.tenant_keys WHERE id = 1"
+                ).fetchone()
+        except psycopg.Error as exc:
+            raise StorageError(
+                "cannot read the tenant-proof keys (torpor.tenant_keys): pass admin_dsn= a "
+                f"login that may (the owner, or one granted torpor_admin), or tenant_key= "
+                f"(${KEY_ENV}): {str(exc).strip()}",
+                exc=exc,
+            ) from exc
+        if row is None:
+            raise CorruptData("torpor.tenant_keys is empty: the tenant-proof keys are gone")
+        return bytes(row[0]), bytes(row[1])
+
+    def _proof(self, tenant: str) -> str:
+        """``<expiry µs>:<mac>`` proving ``tenant`` to ``torpor.bound_tenant()``."""
+        expiry = time.time_ns() // 1000 + PROOF_SECONDS * 1_000_000
+        inner = hashlib.sha256(self._keys[0] + f"{tenant}:{expiry}".encode()).digest()
+        return f"{expiry}:{hashlib.sha256(self._keys[1] + inner).hexdigest()}"
+
+    def _check_proof(self) -> None:
+        # a wrong key or a database clock far ahead of this one would make every tenant's
+        # rows invisible, silently: refuse to open instead
+        with self.transaction("check the tenant proof", "_probe") as cur:
+            row = cur.execute("SELECT torpor.bound_tenant()").fetchone()
+        if not row or row[0] != "_probe":
+            raise StorageError(
+                "PostgreSQL refuses this backend's tenant proof: tenant_key does not match "
+                "torpor.tenant_keys, or the database clock is more than "
+                f"{PROOF_SECONDS} s ahead of this host's",
+            )
 
     # -- connections ----------------------------------------------------------------------
     def _admin(self) -> psycopg.Connection[Any]:
@@ -229,8 +304,9 @@ class PostgresBackend(MemoryBackend):
         try:
             with pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
                 cur.execute(
-                    "SELECT set_config('role', %s, true), set_config('torpor.tenant', %s, true)",
-                    (schema.APP_ROLE, tenant or ""),
+                    "SELECT set_config('role', %s, true), set_config('torpor.tenant', %s, true), "
+                    "set_config('torpor.tenant_proof', %s, true)",
+                    (schema.APP_ROLE, tenant or "", self._proof(tenant) if tenant else ""),
                 )
                 yield cur
         except psycopg.Error as exc:
@@ -270,8 +346,13 @@ class PostgresBackend(MemoryBackend):
             return self._stores.setdefault(tenant, PostgresTenantStore(self, tenant))
 
     def tenants(self) -> list[str]:
-        with self.transaction("list tenants", None) as cur:
-            return [str(r[0]) for r in cur.execute("SELECT * FROM torpor.tenant_names()")]
+        """Every tenant's name: a cross-tenant read, so through ``admin_dsn`` (raises
+        :class:`AccessDenied` when that login is neither the owner nor in torpor_admin)."""
+        try:
+            with self._admin() as conn:
+                return [str(r[0]) for r in conn.execute("SELECT * FROM torpor.tenant_names()")]
+        except psycopg.Error as exc:
+            raise translate(exc, "list tenants") from exc
 
     # -- tokens and audit -----------------------------------------------------------------
     def put_token(self, token: TokenInfo) -> None:
@@ -341,17 +422,21 @@ class PostgresBackend(MemoryBackend):
 
     def audit_log(self, tenant: str | None = None, limit: int = 100) -> list[AuditEntry]:
         cols = "at, tenant_id, actor, action, scope, allowed, detail"
+        if tenant is None:  # every tenant's: through admin_dsn, as tenants()
+            try:
+                with self._admin() as conn:
+                    rows = conn.execute(
+                        f"SELECT {cols} FROM torpor.audit_recent(%s)", (limit,)
+                    ).fetchall()
+            except psycopg.Error as exc:
+                raise translate(exc, "audit log") from exc
+            return [audit_from_row(r, json_text=False) for r in rows]
         with self.transaction("audit log", tenant) as cur:
-            if tenant is None:
-                rows = cur.execute(
-                    f"SELECT {cols} FROM torpor.audit_recent(%s)", (limit,)
-                ).fetchall()
-            else:
-                rows = cur.execute(
-                    f"SELECT {cols} FROM torpor.audit WHERE tenant_id = {_T} "
-                    "ORDER BY seq DESC LIMIT %s",
-                    (limit,),
-                ).fetchall()
+            rows = cur.execute(
+                f"SELECT {cols} FROM torpor.audit WHERE tenant_id = {_T} "
+                "ORDER BY seq DESC LIMIT %s",
+                (limit,),
+            ).fetchall()
         return [audit_from_row(r, json_text=False) for r in rows]
 
     def close(self) -> None:

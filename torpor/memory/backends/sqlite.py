@@ -42,6 +42,7 @@ from torpor.memory.backends.base import (
     RecordFilter,
     TenantStore,
     Vector,
+    check_record_quota,
     successor,
 )
 from torpor.memory.models import (
@@ -89,7 +90,11 @@ class SQLiteTenantStore(TenantStore):
 
     # -- writes ---------------------------------------------------------------------------
     def add(
-        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+        self,
+        records: Sequence[AnyRecord],
+        vectors: Sequence[Vector | None] | None = None,
+        *,
+        quota: int | None = None,
     ) -> list[AnyRecord]:
         if vectors is not None and len(vectors) != len(records):
             raise InvalidArgument("records and vectors differ in length")
@@ -97,6 +102,8 @@ class SQLiteTenantStore(TenantStore):
         rows: list[tuple[Any, ...]] = []
         vecs: list[tuple[bytes, str]] = []
         with self._db.write("add") as conn:
+            # BEGIN IMMEDIATE holds the write lock: the count cannot move under this check
+            check_record_quota(self.tenant, quota, self._count(conn), len(records))
             for i, rec in enumerate(records):
                 if isinstance(rec, Fact) and rec.key is not None:
                     self._insert_many(conn, rows, vecs)  # supersession sees what came before
@@ -156,14 +163,30 @@ class SQLiteTenantStore(TenantStore):
         self._close(conn, row[0], rec)
         return rec
 
+    @staticmethod
+    def _count(conn: sqlite3.Connection) -> int:
+        return int(conn.execute("SELECT n FROM counts WHERE what = 'records'").fetchone()[0])
+
+    def record_count(self) -> int:
+        with self._db.read("record count") as conn:
+            return self._count(conn)
+
     def import_records(
-        self, records: Sequence[AnyRecord], vectors: Sequence[Vector | None] | None = None
+        self,
+        records: Sequence[AnyRecord],
+        vectors: Sequence[Vector | None] | None = None,
+        *,
+        quota: int | None = None,
     ) -> int:
         inserted = 0
         with self._db.write("import") as conn:
+            used = self._count(conn)
             for i, rec in enumerate(records):
                 if conn.execute("SELECT 1 FROM records WHERE id = ?", (rec.id,)).fetchone():
                     continue
+                # checked per record (ids already present are skipped, not counted); an
+                # exception rolls the whole import back
+                check_record_quota(self.tenant, quota, used + inserted, 1)
                 if isinstance(rec, Fact) and rec.key is not None and rec.valid_to is None:
                     row = self._current(conn, rec)
                     if row is not None and row[2] < to_us(rec.valid_from):

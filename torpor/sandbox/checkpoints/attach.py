@@ -15,18 +15,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import time
 from typing import Any
 
-from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState
+from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState, TorporError
 from torpor.sandbox.engine import Channel, Machine
 from torpor.sandbox.manager import Held
 from torpor.sandbox.manager.core import Live
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
-from torpor.sandbox.requests import DriveMount, VolumeMount
+from torpor.sandbox.requests import CommandSpec, DriveMount, VolumeMount
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.records import RecordStore
+from torpor.sandbox.storage.snapshots import step
 from torpor.sandbox.storage.volumes import VolumeInfo, VolumeStore, find_guest_disk
 
 __all__ = ["Attachments"]
@@ -65,6 +67,37 @@ class Attachments:
         """Mount the sandbox's drives again after a wake."""
         for drive, att in self.drives.attached_to(sandbox_id):
             await mount_in_guest(channel, drive, att.path, att.read_only)
+
+    async def remount_running(self) -> int:
+        """Mount, in every running sandbox, the attached drives its guest has not mounted: a
+        restart after a crash between a drive's plug (or a wake) and its mount finds them
+        recorded, plugged and unmounted. Returns how many it mounted; a failure is logged."""
+        mounted = 0
+        for rec in self.manager.registry.list(states={S.RUNNING}):
+            attached = self.drives.attached_to(rec.id)
+            if not attached:
+                continue
+            live = self.manager.live(rec.id)
+            async with live.lock:
+                channel = live.channel
+                if channel is None:
+                    continue
+                for drive, att in attached:
+                    probe = (
+                        f"awk -v p={shlex.quote(att.path)} '$2 == p {{f = 1}} END {{exit !f}}' "
+                        "/proc/mounts"
+                    )
+                    try:
+                        found = await channel.run_command(CommandSpec(cmd=probe, timeout=30))
+                        if found.exit_code == 0:
+                            continue
+                        await mount_in_guest(channel, drive, att.path, att.read_only)
+                    except TorporError as exc:
+                        log.warning("cannot mount drive %s in %s: %s", drive.id, rec.id, exc)
+                        continue
+                    log.info("drive %s mounted again in %s at %s", drive.id, rec.id, att.path)
+                    mounted += 1
+        return mounted
 
     # -- attaching -----------------------------------------------------------------------
 
@@ -166,6 +199,20 @@ class Attachments:
         log.info("volume %s mounted in %s at %s", vol.id, rec.id, path)
         return self.volumes.get(vol.id, tenant=tenant)
 
+    async def _unplug_share(
+        self, machine: Machine, drive_id: str, sandbox_id: str, tenant: str
+    ) -> None:
+        """Undo a drive's attach whose mount failed: unplug the share, then drop the record.
+        A share the guest will not release stays recorded (the guest can still mount it)."""
+        try:
+            await machine.detach(drive_id)  # type: ignore[attr-defined]
+        except Exception as exc:
+            log.warning(
+                "cannot unplug drive %s from %s: %s; it stays attached", drive_id, sandbox_id, exc
+            )
+            return
+        self.drives.detach(drive_id, sandbox_id, tenant=tenant)
+
     async def attach_drive(
         self,
         id_or_name: str,
@@ -180,7 +227,15 @@ class Attachments:
         ``read_only``).
 
         Adding a 9p device costs one hibernate + wake of the sandbox. Raises DriveNotFound,
-        InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError.
+        InvalidArgument, Conflict (busy mounts), InvalidState, EngineError/GuestError (then
+        the share is unplugged and the attachment undone; if the guest will not let the
+        device go, the attachment stays, since the guest can still mount it).
+
+        Steps (crash points, ``snapshots.step``): ``attach:plugged`` (the share is in the
+        machine and its machine.json, with the mount path), ``attach:recorded`` (the drive's
+        attachment record), ``attach:mounted``. A crash between the first two leaves a
+        device without a record: :func:`~torpor.sandbox.storage.retention.restore_unrecorded_drives`
+        restores the record at the restart (:meth:`Checkpoints.recover`) or in GC.
         """
         from torpor.sandbox.vm.machine import ShareSpec
 
@@ -204,17 +259,21 @@ class Attachments:
                         path=self.drives.directory(info.id),
                         tag=info.mount_tag,
                         read_only=read_only,
+                        guest_path=path,
                     )
                 )
             finally:
                 live.channel = await m.engine.connect(machine, m.directory(rec.id))
                 await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
                 await self.after_wake(rec.id, live.channel)
+            step("attach:plugged")
             self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)
+            step("attach:recorded")
             try:
                 await mount_in_guest(live.channel, info, path, read_only)
             except BaseException:
-                self.drives.detach(info.id, rec.id, tenant=tenant)
+                await self._unplug_share(machine, info.id, rec.id, tenant)
                 raise
+            step("attach:mounted")
         log.info("drive %s mounted in %s at %s", info.id, rec.id, path)
         return self.drives.get(info.id, tenant=tenant)

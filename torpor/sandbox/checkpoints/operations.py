@@ -74,7 +74,11 @@ from torpor.sandbox.requests import (
 )
 from torpor.sandbox.storage.compaction import expand, is_compacted
 from torpor.sandbox.storage.drives import DriveStore
-from torpor.sandbox.storage.retention import GcReport, collect_garbage
+from torpor.sandbox.storage.retention import (
+    GcReport,
+    collect_garbage,
+    restore_unrecorded_drives,
+)
 from torpor.sandbox.storage.snapshots import (
     CarriedSettings,
     SnapshotInfo,
@@ -500,6 +504,19 @@ class Checkpoints:
         return await self.manager.get(info.id, tenant=tenant)
 
     # -- retention -----------------------------------------------------------------------
+
+    async def recover(self) -> int:
+        """After a restart, before any attach is in flight: give back the attachment record
+        of each drive whose share a live sandbox's machine has without one (an attach that
+        died between plugging and recording: see
+        :func:`~torpor.sandbox.storage.retention.restore_unrecorded_drives`), then mount the
+        attached drives that running sandboxes lack (a crash between a plug or a wake and
+        the mount). Returns how many records were restored."""
+        restored = await asyncio.to_thread(
+            restore_unrecorded_drives, self.paths, self.attachments.live_ids()
+        )
+        await self.attachments.remount_running()
+        return restored
 
     async def collect_garbage(
         self, spec: GcSpec | None = None, /, *, now: float | None = None, **fields: Any

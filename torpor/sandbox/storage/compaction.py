@@ -37,7 +37,7 @@ from typing import Any
 
 from torpor.errors import CorruptData, StorageError
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, data_ranges, overlaps
-from torpor.sandbox.vm.disk import fsync_dir
+from torpor.sandbox.vm.disk import copy_range, fsync_dir
 
 __all__ = [
     "MARKER",
@@ -236,14 +236,11 @@ def expand(directory: Path, chunks: ChunkStore, *, sandbox_id: str | None = None
                 start = index * manifest.chunk_size
                 length = min(manifest.chunk_size, manifest.size - start)
                 if index in from_template and template_fd is not None:
-                    done = 0
-                    while done < length:
-                        n = os.copy_file_range(
-                            template_fd, fd, length - done, start + done, start + done
-                        )
-                        if n == 0:
-                            raise StorageError(f"template RAM ended early at {start + done}")
-                        done += n
+                    # the template may lie on another file system (a split home): copy_range
+                    # falls back to copying by hand there
+                    copy_range(template_fd, fd, start, start + length)
+                    if os.fstat(template_fd).st_size < start + length:
+                        raise StorageError(f"template RAM ended before {start + length}")
                     return
                 data = chunks.get(digest, snapshot_id=None)
                 if len(data) != length:

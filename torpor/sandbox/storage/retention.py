@@ -11,7 +11,10 @@ What goes, in this order (each step only removes what nothing references):
    the manifests give the mark set, :meth:`ChunkStore.sweep` the rest. A store shared by
    many nodes (``s3://``) is not swept from one home, whose manifests are its own only.
    Compacted paused sandboxes (:mod:`.compaction`) mark the chunks of their RAM;
-4. **attachments** of volumes and drives held by sandboxes that no longer exist;
+4. **attachments** of volumes and drives held by sandboxes that no longer exist, or recorded
+   but never plugged (a crash mid-attach); and the reverse, a drive's 9p device in a
+   machine.json with no attachment record (a crash after the plug, before the record), which
+   gets its record back (:func:`restore_unrecorded_drives`);
 5. leftovers of interrupted work (``.*.tmp``, ``.*.work``) older than an hour.
 
 Expired *pauses* (a paused sandbox kept past its ``pause_retention_days``, default 30) are the
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.config import Paths
-from torpor.errors import CorruptData, StorageError
+from torpor.errors import CorruptData, StorageError, TorporError
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, SweepReport
 from torpor.sandbox.storage.compaction import referenced_by_compacted
 from torpor.sandbox.storage.drives import DriveStore
@@ -42,7 +45,14 @@ from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, step
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import is_qcow2
 
-__all__ = ["GcReport", "collect_garbage", "referenced_frozen", "sweep_shared_store"]
+__all__ = [
+    "GcReport",
+    "collect_garbage",
+    "referenced_frozen",
+    "restore_unrecorded_drives",
+    "sweep_shared_store",
+    "unrecorded_shares",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +70,7 @@ class GcReport:
     removed_chunks: int = 0
     freed_bytes: int = 0
     released_attachments: int = 0
+    restored_attachments: int = 0
     kept_chunks: int = 0
     dry_run: bool = False
 
@@ -71,6 +82,7 @@ class GcReport:
             "removed_chunks": self.removed_chunks,
             "freed_bytes": self.freed_bytes,
             "released_attachments": self.released_attachments,
+            "restored_attachments": self.restored_attachments,
             "kept_chunks": self.kept_chunks,
             "dry_run": self.dry_run,
         }
@@ -125,6 +137,68 @@ def _plugged(paths: Paths, sandbox_id: str, device_id: str) -> bool:
         return any(d.get("id") == device_id for d in devices)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return True
+
+
+def unrecorded_shares(devices: list[dict[str, Any]], recorded: set[str]) -> list[dict[str, Any]]:
+    """The 9p share records among a machine.json's ``devices`` whose drive (a share's device
+    id is its drive's id) is not in ``recorded``, the drives attached to that sandbox."""
+    return [d for d in devices if d.get("kind") == "share" and d.get("id") not in recorded]
+
+
+def restore_unrecorded_drives(
+    paths: Paths, live_sandboxes: set[str], *, before: float | None = None
+) -> int:
+    """Give back the attachment record of every drive whose 9p device a live sandbox's
+    machine has but whose record is missing: an attach that died after plugging the share and
+    before recording it (or whose undo could not unplug it). Returns how many were restored.
+
+    Restored, not unplugged: the device is part of the machine, and of its saved state once it
+    hibernates, so a paused machine cannot drop it without losing that state; and while it is
+    there the guest can mount the drive, so the record must say so (the drive cannot then be
+    deleted under it, and it is mounted again after every wake). The mount path is the one
+    machine.json kept (``guest_path``), else ``/mnt/<drive name>``. ``before``: skip machines
+    whose machine.json changed since this Unix time (an attach in flight); None at a restart,
+    when nothing is in flight. A drive that no longer exists is logged and left."""
+    drives = DriveStore(paths)
+    by_id = {d.id: d for d in drives.list_all()}
+    restored = 0
+    for sandbox_id in sorted(live_sandboxes):
+        file = paths.sandboxes / sandbox_id / "machine.json"
+        try:
+            if before is not None and file.stat().st_mtime >= before:
+                continue
+            devices = list(json.loads(file.read_text()).get("devices", []))
+        except (OSError, ValueError, AttributeError):
+            continue
+        recorded = {d.id for d, _ in drives.attached_to(sandbox_id)}
+        for dev in unrecorded_shares(devices, recorded):
+            drive = by_id.get(str(dev.get("id")))
+            if drive is None:
+                log.warning(
+                    "sandbox %s has the 9p device of drive %s, which is gone", sandbox_id, dev
+                )
+                continue
+            path = dev.get("guest_path") or f"/mnt/{drive.name}"
+            try:
+                drives.attach(
+                    drive.id,
+                    sandbox_id,
+                    path,
+                    read_only=bool(dev.get("read_only")),
+                    tenant=drive.tenant,
+                )
+            except TorporError as exc:
+                log.warning("cannot restore drive %s in %s: %s", drive.id, sandbox_id, exc)
+                continue
+            log.warning(
+                "drive %s was plugged into %s but its attachment was never recorded (a crash "
+                "mid-attach): recorded now, at %s",
+                drive.id,
+                sandbox_id,
+                path,
+            )
+            restored += 1
+    return restored
 
 
 def _leftovers(root: Path, now: float) -> list[Path]:
@@ -233,6 +307,9 @@ def collect_garbage(
                 report.released_attachments += records.release_unplugged(
                     lambda sid, rid: _plugged(paths, sid, rid), before=before
                 )
+            report.restored_attachments = restore_unrecorded_drives(
+                paths, live_sandboxes, before=before
+            )
     except OSError as exc:
         raise StorageError(f"garbage collection failed: {exc}", exc=exc) from exc
     log.info("gc: %s", report.to_json())

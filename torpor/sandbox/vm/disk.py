@@ -22,6 +22,7 @@ from pathlib import Path
 from torpor.errors import EngineError
 
 __all__ = [
+    "copy_range",
     "copy_sparse",
     "fsync_dir",
     "is_qcow2",
@@ -60,11 +61,14 @@ def copy_sparse(src: Path, dst: Path) -> None:
                     break
                 raise
             end = os.lseek(ifd, start, os.SEEK_HOLE)
-            _copy_range(ifd, ofd, start, end)
+            copy_range(ifd, ofd, start, end)
             pos = end
 
 
-def _copy_range(ifd: int, ofd: int, start: int, end: int) -> None:
+def copy_range(ifd: int, ofd: int, start: int, end: int) -> None:
+    """Copy bytes ``start``-``end`` of ``ifd`` to the same offsets of ``ofd``: in the kernel
+    (``copy_file_range``) where it can, by hand where it cannot (another file system: EXDEV).
+    Stops early at the end of ``ifd``. Raises OSError."""
     off = start
     while off < end:
         try:

@@ -117,12 +117,15 @@ class DiskSpec:
 
 @dataclass(frozen=True)
 class ShareSpec:
-    """A host directory shared into the guest with virtio-9p under mount tag ``tag``."""
+    """A host directory shared into the guest with virtio-9p under mount tag ``tag``.
+    ``guest_path``: where the guest mounts it (kept in machine.json, not used by QEMU: what a
+    restart needs to restore a drive's attachment that a crash kept from being recorded)."""
 
     id: str
     path: Path
     tag: str
     read_only: bool = False
+    guest_path: str | None = None
 
 
 @dataclass
