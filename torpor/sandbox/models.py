@@ -130,6 +130,14 @@ class SandboxInfo(BaseModel):
     #: bytes of disk the sandbox alone holds: its RAM file, saved state and disk overlay (not
     #: the template's base image it shares); None when not measured (a killed sandbox: 0)
     owned_bytes: int | None = None
+    #: cluster mode (``torpor serve --cluster``): when the current pause was copied off this
+    #: node into the shared store, so it wakes on any node even if this one dies; None while
+    #: running, while the upload runs, or on one machine (the embedded default: nothing
+    #: leaves the disk)
+    durable: datetime | None = None
+    #: cluster mode: why the current pause is not durable yet (an upload failed and is being
+    #: retried); None otherwise
+    upload_error: str | None = None
 
 
 class SandboxEvent(BaseModel):
