@@ -39,6 +39,7 @@ from torpor.sandbox.registry.usage import UsageReport, parse_query
 
 if TYPE_CHECKING:
     from torpor.client.memory import RemoteMemory
+    from torpor.client.sandbox import Sandboxes
     from torpor.client.tokens import Tokens
 
 __all__ = ["DEFAULT_TIMEOUT", "Runtime", "default_runtime", "error_of", "set_default_runtime"]
@@ -225,6 +226,14 @@ class Runtime:
         from torpor.client.memory import RemoteMemory
 
         return RemoteMemory(self)
+
+    @functools.cached_property
+    def sandboxes(self) -> Sandboxes:
+        """This server's sandboxes: ``rt.sandboxes.get_or_create(name)``, ``create``,
+        ``get``, ``list`` (:class:`torpor.client.sandbox.Sandboxes`)."""
+        from torpor.client.sandbox import Sandboxes
+
+        return Sandboxes(self)
 
     @functools.cached_property
     def tokens(self) -> Tokens:
