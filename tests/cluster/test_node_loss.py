@@ -136,21 +136,28 @@ def test_paused_sandbox_wakes_on_another_node_after_its_node_dies(
     rt = torpor.Runtime(url=n1.url, token=tok)
     sbx = rt.sandboxes.get_or_create("agent-u-42")
     sbx.interpreter.run("notes = [1, 2]")
+    rt2 = torpor.Runtime(url=n2.url, token=tok)
+    via_n2 = rt2.sandboxes.get("agent-u-42")  # n1 runs it: n2 proxies the call there
+    assert via_n2.interpreter.run("notes").results[0].data["text/plain"] == "[1, 2]"
     sbx.pause()
-    deadline = time.monotonic() + 120
+    paused = time.monotonic()
+    deadline = paused + 120
     info = sbx.info
     while info.durable is None:  # pushed to the store in the background
         assert time.monotonic() < deadline, f"never durable: {info}\n{n1.log_tail()}"
         time.sleep(0.5)
         info = sbx.info
     assert info.upload_error is None and info.state.value == "paused"
+    print(f"durable {time.monotonic() - paused:.2f} s after the pause returned")
 
     n1.process.send_signal(signal.SIGKILL)  # n1 dies, and its disk with it
     n1.process.wait()
     shutil.rmtree(n1.home / "sandboxes")
 
-    rt2 = torpor.Runtime(url=n2.url, token=tok)
+    started = time.monotonic()
     woken = rt2.sandboxes.get_or_create("agent-u-42")
+    print(f"woken on n2 in {time.monotonic() - started:.2f} s (fetch + rebuild + wake)")
+    print("\n".join(line for line in n2.log_tail(200).splitlines() if "pause" in line))
     try:
         assert woken.interpreter.run("notes").results[0].data["text/plain"] == "[1, 2]"
     except AssertionError:

@@ -146,6 +146,34 @@ def test_lost_node_falls_back_to_last_durable_pause(tmp_path: Path, dsn: str, st
     run(body)
 
 
+def test_node_killed_before_its_upload_loses_only_that_pause(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    async def body() -> None:
+        n1, n2 = node(tmp_path, dsn, store, "n1"), node(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        sbx = await n1.create(name="agent")
+        await n1.run_code("agent", "x = 1")
+        await n1.pause("agent")
+        await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
+        await n1.run_code("agent", "x = 2")
+        again = await n1.pause("agent")  # paused locally; n1 dies before its upload
+        die(n1, tmp_path / "n1")
+        assert again.durable is None
+        # n2 must not wake it while n1's lease runs (its files may still come back)
+        with pytest.raises(Conflict):
+            await n2.run_code("agent", "x")
+        back = await until(lambda: n2.get("agent"), lambda i: i.durable is not None, timeout=30)
+        assert back.paused_at is not None and back.paused_at < (again.paused_at or 0)
+        assert "lost" in n2.registry.transitions(sbx.id)[-1].reason
+        out = await n2.run_code("agent", "x")
+        assert out.results[0].data["text/plain"] == "1"  # the last durable pause's
+        await n2.close()
+
+    run(body)
+
+
 def test_upload_failure_is_visible_then_retried(
     tmp_path: Path, dsn: str, store: str, s3_server: S3Server
 ) -> None:
