@@ -28,8 +28,17 @@ owner stopped heartbeating, for another node to recover.
 snapshot, and :meth:`PostgresRegistry.referenced_chunks` is the mark set of a sweep of the
 shared chunk store (:func:`~torpor.sandbox.storage.retention.sweep_shared_store`).
 
-Not here yet (issue 9 part 1): volumes, drives and usage tables; pause manifests; recovery of
-lapsed sandboxes (it needs pauses made durable off-node, part 3).
+**Pause manifests** (schema v4, ``pauses``): which node holds a sandbox's latest pause
+(:meth:`PostgresRegistry.note_pause`) and the latest pause stored off-node
+(:meth:`PostgresRegistry.record_durable`; a failed upload says why:
+:meth:`PostgresRegistry.record_upload_error`). A sandbox row read from here carries
+``durable_at`` when its current pause is the durable one. :meth:`PostgresRegistry.recover`
+takes a sandbox from an owner whose lease lapsed, in one compare-and-set transaction: back to
+its last durable pause (what changed since is lost, and the transition says so), else to
+``error``. The manager's use of all this: :mod:`torpor.sandbox.manager.cluster`.
+
+Not here yet (issue 9 part 1): volumes, drives and usage tables (transitions carry no usage
+meters here: usage reports raise InvalidArgument in cluster mode).
 """
 
 from __future__ import annotations
