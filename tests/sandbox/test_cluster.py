@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,7 +62,7 @@ def node(tmp_path: Path, dsn: str, store: str, name: str, lease: float = 3.0) ->
     return SandboxManager(paths(tmp_path / name), engine=FakeEngine(), cluster=config)
 
 
-def run(body: Callable[[], Awaitable[None]]) -> None:
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(body())
 
 
@@ -165,7 +166,8 @@ def test_node_killed_before_its_upload_loses_only_that_pause(
         with pytest.raises(Conflict):
             await n2.run_code("agent", "x")
         back = await until(lambda: n2.get("agent"), lambda i: i.durable is not None, timeout=30)
-        assert back.paused_at is not None and back.paused_at < (again.paused_at or 0)
+        assert back.paused_at is not None and again.paused_at is not None
+        assert back.paused_at < again.paused_at
         assert "lost" in n2.registry.transitions(sbx.id)[-1].reason
         out = await n2.run_code("agent", "x")
         assert out.results[0].data["text/plain"] == "1"  # the last durable pause's
