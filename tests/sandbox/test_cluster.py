@@ -217,6 +217,12 @@ def test_two_nodes_racing_to_wake_one_wins(tmp_path: Path, dsn: str, store: str)
         assert len(won) == 1 and won[0].results[0].data["text/plain"] == "7"
         assert len(lost) == 1 and isinstance(lost[0], Conflict)
         assert lost[0].data["owner_node"] in ("n2", "n3")
+        # n1's copy of the pause is stale now (the sandbox runs elsewhere): n1 drops it
+        sandbox_id = (await n1.get("agent")).id
+        assert (tmp_path / "n1" / "sandboxes" / sandbox_id).is_dir()
+        assert await n1.drop_stale() == [sandbox_id]
+        assert not (tmp_path / "n1" / "sandboxes" / sandbox_id).exists()
+        assert await n2.drop_stale() == [] and await n3.drop_stale() == []
         for n in (n1, n2, n3):
             await n.close()
 

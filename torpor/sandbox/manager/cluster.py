@@ -36,7 +36,7 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,8 @@ LEASE_ENV = "TORPOR_LEASE_SECONDS"
 #: backoff of a failed pause upload: first retry after this, doubling up to the maximum
 RETRY_FIRST = 1.0
 RETRY_MAX = 60.0
+#: seconds between two looks for local directories another node made stale
+TIDY_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -220,20 +222,38 @@ class ClusterNode:
         lapsed = self.registry.lapsed()
         return [r.id for r in lapsed if self.registry.recover(r.id, self.node) is not None]
 
-    def start_heartbeat(self, on_error: Callable[[BaseException], None] | None = None) -> None:
+    def stale(self, sandbox_id: str) -> bool:
+        """Whether this node's directory of ``sandbox_id`` is of no use any more: the sandbox
+        was killed, or another node holds its latest pause (it woke there since), and this
+        node does not hold it. Raises StorageError."""
+        try:
+            rec = self.registry.get(sandbox_id)
+        except TorporError:
+            return False  # not a sandbox of this cluster: not ours to judge
+        if rec.state is S.STOPPED:
+            return True
+        if self.registry.owner(sandbox_id) == self.node:
+            return False
+        pause = self.registry.pause_record(sandbox_id)
+        return pause is not None and pause.node is not None and pause.node != self.node
+
+    def start_heartbeat(self, tidy: Callable[[], Awaitable[object]] | None = None) -> None:
         """Heartbeat and recover lapsed sandboxes every ``heartbeat_seconds`` until
-        :meth:`close`."""
+        :meth:`close`; every :data:`TIDY_SECONDS` also run ``tidy`` (the manager drops its
+        stale directories)."""
 
         async def loop() -> None:
+            last_tidy = time.monotonic()
             while True:
                 await asyncio.sleep(self.config.heartbeat_seconds)
                 try:
                     await asyncio.to_thread(self.beat)
                     await asyncio.to_thread(self.recover_lapsed)
+                    if tidy is not None and time.monotonic() - last_tidy >= TIDY_SECONDS:
+                        last_tidy = time.monotonic()
+                        await tidy()
                 except Exception as exc:  # keep beating: PostgreSQL may be back next time
                     log.warning("heartbeat of node %s failed: %s", self.node, exc)
-                    if on_error is not None:
-                        on_error(exc)
 
         if self._heartbeat is None:
             self._heartbeat = asyncio.get_running_loop().create_task(

@@ -663,8 +663,36 @@ class SandboxManager(ManagerCore):
             except Exception:  # one broken sandbox must not keep the others from starting
                 log.exception("reconciling sandbox %s failed", rec.id)
         await asyncio.to_thread(cluster.recover_lapsed)
-        cluster.start_heartbeat()
+        await self.drop_stale()
+        cluster.start_heartbeat(self.drop_stale)
         log.info("node %s joined the cluster (store %s)", cluster.node, cluster.chunks.location)
+
+    async def drop_stale(self) -> builtins.list[str]:
+        """Cluster mode: delete this node's sandbox directories that another node made stale
+        (the sandbox woke there since, or was killed); return their ids. A failure is
+        logged, not raised."""
+        cluster = self.cluster
+        dropped: builtins.list[str] = []
+        if cluster is None or not self.paths.sandboxes.is_dir():
+            return dropped
+        for directory in sorted(self.paths.sandboxes.iterdir()):
+            sandbox_id = directory.name
+            if not directory.is_dir() or not sandbox_id.startswith("sbx-"):
+                continue
+            live = self.live(sandbox_id)
+            if live.lock.locked() or live.machine is not None:
+                continue
+            try:
+                async with live.lock:
+                    if live.machine is None and await asyncio.to_thread(cluster.stale, sandbox_id):
+                        await asyncio.to_thread(shutil.rmtree, directory, True)
+                        dropped.append(sandbox_id)
+                        self._lives.pop(sandbox_id, None)
+            except TorporError as exc:
+                log.warning("cannot tell whether %s is stale: %s", sandbox_id, exc)
+        if dropped:
+            log.info("dropped %d stale sandbox directories: %s", len(dropped), dropped)
+        return dropped
 
     async def _start_alone(self) -> None:
         assert isinstance(self.registry, Registry)  # a manager without a cluster has SQLite's
