@@ -269,12 +269,15 @@ def test_durable_only_for_the_current_pause(pg: PostgresRegistry) -> None:
     pg.insert(_rec(S.PAUSED, paused_at=100.0))
     assert pg.get("sbx-1").durable_at is None and pg.pause_record("sbx-1") is None
     pg.note_pause("sbx-1", "n1", 100.0)
+    pg.acquire("sbx-1", "n1", lease_seconds=60)  # held until durable
     pg.record_upload_error("sbx-1", "store down")
+    assert pg.owner("sbx-1") == "n1"
     assert pg.get("sbx-1").upload_error == "store down"
     at = pg.record_durable("sbx-1", "n1", 100.0, {"version": 1, "files": {}})
     got = pg.get("sbx-1")
     assert (got.durable_at, got.upload_error) == (at, None)
     assert got.to_info().durable is not None
+    assert pg.owner("sbx-1") is None  # durable and given up in one step
     pg.set_state("sbx-1", S.PAUSED, S.WAKING)  # woken: the durable pause is not the state
     assert pg.get("sbx-1").durable_at is None
     record = pg.pause_record("sbx-1")

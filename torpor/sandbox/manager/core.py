@@ -461,7 +461,11 @@ class ManagerCore:
         async def push() -> bool | None:
             live = self.live(rec.id)
             async with live.lock:
-                now = self.registry.get(rec.id)
+                try:
+                    now = self.registry.get(rec.id)
+                except TorporError as exc:  # PostgreSQL away: try again later
+                    log.warning("sandbox %s: cannot check its pause: %s", rec.id, exc)
+                    return False
                 if now.state is not S.PAUSED or now.paused_at != paused_at or live.machine:
                     return None  # woken or killed meanwhile: this pause is gone
                 try:

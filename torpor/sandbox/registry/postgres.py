@@ -781,7 +781,9 @@ class PostgresRegistry:
         self, sandbox_id: str, node: str, paused_at: float, manifest: Mapping[str, Any]
     ) -> float:
         """Record that the pause ``node`` took at ``paused_at`` is stored off-node, as
-        ``manifest`` says; return when (now). Raises StorageError."""
+        ``manifest`` says, and in the same transaction give the sandbox up if ``node`` holds
+        it and it is still in that pause (any node may wake it from now on: no moment in
+        which it is durable yet held); return when (now). Raises StorageError."""
         now = time.time()
         with self._tx() as db:
             db.execute(
@@ -799,6 +801,11 @@ class PostgresRegistry:
                     paused_at,
                     now,
                 ),
+            )
+            db.execute(
+                "UPDATE torpor_registry.sandboxes SET owner_node = NULL, lease_until = NULL"
+                " WHERE id = %s AND owner_node = %s AND state = 'paused' AND paused_at = %s",
+                (sandbox_id, node, paused_at),
             )
         return now
 
