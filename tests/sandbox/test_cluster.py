@@ -348,3 +348,21 @@ def test_push_dedups_against_the_template_and_rebuilds(tmp_path: Path) -> None:
     with pytest.raises(TemplateNotFound):
         rebuild_pause(manifest, tmp_path / "c" / "sbx-1", chunks, wrong)
     assert not (tmp_path / "c" / "sbx-1").exists()
+
+
+def test_a_corrupt_chunk_fails_the_rebuild_naming_the_sandbox(tmp_path: Path) -> None:
+    from torpor.errors import CorruptData
+
+    template = _template(tmp_path / "a", "b1")
+    chunks = ChunkStore(tmp_path / "chunks")
+    sandbox = tmp_path / "a" / "sandboxes" / "sbx-1"
+    sandbox.mkdir(parents=True)
+    (sandbox / "state").write_bytes(b"device state " * 1000)
+    manifest = push_pause(sandbox, chunks, template, sandbox_id="sbx-1")
+    digest = manifest["files"]["state"]["chunks"][0]
+    chunks.path_of(digest).write_bytes(b"not the chunk")  # bit rot in the store
+    dest = tmp_path / "b" / "sbx-1"
+    with pytest.raises(CorruptData) as bad:
+        rebuild_pause(manifest, dest, chunks, template, sandbox_id="sbx-1")
+    assert "sbx-1" in str(bad.value) and bad.value.data["sandbox_id"] == "sbx-1"
+    assert not dest.exists() and not any(dest.parent.glob(".*rebuild"))
