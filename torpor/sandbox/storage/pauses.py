@@ -106,6 +106,7 @@ def _put_ram(
         theirs = _template_hashes(str(template_ram), st.st_size, st.st_mtime_ns, chunks.chunk_size)
     size_ = chunks.chunk_size
     zero = bytes(size_)
+    cache = getattr(chunks.backend, "cache", None)  # a remote store's node cache
     with open(ram, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         extents = data_ranges(f.fileno(), size)
@@ -121,6 +122,8 @@ def _put_ram(
             digest = hashlib.sha256(data).hexdigest()
             if index < len(theirs) and theirs[index] == digest:
                 return digest, True, 0
+            if cache is not None and digest in cache:
+                return digest, False, 0  # this node wrote or read it: it is in the store
             _, new = chunks.put(data)
             return digest, False, new
 
@@ -318,8 +321,11 @@ def _restore_ram(
     from_template: set[int],
     who: str,
 ) -> None:
-    """Write the RAM file: chunks in ``from_template`` copied from this node's template RAM
-    (checked against their hash), the others from the store (verified on read)."""
+    """Write the RAM file: chunks in ``from_template`` that this node's template RAM holds
+    at the same offset (by the hashes of its chunks, computed once per template file) copied
+    from it by the kernel, the others from the store (verified on read)."""
+    st = template_ram.stat()
+    theirs = _template_hashes(str(template_ram), st.st_size, st.st_mtime_ns, fm.chunk_size)
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         tfd = os.open(template_ram, os.O_RDONLY)
@@ -335,9 +341,15 @@ def _restore_ram(
                 return
             start = index * fm.chunk_size
             length = min(fm.chunk_size, fm.size - start)
-            data = os.pread(tfd, length, start) if index in from_template else b""
-            if not data or hashlib.sha256(data).hexdigest() != digest:
-                data = chunks.get(digest)  # not in this template's RAM: from the store
+            if index in from_template and index < len(theirs) and theirs[index] == digest:
+                done = 0  # the same bytes in this node's template (hashed once per node)
+                while done < length:
+                    n = os.copy_file_range(tfd, fd, length - done, start + done, start + done)
+                    if n == 0:
+                        raise OSError(f"{template_ram} ended at {start + done}")
+                    done += n
+                return
+            data = chunks.get(digest)  # not in this node's template RAM: from the store
             if len(data) != length:
                 raise CorruptData(
                     f"chunk {digest[:12]} of {who}'s RAM has {len(data)} bytes, not {length}",
