@@ -50,7 +50,9 @@ def store(s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) 
     return f"s3://{s3_bucket}/cluster"
 
 
-def node(tmp_path: Path, dsn: str, store: str, name: str, lease: float = 3.0) -> SandboxManager:
+def node(
+    tmp_path: Path, dsn: str, store: str, name: str, lease: float = 3.0, engine: Any = None
+) -> SandboxManager:
     config = ClusterConfig(
         dsn=dsn,
         store=store,
@@ -59,7 +61,8 @@ def node(tmp_path: Path, dsn: str, store: str, name: str, lease: float = 3.0) ->
         lease_seconds=lease,
         heartbeat_seconds=lease / 6,
     )
-    return SandboxManager(paths(tmp_path / name), engine=FakeEngine(), cluster=config)
+    engine = engine or FakeEngine()
+    return SandboxManager(paths(tmp_path / name), engine=engine, cluster=config)
 
 
 def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -78,8 +81,9 @@ async def until(
     return info
 
 
-def die(manager: SandboxManager, home: Path) -> None:
-    """The node is gone: no heartbeat any more, its directory deleted, nothing closed."""
+def die(manager: SandboxManager, home: Path | None) -> None:
+    """The node is gone: no heartbeat any more, its directory deleted (unless None), nothing
+    closed."""
     assert manager.cluster is not None
     if manager.cluster._heartbeat is not None:
         manager.cluster._heartbeat.cancel()
@@ -88,7 +92,8 @@ def die(manager: SandboxManager, home: Path) -> None:
     if manager._supervisor is not None:
         manager._supervisor.cancel()
     manager._closed = True
-    shutil.rmtree(home, ignore_errors=True)
+    if home is not None:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_pause_is_durable_and_wakes_on_another_node(tmp_path: Path, dsn: str, store: str) -> None:
@@ -171,6 +176,35 @@ def test_node_killed_before_its_upload_loses_only_that_pause(
         assert "lost" in n2.registry.transitions(sbx.id)[-1].reason
         out = await n2.run_code("agent", "x")
         assert out.results[0].data["text/plain"] == "1"  # the last durable pause's
+        await n2.close()
+
+    run(body)
+
+
+def test_a_lost_node_coming_back_drops_what_was_taken_over(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    async def body() -> None:
+        engine = FakeEngine()
+        n1 = node(tmp_path, dsn, store, "n1", engine=engine)
+        n2 = node(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        sbx = await n1.create(name="agent")
+        await n1.run_code("agent", "x = 1")
+        await n1.pause("agent")
+        await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
+        await n1.run_code("agent", "x = 2")  # running on n1 when n1 stops heartbeating
+        directory = tmp_path / "n1" / "sandboxes" / sbx.id
+        die(n1, None)  # its QEMU and files stay: a partition, not a dead disk
+        await until(lambda: n2.get("agent"), lambda i: i.state is S.PAUSED, timeout=30)
+        assert directory in engine.world.processes
+        again = node(tmp_path, dsn, store, "n1", engine=FakeEngine(engine.world))
+        await again.start(supervise=False)  # n1 is back: the machine is n2's to wake now
+        assert directory not in engine.world.processes and not directory.exists()
+        out = await n2.run_code("agent", "x")
+        assert out.results[0].data["text/plain"] == "1"
+        await again.close()
         await n2.close()
 
     run(body)

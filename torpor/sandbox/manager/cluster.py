@@ -224,18 +224,20 @@ class ClusterNode:
 
     def stale(self, sandbox_id: str) -> bool:
         """Whether this node's directory of ``sandbox_id`` is of no use any more: the sandbox
-        was killed, or another node holds its latest pause (it woke there since), and this
-        node does not hold it. Raises StorageError."""
+        was killed; or this node does not hold it and its latest pause is not this node's
+        (it woke elsewhere since, or was recovered from the store after this node was lost).
+        A sandbox in ``error`` keeps its directory (the disk it kept can still be read).
+        Raises StorageError."""
         try:
             rec = self.registry.get(sandbox_id)
         except TorporError:
             return False  # not a sandbox of this cluster: not ours to judge
         if rec.state is S.STOPPED:
             return True
-        if self.registry.owner(sandbox_id) == self.node:
+        if rec.state is S.ERROR or self.registry.owner(sandbox_id) == self.node:
             return False
         pause = self.registry.pause_record(sandbox_id)
-        return pause is not None and pause.node is not None and pause.node != self.node
+        return pause is None or pause.node != self.node
 
     def start_heartbeat(self, tidy: Callable[[], Awaitable[object]] | None = None) -> None:
         """Heartbeat and recover lapsed sandboxes every ``heartbeat_seconds`` until

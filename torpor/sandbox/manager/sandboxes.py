@@ -685,6 +685,10 @@ class SandboxManager(ManagerCore):
             try:
                 async with live.lock:
                     if live.machine is None and await asyncio.to_thread(cluster.stale, sandbox_id):
+                        # a QEMU left from before this node was declared lost runs a machine
+                        # another node has taken over: it goes with the files
+                        with suppress(TorporError):
+                            self.engine.terminate(directory)
                         await asyncio.to_thread(shutil.rmtree, directory, True)
                         dropped.append(sandbox_id)
                         self._lives.pop(sandbox_id, None)
