@@ -24,7 +24,11 @@
 * **Lost nodes.** In every heartbeat the node recovers the sandboxes whose owner's lease
   lapsed (:meth:`~torpor.sandbox.registry.postgres.PostgresRegistry.recover`: to the last
   durable pause, saying what was lost, or to ``error``). At start it reconciles only the
-  sandboxes it holds itself, never another node's.
+  sandboxes it holds itself, never another node's; at start and every minute it drops the
+  directories another node made stale (:meth:`ClusterNode.stale`), with any QEMU still on
+  them (a node that was only cut off comes back to find its machines taken over).
+* **Routing.** A request for a sandbox another node runs is proxied there by the server
+  (:mod:`torpor.server.proxy`), thanks to the ``owner_url`` the Conflict carries.
 """
 
 from __future__ import annotations

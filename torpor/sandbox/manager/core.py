@@ -115,6 +115,14 @@ class Held(Protocol):
 
     def lost(self, rec: SandboxRecord) -> StateLost: ...
 
+    # cluster mode (no-ops on one machine): hold the sandbox's lease, give it back, and bring
+    # a pause held elsewhere onto this node
+    async def take(self, sandbox_id: str) -> None: ...
+
+    async def give_back(self, sandbox_id: str) -> None: ...
+
+    async def fetch_pause(self, rec: SandboxRecord) -> None: ...
+
     def check_room(
         self, tenant: str, *, sandboxes: int, memory_mib: int, allocated: int = 0
     ) -> None: ...
@@ -520,7 +528,7 @@ class ManagerCore:
             rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=self._ram_held(rec.id)
         )
         directory = self.directory(rec.id)
-        await self._fetch_pause(rec)
+        await self.fetch_pause(rec)
         if is_compacted(directory):  # its RAM is in the chunk store: rebuild it first
             await asyncio.to_thread(expand, directory, self.chunk_store, sandbox_id=rec.id)
         rec = self.move(rec, S.WAKING, reason)
@@ -556,7 +564,7 @@ class ManagerCore:
                 log.warning("after-wake hook of %s failed: %s", rec.id, exc)
         return self.move(rec, S.RUNNING, reason, last_active_at=time.time(), paused_at=None)
 
-    async def _fetch_pause(self, rec: SandboxRecord) -> None:
+    async def fetch_pause(self, rec: SandboxRecord) -> None:
         """Cluster mode: unless this node holds the files of the sandbox's latest pause,
         rebuild them from the shared store (its last durable pause). Raises StateLost when
         there is no durable pause to wake from, TemplateNotFound (the template build is not
