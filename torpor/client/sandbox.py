@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 
+import torpor.client.runtime as _runtime_module
 from torpor.client.processes import ProcessHandle, list_processes
 from torpor.client.processes import start as start_process
 from torpor.client.runtime import Runtime, default_runtime
@@ -608,3 +609,6 @@ class Sandboxes:
     ) -> builtins.list[SandboxInfo]:
         """As :meth:`Sandbox.list` on this runtime."""
         return Sandbox.list(labels, include_stopped=include_stopped, runtime=self._runtime)
+
+
+_runtime_module.sandboxes_factory = Sandboxes
