@@ -50,7 +50,7 @@ from torpor.errors import Conflict, InvalidArgument, TorporError
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
 from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
-from torpor.sandbox.storage.pauses import push_pause, rebuild_pause
+from torpor.sandbox.storage.pauses import push_pause, rebuild_pause, warm_template
 
 __all__ = [
     "CLUSTER_ENV",
@@ -164,6 +164,7 @@ class ClusterNode:
         self._accel: str | None = None
         self._pushes: dict[str, asyncio.Task[None]] = {}
         self._heartbeat: asyncio.Task[None] | None = None
+        self._warming: asyncio.Task[None] | None = None
 
     # -- nodes and leases -----------------------------------------------------------------
 
@@ -265,8 +266,22 @@ class ClusterNode:
             self._heartbeat = asyncio.get_running_loop().create_task(
                 loop(), name=f"torpor-heartbeat-{self.node}"
             )
+            self._warming = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.warm), name=f"torpor-warm-{self.node}"
+            )
 
     # -- pauses ---------------------------------------------------------------------------
+
+    def warm(self) -> None:
+        """Hash every template's booted RAM once (pushes and rebuilds compare against it);
+        best effort."""
+        if not self.paths.templates.is_dir():
+            return
+        for template_dir in sorted(self.paths.templates.iterdir()):
+            try:
+                warm_template(template_dir, self.chunks.chunk_size)
+            except OSError as exc:
+                log.warning("cannot read template %s: %s", template_dir.name, exc)
 
     def template_dir(self, template: str) -> Path:
         return self.paths.templates / template
@@ -326,7 +341,7 @@ class ClusterNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
             self._heartbeat = None
-        for task in list(self._pushes.values()):
+        for task in [*self._pushes.values(), *([self._warming] if self._warming else [])]:
             task.cancel()
         self.registry.close()
 

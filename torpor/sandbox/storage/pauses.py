@@ -53,7 +53,13 @@ from torpor.sandbox.storage.records import rewrite_prefix
 from torpor.sandbox.storage.snapshots import backing_file
 from torpor.sandbox.vm.disk import fsync_dir, rebase, set_backing
 
-__all__ = ["MANIFEST_VERSION", "push_pause", "rebuild_pause", "template_identity"]
+__all__ = [
+    "MANIFEST_VERSION",
+    "push_pause",
+    "rebuild_pause",
+    "template_identity",
+    "warm_template",
+]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +99,18 @@ def _template_hashes(path: str, size: int, mtime_ns: int, chunk_size: int) -> li
             data = os.pread(f.fileno(), length, start)
             out.append(None if data == zero[:length] else hashlib.sha256(data).hexdigest())
     return out
+
+
+def warm_template(template_dir: Path, chunk_size: int) -> bool:
+    """Hash the chunks of the template's booted RAM now (a node does it once, at start), so
+    neither the first push nor the first rebuild of its sandboxes waits for it. False when
+    the template has no RAM file. Raises OSError."""
+    ram = (template_dir / "snapshot").resolve() / "ram"
+    if not ram.is_file():
+        return False
+    st = ram.stat()
+    _template_hashes(str(ram), st.st_size, st.st_mtime_ns, chunk_size)
+    return True
 
 
 def _put_ram(
