@@ -71,6 +71,7 @@ def main() -> None:
         from tests.s3 import start_seaweedfs
 
         base = Path(tempfile.mkdtemp(prefix="torpor-demo-servers-"))
+        (base / "pg").mkdir()
         pg = start_cluster(base / "pg")
         s3 = start_seaweedfs(base / "s3")
         cleanup += [pg.stop, s3.stop, lambda: shutil.rmtree(base, ignore_errors=True)]
