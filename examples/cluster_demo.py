@@ -105,6 +105,10 @@ def main() -> None:
         again = rt2.sandboxes.get_or_create("agent-u-42")
         notes = again.interpreter.run("notes").results[0].data["text/plain"]
         print(f"woken on n2 in {time.monotonic() - started:.2f} s: notes = {notes}")
+        log = (n2_home.parent / f"{n2_home.name}.log").read_text(errors="replace")
+        for line in log.splitlines():
+            if "rebuilt" in line or "woke" in line or "INFO torpor.server" in line:
+                print("  n2:", line.split(" ", 2)[-1])
         assert notes == "[1, 2]"
     finally:
         for home, process in nodes:
