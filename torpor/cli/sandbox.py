@@ -69,6 +69,10 @@ def _detail(info: SandboxInfo) -> Any:
         rows.append(("internet", "on" if info.internet else "off"))
     if info.expires_at is not None:
         rows.append(("deleted at", info.expires_at.strftime(_FMT) + " unless woken"))
+    if info.durable is not None:  # cluster mode: the pause is stored off this node
+        rows.append(("durable", info.durable.strftime(_FMT) + " (wakes on any node)"))
+    if info.upload_error:
+        rows.append(("upload error", info.upload_error + " (retrying; not durable yet)"))
     if info.error:
         rows.append(("error", info.error))
     return table([], rows)

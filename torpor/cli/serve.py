@@ -47,10 +47,37 @@ def serve(
         ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TORPOR_CLUSTER",
+            help="join a cluster: the PostgreSQL DSN of the shared registry (and memory)",
+        ),
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TORPOR_STORE", help="with --cluster: the shared chunk store, s3://bucket/prefix"
+        ),
+    ] = None,
+    node: Annotated[
+        str | None,
+        typer.Option(envvar="TORPOR_NODE", help="with --cluster: this node's name (default: host)"),
+    ] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TORPOR_NODE_URL",
+            help="with --cluster: the URL this node is reached at (default http://HOST:PORT)",
+        ),
+    ] = None,
 ) -> None:
     """Run the torpor server in the foreground until SIGTERM or Ctrl-C.
 
     Example: torpor serve --host 0.0.0.0 --port 8765   (then: torpor token create --tenant acme)
+
+    A cluster node: torpor serve --cluster postgresql://db/torpor --store s3://torpor-chunks
+    --node n1 --host 0.0.0.0 --port 8765 (the S3 endpoint: $TORPOR_STORE_ENDPOINT)
     """
     from torpor.server.daemon import serve as run
 
@@ -65,6 +92,10 @@ def serve(
         memory=memory,
         embedder=embedder,
         log_level=log_level.lower(),
+        cluster=cluster,
+        store=store,
+        node=node,
+        url=url,
     )
 
 

@@ -23,11 +23,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import date, datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import httpx
 
@@ -79,6 +79,24 @@ def target(
     token = token or os.environ.get("TORPOR_TOKEN") if url else token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return url, None if url else paths(home), headers
+
+
+class SandboxesAPI(Protocol):
+    """What ``Runtime.sandboxes`` is (:class:`torpor.client.sandbox.Sandboxes`): the
+    :class:`~torpor.client.sandbox.Sandbox` constructors bound to one runtime."""
+
+    def create(self, **options: Any) -> Any: ...
+
+    def get_or_create(self, name: str, **options: Any) -> Any: ...
+
+    def get(self, id_or_name: str) -> Any: ...
+
+    def list(self, labels: Any = None, *, include_stopped: bool = False) -> Any: ...
+
+
+#: makes ``Runtime.sandboxes``: set by :mod:`torpor.client.sandbox` when it is imported
+#: (importing that module from here would be an import cycle: it imports this one)
+sandboxes_factory: Callable[[Runtime], SandboxesAPI] | None = None
 
 
 class Runtime:
@@ -225,6 +243,14 @@ class Runtime:
         from torpor.client.memory import RemoteMemory
 
         return RemoteMemory(self)
+
+    @functools.cached_property
+    def sandboxes(self) -> SandboxesAPI:
+        """This server's sandboxes: ``rt.sandboxes.get_or_create(name)``, ``create``,
+        ``get``, ``list`` (:class:`torpor.client.sandbox.Sandboxes`)."""
+        if sandboxes_factory is None:  # torpor.client.sandbox sets it when imported
+            raise RuntimeError("torpor.client.sandbox is not imported")
+        return sandboxes_factory(self)
 
     @functools.cached_property
     def tokens(self) -> Tokens:

@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 
+import torpor.client.runtime as _runtime_module
 from torpor.client.processes import ProcessHandle, list_processes
 from torpor.client.processes import start as start_process
 from torpor.client.pty import Pty
@@ -59,7 +60,7 @@ from torpor.sandbox.requests import (
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.types import Env, Labels, OutputCallback
 
-__all__ = ["Commands", "Files", "Interpreter", "Sandbox", "Snapshot"]
+__all__ = ["Commands", "Files", "Interpreter", "Sandbox", "Sandboxes", "Snapshot"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -608,3 +609,33 @@ class Sandbox:
             return
         with contextlib.suppress(NotFound, SandboxClosed):  # already gone: nothing to clean up
             self.kill()
+
+
+class Sandboxes:
+    """``runtime.sandboxes``: :class:`Sandbox`'s constructors bound to one runtime, so
+    ``torpor.Runtime(url=..., token=...).sandboxes.get_or_create("agent-u-42")`` needs no
+    ``runtime=`` argument."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def create(self, **options: Any) -> Sandbox:
+        """As :meth:`Sandbox.create` on this runtime."""
+        return Sandbox.create(runtime=self._runtime, **options)
+
+    def get_or_create(self, name: str, **options: Any) -> Sandbox:
+        """As :meth:`Sandbox.get_or_create` on this runtime."""
+        return Sandbox.get_or_create(name, runtime=self._runtime, **options)
+
+    def get(self, id_or_name: str) -> Sandbox:
+        """As :meth:`Sandbox.get` on this runtime."""
+        return Sandbox.get(id_or_name, runtime=self._runtime)
+
+    def list(
+        self, labels: Labels | None = None, *, include_stopped: bool = False
+    ) -> builtins.list[SandboxInfo]:
+        """As :meth:`Sandbox.list` on this runtime."""
+        return Sandbox.list(labels, include_stopped=include_stopped, runtime=self._runtime)
+
+
+_runtime_module.sandboxes_factory = Sandboxes

@@ -133,6 +133,14 @@ class SandboxInfo(BaseModel):
     #: whether it has a network card to the internet (``internet=`` at create); None when
     #: not known (a killed sandbox)
     internet: bool | None = None
+    #: cluster mode (``torpor serve --cluster``): when the current pause was copied off this
+    #: node into the shared store, so it wakes on any node even if this one dies; None while
+    #: running, while the upload runs, or on one machine (the embedded default: nothing
+    #: leaves the disk)
+    durable: datetime | None = None
+    #: cluster mode: why the current pause is not durable yet (an upload failed and is being
+    #: retried); None otherwise
+    upload_error: str | None = None
 
 
 class SandboxEvent(BaseModel):

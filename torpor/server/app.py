@@ -204,6 +204,11 @@ def create_app(
     app.state.max_import_bytes = max_import_bytes
     app.state.max_file_bytes = max_file_bytes
     app.add_middleware(BodyLimit)  # every body bounded before it is parsed
+    cluster = getattr(manager, "cluster", None)
+    if cluster is not None:  # a sandbox another node runs: the request goes there
+        from torpor.server.proxy import OwnerProxy
+
+        app.add_middleware(OwnerProxy, node=cluster.node)
     app.add_exception_handler(TorporError, _torpor_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

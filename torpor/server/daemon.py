@@ -26,7 +26,7 @@ from types import FrameType
 from typing import IO, Any
 
 from torpor.config import Paths, paths, server_pid
-from torpor.errors import Conflict, ServerUnavailable, StorageError
+from torpor.errors import Conflict, InvalidArgument, ServerUnavailable, StorageError
 from torpor.server.auth import TokenStore
 
 __all__ = ["bind_unix_socket", "serve", "server_pid", "stop_server"]
@@ -111,6 +111,34 @@ def _embedder_spec(spec: str | None) -> str | None:
     return None if spec.lower() in ("none", "") else spec
 
 
+def _cluster_config(
+    dsn: str,
+    store: str | None,
+    node: str | None,
+    url: str | None,
+    host: str | None,
+    port: int,
+) -> Any:
+    """The :class:`~torpor.sandbox.manager.cluster.ClusterConfig` of ``torpor serve
+    --cluster``. Raises InvalidArgument when the store is missing or a value is bad."""
+    from torpor.sandbox.manager.cluster import ClusterConfig, default_url
+
+    store = store or os.environ.get("TORPOR_STORE")
+    if not store:
+        raise InvalidArgument(
+            "--cluster needs --store s3://bucket/prefix (or $TORPOR_STORE): the nodes share "
+            "their pauses there"
+        )
+    return ClusterConfig(
+        dsn=dsn,
+        store=store,
+        node=node or os.environ.get("TORPOR_NODE") or socket.gethostname().split(".")[0],
+        url=url or os.environ.get("TORPOR_NODE_URL") or default_url(host, port),
+        lease_seconds=ClusterConfig.lease_from_env(),
+        heartbeat_seconds=ClusterConfig.lease_from_env() / 5,
+    )
+
+
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal; exit
     # cleanly at that point (a traceback for Ctrl-C would suggest something went wrong).
@@ -128,6 +156,10 @@ def serve(
     memory: str | None = None,
     embedder: str | None = None,
     log_level: str = "info",
+    cluster: str | None = None,
+    store: str | None = None,
+    node: str | None = None,
+    url: str | None = None,
 ) -> None:
     """Run the server in this process until SIGTERM/SIGINT.
 
@@ -140,8 +172,15 @@ def serve(
     the local model if installed; ``"none"``: lexical only; or a model name; default
     ``$TORPOR_EMBEDDER`` or ``"default"``). ``manager`` defaults to a
     :class:`~torpor.sandbox.manager.SandboxManager` on ``home``.
+
+    Cluster mode (``cluster``: a PostgreSQL DSN, default ``$TORPOR_CLUSTER``): the sandbox
+    registry is that database's, pauses are made durable in ``store`` (``s3://bucket/prefix``,
+    default ``$TORPOR_STORE``), this node is called ``node`` (default ``$TORPOR_NODE``, else
+    the host name) and advertises ``url`` (default ``http://<host>:<port>``); the memory store
+    defaults to the same database. See :mod:`torpor.sandbox.manager.cluster`.
+
     Raises :class:`Conflict` when another server owns ``home``, :class:`InvalidArgument` for a
-    bad token file.
+    bad token file or an incomplete cluster configuration.
     """
     import uvicorn
 
@@ -154,10 +193,20 @@ def serve(
     tokens = TokenStore.load(token_file) if token_file is not None else None
     lock = _lock(p)
     sock_file = socket_path or p.socket
+    cluster = cluster or os.environ.get("TORPOR_CLUSTER") or None
+    if cluster is not None:
+        memory = memory or cluster  # the memory store (and its tokens) on the same database
     if manager is None:
         from torpor.sandbox.manager import SandboxManager
 
-        manager = SandboxManager(p)
+        try:
+            config = (
+                None if cluster is None else _cluster_config(cluster, store, node, url, host, port)
+            )
+            manager = SandboxManager(p, cluster=config)
+        except BaseException:
+            _unlock(p, lock)
+            raise
 
     cleanup: list[Any] = []
     local = bind_unix_socket(sock_file)

@@ -171,9 +171,26 @@ class Checkpoints:
                 sandbox_id=rec.id,
                 volumes=[v.id for v, _ in vols],
             )
+        await m.take(rec.id)  # cluster mode: Conflict (proxied) when another node runs it
+        try:
+            return await self._frozen_held(rec, link_ram, before_wake, then)
+        finally:
+            await m.give_back(rec.id)
+
+    async def _frozen_held(
+        self,
+        rec: SandboxRecord,
+        link_ram: bool,
+        before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None,
+        then: Callable[[SandboxRecord, Path, Any], Awaitable[T]],
+    ) -> T:
+        """:meth:`_freeze`'s work once the sandbox is this node's (see there)."""
+        m = self.held
         live = m.live(rec.id)
         async with live.lock:
             rec = m.registry.get(rec.id)
+            if rec.state is S.PAUSED:
+                await m.fetch_pause(rec)  # cluster mode: its files may be on another node
             if rec.state is S.ERROR:
                 raise m.lost(rec)
             if rec.state not in (S.RUNNING, S.PAUSED):

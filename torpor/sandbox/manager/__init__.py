@@ -6,6 +6,9 @@
 * :mod:`.core` — the manager's state and the steps its operations are made of (pause, wake,
   boot, recovery after a restart), and :class:`~.core.Held`, the part of it the checkpoint
   component may use
+* :mod:`.cluster` — cluster mode (``torpor serve --cluster``): the node's heartbeat and leases
+  on the PostgreSQL registry, pauses made durable in the shared store, wake anywhere, recovery
+  of a lost node's sandboxes
 
 Imports: the registry, the engine, models; never checkpoints (which sit on top of it).
 """

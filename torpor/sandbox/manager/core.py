@@ -43,9 +43,10 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.sandbox.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
+from torpor.sandbox.manager.cluster import ClusterConfig, ClusterNode, upload_failed
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
-from torpor.sandbox.registry import Registry, SandboxRecord
+from torpor.sandbox.registry import AnyRegistry, Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
 from torpor.sandbox.registry.meters import UP_STATES
 from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
@@ -88,7 +89,7 @@ class Held(Protocol):
     """
 
     paths: Paths
-    registry: Registry
+    registry: AnyRegistry
     engine: Engine
     guest_hooks: builtins.list[Any]
 
@@ -113,6 +114,14 @@ class Held(Protocol):
     async def abort_create(self, rec: SandboxRecord, live: Live, exc: BaseException) -> None: ...
 
     def lost(self, rec: SandboxRecord) -> StateLost: ...
+
+    # cluster mode (no-ops on one machine): hold the sandbox's lease, give it back, and bring
+    # a pause held elsewhere onto this node
+    async def take(self, sandbox_id: str) -> None: ...
+
+    async def give_back(self, sandbox_id: str) -> None: ...
+
+    async def fetch_pause(self, rec: SandboxRecord) -> None: ...
 
     def check_room(
         self, tenant: str, *, sandboxes: int, memory_mib: int, allocated: int = 0
@@ -169,10 +178,20 @@ class ManagerCore:
     """The state and the locked steps of a :class:`~torpor.sandbox.manager.SandboxManager`
     (see the module docstring). Not used on its own."""
 
-    def __init__(self, paths: Paths, *, engine: Engine | None = None) -> None:
+    def __init__(
+        self,
+        paths: Paths,
+        *,
+        engine: Engine | None = None,
+        cluster: ClusterConfig | None = None,
+    ) -> None:
         self.paths = paths.ensure()
         self.engine: Engine = engine if engine is not None else QemuEngine(paths)
-        self.registry = Registry(paths.registry)
+        #: cluster mode (:mod:`torpor.sandbox.manager.cluster`): the shared registry and store
+        self.cluster: ClusterNode | None = None if cluster is None else ClusterNode(cluster, paths)
+        self.registry: AnyRegistry = (
+            Registry(paths.registry) if self.cluster is None else self.cluster.registry
+        )
         self.on_step: StepHook | None = None
         #: objects with ``async before_pause(sandbox_id, channel)`` / ``after_wake(...)``,
         #: e.g. torpor.sandbox.checkpoints (9p drives must be unmounted to hibernate)
@@ -181,9 +200,12 @@ class ManagerCore:
         self._name_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._supervisor: asyncio.Task[None] | None = None
         self._closed = False
-        self._chunks: ChunkStore | None = None
-        #: a sandbox paused longer than this is compacted into the chunk store (None: never)
-        self.compact_after_seconds: float | None = _compact_after()
+        self._chunks: ChunkStore | None = None if self.cluster is None else self.cluster.chunks
+        #: a sandbox paused longer than this is compacted into the chunk store (None: never;
+        #: in cluster mode a pause is pushed to the shared store instead)
+        self.compact_after_seconds: float | None = (
+            _compact_after() if self.cluster is None else None
+        )
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -345,11 +367,27 @@ class ManagerCore:
         current row and Live. Raises SandboxNotFound, StateLost, and InvalidState /
         SandboxClosed when the state forbids the operation."""
         rec = self._find(tenant, id_or_name)
+        await self.take(rec.id)
         live = self.live(rec.id)
-        async with live.lock:
-            rec = await self._current(rec.id, live)
-            require_for(operation, rec.id, rec.state)
-            yield rec, live
+        try:
+            async with live.lock:
+                rec = await self._current(rec.id, live)
+                require_for(operation, rec.id, rec.state)
+                yield rec, live
+        finally:
+            await self.give_back(rec.id)
+
+    async def take(self, sandbox_id: str) -> None:
+        """Cluster mode: hold the sandbox's lease before touching its machine. Raises
+        Conflict naming the node that runs it (and its URL); nothing on one machine."""
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.acquire, sandbox_id)
+
+    async def give_back(self, sandbox_id: str) -> None:
+        """Cluster mode: release the sandbox's lease unless it runs here or its pause is not
+        durable yet (best effort); nothing on one machine."""
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.settle, sandbox_id)
 
     async def drain(self, live: Live) -> None:
         """Wait until no call is in flight on the sandbox (hold ``live.lock``: none can start)."""
@@ -412,7 +450,54 @@ class ManagerCore:
         live.machine = None
         await self._step("pause:saved", rec.id)
         # Only now, with the state file durable, does the registry say "paused".
-        return self.move(rec, S.PAUSED, reason, paused_at=time.time())
+        rec = self.move(rec, S.PAUSED, reason, paused_at=time.time())
+        self._paused(rec)
+        return rec
+
+    def _paused(self, rec: SandboxRecord) -> None:
+        """Cluster mode: note that this node holds the new pause's files, and push them to the
+        shared store in the background (retried until durable)."""
+        cluster = self.cluster
+        if cluster is None or rec.paused_at is None:
+            return
+        paused_at = rec.paused_at
+        try:
+            cluster.registry.note_pause(rec.id, cluster.node, paused_at)
+        except TorporError as exc:
+            log.warning("sandbox %s: cannot record its pause yet: %s", rec.id, exc)
+
+        async def push() -> bool | None:
+            live = self.live(rec.id)
+            async with live.lock:
+                try:
+                    now = self.registry.get(rec.id)
+                except TorporError as exc:  # PostgreSQL away: try again later
+                    log.warning("sandbox %s: cannot check its pause: %s", rec.id, exc)
+                    return False
+                if now.state is not S.PAUSED or now.paused_at != paused_at or live.machine:
+                    return None  # woken or killed meanwhile: this pause is gone
+                try:
+                    manifest = await asyncio.to_thread(
+                        cluster.push, self.directory(rec.id), rec.template, rec.id
+                    )
+                    await asyncio.to_thread(
+                        cluster.registry.record_durable, rec.id, cluster.node, paused_at, manifest
+                    )
+                except InvalidArgument as exc:  # it can never leave this node
+                    log.error("sandbox %s: pause not made durable: %s", rec.id, exc)
+                    with suppress(TorporError):
+                        cluster.registry.record_upload_error(rec.id, str(exc))
+                    return None
+                except Exception as exc:
+                    log.warning("sandbox %s: pause upload failed, retrying: %s", rec.id, exc)
+                    with suppress(TorporError):
+                        cluster.registry.note_pause(rec.id, cluster.node, paused_at)
+                        cluster.registry.record_upload_error(rec.id, upload_failed(exc))
+                    return False
+                log.info("sandbox %s: pause durable in %s", rec.id, cluster.chunks.location)
+                return True
+
+        cluster.push_later(rec.id, push)
 
     async def _pause_failed(
         self, rec: SandboxRecord, live: Live, machine: Machine, exc: Exception
@@ -433,7 +518,9 @@ class ManagerCore:
         await self._quiet_kill(live, directory)
         if self.engine.inspect(directory).has_state:
             log.warning("sandbox %s: QEMU died after its state was saved; paused", rec.id)
-            return self.move(rec, S.PAUSED, "state saved before QEMU died", paused_at=time.time())
+            rec = self.move(rec, S.PAUSED, "state saved before QEMU died", paused_at=time.time())
+            self._paused(rec)
+            return rec
         raise self._mark_lost(rec, f"QEMU died while pausing: {exc}") from exc
 
     async def wake_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
@@ -441,6 +528,7 @@ class ManagerCore:
             rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=self._ram_held(rec.id)
         )
         directory = self.directory(rec.id)
+        await self.fetch_pause(rec)
         if is_compacted(directory):  # its RAM is in the chunk store: rebuild it first
             await asyncio.to_thread(expand, directory, self.chunk_store, sandbox_id=rec.id)
         rec = self.move(rec, S.WAKING, reason)
@@ -475,6 +563,47 @@ class ManagerCore:
             except TorporError as exc:
                 log.warning("after-wake hook of %s failed: %s", rec.id, exc)
         return self.move(rec, S.RUNNING, reason, last_active_at=time.time(), paused_at=None)
+
+    async def fetch_pause(self, rec: SandboxRecord) -> None:
+        """Cluster mode: unless this node holds the files of the sandbox's latest pause,
+        rebuild them from the shared store (its last durable pause). Raises StateLost when
+        there is no durable pause to wake from, TemplateNotFound (the template build is not
+        on this node), CorruptData, StorageError."""
+        cluster = self.cluster
+        if cluster is None:
+            return
+        pause = await asyncio.to_thread(cluster.registry.pause_record, rec.id)
+        directory = self.directory(rec.id)
+        if pause is None or (
+            pause.node == cluster.node
+            and pause.paused_at == rec.paused_at
+            and (directory / "state").exists()
+        ):
+            return  # never paused in the cluster, or its files are here
+        if pause.manifest is None:
+            raise StateLost(
+                f"sandbox {rec.id}: its pause is on node {pause.node} and was never stored "
+                "off-node, so it cannot be woken here",
+                sandbox_id=rec.id,
+                state=rec.state.value,
+                lost="the pause's files (on its node only)",
+                node=pause.node,
+            )
+        if pause.manifest_paused_at != rec.paused_at:
+            log.warning(
+                "sandbox %s: waking from its last durable pause (%s), not its latest",
+                rec.id,
+                pause.manifest_paused_at,
+            )
+        seconds = await asyncio.to_thread(
+            cluster.rebuild, pause.manifest, directory, rec.template, rec.id
+        )
+        await asyncio.to_thread(
+            cluster.registry.note_pause, rec.id, cluster.node, pause.manifest_paused_at or 0.0
+        )
+        log.info(
+            "sandbox %s: pause fetched from %s in %.2f s", rec.id, cluster.chunks.location, seconds
+        )
 
     async def _guest_unreachable(
         self, rec: SandboxRecord, live: Live, machine: Machine, exc: Exception

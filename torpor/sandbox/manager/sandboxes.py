@@ -52,7 +52,7 @@ from torpor.sandbox.manager.forwards import Forwards
 from torpor.sandbox.manager.terminals import Terminals, TerminalSession
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxEvent, SandboxInfo
 from torpor.sandbox.models import SandboxState as S
-from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.registry import Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import require, require_for
 from torpor.sandbox.registry.repair import orphans
 from torpor.sandbox.requests import (
@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 
 #: below this fraction of the disk free, every paused sandbox is compacted, whatever its age
 LOW_DISK_FRACTION = 0.10
+#: cluster mode: seconds a closing node waits for its pauses to become durable
+CLOSE_PUSH_SECONDS = 120.0
 
 #: brings the hot-plugged network card up in the guest (no DHCP client there): QEMU's
 #: user-mode network has the guest at 10.0.2.15, its gateway at .2 and a DNS at .3
@@ -193,6 +195,7 @@ class SandboxManager(ManagerCore):
         directory = self.directory(sandbox_id)
         async with live.lock:
             try:
+                await self.take(sandbox_id)  # cluster mode: this node runs it
                 await self.engine.clone(template, directory, self._config(rec))
                 await self._step("create:cloned", sandbox_id)
                 await self.boot(rec, live, woken_step="create:woken")
@@ -200,6 +203,7 @@ class SandboxManager(ManagerCore):
                     await self._connect_internet(rec, live)
             except BaseException as exc:
                 await self.abort_create(rec, live, exc)
+                await self.give_back(sandbox_id)
                 if isinstance(exc, Exception) and not isinstance(exc, TorporError):
                     raise wrap_error(exc, "create", sandbox_id) from exc
                 raise
@@ -458,6 +462,8 @@ class SandboxManager(ManagerCore):
         GuestError. ``reason`` is recorded (``"expired"``: retention ran out). Raises
         SandboxNotFound."""
         rec = self._find(tenant, id_or_name)
+        if rec.state is not S.STOPPED:
+            await self.take(rec.id)  # cluster mode: Conflict when another node runs it
         live = self.live(rec.id)
         if rec.state is not S.STOPPED and live.lock.locked():
             # Another operation holds the sandbox (a pause draining a call that never ends, a
@@ -474,6 +480,7 @@ class SandboxManager(ManagerCore):
                 rec = self.move(rec, S.STOPPED, reason, cpu_reading=cpu)
                 await asyncio.to_thread(shutil.rmtree, directory, True)
         await self.forwards.close_sandbox(rec.id)
+        await self.give_back(rec.id)
         # a killed sandbox needs no lock any more: every later call reads "stopped" and fails
         self._lives.pop(rec.id, None)
         return rec.to_info()
@@ -673,8 +680,8 @@ class SandboxManager(ManagerCore):
             if now - rec.last_active_at < rec.idle_pause_seconds:
                 continue
             live = self._lives[rec.id]
-            if live.busy or live.lock.locked():
-                continue
+            if live.busy or live.lock.locked() or (self.cluster and live.machine is None):
+                continue  # (in a cluster, a machine this node does not run is not its own)
             try:
                 async with live.lock:
                     rec = self.registry.get(rec.id)  # re-check: a call may have just come in
@@ -696,6 +703,8 @@ class SandboxManager(ManagerCore):
         paused for at least ``compact_after_seconds`` — or any paused one, longest first, when
         the disk is below :data:`LOW_DISK_FRACTION` free. Returns what was done; a failure is
         logged, not raised (the sandbox stays paused with its RAM file)."""
+        if self.cluster is not None:  # its pauses go to the shared store instead
+            return []
         now = time.time() if now is None else now
         usage = shutil.disk_usage(self.paths.sandboxes)
         low_disk = usage.free < usage.total * LOW_DISK_FRACTION
@@ -758,6 +767,70 @@ class SandboxManager(ManagerCore):
         doctor --repair`` rebuilds the rows; see :mod:`torpor.sandbox.registry.repair`)."""
         self._check_open()
         relocate(self.paths)  # a copied or moved home points its stored paths at itself
+        if self.cluster is not None:
+            await self._start_node()
+        else:
+            await self._start_alone()
+        if supervise and self._supervisor is None:
+            self._supervisor = asyncio.get_running_loop().create_task(
+                self.supervise(interval), name="torpor-idle-supervisor"
+            )
+
+    async def _start_node(self) -> None:
+        """Cluster mode: heartbeat (renewing this node's leases first, so no other node
+        recovers them meanwhile), reconcile only the sandboxes this node holds, push the
+        pauses that are not durable yet, then heartbeat in the background."""
+        cluster = self.cluster
+        assert cluster is not None
+        await asyncio.to_thread(cluster.beat)
+        for rec in await asyncio.to_thread(cluster.registry.owned_by, cluster.node):
+            try:
+                await self._reconcile(rec)
+                rec = self.registry.get(rec.id)
+                if rec.state is S.PAUSED and rec.durable_at is None:
+                    self._paused(rec)
+                else:
+                    await self.give_back(rec.id)
+            except Exception:  # one broken sandbox must not keep the others from starting
+                log.exception("reconciling sandbox %s failed", rec.id)
+        await asyncio.to_thread(cluster.recover_lapsed)
+        await self.drop_stale()
+        cluster.start_heartbeat(self.drop_stale)
+        log.info("node %s joined the cluster (store %s)", cluster.node, cluster.chunks.location)
+
+    async def drop_stale(self) -> builtins.list[str]:
+        """Cluster mode: delete this node's sandbox directories that another node made stale
+        (the sandbox woke there since, or was killed); return their ids. A failure is
+        logged, not raised."""
+        cluster = self.cluster
+        dropped: builtins.list[str] = []
+        if cluster is None or not self.paths.sandboxes.is_dir():
+            return dropped
+        for directory in sorted(self.paths.sandboxes.iterdir()):
+            sandbox_id = directory.name
+            if not directory.is_dir() or not sandbox_id.startswith("sbx-"):
+                continue
+            live = self.live(sandbox_id)
+            if live.lock.locked() or live.machine is not None:
+                continue
+            try:
+                async with live.lock:
+                    if live.machine is None and await asyncio.to_thread(cluster.stale, sandbox_id):
+                        # a QEMU left from before this node was declared lost runs a machine
+                        # another node has taken over: it goes with the files
+                        with suppress(TorporError):
+                            self.engine.terminate(directory)
+                        await asyncio.to_thread(shutil.rmtree, directory, True)
+                        dropped.append(sandbox_id)
+                        self._lives.pop(sandbox_id, None)
+            except TorporError as exc:
+                log.warning("cannot tell whether %s is stale: %s", sandbox_id, exc)
+        if dropped:
+            log.info("dropped %d stale sandbox directories: %s", len(dropped), dropped)
+        return dropped
+
+    async def _start_alone(self) -> None:
+        assert isinstance(self.registry, Registry)  # a manager without a cluster has SQLite's
         lost = orphans(self.paths, self.registry)
         if lost:
             raise CorruptData(
@@ -774,10 +847,6 @@ class SandboxManager(ManagerCore):
                 await self._reconcile(rec)
             except Exception:  # one broken sandbox must not keep the others from starting
                 log.exception("reconciling sandbox %s failed", rec.id)
-        if supervise and self._supervisor is None:
-            self._supervisor = asyncio.get_running_loop().create_task(
-                self.supervise(interval), name="torpor-idle-supervisor"
-            )
 
     async def close(self, *, pause: bool = True) -> None:
         """Stop the supervisor; pause running sandboxes (``pause=True``) so no QEMU outlives
@@ -801,5 +870,8 @@ class SandboxManager(ManagerCore):
                 with suppress(Exception):
                     await live.channel.close()
                 live.channel = None
+        if self.cluster is not None:  # the pauses just made: durable before the node goes
+            await self.cluster.wait_pushes(CLOSE_PUSH_SECONDS)
+            await self.cluster.close()
         self._closed = True
         self.registry.close()

@@ -6,7 +6,8 @@
   sandbox rows and their transitions; a transition is a compare-and-set the lifecycle checks
 * :mod:`.postgres` — :class:`~torpor.sandbox.registry.postgres.PostgresRegistry`: the same
   interface on PostgreSQL (schema ``torpor_registry``, versioned migrations), for many nodes
-  sharing one registry (issue 9; not wired to the manager yet; no usage meters yet)
+  sharing one registry (issue 9: the manager's in cluster mode, see
+  :mod:`torpor.sandbox.manager.cluster`; no usage meters yet)
 * :mod:`.meters` — the usage meters each transition row carries (pure functions)
 * :mod:`.usage` — usage reports and the rate card, derived from the transitions and the ledger
   of stored snapshots and volumes
@@ -15,6 +16,11 @@ Imports: torpor.config, torpor.errors, torpor.sandbox.models; psycopg only when 
 PostgresRegistry is opened; for usage, torpor.sandbox.storage and torpor.sandbox.requests.
 """
 
+from torpor.sandbox.registry.postgres import PostgresRegistry
 from torpor.sandbox.registry.sqlite import SCHEMA_VERSION, Registry, SandboxRecord
 
-__all__ = ["SCHEMA_VERSION", "Registry", "SandboxRecord"]
+#: the registry a manager holds: SQLite on one machine (the default), PostgreSQL in a cluster
+#: (the same interface for sandboxes and transitions)
+AnyRegistry = Registry | PostgresRegistry
+
+__all__ = ["SCHEMA_VERSION", "AnyRegistry", "PostgresRegistry", "Registry", "SandboxRecord"]

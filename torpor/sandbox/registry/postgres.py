@@ -28,8 +28,17 @@ owner stopped heartbeating, for another node to recover.
 snapshot, and :meth:`PostgresRegistry.referenced_chunks` is the mark set of a sweep of the
 shared chunk store (:func:`~torpor.sandbox.storage.retention.sweep_shared_store`).
 
-Not here yet (issue 9 part 1): volumes, drives and usage tables; pause manifests; recovery of
-lapsed sandboxes (it needs pauses made durable off-node, part 3).
+**Pause manifests** (schema v4, ``pauses``): which node holds a sandbox's latest pause
+(:meth:`PostgresRegistry.note_pause`) and the latest pause stored off-node
+(:meth:`PostgresRegistry.record_durable`; a failed upload says why:
+:meth:`PostgresRegistry.record_upload_error`). A sandbox row read from here carries
+``durable_at`` when its current pause is the durable one. :meth:`PostgresRegistry.recover`
+takes a sandbox from an owner whose lease lapsed, in one compare-and-set transaction: back to
+its last durable pause (what changed since is lost, and the transition says so), else to
+``error``. The manager's use of all this: :mod:`torpor.sandbox.manager.cluster`.
+
+Not here yet (issue 9 part 1): volumes, drives and usage tables (transitions carry no usage
+meters here: usage reports raise InvalidArgument in cluster mode).
 """
 
 from __future__ import annotations
@@ -67,12 +76,14 @@ from torpor.sandbox.registry.sqlite import (
     events_from_rows,
 )
 
-__all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PostgresRegistry"]
+__all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry"]
 
 log = logging.getLogger(__name__)
 
-PG_SCHEMA_VERSION = 3
+PG_SCHEMA_VERSION = 4
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
+#: what the manager's transitions carry for usage meters (SQLite keeps them; not here yet)
+_METER_COLUMNS = frozenset({"cpu_reading", "owned_bytes"})
 
 _BOOTSTRAP = """
 CREATE SCHEMA IF NOT EXISTS torpor_registry;
@@ -145,12 +156,36 @@ CREATE TABLE torpor_registry.snapshots (
 CREATE UNIQUE INDEX snapshots_name ON torpor_registry.snapshots (tenant, name);
 """
 
+# v4: pause manifests. One row per sandbox: which node holds its latest pause's files
+# (``pause_node``, ``pause_at``: the sandbox's ``paused_at`` then), and the latest pause made
+# durable off-node (``manifest``, ``manifest_paused_at``, ``durable_at``); an upload that
+# keeps failing says why in ``upload_error``.
+_SCHEMA_V4 = """
+CREATE TABLE torpor_registry.pauses (
+    sandbox_id          TEXT PRIMARY KEY,
+    pause_node          TEXT,
+    pause_at            DOUBLE PRECISION,
+    manifest            TEXT,
+    manifest_paused_at  DOUBLE PRECISION,
+    durable_at          DOUBLE PRECISION,
+    upload_error        TEXT,
+    attempts            INTEGER NOT NULL DEFAULT 0
+);
+"""
+
 #: version -> the script that brings the schema from the previous version to it
-_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3}
+_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4}
 
 _COLUMNS = (
     "id, tenant, name, template, state, labels, spec, idle_pause_seconds, "
     "pause_retention_days, created_at, last_active_at, paused_at, error"
+)
+#: a sandbox row with what its pause manifest says (see :func:`_row_to_record`)
+_SELECT = (
+    "SELECT "
+    + ", ".join(f"s.{c.strip()}" for c in _COLUMNS.split(","))
+    + ", p.durable_at, p.manifest_paused_at, p.upload_error FROM torpor_registry.sandboxes s"
+    " LEFT JOIN torpor_registry.pauses p ON p.sandbox_id = s.id"
 )
 
 
@@ -187,8 +222,13 @@ def _row_to_record(row: tuple[Any, ...]) -> SandboxRecord:
         active,
         paused,
         error,
+        durable_at,
+        manifest_paused_at,
+        upload_error,
     ) = row
     spec = json.loads(spec_text or "{}")
+    # durable: the current pause is the one stored off-node (a later pause, or a wake, is not)
+    durable = state == SandboxState.PAUSED.value and paused == manifest_paused_at
     return SandboxRecord(
         id=id_,
         tenant=tenant,
@@ -205,7 +245,25 @@ def _row_to_record(row: tuple[Any, ...]) -> SandboxRecord:
         last_active_at=active,
         paused_at=paused,
         error=error,
+        memory_scope=spec.get("memory_scope"),
+        durable_at=durable_at if durable and paused is not None else None,
+        upload_error=upload_error if state == SandboxState.PAUSED.value else None,
     )
+
+
+@dataclass(frozen=True)
+class PauseRecord:
+    """What the registry knows of a sandbox's pauses (schema v4): where the latest one's
+    files are, and the latest one stored off-node."""
+
+    sandbox_id: str
+    node: str | None  # the node holding the latest pause's files (None: no node's)
+    paused_at: float | None  # that pause (the sandbox's ``paused_at`` then)
+    manifest: dict[str, Any] | None  # the latest durable pause
+    manifest_paused_at: float | None
+    durable_at: float | None
+    upload_error: str | None
+    attempts: int
 
 
 class PostgresRegistry:
@@ -364,6 +422,8 @@ class PostgresRegistry:
         ``src`` (another node moved it), SandboxNotFound, or StorageError.
         """
         check_transition(sandbox_id, src, dst)
+        # usage meters are not kept on PostgreSQL yet: the manager's readings are dropped
+        columns = {k: v for k, v in columns.items() if k not in _METER_COLUMNS}
         allowed = {"paused_at", "error", "last_active_at"}
         if not set(columns) <= allowed:
             raise InvalidArgument(f"cannot set {sorted(set(columns) - allowed)}")
@@ -438,9 +498,7 @@ class PostgresRegistry:
 
     def get(self, sandbox_id: str) -> SandboxRecord:
         """The row of ``sandbox_id``. Raises SandboxNotFound."""
-        rows = self._query(
-            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes WHERE id = %s", (sandbox_id,)
-        )
+        rows = self._query(f"{_SELECT} WHERE s.id = %s", (sandbox_id,))
         if not rows:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
         return _row_to_record(rows[0])
@@ -449,9 +507,8 @@ class PostgresRegistry:
         """A tenant's sandbox by id, else by name (the live one, else the latest killed one).
         Raises SandboxNotFound (also for another tenant's id)."""
         rows = self._query(
-            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes"
-            " WHERE tenant = %s AND (id = %s OR name = %s)"
-            " ORDER BY (id = %s) DESC, (state <> 'stopped') DESC, created_at DESC LIMIT 1",
+            f"{_SELECT} WHERE s.tenant = %s AND (s.id = %s OR s.name = %s)"
+            " ORDER BY (s.id = %s) DESC, (s.state <> 'stopped') DESC, s.created_at DESC LIMIT 1",
             (tenant, id_or_name, id_or_name, id_or_name),
         )
         if not rows:
@@ -461,8 +518,7 @@ class PostgresRegistry:
     def live_by_name(self, tenant: str, name: str) -> SandboxRecord | None:
         """The tenant's sandbox called ``name`` that is not stopped, or None."""
         rows = self._query(
-            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes"
-            " WHERE tenant = %s AND name = %s AND state <> 'stopped'",
+            f"{_SELECT} WHERE s.tenant = %s AND s.name = %s AND s.state <> 'stopped'",
             (tenant, name),
         )
         return _row_to_record(rows[0]) if rows else None
@@ -475,16 +531,17 @@ class PostgresRegistry:
         states: set[SandboxState] | None = None,
     ) -> builtins.list[SandboxRecord]:
         """Sandboxes, oldest first, filtered by tenant, states and labels (all must match)."""
-        sql = f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes WHERE true"
+        sql = f"{_SELECT} WHERE true"
         args: builtins.list[Any] = []
         if tenant is not None:
-            sql += " AND tenant = %s"
+            sql += " AND s.tenant = %s"
             args.append(tenant)
         if states is not None:
-            sql += " AND state = ANY(%s)"
-            args.append([s.value for s in states])
+            sql += " AND s.state = ANY(%s)"
+            args.append([st.value for st in states])
         rows = [
-            _row_to_record(r) for r in self._query(sql + " ORDER BY created_at, id", tuple(args))
+            _row_to_record(r)
+            for r in self._query(sql + " ORDER BY s.created_at, s.id", tuple(args))
         ]
         # labels matched in Python, exactly as the SQLite registry does
         wanted = dict(labels or {})
@@ -618,8 +675,8 @@ class PostgresRegistry:
         node must recover them. Raises StorageError."""
         now = time.time() if at is None else at
         rows = self._query(
-            f"SELECT {_COLUMNS} FROM torpor_registry.sandboxes"
-            " WHERE owner_node IS NOT NULL AND lease_until < %s ORDER BY created_at, id",
+            f"{_SELECT} WHERE s.owner_node IS NOT NULL AND s.lease_until < %s"
+            " ORDER BY s.created_at, s.id",
             (now,),
         )
         return [_row_to_record(r) for r in rows]
@@ -692,7 +749,198 @@ class PostgresRegistry:
                     f"snapshot {sid}: its manifest in the registry is unreadable ({exc})",
                     snapshot_id=sid,
                 ) from exc
+        for sid, text in self._query(
+            "SELECT sandbox_id, manifest FROM torpor_registry.pauses WHERE manifest IS NOT NULL"
+        ):
+            try:
+                for fm in json.loads(text)["files"].values():
+                    refs |= FileManifest.from_json(fm).hashes()
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise CorruptData(
+                    f"sandbox {sid}: its pause manifest in the registry is unreadable ({exc})",
+                    sandbox_id=sid,
+                ) from exc
         return refs
+
+    # -- pause manifests (schema v4) ------------------------------------------------------
+
+    def note_pause(self, sandbox_id: str, node: str, paused_at: float) -> None:
+        """Record that ``node`` holds the files of the pause taken at ``paused_at`` (not yet
+        durable: :meth:`record_durable` follows once the upload is done). Raises
+        StorageError."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO torpor_registry.pauses (sandbox_id, pause_node, pause_at)"
+                " VALUES (%s,%s,%s) ON CONFLICT (sandbox_id) DO UPDATE SET"
+                " pause_node = excluded.pause_node, pause_at = excluded.pause_at,"
+                " upload_error = NULL, attempts = 0",
+                (sandbox_id, node, paused_at),
+            )
+
+    def record_durable(
+        self, sandbox_id: str, node: str, paused_at: float, manifest: Mapping[str, Any]
+    ) -> float:
+        """Record that the pause ``node`` took at ``paused_at`` is stored off-node, as
+        ``manifest`` says, and in the same transaction give the sandbox up if ``node`` holds
+        it and it is still in that pause (any node may wake it from now on: no moment in
+        which it is durable yet held); return when (now). Raises StorageError."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO torpor_registry.pauses (sandbox_id, pause_node, pause_at, manifest,"
+                " manifest_paused_at, durable_at) VALUES (%s,%s,%s,%s,%s,%s)"
+                " ON CONFLICT (sandbox_id) DO UPDATE SET pause_node = excluded.pause_node,"
+                " pause_at = excluded.pause_at, manifest = excluded.manifest,"
+                " manifest_paused_at = excluded.manifest_paused_at,"
+                " durable_at = excluded.durable_at, upload_error = NULL",
+                (
+                    sandbox_id,
+                    node,
+                    paused_at,
+                    json.dumps(dict(manifest), sort_keys=True),
+                    paused_at,
+                    now,
+                ),
+            )
+            db.execute(
+                "UPDATE torpor_registry.sandboxes SET owner_node = NULL, lease_until = NULL"
+                " WHERE id = %s AND owner_node = %s AND state = 'paused' AND paused_at = %s",
+                (sandbox_id, node, paused_at),
+            )
+        return now
+
+    def record_upload_error(self, sandbox_id: str, error: str) -> None:
+        """Say why the current pause's upload failed (it is retried). Raises StorageError."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO torpor_registry.pauses (sandbox_id, upload_error, attempts)"
+                " VALUES (%s,%s,1) ON CONFLICT (sandbox_id) DO UPDATE SET"
+                " upload_error = excluded.upload_error, attempts = pauses.attempts + 1",
+                (sandbox_id, error[:2000]),
+            )
+
+    def pause_record(self, sandbox_id: str) -> PauseRecord | None:
+        """The sandbox's pause record, or None when it was never paused in cluster mode.
+        Raises CorruptData for a manifest that does not parse, StorageError."""
+        rows = self._query(
+            "SELECT pause_node, pause_at, manifest, manifest_paused_at, durable_at,"
+            " upload_error, attempts FROM torpor_registry.pauses WHERE sandbox_id = %s",
+            (sandbox_id,),
+        )
+        if not rows:
+            return None
+        node, at, text, mat, durable, error, attempts = rows[0]
+        try:
+            manifest = None if text is None else dict(json.loads(text))
+        except (TypeError, ValueError) as exc:
+            raise CorruptData(
+                f"sandbox {sandbox_id}: its pause manifest in the registry is unreadable ({exc})",
+                sandbox_id=sandbox_id,
+            ) from exc
+        return PauseRecord(sandbox_id, node, at, manifest, mat, durable, error, attempts)
+
+    def recover(self, sandbox_id: str, node: str, *, at: float | None = None) -> Transition | None:
+        """Take over ``sandbox_id`` from an owner whose lease lapsed (it stopped
+        heartbeating: its machine and local files count as gone), on behalf of ``node``.
+
+        One transaction, compare-and-set on the lapsed lease, so of many nodes recovering at
+        once exactly one does it (the others get None). A sandbox with a durable pause goes
+        to ``paused`` at that pause (what changed since is lost, and the transition's reason
+        says so); one without goes to ``error`` (its error says what was lost). The owner is
+        cleared: the sandbox wakes on whichever node asks next. Returns the transition
+        recorded (None: nothing to do, or another node did it). Raises StorageError."""
+        now = time.time() if at is None else at
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT state, owner_node, paused_at FROM torpor_registry.sandboxes"
+                " WHERE id = %s AND owner_node IS NOT NULL AND owner_node <> %s"
+                " AND lease_until < %s FOR UPDATE SKIP LOCKED",
+                (sandbox_id, node, now),
+            ).fetchone()
+            if row is None:
+                return None
+            state, owner, paused_at = SandboxState(row[0]), row[1], row[2]
+            pause = db.execute(
+                "SELECT manifest_paused_at, durable_at FROM torpor_registry.pauses"
+                " WHERE sandbox_id = %s AND manifest IS NOT NULL",
+                (sandbox_id,),
+            ).fetchone()
+            release = "UPDATE torpor_registry.sandboxes SET owner_node = NULL, lease_until = NULL"
+            if state in (SandboxState.STOPPED, SandboxState.ERROR) or (
+                state is SandboxState.PAUSED and pause is not None and pause[0] == paused_at
+            ):  # nothing was lost: only the lease goes
+                db.execute(release + " WHERE id = %s", (sandbox_id,))
+                return None
+            if pause is not None:
+                dst = SandboxState.PAUSED
+                reason = (
+                    f"node {owner} lost (its lease lapsed); recovered by {node} to its last "
+                    f"durable pause of {_iso(pause[0])}: RAM, processes and disk changes since "
+                    "then are lost"
+                )
+                db.execute(
+                    release + ", state = %s, paused_at = %s, error = NULL WHERE id = %s",
+                    (dst.value, pause[0], sandbox_id),
+                )
+                db.execute(
+                    "UPDATE torpor_registry.pauses SET pause_node = NULL, pause_at = %s,"
+                    " upload_error = NULL WHERE sandbox_id = %s",
+                    (pause[0], sandbox_id),
+                )
+            else:
+                dst = SandboxState.ERROR
+                reason = (
+                    f"node {owner} lost (its lease lapsed) while the sandbox was "
+                    f"{state.value}, and it had no durable pause: recovered by {node} as lost"
+                )
+                db.execute(
+                    release + ", state = %s, error = %s WHERE id = %s",
+                    (
+                        dst.value,
+                        f"RAM, processes and disk: node {owner} was lost before any pause of "
+                        "this sandbox was stored off-node",
+                        sandbox_id,
+                    ),
+                )
+            db.execute(
+                "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
+                " VALUES (%s,%s,%s,%s,%s)",
+                (sandbox_id, state.value, dst.value, now, reason),
+            )
+        self.generation += 1
+        log.warning("sandbox %s: %s", sandbox_id, reason)
+        return Transition(sandbox_id, state, dst, now, reason)
+
+    def owned_by(self, node_id: str) -> builtins.list[SandboxRecord]:
+        """Sandboxes ``node_id`` holds (whatever its lease), oldest first. Raises
+        StorageError."""
+        rows = self._query(
+            f"{_SELECT} WHERE s.owner_node = %s ORDER BY s.created_at, s.id", (node_id,)
+        )
+        return [_row_to_record(r) for r in rows]
+
+    # -- usage (not on PostgreSQL yet) ----------------------------------------------------
+
+    def meters_at(self, *args: Any, **kwargs: Any) -> Any:
+        """Usage meters are not kept on PostgreSQL yet: raises InvalidArgument."""
+        raise InvalidArgument("usage reports are not kept in cluster mode yet (issue 9)")
+
+    def stored(self, *args: Any, **kwargs: Any) -> builtins.list[dict[str, Any]]:
+        """The ledger of stored bytes is not kept on PostgreSQL yet: always empty."""
+        return []
+
+    def record_stored(self, kind: str, items: Any) -> None:
+        """Not kept on PostgreSQL yet (usage): does nothing."""
+
+    def end_stored(self, kind: str, item_ids: set[str], at: float | None = None) -> int:
+        """Not kept on PostgreSQL yet (usage): does nothing, returns 0."""
+        return 0
+
+
+def _iso(ts: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
 
 
 def _epoch(value: Any) -> float:

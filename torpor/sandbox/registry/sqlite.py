@@ -162,6 +162,11 @@ class SandboxRecord:
     error: str | None = None
     #: the memory scope its agent reaches from inside (``MemoryScope.record()``), or None
     memory_scope: dict[str, Any] | None = None
+    #: cluster mode: when the current pause was stored off-node (None: not, or not paused;
+    #: always None on one machine, where nothing leaves the disk)
+    durable_at: float | None = None
+    #: cluster mode: why the current pause is not durable yet (an upload being retried)
+    upload_error: str | None = None
 
     def to_info(self, *, reused: bool = False) -> SandboxInfo:
         """The public :class:`SandboxInfo` for this row."""
@@ -183,6 +188,8 @@ class SandboxRecord:
             paused_at=None if self.expires_at is None else _dt(self.paused_at or 0.0),
             expires_at=None if self.expires_at is None else _dt(self.expires_at),
             memory_scope=None if self.memory_scope is None else dict(self.memory_scope),
+            durable=None if self.durable_at is None else _dt(self.durable_at),
+            upload_error=self.upload_error,
         )
 
     @property

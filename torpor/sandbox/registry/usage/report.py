@@ -18,7 +18,7 @@ from typing import Any
 
 from torpor.config import Paths
 from torpor.sandbox.models import SandboxState
-from torpor.sandbox.registry import Registry, SandboxRecord
+from torpor.sandbox.registry import AnyRegistry, SandboxRecord
 from torpor.sandbox.registry.meters import Meters
 from torpor.sandbox.registry.usage.models import (
     Costs,
@@ -68,7 +68,7 @@ def _line(quantities: dict[str, Any], rates: RateCard) -> UsageLine:
     )
 
 
-def sync_stored(registry: Registry, paths: Paths, *, now: float | None = None) -> None:
+def sync_stored(registry: AnyRegistry, paths: Paths, *, now: float | None = None) -> None:
     """Bring the registry's ledger of stored things in line with the snapshot and volume
     stores: enter (or update: size, labels, expiry) every snapshot and volume there is, and
     end the ones that are gone. Raises StorageError."""
@@ -225,7 +225,7 @@ def _retention(
 
 
 def build(
-    registry: Registry,
+    registry: AnyRegistry,
     paths: Paths | None = None,
     *,
     tenant: str | None = None,

@@ -1,0 +1,166 @@
+"""Issue 9's example end to end: two real ``torpor serve --cluster`` node processes, each with a
+home of its own, one real PostgreSQL (tests/pg.py) and one real S3 server (SeaweedFS,
+tests/s3.py). A sandbox paused on n1 and made durable wakes on n2 after n1 is SIGKILLed and its
+directory deleted, with its interpreter's variables intact.
+
+Run alone::
+
+    TORPOR_HOME=/root/.torpor PYTHONPATH=. python3 -m pytest -q -p no:cacheprovider \\
+        tests/cluster/test_node_loss.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import torpor
+from tests.pg import PgCluster
+from tests.s3 import S3Server, free_ports
+from torpor.errors import TorporError
+
+pytestmark = [pytest.mark.qemu, pytest.mark.postgres, pytest.mark.s3]
+
+START_TIMEOUT = 120.0
+
+
+@dataclass
+class Node:
+    name: str
+    home: Path
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text().splitlines()[-lines:])
+        return "(no log)"
+
+
+def _start_node(
+    name: str, port: int, dsn: str, store: str, templates: Path, env: dict[str, str]
+) -> Node:
+    home = Path(tempfile.mkdtemp(prefix=f"torpor-{name}-"))
+    (home / "templates").symlink_to(templates)
+    log = home.parent / f"{home.name}.log"
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "torpor.cli", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--cluster", dsn, "--store", store, "--node", name]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command,
+            env={**env, "TORPOR_HOME": str(home)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    node = Node(name, home, url, process, log)
+    deadline = time.monotonic() + START_TIMEOUT
+    while not (home / "server.sock").exists() or not _answers(node):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"node {name} did not start:\n{node.log_tail()}")
+        time.sleep(0.2)
+    return node
+
+
+def _answers(node: Node) -> bool:
+    try:
+        with torpor.Runtime(home=node.home, autostart=False, timeout=5) as rt:
+            rt.health()
+        return True
+    except TorporError:
+        return False
+
+
+def _stop(node: Node) -> None:
+    if node.process.poll() is None:
+        node.process.send_signal(signal.SIGTERM)
+        try:
+            node.process.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            node.process.kill()
+            node.process.wait()
+    for pidfile in node.home.glob("sandboxes/*/qemu.pid"):
+        text = pidfile.read_text().strip()
+        if text.isdigit():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(text), signal.SIGKILL)
+    shutil.rmtree(node.home, ignore_errors=True)
+    node.log.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def nodes(
+    template_home: Path,
+    pg_cluster: PgCluster,
+    pg_database: str,
+    s3_server: S3Server,
+    s3_bucket: str,
+) -> Iterator[tuple[Node, Node]]:
+    env = {**os.environ, **s3_server.env(), "TORPOR_EMBEDDER": "none"}
+    env["TORPOR_LEASE_SECONDS"] = "6"
+    env.pop("TORPOR_URL", None)
+    env.pop("TORPOR_TOKEN", None)
+    dsn = pg_cluster.admin_dsn(pg_database)
+    store = f"s3://{s3_bucket}/cluster"
+    templates = (template_home / "templates").resolve()
+    p1, p2 = free_ports(2)
+    started: list[Node] = []
+    try:
+        started.append(_start_node("n1", p1, dsn, store, templates, env))
+        started.append(_start_node("n2", p2, dsn, store, templates, env))
+        yield started[0], started[1]
+    finally:
+        for node in started:
+            _stop(node)
+
+
+def test_paused_sandbox_wakes_on_another_node_after_its_node_dies(
+    nodes: tuple[Node, Node],
+) -> None:
+    n1, n2 = nodes
+    with torpor.Runtime(home=n1.home, autostart=False) as owner:  # the trusted local socket
+        tok = owner.tokens.create(sandboxes={}, admin=True).token
+
+    rt = torpor.Runtime(url=n1.url, token=tok)
+    sbx = rt.sandboxes.get_or_create("agent-u-42")
+    sbx.interpreter.run("notes = [1, 2]")
+    rt2 = torpor.Runtime(url=n2.url, token=tok)
+    via_n2 = rt2.sandboxes.get("agent-u-42")  # n1 runs it: n2 proxies the call there
+    assert via_n2.interpreter.run("notes").results[0].data["text/plain"] == "[1, 2]"
+    sbx.pause()
+    paused = time.monotonic()
+    deadline = paused + 120
+    info = sbx.info
+    while info.durable is None:  # pushed to the store in the background
+        assert time.monotonic() < deadline, f"never durable: {info}\n{n1.log_tail()}"
+        time.sleep(0.5)
+        info = sbx.info
+    assert info.upload_error is None and info.state.value == "paused"
+    print(f"durable {time.monotonic() - paused:.2f} s after the pause returned")
+
+    n1.process.send_signal(signal.SIGKILL)  # n1 dies, and its disk with it
+    n1.process.wait()
+    shutil.rmtree(n1.home / "sandboxes")
+
+    started = time.monotonic()
+    woken = rt2.sandboxes.get_or_create("agent-u-42")
+    print(f"woken on n2 in {time.monotonic() - started:.2f} s (fetch + rebuild + wake)")
+    print("\n".join(line for line in n2.log_tail(200).splitlines() if "pause" in line))
+    try:
+        assert woken.interpreter.run("notes").results[0].data["text/plain"] == "[1, 2]"
+    except AssertionError:
+        print(n2.log_tail())
+        raise
+    assert woken.info.state.value == "running" and woken.id == sbx.id

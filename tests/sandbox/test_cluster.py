@@ -1,0 +1,402 @@
+"""Cluster mode without VMs: two managers (nodes) on one real PostgreSQL registry and one real
+S3 store (SeaweedFS), each with its own home and a fake engine (tests/sandbox/fakes.py).
+
+What is checked here is the cluster's logic: leases (a sandbox another node runs is a Conflict
+naming it), durable pauses (``info.durable``, retried uploads visible as ``upload_error``),
+wake on another node from the store, recovery of a lost node's sandboxes, and the pause
+records of the PostgreSQL registry. The same path with real QEMU nodes and ``torpor serve``
+processes is tests/cluster/test_node_loss.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.pg import PgCluster
+from tests.s3 import S3Server
+from tests.sandbox.fakes import FakeEngine
+from torpor.config import paths
+from torpor.errors import Conflict, InvalidArgument, StateLost
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.manager import cluster as cluster_mod
+from torpor.sandbox.manager.cluster import ClusterConfig
+from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.registry.postgres import PostgresRegistry
+from torpor.sandbox.storage.chunks import ChunkStore
+from torpor.sandbox.storage.pauses import push_pause, rebuild_pause
+
+pytestmark = [pytest.mark.postgres, pytest.mark.s3]
+
+
+@pytest.fixture
+def dsn(pg_cluster: PgCluster, pg_database: str) -> str:
+    return pg_cluster.admin_dsn(pg_database)
+
+
+@pytest.fixture
+def store(s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(cluster_mod, "RETRY_FIRST", 0.2)
+    return f"s3://{s3_bucket}/cluster"
+
+
+def node(
+    tmp_path: Path, dsn: str, store: str, name: str, lease: float = 3.0, engine: Any = None
+) -> SandboxManager:
+    config = ClusterConfig(
+        dsn=dsn,
+        store=store,
+        node=name,
+        url=f"http://{name}.test:8765",
+        lease_seconds=lease,
+        heartbeat_seconds=lease / 6,
+    )
+    engine = engine or FakeEngine()
+    return SandboxManager(paths(tmp_path / name), engine=engine, cluster=config)
+
+
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(body())
+
+
+async def until(
+    what: Callable[[], Awaitable[SandboxInfo]], ok: Callable[[SandboxInfo], bool], timeout: float
+) -> SandboxInfo:
+    deadline = time.monotonic() + timeout
+    info = await what()
+    while not ok(info):
+        assert time.monotonic() < deadline, f"timed out; last: {info}"
+        await asyncio.sleep(0.1)
+        info = await what()
+    return info
+
+
+def die(manager: SandboxManager, home: Path | None) -> None:
+    """The node is gone: no heartbeat any more, its directory deleted (unless None), nothing
+    closed."""
+    assert manager.cluster is not None
+    if manager.cluster._heartbeat is not None:
+        manager.cluster._heartbeat.cancel()
+    for task in manager.cluster._pushes.values():
+        task.cancel()
+    if manager._supervisor is not None:
+        manager._supervisor.cancel()
+    manager._closed = True
+    if home is not None:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_pause_is_durable_and_wakes_on_another_node(tmp_path: Path, dsn: str, store: str) -> None:
+    async def body() -> None:
+        n1, n2 = node(tmp_path, dsn, store, "n1"), node(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        await n1.get_or_create("agent-u-42")
+        await n1.run_code("agent-u-42", "notes = [1, 2]")
+        with pytest.raises(Conflict) as taken:  # n1 runs it: n2 says where it is
+            await n2.run_code("agent-u-42", "notes")
+        assert taken.value.data["owner_node"] == "n1"
+        assert taken.value.data["owner_url"] == "http://n1.test:8765"
+        paused = await n1.pause("agent-u-42")
+        assert paused.state is S.PAUSED
+        info = await until(
+            lambda: n1.get("agent-u-42"), lambda i: i.durable is not None, timeout=30
+        )
+        assert info.upload_error is None and info.durable is not None
+        assert info.paused_at is not None and info.durable >= info.paused_at
+        die(n1, tmp_path / "n1")
+        out = await n2.run_code("agent-u-42", "notes")
+        assert out.results[0].data["text/plain"] == "[1, 2]"
+        woke = await n2.get("agent-u-42")
+        assert (woke.state, woke.durable) == (S.RUNNING, None)  # running: nothing durable now
+        await n2.close()
+
+    run(body)
+
+
+def test_lost_node_falls_back_to_last_durable_pause(tmp_path: Path, dsn: str, store: str) -> None:
+    async def body() -> None:
+        n1, n2 = node(tmp_path, dsn, store, "n1"), node(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        kept = await n1.create(name="kept")
+        await n1.run_code("kept", "notes = [1, 2]")
+        await n1.pause("kept")
+        await until(lambda: n1.get("kept"), lambda i: i.durable is not None, timeout=30)
+        await n1.run_code("kept", "notes.append(3)")  # woken on n1: this change is not durable
+        fresh = await n1.create(name="never-paused")
+        die(n1, tmp_path / "n1")
+        # n2's heartbeat sees n1's lease lapse and recovers both
+        back = await until(lambda: n2.get("kept"), lambda i: i.state is S.PAUSED, timeout=30)
+        assert back.durable is not None
+        reason = n2.registry.transitions(kept.id)[-1].reason
+        assert "n1 lost" in reason and "lost" in reason.split("then")[-1]
+        lost = await until(lambda: n2.get("never-paused"), lambda i: i.state is S.ERROR, 30)
+        assert "n1" in (lost.error or "")
+        out = await n2.run_code("kept", "notes")
+        assert out.results[0].data["text/plain"] == "[1, 2]"
+        with pytest.raises(StateLost):
+            await n2.run_code(fresh.id, "1")
+        await n2.close()
+
+    run(body)
+
+
+def test_node_killed_before_its_upload_loses_only_that_pause(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    async def body() -> None:
+        n1, n2 = node(tmp_path, dsn, store, "n1"), node(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        sbx = await n1.create(name="agent")
+        await n1.run_code("agent", "x = 1")
+        await n1.pause("agent")
+        await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
+        await n1.run_code("agent", "x = 2")
+        again = await n1.pause("agent")  # paused locally; n1 dies before its upload
+        die(n1, tmp_path / "n1")
+        assert again.durable is None
+        # n2 must not wake it while n1's lease runs (its files may still come back)
+        with pytest.raises(Conflict):
+            await n2.run_code("agent", "x")
+        back = await until(lambda: n2.get("agent"), lambda i: i.durable is not None, timeout=30)
+        assert back.paused_at is not None and again.paused_at is not None
+        assert back.paused_at < again.paused_at
+        assert "lost" in n2.registry.transitions(sbx.id)[-1].reason
+        out = await n2.run_code("agent", "x")
+        assert out.results[0].data["text/plain"] == "1"  # the last durable pause's
+        await n2.close()
+
+    run(body)
+
+
+def test_a_lost_node_coming_back_drops_what_was_taken_over(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    async def body() -> None:
+        engine = FakeEngine()
+        n1 = node(tmp_path, dsn, store, "n1", engine=engine)
+        n2 = node(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        sbx = await n1.create(name="agent")
+        await n1.run_code("agent", "x = 1")
+        await n1.pause("agent")
+        await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
+        await n1.run_code("agent", "x = 2")  # running on n1 when n1 stops heartbeating
+        directory = tmp_path / "n1" / "sandboxes" / sbx.id
+        die(n1, None)  # its QEMU and files stay: a partition, not a dead disk
+        await until(lambda: n2.get("agent"), lambda i: i.state is S.PAUSED, timeout=30)
+        assert directory in engine.world.processes
+        again = node(tmp_path, dsn, store, "n1", engine=FakeEngine(engine.world))
+        await again.start(supervise=False)  # n1 is back: the machine is n2's to wake now
+        assert directory not in engine.world.processes and not directory.exists()
+        out = await n2.run_code("agent", "x")
+        assert out.results[0].data["text/plain"] == "1"
+        await again.close()
+        await n2.close()
+
+    run(body)
+
+
+def test_upload_failure_is_visible_then_retried(
+    tmp_path: Path, dsn: str, store: str, s3_server: S3Server
+) -> None:
+    missing = "late-bucket"  # the store is unreachable until this bucket exists
+
+    async def body() -> None:
+        n1 = node(tmp_path, dsn, f"s3://{missing}/c", "n1")
+        await n1.start(supervise=False)
+        await n1.create(name="agent")
+        await n1.run_code("agent", "x = 7")
+        paused = await n1.pause("agent")  # the pause itself succeeds locally, at once
+        assert paused.state is S.PAUSED and paused.durable is None
+        failing = await until(
+            lambda: n1.get("agent"), lambda i: i.upload_error is not None, timeout=30
+        )
+        assert failing.durable is None and failing.state is S.PAUSED
+        s3_server.client().create_bucket(Bucket=missing)
+        done = await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=60)
+        assert done.upload_error is None
+        await n1.close()
+
+    run(body)
+
+
+def test_two_nodes_racing_to_wake_one_wins(tmp_path: Path, dsn: str, store: str) -> None:
+    async def body() -> None:
+        n1, n2, n3 = (node(tmp_path, dsn, store, n) for n in ("n1", "n2", "n3"))
+        for n in (n1, n2, n3):
+            await n.start(supervise=False)
+        await n1.create(name="agent")
+        await n1.run_code("agent", "x = 7")
+        await n1.pause("agent")
+        await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
+        results = await asyncio.gather(
+            n2.run_code("agent", "x"), n3.run_code("agent", "x"), return_exceptions=True
+        )
+        won = [r for r in results if not isinstance(r, BaseException)]
+        lost = [r for r in results if isinstance(r, BaseException)]
+        assert len(won) == 1 and won[0].results[0].data["text/plain"] == "7"
+        assert len(lost) == 1 and isinstance(lost[0], Conflict)
+        assert lost[0].data["owner_node"] in ("n2", "n3")
+        # n1's copy of the pause is stale now (the sandbox runs elsewhere): n1 drops it
+        sandbox_id = (await n1.get("agent")).id
+        assert (tmp_path / "n1" / "sandboxes" / sandbox_id).is_dir()
+        assert await n1.drop_stale() == [sandbox_id]
+        assert not (tmp_path / "n1" / "sandboxes" / sandbox_id).exists()
+        assert await n2.drop_stale() == [] and await n3.drop_stale() == []
+        for n in (n1, n2, n3):
+            await n.close()
+
+    run(body)
+
+
+def test_start_reconciles_only_this_nodes_sandboxes(tmp_path: Path, dsn: str, store: str) -> None:
+    async def body() -> None:
+        n1 = node(tmp_path, dsn, store, "n1", lease=30)
+        await n1.start(supervise=False)
+        running = await n1.create(name="busy")
+        n2 = node(tmp_path, dsn, store, "n2", lease=30)
+        await n2.start(supervise=False)  # must not touch n1's running sandbox
+        assert (await n2.get("busy")).state is S.RUNNING
+        assert n1.registry.transitions(running.id)[-1].dst is S.RUNNING
+        await n1.close()
+        await n2.close()
+
+    run(body)
+
+
+# -- the registry's pause records and recovery -------------------------------------------------
+
+
+@pytest.fixture
+def pg(dsn: str) -> Iterator[PostgresRegistry]:
+    reg = PostgresRegistry(dsn)
+    yield reg
+    reg.close()
+
+
+def _rec(state: S, **kw: object) -> SandboxRecord:
+    return SandboxRecord(
+        id="sbx-1",
+        tenant="default",
+        name="a",
+        template="python",
+        state=state,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_durable_only_for_the_current_pause(pg: PostgresRegistry) -> None:
+    pg.insert(_rec(S.PAUSED, paused_at=100.0))
+    assert pg.get("sbx-1").durable_at is None and pg.pause_record("sbx-1") is None
+    pg.note_pause("sbx-1", "n1", 100.0)
+    pg.acquire("sbx-1", "n1", lease_seconds=60)  # held until durable
+    pg.record_upload_error("sbx-1", "store down")
+    assert pg.owner("sbx-1") == "n1"
+    assert pg.get("sbx-1").upload_error == "store down"
+    at = pg.record_durable("sbx-1", "n1", 100.0, {"version": 1, "files": {}})
+    got = pg.get("sbx-1")
+    assert (got.durable_at, got.upload_error) == (at, None)
+    assert got.to_info().durable is not None
+    assert pg.owner("sbx-1") is None  # durable and given up in one step
+    pg.set_state("sbx-1", S.PAUSED, S.WAKING)  # woken: the durable pause is not the state
+    assert pg.get("sbx-1").durable_at is None
+    record = pg.pause_record("sbx-1")
+    assert record is not None and (record.node, record.manifest_paused_at) == ("n1", 100.0)
+
+
+def test_recover_exactly_once(pg: PostgresRegistry, dsn: str) -> None:
+    pg.insert(_rec(S.RUNNING, paused_at=None))
+    pg.record_durable("sbx-1", "n1", 50.0, {"version": 1, "files": {}})
+    pg.acquire("sbx-1", "n1", lease_seconds=1, at=1000.0)
+    assert pg.recover("sbx-1", "n2", at=1000.5) is None  # the lease still runs
+    others = [PostgresRegistry(dsn) for _ in range(3)]
+    done = [r.recover("sbx-1", f"n{i + 2}", at=1002.0) for i, r in enumerate(others)]
+    assert sum(t is not None for t in done) == 1
+    got = pg.get("sbx-1")
+    assert (got.state, got.paused_at) == (S.PAUSED, 50.0)
+    assert pg.owner("sbx-1", at=1002.0) is None
+    for r in others:
+        r.close()
+
+
+def test_invalid_cluster_config() -> None:
+    with pytest.raises(InvalidArgument):
+        ClusterConfig(dsn="sqlite:///x", store="s3://b/p", node="n1")
+    with pytest.raises(InvalidArgument):
+        ClusterConfig(dsn="postgresql://h/db", store="/var/chunks", node="n1")
+
+
+# -- push and rebuild of a paused directory ----------------------------------------------------
+
+
+def _template(root: Path, build: str) -> Path:
+    t = root / "templates" / "python"
+    (t / "snapshot").mkdir(parents=True)
+    (t / "template.json").write_text(
+        f'{{"name": "python", "build_id": "{build}", "directory": "{t}"}}'
+    )
+    ram = bytearray(8 * 4096 * 64)  # 8 chunks of 256 KiB
+    for i in range(0, len(ram), 4096):
+        ram[i] = (i // 4096) % 251 + 1
+    (t / "snapshot" / "ram").write_bytes(bytes(ram))
+    return t
+
+
+def test_push_dedups_against_the_template_and_rebuilds(tmp_path: Path) -> None:
+    template = _template(tmp_path / "a", "b1")
+    chunks = ChunkStore(tmp_path / "chunks")
+    sandbox = tmp_path / "a" / "sandboxes" / "sbx-1"
+    sandbox.mkdir(parents=True)
+    ram = bytearray((template / "snapshot" / "ram").read_bytes())
+    ram[3 * 262144 + 5] = 0xEE  # one chunk changed
+    (sandbox / "ram").write_bytes(bytes(ram))
+    (sandbox / "state").write_bytes(b"device state")
+    (sandbox / "machine.json").write_text(f'{{"kernel": "{template}/vmlinuz", "devices": []}}')
+    (sandbox / "console.log").write_text("not pushed")
+    manifest = push_pause(sandbox, chunks, template)
+    assert sorted(manifest["files"]) == ["machine.json", "ram", "state"]
+    assert len(manifest["from_template"]) == 7  # only the changed chunk was stored
+    other = _template(tmp_path / "b", "b1")
+    dest = tmp_path / "b" / "sandboxes" / "sbx-1"
+    rebuild_pause(manifest, dest, chunks, other)
+    assert (dest / "ram").read_bytes() == bytes(ram)
+    assert (dest / "state").read_bytes() == b"device state"
+    assert f"{other}/vmlinuz" in (dest / "machine.json").read_text()  # moved to this node's
+    wrong = _template(tmp_path / "c", "b2")
+    from torpor.errors import TemplateNotFound
+
+    with pytest.raises(TemplateNotFound):
+        rebuild_pause(manifest, tmp_path / "c" / "sbx-1", chunks, wrong)
+    assert not (tmp_path / "c" / "sbx-1").exists()
+
+
+def test_a_corrupt_chunk_fails_the_rebuild_naming_the_sandbox(tmp_path: Path) -> None:
+    from torpor.errors import CorruptData
+
+    template = _template(tmp_path / "a", "b1")
+    chunks = ChunkStore(tmp_path / "chunks")
+    sandbox = tmp_path / "a" / "sandboxes" / "sbx-1"
+    sandbox.mkdir(parents=True)
+    (sandbox / "state").write_bytes(b"device state " * 1000)
+    manifest = push_pause(sandbox, chunks, template, sandbox_id="sbx-1")
+    digest = manifest["files"]["state"]["chunks"][0]
+    chunks.path_of(digest).write_bytes(b"not the chunk")  # bit rot in the store
+    dest = tmp_path / "b" / "sbx-1"
+    with pytest.raises(CorruptData) as bad:
+        rebuild_pause(manifest, dest, chunks, template, sandbox_id="sbx-1")
+    assert "sbx-1" in str(bad.value) and bad.value.data["sandbox_id"] == "sbx-1"
+    assert not dest.exists() and not any(dest.parent.glob(".*rebuild"))

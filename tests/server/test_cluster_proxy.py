@@ -1,0 +1,92 @@
+"""Cluster mode over HTTP: any node accepts any request, and one for a sandbox another node
+runs is proxied there (torpor.server.proxy). Two real HTTP servers, each a node with its own
+home and a fake engine (no VMs), on one real PostgreSQL and one real S3 server."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+import torpor
+from tests.pg import PgCluster
+from tests.s3 import S3Server
+from tests.sandbox.fakes import FakeEngine
+from torpor.config import paths
+from torpor.errors import Conflict
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.manager.cluster import ClusterConfig
+from torpor.server.app import create_app
+
+pytestmark = [pytest.mark.postgres, pytest.mark.s3]
+
+
+def _serve(manager: SandboxManager, sock: socket.socket) -> tuple[uvicorn.Server, threading.Thread]:
+    app = create_app(manager, supervise=False, require_token=False, memory_embedder=None)
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.01)
+    return server, thread
+
+
+@pytest.fixture
+def two_nodes(
+    tmp_path: Path,
+    pg_cluster: PgCluster,
+    pg_database: str,
+    s3_server: S3Server,
+    s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[str, str]]:
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    servers, urls = [], []
+    for name in ("n1", "n2"):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = ClusterConfig(
+            dsn=pg_cluster.admin_dsn(pg_database),
+            store=f"s3://{s3_bucket}/c",
+            node=name,
+            url=url,
+            lease_seconds=10,
+            heartbeat_seconds=1,
+        )
+        manager = SandboxManager(paths(tmp_path / name), engine=FakeEngine(), cluster=config)
+        servers.append((*_serve(manager, sock), sock))
+        urls.append(url)
+    yield urls[0], urls[1]
+    for server, _, _ in servers:
+        server.should_exit = True
+    for _, thread, sock in servers:
+        thread.join(60)  # the node closes its manager: pauses pushed before it goes
+        sock.close()
+
+
+def test_a_request_to_any_node_reaches_the_owner(two_nodes: tuple[str, str]) -> None:
+    n1, n2 = two_nodes
+    with torpor.Runtime(url=n1) as rt1, torpor.Runtime(url=n2) as rt2:
+        sbx = rt1.sandboxes.create(name="agent")
+        sbx.interpreter.run("x = 7")
+        via_n2 = rt2.sandboxes.get("agent")  # a read: any node answers from the registry
+        assert via_n2.interpreter.run("x").results[0].data["text/plain"] == "7"  # proxied
+        out = via_n2.commands.run("echo hi")
+        assert out.stdout == "hi\n"
+        # the proxy is one hop: a request already proxied gets the Conflict itself
+        with pytest.raises(Conflict) as conflict:
+            rt2.request(
+                "POST", f"/v1/sandboxes/{sbx.id}/pause", headers={"X-Torpor-Proxied-By": "n1"}
+            )
+        assert conflict.value.data["owner_node"] == "n1"
+        assert conflict.value.data["owner_url"] == n1
+        assert rt2.sandboxes.get("agent").pause().state.value == "paused"  # proxied pause

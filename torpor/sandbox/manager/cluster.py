@@ -1,0 +1,351 @@
+"""Cluster mode: one node of many sharing a PostgreSQL registry and an S3 chunk store.
+
+``torpor serve --cluster DSN --store s3://bucket/prefix --node NAME`` gives the manager a
+:class:`ClusterNode`. Then:
+
+* **The registry is PostgreSQL's** (:class:`~torpor.sandbox.registry.postgres.PostgresRegistry`),
+  shared by every node; the node's own directory holds its machines' files only.
+* **Leases.** The node heartbeats every ``heartbeat_seconds`` (its URL, accelerator, CPU
+  model, RAM), which renews the leases of the sandboxes it holds. It takes a sandbox
+  (:meth:`ClusterNode.acquire`, compare-and-set) before it creates, wakes, runs, pauses or
+  kills it; a sandbox held by another live node is a :class:`~torpor.errors.Conflict` naming
+  that node and its URL (``owner_node``, ``owner_url``: the caller may go there). A node
+  gives a sandbox back once it is stopped, or paused with that pause durable.
+* **Durable pauses.** A pause is local and fast; then a background task
+  (:meth:`ClusterNode.push_later`) stores the paused directory in the chunk store
+  (:func:`~torpor.sandbox.storage.pauses.push_pause`) and records the manifest: from then on
+  ``info.durable`` says when, and the sandbox wakes on any node. A failed upload is retried
+  with backoff (1 s doubling to 60 s), logged, and shown as ``info.upload_error``; the node
+  keeps the sandbox's lease meanwhile, so no other node wakes an older state. The upload
+  holds the sandbox's lock: a wake that comes in during it waits for it.
+* **Wake anywhere.** A wake on a node that does not hold the latest pause's files rebuilds
+  them from the manifest (:func:`~torpor.sandbox.storage.pauses.rebuild_pause`; the same
+  template build must be there, else TemplateNotFound).
+* **Lost nodes.** In every heartbeat the node recovers the sandboxes whose owner's lease
+  lapsed (:meth:`~torpor.sandbox.registry.postgres.PostgresRegistry.recover`: to the last
+  durable pause, saying what was lost, or to ``error``). At start it reconciles only the
+  sandboxes it holds itself, never another node's; at start and every minute it drops the
+  directories another node made stale (:meth:`ClusterNode.stale`), with any QEMU still on
+  them (a node that was only cut off comes back to find its machines taken over).
+* **Routing.** A request for a sandbox another node runs is proxied there by the server
+  (:mod:`torpor.server.proxy`), thanks to the ``owner_url`` the Conflict carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import platform
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torpor.config import Paths, check_name
+from torpor.errors import Conflict, InvalidArgument, TorporError
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
+from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
+from torpor.sandbox.storage.pauses import push_pause, rebuild_pause, warm_template
+
+__all__ = [
+    "CLUSTER_ENV",
+    "NODE_ENV",
+    "ClusterConfig",
+    "ClusterNode",
+    "default_url",
+    "upload_failed",
+]
+
+log = logging.getLogger(__name__)
+
+#: the registry's DSN, the node's name (the store is ``$TORPOR_STORE``)
+CLUSTER_ENV = "TORPOR_CLUSTER"
+NODE_ENV = "TORPOR_NODE"
+LEASE_ENV = "TORPOR_LEASE_SECONDS"
+
+#: backoff of a failed pause upload: first retry after this, doubling up to the maximum
+RETRY_FIRST = 1.0
+RETRY_MAX = 60.0
+#: seconds between two looks for local directories another node made stale
+TIDY_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How a node joins a cluster: the registry (a PostgreSQL DSN), the shared chunk store
+    (``s3://bucket/prefix``), its name and the URL other nodes and clients reach it at.
+    A lease lasts ``lease_seconds`` and is renewed every ``heartbeat_seconds``."""
+
+    dsn: str
+    store: str
+    node: str
+    url: str = ""
+    lease_seconds: float = 15.0
+    heartbeat_seconds: float = 3.0
+
+    def __post_init__(self) -> None:
+        check_name(self.node, "node name")
+        if not self.dsn.startswith(("postgres://", "postgresql://")):
+            raise InvalidArgument(f"--cluster must be a PostgreSQL DSN, not {self.dsn!r}")
+        if not self.store.startswith("s3://"):
+            raise InvalidArgument(
+                f"--store must be s3://bucket/prefix in cluster mode, not {self.store!r} "
+                "(a local directory cannot be shared between nodes)"
+            )
+        if not 0 < self.heartbeat_seconds < self.lease_seconds:
+            raise InvalidArgument("the heartbeat must be shorter than the lease, both > 0")
+
+    @classmethod
+    def lease_from_env(cls) -> float:
+        """``$TORPOR_LEASE_SECONDS`` (default 15). Raises InvalidArgument."""
+        raw = os.environ.get(LEASE_ENV, "").strip()
+        try:
+            value = float(raw) if raw else 15.0
+        except ValueError as exc:
+            raise InvalidArgument(f"{LEASE_ENV} must be seconds, not {raw!r}") from exc
+        if value < 2:
+            raise InvalidArgument(f"{LEASE_ENV} must be at least 2 seconds, not {raw!r}")
+        return value
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _memory_mib() -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    return 0
+
+
+def _accelerator() -> str:
+    from torpor.sandbox.vm.accel import probe
+
+    try:
+        return probe().accel
+    except TorporError as exc:
+        log.warning("cannot tell the accelerator: %s", exc)
+        return "unknown"
+
+
+def default_url(host: str | None, port: int) -> str:
+    """The URL a node advertises when none is given: its host (its name when it listens on
+    every address) and port."""
+    if host is None:
+        return ""
+    name = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return f"http://[{name}]:{port}" if ":" in name else f"http://{name}:{port}"
+
+
+class ClusterNode:
+    """This node's side of the cluster: the shared registry and store, its heartbeat, the
+    leases it holds and its pause uploads. Made by the manager (see the module docstring).
+
+    Raises StorageError when PostgreSQL or the store cannot be opened."""
+
+    def __init__(self, config: ClusterConfig, paths: Paths) -> None:
+        self.config = config
+        self.node = config.node
+        self.paths = paths
+        self.registry = PostgresRegistry(config.dsn)
+        self.chunks: ChunkStore = open_chunk_store(config.store, paths.home)
+        self.started_at = time.time()
+        self._accel: str | None = None
+        self._pushes: dict[str, asyncio.Task[None]] = {}
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._warming: asyncio.Task[None] | None = None
+
+    # -- nodes and leases -----------------------------------------------------------------
+
+    def info(self) -> NodeInfo:
+        """What this node tells the registry about itself."""
+        if self._accel is None:
+            self._accel = _accelerator()
+        return NodeInfo(
+            id=self.node,
+            accelerator=self._accel,
+            cpu_model=_cpu_model(),
+            capacity_mib=_memory_mib(),
+            url=self.config.url,
+            started_at=self.started_at,
+        )
+
+    def beat(self) -> None:
+        """Heartbeat once (renews this node's leases). Raises StorageError."""
+        self.registry.heartbeat(self.info(), lease_seconds=self.config.lease_seconds)
+
+    def acquire(self, sandbox_id: str) -> None:
+        """Hold ``sandbox_id`` (renewed by the heartbeat). Raises Conflict naming the node
+        that holds it (``owner_node``) and its URL (``owner_url``), SandboxNotFound,
+        StorageError."""
+        # an owner that stopped heartbeating lost it: fall back to its last durable pause first
+        self.registry.recover(sandbox_id, self.node)
+        try:
+            self.registry.acquire(sandbox_id, self.node, lease_seconds=self.config.lease_seconds)
+        except Conflict as exc:
+            owner = str(exc.data.get("owner_node") or "")
+            url = ""
+            with contextlib.suppress(TorporError):
+                url = self.registry.node(owner).url
+            raise Conflict(
+                f"sandbox {sandbox_id} runs on node {owner}"
+                + (f" ({url})" if url else "")
+                + ": send the request there",
+                sandbox_id=sandbox_id,
+                owner_node=owner,
+                owner_url=url,
+            ) from exc
+
+    def settle(self, sandbox_id: str) -> None:
+        """Give ``sandbox_id`` back unless this node must keep it: it runs here, or its pause
+        is not durable yet. Best effort (logged)."""
+        if sandbox_id in self._pushes:
+            return
+        try:
+            rec = self.registry.get(sandbox_id)
+            if rec.state in (S.STOPPED, S.ERROR) or (
+                rec.state is S.PAUSED and rec.durable_at is not None
+            ):
+                self.registry.release(sandbox_id, self.node)
+        except TorporError as exc:
+            log.warning("cannot release %s: %s", sandbox_id, exc)
+
+    def recover_lapsed(self) -> list[str]:
+        """Recover every sandbox whose owner's lease lapsed (see
+        :meth:`PostgresRegistry.recover`); return the ids this node recovered."""
+        lapsed = self.registry.lapsed()
+        return [r.id for r in lapsed if self.registry.recover(r.id, self.node) is not None]
+
+    def stale(self, sandbox_id: str) -> bool:
+        """Whether this node's directory of ``sandbox_id`` is of no use any more: the sandbox
+        was killed; or this node does not hold it and its latest pause is not this node's
+        (it woke elsewhere since, or was recovered from the store after this node was lost).
+        A sandbox in ``error`` keeps its directory (the disk it kept can still be read).
+        Raises StorageError."""
+        try:
+            rec = self.registry.get(sandbox_id)
+        except TorporError:
+            return False  # not a sandbox of this cluster: not ours to judge
+        if rec.state is S.STOPPED:
+            return True
+        if rec.state is S.ERROR or self.registry.owner(sandbox_id) == self.node:
+            return False
+        pause = self.registry.pause_record(sandbox_id)
+        return pause is None or pause.node != self.node
+
+    def start_heartbeat(self, tidy: Callable[[], Awaitable[object]] | None = None) -> None:
+        """Heartbeat and recover lapsed sandboxes every ``heartbeat_seconds`` until
+        :meth:`close`; every :data:`TIDY_SECONDS` also run ``tidy`` (the manager drops its
+        stale directories)."""
+
+        async def loop() -> None:
+            last_tidy = time.monotonic()
+            while True:
+                await asyncio.sleep(self.config.heartbeat_seconds)
+                try:
+                    await asyncio.to_thread(self.beat)
+                    await asyncio.to_thread(self.recover_lapsed)
+                    if tidy is not None and time.monotonic() - last_tidy >= TIDY_SECONDS:
+                        last_tidy = time.monotonic()
+                        await tidy()
+                except Exception as exc:  # keep beating: PostgreSQL may be back next time
+                    log.warning("heartbeat of node %s failed: %s", self.node, exc)
+
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.get_running_loop().create_task(
+                loop(), name=f"torpor-heartbeat-{self.node}"
+            )
+            self._warming = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.warm), name=f"torpor-warm-{self.node}"
+            )
+
+    # -- pauses ---------------------------------------------------------------------------
+
+    def warm(self) -> None:
+        """Hash every template's booted RAM once (pushes and rebuilds compare against it);
+        best effort."""
+        if not self.paths.templates.is_dir():
+            return
+        for template_dir in sorted(self.paths.templates.iterdir()):
+            try:
+                warm_template(template_dir, self.chunks.chunk_size)
+            except OSError as exc:
+                log.warning("cannot read template %s: %s", template_dir.name, exc)
+
+    def template_dir(self, template: str) -> Path:
+        return self.paths.templates / template
+
+    def pushing(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._pushes
+
+    def push_later(self, sandbox_id: str, push: Callable[[], Any]) -> None:
+        """Run ``push`` (a coroutine function that returns True when done, False to retry)
+        in the background with backoff until it succeeds or says stop (None)."""
+        if sandbox_id in self._pushes:
+            return
+
+        async def retrying() -> None:
+            delay = RETRY_FIRST
+            try:
+                while not await push():
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RETRY_MAX)
+            finally:
+                self._pushes.pop(sandbox_id, None)
+            await asyncio.to_thread(self.settle, sandbox_id)
+
+        self._pushes[sandbox_id] = asyncio.get_running_loop().create_task(
+            retrying(), name=f"torpor-push-{sandbox_id}"
+        )
+
+    def push(self, directory: Path, template: str, sandbox_id: str) -> dict[str, Any]:
+        """Store the paused directory; return its manifest (see :func:`push_pause`)."""
+        return push_pause(
+            directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
+        )
+
+    def rebuild(
+        self, manifest: dict[str, Any], directory: Path, template: str, sandbox_id: str
+    ) -> float:
+        """Rebuild a paused directory from its manifest (see :func:`rebuild_pause`)."""
+        return rebuild_pause(
+            manifest, directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
+        )
+
+    async def wait_pushes(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the uploads in flight, then cancel the rest."""
+        tasks = list(self._pushes.values())
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            log.warning("node %s closing: %s not durable yet", self.node, task.get_name())
+            task.cancel()
+
+    async def close(self) -> None:
+        """Stop the heartbeat and the uploads (callers wait for them first) and close the
+        registry."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+            self._heartbeat = None
+        for task in [*self._pushes.values(), *([self._warming] if self._warming else [])]:
+            task.cancel()
+        self.registry.close()
+
+
+def upload_failed(exc: BaseException) -> str:
+    """The text ``info.upload_error`` shows for a failed upload."""
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, TorporError) else str(exc)

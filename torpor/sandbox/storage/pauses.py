@@ -1,0 +1,383 @@
+"""Durable pauses: a paused sandbox's directory pushed to the shared chunk store, and rebuilt
+from it on another node.
+
+In cluster mode (``torpor serve --cluster ... --store s3://...``) a pause stays local and fast
+(hibernate into the sandbox's directory); then :func:`push_pause` stores what a wake needs in
+the content-addressed chunk store, and the manager records the returned manifest in the
+registry (PostgreSQL, ``torpor_registry.pauses``). Once recorded, the pause is *durable*: the
+sandbox wakes on any node with the same template, even if its node is gone.
+
+What is pushed: every regular file of the directory but its logs, sockets and pid file — the
+RAM file, the device state, ``machine.json``, the disk overlay. The RAM file is deduplicated
+against the template's booted RAM it was cloned from (as
+:mod:`~torpor.sandbox.storage.compaction` does): a chunk equal to the template's at the same
+offset is not uploaded, the manifest lists its index in ``from_template``, and
+:func:`rebuild_pause` copies it from the node's own template. The disk overlay is stored as
+an overlay on the template's disk (an overlay on a deeper chain, e.g. after a restore, is
+first folded onto the template's disk in a copy); the rebuild points it at the node's own
+template disk. ``machine.json``'s paths under the template's directory are moved to the
+node's. A sandbox with volumes or drives attached is refused (:class:`InvalidArgument`: their
+files are this node's), and so is a template build the waking node does not have
+(:class:`TemplateNotFound`).
+
+The manifest::
+
+    {"version": 1, "files": {"ram": <FileManifest>, "state": ..., "disk.qcow2": ...},
+     "from_template": [chunk indices of ram], "disk_backing": "template" | null,
+     "template": {"name", "build_id", "directory"}, "new_bytes": N}
+
+``files`` is the key :meth:`~torpor.sandbox.registry.postgres.PostgresRegistry.referenced_chunks`
+marks from, so a sweep of the shared store keeps every chunk a pause needs.
+
+:func:`rebuild_pause` writes into a temporary sibling directory and renames it into place
+last, so a crash leaves either no directory or a whole one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from torpor.errors import CorruptData, InvalidArgument, StorageError, TemplateNotFound
+from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, data_ranges, overlaps
+from torpor.sandbox.storage.records import rewrite_prefix
+from torpor.sandbox.storage.snapshots import backing_file
+from torpor.sandbox.vm.disk import fsync_dir, rebase, set_backing
+
+__all__ = [
+    "MANIFEST_VERSION",
+    "push_pause",
+    "rebuild_pause",
+    "template_identity",
+    "warm_template",
+]
+
+log = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+#: files of a sandbox directory a wake does not need (logs, sockets, pid, markers)
+_SKIP = {"console.log", "qemu.log", "qemu.pid", "qmp.sock", "agent.sock", ".lock"}
+
+
+def template_identity(template_dir: Path) -> dict[str, Any] | None:
+    """The name, build and directory of the template at ``template_dir`` (None: it has no
+    ``template.json``, e.g. a test engine's)."""
+    try:
+        body = json.loads((template_dir / "template.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {
+        "name": str(body.get("name", template_dir.name)),
+        "build_id": str(body.get("build_id", "")),
+        "directory": str(body.get("directory", template_dir)),
+    }
+
+
+@lru_cache(maxsize=8)
+def _template_hashes(path: str, size: int, mtime_ns: int, chunk_size: int) -> list[str | None]:
+    """The sha256 of each chunk of a template's RAM file (None: a hole or zeros); cached by
+    the file's identity, since every pause of its sandboxes compares against it."""
+    zero = bytes(chunk_size)
+    out: list[str | None] = []
+    with open(path, "rb") as f:
+        ranges = data_ranges(f.fileno(), size)
+        for index in range(-(-size // chunk_size)):
+            start = index * chunk_size
+            length = min(chunk_size, size - start)
+            if not overlaps(ranges, start, start + length):
+                out.append(None)
+                continue
+            data = os.pread(f.fileno(), length, start)
+            out.append(None if data == zero[:length] else hashlib.sha256(data).hexdigest())
+    return out
+
+
+def warm_template(template_dir: Path, chunk_size: int) -> bool:
+    """Hash the chunks of the template's booted RAM now (a node does it once, at start), so
+    neither the first push nor the first rebuild of its sandboxes waits for it. False when
+    the template has no RAM file. Raises OSError."""
+    ram = (template_dir / "snapshot").resolve() / "ram"
+    if not ram.is_file():
+        return False
+    st = ram.stat()
+    _template_hashes(str(ram), st.st_size, st.st_mtime_ns, chunk_size)
+    return True
+
+
+def _put_ram(
+    ram: Path, chunks: ChunkStore, template_ram: Path | None
+) -> tuple[FileManifest, list[int]]:
+    """Store ``ram`` but the chunks equal to ``template_ram``'s at the same offset; return
+    its manifest and the indices of those chunks."""
+    theirs: list[str | None] = []
+    if template_ram is not None and template_ram.is_file():
+        st = template_ram.stat()
+        theirs = _template_hashes(str(template_ram), st.st_size, st.st_mtime_ns, chunks.chunk_size)
+    size_ = chunks.chunk_size
+    zero = bytes(size_)
+    cache = getattr(chunks.backend, "cache", None)  # a remote store's node cache
+    with open(ram, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        extents = data_ranges(f.fileno(), size)
+
+        def work(index: int) -> tuple[str | None, bool, int]:
+            start = index * size_
+            length = min(size_, size - start)
+            if not overlaps(extents, start, start + length):
+                return None, False, 0
+            data = os.pread(f.fileno(), length, start)
+            if data == zero[:length]:
+                return None, False, 0
+            digest = hashlib.sha256(data).hexdigest()
+            if index < len(theirs) and theirs[index] == digest:
+                return digest, True, 0
+            if cache is not None and digest in cache:
+                return digest, False, 0  # this node wrote or read it: it is in the store
+            _, new = chunks.put(data)
+            return digest, False, new
+
+        with ThreadPoolExecutor(chunks.workers) as pool:
+            results = list(pool.map(work, range(-(-size // size_))))
+    manifest = FileManifest(
+        size=size,
+        chunk_size=size_,
+        chunks=[d for d, _, _ in results],
+        new_bytes=sum(n for _, _, n in results),
+    )
+    return manifest, [i for i, (_, same, _) in enumerate(results) if same]
+
+
+def _files(directory: Path) -> list[Path]:
+    out = []
+    for root, _dirs, names in os.walk(directory):
+        for name in names:
+            path = Path(root) / name
+            if name in _SKIP or name.endswith(".tmp") or path.is_symlink() or not path.is_file():
+                continue
+            out.append(path)
+    return sorted(out)
+
+
+def push_pause(
+    directory: Path, chunks: ChunkStore, template_dir: Path | None, *, sandbox_id: str = ""
+) -> dict[str, Any]:
+    """Store the hibernated machine in ``directory`` (no QEMU on it: the caller holds the
+    sandbox's lock) in ``chunks`` and return its pause manifest (see the module docstring).
+
+    ``template_dir`` is the template's directory on this node (its ``snapshot/ram`` and
+    ``snapshot/disk.qcow2`` are what the sandbox was cloned from). Raises InvalidArgument for
+    a sandbox whose pause cannot leave this node (volumes or drives attached, a compacted
+    directory), StorageError / EngineError when a file or the store fails (retry later)."""
+    started = time.perf_counter()
+    who = sandbox_id or directory.name
+    if (directory / "compacted.json").exists():
+        raise InvalidArgument(f"sandbox {who} is compacted; its pause is pushed before that")
+    try:
+        config = json.loads((directory / "machine.json").read_text())
+    except FileNotFoundError:
+        config = {}
+    except (OSError, ValueError) as exc:
+        raise StorageError(f"sandbox {who}: unreadable machine.json: {exc}", exc=exc) from exc
+    if config.get("devices"):
+        raise InvalidArgument(
+            f"sandbox {who} has volumes or drives attached: their files are this node's, so "
+            "its pause cannot be made durable off-node",
+            sandbox_id=sandbox_id,
+        )
+    template = None if template_dir is None else template_identity(template_dir)
+    snapshot = None if template_dir is None else (template_dir / "snapshot").resolve()
+    files: dict[str, Any] = {}
+    from_template: list[int] = []
+    disk_backing: str | None = None
+    new_bytes = 0
+    with tempfile.TemporaryDirectory(prefix=".push-", dir=directory.parent) as scratch:
+        for path in _files(directory):
+            rel = str(path.relative_to(directory))
+            if rel == "ram":
+                fm, from_template = _put_ram(path, chunks, snapshot and snapshot / "ram")
+            elif rel == "disk.qcow2" and snapshot is not None:
+                fm, disk_backing = _put_disk(path, chunks, snapshot / "disk.qcow2", Path(scratch))
+            else:
+                fm = chunks.put_file(path)
+            files[rel] = fm.to_json()
+            new_bytes += fm.new_bytes
+    chunks.sync_dirs()
+    log.info(
+        "pushed the pause of %s: %d files, %d new bytes, %d RAM chunks from the template (%.2f s)",
+        who,
+        len(files),
+        new_bytes,
+        len(from_template),
+        time.perf_counter() - started,
+    )
+    return {
+        "version": MANIFEST_VERSION,
+        "files": files,
+        "from_template": from_template,
+        "disk_backing": disk_backing,
+        "template": template,
+        "new_bytes": new_bytes,
+    }
+
+
+def _put_disk(
+    disk: Path, chunks: ChunkStore, template_disk: Path, scratch: Path
+) -> tuple[FileManifest, str | None]:
+    """Store the disk overlay as an overlay on ``template_disk`` (folding a deeper chain onto
+    it in a copy first). Returns its manifest and ``"template"`` (or None for a standalone
+    image)."""
+    backing = backing_file(disk)
+    if backing is None:
+        return chunks.put_file(disk), None
+    if backing.resolve() == template_disk.resolve():
+        return chunks.put_file(disk), "template"
+    folded = scratch / "disk.qcow2"
+    shutil.copyfile(disk, folded)
+    rebase(folded, template_disk)  # what the layers between hold is folded into the copy
+    return chunks.put_file(folded), "template"
+
+
+def rebuild_pause(
+    manifest: dict[str, Any],
+    directory: Path,
+    chunks: ChunkStore,
+    template_dir: Path,
+    *,
+    sandbox_id: str = "",
+) -> float:
+    """Write the hibernated machine ``manifest`` describes to ``directory`` (replacing what is
+    there: a stale copy of an older pause) and return the seconds it took.
+
+    Raises TemplateNotFound when this node lacks the template build the pause was taken on,
+    CorruptData for a bad manifest or chunk (naming the sandbox), StorageError / EngineError
+    when the store or the file system fails (nothing is left half-written)."""
+    started = time.perf_counter()
+    who = sandbox_id or directory.name
+    try:
+        if manifest.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"unknown version {manifest.get('version')!r}")
+        files = {k: FileManifest.from_json(v) for k, v in manifest["files"].items()}
+        from_template = {int(i) for i in manifest.get("from_template") or []}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptData(
+            f"sandbox {who}: its pause manifest is unreadable ({exc})", sandbox_id=sandbox_id
+        ) from exc
+    wanted = manifest.get("template")
+    mine = template_identity(template_dir)
+    if wanted and (mine is None or mine["build_id"] != wanted["build_id"]):
+        raise TemplateNotFound(
+            f"sandbox {who} was paused on template {wanted['name']!r} build "
+            f"{wanted['build_id']}; this node has "
+            + ("no such template" if mine is None else f"build {mine['build_id']}")
+            + ": build the same template here (same name, same build) to wake it",
+            kind="template",
+            name=wanted["name"],
+            build_id=wanted["build_id"],
+        )
+    snapshot = (template_dir / "snapshot").resolve()
+    tmp = directory.with_name(f".{directory.name}.rebuild")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        for rel, fm in files.items():
+            if Path(rel).is_absolute() or ".." in Path(rel).parts:  # never outside the dir
+                raise CorruptData(f"sandbox {who}: its pause manifest names {rel!r}")
+            dest = tmp / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if rel == "ram" and from_template:
+                _restore_ram(fm, dest, chunks, snapshot / "ram", from_template, who)
+            else:
+                chunks.restore_file(fm, dest, snapshot_id=None)
+        if manifest.get("disk_backing") == "template" and (tmp / "disk.qcow2").exists():
+            set_backing(tmp / "disk.qcow2", snapshot / "disk.qcow2")
+        if (
+            wanted
+            and mine
+            and wanted["directory"] != mine["directory"]
+            and (tmp / "machine.json").exists()
+        ):
+            config = json.loads((tmp / "machine.json").read_text())
+            moved = rewrite_prefix(config, wanted["directory"], mine["directory"])
+            (tmp / "machine.json").write_text(json.dumps(moved, indent=2))
+        fsync_dir(tmp)
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+        fsync_dir(directory.parent)
+    except CorruptData as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        exc.data["sandbox_id"] = sandbox_id
+        exc.message = f"sandbox {who}: cannot rebuild its pause: {exc.message}"
+        exc.args = (exc.message,)
+        raise
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise StorageError(
+            f"sandbox {who}: cannot rebuild its pause: {exc}", exc=exc, sandbox_id=sandbox_id
+        ) from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - started
+    log.info("rebuilt %s's pause from %s in %.3f s", who, chunks.location, seconds)
+    return seconds
+
+
+def _restore_ram(
+    fm: FileManifest,
+    dest: Path,
+    chunks: ChunkStore,
+    template_ram: Path,
+    from_template: set[int],
+    who: str,
+) -> None:
+    """Write the RAM file: chunks in ``from_template`` that this node's template RAM holds
+    at the same offset (by the hashes of its chunks, computed once per template file) copied
+    from it by the kernel, the others from the store (verified on read)."""
+    st = template_ram.stat()
+    theirs = _template_hashes(str(template_ram), st.st_size, st.st_mtime_ns, fm.chunk_size)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        tfd = os.open(template_ram, os.O_RDONLY)
+    except OSError:
+        os.close(fd)
+        raise
+    try:
+        os.ftruncate(fd, fm.size)
+
+        def work(item: tuple[int, str | None]) -> None:
+            index, digest = item
+            if digest is None:
+                return
+            start = index * fm.chunk_size
+            length = min(fm.chunk_size, fm.size - start)
+            if index in from_template and index < len(theirs) and theirs[index] == digest:
+                done = 0  # the same bytes in this node's template (hashed once per node)
+                while done < length:
+                    n = os.copy_file_range(tfd, fd, length - done, start + done, start + done)
+                    if n == 0:
+                        raise OSError(f"{template_ram} ended at {start + done}")
+                    done += n
+                return
+            data = chunks.get(digest)  # not in this node's template RAM: from the store
+            if len(data) != length:
+                raise CorruptData(
+                    f"chunk {digest[:12]} of {who}'s RAM has {len(data)} bytes, not {length}",
+                    chunk=digest,
+                )
+            os.pwrite(fd, data, start)
+
+        with ThreadPoolExecutor(chunks.workers) as pool:
+            list(pool.map(work, enumerate(fm.chunks)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.close(tfd)

@@ -1,0 +1,141 @@
+"""Cluster mode: a request for a sandbox another node runs is proxied to that node.
+
+Any node accepts any request. When the manager answers ``Conflict`` with an ``owner_url`` (the
+sandbox is held by another live node: :meth:`~torpor.sandbox.manager.cluster.ClusterNode.acquire`
+raises it before anything is changed), :class:`OwnerProxy` sends the same request — method,
+path, query, headers (the caller's token included), body — to the owner and streams its answer
+back, so a client never needs to know where a sandbox runs. Proxied rather than redirected:
+a redirect would need every client to follow a 307 with its body and its token to another host
+(httpx, as the SDK uses it, does not resend a body or credentials across hosts by default),
+and streamed command output would go through the same hop either way.
+
+A proxied request carries ``X-Torpor-Proxied-By: <node>`` and is never proxied again (two
+nodes that each think the other owns a sandbox answer the Conflict instead of looping). When
+the owner cannot be reached, the caller gets the original Conflict (its lease lapses soon and
+any node then recovers the sandbox).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import httpx
+
+__all__ = ["PROXIED_HEADER", "OwnerProxy"]
+
+log = logging.getLogger(__name__)
+
+PROXIED_HEADER = "x-torpor-proxied-by"
+_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"host", b"content-length", b"te"}
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def _owner_url(body: bytes) -> str | None:
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(error, dict) or error.get("type") != "Conflict":
+        return None
+    url = (error.get("data") or {}).get("owner_url")
+    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
+
+
+class OwnerProxy:
+    """ASGI middleware of a cluster node (see the module docstring). ``node`` is this node's
+    name (sent along, so the owner never proxies it back)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], node: str) -> None:
+        self.app = app
+        self.node = node
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or any(
+            k.lower() == PROXIED_HEADER.encode() for k, _ in scope.get("headers", [])
+        ):
+            await self.app(scope, receive, send)
+            return
+        parts: list[bytes] = []
+        ended = False
+
+        async def recording() -> Message:
+            nonlocal ended
+            message = await receive()
+            if message["type"] == "http.request":
+                parts.append(message.get("body", b""))
+                ended = not message.get("more_body", False)
+            return message
+
+        held: list[Message] = []
+
+        async def holding(message: Message) -> None:
+            if held or (message["type"] == "http.response.start" and message["status"] == 409):
+                held.append(message)  # a Conflict: maybe the owner's to answer
+                return
+            await send(message)
+
+        await self.app(scope, recording, holding)
+        if not held:
+            return
+        body = b"".join(m.get("body", b"") for m in held[1:])
+        url = _owner_url(body)
+        if url is not None:
+            while not ended:  # the rest of a body the route did not read
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                parts.append(message.get("body", b""))
+                ended = not message.get("more_body", False)
+            if await self._forward(url, scope, b"".join(parts), send):
+                return
+        for message in held:
+            await send(message)
+
+    async def _forward(self, base: str, scope: Scope, body: bytes, send: Send) -> bool:
+        """Send the request to ``base`` and stream the answer; False when the owner cannot
+        be reached (nothing was sent to the caller then)."""
+        path = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string", b"")
+        target = base.rstrip("/") + path.decode("latin-1") + ("?" + query.decode() if query else "")
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in scope.get("headers", [])
+            if k.lower() not in _HOP
+        ]
+        headers.append((PROXIED_HEADER, self.node))
+        timeout = httpx.Timeout(None, connect=5.0)
+        started = False
+        try:
+            async with httpx.AsyncClient(timeout=timeout) as client:
+                request = client.build_request(
+                    scope["method"], target, headers=headers, content=body
+                )
+                response = await client.send(request, stream=True)
+                try:
+                    started = True
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": response.status_code,
+                            "headers": [
+                                (k, v) for k, v in response.headers.raw if k.lower() not in _HOP
+                            ],
+                        }
+                    )
+                    async for chunk in response.aiter_raw():
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                finally:
+                    await response.aclose()
+        except httpx.HTTPError as exc:
+            log.warning("cannot proxy %s %s to %s: %s", scope["method"], scope["path"], base, exc)
+            return started  # once the answer began, the caller sees it cut short
+        log.debug("proxied %s %s to %s", scope["method"], scope["path"], base)
+        return True
