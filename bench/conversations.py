@@ -128,6 +128,21 @@ def load(data: Path, sizes: Sequence[str], limit: int | None) -> list[Conversati
     return out
 
 
+def split(convs: Sequence[Conversation], part: str) -> list[Conversation]:
+    """``all``, or the ``dev`` half (the 1st, 3rd, ... conversation of each size) or the
+    ``test`` half (the 2nd, 4th, ...): tune on one, report on the other."""
+    if part == "all":
+        return list(convs)
+    seen: dict[str, int] = {}
+    out = []
+    for conv in convs:
+        size = conv.name.split("/")[0]
+        n = seen[size] = seen.get(size, -1) + 1
+        if (n % 2 == 0) == (part == "dev"):
+            out.append(conv)
+    return out
+
+
 def _conversation(name: str, d: Path) -> Conversation:
     chat = json.loads((d / "chat.json").read_text())
     turns: list[Turn] = []
@@ -384,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the BEAM checkout")
     ap.add_argument("--sizes", default="100K", help="comma-separated chat sizes (100K,500K)")
     ap.add_argument("--limit", type=int, default=None, help="conversations per size")
+    ap.add_argument(
+        "--split",
+        choices=("all", "dev", "test"),
+        default="all",
+        help="dev: the even-numbered conversations of each size (1st, 3rd, ...), test: the odd",
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--cache", type=Path, default=DEFAULT_DATA.parent / "vectors")
     ap.add_argument("--out", type=Path, default=OUT)
@@ -394,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}")
-    convs = load(args.data.expanduser(), sizes, args.limit)
+    convs = split(load(args.data.expanduser(), sizes, args.limit), args.split)
     nq = sum(len(c.questions) for c in convs)
     console.print(
         f"[bold]BEAM[/] {','.join(sizes)}: {len(convs)} conversations, "
@@ -409,7 +430,13 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{'[green]PASS[/]' if ok else '[red]FAIL[/]'} {name}: {detail}")
     report = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "data": {"set": "BEAM", "sizes": sizes, "limit": args.limit, "conversations": len(convs)},
+        "data": {
+            "set": "BEAM",
+            "sizes": sizes,
+            "limit": args.limit,
+            "split": args.split,
+            "conversations": len(convs),
+        },
         "questions": nq,
         "recall": tables,
         "speed": {

@@ -142,7 +142,8 @@ class Candidates:
     ``terms``: the terms the lexical search was given. ``scope``: the path of the scope
     asking. ``now``: the instant recency is measured from (``as_of`` when asked, in
     microseconds). ``min_similarity``: the caller's vector floor for this query, or None
-    (the ranker's own).
+    (the ranker's own). ``mean_words``: the store's mean words per record (BM25's average
+    length; :meth:`~torpor.memory.backends.base.TenantStore.mean_words`), or None.
     """
 
     query: str
@@ -152,6 +153,7 @@ class Candidates:
     lexical: Sequence[tuple[AnyRecord, float]]
     vector: Sequence[tuple[AnyRecord, float]] | None
     min_similarity: float | None = None
+    mean_words: float | None = None
 
 
 class Ranker(Protocol):
@@ -167,12 +169,12 @@ class Ranker(Protocol):
 class HybridRanker:
     """The default ranking (see the module docstring); each field is one of its constants."""
 
-    coverage: float = 0.8
+    coverage: float = 0.2
     stopword: float = 0.2
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
     lexical: float = 0.5
-    hybrid_coverage: float = 0.5
+    hybrid_coverage: float = 0.2
     spread_floor: float = 0.01
     scope_decay: float = 0.7
     episode: float = 0.5
@@ -184,7 +186,7 @@ class HybridRanker:
 
     def rank(self, found: Candidates) -> list[Hit]:
         """Score the candidates, drop the weak ones, order the rest."""
-        bm25 = self._bm25(found.lexical)
+        bm25 = self._bm25(found.lexical, found.mean_words)
         records = {rec.id: rec for rec, _ in found.lexical}
         floor = self.min_similarity if found.min_similarity is None else found.min_similarity
         vector: dict[str, float] = {}
@@ -251,14 +253,21 @@ class HybridRanker:
             hits, key=lambda h: (-h.score, h.scores["scope_distance"], -to_us(h.valid_from))
         )
 
-    def _bm25(self, found: Sequence[tuple[AnyRecord, float]]) -> dict[str, float]:
+    def _bm25(
+        self, found: Sequence[tuple[AnyRecord, float]], mean_words: float | None
+    ) -> dict[str, float]:
         """Engine scores times BM25's length normalization, over the best of them.
 
         With a term frequency of 1 the normalization is one factor per record, so it applies
-        on top of the engine's IDF sum; the mean length is the candidates' own (a record's
-        length relative to its peers)."""
+        on top of the engine's IDF sum. The mean length is the store's (``mean_words``) when
+        the backend knows it, else the candidates' own: those are the records that matched
+        the most terms, so longer than the store's typical one, which would let long records
+        off lightly."""
         lengths = {rec.id: max(text_terms(rec.text)[0], 1) for rec, _ in found}
-        mean = sum(lengths.values()) / len(lengths) if lengths else 1.0
+        if mean_words is not None and mean_words > 0:
+            mean = mean_words
+        else:
+            mean = sum(lengths.values()) / len(lengths) if lengths else 1.0
         k1, b = self.bm25_k1, self.bm25_b
         normed = {
             rec.id: s * (k1 + 1) / (1 + k1 * (1 - b + b * lengths[rec.id] / mean))

@@ -64,6 +64,17 @@ _MAX_INT = 2**63 - 1
 _TERM_CAP = 20_000
 
 
+def _varints(data: bytes) -> list[int]:
+    """SQLite's big-endian varints (7 bits a byte, the high bit set on all but the last)."""
+    out, value = [], 0
+    for byte in data:
+        value = (value << 7) | (byte & 0x7F)
+        if not byte & 0x80:
+            out.append(value)
+            value = 0
+    return out
+
+
 def _vec_blob(vector: Vector) -> bytes:
     return np.asarray(vector, dtype=np.float32).tobytes()
 
@@ -331,6 +342,16 @@ class SQLiteTenantStore(TenantStore):
                 if r in found
             ]
         return out[:limit]
+
+    def mean_words(self) -> float | None:
+        """See :meth:`TenantStore.mean_words`: FTS5's own totals (its "averages" record: the
+        row count and the token count, two varints), one small read."""
+        with self._db.read("lexical statistics") as conn:
+            row = conn.execute("SELECT block FROM records_fts_data WHERE id = 1").fetchone()
+        numbers = _varints(bytes(row[0])) if row and row[0] else []
+        if len(numbers) < 2 or numbers[0] <= 0:
+            return None
+        return numbers[1] / numbers[0]
 
     @staticmethod
     def _fetch_rids(
