@@ -23,10 +23,12 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 sd_* = the standard deviation of that side's candidate scores
     kind      = 1.0 for facts, 0.5 for episodes  (distilled knowledge over raw history:
                 "user facts > session > raw history")
+    speaker   = 1 + ``speaker`` (0.1) for an episode whose role the query names ("what did
+                Caroline say ..."), when the candidates' episodes have other roles too; else 1
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
-    score     = relevance * kind * recency  (tiered, the default)
-              = relevance * kind * recency * scope  (``tiered=False``)
+    score     = relevance * kind * speaker * recency  (tiered, the default)
+              = relevance * kind * speaker * recency * scope  (``tiered=False``)
 
 then drops what should not be returned, and orders the rest:
 
@@ -67,7 +69,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torpor.memory.backends.base import AnyRecord
-from torpor.memory.models import Fact, Hit, path_depth, to_us
+from torpor.memory.models import Episode, Fact, Hit, path_depth, to_us
 
 __all__ = ["STOPWORDS", "Candidates", "HybridRanker", "Ranker", "coverage", "stem", "words"]
 
@@ -178,6 +180,7 @@ class HybridRanker:
     spread_floor: float = 0.01
     scope_decay: float = 0.7
     episode: float = 0.5
+    speaker: float = 0.1
     recency: float = 0.05
     half_life_days: float = 30.0
     min_similarity: float = 0.15
@@ -200,6 +203,7 @@ class HybridRanker:
         }
         lexical = {rid: share * c + (1 - share) * bm25[rid] for rid, c in covered.items()}
         weight, fill_lexical, fill_vector = self._blend(lexical, vector)
+        named = self._named_speakers(found.terms, records.values())
         hits = []
         for rid, rec in records.items():
             scores: dict[str, float] = {"lexical": lexical.get(rid, 0.0)}
@@ -213,6 +217,8 @@ class HybridRanker:
                 relevance = weight * lexical.get(rid, fill_lexical) + (1 - weight) * max(
                     scores["vector"], 0.0
                 )
+            if isinstance(rec, Episode):
+                scores["speaker"] = 1 + self.speaker if rec.role in named else 1.0
             hits.append(self._score(rec, found, scores, relevance))
         top = max((h.scores["relevance"] for h in hits), default=0.0)
         return self.order(
@@ -242,6 +248,19 @@ class HybridRanker:
             return 0.5, fill_lexical, fill_vector
         weight = (self.lexical / lex_spread) / (self.lexical / lex_spread + 1 / vec_spread)
         return weight, fill_lexical, fill_vector
+
+    @staticmethod
+    def _named_speakers(terms: Sequence[str], records: Iterable[AnyRecord]) -> frozenset[str]:
+        """The roles of the candidate episodes that the query names (every word of the role
+        among the query's terms), unless it names them all: a question about one speaker's
+        turns ("what did Caroline paint?") prefers that speaker's, one that names every
+        speaker, or none, prefers nobody."""
+        roles = {rec.role for rec in records if isinstance(rec, Episode)}
+        if len(roles) < 2:
+            return frozenset()
+        asked = {t.lower() for t in terms}
+        named = frozenset(r for r in roles if (w := words(r.lower())) and set(w) <= asked)
+        return named if named != roles else frozenset()
 
     def order(self, hits: Iterable[Hit]) -> list[Hit]:
         """Most specific scope, then score, then newest first (``tiered``); or score first."""
@@ -286,7 +305,7 @@ class HybridRanker:
         scores["scope"] = self.scope_decay**distance
         scores["kind"] = 1.0 if isinstance(rec, Fact) else self.episode
         scores["recency"] = 1 + self.recency * 0.5 ** (age_days / self.half_life_days)
-        score = relevance * scores["kind"] * scores["recency"]
+        score = relevance * scores["kind"] * scores.get("speaker", 1.0) * scores["recency"]
         if not self.tiered:
             score *= scores["scope"]
         return Hit.model_construct(record=rec, score=score, scores=scores)
