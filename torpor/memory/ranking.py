@@ -11,9 +11,10 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 a stop word weighs ``stopword`` = 0.2, any other term 1)
     bm25      = engine score * length norm / best such score among the candidates, where
                 length norm = (k1 + 1) / (1 + k1 * (1 - b + b * words / mean words)),
-                k1 = 1.2, b = 0.75 (BM25's, over the candidates' word counts)
-    lexical   = c * coverage + (1 - c) * bm25     (0 when not matched; c = ``coverage`` = 0.8
-                without an embedder, ``hybrid_coverage`` = 0.5 with one)
+                k1 = 1.2, b = 0.75 (BM25's), mean words = the store's (``Candidates.mean_words``)
+                or, when the backend cannot tell, the candidates'
+    lexical   = c * coverage + (1 - c) * bm25     (0 when not matched; c = ``coverage`` = 0.2
+                without an embedder, ``hybrid_coverage`` = 0.2 with one)
     vector    = cosine similarity to the query     (only with an embedder)
     relevance = lexical                            without an embedder
               = w * lexical + (1 - w) * max(vector, 0)            with one, where a candidate
@@ -50,9 +51,12 @@ side. Written as a convex blend of the raw scores, relevance keeps its absolute 
 whose candidates all score alike (spread under ``spread_floor``, e.g. only stop words matched)
 gets no weight. Reciprocal rank fusion and fixed blends lost to MiniLM alone on real
 conversations; the fixed 0.2/0.8 blend it replaces had been tuned on generated questions that
-share few words with their answers, which rewarded the weaker retriever on real data. Coverage
-stands next to bm25 because bm25's IDF collapses in small stores; with vectors it is half the
-lexical score, since long turns contain most words of a question. Stop words weigh little in
+share few words with their answers, which rewarded the weaker retriever on real data. The
+lexical side is mostly BM25 with a term frequency of 1 and the length normalized against the
+whole store: a long turn contains most words of any question, so coverage alone (the old 0.8
+share) and a mean taken over the candidates (the records that matched most, hence long ones)
+both let long turns crowd out the short turn that answers. Coverage keeps a fifth of the score
+because bm25's IDF collapses in small stores. Stop words weigh little in
 coverage and only through the engine's IDF in bm25 (why they are searched at all:
 :mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
 BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in

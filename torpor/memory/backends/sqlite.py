@@ -336,12 +336,9 @@ class SQLiteTenantStore(TenantStore):
                 head = [int(r) for r in ranked[np.isin(ranked, eligible)][:limit]]
                 found = self._fetch_rids(conn, head, where, params)
             head_scores = scores[np.searchsorted(uniq, head)].tolist() if head else []
-            out = [
-                (schema.row_to_record(found[r]), float(sc))
-                for r, sc in zip(head, head_scores, strict=True)
-                if r in found
-            ]
-        return out[:limit]
+            best = [(r, sc) for r, sc in zip(head, head_scores, strict=True) if r in found]
+        # only the rows returned become records (building one costs more than finding it)
+        return [(schema.row_to_record(found[r]), float(sc)) for r, sc in best[:limit]]
 
     def mean_words(self) -> float | None:
         """See :meth:`TenantStore.mean_words`: FTS5's own totals (its "averages" record: the
