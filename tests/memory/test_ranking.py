@@ -188,6 +188,25 @@ def test_a_question_naming_a_speaker_prefers_that_speakers_turns(query: str, fir
     assert "speaker" not in by_id["weak"].scores  # a fact has no speaker
 
 
+def test_bm25_normalizes_length_against_the_stores_mean() -> None:
+    """The store's mean length, when the backend gives one, replaces the candidates' mean:
+    against a store of short records, a long candidate loses more of its engine score."""
+    base = dataclasses.replace(_found(), vector=None)
+    own = {h.id: h.scores["bm25"] for h in HybridRanker().rank(base)}
+    short_store = {
+        h.id: h.scores["bm25"]
+        for h in HybridRanker().rank(dataclasses.replace(base, mean_words=1.0))
+    }
+    long_store = {
+        h.id: h.scores["bm25"]
+        for h in HybridRanker().rank(dataclasses.replace(base, mean_words=100.0))
+    }
+    # TALK (11 words) against PARENT (1 word): the shorter the store's records, the further
+    # the long one falls behind
+    assert short_store["talk"] < own["talk"] < long_store["talk"]
+    assert max(short_store.values()) == max(long_store.values()) == 1.0
+
+
 def test_without_vectors_relevance_is_lexical() -> None:
     found = dataclasses.replace(_found(), vector=None)
     hits = HybridRanker().rank(found)
@@ -244,6 +263,7 @@ def test_every_scope_of_a_memory_ranks_with_its_ranking(open_mem: OpenMemory) ->
     seen = ranker.seen[-1]
     assert (seen.query, seen.scope, seen.vector) == ("kayak trip", u.path, None)
     assert {rec.id for rec, _ in seen.lexical} == {first.id, second.id}
+    assert seen.mean_words == mem.store.mean_words()  # the store's mean length, when it has one
     mem.scope_from_path(u.path).recall("kayak")
     u.fork(user="u2").recall("kayak", as_of=first.valid_from)
     assert len(ranker.seen) == 3
