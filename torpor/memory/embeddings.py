@@ -143,9 +143,11 @@ class SentenceTransformerEmbedder:
 
         Two intra-op threads buy nothing on a dozen tokens, and on a busy machine they wait
         on each other: measured here at load 6, one query took 23 ms p50 on one thread
-        against 162 ms on two (``bench/README.md``, "Query embedding"). The thread count is
-        per calling thread, so a batch embedded elsewhere keeps both. Skipping ``encode``'s
-        batching machinery saves a few more milliseconds; the vectors are the same."""
+        against 162 ms on two (``bench/README.md``, "Query embedding"). OpenMP's thread count
+        is per calling thread, so a batch embedded elsewhere keeps both (MKL's is
+        process-wide: a batch running in those few milliseconds may use one thread for that
+        long; speed only, never the result). Skipping ``encode``'s batching machinery saves a
+        few more milliseconds; the vectors are the same."""
         import torch
 
         model = self._load()
