@@ -68,7 +68,7 @@ OPTIONS = [
     pytest.param("stopword", 1.0, HybridRanker(), id="stopword"),
     pytest.param("bm25_k1", 2.0, HybridRanker(), id="bm25_k1"),
     pytest.param("bm25_b", 0.0, HybridRanker(), id="bm25_b"),
-    pytest.param("lexical", 0.3, HybridRanker(), id="lexical"),
+    pytest.param("lexical", 0.9, HybridRanker(), id="lexical"),
     pytest.param("hybrid_coverage", 0.9, HybridRanker(), id="hybrid_coverage"),
     pytest.param("spread_floor", 0.5, HybridRanker(), id="spread_floor"),
     pytest.param("scope_decay", 0.3, HybridRanker(tiered=False), id="scope_decay"),

@@ -20,7 +20,7 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
               = w * lexical + (1 - w) * max(vector, 0)            with one, where a candidate
                 that one side did not find counts as that side's weakest candidate, and the
                 query's lexical weight (``Hit.scores["lexical_weight"]``) is
-                w = (L / sd_lex) / (L / sd_lex + 1 / sd_vec),  L = ``lexical`` = 1.0,
+                w = (L / sd_lex) / (L / sd_lex + 1 / sd_vec),  L = ``lexical`` = 0.5,
                 sd_* = the standard deviation of that side's candidate scores
     kind      = 1.0 for facts, 0.5 for episodes  (distilled knowledge over raw history:
                 "user facts > session > raw history")
@@ -43,8 +43,7 @@ then drops what should not be returned, and orders the rest:
   better ancestor hit may outrank a weak local one.
 
 Why this blend. It orders candidates exactly as the sum of the two sides' standard scores
-(``(x - mean) / sd`` over each side's candidates, neither side weighed above the other: the
-lexical one was weighed 0.5 while it was the weaker retriever) would, so the
+(``(x - mean) / sd`` over each side's candidates, the lexical one weighed 0.5) would, so the
 side whose best candidates stand out from the rest decides more for this query: names and rare
 words that match a short turn make a peaked lexical side, a paraphrase makes a peaked vector
 side. Written as a convex blend of the raw scores, relevance keeps its absolute scale, so
@@ -180,7 +179,7 @@ class HybridRanker:
     stopword: float = 0.2
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
-    lexical: float = 1.0
+    lexical: float = 0.5
     hybrid_coverage: float = 0.2
     spread_floor: float = 0.01
     scope_decay: float = 0.7
