@@ -34,6 +34,16 @@ def test_model_is_local_and_normalized(minilm: SentenceTransformerEmbedder) -> N
     assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
 
 
+def test_a_query_gets_the_vector_a_batch_gives(minilm: SentenceTransformerEmbedder) -> None:
+    """A few texts take the one-thread path, many take encode's batches: same vectors."""
+    texts = ["what did Caroline paint last week?", "hi", "a much longer sentence " * 40]
+    many = minilm.embed([*texts, "filler one", "filler two", "filler three"])
+    one_by_one = np.stack([minilm.embed([t])[0] for t in texts])
+    assert one_by_one.dtype == np.float32
+    assert np.allclose(one_by_one, many[: len(texts)], atol=1e-5)
+    assert np.allclose(minilm.embed(texts), many[: len(texts)], atol=1e-5)
+
+
 def test_semantic_recall_without_shared_words(smem: Memory) -> None:
     u = smem.scope(app="a", user="u")
     u.remember("Jordan's dog is called Rex")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from torpor.errors import InvalidArgument
-from torpor.memory import Candidates, Episode, Fact, Hit, HybridRanker, Memory
+from torpor.memory import Candidates, Episode, Fact, HashEmbedder, Hit, HybridRanker, Memory
 from torpor.memory.backends.base import AnyRecord
 from torpor.memory.models import from_us, now_us, to_us
 
@@ -29,6 +29,16 @@ def _record(
 
 LOCAL = _record(Fact, "local", "kayak trip on the lake", USER, 10)
 TALK = _record(Episode, "talk", "is the kayak mine or is it a long story about lakes", USER, 40)
+# the same words from another speaker, newer: it wins unless the query names Dana
+REPLY = Episode(
+    id="reply",
+    scope=USER,
+    text="is the kayak mine or is it a long story about lakes",
+    role="sam",
+    created_at=from_us(NOW - 86_400_000_000),
+    valid_from=from_us(NOW - 86_400_000_000),
+)
+TALK = TALK.model_copy(update={"role": "Dana"})
 PARENT = _record(Fact, "parent", "kayak", "app/a", 1)
 WEAK = _record(Fact, "weak", "the lake house", USER, 5)
 NEAR = _record(Fact, "near", "a paddle", USER, 2)  # found by vectors only, under the floor
@@ -63,6 +73,7 @@ OPTIONS = [
     pytest.param("spread_floor", 0.5, HybridRanker(), id="spread_floor"),
     pytest.param("scope_decay", 0.3, HybridRanker(tiered=False), id="scope_decay"),
     pytest.param("episode", 1.0, HybridRanker(), id="episode"),
+    pytest.param("speaker", 0.0, HybridRanker(), id="speaker"),
     pytest.param("recency", 0.5, HybridRanker(), id="recency"),
     pytest.param("half_life_days", 3.0, HybridRanker(), id="half_life_days"),
     pytest.param("min_similarity", 0.05, HybridRanker(), id="min_similarity"),
@@ -81,6 +92,8 @@ def test_every_option_changes_the_answer(option: str, value: object, base: Hybri
     changed = dataclasses.replace(base, **{option: value})  # type: ignore[arg-type]
     # coverage is the lexical-only blend (hybrid_coverage is the one used with vectors)
     found = dataclasses.replace(_found(), vector=None) if option == "coverage" else _found()
+    if option == "speaker":
+        found = _dialogue("did dana say the kayak is mine")
     assert _answer(changed.rank(found)) != _answer(base.rank(found))
 
 
@@ -141,6 +154,59 @@ def test_the_blend_weighs_each_side_by_how_its_best_candidates_stand_out() -> No
     assert {h.scores["lexical_weight"] for h in ranker.rank(alone)} == {1.0}
 
 
+def _dialogue(query: str) -> Candidates:
+    """Two speakers' turns with the same words (Sam's the newer), found alike by both sides."""
+    terms = tuple(query.split())
+    return Candidates(
+        query=query,
+        terms=terms,
+        scope=USER,
+        now=NOW,
+        lexical=[(REPLY, 2.0), (TALK, 2.0), (WEAK, 0.5)],
+        vector=[(REPLY, 0.6), (TALK, 0.6), (WEAK, 0.2)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("query", "first"),
+    [
+        pytest.param("did dana say the kayak is mine", "talk", id="names-dana"),
+        pytest.param("did sam say the kayak is mine", "reply", id="names-sam"),
+        pytest.param("did dana tell sam the kayak is mine", "reply", id="names-both"),
+        pytest.param("is the kayak mine", "reply", id="names-none"),
+    ],
+)
+def test_a_question_naming_a_speaker_prefers_that_speakers_turns(query: str, first: str) -> None:
+    hits = HybridRanker().rank(_dialogue(query))
+    assert hits[0].id == first  # ties go to the newer turn (Sam's) unless one speaker is named
+    by_id = {h.id: h for h in hits}
+    named = {"talk"} if "dana" in query and "sam" not in query else set()
+    named |= {"reply"} if "sam" in query and "dana" not in query else set()
+    for rid in ("talk", "reply"):
+        assert by_id[rid].scores["speaker"] == (1.1 if rid in named else 1.0)
+        assert by_id[rid].scores["relevance"] == pytest.approx(by_id["talk"].scores["relevance"])
+    assert "speaker" not in by_id["weak"].scores  # a fact has no speaker
+
+
+def test_bm25_normalizes_length_against_the_stores_mean() -> None:
+    """The store's mean length, when the backend gives one, replaces the candidates' mean:
+    against a store of short records, a long candidate loses more of its engine score."""
+    base = dataclasses.replace(_found(), vector=None)
+    own = {h.id: h.scores["bm25"] for h in HybridRanker().rank(base)}
+    short_store = {
+        h.id: h.scores["bm25"]
+        for h in HybridRanker().rank(dataclasses.replace(base, mean_words=1.0))
+    }
+    long_store = {
+        h.id: h.scores["bm25"]
+        for h in HybridRanker().rank(dataclasses.replace(base, mean_words=100.0))
+    }
+    # TALK (11 words) against PARENT (1 word): the shorter the store's records, the further
+    # the long one falls behind
+    assert short_store["talk"] < own["talk"] < long_store["talk"]
+    assert max(short_store.values()) == max(long_store.values()) == 1.0
+
+
 def test_without_vectors_relevance_is_lexical() -> None:
     found = dataclasses.replace(_found(), vector=None)
     hits = HybridRanker().rank(found)
@@ -197,6 +263,7 @@ def test_every_scope_of_a_memory_ranks_with_its_ranking(open_mem: OpenMemory) ->
     seen = ranker.seen[-1]
     assert (seen.query, seen.scope, seen.vector) == ("kayak trip", u.path, None)
     assert {rec.id for rec, _ in seen.lexical} == {first.id, second.id}
+    assert seen.mean_words == mem.store.mean_words()  # the store's mean length, when it has one
     mem.scope_from_path(u.path).recall("kayak")
     u.fork(user="u2").recall("kayak", as_of=first.valid_from)
     assert len(ranker.seen) == 3
@@ -215,3 +282,23 @@ def test_memory_ranking_changes_the_order(open_mem: OpenMemory) -> None:
         app.path,
         user.path,
     ]
+
+
+@pytest.mark.parametrize("embedded", [False, True], ids=["lexical", "hybrid"])
+def test_recall_prefers_the_named_speakers_turns(
+    backend_spec: str, home: Path, embedded: bool
+) -> None:
+    """Through a real store: two speakers say the same thing; the question names one."""
+    mem = Memory(str(home), embedder=HashEmbedder(64) if embedded else None, backend=backend_spec)
+    try:
+        u = mem.scope(app="a", user="u")
+        base = from_us(NOW) - timedelta(days=2)
+        dana = u.log("Dana", "I finally fixed the kayak", at=base)
+        sam = u.log("Sam", "I finally fixed the kayak", at=base + timedelta(hours=1))
+        u.log("Sam", "the weather was fine all week", at=base + timedelta(hours=2))
+        assert [h.id for h in u.recall("who fixed the kayak", k=2)] == [sam.id, dana.id]
+        hits = u.recall("did Dana fix the kayak", k=2)
+        assert [h.id for h in hits] == [dana.id, sam.id]
+        assert hits[0].scores["speaker"] > hits[1].scores["speaker"] == 1.0
+    finally:
+        mem.close()

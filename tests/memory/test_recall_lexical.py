@@ -87,7 +87,7 @@ class _Spy:
 
 def test_stop_words_are_searched_only_when_content_words_leave_room(mem: Memory) -> None:
     u = mem.scope(app="a", user="u")
-    u.remember_many([f"kayak number {i} is mine" for i in range(40)])
+    u.remember_many([f"kayak number {i} is mine" for i in range(80)])
     u.remember("is mine")
     spy = _Spy(mem.store)
     flt = RecordFilter(scopes=(u.path,), now=now_us())
@@ -99,7 +99,8 @@ def test_stop_words_are_searched_only_when_content_words_leave_room(mem: Memory)
         query_scope=u.path,
         embedder=None,
     )
-    assert spy.searches == [["kayak", "mine"]]  # 30+ content matches: no stop-word search
+    # more content matches than the lexical pool (60 for k=5): no stop-word search
+    assert spy.searches == [["kayak", "mine"]]
     assert len(hits) == 5
     spy.searches.clear()
     recall(

@@ -329,3 +329,18 @@ def test_lexical_scores_favour_rare_terms(store: TenantStore) -> None:
     got = store.lexical_search(["common", "rare"], flt(), 3)
     assert got[0][0].text == "common rare"
     assert got[0][1] > got[1][1] > 0
+
+
+def test_mean_words_is_the_stores_or_unknown(store: TenantStore) -> None:
+    """SQLite reads FTS5's totals; a backend without the statistic says None (the ranker
+    then falls back on its candidates' mean)."""
+    empty = store.mean_words()
+    assert empty is None or empty == 0
+    short, long = fact("two words"), fact("one two three four five six seven eight nine ten")
+    store.add([short, long, episode("a b c d e f")])
+    mean = store.mean_words()
+    if mean is None:
+        return  # e.g. PostgreSQL: nothing cheap to read
+    assert mean == pytest.approx(18 / 3)
+    store.forget([long.id])
+    assert store.mean_words() == pytest.approx(8 / 2)

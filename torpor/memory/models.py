@@ -351,8 +351,8 @@ class RecordPage(BaseModel):
 class Hit(BaseModel):
     """One recalled record. ``score`` is the final rank score; ``scores`` says why, as the
     ranker reports it (the default's: ``coverage``, ``bm25``, ``lexical`` (their blend),
-    ``vector`` (cosine), ``relevance``, ``scope_distance``, ``scope``, ``kind``, ``recency``;
-    see :mod:`torpor.memory.ranking`)."""
+    ``vector`` (cosine), ``lexical_weight``, ``relevance``, ``scope_distance``, ``scope``,
+    ``kind``, ``speaker`` (episodes), ``recency``; see :mod:`torpor.memory.ranking`)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -11,9 +11,10 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 a stop word weighs ``stopword`` = 0.2, any other term 1)
     bm25      = engine score * length norm / best such score among the candidates, where
                 length norm = (k1 + 1) / (1 + k1 * (1 - b + b * words / mean words)),
-                k1 = 1.2, b = 0.75 (BM25's, over the candidates' word counts)
-    lexical   = c * coverage + (1 - c) * bm25     (0 when not matched; c = ``coverage`` = 0.8
-                without an embedder, ``hybrid_coverage`` = 0.5 with one)
+                k1 = 1.2, b = 0.75 (BM25's), mean words = the store's (``Candidates.mean_words``)
+                or, when the backend cannot tell, the candidates'
+    lexical   = c * coverage + (1 - c) * bm25     (0 when not matched; c = ``coverage`` = 0.2
+                without an embedder, ``hybrid_coverage`` = 0.2 with one)
     vector    = cosine similarity to the query     (only with an embedder)
     relevance = lexical                            without an embedder
               = w * lexical + (1 - w) * max(vector, 0)            with one, where a candidate
@@ -23,10 +24,12 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 sd_* = the standard deviation of that side's candidate scores
     kind      = 1.0 for facts, 0.5 for episodes  (distilled knowledge over raw history:
                 "user facts > session > raw history")
+    speaker   = 1 + ``speaker`` (0.1) for an episode whose role the query names ("what did
+                Caroline say ..."), when the candidates' episodes have other roles too; else 1
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
-    score     = relevance * kind * recency  (tiered, the default)
-              = relevance * kind * recency * scope  (``tiered=False``)
+    score     = relevance * kind * speaker * recency  (tiered, the default)
+              = relevance * kind * speaker * recency * scope  (``tiered=False``)
 
 then drops what should not be returned, and orders the rest:
 
@@ -48,9 +51,12 @@ side. Written as a convex blend of the raw scores, relevance keeps its absolute 
 whose candidates all score alike (spread under ``spread_floor``, e.g. only stop words matched)
 gets no weight. Reciprocal rank fusion and fixed blends lost to MiniLM alone on real
 conversations; the fixed 0.2/0.8 blend it replaces had been tuned on generated questions that
-share few words with their answers, which rewarded the weaker retriever on real data. Coverage
-stands next to bm25 because bm25's IDF collapses in small stores; with vectors it is half the
-lexical score, since long turns contain most words of a question. Stop words weigh little in
+share few words with their answers, which rewarded the weaker retriever on real data. The
+lexical side is mostly BM25 with a term frequency of 1 and the length normalized against the
+whole store: a long turn contains most words of any question, so coverage alone (the old 0.8
+share) and a mean taken over the candidates (the records that matched most, hence long ones)
+both let long turns crowd out the short turn that answers. Coverage keeps a fifth of the score
+because bm25's IDF collapses in small stores. Stop words weigh little in
 coverage and only through the engine's IDF in bm25 (why they are searched at all:
 :mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
 BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in
@@ -67,7 +73,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torpor.memory.backends.base import AnyRecord
-from torpor.memory.models import Fact, Hit, path_depth, to_us
+from torpor.memory.models import Episode, Fact, Hit, path_depth, to_us
 
 __all__ = ["STOPWORDS", "Candidates", "HybridRanker", "Ranker", "coverage", "stem", "words"]
 
@@ -142,7 +148,8 @@ class Candidates:
     ``terms``: the terms the lexical search was given. ``scope``: the path of the scope
     asking. ``now``: the instant recency is measured from (``as_of`` when asked, in
     microseconds). ``min_similarity``: the caller's vector floor for this query, or None
-    (the ranker's own).
+    (the ranker's own). ``mean_words``: the store's mean words per record (BM25's average
+    length; :meth:`~torpor.memory.backends.base.TenantStore.mean_words`), or None.
     """
 
     query: str
@@ -152,6 +159,7 @@ class Candidates:
     lexical: Sequence[tuple[AnyRecord, float]]
     vector: Sequence[tuple[AnyRecord, float]] | None
     min_similarity: float | None = None
+    mean_words: float | None = None
 
 
 class Ranker(Protocol):
@@ -167,15 +175,16 @@ class Ranker(Protocol):
 class HybridRanker:
     """The default ranking (see the module docstring); each field is one of its constants."""
 
-    coverage: float = 0.8
+    coverage: float = 0.2
     stopword: float = 0.2
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
     lexical: float = 0.5
-    hybrid_coverage: float = 0.5
+    hybrid_coverage: float = 0.2
     spread_floor: float = 0.01
     scope_decay: float = 0.7
     episode: float = 0.5
+    speaker: float = 0.1
     recency: float = 0.05
     half_life_days: float = 30.0
     min_similarity: float = 0.15
@@ -184,7 +193,7 @@ class HybridRanker:
 
     def rank(self, found: Candidates) -> list[Hit]:
         """Score the candidates, drop the weak ones, order the rest."""
-        bm25 = self._bm25(found.lexical)
+        bm25 = self._bm25(found.lexical, found.mean_words)
         records = {rec.id: rec for rec, _ in found.lexical}
         floor = self.min_similarity if found.min_similarity is None else found.min_similarity
         vector: dict[str, float] = {}
@@ -198,6 +207,7 @@ class HybridRanker:
         }
         lexical = {rid: share * c + (1 - share) * bm25[rid] for rid, c in covered.items()}
         weight, fill_lexical, fill_vector = self._blend(lexical, vector)
+        named = self._named_speakers(found.terms, records.values())
         hits = []
         for rid, rec in records.items():
             scores: dict[str, float] = {"lexical": lexical.get(rid, 0.0)}
@@ -211,6 +221,8 @@ class HybridRanker:
                 relevance = weight * lexical.get(rid, fill_lexical) + (1 - weight) * max(
                     scores["vector"], 0.0
                 )
+            if isinstance(rec, Episode):
+                scores["speaker"] = 1 + self.speaker if rec.role in named else 1.0
             hits.append(self._score(rec, found, scores, relevance))
         top = max((h.scores["relevance"] for h in hits), default=0.0)
         return self.order(
@@ -241,6 +253,19 @@ class HybridRanker:
         weight = (self.lexical / lex_spread) / (self.lexical / lex_spread + 1 / vec_spread)
         return weight, fill_lexical, fill_vector
 
+    @staticmethod
+    def _named_speakers(terms: Sequence[str], records: Iterable[AnyRecord]) -> frozenset[str]:
+        """The roles of the candidate episodes that the query names (every word of the role
+        among the query's terms), unless it names them all: a question about one speaker's
+        turns ("what did Caroline paint?") prefers that speaker's, one that names every
+        speaker, or none, prefers nobody."""
+        roles = {rec.role for rec in records if isinstance(rec, Episode)}
+        if len(roles) < 2:
+            return frozenset()
+        asked = {t.lower() for t in terms}
+        named = frozenset(r for r in roles if (w := words(r.lower())) and set(w) <= asked)
+        return named if named != roles else frozenset()
+
     def order(self, hits: Iterable[Hit]) -> list[Hit]:
         """Most specific scope, then score, then newest first (``tiered``); or score first."""
         if self.tiered:
@@ -251,14 +276,21 @@ class HybridRanker:
             hits, key=lambda h: (-h.score, h.scores["scope_distance"], -to_us(h.valid_from))
         )
 
-    def _bm25(self, found: Sequence[tuple[AnyRecord, float]]) -> dict[str, float]:
+    def _bm25(
+        self, found: Sequence[tuple[AnyRecord, float]], mean_words: float | None
+    ) -> dict[str, float]:
         """Engine scores times BM25's length normalization, over the best of them.
 
         With a term frequency of 1 the normalization is one factor per record, so it applies
-        on top of the engine's IDF sum; the mean length is the candidates' own (a record's
-        length relative to its peers)."""
+        on top of the engine's IDF sum. The mean length is the store's (``mean_words``) when
+        the backend knows it, else the candidates' own: those are the records that matched
+        the most terms, so longer than the store's typical one, which would let long records
+        off lightly."""
         lengths = {rec.id: max(text_terms(rec.text)[0], 1) for rec, _ in found}
-        mean = sum(lengths.values()) / len(lengths) if lengths else 1.0
+        if mean_words is not None and mean_words > 0:
+            mean = mean_words
+        else:
+            mean = sum(lengths.values()) / len(lengths) if lengths else 1.0
         k1, b = self.bm25_k1, self.bm25_b
         normed = {
             rec.id: s * (k1 + 1) / (1 + k1 * (1 - b + b * lengths[rec.id] / mean))
@@ -277,7 +309,7 @@ class HybridRanker:
         scores["scope"] = self.scope_decay**distance
         scores["kind"] = 1.0 if isinstance(rec, Fact) else self.episode
         scores["recency"] = 1 + self.recency * 0.5 ** (age_days / self.half_life_days)
-        score = relevance * scores["kind"] * scores["recency"]
+        score = relevance * scores["kind"] * scores.get("speaker", 1.0) * scores["recency"]
         if not self.tiered:
             score *= scores["scope"]
         return Hit.model_construct(record=rec, score=score, scores=scores)

@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 __all__ = ["STOPWORDS", "candidates", "query_terms", "recall"]
 
 DEFAULT_RANKING = HybridRanker()
+#: the lexical side's candidates are this many times the vector side's: the engine orders
+#: them by IDF alone, before length normalization, so the records that the normalization
+#: lifts (short ones that match) must be among them
+LEXICAL_POOL = 2
 
 
 def query_terms(text: str) -> list[str]:
@@ -126,14 +130,16 @@ def candidates(
             terms=tuple(terms),
             scope=query_scope,
             now=flt.as_of if flt.as_of is not None else flt.now,
-            lexical=_lexical(store, terms, flt, pool),
+            lexical=_lexical(store, terms, flt, pool * LEXICAL_POOL),
             vector=None,
             min_similarity=min_similarity,
+            mean_words=store.mean_words(),
         )
     # the query's embedding (the slow part) runs in a worker thread while the lexical
     # search runs here: the model releases the GIL, so the two overlap
     pending = _embed_query(embedder, query)
-    lexical = _lexical(store, terms, flt, pool)
+    lexical = _lexical(store, terms, flt, pool * LEXICAL_POOL)
+    mean_words = store.mean_words()
     qvec = pending.result() if isinstance(pending, Future) else pending
     vector = store.vector_search(qvec.tolist(), flt, pool)
     return Candidates(
@@ -144,6 +150,7 @@ def candidates(
         lexical=lexical,
         vector=vector,
         min_similarity=min_similarity,
+        mean_words=mean_words,
     )
 
 

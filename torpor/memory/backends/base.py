@@ -285,6 +285,12 @@ class TenantStore(abc.ABC):
         """Visible records matching ANY of ``terms`` (already lower-cased word tokens, no
         operators), best first, with a positive relevance score. Empty ``terms`` -> ``[]``."""
 
+    def mean_words(self) -> float | None:
+        """The mean word count of the tenant's indexed texts (BM25's average document length),
+        or None when the backend cannot tell cheaply; the ranker then uses its candidates'
+        mean. Not abstract: a backend without the statistic inherits None."""
+        return None
+
     @abc.abstractmethod
     def vector_search(
         self, vector: Vector, flt: RecordFilter, limit: int

@@ -65,6 +65,17 @@ _MAX_INT = 2**63 - 1
 _TERM_CAP = 20_000
 
 
+def _varints(data: bytes) -> list[int]:
+    """SQLite's big-endian varints (7 bits a byte, the high bit set on all but the last)."""
+    out, value = [], 0
+    for byte in data:
+        value = (value << 7) | (byte & 0x7F)
+        if not byte & 0x80:
+            out.append(value)
+            value = 0
+    return out
+
+
 def _vec_blob(vector: Vector) -> bytes:
     return np.asarray(vector, dtype=np.float32).tobytes()
 
@@ -348,12 +359,19 @@ class SQLiteTenantStore(TenantStore):
                 head = [int(r) for r in ranked[np.isin(ranked, eligible)][:limit]]
                 found = self._fetch_rids(conn, head, where, params)
             head_scores = scores[np.searchsorted(uniq, head)].tolist() if head else []
-            out = [
-                (schema.row_to_record(found[r]), float(sc))
-                for r, sc in zip(head, head_scores, strict=True)
-                if r in found
-            ]
-        return out[:limit]
+            best = [(r, sc) for r, sc in zip(head, head_scores, strict=True) if r in found]
+        # only the rows returned become records (building one costs more than finding it)
+        return [(schema.row_to_record(found[r]), float(sc)) for r, sc in best[:limit]]
+
+    def mean_words(self) -> float | None:
+        """See :meth:`TenantStore.mean_words`: FTS5's own totals (its "averages" record: the
+        row count and the token count, two varints), one small read."""
+        with self._db.read("lexical statistics") as conn:
+            row = conn.execute("SELECT block FROM records_fts_data WHERE id = 1").fetchone()
+        numbers = _varints(bytes(row[0])) if row and row[0] else []
+        if len(numbers) < 2 or numbers[0] <= 0:
+            return None
+        return numbers[1] / numbers[0]
 
     @staticmethod
     def _fetch_rids(
