@@ -49,7 +49,7 @@ from torpor.sandbox.registry import Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
 from torpor.sandbox.registry.meters import UP_STATES
 from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
-from torpor.sandbox.storage.compaction import expand, is_compacted
+from torpor.sandbox.storage.compaction import expand, is_compacted, settle
 from torpor.sandbox.vm.machine_dir import process_cpu_seconds, qemu_pid
 
 __all__ = ["SYNC_TIMEOUT", "Held", "Live", "ManagerCore", "StepHook", "wrap_error"]
@@ -442,7 +442,10 @@ class ManagerCore:
         )
         directory = self.directory(rec.id)
         if is_compacted(directory):  # its RAM is in the chunk store: rebuild it first
-            await asyncio.to_thread(expand, directory, self.chunk_store, sandbox_id=rec.id)
+            # no fsync: the manifest stays until the wake consumes the state (settle below)
+            await asyncio.to_thread(
+                expand, directory, self.chunk_store, sandbox_id=rec.id, durable=False
+            )
         rec = self.move(rec, S.WAKING, reason)
         await self._step("wake:begin", rec.id)
         machine = self.engine.machine(directory, self._config(rec))
@@ -463,6 +466,7 @@ class ManagerCore:
                     sandbox_id=rec.id,
                 ) from exc
             raise self._mark_lost(rec, f"wake failed and the state is gone: {exc}") from exc
+        settle(directory)  # the state is consumed: a compacted RAM's manifest is history now
         await self._step("wake:woken", rec.id)
         try:
             live.channel = await self.engine.connect(machine, directory)
@@ -573,6 +577,7 @@ class ManagerCore:
                 "recovered: finish pause",
             )
             return
+        settle(directory)  # a wake that consumed the state of a compacted RAM: drop its manifest
         live.channel = await self.engine.connect(machine, directory)
         if rec.state is S.WAKING:
             await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())

@@ -14,10 +14,20 @@ chunks equal to the template's are copied from the template's RAM file by the ke
 (``copy_file_range``, no hashing: the template file is the one every fork is cloned from, and
 its identity is checked), the others are read from the chunk store and verified.
 
-Crash safety: the manifest is durable before the RAM file is emptied, and the RAM file is
-whole and durable before the manifest goes. So a crash leaves either the RAM file whole, or
-the manifest that rebuilds it; :func:`expand` is idempotent. A directory with the manifest is
-never woken as it is (the manager expands first).
+Crash safety: the manifest is durable before the RAM file is emptied, and it goes only when
+the RAM file is whole and durable (``expand(durable=True)``, fsync first: a snapshot or fork
+reads the file later) or when a wake has consumed the saved state the manifest was made with
+(``expand(durable=False)`` then :func:`settle`: the manager's wake path, which skips the fsync
+of ~150 MiB since until the state is consumed a crash finds the manifest and rebuilds again,
+and after it the RAM is the running guest's, lost in a crash like any running machine's). So
+a crash leaves either the RAM file whole, or the manifest that rebuilds it; :func:`expand` is
+idempotent. The manifest records the sha256 of the saved state it pairs with: one older than
+the state (a crash between a wake and its settle, then a pause) is stale and dropped, never
+applied. A directory with the manifest is never woken as it is (the manager expands first).
+
+Where a wake's time goes (``bench/compaction.py`` prints it): the rebuild copies the data
+ranges of the template-equal chunks with ``copy_file_range`` (the template's holes stay
+holes) and reads, decompresses and verifies only the chunks that differ.
 
 Garbage collection keeps every chunk a ``compacted.json`` names (see
 :func:`referenced_by_compacted`).
@@ -25,9 +35,12 @@ Garbage collection keeps every chunk a ``compacted.json`` names (see
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,11 +55,14 @@ from torpor.sandbox.vm.disk import fsync_dir
 __all__ = [
     "MARKER",
     "CompactionReport",
+    "ExpandReport",
     "compact",
     "expand",
     "is_compacted",
     "owned_bytes",
+    "rebuild",
     "referenced_by_compacted",
+    "settle",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,8 +107,6 @@ def _identity(path: Path) -> dict[str, Any]:
 
 def _template_hashes(template_ram: Path, chunk_size: int) -> list[str | None]:
     """The sha256 of each chunk of the template's RAM (None for a hole or zeros)."""
-    import hashlib
-
     zero = bytes(chunk_size)
     with open(template_ram, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -120,8 +134,16 @@ def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> C
     started = time.perf_counter()
     ram = directory / "ram"
     if is_compacted(directory):
-        return CompactionReport(str(directory), 0, 0, 0, 0, 0, 0.0)
+        try:
+            stale = _is_stale(directory, _read_marker(directory))
+        except CorruptData:  # left for expand to report; nothing is overwritten here
+            stale = False
+        if not stale:
+            return CompactionReport(str(directory), 0, 0, 0, 0, 0, 0.0)
+        log.warning("compaction: %s's manifest predates its saved state; dropped", directory)
+        _drop_marker(directory, None)
     before = _allocated(ram)
+    state = _state_digest(directory)
     manifest = chunks.put_file(ram)
     chunks.sync_dirs()
     equal: list[int] = []
@@ -145,6 +167,7 @@ def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> C
         "template": template,
         "from_template": equal,
         "store": chunks.location,
+        "state": state,  # the saved state this RAM pairs with (see _is_stale)
     }
     _write_json(directory / MARKER, body)
     try:
@@ -196,17 +219,114 @@ def _read_marker(directory: Path) -> dict[str, Any]:
     return body
 
 
-def expand(directory: Path, chunks: ChunkStore, *, sandbox_id: str | None = None) -> float:
-    """Rebuild the RAM file of a compacted ``directory`` and drop its manifest; return the
-    seconds it took (0 when the directory was not compacted).
+@dataclass
+class ExpandReport:
+    """What one rebuild of a compacted RAM file did, and where its time went.
+
+    ``template_seconds``, ``store_seconds`` and ``write_seconds`` are summed over the worker
+    threads (they overlap: their sum can exceed ``seconds``, the wall time of the whole call).
+    """
+
+    seconds: float = 0.0
+    template_bytes: int = 0  # copied from the template's RAM file (copy_file_range)
+    template_seconds: float = 0.0
+    store_bytes: int = 0  # read from the chunk store (raw bytes after decompression)
+    store_seconds: float = 0.0  # reading, decompressing and verifying those chunks
+    write_seconds: float = 0.0  # writing them into the RAM file
+    sync_seconds: float = 0.0  # fsync of the RAM file and the directory (durable only)
+    durable: bool = True
+    stale: bool = False  # the manifest was older than the saved state: dropped, nothing rebuilt
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _state_digest(directory: Path) -> str | None:
+    """sha256 of the saved device state in ``directory`` (None: there is none). Raises
+    StorageError when it cannot be read."""
+    path = directory / "state"
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StorageError(f"cannot read {path}: {exc}", exc=exc, path=str(path)) from exc
+
+
+def _is_stale(directory: Path, body: dict[str, Any]) -> bool:
+    """Whether the manifest no longer describes the RAM the saved state pairs with: the state
+    it was made with was consumed by a wake (and maybe replaced by a later pause's)."""
+    made_with = body.get("state")
+    return made_with is not None and _state_digest(directory) != made_with
+
+
+def settle(directory: Path) -> bool:
+    """Drop the manifest of ``directory`` once a wake has consumed the saved state it was made
+    with (the RAM file is then the running guest's: the manifest describes a past). Returns
+    whether a manifest was dropped. Never raises: a manifest left by a failure here is found
+    stale by the next :func:`expand` or :func:`compact` (its state is gone) and dropped then.
+    """
+    marker = directory / MARKER
+    try:
+        body = json.loads(marker.read_text())
+        if not isinstance(body, dict) or not _is_stale(directory, body):
+            return False
+        marker.unlink()
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, StorageError) as exc:
+        log.warning("cannot drop the stale manifest %s: %s", marker, exc)
+        return False
+    log.info("dropped %s: its saved state was consumed by a wake", marker)
+    return True
+
+
+def expand(
+    directory: Path,
+    chunks: ChunkStore,
+    *,
+    sandbox_id: str | None = None,
+    durable: bool = True,
+) -> float:
+    """Rebuild the RAM file of a compacted ``directory``; return the seconds it took (0 when
+    the directory was not compacted). See :func:`rebuild`, which also says where the time
+    went. Raises as :func:`rebuild`."""
+    return rebuild(directory, chunks, sandbox_id=sandbox_id, durable=durable).seconds
+
+
+def rebuild(
+    directory: Path,
+    chunks: ChunkStore,
+    *,
+    sandbox_id: str | None = None,
+    durable: bool = True,
+) -> ExpandReport:
+    """Rebuild the RAM file of a compacted ``directory`` from the template's RAM and the
+    chunk store (every chunk read from the store is verified).
+
+    ``durable=True``: the RAM file is fsynced, then the manifest is dropped. ``durable=False``
+    (a wake that follows at once): no fsync, and the manifest stays until the wake has
+    consumed the saved state (:func:`settle`): until then a crash finds the manifest and
+    rebuilds again, after it the RAM belongs to the running guest. A manifest older than the
+    saved state (a crash between a wake and its :func:`settle`, then a pause) is stale: it is
+    dropped and the RAM file left alone.
 
     Raises CorruptData (a chunk bad or missing, the manifest unreadable: the manifest stays, so
     nothing is lost by trying again once the chunk is back), StorageError.
     """
+    report = ExpandReport(durable=durable)
     if not is_compacted(directory):
-        return 0.0
+        return report
     started = time.perf_counter()
     body = _read_marker(directory)
+    who = sandbox_id or directory.name
+    if _is_stale(directory, body):
+        log.warning("expand %s: its manifest predates the saved state; dropped", who)
+        report.stale = True
+        _drop_marker(directory, sandbox_id)
+        report.seconds = time.perf_counter() - started
+        return report
     manifest = FileManifest.from_json(body["ram"])
     from_template = {int(i) for i in body.get("from_template", [])}
     template = body.get("template")
@@ -222,12 +342,26 @@ def expand(directory: Path, chunks: ChunkStore, *, sandbox_id: str | None = None
             log.warning("expand %s: template RAM changed; every chunk from the store", directory)
             from_template = set()
     ram = directory / "ram"
-    who = sandbox_id or directory.name
+    lock = threading.Lock()
     try:
+        # the template's holes stay holes: only its data ranges are copied
+        tdata = [] if template_fd is None else data_ranges(template_fd, manifest.size)
         fd = os.open(ram, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, 0)
             os.ftruncate(fd, manifest.size)
+
+            def copy(start: int, end: int) -> int:
+                assert template_fd is not None
+                done = 0
+                for lo, hi in _clip(tdata, start, end):
+                    while lo < hi:
+                        n = os.copy_file_range(template_fd, fd, hi - lo, lo, lo)
+                        if n == 0:
+                            raise StorageError(f"template RAM ended early at {lo}")
+                        lo += n
+                        done += n
+                return done
 
             def work(item: tuple[int, str | None]) -> None:
                 index, digest = item
@@ -235,17 +369,15 @@ def expand(directory: Path, chunks: ChunkStore, *, sandbox_id: str | None = None
                     return
                 start = index * manifest.chunk_size
                 length = min(manifest.chunk_size, manifest.size - start)
-                if index in from_template and template_fd is not None:
-                    done = 0
-                    while done < length:
-                        n = os.copy_file_range(
-                            template_fd, fd, length - done, start + done, start + done
-                        )
-                        if n == 0:
-                            raise StorageError(f"template RAM ended early at {start + done}")
-                        done += n
+                t0 = time.perf_counter()
+                if index in from_template:
+                    n = copy(start, start + length)
+                    with lock:
+                        report.template_bytes += n
+                        report.template_seconds += time.perf_counter() - t0
                     return
                 data = chunks.get(digest, snapshot_id=None)
+                t1 = time.perf_counter()
                 if len(data) != length:
                     raise CorruptData(
                         f"sandbox {who}: chunk {digest[:12]} has {len(data)} bytes, "
@@ -254,10 +386,17 @@ def expand(directory: Path, chunks: ChunkStore, *, sandbox_id: str | None = None
                         chunk=digest,
                     )
                 os.pwrite(fd, data, start)
+                with lock:
+                    report.store_bytes += length
+                    report.store_seconds += t1 - t0
+                    report.write_seconds += time.perf_counter() - t1
 
             with ThreadPoolExecutor(chunks.workers) as pool:
                 list(pool.map(work, enumerate(manifest.chunks)))
-            os.fsync(fd)
+            if durable:
+                t0 = time.perf_counter()
+                os.fsync(fd)
+                report.sync_seconds += time.perf_counter() - t0
         finally:
             os.close(fd)
             if template_fd is not None:
@@ -271,11 +410,42 @@ def expand(directory: Path, chunks: ChunkStore, *, sandbox_id: str | None = None
         raise StorageError(
             f"sandbox {who}: cannot rebuild its RAM: {exc}", exc=exc, sandbox_id=sandbox_id
         ) from exc
-    (directory / MARKER).unlink()
-    fsync_dir(directory)
-    seconds = time.perf_counter() - started
-    log.info("expanded %s's RAM from the chunk store in %.3f s", who, seconds)
-    return seconds
+    if durable:
+        t0 = time.perf_counter()
+        _drop_marker(directory, sandbox_id)
+        report.sync_seconds += time.perf_counter() - t0
+    report.seconds = time.perf_counter() - started
+    log.info(
+        "expanded %s's RAM in %.3f s (%d bytes from the template, %d from the store%s)",
+        who,
+        report.seconds,
+        report.template_bytes,
+        report.store_bytes,
+        "" if durable else "; manifest kept until the wake",
+    )
+    return report
+
+
+def _clip(ranges: list[tuple[int, int]], start: int, end: int) -> Iterator[tuple[int, int]]:
+    """The parts of the sorted, disjoint ``ranges`` inside [start, end)."""
+    i = max(0, bisect.bisect_right(ranges, (start, start)) - 1)
+    while i < len(ranges) and ranges[i][0] < end:
+        lo, hi = max(ranges[i][0], start), min(ranges[i][1], end)
+        if lo < hi:
+            yield lo, hi
+        i += 1
+
+
+def _drop_marker(directory: Path, sandbox_id: str | None) -> None:
+    try:
+        (directory / MARKER).unlink(missing_ok=True)
+        fsync_dir(directory)
+    except OSError as exc:
+        raise StorageError(
+            f"sandbox {sandbox_id or directory.name}: cannot drop {MARKER}: {exc}",
+            exc=exc,
+            sandbox_id=sandbox_id,
+        ) from exc
 
 
 def owned_bytes(directory: Path, chunks: ChunkStore, template_ram: Path | None = None) -> int:
