@@ -122,9 +122,9 @@ def test_missing_chunk_is_corrupt_data_and_keeps_the_manifest(tmp_path: Path) ->
     store = ChunkStore(p.chunks)
     compact(d, store, tram)
     body = json.loads((d / MARKER).read_text())
-    own = [c for i, c in enumerate(body["ram"]["chunks"]) if c and i not in body["from_template"]]
-    saved = store.get(own[0])
-    store.remove(own[0])
+    [[_, patch, _]] = body["patches"]  # what expand reads for the changed chunk
+    saved = store.get(patch)
+    store.remove(patch)
     with pytest.raises(CorruptData) as err:
         expand(d, store, sandbox_id="sb1")
     assert err.value.data["sandbox_id"] == "sb1" and "sb1" in str(err.value)
@@ -185,10 +185,13 @@ def test_rebuild_reports_where_the_time_went(tmp_path: Path) -> None:
     d = _sandbox(p, tram)
     store = ChunkStore(p.chunks)
     compact(d, store, tram)
+    body = json.loads((d / MARKER).read_text())
+    [(index, _, pages)] = body["patches"]  # the changed chunk: 16 of its 64 pages differ
+    assert index == 5 * MIB // (256 << 10) and pages == list(range(16))
     report = rebuild(d, store, sandbox_id="sb1")
-    # 3 MiB + 256 KiB of template data, one 256 KiB chunk of it changed: that one is read
-    assert report.store_bytes == 256 << 10
-    assert report.template_bytes == 3 * MIB  # the changed chunk is not copied too
+    # 3 MiB + 256 KiB of template data are copied; only the 64 KiB that changed are read
+    assert report.store_bytes == 64 << 10
+    assert report.template_bytes == 3 * MIB + (256 << 10)
     assert report.seconds > 0 and report.durable and not report.stale
     assert rebuild(d, store).seconds == 0.0  # nothing to do
 
@@ -293,10 +296,12 @@ def test_corrupt_chunk_names_the_sandbox_and_keeps_the_manifest(tmp_path: Path) 
     compact(d, store, tram)
     body = json.loads((d / MARKER).read_text())
     [own] = [c for i, c in enumerate(body["ram"]["chunks"]) if c and i not in body["from_template"]]
+    [[_, patch, _]] = body["patches"]
     import zstandard
 
-    # a chunk that decompresses fine but holds other bytes: only the hash check catches it
-    store.path_of(own).write_bytes(zstandard.ZstdCompressor().compress(os.urandom(256 << 10)))
+    # chunks that decompress fine but hold other bytes: only the hash check catches them
+    for digest, size in ((own, 256 << 10), (patch, 64 << 10)):
+        store.path_of(digest).write_bytes(zstandard.ZstdCompressor().compress(os.urandom(size)))
     with pytest.raises(CorruptData) as err:
         expand(d, store, sandbox_id="sb1", durable=False)
     assert err.value.data["sandbox_id"] == "sb1" and "sb1" in str(err.value)

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from torpor.errors import CorruptData, StorageError
+from torpor.sandbox.storage.chunk_backends import is_hash
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, data_ranges, overlaps
 from torpor.sandbox.vm.disk import fsync_dir
 
@@ -70,6 +71,8 @@ log = logging.getLogger(__name__)
 #: the manifest of a compacted sandbox's RAM, in its directory
 MARKER = "compacted.json"
 _VERSION = 1
+#: the unit of a patch: a guest page
+PAGE = 4096
 
 
 @dataclass
@@ -123,6 +126,37 @@ def _template_hashes(template_ram: Path, chunk_size: int) -> list[str | None]:
     return out
 
 
+def _patches(
+    ram: Path, template_ram: Path, manifest: FileManifest, equal: set[int], chunks: ChunkStore
+) -> tuple[list[list[Any]], int]:
+    """For each chunk of ``ram`` that differs from the template's at the same offset in at
+    most half its pages: [index, the stored patch (those pages, one after the other), the
+    page numbers]. Returns them and the bytes they added to the store. Raises OSError,
+    StorageError."""
+    out: list[list[Any]] = []
+    new = 0
+    per_chunk = manifest.chunk_size // PAGE
+    with open(ram, "rb") as mine, open(template_ram, "rb") as theirs:
+        for index, digest in enumerate(manifest.chunks):
+            start = index * manifest.chunk_size
+            length = min(manifest.chunk_size, manifest.size - start)
+            if digest is None or index in equal or length % PAGE:
+                continue
+            a = os.pread(mine.fileno(), length, start)
+            b = os.pread(theirs.fileno(), length, start).ljust(length, b"\0")
+            pages = [
+                p
+                for p in range(-(-length // PAGE))
+                if a[p * PAGE : (p + 1) * PAGE] != b[p * PAGE : (p + 1) * PAGE]
+            ]
+            if not pages or len(pages) * 2 > per_chunk:
+                continue  # the whole chunk is cheaper to read than a patch plus a copy
+            patch_digest, added = chunks.put(b"".join(a[p * PAGE : (p + 1) * PAGE] for p in pages))
+            out.append([index, patch_digest, pages])
+            new += added
+    return out, new
+
+
 def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> CompactionReport:
     """Move the hibernated machine's RAM file in ``directory`` into ``chunks``.
 
@@ -145,8 +179,9 @@ def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> C
     before = _allocated(ram)
     state = _state_digest(directory)
     manifest = chunks.put_file(ram)
-    chunks.sync_dirs()
     equal: list[int] = []
+    patches: list[list[Any]] = []
+    patch_bytes = 0
     template: dict[str, Any] | None = None
     if template_ram is not None and template_ram.is_file():
         try:
@@ -161,6 +196,8 @@ def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> C
                 for i, digest in enumerate(manifest.chunks)
                 if digest is not None and i < len(theirs) and theirs[i] == digest
             ]
+            patches, patch_bytes = _patches(ram, template_ram, manifest, set(equal), chunks)
+    chunks.sync_dirs()
     body = {
         "version": _VERSION,
         "ram": manifest.to_json(),
@@ -168,6 +205,8 @@ def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> C
         "from_template": equal,
         "store": chunks.location,
         "state": state,  # the saved state this RAM pairs with (see _is_stale)
+        "page": PAGE,
+        "patches": patches,  # [chunk index, patch chunk, [pages that differ]]
     }
     _write_json(directory / MARKER, body)
     try:
@@ -183,7 +222,7 @@ def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> C
         sandbox_dir=str(directory),
         ram_bytes_before=before,
         ram_bytes_after=_allocated(ram),
-        new_chunk_bytes=manifest.new_bytes,
+        new_chunk_bytes=manifest.new_bytes + patch_bytes,
         from_template=len(equal),
         chunks=sum(c is not None for c in manifest.chunks),
         seconds=time.perf_counter() - started,
@@ -210,6 +249,7 @@ def _read_marker(directory: Path) -> dict[str, Any]:
             raise ValueError(f"unknown version {body.get('version')!r}")
         FileManifest.from_json(body["ram"])
         [int(i) for i in body.get("from_template", [])]
+        _read_patches(body)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptData(
             f"{path} is unreadable ({exc}): the sandbox's RAM cannot be rebuilt",
@@ -282,6 +322,20 @@ def settle(directory: Path) -> bool:
     return True
 
 
+def _read_patches(body: dict[str, Any]) -> dict[int, tuple[str, list[int]]]:
+    """The manifest's patches by chunk index. Raises ValueError, TypeError, KeyError."""
+    if not body.get("patches"):
+        return {}
+    if int(body["page"]) != PAGE:
+        raise ValueError(f"patches of {body['page']}-byte pages")
+    out: dict[int, tuple[str, list[int]]] = {}
+    for index, digest, pages in body["patches"]:
+        if not is_hash(digest) or not isinstance(pages, list):
+            raise ValueError(f"bad patch of chunk {index!r}")
+        out[int(index)] = (digest, [int(p) for p in pages])
+    return out
+
+
 def expand(
     directory: Path,
     chunks: ChunkStore,
@@ -329,9 +383,10 @@ def rebuild(
         return report
     manifest = FileManifest.from_json(body["ram"])
     from_template = {int(i) for i in body.get("from_template", [])}
+    patches = _read_patches(body)
     template = body.get("template")
     template_fd: int | None = None
-    if template and from_template:
+    if template and (from_template or patches):
         tpath = Path(template["path"])
         try:
             if _identity(tpath) == template:
@@ -341,6 +396,7 @@ def rebuild(
         if template_fd is None:
             log.warning("expand %s: template RAM changed; every chunk from the store", directory)
             from_template = set()
+            patches = {}
     ram = directory / "ram"
     lock = threading.Lock()
     try:
@@ -375,6 +431,30 @@ def rebuild(
                     with lock:
                         report.template_bytes += n
                         report.template_seconds += time.perf_counter() - t0
+                    return
+                if index in patches:  # the template's chunk, then the pages that differ
+                    n = copy(start, start + length)
+                    t1 = time.perf_counter()
+                    patch, pages = patches[index]
+                    data = chunks.get(patch, snapshot_id=None)
+                    t2 = time.perf_counter()
+                    if len(data) != len(pages) * PAGE or max(pages) * PAGE >= length:
+                        raise CorruptData(
+                            f"sandbox {who}: patch {patch[:12]} of chunk {index} does not fit "
+                            f"its {len(pages)} pages",
+                            sandbox_id=sandbox_id,
+                            chunk=patch,
+                        )
+                    view = memoryview(data)
+                    for k, page in enumerate(pages):
+                        end = min(PAGE, length - page * PAGE)
+                        os.pwrite(fd, view[k * PAGE : k * PAGE + end], start + page * PAGE)
+                    with lock:
+                        report.template_bytes += n
+                        report.template_seconds += t1 - t0
+                        report.store_bytes += len(data)
+                        report.store_seconds += t2 - t1
+                        report.write_seconds += time.perf_counter() - t2
                     return
                 data = chunks.get(digest, snapshot_id=None)
                 t1 = time.perf_counter()
@@ -459,6 +539,7 @@ def owned_bytes(directory: Path, chunks: ChunkStore, template_ram: Path | None =
     manifest = FileManifest.from_json(body["ram"])
     equal = {int(i) for i in body.get("from_template", [])}
     own = {d for i, d in enumerate(manifest.chunks) if d is not None and i not in equal}
+    own |= {patch for patch, _ in _read_patches(body).values()}
     stored = {e.digest: e.size for e in chunks.backend.entries() if e.digest in own}
     return local + sum(stored.values())
 
@@ -471,7 +552,9 @@ def referenced_by_compacted(sandboxes_root: Path) -> Iterator[str]:
     for d in sandboxes_root.iterdir():
         marker = d / MARKER
         if marker.is_file():
-            yield from FileManifest.from_json(_read_marker(d)["ram"]).hashes()
+            body = _read_marker(d)
+            yield from FileManifest.from_json(body["ram"]).hashes()
+            yield from (patch for patch, _ in _read_patches(body).values())
 
 
 def _write_json(path: Path, body: dict[str, Any]) -> None:
