@@ -58,16 +58,18 @@ def _allocated(directory: Path) -> int:
 
 
 def _primitives(directory: Path, store: Any) -> dict[str, float]:
-    """Seconds to read, decompress and verify (sha256) the chunks a compacted ``directory``
-    reads from the store (the ones not equal to the template's), one after the other."""
+    """Seconds to read, decompress and verify (sha256) what a compacted ``directory`` reads
+    from the store (patches, and the chunks neither equal to the template's nor patched),
+    one after the other."""
     import hashlib
     import json
 
     import zstandard
 
     body = json.loads((directory / "compacted.json").read_text())
-    equal = set(body["from_template"])
-    own = [c for i, c in enumerate(body["ram"]["chunks"]) if c and i not in equal]
+    skip = set(body["from_template"]) | {index for index, _, _ in body.get("patches", [])}
+    own = [c for i, c in enumerate(body["ram"]["chunks"]) if c and i not in skip]
+    own += [patch for _, patch, _ in body.get("patches", [])]
     t0 = time.perf_counter()
     blobs = [store.backend.read(c) for c in own]
     t1 = time.perf_counter()

@@ -431,6 +431,36 @@ def test_manager_crash_between_expand_and_wake_leaves_it_compacted(tmp_path: Pat
     asyncio.run(main())
 
 
+def test_manager_wake_with_a_missing_chunk_is_corrupt_data_and_stays_paused(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        mgr = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
+        try:
+            info = await mgr.create(name="agent")
+            await mgr.run_code("agent", "notes = [1, 2]")
+            await mgr.pause("agent")
+            directory = mgr.directory(info.id)
+            compact(directory, mgr.chunk_store, None)
+            body = json.loads((directory / MARKER).read_text())
+            [digest] = [c for c in body["ram"]["chunks"] if c]
+            saved = mgr.chunk_store.get(digest)
+            mgr.chunk_store.remove(digest)
+            with pytest.raises(CorruptData) as err:
+                await mgr.resume("agent")
+            assert err.value.data["sandbox_id"] == info.id and info.id in str(err.value)
+            assert (await mgr.get("agent")).state.value == "paused"
+            assert is_compacted(directory)  # nothing lost: once the chunk is back, it wakes
+            mgr.chunk_store.put(saved)
+            run = await mgr.run_code("agent", "notes")
+            assert run.results[0].data["text/plain"] == "[1, 2]"
+            assert not is_compacted(directory)
+        finally:
+            await mgr.close(pause=False)
+
+    asyncio.run(main())
+
+
 def test_compact_after_setting_is_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from torpor.errors import InvalidArgument
 

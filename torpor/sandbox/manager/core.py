@@ -49,7 +49,7 @@ from torpor.sandbox.registry import Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
 from torpor.sandbox.registry.meters import UP_STATES
 from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
-from torpor.sandbox.storage.compaction import expand, is_compacted, settle
+from torpor.sandbox.storage.compaction import begin_expand, is_compacted, settle
 from torpor.sandbox.vm.machine_dir import process_cpu_seconds, qemu_pid
 
 __all__ = ["SYNC_TIMEOUT", "Held", "Live", "ManagerCore", "StepHook", "wrap_error"]
@@ -154,6 +154,17 @@ _HOLDING_RAM = {S.CREATING, S.RUNNING, S.WAKING, S.PAUSING}
 
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
+
+
+async def _settled(task: asyncio.Future[Any]) -> TorporError | None:
+    """Wait for ``task`` (a thread that must not outlive the wake that started it) and
+    return the TorporError it failed with, if any."""
+    with suppress(BaseException):
+        await asyncio.shield(task)
+    if task.cancelled():
+        return None
+    exc = task.exception()
+    return exc if isinstance(exc, TorporError) else None
 
 
 def wrap_error(exc: BaseException, what: str, sandbox_id: str) -> TorporError:
@@ -441,19 +452,31 @@ class ManagerCore:
             rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=self._ram_held(rec.id)
         )
         directory = self.directory(rec.id)
+        job = None
         if is_compacted(directory):  # its RAM is in the chunk store: rebuild it first
             # no fsync: the manifest stays until the wake consumes the state (settle below)
-            await asyncio.to_thread(
-                expand, directory, self.chunk_store, sandbox_id=rec.id, durable=False
+            job = await asyncio.to_thread(
+                begin_expand, directory, self.chunk_store, sandbox_id=rec.id, durable=False
             )
         rec = self.move(rec, S.WAKING, reason)
-        await self._step("wake:begin", rec.id)
+        try:
+            await self._step("wake:begin", rec.id)
+        except BaseException:
+            if job is not None:
+                job.close()
+            raise
         machine = self.engine.machine(directory, self._config(rec))
         live.machine = machine
+        # QEMU starts while the RAM file is filled; it loads the state once that is done
+        rebuilt = None if job is None else asyncio.ensure_future(asyncio.to_thread(job.run))
         try:
-            await machine.wake()
+            await (machine.wake() if rebuilt is None else machine.wake(ram_ready=rebuilt))
         except Exception as exc:
+            failed = None if rebuilt is None else await _settled(rebuilt)
             await self._quiet_kill(live, directory)
+            if failed is not None:  # a chunk bad or missing: nothing ran, the manifest stays
+                self.move(rec, S.PAUSED, f"wake failed: its RAM cannot be rebuilt: {failed}")
+                raise failed from None if failed is exc else exc
             status = self.engine.inspect(directory)
             if status.damage is not None:  # it would fail the same way every time
                 raise self._mark_lost(rec, f"cannot be woken: {status.damage}") from exc

@@ -40,7 +40,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +56,8 @@ __all__ = [
     "MARKER",
     "CompactionReport",
     "ExpandReport",
+    "Expansion",
+    "begin_expand",
     "compact",
     "expand",
     "is_compacted",
@@ -357,7 +358,8 @@ def rebuild(
     durable: bool = True,
 ) -> ExpandReport:
     """Rebuild the RAM file of a compacted ``directory`` from the template's RAM and the
-    chunk store (every chunk read from the store is verified).
+    chunk store (every chunk read from the store is verified): :func:`begin_expand`, then
+    :meth:`Expansion.run`.
 
     ``durable=True``: the RAM file is fsynced, then the manifest is dropped. ``durable=False``
     (a wake that follows at once): no fsync, and the manifest stays until the wake has
@@ -369,18 +371,39 @@ def rebuild(
     Raises CorruptData (a chunk bad or missing, the manifest unreadable: the manifest stays, so
     nothing is lost by trying again once the chunk is back), StorageError.
     """
-    report = ExpandReport(durable=durable)
+    job, stale = _begin(directory, chunks, sandbox_id, durable)
+    return ExpandReport(durable=durable, stale=stale) if job is None else job.run()
+
+
+def begin_expand(
+    directory: Path,
+    chunks: ChunkStore,
+    *,
+    sandbox_id: str | None = None,
+    durable: bool = True,
+) -> Expansion | None:
+    """Start rebuilding the RAM file of a compacted ``directory``: read its manifest (a stale
+    one is dropped: None), check the template's RAM, and give the RAM file its size (emptied
+    first if a crash left data in it). From here a QEMU may map the file: :meth:`Expansion.run`
+    fills it, and the guest's state must be loaded only after that. None when there is
+    nothing to rebuild. Raises as :func:`rebuild`.
+    """
+    return _begin(directory, chunks, sandbox_id, durable)[0]
+
+
+def _begin(
+    directory: Path, chunks: ChunkStore, sandbox_id: str | None, durable: bool
+) -> tuple[Expansion | None, bool]:
+    """:func:`begin_expand`, and whether a stale manifest was dropped."""
     if not is_compacted(directory):
-        return report
+        return None, False
     started = time.perf_counter()
     body = _read_marker(directory)
     who = sandbox_id or directory.name
     if _is_stale(directory, body):
         log.warning("expand %s: its manifest predates the saved state; dropped", who)
-        report.stale = True
         _drop_marker(directory, sandbox_id)
-        report.seconds = time.perf_counter() - started
-        return report
+        return None, True
     manifest = FileManifest.from_json(body["ram"])
     from_template = {int(i) for i in body.get("from_template", [])}
     patches = _read_patches(body)
@@ -397,113 +420,175 @@ def rebuild(
             log.warning("expand %s: template RAM changed; every chunk from the store", directory)
             from_template = set()
             patches = {}
-    ram = directory / "ram"
-    lock = threading.Lock()
+    fd = -1
     try:
         # the template's holes stay holes: only its data ranges are copied
         tdata = [] if template_fd is None else data_ranges(template_fd, manifest.size)
-        fd = os.open(ram, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
+        fd = os.open(directory / "ram", os.O_WRONLY | os.O_CREAT, 0o600)
+        st = os.fstat(fd)
+        if st.st_blocks or st.st_size != manifest.size:
+            # data left by a crash before compaction emptied it, or by an interrupted
+            # expand. Only then: on ext4 a truncation to 0 makes the close start writing
+            # back the whole rebuilt file at once, in the middle of the wake that follows
             os.ftruncate(fd, 0)
             os.ftruncate(fd, manifest.size)
-
-            def copy(start: int, end: int) -> int:
-                assert template_fd is not None
-                done = 0
-                for lo, hi in _clip(tdata, start, end):
-                    while lo < hi:
-                        n = os.copy_file_range(template_fd, fd, hi - lo, lo, lo)
-                        if n == 0:
-                            raise StorageError(f"template RAM ended early at {lo}")
-                        lo += n
-                        done += n
-                return done
-
-            def work(item: tuple[int, str | None]) -> None:
-                index, digest = item
-                if digest is None:
-                    return
-                start = index * manifest.chunk_size
-                length = min(manifest.chunk_size, manifest.size - start)
-                t0 = time.perf_counter()
-                if index in from_template:
-                    n = copy(start, start + length)
-                    with lock:
-                        report.template_bytes += n
-                        report.template_seconds += time.perf_counter() - t0
-                    return
-                if index in patches:  # the template's chunk, then the pages that differ
-                    n = copy(start, start + length)
-                    t1 = time.perf_counter()
-                    patch, pages = patches[index]
-                    data = chunks.get(patch, snapshot_id=None)
-                    t2 = time.perf_counter()
-                    if len(data) != len(pages) * PAGE or max(pages) * PAGE >= length:
-                        raise CorruptData(
-                            f"sandbox {who}: patch {patch[:12]} of chunk {index} does not fit "
-                            f"its {len(pages)} pages",
-                            sandbox_id=sandbox_id,
-                            chunk=patch,
-                        )
-                    view = memoryview(data)
-                    for k, page in enumerate(pages):
-                        end = min(PAGE, length - page * PAGE)
-                        os.pwrite(fd, view[k * PAGE : k * PAGE + end], start + page * PAGE)
-                    with lock:
-                        report.template_bytes += n
-                        report.template_seconds += t1 - t0
-                        report.store_bytes += len(data)
-                        report.store_seconds += t2 - t1
-                        report.write_seconds += time.perf_counter() - t2
-                    return
-                data = chunks.get(digest, snapshot_id=None)
-                t1 = time.perf_counter()
-                if len(data) != length:
-                    raise CorruptData(
-                        f"sandbox {who}: chunk {digest[:12]} has {len(data)} bytes, "
-                        f"the RAM manifest says {length}",
-                        sandbox_id=sandbox_id,
-                        chunk=digest,
-                    )
-                os.pwrite(fd, data, start)
-                with lock:
-                    report.store_bytes += length
-                    report.store_seconds += t1 - t0
-                    report.write_seconds += time.perf_counter() - t1
-
-            with ThreadPoolExecutor(chunks.workers) as pool:
-                list(pool.map(work, enumerate(manifest.chunks)))
-            if durable:
-                t0 = time.perf_counter()
-                os.fsync(fd)
-                report.sync_seconds += time.perf_counter() - t0
-        finally:
-            os.close(fd)
-            if template_fd is not None:
-                os.close(template_fd)
-    except CorruptData as exc:
-        exc.data["sandbox_id"] = sandbox_id
-        exc.message = f"sandbox {who}: cannot rebuild its RAM: {exc.message}"
-        exc.args = (exc.message,)
-        raise
     except OSError as exc:
+        for f in (fd, -1 if template_fd is None else template_fd):
+            if f >= 0:
+                os.close(f)
         raise StorageError(
             f"sandbox {who}: cannot rebuild its RAM: {exc}", exc=exc, sandbox_id=sandbox_id
         ) from exc
-    if durable:
-        t0 = time.perf_counter()
-        _drop_marker(directory, sandbox_id)
-        report.sync_seconds += time.perf_counter() - t0
-    report.seconds = time.perf_counter() - started
-    log.info(
-        "expanded %s's RAM in %.3f s (%d bytes from the template, %d from the store%s)",
-        who,
-        report.seconds,
-        report.template_bytes,
-        report.store_bytes,
-        "" if durable else "; manifest kept until the wake",
+    job = Expansion(
+        directory=directory,
+        chunks=chunks,
+        sandbox_id=sandbox_id,
+        durable=durable,
+        manifest=manifest,
+        from_template=from_template,
+        patches=patches,
+        template_fd=template_fd,
+        template_data=tdata,
+        fd=fd,
+        started=started,
     )
-    return report
+    return job, False
+
+
+@dataclass
+class Expansion:
+    """A rebuild begun by :func:`begin_expand` (the RAM file has its size and is open);
+    :meth:`run` fills it, once."""
+
+    directory: Path
+    chunks: ChunkStore
+    sandbox_id: str | None
+    durable: bool
+    manifest: FileManifest
+    from_template: set[int]
+    patches: dict[int, tuple[str, list[int]]]
+    template_fd: int | None
+    template_data: list[tuple[int, int]]
+    fd: int
+    started: float
+
+    @property
+    def who(self) -> str:
+        return self.sandbox_id or self.directory.name
+
+    def run(self) -> ExpandReport:
+        """Fill the RAM file: the template's data ranges for the chunks equal to it (and the
+        patched ones, then their pages), the other chunks from the store, verified. Closes
+        the files whatever happens. Raises as :func:`rebuild`."""
+        report = ExpandReport(durable=self.durable)
+        try:
+            try:
+                with ThreadPoolExecutor(self.chunks.workers) as pool:
+                    for part in pool.map(self._chunk, enumerate(self.manifest.chunks)):
+                        for key, value in part.items():
+                            setattr(report, key, getattr(report, key) + value)
+                if self.durable:
+                    t0 = time.perf_counter()
+                    os.fsync(self.fd)
+                    report.sync_seconds += time.perf_counter() - t0
+            finally:
+                self.close()
+        except CorruptData as exc:
+            exc.data["sandbox_id"] = self.sandbox_id
+            exc.message = f"sandbox {self.who}: cannot rebuild its RAM: {exc.message}"
+            exc.args = (exc.message,)
+            raise
+        except OSError as exc:
+            raise StorageError(
+                f"sandbox {self.who}: cannot rebuild its RAM: {exc}",
+                exc=exc,
+                sandbox_id=self.sandbox_id,
+            ) from exc
+        if self.durable:
+            t0 = time.perf_counter()
+            _drop_marker(self.directory, self.sandbox_id)
+            report.sync_seconds += time.perf_counter() - t0
+        report.seconds = time.perf_counter() - self.started
+        log.info(
+            "expanded %s's RAM in %.3f s (%d bytes from the template, %d from the store%s)",
+            self.who,
+            report.seconds,
+            report.template_bytes,
+            report.store_bytes,
+            "" if self.durable else "; manifest kept until the wake",
+        )
+        return report
+
+    def close(self) -> None:
+        """Close the files (idempotent): a rebuild begun and never run leaves the manifest,
+        so the next wake starts again."""
+        for name in ("fd", "template_fd"):
+            f = getattr(self, name)
+            if f is not None and f >= 0:
+                os.close(f)
+                setattr(self, name, -1)
+
+    def _copy(self, start: int, end: int) -> int:
+        """Copy the template's data in [start, end) into the RAM file; return the bytes."""
+        assert self.template_fd is not None
+        done = 0
+        for lo, hi in _clip(self.template_data, start, end):
+            while lo < hi:
+                n = os.copy_file_range(self.template_fd, self.fd, hi - lo, lo, lo)
+                if n == 0:
+                    raise StorageError(f"template RAM ended early at {lo}")
+                lo += n
+                done += n
+        return done
+
+    def _chunk(self, item: tuple[int, str | None]) -> dict[str, float]:
+        """Write one chunk into the RAM file; return what it moved and how long it took."""
+        index, digest = item
+        if digest is None:
+            return {}
+        m = self.manifest
+        start = index * m.chunk_size
+        length = min(m.chunk_size, m.size - start)
+        t0 = time.perf_counter()
+        if index in self.from_template:
+            n = self._copy(start, start + length)
+            return {"template_bytes": n, "template_seconds": time.perf_counter() - t0}
+        if index in self.patches:  # the template's chunk, then the pages that differ
+            n = self._copy(start, start + length)
+            t1 = time.perf_counter()
+            patch, pages = self.patches[index]
+            data = self.chunks.get(patch, snapshot_id=None)
+            t2 = time.perf_counter()
+            if len(data) != len(pages) * PAGE or max(pages) * PAGE >= length:
+                raise CorruptData(
+                    f"patch {patch[:12]} of chunk {index} does not fit its {len(pages)} pages",
+                    sandbox_id=self.sandbox_id,
+                    chunk=patch,
+                )
+            view = memoryview(data)
+            for k, page in enumerate(pages):
+                os.pwrite(self.fd, view[k * PAGE : (k + 1) * PAGE], start + page * PAGE)
+            return {
+                "template_bytes": n,
+                "template_seconds": t1 - t0,
+                "store_bytes": len(data),
+                "store_seconds": t2 - t1,
+                "write_seconds": time.perf_counter() - t2,
+            }
+        data = self.chunks.get(digest, snapshot_id=None)
+        t1 = time.perf_counter()
+        if len(data) != length:
+            raise CorruptData(
+                f"chunk {digest[:12]} has {len(data)} bytes, the RAM manifest says {length}",
+                sandbox_id=self.sandbox_id,
+                chunk=digest,
+            )
+        os.pwrite(self.fd, data, start)
+        return {
+            "store_bytes": length,
+            "store_seconds": t1 - t0,
+            "write_seconds": time.perf_counter() - t1,
+        }
 
 
 def _clip(ranges: list[tuple[int, int]], start: int, end: int) -> Iterator[tuple[int, int]]:
