@@ -78,9 +78,10 @@ def test_compact_and_expand_round_trip(tmp_path: Path) -> None:
     assert report.ram_bytes_before >= 3 * MIB and report.ram_bytes_after == 0
     assert (d / "ram").stat().st_size == 8 * MIB  # same size: recovery's checks still hold
     assert report.from_template == report.chunks - 1  # only the chunk it changed is its own
-    # owned: the local files and its one changed chunk, not the template's 3 MiB
-    own = owned_bytes(d, store)
-    assert own < 1 * MIB
+    # owned: the local files and the 64 KiB patch of its one changed chunk; not the
+    # template's 3 MiB, nor that chunk whole (the template's chunk is its base)
+    local = sum(_allocated(f) for f in d.iterdir() if f.is_file())
+    assert owned_bytes(d, store) - local < 100 << 10
     assert compact(d, store, tram).chunks == 0  # idempotent
 
     seconds = expand(d, store, sandbox_id="sb1")
@@ -100,6 +101,32 @@ def test_expand_without_the_template_reads_every_chunk_from_the_store(tmp_path: 
     _template_ram(p)  # the template is rebuilt: new content, new identity
     expand(d, store)
     assert (d / "ram").read_bytes() == original
+
+
+def test_a_changed_template_rebuilds_patched_chunks_from_the_store_checked(
+    tmp_path: Path,
+) -> None:
+    """Without the template's file, a patched chunk is the template's chunk from the store
+    with the patch on top, checked against the chunk's own hash."""
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    tram.unlink()  # the template is gone (another node, a rebuilt template)
+    report = rebuild(d, store, durable=False)
+    assert report.template_bytes == 0 and (d / "ram").read_bytes() == original
+    # a base that is not the chunk the patch was made on: the rebuilt chunk fails its hash
+    assert is_compacted(d)  # (durable=False: kept until a wake consumes the state)
+    body = json.loads((d / MARKER).read_text())
+    [[index, patch, pages, base]] = body["patches"]
+    wrong, _ = store.put(os.urandom(256 << 10))
+    body["patches"] = [[index, patch, pages, wrong]]
+    (d / MARKER).write_text(json.dumps(body))
+    with pytest.raises(CorruptData, match="does not match"):
+        expand(d, store, sandbox_id="sb1")
+    assert is_compacted(d)
 
 
 def test_crash_after_the_manifest_before_emptying_the_ram(tmp_path: Path) -> None:
@@ -122,7 +149,7 @@ def test_missing_chunk_is_corrupt_data_and_keeps_the_manifest(tmp_path: Path) ->
     store = ChunkStore(p.chunks)
     compact(d, store, tram)
     body = json.loads((d / MARKER).read_text())
-    [[_, patch, _]] = body["patches"]  # what expand reads for the changed chunk
+    [[_, patch, _, _]] = body["patches"]  # what expand reads for the changed chunk
     saved = store.get(patch)
     store.remove(patch)
     with pytest.raises(CorruptData) as err:
@@ -186,8 +213,8 @@ def test_rebuild_reports_where_the_time_went(tmp_path: Path) -> None:
     store = ChunkStore(p.chunks)
     compact(d, store, tram)
     body = json.loads((d / MARKER).read_text())
-    [(index, _, pages)] = body["patches"]  # the changed chunk: 16 of its 64 pages differ
-    assert index == 5 * MIB // (256 << 10) and pages == list(range(16))
+    [(index, _, pages, base)] = body["patches"]  # the changed chunk: 16 of its 64 pages differ
+    assert index == 5 * MIB // (256 << 10) and pages == list(range(16)) and base is not None
     report = rebuild(d, store, sandbox_id="sb1")
     # 3 MiB + 256 KiB of template data are copied; only the 64 KiB that changed are read
     assert report.store_bytes == 64 << 10
@@ -295,13 +322,11 @@ def test_corrupt_chunk_names_the_sandbox_and_keeps_the_manifest(tmp_path: Path) 
     store = ChunkStore(p.chunks)
     compact(d, store, tram)
     body = json.loads((d / MARKER).read_text())
-    [own] = [c for i, c in enumerate(body["ram"]["chunks"]) if c and i not in body["from_template"]]
-    [[_, patch, _]] = body["patches"]
+    [[_, patch, _, _]] = body["patches"]
     import zstandard
 
-    # chunks that decompress fine but hold other bytes: only the hash check catches them
-    for digest, size in ((own, 256 << 10), (patch, 64 << 10)):
-        store.path_of(digest).write_bytes(zstandard.ZstdCompressor().compress(os.urandom(size)))
+    # a patch that decompresses fine but holds other bytes: only the hash check catches it
+    store.path_of(patch).write_bytes(zstandard.ZstdCompressor().compress(os.urandom(64 << 10)))
     with pytest.raises(CorruptData) as err:
         expand(d, store, sandbox_id="sb1", durable=False)
     assert err.value.data["sandbox_id"] == "sb1" and "sb1" in str(err.value)
@@ -316,15 +341,21 @@ _S = st.sampled_from(["same", "hole", "changed"])  # the sandbox's page against 
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(layout=st.lists(st.tuples(_T, _S), min_size=12, max_size=40), durable=st.booleans())
+@given(
+    layout=st.lists(st.tuples(_T, _S), min_size=12, max_size=40),
+    durable=st.booleans(),
+    template_gone=st.booleans(),
+)
 def test_expanded_ram_equals_the_original_byte_for_byte(
     tmp_path_factory: pytest.TempPathFactory,
     layout: list[tuple[str, str]],
     durable: bool,
+    template_gone: bool,
 ) -> None:
     """Any mix of template holes, written zeros and data, and sandbox pages equal to the
     template's, punched to holes or changed, with chunks of 4 pages: the rebuilt RAM equals
-    the original, and a hole of the template inside a template-equal chunk stays a hole."""
+    the original (with the template's file, or without it: from the store only), and a hole
+    of the template inside a template-equal chunk stays a hole."""
     tmp = tmp_path_factory.mktemp("layout")
     tram, ram = tmp / "template-ram", tmp / "sbx" / "ram"
     ram.parent.mkdir()
@@ -349,8 +380,12 @@ def test_expanded_ram_equals_the_original_byte_for_byte(
     store = ChunkStore(tmp / "chunks", chunk_size=4 * PAGE)
     compact(ram.parent, store, tram)
     assert ram.stat().st_blocks == 0
+    if template_gone:  # every chunk from the store: patched ones on the template's chunks
+        tram.rename(tmp / "elsewhere")
     rebuild(ram.parent, store, durable=durable)
     assert ram.read_bytes() == original
+    if template_gone:
+        return
     extents = _holes(ram)
     for chunk in range(-(-len(layout) // 4)):
         pages = layout[chunk * 4 : chunk * 4 + 4]
