@@ -67,9 +67,9 @@ def _primitives(directory: Path, store: Any) -> dict[str, float]:
     import zstandard
 
     body = json.loads((directory / "compacted.json").read_text())
-    skip = set(body["from_template"]) | {index for index, _, _ in body.get("patches", [])}
+    skip = set(body["from_template"]) | {entry[0] for entry in body.get("patches", [])}
     own = [c for i, c in enumerate(body["ram"]["chunks"]) if c and i not in skip]
-    own += [patch for _, patch, _ in body.get("patches", [])]
+    own += [entry[1] for entry in body.get("patches", [])]
     t0 = time.perf_counter()
     blobs = [store.backend.read(c) for c in own]
     t1 = time.perf_counter()
