@@ -120,7 +120,7 @@ def test_a_changed_template_rebuilds_patched_chunks_from_the_store_checked(
     # a base that is not the chunk the patch was made on: the rebuilt chunk fails its hash
     assert is_compacted(d)  # (durable=False: kept until a wake consumes the state)
     body = json.loads((d / MARKER).read_text())
-    [[index, patch, pages, base]] = body["patches"]
+    [[index, patch, pages, _]] = body["patches"]
     wrong, _ = store.put(os.urandom(256 << 10))
     body["patches"] = [[index, patch, pages, wrong]]
     (d / MARKER).write_text(json.dumps(body))
