@@ -129,6 +129,26 @@ def test_a_changed_template_rebuilds_patched_chunks_from_the_store_checked(
     assert is_compacted(d)
 
 
+@pytest.mark.parametrize(
+    "gone", [pytest.param(False, id="template"), pytest.param(True, id="store")]
+)
+def test_a_template_shorter_than_the_ram(tmp_path: Path, gone: bool) -> None:
+    """Chunks past the template's end are stored whole, never patched on a short base."""
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    with open(tram, "r+b") as f:
+        f.truncate(5 * MIB + (200 << 10))  # ends inside the chunk the sandbox changed
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    assert json.loads((d / MARKER).read_text())["patches"] == []
+    if gone:
+        tram.unlink()
+    expand(d, store)
+    assert (d / "ram").read_bytes() == original
+
+
 def test_crash_after_the_manifest_before_emptying_the_ram(tmp_path: Path) -> None:
     p = make_home(tmp_path)
     tram = _template_ram(p)

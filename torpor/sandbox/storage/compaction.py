@@ -151,6 +151,7 @@ def _store_ram(
     per_chunk = chunks.chunk_size // PAGE
     with open(ram, "rb") as mine, open(template_ram or os.devnull, "rb") as base_file:
         size = os.fstat(mine.fileno()).st_size
+        template_size = os.fstat(base_file.fileno()).st_size
         extents = data_ranges(mine.fileno(), size)
 
         def work(index: int) -> tuple[str | None, int, list[Any] | None]:
@@ -165,15 +166,18 @@ def _store_ram(
                 return None, 0, None
             digest = hashlib.sha256(a).hexdigest()
             base = theirs[index] if index < len(theirs) else None
-            if template_ram is not None and base != digest and not length % PAGE:
-                b = os.pread(base_file.fileno(), length, start).ljust(length, b"\0")
+            whole_base = start + length <= template_size  # a base the chunk's own length
+            if template_ram is not None and base != digest and whole_base and not length % PAGE:
+                b = os.pread(base_file.fileno(), length, start)
                 pages = [
                     p
                     for p in range(length // PAGE)
                     if a[p * PAGE : (p + 1) * PAGE] != b[p * PAGE : (p + 1) * PAGE]
                 ]
                 if len(pages) * 2 <= per_chunk:
-                    added = 0 if base is None else chunks.put(b)[1]
+                    added = 0
+                    if base is not None:
+                        base, added = chunks.put(b)
                     patch, more = chunks.put(b"".join(a[p * PAGE : (p + 1) * PAGE] for p in pages))
                     return digest, added + more, [index, patch, pages, base]
             return digest, chunks.put(a)[1], None
