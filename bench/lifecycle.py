@@ -142,9 +142,9 @@ class _TimedMachine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def wake(self) -> None:
+    async def wake(self, *, ram_ready: Awaitable[object] | None = None) -> None:
         t0 = time.perf_counter()
-        await self.inner.wake()
+        await self.inner.wake(ram_ready=ram_ready)
         self.marks.add("QEMU start + load state + cont", time.perf_counter() - t0)
 
     async def hibernate(self) -> None:

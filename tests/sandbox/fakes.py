@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import os
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,9 +131,11 @@ class FakeMachine:
         self.engine = engine
         self.directory = directory
 
-    async def wake(self) -> None:
+    async def wake(self, *, ram_ready: Awaitable[object] | None = None) -> None:
         self.engine.calls.append("wake")
         await asyncio.sleep(0)
+        if ram_ready is not None:  # the RAM file is being rebuilt: wait before reading it
+            await ram_ready
         state, ram = self.directory / "state", self.directory / "ram"
         if not state.is_file():
             raise EngineError(f"no saved state in {self.directory}")

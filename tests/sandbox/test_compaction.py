@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.s3 import S3Server
 from tests.sandbox.fakes import FakeEngine
@@ -25,6 +27,8 @@ from torpor.sandbox.storage.compaction import (
     expand,
     is_compacted,
     owned_bytes,
+    rebuild,
+    settle,
 )
 from torpor.sandbox.storage.retention import collect_garbage
 from torpor.sandbox.storage.snapshots import freeze
@@ -74,9 +78,10 @@ def test_compact_and_expand_round_trip(tmp_path: Path) -> None:
     assert report.ram_bytes_before >= 3 * MIB and report.ram_bytes_after == 0
     assert (d / "ram").stat().st_size == 8 * MIB  # same size: recovery's checks still hold
     assert report.from_template == report.chunks - 1  # only the chunk it changed is its own
-    # owned: the local files and its one changed chunk, not the template's 3 MiB
-    own = owned_bytes(d, store)
-    assert own < 1 * MIB
+    # owned: the local files and the 64 KiB patch of its one changed chunk; not the
+    # template's 3 MiB, nor that chunk whole (the template's chunk is its base)
+    local = sum(_allocated(f) for f in d.iterdir() if f.is_file())
+    assert owned_bytes(d, store) - local < 100 << 10
     assert compact(d, store, tram).chunks == 0  # idempotent
 
     seconds = expand(d, store, sandbox_id="sb1")
@@ -94,6 +99,52 @@ def test_expand_without_the_template_reads_every_chunk_from_the_store(tmp_path: 
     store = ChunkStore(p.chunks)
     compact(d, store, tram)
     _template_ram(p)  # the template is rebuilt: new content, new identity
+    expand(d, store)
+    assert (d / "ram").read_bytes() == original
+
+
+def test_a_changed_template_rebuilds_patched_chunks_from_the_store_checked(
+    tmp_path: Path,
+) -> None:
+    """Without the template's file, a patched chunk is the template's chunk from the store
+    with the patch on top, checked against the chunk's own hash."""
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    tram.unlink()  # the template is gone (another node, a rebuilt template)
+    report = rebuild(d, store, durable=False)
+    assert report.template_bytes == 0 and (d / "ram").read_bytes() == original
+    # a base that is not the chunk the patch was made on: the rebuilt chunk fails its hash
+    assert is_compacted(d)  # (durable=False: kept until a wake consumes the state)
+    body = json.loads((d / MARKER).read_text())
+    [[index, patch, pages, _]] = body["patches"]
+    wrong, _ = store.put(os.urandom(256 << 10))
+    body["patches"] = [[index, patch, pages, wrong]]
+    (d / MARKER).write_text(json.dumps(body))
+    with pytest.raises(CorruptData, match="does not match"):
+        expand(d, store, sandbox_id="sb1")
+    assert is_compacted(d)
+
+
+@pytest.mark.parametrize(
+    "gone", [pytest.param(False, id="template"), pytest.param(True, id="store")]
+)
+def test_a_template_shorter_than_the_ram(tmp_path: Path, gone: bool) -> None:
+    """Chunks past the template's end are stored whole, never patched on a short base."""
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    with open(tram, "r+b") as f:
+        f.truncate(5 * MIB + (200 << 10))  # ends inside the chunk the sandbox changed
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    assert json.loads((d / MARKER).read_text())["patches"] == []
+    if gone:
+        tram.unlink()
     expand(d, store)
     assert (d / "ram").read_bytes() == original
 
@@ -118,9 +169,9 @@ def test_missing_chunk_is_corrupt_data_and_keeps_the_manifest(tmp_path: Path) ->
     store = ChunkStore(p.chunks)
     compact(d, store, tram)
     body = json.loads((d / MARKER).read_text())
-    own = [c for i, c in enumerate(body["ram"]["chunks"]) if c and i not in body["from_template"]]
-    saved = store.get(own[0])
-    store.remove(own[0])
+    [[_, patch, _, _]] = body["patches"]  # what expand reads for the changed chunk
+    saved = store.get(patch)
+    store.remove(patch)
     with pytest.raises(CorruptData) as err:
         expand(d, store, sandbox_id="sb1")
     assert err.value.data["sandbox_id"] == "sb1" and "sb1" in str(err.value)
@@ -168,6 +219,204 @@ def test_freeze_refuses_a_compacted_dir(tmp_path: Path) -> None:
         freeze(d, p.snapshots / "frozen")
 
 
+def _holes(path: Path) -> list[tuple[int, int]]:
+    from torpor.sandbox.storage.chunks import data_ranges
+
+    with open(path, "rb") as f:
+        return data_ranges(f.fileno(), os.fstat(f.fileno()).st_size)
+
+
+def test_rebuild_reports_where_the_time_went(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    body = json.loads((d / MARKER).read_text())
+    [(index, _, pages, base)] = body["patches"]  # the changed chunk: 16 of its 64 pages differ
+    assert index == 5 * MIB // (256 << 10) and pages == list(range(16)) and base is not None
+    report = rebuild(d, store, sandbox_id="sb1")
+    # 3 MiB + 256 KiB of template data are copied; only the 64 KiB that changed are read
+    assert report.store_bytes == 64 << 10
+    assert report.template_bytes == 3 * MIB + (256 << 10)
+    assert report.seconds > 0 and report.durable and not report.stale
+    assert rebuild(d, store).seconds == 0.0  # nothing to do
+
+
+def test_fast_expand_keeps_the_manifest_until_the_state_is_consumed(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    report = rebuild(d, store, durable=False)
+    assert not report.durable and report.sync_seconds == 0.0
+    assert (d / "ram").read_bytes() == original
+    assert is_compacted(d)  # a crash now finds the manifest: the pair (RAM, state) is safe
+    assert not settle(d)  # the state is still there: nothing to drop
+    # a crash that lost the unsynced RAM: the next wake rebuilds it again
+    with open(d / "ram", "r+b") as f:
+        f.truncate(0)
+        f.truncate(len(original))
+    expand(d, store, durable=False)
+    assert (d / "ram").read_bytes() == original
+    (d / "state").unlink()  # the wake consumed the state: the RAM is the guest's now
+    assert settle(d) and not is_compacted(d)
+    assert not settle(d)
+
+
+def test_stale_manifest_is_dropped_not_applied(tmp_path: Path) -> None:
+    """A crash between a wake and its settle, then a pause: the manifest is older than the
+    state; applying it would pair an old RAM with a new state."""
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    expand(d, store, durable=False)
+    (d / "state").unlink()  # woken, the process died before settle...
+    with open(d / "ram", "r+b") as f:  # ...the guest ran...
+        f.seek(6 * MIB)
+        f.write(os.urandom(4096))
+    (d / "state").write_bytes(os.urandom(5000))  # ...and paused again
+    now = (d / "ram").read_bytes()
+    report = rebuild(d, store, sandbox_id="sb1")
+    assert report.stale and not is_compacted(d)
+    assert (d / "ram").read_bytes() == now  # left alone
+    # and a stale manifest does not stop a new compaction
+    (d / MARKER).write_text(json.dumps({**_marker_of(d, store, tram), "state": "0" * 64}))
+    assert compact(d, store, tram).chunks > 0
+    expand(d, store)
+    assert (d / "ram").read_bytes() == now
+
+
+def _marker_of(d: Path, store: ChunkStore, tram: Path) -> dict[str, object]:
+    """The manifest a compaction of ``d`` writes (the RAM is put back as it was)."""
+    before = (d / "ram").read_bytes()
+    compact(d, store, tram)
+    body: dict[str, object] = json.loads((d / MARKER).read_text())
+    expand(d, store)
+    assert (d / "ram").read_bytes() == before
+    return body
+
+
+class _DyingStore(ChunkStore):
+    """A chunk store whose process dies (an exception nobody catches) at the n-th read."""
+
+    def __init__(self, root: Path, n: int) -> None:
+        super().__init__(root)
+        self.left = n
+
+    def get(self, digest: str, *, snapshot_id: str | None = None) -> bytes:
+        self.left -= 1
+        if self.left < 0:
+            raise KeyboardInterrupt("killed mid-expand")
+        return super().get(digest, snapshot_id=snapshot_id)
+
+
+@pytest.mark.parametrize(
+    "durable", [pytest.param(True, id="durable"), pytest.param(False, id="fast")]
+)
+def test_interrupted_expand_leaves_a_wakeable_sandbox(tmp_path: Path, durable: bool) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    with open(d / "ram", "r+b") as f:  # a second changed chunk, so the kill lands between
+        f.seek(7 * MIB)
+        f.write(os.urandom(4096))
+    original = (d / "ram").read_bytes()
+    compact(d, ChunkStore(p.chunks), tram)
+    with pytest.raises(KeyboardInterrupt):
+        expand(d, _DyingStore(p.chunks, 1), durable=durable)
+    assert is_compacted(d)  # the manifest outlives the half-written RAM file
+    assert (d / "ram").read_bytes() != original
+    expand(d, ChunkStore(p.chunks), durable=durable)
+    assert (d / "ram").read_bytes() == original
+
+
+def test_corrupt_chunk_names_the_sandbox_and_keeps_the_manifest(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    tram = _template_ram(p)
+    d = _sandbox(p, tram)
+    store = ChunkStore(p.chunks)
+    compact(d, store, tram)
+    body = json.loads((d / MARKER).read_text())
+    [[_, patch, _, _]] = body["patches"]
+    import zstandard
+
+    # a patch that decompresses fine but holds other bytes: only the hash check catches it
+    store.path_of(patch).write_bytes(zstandard.ZstdCompressor().compress(os.urandom(64 << 10)))
+    with pytest.raises(CorruptData) as err:
+        expand(d, store, sandbox_id="sb1", durable=False)
+    assert err.value.data["sandbox_id"] == "sb1" and "sb1" in str(err.value)
+    assert is_compacted(d)
+
+
+PAGE = 4096
+_T = st.sampled_from(["hole", "zeros", "data"])  # a template page
+_S = st.sampled_from(["same", "hole", "changed"])  # the sandbox's page against it
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    layout=st.lists(st.tuples(_T, _S), min_size=12, max_size=40),
+    durable=st.booleans(),
+    template_gone=st.booleans(),
+)
+def test_expanded_ram_equals_the_original_byte_for_byte(
+    tmp_path_factory: pytest.TempPathFactory,
+    layout: list[tuple[str, str]],
+    durable: bool,
+    template_gone: bool,
+) -> None:
+    """Any mix of template holes, written zeros and data, and sandbox pages equal to the
+    template's, punched to holes or changed, with chunks of 4 pages: the rebuilt RAM equals
+    the original (with the template's file, or without it: from the store only), and a hole
+    of the template inside a template-equal chunk stays a hole."""
+    tmp = tmp_path_factory.mktemp("layout")
+    tram, ram = tmp / "template-ram", tmp / "sbx" / "ram"
+    ram.parent.mkdir()
+    size = len(layout) * PAGE
+    with open(tram, "wb") as t, open(ram, "wb") as s:
+        t.truncate(size)
+        s.truncate(size)
+        for i, (tpage, spage) in enumerate(layout):
+            data = {"hole": None, "zeros": bytes(PAGE), "data": os.urandom(PAGE)}[tpage]
+            if data is not None:
+                t.seek(i * PAGE)
+                t.write(data)
+            if spage == "changed":
+                data = os.urandom(PAGE)
+            elif spage == "hole":
+                data = None
+            if data is not None:
+                s.seek(i * PAGE)
+                s.write(data)
+    (ram.parent / "state").write_bytes(b"device state")
+    original = ram.read_bytes()
+    store = ChunkStore(tmp / "chunks", chunk_size=4 * PAGE)
+    compact(ram.parent, store, tram)
+    assert ram.stat().st_blocks == 0
+    if template_gone:  # every chunk from the store: patched ones on the template's chunks
+        tram.rename(tmp / "elsewhere")
+    rebuild(ram.parent, store, durable=durable)
+    assert ram.read_bytes() == original
+    if template_gone:
+        return
+    extents = _holes(ram)
+    for chunk in range(-(-len(layout) // 4)):
+        pages = layout[chunk * 4 : chunk * 4 + 4]
+        if any(spage != "same" for _, spage in pages):
+            continue  # read from the store (or all zeros): written whole or not at all
+        for i, (tpage, _) in enumerate(pages):  # copied from the template: its holes stay
+            offset = (chunk * 4 + i) * PAGE
+            if tpage == "hole":
+                assert not any(a <= offset < b for a, b in extents), f"page {offset // PAGE}"
+
+
 # -- the manager's sweep, on the fake engine --------------------------------------------------
 
 
@@ -189,6 +438,76 @@ def test_manager_compacts_long_paused_sandboxes_and_wakes_them(tmp_path: Path) -
             mgr.compact_after_seconds = None
             assert await mgr.compact_sweep(now=rec.paused_at + 10**6) == []
             run = await mgr.run_code("agent", "notes")  # wakes it: the RAM is rebuilt first
+            assert run.results[0].data["text/plain"] == "[1, 2]"
+            assert not is_compacted(directory)
+        finally:
+            await mgr.close(pause=False)
+
+    asyncio.run(main())
+
+
+def test_manager_crash_between_expand_and_wake_leaves_it_compacted(tmp_path: Path) -> None:
+    """The wake path rebuilds without fsync and keeps the manifest until the state is
+    consumed: a crash at that point leaves a paused, compacted, wakeable sandbox."""
+
+    class Crash(BaseException):
+        pass
+
+    def crash_at_wake(name: str, sandbox_id: str) -> None:
+        if name == "wake:begin":
+            raise Crash(name)
+
+    async def main() -> None:
+        home = paths(tmp_path / "home")
+        engine = FakeEngine()
+        mgr = SandboxManager(home, engine=engine)
+        try:
+            info = await mgr.create(name="agent")
+            await mgr.run_code("agent", "notes = [1, 2]")
+            await mgr.pause("agent")
+            directory = mgr.directory(info.id)
+            compact(directory, mgr.chunk_store, None)
+            mgr.on_step = crash_at_wake
+            with pytest.raises(Crash):
+                await mgr.resume("agent")
+            assert is_compacted(directory)  # the RAM is rebuilt, but not durably: kept
+        finally:
+            await mgr.close(pause=False)
+        again = SandboxManager(home, engine=FakeEngine(engine.world))
+        try:
+            await again.start(supervise=False)  # reconcile: the state is whole -> paused
+            assert (await again.get("agent")).state.value == "paused"
+            run = await again.run_code("agent", "notes")
+            assert run.results[0].data["text/plain"] == "[1, 2]"
+            assert not is_compacted(directory)  # the wake consumed the state: settled
+        finally:
+            await again.close(pause=False)
+
+    asyncio.run(main())
+
+
+def test_manager_wake_with_a_missing_chunk_is_corrupt_data_and_stays_paused(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        mgr = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
+        try:
+            info = await mgr.create(name="agent")
+            await mgr.run_code("agent", "notes = [1, 2]")
+            await mgr.pause("agent")
+            directory = mgr.directory(info.id)
+            compact(directory, mgr.chunk_store, None)
+            body = json.loads((directory / MARKER).read_text())
+            [digest] = [c for c in body["ram"]["chunks"] if c]
+            saved = mgr.chunk_store.get(digest)
+            mgr.chunk_store.remove(digest)
+            with pytest.raises(CorruptData) as err:
+                await mgr.resume("agent")
+            assert err.value.data["sandbox_id"] == info.id and info.id in str(err.value)
+            assert (await mgr.get("agent")).state.value == "paused"
+            assert is_compacted(directory)  # nothing lost: once the chunk is back, it wakes
+            mgr.chunk_store.put(saved)
+            run = await mgr.run_code("agent", "notes")
             assert run.results[0].data["text/plain"] == "[1, 2]"
             assert not is_compacted(directory)
         finally:

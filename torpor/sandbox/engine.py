@@ -119,7 +119,12 @@ class Channel(Protocol):
 class Machine(Protocol):
     """One VM on one sandbox directory (``torpor.sandbox.vm.machine.Machine``)."""
 
-    async def wake(self) -> None: ...
+    async def wake(self, *, ram_ready: Awaitable[object] | None = None) -> None:
+        """Start the machine on its saved RAM and state. ``ram_ready``: the RAM file is
+        still being filled (a compacted sandbox's, see
+        :mod:`torpor.sandbox.storage.compaction`); start meanwhile, and load the state only
+        once it is done (if it fails, so does the wake, with its error)."""
+        ...
 
     async def hibernate(self) -> None: ...
 

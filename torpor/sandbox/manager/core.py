@@ -50,7 +50,7 @@ from torpor.sandbox.registry import AnyRegistry, Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
 from torpor.sandbox.registry.meters import UP_STATES
 from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
-from torpor.sandbox.storage.compaction import expand, is_compacted
+from torpor.sandbox.storage.compaction import begin_expand, is_compacted, settle
 from torpor.sandbox.vm.machine_dir import process_cpu_seconds, qemu_pid
 
 __all__ = ["SYNC_TIMEOUT", "Held", "Live", "ManagerCore", "StepHook", "wrap_error"]
@@ -163,6 +163,17 @@ _HOLDING_RAM = {S.CREATING, S.RUNNING, S.WAKING, S.PAUSING}
 
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
+
+
+async def _settled(task: asyncio.Future[Any]) -> TorporError | None:
+    """Wait for ``task`` (a thread that must not outlive the wake that started it) and
+    return the TorporError it failed with, if any."""
+    with suppress(BaseException):
+        await asyncio.shield(task)
+    if task.cancelled():
+        return None
+    exc = task.exception()
+    return exc if isinstance(exc, TorporError) else None
 
 
 def wrap_error(exc: BaseException, what: str, sandbox_id: str) -> TorporError:
@@ -529,16 +540,31 @@ class ManagerCore:
         )
         directory = self.directory(rec.id)
         await self.fetch_pause(rec)
+        job = None
         if is_compacted(directory):  # its RAM is in the chunk store: rebuild it first
-            await asyncio.to_thread(expand, directory, self.chunk_store, sandbox_id=rec.id)
+            # no fsync: the manifest stays until the wake consumes the state (settle below)
+            job = await asyncio.to_thread(
+                begin_expand, directory, self.chunk_store, sandbox_id=rec.id, durable=False
+            )
         rec = self.move(rec, S.WAKING, reason)
-        await self._step("wake:begin", rec.id)
+        try:
+            await self._step("wake:begin", rec.id)
+        except BaseException:
+            if job is not None:
+                job.close()
+            raise
         machine = self.engine.machine(directory, self._config(rec))
         live.machine = machine
+        # QEMU starts while the RAM file is filled; it loads the state once that is done
+        rebuilt = None if job is None else asyncio.ensure_future(asyncio.to_thread(job.run))
         try:
-            await machine.wake()
+            await (machine.wake() if rebuilt is None else machine.wake(ram_ready=rebuilt))
         except Exception as exc:
+            failed = None if rebuilt is None else await _settled(rebuilt)
             await self._quiet_kill(live, directory)
+            if failed is not None:  # a chunk bad or missing: nothing ran, the manifest stays
+                self.move(rec, S.PAUSED, f"wake failed: its RAM cannot be rebuilt: {failed}")
+                raise failed from None if failed is exc else exc
             status = self.engine.inspect(directory)
             if status.damage is not None:  # it would fail the same way every time
                 raise self._mark_lost(rec, f"cannot be woken: {status.damage}") from exc
@@ -551,6 +577,7 @@ class ManagerCore:
                     sandbox_id=rec.id,
                 ) from exc
             raise self._mark_lost(rec, f"wake failed and the state is gone: {exc}") from exc
+        settle(directory)  # the state is consumed: a compacted RAM's manifest is history now
         await self._step("wake:woken", rec.id)
         try:
             live.channel = await self.engine.connect(machine, directory)
@@ -702,6 +729,7 @@ class ManagerCore:
                 "recovered: finish pause",
             )
             return
+        settle(directory)  # a wake that consumed the state of a compacted RAM: drop its manifest
         live.channel = await self.engine.connect(machine, directory)
         if rec.state is S.WAKING:
             await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())

@@ -28,7 +28,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -517,15 +517,23 @@ class QemuMachine:
             except OSError as exc:
                 raise EngineError(f"cannot adopt {alias}: {exc}", exc=exc) from exc
 
-    async def wake(self) -> None:
+    async def wake(self, *, ram_ready: Awaitable[object] | None = None) -> None:
         """Start QEMU on the saved RAM file and device state, and resume the guest.
 
-        The consumed ``state`` is deleted before the guest runs. Raises InvalidState if there
-        is no state to load, EngineError if QEMU refuses it (then ``state`` is kept).
+        ``ram_ready``: the RAM file (at its full size already) is still being filled; QEMU
+        starts meanwhile (it only maps the file) and the state, whose devices read guest
+        memory as they load, is loaded once it is done. The consumed ``state`` is deleted
+        before the guest runs. Raises InvalidState if there is no state to load, EngineError
+        if QEMU refuses it (then ``state`` is kept), what ``ram_ready`` raises (QEMU stopped).
         """
-        await self._wake()
+        await self._wake(ram_ready=ram_ready)
 
-    async def _wake(self, pending_shares: list[dict[str, Any]] | None = None) -> None:
+    async def _wake(
+        self,
+        pending_shares: list[dict[str, Any]] | None = None,
+        *,
+        ram_ready: Awaitable[object] | None = None,
+    ) -> None:
         self._require_stopped("wake")
         state = self.directory / "state"
         if not state.is_file():
@@ -550,6 +558,8 @@ class QemuMachine:
         await self._start(config, incoming=True, pending_shares=pending_shares)
         try:
             await self._set_ignore_shared()
+            if ram_ready is not None:
+                await ram_ready
             fd = os.open(state, os.O_RDONLY)
             try:
                 assert self._qmp is not None
