@@ -217,8 +217,7 @@ class AsyncRemoteScope:
 
     async def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
         """As :meth:`ScopedMemory.remember_many <torpor.memory.ScopedMemory.remember_many>`."""
-        listed = [i if isinstance(i, str) else dict(i) for i in items]
-        return await self.do(call_remember_many(self.path, listed))
+        return await self.do(call_remember_many(self.path, items))
 
     async def log(
         self,
@@ -247,7 +246,7 @@ class AsyncRemoteScope:
 
     async def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
         """As :meth:`ScopedMemory.log_many <torpor.memory.ScopedMemory.log_many>`."""
-        return await self.do(call_log_many(self.path, [dict(t) for t in turns]))
+        return await self.do(call_log_many(self.path, turns))
 
     async def recall(
         self,

@@ -107,22 +107,27 @@ def call_open(path: str, tenant: str | None) -> Call[dict[str, Any]]:
     return Call("GET", "/v1/memory/scope", scope_params(path, tenant))
 
 
-def call_remember_many(path: str, items: list[Any]) -> Call[list[Fact]]:
+def _plain(item: Any) -> Any:
+    # a mapping travels as a dict; anything else as it is, for the server to refuse typed
+    return dict(item) if isinstance(item, Mapping) else item
+
+
+def call_remember_many(path: str, items: Iterable[Any]) -> Call[list[Fact]]:
     return Call(
         "POST",
         "/v1/memory/remember_many",
         scope_params(path),
-        {"items": items},
+        {"items": [_plain(i) for i in items]},
         _FACTS.validate_python,
     )
 
 
-def call_log_many(path: str, turns: list[Any]) -> Call[list[Episode]]:
+def call_log_many(path: str, turns: Iterable[Any]) -> Call[list[Episode]]:
     return Call(
         "POST",
         "/v1/memory/log_many",
         scope_params(path),
-        {"turns": turns},
+        {"turns": [_plain(t) for t in turns]},
         _EPISODES.validate_python,
     )
 
@@ -293,9 +298,7 @@ class RemoteScope:
     def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
         """As :meth:`ScopedMemory.remember_many <torpor.memory.ScopedMemory.remember_many>`:
         one request, one transaction."""
-        return self.do(
-            call_remember_many(self.path, [i if isinstance(i, str) else dict(i) for i in items])
-        )
+        return self.do(call_remember_many(self.path, items))
 
     def log(
         self,
@@ -324,7 +327,7 @@ class RemoteScope:
 
     def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
         """As :meth:`ScopedMemory.log_many <torpor.memory.ScopedMemory.log_many>`."""
-        return self.do(call_log_many(self.path, [dict(t) for t in turns]))
+        return self.do(call_log_many(self.path, turns))
 
     # -- reads
     def recall(
