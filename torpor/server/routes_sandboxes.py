@@ -33,7 +33,14 @@ from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import parse_labels as _parse_labels
 from torpor.sandbox.requests import SandboxOptions, SandboxSettings, SandboxSpec
 from torpor.server.auth import labels_match
-from torpor.server.deps import CallerDep, IdentityDep, Manager, Tenant, within_selector
+from torpor.server.deps import (
+    CallerDep,
+    IdentityDep,
+    Manager,
+    Tenant,
+    visible_snapshot,
+    within_selector,
+)
 from torpor.server.routes_checkpoints import checkpoints_of
 
 __all__ = ["own", "parse_labels", "router"]
@@ -80,10 +87,16 @@ async def create_sandbox(
     """Create a sandbox: a fork of its template's booted snapshot or, with ``snapshot``, a
     restore of that snapshot; with ``volumes`` and ``drives`` mounted."""
     body = within_selector(body, caller, identity, "POST /v1/sandboxes", body.name)
-    if caller.restricted and body.snapshot is not None:
+    if caller.restricted and (body.volumes or body.drives):
         raise identity.deny(
-            caller, "POST /v1/sandboxes", "", "restoring a snapshot needs every sandbox's rights"
+            caller,
+            "POST /v1/sandboxes",
+            f"sandbox:{body.name or ''}",
+            "volumes and drives are the tenant's shared storage: mounting one needs rights on "
+            "every sandbox",
         )
+    if caller.restricted and body.snapshot is not None:
+        await visible_snapshot(request, caller, body.snapshot)  # its own sandboxes' only
     if body.plain:  # the manager alone makes it (and a test double of the manager can)
         info: SandboxInfo = await manager.create(body.narrow(SandboxOptions), tenant=tenant)
     else:
