@@ -29,8 +29,8 @@ import httpx
 from pydantic import BaseModel
 
 from torpor.client._local import ensure_local_server
+from torpor.client.calls import Call
 from torpor.client.memory import (
-    Call,
     call_context,
     call_forget,
     call_fork,
@@ -133,6 +133,11 @@ class AsyncRuntime:
     async def json(self, method: str, path: str, **kwargs: Any) -> Any:
         """:meth:`request`, returning the decoded JSON body."""
         return (await self.request(method, path, **kwargs)).json()
+
+    async def do(self, call: Call[T]) -> T:
+        """Send one :class:`~torpor.client.calls.Call` and read its answer (as
+        :meth:`Runtime.do <torpor.client.Runtime.do>`: only this line differs)."""
+        return call.read(await self.request(call.method, call.path, **call.request_kwargs()))
 
     @asynccontextmanager
     async def stream_lines(
