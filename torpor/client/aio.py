@@ -1,4 +1,5 @@
-"""Async clients: :class:`AsyncRuntime` and its memory, on ``httpx.AsyncClient``.
+"""Async clients: :class:`AsyncRuntime`, its memory and its sandboxes
+(:mod:`torpor.client.aio_sandbox`), on ``httpx.AsyncClient``.
 
 ::
 
@@ -23,7 +24,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Self, TypeVar
 
 import httpx
 from pydantic import BaseModel
@@ -64,6 +65,9 @@ from torpor.memory.models import (
     RecordPage,
     Scope,
 )
+
+if TYPE_CHECKING:
+    from torpor.client.aio_sandbox import AsyncSandboxes
 
 __all__ = ["AsyncRemoteMemory", "AsyncRemoteScope", "AsyncRuntime"]
 
@@ -159,6 +163,14 @@ class AsyncRuntime:
         """The server's identity: ``{"ok", "pid", "version", "tenant", "home"}``."""
         result: dict[str, Any] = await self.json("GET", "/v1/health")
         return result
+
+    @functools.cached_property
+    def sandboxes(self) -> AsyncSandboxes:
+        """The server's sandboxes, async (``await rt.sandboxes.get_or_create(name)`` ->
+        :class:`~torpor.client.aio_sandbox.AsyncSandbox`)."""
+        from torpor.client.aio_sandbox import AsyncSandboxes
+
+        return AsyncSandboxes(self)
 
     @functools.cached_property
     def memory(self) -> AsyncRemoteMemory:
