@@ -72,7 +72,7 @@ def test_issue_example_two_tenants_three_users(url_and_app: tuple[str, Any]) -> 
         u.remember(f"{tenant} {user} prefers daily summaries", key="summary_cadence")
         ctx = u.context("write Jordan a short update about summaries", budget_tokens=300)
         assert f"{tenant} {user} prefers daily summaries" in ctx.text and ctx.tokens <= 300
-        sbx = rt.sandboxes.get_or_create(f"agent-{user}", labels={"user": user})  # as the issue
+        sbx = Sandbox.get_or_create(f"agent-{user}", labels={"user": user}, runtime=rt)
         assert sbx.info.labels == {"user": user} and sbx.info.tenant == tenant
         assert sbx.commands.run("echo hi").stdout == "hi\n"
 
@@ -80,7 +80,7 @@ def test_issue_example_two_tenants_three_users(url_and_app: tuple[str, Any]) -> 
     for (tenant, user), rt in runtimes.items():
         hits = rt.memory.scope(app="support", user=user).recall("daily summaries", k=10)
         assert [h.text for h in hits] == [f"{tenant} {user} prefers daily summaries"]
-        assert [i.name for i in rt.sandboxes.list()] == [f"agent-{user}"]
+        assert [i.name for i in Sandbox.list(runtime=rt)] == [f"agent-{user}"]
         assert rt.health()["tenant"] == tenant
     a42, a43 = runtimes["acme", "u-42"], runtimes["acme", "u-43"]
     with pytest.raises(AccessDenied):

@@ -16,6 +16,7 @@ TemplateNotFound (a typed 404) instead of booting: the routes stay in the run, n
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -40,8 +41,9 @@ from torpor.config import paths  # noqa: E402
 from torpor.sandbox.manager import SandboxManager  # noqa: E402
 from torpor.server.app import create_app  # noqa: E402
 
-#: generated requests per operation (about 70 operations: the whole run stays well under a minute)
-EXAMPLES = 6
+#: generated requests per operation (about 70 operations: the whole run stays under a minute);
+#: ``TORPOR_SCHEMATHESIS_EXAMPLES=200`` makes a longer hunt, with a fresh seed each run
+EXAMPLES = int(os.environ.get("TORPOR_SCHEMATHESIS_EXAMPLES", "6"))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,7 @@ def _typed_error(response: Any) -> None:
 @settings(
     max_examples=EXAMPLES,
     deadline=None,
-    derandomize=True,
+    derandomize="TORPOR_SCHEMATHESIS_EXAMPLES" not in os.environ,
     suppress_health_check=list(HealthCheck),
     database=None,
 )

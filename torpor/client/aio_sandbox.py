@@ -22,9 +22,10 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
+from typing import Any, Literal, Protocol, Self, TypeVar
 
 from pydantic import BaseModel
 
@@ -49,8 +50,19 @@ from torpor.sandbox.requests import (
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.types import Env, Labels, OutputCallback
 
-if TYPE_CHECKING:
-    from torpor.client.aio import AsyncRuntime
+T = TypeVar("T")
+
+
+class AsyncRuntime(Protocol):
+    """What an async handle needs of :class:`~torpor.client.aio.AsyncRuntime` (a Protocol,
+    so this module does not import the one that makes its handles)."""
+
+    async def do(self, call: Call[T]) -> T: ...
+
+    def stream_lines(
+        self, method: str, path: str, **kwargs: Any
+    ) -> AbstractAsyncContextManager[AsyncIterator[str]]: ...
+
 
 __all__ = ["AsyncCommands", "AsyncFiles", "AsyncInterpreter", "AsyncSandbox", "AsyncSandboxes"]
 

@@ -40,7 +40,6 @@ from torpor.sandbox.registry.usage import UsageReport, parse_query
 
 if TYPE_CHECKING:
     from torpor.client.memory import RemoteMemory
-    from torpor.client.sandbox import Sandboxes
     from torpor.client.tokens import Tokens
 
 T = TypeVar("T")
@@ -226,15 +225,6 @@ class Runtime:
                 raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
 
     # -- public -------------------------------------------------------------------------------
-
-    @functools.cached_property
-    def sandboxes(self) -> Sandboxes:
-        """This server's sandboxes: ``rt.sandboxes.get_or_create(name, ...)`` is
-        ``Sandbox.get_or_create(name, ..., runtime=rt)`` (likewise ``create``, ``get``,
-        ``list``)."""
-        from torpor.client.sandbox import Sandboxes
-
-        return Sandboxes(self)
 
     @functools.cached_property
     def memory(self) -> RemoteMemory:

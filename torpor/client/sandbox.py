@@ -58,7 +58,7 @@ from torpor.sandbox.requests import (
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.types import Env, Labels, OutputCallback
 
-__all__ = ["Commands", "Files", "Interpreter", "Sandbox", "Sandboxes", "Snapshot"]
+__all__ = ["Commands", "Files", "Interpreter", "Sandbox", "Snapshot"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -521,30 +521,3 @@ class Sandbox:
             return
         with contextlib.suppress(NotFound, SandboxClosed):  # already gone: nothing to clean up
             self.kill()
-
-
-class Sandboxes:
-    """``rt.sandboxes`` of a :class:`~torpor.client.Runtime`: :class:`Sandbox` 's
-    constructors bound to that runtime (as ``AsyncRuntime.sandboxes`` is for
-    :class:`~torpor.client.aio_sandbox.AsyncSandbox`)."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self._runtime = runtime
-
-    def create(self, template: str | None = None, **options: Any) -> Sandbox:
-        """:meth:`Sandbox.create` on this runtime."""
-        return Sandbox.create(template, runtime=self._runtime, **options)
-
-    def get_or_create(self, name: str, **options: Any) -> Sandbox:
-        """:meth:`Sandbox.get_or_create` on this runtime."""
-        return Sandbox.get_or_create(name, runtime=self._runtime, **options)
-
-    def get(self, id_or_name: str) -> Sandbox:
-        """:meth:`Sandbox.get` on this runtime."""
-        return Sandbox.get(id_or_name, runtime=self._runtime)
-
-    def list(
-        self, labels: Labels | None = None, *, include_stopped: bool = False
-    ) -> builtins.list[SandboxInfo]:
-        """:meth:`Sandbox.list` on this runtime."""
-        return Sandbox.list(labels, include_stopped=include_stopped, runtime=self._runtime)
