@@ -35,7 +35,30 @@ import pytest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PgCluster", "pg_cluster", "pg_database", "pg_memory_dsn", "start_cluster"]
+__all__ = [
+    "MEMORY_BACKENDS",
+    "PgCluster",
+    "memory_spec",
+    "pg_cluster",
+    "pg_database",
+    "pg_memory_dsn",
+    "start_cluster",
+]
+
+#: a server fixture's params to run its tests on both memory stores (see :func:`memory_spec`)
+MEMORY_BACKENDS = [
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
+]
+
+
+def memory_spec(request: pytest.FixtureRequest) -> str:
+    """``create_app(memory=...)`` for a fixture parametrized over :data:`MEMORY_BACKENDS`:
+    ``"sqlite"`` (under the manager's home), or a fresh PostgreSQL memory database's DSN."""
+    if request.param == "sqlite":
+        return "sqlite"
+    dsn: str = request.getfixturevalue("pg_memory_dsn")
+    return dsn
 
 
 @dataclass

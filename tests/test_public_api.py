@@ -8,7 +8,17 @@ import sys
 import torpor
 import torpor.errors
 
-EXPECTED = ["Runtime", "Sandbox", "Snapshot", "Volume", "Drive", "Memory", "SourceRef"]
+EXPECTED = [
+    "Runtime",
+    "Sandbox",
+    "Snapshot",
+    "Volume",
+    "Drive",
+    "Memory",
+    "SourceRef",
+    "AsyncRuntime",
+    "AsyncSandbox",
+]
 
 
 def test_public_names_in_order() -> None:

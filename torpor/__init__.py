@@ -28,6 +28,7 @@ _LAZY = {
     "Memory": "torpor.memory",
     "SourceRef": "torpor.memory",
     "AsyncRuntime": "torpor.client.aio",
+    "AsyncSandbox": "torpor.client.aio_sandbox",
 }
 
 __all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
@@ -39,6 +40,7 @@ __all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
     "Memory",
     "SourceRef",
     "AsyncRuntime",
+    "AsyncSandbox",
     # the errors every caller may catch; the whole tree is drawn in torpor.errors
     "TorporError",
     "InvalidArgument",

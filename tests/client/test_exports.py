@@ -30,3 +30,13 @@ def test_sandbox_surface() -> None:
         "__exit__",
     ):
         assert hasattr(torpor.Sandbox, attr), attr
+
+
+def test_async_sandbox_surface() -> None:
+    import torpor.client.aio_sandbox
+
+    assert torpor.AsyncSandbox is torpor.client.aio_sandbox.AsyncSandbox
+    for attr in ("pause", "resume", "kill", "snapshot", "fork", "set", "info", "__aenter__"):
+        assert hasattr(torpor.AsyncSandbox, attr), attr
+    for attr in ("create", "get_or_create", "get", "list"):
+        assert hasattr(torpor.client.aio_sandbox.AsyncSandboxes, attr), attr

@@ -111,6 +111,9 @@ def test_batched_writes(hapi: Api) -> None:
         pytest.param(lambda u: u.remember("x", source={"path": "relative"}), id="source"),
         pytest.param(lambda u: u.remember_many(["ok", ""]), id="batch"),
         pytest.param(lambda u: u.remember_many([{"text": "a", "colour": 1}]), id="unknown-field"),
+        pytest.param(lambda u: u.remember_many(["ok", None]), id="batch-item-none"),
+        pytest.param(lambda u: u.remember_many(["ok", [["a", 1]]]), id="batch-item-list"),
+        pytest.param(lambda u: u.log_many([{"role": "u", "text": "ok"}, "x"]), id="turn-text"),
         pytest.param(lambda u: u.log("", "hi"), id="role"),
         pytest.param(
             lambda u: u.log_many([{"role": "u", "text": "ok"}, {"text": "x"}]), id="turns"

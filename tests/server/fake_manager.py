@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from torpor.errors import (
+    AccessDenied,
     InvalidState,
     OperationTimeout,
     PathNotFound,
@@ -122,12 +123,15 @@ class FakeManager:
         /,
         *,
         tenant: str = "default",
+        selector: dict[str, str] | None = None,
         **fields: Any,
     ) -> SandboxInfo:
         spec = SandboxOptions.of(options, **fields).named(name)
         async with self._lock:
             try:
                 info = self._live(name, tenant)
+                if selector and any(info.labels.get(k) != v for k, v in selector.items()):
+                    raise AccessDenied(f"sandbox {name!r} is another's", tenant=tenant)
                 return info.model_copy(update={"reused": True})
             except SandboxNotFound:
                 return await self.create(spec, tenant=tenant)

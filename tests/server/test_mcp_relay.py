@@ -1,6 +1,7 @@
 """The host's side of ``localhost:7777`` (torpor.server.mcp.relay), without a VM: what a
 sandbox's guest sends is answered for the sandbox's tenant and ``memory_scope`` only.
-(tests/server/test_mcp_relay_qemu.py makes the same calls from inside a real VM.)"""
+On the embedded SQLite store and on PostgreSQL. (tests/server/test_mcp_relay_qemu.py makes the
+same calls from inside a real VM.)"""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.pg import MEMORY_BACKENDS, memory_spec
 from tests.sandbox.fakes import FakeEngine
 from torpor.config import paths
 from torpor.memory import Memory
@@ -26,13 +28,16 @@ JSON = {"content-type": "application/json"}
 MCP = {**JSON, "accept": "application/json, text/event-stream"}
 
 
-@pytest.fixture
-def client(tmp_path: Path) -> Iterator[TestClient]:
+@pytest.fixture(params=MEMORY_BACKENDS)
+def client(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestClient]:
     manager = SandboxManager(paths(tmp_path), engine=FakeEngine())
     app = create_app(
-        manager, tokens=TokenStore({"a" * 32: "acme", "b" * 32: "globex"}), supervise=False
+        manager,
+        tokens=TokenStore({"a" * 32: "acme", "b" * 32: "globex"}),
+        supervise=False,
+        memory=memory_spec(request),
+        memory_embedder=None,
     )
-    app.state.memory_factory = lambda tenant: Memory(tmp_path, tenant=tenant, embedder=None)
     with TestClient(app) as c:
         yield c
 
@@ -76,10 +81,10 @@ def test_the_guest_reaches_its_scope_and_nothing_else(client: TestClient) -> Non
     status, err = guest(client, sbx["id"], "/v1/memory/sandbox_exec", {"sandbox": "x", "cmd": "id"})
     assert status == 404  # no sandbox tools inside a sandbox
     # the memory is the tenant's own: its token sees the fact, another tenant's does not
-    with Memory(client.app.state.manager.paths.home, tenant="acme", embedder=None) as mem:  # type: ignore[attr-defined]
-        assert [h.record.text for h in mem.scope(**U42).recall("green tea")] == ["likes green tea"]
-    with Memory(client.app.state.manager.paths.home, tenant="globex", embedder=None) as mem:  # type: ignore[attr-defined]
-        assert mem.scope(**U42).recall("green tea") == []
+    backend = client.app.state.memory_backend  # type: ignore[attr-defined]
+    acme = Memory.attach(backend, "acme", embedder=None)
+    assert [h.record.text for h in acme.scope(**U42).recall("green tea")] == ["likes green tea"]
+    assert Memory.attach(backend, "globex", embedder=None).scope(**U42).recall("green tea") == []
 
 
 def test_mcp_inside_the_sandbox(client: TestClient) -> None:

@@ -67,3 +67,29 @@ def test_one_create_endpoint_takes_the_whole_spec() -> None:
     assert body["application/json"]["schema"] == {"$ref": "#/components/schemas/SandboxSpec"}
     spec = document["components"]["schemas"]["SandboxSpec"]["properties"]
     assert {"template", "memory_mib", "labels", "snapshot", "volumes", "drives"} <= set(spec)
+
+
+def test_docs_page_works_offline() -> None:
+    from fastapi.testclient import TestClient
+
+    app = create_app(FakeManager(), supervise=False)
+    with TestClient(app) as client:
+        page = client.get("/docs")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        document = client.get("/openapi.json").json()
+    assert "/openapi.json" in page.text
+    for path in document["paths"]:
+        assert f"<code>{path}</code>" in page.text, path
+    # nothing loaded from elsewhere: no script, stylesheet or image from another host
+    assert "<script" not in page.text and "src=" not in page.text and "://" not in page.text
+
+
+def test_every_operation_documents_the_typed_error() -> None:
+    document = _document()
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            assert "422" not in responses, (method, path)
+            error = responses["default"]["content"]["application/json"]["schema"]
+            assert error == {"$ref": "#/components/schemas/ErrorBody"}, (method, path)

@@ -178,10 +178,18 @@ def test_streamed_command_sends_chunks_then_result(client: TestClient) -> None:
 
 
 def test_streamed_command_reports_errors_last(client: TestClient) -> None:
-    with client.stream("POST", "/v1/sandboxes/ghost/commands/stream", json={"cmd": "x"}) as r:
+    sid = _create(client)["id"]
+    path = f"/v1/sandboxes/{sid}/commands/stream"
+    with client.stream("POST", path, json={"cmd": "sleep 9", "timeout": 1}) as r:
+        assert r.status_code == 200
         events = [json.loads(line) for line in r.iter_lines() if line]
     assert events == [{"type": "error", "error": events[0]["error"]}]
-    assert events[0]["error"]["type"] == "SandboxNotFound"
+    assert events[0]["error"]["type"] == "OperationTimeout"
+
+
+def test_streamed_command_in_no_sandbox_is_a_plain_404(client: TestClient) -> None:
+    r = client.post("/v1/sandboxes/ghost/commands/stream", json={"cmd": "x"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "SandboxNotFound"
 
 
 def test_files_round_trip(client: TestClient) -> None:

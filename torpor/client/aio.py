@@ -1,4 +1,5 @@
-"""Async clients: :class:`AsyncRuntime` and its memory, on ``httpx.AsyncClient``.
+"""Async clients: :class:`AsyncRuntime`, its memory and its sandboxes
+(:mod:`torpor.client.aio_sandbox`), on ``httpx.AsyncClient``.
 
 ::
 
@@ -23,14 +24,14 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Self, TypeVar
 
 import httpx
 from pydantic import BaseModel
 
 from torpor.client._local import ensure_local_server
+from torpor.client.calls import Call
 from torpor.client.memory import (
-    Call,
     call_context,
     call_forget,
     call_fork,
@@ -64,6 +65,9 @@ from torpor.memory.models import (
     RecordPage,
     Scope,
 )
+
+if TYPE_CHECKING:
+    from torpor.client.aio_sandbox import AsyncSandboxes
 
 __all__ = ["AsyncRemoteMemory", "AsyncRemoteScope", "AsyncRuntime"]
 
@@ -134,6 +138,11 @@ class AsyncRuntime:
         """:meth:`request`, returning the decoded JSON body."""
         return (await self.request(method, path, **kwargs)).json()
 
+    async def do(self, call: Call[T]) -> T:
+        """Send one :class:`~torpor.client.calls.Call` and read its answer (as
+        :meth:`Runtime.do <torpor.client.Runtime.do>`: only this line differs)."""
+        return call.read(await self.request(call.method, call.path, **call.request_kwargs()))
+
     @asynccontextmanager
     async def stream_lines(
         self, method: str, path: str, **kwargs: Any
@@ -154,6 +163,14 @@ class AsyncRuntime:
         """The server's identity: ``{"ok", "pid", "version", "tenant", "home"}``."""
         result: dict[str, Any] = await self.json("GET", "/v1/health")
         return result
+
+    @functools.cached_property
+    def sandboxes(self) -> AsyncSandboxes:
+        """The server's sandboxes, async (``await rt.sandboxes.get_or_create(name)`` ->
+        :class:`~torpor.client.aio_sandbox.AsyncSandbox`)."""
+        from torpor.client.aio_sandbox import AsyncSandboxes
+
+        return AsyncSandboxes(self)
 
     @functools.cached_property
     def memory(self) -> AsyncRemoteMemory:
@@ -217,8 +234,7 @@ class AsyncRemoteScope:
 
     async def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
         """As :meth:`ScopedMemory.remember_many <torpor.memory.ScopedMemory.remember_many>`."""
-        listed = [i if isinstance(i, str) else dict(i) for i in items]
-        return await self.do(call_remember_many(self.path, listed))
+        return await self.do(call_remember_many(self.path, items))
 
     async def log(
         self,
@@ -247,7 +263,7 @@ class AsyncRemoteScope:
 
     async def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
         """As :meth:`ScopedMemory.log_many <torpor.memory.ScopedMemory.log_many>`."""
-        return await self.do(call_log_many(self.path, [dict(t) for t in turns]))
+        return await self.do(call_log_many(self.path, turns))
 
     async def recall(
         self,

@@ -15,20 +15,20 @@ may be read or written. What only an embedded store has (``store``, ``backend``)
 ``tokens`` is :attr:`Runtime.tokens <torpor.client.Runtime.tokens>`.
 
 Requests are built and answers parsed by pure functions (:func:`call_remember` ...), each
-returning a :class:`Call`, so a client on another transport (async) shares them.
+returning a :class:`~torpor.client.calls.Call`, so a client on another transport (async)
+shares them.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import IO, Any, Generic, TypeVar
+from typing import IO, Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter
 
+from torpor.client.calls import Call, encode
 from torpor.client.tokens import Connection, Tokens
 from torpor.errors import InvalidArgument
 from torpor.memory.context import Context
@@ -54,47 +54,6 @@ _RECORD: TypeAdapter[Fact | Episode] = TypeAdapter(Fact | Episode)
 _AUDIT = TypeAdapter(list[AuditEntry])
 
 
-def _default(value: object) -> object:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON")
-
-
-def encode(body: object) -> bytes:
-    """A request body as JSON: times as ISO 8601, durations in seconds, models dumped. ASCII
-    escapes keep a lone surrogate intact for the server to refuse, as the embedded store does.
-    Raises :class:`InvalidArgument` for a value JSON cannot hold."""
-    try:
-        return json.dumps(body, default=_default, ensure_ascii=True, allow_nan=False).encode()
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidArgument(f"not JSON: {exc}") from None
-
-
-@dataclass
-class Call(Generic[T]):
-    """One request and how to read its answer."""
-
-    method: str
-    path: str
-    params: dict[str, Any] = field(default_factory=dict)
-    body: object = None
-    parse: Callable[[Any], T] = field(default=lambda data: data)
-
-    def request_kwargs(self) -> dict[str, Any]:
-        """The ``httpx`` keyword arguments of this call."""
-        kwargs: dict[str, Any] = {"params": self.params}
-        if self.body is not None:
-            kwargs["content"] = encode(self.body)
-            kwargs["headers"] = {"content-type": "application/json"}
-        return kwargs
-
-
 def scope_params(scope: str, tenant: str | None = None) -> dict[str, Any]:
     """The query parameters naming a scope (and a tenant) for the memory routes."""
     return {"scope": scope} if tenant is None else {"scope": scope, "tenant": tenant}
@@ -107,22 +66,27 @@ def call_open(path: str, tenant: str | None) -> Call[dict[str, Any]]:
     return Call("GET", "/v1/memory/scope", scope_params(path, tenant))
 
 
-def call_remember_many(path: str, items: list[Any]) -> Call[list[Fact]]:
+def _plain(item: Any) -> Any:
+    # a mapping travels as a dict; anything else as it is, for the server to refuse typed
+    return dict(item) if isinstance(item, Mapping) else item
+
+
+def call_remember_many(path: str, items: Iterable[Any]) -> Call[list[Fact]]:
     return Call(
         "POST",
         "/v1/memory/remember_many",
         scope_params(path),
-        {"items": items},
+        {"items": [_plain(i) for i in items]},
         _FACTS.validate_python,
     )
 
 
-def call_log_many(path: str, turns: list[Any]) -> Call[list[Episode]]:
+def call_log_many(path: str, turns: Iterable[Any]) -> Call[list[Episode]]:
     return Call(
         "POST",
         "/v1/memory/log_many",
         scope_params(path),
-        {"turns": turns},
+        {"turns": [_plain(t) for t in turns]},
         _EPISODES.validate_python,
     )
 
@@ -293,9 +257,7 @@ class RemoteScope:
     def remember_many(self, items: Iterable[str | Mapping[str, Any]]) -> list[Fact]:
         """As :meth:`ScopedMemory.remember_many <torpor.memory.ScopedMemory.remember_many>`:
         one request, one transaction."""
-        return self.do(
-            call_remember_many(self.path, [i if isinstance(i, str) else dict(i) for i in items])
-        )
+        return self.do(call_remember_many(self.path, items))
 
     def log(
         self,
@@ -324,7 +286,7 @@ class RemoteScope:
 
     def log_many(self, turns: Iterable[Mapping[str, Any]]) -> list[Episode]:
         """As :meth:`ScopedMemory.log_many <torpor.memory.ScopedMemory.log_many>`."""
-        return self.do(call_log_many(self.path, [dict(t) for t in turns]))
+        return self.do(call_log_many(self.path, turns))
 
     # -- reads
     def recall(

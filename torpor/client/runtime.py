@@ -27,11 +27,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import date, datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 import httpx
 
 from torpor.client._local import ensure_local_server
+from torpor.client.calls import Call
 from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
 from torpor.sandbox.models import EventPage, SandboxEvent
@@ -40,6 +41,8 @@ from torpor.sandbox.registry.usage import UsageReport, parse_query
 if TYPE_CHECKING:
     from torpor.client.memory import RemoteMemory
     from torpor.client.tokens import Tokens
+
+T = TypeVar("T")
 
 __all__ = ["DEFAULT_TIMEOUT", "Runtime", "default_runtime", "error_of", "set_default_runtime"]
 
@@ -192,6 +195,11 @@ class Runtime:
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
         """:meth:`request`, returning the decoded JSON body."""
         return self.request(method, path, **kwargs).json()
+
+    def do(self, call: Call[T]) -> T:
+        """Send one :class:`~torpor.client.calls.Call` and read its answer (raises like
+        :meth:`request`)."""
+        return call.read(self.request(call.method, call.path, **call.request_kwargs()))
 
     @contextmanager
     def stream_events(

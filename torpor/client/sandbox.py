@@ -22,17 +22,18 @@ import contextlib
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
-from urllib.parse import quote
 
 from pydantic import BaseModel
 
 import torpor.client.runtime as _runtime_module
+from torpor.client import sandbox_calls as calls
+from torpor.client.calls import Call
 from torpor.client.processes import ProcessHandle, list_processes
 from torpor.client.processes import start as start_process
 from torpor.client.pty import Pty
 from torpor.client.runtime import Runtime, default_runtime
-from torpor.client.storage import LONG_TIMEOUT, Resource, post_spec, quote_id
-from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable, from_wire
+from torpor.client.storage import Resource, post_spec, quote_id
+from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable
 from torpor.sandbox.models import (
     CommandResult,
     EntryInfo,
@@ -54,7 +55,6 @@ from torpor.sandbox.requests import (
     SandboxSettings,
     SandboxSpec,
     SnapshotSpec,
-    Spec,
     VolumeMount,
 )
 from torpor.sandbox.storage.snapshots import SnapshotInfo
@@ -64,53 +64,25 @@ __all__ = ["Commands", "Files", "Interpreter", "Sandbox", "Sandboxes", "Snapshot
 
 M = TypeVar("M", bound=BaseModel)
 
-#: Extra seconds the HTTP call may take beyond a command's own timeout (waking the sandbox).
-_SLACK = 120.0
 
-
-def _http_timeout(timeout: float | None) -> float | None:
-    return None if timeout is None else timeout + _SLACK
-
-
-def _post_run(
+def _run(
     sbx: Sandbox,
-    route: str,
-    spec: CommandSpec | CodeSpec,
+    call: Call[M],
     model: type[M],
     on_stdout: OutputCallback | None,
     on_stderr: OutputCallback | None,
 ) -> M:
-    """POST ``spec`` to the sandbox's ``route``: one JSON answer when no callback is given,
-    else the ``<route>/stream`` variant feeding output to the callbacks as it comes."""
+    """Send a run ``call``: one JSON answer when no callback is given, else its streamed
+    variant, feeding output to the callbacks as it comes."""
     rt = sbx.runtime
-    body, timeout = spec.given(), spec.timeout
     if on_stdout is None and on_stderr is None:
-        data = rt.json("POST", sbx.route(route), json=body, timeout=_http_timeout(timeout))
-        return model.model_validate(data)
-    return _streamed(rt, sbx.route(route + "/stream"), body, model, on_stdout, on_stderr, timeout)
-
-
-def _streamed(
-    rt: Runtime,
-    path: str,
-    body: dict[str, Any],
-    model: type[M],
-    on_stdout: OutputCallback | None,
-    on_stderr: OutputCallback | None,
-    timeout: float | None,
-) -> M:
-    """POST to a streamed route: feed output chunks to the callbacks, return the result."""
-    with rt.stream_events("POST", path, json=body, timeout=_http_timeout(timeout)) as events:
+        return rt.do(call)
+    kwargs = call.request_kwargs()
+    with rt.stream_events(call.method, calls.stream_path(call), **kwargs) as events:
         for event in events:
-            kind = event.get("type")
-            if kind == "stdout" and on_stdout is not None:
-                on_stdout(event["data"])
-            elif kind == "stderr" and on_stderr is not None:
-                on_stderr(event["data"])
-            elif kind == "result":
-                return model.model_validate(event["result"])
-            elif kind == "error":
-                raise from_wire(event["error"])
+            result = calls.feed(event, model, on_stdout, on_stderr)
+            if result is not None:
+                return result
     raise ServerUnavailable("the server closed the stream without a result")
 
 
@@ -140,7 +112,8 @@ class Commands:
         is killed), :class:`~torpor.errors.PayloadTooLarge` for output over the limit.
         """
         spec = CommandSpec.of(cmd=cmd, cwd=cwd, env=env, timeout=timeout, background=background)
-        return _post_run(self._sbx, "/commands", spec, CommandResult, on_stdout, on_stderr)
+        call = calls.run_command(self._sbx.id, spec)
+        return _run(self._sbx, call, CommandResult, on_stdout, on_stderr)
 
     def start(self, cmd: str, *, cwd: str | None = None) -> ProcessHandle:
         """Start ``cmd`` in the background and return a handle to wait for it, read its
@@ -165,15 +138,9 @@ class Files:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sbx = sandbox
 
-    def _call(self, method: str, suffix: str, path: str, **kwargs: Any) -> Any:
-        return self._sbx.runtime.request(
-            method, self._sbx.route("/files" + suffix), params={"path": path}, **kwargs
-        )
-
     def read(self, path: str) -> bytes:
         """The file's bytes. Raises :class:`~torpor.errors.PathNotFound`."""
-        content: bytes = self._call("GET", "", path).content
-        return content
+        return self._sbx.runtime.do(calls.read_file(self._sbx.id, path))
 
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
         """The file decoded as text. Raises :class:`~torpor.errors.PathNotFound`."""
@@ -184,26 +151,23 @@ class Files:
 
         Raises :class:`~torpor.errors.PayloadTooLarge` over the server's file limit.
         """
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        self._call(
-            "PUT", "", path, content=raw, headers={"content-type": "application/octet-stream"}
-        )
+        self._sbx.runtime.do(calls.write_file(self._sbx.id, path, data))
 
     def list(self, path: str) -> list[EntryInfo]:
         """The entries of a directory. Raises :class:`~torpor.errors.PathNotFound`."""
-        return [EntryInfo.model_validate(e) for e in self._call("GET", "/list", path).json()]
+        return self._sbx.runtime.do(calls.list_files(self._sbx.id, path))
 
     def exists(self, path: str) -> bool:
         """Whether ``path`` exists."""
-        return bool(self._call("GET", "/exists", path).json()["exists"])
+        return self._sbx.runtime.do(calls.exists(self._sbx.id, path))
 
     def remove(self, path: str) -> None:
         """Remove a file or a directory tree. Raises :class:`~torpor.errors.PathNotFound`."""
-        self._call("DELETE", "", path)
+        self._sbx.runtime.do(calls.remove(self._sbx.id, path))
 
     def make_dir(self, path: str) -> None:
         """Create a directory and its parents; an existing one is fine."""
-        self._call("POST", "/mkdir", path)
+        self._sbx.runtime.do(calls.make_dir(self._sbx.id, path))
 
 
 class Interpreter:
@@ -228,7 +192,7 @@ class Interpreter:
         ``timeout`` seconds (variables kept).
         """
         spec = CodeSpec.of(code=code, timeout=timeout)
-        return _post_run(self._sbx, "/interpreter", spec, Execution, on_stdout, on_stderr)
+        return _run(self._sbx, calls.run_code(self._sbx.id, spec), Execution, on_stdout, on_stderr)
 
 
 # -- snapshots and forks ------------------------------------------------------------------
@@ -302,8 +266,7 @@ def snapshot_sandbox(
     """``sbx.snapshot(...)``: see :meth:`torpor.sandbox.checkpoints.Checkpoints.snapshot`."""
     rt: Runtime = sbx.runtime
     spec = SnapshotSpec.of(name=name, retention_days=retention_days, labels=labels)
-    data = post_spec(rt, f"/v1/sandboxes/{quote_id(sbx.id)}/snapshots", spec)
-    return Snapshot(SnapshotInfo.model_validate(data), rt)
+    return Snapshot(rt.do(calls.snapshot(sbx.id, spec)), rt)
 
 
 class ForkMethod:
@@ -331,7 +294,7 @@ class ForkMethod:
             spec = ForkSpec.of(
                 count=count, labels=labels, names=names, memory_scope=memory_scope, envs=envs
             )
-            return _sandboxes(post_spec(rt, f"/v1/sandboxes/{quote_id(sbx.id)}/fork", spec), rt)
+            return [Sandbox(info, rt) for info in rt.do(calls.fork(sbx.id, spec))]
 
         return fork
 
@@ -362,21 +325,6 @@ class Sandbox:
         return f"<Sandbox {self.id} {self.name!r} {self._info.state.value}>"
 
     # -- constructors ---------------------------------------------------------------------------
-
-    @classmethod
-    def _made(
-        cls,
-        rt: Runtime,
-        method: str,
-        path: str,
-        spec: Spec,
-        *,
-        on_exit: Literal["kill", "pause"] = "kill",
-        **kwargs: Any,
-    ) -> Sandbox:
-        """Send ``spec`` (the fields the caller gave); a handle on the sandbox answered."""
-        data = rt.json(method, path, json=spec.given(), **kwargs)
-        return cls(SandboxInfo.model_validate(data), rt, on_exit=on_exit)
 
     @classmethod
     def create(
@@ -432,9 +380,8 @@ class Sandbox:
             envs=envs,
             internet=internet,
         )
-        # a restore or a mount takes longer than a fork of the template
-        slow: dict[str, Any] = {} if spec.plain else {"timeout": LONG_TIMEOUT}
-        return cls._made(runtime or default_runtime(), "POST", "/v1/sandboxes", spec, **slow)
+        rt = runtime or default_runtime()
+        return cls(rt.do(calls.create(spec)), rt)
 
     @classmethod
     def get_or_create(
@@ -467,17 +414,16 @@ class Sandbox:
             envs=envs,
             internet=internet,
         )
-        path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
+        rt = runtime or default_runtime()
         # a persistent, named machine: leaving a ``with`` block pauses it, never kills it
-        return cls._made(runtime or default_runtime(), "PUT", path, spec, on_exit="pause")
+        return cls(rt.do(calls.get_or_create(name, spec)), rt, on_exit="pause")
 
     @classmethod
     def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Sandbox:
         """A handle on an existing sandbox (not woken). Raises
         :class:`~torpor.errors.SandboxNotFound`."""
         rt = runtime or default_runtime()
-        data = rt.json("GET", f"/v1/sandboxes/{quote(id_or_name, safe='')}")
-        return cls(SandboxInfo.model_validate(data), rt, on_exit="pause")
+        return cls(rt.do(calls.get(id_or_name)), rt, on_exit="pause")
 
     @classmethod
     def list(
@@ -490,12 +436,7 @@ class Sandbox:
         """The sandboxes of this tenant, optionally only those with all of ``labels``
         (killed ones only with ``include_stopped``)."""
         rt = runtime or default_runtime()
-        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        if include_stopped:
-            params.append(("all", "true"))
-        return [
-            SandboxInfo.model_validate(i) for i in rt.json("GET", "/v1/sandboxes", params=params)
-        ]
+        return rt.do(calls.list_sandboxes(labels, include_stopped))
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -506,10 +447,10 @@ class Sandbox:
 
     def route(self, suffix: str = "") -> str:
         """The API path of this sandbox (``/v1/sandboxes/<id>``), plus ``suffix``."""
-        return f"/v1/sandboxes/{quote_id(self._info.id)}{suffix}"
+        return calls.route(self._info.id, suffix)
 
-    def _update(self, data: Any) -> SandboxInfo:
-        self._info = SandboxInfo.model_validate(data).model_copy(update={"reused": self._reused})
+    def _update(self, info: SandboxInfo) -> SandboxInfo:
+        self._info = info.model_copy(update={"reused": self._reused})
         return self._info
 
     @property
@@ -526,23 +467,23 @@ class Sandbox:
     def info(self) -> SandboxInfo:
         """Fresh details from the server; ``reused`` is that of the call that made this
         handle."""
-        return self._update(self._runtime.json("GET", self.route()))
+        return self._update(self._runtime.do(calls.get(self.id)))
 
     def pause(self) -> SandboxInfo:
         """Hibernate: RAM, processes and files go to disk; the sandbox holds no CPU or RAM.
         Raises :class:`~torpor.errors.InvalidState` if it is not running."""
-        return self._update(self._runtime.json("POST", self.route("/pause")))
+        return self._update(self._runtime.do(calls.pause(self.id)))
 
     def resume(self) -> SandboxInfo:
         """Wake a paused sandbox (any call inside it does this too)."""
-        return self._update(self._runtime.json("POST", self.route("/resume")))
+        return self._update(self._runtime.do(calls.resume(self.id)))
 
     def set_retention(self, days: int) -> SandboxInfo:
         """Keep this sandbox's pause ``days`` days (1-365) from when it was paused (a running
         sandbox: from its next pause); the info's ``expires_at`` says until when. Raises
         InvalidArgument, SandboxClosed."""
         spec = RetentionSpec.of(days=days)
-        return self._update(self._runtime.json("POST", self.route("/retention"), json=spec.given()))
+        return self._update(self._runtime.do(calls.set_retention(self.id, spec)))
 
     def set(
         self, *, labels: Labels | None = None, idle_pause_seconds: int | None = None
@@ -553,7 +494,7 @@ class Sandbox:
         :class:`~torpor.errors.InvalidArgument` (before anything is sent),
         :class:`~torpor.errors.SandboxClosed` (killed)."""
         spec = SandboxSettings.of(labels=labels, idle_pause_seconds=idle_pause_seconds)
-        return self._update(self._runtime.json("PATCH", self.route(), json=spec.given()))
+        return self._update(self._runtime.do(calls.update(self.id, spec)))
 
     def get_host(self, port: int) -> str:
         """``127.0.0.1:NNNNN``: where a connection reaches ``port`` in this sandbox, on the
@@ -566,8 +507,7 @@ class Sandbox:
 
     def logs(self, lines: int = 100) -> str:
         """The last ``lines`` lines of the guest's console (does not wake a paused sandbox)."""
-        text: str = self._runtime.request("GET", self.route("/logs"), params={"lines": lines}).text
-        return text
+        return self._runtime.do(calls.logs(self.id, lines))
 
     def events(self, *, after: int = 0, follow: bool = False) -> Iterator[SandboxEvent]:
         """This sandbox's lifecycle events (see :meth:`torpor.Runtime.events`)."""
@@ -591,7 +531,7 @@ class Sandbox:
 
     def kill(self) -> None:
         """Stop the sandbox for good and delete its machine files."""
-        self._runtime.request("DELETE", self.route())
+        self._runtime.do(calls.kill(self.id))
 
     def __enter__(self) -> Self:
         return self

@@ -21,6 +21,7 @@ from urllib.parse import quote
 from pydantic import BaseModel
 
 from torpor.client.runtime import Runtime, default_runtime
+from torpor.client.sandbox_calls import LONG_TIMEOUT as _LONG_TIMEOUT
 from torpor.sandbox.requests import (
     DriveSpec,
     GcSpec,
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 #: seconds to wait for snapshots, restores and forks: they copy RAM and wake machines
-LONG_TIMEOUT = 600.0
+LONG_TIMEOUT = _LONG_TIMEOUT
 
 
 class _Named(Protocol):

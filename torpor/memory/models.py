@@ -448,7 +448,7 @@ class TokenSpec(BaseModel):
     grants: list[Grant] = Field(default_factory=list, max_length=100)
     sandboxes: dict[str, str] | None = None
     admin: bool = False
-    expires_in_seconds: float | None = Field(default=None, gt=0, le=10 * 365 * 86400)
+    expires_in_seconds: float | None = Field(default=None, ge=1, le=10 * 365 * 86400)
 
 
 class TokenSummary(BaseModel):

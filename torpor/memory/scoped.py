@@ -174,6 +174,8 @@ class ScopedMemory:
         self.memory.access.require("write", self.path, "remember")
         facts, policy = [], self._policy()
         for item in items:
+            if not isinstance(item, (str, Mapping)):
+                raise InvalidArgument(f"an item is a text or a mapping, not {type(item).__name__}")
             spec: dict[str, Any] = {"text": item} if isinstance(item, str) else dict(item)
             unknown = set(spec) - {"text", "key", "metadata", "source", "durability", "ttl"}
             if unknown:
@@ -226,6 +228,8 @@ class ScopedMemory:
         self.memory.access.require("write", self.path, "log")
         episodes, policy = [], self._policy()
         for turn in turns:
+            if not isinstance(turn, Mapping):
+                raise InvalidArgument(f"a turn is a mapping, not {type(turn).__name__}")
             spec: dict[str, Any] = dict(turn)
             unknown = set(spec) - {"role", "text", "session", "metadata", "at", "durability", "ttl"}
             if unknown:

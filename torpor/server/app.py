@@ -10,6 +10,9 @@ Errors: every :class:`~torpor.errors.TorporError` becomes its ``http_status`` wi
 (:func:`torpor.errors.from_wire`); a request the API cannot parse is an ``InvalidArgument`` (400);
 anything else is a 500 whose traceback goes to the log, never to the caller.
 
+``/openapi.json`` documents that error body on every operation and ``/docs`` lists the
+operations on a page that needs no network (:mod:`torpor.server.schema`).
+
 Each area is an :class:`fastapi.APIRouter` in its own module; :data:`ROUTERS` lists the modules
 whose ``router`` is included (a module not written yet is skipped).
 """
@@ -43,6 +46,7 @@ from torpor.server.auth import Identity, TokenStore
 from torpor.server.deps import CallerDep
 from torpor.server.limits import BodyLimit
 from torpor.server.mcp.http import mount as mount_mcp
+from torpor.server.schema import install as install_schema
 
 __all__ = ["ROUTERS", "create_app", "error_response"]
 
@@ -236,4 +240,5 @@ def create_app(
                 continue
             raise
         app.include_router(module.router)
+    install_schema(app)  # /openapi.json with the typed error body, and /docs
     return app

@@ -6,10 +6,24 @@ functions, so a route stays "parse, one manager call, render":
 * :data:`CallerDep` — who is calling (:class:`~torpor.server.auth.Caller`: tenant, actor,
   memory grants, sandbox label selector); memory and token routes check its grants.
 * :data:`Tenant` — the caller's tenant, *after* the caller's sandbox rights were checked
-  against the route: a route under ``/v1/sandboxes/{id_or_name}`` answers NotFound (audited)
-  for a sandbox outside the caller's label selector; other sandbox-layer routes (snapshots,
-  volumes, drives, GC ...) act on the whole tenant, so they need a caller with rights on every
-  sandbox. Every sandbox-layer route takes ``Tenant``, so none can skip the check.
+  against the route. Every sandbox-layer route takes ``Tenant``, so none can skip the check.
+
+What a token restricted to some sandboxes (a label selector such as ``{"user": "u-42"}``)
+reaches:
+
+* **sandboxes** carrying those labels: a route under ``/v1/sandboxes/{id_or_name}`` answers
+  SandboxNotFound (audited) for any other; what it creates (create, get-or-create, fork,
+  restore) carries them;
+* **snapshots of those sandboxes**: a snapshot belongs to the labels its source sandbox had
+  when it was taken (``SnapshotInfo.carried.labels``); a route under
+  ``/v1/snapshots/{id_or_name}`` answers SnapshotNotFound (audited) for any other, and the
+  list shows only those;
+* **no volume and no drive.** They are the tenant's shared storage by design (a volume
+  read-only in many sandboxes, a drive for hand-offs between agents) and carry no labels, so
+  creating, listing, reading, deleting, attaching or mounting one at create needs rights on
+  every sandbox (``{}``); the tenant's admin mounts them into a user's sandbox, which keeps them
+  across pause and wake;
+* nothing else tenant-wide (usage, events, GC).
 """
 
 from __future__ import annotations
@@ -18,7 +32,9 @@ from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, Request
 
-from torpor.errors import SandboxNotFound
+from torpor.errors import SandboxNotFound, SnapshotNotFound
+from torpor.sandbox.checkpoints import Checkpoints
+from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.server.auth import Caller, Identity
 
 __all__ = [
@@ -26,11 +42,13 @@ __all__ = [
     "IdentityDep",
     "Manager",
     "Tenant",
+    "checkpoints_of",
     "get_caller",
     "get_identity",
     "get_manager",
     "get_tenant",
     "over_socket",
+    "visible_snapshot",
     "within_selector",
 ]
 
@@ -81,15 +99,20 @@ async def get_tenant(request: Request, caller: CallerDep) -> str:
     identity = get_identity(request)
     if caller.sandboxes is None:
         raise identity.deny(caller, _action(request), "", "this token has no sandbox rights")
-    if not route.startswith("/v1/sandboxes"):
+    target = request.path_params.get("id_or_name")
+    if route.startswith("/v1/snapshots"):
+        if target is not None:
+            await visible_snapshot(request, caller, target)
+        return caller.tenant
+    if not route.startswith("/v1/sandboxes") or route in _SHARED_STORAGE_ROUTES:
         raise identity.deny(
             caller,
             _action(request),
             "",
-            f"this token reaches only sandboxes labelled {caller.sandboxes}; "
-            "tenant-wide resources need rights on every sandbox",
+            f"this token reaches only sandboxes labelled {caller.sandboxes} and their "
+            "snapshots; volumes, drives and other tenant-wide resources need rights on every "
+            "sandbox",
         )
-    target = request.path_params.get("id_or_name")
     if target is not None:
         info = await get_manager(request).get(target, tenant=caller.tenant)
         if info.tenant != caller.tenant or not caller.sees(info.labels):
@@ -98,6 +121,40 @@ async def get_tenant(request: Request, caller: CallerDep) -> str:
             )
             raise SandboxNotFound(f"no sandbox {target!r}", kind="sandbox", name=target)
     return caller.tenant
+
+
+#: routes under /v1/sandboxes that reach the tenant's shared storage (see the module docstring)
+_SHARED_STORAGE_ROUTES = frozenset(
+    {"/v1/sandboxes/{id_or_name}/volumes", "/v1/sandboxes/{id_or_name}/drives"}
+)
+
+
+def checkpoints_of(request: Request, manager: Any) -> Checkpoints:
+    """The app's :class:`Checkpoints` (made on first use around the app's manager)."""
+    cp = getattr(request.app.state, "checkpoints", None)
+    if cp is None or cp.manager is not manager:
+        cp = Checkpoints(manager)
+        request.app.state.checkpoints = cp
+    return cp
+
+
+async def visible_snapshot(request: Request, caller: Caller, target: str) -> SnapshotInfo:
+    """The snapshot ``target`` if ``caller`` may reach it: the owner or a token with every
+    sandbox's rights always; a restricted token only when the snapshot's source sandbox
+    carried its labels. Raises :class:`~torpor.errors.SnapshotNotFound` (audited when the
+    snapshot exists but is another's)."""
+    cp = checkpoints_of(request, get_manager(request))
+    info = cp.get_snapshot(target, tenant=caller.tenant)
+    if info.tenant != caller.tenant or (caller.restricted and not caller.sees(info.carried.labels)):
+        get_identity(request).audit(
+            caller,
+            _action(request),
+            f"snapshot:{target}",
+            allowed=False,
+            labels=info.carried.labels,
+        )
+        raise SnapshotNotFound(f"no snapshot {target!r}", kind="snapshot", name=target)
+    return info
 
 
 # The manager is typed loosely on purpose: the server also runs against test doubles and

@@ -45,22 +45,20 @@ from torpor.sandbox.storage.drives import DriveInfo
 from torpor.sandbox.storage.records import RecordStore
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.sandbox.storage.volumes import VolumeInfo
-from torpor.server.deps import CallerDep, IdentityDep, Manager, Tenant, within_selector
+from torpor.server.deps import (
+    CallerDep,
+    IdentityDep,
+    Manager,
+    Tenant,
+    checkpoints_of,
+    within_selector,
+)
 
 __all__ = ["checkpoints_of", "router", "start_background"]
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["checkpoints"])
-
-
-def checkpoints_of(request: Request, manager: Any) -> Checkpoints:
-    """The app's :class:`Checkpoints` (made on first use around the app's manager)."""
-    cp = getattr(request.app.state, "checkpoints", None)
-    if cp is None or cp.manager is not manager:
-        cp = Checkpoints(manager)
-        request.app.state.checkpoints = cp
-    return cp
 
 
 def _checkpoints(request: Request, manager: Manager) -> Checkpoints:
@@ -106,8 +104,12 @@ async def attach_drive(id_or_name: str, body: DriveMount, tenant: Tenant, cp: Cp
 
 
 @router.get("/snapshots")
-async def list_snapshots(tenant: Tenant, cp: Cp) -> list[SnapshotInfo]:
-    return cp.list_snapshots(tenant=tenant)
+async def list_snapshots(tenant: Tenant, caller: CallerDep, cp: Cp) -> list[SnapshotInfo]:
+    """The tenant's snapshots (a restricted token: those of its sandboxes)."""
+    snapshots = cp.list_snapshots(tenant=tenant)
+    if caller.restricted:
+        snapshots = [s for s in snapshots if caller.sees(s.carried.labels)]
+    return snapshots
 
 
 @router.get("/snapshots/{id_or_name}")
@@ -122,14 +124,28 @@ async def delete_snapshot(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
 
 
 @router.post("/snapshots/{id_or_name}/restore", status_code=201)
-async def restore(id_or_name: str, body: RestoreSpec, tenant: Tenant, cp: Cp) -> SandboxInfo:
+async def restore(
+    id_or_name: str,
+    body: RestoreSpec,
+    tenant: Tenant,
+    caller: CallerDep,
+    identity: IdentityDep,
+    cp: Cp,
+) -> SandboxInfo:
+    body = within_selector(body, caller, identity, "POST /v1/snapshots/{id}/restore", body.name)
     return await cp.restore(id_or_name, body, tenant=tenant)
 
 
 @router.post("/snapshots/{id_or_name}/fork", status_code=201)
 async def fork_snapshot(
-    id_or_name: str, body: ForkSpec, tenant: Tenant, cp: Cp
+    id_or_name: str,
+    body: ForkSpec,
+    tenant: Tenant,
+    caller: CallerDep,
+    identity: IdentityDep,
+    cp: Cp,
 ) -> list[SandboxInfo]:
+    body = within_selector(body, caller, identity, "POST /v1/snapshots/{id}/fork", id_or_name)
     return await cp.fork_snapshot(id_or_name, body, tenant=tenant)
 
 

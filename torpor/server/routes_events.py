@@ -39,7 +39,9 @@ QUERY_INTERVAL = 1.0
 async def list_events(
     manager: Manager,
     tenant: Tenant,
-    after: Annotated[int, Query(ge=0, description="only events with a larger seq")] = 0,
+    after: Annotated[
+        int, Query(ge=0, le=2**63 - 1, description="only events with a larger seq")
+    ] = 0,
     sandbox: Annotated[str | None, Query(description="only this sandbox's (id or name)")] = None,
     wait: Annotated[
         float, Query(ge=0, le=MAX_WAIT, description="hold the answer until an event comes")

@@ -38,6 +38,7 @@ from torpor.errors import PayloadTooLarge, TorporError
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
 from torpor.sandbox.requests import CodeSpec, CommandSpec, Spec
 from torpor.server.deps import Manager, Tenant
+from torpor.server.schema import NDJSONResponse
 
 __all__ = ["read_body", "router", "stream_ndjson"]
 
@@ -71,8 +72,9 @@ StreamedCall = Callable[
 def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
     """Run ``call``, streaming its output chunks and then its result (or error) as NDJSON.
 
-    Errors, including a missing sandbox, arrive as the last line, since the status line has
-    already gone out when the call starts. If the caller hangs up, the call is cancelled.
+    Errors arrive as the last line, since the status line has already gone out when the call
+    starts (a missing sandbox is refused before: see :func:`_stream`). If the caller hangs up,
+    the call is cancelled.
     """
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
@@ -104,25 +106,33 @@ def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
             if not task.done():  # the caller hung up: stop waiting for the command
                 task.cancel()
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return NDJSONResponse(lines())
 
 
-def _stream(
-    run: Callable[..., Awaitable[BaseModel]], id_or_name: str, body: Spec, tenant: str, what: str
+async def _stream(
+    manager: Any,
+    run: Callable[..., Awaitable[BaseModel]],
+    id_or_name: str,
+    body: Spec,
+    tenant: str,
+    what: str,
 ) -> StreamingResponse:
-    """:func:`stream_ndjson` of the manager's ``run`` (``run_command`` / ``run_code``)."""
+    """:func:`stream_ndjson` of the manager's ``run`` (``run_command`` / ``run_code``), once
+    the sandbox is known to exist: a missing one is a plain 404 with the typed error body,
+    not a 200 whose stream says so."""
+    await manager.get(id_or_name, tenant=tenant)
     return stream_ndjson(
         lambda out, err: run(id_or_name, body, on_stdout=out, on_stderr=err, tenant=tenant),
         f"{what} in {id_or_name}",
     )
 
 
-@router.post("/commands/stream")
+@router.post("/commands/stream", response_class=NDJSONResponse)
 async def run_command_stream(
     id_or_name: str, body: CommandSpec, manager: Manager, tenant: Tenant
 ) -> StreamingResponse:
     """Run a command, streaming its output as it comes (NDJSON, see the module docstring)."""
-    return _stream(manager.run_command, id_or_name, body, tenant, "command")
+    return await _stream(manager, manager.run_command, id_or_name, body, tenant, "command")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -207,9 +217,9 @@ async def run_code(id_or_name: str, body: CodeSpec, manager: Manager, tenant: Te
     return execution
 
 
-@router.post("/interpreter/stream")
+@router.post("/interpreter/stream", response_class=NDJSONResponse)
 async def run_code_stream(
     id_or_name: str, body: CodeSpec, manager: Manager, tenant: Tenant
 ) -> StreamingResponse:
     """Run code, streaming what it prints as it comes, then the Execution (NDJSON)."""
-    return _stream(manager.run_code, id_or_name, body, tenant, "code")
+    return await _stream(manager, manager.run_code, id_or_name, body, tenant, "code")

@@ -50,6 +50,7 @@ from torpor.memory.embeddings import Embedder, resolve_embedder
 from torpor.memory.models import AuditEntry, Episode, Fact, Hit, Policy, Profile, RecordPage
 from torpor.server.auth import Caller
 from torpor.server.deps import CallerDep
+from torpor.server.schema import NDJSONResponse
 
 __all__ = ["MAX_IMPORT_BYTES", "memory_of", "router", "tenant_memory"]
 
@@ -448,7 +449,7 @@ def verify(
     return _scope(request, caller, scope, tenant).verify(body.record_id)
 
 
-@router.get("/export", response_class=StreamingResponse)
+@router.get("/export", response_class=NDJSONResponse)
 def export(
     request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
 ) -> StreamingResponse:
@@ -459,7 +460,7 @@ def export(
         for line in lines:
             yield (line + "\n").encode()
 
-    return StreamingResponse(body(), media_type="application/x-ndjson")
+    return NDJSONResponse(body())
 
 
 @router.post("/import")

@@ -28,12 +28,19 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import PlainTextResponse
 
-from torpor.errors import SandboxNotFound
+from torpor.errors import AccessDenied, SandboxNotFound
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import parse_labels as _parse_labels
 from torpor.sandbox.requests import SandboxOptions, SandboxSettings, SandboxSpec
 from torpor.server.auth import labels_match
-from torpor.server.deps import CallerDep, IdentityDep, Manager, Tenant, within_selector
+from torpor.server.deps import (
+    CallerDep,
+    IdentityDep,
+    Manager,
+    Tenant,
+    visible_snapshot,
+    within_selector,
+)
 from torpor.server.routes_checkpoints import checkpoints_of
 
 __all__ = ["own", "parse_labels", "router"]
@@ -80,10 +87,16 @@ async def create_sandbox(
     """Create a sandbox: a fork of its template's booted snapshot or, with ``snapshot``, a
     restore of that snapshot; with ``volumes`` and ``drives`` mounted."""
     body = within_selector(body, caller, identity, "POST /v1/sandboxes", body.name)
-    if caller.restricted and body.snapshot is not None:
+    if caller.restricted and (body.volumes or body.drives):
         raise identity.deny(
-            caller, "POST /v1/sandboxes", "", "restoring a snapshot needs every sandbox's rights"
+            caller,
+            "POST /v1/sandboxes",
+            f"sandbox:{body.name or ''}",
+            "volumes and drives are the tenant's shared storage: mounting one needs rights on "
+            "every sandbox",
         )
+    if caller.restricted and body.snapshot is not None:
+        await visible_snapshot(request, caller, body.snapshot)  # its own sandboxes' only
     if body.plain:  # the manager alone makes it (and a test double of the manager can)
         info: SandboxInfo = await manager.create(body.narrow(SandboxOptions), tenant=tenant)
     else:
@@ -103,16 +116,18 @@ async def get_or_create_sandbox(
     """Return the sandbox called ``name`` (woken if paused), creating it if there is none."""
     action = "PUT /v1/sandboxes/by-name/{name}"
     body = within_selector(body, caller, identity, action, name)
-    if caller.restricted:
-        try:
-            found = await manager.get(name, tenant=tenant)
-        except SandboxNotFound:
-            found = None
-        if found is not None and not caller.sees(found.labels):
-            # the name is taken in this tenant, by a sandbox this caller may not see
-            raise identity.deny(caller, action, f"sandbox:{name}", "the name belongs to another")
-    info: SandboxInfo = await manager.get_or_create(name, body, tenant=tenant)
-    if not caller.sees(info.labels):  # lost a race with another caller's create
+    # A restricted caller's selector is checked by the manager under the name's lock, so a
+    # sandbox of another's that appears between a look and the get-or-create is never
+    # relabelled, woken or handed out (AccessDenied, audited here).
+    try:
+        info: SandboxInfo = await manager.get_or_create(
+            name, body, tenant=tenant, selector=caller.sandboxes or None
+        )
+    except AccessDenied:
+        raise identity.deny(
+            caller, action, f"sandbox:{name}", "the name belongs to another"
+        ) from None
+    if not caller.sees(info.labels):  # a second fence: never hand out another's sandbox
         raise identity.deny(caller, action, f"sandbox:{name}", "the name belongs to another")
     return own(info, tenant, name)
 

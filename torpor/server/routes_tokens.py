@@ -18,7 +18,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from torpor.errors import NotFound
+from torpor.errors import InvalidArgument, NotFound
 from torpor.memory.models import NewToken, TokenSpec, TokenSummary, from_us, now_us
 from torpor.server.auth import Caller, Identity
 from torpor.server.deps import CallerDep, IdentityDep
@@ -58,7 +58,10 @@ async def create_token(body: TokenSpec, caller: CallerDep, identity: IdentityDep
         actor=caller.actor,
     )
     info = identity.tokens.lookup(secret)
-    assert info is not None
+    if info is None:  # expired between issue and lookup (a loaded machine, a 1 s expiry)
+        raise InvalidArgument(
+            "the token expired before it could be shown: give a longer expires_in_seconds"
+        )
     return NewToken(token=secret, info=TokenSummary.of(info))
 
 

@@ -35,6 +35,7 @@ from typing import Any
 from torpor._tail import log_tail
 from torpor.config import check_name, internet_allowed
 from torpor.errors import (
+    AccessDenied,
     Conflict,
     CorruptData,
     EngineError,
@@ -239,11 +240,18 @@ class SandboxManager(ManagerCore):
         /,
         *,
         tenant: str = "default",
+        selector: Mapping[str, str] | None = None,
         **fields: Any,
     ) -> SandboxInfo:
         """The tenant's live sandbox called ``name`` (woken if paused; ``reused=True``), else a
         new one made with ``options`` / ``fields`` (as :meth:`create`). N concurrent callers
         get one sandbox.
+
+        ``selector``: a caller that may only touch sandboxes with these labels (a restricted
+        token). An existing sandbox without them is refused with AccessDenied (nothing
+        changed, not woken), checked under the name's lock so no concurrent get-or-create
+        can slip another's sandbox in between; give the selector's labels in ``options`` too
+        so a new sandbox carries them.
 
         Options given for an existing sandbox are applied where they can change (labels are
         updated with the given ones; idle pause and pause retention replaced) and refused where
@@ -264,6 +272,12 @@ class SandboxManager(ManagerCore):
                     rec = self.registry.live_by_name(tenant, name)
                     if rec is None:
                         raise
+            if selector and any(rec.labels.get(k) != v for k, v in selector.items()):
+                raise AccessDenied(
+                    f"sandbox {name!r} belongs to another: its labels are outside {dict(selector)}",
+                    tenant=tenant,
+                    scope=f"sandbox:{name}",
+                )
             rec = self._apply_options(rec, spec)
             if rec.state in (S.PAUSED, S.RUNNING):
                 info = await self.resume(rec.id, tenant=tenant)

@@ -29,7 +29,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from starlette.requests import Request
 from starlette.routing import Route
 
-from torpor.errors import SandboxNotFound
+from torpor.errors import AccessDenied, SandboxNotFound
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.models import CommandResult, Execution, SandboxInfo
 from torpor.sandbox.requests import CodeSpec, CommandSpec, ForkSpec, SandboxOptions, SnapshotSpec
@@ -95,13 +95,12 @@ class ManagerOps:
         if self._selector:
             labels = self._labelled(options.labels, "get_or_create", name)
             options = options.model_copy(update={"labels": labels})
-            try:  # first: a get-or-create would apply this caller's labels to another's
-                found = await self.manager.get(name, tenant=self.tenant)
-            except SandboxNotFound:
-                found = None
-            if found is not None and not self.caller.sees(found.labels):  # type: ignore[union-attr]
-                raise self._deny("get_or_create", f"sandbox:{name}", f"{name!r} is another's")
-        info = await self.manager.get_or_create(name, options, tenant=self.tenant)
+        try:  # the manager checks the selector under the name's lock (see the HTTP route)
+            info = await self.manager.get_or_create(
+                name, options, tenant=self.tenant, selector=self._selector or None
+            )
+        except AccessDenied:
+            raise self._deny("get_or_create", f"sandbox:{name}", f"{name!r} is another's") from None
         if self._selector and not self.caller.sees(info.labels):  # type: ignore[union-attr]
             raise self._deny("get_or_create", f"sandbox:{name}", f"{name!r} is another's")
         return self._own(info, name)
@@ -133,10 +132,7 @@ class ManagerOps:
         return self._own(result, sandbox)
 
     async def snapshot(self, sandbox: str, spec: SnapshotSpec) -> Mapping[str, Any]:
-        if self._selector:  # snapshots are the tenant's, as over HTTP
-            raise self._deny(
-                "snapshot", f"sandbox:{sandbox}", "snapshots need rights on every sandbox"
-            )
+        await self._check(sandbox, "snapshot")  # the snapshot then belongs to its labels
         info = await self.checkpoints.snapshot(sandbox, spec, tenant=self.tenant)
         dumped: dict[str, Any] = info.model_dump(mode="json")
         return dumped

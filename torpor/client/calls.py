@@ -1,0 +1,99 @@
+"""One request and how to read its answer: what the sync and the async clients share.
+
+A :class:`Call` is built by a pure function (:mod:`torpor.client.memory`'s ``call_*``,
+:mod:`torpor.client.sandbox_calls`) and sent by a runtime's ``do``::
+
+    call = sandbox_calls.pause(sandbox_id)
+    info = runtime.do(call)                 # Runtime: httpx.Client
+    info = await async_runtime.do(call)     # AsyncRuntime: httpx.AsyncClient
+
+so a sync and an async client differ only in the line that sends: building the request (path,
+parameters, JSON body, timeout) and reading the answer (JSON into models, raw bytes, nothing)
+are written once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Generic, Literal, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from torpor.errors import InvalidArgument
+
+__all__ = ["DEFAULT", "Call", "encode"]
+
+T = TypeVar("T")
+
+#: a :attr:`Call.timeout` that keeps the runtime's own
+DEFAULT: Literal["default"] = "default"
+
+
+def _default(value: object) -> object:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def encode(body: object) -> bytes:
+    """A request body as JSON: times as ISO 8601, durations in seconds, models dumped. ASCII
+    escapes keep a lone surrogate intact for the server to refuse, as the embedded store does.
+    Raises :class:`InvalidArgument` for a value JSON cannot hold."""
+    try:
+        return json.dumps(body, default=_default, ensure_ascii=True, allow_nan=False).encode()
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidArgument(f"not JSON: {exc}") from None
+
+
+@dataclass
+class Call(Generic[T]):
+    """One request and how to read its answer.
+
+    ``body``: sent as JSON; ``content``: sent as raw bytes instead
+    (``application/octet-stream``). ``answer``: what ``parse`` receives — the decoded JSON
+    (``"json"``), the raw bytes (``"bytes"``), the text (``"text"``) or None (``"none"``: a
+    204). ``timeout``: seconds for this request (None: no limit; :data:`DEFAULT`: the
+    runtime's).
+    """
+
+    method: str
+    path: str
+    params: Any = field(default_factory=dict)
+    body: object = None
+    parse: Callable[[Any], T] = field(default=lambda data: data)
+    content: bytes | None = None
+    answer: Literal["json", "bytes", "text", "none"] = "json"
+    timeout: float | Literal["default"] | None = DEFAULT
+
+    def request_kwargs(self) -> dict[str, Any]:
+        """The ``httpx`` keyword arguments of this call."""
+        kwargs: dict[str, Any] = {"params": self.params}
+        if self.content is not None:
+            kwargs["content"] = self.content
+            kwargs["headers"] = {"content-type": "application/octet-stream"}
+        elif self.body is not None:
+            kwargs["content"] = encode(self.body)
+            kwargs["headers"] = {"content-type": "application/json"}
+        if self.timeout != DEFAULT:
+            kwargs["timeout"] = self.timeout
+        return kwargs
+
+    def read(self, response: httpx.Response) -> T:
+        """The answer of a successful ``response`` (already read), parsed."""
+        if self.answer == "json":
+            return self.parse(response.json())
+        if self.answer == "bytes":
+            return self.parse(response.content)
+        if self.answer == "text":
+            return self.parse(response.text)
+        return self.parse(None)
