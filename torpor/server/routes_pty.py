@@ -32,6 +32,7 @@ from torpor.errors import TorporError
 from torpor.sandbox.requests import PtySize, PtySpec
 from torpor.server.deps import Manager, Tenant
 from torpor.server.routes_exec import read_body
+from torpor.server.schema import NDJSONResponse
 
 __all__ = ["router"]
 
@@ -43,12 +44,14 @@ router = APIRouter(prefix="/v1/sandboxes/{id_or_name}/pty", tags=["pty"])
 MAX_INPUT_BYTES = 1 << 20
 
 
-@router.post("")
+@router.post("", response_class=NDJSONResponse)
 async def open_pty(
     id_or_name: str, body: PtySpec, manager: Manager, tenant: Tenant
 ) -> StreamingResponse:
     """Start a program on a new terminal; its output streams as NDJSON (see the module
-    docstring) until it exits. Hanging up kills it."""
+    docstring) until it exits. Hanging up kills it. A missing sandbox is a plain 404 with the
+    typed error body, not a 200 whose stream says so."""
+    await manager.get(id_or_name, tenant=tenant)
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     def on_data(chunk: bytes) -> None:
@@ -82,7 +85,7 @@ async def open_pty(
             if not task.done():  # the caller hung up: end the terminal
                 task.cancel()
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return NDJSONResponse(lines())
 
 
 @router.post("/{pty_id}/input", status_code=204)
