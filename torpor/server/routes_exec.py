@@ -40,7 +40,7 @@ from torpor.sandbox.requests import CodeSpec, CommandSpec, Spec
 from torpor.server.deps import Manager, Tenant
 from torpor.server.schema import NDJSONResponse
 
-__all__ = ["read_body", "router", "stream_ndjson"]
+__all__ = ["ndjson_events", "read_body", "router", "stream_ndjson"]
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +69,23 @@ StreamedCall = Callable[
 ]
 
 
-def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
-    """Run ``call``, streaming its output chunks and then its result (or error) as NDJSON.
+#: ``work(emit)``: runs something, handing each event to ``emit`` as it happens.
+EventSource = Callable[[Callable[[dict[str, Any]], None]], Awaitable[None]]
 
-    Errors arrive as the last line, since the status line has already gone out when the call
-    starts (a missing sandbox is refused before: see :func:`_stream`). If the caller hangs up,
-    the call is cancelled.
+
+def ndjson_events(work: EventSource, what: str) -> StreamingResponse:
+    """Stream the events ``work`` emits as NDJSON lines, then end the answer.
+
+    An error arrives as the last line, ``{"type": "error", "error": {...}}``, since the status
+    line has already gone out when ``work`` starts (so check what can be checked before: a
+    missing sandbox is a plain 404, see :func:`_stream`). If the caller hangs up, ``work`` is
+    cancelled. Shared by the streamed commands and the terminals (:mod:`.routes_pty`).
     """
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
-    def on_stdout(chunk: str | bytes) -> None:
-        queue.put_nowait({"type": "stdout", "data": _text(chunk)})
-
-    def on_stderr(chunk: str | bytes) -> None:
-        queue.put_nowait({"type": "stderr", "data": _text(chunk)})
-
-    async def work() -> None:
+    async def run() -> None:
         try:
-            result = await call(on_stdout, on_stderr)
-            queue.put_nowait({"type": "result", "result": result.model_dump(mode="json")})
+            await work(queue.put_nowait)
         except TorporError as exc:
             queue.put_nowait({"type": "error", "error": exc.to_wire()})
         except Exception as exc:  # a bug below us: log it, tell the caller something useful
@@ -98,15 +96,29 @@ def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
             queue.put_nowait(None)
 
     async def lines() -> AsyncIterator[str]:
-        task = asyncio.create_task(work())
+        task = asyncio.create_task(run())
         try:
             while (item := await queue.get()) is not None:
                 yield json.dumps(item) + "\n"
         finally:
-            if not task.done():  # the caller hung up: stop waiting for the command
+            if not task.done():  # the caller hung up: stop what runs for it
                 task.cancel()
 
     return NDJSONResponse(lines())
+
+
+def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
+    """Run ``call``, streaming its output chunks and then its result (or error) as NDJSON
+    (:func:`ndjson_events`)."""
+
+    async def work(emit: Callable[[dict[str, Any]], None]) -> None:
+        result = await call(
+            lambda chunk: emit({"type": "stdout", "data": _text(chunk)}),
+            lambda chunk: emit({"type": "stderr", "data": _text(chunk)}),
+        )
+        emit({"type": "result", "result": result.model_dump(mode="json")})
+
+    return ndjson_events(work, what)
 
 
 async def _stream(

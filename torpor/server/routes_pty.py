@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from torpor.errors import TorporError
 from torpor.sandbox.requests import PtySize, PtySpec
 from torpor.server.deps import Manager, Tenant
-from torpor.server.routes_exec import read_body
+from torpor.server.routes_exec import ndjson_events, read_body
 from torpor.server.schema import NDJSONResponse
 
 __all__ = ["router"]
@@ -52,40 +50,21 @@ async def open_pty(
     docstring) until it exits. Hanging up kills it. A missing sandbox is a plain 404 with the
     typed error body, not a 200 whose stream says so."""
     await manager.get(id_or_name, tenant=tenant)
-    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
-    def on_data(chunk: bytes) -> None:
-        queue.put_nowait({"type": "output", "data": base64.b64encode(chunk).decode()})
+    async def work(emit: Callable[[dict[str, Any]], None]) -> None:
+        def on_data(chunk: bytes) -> None:
+            emit({"type": "output", "data": base64.b64encode(chunk).decode()})
 
-    async def work() -> None:
+        session = await manager.open_pty(id_or_name, body, on_data, tenant=tenant)
+        emit({"type": "started", "id": session.id, "pid": session.pid})
         try:
-            session = await manager.open_pty(id_or_name, body, on_data, tenant=tenant)
-            queue.put_nowait({"type": "started", "id": session.id, "pid": session.pid})
-            try:
-                code = await session.done
-            except asyncio.CancelledError:
-                session.done.cancel()  # the guest kills the program
-                raise
-            queue.put_nowait({"type": "exit", "exit_code": code})
-        except TorporError as exc:
-            queue.put_nowait({"type": "error", "error": exc.to_wire()})
-        except Exception as exc:  # a bug below us: log it, tell the caller something useful
-            log.exception("terminal in %s failed", id_or_name)
-            wire = TorporError(f"internal server error: {type(exc).__name__}").to_wire()
-            queue.put_nowait({"type": "error", "error": wire})
-        finally:
-            queue.put_nowait(None)
+            code = await session.done
+        except asyncio.CancelledError:  # the caller hung up
+            session.done.cancel()  # the guest kills the program
+            raise
+        emit({"type": "exit", "exit_code": code})
 
-    async def lines() -> AsyncIterator[str]:
-        task = asyncio.create_task(work())
-        try:
-            while (item := await queue.get()) is not None:
-                yield json.dumps(item) + "\n"
-        finally:
-            if not task.done():  # the caller hung up: end the terminal
-                task.cancel()
-
-    return NDJSONResponse(lines())
+    return ndjson_events(work, f"terminal in {id_or_name}")
 
 
 @router.post("/{pty_id}/input", status_code=204)
