@@ -109,6 +109,10 @@ def serve(home: Path, port: int) -> subprocess.Popen[bytes]:
     )
 
 
+def _load(avg: tuple[float, float, float]) -> str:
+    return " ".join(f"{x:.1f}" for x in avg)
+
+
 def time_recalls(scopes: list[Any], queries: list[str], k: int = 5) -> list[float]:
     """One recall per query (scope i % len), each timed."""
     out = []
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     home = Path(tempfile.mkdtemp(prefix="tsb"))
     proc = None
+    load_before = os.getloadavg()
     try:
         console.print(f"filling {records:,} records ...")
         fill_s = fill(home, records, users, args.seed)
@@ -182,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             for scopes in transports.values():  # warm caches and connections
                 time_recalls(scopes, queries[:20])
             samples: dict[str, list[float]] = {name: [] for name in transports}
-            for _ in range(3):  # interleaved rounds: load on the shared machine hits all alike
-                for name, scopes in transports.items():
-                    samples[name] += time_recalls(scopes, queries)
+            for _ in range(3):
+                # interleaved query by query: load on the shared machine hits all alike
+                for i, query in enumerate(queries):
+                    for name, scopes in transports.items():
+                        samples[name] += time_recalls([scopes[i % len(scopes)]], [query])
         for name, s in samples.items():
             results[f"recall_{name}"] = {
                 "p50_ms": statistics.median(s) * 1000,
@@ -215,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
         shutil.rmtree(home, ignore_errors=True)
 
+    load_after = os.getloadavg()
     delta = results["recall_http-socket"]["p50_ms"] - results["recall_embedded"]["p50_ms"]
     rate = results["remember_http-socket"]["records_per_s"]
     targets = [
@@ -232,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(f"[bold]memory over HTTP[/] ({records:,} records, filled in {fill_s:.1f}s)")
     console.print(table)
+    console.print(
+        f"load average (1, 5, 15 min): {_load(load_before)} before, {_load(load_after)} after, "
+        f"on {os.cpu_count()} CPUs"
+    )
     for name, ok, value in targets:
         console.print(f"  {'[green]PASS' if ok else '[red]FAIL'}[/] {name}: {value}")
     write_results(
@@ -240,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             "records": records,
             "reps": reps,
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+            "load": {"before": load_before, "after": load_after},
             "results": results,
             "targets": [{"name": n, "pass": ok, "value": v} for n, ok, v in targets],
         },

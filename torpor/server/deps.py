@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from torpor.errors import SandboxNotFound
 from torpor.server.auth import Caller, Identity
@@ -52,11 +53,20 @@ def over_socket(request: Request) -> bool:
     return server is not None and server[1] is None
 
 
-def get_caller(request: Request) -> Caller:
-    """Who the request acts for. Raises :class:`~torpor.errors.AccessDenied` (audited)."""
-    return get_identity(request).caller(
-        request.headers.get("authorization"), trusted=over_socket(request)
-    )
+async def get_caller(request: Request) -> Caller:
+    """Who the request acts for. Raises :class:`~torpor.errors.AccessDenied` (audited).
+
+    The local owner (no token, where none is required) is answered at once; any other
+    request reads the token table (or writes the audit entry of a refusal) on the thread
+    pool, never on the event loop. The table is read on every request, so a revoke takes
+    effect on the next one.
+    """
+    identity = get_identity(request)
+    authorization = request.headers.get("authorization")
+    trusted = over_socket(request)
+    if not authorization and (trusted or not identity.require_token):
+        return identity.caller(None, trusted=trusted)  # no lookup, no I/O: not worth a thread
+    return await run_in_threadpool(identity.caller, authorization, trusted=trusted)
 
 
 CallerDep = Annotated[Caller, Depends(get_caller)]
