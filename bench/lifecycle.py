@@ -23,6 +23,7 @@ import contextlib
 import functools
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -123,9 +124,13 @@ class _Marks:
 
     def __init__(self, samples: dict[str, list[float]]) -> None:
         self.samples, self.phase = samples, "other"
+        self.counts: dict[str, list[float]] = {}
 
     def add(self, step: str, seconds: float) -> None:
         self.samples.setdefault(f"{self.phase}: {step}", []).append(seconds)
+
+    def count(self, what: str, n: float) -> None:
+        self.counts.setdefault(f"{self.phase}: {what}", []).append(n)
 
 
 class _TimedChannel:
@@ -185,6 +190,15 @@ class _TimedEngine:
         t0 = time.perf_counter()
         channel = await self.inner.connect(getattr(machine, "inner", machine), directory)
         self.marks.add("guest channel connect (first ping)", time.perf_counter() - t0)
+        first = getattr(channel, "first_ping", {})
+        if "answer_s" in first:  # how the wait splits (GuestChannel.first_ping)
+            self.marks.add("guest channel connect: socket accepted", first["socket_s"])
+            self.marks.add("guest channel connect: first ping sent -> answer", first["answer_s"])
+            self.marks.add(
+                "guest channel connect: the answered ping's round trip", first["round_trip_s"]
+            )
+            self.marks.count("pings sent", first["pings"])
+            self.marks.count("the answered ping (1 = the first)", first["answered"])
         return _TimedChannel(channel, self.marks)
 
 
@@ -455,6 +469,9 @@ async def run(
         },
         "reps": reps,
         "stats": stats,
+        "counts": {
+            k: {"median": statistics.median(v), "max": max(v)} for k, v in marks.counts.items()
+        },
         "ram_intact_after_wakes": ok,
         "paused_sandbox": paused,
         "template_cold_boot_s": {"from_build": info.boot_seconds, "measured": cold_s},
@@ -527,6 +544,8 @@ def render(result: dict[str, Any]) -> None:
             k = result["stats"][sdk_key]["median_ms"]
             pairs.add_row(engine_key, f"{e:.1f}", f"{k:.1f}", f"{k - e:.1f}", f"{k / e:.2f}")
         console.print(pairs)
+    for what, c in result.get("counts", {}).items():
+        console.print(f"{what}: median {c['median']:g}, max {c['max']:g}")
     load = result["load"]
     console.print(
         "load average (1, 5, 15 min): "
