@@ -63,8 +63,8 @@ def checkpoints_of(request: Request, manager: Any) -> Checkpoints:
     return cp
 
 
-def _checkpoints(request: Request, manager: Manager) -> Checkpoints:
-    return checkpoints_of(request, manager)
+async def _checkpoints(request: Request, manager: Manager) -> Checkpoints:
+    return checkpoints_of(request, manager)  # async: no trip to the thread pool (deps.py)
 
 
 #: the app's Checkpoints, for a route's signature (after ``tenant``: the caller is checked first)
