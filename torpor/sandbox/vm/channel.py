@@ -56,6 +56,9 @@ TIMEOUT_GRACE = 15.0
 FIRST_PING_RETRY = 0.02
 #: a refresh done by connect() stands in for a refresh() this soon after, nothing between
 FRESH_FOR = 2.0
+#: ops the agent serves on its read loop, in arrival order (its ``INLINE_OPS``): a cancel
+#: cannot stop one, so none is sent
+INLINE_OPS = frozenset({"ping", "refresh"})
 
 
 @dataclass
@@ -402,7 +405,11 @@ class GuestChannel:
                 await asyncio.wait({pending.future}, timeout=wait)
             reply = pending.future.result()
         except asyncio.CancelledError:
-            self._send_cancel(rid)
+            # The agent serves a ping in order on its read loop, so no cancel can stop one:
+            # the first ping's spare retries (connect) would only be more frames for a waking
+            # guest to read before its first real request.
+            if op not in INLINE_OPS:
+                self._send_cancel(rid)
             raise
         except proto.ProtocolError as exc:  # arguments that cannot be framed
             self._send_cancel(rid)
