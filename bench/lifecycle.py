@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import os
 import platform
+import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -31,6 +34,15 @@ from typing import Any
 from bench._common import bench_home, summary, write_results
 
 RESULTS = Path(__file__).parent / "results" / "lifecycle.json"
+Samples = dict[str, list[float]]
+#: (engine step, the same through the SDK and the server): the SDK/server path's cost
+SDK_PAIRS = [
+    ("create", "sdk_create"),
+    ("interpreter", "sdk_interpreter"),
+    ("pause", "sdk_pause"),
+    ("wake", "sdk_wake"),
+    ("wake_and_call", "sdk_wake_and_call"),
+]
 #: the QEMU start floor (ms) of the idle host the issue's goals were measured on
 ISSUE_FLOOR_MS = 36.0
 
@@ -112,9 +124,13 @@ class _Marks:
 
     def __init__(self, samples: dict[str, list[float]]) -> None:
         self.samples, self.phase = samples, "other"
+        self.counts: dict[str, list[float]] = {}
 
     def add(self, step: str, seconds: float) -> None:
         self.samples.setdefault(f"{self.phase}: {step}", []).append(seconds)
+
+    def count(self, what: str, n: float) -> None:
+        self.counts.setdefault(f"{self.phase}: {what}", []).append(n)
 
 
 class _TimedChannel:
@@ -174,6 +190,15 @@ class _TimedEngine:
         t0 = time.perf_counter()
         channel = await self.inner.connect(getattr(machine, "inner", machine), directory)
         self.marks.add("guest channel connect (first ping)", time.perf_counter() - t0)
+        first = getattr(channel, "first_ping", {})
+        if "answer_s" in first:  # how the wait splits (GuestChannel.first_ping)
+            self.marks.add("guest channel connect: socket accepted", first["socket_s"])
+            self.marks.add("guest channel connect: first ping sent -> answer", first["answer_s"])
+            self.marks.add(
+                "guest channel connect: the answered ping's round trip", first["round_trip_s"]
+            )
+            self.marks.count("pings sent", first["pings"])
+            self.marks.count("the answered ping (1 = the first)", first["answered"])
         return _TimedChannel(channel, self.marks)
 
 
@@ -229,12 +254,125 @@ async def _pooled_creates(home: Path, template: str, reps: int) -> list[float]:
     return out
 
 
-async def run(reps: int, cold: bool, home: Path, template: str = "python") -> dict[str, Any]:
+def _serve(home: Path) -> subprocess.Popen[bytes]:
+    """``torpor serve`` on ``home`` (its unix socket only), as the SDK's local server."""
+    env = {**os.environ, "TORPOR_HOME": str(home)}
+    for var in ("TORPOR_URL", "TORPOR_TOKEN"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torpor.cli", "serve", "--embedder", "none"]
+    return subprocess.Popen(
+        [*cmd, "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+class _Sdk:
+    """The same steps through the public SDK, against a ``torpor serve`` of another home (the
+    unix socket), each right after the engine's own (so load hits both alike): what the
+    server and the client add to the engine's numbers."""
+
+    KEYS = (
+        "sdk_create",
+        "sdk_interpreter",
+        "sdk_pause",
+        "sdk_wake",
+        "sdk_wake_and_call",
+        "sdk_call_wakes",
+        "sdk_get_or_create_and_call",
+    )
+
+    def __init__(self, home: Path, template: str, memory_mib: int, samples: Samples) -> None:
+        from torpor.client import Runtime, Sandbox
+
+        self.template, self.memory_mib = template, memory_mib
+        for key in self.KEYS:
+            samples[key] = []
+        self.samples = samples
+        self.proc = _serve(home)
+        self.rt = Runtime(home=home, autostart=False)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                self.rt.health()
+                break
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise
+                time.sleep(0.05)
+        self.sbx = Sandbox.create(template, name="sdk", memory_mib=memory_mib, runtime=self.rt)
+        self.sbx.interpreter.run("0")
+
+    def _add(self, key: str, t0: float) -> None:
+        self.samples[key].append(time.perf_counter() - t0)
+
+    def create(self, i: int) -> None:
+        from torpor.client import Sandbox
+
+        t0 = time.perf_counter()
+        made = Sandbox.create(
+            self.template, name=f"s{i}", memory_mib=self.memory_mib, runtime=self.rt
+        )
+        self._add("sdk_create", t0)
+        made.kill()
+
+    def interpreter(self) -> None:
+        t0 = time.perf_counter()
+        self.sbx.interpreter.run("1 + 1")
+        self._add("sdk_interpreter", t0)
+
+    def wakes(self) -> None:
+        """Pause, then wake three ways: resume + a call (as the engine's wake and
+        wake_and_call), a call alone (wake-on-request), get_or_create + a call (what an
+        agent's session starts with, DESIGN.md)."""
+        from torpor.client import Sandbox
+
+        t0 = time.perf_counter()
+        self.sbx.pause()
+        self._add("sdk_pause", t0)
+        t0 = time.perf_counter()
+        self.sbx.resume()
+        self._add("sdk_wake", t0)
+        self.sbx.interpreter.run("1")
+        self._add("sdk_wake_and_call", t0)
+        self.sbx.pause()
+        t0 = time.perf_counter()
+        self.sbx.interpreter.run("1")
+        self._add("sdk_call_wakes", t0)
+        self.sbx.pause()
+        t0 = time.perf_counter()
+        Sandbox.get_or_create("sdk", runtime=self.rt).interpreter.run("1")
+        self._add("sdk_get_or_create_and_call", t0)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.sbx.kill()
+        self.rt.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _elapsed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+async def run(
+    reps: int, cold: bool, home: Path, template: str = "python", sdk: bool = True
+) -> dict[str, Any]:
     from torpor.config import paths
     from torpor.sandbox import template as templates
     from torpor.sandbox.engine import QemuEngine
     from torpor.sandbox.manager import SandboxManager
 
+    load_before = os.getloadavg()
     info = templates.get(template)
     samples: dict[str, list[float]] = {
         k: []
@@ -244,7 +382,14 @@ async def run(reps: int, cold: bool, home: Path, template: str = "python") -> di
     mgr = SandboxManager(
         paths(home), engine=_TimedEngine(QemuEngine(paths(home), pool_size=0), marks)
     )
+    # the SDK's steps run on a server of a home of their own, each right after the engine's
+    # (blocking calls: the engine waits meanwhile, its machines idle)
+    side: _Sdk | None = None
+    stack = contextlib.ExitStack()
     try:
+        if sdk:
+            side = _Sdk(stack.enter_context(bench_home()), template, info.memory_mib, samples)
+            stack.callback(side.close)
         # create: a fork of the template's booted snapshot (each one killed afterwards)
         sbx = await mgr.create(name="bench", template=template, memory_mib=info.memory_mib)
         await mgr.run_code("bench", "0")  # start the guest's interpreter once
@@ -255,9 +400,13 @@ async def run(reps: int, cold: bool, home: Path, template: str = "python") -> di
             )
             samples["create"].append(await _timed(create))
             await mgr.kill(f"c{i}")
+            if side is not None:
+                side.create(i)
         for _ in range(reps):
             samples["command"].append(await _timed(lambda: mgr.run_command("bench", "true")))
             samples["interpreter"].append(await _timed(lambda: mgr.run_code("bench", "1 + 1")))
+            if side is not None:
+                side.interpreter()
         await mgr.run_code("bench", "kept = list(range(1000))")
         for _ in range(reps):
             marks.phase = "pause"
@@ -269,6 +418,8 @@ async def run(reps: int, cold: bool, home: Path, template: str = "python") -> di
             samples["wake"].append(time.perf_counter() - t0)
             await mgr.run_code("bench", "1")
             samples["wake_and_call"].append(time.perf_counter() - t0)
+            if side is not None:
+                side.wakes()
         marks.phase = "other"
         ok = (await mgr.run_code("bench", "sum(kept)")).text == str(sum(range(1000)))
         await mgr.pause("bench")
@@ -277,6 +428,7 @@ async def run(reps: int, cold: bool, home: Path, template: str = "python") -> di
         cold_s = await _cold_boot(home) if cold else None
     finally:
         await mgr.close()
+        stack.close()
     samples["create_pooled"] = await _pooled_creates(home, template, reps)
     stats = {k: summary(v) for k, v in samples.items()}
     floor = stats["floor"]["median_ms"]
@@ -294,8 +446,20 @@ async def run(reps: int, cold: bool, home: Path, template: str = "python") -> di
         ("command round trip", stats["command"]["median_ms"], 50.0),
         ("paused: no QEMU, RSS 0", float(len(paused["qemu_pids"]) + paused["rss_kib"]), 0.0),
     ]
+    if sdk:
+        targets.append(
+            (
+                "wake + first call through the SDK <= 130 ms",
+                stats["sdk_wake_and_call"]["median_ms"],
+                130.0,
+            )
+        )
+        for engine_key, sdk_key in SDK_PAIRS:
+            added = stats[sdk_key]["median_ms"] - stats[engine_key]["median_ms"]
+            targets.append((f"SDK/server adds to {engine_key} <= 25 ms", added, 25.0))
     return {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load": {"before": load_before, "after": os.getloadavg()},
         "host": {
             "cpus": os.cpu_count(),
             "machine": platform.machine(),
@@ -305,6 +469,9 @@ async def run(reps: int, cold: bool, home: Path, template: str = "python") -> di
         },
         "reps": reps,
         "stats": stats,
+        "counts": {
+            k: {"median": statistics.median(v), "max": max(v)} for k, v in marks.counts.items()
+        },
         "ram_intact_after_wakes": ok,
         "paused_sandbox": paused,
         "template_cold_boot_s": {"from_build": info.boot_seconds, "measured": cold_s},
@@ -342,7 +509,20 @@ def render(result: dict[str, Any]) -> None:
         "wake": "wake (+ channel + refresh + registry)",
         "wake_and_call": "wake + first interpreter call",
     }
+    labels.update(
+        {
+            "sdk_create": "SDK: create",
+            "sdk_interpreter": "SDK: interpreter round trip",
+            "sdk_pause": "SDK: pause",
+            "sdk_wake": "SDK: resume (wake)",
+            "sdk_wake_and_call": "SDK: resume + first interpreter call",
+            "sdk_call_wakes": "SDK: interpreter call that wakes it",
+            "sdk_get_or_create_and_call": "SDK: get_or_create + first call",
+        }
+    )
     for key, label in labels.items():
+        if key not in result["stats"]:
+            continue
         s = result["stats"][key]
         table.add_row(label, f"{s['median_ms']:.1f}", f"{s['p95_ms']:.1f}", f"{s['min_ms']:.1f}")
         for step in sorted(k for k in result["stats"] if k.startswith(f"{key}: ")):
@@ -355,6 +535,23 @@ def render(result: dict[str, Any]) -> None:
                 style="dim",
             )
     console.print(table)
+    if "sdk_wake" in result["stats"]:
+        pairs = Table(title="the same operation: engine vs SDK (same run, medians)")
+        for col in ("operation", "engine ms", "SDK ms", "SDK - engine ms", "SDK / engine"):
+            pairs.add_column(col, justify="right" if col != "operation" else "left")
+        for engine_key, sdk_key in SDK_PAIRS:
+            e = result["stats"][engine_key]["median_ms"]
+            k = result["stats"][sdk_key]["median_ms"]
+            pairs.add_row(engine_key, f"{e:.1f}", f"{k:.1f}", f"{k - e:.1f}", f"{k / e:.2f}")
+        console.print(pairs)
+    for what, c in result.get("counts", {}).items():
+        console.print(f"{what}: median {c['median']:g}, max {c['max']:g}")
+    load = result["load"]
+    console.print(
+        "load average (1, 5, 15 min): "
+        + ", ".join(f"{' '.join(f'{x:.1f}' for x in load[k])} {k}" for k in ("before", "after"))
+        + f" the run, on {result['host']['cpus']} CPUs"
+    )
     paused = result["paused_sandbox"]
     console.print(
         f"paused sandbox: QEMU pids {paused['qemu_pids'] or 'none'}, RSS "
@@ -389,6 +586,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--cold", action="store_true", help="also time one cold boot")
     parser.add_argument(
+        "--no-sdk", action="store_true", help="skip the same steps through the SDK and a server"
+    )
+    parser.add_argument(
         "--sizes",
         default="512:python,2048:python-2g",
         help="guest sizes as MiB:template (a size whose template is missing is skipped)",
@@ -405,7 +605,7 @@ def main() -> None:
             print(f"{size} MiB skipped: no template {template!r}")
             continue
         with bench_home() as home:
-            result = asyncio.run(run(args.reps, args.cold, home, template))
+            result = asyncio.run(run(args.reps, args.cold, home, template, not args.no_sdk))
         render(result)
         results[size] = result
     write_results(RESULTS, {"sizes": results})

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from torpor.sandbox.guest import protocol as proto
 from torpor.sandbox.vm.channel import GuestChannel
 
 AGENT = Path(__file__).parents[2] / "torpor" / "sandbox" / "guest" / "agent.py"
@@ -105,3 +106,78 @@ def test_connect_without_refresh_leaves_refresh_to_do(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_connect_says_how_the_first_ping_went(tmp_path: Path) -> None:
+    # connect() records how it reached the agent (benchmarks split a wake with it): the
+    # agent starts after the host, so the host waits for the socket, and each reconnection
+    # (a wake) is timed afresh.
+    async def connect_twice(sock: Path) -> list[dict[str, float]]:
+        firsts = []
+        for _ in range(2):
+            async with await GuestChannel.connect(sock, timeout=20) as ch:
+                await ch.ping()
+                firsts.append(dict(ch.first_ping))
+        return firsts
+
+    async def main(directory: Path) -> list[dict[str, float]]:
+        task = asyncio.create_task(connect_twice(directory / "agent.sock"))
+        await asyncio.sleep(0.2)
+        proc = _agent(directory)
+        try:
+            return await task
+        finally:
+            proc.kill()
+            proc.wait()
+
+    firsts = asyncio.run(main(tmp_path / "a"))
+    assert firsts[0]["socket_s"] >= 0.2  # waited for the agent to listen
+    for first in firsts:
+        assert set(first) == {"socket_s", "pings", "answered", "answer_s", "round_trip_s"}
+        assert 1 <= first["answered"] <= first["pings"]
+        assert first["answer_s"] >= first["round_trip_s"] > 0
+    assert firsts[1]["socket_s"] < firsts[0]["socket_s"]
+
+
+def test_spare_pings_are_not_cancelled(tmp_path: Path) -> None:
+    # A slow agent (a waking guest) answers the first ping late: connect() pings again
+    # meanwhile, and once answered it sends no cancel for the spare pings (the agent serves
+    # pings in order and cannot cancel one: each cancel would only be one more frame to read).
+    sock = tmp_path / "agent.sock"
+    seen: list[tuple[str, str]] = []
+
+    async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        decoder = proto.FrameDecoder()
+        first: int | None = None
+        loop = asyncio.get_running_loop()
+        answer_at = loop.time() + 0.15
+        while True:
+            try:
+                data = await asyncio.wait_for(reader.read(1 << 16), 0.05)
+            except TimeoutError:
+                data = None
+            if data == b"":
+                return
+            for frame in decoder.feed(data or b""):
+                seen.append((frame.type, str(frame.header.get("op", ""))))
+                if first is None and frame.type == proto.REQ:
+                    first = frame.id
+            if first is not None and loop.time() >= answer_at:
+                result = {"version": proto.PROTOCOL_VERSION}
+                reply = {"i": first, "t": proto.REPLY, "ok": True, "result": result}
+                writer.write(proto.encode_frame(reply))
+                first, answer_at = None, float("inf")
+
+    async def main() -> dict[str, float]:
+        server = await asyncio.start_unix_server(agent, str(sock))
+        async with server:
+            channel = await GuestChannel.connect(sock, timeout=10, refresh=False)
+            await asyncio.sleep(0.2)  # what the host sends after the answer reaches the agent
+            first = dict(channel.first_ping)
+            await channel.close()
+            return first
+
+    first = asyncio.run(main())
+    assert first["pings"] >= 3 and first["answered"] == 1
+    assert seen.count((proto.REQ, "ping")) == first["pings"]
+    assert not [t for t, _ in seen if t == proto.CANCEL]

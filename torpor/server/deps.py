@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from torpor.errors import SandboxNotFound, SnapshotNotFound
 from torpor.sandbox.checkpoints import Checkpoints
@@ -70,15 +71,33 @@ def over_socket(request: Request) -> bool:
     return server is not None and server[1] is None
 
 
-def get_caller(request: Request) -> Caller:
-    """Who the request acts for. Raises :class:`~torpor.errors.AccessDenied` (audited)."""
-    return get_identity(request).caller(
-        request.headers.get("authorization"), trusted=over_socket(request)
-    )
+async def get_caller(request: Request) -> Caller:
+    """Who the request acts for. Raises :class:`~torpor.errors.AccessDenied` (audited).
+
+    The local owner (no token, where none is required) is answered at once; any other
+    request reads the token table (or writes the audit entry of a refusal) on the thread
+    pool, never on the event loop. The table is read on every request, so a revoke takes
+    effect on the next one.
+    """
+    identity = get_identity(request)
+    authorization = request.headers.get("authorization")
+    trusted = over_socket(request)
+    if not authorization and (trusted or not identity.require_token):
+        return identity.caller(None, trusted=trusted)  # no lookup, no I/O: not worth a thread
+    return await run_in_threadpool(identity.caller, authorization, trusted=trusted)
+
+
+# The dependencies below are ``async`` though they do no I/O: FastAPI runs a plain ``def``
+# dependency on its thread pool, and a trip there and back costs more than the call itself
+# (milliseconds on a loaded machine, on every request).
+
+
+async def _identity(request: Request) -> Identity:
+    return get_identity(request)
 
 
 CallerDep = Annotated[Caller, Depends(get_caller)]
-IdentityDep = Annotated[Identity, Depends(get_identity)]
+IdentityDep = Annotated[Identity, Depends(_identity)]
 
 
 def _action(request: Request) -> str:
@@ -159,7 +178,11 @@ async def visible_snapshot(request: Request, caller: Caller, target: str) -> Sna
 
 # The manager is typed loosely on purpose: the server also runs against test doubles and
 # against managers that CHECKPOINTS extends; each route calls one documented method.
-Manager = Annotated[Any, Depends(get_manager)]
+async def _manager(request: Request) -> Any:
+    return get_manager(request)
+
+
+Manager = Annotated[Any, Depends(_manager)]
 Tenant = Annotated[str, Depends(get_tenant)]
 
 

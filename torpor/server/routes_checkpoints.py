@@ -61,8 +61,8 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["checkpoints"])
 
 
-def _checkpoints(request: Request, manager: Manager) -> Checkpoints:
-    return checkpoints_of(request, manager)
+async def _checkpoints(request: Request, manager: Manager) -> Checkpoints:
+    return checkpoints_of(request, manager)  # async: no trip to the thread pool (deps.py)
 
 
 #: the app's Checkpoints, for a route's signature (after ``tenant``: the caller is checked first)

@@ -30,19 +30,23 @@ audited AccessDenied, as ``Memory.scope(tenant=...)``)::
 
 Tokens are :mod:`torpor.server.routes_tokens`. The caller's grants apply exactly as they do to
 an embedded ``Memory(token=...)`` (the local owner has every scope). The routes are plain
-``def``: the stores block, so FastAPI runs them on its thread pool.
+``def``: the stores block, so FastAPI runs them on its thread pool. Each renders its own answer
+there (:func:`_json`; the model stays declared for the OpenAPI document), so a request crosses
+between threads once: FastAPI would validate and render a returned model in a second trip to the
+pool, and on a loaded machine each trip costs more than the rendering itself.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from torpor.errors import InvalidArgument, PayloadTooLarge
 from torpor.memory import Memory, ScopedMemory
@@ -226,67 +230,79 @@ def _scope(request: Request, caller: Caller, scope: str, tenant: str | None) -> 
     return mem.scope_from_path(scope)
 
 
+@functools.cache
+def _adapter(model: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(model)
+
+
+def _json(model: Any, value: Any) -> Response:
+    """``value`` rendered as the JSON of ``model`` (the route's ``response_model``), on the
+    calling thread (see the module docstring)."""
+    body = _adapter(model).dump_json(value, by_alias=True)
+    return Response(body, media_type="application/json")
+
+
 # -- routes --------------------------------------------------------------------------------------
 
 
-@router.get("/scope")
+@router.get("/scope", response_model=ScopeOut)
 def open_scope(
     request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
-) -> ScopeOut:
+) -> Response:
     """Open a scope: what ``Memory.scope()`` checks (a valid path the caller may read)."""
     s = _scope(request, caller, scope, tenant)
-    return ScopeOut(tenant=s.scope.tenant, scope=s.path)
+    return _json(ScopeOut, ScopeOut(tenant=s.scope.tenant, scope=s.path))
 
 
-@router.post("/remember")
+@router.post("/remember", response_model=Fact)
 def remember(
     body: RememberBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> Fact:
+) -> Response:
     """Store a fact (with ``key``: supersede the current fact with that key)."""
     [fact] = _scope(request, caller, scope, tenant).remember_many([body.model_dump()])
-    return fact
+    return _json(Fact, fact)
 
 
-@router.post("/remember_many")
+@router.post("/remember_many", response_model=list[Fact])
 def remember_many(
     body: RememberManyBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> list[Fact]:
+) -> Response:
     """Store many facts in one transaction (all or nothing)."""
-    return _scope(request, caller, scope, tenant).remember_many(body.items)
+    return _json(list[Fact], _scope(request, caller, scope, tenant).remember_many(body.items))
 
 
-@router.post("/log")
+@router.post("/log", response_model=Episode)
 def log_turn(
     body: LogBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> Episode:
+) -> Response:
     """Append one turn to the episodic log."""
     [episode] = _scope(request, caller, scope, tenant).log_many([body.model_dump()])
-    return episode
+    return _json(Episode, episode)
 
 
-@router.post("/log_many")
+@router.post("/log_many", response_model=list[Episode])
 def log_many(
     body: LogManyBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> list[Episode]:
+) -> Response:
     """Append many turns in one transaction (all or nothing)."""
     turns = [{**t, "at": _time(t.get("at"), "at")} if "at" in t else t for t in body.turns]
-    return _scope(request, caller, scope, tenant).log_many(turns)
+    return _json(list[Episode], _scope(request, caller, scope, tenant).log_many(turns))
 
 
 def _time(value: Any, what: str) -> datetime | None:
@@ -298,62 +314,65 @@ def _time(value: Any, what: str) -> datetime | None:
         raise InvalidArgument(f"{what} must be an ISO 8601 time, not {value!r}") from None
 
 
-@router.post("/recall")
+@router.post("/recall", response_model=list[Hit])
 def recall(
     body: RecallBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> list[Hit]:
+) -> Response:
     """The best records for a query from this scope and its ancestors."""
-    return _scope(request, caller, scope, tenant).recall(**body.model_dump())
+    return _json(list[Hit], _scope(request, caller, scope, tenant).recall(**body.model_dump()))
 
 
-@router.post("/context")
+@router.post("/context", response_model=ContextOut)
 def context(
     body: ContextBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> ContextOut:
+) -> Response:
     """A prompt-ready block within a token budget."""
     c = _scope(request, caller, scope, tenant).context(**body.model_dump())
-    return ContextOut(
-        text=c.text,
-        tokens=c.tokens,
-        budget_tokens=c.budget_tokens,
-        ids=list(c.ids),
-        profile_used=c.profile_used,
+    return _json(
+        ContextOut,
+        ContextOut(
+            text=c.text,
+            tokens=c.tokens,
+            budget_tokens=c.budget_tokens,
+            ids=list(c.ids),
+            profile_used=c.profile_used,
+        ),
     )
 
 
-@router.get("/history")
+@router.get("/history", response_model=list[Fact])
 def history(
     request: Request,
     caller: CallerDep,
     key: Annotated[str, Query(max_length=1000)],
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> list[Fact]:
+) -> Response:
     """Every version of a keyed fact in this scope, oldest first."""
-    return _scope(request, caller, scope, tenant).history(key)
+    return _json(list[Fact], _scope(request, caller, scope, tenant).history(key))
 
 
-@router.get("/records/{record_id}")
+@router.get("/records/{record_id}", response_model=Fact | Episode)
 def get_record(
     record_id: str,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> Fact | Episode:
+) -> Response:
     """One record visible from this scope."""
-    return _scope(request, caller, scope, tenant).get(record_id)
+    return _json(Fact | Episode, _scope(request, caller, scope, tenant).get(record_id))
 
 
-@router.post("/records/{record_id}/update")
+@router.post("/records/{record_id}/update", response_model=Fact)
 def update_record(
     record_id: str,
     body: UpdateBody,
@@ -361,92 +380,94 @@ def update_record(
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> Fact:
+) -> Response:
     """A new version of a keyed fact (the old one stays in its history)."""
-    return _scope(request, caller, scope, tenant).update(record_id, **body.model_dump())
+    return _json(
+        Fact, _scope(request, caller, scope, tenant).update(record_id, **body.model_dump())
+    )
 
 
-@router.post("/get_all")
+@router.post("/get_all", response_model=RecordPage)
 def get_all(
     body: GetAllBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> RecordPage:
+) -> Response:
     """One page of the current records stored in this scope, newest first."""
-    return _scope(request, caller, scope, tenant).get_all(**body.model_dump())
+    return _json(RecordPage, _scope(request, caller, scope, tenant).get_all(**body.model_dump()))
 
 
-@router.delete("/records/{record_id}")
+@router.delete("/records/{record_id}", response_model=Erased)
 def forget_record(
     record_id: str,
     request: Request,
     caller: CallerDep,
     scope: Annotated[str | None, Query(max_length=2000)] = None,
     tenant: TenantQuery = None,
-) -> Erased:
+) -> Response:
     """Erase one record: anywhere in the tenant (``Memory.forget(id)``), or with ``scope``
     only in that scope subtree (``ScopedMemory.forget(id)``)."""
     if scope is None:
         mem = memory_of(request, caller)
         if tenant is not None:
             mem.access.require_tenant(tenant, "forget")
-        return Erased(erased=mem.forget(record_id))
-    return Erased(erased=_scope(request, caller, scope, tenant).forget(record_id))
+        return _json(Erased, Erased(erased=mem.forget(record_id)))
+    return _json(Erased, Erased(erased=_scope(request, caller, scope, tenant).forget(record_id)))
 
 
-@router.delete("/scope")
+@router.delete("/scope", response_model=Erased)
 def forget_scope(
     request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
-) -> Erased:
+) -> Response:
     """Erase the whole scope subtree (records, profiles, policies)."""
-    return Erased(erased=_scope(request, caller, scope, tenant).forget())
+    return _json(Erased, Erased(erased=_scope(request, caller, scope, tenant).forget()))
 
 
-@router.get("/profile")
+@router.get("/profile", response_model=dict[str, Any])
 def get_profile(
     request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
-) -> dict[str, Any]:
+) -> Response:
     """This scope's profile data (``{}`` when none is set)."""
-    return _scope(request, caller, scope, tenant).get_profile()
+    return _json(dict[str, Any], _scope(request, caller, scope, tenant).get_profile())
 
 
-@router.put("/profile")
+@router.put("/profile", response_model=Profile)
 def set_profile(
     body: ProfileBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> Profile:
+) -> Response:
     """Replace (or merge into) the profile, checked against a JSON schema."""
     s = _scope(request, caller, scope, tenant)
-    return s.set_profile(body.data, schema=body.json_schema, merge=body.merge)
+    return _json(Profile, s.set_profile(body.data, schema=body.json_schema, merge=body.merge))
 
 
-@router.put("/policy")
+@router.put("/policy", response_model=Policy)
 def set_policy(
     body: PolicyBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> Policy:
+) -> Response:
     """Set this scope's retention and the default TTL of cache records."""
-    return _scope(request, caller, scope, tenant).set_policy(**body.model_dump())
+    return _json(Policy, _scope(request, caller, scope, tenant).set_policy(**body.model_dump()))
 
 
-@router.post("/verify")
+@router.post("/verify", response_model=list[Fact])
 def verify(
     body: VerifyBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> list[Fact]:
+) -> Response:
     """Re-check the sources of one fact or of every sourced fact in this scope."""
-    return _scope(request, caller, scope, tenant).verify(body.record_id)
+    return _json(list[Fact], _scope(request, caller, scope, tenant).verify(body.record_id))
 
 
 @router.get("/export", response_class=NDJSONResponse)
@@ -489,38 +510,38 @@ async def import_(
     return Imported(imported=n)
 
 
-@router.post("/fork")
+@router.post("/fork", response_model=ScopeOut)
 def fork(
     body: ForkBody,
     request: Request,
     caller: CallerDep,
     scope: ScopeQuery = "",
     tenant: TenantQuery = None,
-) -> ScopeOut:
+) -> Response:
     """Copy this scope subtree to a new scope of the same tenant."""
     target = _scope(request, caller, scope, tenant).fork(**body.levels)
-    return ScopeOut(tenant=target.scope.tenant, scope=target.path)
+    return _json(ScopeOut, ScopeOut(tenant=target.scope.tenant, scope=target.path))
 
 
-@router.post("/gc")
-def gc(request: Request, caller: CallerDep, tenant: TenantQuery = None) -> Purged:
+@router.post("/gc", response_model=Purged)
+def gc(request: Request, caller: CallerDep, tenant: TenantQuery = None) -> Response:
     """Purge expired records for good (needs write on the tenant's root)."""
     mem = memory_of(request, caller)
     if tenant is not None:
         mem.access.require_tenant(tenant, "gc")
-    return Purged(purged=mem.gc())
+    return _json(Purged, Purged(purged=mem.gc()))
 
 
-@router.get("/audit")
+@router.get("/audit", response_model=list[AuditEntry])
 def audit(
     request: Request,
     caller: CallerDep,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     tenant: TenantQuery = None,
-) -> list[AuditEntry]:
+) -> Response:
     """The tenant's newest audit entries (needs read on the tenant's root)."""
     mem = memory_of(request, caller)
     if tenant is not None:
         mem.access.require_tenant(tenant, "audit")
     mem.access.require("read", "", "audit")
-    return mem.audit_log(limit)
+    return _json(list[AuditEntry], mem.audit_log(limit))

@@ -56,6 +56,9 @@ TIMEOUT_GRACE = 15.0
 FIRST_PING_RETRY = 0.02
 #: a refresh done by connect() stands in for a refresh() this soon after, nothing between
 FRESH_FOR = 2.0
+#: ops the agent serves on its read loop, in arrival order (its ``INLINE_OPS``): a cancel
+#: cannot stop one, so none is sent
+INLINE_OPS = frozenset({"ping", "refresh"})
 
 
 @dataclass
@@ -125,6 +128,11 @@ class GuestChannel:
         self._next_id = random.getrandbits(40)
         self._decoder = proto.FrameDecoder()
         self._closed: GuestError | None = None
+        #: how :meth:`connect` reached the agent (benchmarks split a wake with it): seconds
+        #: until the socket accepted (``socket_s``), ``pings`` sent, which one was
+        #: ``answered`` (1: the first), seconds from the first ping to the answer
+        #: (``answer_s``) and the answered ping's own round trip (``round_trip_s``)
+        self.first_ping: dict[str, float] = {}
         # (when, result) of the refresh connect() did, until another request is sent
         self._fresh: tuple[float, dict[str, Any]] | None = None
         self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
@@ -150,7 +158,8 @@ class GuestChannel:
         Raises :class:`OperationTimeout`, or :class:`GuestError` if the agent speaks another
         protocol version (a stale template)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        started = loop.time()
+        deadline = started + timeout
         last_exc: BaseException | None = None
         while loop.time() < deadline:
             try:
@@ -161,6 +170,7 @@ class GuestChannel:
                 continue
             channel = cls(reader, writer, limits=limits, op_timeout=op_timeout, on_call=on_call)
             try:
+                channel.first_ping["socket_s"] = loop.time() - started
                 await channel._first_ping(deadline, refresh)
                 return channel
             except GuestError as exc:  # hung up before answering: try a new connection
@@ -198,6 +208,7 @@ class GuestChannel:
         if refresh:
             entropy = os.urandom(64)
             args = {"refresh": {"unix_time": time.time()}}
+        sent: list[float] = []  # when each ping went out
         try:
             while True:
                 left = deadline - loop.time()
@@ -205,6 +216,7 @@ class GuestChannel:
                     raise OperationTimeout("the guest agent did not answer a ping", seconds=left)
                 if refresh:  # the clock as of this ping, not the first one
                     args = {"refresh": {"unix_time": time.time()}}
+                sent.append(loop.time())
                 tasks.append(loop.create_task(self._request("ping", args, entropy, idle=None)))
                 done, _ = await asyncio.wait(
                     tasks, timeout=min(interval, left), return_when=asyncio.FIRST_COMPLETED
@@ -216,6 +228,13 @@ class GuestChannel:
                     done_refresh = info.get("refresh")
                     if isinstance(done_refresh, dict):  # an older agent ignores the ask
                         self._fresh = (time.monotonic(), done_refresh)
+                    now, answered = loop.time(), tasks.index(task)
+                    self.first_ping.update(
+                        pings=len(tasks),
+                        answered=answered + 1,
+                        answer_s=now - sent[0],
+                        round_trip_s=now - sent[answered],
+                    )
                     return
                 interval = min(interval * 1.5, 1.0)
         finally:
@@ -397,7 +416,11 @@ class GuestChannel:
                 await asyncio.wait({pending.future}, timeout=wait)
             reply = pending.future.result()
         except asyncio.CancelledError:
-            self._send_cancel(rid)
+            # The agent serves a ping in order on its read loop, so no cancel can stop one:
+            # the first ping's spare retries (connect) would only be more frames for a waking
+            # guest to read before its first real request.
+            if op not in INLINE_OPS:
+                self._send_cancel(rid)
             raise
         except proto.ProtocolError as exc:  # arguments that cannot be framed
             self._send_cancel(rid)

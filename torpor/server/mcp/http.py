@@ -159,7 +159,7 @@ async def caller_context(request: Request) -> ToolContext:
     """
     from torpor.server.routes_checkpoints import checkpoints_of
 
-    caller = get_caller(request)
+    caller = await get_caller(request)
     app: FastAPI = request.app
     manager = app.state.manager
     memory = await memory_for(app, caller.tenant)
