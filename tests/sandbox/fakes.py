@@ -169,6 +169,9 @@ class FakeMachine:
     async def kill(self) -> None:
         self.engine.crash(self.directory)
 
+    async def release(self) -> None:
+        return None
+
     def is_running(self) -> bool:
         return self.directory in self.engine.world.processes
 

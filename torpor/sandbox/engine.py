@@ -130,6 +130,12 @@ class Machine(Protocol):
 
     async def kill(self) -> None: ...
 
+    async def release(self) -> None:
+        """Drop this process's hold on the machine (its monitor connection), leaving it
+        running: a manager that closes without pausing, so the next one can re-attach. A
+        no-op when not connected."""
+        ...
+
     def is_running(self) -> bool: ...
 
 

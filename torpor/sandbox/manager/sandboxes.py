@@ -884,6 +884,9 @@ class SandboxManager(ManagerCore):
                 with suppress(Exception):
                     await live.channel.close()
                 live.channel = None
+            if live.machine is not None:  # still running (not paused): let the next attach
+                with suppress(Exception):
+                    await live.machine.release()
         if self.cluster is not None:  # the pauses just made: durable before the node goes
             await self.cluster.wait_pushes(CLOSE_PUSH_SECONDS)
             await self.cluster.close()

@@ -592,6 +592,11 @@ class QemuMachine:
                 raise EngineError(f"loading the state took over {MIGRATE_TIMEOUT}s")
             await asyncio.sleep(0.002)
 
+    async def release(self) -> None:
+        """Disconnect from QEMU's QMP, leaving QEMU running: QEMU serves one QMP client at a
+        time, so a manager that closes without pausing must let go for the next to attach."""
+        await self._disconnect()
+
     async def kill(self) -> None:
         """Kill QEMU at once (no state saved). Files are kept. A no-op when not running."""
         if self._pid is None:
