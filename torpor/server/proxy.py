@@ -10,7 +10,9 @@ a redirect would need every client to follow a 307 with its body and its token t
 and streamed command output would go through the same hop either way.
 
 A proxied request carries ``X-Torpor-Proxied-By: <node>`` and is never proxied again (two
-nodes that each think the other owns a sandbox answer the Conflict instead of looping). When
+nodes that each think the other owns a sandbox answer the Conflict instead of looping); the
+node it reaches sees it in :data:`~torpor.sandbox.manager.cluster.PROXIED`, so placement wakes
+the sandbox there rather than naming yet another node. When
 the owner cannot be reached, the caller gets the original Conflict (its lease lapses soon and
 any node then recovers the sandbox).
 """
@@ -23,6 +25,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import httpx
+
+from torpor.sandbox.manager.cluster import PROXIED
 
 __all__ = ["PROXIED_HEADER", "OwnerProxy"]
 
@@ -57,10 +61,18 @@ class OwnerProxy:
         self.node = node
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or any(
-            k.lower() == PROXIED_HEADER.encode() for k, _ in scope.get("headers", [])
-        ):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        via = next(
+            (v for k, v in scope.get("headers", []) if k.lower() == PROXIED_HEADER.encode()), None
+        )
+        if via is not None:
+            token = PROXIED.set(via.decode("latin-1") or "?")
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                PROXIED.reset(token)
             return
         parts: list[bytes] = []
         ended = False
