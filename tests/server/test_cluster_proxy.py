@@ -4,6 +4,7 @@ home and a fake engine (no VMs), on one real PostgreSQL and one real S3 server."
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -17,6 +18,8 @@ import torpor
 from tests.pg import PgCluster
 from tests.s3 import S3Server
 from tests.sandbox.fakes import FakeEngine
+from torpor.cli import main
+from torpor.client import set_default_runtime
 from torpor.config import paths
 from torpor.errors import Conflict
 from torpor.sandbox.manager import SandboxManager
@@ -90,3 +93,45 @@ def test_a_request_to_any_node_reaches_the_owner(two_nodes: tuple[str, str]) -> 
         assert conflict.value.data["owner_node"] == "n1"
         assert conflict.value.data["owner_url"] == n1
         assert rt2.sandboxes.get("agent").pause().state.value == "paused"  # proxied pause
+
+
+def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> object:
+    capsys.readouterr()
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        assert not exc.code, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_nodes_and_drain_over_http(
+    two_nodes: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    n1, n2 = two_nodes
+    with torpor.Runtime(url=n1) as rt1, torpor.Runtime(url=n2) as rt2:
+        sbx = rt1.sandboxes.create(name="agent")
+        sbx.interpreter.run("x = 7")
+        set_default_runtime(rt2)
+        try:
+            listed = _cli_json(capsys, "nodes", "--json")
+        finally:
+            set_default_runtime(None)
+        assert isinstance(listed, list) and [n["name"] for n in listed] == ["n1", "n2"]
+        keys = {
+            "name", "url", "alive", "draining", "heartbeat_age_seconds", "accelerator",
+            "cpu_model", "capacity_mib", "vcpus", "sandboxes", "memory_mib", "this",
+        }  # fmt: skip
+        assert all(set(n) == keys for n in listed)
+        one, two = listed
+        assert one["url"] == n1 and one["sandboxes"] == 1 and one["memory_mib"] == 512
+        assert two["this"] and not one["this"] and one["alive"] and two["alive"]
+        report = rt2.drain_node("n1", timeout=60)  # sent to n2: proxied to n1, which drains
+        assert report.node == "n1" and [s.name for s in report.moved] == ["agent"]
+        assert report.moved[0].durable is not None and report.failed == []
+        assert [n.draining for n in rt1.nodes()] == [True, False]
+        # n1 takes nothing new: the wake and a create sent to it happen on n2 (proxied)
+        assert rt1.sandboxes.get("agent").interpreter.run("x").results[0].data["text/plain"] == "7"
+        assert rt2.nodes()[1].sandboxes == 1  # it runs on n2
+        made = rt1.sandboxes.create(name="new")
+        assert {n.name: n.sandboxes for n in rt1.nodes()} == {"n1": 0, "n2": 2}
+        made.kill()
