@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from torpor.errors import GuestError, InvalidArgument, NotFound, TorporError
-from torpor.sandbox.registry import Registry
+from torpor.sandbox.registry import AnyRegistry
 from torpor.sandbox.requests import PtySize, PtySpec
 
 
@@ -31,7 +31,7 @@ class _Manager(Protocol):
     """What the terminals use of the :class:`SandboxManager` that holds them."""
 
     @property
-    def registry(self) -> Registry: ...
+    def registry(self) -> AnyRegistry: ...
 
 
 __all__ = ["TOUCH_EVERY", "TerminalSession", "Terminals"]
