@@ -135,3 +135,58 @@ def test_nodes_and_drain_over_http(
         made = rt1.sandboxes.create(name="new")
         assert {n.name: n.sandboxes for n in rt1.nodes()} == {"n1": 0, "n2": 2}
         made.kill()
+
+
+def test_a_wake_whose_chosen_node_is_unreachable_happens_here(
+    tmp_path: Path,
+    pg_cluster: PgCluster,
+    pg_database: str,
+    s3_server: S3Server,
+    s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The origin node stops (its heartbeat still fresh: placement still picks it): the node
+    that got the request cannot proxy there and wakes the sandbox itself."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    nodes = []
+    for name in ("n1", "n2"):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = ClusterConfig(
+            dsn=pg_cluster.admin_dsn(pg_database),
+            store=f"s3://{s3_bucket}/u",
+            node=name,
+            url=url,
+            lease_seconds=30,
+            heartbeat_seconds=1,
+        )
+        manager = SandboxManager(paths(tmp_path / name), engine=FakeEngine(), cluster=config)
+        nodes.append((url, manager, *_serve(manager, sock), sock))
+    (u1, _, s1, t1, k1), (u2, m2, s2, t2, k2) = nodes
+    try:
+        with torpor.Runtime(url=u1) as rt1, torpor.Runtime(url=u2) as rt2:
+            sbx = rt1.sandboxes.create(name="agent")
+            sbx.interpreter.run("x = 5")
+            sbx.pause()
+            deadline = time.monotonic() + 30
+            while rt1.sandboxes.get("agent").info.durable is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            s1.should_exit = True  # n1 goes; its row stays alive for up to 30 s
+            t1.join(60)
+            k1.close()
+            assert [n.alive for n in rt2.nodes()] == [True, True]
+            assert m2.cluster is not None
+            assert m2.cluster.place(sbx.id)[0] is not None  # placement still says n1
+            out = rt2.sandboxes.get("agent").interpreter.run("x")
+            assert out.results[0].data["text/plain"] == "5"
+            assert m2.cluster.registry.owner(sbx.id) == "n2"
+    finally:
+        s1.should_exit = s2.should_exit = True
+        t1.join(60)
+        t2.join(60)
+        k1.close()
+        k2.close()
