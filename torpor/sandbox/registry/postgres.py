@@ -624,17 +624,6 @@ class PostgresRegistry:
         )
         return [NodeInfo(*row) for row in rows]
 
-    def set_draining(self, node_id: str, draining: bool) -> None:
-        """Mark ``node_id`` draining (it takes no new sandbox) or not. Raises NotFound,
-        StorageError."""
-        with self._tx() as db:
-            cur = db.execute(
-                "UPDATE torpor_registry.nodes SET draining = %s WHERE id = %s",
-                (draining, node_id),
-            )
-            if cur.rowcount != 1:
-                raise NotFound(f"no node {node_id!r}", kind="node", name=node_id)
-
     def loads(self, *, at: float | None = None) -> dict[str, tuple[int, int]]:
         """node -> (sandboxes it runs, their RAM in MiB): the running or starting sandboxes
         each node holds with a lease still running. Raises StorageError."""
