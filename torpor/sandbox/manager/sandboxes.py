@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 
 #: below this fraction of the disk free, every paused sandbox is compacted, whatever its age
 LOW_DISK_FRACTION = 0.10
-#: cluster mode: seconds a drain waits for each pause to become durable, by default
+#: cluster mode: seconds a drain waits, by default, for its pauses to become durable
 DRAIN_SECONDS = 300.0
 #: cluster mode: seconds a closing node waits for its pauses to become durable
 CLOSE_PUSH_SECONDS = 120.0
