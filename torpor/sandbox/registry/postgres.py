@@ -598,7 +598,7 @@ class PostgresRegistry:
                 " url = excluded.url, accelerator = excluded.accelerator,"
                 " cpu_model = excluded.cpu_model, capacity_mib = excluded.capacity_mib,"
                 " heartbeat_at = excluded.heartbeat_at, draining = excluded.draining,"
-                " vcpus = excluded.vcpus, started_at = excluded.started_at",
+                " vcpus = excluded.vcpus",
                 (
                     node.id,
                     node.url,
