@@ -49,7 +49,7 @@ async def _durable(manager: Any, name: str, timeout: float = 120.0) -> float:
 async def run(reps: int, base: Path, dsn: str, store: str, templates: Path) -> dict[str, Any]:
     from torpor.config import paths
     from torpor.sandbox.manager import SandboxManager
-    from torpor.sandbox.manager.cluster import ClusterConfig
+    from torpor.sandbox.manager.cluster import PROXIED, ClusterConfig
 
     def home(name: str) -> Path:
         h = base / name
@@ -100,7 +100,12 @@ async def run(reps: int, base: Path, dsn: str, store: str, templates: Path) -> d
             await here.pause("c")
             await _durable(here, "c")
             t0 = time.perf_counter()
-            await there.resume("c")
+            # woken there on purpose (placement would send it to its origin, ``here``)
+            token = PROXIED.set("bench")
+            try:
+                await there.resume("c")
+            finally:
+                PROXIED.reset(token)
             samples["cross-node wake"].append(time.perf_counter() - t0)
             here, there = there, here
     finally:

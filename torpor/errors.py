@@ -232,6 +232,13 @@ class ServerUnavailable(TorporError):
     http_status = 503
 
 
+class NoNodeAvailable(TorporError):
+    """Cluster mode: no live node can take this (``accelerator``, ``cpu_model`` a pause needs;
+    ``node`` a draining node that refused it). Nothing was changed."""
+
+    http_status = 503
+
+
 def _jsonable(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool, list, dict))
 

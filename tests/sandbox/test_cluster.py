@@ -11,6 +11,7 @@ processes is tests/cluster/test_node_loss.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -26,7 +27,7 @@ from torpor.config import paths
 from torpor.errors import Conflict, InvalidArgument, StateLost
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.manager import cluster as cluster_mod
-from torpor.sandbox.manager.cluster import ClusterConfig
+from torpor.sandbox.manager.cluster import PROXIED, ClusterConfig
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
@@ -81,6 +82,18 @@ async def until(
     return info
 
 
+@contextlib.contextmanager
+def sent_here() -> Iterator[None]:
+    """Calls made inside are as if another node proxied them here: placement wakes a paused
+    sandbox on this node rather than naming its origin (which is still alive, or died a moment
+    ago and looks alive; over HTTP the proxy does this when the origin cannot be reached)."""
+    token = PROXIED.set("test")
+    try:
+        yield
+    finally:
+        PROXIED.reset(token)
+
+
 def die(manager: SandboxManager, home: Path | None) -> None:
     """The node is gone: no heartbeat any more, its directory deleted (unless None), nothing
     closed."""
@@ -115,7 +128,8 @@ def test_pause_is_durable_and_wakes_on_another_node(tmp_path: Path, dsn: str, st
         assert info.upload_error is None and info.durable is not None
         assert info.paused_at is not None and info.durable >= info.paused_at
         die(n1, tmp_path / "n1")
-        out = await n2.run_code("agent-u-42", "notes")
+        with sent_here():  # n1 still looks alive a moment (placement would pick it)
+            out = await n2.run_code("agent-u-42", "notes")
         assert out.results[0].data["text/plain"] == "[1, 2]"
         woke = await n2.get("agent-u-42")
         assert (woke.state, woke.durable) == (S.RUNNING, None)  # running: nothing durable now
@@ -202,7 +216,8 @@ def test_a_lost_node_coming_back_drops_what_was_taken_over(
         again = node(tmp_path, dsn, store, "n1", engine=FakeEngine(engine.world))
         await again.start(supervise=False)  # n1 is back: the machine is n2's to wake now
         assert directory not in engine.world.processes and not directory.exists()
-        out = await n2.run_code("agent", "x")
+        with sent_here():  # (n1, alive again, made that pause: placement would pick it)
+            out = await n2.run_code("agent", "x")
         assert out.results[0].data["text/plain"] == "1"
         await again.close()
         await n2.close()
@@ -243,9 +258,10 @@ def test_two_nodes_racing_to_wake_one_wins(tmp_path: Path, dsn: str, store: str)
         await n1.run_code("agent", "x = 7")
         await n1.pause("agent")
         await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
-        results = await asyncio.gather(
-            n2.run_code("agent", "x"), n3.run_code("agent", "x"), return_exceptions=True
-        )
+        with sent_here():  # both requests were sent to them (placement would pick n1)
+            results = await asyncio.gather(
+                n2.run_code("agent", "x"), n3.run_code("agent", "x"), return_exceptions=True
+            )
         won = [r for r in results if not isinstance(r, BaseException)]
         lost = [r for r in results if isinstance(r, BaseException)]
         assert len(won) == 1 and won[0].results[0].data["text/plain"] == "7"

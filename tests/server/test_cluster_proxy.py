@@ -4,6 +4,7 @@ home and a fake engine (no VMs), on one real PostgreSQL and one real S3 server."
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -17,6 +18,8 @@ import torpor
 from tests.pg import PgCluster
 from tests.s3 import S3Server
 from tests.sandbox.fakes import FakeEngine
+from torpor.cli import main
+from torpor.client import set_default_runtime
 from torpor.config import paths
 from torpor.errors import Conflict
 from torpor.sandbox.manager import SandboxManager
@@ -90,3 +93,100 @@ def test_a_request_to_any_node_reaches_the_owner(two_nodes: tuple[str, str]) -> 
         assert conflict.value.data["owner_node"] == "n1"
         assert conflict.value.data["owner_url"] == n1
         assert rt2.sandboxes.get("agent").pause().state.value == "paused"  # proxied pause
+
+
+def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> object:
+    capsys.readouterr()
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        assert not exc.code, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_nodes_and_drain_over_http(
+    two_nodes: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    n1, n2 = two_nodes
+    with torpor.Runtime(url=n1) as rt1, torpor.Runtime(url=n2) as rt2:
+        sbx = rt1.sandboxes.create(name="agent")
+        sbx.interpreter.run("x = 7")
+        set_default_runtime(rt2)
+        try:
+            listed = _cli_json(capsys, "nodes", "--json")
+        finally:
+            set_default_runtime(None)
+        assert isinstance(listed, list) and [n["name"] for n in listed] == ["n1", "n2"]
+        keys = {
+            "name", "url", "alive", "draining", "heartbeat_age_seconds", "accelerator",
+            "cpu_model", "capacity_mib", "vcpus", "sandboxes", "memory_mib", "this",
+        }  # fmt: skip
+        assert all(set(n) == keys for n in listed)
+        one, two = listed
+        assert one["url"] == n1 and one["sandboxes"] == 1 and one["memory_mib"] == 512
+        assert two["this"] and not one["this"] and one["alive"] and two["alive"]
+        report = rt2.drain_node("n1", timeout=60)  # sent to n2: proxied to n1, which drains
+        assert report.node == "n1" and [s.name for s in report.moved] == ["agent"]
+        assert report.moved[0].durable is not None and report.failed == []
+        assert [n.draining for n in rt1.nodes()] == [True, False]
+        # n1 takes nothing new: the wake and a create sent to it happen on n2 (proxied)
+        assert rt1.sandboxes.get("agent").interpreter.run("x").results[0].data["text/plain"] == "7"
+        assert rt2.nodes()[1].sandboxes == 1  # it runs on n2
+        made = rt1.sandboxes.create(name="new")
+        assert {n.name: n.sandboxes for n in rt1.nodes()} == {"n1": 0, "n2": 2}
+        made.kill()
+
+
+def test_a_wake_whose_chosen_node_is_unreachable_happens_here(
+    tmp_path: Path,
+    pg_cluster: PgCluster,
+    pg_database: str,
+    s3_server: S3Server,
+    s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The origin node stops (its heartbeat still fresh: placement still picks it): the node
+    that got the request cannot proxy there and wakes the sandbox itself."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    nodes = []
+    for name in ("n1", "n2"):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = ClusterConfig(
+            dsn=pg_cluster.admin_dsn(pg_database),
+            store=f"s3://{s3_bucket}/u",
+            node=name,
+            url=url,
+            lease_seconds=30,
+            heartbeat_seconds=1,
+        )
+        manager = SandboxManager(paths(tmp_path / name), engine=FakeEngine(), cluster=config)
+        nodes.append((url, manager, *_serve(manager, sock), sock))
+    (u1, _, s1, t1, k1), (u2, m2, s2, t2, k2) = nodes
+    try:
+        with torpor.Runtime(url=u1) as rt1, torpor.Runtime(url=u2) as rt2:
+            sbx = rt1.sandboxes.create(name="agent")
+            sbx.interpreter.run("x = 5")
+            sbx.pause()
+            deadline = time.monotonic() + 30
+            while rt1.sandboxes.get("agent").info.durable is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            s1.should_exit = True  # n1 goes; its row stays alive for up to 30 s
+            t1.join(60)
+            k1.close()
+            assert [n.alive for n in rt2.nodes()] == [True, True]
+            assert m2.cluster is not None
+            assert m2.cluster.place(sbx.id)[0] is not None  # placement still says n1
+            out = rt2.sandboxes.get("agent").interpreter.run("x")
+            assert out.results[0].data["text/plain"] == "5"
+            assert m2.cluster.registry.owner(sbx.id) == "n2"
+    finally:
+        s1.should_exit = s2.should_exit = True
+        t1.join(60)
+        t2.join(60)
+        k1.close()
+        k2.close()

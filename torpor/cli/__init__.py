@@ -62,6 +62,7 @@ GROUPS = [
     "torpor.cli.usage",
     "torpor.cli.token",
     "torpor.cli.mcp",
+    "torpor.cli.node",
 ]
 
 

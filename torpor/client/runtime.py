@@ -35,7 +35,7 @@ from torpor.client._local import ensure_local_server
 from torpor.client.calls import Call
 from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
-from torpor.sandbox.models import EventPage, SandboxEvent
+from torpor.sandbox.models import DrainReport, EventPage, NodeStatus, SandboxEvent
 from torpor.sandbox.registry.usage import UsageReport, parse_query
 
 if TYPE_CHECKING:
@@ -271,6 +271,24 @@ class Runtime:
         """The server's identity: ``{"ok", "pid", "version", "tenant", "home"}``."""
         result: dict[str, Any] = self.json("GET", "/v1/health")
         return result
+
+    def nodes(self) -> list[NodeStatus]:
+        """Every node with its health and load (one row, ``local``, without a cluster).
+        Raises AccessDenied without an admin token."""
+        return [NodeStatus.model_validate(n) for n in self.json("GET", "/v1/nodes")]
+
+    def drain_node(self, name: str, *, timeout: float = 300.0) -> DrainReport:
+        """Drain node ``name``: it takes no new sandbox, pauses what it runs and gives each
+        sandbox up once its pause is durable (waiting up to ``timeout`` seconds). Raises
+        AccessDenied without an admin token, NotFound, Conflict (the node is not alive),
+        InvalidArgument (no cluster)."""
+        body = self.json(
+            "POST",
+            f"/v1/nodes/{name}/drain",
+            params={"timeout": timeout},
+            timeout=timeout + 60.0,
+        )
+        return DrainReport.model_validate(body)
 
     def usage(
         self,

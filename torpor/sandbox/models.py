@@ -16,10 +16,13 @@ from torpor.errors import InvalidArgument
 
 __all__ = [
     "CommandResult",
+    "DrainReport",
+    "DrainedSandbox",
     "EntryInfo",
     "EventPage",
     "Execution",
     "ExecutionError",
+    "NodeStatus",
     "ProcessInfo",
     "Result",
     "SandboxEvent",
@@ -183,3 +186,42 @@ class EventPage(BaseModel):
 
     events: list[SandboxEvent] = Field(default_factory=list)
     next: int = 0
+
+
+class NodeStatus(BaseModel):
+    """One node as ``GET /v1/nodes`` and ``torpor nodes`` show it. On one machine (no cluster)
+    the single row is this machine, named ``local``, always alive."""
+
+    name: str
+    url: str = ""
+    alive: bool
+    draining: bool = False
+    heartbeat_age_seconds: float | None = None  # None: this machine, no cluster
+    accelerator: str
+    cpu_model: str
+    capacity_mib: int  # host RAM
+    vcpus: int
+    sandboxes: int  # running sandboxes it holds
+    memory_mib: int  # their guest RAM
+    this: bool = False  # the node that answered
+
+
+class DrainedSandbox(BaseModel):
+    """A sandbox a drain moved off its node: paused, durable and released (or why not)."""
+
+    id: str
+    name: str
+    tenant: str
+    state: SandboxState
+    durable: datetime | None = None
+    error: str | None = None
+
+
+class DrainReport(BaseModel):
+    """What ``torpor node drain`` did: the node no longer takes sandboxes; ``moved`` are
+    paused, durable and released (any node wakes them); ``failed`` are not (``error`` says
+    why; they stay on the node)."""
+
+    node: str
+    moved: list[DrainedSandbox] = Field(default_factory=list)
+    failed: list[DrainedSandbox] = Field(default_factory=list)

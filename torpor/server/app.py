@@ -64,6 +64,7 @@ ROUTERS = [
     "torpor.server.routes_events",
     "torpor.server.routes_pty",
     "torpor.server.routes_ports",
+    "torpor.server.routes_nodes",
 ]
 
 

@@ -10,9 +10,13 @@ a redirect would need every client to follow a 307 with its body and its token t
 and streamed command output would go through the same hop either way.
 
 A proxied request carries ``X-Torpor-Proxied-By: <node>`` and is never proxied again (two
-nodes that each think the other owns a sandbox answer the Conflict instead of looping). When
+nodes that each think the other owns a sandbox answer the Conflict instead of looping); the
+node it reaches sees it in :data:`~torpor.sandbox.manager.cluster.PROXIED`, so placement wakes
+the sandbox there rather than naming yet another node. When
 the owner cannot be reached, the caller gets the original Conflict (its lease lapses soon and
-any node then recovers the sandbox).
+any node then recovers the sandbox); when it was a placement (the node chosen to wake a
+paused sandbox: its origin, say, killed a moment ago and not yet stale), the receiving node
+runs the request itself instead, as if it had been proxied there.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import httpx
+
+from torpor.sandbox.manager.cluster import PROXIED
 
 __all__ = ["PROXIED_HEADER", "OwnerProxy"]
 
@@ -37,15 +43,19 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-def _owner_url(body: bytes) -> str | None:
+def _owner_url(body: bytes) -> tuple[str | None, bool]:
+    """The URL a Conflict names and whether it is a placement (no node holds the sandbox)."""
     try:
         error = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
-        return None
+        return None, False
     if not isinstance(error, dict) or error.get("type") != "Conflict":
-        return None
-    url = (error.get("data") or {}).get("owner_url")
-    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
+        return None, False
+    data = error.get("data") or {}
+    url = data.get("owner_url") if isinstance(data, dict) else None
+    if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        return None, False
+    return url, bool(data.get("placed"))
 
 
 class OwnerProxy:
@@ -57,10 +67,18 @@ class OwnerProxy:
         self.node = node
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or any(
-            k.lower() == PROXIED_HEADER.encode() for k, _ in scope.get("headers", [])
-        ):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        via = next(
+            (v for k, v in scope.get("headers", []) if k.lower() == PROXIED_HEADER.encode()), None
+        )
+        if via is not None:
+            token = PROXIED.set(via.decode("latin-1") or "?")
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                PROXIED.reset(token)
             return
         parts: list[bytes] = []
         ended = False
@@ -85,7 +103,7 @@ class OwnerProxy:
         if not held:
             return
         body = b"".join(m.get("body", b"") for m in held[1:])
-        url = _owner_url(body)
+        url, placed = _owner_url(body)
         if url is not None:
             while not ended:  # the rest of a body the route did not read
                 message = await receive()
@@ -95,8 +113,32 @@ class OwnerProxy:
                 ended = not message.get("more_body", False)
             if await self._forward(url, scope, b"".join(parts), send):
                 return
+            if placed:  # the node placement chose is unreachable: this node does it itself
+                await self._here(scope, b"".join(parts), receive, send, url)
+                return
         for message in held:
             await send(message)
+
+    async def _here(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, unreachable: str
+    ) -> None:
+        """Run the request again on this node as if proxied here (placement then wakes the
+        sandbox here, when this node can)."""
+        log.warning("%s unreachable: %s %s runs here", unreachable, scope["method"], scope["path"])
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if sent:  # the body was read: what comes next is the caller's disconnect
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        token = PROXIED.set(f"{self.node} (the node chosen, {unreachable}, is unreachable)")
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            PROXIED.reset(token)
 
     async def _forward(self, base: str, scope: Scope, body: bytes, send: Send) -> bool:
         """Send the request to ``base`` and stream the answer; False when the owner cannot

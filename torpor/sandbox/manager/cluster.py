@@ -29,6 +29,18 @@
   them (a node that was only cut off comes back to find its machines taken over).
 * **Routing.** A request for a sandbox another node runs is proxied there by the server
   (:mod:`torpor.server.proxy`), thanks to the ``owner_url`` the Conflict carries.
+* **Placement** (:meth:`ClusterNode.place`). A paused sandbox whose latest pause is durable
+  and that no node holds wakes, in this order, on: its origin node (the one that made the
+  pause: its files and cache are warm) if it is alive, not draining and not full; else the
+  node that received the request if it qualifies likewise; else the least loaded node that
+  does (share of its RAM its running sandboxes hold). Only nodes of the pause's accelerator
+  (and, for kvm, its CPU model) count; with none alive the wake is
+  :class:`~torpor.errors.NoNodeAvailable`. A node that is not the one chosen answers a
+  Conflict naming it (``owner_url``), which the server proxies; a request that was already
+  proxied here (:data:`PROXIED`) wakes here when this node is compatible.
+* **Draining** (``torpor node drain``): the node takes no new wake or create (placement
+  skips it; a create is sent to the least loaded other node), pauses what it runs, and gives
+  each sandbox up once its pause is durable.
 """
 
 from __future__ import annotations
@@ -41,12 +53,14 @@ import platform
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from torpor.config import Paths, check_name
-from torpor.errors import Conflict, InvalidArgument, TorporError
+from torpor.errors import Conflict, InvalidArgument, NoNodeAvailable, TorporError
+from torpor.sandbox.models import NodeStatus
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
 from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
@@ -55,9 +69,12 @@ from torpor.sandbox.storage.pauses import push_pause, rebuild_pause, warm_templa
 __all__ = [
     "CLUSTER_ENV",
     "NODE_ENV",
+    "PROXIED",
     "ClusterConfig",
     "ClusterNode",
+    "compatible",
     "default_url",
+    "local_status",
     "upload_failed",
 ]
 
@@ -73,6 +90,10 @@ RETRY_FIRST = 1.0
 RETRY_MAX = 60.0
 #: seconds between two looks for local directories another node made stale
 TIDY_SECONDS = 60.0
+
+#: the node a request came from when another node proxied it here (set by the server's proxy):
+#: placement then wakes the sandbox here instead of sending it on again
+PROXIED: ContextVar[str | None] = ContextVar("torpor_proxied_by", default=None)
 
 
 @dataclass(frozen=True)
@@ -139,6 +160,34 @@ def _accelerator() -> str:
         return "unknown"
 
 
+def compatible(node: NodeInfo, origin: dict[str, Any] | None) -> bool:
+    """Whether a pause made where ``origin`` says (``{"accelerator", "cpu_model"}``; None: a
+    pause that does not say) can wake on ``node``: the same accelerator and, for kvm, the same
+    CPU model (a KVM guest's CPU state carries the host CPU's features; under TCG QEMU
+    emulates its own CPU)."""
+    if not origin:
+        return True
+    accel = str(origin.get("accelerator") or "")
+    if accel and node.accelerator != accel:
+        return False
+    return accel != "kvm" or node.cpu_model == str(origin.get("cpu_model") or "")
+
+
+def local_status(sandboxes: int, memory_mib: int) -> NodeStatus:
+    """This machine as the one node of the embedded default (no cluster)."""
+    return NodeStatus(
+        name="local",
+        alive=True,
+        accelerator=_accelerator(),
+        cpu_model=_cpu_model(),
+        capacity_mib=_memory_mib(),
+        vcpus=os.cpu_count() or 0,
+        sandboxes=sandboxes,
+        memory_mib=memory_mib,
+        this=True,
+    )
+
+
 def default_url(host: str | None, port: int) -> str:
     """The URL a node advertises when none is given: its host (its name when it listens on
     every address) and port."""
@@ -165,6 +214,8 @@ class ClusterNode:
         self._pushes: dict[str, asyncio.Task[None]] = {}
         self._heartbeat: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[None] | None = None
+        #: this node takes no new sandbox (``torpor node drain``; a restart clears it)
+        self.draining = False
 
     # -- nodes and leases -----------------------------------------------------------------
 
@@ -179,18 +230,45 @@ class ClusterNode:
             capacity_mib=_memory_mib(),
             url=self.config.url,
             started_at=self.started_at,
+            draining=self.draining,
+            vcpus=os.cpu_count() or 0,
         )
 
     def beat(self) -> None:
         """Heartbeat once (renews this node's leases). Raises StorageError."""
         self.registry.heartbeat(self.info(), lease_seconds=self.config.lease_seconds)
 
-    def acquire(self, sandbox_id: str) -> None:
-        """Hold ``sandbox_id`` (renewed by the heartbeat). Raises Conflict naming the node
-        that holds it (``owner_node``) and its URL (``owner_url``), SandboxNotFound,
-        StorageError."""
+    def acquire(self, sandbox_id: str, *, place: bool = True) -> None:
+        """Hold ``sandbox_id`` (renewed by the heartbeat). With ``place``, a paused sandbox no
+        node holds is first placed (:meth:`place`): when another node should wake it, a
+        Conflict names that node (``owner_node``, ``owner_url``, ``placed``). Raises Conflict
+        naming the node that holds it (``owner_node``) and its URL (``owner_url``),
+        NoNodeAvailable, SandboxNotFound, StorageError."""
         # an owner that stopped heartbeating lost it: fall back to its last durable pause first
         self.registry.recover(sandbox_id, self.node)
+        if (
+            place
+            and self.draining
+            and self.registry.owner(sandbox_id) == self.node
+            and self.registry.get(sandbox_id).state is S.PAUSED  # drained, not durable yet
+        ):
+            raise Conflict(
+                f"node {self.node} is draining: sandbox {sandbox_id} wakes on another node "
+                "once its pause is durable (in a few seconds): retry then",
+                sandbox_id=sandbox_id,
+                node=self.node,
+            )
+        if place:
+            target, why = self.place(sandbox_id)
+            if target is not None:
+                raise Conflict(
+                    f"sandbox {sandbox_id} wakes on node {target.id} ({why}): "
+                    f"send the request to {target.url}",
+                    sandbox_id=sandbox_id,
+                    owner_node=target.id,
+                    owner_url=target.url,
+                    placed=why,
+                )
         try:
             self.registry.acquire(sandbox_id, self.node, lease_seconds=self.config.lease_seconds)
         except Conflict as exc:
@@ -206,6 +284,115 @@ class ClusterNode:
                 owner_node=owner,
                 owner_url=url,
             ) from exc
+
+    # -- placement ------------------------------------------------------------------------
+
+    def _live_nodes(self) -> tuple[list[NodeInfo], dict[str, tuple[int, int]]]:
+        now = time.time()
+        nodes = [
+            n if n.id != self.node else replace(n, draining=self.draining)
+            for n in self.registry.nodes()
+            if n.id == self.node or n.alive(now, self.config.lease_seconds)
+        ]
+        if not any(n.id == self.node for n in nodes):
+            nodes.append(replace(self.info(), heartbeat_at=now))
+        return nodes, self.registry.loads(at=now)
+
+    def place(self, sandbox_id: str) -> tuple[NodeInfo | None, str]:
+        """Where the paused ``sandbox_id`` should wake (the rule is in the module docstring):
+        ``(None, why)`` for this node, else ``(node, why)``. A sandbox that is not paused, is
+        held by a node, or whose latest pause is not durable is not placed (None). Raises
+        NoNodeAvailable when no live node can wake its pause, SandboxNotFound, StorageError."""
+        rec = self.registry.get(sandbox_id)
+        if rec.state is not S.PAUSED or self.registry.owner(sandbox_id) is not None:
+            return None, "not placed"
+        pause = self.registry.pause_record(sandbox_id)
+        if pause is None or pause.manifest is None or pause.manifest_paused_at != rec.paused_at:
+            return None, "not durable"
+        raw = pause.manifest.get("origin")
+        origin: dict[str, Any] = dict(raw) if isinstance(raw, dict) else {}
+        nodes, loads = self._live_nodes()
+        ok = [n for n in nodes if not n.draining and compatible(n, origin)]
+
+        def full(n: NodeInfo) -> bool:
+            held = loads.get(n.id, (0, 0))[1]
+            return n.capacity_mib > 0 and held + rec.memory_mib > n.capacity_mib
+
+        def share(n: NodeInfo) -> tuple[float, int, str]:
+            count, held = loads.get(n.id, (0, 0))
+            return (held / n.capacity_mib if n.capacity_mib else float(count), count, n.id)
+
+        here = next((n for n in ok if n.id == self.node), None)
+        if PROXIED.get() is not None and here is not None:
+            return None, f"sent here by node {PROXIED.get()}"
+        if not ok:
+            need = str(origin.get("accelerator") or "?")
+            if need == "kvm":
+                need += f" on a {origin.get('cpu_model')!r} CPU"
+            raise NoNodeAvailable(
+                f"sandbox {sandbox_id}: no live node that is not draining can wake its pause "
+                f"(made on node {origin.get('node') or pause.node or '?'}: it needs {need})",
+                sandbox_id=sandbox_id,
+                accelerator=origin.get("accelerator"),
+                cpu_model=origin.get("cpu_model"),
+            )
+        reachable = [n for n in ok if n.id == self.node or n.url]
+        origin_node = next((n for n in reachable if n.id == origin.get("node")), None)
+        if origin_node is not None and not full(origin_node):
+            return (None if origin_node.id == self.node else origin_node), "its origin node"
+        if here is not None and not full(here):
+            return None, "the node that received the request"
+        best = min([n for n in reachable if not full(n)] or reachable or ok, key=share)
+        return (None if best.id == self.node else best), "the least loaded node"
+
+    def accepting(self) -> None:
+        """Raise unless this node takes new sandboxes: a draining node raises a Conflict
+        naming the least loaded other live node (``owner_url``: the server proxies the create
+        there), or NoNodeAvailable when there is none. Raises StorageError."""
+        if not self.draining:
+            return
+        nodes, loads = self._live_nodes()
+        others = [n for n in nodes if n.id != self.node and not n.draining and n.url]
+        if not others:
+            raise NoNodeAvailable(
+                f"node {self.node} is draining and no other live node takes sandboxes",
+                node=self.node,
+            )
+        best = min(
+            others,
+            key=lambda n: (loads.get(n.id, (0, 0))[1] / max(n.capacity_mib, 1), n.id),
+        )
+        raise Conflict(
+            f"node {self.node} is draining: create the sandbox on node {best.id} ({best.url})",
+            owner_node=best.id,
+            owner_url=best.url,
+            placed="this node is draining",
+        )
+
+    def statuses(self) -> list[NodeStatus]:
+        """Every node the registry knows, with its health and load. Raises StorageError."""
+        now = time.time()
+        loads = self.registry.loads(at=now)
+        out = []
+        for n in self.registry.nodes():
+            count, held = loads.get(n.id, (0, 0))
+            out.append(
+                NodeStatus(
+                    name=n.id,
+                    url=n.url,
+                    alive=n.alive(now, self.config.lease_seconds),
+                    draining=self.draining if n.id == self.node else n.draining,
+                    heartbeat_age_seconds=round(max(0.0, now - n.heartbeat_at), 3),
+                    accelerator=n.accelerator,
+                    cpu_model=n.cpu_model,
+                    capacity_mib=n.capacity_mib,
+                    vcpus=n.vcpus,
+                    sandboxes=count,
+                    memory_mib=held,
+                    this=n.id == self.node,
+                )
+            )
+        return out
 
     def settle(self, sandbox_id: str) -> None:
         """Give ``sandbox_id`` back unless this node must keep it: it runs here, or its pause
@@ -310,10 +497,18 @@ class ClusterNode:
         )
 
     def push(self, directory: Path, template: str, sandbox_id: str) -> dict[str, Any]:
-        """Store the paused directory; return its manifest (see :func:`push_pause`)."""
-        return push_pause(
+        """Store the paused directory; return its manifest (see :func:`push_pause`), with
+        where it was made (``origin``: node, accelerator, CPU model; placement reads it)."""
+        manifest = push_pause(
             directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
         )
+        info = self.info()
+        manifest["origin"] = {
+            "node": self.node,
+            "accelerator": info.accelerator,
+            "cpu_model": info.cpu_model,
+        }
+        return manifest
 
     def rebuild(
         self, manifest: dict[str, Any], directory: Path, template: str, sandbox_id: str

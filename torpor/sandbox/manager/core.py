@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import functools
 import logging
 import os
 import shutil
@@ -38,12 +39,18 @@ from torpor.errors import (
     EngineError,
     GuestError,
     InvalidArgument,
+    NoNodeAvailable,
     StateLost,
     StorageError,
     TorporError,
 )
 from torpor.sandbox.engine import Channel, Engine, Machine, MachineConfig, QemuEngine
-from torpor.sandbox.manager.cluster import ClusterConfig, ClusterNode, upload_failed
+from torpor.sandbox.manager.cluster import (
+    ClusterConfig,
+    ClusterNode,
+    compatible,
+    upload_failed,
+)
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import AnyRegistry, Registry, SandboxRecord
@@ -117,7 +124,7 @@ class Held(Protocol):
 
     # cluster mode (no-ops on one machine): hold the sandbox's lease, give it back, and bring
     # a pause held elsewhere onto this node
-    async def take(self, sandbox_id: str) -> None: ...
+    async def take(self, sandbox_id: str, *, place: bool = True) -> None: ...
 
     async def give_back(self, sandbox_id: str) -> None: ...
 
@@ -378,7 +385,7 @@ class ManagerCore:
         current row and Live. Raises SandboxNotFound, StateLost, and InvalidState /
         SandboxClosed when the state forbids the operation."""
         rec = self._find(tenant, id_or_name)
-        await self.take(rec.id)
+        await self.take(rec.id, place=operation != "pause")  # a pause wakes nothing
         live = self.live(rec.id)
         try:
             async with live.lock:
@@ -388,11 +395,16 @@ class ManagerCore:
         finally:
             await self.give_back(rec.id)
 
-    async def take(self, sandbox_id: str) -> None:
-        """Cluster mode: hold the sandbox's lease before touching its machine. Raises
-        Conflict naming the node that runs it (and its URL); nothing on one machine."""
+    async def take(self, sandbox_id: str, *, place: bool = True) -> None:
+        """Cluster mode: hold the sandbox's lease before touching its machine; with
+        ``place``, a paused sandbox another node should wake (its origin, or a less loaded
+        node: :meth:`ClusterNode.place`) is a Conflict naming that node. Raises Conflict
+        naming the node that runs it or should (and its URL), NoNodeAvailable; nothing on
+        one machine."""
         if self.cluster is not None:
-            await asyncio.to_thread(self.cluster.acquire, sandbox_id)
+            await asyncio.to_thread(
+                functools.partial(self.cluster.acquire, sandbox_id, place=place)
+            )
 
     async def give_back(self, sandbox_id: str) -> None:
         """Cluster mode: release the sandbox's lease unless it runs here or its pause is not
@@ -615,6 +627,17 @@ class ManagerCore:
                 state=rec.state.value,
                 lost="the pause's files (on its node only)",
                 node=pause.node,
+            )
+        origin = pause.manifest.get("origin")
+        here = await asyncio.to_thread(cluster.info)
+        if isinstance(origin, dict) and not compatible(here, origin):
+            raise NoNodeAvailable(
+                f"sandbox {rec.id}: its pause was made on {origin.get('accelerator')} "
+                f"({origin.get('cpu_model')}), node {cluster.node} is {here.accelerator} "
+                f"({here.cpu_model}): it cannot wake here",
+                sandbox_id=rec.id,
+                accelerator=origin.get("accelerator"),
+                cpu_model=origin.get("cpu_model"),
             )
         if pause.manifest_paused_at != rec.paused_at:
             log.warning(

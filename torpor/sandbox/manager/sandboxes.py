@@ -48,10 +48,20 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.sandbox.engine import Channel, MachineConfig
+from torpor.sandbox.manager.cluster import local_status
 from torpor.sandbox.manager.core import ManagerCore, wrap_error
 from torpor.sandbox.manager.forwards import Forwards
 from torpor.sandbox.manager.terminals import Terminals, TerminalSession
-from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxEvent, SandboxInfo
+from torpor.sandbox.models import (
+    CommandResult,
+    DrainedSandbox,
+    DrainReport,
+    EntryInfo,
+    Execution,
+    NodeStatus,
+    SandboxEvent,
+    SandboxInfo,
+)
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import require, require_for
@@ -77,6 +87,8 @@ log = logging.getLogger(__name__)
 
 #: below this fraction of the disk free, every paused sandbox is compacted, whatever its age
 LOW_DISK_FRACTION = 0.10
+#: cluster mode: seconds a drain waits, by default, for its pauses to become durable
+DRAIN_SECONDS = 300.0
 #: cluster mode: seconds a closing node waits for its pauses to become durable
 CLOSE_PUSH_SECONDS = 120.0
 
@@ -174,6 +186,8 @@ class SandboxManager(ManagerCore):
         template = spec.template
         self.engine.check_template(template, MachineConfig(template, spec.vcpus, spec.memory_mib))
         self.check_room(tenant, sandboxes=1, memory_mib=spec.memory_mib)
+        if self.cluster is not None:  # a draining node sends it elsewhere
+            await asyncio.to_thread(self.cluster.accepting)
         now = time.time()
         rec = SandboxRecord(
             id=sandbox_id,
@@ -476,8 +490,8 @@ class SandboxManager(ManagerCore):
         GuestError. ``reason`` is recorded (``"expired"``: retention ran out). Raises
         SandboxNotFound."""
         rec = self._find(tenant, id_or_name)
-        if rec.state is not S.STOPPED:
-            await self.take(rec.id)  # cluster mode: Conflict when another node runs it
+        if rec.state is not S.STOPPED:  # cluster mode: Conflict when another node runs it
+            await self.take(rec.id, place=False)  # (a paused one is killed where asked)
         live = self.live(rec.id)
         if rec.state is not S.STOPPED and live.lock.locked():
             # Another operation holds the sandbox (a pause draining a call that never ends, a
@@ -789,6 +803,89 @@ class SandboxManager(ManagerCore):
             self._supervisor = asyncio.get_running_loop().create_task(
                 self.supervise(interval), name="torpor-idle-supervisor"
             )
+
+    # -- nodes (cluster mode) ------------------------------------------------------------
+
+    async def nodes(self) -> builtins.list[NodeStatus]:
+        """Every node with its health and load; on one machine a single row for it
+        (``local``). Raises StorageError."""
+        if self.cluster is not None:
+            return await asyncio.to_thread(self.cluster.statuses)
+        running = self.registry.list(states={S.RUNNING, S.CREATING})
+        return [local_status(len(running), sum(r.memory_mib for r in running))]
+
+    async def drain_node(self, name: str, *, timeout: float = DRAIN_SECONDS) -> DrainReport:
+        """Drain node ``name``: it takes no new sandbox from now on (until it restarts),
+        pauses each sandbox it runs, waits up to ``timeout`` seconds until each pause is
+        durable and gives it up (any node wakes it next). Only the node itself can: for
+        another live node this raises a Conflict naming it (``owner_url``: the server proxies
+        the request there). Raises InvalidArgument (not in cluster mode), NotFound (no such
+        node), Conflict (another node; or a node that is not alive: nothing to move, its
+        sandboxes are recovered when its lease lapses), StorageError."""
+        cluster = self.cluster
+        if cluster is None:
+            raise InvalidArgument("draining a node needs cluster mode (torpor serve --cluster)")
+        check_name(name, "node name")
+        if name != cluster.node:
+            other = await asyncio.to_thread(cluster.registry.node, name)
+            if not other.alive(time.time(), cluster.config.lease_seconds) or not other.url:
+                raise Conflict(
+                    f"node {name} is not alive: nothing to drain (its sandboxes are recovered "
+                    "from their last durable pause when its lease lapses)",
+                    node=name,
+                )
+            raise Conflict(
+                f"node {name} drains itself: send the request to {other.url}",
+                owner_node=name,
+                owner_url=other.url,
+            )
+        cluster.draining = True
+        await asyncio.to_thread(cluster.beat)  # the registry says so before anything moves
+        held = await asyncio.to_thread(cluster.registry.owned_by, cluster.node)
+        report = DrainReport(node=name)
+        errors: dict[str, str] = {}
+        for rec in held:
+            if rec.state is S.RUNNING:
+                try:
+                    await self.pause(rec.id, tenant=rec.tenant)
+                except TorporError as exc:
+                    errors[rec.id] = str(exc)
+        deadline = time.monotonic() + timeout
+        for rec in held:
+            while rec.id not in errors:
+                rec = await asyncio.to_thread(self.registry.get, rec.id)
+                owner = await asyncio.to_thread(cluster.registry.owner, rec.id)
+                if owner != cluster.node:
+                    break  # released (durable), or taken over
+                if rec.state is not S.PAUSED:
+                    errors[rec.id] = f"it is {rec.state.value}, not paused"
+                elif rec.durable_at is None and not cluster.pushing(rec.id):
+                    await asyncio.to_thread(cluster.settle, rec.id)
+                    if rec.upload_error:
+                        errors[rec.id] = f"its pause is not durable: {rec.upload_error}"
+                if time.monotonic() > deadline:
+                    errors[rec.id] = f"its pause was not durable within {timeout:.0f} s" + (
+                        f": {rec.upload_error}" if rec.upload_error else ""
+                    )
+                if rec.id not in errors:
+                    await asyncio.sleep(0.1)
+            info = rec.to_info()
+            line = DrainedSandbox(
+                id=rec.id,
+                name=rec.name,
+                tenant=rec.tenant,
+                state=rec.state,
+                durable=info.durable,
+                error=errors.get(rec.id),
+            )
+            (report.failed if rec.id in errors else report.moved).append(line)
+        log.info(
+            "node %s drained: %d sandboxes moved, %d not",
+            name,
+            len(report.moved),
+            len(report.failed),
+        )
+        return report
 
     async def _start_node(self) -> None:
         """Cluster mode: heartbeat (renewing this node's leases first, so no other node

@@ -80,7 +80,7 @@ __all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry"]
 
 log = logging.getLogger(__name__)
 
-PG_SCHEMA_VERSION = 4
+PG_SCHEMA_VERSION = 5
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
 #: what the manager's transitions carry for usage meters (SQLite keeps them; not here yet)
 _METER_COLUMNS = frozenset({"cpu_reading", "owned_bytes"})
@@ -173,8 +173,13 @@ CREATE TABLE torpor_registry.pauses (
 );
 """
 
+# v5: a node's vCPUs (its capacity beside its RAM; ``draining`` is in v2 already)
+_SCHEMA_V5 = """
+ALTER TABLE torpor_registry.nodes ADD COLUMN vcpus INTEGER NOT NULL DEFAULT 0;
+"""
+
 #: version -> the script that brings the schema from the previous version to it
-_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4}
+_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4, 5: _SCHEMA_V5}
 
 _COLUMNS = (
     "id, tenant, name, template, state, labels, spec, idle_pause_seconds, "
@@ -200,7 +205,8 @@ class NodeInfo:
     url: str = ""
     started_at: float = 0.0
     heartbeat_at: float = 0.0
-    draining: bool = False
+    draining: bool = False  # it takes no new sandbox (``torpor node drain``)
+    vcpus: int = 0
 
     def alive(self, now: float, stale_after: float) -> bool:
         """Whether the node heartbeat within ``stale_after`` seconds of ``now``."""
@@ -587,11 +593,12 @@ class PostgresRegistry:
         with self._tx() as db:
             db.execute(
                 "INSERT INTO torpor_registry.nodes (id, url, accelerator, cpu_model,"
-                " capacity_mib, started_at, heartbeat_at, draining)"
-                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT (id) DO UPDATE SET"
+                " capacity_mib, started_at, heartbeat_at, draining, vcpus)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT (id) DO UPDATE SET"
                 " url = excluded.url, accelerator = excluded.accelerator,"
                 " cpu_model = excluded.cpu_model, capacity_mib = excluded.capacity_mib,"
-                " heartbeat_at = excluded.heartbeat_at, draining = excluded.draining",
+                " heartbeat_at = excluded.heartbeat_at, draining = excluded.draining,"
+                " vcpus = excluded.vcpus",
                 (
                     node.id,
                     node.url,
@@ -601,6 +608,7 @@ class PostgresRegistry:
                     node.started_at or now,
                     now,
                     node.draining,
+                    node.vcpus,
                 ),
             )
             db.execute(
@@ -612,9 +620,22 @@ class PostgresRegistry:
         """Every node that ever heartbeat, by name."""
         rows = self._query(
             "SELECT id, accelerator, cpu_model, capacity_mib, url, started_at, heartbeat_at,"
-            " draining FROM torpor_registry.nodes ORDER BY id"
+            " draining, vcpus FROM torpor_registry.nodes ORDER BY id"
         )
         return [NodeInfo(*row) for row in rows]
+
+    def loads(self, *, at: float | None = None) -> dict[str, tuple[int, int]]:
+        """node -> (sandboxes it runs, their RAM in MiB): the running or starting sandboxes
+        each node holds with a lease still running. Raises StorageError."""
+        now = time.time() if at is None else at
+        rows = self._query(
+            "SELECT owner_node, count(*),"
+            " coalesce(sum(coalesce((spec::json->>'memory_mib')::int, 512)), 0)"
+            " FROM torpor_registry.sandboxes WHERE owner_node IS NOT NULL"
+            " AND lease_until >= %s AND state IN ('running', 'creating') GROUP BY owner_node",
+            (now,),
+        )
+        return {str(node): (int(count), int(mib)) for node, count, mib in rows}
 
     def acquire(
         self, sandbox_id: str, node_id: str, *, lease_seconds: float, at: float | None = None
