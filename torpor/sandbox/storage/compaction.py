@@ -74,6 +74,7 @@ __all__ = [
     "rebuild",
     "referenced_by_compacted",
     "settle",
+    "template_hashes",
 ]
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,9 @@ def _identity(path: Path) -> dict[str, Any]:
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _template_hashes(template_ram: Path, chunk_size: int) -> list[str | None]:
-    """The sha256 of each chunk of the template's RAM (None for a hole or zeros)."""
+def template_hashes(template_ram: Path, chunk_size: int) -> list[str | None]:
+    """The sha256 of each chunk of the template's RAM (None for a hole or zeros): what a
+    sandbox's chunk is compared with, here and by :mod:`~torpor.sandbox.storage.pauses`."""
     zero = bytes(chunk_size)
     with open(template_ram, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -224,7 +226,7 @@ def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> C
     if template_ram is not None and template_ram.is_file():
         try:
             template = _identity(template_ram)
-            theirs = _template_hashes(template_ram, chunks.chunk_size)
+            theirs = template_hashes(template_ram, chunks.chunk_size)
         except OSError as exc:
             log.warning("compaction: template RAM %s unreadable (%s)", template_ram, exc)
             template = None

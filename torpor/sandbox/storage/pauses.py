@@ -49,6 +49,7 @@ from typing import Any
 
 from torpor.errors import CorruptData, InvalidArgument, StorageError, TemplateNotFound
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, data_ranges, overlaps
+from torpor.sandbox.storage.compaction import template_hashes
 from torpor.sandbox.storage.records import rewrite_prefix
 from torpor.sandbox.storage.snapshots import backing_file
 from torpor.sandbox.vm.disk import fsync_dir, rebase, set_backing
@@ -84,21 +85,9 @@ def template_identity(template_dir: Path) -> dict[str, Any] | None:
 
 @lru_cache(maxsize=8)
 def _template_hashes(path: str, size: int, mtime_ns: int, chunk_size: int) -> list[str | None]:
-    """The sha256 of each chunk of a template's RAM file (None: a hole or zeros); cached by
-    the file's identity, since every pause of its sandboxes compares against it."""
-    zero = bytes(chunk_size)
-    out: list[str | None] = []
-    with open(path, "rb") as f:
-        ranges = data_ranges(f.fileno(), size)
-        for index in range(-(-size // chunk_size)):
-            start = index * chunk_size
-            length = min(chunk_size, size - start)
-            if not overlaps(ranges, start, start + length):
-                out.append(None)
-                continue
-            data = os.pread(f.fileno(), length, start)
-            out.append(None if data == zero[:length] else hashlib.sha256(data).hexdigest())
-    return out
+    """:func:`~torpor.sandbox.storage.compaction.template_hashes`, cached by the file's
+    identity, since every pause of its sandboxes compares against it."""
+    return template_hashes(Path(path), chunk_size)
 
 
 def warm_template(template_dir: Path, chunk_size: int) -> bool:
