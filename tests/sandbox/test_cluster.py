@@ -20,13 +20,11 @@ from typing import Any
 
 import pytest
 
-from tests.pg import PgCluster
 from tests.s3 import S3Server
 from tests.sandbox.fakes import FakeEngine
 from torpor.config import paths
 from torpor.errors import Conflict, InvalidArgument, StateLost
 from torpor.sandbox.manager import SandboxManager
-from torpor.sandbox.manager import cluster as cluster_mod
 from torpor.sandbox.manager.cluster import PROXIED, ClusterConfig
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
@@ -36,19 +34,6 @@ from torpor.sandbox.storage.chunks import ChunkStore
 from torpor.sandbox.storage.pauses import push_pause, rebuild_pause
 
 pytestmark = [pytest.mark.postgres, pytest.mark.s3]
-
-
-@pytest.fixture
-def dsn(pg_cluster: PgCluster, pg_database: str) -> str:
-    return pg_cluster.admin_dsn(pg_database)
-
-
-@pytest.fixture
-def store(s3_server: S3Server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    for key, value in s3_server.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(cluster_mod, "RETRY_FIRST", 0.2)
-    return f"s3://{s3_bucket}/cluster"
 
 
 def node(
