@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import secrets
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from torpor.sandbox.manager import Held
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.storage.captures import drop_ram
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.volumes import Attachment
 
@@ -212,14 +212,3 @@ class Cloner:
             if hit is not None:
                 found.append((hit[0], hit[1].path, hit[1].read_only))
         return found
-
-
-def drop_ram(frozen: Path) -> None:
-    """Remove a frozen dir's RAM and state once every clone has its own copy (the disk layer
-    stays: overlays are backed by it)."""
-    for name in ("ram", "state"):
-        with contextlib.suppress(FileNotFoundError):
-            (frozen / name).unlink()
-    with contextlib.suppress(OSError):
-        if not any(frozen.iterdir()):
-            shutil.rmtree(frozen)

@@ -133,6 +133,8 @@ class Checkpoints:
         self.cloner = Cloner(manager, self.drives)
         #: how long the guest stood still in the last live snapshot or fork (seconds)
         self.last_downtime: float | None = None
+        #: snapshots being stored in the chunk store in the background, by id
+        self._captures: dict[str, asyncio.Task[SnapshotInfo | None]] = {}
         hooks = manager.guest_hooks
         if not any(isinstance(h, Attachments) for h in hooks):
             hooks.append(self.attachments)  # drives are unmounted/remounted around a hibernate
@@ -283,8 +285,14 @@ class Checkpoints:
         **fields: Any,
     ) -> SnapshotInfo:
         """Snapshot a running or paused sandbox (RAM + disk); it keeps its state afterwards.
-        ``spec`` (or ``fields``: ``name``, ``retention_days``, ``labels``) is a
+        ``spec`` (or ``fields``: ``name``, ``retention_days``, ``labels``, ``wait``) is a
         :class:`~torpor.sandbox.requests.SnapshotSpec`.
+
+        Returns once the frozen copy is made and listed, ``capturing``: restore and fork
+        work from then on (from the local copy), while the copy is stored in the chunk store
+        in the background (:meth:`wait_stored` waits for it; a capture that fails is retried
+        at the next GC pass, wait or restart). With ``wait`` it returns the ``stored``
+        snapshot, and if storing fails nothing is listed.
 
         ``name`` defaults to ``<sandbox name>-<time>``. Raises InvalidName / InvalidArgument,
         Conflict (name taken; a volume attached), InvalidState, StorageError (e.g. disk full:
@@ -299,8 +307,8 @@ class Checkpoints:
 
         async def capture(rec: SandboxRecord, frozen: Path, _: Any) -> SnapshotInfo:
             try:
-                return await asyncio.to_thread(
-                    self.snapshots.save,
+                info = await asyncio.to_thread(
+                    self.snapshots.begin,
                     frozen,
                     name=str(name),
                     tenant=tenant,
@@ -316,10 +324,57 @@ class Checkpoints:
                     ),
                     envs=rec.envs,
                 )
-            finally:
+            except BaseException:
                 drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
+                raise
+            self._complete_later(info.id)
+            return info
 
-        return await self._freeze(tenant, id_or_name, capture)
+        info = await self._freeze(tenant, id_or_name, capture)
+        if not snap.wait:
+            return info
+        try:
+            return await self.wait_stored(info.id, tenant=tenant)
+        except TorporError:  # as before captures ran behind: nothing is listed
+            with contextlib.suppress(TorporError):
+                self.delete_snapshot(info.id, tenant=tenant)
+            raise
+
+    def _complete_later(self, snapshot_id: str) -> asyncio.Task[SnapshotInfo | None]:
+        """Store the capturing snapshot ``snapshot_id`` in the background (once per id)."""
+        task = self._captures.get(snapshot_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.snapshots.complete, snapshot_id)
+            )
+            self._captures[snapshot_id] = task
+
+            def done(t: asyncio.Task[SnapshotInfo | None]) -> None:
+                self._captures.pop(snapshot_id, None)
+                if not t.cancelled() and t.exception() is not None:
+                    log.error(
+                        "capturing snapshot %s failed (retried at the next restart or wait): %r",
+                        snapshot_id,
+                        t.exception(),
+                    )
+
+            task.add_done_callback(done)
+        return task
+
+    async def wait_stored(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
+        """Wait until the snapshot is in the chunk store (its manifest written and checked)
+        and return it; a capture that a crash interrupted is finished here. Raises
+        SnapshotNotFound (also when it was deleted meanwhile), StorageError / EngineError
+        (the capture failed; it is tried again at the next call)."""
+        info = self.snapshots.get(id_or_name, tenant=tenant)
+        if info.status == "capturing":
+            await asyncio.shield(self._complete_later(info.id))
+        return self.snapshots.get(info.id, tenant=tenant)
+
+    async def settle(self) -> None:
+        """Wait for every capture in flight (a server's shutdown; tests)."""
+        while self._captures:
+            await asyncio.gather(*list(self._captures.values()), return_exceptions=True)
 
     def list_snapshots(self, *, tenant: str = "default") -> list[SnapshotInfo]:
         """The tenant's listed (checked, unexpired) snapshots."""
@@ -403,8 +458,11 @@ class Checkpoints:
             retention = carried.pause_retention_days
         # held until the children exist: until then no overlay names the frozen dir, and GC
         # (which takes this lock exclusively) must not take it for garbage
-        with self.snapshots.lock():
-            frozen = await asyncio.to_thread(self.snapshots.materialize, info.id, tenant=tenant)
+        with self.snapshots.lock(), self.snapshots.captures.in_use():
+            frozen = self.snapshots.cached(info.id)  # local, never run, read-only: clone it
+            own = frozen is None
+            if frozen is None:
+                frozen = await asyncio.to_thread(self.snapshots.materialize, info.id, tenant=tenant)
             try:
                 children = Children(
                     count=count,
@@ -421,10 +479,11 @@ class Checkpoints:
                     children,
                     drives_of=info.sandbox_id,
                     recorded_drives=info.drives,
-                    take_ram=True,  # the materialized RAM is this restore's own
+                    take_ram=own,  # the materialized RAM is this restore's own
                 )
             finally:
-                drop_ram(frozen)
+                if own:
+                    drop_ram(frozen)
 
     async def fork(
         self,
@@ -523,7 +582,8 @@ class Checkpoints:
     # -- retention -----------------------------------------------------------------------
 
     async def recover(self) -> int:
-        """After a restart, before any attach is in flight: give back the attachment record
+        """After a restart, before any attach is in flight: finish storing the snapshots a
+        crash left capturing (in the background), give back the attachment record
         of each drive whose share a live sandbox's machine has without one (an attach that
         died between plugging and recording: see
         :func:`~torpor.sandbox.storage.retention.restore_unrecorded_drives`), then mount the
@@ -533,6 +593,8 @@ class Checkpoints:
             restore_unrecorded_drives, self.paths, self.attachments.live_ids()
         )
         await self.attachments.remount_running()
+        for sid, _ in list(self.snapshots.captures.records()):  # captures a crash cut short
+            self._complete_later(sid)
         return restored
 
     async def collect_garbage(
@@ -541,6 +603,9 @@ class Checkpoints:
         """Kill sandboxes paused past their ``pause_retention_days``, then run :func:`collect`
         (``spec`` or ``dry_run=True``: report what would go, remove nothing)."""
         dry_run = GcSpec.of(spec, **fields).dry_run
+        if not dry_run:  # captures that failed (e.g. a full disk) are tried again
+            for sid, _ in list(self.snapshots.captures.records()):
+                self._complete_later(sid)
         now = time.time() if now is None else now
         expired: list[str] = []
         for rec in self.manager.registry.list(states={S.PAUSED}):
