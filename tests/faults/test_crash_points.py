@@ -236,7 +236,7 @@ def test_a_crash_at_any_step_of_a_background_capture_loses_nothing(
 ) -> None:
     """A snapshot returned to its caller (its pending record written) is stored by the
     restart's recovery, whole; one cut before that is garbage, and its RAM goes."""
-    p, machine, kept, short = _world(tmp_path)
+    p, machine, kept, _ = _world(tmp_path)
     ram = (machine / "ram").read_bytes()
     frozen = freeze(machine, SnapshotStore(p).frozen_root)
     _crash(p, "capture", step, str(frozen))
