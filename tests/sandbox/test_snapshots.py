@@ -302,9 +302,19 @@ def test_a_capturing_snapshot_is_listed_cached_and_then_stored(
     assert store.cached(first.id) == frozen  # kept: the newest one
     out = store.materialize(first.id)
     _same_files(frozen, out, ["ram", "state", "machine.json"])
+    # a spare clone: made once, taken by one restore whole, then made again
+    assert store.captures.make_spare(first.id) and not store.captures.make_spare(first.id)
+    child = p.sandboxes / "sbx-child"
+    assert store.captures.take_spare(first.id, child)
+    assert not store.captures.take_spare(first.id, p.sandboxes / "sbx-other")
+    _same_files(frozen, child, ["ram", "state"])
+    assert backing_file(child / "disk.qcow2") == frozen / "disk.qcow2"
+    assert "read 65536" in qemu_io(child / "disk.qcow2", "read -P 0x42 2M 64k")
+    assert store.captures.make_spare(first.id)
     second = store.begin(freeze(m, store.frozen_root), name="second")
     store.complete(second.id)
     assert store.cached(first.id) is None and not (frozen / "ram").exists()  # evicted
+    assert not store.captures.spare_of(first.id).exists()  # with its spare
     assert store.cached(second.id) is not None
     assert [s.name for s in store.list()] == ["first", "second"]
 

@@ -18,7 +18,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,21 +70,29 @@ class Cloner:
         drives_of: str | None,
         recorded_drives: list[dict[str, Any]] | None = None,
         take_ram: bool = False,
+        spare: Callable[[Path], bool] | None = None,
     ) -> list[SandboxInfo]:
-        """Clone, wake and refresh ``children`` from a frozen dir; all or none (``take_ram``:
-        as for :meth:`prepare`)."""
+        """Clone, wake and refresh ``children`` from a frozen dir; all or none (``take_ram``,
+        ``spare``: as for :meth:`prepare`)."""
         drives = self.drives_for(frozen, drives_of, recorded_drives)
-        recs = await self.prepare(frozen, children, take_ram=take_ram)
+        recs = await self.prepare(frozen, children, take_ram=take_ram, spare=spare)
         return await self.wake_children(
             recs, drives, tenant=children.tenant, reason=children.reason
         )
 
     async def prepare(
-        self, frozen: Path, children: Children, *, take_ram: bool = False
+        self,
+        frozen: Path,
+        children: Children,
+        *,
+        take_ram: bool = False,
+        spare: Callable[[Path], bool] | None = None,
     ) -> list[SandboxRecord]:
         """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
         ``children``. ``take_ram``: the caller drops the frozen RAM afterwards, so the last
-        child may take it (when it has no other name). All or none: on failure every row and
+        child may take it (when it has no other name). ``spare(path)``: moves a ready clone
+        of ``frozen`` (a cached snapshot's spare) to the directory ``path`` if there is one
+        (True): the last child's, instead of cloning. All or none: on failure every row and
         dir made here is removed."""
         from torpor.sandbox.vm.machine import clone_machine_dir
 
@@ -121,10 +129,13 @@ class Cloner:
             copies = [
                 asyncio.to_thread(clone_machine_dir, frozen, m.directory(r.id)) for r in recs[:-1]
             ]
-            await asyncio.gather(*copies)
-            await asyncio.to_thread(
-                clone_machine_dir, frozen, m.directory(recs[-1].id), take_ram=own
-            )
+            last = m.directory(recs[-1].id)
+            if not own and spare is not None and await asyncio.to_thread(spare, last):
+                await asyncio.gather(*copies)
+            else:
+                await asyncio.gather(
+                    *copies, asyncio.to_thread(clone_machine_dir, frozen, last, take_ram=own)
+                )
         except BaseException as exc:
             for rec in recs:
                 await m.abort_create(rec, m.live(rec.id), exc)

@@ -135,6 +135,8 @@ class Checkpoints:
         self.last_downtime: float | None = None
         #: snapshots being stored in the chunk store in the background, by id
         self._captures: dict[str, asyncio.Task[SnapshotInfo | None]] = {}
+        #: spare RAM copies of cached snapshots being made (see storage.captures)
+        self._spares: set[asyncio.Task[bool]] = set()
         hooks = manager.guest_hooks
         if not any(isinstance(h, Attachments) for h in hooks):
             hooks.append(self.attachments)  # drives are unmounted/remounted around a hibernate
@@ -344,9 +346,14 @@ class Checkpoints:
         """Store the capturing snapshot ``snapshot_id`` in the background (once per id)."""
         task = self._captures.get(snapshot_id)
         if task is None:
-            task = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(self.snapshots.complete, snapshot_id)
-            )
+
+            def work() -> SnapshotInfo | None:
+                # the spare first: a restore right after the snapshot then copies no RAM
+                with contextlib.suppress(TorporError):
+                    self.snapshots.captures.make_spare(snapshot_id)
+                return self.snapshots.complete(snapshot_id)
+
+            task = asyncio.get_running_loop().create_task(asyncio.to_thread(work))
             self._captures[snapshot_id] = task
 
             def done(t: asyncio.Task[SnapshotInfo | None]) -> None:
@@ -372,9 +379,24 @@ class Checkpoints:
         return self.snapshots.get(info.id, tenant=tenant)
 
     async def settle(self) -> None:
-        """Wait for every capture in flight (a server's shutdown; tests)."""
-        while self._captures:
-            await asyncio.gather(*list(self._captures.values()), return_exceptions=True)
+        """Wait for every capture and spare copy in flight (a server's shutdown; benches)."""
+        while self._captures or self._spares:
+            jobs = [*self._captures.values(), *self._spares]
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    def _refill(self, snapshot_id: str) -> None:
+        """Make the spare RAM copy of a cached snapshot again, in the background."""
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self.snapshots.captures.make_spare, snapshot_id)
+        )
+        self._spares.add(task)
+
+        def done(t: asyncio.Task[bool]) -> None:
+            self._spares.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("no spare RAM for snapshot %s: %r", snapshot_id, t.exception())
+
+        task.add_done_callback(done)
 
     def list_snapshots(self, *, tenant: str = "default") -> list[SnapshotInfo]:
         """The tenant's listed (checked, unexpired) snapshots."""
@@ -461,6 +483,14 @@ class Checkpoints:
         with self.snapshots.lock(), self.snapshots.captures.in_use():
             frozen = self.snapshots.cached(info.id)  # local, never run, read-only: clone it
             own = frozen is None
+            used: list[Path] = []
+
+            def spare(into: Path) -> bool:
+                taken = self.snapshots.captures.take_spare(info.id, into)
+                if taken:
+                    used.append(into)
+                return taken
+
             if frozen is None:
                 frozen = await asyncio.to_thread(self.snapshots.materialize, info.id, tenant=tenant)
             try:
@@ -480,10 +510,13 @@ class Checkpoints:
                     drives_of=info.sandbox_id,
                     recorded_drives=info.drives,
                     take_ram=own,  # the materialized RAM is this restore's own
+                    spare=None if own else spare,
                 )
             finally:
                 if own:
                     drop_ram(frozen)
+                elif used:
+                    self._refill(info.id)
 
     async def fork(
         self,

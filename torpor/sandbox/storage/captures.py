@@ -19,7 +19,12 @@ written before the record was removed wins (the record is dropped).
 A restore or fork of a snapshot whose frozen dir still holds its RAM clones that dir directly
 (no chunk is read): the dir is local, was never run and is read-only (mode 0400). At most
 :func:`cache_size` captured snapshots keep their RAM (``$TORPOR_SNAPSHOT_CACHE``, default 4);
-older ones give it back and are materialized from verified chunks as before. Clones hold
+older ones give it back and are materialized from verified chunks as before. Each cached
+snapshot also keeps one **spare** clone (``snapshots/cache/spare/<snapshot id>/``: a
+hibernated machine dir made by ``clone_machine_dir``: its own RAM copy, a new overlay on the
+frozen disk, the device state), made in the background: the next restore or fork of the
+snapshot moves it in as its (last) child's directory instead of cloning while the caller
+waits, and a new spare is made after it. Clones hold
 ``snapshots/.cache.lock`` shared while they copy, and eviction only takes it exclusively
 without waiting (a busy cache is evicted at the next capture).
 """
@@ -37,9 +42,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torpor.errors import InvalidArgument, StorageError
+from torpor.errors import EngineError, InvalidArgument, InvalidState, StorageError
 from torpor.sandbox.storage.records import write_record
 from torpor.sandbox.vm.disk import fsync_dir
+from torpor.sandbox.vm.machine_dir import clone_machine_dir
 
 __all__ = ["CACHE_ENV", "DEFAULT_CACHE_SIZE", "PendingCaptures", "cache_size", "drop_ram"]
 
@@ -133,11 +139,62 @@ class PendingCaptures:
         return found
 
     def unlink(self, snapshot_id: str) -> Path | None:
-        """Remove ``snapshot_id``'s cache link; returns the frozen dir it named."""
+        """Remove ``snapshot_id``'s cache link and spare; returns the frozen dir it named."""
         frozen = self.frozen_of(snapshot_id)
         with contextlib.suppress(FileNotFoundError):
             (self.cache_root / snapshot_id).unlink()
+        shutil.rmtree(self.spare_of(snapshot_id), ignore_errors=True)
         return frozen
+
+    def forget(self, snapshot_id: str) -> None:
+        """Remove only the cache link of ``snapshot_id`` (its spare and RAM go at GC)."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.cache_root / snapshot_id).unlink()
+
+    # -- spare RAM copies -------------------------------------------------------------------
+
+    def spare_of(self, snapshot_id: str) -> Path:
+        return self.cache_root / "spare" / snapshot_id
+
+    def make_spare(self, snapshot_id: str) -> bool:
+        """Clone the cached frozen dir of ``snapshot_id`` into its spare, unless it has one or
+        is not cached. Returns True if a spare was made. Raises StorageError."""
+        spare = self.spare_of(snapshot_id)
+        frozen = self.cached(snapshot_id)
+        if frozen is None or spare.exists():
+            return False
+        tmp = spare.with_name(f".{snapshot_id}.tmp")
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            spare.parent.mkdir(parents=True, exist_ok=True)
+            clone_machine_dir(frozen, tmp)
+            os.rename(tmp, spare)
+        except (OSError, EngineError, InvalidState) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if self.cached(snapshot_id) is None:  # evicted or deleted meanwhile
+                return False
+            raise StorageError(f"cannot make a spare of {snapshot_id}: {exc}", exc=exc) from exc
+        if self.cached(snapshot_id) is None:  # evicted while cloning
+            shutil.rmtree(spare, ignore_errors=True)
+            return False
+        return True
+
+    def take_spare(self, snapshot_id: str, into: Path) -> bool:
+        """Move ``snapshot_id``'s spare clone to the directory ``into`` (absent or empty; one
+        taker wins); False if there is none."""
+        try:
+            os.rename(self.spare_of(snapshot_id), into)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def drop_stale_spares(self, keep: set[str]) -> None:
+        """Remove the spares of snapshots not in ``keep`` (not cached any more)."""
+        root = self.cache_root / "spare"
+        if root.is_dir():
+            for spare in root.iterdir():
+                if not spare.name.startswith(".") and spare.name not in keep:
+                    shutil.rmtree(spare, ignore_errors=True)
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:

@@ -260,6 +260,8 @@ def collect_garbage(
                         cached.add(frozen.name)
                     elif not dry_run:
                         store.captures.unlink(sid)
+                if not dry_run:
+                    store.captures.drop_stale_spares(set(store.captures.links()))
                 # RAM in a frozen dir is a clone's input for moments (a fork, a restore) or
                 # a cached snapshot's; any other, older than the grace, a crash left behind
                 for d in frozen_root.glob("frz-*"):

@@ -721,11 +721,13 @@ class SnapshotStore:
                 if not pending:
                     (self.root / f"{info.id}.json").unlink()
                     fsync_dir(self.root)
-            frozen = self.captures.unlink(info.id)
-            if frozen is not None:
-                with self.captures.evicting() as free:
-                    if free:  # else GC gives the RAM back with the unnamed frozen dir
+            with self.captures.evicting() as free:
+                if free:
+                    frozen = self.captures.unlink(info.id)
+                    if frozen is not None:
                         drop_ram(frozen)
+                else:  # a clone copies from the cache now: GC gives the RAM and spare back
+                    self.captures.forget(info.id)
         except FileNotFoundError as exc:
             raise SnapshotNotFound(
                 f"snapshot {id_or_name!r} not found", kind="snapshot", name=id_or_name
