@@ -11,16 +11,23 @@ How each one works (the storage is in :mod:`~torpor.sandbox.storage.snapshots`):
   paused one (or one with a drive mounted: QEMU cannot save a mounted 9p share) is frozen by
   :func:`~torpor.sandbox.storage.snapshots.freeze` (RAM copied sparsely, the disk overlay
   moved aside and replaced by a new overlay on top of it), paused and woken around it as
-  needed. The frozen copy is then captured into the content-addressed chunk store while the
-  sandbox runs on. The snapshot is listed only once its manifest is written and checked.
-* **restore(snapshot)**: the snapshot is rebuilt from verified chunks into a frozen dir and a new
-  sandbox is cloned from it (RAM copied, a new qcow2 overlay), woken, and given fresh entropy
-  and the host's clock.
-* **fork(sandbox, count)**: freeze as for a snapshot (live for a running source; for a
-  paused one the frozen RAM is a hard link to the source's, cloned into every child before
-  the source could run again), then the children wake. Nothing goes through the chunk store,
-  so a child costs one sparse RAM copy and a wake (the last child takes the frozen copy
-  itself). All children or none: a failure removes the ones already made.
+  needed. The call returns once the frozen copy is listed, ``capturing``
+  (:meth:`~torpor.sandbox.storage.snapshots.SnapshotStore.begin`: a cache link and a pending
+  record, see :mod:`~torpor.sandbox.storage.captures`); a background task makes a spare
+  clone of it, then captures it into the content-addressed chunk store and writes the
+  checked manifest (``stored``; :meth:`Checkpoints.wait_stored` waits for it, ``wait=True``
+  returns only then). A crash in between is finished by :meth:`Checkpoints.recover`.
+* **restore(snapshot)**: a snapshot whose frozen dir is still cached locally (capturing, or
+  among the newest ``$TORPOR_SNAPSHOT_CACHE`` stored) is cloned from that dir, its spare
+  clone moved in when there is one; any other is rebuilt from verified chunks into a frozen
+  dir first. The new sandbox is woken and given fresh entropy and the host's clock.
+* **fork(sandbox, count)**: freeze as for a snapshot (live for a running source, with no
+  guest flush: RAM and disk are taken at one instant; for a paused one the frozen RAM is a
+  hard link to the source's, cloned into every child before the source could run again),
+  then the children wake. Nothing goes through the chunk store, so a child costs one sparse
+  RAM copy and a wake (the last child takes the frozen copy itself). All children or none:
+  a failure removes the ones already made. A fork of a snapshot id is a restore of
+  ``count`` children.
 
 **Volumes and snapshots.** A volume is shared, long-lived data and is never part of a snapshot.
 The guest has it mounted with cached file-system state, so a snapshot or fork of a sandbox with a
@@ -259,12 +266,16 @@ class Checkpoints:
         return not self.drives.attached_to(rec.id)
 
     async def _freeze_live(self, rec: SandboxRecord, live: Any, *, for_clones: bool) -> Path:
-        """Flush the guest's file systems (so the disk layer alone is whole too), then
-        :func:`~torpor.sandbox.storage.snapshots.freeze_live` the running machine."""
-        try:
-            await asyncio.wait_for(live.channel.sync(), SYNC_TIMEOUT)
-        except Exception as exc:  # RAM and disk are captured at one instant either way
-            log.warning("sync before the snapshot of %s failed: %r", rec.id, exc)
+        """For a snapshot, flush the guest's file systems (so the disk layer alone is whole
+        too: a snapshot's disk may be read without its RAM); then
+        :func:`~torpor.sandbox.storage.snapshots.freeze_live` the running machine. A fork
+        (``for_clones``) skips the flush: its children run on RAM and disk taken at one
+        instant, whose page cache is the guest's own, so nothing is waited for."""
+        if not for_clones:
+            try:
+                await asyncio.wait_for(live.channel.sync(), SYNC_TIMEOUT)
+            except Exception as exc:  # RAM and disk are captured at one instant either way
+                log.warning("sync before the snapshot of %s failed: %r", rec.id, exc)
         with self.snapshots.lock():
             frozen, downtime = await freeze_live(
                 self.held.directory(rec.id),
