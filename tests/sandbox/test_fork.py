@@ -59,6 +59,9 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
         await m.run_command(src.id, "rm -rf /workspace/*")
         await m.run_code(src.id, "notes.clear()")
         await asyncio.sleep(3)  # the snapshot's clock is now behind the host's
+        await cp.settle()  # stored, with a spare clone the restore moves in
+        assert cp.get_snapshot(snap.id).status == "stored"
+        assert cp.snapshots.captures.spare_of(snap.id).is_dir()
         restored = await cp.restore(snap.id, labels={"restored": "yes"}, envs={"TORPOR_KEY": "k2"})
         # the source's settings came along: traceable to its user, still pausing when idle
         assert restored.labels == {"user": "u-42", "restored": "yes"}
@@ -75,7 +78,10 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
         assert out.text == "['prefers weekly summaries']"
         assert await m.read_file(restored.id, "/workspace/ledger.csv") == b"plan,pro\n"
         assert not await m.exists(src.id, "/workspace/ledger.csv")  # source unaffected
-        # three forks of one snapshot: independent, and with different randomness
+        # three forks of one snapshot (one takes the spare made again after the restore):
+        # independent, and with different randomness
+        await cp.settle()
+        assert cp.snapshots.captures.spare_of(snap.id).is_dir()
         kids = await cp.fork_snapshot(snap.id, count=3, labels={"strategy": "try"})
         draws = set()
         for k in kids:
