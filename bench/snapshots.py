@@ -12,7 +12,13 @@ Runs on real QEMU through :class:`torpor.sandbox.checkpoints.Checkpoints` with t
   vCPUs; next to the same measure with no snapshot: its noise);
 * **restore** of a stored snapshot into a new running sandbox (verified chunks -> frozen dir ->
   clone -> wake -> fresh entropy);
-* **fork** of a running sandbox into 1 and into 10 children (time per child);
+* **fork** of a running sandbox, and of a snapshot id (``Sandbox.fork(snapshot_id)``), into 1
+  and into 10 children (time per child);
+* **where the time goes**: each operation's steps, timed in the same run by wrapping the
+  functions that do them (sync, freeze, listing, materialize, clone, QEMU start + load + cont,
+  channel connect, reseed); the snapshot's storing into the chunk store runs behind the call
+  and is timed apart ("stored after"). Each operation is timed with the store idle (the
+  previous snapshot's background capture and spare clone finished first).
 * **dedup**: 20 sandboxes from one template, each changes a little and is paused, then each is
   captured into the store. Compared with one template snapshot ``B``: the store must hold
   ``<= 2 x B + what they changed``; the dedup ratio is ``21 x B / store bytes`` (21 snapshots,
@@ -59,6 +65,85 @@ def _du(path: Path) -> int:
     return int(out.split()[0])
 
 
+class _Splits:
+    """Times the steps of each operation by wrapping the functions that do them (restored
+    by :meth:`close`): ``splits[operation][step]`` lists milliseconds."""
+
+    STEPS: tuple[tuple[str, str, str], ...] = (
+        ("torpor.sandbox.vm.channel:GuestChannel", "sync", "guest sync (flush)"),
+        ("torpor.sandbox.checkpoints.operations", "freeze_live", "freeze (stop..cont + files)"),
+        ("torpor.sandbox.storage.snapshots:SnapshotStore", "begin", "list as capturing"),
+        ("torpor.sandbox.storage.snapshots:SnapshotStore", "materialize", "materialize chunks"),
+        ("torpor.sandbox.checkpoints.clones:Cloner", "prepare", "clone (rows + dirs)"),
+        ("torpor.sandbox.vm.machine:QemuMachine", "wake", "QEMU start + load + cont"),
+        ("torpor.sandbox.engine:QemuEngine", "connect", "guest channel connect"),
+        ("torpor.sandbox.vm.channel:GuestChannel", "refresh", "reseed (entropy, clock)"),
+    )
+
+    def __init__(self) -> None:
+        import importlib
+        import inspect
+
+        self.op = ""
+        self.splits: dict[str, dict[str, list[float]]] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+        for where, attr, label in self.STEPS:
+            module, _, cls = where.partition(":")
+            owner: Any = importlib.import_module(module)
+            if cls:
+                owner = getattr(owner, cls)
+            fn = getattr(owner, attr)
+            self._undo.append((owner, attr, fn))
+            wrapped = (
+                self._wrap_async(fn, label)
+                if inspect.iscoroutinefunction(fn)
+                else (self._wrap_sync(fn, label))
+            )
+            setattr(owner, attr, wrapped)
+
+    def _add(self, label: str, t0: float) -> None:
+        if self.op:
+            ms = (time.perf_counter() - t0) * 1000
+            self.splits.setdefault(self.op, {}).setdefault(label, []).append(ms)
+
+    def _wrap_async(self, fn: Any, label: str) -> Any:
+        async def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await fn(*a, **k)
+            finally:
+                self._add(label, t0)
+
+        return timed
+
+    def _wrap_sync(self, fn: Any, label: str) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self._add(label, t0)
+
+        return timed
+
+    def means(self, prefix: str, counts: dict[str, int]) -> dict[str, dict[str, float]]:
+        """Per operation named ``<prefix><name>`` and step: milliseconds per operation (the
+        step's total over the ``counts[name]`` operations timed; a step may run several
+        times in one, e.g. once per child)."""
+        return {
+            op.removeprefix(prefix): {
+                k: round(sum(v) / counts.get(op.removeprefix(prefix), 1), 1)
+                for k, v in steps.items()
+            }
+            for op, steps in self.splits.items()
+            if op.startswith(prefix)
+        }
+
+    def close(self) -> None:
+        for owner, attr, fn in self._undo:
+            setattr(owner, attr, fn)
+
+
 def _floor(template_dir: Path, scratch: Path) -> float:
     """A sparse copy of the template's RAM file: what every clone pays at least."""
     from torpor.sandbox.vm.disk import copy_sparse
@@ -87,8 +172,13 @@ async def _guest_clock_offset(manager: Any, sid: str, samples: int = 5) -> float
     return best[1]
 
 
-async def _one_size(manager: Any, cp: Any, template: str, mib: int, reps: int) -> dict[str, Any]:
+async def _one_size(
+    manager: Any, cp: Any, template: str, mib: int, reps: int, splits: _Splits
+) -> dict[str, Any]:
     """Snapshot (with the source's downtime), restore and fork timings of one guest size."""
+    stored_t: list[float] = []
+    forksnap1_t: list[float] = []
+    forksnap10_t: list[float] = []
     snap_t: list[float] = []
     down_t: list[float] = []
     gaps: list[float] = []
@@ -106,32 +196,64 @@ async def _one_size(manager: Any, cp: Any, template: str, mib: int, reps: int) -
         quiet = await _guest_clock_offset(manager, src.id)
         quiet_gaps.append(abs(await _guest_clock_offset(manager, src.id) - quiet))
         before = await _guest_clock_offset(manager, src.id)
+        splits.op = f"{mib}:snapshot"
         t0 = time.perf_counter()
         snap = await cp.snapshot(src.id, name=f"bench-{mib}-{i}")
         snap_t.append(time.perf_counter() - t0)
+        splits.op = ""
         gaps.append(before - await _guest_clock_offset(manager, src.id))
         if cp.last_downtime is not None:
             down_t.append(cp.last_downtime)
         machine = manager.live(src.id).machine
         parts.append(dict(getattr(machine, "last_capture", {}) or {}))
-        sizes.append({"size_bytes": snap.size_bytes, "stored_bytes": snap.stored_bytes})
+        stored = await cp.wait_stored(snap.id)
+        stored_t.append(time.perf_counter() - t0)
+        await cp.settle()  # the spare clone too: each operation is timed with the store idle
+        sizes.append({"size_bytes": stored.size_bytes, "stored_bytes": stored.stored_bytes})
+        splits.op = f"{mib}:restore"
         t0 = time.perf_counter()
         restored = await cp.restore(snap.id)
         restore_t.append(time.perf_counter() - t0)
+        splits.op = ""
         assert (await manager.run_code(restored.id, "step")).text == str(i)
         await manager.kill(restored.id)
+        await cp.settle()
+        splits.op = f"{mib}:fork 1"
         t0 = time.perf_counter()
         kids = await cp.fork(src.id, count=1)
         fork1_t.append(time.perf_counter() - t0)
+        splits.op = ""
         for k in kids:
             await manager.kill(k.id)
-    for _ in range(max(1, reps // 2)):
+        splits.op = f"{mib}:fork 1 of a snapshot id"
+        t0 = time.perf_counter()
+        kids = await cp.fork_snapshot(snap.id, count=1)
+        forksnap1_t.append(time.perf_counter() - t0)
+        splits.op = ""
+        for k in kids:
+            await manager.kill(k.id)
+        await cp.settle()
+    tens = max(1, reps // 2)
+    for _ in range(tens):
+        splits.op = f"{mib}:fork 10"
         t0 = time.perf_counter()
         kids = await cp.fork(src.id, count=10)
         fork10_t.append((time.perf_counter() - t0) / 10)
+        splits.op = ""
         for k in kids:
             await manager.kill(k.id)
+        splits.op = f"{mib}:fork 10 of a snapshot id"
+        t0 = time.perf_counter()
+        kids = await cp.fork_snapshot(snap.id, count=10)
+        forksnap10_t.append((time.perf_counter() - t0) / 10)
+        splits.op = ""
+        for k in kids:
+            await manager.kill(k.id)
+        await cp.settle()
     await manager.kill(src.id)
+    counts = {"snapshot": reps, "restore": reps, "fork 1": reps, "fork 1 of a snapshot id": reps}
+    counts |= {"fork 10": tens, "fork 10 of a snapshot id": tens}
+    steps = splits.means(f"{mib}:", counts)
     return {
         "template": template,
         "memory_mib": mib,
@@ -148,6 +270,10 @@ async def _one_size(manager: Any, cp: Any, template: str, mib: int, reps: int) -
         "restore": summary(restore_t),
         "fork1_per_child": summary(fork1_t),
         "fork10_per_child": summary(fork10_t),
+        "fork_snapshot1_per_child": summary(forksnap1_t),
+        "fork_snapshot10_per_child": summary(forksnap10_t),
+        "stored_after": summary(stored_t),
+        "steps_mean_ms": steps,
     }
 
 
@@ -167,6 +293,7 @@ async def run(
     out: dict[str, Any] = {"reps": reps, "sizes": {}, "skipped": {}}
     floors: list[float] = []
     starts: list[float] = []
+    splits = _Splits()
     try:
         tdir = Path(templates.get("python").snapshot_dir)
         floors.extend(_floor(tdir, p.cache) for _ in range(reps))
@@ -180,11 +307,13 @@ async def run(
             if built.memory_mib != mib:
                 out["skipped"][str(mib)] = f"template {template!r} is {built.memory_mib} MiB"
                 continue
-            out["sizes"][str(mib)] = await _one_size(manager, cp, template, mib, reps)
+            out["sizes"][str(mib)] = await _one_size(manager, cp, template, mib, reps, splits)
         out["floor_ram_copy"] = summary(floors)
         out["floor_qemu_start"] = summary(starts)
         out["dedup"] = await _dedup(manager, cp, sandboxes) if sandboxes else None
     finally:
+        splits.close()
+        await cp.settle()
         for info in await manager.list():
             with contextlib.suppress(Exception):  # clean up as much as possible
                 await manager.kill(info.id)
@@ -261,14 +390,22 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
             ("downtime_host", "snapshot: source stood still (stop -> cont)"),
             ("downtime_guest_gap", "snapshot: the guest's clock fell behind by"),
             ("guest_gap_quiet", "  (the same measure with no snapshot: its noise)"),
+            ("stored_after", "snapshot: in the chunk store after (background)"),
             ("restore", "restore"),
             ("fork1_per_child", "fork 1, per child"),
             ("fork10_per_child", "fork 10, per child"),
+            ("fork_snapshot1_per_child", "fork 1 of a snapshot id, per child"),
+            ("fork_snapshot10_per_child", "fork 10 of a snapshot id, per child"),
         ]:
             st = r[key]
             table.add_row(label, f"{st['median_ms']:.0f}", f"{st['p95_ms']:.0f}", str(st["n"]))
         console.print(table)
         console.print(f"inside the stop (median ms): {r['capture_parts_ms']}")
+        steps = Table("operation", "step", "mean ms per operation", title="where the time goes")
+        for op, per in r["steps_mean_ms"].items():
+            for step_name, ms in per.items():
+                steps.add_row(op, step_name, f"{ms:.0f}")
+        console.print(steps)
         sizes = r["snapshot_sizes"]
         later = statistics.median(x["stored_bytes"] for x in sizes[1:] or sizes)
         console.print(
@@ -289,6 +426,16 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
             (f"{size} MiB: restore <= 200 ms", r["restore"]["median_ms"], 200.0),
             (f"{size} MiB: fork 1 <= 150 ms", r["fork1_per_child"]["median_ms"], 150.0),
             (f"{size} MiB: fork 10 <= 100 ms per child", r["fork10_per_child"]["median_ms"], 100.0),
+            (
+                f"{size} MiB: fork 1 of a snapshot id <= 150 ms",
+                r["fork_snapshot1_per_child"]["median_ms"],
+                150.0,
+            ),
+            (
+                f"{size} MiB: fork 10 of a snapshot id <= 100 ms per child",
+                r["fork_snapshot10_per_child"]["median_ms"],
+                100.0,
+            ),
         ]
     for size, why in result.get("skipped", {}).items():
         console.print(f"[yellow]{size} MiB skipped: {why}[/yellow]")

@@ -38,6 +38,7 @@ from torpor.sandbox.storage.volumes import VolumeStore
 
 WORKER = r"""
 import os, sys
+from pathlib import Path
 from datetime import UTC, datetime, timedelta
 from torpor.config import paths
 from torpor.sandbox.storage import snapshots as snapmod
@@ -54,6 +55,9 @@ snapmod.failpoint = failpoint
 p = paths(home)
 if op == "restore":
     SnapshotStore(p).materialize(arg)
+elif op == "capture":
+    store = SnapshotStore(p)
+    store.complete(store.begin(Path(arg), name="captured").id)
 else:
     collect_garbage(p, now=datetime.now(UTC) + timedelta(days=int(arg)))
 sys.exit(3)  # the step was never reached
@@ -222,3 +226,33 @@ def test_a_crash_between_plugging_a_drive_and_recording_it_is_reconciled(
     assert retention.restore_unrecorded_drives(p, {"sbx-1"}) == 0  # idempotent
     monkeypatch.setattr(retention, "LEFTOVER_GRACE_SECONDS", 0.0)
     assert collect_garbage(p, live_sandboxes={"sbx-1"}).restored_attachments == 0
+
+
+@pytest.mark.parametrize(
+    "step", ["capture:linked", "capture:pending", "save:chunked", "save:listed"]
+)
+def test_a_crash_at_any_step_of_a_background_capture_loses_nothing(
+    tmp_path: Path, step: str
+) -> None:
+    """A snapshot returned to its caller (its pending record written) is stored by the
+    restart's recovery, whole; one cut before that is garbage, and its RAM goes."""
+    p, machine, kept, _ = _world(tmp_path)
+    ram = (machine / "ram").read_bytes()
+    frozen = freeze(machine, SnapshotStore(p).frozen_root)
+    _crash(p, "capture", step, str(frozen))
+    store = SnapshotStore(p)  # the restart: Checkpoints.recover completes what is pending
+    for sid, _ in list(store.captures.records()):
+        store.complete(sid)
+    assert not list(store.captures.records())
+    collect_garbage(p, now=datetime.now(UTC) + timedelta(days=LATER))
+    _nothing_lost_nothing_half(p, machine, kept)
+    names = {i.name: i for i in store.list()}
+    if step == "capture:linked":  # never returned to a caller
+        assert "captured" not in names
+        assert not (frozen / "ram").exists()  # GC gave back the RAM nothing names
+    else:
+        info = names["captured"]
+        assert info.status == "stored"
+        out = store.materialize(info.id)
+        assert (out / "ram").read_bytes() == ram
+        assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x66 4M 64k")

@@ -59,6 +59,9 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
         await m.run_command(src.id, "rm -rf /workspace/*")
         await m.run_code(src.id, "notes.clear()")
         await asyncio.sleep(3)  # the snapshot's clock is now behind the host's
+        await cp.settle()  # stored, with a spare clone the restore moves in
+        assert cp.get_snapshot(snap.id).status == "stored"
+        assert cp.snapshots.captures.spare_of(snap.id).is_dir()
         restored = await cp.restore(snap.id, labels={"restored": "yes"}, envs={"TORPOR_KEY": "k2"})
         # the source's settings came along: traceable to its user, still pausing when idle
         assert restored.labels == {"user": "u-42", "restored": "yes"}
@@ -75,7 +78,10 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
         assert out.text == "['prefers weekly summaries']"
         assert await m.read_file(restored.id, "/workspace/ledger.csv") == b"plan,pro\n"
         assert not await m.exists(src.id, "/workspace/ledger.csv")  # source unaffected
-        # three forks of one snapshot: independent, and with different randomness
+        # three forks of one snapshot (one takes the spare made again after the restore):
+        # independent, and with different randomness
+        await cp.settle()
+        assert cp.snapshots.captures.spare_of(snap.id).is_dir()
         kids = await cp.fork_snapshot(snap.id, count=3, labels={"strategy": "try"})
         draws = set()
         for k in kids:
@@ -112,13 +118,14 @@ def test_bad_input_leaves_nothing_behind(qemu_home: Path, monkeypatch: pytest.Mo
         return real_put(self, digest, data)
 
     monkeypatch.setattr(ChunkStore, "_put_known", put)
+    monkeypatch.setenv("TORPOR_SNAPSHOT_CACHE", "0")  # a restore reads the (bad) chunks
 
     async def body(m: SandboxManager, cp: Checkpoints) -> None:
         src = await m.create()
         await m.run_code(src.id, "x = 7")
         disk["full"] = True  # the disk fills up during the snapshot
         with pytest.raises(StorageError):
-            await cp.snapshot(src.id, name="full")
+            await cp.snapshot(src.id, name="full", wait=True)
         disk["full"] = False
         assert cp.list_snapshots() == []
         assert (await m.get(src.id)).state is SandboxState.RUNNING
@@ -126,7 +133,8 @@ def test_bad_input_leaves_nothing_behind(qemu_home: Path, monkeypatch: pytest.Mo
         for count in (0, 17, -1):
             with pytest.raises(InvalidArgument):
                 await cp.fork(src.id, count=count)
-        snap = await cp.snapshot(src.id, name="s")
+        snap = await cp.snapshot(src.id, name="s", wait=True)
+        assert snap.status == "stored" and cp.snapshots.cached(snap.id) is None
         with pytest.raises(Conflict):
             await cp.snapshot(src.id, name="s")
         before = _live_ids(m)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from torpor.errors import StorageError
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.retention import collect_garbage
 from torpor.sandbox.storage.snapshots import SnapshotStore, freeze
@@ -214,6 +215,47 @@ def test_a_pause_shows_when_it_expires_and_warns_a_day_before(
         later = (await m.get(sbx.id)).expires_at
         assert later is not None and later - info.expires_at > timedelta(days=26)
         assert (await cp.collect_garbage(now=soon + 7200)).expired_sandboxes == []
+        await m.close()
+
+    asyncio.run(main())
+
+
+def test_recover_and_gc_finish_a_capture_left_pending(tmp_path: Path) -> None:
+    """A snapshot listed as capturing when the server died is stored by the next server's
+    recover (and a failed capture by the next GC pass)."""
+    import asyncio
+
+    from tests.sandbox.fakes import FakeEngine
+    from torpor.config import paths
+    from torpor.sandbox.checkpoints import Checkpoints
+    from torpor.sandbox.manager import SandboxManager
+
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    left = store.begin(freeze(make_machine(p, "sbx-a"), store.frozen_root), name="left")
+    failed = store.begin(freeze(make_machine(p, "sbx-b"), store.frozen_root), name="failed")
+    assert {s.status for s in store.list()} == {"capturing"}
+
+    async def main() -> None:
+        m = SandboxManager(paths(p.home), engine=FakeEngine())
+        cp = Checkpoints(m)
+        real = cp.snapshots.save
+        broken = {"id": failed.id}
+
+        def save(*a: Any, **k: Any) -> Any:
+            if k.get("snapshot_id") == broken["id"]:
+                raise StorageError("No space left on device")
+            return real(*a, **k)
+
+        cp.snapshots.save = save  # type: ignore[method-assign]
+        await cp.recover()
+        await cp.settle()
+        assert cp.get_snapshot(left.id).status == "stored"
+        assert cp.get_snapshot(failed.id).status == "capturing"  # kept, usable, retried
+        broken["id"] = ""
+        await cp.collect_garbage()
+        await cp.settle()
+        assert {s.status for s in cp.list_snapshots()} == {"stored"}
         await m.close()
 
     asyncio.run(main())

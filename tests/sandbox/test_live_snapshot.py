@@ -117,6 +117,8 @@ def test_live_snapshot_and_fork_leave_the_source_running(qemu_home: Path, tmp_pa
             text = (await m.read_file(restored.id, "/root/lines.txt")).decode()
             assert _lines_are_whole(text) > at_snapshot
             # and its disk alone (no RAM) is a consistent file system once its journal plays
+            assert snap.status == "capturing"  # restored above from its local frozen copy
+            assert (await cp.wait_stored(snap.id)).status == "stored"
             frozen = await asyncio.to_thread(cp.snapshots.materialize, snap.id)
             report = await asyncio.to_thread(_disk_fsck, frozen, tmp_path)
             assert "clean" in report or "files" in report

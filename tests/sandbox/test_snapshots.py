@@ -15,6 +15,7 @@ from torpor.errors import (
     EngineError,
     InvalidArgument,
     InvalidName,
+    InvalidState,
     SnapshotNotFound,
     StorageError,
 )
@@ -274,3 +275,60 @@ def test_repeated_freezes_keep_the_disk_chain_short(tmp_path: Path) -> None:
     info = store.save(frozen[-1], name="last")
     out = store.materialize(info.id)
     assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x28 12M 64k")
+
+
+def test_a_capturing_snapshot_is_listed_cached_and_then_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """begin lists the frozen dir at once (capturing, restorable from the cache), complete
+    stores it (same id), the cache keeps only the newest ``TORPOR_SNAPSHOT_CACHE``."""
+    monkeypatch.setenv("TORPOR_SNAPSHOT_CACHE", "1")
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    first = store.begin(freeze(m, store.frozen_root), name="first", sandbox_id="sb1")
+    assert first.status == "capturing" and first.size_bytes > 0
+    assert [(s.id, s.status) for s in store.list()] == [(first.id, "capturing")]
+    frozen = store.cached(first.id)
+    assert frozen is not None and (frozen / "ram").is_file()
+    with pytest.raises(Conflict):
+        store.begin(freeze(m, store.frozen_root), name="first")
+    with pytest.raises(InvalidState):  # nothing in the chunk store yet
+        store.materialize(first.id)
+    done = store.complete(first.id)
+    assert done is not None and done.id == first.id and done.status == "stored"
+    assert done.stored_bytes > 0 and done.created_at == first.created_at
+    assert store.complete(first.id) is None  # nothing pending any more
+    assert store.cached(first.id) == frozen  # kept: the newest one
+    out = store.materialize(first.id)
+    _same_files(frozen, out, ["ram", "state", "machine.json"])
+    # a spare clone: made once, taken by one restore whole, then made again
+    assert store.captures.make_spare(first.id) and not store.captures.make_spare(first.id)
+    child = p.sandboxes / "sbx-child"
+    assert store.captures.take_spare(first.id, child)
+    assert not store.captures.take_spare(first.id, p.sandboxes / "sbx-other")
+    _same_files(frozen, child, ["ram", "state"])
+    assert backing_file(child / "disk.qcow2") == frozen / "disk.qcow2"
+    assert "read 65536" in qemu_io(child / "disk.qcow2", "read -P 0x42 2M 64k")
+    assert store.captures.make_spare(first.id)
+    second = store.begin(freeze(m, store.frozen_root), name="second")
+    store.complete(second.id)
+    assert store.cached(first.id) is None and not (frozen / "ram").exists()  # evicted
+    assert not store.captures.spare_of(first.id).exists()  # with its spare
+    assert store.cached(second.id) is not None
+    assert [s.name for s in store.list()] == ["first", "second"]
+
+
+def test_a_snapshot_deleted_while_capturing_is_not_stored(tmp_path: Path) -> None:
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    info = store.begin(freeze(m, store.frozen_root), name="gone")
+    frozen = store.cached(info.id)
+    assert frozen is not None
+    store.delete(info.id)
+    assert store.complete(info.id) is None
+    assert store.list() == [] and not (p.snapshots / f"{info.id}.json").exists()
+    assert not (frozen / "ram").exists()
+    with pytest.raises(SnapshotNotFound):
+        store.get(info.id)

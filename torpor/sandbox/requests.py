@@ -564,6 +564,11 @@ class SnapshotSpec(Spec):
     name: SnapshotName | None = Field(default=None, description="default: <sandbox>-<time>")
     retention_days: RetentionDays = 7
     labels: Labels | None = None
+    wait: bool = Field(
+        default=False,
+        description="return once the snapshot is in the chunk store (status 'stored'); by "
+        "default it returns once frozen (status 'capturing': restore and fork work at once)",
+    )
 
 
 class ForkSpec(Spec):

@@ -186,6 +186,10 @@ def create_app(
                     background.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await background
+            checkpoints = getattr(app.state, "checkpoints", None)
+            if checkpoints is not None:  # snapshots still being stored: finished first
+                with contextlib.suppress(Exception):
+                    await checkpoints.settle()
             await manager.close()
             for callback in on_shutdown or ():
                 callback()

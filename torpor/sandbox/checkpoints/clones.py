@@ -17,9 +17,8 @@ import contextlib
 import json
 import logging
 import secrets
-import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from torpor.sandbox.manager import Held
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.storage.captures import drop_ram
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.volumes import Attachment
 
@@ -70,21 +70,29 @@ class Cloner:
         drives_of: str | None,
         recorded_drives: list[dict[str, Any]] | None = None,
         take_ram: bool = False,
+        spare: Callable[[Path], bool] | None = None,
     ) -> list[SandboxInfo]:
-        """Clone, wake and refresh ``children`` from a frozen dir; all or none (``take_ram``:
-        as for :meth:`prepare`)."""
+        """Clone, wake and refresh ``children`` from a frozen dir; all or none (``take_ram``,
+        ``spare``: as for :meth:`prepare`)."""
         drives = self.drives_for(frozen, drives_of, recorded_drives)
-        recs = await self.prepare(frozen, children, take_ram=take_ram)
+        recs = await self.prepare(frozen, children, take_ram=take_ram, spare=spare)
         return await self.wake_children(
             recs, drives, tenant=children.tenant, reason=children.reason
         )
 
     async def prepare(
-        self, frozen: Path, children: Children, *, take_ram: bool = False
+        self,
+        frozen: Path,
+        children: Children,
+        *,
+        take_ram: bool = False,
+        spare: Callable[[Path], bool] | None = None,
     ) -> list[SandboxRecord]:
         """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
         ``children``. ``take_ram``: the caller drops the frozen RAM afterwards, so the last
-        child may take it (when it has no other name). All or none: on failure every row and
+        child may take it (when it has no other name). ``spare(path)``: moves a ready clone
+        of ``frozen`` (a cached snapshot's spare) to the directory ``path`` if there is one
+        (True): the last child's, instead of cloning. All or none: on failure every row and
         dir made here is removed."""
         from torpor.sandbox.vm.machine import clone_machine_dir
 
@@ -121,10 +129,13 @@ class Cloner:
             copies = [
                 asyncio.to_thread(clone_machine_dir, frozen, m.directory(r.id)) for r in recs[:-1]
             ]
-            await asyncio.gather(*copies)
-            await asyncio.to_thread(
-                clone_machine_dir, frozen, m.directory(recs[-1].id), take_ram=own
-            )
+            last = m.directory(recs[-1].id)
+            if not own and spare is not None and await asyncio.to_thread(spare, last):
+                await asyncio.gather(*copies)
+            else:
+                await asyncio.gather(
+                    *copies, asyncio.to_thread(clone_machine_dir, frozen, last, take_ram=own)
+                )
         except BaseException as exc:
             for rec in recs:
                 await m.abort_create(rec, m.live(rec.id), exc)
@@ -212,14 +223,3 @@ class Cloner:
             if hit is not None:
                 found.append((hit[0], hit[1].path, hit[1].read_only))
         return found
-
-
-def drop_ram(frozen: Path) -> None:
-    """Remove a frozen dir's RAM and state once every clone has its own copy (the disk layer
-    stays: overlays are backed by it)."""
-    for name in ("ram", "state"):
-        with contextlib.suppress(FileNotFoundError):
-            (frozen / name).unlink()
-    with contextlib.suppress(OSError):
-        if not any(frozen.iterdir()):
-            shutil.rmtree(frozen)

@@ -11,16 +11,23 @@ How each one works (the storage is in :mod:`~torpor.sandbox.storage.snapshots`):
   paused one (or one with a drive mounted: QEMU cannot save a mounted 9p share) is frozen by
   :func:`~torpor.sandbox.storage.snapshots.freeze` (RAM copied sparsely, the disk overlay
   moved aside and replaced by a new overlay on top of it), paused and woken around it as
-  needed. The frozen copy is then captured into the content-addressed chunk store while the
-  sandbox runs on. The snapshot is listed only once its manifest is written and checked.
-* **restore(snapshot)**: the snapshot is rebuilt from verified chunks into a frozen dir and a new
-  sandbox is cloned from it (RAM copied, a new qcow2 overlay), woken, and given fresh entropy
-  and the host's clock.
-* **fork(sandbox, count)**: freeze as for a snapshot (live for a running source; for a
-  paused one the frozen RAM is a hard link to the source's, cloned into every child before
-  the source could run again), then the children wake. Nothing goes through the chunk store,
-  so a child costs one sparse RAM copy and a wake (the last child takes the frozen copy
-  itself). All children or none: a failure removes the ones already made.
+  needed. The call returns once the frozen copy is listed, ``capturing``
+  (:meth:`~torpor.sandbox.storage.snapshots.SnapshotStore.begin`: a cache link and a pending
+  record, see :mod:`~torpor.sandbox.storage.captures`); a background task makes a spare
+  clone of it, then captures it into the content-addressed chunk store and writes the
+  checked manifest (``stored``; :meth:`Checkpoints.wait_stored` waits for it, ``wait=True``
+  returns only then). A crash in between is finished by :meth:`Checkpoints.recover`.
+* **restore(snapshot)**: a snapshot whose frozen dir is still cached locally (capturing, or
+  among the newest ``$TORPOR_SNAPSHOT_CACHE`` stored) is cloned from that dir, its spare
+  clone moved in when there is one; any other is rebuilt from verified chunks into a frozen
+  dir first. The new sandbox is woken and given fresh entropy and the host's clock.
+* **fork(sandbox, count)**: freeze as for a snapshot (live for a running source, with no
+  guest flush: RAM and disk are taken at one instant; for a paused one the frozen RAM is a
+  hard link to the source's, cloned into every child before the source could run again),
+  then the children wake. Nothing goes through the chunk store, so a child costs one sparse
+  RAM copy and a wake (the last child takes the frozen copy itself). All children or none:
+  a failure removes the ones already made. A fork of a snapshot id is a restore of
+  ``count`` children.
 
 **Volumes and snapshots.** A volume is shared, long-lived data and is never part of a snapshot.
 The guest has it mounted with cached file-system state, so a snapshot or fork of a sandbox with a
@@ -133,6 +140,10 @@ class Checkpoints:
         self.cloner = Cloner(manager, self.drives)
         #: how long the guest stood still in the last live snapshot or fork (seconds)
         self.last_downtime: float | None = None
+        #: snapshots being stored in the chunk store in the background, by id
+        self._captures: dict[str, asyncio.Task[SnapshotInfo | None]] = {}
+        #: spare RAM copies of cached snapshots being made (see storage.captures)
+        self._spares: set[asyncio.Task[bool]] = set()
         hooks = manager.guest_hooks
         if not any(isinstance(h, Attachments) for h in hooks):
             hooks.append(self.attachments)  # drives are unmounted/remounted around a hibernate
@@ -255,12 +266,16 @@ class Checkpoints:
         return not self.drives.attached_to(rec.id)
 
     async def _freeze_live(self, rec: SandboxRecord, live: Any, *, for_clones: bool) -> Path:
-        """Flush the guest's file systems (so the disk layer alone is whole too), then
-        :func:`~torpor.sandbox.storage.snapshots.freeze_live` the running machine."""
-        try:
-            await asyncio.wait_for(live.channel.sync(), SYNC_TIMEOUT)
-        except Exception as exc:  # RAM and disk are captured at one instant either way
-            log.warning("sync before the snapshot of %s failed: %r", rec.id, exc)
+        """For a snapshot, flush the guest's file systems (so the disk layer alone is whole
+        too: a snapshot's disk may be read without its RAM); then
+        :func:`~torpor.sandbox.storage.snapshots.freeze_live` the running machine. A fork
+        (``for_clones``) skips the flush: its children run on RAM and disk taken at one
+        instant, whose page cache is the guest's own, so nothing is waited for."""
+        if not for_clones:
+            try:
+                await asyncio.wait_for(live.channel.sync(), SYNC_TIMEOUT)
+            except Exception as exc:  # RAM and disk are captured at one instant either way
+                log.warning("sync before the snapshot of %s failed: %r", rec.id, exc)
         with self.snapshots.lock():
             frozen, downtime = await freeze_live(
                 self.held.directory(rec.id),
@@ -283,8 +298,14 @@ class Checkpoints:
         **fields: Any,
     ) -> SnapshotInfo:
         """Snapshot a running or paused sandbox (RAM + disk); it keeps its state afterwards.
-        ``spec`` (or ``fields``: ``name``, ``retention_days``, ``labels``) is a
+        ``spec`` (or ``fields``: ``name``, ``retention_days``, ``labels``, ``wait``) is a
         :class:`~torpor.sandbox.requests.SnapshotSpec`.
+
+        Returns once the frozen copy is made and listed, ``capturing``: restore and fork
+        work from then on (from the local copy), while the copy is stored in the chunk store
+        in the background (:meth:`wait_stored` waits for it; a capture that fails is retried
+        at the next GC pass, wait or restart). With ``wait`` it returns the ``stored``
+        snapshot, and if storing fails nothing is listed.
 
         ``name`` defaults to ``<sandbox name>-<time>``. Raises InvalidName / InvalidArgument,
         Conflict (name taken; a volume attached), InvalidState, StorageError (e.g. disk full:
@@ -299,8 +320,8 @@ class Checkpoints:
 
         async def capture(rec: SandboxRecord, frozen: Path, _: Any) -> SnapshotInfo:
             try:
-                return await asyncio.to_thread(
-                    self.snapshots.save,
+                info = await asyncio.to_thread(
+                    self.snapshots.begin,
                     frozen,
                     name=str(name),
                     tenant=tenant,
@@ -316,10 +337,77 @@ class Checkpoints:
                     ),
                     envs=rec.envs,
                 )
-            finally:
+            except BaseException:
                 drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
+                raise
+            self._complete_later(info.id)
+            return info
 
-        return await self._freeze(tenant, id_or_name, capture)
+        info = await self._freeze(tenant, id_or_name, capture)
+        if not snap.wait:
+            return info
+        try:
+            return await self.wait_stored(info.id, tenant=tenant)
+        except TorporError:  # as before captures ran behind: nothing is listed
+            with contextlib.suppress(TorporError):
+                self.delete_snapshot(info.id, tenant=tenant)
+            raise
+
+    def _complete_later(self, snapshot_id: str) -> asyncio.Task[SnapshotInfo | None]:
+        """Store the capturing snapshot ``snapshot_id`` in the background (once per id)."""
+        task = self._captures.get(snapshot_id)
+        if task is None:
+
+            def work() -> SnapshotInfo | None:
+                # the spare first: a restore right after the snapshot then copies no RAM
+                with contextlib.suppress(TorporError):
+                    self.snapshots.captures.make_spare(snapshot_id)
+                return self.snapshots.complete(snapshot_id)
+
+            task = asyncio.get_running_loop().create_task(asyncio.to_thread(work))
+            self._captures[snapshot_id] = task
+
+            def done(t: asyncio.Task[SnapshotInfo | None]) -> None:
+                self._captures.pop(snapshot_id, None)
+                if not t.cancelled() and t.exception() is not None:
+                    log.error(
+                        "capturing snapshot %s failed (retried at the next restart or wait): %r",
+                        snapshot_id,
+                        t.exception(),
+                    )
+
+            task.add_done_callback(done)
+        return task
+
+    async def wait_stored(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
+        """Wait until the snapshot is in the chunk store (its manifest written and checked)
+        and return it; a capture that a crash interrupted is finished here. Raises
+        SnapshotNotFound (also when it was deleted meanwhile), StorageError / EngineError
+        (the capture failed; it is tried again at the next call)."""
+        info = self.snapshots.get(id_or_name, tenant=tenant)
+        if info.status == "capturing":
+            await asyncio.shield(self._complete_later(info.id))
+        return self.snapshots.get(info.id, tenant=tenant)
+
+    async def settle(self) -> None:
+        """Wait for every capture and spare copy in flight (a server's shutdown; benches)."""
+        while self._captures or self._spares:
+            jobs = [*self._captures.values(), *self._spares]
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    def _refill(self, snapshot_id: str) -> None:
+        """Make the spare RAM copy of a cached snapshot again, in the background."""
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self.snapshots.captures.make_spare, snapshot_id)
+        )
+        self._spares.add(task)
+
+        def done(t: asyncio.Task[bool]) -> None:
+            self._spares.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("no spare RAM for snapshot %s: %r", snapshot_id, t.exception())
+
+        task.add_done_callback(done)
 
     def list_snapshots(self, *, tenant: str = "default") -> list[SnapshotInfo]:
         """The tenant's listed (checked, unexpired) snapshots."""
@@ -403,8 +491,19 @@ class Checkpoints:
             retention = carried.pause_retention_days
         # held until the children exist: until then no overlay names the frozen dir, and GC
         # (which takes this lock exclusively) must not take it for garbage
-        with self.snapshots.lock():
-            frozen = await asyncio.to_thread(self.snapshots.materialize, info.id, tenant=tenant)
+        with self.snapshots.lock(), self.snapshots.captures.in_use():
+            frozen = self.snapshots.cached(info.id)  # local, never run, read-only: clone it
+            own = frozen is None
+            used: list[Path] = []
+
+            def spare(into: Path) -> bool:
+                taken = self.snapshots.captures.take_spare(info.id, into)
+                if taken:
+                    used.append(into)
+                return taken
+
+            if frozen is None:
+                frozen = await asyncio.to_thread(self.snapshots.materialize, info.id, tenant=tenant)
             try:
                 children = Children(
                     count=count,
@@ -421,10 +520,14 @@ class Checkpoints:
                     children,
                     drives_of=info.sandbox_id,
                     recorded_drives=info.drives,
-                    take_ram=True,  # the materialized RAM is this restore's own
+                    take_ram=own,  # the materialized RAM is this restore's own
+                    spare=None if own else spare,
                 )
             finally:
-                drop_ram(frozen)
+                if own:
+                    drop_ram(frozen)
+                elif used:
+                    self._refill(info.id)
 
     async def fork(
         self,
@@ -523,7 +626,8 @@ class Checkpoints:
     # -- retention -----------------------------------------------------------------------
 
     async def recover(self) -> int:
-        """After a restart, before any attach is in flight: give back the attachment record
+        """After a restart, before any attach is in flight: finish storing the snapshots a
+        crash left capturing (in the background), give back the attachment record
         of each drive whose share a live sandbox's machine has without one (an attach that
         died between plugging and recording: see
         :func:`~torpor.sandbox.storage.retention.restore_unrecorded_drives`), then mount the
@@ -533,6 +637,8 @@ class Checkpoints:
             restore_unrecorded_drives, self.paths, self.attachments.live_ids()
         )
         await self.attachments.remount_running()
+        for sid, _ in list(self.snapshots.captures.records()):  # captures a crash cut short
+            self._complete_later(sid)
         return restored
 
     async def collect_garbage(
@@ -541,6 +647,9 @@ class Checkpoints:
         """Kill sandboxes paused past their ``pause_retention_days``, then run :func:`collect`
         (``spec`` or ``dry_run=True``: report what would go, remove nothing)."""
         dry_run = GcSpec.of(spec, **fields).dry_run
+        if not dry_run:  # captures that failed (e.g. a full disk) are tried again
+            for sid, _ in list(self.snapshots.captures.records()):
+                self._complete_later(sid)
         now = time.time() if now is None else now
         expired: list[str] = []
         for rec in self.manager.registry.list(states={S.PAUSED}):

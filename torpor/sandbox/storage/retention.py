@@ -5,7 +5,8 @@ What goes, in this order (each step only removes what nothing references):
 1. **expired snapshots**: manifests past ``expires_at`` (retention 1-365 days, default 7);
 2. **frozen dirs** (``snapshots/frozen/<id>/``) that no sandbox's disk chain uses any more —
    a fork's or restore's children run on qcow2 overlays backed by a frozen layer, so a frozen
-   layer lives exactly as long as some sandbox dir (or another live frozen layer) names it;
+   layer lives exactly as long as some sandbox dir (or another live frozen layer) names it,
+   or a snapshot's cache link does (:mod:`.captures`; links of gone snapshots go here too);
 3. **chunks** that no manifest names (a manifest that fails its digest still protects every
    chunk it names: GC never turns a corrupt snapshot into a lost one) — mark-and-sweep:
    the manifests give the mark set, :meth:`ChunkStore.sweep` the rest. A store shared by
@@ -38,6 +39,7 @@ from typing import Any
 
 from torpor.config import Paths
 from torpor.errors import CorruptData, StorageError, TorporError
+from torpor.sandbox.storage.captures import drop_ram
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, SweepReport
 from torpor.sandbox.storage.compaction import referenced_by_compacted
 from torpor.sandbox.storage.drives import DriveStore
@@ -247,6 +249,30 @@ def collect_garbage(
             frozen_root = store.frozen_root
             if frozen_root.is_dir():
                 used = referenced_frozen(paths, frozen_root)
+                # a snapshot's cached frozen dir (capturing, or kept for fast restores) is
+                # used; a link that names no snapshot (deleted, expired, a crash before its
+                # pending record) goes, and its dir with it unless a disk chain names it
+                snapshots = {i.id for i, _ in store.manifests()}
+                snapshots |= {sid for sid, _ in store.captures.records()}
+                cached = set()
+                for sid, frozen in store.captures.links().items():
+                    if sid in snapshots:
+                        cached.add(frozen.name)
+                    elif not dry_run:
+                        store.captures.unlink(sid)
+                if not dry_run:
+                    store.captures.drop_stale_spares(set(store.captures.links()))
+                # RAM in a frozen dir is a clone's input for moments (a fork, a restore) or
+                # a cached snapshot's; any other, older than the grace, a crash left behind
+                for d in frozen_root.glob("frz-*"):
+                    ram = d / "ram"
+                    if d.name in cached or not ram.is_file():
+                        continue
+                    if time.time() - ram.stat().st_mtime > LEFTOVER_GRACE_SECONDS:
+                        report.freed_bytes += _du(ram)
+                        if not dry_run:
+                            drop_ram(d)
+                used |= cached
                 # a used frozen layer keeps the layers below it
                 for name in list(used):
                     disk_files = [f for f in (frozen_root / name).iterdir() if is_qcow2(f)]

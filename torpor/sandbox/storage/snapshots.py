@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -51,6 +51,7 @@ from torpor.errors import (
     StorageError,
 )
 from torpor.sandbox.requests import MAX_RETENTION_DAYS
+from torpor.sandbox.storage.captures import PendingCaptures, cache_size, drop_ram
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, home_chunk_store
 from torpor.sandbox.storage.compaction import MARKER as COMPACTED_MARKER
 from torpor.sandbox.storage.records import rewrite_prefix, write_record
@@ -117,6 +118,9 @@ class SnapshotInfo(BaseModel):
     drives: list[dict[str, Any]] = Field(default_factory=list)
     #: the source sandbox's settings, carried over to what is restored or forked from this
     carried: CarriedSettings = Field(default_factory=CarriedSettings)
+    #: ``capturing``: frozen on this node and usable (restore, fork), its chunks and manifest
+    #: still being written (``stored_bytes`` is 0 until then); ``stored``: in the chunk store
+    status: Literal["capturing", "stored"] = "stored"
 
     def expired(self, now: datetime | None = None) -> bool:
         return (now or datetime.now(UTC)) >= self.expires_at
@@ -400,6 +404,8 @@ class SnapshotStore:
         self.frozen_root = paths.snapshots / "frozen"
         self.chunks = chunks or home_chunk_store(paths)
         self.root.mkdir(parents=True, exist_ok=True)
+        #: snapshots still being captured, and the local frozen dirs restores clone from
+        self.captures = PendingCaptures(self.root, self.frozen_root)
 
     # -- locking: saves share the store, GC takes it alone, names commit one at a time --------
 
@@ -429,21 +435,28 @@ class SnapshotStore:
         drives: list[dict[str, Any]] | None = None,
         carried: CarriedSettings | None = None,
         envs: dict[str, str] | None = None,
+        snapshot_id: str | None = None,
+        created: datetime | None = None,
     ) -> SnapshotInfo:
         """Capture the frozen dir ``frozen`` into the chunk store as snapshot ``name``.
         ``envs``: the source's environment variables, kept in the manifest beside (not in)
         its info, so a restore carries them over and no listing shows them (:meth:`envs`).
+        ``snapshot_id`` / ``created``: those of a pending capture (:meth:`begin`) this
+        completes; its manifest is written only while its pending record still exists (a
+        snapshot deleted while capturing is not brought back).
 
         Raises InvalidName / InvalidArgument for bad input, Conflict if ``name`` is taken in
-        ``tenant``, StorageError / EngineError if capture fails (then nothing is listed; chunks
-        written so far are left for GC).
+        ``tenant``, SnapshotNotFound (the pending capture was deleted), StorageError /
+        EngineError if capture fails (then nothing is listed; chunks written so far are left
+        for GC).
         """
         check_name(name, "snapshot name")
         check_retention(retention_days)
-        self.check_name_free(name, tenant)
-        self.check_room(tenant)
-        sid = f"snap-{uuid.uuid4().hex[:12]}"
-        created = datetime.now(UTC)
+        self.check_name_free(name, tenant, exclude=snapshot_id)
+        if snapshot_id is None:
+            self.check_room(tenant)
+        sid = snapshot_id or f"snap-{uuid.uuid4().hex[:12]}"
+        created = created or datetime.now(UTC)
         files: dict[str, Any] = {}
         anchors: dict[str, Any] = {}
         size = new = 0
@@ -468,6 +481,7 @@ class SnapshotStore:
                     size += fm.size
                     new += fm.new_bytes
                 self.chunks.sync_dirs()
+                step("save:chunked")
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             info = SnapshotInfo(
@@ -495,10 +509,139 @@ class SnapshotStore:
             if envs:
                 body["envs"] = dict(envs)
             with self.lock(exclusive=True, name="names"):
-                self.check_name_free(name, tenant)
+                self.check_name_free(name, tenant, exclude=snapshot_id)
+                if snapshot_id is not None and self.captures.read(snapshot_id) is None:
+                    raise SnapshotNotFound(
+                        f"snapshot {snapshot_id} was deleted while it was captured",
+                        kind="snapshot",
+                        name=snapshot_id,
+                    )
                 self._write_manifest(sid, body)
+                step("save:listed")
+                if snapshot_id is not None:
+                    self.captures.remove(snapshot_id)
         log.info("snapshot %s (%s): %d bytes, %d new in the store", sid, name, size, new)
         return info
+
+    def begin(
+        self,
+        frozen: Path,
+        *,
+        name: str,
+        tenant: str = "default",
+        retention_days: int = 7,
+        sandbox_id: str | None = None,
+        template: str | None = None,
+        labels: dict[str, str] | None = None,
+        drives: list[dict[str, Any]] | None = None,
+        carried: CarriedSettings | None = None,
+        envs: dict[str, str] | None = None,
+    ) -> SnapshotInfo:
+        """List the frozen dir ``frozen`` as snapshot ``name``, ``capturing``: it is cached
+        (restores clone it) and a pending record says what :meth:`complete` will store (see
+        :mod:`~torpor.sandbox.storage.captures`). ``frozen`` must hold RAM and state and is
+        the snapshot's from now on. Raises as :meth:`save` for bad input, a taken name or a
+        full quota, StorageError."""
+        check_name(name, "snapshot name")
+        check_retention(retention_days)
+        self.check_room(tenant)
+        sid = f"snap-{uuid.uuid4().hex[:12]}"
+        created = datetime.now(UTC)
+        size = sum(
+            f.stat().st_size
+            for f in frozen.iterdir()
+            if f.is_file() and not f.name.endswith(_VOLATILE_SUFFIXES)
+        )
+        info = SnapshotInfo(
+            id=sid,
+            name=name,
+            tenant=tenant,
+            sandbox_id=sandbox_id,
+            template=template,
+            labels=dict(labels or {}),
+            carried=carried or CarriedSettings(),
+            retention_days=retention_days,
+            created_at=created,
+            expires_at=created + timedelta(days=retention_days),
+            size_bytes=size,
+            drives=list(drives or []),
+            status="capturing",
+        )
+        body = {"version": FORMAT_VERSION, "info": info.model_dump(mode="json")}
+        if envs:
+            body["envs"] = dict(envs)
+        with self.lock(), self.lock(exclusive=True, name="names"):  # GC waits for both
+            self.check_name_free(name, tenant)
+            self.captures.link(sid, frozen)  # first: a record always names a linked dir
+            step("capture:linked")
+            self.captures.write(sid, body)
+            step("capture:pending")
+        log.info("snapshot %s (%s): frozen in %s, capturing", sid, name, frozen.name)
+        return info
+
+    def complete(self, snapshot_id: str) -> SnapshotInfo | None:
+        """Store the pending snapshot ``snapshot_id`` (chunks, then its manifest, then its
+        pending record goes), then give back the RAM of cached snapshots past
+        :func:`~torpor.sandbox.storage.captures.cache_size`. Returns its info, or None if
+        nothing is pending under that id (done, or deleted). Idempotent: after a crash it is
+        run again from the same frozen dir. Raises StorageError / EngineError (the record
+        stays: a later call retries)."""
+        body = self.captures.read(snapshot_id)
+        if body is None:
+            return None
+        if (self.root / f"{snapshot_id}.json").is_file():  # a crash after the manifest
+            self.captures.remove(snapshot_id)
+            return self.get(snapshot_id, tenant=body["info"]["tenant"], include_expired=True)
+        frozen = self.captures.frozen_of(snapshot_id)
+        if frozen is None or not (frozen / "state").is_file():
+            log.error("pending snapshot %s lost its frozen dir; dropping it", snapshot_id)
+            self.captures.remove(snapshot_id)
+            return None
+        pending = SnapshotInfo.model_validate(body["info"])
+        try:
+            info = self.save(
+                frozen,
+                name=pending.name,
+                tenant=pending.tenant,
+                retention_days=pending.retention_days,
+                sandbox_id=pending.sandbox_id,
+                template=pending.template,
+                labels=pending.labels,
+                drives=pending.drives,
+                carried=pending.carried,
+                envs=body.get("envs"),
+                snapshot_id=snapshot_id,
+                created=pending.created_at,
+            )
+        except SnapshotNotFound:  # deleted meanwhile
+            return None
+        self.evict()
+        return info
+
+    def cached(self, snapshot_id: str) -> Path | None:
+        """The local frozen dir of ``snapshot_id`` if it still holds its RAM, else None."""
+        return self.captures.cached(snapshot_id)
+
+    def evict(self, keep: int | None = None) -> list[str]:
+        """Give back the RAM of stored snapshots' cached frozen dirs past the newest ``keep``
+        (default :func:`~torpor.sandbox.storage.captures.cache_size`); nothing while a clone
+        copies from the cache. Returns the snapshot ids evicted."""
+        keep = cache_size() if keep is None else keep
+        stored = [
+            (frozen.stat().st_mtime if frozen.exists() else 0.0, sid, frozen)
+            for sid, frozen in self.captures.links().items()
+            if self.captures.read(sid) is None
+        ]
+        stored.sort(reverse=True)
+        gone: list[str] = []
+        with self.captures.evicting() as free:
+            if not free:
+                return gone
+            for _, sid, frozen in stored[keep:]:
+                self.captures.unlink(sid)
+                drop_ram(frozen)
+                gone.append(sid)
+        return gone
 
     def check_room(self, tenant: str) -> None:
         """Raise QuotaExceeded if ``tenant`` holds its quota of snapshots (expired ones count
@@ -506,10 +649,11 @@ class SnapshotStore:
         held = self.list(tenant=tenant, include_expired=True)
         Quotas.of(self.paths, tenant).check(tenant, "snapshots", len(held))
 
-    def check_name_free(self, name: str, tenant: str) -> None:
-        """Raise Conflict if ``tenant`` has a snapshot named ``name`` (expired ones count)."""
+    def check_name_free(self, name: str, tenant: str, *, exclude: str | None = None) -> None:
+        """Raise Conflict if ``tenant`` has a snapshot named ``name`` (expired and capturing
+        ones count; ``exclude``: a capture's own pending record)."""
         for info in self.list(tenant=tenant, include_expired=True):
-            if info.name == name:
+            if info.name == name and info.id != exclude:
                 raise Conflict(
                     f"a snapshot named {name!r} already exists ({info.id})",
                     kind="snapshot",
@@ -572,8 +716,18 @@ class SnapshotStore:
         """Remove a snapshot's manifest (its chunks go at the next GC). Raises SnapshotNotFound."""
         info = self.get(id_or_name, tenant=tenant, include_expired=True)
         try:
-            (self.root / f"{info.id}.json").unlink()
-            fsync_dir(self.root)
+            with self.lock(exclusive=True, name="names"):  # not while a capture completes
+                pending = self.captures.remove(info.id)
+                if not pending:
+                    (self.root / f"{info.id}.json").unlink()
+                    fsync_dir(self.root)
+            with self.captures.evicting() as free:
+                if free:
+                    frozen = self.captures.unlink(info.id)
+                    if frozen is not None:
+                        drop_ram(frozen)
+                else:  # a clone copies from the cache now: GC gives the RAM and spare back
+                    self.captures.forget(info.id)
         except FileNotFoundError as exc:
             raise SnapshotNotFound(
                 f"snapshot {id_or_name!r} not found", kind="snapshot", name=id_or_name
@@ -609,13 +763,28 @@ class SnapshotStore:
             except (CorruptData, ValueError) as exc:
                 log.warning("skipping snapshot manifest %s: %s", path.name, exc)
 
+    def _all(self) -> Iterator[tuple[SnapshotInfo, dict[str, Any]]]:
+        """Stored snapshots, then the capturing ones whose frozen dir is whole (a pending
+        record whose manifest exists already is the stored one)."""
+        seen: set[str] = set()
+        for info, body in self.manifests():
+            seen.add(info.id)
+            yield info, body
+        for sid, body in self.captures.records():
+            if sid in seen or self.captures.cached(sid) is None:
+                continue
+            try:
+                yield SnapshotInfo.model_validate(body["info"]), body
+            except (KeyError, ValueError) as exc:
+                log.warning("skipping pending snapshot %s: %s", sid, exc)
+
     def list(
         self, *, tenant: str = "default", include_expired: bool = False, now: datetime | None = None
     ) -> list[SnapshotInfo]:
         """The tenant's snapshots whose manifests check, oldest first."""
         found = [
             info
-            for info, _ in self.manifests()
+            for info, _ in self._all()
             if info.tenant == tenant and (include_expired or not info.expired(now))
         ]
         return sorted(found, key=lambda i: i.created_at)
@@ -635,7 +804,7 @@ class SnapshotStore:
     def _find(
         self, id_or_name: str, tenant: str, include_expired: bool
     ) -> tuple[SnapshotInfo, dict[str, Any]]:
-        for info, body in self.manifests():
+        for info, body in self._all():
             if info.tenant == tenant and id_or_name in (info.id, info.name):
                 if info.expired() and not include_expired:
                     raise SnapshotNotFound(
@@ -656,6 +825,12 @@ class SnapshotStore:
         disk it was taken on changed), StorageError. Nothing is left behind on failure.
         """
         info, body = self._find(id_or_name, tenant, include_expired=False)
+        if "files" not in body:  # capturing, and its frozen dir lost its RAM (cannot be: kept)
+            raise InvalidState(
+                f"snapshot {info.id} is still being captured and has no local copy",
+                state="capturing",
+                required=["stored"],
+            )
         for ident in body.get("anchors", {}).values():
             if ident is None:
                 continue
