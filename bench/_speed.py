@@ -62,17 +62,10 @@ def _time_queries(scope: Any, queries: Sequence[str], k: int = 10) -> list[float
 
 
 def search_latency(
-    size: int,
-    model: Any,
-    sentences: Sequence[str],
-    questions: Sequence[str],
-    reps: int,
-    f32_model: Any | None = None,
+    size: int, model: Any, sentences: Sequence[str], questions: Sequence[str], reps: int
 ) -> dict[str, Any]:
     """Recall (k=10) p50/p95 in ms with the default embedder and lexical-only, on one scope
-    of ``size`` records (real sentences and questions below 2,000 records, else synthetic).
-    ``f32_model``: the same model kept in float32 for queries (``bf16=False``), timed on the
-    same queries in turn with ``model``, for the bfloat16 query path's same-run ratio."""
+    of ``size`` records (real sentences and questions below 2,000 records, else synthetic)."""
     real = size <= 2000
     embedder = model if real else QueryModelEmbedder(model)
     with tempfile.TemporaryDirectory(prefix="torpor-bench-speed-") as tmp:
@@ -91,16 +84,11 @@ def search_latency(
                 queries += [" ".join(t.split()[1:4]) for t in chunk[:: max(size // reps, 1)]]
             queries = list(dict.fromkeys(queries))[:reps]
         default = _time_queries(scope, queries)
-        embed_ms: list[float] = []  # one query embedding alone: the default's floor
-        f32_ms: list[float] = []
+        embed_ms = []  # one query embedding alone: the floor of the default's search time
         for q in queries:
             t0 = time.perf_counter()
             model.embed([q + " ?"])  # not the cached vector recall used
             embed_ms.append((time.perf_counter() - t0) * 1000)
-            if f32_model is not None:
-                t0 = time.perf_counter()
-                f32_model.embed([q + " ?"])
-                f32_ms.append((time.perf_counter() - t0) * 1000)
         mem.close()
         lex_mem = open_memory(Path(tmp), None)
         lexical = _time_queries(lex_mem.scope(app="bench", user="speed"), queries)
@@ -112,8 +100,6 @@ def search_latency(
         "default_p50_ms": _pct(default, 0.5),
         "default_p95_ms": _pct(default, 0.95),
         "query_embedding_p50_ms": _pct(embed_ms, 0.5),
-        "query_embedding_bf16": bool(getattr(model, "bf16", False)),
-        "query_embedding_f32_p50_ms": _pct(f32_ms, 0.5) if f32_ms else None,
         "lexical_p50_ms": _pct(lexical, 0.5),
         "lexical_p95_ms": _pct(lexical, 0.95),
     }

@@ -200,10 +200,6 @@ def run_speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
     model = SentenceTransformerEmbedder()
     model.embed(["warm up"])
-    # the float32 query path, timed beside the default's (bfloat16 where the CPU has it)
-    f32 = SentenceTransformerEmbedder(bf16=False) if model.bf16 else None
-    if f32 is not None:
-        f32.embed(["warm up"])
     ds = generate(GenConfig(seed=99, users=60))
     sentences = list(dict.fromkeys(t.text for t in ds.turns))
     questions = [q.text for q in ds.questions]
@@ -212,8 +208,7 @@ def run_speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
     rows = []
     for size in sizes:
         console.print(f"  speed: default embedder at {size:,} records ...")
-        row = search_latency(size, model, sentences, questions, reps, f32_model=f32)
-        rows.append(row | {"load": _load()})
+        rows.append(search_latency(size, model, sentences, questions, reps) | {"load": _load()})
     ingest = ingest_ratio(model, sentences[: 300 if args.quick else 1000], reps=3)
     report["speed"] = {"search": rows, "ingest": ingest | {"load": _load()}}
     t = Table(title="default configuration: recall k=10 (query embedded by MiniLM) and lexical")
@@ -222,7 +217,6 @@ def run_speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
         "default p50",
         "default p95",
         "1 query embedding p50",
-        "float32 query p50",
         "lexical p50",
         "lexical p95",
         "load",
@@ -233,11 +227,7 @@ def run_speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
             f"{r['size']:,}",
             f"{r['default_p50_ms']:.1f} ms",
             f"{r['default_p95_ms']:.1f} ms",
-            f"{r.get('query_embedding_p50_ms', float('nan')):.1f} ms"
-            + (" (bf16)" if r.get("query_embedding_bf16") else ""),
-            "-"
-            if r.get("query_embedding_f32_p50_ms") is None
-            else f"{r['query_embedding_f32_p50_ms']:.1f} ms",
+            f"{r.get('query_embedding_p50_ms', float('nan')):.1f} ms",
             f"{r['lexical_p50_ms']:.2f} ms",
             f"{r['lexical_p95_ms']:.2f} ms",
             f"{r['load']:.1f}",
