@@ -104,6 +104,19 @@ def test_tiered_puts_the_own_scope_first_and_flat_lets_a_better_ancestor_win() -
     assert flat[0] == "parent"
 
 
+@pytest.mark.parametrize("tiered", [True, False])
+def test_a_limit_returns_the_head_of_the_full_order(tiered: bool) -> None:
+    """``Candidates.limit`` (recall's k) only saves building the hits past it."""
+    ranker = HybridRanker(tiered=tiered)
+    full = ranker.rank(_found())
+    assert len(full) > 2
+    head = ranker.rank(dataclasses.replace(_found(), limit=2))
+    assert [(h.id, h.score, h.scores) for h in head] == [
+        (h.id, h.score, h.scores) for h in full[:2]
+    ]
+    assert [h.id for h in ranker.order(reversed(full))] == [h.id for h in full]
+
+
 def test_relative_floor_drops_what_is_far_below_the_best() -> None:
     kept = HybridRanker().rank(_found())
     floored = HybridRanker(relative_floor=0.5).rank(_found())

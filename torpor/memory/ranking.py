@@ -150,6 +150,8 @@ class Candidates:
     microseconds). ``min_similarity``: the caller's vector floor for this query, or None
     (the ranker's own). ``mean_words``: the store's mean words per record (BM25's average
     length; :meth:`~torpor.memory.backends.base.TenantStore.mean_words`), or None.
+    ``limit``: how many hits the caller keeps (recall's ``k``), or None for all; a ranker may
+    stop there.
     """
 
     query: str
@@ -160,6 +162,7 @@ class Candidates:
     vector: Sequence[tuple[AnyRecord, float]] | None
     min_similarity: float | None = None
     mean_words: float | None = None
+    limit: int | None = None
 
 
 class Ranker(Protocol):
@@ -208,7 +211,7 @@ class HybridRanker:
         lexical = {rid: share * c + (1 - share) * bm25[rid] for rid, c in covered.items()}
         weight, fill_lexical, fill_vector = self._blend(lexical, vector)
         named = self._named_speakers(found.terms, records.values())
-        hits = []
+        scored: list[tuple[AnyRecord, dict[str, float], float]] = []
         for rid, rec in records.items():
             scores: dict[str, float] = {"lexical": lexical.get(rid, 0.0)}
             if rid in lexical:
@@ -223,13 +226,20 @@ class HybridRanker:
                 )
             if isinstance(rec, Episode):
                 scores["speaker"] = 1 + self.speaker if rec.role in named else 1.0
-            hits.append(self._score(rec, found, scores, relevance))
-        top = max((h.scores["relevance"] for h in hits), default=0.0)
-        return self.order(
-            h
-            for h in hits
-            if h.scores["relevance"] >= self.relative_floor * top and h.scores["relevance"] > 0
-        )
+            scored.append((rec, scores, self._score(rec, found, scores, relevance)))
+        top = max((sc["relevance"] for _, sc, _ in scored), default=0.0)
+        kept = [
+            (rec, sc, score)
+            for rec, sc, score in scored
+            if sc["relevance"] >= self.relative_floor * top and sc["relevance"] > 0
+        ]
+        # ordered before the hits are built, and only the kept ones built: most candidates
+        # are not among the caller's first ``limit``
+        kept.sort(key=lambda t: self._order_key(t[0], t[1], t[2]))
+        return [
+            Hit.model_construct(record=rec, score=score, scores=sc)
+            for rec, sc, score in kept[: found.limit]
+        ]
 
     def _blend(
         self, lexical: dict[str, float], vector: dict[str, float]
@@ -268,13 +278,14 @@ class HybridRanker:
 
     def order(self, hits: Iterable[Hit]) -> list[Hit]:
         """Most specific scope, then score, then newest first (``tiered``); or score first."""
+        return sorted(hits, key=lambda h: self._order_key(h.record, h.scores, h.score))
+
+    def _order_key(
+        self, rec: AnyRecord, scores: dict[str, float], score: float
+    ) -> tuple[float, float, int]:
         if self.tiered:
-            return sorted(
-                hits, key=lambda h: (h.scores["scope_distance"], -h.score, -to_us(h.valid_from))
-            )
-        return sorted(
-            hits, key=lambda h: (-h.score, h.scores["scope_distance"], -to_us(h.valid_from))
-        )
+            return (scores["scope_distance"], -score, -to_us(rec.valid_from))
+        return (-score, scores["scope_distance"], -to_us(rec.valid_from))
 
     def _bm25(
         self, found: Sequence[tuple[AnyRecord, float]], mean_words: float | None
@@ -301,7 +312,8 @@ class HybridRanker:
 
     def _score(
         self, rec: AnyRecord, found: Candidates, scores: dict[str, float], relevance: float
-    ) -> Hit:
+    ) -> float:
+        """The final score; fills ``scores`` with the factors."""
         distance = max(path_depth(found.scope) - path_depth(rec.scope), 0)
         age_days = max(found.now - to_us(rec.valid_from), 0) / 86_400e6
         scores["relevance"] = relevance
@@ -312,7 +324,7 @@ class HybridRanker:
         score = relevance * scores["kind"] * scores.get("speaker", 1.0) * scores["recency"]
         if not self.tiered:
             score *= scores["scope"]
-        return Hit.model_construct(record=rec, score=score, scores=scores)
+        return score
 
 
 def _spread(values: Iterable[float]) -> float:

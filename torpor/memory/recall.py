@@ -118,8 +118,10 @@ def candidates(
     query_scope: str,
     embedder: Embedder | None,
     min_similarity: float | None = None,
+    limit: int | None = None,
 ) -> Candidates:
-    """Up to ``pool`` lexical and ``pool`` vector matches for ``query`` under ``flt``.
+    """Up to ``pool`` lexical and ``pool`` vector matches for ``query`` under ``flt``
+    (``limit``: how many hits the caller will keep, passed on to the ranker).
 
     Raises what the store raises (:class:`StorageError`).
     """
@@ -134,6 +136,7 @@ def candidates(
             vector=None,
             min_similarity=min_similarity,
             mean_words=store.mean_words(),
+            limit=limit,
         )
     # the query's embedding (the slow part) runs in a worker thread while the lexical
     # search runs here: the model releases the GIL, so the two overlap
@@ -151,6 +154,7 @@ def candidates(
         vector=vector,
         min_similarity=min_similarity,
         mean_words=mean_words,
+        limit=limit,
     )
 
 
@@ -182,6 +186,7 @@ def recall(
         query_scope=query_scope,
         embedder=embedder,
         min_similarity=min_similarity,
+        limit=k,
     )
     return ranking.rank(found)[:k]
 
