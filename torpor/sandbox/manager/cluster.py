@@ -212,6 +212,10 @@ class ClusterNode:
         self.started_at = time.time()
         self._accel: str | None = None
         self._pushes: dict[str, asyncio.Task[None]] = {}
+        #: the push of a newer pause asked for while an older one's was in flight, and the
+        #: event that cuts the older one's backoff short
+        self._queued: dict[str, Callable[[], Any]] = {}
+        self._kicks: dict[str, asyncio.Event] = {}
         self._heartbeat: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[None] | None = None
         #: this node takes no new sandbox (``torpor node drain``; a restart clears it)
@@ -477,19 +481,37 @@ class ClusterNode:
         return sandbox_id in self._pushes
 
     def push_later(self, sandbox_id: str, push: Callable[[], Any]) -> None:
-        """Run ``push`` (a coroutine function that returns True when done, False to retry)
-        in the background with backoff until it succeeds or says stop (None)."""
+        """Run ``push`` (a coroutine function that returns True when done, False to retry,
+        None when there is nothing to push any more: the pause was woken or killed) in the
+        background with backoff until it is done or says stop. A push asked for while an
+        older pause's is still in flight (retrying, e.g. the store is down, and the sandbox
+        was woken and paused again meanwhile) replaces it at once: the newest pause is the
+        one to make durable, and it is never left waiting behind a pause that is gone."""
         if sandbox_id in self._pushes:
+            self._queued[sandbox_id] = push
+            self._kicks[sandbox_id].set()
             return
+        kick = self._kicks[sandbox_id] = asyncio.Event()
 
         async def retrying() -> None:
-            delay = RETRY_FIRST
+            delay, current = RETRY_FIRST, push
             try:
-                while not await push():
-                    await asyncio.sleep(delay)
+                while True:
+                    outcome = await current()
+                    newer = self._queued.pop(sandbox_id, None)
+                    if newer is not None:  # a newer pause: push that one now
+                        kick.clear()
+                        delay, current = RETRY_FIRST, newer
+                        continue
+                    if outcome is not False:
+                        break
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(kick.wait(), delay)
                     delay = min(delay * 2, RETRY_MAX)
             finally:
                 self._pushes.pop(sandbox_id, None)
+                self._queued.pop(sandbox_id, None)
+                self._kicks.pop(sandbox_id, None)
             await asyncio.to_thread(self.settle, sandbox_id)
 
         self._pushes[sandbox_id] = asyncio.get_running_loop().create_task(
