@@ -95,8 +95,8 @@ async def main():
         await durable(m, 2)
     if crash == "upload":  # the first chunk of this pause is in the store, then n1 dies
         put = ChunkStore.put
-        def put_then_die(self, data):
-            out = put(self, data)
+        def put_then_die(self, data, **kw):
+            out = put(self, data, **kw)
             die()
             return out
         ChunkStore.put = put_then_die

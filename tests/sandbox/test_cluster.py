@@ -31,7 +31,7 @@ from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.registry.postgres import PostgresRegistry
 from torpor.sandbox.storage.chunks import ChunkStore
-from torpor.sandbox.storage.pauses import push_pause, rebuild_pause
+from torpor.sandbox.storage.pauses import begin_rebuild, is_whole, push_pause, rebuild_pause
 
 pytestmark = [pytest.mark.postgres, pytest.mark.s3]
 
@@ -401,3 +401,32 @@ def test_a_corrupt_chunk_fails_the_rebuild_naming_the_sandbox(tmp_path: Path) ->
         rebuild_pause(manifest, dest, chunks, template, sandbox_id="sbx-1")
     assert "sbx-1" in str(bad.value) and bad.value.data["sandbox_id"] == "sbx-1"
     assert not dest.exists() and not any(dest.parent.glob(".*rebuild"))
+
+
+def test_a_rebuild_begun_is_not_whole_until_its_ram_is_filled(tmp_path: Path) -> None:
+    """A cross-node wake starts QEMU on a directory whose RAM is still being fetched: until
+    the fill ends the directory is not taken for a whole pause (a crash then leaves one the
+    next wake rebuilds), and the RAM is sized but empty."""
+    template = _template(tmp_path / "a", "b1")
+    chunks = ChunkStore(tmp_path / "chunks")
+    sandbox = tmp_path / "a" / "sandboxes" / "sbx-1"
+    sandbox.mkdir(parents=True)
+    ram = bytearray((template / "snapshot" / "ram").read_bytes())
+    ram[5 * 262144 + 7] = 0xEE
+    (sandbox / "ram").write_bytes(bytes(ram))
+    (sandbox / "state").write_bytes(b"device state")
+    manifest = push_pause(sandbox, chunks, template)
+    dest = tmp_path / "b" / "sandboxes" / "sbx-1"
+    fill = begin_rebuild(manifest, dest, chunks, template, sandbox_id="sbx-1")
+    assert (dest / "state").read_bytes() == b"device state" and not is_whole(dest)
+    assert (dest / "ram").stat().st_size == len(ram) and (dest / "ram").stat().st_blocks == 0
+    fill.run()
+    assert is_whole(dest) and (dest / "ram").read_bytes() == bytes(ram)
+    # a fill that fails (a chunk gone from the store) leaves the marker: not whole
+    chunks.path_of(manifest["files"]["ram"]["chunks"][5]).unlink()
+    from torpor.errors import CorruptData
+
+    again = begin_rebuild(manifest, dest, chunks, template, sandbox_id="sbx-1")
+    with pytest.raises(CorruptData, match="sbx-1"):
+        again.run()
+    assert not is_whole(dest)

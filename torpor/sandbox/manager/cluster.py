@@ -19,8 +19,9 @@
   keeps the sandbox's lease meanwhile, so no other node wakes an older state. The upload
   holds the sandbox's lock: a wake that comes in during it waits for it.
 * **Wake anywhere.** A wake on a node that does not hold the latest pause's files rebuilds
-  them from the manifest (:func:`~torpor.sandbox.storage.pauses.rebuild_pause`; the same
-  template build must be there, else TemplateNotFound).
+  them from the manifest (:func:`~torpor.sandbox.storage.pauses.begin_rebuild`; the same
+  template build must be there, else TemplateNotFound): every file but the RAM first, then
+  QEMU starts while the RAM is fetched, and loads the device state once it is whole.
 * **Lost nodes.** In every heartbeat the node recovers the sandboxes whose owner's lease
   lapsed (:meth:`~torpor.sandbox.registry.postgres.PostgresRegistry.recover`: to the last
   durable pause, saying what was lost, or to ``error``). At start it reconciles only the
@@ -53,6 +54,7 @@ import platform
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -64,7 +66,13 @@ from torpor.sandbox.models import NodeStatus
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
 from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
-from torpor.sandbox.storage.pauses import push_pause, rebuild_pause, warm_template
+from torpor.sandbox.storage.pauses import (
+    RamFill,
+    begin_rebuild,
+    push_pause,
+    rebuild_pause,
+    warm_template,
+)
 
 __all__ = [
     "CLUSTER_ENV",
@@ -217,6 +225,7 @@ class ClusterNode:
         self._queued: dict[str, Callable[[], Any]] = {}
         self._kicks: dict[str, asyncio.Event] = {}
         self._heartbeat: asyncio.Task[None] | None = None
+        self._beat_pool = ThreadPoolExecutor(1, thread_name_prefix=f"torpor-beat-{self.node}")
         self._warming: asyncio.Task[None] | None = None
         #: this node takes no new sandbox (``torpor node drain``; a restart clears it)
         self.draining = False
@@ -441,12 +450,19 @@ class ClusterNode:
         stale directories)."""
 
         async def loop() -> None:
-            last_tidy = time.monotonic()
+            last_tidy = last_beat = time.monotonic()
+            running = asyncio.get_running_loop()
             while True:
                 await asyncio.sleep(self.config.heartbeat_seconds)
                 try:
-                    await asyncio.to_thread(self.beat)
-                    await asyncio.to_thread(self.recover_lapsed)
+                    # a thread of its own: behind the shared pool's uploads and rebuilds (each
+                    # seconds long) a beat could come after the lease ran out on a live node
+                    await running.run_in_executor(self._beat_pool, self.beat)
+                    late = time.monotonic() - last_beat
+                    last_beat = time.monotonic()
+                    if late > self.config.lease_seconds / 2:
+                        log.warning("node %s: heartbeat %.1f s after the last one", self.node, late)
+                    await running.run_in_executor(self._beat_pool, self.recover_lapsed)
                     if tidy is not None and time.monotonic() - last_tidy >= TIDY_SECONDS:
                         last_tidy = time.monotonic()
                         await tidy()
@@ -540,6 +556,15 @@ class ClusterNode:
             manifest, directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
         )
 
+    def begin_rebuild(
+        self, manifest: dict[str, Any], directory: Path, template: str, sandbox_id: str
+    ) -> RamFill:
+        """Rebuild a paused directory but its RAM's content, which the returned job fills
+        (see :func:`begin_rebuild`): QEMU may start meanwhile."""
+        return begin_rebuild(
+            manifest, directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
+        )
+
     async def wait_pushes(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the uploads in flight, then cancel the rest."""
         tasks = list(self._pushes.values())
@@ -560,6 +585,7 @@ class ClusterNode:
             self._heartbeat = None
         for task in [*self._pushes.values(), *([self._warming] if self._warming else [])]:
             task.cancel()
+        self._beat_pool.shutdown(wait=False)
         self.registry.close()
 
 

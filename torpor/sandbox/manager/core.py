@@ -57,7 +57,8 @@ from torpor.sandbox.registry import AnyRegistry, Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
 from torpor.sandbox.registry.meters import UP_STATES
 from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
-from torpor.sandbox.storage.compaction import begin_expand, is_compacted, settle
+from torpor.sandbox.storage.compaction import Expansion, begin_expand, is_compacted, settle
+from torpor.sandbox.storage.pauses import RamFill, is_whole
 from torpor.sandbox.vm.machine_dir import process_cpu_seconds, qemu_pid
 
 __all__ = ["SYNC_TIMEOUT", "Held", "Live", "ManagerCore", "StepHook", "wrap_error"]
@@ -551,9 +552,9 @@ class ManagerCore:
             rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=self._ram_held(rec.id)
         )
         directory = self.directory(rec.id)
-        await self.fetch_pause(rec)
-        job = None
-        if is_compacted(directory):  # its RAM is in the chunk store: rebuild it first
+        # cluster mode, its pause on another node: every file here but the RAM's content
+        job: Expansion | RamFill | None = await self.begin_fetch_pause(rec)
+        if job is None and is_compacted(directory):  # its RAM is in the chunk store
             # no fsync: the manifest stays until the wake consumes the state (settle below)
             job = await asyncio.to_thread(
                 begin_expand, directory, self.chunk_store, sandbox_id=rec.id, durable=False
@@ -590,6 +591,8 @@ class ManagerCore:
                 ) from exc
             raise self._mark_lost(rec, f"wake failed and the state is gone: {exc}") from exc
         settle(directory)  # the state is consumed: a compacted RAM's manifest is history now
+        if isinstance(job, RamFill):
+            await self._fetched(rec, job)
         await self._step("wake:woken", rec.id)
         try:
             live.channel = await self.engine.connect(machine, directory)
@@ -605,20 +608,45 @@ class ManagerCore:
 
     async def fetch_pause(self, rec: SandboxRecord) -> None:
         """Cluster mode: unless this node holds the files of the sandbox's latest pause,
-        rebuild them from the shared store (its last durable pause). Raises StateLost when
-        there is no durable pause to wake from, TemplateNotFound (the template build is not
-        on this node), CorruptData, StorageError."""
+        rebuild them from the shared store (its last durable pause). Raises as
+        :meth:`begin_fetch_pause`."""
+        fill = await self.begin_fetch_pause(rec)
+        if fill is not None:
+            await asyncio.to_thread(fill.run)
+            await self._fetched(rec, fill)
+
+    async def _fetched(self, rec: SandboxRecord, fill: RamFill) -> None:
+        """Record that this node holds the pause ``fill`` rebuilt."""
+        cluster = self.cluster
+        assert cluster is not None
+        pause = await asyncio.to_thread(cluster.registry.pause_record, rec.id)
+        if pause is not None:
+            await asyncio.to_thread(
+                cluster.registry.note_pause, rec.id, cluster.node, pause.manifest_paused_at or 0.0
+            )
+        log.info(
+            "sandbox %s: pause fetched from %s in %.2f s",
+            rec.id,
+            cluster.chunks.location,
+            fill.begin_seconds + fill.seconds,
+        )
+
+    async def begin_fetch_pause(self, rec: SandboxRecord) -> RamFill | None:
+        """Cluster mode: unless this node holds the files of the sandbox's latest pause,
+        begin rebuilding them from the shared store (its last durable pause): every file but
+        the RAM's content, which the returned job fills (None: nothing to fetch). Raises
+        StateLost when there is no durable pause to wake from, NoNodeAvailable (another
+        accelerator or CPU model), TemplateNotFound (the template build is not on this node),
+        CorruptData, StorageError."""
         cluster = self.cluster
         if cluster is None:
-            return
+            return None
         pause = await asyncio.to_thread(cluster.registry.pause_record, rec.id)
         directory = self.directory(rec.id)
         if pause is None or (
-            pause.node == cluster.node
-            and pause.paused_at == rec.paused_at
-            and (directory / "state").exists()
+            pause.node == cluster.node and pause.paused_at == rec.paused_at and is_whole(directory)
         ):
-            return  # never paused in the cluster, or its files are here
+            return None  # never paused in the cluster, or its files are here
         if pause.manifest is None:
             raise StateLost(
                 f"sandbox {rec.id}: its pause is on node {pause.node} and was never stored "
@@ -645,14 +673,8 @@ class ManagerCore:
                 rec.id,
                 pause.manifest_paused_at,
             )
-        seconds = await asyncio.to_thread(
-            cluster.rebuild, pause.manifest, directory, rec.template, rec.id
-        )
-        await asyncio.to_thread(
-            cluster.registry.note_pause, rec.id, cluster.node, pause.manifest_paused_at or 0.0
-        )
-        log.info(
-            "sandbox %s: pause fetched from %s in %.2f s", rec.id, cluster.chunks.location, seconds
+        return await asyncio.to_thread(
+            cluster.begin_rebuild, pause.manifest, directory, rec.template, rec.id
         )
 
     async def _guest_unreachable(
