@@ -264,6 +264,35 @@ def test_two_nodes_racing_to_wake_one_wins(tmp_path: Path, dsn: str, store: str)
     run(body)
 
 
+def test_a_wake_racing_a_give_back_keeps_its_lease(tmp_path: Path, dsn: str, store: str) -> None:
+    """A call that finds the sandbox paused and durable gives its lease back when it ends;
+    a wake queued behind it on the same node must not be left running with no owner (the
+    scale bench caught it: another node took the lease, found no QEMU and marked the
+    sandbox lost)."""
+
+    async def body() -> None:
+        n1, n2 = node(tmp_path, dsn, store, "n1"), node(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        sbx = await n1.create(name="agent")
+        await n1.run_code("agent", "x = 7")
+        for _ in range(4):
+            await n1.pause("agent")
+            await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
+            assert n1.registry.owner(sbx.id) is None  # durable: given back
+            await asyncio.gather(n1.pause("agent"), n1.resume("agent"))  # (a no-op, a wake)
+            assert (await n1.get("agent")).state is S.RUNNING
+            assert n1.registry.owner(sbx.id) == "n1"
+            with pytest.raises(Conflict):  # so n2 proxies, and never takes it over
+                await n2.run_code("agent", "x")
+        out = await n1.run_code("agent", "x")
+        assert out.results[0].data["text/plain"] == "7"
+        await n1.close()
+        await n2.close()
+
+    run(body)
+
+
 def test_start_reconciles_only_this_nodes_sandboxes(tmp_path: Path, dsn: str, store: str) -> None:
     async def body() -> None:
         n1 = node(tmp_path, dsn, store, "n1", lease=30)

@@ -496,13 +496,20 @@ class ClusterNode:
     def pushing(self, sandbox_id: str) -> bool:
         return sandbox_id in self._pushes
 
-    def push_later(self, sandbox_id: str, push: Callable[[], Any]) -> None:
+    def push_later(
+        self,
+        sandbox_id: str,
+        push: Callable[[], Any],
+        after: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
         """Run ``push`` (a coroutine function that returns True when done, False to retry,
         None when there is nothing to push any more: the pause was woken or killed) in the
         background with backoff until it is done or says stop. A push asked for while an
         older pause's is still in flight (retrying, e.g. the store is down, and the sandbox
         was woken and paused again meanwhile) replaces it at once: the newest pause is the
-        one to make durable, and it is never left waiting behind a pause that is gone."""
+        one to make durable, and it is never left waiting behind a pause that is gone.
+        ``after`` runs once it is all over (the manager gives the sandbox back, under its
+        lock); without it, :meth:`settle`."""
         if sandbox_id in self._pushes:
             self._queued[sandbox_id] = push
             self._kicks[sandbox_id].set()
@@ -528,7 +535,10 @@ class ClusterNode:
                 self._pushes.pop(sandbox_id, None)
                 self._queued.pop(sandbox_id, None)
                 self._kicks.pop(sandbox_id, None)
-            await asyncio.to_thread(self.settle, sandbox_id)
+            if after is not None:
+                await after()
+            else:
+                await asyncio.to_thread(self.settle, sandbox_id)
 
         self._pushes[sandbox_id] = asyncio.get_running_loop().create_task(
             retrying(), name=f"torpor-push-{sandbox_id}"

@@ -127,7 +127,7 @@ class Held(Protocol):
     # a pause held elsewhere onto this node
     async def take(self, sandbox_id: str, *, place: bool = True) -> None: ...
 
-    async def give_back(self, sandbox_id: str) -> None: ...
+    async def give_back(self, sandbox_id: str, *, held: bool = False) -> None: ...
 
     async def fetch_pause(self, rec: SandboxRecord) -> None: ...
 
@@ -407,11 +407,24 @@ class ManagerCore:
                 functools.partial(self.cluster.acquire, sandbox_id, place=place)
             )
 
-    async def give_back(self, sandbox_id: str) -> None:
+    async def give_back(self, sandbox_id: str, *, held: bool = False) -> None:
         """Cluster mode: release the sandbox's lease unless it runs here or its pause is not
-        durable yet (best effort); nothing on one machine."""
-        if self.cluster is not None:
-            await asyncio.to_thread(self.cluster.settle, sandbox_id)
+        durable yet (best effort); nothing on one machine. Under the sandbox's lock (``held``:
+        the caller holds it), and not at all while another operation holds or awaits it (that
+        one gives it back when done): a release decided on a row read just before a wake took
+        the lock would leave the woken sandbox with no owner, free for another node to take
+        and find no QEMU."""
+        cluster = self.cluster
+        if cluster is None or cluster.pushing(sandbox_id):
+            return
+        if held:
+            await asyncio.to_thread(cluster.settle, sandbox_id)
+            return
+        live = self.live(sandbox_id)
+        if live.lock.locked():
+            return
+        async with live.lock:
+            await asyncio.to_thread(cluster.settle, sandbox_id)
 
     async def drain(self, live: Live) -> None:
         """Wait until no call is in flight on the sandbox (hold ``live.lock``: none can start)."""
@@ -521,7 +534,7 @@ class ManagerCore:
                 log.info("sandbox %s: pause durable in %s", rec.id, cluster.chunks.location)
                 return True
 
-        cluster.push_later(rec.id, push)
+        cluster.push_later(rec.id, push, after=functools.partial(self.give_back, rec.id))
 
     async def _pause_failed(
         self, rec: SandboxRecord, live: Live, machine: Machine, exc: Exception
@@ -551,6 +564,10 @@ class ManagerCore:
         self.check_room(
             rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=self._ram_held(rec.id)
         )
+        # cluster mode: hold the lease again, now, under the lock: a call that ended just
+        # before may have given it back after this call took it (Conflict if another node
+        # took it since: the request goes there)
+        await self.take(rec.id, place=False)
         directory = self.directory(rec.id)
         # cluster mode, its pause on another node: every file here but the RAM's content
         job: Expansion | RamFill | None = await self.begin_fetch_pause(rec)
