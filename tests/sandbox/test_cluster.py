@@ -276,13 +276,15 @@ def test_a_wake_racing_a_give_back_keeps_its_lease(tmp_path: Path, dsn: str, sto
         await n2.start(supervise=False)
         sbx = await n1.create(name="agent")
         await n1.run_code("agent", "x = 7")
+        assert n1.cluster is not None
+        shared = n1.cluster.registry
         for _ in range(4):
             await n1.pause("agent")
             await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
-            assert n1.registry.owner(sbx.id) is None  # durable: given back
+            assert shared.owner(sbx.id) is None  # durable: given back
             await asyncio.gather(n1.pause("agent"), n1.resume("agent"))  # (a no-op, a wake)
             assert (await n1.get("agent")).state is S.RUNNING
-            assert n1.registry.owner(sbx.id) == "n1"
+            assert shared.owner(sbx.id) == "n1"
             with pytest.raises(Conflict):  # so n2 proxies, and never takes it over
                 await n2.run_code("agent", "x")
         out = await n1.run_code("agent", "x")
