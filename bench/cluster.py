@@ -10,12 +10,23 @@ test suite does). It measures, as medians of ``--reps`` repetitions in the same 
 * **durable after pause**: from the pause's return until ``info.durable``, after the agent
   changed ~50 MiB of RAM (goal: within 5 s);
 * **cross-node wake**: the sandbox ping-pongs between n1 and n2, each wake on the node that
-  does not hold the pause (its files rebuilt from the store), split into the rebuild (fetch,
-  decompress, write) and the rest (QEMU loads the state, the guest answers); goal 2 s.
+  does not hold the pause (its files rebuilt from the store), split into the files but the
+  RAM, the RAM's fill (fetch, decompress, verify, write; QEMU starts meanwhile) and the rest
+  (QEMU loads the state, the guest answers); goal 2 s.
+
+* **scale** (``--part scale``): three real ``torpor serve --cluster`` node processes
+  (tests/nodes.py), 60 paused sandboxes made through random nodes (each ran ``x = i``), then
+  300 random requests (wake, exec, pause) of random sandboxes, each sent to a random node
+  over HTTP (so most are proxied, or wake on a node that rebuilds the pause from the store),
+  ``--concurrency`` at a time; sandboxes pause themselves after 10 idle seconds (the
+  tenant's default quota is 32 running at once). Every exec checks the sandbox's own
+  ``x``. Goal: zero errors; p50/p95 per request kind.
 
     TORPOR_HOME=/root/.torpor python3 -m bench.cluster --reps 5
+    TORPOR_HOME=/root/.torpor python3 -m bench.cluster --part scale
 
-Results go to ``bench/results/cluster.json``; each goal prints PASS/FAIL with its ratio.
+Results go to ``bench/results/cluster.json`` (scale: ``cluster_scale.json``); each goal
+prints PASS/FAIL with its ratio.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from typing import Any
 from bench._common import summary, write_results
 
 RESULTS = Path(__file__).parent / "results" / "cluster.json"
+SCALE_RESULTS = Path(__file__).parent / "results" / "cluster_scale.json"
 CHANGE_50_MIB = "import os\nblob = os.urandom(50 << 20)\nlen(blob)"
 
 
@@ -62,17 +74,17 @@ async def run(reps: int, base: Path, dsn: str, store: str, templates: Path) -> d
         return SandboxManager(paths(home(name)), cluster=config)
 
     alone, n1, n2 = SandboxManager(paths(home("alone"))), node("n1"), node("n2")
-    rebuilds: list[float] = []
+    fills: list[Any] = []  # the RAM fills of the cross-node wakes (pauses.RamFill)
     assert n1.cluster is not None and n2.cluster is not None
     for n in (n1, n2):
-        inner = n.cluster.rebuild  # type: ignore[union-attr]
+        inner = n.cluster.begin_rebuild  # type: ignore[union-attr]
 
-        def timed(*args: Any, _inner: Any = inner) -> float:
-            seconds: float = _inner(*args)
-            rebuilds.append(seconds)
-            return seconds
+        def timed(*args: Any, _inner: Any = inner) -> Any:
+            job = _inner(*args)
+            fills.append(job)
+            return job
 
-        n.cluster.rebuild = timed  # type: ignore[union-attr,method-assign]
+        n.cluster.begin_rebuild = timed  # type: ignore[union-attr,method-assign]
     samples: dict[str, list[float]] = {
         "wake alone": [],
         "wake cluster same node": [],
@@ -112,11 +124,16 @@ async def run(reps: int, base: Path, dsn: str, store: str, templates: Path) -> d
         for m in (alone, n1, n2):
             await m.close()
     cross = statistics.median(samples["cross-node wake"])
-    fetch = statistics.median(rebuilds) if rebuilds else 0.0
+    files = statistics.median(f.begin_seconds for f in fills) if fills else 0.0
+    fill = statistics.median(f.seconds for f in fills) if fills else 0.0
     result: dict[str, Any] = {
         "reps": reps,
         "samples": {k: summary(v) for k, v in samples.items()},
-        "cross_node_split_ms": {"rebuild": fetch * 1000, "wake": (cross - fetch) * 1000},
+        "cross_node_split_ms": {
+            "files": files * 1000,
+            "ram_fill": fill * 1000,
+            "rest": (cross - files - fill) * 1000,
+        },
     }
     same = statistics.median(samples["wake cluster same node"])
     base_wake = statistics.median(samples["wake alone"])
@@ -138,17 +155,160 @@ def _print(result: dict[str, Any]) -> None:
         print(f"{name:<42}{s['median_ms']:>11.1f}{s['p95_ms']:>9.1f}{s['n']:>4}")
     split = result["cross_node_split_ms"]
     print(
-        f"cross-node wake split: rebuild from the store {split['rebuild']:.0f} ms, "
-        f"QEMU + guest {split['wake']:.0f} ms"
+        f"cross-node wake split: other files from the store {split['files']:.0f} ms, RAM fetched, "
+        f"decompressed, written {split['ram_fill']:.0f} ms (QEMU starts meanwhile), "
+        f"then state load + guest {split['rest']:.0f} ms"
     )
     for t in result["targets"]:
         verdict = "PASS" if t["pass"] else "FAIL"
         print(f"{verdict}  {t['name']}: {t['measured']:.2f} vs {t['target']:.2f}")
 
 
+def scale(
+    base: Path,
+    dsn: str,
+    store: str,
+    templates: Path,
+    env: dict[str, str],
+    *,
+    nodes: int,
+    sandboxes: int,
+    requests: int,
+    concurrency: int,
+    seed: int,
+) -> dict[str, Any]:
+    """The scale run (see the module docstring): returns the request latencies by kind,
+    the errors (each with its request) and the setup times."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torpor
+    from tests.nodes import start_node, stop_node
+    from tests.s3 import free_ports
+
+    rng = random.Random(seed)
+    started = [
+        start_node(f"n{i + 1}", port, dsn, store, templates, env, base=base)
+        for i, port in enumerate(free_ports(nodes))
+    ]
+    errors: list[dict[str, Any]] = []
+    latencies: dict[str, list[float]] = {"create+exec+pause": [], "wake": [], "exec": []}
+    latencies["pause"] = []
+    result: dict[str, Any] = {"nodes": nodes, "sandboxes": sandboxes, "requests": requests}
+    try:
+        with torpor.Runtime(home=started[0].home, autostart=False) as owner:
+            token = owner.tokens.create(sandboxes={}, admin=True).token
+        runtimes = [torpor.Runtime(url=n.url, token=token, timeout=600) for n in started]
+        names = [f"scale-{i}" for i in range(sandboxes)]
+
+        def make(i: int) -> None:
+            rt = runtimes[i % nodes]
+            t0 = time.perf_counter()
+            try:
+                sbx = rt.sandboxes.create(name=names[i], idle_pause_seconds=10)
+                sbx.interpreter.run(f"x = {i}")
+                sbx.pause()
+            except Exception as exc:
+                errors.append(
+                    {
+                        "request": f"create {names[i]} on {started[i % nodes].name}",
+                        "error": f"{type(exc).__name__}: {exc}",
+                    }
+                )
+                return
+            latencies["create+exec+pause"].append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(make, range(sandboxes)))
+        result["setup_seconds"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        deadline = t0 + 600
+        for name in names:  # every pause durable before the requests start
+            while time.perf_counter() < deadline:
+                try:
+                    if runtimes[0].sandboxes.get(name).info.durable is not None:
+                        break
+                except Exception:
+                    break  # (counted at creation)
+                time.sleep(0.2)
+        result["durable_after_setup_seconds"] = time.perf_counter() - t0
+        plan = [
+            (rng.randrange(sandboxes), rng.randrange(nodes), rng.choice(["wake", "exec", "pause"]))
+            for _ in range(requests)
+        ]
+
+        def send(item: tuple[int, int, str]) -> None:
+            i, n, kind = item
+            rt = runtimes[n]
+            t0 = time.perf_counter()
+            try:
+                sbx = rt.sandboxes.get(names[i])
+                if kind == "wake":
+                    sbx.resume()
+                elif kind == "pause":
+                    sbx.pause()
+                else:
+                    out = sbx.interpreter.run("x").results[0].data["text/plain"]
+                    if out != str(i):
+                        raise AssertionError(f"x is {out!r}, not {i}")
+            except Exception as exc:
+                errors.append(
+                    {
+                        "request": f"{kind} {names[i]} via {started[n].name}",
+                        "error": f"{type(exc).__name__}: {exc}",
+                    }
+                )
+                return
+            latencies[kind].append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(send, plan))
+        result["requests_seconds"] = time.perf_counter() - t0
+        for rt in runtimes:
+            rt.close()
+    finally:
+        for n in started:
+            stop_node(n, keep_log=bool(errors))
+            if errors:  # kept beside the run's directory, which is removed
+                kept = Path(tempfile.gettempdir()) / f"torpor-bench-scale-{n.name}.log"
+                shutil.copyfile(n.log, kept)
+                print(f"{n.name}'s log: {kept}")
+    all_requests = [x for k in ("wake", "exec", "pause") for x in latencies[k]]
+    result["samples"] = {k: summary(v) for k, v in latencies.items() if v}
+    if all_requests:
+        result["samples"]["all requests"] = summary(all_requests)
+    result["errors"] = errors
+    result["pass"] = not errors and len(all_requests) == requests
+    return result
+
+
+def _print_scale(result: dict[str, Any]) -> None:
+    made, durable = result.get("setup_seconds", 0), result.get("durable_after_setup_seconds", 0)
+    print(
+        f"{result['nodes']} nodes, {result['sandboxes']} sandboxes (made in {made:.0f} s, "
+        f"all durable {durable:.0f} s later), {result['requests']} requests in "
+        f"{result.get('requests_seconds', 0):.0f} s"
+    )
+    print(f"{'request':<22}{'p50 ms':>9}{'p95 ms':>9}{'n':>5}")
+    for name, s in result["samples"].items():
+        print(f"{name:<22}{s['median_ms']:>9.0f}{s['p95_ms']:>9.0f}{s['n']:>5}")
+    for e in result["errors"][:20]:
+        print(f"error: {e['request']}: {e['error']}")
+    verdict = "PASS" if result["pass"] else "FAIL"
+    print(f"{verdict}  errors: {len(result['errors'])} (goal 0)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--part", choices=["speed", "scale"], default="speed")
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--sandboxes", type=int, default=60)
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=9)
     args = parser.parse_args()
     from tests.pg import start_cluster
     from tests.s3 import start_seaweedfs
@@ -164,11 +324,35 @@ def main() -> None:
         homes = base / "homes"
         homes.mkdir()
         dsn, store = pg.admin_dsn(), f"s3://{s3.create_bucket('bench')}/cluster"
-        result = asyncio.run(run(args.reps, homes, dsn, store, templates))
+        if args.part == "scale":
+            env = {**os.environ, "TORPOR_EMBEDDER": "none"}
+            for key in ("TORPOR_URL", "TORPOR_TOKEN", "TORPOR_HOME"):
+                env.pop(key, None)
+            result = scale(
+                homes,
+                dsn,
+                store,
+                templates,
+                env,
+                nodes=args.nodes,
+                sandboxes=args.sandboxes,
+                requests=args.requests,
+                concurrency=args.concurrency,
+                seed=args.seed,
+            )
+        else:
+            result = asyncio.run(run(args.reps, homes, dsn, store, templates))
     finally:
         s3.stop()
         pg.stop()
         shutil.rmtree(base, ignore_errors=True)
+    if args.part == "scale":
+        result["load_average"] = os.getloadavg()
+        _print_scale(result)
+        write_results(SCALE_RESULTS, result)
+        print(f"\nwrote {SCALE_RESULTS}")
+        return
+    result["load_average"] = os.getloadavg()
     _print(result)
     write_results(RESULTS, result)
     print(f"\nwrote {RESULTS}")

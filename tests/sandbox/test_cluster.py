@@ -31,7 +31,7 @@ from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.registry.postgres import PostgresRegistry
 from torpor.sandbox.storage.chunks import ChunkStore
-from torpor.sandbox.storage.pauses import push_pause, rebuild_pause
+from torpor.sandbox.storage.pauses import begin_rebuild, is_whole, push_pause, rebuild_pause
 
 pytestmark = [pytest.mark.postgres, pytest.mark.s3]
 
@@ -264,6 +264,37 @@ def test_two_nodes_racing_to_wake_one_wins(tmp_path: Path, dsn: str, store: str)
     run(body)
 
 
+def test_a_wake_racing_a_give_back_keeps_its_lease(tmp_path: Path, dsn: str, store: str) -> None:
+    """A call that finds the sandbox paused and durable gives its lease back when it ends;
+    a wake queued behind it on the same node must not be left running with no owner (the
+    scale bench caught it: another node took the lease, found no QEMU and marked the
+    sandbox lost)."""
+
+    async def body() -> None:
+        n1, n2 = node(tmp_path, dsn, store, "n1"), node(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        sbx = await n1.create(name="agent")
+        await n1.run_code("agent", "x = 7")
+        assert n1.cluster is not None
+        shared = n1.cluster.registry
+        for _ in range(4):
+            await n1.pause("agent")
+            await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
+            assert shared.owner(sbx.id) is None  # durable: given back
+            await asyncio.gather(n1.pause("agent"), n1.resume("agent"))  # (a no-op, a wake)
+            assert (await n1.get("agent")).state is S.RUNNING
+            assert shared.owner(sbx.id) == "n1"
+            with pytest.raises(Conflict):  # so n2 proxies, and never takes it over
+                await n2.run_code("agent", "x")
+        out = await n1.run_code("agent", "x")
+        assert out.results[0].data["text/plain"] == "7"
+        await n1.close()
+        await n2.close()
+
+    run(body)
+
+
 def test_start_reconciles_only_this_nodes_sandboxes(tmp_path: Path, dsn: str, store: str) -> None:
     async def body() -> None:
         n1 = node(tmp_path, dsn, store, "n1", lease=30)
@@ -401,3 +432,32 @@ def test_a_corrupt_chunk_fails_the_rebuild_naming_the_sandbox(tmp_path: Path) ->
         rebuild_pause(manifest, dest, chunks, template, sandbox_id="sbx-1")
     assert "sbx-1" in str(bad.value) and bad.value.data["sandbox_id"] == "sbx-1"
     assert not dest.exists() and not any(dest.parent.glob(".*rebuild"))
+
+
+def test_a_rebuild_begun_is_not_whole_until_its_ram_is_filled(tmp_path: Path) -> None:
+    """A cross-node wake starts QEMU on a directory whose RAM is still being fetched: until
+    the fill ends the directory is not taken for a whole pause (a crash then leaves one the
+    next wake rebuilds), and the RAM is sized but empty."""
+    template = _template(tmp_path / "a", "b1")
+    chunks = ChunkStore(tmp_path / "chunks")
+    sandbox = tmp_path / "a" / "sandboxes" / "sbx-1"
+    sandbox.mkdir(parents=True)
+    ram = bytearray((template / "snapshot" / "ram").read_bytes())
+    ram[5 * 262144 + 7] = 0xEE
+    (sandbox / "ram").write_bytes(bytes(ram))
+    (sandbox / "state").write_bytes(b"device state")
+    manifest = push_pause(sandbox, chunks, template)
+    dest = tmp_path / "b" / "sandboxes" / "sbx-1"
+    fill = begin_rebuild(manifest, dest, chunks, template, sandbox_id="sbx-1")
+    assert (dest / "state").read_bytes() == b"device state" and not is_whole(dest)
+    assert (dest / "ram").stat().st_size == len(ram) and (dest / "ram").stat().st_blocks == 0
+    fill.run()
+    assert is_whole(dest) and (dest / "ram").read_bytes() == bytes(ram)
+    # a fill that fails (a chunk gone from the store) leaves the marker: not whole
+    chunks.path_of(manifest["files"]["ram"]["chunks"][5]).unlink()
+    from torpor.errors import CorruptData
+
+    again = begin_rebuild(manifest, dest, chunks, template, sandbox_id="sbx-1")
+    with pytest.raises(CorruptData, match="sbx-1"):
+        again.run()
+    assert not is_whole(dest)

@@ -19,8 +19,9 @@
   keeps the sandbox's lease meanwhile, so no other node wakes an older state. The upload
   holds the sandbox's lock: a wake that comes in during it waits for it.
 * **Wake anywhere.** A wake on a node that does not hold the latest pause's files rebuilds
-  them from the manifest (:func:`~torpor.sandbox.storage.pauses.rebuild_pause`; the same
-  template build must be there, else TemplateNotFound).
+  them from the manifest (:func:`~torpor.sandbox.storage.pauses.begin_rebuild`; the same
+  template build must be there, else TemplateNotFound): every file but the RAM first, then
+  QEMU starts while the RAM is fetched, and loads the device state once it is whole.
 * **Lost nodes.** In every heartbeat the node recovers the sandboxes whose owner's lease
   lapsed (:meth:`~torpor.sandbox.registry.postgres.PostgresRegistry.recover`: to the last
   durable pause, saying what was lost, or to ``error``). At start it reconciles only the
@@ -53,6 +54,7 @@ import platform
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -64,7 +66,13 @@ from torpor.sandbox.models import NodeStatus
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
 from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
-from torpor.sandbox.storage.pauses import push_pause, rebuild_pause, warm_template
+from torpor.sandbox.storage.pauses import (
+    RamFill,
+    begin_rebuild,
+    push_pause,
+    rebuild_pause,
+    warm_template,
+)
 
 __all__ = [
     "CLUSTER_ENV",
@@ -212,7 +220,12 @@ class ClusterNode:
         self.started_at = time.time()
         self._accel: str | None = None
         self._pushes: dict[str, asyncio.Task[None]] = {}
+        #: the push of a newer pause asked for while an older one's was in flight, and the
+        #: event that cuts the older one's backoff short
+        self._queued: dict[str, Callable[[], Any]] = {}
+        self._kicks: dict[str, asyncio.Event] = {}
         self._heartbeat: asyncio.Task[None] | None = None
+        self._beat_pool = ThreadPoolExecutor(1, thread_name_prefix=f"torpor-beat-{self.node}")
         self._warming: asyncio.Task[None] | None = None
         #: this node takes no new sandbox (``torpor node drain``; a restart clears it)
         self.draining = False
@@ -437,12 +450,19 @@ class ClusterNode:
         stale directories)."""
 
         async def loop() -> None:
-            last_tidy = time.monotonic()
+            last_tidy = last_beat = time.monotonic()
+            running = asyncio.get_running_loop()
             while True:
                 await asyncio.sleep(self.config.heartbeat_seconds)
                 try:
-                    await asyncio.to_thread(self.beat)
-                    await asyncio.to_thread(self.recover_lapsed)
+                    # a thread of its own: behind the shared pool's uploads and rebuilds (each
+                    # seconds long) a beat could come after the lease ran out on a live node
+                    await running.run_in_executor(self._beat_pool, self.beat)
+                    late = time.monotonic() - last_beat
+                    last_beat = time.monotonic()
+                    if late > self.config.lease_seconds / 2:
+                        log.warning("node %s: heartbeat %.1f s after the last one", self.node, late)
+                    await running.run_in_executor(self._beat_pool, self.recover_lapsed)
                     if tidy is not None and time.monotonic() - last_tidy >= TIDY_SECONDS:
                         last_tidy = time.monotonic()
                         await tidy()
@@ -476,21 +496,49 @@ class ClusterNode:
     def pushing(self, sandbox_id: str) -> bool:
         return sandbox_id in self._pushes
 
-    def push_later(self, sandbox_id: str, push: Callable[[], Any]) -> None:
-        """Run ``push`` (a coroutine function that returns True when done, False to retry)
-        in the background with backoff until it succeeds or says stop (None)."""
+    def push_later(
+        self,
+        sandbox_id: str,
+        push: Callable[[], Any],
+        after: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        """Run ``push`` (a coroutine function that returns True when done, False to retry,
+        None when there is nothing to push any more: the pause was woken or killed) in the
+        background with backoff until it is done or says stop. A push asked for while an
+        older pause's is still in flight (retrying, e.g. the store is down, and the sandbox
+        was woken and paused again meanwhile) replaces it at once: the newest pause is the
+        one to make durable, and it is never left waiting behind a pause that is gone.
+        ``after`` runs once it is all over (the manager gives the sandbox back, under its
+        lock); without it, :meth:`settle`."""
         if sandbox_id in self._pushes:
+            self._queued[sandbox_id] = push
+            self._kicks[sandbox_id].set()
             return
+        kick = self._kicks[sandbox_id] = asyncio.Event()
 
         async def retrying() -> None:
-            delay = RETRY_FIRST
+            delay, current = RETRY_FIRST, push
             try:
-                while not await push():
-                    await asyncio.sleep(delay)
+                while True:
+                    outcome = await current()
+                    newer = self._queued.pop(sandbox_id, None)
+                    if newer is not None:  # a newer pause: push that one now
+                        kick.clear()
+                        delay, current = RETRY_FIRST, newer
+                        continue
+                    if outcome is not False:
+                        break
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(kick.wait(), delay)
                     delay = min(delay * 2, RETRY_MAX)
             finally:
                 self._pushes.pop(sandbox_id, None)
-            await asyncio.to_thread(self.settle, sandbox_id)
+                self._queued.pop(sandbox_id, None)
+                self._kicks.pop(sandbox_id, None)
+            if after is not None:
+                await after()
+            else:
+                await asyncio.to_thread(self.settle, sandbox_id)
 
         self._pushes[sandbox_id] = asyncio.get_running_loop().create_task(
             retrying(), name=f"torpor-push-{sandbox_id}"
@@ -518,6 +566,15 @@ class ClusterNode:
             manifest, directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
         )
 
+    def begin_rebuild(
+        self, manifest: dict[str, Any], directory: Path, template: str, sandbox_id: str
+    ) -> RamFill:
+        """Rebuild a paused directory but its RAM's content, which the returned job fills
+        (see :func:`begin_rebuild`): QEMU may start meanwhile."""
+        return begin_rebuild(
+            manifest, directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
+        )
+
     async def wait_pushes(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the uploads in flight, then cancel the rest."""
         tasks = list(self._pushes.values())
@@ -538,6 +595,7 @@ class ClusterNode:
             self._heartbeat = None
         for task in [*self._pushes.values(), *([self._warming] if self._warming else [])]:
             task.cancel()
+        self._beat_pool.shutdown(wait=False)
         self.registry.close()
 
 

@@ -57,7 +57,8 @@ from torpor.sandbox.registry import AnyRegistry, Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
 from torpor.sandbox.registry.meters import UP_STATES
 from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
-from torpor.sandbox.storage.compaction import begin_expand, is_compacted, settle
+from torpor.sandbox.storage.compaction import Expansion, begin_expand, is_compacted, settle
+from torpor.sandbox.storage.pauses import RamFill, is_whole
 from torpor.sandbox.vm.machine_dir import process_cpu_seconds, qemu_pid
 
 __all__ = ["SYNC_TIMEOUT", "Held", "Live", "ManagerCore", "StepHook", "wrap_error"]
@@ -126,7 +127,7 @@ class Held(Protocol):
     # a pause held elsewhere onto this node
     async def take(self, sandbox_id: str, *, place: bool = True) -> None: ...
 
-    async def give_back(self, sandbox_id: str) -> None: ...
+    async def give_back(self, sandbox_id: str, *, held: bool = False) -> None: ...
 
     async def fetch_pause(self, rec: SandboxRecord) -> None: ...
 
@@ -406,11 +407,24 @@ class ManagerCore:
                 functools.partial(self.cluster.acquire, sandbox_id, place=place)
             )
 
-    async def give_back(self, sandbox_id: str) -> None:
+    async def give_back(self, sandbox_id: str, *, held: bool = False) -> None:
         """Cluster mode: release the sandbox's lease unless it runs here or its pause is not
-        durable yet (best effort); nothing on one machine."""
-        if self.cluster is not None:
-            await asyncio.to_thread(self.cluster.settle, sandbox_id)
+        durable yet (best effort); nothing on one machine. Under the sandbox's lock (``held``:
+        the caller holds it), and not at all while another operation holds or awaits it (that
+        one gives it back when done): a release decided on a row read just before a wake took
+        the lock would leave the woken sandbox with no owner, free for another node to take
+        and find no QEMU."""
+        cluster = self.cluster
+        if cluster is None or cluster.pushing(sandbox_id):
+            return
+        if held:
+            await asyncio.to_thread(cluster.settle, sandbox_id)
+            return
+        live = self.live(sandbox_id)
+        if live.lock.locked():
+            return
+        async with live.lock:
+            await asyncio.to_thread(cluster.settle, sandbox_id)
 
     async def drain(self, live: Live) -> None:
         """Wait until no call is in flight on the sandbox (hold ``live.lock``: none can start)."""
@@ -520,7 +534,7 @@ class ManagerCore:
                 log.info("sandbox %s: pause durable in %s", rec.id, cluster.chunks.location)
                 return True
 
-        cluster.push_later(rec.id, push)
+        cluster.push_later(rec.id, push, after=functools.partial(self.give_back, rec.id))
 
     async def _pause_failed(
         self, rec: SandboxRecord, live: Live, machine: Machine, exc: Exception
@@ -550,10 +564,14 @@ class ManagerCore:
         self.check_room(
             rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=self._ram_held(rec.id)
         )
+        # cluster mode: hold the lease again, now, under the lock: a call that ended just
+        # before may have given it back after this call took it (Conflict if another node
+        # took it since: the request goes there)
+        await self.take(rec.id, place=False)
         directory = self.directory(rec.id)
-        await self.fetch_pause(rec)
-        job = None
-        if is_compacted(directory):  # its RAM is in the chunk store: rebuild it first
+        # cluster mode, its pause on another node: every file here but the RAM's content
+        job: Expansion | RamFill | None = await self.begin_fetch_pause(rec)
+        if job is None and is_compacted(directory):  # its RAM is in the chunk store
             # no fsync: the manifest stays until the wake consumes the state (settle below)
             job = await asyncio.to_thread(
                 begin_expand, directory, self.chunk_store, sandbox_id=rec.id, durable=False
@@ -590,6 +608,8 @@ class ManagerCore:
                 ) from exc
             raise self._mark_lost(rec, f"wake failed and the state is gone: {exc}") from exc
         settle(directory)  # the state is consumed: a compacted RAM's manifest is history now
+        if isinstance(job, RamFill):
+            await self._fetched(rec, job)
         await self._step("wake:woken", rec.id)
         try:
             live.channel = await self.engine.connect(machine, directory)
@@ -605,20 +625,45 @@ class ManagerCore:
 
     async def fetch_pause(self, rec: SandboxRecord) -> None:
         """Cluster mode: unless this node holds the files of the sandbox's latest pause,
-        rebuild them from the shared store (its last durable pause). Raises StateLost when
-        there is no durable pause to wake from, TemplateNotFound (the template build is not
-        on this node), CorruptData, StorageError."""
+        rebuild them from the shared store (its last durable pause). Raises as
+        :meth:`begin_fetch_pause`."""
+        fill = await self.begin_fetch_pause(rec)
+        if fill is not None:
+            await asyncio.to_thread(fill.run)
+            await self._fetched(rec, fill)
+
+    async def _fetched(self, rec: SandboxRecord, fill: RamFill) -> None:
+        """Record that this node holds the pause ``fill`` rebuilt."""
+        cluster = self.cluster
+        assert cluster is not None
+        pause = await asyncio.to_thread(cluster.registry.pause_record, rec.id)
+        if pause is not None:
+            await asyncio.to_thread(
+                cluster.registry.note_pause, rec.id, cluster.node, pause.manifest_paused_at or 0.0
+            )
+        log.info(
+            "sandbox %s: pause fetched from %s in %.2f s",
+            rec.id,
+            cluster.chunks.location,
+            fill.begin_seconds + fill.seconds,
+        )
+
+    async def begin_fetch_pause(self, rec: SandboxRecord) -> RamFill | None:
+        """Cluster mode: unless this node holds the files of the sandbox's latest pause,
+        begin rebuilding them from the shared store (its last durable pause): every file but
+        the RAM's content, which the returned job fills (None: nothing to fetch). Raises
+        StateLost when there is no durable pause to wake from, NoNodeAvailable (another
+        accelerator or CPU model), TemplateNotFound (the template build is not on this node),
+        CorruptData, StorageError."""
         cluster = self.cluster
         if cluster is None:
-            return
+            return None
         pause = await asyncio.to_thread(cluster.registry.pause_record, rec.id)
         directory = self.directory(rec.id)
         if pause is None or (
-            pause.node == cluster.node
-            and pause.paused_at == rec.paused_at
-            and (directory / "state").exists()
+            pause.node == cluster.node and pause.paused_at == rec.paused_at and is_whole(directory)
         ):
-            return  # never paused in the cluster, or its files are here
+            return None  # never paused in the cluster, or its files are here
         if pause.manifest is None:
             raise StateLost(
                 f"sandbox {rec.id}: its pause is on node {pause.node} and was never stored "
@@ -645,14 +690,8 @@ class ManagerCore:
                 rec.id,
                 pause.manifest_paused_at,
             )
-        seconds = await asyncio.to_thread(
-            cluster.rebuild, pause.manifest, directory, rec.template, rec.id
-        )
-        await asyncio.to_thread(
-            cluster.registry.note_pause, rec.id, cluster.node, pause.manifest_paused_at or 0.0
-        )
-        log.info(
-            "sandbox %s: pause fetched from %s in %.2f s", rec.id, cluster.chunks.location, seconds
+        return await asyncio.to_thread(
+            cluster.begin_rebuild, pause.manifest, directory, rec.template, rec.id
         )
 
     async def _guest_unreachable(

@@ -218,7 +218,7 @@ class SandboxManager(ManagerCore):
                     await self._connect_internet(rec, live)
             except BaseException as exc:
                 await self.abort_create(rec, live, exc)
-                await self.give_back(sandbox_id)
+                await self.give_back(sandbox_id, held=True)
                 if isinstance(exc, Exception) and not isinstance(exc, TorporError):
                     raise wrap_error(exc, "create", sandbox_id) from exc
                 raise
@@ -860,7 +860,7 @@ class SandboxManager(ManagerCore):
                 if rec.state is not S.PAUSED:
                     errors[rec.id] = f"it is {rec.state.value}, not paused"
                 elif rec.durable_at is None and not cluster.pushing(rec.id):
-                    await asyncio.to_thread(cluster.settle, rec.id)
+                    await self.give_back(rec.id)
                     if rec.upload_error:
                         errors[rec.id] = f"its pause is not durable: {rec.upload_error}"
                 if time.monotonic() > deadline:

@@ -875,7 +875,10 @@ class PostgresRegistry:
             row = db.execute(
                 "SELECT state, owner_node, paused_at FROM torpor_registry.sandboxes"
                 " WHERE id = %s AND owner_node IS NOT NULL AND owner_node <> %s"
-                " AND lease_until < %s FOR UPDATE SKIP LOCKED",
+                # FOR UPDATE (not SKIP LOCKED): a node that races another's recovery waits
+                # for it and then finds the sandbox recovered, so its acquire that follows
+                # never takes over a lapsed lease of a sandbox still marked as running
+                " AND lease_until < %s FOR UPDATE",
                 (sandbox_id, node, now),
             ).fetchone()
             if row is None:

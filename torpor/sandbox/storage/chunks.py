@@ -168,18 +168,22 @@ class ChunkStore:
         """Whether chunk ``digest`` is stored. Raises StorageError when the store fails."""
         return self.backend.exists(check_hash(digest))
 
-    def put(self, data: bytes) -> tuple[str, int]:
+    def put(self, data: bytes, *, digest: str | None = None, ask: bool = True) -> tuple[str, int]:
         """Store ``data``; return (its sha256, bytes newly written: 0 if it was there already).
+        ``digest``: its sha256 when the caller computed it already. ``ask=False`` writes
+        without first asking whether the store has it: for data the caller has reason to
+        believe is new (a remote store answers that question with a round trip that nearly
+        always says no; writing a chunk again is harmless, the content names it).
 
         Raises StorageError when the store fails.
         """
-        digest = hashlib.sha256(data).hexdigest()
-        return digest, self._put_known(digest, data)
+        digest = digest or hashlib.sha256(data).hexdigest()
+        return digest, self._put_known(digest, data, ask=ask)
 
-    def _put_known(self, digest: str, data: bytes) -> int:
+    def _put_known(self, digest: str, data: bytes, *, ask: bool = True) -> int:
         # idempotent: content names the chunk, so one already there is this very data (or a
         # corrupt copy, which its first failed read quarantines, so the next put rewrites it)
-        if self.backend.exists(digest):
+        if ask and self.backend.exists(digest):
             return 0
         blob = zstandard.ZstdCompressor(level=self.level).compress(data)
         return self.backend.write(digest, blob)

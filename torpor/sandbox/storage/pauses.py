@@ -29,8 +29,15 @@ The manifest::
 ``files`` is the key :meth:`~torpor.sandbox.registry.postgres.PostgresRegistry.referenced_chunks`
 marks from, so a sweep of the shared store keeps every chunk a pause needs.
 
-:func:`rebuild_pause` writes into a temporary sibling directory and renames it into place
-last, so a crash leaves either no directory or a whole one.
+:func:`begin_rebuild` writes every file but the RAM's content into a temporary sibling
+directory, gives the RAM file its size and a :data:`FILLING` marker, and renames it into
+place; :meth:`RamFill.run` then fills the RAM (the template's chunks copied from the node's
+own template, the others fetched from the store, verified) and removes the marker last. In
+between a QEMU may start on the directory (it only maps the RAM file), so a cross-node wake
+starts QEMU while the RAM is fetched and loads the device state once it is whole
+(``Machine.wake(ram_ready=...)``). A directory with the marker is never taken for a whole
+pause (:func:`is_whole`): a crash mid-fill leaves one the next wake rebuilds.
+:func:`rebuild_pause` does both steps at once.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -55,7 +63,11 @@ from torpor.sandbox.storage.snapshots import backing_file
 from torpor.sandbox.vm.disk import fsync_dir, rebase, set_backing
 
 __all__ = [
+    "FILLING",
     "MANIFEST_VERSION",
+    "RamFill",
+    "begin_rebuild",
+    "is_whole",
     "push_pause",
     "rebuild_pause",
     "template_identity",
@@ -65,8 +77,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 1
+#: a rebuilt directory whose RAM file is still being filled (see the module docstring)
+FILLING = "rebuilding"
 #: files of a sandbox directory a wake does not need (logs, sockets, pid, markers)
-_SKIP = {"console.log", "qemu.log", "qemu.pid", "qmp.sock", "agent.sock", ".lock"}
+_SKIP = {"console.log", "qemu.log", "qemu.pid", "qmp.sock", "agent.sock", ".lock", FILLING}
 
 
 def template_identity(template_dir: Path) -> dict[str, Any] | None:
@@ -131,7 +145,9 @@ def _put_ram(
                 return digest, True, 0
             if cache is not None and digest in cache:
                 return digest, False, 0  # this node wrote or read it: it is in the store
-            _, new = chunks.put(data)
+            # not the template's, not seen by this node: new (asking the store first would
+            # cost a round trip per chunk that nearly always answers no)
+            _, new = chunks.put(data, digest=digest, ask=False)
             return digest, False, new
 
         with ThreadPoolExecutor(chunks.workers) as pool:
@@ -235,6 +251,12 @@ def _put_disk(
     return chunks.put_file(folded), "template"
 
 
+def is_whole(directory: Path) -> bool:
+    """Whether ``directory`` holds a whole hibernated machine: a state file, and no RAM
+    still being filled by a rebuild (:data:`FILLING`)."""
+    return (directory / "state").exists() and not (directory / FILLING).exists()
+
+
 def rebuild_pause(
     manifest: dict[str, Any],
     directory: Path,
@@ -244,7 +266,88 @@ def rebuild_pause(
     sandbox_id: str = "",
 ) -> float:
     """Write the hibernated machine ``manifest`` describes to ``directory`` (replacing what is
-    there: a stale copy of an older pause) and return the seconds it took.
+    there: a stale copy of an older pause) and return the seconds it took:
+    :func:`begin_rebuild`, then :meth:`RamFill.run`. Raises as they do."""
+    started = time.perf_counter()
+    begin_rebuild(manifest, directory, chunks, template_dir, sandbox_id=sandbox_id).run()
+    return time.perf_counter() - started
+
+
+@dataclass
+class RamFill:
+    """A rebuild begun by :func:`begin_rebuild`: the directory is in place with its RAM file
+    sized and empty; :meth:`run` fills it (once). ``begin_seconds`` is what the first step
+    took, ``seconds`` (after :meth:`run`) the fill."""
+
+    directory: Path
+    ram: FileManifest | None
+    chunks: ChunkStore
+    template_ram: Path
+    from_template: set[int]
+    sandbox_id: str
+    begin_seconds: float
+    seconds: float = 0.0
+
+    @property
+    def who(self) -> str:
+        return self.sandbox_id or self.directory.name
+
+    def close(self) -> None:
+        """Nothing to release (files are opened by :meth:`run`); a job never run leaves the
+        :data:`FILLING` marker, so the next wake rebuilds the directory."""
+
+    def run(self) -> float:
+        """Fill the RAM file, fsync it and drop the :data:`FILLING` marker; return the
+        seconds. Raises CorruptData naming the sandbox (a bad or missing chunk),
+        StorageError when the store or the file system fails (the marker stays: the next
+        wake rebuilds the directory)."""
+        started = time.perf_counter()
+        try:
+            if self.ram is not None:
+                _restore_ram(
+                    self.ram,
+                    self.directory / "ram",
+                    self.chunks,
+                    self.template_ram,
+                    self.from_template,
+                    self.who,
+                )
+            (self.directory / FILLING).unlink(missing_ok=True)
+            fsync_dir(self.directory)
+        except CorruptData as exc:
+            exc.data["sandbox_id"] = self.sandbox_id
+            exc.message = f"sandbox {self.who}: cannot rebuild its pause: {exc.message}"
+            exc.args = (exc.message,)
+            raise
+        except OSError as exc:
+            raise StorageError(
+                f"sandbox {self.who}: cannot rebuild its pause: {exc}",
+                exc=exc,
+                sandbox_id=self.sandbox_id,
+            ) from exc
+        self.seconds = time.perf_counter() - started
+        log.info(
+            "rebuilt %s's pause from %s in %.3f s (+ %.3f s for its other files)",
+            self.who,
+            self.chunks.location,
+            self.seconds,
+            self.begin_seconds,
+        )
+        return self.seconds
+
+
+def begin_rebuild(
+    manifest: dict[str, Any],
+    directory: Path,
+    chunks: ChunkStore,
+    template_dir: Path,
+    *,
+    sandbox_id: str = "",
+) -> RamFill:
+    """Put the hibernated machine ``manifest`` describes in ``directory`` (replacing what is
+    there: a stale copy of an older pause) but for its RAM's content: every other file
+    written, the RAM file at its size, empty, and the :data:`FILLING` marker. The returned
+    job fills the RAM (see the module docstring).
 
     Raises TemplateNotFound when this node lacks the template build the pause was taken on,
     CorruptData for a bad manifest or chunk (naming the sandbox), StorageError / EngineError
@@ -275,15 +378,18 @@ def rebuild_pause(
     snapshot = (template_dir / "snapshot").resolve()
     tmp = directory.with_name(f".{directory.name}.rebuild")
     shutil.rmtree(tmp, ignore_errors=True)
+    ram = files.get("ram")
     try:
         tmp.mkdir(parents=True)
+        (tmp / FILLING).write_bytes(b"")
         for rel, fm in files.items():
             if Path(rel).is_absolute() or ".." in Path(rel).parts:  # never outside the dir
                 raise CorruptData(f"sandbox {who}: its pause manifest names {rel!r}")
             dest = tmp / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            if rel == "ram" and from_template:
-                _restore_ram(fm, dest, chunks, snapshot / "ram", from_template, who)
+            if rel == "ram":
+                with open(dest, "wb") as f:  # sized now, filled by the job
+                    f.truncate(fm.size)
             else:
                 chunks.restore_file(fm, dest, snapshot_id=None)
         if manifest.get("disk_backing") == "template" and (tmp / "disk.qcow2").exists():
@@ -315,9 +421,15 @@ def rebuild_pause(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    seconds = time.perf_counter() - started
-    log.info("rebuilt %s's pause from %s in %.3f s", who, chunks.location, seconds)
-    return seconds
+    return RamFill(
+        directory=directory,
+        ram=ram,
+        chunks=chunks,
+        template_ram=snapshot / "ram",
+        from_template=from_template,
+        sandbox_id=sandbox_id,
+        begin_seconds=time.perf_counter() - started,
+    )
 
 
 def _restore_ram(
@@ -331,16 +443,18 @@ def _restore_ram(
     """Write the RAM file: chunks in ``from_template`` that this node's template RAM holds
     at the same offset (by the hashes of its chunks, computed once per template file) copied
     from it by the kernel, the others from the store (verified on read)."""
-    st = template_ram.stat()
-    theirs = _template_hashes(str(template_ram), st.st_size, st.st_mtime_ns, fm.chunk_size)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    theirs: list[str | None] = []
+    if from_template:
+        st = template_ram.stat()
+        theirs = _template_hashes(str(template_ram), st.st_size, st.st_mtime_ns, fm.chunk_size)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        tfd = os.open(template_ram, os.O_RDONLY)
+        tfd = os.open(template_ram, os.O_RDONLY) if from_template else -1
     except OSError:
         os.close(fd)
         raise
     try:
-        os.ftruncate(fd, fm.size)
+        os.ftruncate(fd, fm.size)  # (sized by begin_rebuild already: a no-op)
 
         def work(item: tuple[int, str | None]) -> None:
             index, digest = item
@@ -369,4 +483,5 @@ def _restore_ram(
         os.fsync(fd)
     finally:
         os.close(fd)
-        os.close(tfd)
+        if tfd >= 0:
+            os.close(tfd)
