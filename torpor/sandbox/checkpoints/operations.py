@@ -125,7 +125,10 @@ class Checkpoints:
     def __init__(self, manager: SandboxManager) -> None:
         self.manager = manager
         self.paths = manager.paths
-        self.snapshots = SnapshotStore(self.paths)
+        cluster = manager.cluster
+        #: in cluster mode the manifests are the registry's and the chunks are pushed to the
+        #: shared store (see :meth:`~torpor.sandbox.manager.cluster.ClusterNode.snapshot_store`)
+        self.snapshots = SnapshotStore(self.paths) if cluster is None else cluster.snapshot_store()
         self.volumes = VolumeStore(self.paths)
         self.drives = DriveStore(self.paths)
         self.held: Held = manager
@@ -297,9 +300,11 @@ class Checkpoints:
         self.snapshots.check_name_free(name, tenant)  # fail before pausing anything
         self.snapshots.check_room(tenant)
 
+        cluster = self.manager.cluster
+
         async def capture(rec: SandboxRecord, frozen: Path, _: Any) -> SnapshotInfo:
             try:
-                return await asyncio.to_thread(
+                info = await asyncio.to_thread(
                     self.snapshots.save,
                     frozen,
                     name=str(name),
@@ -315,9 +320,14 @@ class Checkpoints:
                         pause_retention_days=rec.pause_retention_days,
                     ),
                     envs=rec.envs,
+                    origin=None if cluster is None else cluster.origin(),
                 )
             finally:
                 drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
+            if cluster is None:
+                return info
+            cluster.push_snapshot_later(info.id)  # durable off this node in the background
+            return info.model_copy(update={"node": cluster.node})
 
         return await self._freeze(tenant, id_or_name, capture)
 
@@ -391,6 +401,10 @@ class Checkpoints:
         tenant: str,
     ) -> list[SandboxInfo]:
         info = self.snapshots.get(snapshot, tenant=tenant)
+        cluster = self.manager.cluster
+        if cluster is not None:  # not durable yet, or another accelerator: another node's
+            origin = self.snapshots.origin(info.id, tenant=tenant)
+            await asyncio.to_thread(cluster.check_restore, info, origin)
         # the source's settings unless the caller gives its own (labels and envs: merged, as
         # for a fork)
         envs = {**self.snapshots.envs(info.id, tenant=tenant), **(options.envs or {})}
@@ -567,6 +581,7 @@ class Checkpoints:
             now=datetime.fromtimestamp(now, UTC),
             live_sandboxes=self.attachments.live_ids(),
             dry_run=dry_run,
+            store=self.snapshots,
         )
         report.expired_sandboxes = expired
         if not dry_run:  # usage bills what GC removed (and what was deleted) until now

@@ -47,24 +47,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import platform
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from torpor.config import Paths, check_name
-from torpor.errors import Conflict, InvalidArgument, NoNodeAvailable, TorporError
+from torpor.errors import (
+    Conflict,
+    InvalidArgument,
+    NoNodeAvailable,
+    SnapshotNotFound,
+    StateLost,
+    TorporError,
+)
 from torpor.sandbox.models import NodeStatus
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
+from torpor.sandbox.storage.catalog import CatalogEntry
+from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
 from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
 from torpor.sandbox.storage.pauses import push_pause, rebuild_pause, warm_template
+from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore
+from torpor.sandbox.storage.tiered import TieredChunkBackend
 
 __all__ = [
     "CLUSTER_ENV",
@@ -72,6 +84,7 @@ __all__ = [
     "PROXIED",
     "ClusterConfig",
     "ClusterNode",
+    "RegistryCatalog",
     "compatible",
     "default_url",
     "local_status",
@@ -216,6 +229,7 @@ class ClusterNode:
         self._warming: asyncio.Task[None] | None = None
         #: this node takes no new sandbox (``torpor node drain``; a restart clears it)
         self.draining = False
+        self._snapshots: SnapshotStore | None = None
 
     # -- nodes and leases -----------------------------------------------------------------
 
@@ -443,6 +457,7 @@ class ClusterNode:
                 try:
                     await asyncio.to_thread(self.beat)
                     await asyncio.to_thread(self.recover_lapsed)
+                    await self.resume_snapshot_pushes()
                     if tidy is not None and time.monotonic() - last_tidy >= TIDY_SECONDS:
                         last_tidy = time.monotonic()
                         await tidy()
@@ -476,9 +491,11 @@ class ClusterNode:
     def pushing(self, sandbox_id: str) -> bool:
         return sandbox_id in self._pushes
 
-    def push_later(self, sandbox_id: str, push: Callable[[], Any]) -> None:
+    def push_later(self, sandbox_id: str, push: Callable[[], Any], *, settle: bool = True) -> None:
         """Run ``push`` (a coroutine function that returns True when done, False to retry)
-        in the background with backoff until it succeeds or says stop (None)."""
+        in the background with backoff until it succeeds or says stop (None); then, with
+        ``settle``, give the sandbox back (:meth:`settle`). ``sandbox_id`` names the upload
+        (a snapshot's is ``snapshot:<id>``)."""
         if sandbox_id in self._pushes:
             return
 
@@ -490,7 +507,8 @@ class ClusterNode:
                     delay = min(delay * 2, RETRY_MAX)
             finally:
                 self._pushes.pop(sandbox_id, None)
-            await asyncio.to_thread(self.settle, sandbox_id)
+            if settle:
+                await asyncio.to_thread(self.settle, sandbox_id)
 
         self._pushes[sandbox_id] = asyncio.get_running_loop().create_task(
             retrying(), name=f"torpor-push-{sandbox_id}"
@@ -518,6 +536,115 @@ class ClusterNode:
             manifest, directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
         )
 
+    # -- snapshots ------------------------------------------------------------------------
+
+    def snapshot_store(self) -> SnapshotStore:
+        """This node's view of the cluster's snapshots: manifests in the registry
+        (:class:`RegistryCatalog`), chunks saved into this node's ``chunks/`` and pushed to the
+        shared store (:class:`~torpor.sandbox.storage.tiered.TieredChunkBackend`); made once."""
+        if self._snapshots is None:
+            tiered = TieredChunkBackend(LocalChunkBackend(self.paths.chunks), self.chunks.backend)
+            self._snapshots = SnapshotStore(
+                self.paths,
+                chunks=ChunkStore(backend=tiered, chunk_size=self.chunks.chunk_size, workers=4),
+                catalog=RegistryCatalog(self.registry, self.node),
+            )
+        return self._snapshots
+
+    def origin(self) -> dict[str, Any]:
+        """What a snapshot or pause taken here records of where it was made."""
+        info = self.info()
+        return {"node": self.node, "accelerator": info.accelerator, "cpu_model": info.cpu_model}
+
+    def push_snapshot_later(self, snapshot_id: str) -> None:
+        """Push the snapshot's chunks to the shared store in the background, retried with
+        backoff until done (then the registry says when: ``info.durable``) or the snapshot is
+        deleted; a failed try is logged and shown as ``info.upload_error``."""
+        store = self.snapshot_store()
+
+        async def push() -> bool | None:
+            started = time.perf_counter()
+            try:
+                sent = await asyncio.to_thread(store.push, snapshot_id)
+                when = await asyncio.to_thread(self.registry.record_snapshot_durable, snapshot_id)
+            except SnapshotNotFound:
+                return None  # deleted meanwhile: nothing to make durable
+            except Exception as exc:
+                log.warning("snapshot %s: push failed, retrying: %s", snapshot_id, exc)
+                with contextlib.suppress(TorporError):
+                    self.registry.record_snapshot_upload_error(snapshot_id, upload_failed(exc))
+                return False
+            if when is not None:
+                log.info(
+                    "snapshot %s durable in %s (%d bytes sent, %.2f s)",
+                    snapshot_id,
+                    self.chunks.location,
+                    sent,
+                    time.perf_counter() - started,
+                )
+            return True
+
+        self.push_later(f"snapshot:{snapshot_id}", push, settle=False)
+
+    async def resume_snapshot_pushes(self) -> None:
+        """Push again every snapshot this node saved that is not durable yet and no upload
+        is working on (after a restart, or one left over). Raises StorageError."""
+        for sid in await asyncio.to_thread(self.registry.undurable_snapshots, self.node):
+            if f"snapshot:{sid}" not in self._pushes:
+                self.push_snapshot_later(sid)
+
+    def check_restore(self, info: SnapshotInfo, origin: dict[str, Any]) -> None:
+        """Raise unless this node can restore (or fork from) snapshot ``info`` taken where
+        ``origin`` says: one not durable yet is only on the node that saved it (a Conflict
+        naming it, proxied there; StateLost when that node is gone); one taken on another
+        accelerator or, for kvm, another CPU model restores only on a node like it (a
+        Conflict naming the least loaded such node, proxied there; NoNodeAvailable when there
+        is none). Raises StorageError."""
+        nodes, loads = self._live_nodes()
+        if info.durable is None and info.node not in (None, self.node):
+            holder = next((n for n in nodes if n.id == info.node), None)
+            if holder is None or not holder.url:
+                raise StateLost(
+                    f"snapshot {info.id} ({info.name}) was saved on node {info.node}, which is "
+                    "gone, before it was stored off-node: it cannot be restored",
+                    snapshot_id=info.id,
+                    lost="the snapshot's chunks (on its node only)",
+                    node=info.node,
+                )
+            raise Conflict(
+                f"snapshot {info.id} is on node {info.node} only until it is durable (seconds): "
+                f"send the request to {holder.url}",
+                snapshot_id=info.id,
+                owner_node=holder.id,
+                owner_url=holder.url,
+            )
+        here = next(n for n in nodes if n.id == self.node)
+        if compatible(here, origin):
+            return
+        need = str(origin.get("accelerator") or "?")
+        if need == "kvm":
+            need += f" on a {origin.get('cpu_model')!r} CPU"
+        fits = [n for n in nodes if not n.draining and n.url and compatible(n, origin)]
+        if not fits or PROXIED.get() is not None:
+            raise NoNodeAvailable(
+                f"snapshot {info.id} ({info.name}) was taken on node {origin.get('node')} and "
+                f"needs {need}; node {self.node} is {here.accelerator} ({here.cpu_model})"
+                + ("" if fits else " and no live node is like its origin"),
+                snapshot_id=info.id,
+                accelerator=origin.get("accelerator"),
+                cpu_model=origin.get("cpu_model"),
+            )
+        best = min(
+            fits, key=lambda n: (loads.get(n.id, (0, 0))[1] / max(n.capacity_mib, 1), n.id)
+        )
+        raise Conflict(
+            f"snapshot {info.id} needs {need}: it is restored on node {best.id} ({best.url})",
+            snapshot_id=info.id,
+            owner_node=best.id,
+            owner_url=best.url,
+            placed=f"a node with {need}",
+        )
+
     async def wait_pushes(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the uploads in flight, then cancel the rest."""
         tasks = list(self._pushes.values())
@@ -539,6 +666,56 @@ class ClusterNode:
         for task in [*self._pushes.values(), *([self._warming] if self._warming else [])]:
             task.cancel()
         self.registry.close()
+
+
+class RegistryCatalog:
+    """Snapshot manifests in the cluster's PostgreSQL registry (the
+    :class:`~torpor.sandbox.storage.catalog.SnapshotCatalog` of a cluster node): every node
+    sees, restores, deletes and expires every snapshot; a new one is recorded as saved on
+    ``node`` (not durable until its push is done). Raises StorageError."""
+
+    shared = True
+
+    def __init__(self, registry: PostgresRegistry, node: str) -> None:
+        self.registry = registry
+        self.node = node
+
+    def entries(self, snapshot_id: str | None = None) -> Iterator[CatalogEntry]:
+        for sid, text, status in self.registry.snapshot_rows(snapshot_id):
+            body: dict[str, Any] | None = None
+            error = None
+            try:
+                parsed = json.loads(text)
+            except ValueError as exc:
+                error = str(exc)
+            else:
+                if isinstance(parsed, dict):
+                    body = parsed
+                else:
+                    error = "not a JSON object"
+            yield CatalogEntry(
+                sid,
+                body,
+                error=error,
+                node=status.node,
+                durable_at=status.durable_at,
+                upload_error=status.upload_error,
+            )
+
+    def add(self, snapshot_id: str, body: dict[str, Any]) -> None:
+        try:
+            self.registry.put_snapshot(body, node=self.node)
+        except Conflict as exc:  # two nodes saving one name at once: the unique index decides
+            name = body.get("info", {}).get("name")
+            raise Conflict(
+                f"a snapshot named {name!r} already exists", kind="snapshot", name=name
+            ) from exc
+
+    def replace(self, snapshot_id: str, body: dict[str, Any]) -> None:
+        self.registry.replace_snapshot(snapshot_id, body)
+
+    def remove(self, snapshot_id: str) -> bool:
+        return self.registry.delete_snapshot(snapshot_id)
 
 
 def upload_failed(exc: BaseException) -> str:

@@ -76,11 +76,11 @@ from torpor.sandbox.registry.sqlite import (
     events_from_rows,
 )
 
-__all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry"]
+__all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry", "SnapshotStatus"]
 
 log = logging.getLogger(__name__)
 
-PG_SCHEMA_VERSION = 5
+PG_SCHEMA_VERSION = 6
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
 #: what the manager's transitions carry for usage meters (SQLite keeps them; not here yet)
 _METER_COLUMNS = frozenset({"cpu_reading", "owned_bytes"})
@@ -178,8 +178,25 @@ _SCHEMA_V5 = """
 ALTER TABLE torpor_registry.nodes ADD COLUMN vcpus INTEGER NOT NULL DEFAULT 0;
 """
 
+# v6: durable snapshots. A snapshot is saved into its node's chunks, then pushed to the
+# shared store in the background: ``durable_at`` says when that was done, ``upload_error``
+# why the last try failed (it is retried), ``attempts`` how many failed
+_SCHEMA_V6 = """
+ALTER TABLE torpor_registry.snapshots ADD COLUMN durable_at DOUBLE PRECISION;
+ALTER TABLE torpor_registry.snapshots ADD COLUMN upload_error TEXT;
+ALTER TABLE torpor_registry.snapshots ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX snapshots_undurable ON torpor_registry.snapshots (node) WHERE durable_at IS NULL;
+"""
+
 #: version -> the script that brings the schema from the previous version to it
-_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4, 5: _SCHEMA_V5}
+_MIGRATIONS = {
+    1: _SCHEMA_V1,
+    2: _SCHEMA_V2,
+    3: _SCHEMA_V3,
+    4: _SCHEMA_V4,
+    5: _SCHEMA_V5,
+    6: _SCHEMA_V6,
+}
 
 _COLUMNS = (
     "id, tenant, name, template, state, labels, spec, idle_pause_seconds, "
@@ -255,6 +272,16 @@ def _row_to_record(row: tuple[Any, ...]) -> SandboxRecord:
         durable_at=durable_at if durable and paused is not None else None,
         upload_error=upload_error if state == SandboxState.PAUSED.value else None,
     )
+
+
+@dataclass(frozen=True)
+class SnapshotStatus:
+    """Where a recorded snapshot was saved and whether it is in the shared store yet."""
+
+    node: str | None
+    durable_at: float | None
+    upload_error: str | None
+    attempts: int
 
 
 @dataclass(frozen=True)
@@ -747,6 +774,71 @@ class PostgresRegistry:
             )
         body: dict[str, Any] = json.loads(rows[0][0])
         return body
+
+    def replace_snapshot(self, snapshot_id: str, body: dict[str, Any]) -> None:
+        """Rewrite a recorded snapshot's manifest (its retention changed; a moved home),
+        keeping its node and durability. Raises SnapshotNotFound, InvalidArgument for a body
+        without its info, StorageError."""
+        try:
+            expires = _epoch(body["info"]["expires_at"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"not a snapshot manifest: {exc}") from exc
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE torpor_registry.snapshots SET manifest = %s, expires_at = %s"
+                " WHERE id = %s",
+                (json.dumps(body, sort_keys=True), expires, snapshot_id),
+            )
+            if cur.rowcount != 1:
+                raise SnapshotNotFound(
+                    f"no snapshot {snapshot_id!r}", kind="snapshot", name=snapshot_id
+                )
+
+    def snapshot_rows(
+        self, snapshot_id: str | None = None
+    ) -> builtins.list[tuple[str, str, SnapshotStatus]]:
+        """``(id, manifest text, status)`` of every recorded snapshot (or of one), oldest
+        first. Raises StorageError."""
+        sql = (
+            "SELECT id, manifest, node, durable_at, upload_error, attempts"
+            " FROM torpor_registry.snapshots"
+        )
+        args: tuple[Any, ...] = ()
+        if snapshot_id is not None:
+            sql, args = sql + " WHERE id = %s", (snapshot_id,)
+        rows = self._query(sql + " ORDER BY created_at, id", args)
+        return [(r[0], r[1], SnapshotStatus(r[2], r[3], r[4], r[5])) for r in rows]
+
+    def record_snapshot_durable(self, snapshot_id: str) -> float | None:
+        """Record that every chunk of the snapshot is in the shared store; return when (now),
+        or None when the snapshot is gone (deleted meanwhile). Raises StorageError."""
+        now = time.time()
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE torpor_registry.snapshots SET durable_at = %s, upload_error = NULL"
+                " WHERE id = %s",
+                (now, snapshot_id),
+            )
+            return now if cur.rowcount == 1 else None
+
+    def record_snapshot_upload_error(self, snapshot_id: str, error: str) -> None:
+        """Say why the snapshot's push failed (it is retried). Raises StorageError."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE torpor_registry.snapshots SET upload_error = %s,"
+                " attempts = attempts + 1 WHERE id = %s",
+                (error[:2000], snapshot_id),
+            )
+
+    def undurable_snapshots(self, node: str) -> builtins.list[str]:
+        """Ids of the snapshots ``node`` saved that are not in the shared store yet, oldest
+        first. Raises StorageError."""
+        rows = self._query(
+            "SELECT id FROM torpor_registry.snapshots WHERE node = %s AND durable_at IS NULL"
+            " ORDER BY created_at, id",
+            (node,),
+        )
+        return [r[0] for r in rows]
 
     def delete_snapshot(self, snapshot_id: str) -> bool:
         """Forget a snapshot (its chunks go at the next sweep); True when it was there."""
