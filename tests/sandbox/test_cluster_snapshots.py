@@ -80,13 +80,20 @@ def test_one_snapshot_interface_over_both_catalogs(
     assert [i.name for i in store.list()] == ["a"]  # the refused one is not listed
 
     kept = store.set_retention("a", 30)
-    assert store.get("a").expires_at == kept.expires_at == a.created_at + (kept.expires_at - a.created_at)
+    assert (
+        store.get("a").expires_at
+        == kept.expires_at
+        == a.created_at + (kept.expires_at - a.created_at)
+    )
     assert (kept.expires_at - a.created_at).days == 30
     out = store.materialize("a")
     assert (out / "ram").stat().st_size == 8 << 20
     assert store.referenced_chunks() >= set().union(
-        *(FileManifest.from_json(fm).hashes() for _, body in store.manifests(a.id)
-          for fm in body["files"].values())
+        *(
+            FileManifest.from_json(fm).hashes()
+            for _, body in store.manifests(a.id)
+            for fm in body["files"].values()
+        )
     )
     assert store.delete("a").id == a.id
     with pytest.raises(SnapshotNotFound):
@@ -130,19 +137,28 @@ async def until_snapshot(
         await asyncio.sleep(0.1)
 
 
+def _qemu_img(*args: str) -> None:
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", *args], check=True)
+
+
 async def sandbox(m: SandboxManager, name: str) -> str:
-    """A running sandbox of the fake engine, with a real (small) qcow2 disk as a restore
-    needs one."""
+    """A running sandbox of the fake engine, with a real qcow2 overlay on its node's template
+    disk (as a restore and a durable pause need)."""
     info = await m.get_or_create(name)
-    subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", str(m.directory(info.id) / "disk.qcow2"), "4M"],
-        check=True,
-    )
+    tdisk = m.paths.templates / "python" / "snapshot" / "disk.qcow2"
+    _qemu_img("-b", str(tdisk), "-F", "qcow2", str(m.directory(info.id) / "disk.qcow2"))
     return info.id
 
 
 async def started(*managers: SandboxManager) -> list[Checkpoints]:
+    """Start the nodes, each with its own copy of one template build (a small disk)."""
     for m in managers:
+        tdir = m.paths.templates / "python"
+        (tdir / "snapshot").mkdir(parents=True)
+        _qemu_img(str(tdir / "snapshot" / "disk.qcow2"), "4M")
+        (tdir / "template.json").write_text(
+            json.dumps({"name": "python", "build_id": "b1", "directory": str(tdir)})
+        )
         await m.start(supervise=False)
     return [Checkpoints(m) for m in managers]
 
@@ -308,16 +324,15 @@ def test_another_template_build_is_a_clear_error(tmp_path: Path, dsn: str) -> No
         SnapshotStore(h, chunks=shared_chunks, catalog=RegistryCatalog(reg, h.home.name))
         for h in homes
     )
-    info = a.save(
-        freeze(make_machine(homes[0], "sb"), a.frozen_root), name="s", template="python"
-    )
+    info = a.save(freeze(make_machine(homes[0], "sb"), a.frozen_root), name="s", template="python")
     shutil.rmtree(homes[0].templates)  # node a is gone: b has its own copy of the build
     out = b.materialize(info.id)
     from torpor.sandbox.storage.snapshots import backing_file
 
-    assert backing_file(out / "disk.qcow2") == (
-        homes[1].templates / "python" / "snapshot" / "disk.qcow2"
-    ).resolve()
+    assert (
+        backing_file(out / "disk.qcow2")
+        == (homes[1].templates / "python" / "snapshot" / "disk.qcow2").resolve()
+    )
     with pytest.raises(TemplateNotFound) as other:
         c.materialize(info.id)
     assert "b1" in str(other.value) and "b2" in str(other.value)

@@ -225,6 +225,7 @@ class ClusterNode:
         self.started_at = time.time()
         self._accel: str | None = None
         self._pushes: dict[str, asyncio.Task[None]] = {}
+        self._next: dict[str, Callable[[], Any]] = {}
         self._heartbeat: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[None] | None = None
         #: this node takes no new sandbox (``torpor node drain``; a restart clears it)
@@ -496,17 +497,28 @@ class ClusterNode:
         in the background with backoff until it succeeds or says stop (None); then, with
         ``settle``, give the sandbox back (:meth:`settle`). ``sandbox_id`` names the upload
         (a snapshot's is ``snapshot:<id>``)."""
+        # the upload under way (or waiting to retry) takes the newest ``push`` as its next
+        # try: a sandbox paused again meanwhile is pushed at its newest pause, not dropped
+        self._next[sandbox_id] = push
         if sandbox_id in self._pushes:
             return
 
         async def retrying() -> None:
             delay = RETRY_FIRST
             try:
-                while not await push():
+                while True:
+                    attempt = self._next[sandbox_id]
+                    done = await attempt()
+                    if self._next.get(sandbox_id) is not attempt:
+                        delay = RETRY_FIRST  # a newer one came meanwhile: push it now
+                        continue
+                    if done is None or done:
+                        break
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, RETRY_MAX)
             finally:
                 self._pushes.pop(sandbox_id, None)
+                self._next.pop(sandbox_id, None)
             if settle:
                 await asyncio.to_thread(self.settle, sandbox_id)
 
@@ -634,9 +646,7 @@ class ClusterNode:
                 accelerator=origin.get("accelerator"),
                 cpu_model=origin.get("cpu_model"),
             )
-        best = min(
-            fits, key=lambda n: (loads.get(n.id, (0, 0))[1] / max(n.capacity_mib, 1), n.id)
-        )
+        best = min(fits, key=lambda n: (loads.get(n.id, (0, 0))[1] / max(n.capacity_mib, 1), n.id))
         raise Conflict(
             f"snapshot {info.id} needs {need}: it is restored on node {best.id} ({best.url})",
             snapshot_id=info.id,

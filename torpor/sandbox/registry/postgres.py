@@ -785,8 +785,7 @@ class PostgresRegistry:
             raise InvalidArgument(f"not a snapshot manifest: {exc}") from exc
         with self._tx() as db:
             cur = db.execute(
-                "UPDATE torpor_registry.snapshots SET manifest = %s, expires_at = %s"
-                " WHERE id = %s",
+                "UPDATE torpor_registry.snapshots SET manifest = %s, expires_at = %s WHERE id = %s",
                 (json.dumps(body, sort_keys=True), expires, snapshot_id),
             )
             if cur.rowcount != 1:
