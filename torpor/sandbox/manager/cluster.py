@@ -74,7 +74,9 @@ from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
 from torpor.sandbox.storage.catalog import CatalogEntry
 from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
 from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
+from torpor.sandbox.storage.chunks import SweepReport
 from torpor.sandbox.storage.pauses import push_pause, rebuild_pause, warm_template
+from torpor.sandbox.storage.retention import sweep_shared_store
 from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore
 from torpor.sandbox.storage.tiered import TieredChunkBackend
 
@@ -103,6 +105,11 @@ RETRY_FIRST = 1.0
 RETRY_MAX = 60.0
 #: seconds between two looks for local directories another node made stale
 TIDY_SECONDS = 60.0
+#: seconds between two sweeps of the shared chunk store (by whichever node comes first)
+SWEEP_ENV = "TORPOR_STORE_SWEEP_SECONDS"
+SWEEP_SECONDS = 3600.0
+#: the advisory lock a sweep of the shared store is made under ("tswp")
+SWEEP_LOCK = 0x74737770
 
 #: the node a request came from when another node proxied it here (set by the server's proxy):
 #: placement then wakes the sandbox here instead of sending it on again
@@ -459,6 +466,7 @@ class ClusterNode:
                     await asyncio.to_thread(self.beat)
                     await asyncio.to_thread(self.recover_lapsed)
                     await self.resume_snapshot_pushes()
+                    await asyncio.to_thread(self.sweep_if_due)
                     if tidy is not None and time.monotonic() - last_tidy >= TIDY_SECONDS:
                         last_tidy = time.monotonic()
                         await tidy()
@@ -654,6 +662,48 @@ class ClusterNode:
             owner_url=best.url,
             placed=f"a node with {need}",
         )
+
+    # -- the shared store's GC ------------------------------------------------------------
+
+    def sweep_if_due(
+        self, *, period: float | None = None, min_age_seconds: float | None = None
+    ) -> SweepReport | None:
+        """Mark-and-sweep the shared chunk store if no sweep finished in the last ``period``
+        seconds (default ``$TORPOR_STORE_SWEEP_SECONDS``, else an hour) and no other node is
+        sweeping it now (a PostgreSQL advisory lock): marks from every manifest the registry
+        holds (durable pauses and snapshots, durable or not: a snapshot's manifest is recorded
+        before its chunks go up); chunks younger than ``min_age_seconds`` (default: the
+        store's grace, an hour) stay, as a pause's upload writes its chunks before its
+        manifest. Returns the report, or None when it was not this node's to do. Raises
+        StorageError, CorruptData (a manifest that does not parse: nothing is swept)."""
+        if period is None:
+            raw = os.environ.get(SWEEP_ENV, "").strip()
+            try:
+                period = float(raw) if raw else SWEEP_SECONDS
+            except ValueError as exc:
+                raise InvalidArgument(f"{SWEEP_ENV} must be seconds, not {raw!r}") from exc
+        last = self.registry.last_sweep()
+        if last is not None and time.time() - last < period:
+            return None
+        with self.registry.exclusive(SWEEP_LOCK) as mine:
+            last = self.registry.last_sweep()  # another node may have swept meanwhile
+            if not mine or (last is not None and time.time() - last < period):
+                return None
+            started = time.time()
+            report = sweep_shared_store(
+                self.chunks, self.registry.referenced_chunks(), min_age_seconds=min_age_seconds
+            )
+            self.registry.record_sweep(
+                self.node, started, report.removed, report.kept, report.freed_bytes
+            )
+        log.info(
+            "node %s swept %s: %d removed, %d kept",
+            self.node,
+            self.chunks.location,
+            report.removed,
+            report.kept,
+        )
+        return report
 
     async def wait_pushes(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the uploads in flight, then cancel the rest."""

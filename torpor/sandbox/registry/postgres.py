@@ -80,7 +80,7 @@ __all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry", "
 
 log = logging.getLogger(__name__)
 
-PG_SCHEMA_VERSION = 6
+PG_SCHEMA_VERSION = 7
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
 #: what the manager's transitions carry for usage meters (SQLite keeps them; not here yet)
 _METER_COLUMNS = frozenset({"cpu_reading", "owned_bytes"})
@@ -188,6 +188,20 @@ ALTER TABLE torpor_registry.snapshots ADD COLUMN attempts INTEGER NOT NULL DEFAU
 CREATE INDEX snapshots_undurable ON torpor_registry.snapshots (node) WHERE durable_at IS NULL;
 """
 
+# v7: sweeps of the shared chunk store (one node at a time, under an advisory lock): when
+# each ran, on which node, and what it did; the next is due a period after the last
+_SCHEMA_V7 = """
+CREATE TABLE torpor_registry.sweeps (
+    seq          BIGSERIAL PRIMARY KEY,
+    node         TEXT NOT NULL,
+    started_at   DOUBLE PRECISION NOT NULL,
+    finished_at  DOUBLE PRECISION NOT NULL,
+    removed      INTEGER NOT NULL,
+    kept         INTEGER NOT NULL,
+    freed_bytes  BIGINT NOT NULL
+);
+"""
+
 #: version -> the script that brings the schema from the previous version to it
 _MIGRATIONS = {
     1: _SCHEMA_V1,
@@ -196,6 +210,7 @@ _MIGRATIONS = {
     4: _SCHEMA_V4,
     5: _SCHEMA_V5,
     6: _SCHEMA_V6,
+    7: _SCHEMA_V7,
 }
 
 _COLUMNS = (
@@ -873,6 +888,46 @@ class PostgresRegistry:
                     sandbox_id=sid,
                 ) from exc
         return refs
+
+    # -- sweeps of the shared store (schema v7) ---------------------------------------------
+
+    @contextmanager
+    def exclusive(self, key: int) -> Iterator[bool]:
+        """Try to take the session advisory lock ``key`` on a connection of its own, held for
+        the block: yields whether this caller got it (another holder: False, at once). The
+        lock goes with the connection, so a node that dies mid-block lets go of it. Raises
+        StorageError."""
+        import psycopg
+
+        try:
+            conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
+        except psycopg.Error as exc:
+            raise StorageError(f"cannot connect to the registry database: {exc}", exc=exc) from exc
+        try:
+            row = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+            yield bool(row and row[0])
+        except psycopg.Error as exc:
+            raise StorageError(f"registry error: {exc}", exc=exc) from exc
+        finally:
+            conn.close()  # the lock, if held, goes with the session
+
+    def last_sweep(self) -> float | None:
+        """When the last sweep of the shared store finished (None: never). Raises
+        StorageError."""
+        rows = self._query("SELECT max(finished_at) FROM torpor_registry.sweeps")
+        return None if not rows or rows[0][0] is None else float(rows[0][0])
+
+    def record_sweep(
+        self, node: str, started_at: float, removed: int, kept: int, freed_bytes: int
+    ) -> None:
+        """Record a finished sweep of the shared store. Raises StorageError."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO torpor_registry.sweeps"
+                " (node, started_at, finished_at, removed, kept, freed_bytes)"
+                " VALUES (%s,%s,%s,%s,%s,%s)",
+                (node, started_at, time.time(), removed, kept, freed_bytes),
+            )
 
     # -- pause manifests (schema v4) ------------------------------------------------------
 
