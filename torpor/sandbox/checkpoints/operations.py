@@ -585,5 +585,7 @@ class Checkpoints:
         )
         report.expired_sandboxes = expired
         if not dry_run:  # usage bills what GC removed (and what was deleted) until now
-            await asyncio.to_thread(sync_stored, self.manager.registry, self.paths)
+            await asyncio.to_thread(
+                sync_stored, self.manager.registry, self.paths, snapshots=self.snapshots
+            )
         return report

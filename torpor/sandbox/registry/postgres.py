@@ -48,7 +48,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -65,11 +65,13 @@ from torpor.errors import (
 )
 from torpor.sandbox.models import SandboxEvent, SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition
+from torpor.sandbox.registry.meters import MeterRow, Meters, accrue, extrapolate, interpolate
 from torpor.sandbox.registry.sqlite import (
     _UNSET,
     EVENTS_SQL,
     SandboxRecord,
     _check_labels,
+    _meter_row,
     _moved,
     _spec_json,
     _Unset,
@@ -80,10 +82,13 @@ __all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry", "
 
 log = logging.getLogger(__name__)
 
-PG_SCHEMA_VERSION = 7
+PG_SCHEMA_VERSION = 8
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
-#: what the manager's transitions carry for usage meters (SQLite keeps them; not here yet)
+#: what the manager's transitions carry for usage meters (schema v8)
 _METER_COLUMNS = frozenset({"cpu_reading", "owned_bytes"})
+#: the meter columns of a transition row, in :func:`~torpor.sandbox.registry.sqlite._meter_row`'s
+#: order
+_METERS = "dst, at, cpu_reading, owned_bytes, m_vcpu, m_cpu, m_ram, m_paused, cpu_ratio"
 
 _BOOTSTRAP = """
 CREATE SCHEMA IF NOT EXISTS torpor_registry;
@@ -202,6 +207,34 @@ CREATE TABLE torpor_registry.sweeps (
 );
 """
 
+# v8: usage, as SQLite's schema version 2 keeps it (see torpor.sandbox.registry.meters): the
+# cumulative meters on each transition row, and the ledger of stored things (snapshots,
+# volumes). Transitions recorded before v8 carry zero meters (no backfill: a cluster's usage
+# counts from its upgrade)
+_SCHEMA_V8 = """
+ALTER TABLE torpor_registry.transitions ADD COLUMN cpu_reading DOUBLE PRECISION;
+ALTER TABLE torpor_registry.transitions ADD COLUMN owned_bytes BIGINT;
+ALTER TABLE torpor_registry.transitions ADD COLUMN m_vcpu DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE torpor_registry.transitions ADD COLUMN m_cpu DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE torpor_registry.transitions ADD COLUMN m_ram DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE torpor_registry.transitions ADD COLUMN m_paused DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE torpor_registry.transitions ADD COLUMN cpu_ratio DOUBLE PRECISION;
+CREATE INDEX transitions_at ON torpor_registry.transitions (sandbox_id, at);
+CREATE TABLE torpor_registry.stored (
+    kind        TEXT NOT NULL,
+    id          TEXT NOT NULL,
+    tenant      TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    labels      TEXT NOT NULL DEFAULT '{}',
+    bytes       BIGINT NOT NULL,
+    started_at  DOUBLE PRECISION NOT NULL,
+    ended_at    DOUBLE PRECISION,
+    expires_at  DOUBLE PRECISION,
+    PRIMARY KEY (kind, id)
+);
+CREATE INDEX stored_tenant ON torpor_registry.stored (tenant);
+"""
+
 #: version -> the script that brings the schema from the previous version to it
 _MIGRATIONS = {
     1: _SCHEMA_V1,
@@ -211,6 +244,7 @@ _MIGRATIONS = {
     5: _SCHEMA_V5,
     6: _SCHEMA_V6,
     7: _SCHEMA_V7,
+    8: _SCHEMA_V8,
 }
 
 _COLUMNS = (
@@ -470,8 +504,7 @@ class PostgresRegistry:
         ``src`` (another node moved it), SandboxNotFound, or StorageError.
         """
         check_transition(sandbox_id, src, dst)
-        # usage meters are not kept on PostgreSQL yet: the manager's readings are dropped
-        columns = {k: v for k, v in columns.items() if k not in _METER_COLUMNS}
+        readings = {k: columns.pop(k) for k in _METER_COLUMNS if k in columns}
         allowed = {"paused_at", "error", "last_active_at"}
         if not set(columns) <= allowed:
             raise InvalidArgument(f"cannot set {sorted(set(columns) - allowed)}")
@@ -492,11 +525,7 @@ class PostgresRegistry:
                     )
                 check_transition(sandbox_id, SandboxState(row[0]), dst)
                 raise _moved(sandbox_id, SandboxState(row[0]), src)
-            db.execute(
-                "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
-                " VALUES (%s,%s,%s,%s,%s)",
-                (sandbox_id, src.value, dst.value, when, reason),
-            )
+            _log_transition(db, sandbox_id, src, dst, when, reason, **readings)
         self.generation += 1
         return Transition(sandbox_id, src, dst, when, reason)
 
@@ -1069,11 +1098,7 @@ class PostgresRegistry:
                         sandbox_id,
                     ),
                 )
-            db.execute(
-                "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
-                " VALUES (%s,%s,%s,%s,%s)",
-                (sandbox_id, state.value, dst.value, now, reason),
-            )
+            _log_transition(db, sandbox_id, state, dst, now, reason)
         self.generation += 1
         log.warning("sandbox %s: %s", sandbox_id, reason)
         return Transition(sandbox_id, state, dst, now, reason)
@@ -1086,22 +1111,176 @@ class PostgresRegistry:
         )
         return [_row_to_record(r) for r in rows]
 
-    # -- usage (not on PostgreSQL yet) ----------------------------------------------------
+    # -- usage (schema v8; the same as SQLite's) -------------------------------------------
 
-    def meters_at(self, *args: Any, **kwargs: Any) -> Any:
-        """Usage meters are not kept on PostgreSQL yet: raises InvalidArgument."""
-        raise InvalidArgument("usage reports are not kept in cluster mode yet (issue 9)")
+    def meters_at(
+        self, instants: tuple[float, ...], *, tenant: str | None = None
+    ) -> builtins.list[tuple[SandboxRecord, builtins.list[Meters], MeterRow | None]]:
+        """Every sandbox (of ``tenant``, or all) with its cumulative usage meters at each of
+        ``instants``, and its last transition row at or before the last instant (None if it
+        did not exist yet): as :meth:`Registry.meters_at
+        <torpor.sandbox.registry.sqlite.Registry.meters_at>`, two index seeks per sandbox and
+        instant (``LATERAL`` joins). Raises StorageError."""
+        width = len(_METERS.split(","))
+        extra, joins = [], ""
+        args: builtins.list[Any] = []
+        for i, t in enumerate(instants):
+            extra += [f"{side}{i}.{c.strip()}" for side in "ba" for c in _METERS.split(",")]
+            # a sandbox created at or after t has used nothing by then: no seek for it
+            joins += (
+                f" LEFT JOIN LATERAL (SELECT {_METERS} FROM torpor_registry.transitions"
+                f" WHERE sandbox_id = s.id AND at <= %s ORDER BY at DESC, seq DESC LIMIT 1)"
+                f" b{i} ON s.created_at < %s"
+                f" LEFT JOIN LATERAL (SELECT {_METERS} FROM torpor_registry.transitions"
+                f" WHERE sandbox_id = s.id AND at > %s ORDER BY at, seq LIMIT 1)"
+                f" a{i} ON s.created_at < %s"
+            )
+            args += [t, t, t, t]
+        head, tail = _SELECT.split(" FROM ", 1)
+        sql = f"{head}, {', '.join(extra)} FROM {tail}{joins}"
+        if tenant is not None:
+            sql += " WHERE s.tenant = %s"
+            args.append(tenant)
+        out: builtins.list[tuple[SandboxRecord, builtins.list[Meters], MeterRow | None]] = []
+        for r in self._query(sql + " ORDER BY s.created_at, s.id", tuple(args)):
+            rec = _row_to_record(r[: len(r) - len(extra)])
+            rest = r[len(r) - len(extra) :]
+            values: builtins.list[Meters] = []
+            last: MeterRow | None = None
+            for i, t in enumerate(instants):
+                b = rest[2 * i * width : (2 * i + 1) * width]
+                a = rest[(2 * i + 1) * width : (2 * i + 2) * width]
+                before = None if b[0] is None else _meter_row(b)
+                last = before
+                if before is None:
+                    values.append(Meters())
+                elif a[0] is None:
+                    values.append(
+                        extrapolate(before, t, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
+                    )
+                else:
+                    values.append(interpolate(before, _meter_row(a), t))
+            out.append((rec, values, last))
+        return out
 
-    def stored(self, *args: Any, **kwargs: Any) -> builtins.list[dict[str, Any]]:
-        """The ledger of stored bytes is not kept on PostgreSQL yet: always empty."""
-        return []
-
-    def record_stored(self, kind: str, items: Any) -> None:
-        """Not kept on PostgreSQL yet (usage): does nothing."""
+    def record_stored(self, kind: str, items: Sequence[Mapping[str, Any]]) -> None:
+        """Enter stored things of ``kind`` in the usage ledger, or update those there (see
+        :meth:`Registry.record_stored <torpor.sandbox.registry.sqlite.Registry.record_stored>`).
+        Raises StorageError."""
+        rows = [
+            (
+                kind,
+                item["id"],
+                item["tenant"],
+                item["name"],
+                json.dumps(dict(item.get("labels") or {}), sort_keys=True),
+                int(item["bytes"]),
+                float(item["started_at"]),
+                item.get("expires_at"),
+            )
+            for item in items
+        ]
+        if not rows:
+            return
+        with self._tx() as db, db.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO torpor_registry.stored (kind, id, tenant, name, labels, bytes,"
+                " started_at, expires_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s)"
+                " ON CONFLICT (kind, id) DO UPDATE SET labels = excluded.labels,"
+                " bytes = excluded.bytes, expires_at = excluded.expires_at",
+                rows,
+            )
 
     def end_stored(self, kind: str, item_ids: set[str], at: float | None = None) -> int:
-        """Not kept on PostgreSQL yet (usage): does nothing, returns 0."""
-        return 0
+        """Mark stored things gone at ``at`` (default now), those not already ended; returns
+        how many. Raises StorageError."""
+        when = time.time() if at is None else at
+        count = 0
+        with self._tx() as db:
+            for item_id in sorted(item_ids):
+                cur = db.execute(
+                    "UPDATE torpor_registry.stored SET ended_at = %s"
+                    " WHERE kind = %s AND id = %s AND ended_at IS NULL",
+                    (when, kind, item_id),
+                )
+                count += cur.rowcount
+        return count
+
+    def stored(
+        self, *, tenant: str | None = None, kind: str | None = None, live: bool = False
+    ) -> builtins.list[dict[str, Any]]:
+        """Rows of the usage ledger (``live``: only those not ended), oldest first. Raises
+        StorageError."""
+        names = ("kind", "id", "tenant", "name", "labels", "bytes", "started_at", "ended_at")
+        sql = f"SELECT {', '.join(names)}, expires_at FROM torpor_registry.stored WHERE true"
+        args: builtins.list[Any] = []
+        if tenant is not None:
+            sql += " AND tenant = %s"
+            args.append(tenant)
+        if kind is not None:
+            sql += " AND kind = %s"
+            args.append(kind)
+        if live:
+            sql += " AND ended_at IS NULL"
+        out = []
+        for r in self._query(sql + " ORDER BY started_at, id", tuple(args)):
+            row = dict(zip((*names, "expires_at"), r, strict=True))
+            row["labels"] = json.loads(row["labels"] or "{}")
+            out.append(row)
+        return out
+
+
+def _log_transition(
+    db: Any,
+    sandbox_id: str,
+    src: SandboxState,
+    dst: SandboxState,
+    at: float,
+    reason: str,
+    *,
+    cpu_reading: float | None = None,
+    owned_bytes: int | None = None,
+) -> None:
+    """Append a transition with its usage meters: the last row's plus what accrued since
+    (in the caller's transaction)."""
+    last = db.execute(
+        f"SELECT {_METERS} FROM torpor_registry.transitions WHERE sandbox_id = %s"
+        " ORDER BY seq DESC LIMIT 1",
+        (sandbox_id,),
+    ).fetchone()
+    spec_row = db.execute(
+        "SELECT spec FROM torpor_registry.sandboxes WHERE id = %s", (sandbox_id,)
+    ).fetchone()
+    spec = json.loads((spec_row[0] if spec_row else None) or "{}")
+    row = accrue(
+        None if last is None else _meter_row(last),
+        at,
+        dst,
+        vcpus=int(spec.get("vcpus", 1)),
+        memory_mib=int(spec.get("memory_mib", 512)),
+        cpu_reading=cpu_reading,
+        owned_bytes=owned_bytes,
+    )
+    m = row.meters
+    db.execute(
+        "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason, cpu_reading,"
+        " owned_bytes, m_vcpu, m_cpu, m_ram, m_paused, cpu_ratio)"
+        " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+        (
+            sandbox_id,
+            src.value,
+            dst.value,
+            at,
+            reason,
+            cpu_reading,
+            row.owned_bytes,
+            m.vcpu_seconds,
+            m.cpu_seconds,
+            m.ram_gib_seconds,
+            m.paused_byte_seconds,
+            row.cpu_ratio,
+        ),
+    )
 
 
 def _iso(ts: float) -> str:
