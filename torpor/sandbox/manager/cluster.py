@@ -41,6 +41,21 @@
 * **Draining** (``torpor node drain``): the node takes no new wake or create (placement
   skips it; a create is sent to the least loaded other node), pauses what it runs, and gives
   each sandbox up once its pause is durable.
+* **Snapshots** (:meth:`ClusterNode.snapshot_store`). Manifests are the registry's
+  (:class:`RegistryCatalog`): every node lists, restores, deletes and expires every snapshot.
+  A snapshot is saved as fast as on one machine, into this node's ``chunks/``, then pushed to
+  the shared store in the background (:meth:`ClusterNode.push_snapshot_later`: retried with
+  the pauses' backoff, resumed by the heartbeat after a restart); ``info.durable`` says when,
+  ``info.upload_error`` why not yet. A restore on another node pulls the chunks it lacks from
+  the store (verified: a bad one is CorruptData naming the snapshot) onto its own copy of the
+  template build. Before a restore or fork (:meth:`ClusterNode.check_restore`): a snapshot not
+  durable yet is restored by the node that saved it (a Conflict the server proxies there;
+  StateLost when that node is gone); one taken on another accelerator or (kvm) CPU model by
+  the least loaded node like its origin (proxied; NoNodeAvailable when there is none).
+* **GC of the shared store** (:meth:`ClusterNode.sweep_if_due`, from the heartbeat): once per
+  ``$TORPOR_STORE_SWEEP_SECONDS`` (default an hour) across the cluster, by whichever node takes
+  the PostgreSQL advisory lock first, marking from every pause and snapshot manifest in the
+  registry, sparing chunks younger than the store's grace (an upload in flight).
 """
 
 from __future__ import annotations

@@ -37,8 +37,21 @@ takes a sandbox from an owner whose lease lapsed, in one compare-and-set transac
 its last durable pause (what changed since is lost, and the transition says so), else to
 ``error``. The manager's use of all this: :mod:`torpor.sandbox.manager.cluster`.
 
-Not here yet (issue 9 part 1): volumes, drives and usage tables (transitions carry no usage
-meters here: usage reports raise InvalidArgument in cluster mode).
+**Durable snapshots** (schema v6): a snapshot row also says which node saved it and when all
+its chunks were pushed to the shared store (``durable_at``; ``upload_error`` while a push
+fails): :meth:`PostgresRegistry.record_snapshot_durable`,
+:meth:`PostgresRegistry.undurable_snapshots` (what a node resumes pushing).
+
+**Sweeps of the shared store** (schema v7): :meth:`PostgresRegistry.exclusive` (a session
+advisory lock on a connection of its own) and the ``sweeps`` log say which node swept when
+(:meth:`~torpor.sandbox.manager.cluster.ClusterNode.sweep_if_due`).
+
+**Usage** (schema v8): the same cumulative meters on each transition row and the same ledger
+of stored things as SQLite's schema 2 (:mod:`torpor.sandbox.registry.meters`), so a usage
+report reads the same on both. Transitions recorded before v8 carry zero meters.
+
+Not here (issue 9): volumes and drives (their records stay in each node's home; see the
+README's "Cluster" section).
 """
 
 from __future__ import annotations
