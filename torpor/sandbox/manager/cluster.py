@@ -88,8 +88,7 @@ from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
 from torpor.sandbox.storage.catalog import CatalogEntry
 from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
-from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
-from torpor.sandbox.storage.chunks import SweepReport
+from torpor.sandbox.storage.chunks import ChunkStore, SweepReport, open_chunk_store
 from torpor.sandbox.storage.pauses import push_pause, rebuild_pause, warm_template
 from torpor.sandbox.storage.retention import sweep_shared_store
 from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore
