@@ -252,6 +252,7 @@ class ClusterNode:
         #: this node takes no new sandbox (``torpor node drain``; a restart clears it)
         self.draining = False
         self._snapshots: SnapshotStore | None = None
+        self._sweeping: asyncio.Task[None] | None = None
 
     # -- nodes and leases -----------------------------------------------------------------
 
@@ -480,7 +481,7 @@ class ClusterNode:
                     await asyncio.to_thread(self.beat)
                     await asyncio.to_thread(self.recover_lapsed)
                     await self.resume_snapshot_pushes()
-                    await asyncio.to_thread(self.sweep_if_due)
+                    self._sweep_later()
                     if tidy is not None and time.monotonic() - last_tidy >= TIDY_SECONDS:
                         last_tidy = time.monotonic()
                         await tidy()
@@ -679,6 +680,22 @@ class ClusterNode:
 
     # -- the shared store's GC ------------------------------------------------------------
 
+    def _sweep_later(self) -> None:
+        """Start :meth:`sweep_if_due` in the background unless one runs (a sweep of a big
+        store takes long: the heartbeat must not wait for it, or the leases would lapse)."""
+        if self._sweeping is not None and not self._sweeping.done():
+            return
+
+        async def sweep() -> None:
+            try:
+                await asyncio.to_thread(self.sweep_if_due)
+            except Exception as exc:  # tried again at the next heartbeat
+                log.warning("node %s: sweep of %s failed: %s", self.node, self.chunks.location, exc)
+
+        self._sweeping = asyncio.get_running_loop().create_task(
+            sweep(), name=f"torpor-sweep-{self.node}"
+        )
+
     def sweep_if_due(
         self, *, period: float | None = None, min_age_seconds: float | None = None
     ) -> SweepReport | None:
@@ -737,7 +754,11 @@ class ClusterNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
             self._heartbeat = None
-        for task in [*self._pushes.values(), *([self._warming] if self._warming else [])]:
+        for task in [
+            *self._pushes.values(),
+            *([self._warming] if self._warming else []),
+            *([self._sweeping] if self._sweeping else []),
+        ]:
             task.cancel()
         self.registry.close()
 
