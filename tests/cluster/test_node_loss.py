@@ -92,3 +92,40 @@ def test_paused_sandbox_wakes_on_another_node_after_its_node_dies(
         print(n2.log_tail())
         raise
     assert woken.info.state.value == "running" and woken.id == sbx.id
+
+
+def test_snapshot_restores_on_another_node_after_its_node_dies(
+    nodes: tuple[Node, Node],
+) -> None:
+    """A snapshot is pushed to the store in the background (``durable``); once it is, it
+    restores on n2 after n1 is SIGKILLed and its whole home deleted (its chunks and its
+    path to the template with it: n2 restores on its own copy of the template build)."""
+    n1, n2 = nodes
+    with torpor.Runtime(home=n1.home, autostart=False) as owner:
+        tok = owner.tokens.create(sandboxes={}, admin=True).token
+    rt = torpor.Runtime(url=n1.url, token=tok)
+    sbx = rt.sandboxes.get_or_create("agent-snap")
+    sbx.interpreter.run("notes = [3, 4]")
+    snap = sbx.snapshot("agent-snap-before")
+    taken = time.monotonic()
+    info = torpor.Snapshot.get(snap.id, runtime=rt).info
+    while info.durable is None:
+        assert time.monotonic() < taken + 120, f"never durable: {info}\n{n1.log_tail()}"
+        time.sleep(0.5)
+        info = torpor.Snapshot.get(snap.id, runtime=rt).info
+    assert info.upload_error is None and info.node == "n1"
+    print(f"snapshot durable {time.monotonic() - taken:.2f} s after it was taken")
+
+    n1.process.send_signal(signal.SIGKILL)
+    n1.process.wait()
+    shutil.rmtree(n1.home)
+
+    rt2 = torpor.Runtime(url=n2.url, token=tok)
+    started = time.monotonic()
+    restored = torpor.Snapshot.get("agent-snap-before", runtime=rt2).restore(name="agent-snap-2")
+    print(f"restored on n2 in {time.monotonic() - started:.2f} s (fetch + rebuild + wake)")
+    try:
+        assert restored.interpreter.run("notes").results[0].data["text/plain"] == "[3, 4]"
+    except AssertionError:
+        print(n2.log_tail())
+        raise

@@ -89,6 +89,7 @@ class FakeEngine:
         (directory / "disk").mkdir(parents=True)
         (directory / "ram").write_text(json.dumps({"template": template}))
         (directory / "state").write_text("booted template")
+        (directory / "machine.json").write_text('{"devices": []}')  # what a restore reads
 
     def machine(self, directory: Path, config: MachineConfig) -> FakeMachine:
         return FakeMachine(self, directory)

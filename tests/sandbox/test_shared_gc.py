@@ -85,3 +85,59 @@ def test_sweep_of_a_shared_store_marks_from_the_registry(
     with pytest.raises(CorruptData):
         reg.referenced_chunks()
     reg.close()
+
+
+def test_scheduled_sweep_runs_on_one_node_and_spares_live_and_young_chunks(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    """Two nodes whose sweeps are due at once: exactly one sweeps (PostgreSQL advisory lock,
+    then the record of the last sweep), a dead chunk goes, a chunk a snapshot manifest names
+    stays, and so does a young chunk no manifest names yet (an upload in flight)."""
+    import threading
+    import time
+
+    from torpor.sandbox.manager.cluster import ClusterConfig, ClusterNode
+    from torpor.sandbox.storage.snapshots import SnapshotStore as Store
+
+    def cluster_node(name: str) -> ClusterNode:
+        config = ClusterConfig(dsn=dsn, store=store, node=name)
+        return ClusterNode(config, make_home(tmp_path / name))
+
+    a, b = cluster_node("a"), cluster_node("b")
+    shared = a.chunks
+    dead, _ = shared.put(b"a chunk no manifest names any more" * 100)
+    snapshots: Store = a.snapshot_store()
+    info = snapshots.save(
+        freeze(make_machine(snapshots.paths, "sb"), snapshots.frozen_root), name="live"
+    )
+    snapshots.push(info.id)  # its chunks are in the shared store now
+    live = set().union(
+        *(
+            FileManifest.from_json(fm).hashes()
+            for fm in a.registry.snapshot_manifest(info.id)["files"].values()
+        )
+    )
+    time.sleep(1.5)
+    young, _ = shared.put(b"a chunk whose manifest is not recorded yet" * 100)
+
+    reports: dict[str, object] = {}
+    gate = threading.Barrier(2)
+
+    def sweep(n: ClusterNode) -> None:
+        gate.wait()
+        reports[n.node] = n.sweep_if_due(period=3600, min_age_seconds=1.0)
+
+    threads = [threading.Thread(target=sweep, args=(n,)) for n in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = [r for r in reports.values() if r is not None]
+    assert len(done) == 1, reports
+    left = set(shared)
+    assert dead not in left and young in left and live <= left
+    assert a.sweep_if_due(period=3600, min_age_seconds=0) is None  # not due again yet
+    assert young in set(shared)
+    assert a.registry.last_sweep() is not None
+    a.registry.close()
+    b.registry.close()

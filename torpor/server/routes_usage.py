@@ -53,8 +53,17 @@ async def usage(
     """What the tenant's sandboxes, snapshots and volumes used over ``[since, until)``, and
     what it costs by the home's rate card (``<home>/rates.json`` over the defaults)."""
     registry, home = _needs(manager, "registry"), _needs(manager, "paths")
+    cluster = getattr(manager, "cluster", None)  # a node's snapshots are the cluster's
+    snapshots = None if cluster is None else cluster.snapshot_store()
     return await asyncio.to_thread(
-        build, registry, home, tenant=tenant, by=by, since=since, until=until
+        build,
+        registry,
+        home,
+        tenant=tenant,
+        by=by,
+        since=since,
+        until=until,
+        snapshots=snapshots,
     )
 
 

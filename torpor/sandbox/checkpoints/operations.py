@@ -132,7 +132,10 @@ class Checkpoints:
     def __init__(self, manager: SandboxManager) -> None:
         self.manager = manager
         self.paths = manager.paths
-        self.snapshots = SnapshotStore(self.paths)
+        cluster = manager.cluster
+        #: in cluster mode the manifests are the registry's and the chunks are pushed to the
+        #: shared store (see :meth:`~torpor.sandbox.manager.cluster.ClusterNode.snapshot_store`)
+        self.snapshots = SnapshotStore(self.paths) if cluster is None else cluster.snapshot_store()
         self.volumes = VolumeStore(self.paths)
         self.drives = DriveStore(self.paths)
         self.held: Held = manager
@@ -305,7 +308,9 @@ class Checkpoints:
         work from then on (from the local copy), while the copy is stored in the chunk store
         in the background (:meth:`wait_stored` waits for it; a capture that fails is retried
         at the next GC pass, wait or restart). With ``wait`` it returns the ``stored``
-        snapshot, and if storing fails nothing is listed.
+        snapshot, and if storing fails nothing is listed. In a cluster it always returns the
+        stored snapshot (listed in the registry, so every node sees it), then pushes it to
+        the shared store in the background (``info.durable``).
 
         ``name`` defaults to ``<sandbox name>-<time>``. Raises InvalidName / InvalidArgument,
         Conflict (name taken; a volume attached), InvalidState, StorageError (e.g. disk full:
@@ -318,27 +323,39 @@ class Checkpoints:
         self.snapshots.check_name_free(name, tenant)  # fail before pausing anything
         self.snapshots.check_room(tenant)
 
+        cluster = self.manager.cluster
+
         async def capture(rec: SandboxRecord, frozen: Path, _: Any) -> SnapshotInfo:
+            what: dict[str, Any] = {
+                "name": str(name),
+                "tenant": tenant,
+                "retention_days": snap.retention_days,
+                "sandbox_id": rec.id,
+                "template": rec.template,
+                "labels": dict(snap.labels or {}),
+                "drives": self.cloner.drive_records(rec.id),
+                "carried": CarriedSettings(
+                    labels=rec.labels,
+                    idle_pause_seconds=rec.idle_pause_seconds,
+                    pause_retention_days=rec.pause_retention_days,
+                ),
+                "envs": rec.envs,
+            }
+            if cluster is not None:
+                # a cluster lists a snapshot in its registry once stored (every node sees it
+                # then), and pushes it to the shared store in the background
+                try:
+                    info = await asyncio.to_thread(
+                        self.snapshots.save, frozen, **what, origin=cluster.origin()
+                    )
+                finally:
+                    drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
+                cluster.push_snapshot_later(info.id)  # durable off this node in the background
+                return info.model_copy(update={"node": cluster.node})
             try:
-                info = await asyncio.to_thread(
-                    self.snapshots.begin,
-                    frozen,
-                    name=str(name),
-                    tenant=tenant,
-                    retention_days=snap.retention_days,
-                    sandbox_id=rec.id,
-                    template=rec.template,
-                    labels=dict(snap.labels or {}),
-                    drives=self.cloner.drive_records(rec.id),
-                    carried=CarriedSettings(
-                        labels=rec.labels,
-                        idle_pause_seconds=rec.idle_pause_seconds,
-                        pause_retention_days=rec.pause_retention_days,
-                    ),
-                    envs=rec.envs,
-                )
+                info = await asyncio.to_thread(self.snapshots.begin, frozen, **what)
             except BaseException:
-                drop_ram(frozen)  # the source's disk chain still needs the layer, not the RAM
+                drop_ram(frozen)
                 raise
             self._complete_later(info.id)
             return info
@@ -479,6 +496,10 @@ class Checkpoints:
         tenant: str,
     ) -> list[SandboxInfo]:
         info = self.snapshots.get(snapshot, tenant=tenant)
+        cluster = self.manager.cluster
+        if cluster is not None:  # not durable yet, or another accelerator: another node's
+            origin = self.snapshots.origin(info.id, tenant=tenant)
+            await asyncio.to_thread(cluster.check_restore, info, origin)
         # the source's settings unless the caller gives its own (labels and envs: merged, as
         # for a fork)
         envs = {**self.snapshots.envs(info.id, tenant=tenant), **(options.envs or {})}
@@ -676,8 +697,11 @@ class Checkpoints:
             now=datetime.fromtimestamp(now, UTC),
             live_sandboxes=self.attachments.live_ids(),
             dry_run=dry_run,
+            store=self.snapshots,
         )
         report.expired_sandboxes = expired
         if not dry_run:  # usage bills what GC removed (and what was deleted) until now
-            await asyncio.to_thread(sync_stored, self.manager.registry, self.paths)
+            await asyncio.to_thread(
+                sync_stored, self.manager.registry, self.paths, snapshots=self.snapshots
+            )
         return report

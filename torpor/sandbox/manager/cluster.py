@@ -42,18 +42,34 @@
 * **Draining** (``torpor node drain``): the node takes no new wake or create (placement
   skips it; a create is sent to the least loaded other node), pauses what it runs, and gives
   each sandbox up once its pause is durable.
+* **Snapshots** (:meth:`ClusterNode.snapshot_store`). Manifests are the registry's
+  (:class:`RegistryCatalog`): every node lists, restores, deletes and expires every snapshot.
+  A snapshot is saved as fast as on one machine, into this node's ``chunks/``, then pushed to
+  the shared store in the background (:meth:`ClusterNode.push_snapshot_later`: retried with
+  the pauses' backoff, resumed by the heartbeat after a restart); ``info.durable`` says when,
+  ``info.upload_error`` why not yet. A restore on another node pulls the chunks it lacks from
+  the store (verified: a bad one is CorruptData naming the snapshot) onto its own copy of the
+  template build. Before a restore or fork (:meth:`ClusterNode.check_restore`): a snapshot not
+  durable yet is restored by the node that saved it (a Conflict the server proxies there;
+  StateLost when that node is gone); one taken on another accelerator or (kvm) CPU model by
+  the least loaded node like its origin (proxied; NoNodeAvailable when there is none).
+* **GC of the shared store** (:meth:`ClusterNode.sweep_if_due`, from the heartbeat): once per
+  ``$TORPOR_STORE_SWEEP_SECONDS`` (default an hour) across the cluster, by whichever node takes
+  the PostgreSQL advisory lock first, marking from every pause and snapshot manifest in the
+  registry, sparing chunks younger than the store's grace (an upload in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import platform
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -61,11 +77,20 @@ from pathlib import Path
 from typing import Any
 
 from torpor.config import Paths, check_name
-from torpor.errors import Conflict, InvalidArgument, NoNodeAvailable, TorporError
+from torpor.errors import (
+    Conflict,
+    InvalidArgument,
+    NoNodeAvailable,
+    SnapshotNotFound,
+    StateLost,
+    TorporError,
+)
 from torpor.sandbox.models import NodeStatus
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
-from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
+from torpor.sandbox.storage.catalog import CatalogEntry
+from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
+from torpor.sandbox.storage.chunks import ChunkStore, SweepReport, open_chunk_store
 from torpor.sandbox.storage.pauses import (
     RamFill,
     begin_rebuild,
@@ -73,6 +98,9 @@ from torpor.sandbox.storage.pauses import (
     rebuild_pause,
     warm_template,
 )
+from torpor.sandbox.storage.retention import sweep_shared_store
+from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore
+from torpor.sandbox.storage.tiered import TieredChunkBackend
 
 __all__ = [
     "CLUSTER_ENV",
@@ -80,6 +108,7 @@ __all__ = [
     "PROXIED",
     "ClusterConfig",
     "ClusterNode",
+    "RegistryCatalog",
     "compatible",
     "default_url",
     "local_status",
@@ -98,6 +127,11 @@ RETRY_FIRST = 1.0
 RETRY_MAX = 60.0
 #: seconds between two looks for local directories another node made stale
 TIDY_SECONDS = 60.0
+#: seconds between two sweeps of the shared chunk store (by whichever node comes first)
+SWEEP_ENV = "TORPOR_STORE_SWEEP_SECONDS"
+SWEEP_SECONDS = 3600.0
+#: the advisory lock a sweep of the shared store is made under ("tswp")
+SWEEP_LOCK = 0x74737770
 
 #: the node a request came from when another node proxied it here (set by the server's proxy):
 #: placement then wakes the sandbox here instead of sending it on again
@@ -229,6 +263,8 @@ class ClusterNode:
         self._warming: asyncio.Task[None] | None = None
         #: this node takes no new sandbox (``torpor node drain``; a restart clears it)
         self.draining = False
+        self._snapshots: SnapshotStore | None = None
+        self._sweeping: asyncio.Task[None] | None = None
 
     # -- nodes and leases -----------------------------------------------------------------
 
@@ -463,6 +499,8 @@ class ClusterNode:
                     if late > self.config.lease_seconds / 2:
                         log.warning("node %s: heartbeat %.1f s after the last one", self.node, late)
                     await running.run_in_executor(self._beat_pool, self.recover_lapsed)
+                    await self.resume_snapshot_pushes()
+                    self._sweep_later()
                     if tidy is not None and time.monotonic() - last_tidy >= TIDY_SECONDS:
                         last_tidy = time.monotonic()
                         await tidy()
@@ -501,6 +539,8 @@ class ClusterNode:
         sandbox_id: str,
         push: Callable[[], Any],
         after: Callable[[], Awaitable[object]] | None = None,
+        *,
+        settle: bool = True,
     ) -> None:
         """Run ``push`` (a coroutine function that returns True when done, False to retry,
         None when there is nothing to push any more: the pause was woken or killed) in the
@@ -509,7 +549,8 @@ class ClusterNode:
         was woken and paused again meanwhile) replaces it at once: the newest pause is the
         one to make durable, and it is never left waiting behind a pause that is gone.
         ``after`` runs once it is all over (the manager gives the sandbox back, under its
-        lock); without it, :meth:`settle`."""
+        lock); without it, :meth:`settle` unless ``settle`` is False (a snapshot's upload,
+        named ``snapshot:<id>``, has no sandbox to give back)."""
         if sandbox_id in self._pushes:
             self._queued[sandbox_id] = push
             self._kicks[sandbox_id].set()
@@ -537,7 +578,7 @@ class ClusterNode:
                 self._kicks.pop(sandbox_id, None)
             if after is not None:
                 await after()
-            else:
+            elif settle:
                 await asyncio.to_thread(self.settle, sandbox_id)
 
         self._pushes[sandbox_id] = asyncio.get_running_loop().create_task(
@@ -575,6 +616,171 @@ class ClusterNode:
             manifest, directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
         )
 
+    # -- snapshots ------------------------------------------------------------------------
+
+    def snapshot_store(self) -> SnapshotStore:
+        """This node's view of the cluster's snapshots: manifests in the registry
+        (:class:`RegistryCatalog`), chunks saved into this node's ``chunks/`` and pushed to the
+        shared store (:class:`~torpor.sandbox.storage.tiered.TieredChunkBackend`); made once."""
+        if self._snapshots is None:
+            tiered = TieredChunkBackend(LocalChunkBackend(self.paths.chunks), self.chunks.backend)
+            self._snapshots = SnapshotStore(
+                self.paths,
+                chunks=ChunkStore(backend=tiered, chunk_size=self.chunks.chunk_size, workers=4),
+                catalog=RegistryCatalog(self.registry, self.node),
+            )
+        return self._snapshots
+
+    def origin(self) -> dict[str, Any]:
+        """What a snapshot or pause taken here records of where it was made."""
+        info = self.info()
+        return {"node": self.node, "accelerator": info.accelerator, "cpu_model": info.cpu_model}
+
+    def push_snapshot_later(self, snapshot_id: str) -> None:
+        """Push the snapshot's chunks to the shared store in the background, retried with
+        backoff until done (then the registry says when: ``info.durable``) or the snapshot is
+        deleted; a failed try is logged and shown as ``info.upload_error``."""
+        store = self.snapshot_store()
+
+        async def push() -> bool | None:
+            started = time.perf_counter()
+            try:
+                sent = await asyncio.to_thread(store.push, snapshot_id)
+                when = await asyncio.to_thread(self.registry.record_snapshot_durable, snapshot_id)
+            except SnapshotNotFound:
+                return None  # deleted meanwhile: nothing to make durable
+            except Exception as exc:
+                log.warning("snapshot %s: push failed, retrying: %s", snapshot_id, exc)
+                with contextlib.suppress(TorporError):
+                    self.registry.record_snapshot_upload_error(snapshot_id, upload_failed(exc))
+                return False
+            if when is not None:
+                log.info(
+                    "snapshot %s durable in %s (%d bytes sent, %.2f s)",
+                    snapshot_id,
+                    self.chunks.location,
+                    sent,
+                    time.perf_counter() - started,
+                )
+            return True
+
+        self.push_later(f"snapshot:{snapshot_id}", push, settle=False)
+
+    async def resume_snapshot_pushes(self) -> None:
+        """Push again every snapshot this node saved that is not durable yet and no upload
+        is working on (after a restart, or one left over). Raises StorageError."""
+        for sid in await asyncio.to_thread(self.registry.undurable_snapshots, self.node):
+            if f"snapshot:{sid}" not in self._pushes:
+                self.push_snapshot_later(sid)
+
+    def check_restore(self, info: SnapshotInfo, origin: dict[str, Any]) -> None:
+        """Raise unless this node can restore (or fork from) snapshot ``info`` taken where
+        ``origin`` says: one not durable yet is only on the node that saved it (a Conflict
+        naming it, proxied there; StateLost when that node is gone); one taken on another
+        accelerator or, for kvm, another CPU model restores only on a node like it (a
+        Conflict naming the least loaded such node, proxied there; NoNodeAvailable when there
+        is none). Raises StorageError."""
+        nodes, loads = self._live_nodes()
+        if info.durable is None and info.node not in (None, self.node):
+            holder = next((n for n in nodes if n.id == info.node), None)
+            if holder is None or not holder.url:
+                raise StateLost(
+                    f"snapshot {info.id} ({info.name}) was saved on node {info.node}, which is "
+                    "gone, before it was stored off-node: it cannot be restored",
+                    snapshot_id=info.id,
+                    lost="the snapshot's chunks (on its node only)",
+                    node=info.node,
+                )
+            raise Conflict(
+                f"snapshot {info.id} is on node {info.node} only until it is durable (seconds): "
+                f"send the request to {holder.url}",
+                snapshot_id=info.id,
+                owner_node=holder.id,
+                owner_url=holder.url,
+            )
+        here = next(n for n in nodes if n.id == self.node)
+        if compatible(here, origin):
+            return
+        need = str(origin.get("accelerator") or "?")
+        if need == "kvm":
+            need += f" on a {origin.get('cpu_model')!r} CPU"
+        fits = [n for n in nodes if not n.draining and n.url and compatible(n, origin)]
+        if not fits or PROXIED.get() is not None:
+            raise NoNodeAvailable(
+                f"snapshot {info.id} ({info.name}) was taken on node {origin.get('node')} and "
+                f"needs {need}; node {self.node} is {here.accelerator} ({here.cpu_model})"
+                + ("" if fits else " and no live node is like its origin"),
+                snapshot_id=info.id,
+                accelerator=origin.get("accelerator"),
+                cpu_model=origin.get("cpu_model"),
+            )
+        best = min(fits, key=lambda n: (loads.get(n.id, (0, 0))[1] / max(n.capacity_mib, 1), n.id))
+        raise Conflict(
+            f"snapshot {info.id} needs {need}: it is restored on node {best.id} ({best.url})",
+            snapshot_id=info.id,
+            owner_node=best.id,
+            owner_url=best.url,
+            placed=f"a node with {need}",
+        )
+
+    # -- the shared store's GC ------------------------------------------------------------
+
+    def _sweep_later(self) -> None:
+        """Start :meth:`sweep_if_due` in the background unless one runs (a sweep of a big
+        store takes long: the heartbeat must not wait for it, or the leases would lapse)."""
+        if self._sweeping is not None and not self._sweeping.done():
+            return
+
+        async def sweep() -> None:
+            try:
+                await asyncio.to_thread(self.sweep_if_due)
+            except Exception as exc:  # tried again at the next heartbeat
+                log.warning("node %s: sweep of %s failed: %s", self.node, self.chunks.location, exc)
+
+        self._sweeping = asyncio.get_running_loop().create_task(
+            sweep(), name=f"torpor-sweep-{self.node}"
+        )
+
+    def sweep_if_due(
+        self, *, period: float | None = None, min_age_seconds: float | None = None
+    ) -> SweepReport | None:
+        """Mark-and-sweep the shared chunk store if no sweep finished in the last ``period``
+        seconds (default ``$TORPOR_STORE_SWEEP_SECONDS``, else an hour) and no other node is
+        sweeping it now (a PostgreSQL advisory lock): marks from every manifest the registry
+        holds (durable pauses and snapshots, durable or not: a snapshot's manifest is recorded
+        before its chunks go up); chunks younger than ``min_age_seconds`` (default: the
+        store's grace, an hour) stay, as a pause's upload writes its chunks before its
+        manifest. Returns the report, or None when it was not this node's to do. Raises
+        StorageError, CorruptData (a manifest that does not parse: nothing is swept)."""
+        if period is None:
+            raw = os.environ.get(SWEEP_ENV, "").strip()
+            try:
+                period = float(raw) if raw else SWEEP_SECONDS
+            except ValueError as exc:
+                raise InvalidArgument(f"{SWEEP_ENV} must be seconds, not {raw!r}") from exc
+        last = self.registry.last_sweep()
+        if last is not None and time.time() - last < period:
+            return None
+        with self.registry.exclusive(SWEEP_LOCK) as mine:
+            last = self.registry.last_sweep()  # another node may have swept meanwhile
+            if not mine or (last is not None and time.time() - last < period):
+                return None
+            started = time.time()
+            report = sweep_shared_store(
+                self.chunks, self.registry.referenced_chunks(), min_age_seconds=min_age_seconds
+            )
+            self.registry.record_sweep(
+                self.node, started, report.removed, report.kept, report.freed_bytes
+            )
+        log.info(
+            "node %s swept %s: %d removed, %d kept",
+            self.node,
+            self.chunks.location,
+            report.removed,
+            report.kept,
+        )
+        return report
+
     async def wait_pushes(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the uploads in flight, then cancel the rest."""
         tasks = list(self._pushes.values())
@@ -593,10 +799,64 @@ class ClusterNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
             self._heartbeat = None
-        for task in [*self._pushes.values(), *([self._warming] if self._warming else [])]:
+        for task in [
+            *self._pushes.values(),
+            *([self._warming] if self._warming else []),
+            *([self._sweeping] if self._sweeping else []),
+        ]:
             task.cancel()
         self._beat_pool.shutdown(wait=False)
         self.registry.close()
+
+
+class RegistryCatalog:
+    """Snapshot manifests in the cluster's PostgreSQL registry (the
+    :class:`~torpor.sandbox.storage.catalog.SnapshotCatalog` of a cluster node): every node
+    sees, restores, deletes and expires every snapshot; a new one is recorded as saved on
+    ``node`` (not durable until its push is done). Raises StorageError."""
+
+    shared = True
+
+    def __init__(self, registry: PostgresRegistry, node: str) -> None:
+        self.registry = registry
+        self.node = node
+
+    def entries(self, snapshot_id: str | None = None) -> Iterator[CatalogEntry]:
+        for sid, text, status in self.registry.snapshot_rows(snapshot_id):
+            body: dict[str, Any] | None = None
+            error = None
+            try:
+                parsed = json.loads(text)
+            except ValueError as exc:
+                error = str(exc)
+            else:
+                if isinstance(parsed, dict):
+                    body = parsed
+                else:
+                    error = "not a JSON object"
+            yield CatalogEntry(
+                sid,
+                body,
+                error=error,
+                node=status.node,
+                durable_at=status.durable_at,
+                upload_error=status.upload_error,
+            )
+
+    def add(self, snapshot_id: str, body: dict[str, Any]) -> None:
+        try:
+            self.registry.put_snapshot(body, node=self.node)
+        except Conflict as exc:  # two nodes saving one name at once: the unique index decides
+            name = body.get("info", {}).get("name")
+            raise Conflict(
+                f"a snapshot named {name!r} already exists", kind="snapshot", name=name
+            ) from exc
+
+    def replace(self, snapshot_id: str, body: dict[str, Any]) -> None:
+        self.registry.replace_snapshot(snapshot_id, body)
+
+    def remove(self, snapshot_id: str) -> bool:
+        return self.registry.delete_snapshot(snapshot_id)
 
 
 def upload_failed(exc: BaseException) -> str:

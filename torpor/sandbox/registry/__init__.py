@@ -7,7 +7,7 @@
 * :mod:`.postgres` — :class:`~torpor.sandbox.registry.postgres.PostgresRegistry`: the same
   interface on PostgreSQL (schema ``torpor_registry``, versioned migrations), for many nodes
   sharing one registry (issue 9: the manager's in cluster mode, see
-  :mod:`torpor.sandbox.manager.cluster`; no usage meters yet)
+  :mod:`torpor.sandbox.manager.cluster`; snapshot manifests, sweeps and usage meters too)
 * :mod:`.meters` — the usage meters each transition row carries (pure functions)
 * :mod:`.usage` — usage reports and the rate card, derived from the transitions and the ledger
   of stored snapshots and volumes

@@ -37,8 +37,21 @@ takes a sandbox from an owner whose lease lapsed, in one compare-and-set transac
 its last durable pause (what changed since is lost, and the transition says so), else to
 ``error``. The manager's use of all this: :mod:`torpor.sandbox.manager.cluster`.
 
-Not here yet (issue 9 part 1): volumes, drives and usage tables (transitions carry no usage
-meters here: usage reports raise InvalidArgument in cluster mode).
+**Durable snapshots** (schema v6): a snapshot row also says which node saved it and when all
+its chunks were pushed to the shared store (``durable_at``; ``upload_error`` while a push
+fails): :meth:`PostgresRegistry.record_snapshot_durable`,
+:meth:`PostgresRegistry.undurable_snapshots` (what a node resumes pushing).
+
+**Sweeps of the shared store** (schema v7): :meth:`PostgresRegistry.exclusive` (a session
+advisory lock on a connection of its own) and the ``sweeps`` log say which node swept when
+(:meth:`~torpor.sandbox.manager.cluster.ClusterNode.sweep_if_due`).
+
+**Usage** (schema v8): the same cumulative meters on each transition row and the same ledger
+of stored things as SQLite's schema 2 (:mod:`torpor.sandbox.registry.meters`), so a usage
+report reads the same on both. Transitions recorded before v8 carry zero meters.
+
+Not here (issue 9): volumes and drives (their records stay in each node's home; see the
+README's "Cluster" section).
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -65,25 +78,30 @@ from torpor.errors import (
 )
 from torpor.sandbox.models import SandboxEvent, SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition
+from torpor.sandbox.registry.meters import MeterRow, Meters, accrue, extrapolate, interpolate
 from torpor.sandbox.registry.sqlite import (
     _UNSET,
     EVENTS_SQL,
     SandboxRecord,
     _check_labels,
+    _meter_row,
     _moved,
     _spec_json,
     _Unset,
     events_from_rows,
 )
 
-__all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry"]
+__all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry", "SnapshotStatus"]
 
 log = logging.getLogger(__name__)
 
-PG_SCHEMA_VERSION = 5
+PG_SCHEMA_VERSION = 8
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
-#: what the manager's transitions carry for usage meters (SQLite keeps them; not here yet)
+#: what the manager's transitions carry for usage meters (schema v8)
 _METER_COLUMNS = frozenset({"cpu_reading", "owned_bytes"})
+#: the meter columns of a transition row, in :func:`~torpor.sandbox.registry.sqlite._meter_row`'s
+#: order
+_METERS = "dst, at, cpu_reading, owned_bytes, m_vcpu, m_cpu, m_ram, m_paused, cpu_ratio"
 
 _BOOTSTRAP = """
 CREATE SCHEMA IF NOT EXISTS torpor_registry;
@@ -178,8 +196,69 @@ _SCHEMA_V5 = """
 ALTER TABLE torpor_registry.nodes ADD COLUMN vcpus INTEGER NOT NULL DEFAULT 0;
 """
 
+# v6: durable snapshots. A snapshot is saved into its node's chunks, then pushed to the
+# shared store in the background: ``durable_at`` says when that was done, ``upload_error``
+# why the last try failed (it is retried), ``attempts`` how many failed
+_SCHEMA_V6 = """
+ALTER TABLE torpor_registry.snapshots ADD COLUMN durable_at DOUBLE PRECISION;
+ALTER TABLE torpor_registry.snapshots ADD COLUMN upload_error TEXT;
+ALTER TABLE torpor_registry.snapshots ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX snapshots_undurable ON torpor_registry.snapshots (node) WHERE durable_at IS NULL;
+"""
+
+# v7: sweeps of the shared chunk store (one node at a time, under an advisory lock): when
+# each ran, on which node, and what it did; the next is due a period after the last
+_SCHEMA_V7 = """
+CREATE TABLE torpor_registry.sweeps (
+    seq          BIGSERIAL PRIMARY KEY,
+    node         TEXT NOT NULL,
+    started_at   DOUBLE PRECISION NOT NULL,
+    finished_at  DOUBLE PRECISION NOT NULL,
+    removed      INTEGER NOT NULL,
+    kept         INTEGER NOT NULL,
+    freed_bytes  BIGINT NOT NULL
+);
+"""
+
+# v8: usage, as SQLite's schema version 2 keeps it (see torpor.sandbox.registry.meters): the
+# cumulative meters on each transition row, and the ledger of stored things (snapshots,
+# volumes). Transitions recorded before v8 carry zero meters (no backfill: a cluster's usage
+# counts from its upgrade)
+_SCHEMA_V8 = """
+ALTER TABLE torpor_registry.transitions ADD COLUMN cpu_reading DOUBLE PRECISION;
+ALTER TABLE torpor_registry.transitions ADD COLUMN owned_bytes BIGINT;
+ALTER TABLE torpor_registry.transitions ADD COLUMN m_vcpu DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE torpor_registry.transitions ADD COLUMN m_cpu DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE torpor_registry.transitions ADD COLUMN m_ram DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE torpor_registry.transitions ADD COLUMN m_paused DOUBLE PRECISION NOT NULL DEFAULT 0;
+ALTER TABLE torpor_registry.transitions ADD COLUMN cpu_ratio DOUBLE PRECISION;
+CREATE INDEX transitions_at ON torpor_registry.transitions (sandbox_id, at);
+CREATE TABLE torpor_registry.stored (
+    kind        TEXT NOT NULL,
+    id          TEXT NOT NULL,
+    tenant      TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    labels      TEXT NOT NULL DEFAULT '{}',
+    bytes       BIGINT NOT NULL,
+    started_at  DOUBLE PRECISION NOT NULL,
+    ended_at    DOUBLE PRECISION,
+    expires_at  DOUBLE PRECISION,
+    PRIMARY KEY (kind, id)
+);
+CREATE INDEX stored_tenant ON torpor_registry.stored (tenant);
+"""
+
 #: version -> the script that brings the schema from the previous version to it
-_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2, 3: _SCHEMA_V3, 4: _SCHEMA_V4, 5: _SCHEMA_V5}
+_MIGRATIONS = {
+    1: _SCHEMA_V1,
+    2: _SCHEMA_V2,
+    3: _SCHEMA_V3,
+    4: _SCHEMA_V4,
+    5: _SCHEMA_V5,
+    6: _SCHEMA_V6,
+    7: _SCHEMA_V7,
+    8: _SCHEMA_V8,
+}
 
 _COLUMNS = (
     "id, tenant, name, template, state, labels, spec, idle_pause_seconds, "
@@ -255,6 +334,16 @@ def _row_to_record(row: tuple[Any, ...]) -> SandboxRecord:
         durable_at=durable_at if durable and paused is not None else None,
         upload_error=upload_error if state == SandboxState.PAUSED.value else None,
     )
+
+
+@dataclass(frozen=True)
+class SnapshotStatus:
+    """Where a recorded snapshot was saved and whether it is in the shared store yet."""
+
+    node: str | None
+    durable_at: float | None
+    upload_error: str | None
+    attempts: int
 
 
 @dataclass(frozen=True)
@@ -428,8 +517,7 @@ class PostgresRegistry:
         ``src`` (another node moved it), SandboxNotFound, or StorageError.
         """
         check_transition(sandbox_id, src, dst)
-        # usage meters are not kept on PostgreSQL yet: the manager's readings are dropped
-        columns = {k: v for k, v in columns.items() if k not in _METER_COLUMNS}
+        readings = {k: columns.pop(k) for k in _METER_COLUMNS if k in columns}
         allowed = {"paused_at", "error", "last_active_at"}
         if not set(columns) <= allowed:
             raise InvalidArgument(f"cannot set {sorted(set(columns) - allowed)}")
@@ -450,11 +538,7 @@ class PostgresRegistry:
                     )
                 check_transition(sandbox_id, SandboxState(row[0]), dst)
                 raise _moved(sandbox_id, SandboxState(row[0]), src)
-            db.execute(
-                "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
-                " VALUES (%s,%s,%s,%s,%s)",
-                (sandbox_id, src.value, dst.value, when, reason),
-            )
+            _log_transition(db, sandbox_id, src, dst, when, reason, **readings)
         self.generation += 1
         return Transition(sandbox_id, src, dst, when, reason)
 
@@ -748,6 +832,70 @@ class PostgresRegistry:
         body: dict[str, Any] = json.loads(rows[0][0])
         return body
 
+    def replace_snapshot(self, snapshot_id: str, body: dict[str, Any]) -> None:
+        """Rewrite a recorded snapshot's manifest (its retention changed; a moved home),
+        keeping its node and durability. Raises SnapshotNotFound, InvalidArgument for a body
+        without its info, StorageError."""
+        try:
+            expires = _epoch(body["info"]["expires_at"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"not a snapshot manifest: {exc}") from exc
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE torpor_registry.snapshots SET manifest = %s, expires_at = %s WHERE id = %s",
+                (json.dumps(body, sort_keys=True), expires, snapshot_id),
+            )
+            if cur.rowcount != 1:
+                raise SnapshotNotFound(
+                    f"no snapshot {snapshot_id!r}", kind="snapshot", name=snapshot_id
+                )
+
+    def snapshot_rows(
+        self, snapshot_id: str | None = None
+    ) -> builtins.list[tuple[str, str, SnapshotStatus]]:
+        """``(id, manifest text, status)`` of every recorded snapshot (or of one), oldest
+        first. Raises StorageError."""
+        sql = (
+            "SELECT id, manifest, node, durable_at, upload_error, attempts"
+            " FROM torpor_registry.snapshots"
+        )
+        args: tuple[Any, ...] = ()
+        if snapshot_id is not None:
+            sql, args = sql + " WHERE id = %s", (snapshot_id,)
+        rows = self._query(sql + " ORDER BY created_at, id", args)
+        return [(r[0], r[1], SnapshotStatus(r[2], r[3], r[4], r[5])) for r in rows]
+
+    def record_snapshot_durable(self, snapshot_id: str) -> float | None:
+        """Record that every chunk of the snapshot is in the shared store; return when (now),
+        or None when the snapshot is gone (deleted meanwhile). Raises StorageError."""
+        now = time.time()
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE torpor_registry.snapshots SET durable_at = %s, upload_error = NULL"
+                " WHERE id = %s",
+                (now, snapshot_id),
+            )
+            return now if cur.rowcount == 1 else None
+
+    def record_snapshot_upload_error(self, snapshot_id: str, error: str) -> None:
+        """Say why the snapshot's push failed (it is retried). Raises StorageError."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE torpor_registry.snapshots SET upload_error = %s,"
+                " attempts = attempts + 1 WHERE id = %s",
+                (error[:2000], snapshot_id),
+            )
+
+    def undurable_snapshots(self, node: str) -> builtins.list[str]:
+        """Ids of the snapshots ``node`` saved that are not in the shared store yet, oldest
+        first. Raises StorageError."""
+        rows = self._query(
+            "SELECT id FROM torpor_registry.snapshots WHERE node = %s AND durable_at IS NULL"
+            " ORDER BY created_at, id",
+            (node,),
+        )
+        return [r[0] for r in rows]
+
     def delete_snapshot(self, snapshot_id: str) -> bool:
         """Forget a snapshot (its chunks go at the next sweep); True when it was there."""
         with self._tx() as db:
@@ -782,6 +930,46 @@ class PostgresRegistry:
                     sandbox_id=sid,
                 ) from exc
         return refs
+
+    # -- sweeps of the shared store (schema v7) ---------------------------------------------
+
+    @contextmanager
+    def exclusive(self, key: int) -> Iterator[bool]:
+        """Try to take the session advisory lock ``key`` on a connection of its own, held for
+        the block: yields whether this caller got it (another holder: False, at once). The
+        lock goes with the connection, so a node that dies mid-block lets go of it. Raises
+        StorageError."""
+        import psycopg
+
+        try:
+            conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
+        except psycopg.Error as exc:
+            raise StorageError(f"cannot connect to the registry database: {exc}", exc=exc) from exc
+        try:
+            row = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+            yield bool(row and row[0])
+        except psycopg.Error as exc:
+            raise StorageError(f"registry error: {exc}", exc=exc) from exc
+        finally:
+            conn.close()  # the lock, if held, goes with the session
+
+    def last_sweep(self) -> float | None:
+        """When the last sweep of the shared store finished (None: never). Raises
+        StorageError."""
+        rows = self._query("SELECT max(finished_at) FROM torpor_registry.sweeps")
+        return None if not rows or rows[0][0] is None else float(rows[0][0])
+
+    def record_sweep(
+        self, node: str, started_at: float, removed: int, kept: int, freed_bytes: int
+    ) -> None:
+        """Record a finished sweep of the shared store. Raises StorageError."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO torpor_registry.sweeps"
+                " (node, started_at, finished_at, removed, kept, freed_bytes)"
+                " VALUES (%s,%s,%s,%s,%s,%s)",
+                (node, started_at, time.time(), removed, kept, freed_bytes),
+            )
 
     # -- pause manifests (schema v4) ------------------------------------------------------
 
@@ -926,11 +1114,7 @@ class PostgresRegistry:
                         sandbox_id,
                     ),
                 )
-            db.execute(
-                "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
-                " VALUES (%s,%s,%s,%s,%s)",
-                (sandbox_id, state.value, dst.value, now, reason),
-            )
+            _log_transition(db, sandbox_id, state, dst, now, reason)
         self.generation += 1
         log.warning("sandbox %s: %s", sandbox_id, reason)
         return Transition(sandbox_id, state, dst, now, reason)
@@ -943,22 +1127,176 @@ class PostgresRegistry:
         )
         return [_row_to_record(r) for r in rows]
 
-    # -- usage (not on PostgreSQL yet) ----------------------------------------------------
+    # -- usage (schema v8; the same as SQLite's) -------------------------------------------
 
-    def meters_at(self, *args: Any, **kwargs: Any) -> Any:
-        """Usage meters are not kept on PostgreSQL yet: raises InvalidArgument."""
-        raise InvalidArgument("usage reports are not kept in cluster mode yet (issue 9)")
+    def meters_at(
+        self, instants: tuple[float, ...], *, tenant: str | None = None
+    ) -> builtins.list[tuple[SandboxRecord, builtins.list[Meters], MeterRow | None]]:
+        """Every sandbox (of ``tenant``, or all) with its cumulative usage meters at each of
+        ``instants``, and its last transition row at or before the last instant (None if it
+        did not exist yet): as :meth:`Registry.meters_at
+        <torpor.sandbox.registry.sqlite.Registry.meters_at>`, two index seeks per sandbox and
+        instant (``LATERAL`` joins). Raises StorageError."""
+        width = len(_METERS.split(","))
+        extra, joins = [], ""
+        args: builtins.list[Any] = []
+        for i, t in enumerate(instants):
+            extra += [f"{side}{i}.{c.strip()}" for side in "ba" for c in _METERS.split(",")]
+            # a sandbox created at or after t has used nothing by then: no seek for it
+            joins += (
+                f" LEFT JOIN LATERAL (SELECT {_METERS} FROM torpor_registry.transitions"
+                f" WHERE sandbox_id = s.id AND at <= %s ORDER BY at DESC, seq DESC LIMIT 1)"
+                f" b{i} ON s.created_at < %s"
+                f" LEFT JOIN LATERAL (SELECT {_METERS} FROM torpor_registry.transitions"
+                f" WHERE sandbox_id = s.id AND at > %s ORDER BY at, seq LIMIT 1)"
+                f" a{i} ON s.created_at < %s"
+            )
+            args += [t, t, t, t]
+        head, tail = _SELECT.split(" FROM ", 1)
+        sql = f"{head}, {', '.join(extra)} FROM {tail}{joins}"
+        if tenant is not None:
+            sql += " WHERE s.tenant = %s"
+            args.append(tenant)
+        out: builtins.list[tuple[SandboxRecord, builtins.list[Meters], MeterRow | None]] = []
+        for r in self._query(sql + " ORDER BY s.created_at, s.id", tuple(args)):
+            rec = _row_to_record(r[: len(r) - len(extra)])
+            rest = r[len(r) - len(extra) :]
+            values: builtins.list[Meters] = []
+            last: MeterRow | None = None
+            for i, t in enumerate(instants):
+                b = rest[2 * i * width : (2 * i + 1) * width]
+                a = rest[(2 * i + 1) * width : (2 * i + 2) * width]
+                before = None if b[0] is None else _meter_row(b)
+                last = before
+                if before is None:
+                    values.append(Meters())
+                elif a[0] is None:
+                    values.append(
+                        extrapolate(before, t, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
+                    )
+                else:
+                    values.append(interpolate(before, _meter_row(a), t))
+            out.append((rec, values, last))
+        return out
 
-    def stored(self, *args: Any, **kwargs: Any) -> builtins.list[dict[str, Any]]:
-        """The ledger of stored bytes is not kept on PostgreSQL yet: always empty."""
-        return []
-
-    def record_stored(self, kind: str, items: Any) -> None:
-        """Not kept on PostgreSQL yet (usage): does nothing."""
+    def record_stored(self, kind: str, items: Sequence[Mapping[str, Any]]) -> None:
+        """Enter stored things of ``kind`` in the usage ledger, or update those there (see
+        :meth:`Registry.record_stored <torpor.sandbox.registry.sqlite.Registry.record_stored>`).
+        Raises StorageError."""
+        rows = [
+            (
+                kind,
+                item["id"],
+                item["tenant"],
+                item["name"],
+                json.dumps(dict(item.get("labels") or {}), sort_keys=True),
+                int(item["bytes"]),
+                float(item["started_at"]),
+                item.get("expires_at"),
+            )
+            for item in items
+        ]
+        if not rows:
+            return
+        with self._tx() as db, db.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO torpor_registry.stored (kind, id, tenant, name, labels, bytes,"
+                " started_at, expires_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s)"
+                " ON CONFLICT (kind, id) DO UPDATE SET labels = excluded.labels,"
+                " bytes = excluded.bytes, expires_at = excluded.expires_at",
+                rows,
+            )
 
     def end_stored(self, kind: str, item_ids: set[str], at: float | None = None) -> int:
-        """Not kept on PostgreSQL yet (usage): does nothing, returns 0."""
-        return 0
+        """Mark stored things gone at ``at`` (default now), those not already ended; returns
+        how many. Raises StorageError."""
+        when = time.time() if at is None else at
+        count = 0
+        with self._tx() as db:
+            for item_id in sorted(item_ids):
+                cur = db.execute(
+                    "UPDATE torpor_registry.stored SET ended_at = %s"
+                    " WHERE kind = %s AND id = %s AND ended_at IS NULL",
+                    (when, kind, item_id),
+                )
+                count += cur.rowcount
+        return count
+
+    def stored(
+        self, *, tenant: str | None = None, kind: str | None = None, live: bool = False
+    ) -> builtins.list[dict[str, Any]]:
+        """Rows of the usage ledger (``live``: only those not ended), oldest first. Raises
+        StorageError."""
+        names = ("kind", "id", "tenant", "name", "labels", "bytes", "started_at", "ended_at")
+        sql = f"SELECT {', '.join(names)}, expires_at FROM torpor_registry.stored WHERE true"
+        args: builtins.list[Any] = []
+        if tenant is not None:
+            sql += " AND tenant = %s"
+            args.append(tenant)
+        if kind is not None:
+            sql += " AND kind = %s"
+            args.append(kind)
+        if live:
+            sql += " AND ended_at IS NULL"
+        out = []
+        for r in self._query(sql + " ORDER BY started_at, id", tuple(args)):
+            row = dict(zip((*names, "expires_at"), r, strict=True))
+            row["labels"] = json.loads(row["labels"] or "{}")
+            out.append(row)
+        return out
+
+
+def _log_transition(
+    db: Any,
+    sandbox_id: str,
+    src: SandboxState,
+    dst: SandboxState,
+    at: float,
+    reason: str,
+    *,
+    cpu_reading: float | None = None,
+    owned_bytes: int | None = None,
+) -> None:
+    """Append a transition with its usage meters: the last row's plus what accrued since
+    (in the caller's transaction)."""
+    last = db.execute(
+        f"SELECT {_METERS} FROM torpor_registry.transitions WHERE sandbox_id = %s"
+        " ORDER BY seq DESC LIMIT 1",
+        (sandbox_id,),
+    ).fetchone()
+    spec_row = db.execute(
+        "SELECT spec FROM torpor_registry.sandboxes WHERE id = %s", (sandbox_id,)
+    ).fetchone()
+    spec = json.loads((spec_row[0] if spec_row else None) or "{}")
+    row = accrue(
+        None if last is None else _meter_row(last),
+        at,
+        dst,
+        vcpus=int(spec.get("vcpus", 1)),
+        memory_mib=int(spec.get("memory_mib", 512)),
+        cpu_reading=cpu_reading,
+        owned_bytes=owned_bytes,
+    )
+    m = row.meters
+    db.execute(
+        "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason, cpu_reading,"
+        " owned_bytes, m_vcpu, m_cpu, m_ram, m_paused, cpu_ratio)"
+        " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+        (
+            sandbox_id,
+            src.value,
+            dst.value,
+            at,
+            reason,
+            cpu_reading,
+            row.owned_bytes,
+            m.vcpu_seconds,
+            m.cpu_seconds,
+            m.ram_gib_seconds,
+            m.paused_byte_seconds,
+            row.cpu_ratio,
+        ),
+    )
 
 
 def _iso(ts: float) -> str:

@@ -4,8 +4,12 @@ S3-compatible object storage).
 * :mod:`.chunks` — the content-addressed chunk store (sha256, zstd, deduplicated, verified)
 * :mod:`.chunk_backends` — where chunks are kept: the interface and the local directory
 * :mod:`.object_store` — chunks in S3-compatible object storage, with a bounded node cache
+* :mod:`.tiered` — a node's own chunks in front of a shared store (cluster snapshots: saved
+  locally, pushed in the background, read from either)
 * :mod:`.snapshots` — immutable, verified snapshots (manifests over chunks), freezing a
   machine directory
+* :mod:`.catalog` — where snapshot manifests are recorded: the home's files, or (cluster
+  mode) the PostgreSQL registry
 * :mod:`.volumes`, :mod:`.volume_files` — disk images that outlive sandboxes; reading a file
   from one without a VM
 * :mod:`.drives` — host directories shared read-write into many sandboxes (virtio-9p)

@@ -223,6 +223,19 @@ class ChunkStore:
             )
         return data
 
+    def check(self, digest: str, blob: bytes, snapshot_id: str | None = None) -> None:
+        """Raise CorruptData (naming ``snapshot_id``) unless ``blob`` is chunk ``digest``'s
+        data, whole (a blob about to be copied elsewhere, e.g. pushed to a shared store); a
+        bad one is quarantined here."""
+        if self._decode(check_hash(digest), blob) is None:
+            self._quarantine(digest)
+            who = f"snapshot {snapshot_id}: " if snapshot_id else ""
+            raise CorruptData(
+                f"{who}chunk {digest[:12]} is corrupt in {self.location} (quarantined)",
+                snapshot_id=snapshot_id,
+                chunk=digest,
+            )
+
     @staticmethod
     def _decode(digest: str, blob: bytes) -> bytes | None:
         """The chunk's data, or None when it does not decompress or match its name."""

@@ -116,16 +116,17 @@ def referenced_frozen(paths: Paths, frozen_root: Path) -> set[str]:
 
 
 def _all_named_chunks(store: SnapshotStore) -> set[str]:
-    """Chunks named by any manifest file that parses as JSON, digest or not."""
+    """Chunks named by any manifest that parses as JSON, digest or not."""
     refs: set[str] = set()
-    for path in store.root.glob("snap-*.json"):
+    for entry in store.catalog.entries():
         try:
-            body = json.loads(path.read_text())
-            for fm in body["files"].values():
+            if entry.body is None:
+                raise ValueError(entry.error)
+            for fm in entry.body["files"].values():
                 refs |= FileManifest.from_json(fm).hashes()
         except Exception as exc:
             log.warning(
-                "manifest %s unreadable during GC (%s); keeping nothing for it", path.name, exc
+                "manifest %s unreadable during GC (%s); keeping nothing for it", entry.id, exc
             )
     return refs
 
@@ -221,17 +222,20 @@ def collect_garbage(
     now: datetime | None = None,
     live_sandboxes: set[str] | None = None,
     dry_run: bool = False,
+    store: SnapshotStore | None = None,
 ) -> GcReport:
     """Remove expired snapshots and unreferenced frozen dirs, chunks and attachments (of
     sandboxes that are gone, and those recorded but never plugged: a crash mid-attach).
 
     ``live_sandboxes``: ids of sandboxes that still exist (default: the dirs under
     ``sandboxes/``); attachments of any other sandbox are released. ``dry_run`` reports what
-    would go and removes nothing. Raises StorageError when the file system fails.
+    would go and removes nothing. ``store``: the home's snapshot store (default: its own,
+    local one; a cluster node's records its manifests in the registry, so an expired
+    snapshot goes for every node). Raises StorageError when the file system fails.
     """
     now = now or datetime.now(UTC)
     report = GcReport(dry_run=dry_run)
-    store = SnapshotStore(paths)
+    store = store or SnapshotStore(paths)
     if live_sandboxes is None:
         live_sandboxes = (
             {d.name for d in paths.sandboxes.iterdir() if d.is_dir()}
@@ -244,7 +248,7 @@ def collect_garbage(
                 if info.expired(now):
                     report.expired_snapshots.append(info.id)
                     if not dry_run:
-                        (store.root / f"{info.id}.json").unlink(missing_ok=True)
+                        store.forget(info.id)
                         step("gc:expired")
             frozen_root = store.frozen_root
             if frozen_root.is_dir():

@@ -34,6 +34,7 @@ import shutil
 import struct
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -49,12 +50,14 @@ from torpor.errors import (
     InvalidState,
     SnapshotNotFound,
     StorageError,
+    TemplateNotFound,
 )
 from torpor.sandbox.requests import MAX_RETENTION_DAYS
 from torpor.sandbox.storage.captures import PendingCaptures, cache_size, drop_ram
+from torpor.sandbox.storage.catalog import CatalogEntry, LocalCatalog, SnapshotCatalog, not_found
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, home_chunk_store
 from torpor.sandbox.storage.compaction import MARKER as COMPACTED_MARKER
-from torpor.sandbox.storage.records import rewrite_prefix, write_record
+from torpor.sandbox.storage.records import rewrite_prefix
 from torpor.sandbox.vm.disk import (
     copy_sparse,
     fsync_dir,
@@ -121,9 +124,19 @@ class SnapshotInfo(BaseModel):
     #: ``capturing``: frozen on this node and usable (restore, fork), its chunks and manifest
     #: still being written (``stored_bytes`` is 0 until then); ``stored``: in the chunk store
     status: Literal["capturing", "stored"] = "stored"
+    #: cluster mode (not in the manifest: the registry's): the node the snapshot was saved on,
+    #: when all of it was stored in the shared store (None: not yet, or no cluster), and why
+    #: the last push failed (it is retried)
+    node: str | None = None
+    durable: datetime | None = None
+    upload_error: str | None = None
 
     def expired(self, now: datetime | None = None) -> bool:
         return (now or datetime.now(UTC)) >= self.expires_at
+
+
+#: the fields of a SnapshotInfo its catalog fills in, never written into a manifest
+_STATUS_FIELDS = frozenset({"node", "durable", "upload_error"})
 
 
 def check_retention(days: int, *, what: str = "retention_days") -> int:
@@ -398,11 +411,19 @@ class SnapshotStore:
     ``chunks/`` (or in the store ``$TORPOR_STORE`` names, e.g. ``s3://bucket/prefix``: see
     :func:`~torpor.sandbox.storage.chunks.open_chunk_store`)."""
 
-    def __init__(self, paths: Paths, *, chunks: ChunkStore | None = None) -> None:
+    def __init__(
+        self,
+        paths: Paths,
+        *,
+        chunks: ChunkStore | None = None,
+        catalog: SnapshotCatalog | None = None,
+    ) -> None:
         self.paths = paths
         self.root = paths.snapshots
         self.frozen_root = paths.snapshots / "frozen"
         self.chunks = chunks or home_chunk_store(paths)
+        #: where the manifests are recorded: ``snapshots/`` here, or the cluster's registry
+        self.catalog: SnapshotCatalog = catalog or LocalCatalog(self.root)
         self.root.mkdir(parents=True, exist_ok=True)
         #: snapshots still being captured, and the local frozen dirs restores clone from
         self.captures = PendingCaptures(self.root, self.frozen_root)
@@ -437,6 +458,7 @@ class SnapshotStore:
         envs: dict[str, str] | None = None,
         snapshot_id: str | None = None,
         created: datetime | None = None,
+        origin: dict[str, Any] | None = None,
     ) -> SnapshotInfo:
         """Capture the frozen dir ``frozen`` into the chunk store as snapshot ``name``.
         ``envs``: the source's environment variables, kept in the manifest beside (not in)
@@ -444,6 +466,9 @@ class SnapshotStore:
         ``snapshot_id`` / ``created``: those of a pending capture (:meth:`begin`) this
         completes; its manifest is written only while its pending record still exists (a
         snapshot deleted while capturing is not brought back).
+        ``origin``: where it was taken (cluster mode: ``{"node", "accelerator",
+        "cpu_model"}``; a restore checks it, see :meth:`origin`). The template's build is
+        recorded too, so another node with the same build restores it on its own copy.
 
         Raises InvalidName / InvalidArgument for bad input, Conflict if ``name`` is taken in
         ``tenant``, SnapshotNotFound (the pending capture was deleted), StorageError /
@@ -502,12 +527,17 @@ class SnapshotStore:
             )
             body = {
                 "version": FORMAT_VERSION,
-                "info": info.model_dump(mode="json"),
+                "info": _dump(info),
                 "files": files,
                 "anchors": anchors,
             }
             if envs:
                 body["envs"] = dict(envs)
+            if origin:
+                body["origin"] = dict(origin)
+            build = None if template is None else _template_build(self.paths, template)
+            if build is not None:
+                body["template"] = build
             with self.lock(exclusive=True, name="names"):
                 self.check_name_free(name, tenant, exclude=snapshot_id)
                 if snapshot_id is not None and self.captures.read(snapshot_id) is None:
@@ -516,7 +546,7 @@ class SnapshotStore:
                         kind="snapshot",
                         name=snapshot_id,
                     )
-                self._write_manifest(sid, body)
+                self._write_manifest(sid, body, new=True)
                 step("save:listed")
                 if snapshot_id is not None:
                     self.captures.remove(snapshot_id)
@@ -589,7 +619,7 @@ class SnapshotStore:
         body = self.captures.read(snapshot_id)
         if body is None:
             return None
-        if (self.root / f"{snapshot_id}.json").is_file():  # a crash after the manifest
+        if any(True for _ in self.catalog.entries(snapshot_id)):  # a crash after the manifest
             self.captures.remove(snapshot_id)
             return self.get(snapshot_id, tenant=body["info"]["tenant"], include_expired=True)
         frozen = self.captures.frozen_of(snapshot_id)
@@ -661,24 +691,24 @@ class SnapshotStore:
                     id=info.id,
                 )
 
-    def _write_manifest(self, sid: str, body: dict[str, Any]) -> None:
-        # every chunk must be present before the manifest may name it
-        for fm in body["files"].values():
-            for digest in FileManifest.from_json(fm).hashes():
-                if not self.chunks.has(digest):
-                    raise StorageError(
-                        f"snapshot {sid}: chunk {digest[:12]} vanished before "
-                        "the manifest was written",
-                        snapshot_id=sid,
-                    )
+    def _write_manifest(self, sid: str, body: dict[str, Any], *, new: bool = False) -> None:
+        """Record ``body`` (with its digest) as snapshot ``sid``'s manifest: a ``new`` one
+        only once every chunk it names is stored; a rewritten one (retention, a moved home)
+        names the chunks it named when it was new."""
+        if new:  # every chunk must be present before the manifest may name it
+            for fm in body["files"].values():
+                for digest in FileManifest.from_json(fm).hashes():
+                    if not self.chunks.has(digest):
+                        raise StorageError(
+                            f"snapshot {sid}: chunk {digest[:12]} vanished before "
+                            "the manifest was written",
+                            snapshot_id=sid,
+                        )
         body = dict(body, digest=_digest(body))
-        write_record(
-            self.root / f"{sid}.json",
-            body,
-            what=f"the manifest of {sid}",
-            sync_dir=True,
-            snapshot_id=sid,
-        )
+        if new:
+            self.catalog.add(sid, body)
+        else:
+            self.catalog.replace(sid, body)
 
     def set_retention(self, id_or_name: str, days: int, *, tenant: str = "default") -> SnapshotInfo:
         """Keep a snapshot ``days`` days (1-365) from when it was taken: its manifest is
@@ -695,7 +725,7 @@ class SnapshotStore:
                     "expires_at": info.created_at + timedelta(days=days),
                 }
             )
-            self._write_manifest(info.id, dict(body, info=info.model_dump(mode="json")))
+            self._write_manifest(info.id, dict(body, info=_dump(info)))
         log.info("snapshot %s (%s): retention set to %d days", info.id, info.name, days)
         return info
 
@@ -713,14 +743,14 @@ class SnapshotStore:
         return changed
 
     def delete(self, id_or_name: str, *, tenant: str = "default") -> SnapshotInfo:
-        """Remove a snapshot's manifest (its chunks go at the next GC). Raises SnapshotNotFound."""
+        """Remove a snapshot's manifest (its chunks go at the next GC; in a cluster, from
+        every node and the shared store). Raises SnapshotNotFound, StorageError."""
         info = self.get(id_or_name, tenant=tenant, include_expired=True)
         try:
             with self.lock(exclusive=True, name="names"):  # not while a capture completes
                 pending = self.captures.remove(info.id)
-                if not pending:
-                    (self.root / f"{info.id}.json").unlink()
-                    fsync_dir(self.root)
+                if not pending and not self.catalog.remove(info.id):
+                    raise not_found(id_or_name)
             with self.captures.evicting() as free:
                 if free:
                     frozen = self.captures.unlink(info.id)
@@ -737,31 +767,56 @@ class SnapshotStore:
         log.info("deleted snapshot %s (%s)", info.id, info.name)
         return info
 
+    def forget(self, snapshot_id: str) -> bool:
+        """Remove a manifest by id whatever its tenant (GC of expired snapshots); True when it
+        was there. Raises StorageError."""
+        return self.catalog.remove(snapshot_id)
+
     # -- reading ------------------------------------------------------------------------------
 
-    def _load(self, path: Path) -> dict[str, Any]:
+    @staticmethod
+    def _load(entry: CatalogEntry) -> dict[str, Any]:
         """A manifest whose digest checks; raises CorruptData otherwise."""
+        sid = entry.id
         try:
-            body = json.loads(path.read_text())
+            if entry.body is None:
+                raise ValueError(entry.error or "unreadable")
+            body = dict(entry.body)
             digest = body.pop("digest")
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
+        except (ValueError, KeyError) as exc:
             raise CorruptData(
-                f"snapshot manifest {path.name} is unreadable", exc=exc, snapshot_id=path.stem
+                f"snapshot manifest {sid}.json is unreadable", exc=exc, snapshot_id=sid
             ) from exc
         if digest != _digest(body) or body.get("version") != FORMAT_VERSION:
-            raise CorruptData(
-                f"snapshot {path.stem}: its manifest fails its digest", snapshot_id=path.stem
-            )
-        return dict(body)
+            raise CorruptData(f"snapshot {sid}: its manifest fails its digest", snapshot_id=sid)
+        return body
 
-    def manifests(self) -> Iterator[tuple[SnapshotInfo, dict[str, Any]]]:
-        """Every manifest that checks (tenant-blind; for GC). Bad ones are logged and skipped."""
-        for path in sorted(self.root.glob("snap-*.json")):
+    @staticmethod
+    def _info(entry: CatalogEntry, body: dict[str, Any]) -> SnapshotInfo:
+        info = SnapshotInfo.model_validate(
+            {k: v for k, v in body["info"].items() if k not in _STATUS_FIELDS}
+        )
+        if entry.node is None and entry.durable_at is None and entry.upload_error is None:
+            return info
+        durable = None
+        if entry.durable_at is not None:
+            durable = datetime.fromtimestamp(entry.durable_at, UTC)
+        return info.model_copy(
+            update={"node": entry.node, "durable": durable, "upload_error": entry.upload_error}
+        )
+
+    def manifests(
+        self, snapshot_id: str | None = None
+    ) -> Iterator[tuple[SnapshotInfo, dict[str, Any]]]:
+        """Every manifest that checks (tenant-blind; for GC), or only ``snapshot_id``'s. Bad
+        ones are logged and skipped. Raises StorageError when the catalog cannot be read."""
+        entries = sorted(self.catalog.entries(snapshot_id), key=lambda e: e.id)
+        for entry in entries:
             try:
-                body = self._load(path)
-                yield SnapshotInfo.model_validate(body["info"]), body
+                body = self._load(entry)
+                yield self._info(entry, body), body
             except (CorruptData, ValueError) as exc:
-                log.warning("skipping snapshot manifest %s: %s", path.name, exc)
+                log.warning("skipping snapshot manifest %s: %s", entry.id, exc)
 
     def _all(self) -> Iterator[tuple[SnapshotInfo, dict[str, Any]]]:
         """Stored snapshots, then the capturing ones whose frozen dir is whole (a pending
@@ -795,6 +850,13 @@ class SnapshotStore:
         """One snapshot by id or name. Raises SnapshotNotFound (also for an expired one)."""
         return self._find(id_or_name, tenant, include_expired)[0]
 
+    def origin(self, id_or_name: str, *, tenant: str = "default") -> dict[str, Any]:
+        """Where the snapshot was taken (``{"node", "accelerator", "cpu_model"}``; empty for
+        one taken outside a cluster). Raises SnapshotNotFound."""
+        body = self._find(id_or_name, tenant, False)[1]
+        raw = body.get("origin")
+        return dict(raw) if isinstance(raw, dict) else {}
+
     def envs(self, id_or_name: str, *, tenant: str = "default") -> dict[str, str]:
         """The environment variables of the sandbox snapshot ``id_or_name`` was taken of
         (empty for one taken before they were kept). Raises SnapshotNotFound."""
@@ -804,7 +866,8 @@ class SnapshotStore:
     def _find(
         self, id_or_name: str, tenant: str, include_expired: bool
     ) -> tuple[SnapshotInfo, dict[str, Any]]:
-        for info, body in self._all():
+        found = list(self.manifests(id_or_name)) if id_or_name.startswith("snap-") else []
+        for info, body in found or self._all():
             if info.tenant == tenant and id_or_name in (info.id, info.name):
                 if info.expired() and not include_expired:
                     raise SnapshotNotFound(
@@ -814,9 +877,7 @@ class SnapshotStore:
                         expired=True,
                     )
                 return info, body
-        raise SnapshotNotFound(
-            f"snapshot {id_or_name!r} not found", kind="snapshot", name=id_or_name
-        )
+        raise not_found(id_or_name)
 
     def materialize(self, id_or_name: str, *, tenant: str = "default") -> Path:
         """Rebuild the snapshot as a new frozen dir (every chunk verified) and return it.
@@ -831,17 +892,25 @@ class SnapshotStore:
                 state="capturing",
                 required=["stored"],
             )
-        for ident in body.get("anchors", {}).values():
+        anchors: dict[str, Any] = dict(body.get("anchors") or {})
+        moved: tuple[str, str] | None = None  # the template's directory there -> here
+        for name, ident in anchors.items():
             if ident is None:
                 continue
             anchor = Path(ident["path"])
-            if not anchor.exists() or _identity(anchor) != ident:
+            if anchor.exists() and _identity(anchor) == ident:
+                continue
+            here = self._same_template(info, body)
+            if here is None:
                 raise CorruptData(
                     f"snapshot {info.id}: the template disk it was taken on ({anchor}) is gone or "
                     "was rebuilt since",
                     snapshot_id=info.id,
                     path=str(anchor),
                 )
+            # another node's home (cluster mode): the same template build here
+            anchors[name] = dict(ident, path=str(here[0] / anchor.name))
+            moved = here[1]
         self.frozen_root.mkdir(parents=True, exist_ok=True)
         fid = f"frz-{uuid.uuid4().hex[:12]}"
         tmp = self.frozen_root / f".{fid}.tmp"
@@ -855,10 +924,14 @@ class SnapshotStore:
                 self.chunks.restore_file(
                     FileManifest.from_json(fm), tmp / name, snapshot_id=info.id
                 )
-                anchor_id = body.get("anchors", {}).get(name)
+                anchor_id = anchors.get(name)
                 if anchor_id is not None and backing_file(tmp / name) != Path(anchor_id["path"]):
                     # the manifest is what says where the template disk is (a moved home)
                     set_backing(tmp / name, Path(anchor_id["path"]))
+            if moved is not None and (tmp / "machine.json").exists():
+                config = json.loads((tmp / "machine.json").read_text())
+                config = rewrite_prefix(config, *moved)
+                (tmp / "machine.json").write_text(json.dumps(config, indent=2))
             step("materialize:restored")
             final = self.frozen_root / fid
             os.rename(tmp, final)
@@ -875,6 +948,64 @@ class SnapshotStore:
             f.chmod(0o400)
         log.info("materialized snapshot %s into %s", info.id, fid)
         return final
+
+    def _same_template(
+        self, info: SnapshotInfo, body: dict[str, Any]
+    ) -> tuple[Path, tuple[str, str]] | None:
+        """For a snapshot taken in another home (another node of a cluster): this home's
+        template disk directory and (its template directory there, here) when this home has
+        the very build the snapshot was taken on; None when the snapshot does not say its
+        build. Raises TemplateNotFound when this home lacks that build."""
+        wanted = body.get("template")
+        if not isinstance(wanted, dict) or not info.template:
+            return None
+        mine = _template_build(self.paths, info.template)
+        if mine is None or mine["build_id"] != wanted.get("build_id"):
+            raise TemplateNotFound(
+                f"snapshot {info.id} was taken on template {info.template!r} build "
+                f"{wanted.get('build_id')}; this node has "
+                + ("no such template" if mine is None else f"build {mine['build_id']}")
+                + ": build the same template here (same name, same build) to restore it",
+                kind="template",
+                name=info.template,
+                build_id=wanted.get("build_id"),
+                snapshot_id=info.id,
+            )
+        disk_dir = (self.paths.templates / info.template / "snapshot").resolve()
+        return disk_dir, (str(wanted.get("directory")), str(mine["directory"]))
+
+    def push(self, snapshot_id: str, *, workers: int = 8) -> int:
+        """Copy every chunk of the snapshot that the shared store lacks there (cluster mode:
+        its chunks were saved on this node, see
+        :class:`~torpor.sandbox.storage.tiered.TieredChunkBackend`); each is verified before
+        it goes. Returns the bytes uploaded. Idempotent. Raises SnapshotNotFound (deleted
+        meanwhile), CorruptData (a local chunk fails its check, naming the snapshot),
+        InvalidArgument (the store is not tiered), StorageError."""
+        from torpor.sandbox.storage.tiered import TieredChunkBackend
+
+        backend = self.chunks.backend
+        if not isinstance(backend, TieredChunkBackend):
+            raise InvalidArgument(f"chunks in {self.chunks.location} are not pushed anywhere")
+        found = list(self.manifests(snapshot_id))
+        if not found:
+            raise not_found(snapshot_id)
+        digests: set[str] = set()
+        for fm in found[0][1]["files"].values():
+            digests |= FileManifest.from_json(fm).hashes()
+
+        def one(digest: str) -> int:
+            try:
+                return backend.push(
+                    digest, lambda blob: self.chunks.check(digest, blob, snapshot_id)
+                )
+            except CorruptData as exc:
+                exc.data["snapshot_id"] = snapshot_id
+                raise
+
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            sent = sum(pool.map(one, sorted(digests)))
+        log.info("pushed snapshot %s: %d chunks, %d bytes sent", snapshot_id, len(digests), sent)
+        return sent
 
     def verify(self) -> dict[str, Any]:
         """Scrub the store: read back every chunk a manifest names, quarantine the bad ones and
@@ -904,6 +1035,28 @@ class SnapshotStore:
             for fm in body["files"].values():
                 refs |= FileManifest.from_json(fm).hashes()
         return refs
+
+
+def _dump(info: SnapshotInfo) -> dict[str, Any]:
+    """``info`` as its manifest keeps it (what the catalog says is not written there)."""
+    return info.model_dump(mode="json", exclude=set(_STATUS_FIELDS))
+
+
+def _template_build(paths: Paths, template: str) -> dict[str, str] | None:
+    """The name, build and directory of ``template`` in the home ``paths`` (None: it has no
+    ``template.json``, e.g. a test engine's)."""
+    template_dir = paths.templates / template
+    try:
+        body = json.loads((template_dir / "template.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    return {
+        "name": str(body.get("name", template)),
+        "build_id": str(body.get("build_id", "")),
+        "directory": str(body.get("directory", template_dir)),
+    }
 
 
 def _digest(body: dict[str, Any]) -> str:

@@ -68,12 +68,21 @@ def _line(quantities: dict[str, Any], rates: RateCard) -> UsageLine:
     )
 
 
-def sync_stored(registry: AnyRegistry, paths: Paths, *, now: float | None = None) -> None:
+def sync_stored(
+    registry: AnyRegistry,
+    paths: Paths,
+    *,
+    now: float | None = None,
+    snapshots: SnapshotStore | None = None,
+) -> None:
     """Bring the registry's ledger of stored things in line with the snapshot and volume
     stores: enter (or update: size, labels, expiry) every snapshot and volume there is, and
-    end the ones that are gone. Raises StorageError."""
+    end the ones that are gone. ``snapshots``: the snapshot store (default the home's own; a
+    cluster node's sees every node's snapshots, while its volumes are its own: volumes other
+    nodes hold are then not ended here). Raises StorageError."""
     now = time.time() if now is None else now
-    snapshots = [
+    store = snapshots or SnapshotStore(paths)
+    infos = [
         {
             "id": info.id,
             "tenant": info.tenant,
@@ -83,7 +92,7 @@ def sync_stored(registry: AnyRegistry, paths: Paths, *, now: float | None = None
             "labels": {**info.carried.labels, **info.labels},
             "expires_at": info.expires_at.timestamp(),
         }
-        for info, _ in SnapshotStore(paths).manifests()
+        for info, _ in store.manifests()
     ]
     volumes = [
         {
@@ -95,8 +104,10 @@ def sync_stored(registry: AnyRegistry, paths: Paths, *, now: float | None = None
         }
         for vol in VolumeStore(paths).list_all()
     ]
-    for kind, items in (("snapshot", snapshots), ("volume", volumes)):
+    for kind, items in (("snapshot", infos), ("volume", volumes)):
         registry.record_stored(kind, items)
+        if kind == "volume" and store.catalog.shared:
+            continue  # this node's volumes only: a deleted one was ended by its delete
         gone = {r["id"] for r in registry.stored(kind=kind, live=True)} - {i["id"] for i in items}
         if gone:
             registry.end_stored(kind, gone, now)
@@ -234,17 +245,19 @@ def build(
     until: Any = None,
     rates: RateCard | None = None,
     now: datetime | None = None,
+    snapshots: SnapshotStore | None = None,
 ) -> UsageReport:
     """The usage report of ``tenant`` (None: every tenant) grouped ``by`` over ``[since,
     until)``. ``paths``: the home whose snapshot and volume stores are synced into the ledger
     first (None: use the ledger as it is) and whose ``rates.json`` prices it (unless
-    ``rates``). Raises InvalidArgument (a bad query or rates.json) or StorageError."""
+    ``rates``); ``snapshots``: its snapshot store (a cluster node's: see
+    :func:`sync_stored`). Raises InvalidArgument (a bad query or rates.json) or StorageError."""
     now = now or datetime.now(UTC)
     query = parse_query(by, since, until, now=now)
     if rates is None:
         rates = RateCard.of(paths) if paths is not None else RateCard()
     if paths is not None:
-        sync_stored(registry, paths, now=now.timestamp())
+        sync_stored(registry, paths, now=now.timestamp(), snapshots=snapshots)
     records = registry.meters_at((query.since.timestamp(), query.until.timestamp()), tenant=tenant)
     stored = registry.stored(tenant=tenant)
     groups = _lines_for(records, stored, query)
