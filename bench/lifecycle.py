@@ -43,6 +43,15 @@ SDK_PAIRS = [
     ("wake", "sdk_wake"),
     ("wake_and_call", "sdk_wake_and_call"),
 ]
+#: the steps of :func:`torpor.sandbox.vm.channel.wake_split`, in order
+GUEST_STEPS = {
+    "first_turn": "1 agent's idle loop runs",
+    "host_seen": "2 sees the host connected",
+    "data": "3 reads the first ping",
+    "served": "4 starts serving it",
+    "answered": "5 answer ready",
+    "received": "6 the host has it",
+}
 #: the QEMU start floor (ms) of the idle host the issue's goals were measured on
 ISSUE_FLOOR_MS = 36.0
 
@@ -187,8 +196,16 @@ class _TimedEngine:
         self.marks.add("clone the template's snapshot dir", time.perf_counter() - t0)
 
     async def connect(self, machine: Any, directory: Path) -> Any:
+        from torpor.sandbox.vm.channel import wake_split
+
         t0 = time.perf_counter()
-        channel = await self.inner.connect(getattr(machine, "inner", machine), directory)
+        inner = getattr(machine, "inner", machine)
+        channel = await self.inner.connect(inner, directory)
+        resumed_at = getattr(inner, "resumed_at", None)
+        marks = getattr(channel, "guest_marks", {})
+        if resumed_at is not None and marks:  # the guest's own stamps (wake_split)
+            for step, ms in wake_split(marks, resumed_at).items():
+                self.marks.add(f"after cont, guest: {GUEST_STEPS[step]}", ms / 1000)
         self.marks.add("guest channel connect (first ping)", time.perf_counter() - t0)
         first = getattr(channel, "first_ping", {})
         if "answer_s" in first:  # how the wait splits (GuestChannel.first_ping)
