@@ -243,13 +243,27 @@ class QemuEngine:
         self.pool.refill_soon(template, source)
 
     def _warm(self, directory: Path, template: str, tenant: str) -> None:
-        """Start the QEMU of a pooled clone for ``tenant`` (the pool's filler thread)."""
+        """Start the QEMU of a pooled clone for ``tenant`` and exercise its guest once (a
+        ping, a command, an interpreter call: what a create and its first call run, so
+        under TCG their code is translated already), then stop it (the pool's filler
+        thread). Raises EngineError, GuestError, OperationTimeout."""
         from torpor.sandbox import template as templates
+        from torpor.sandbox.vm.channel import GuestChannel
         from torpor.sandbox.vm.machine import QemuMachine
 
         info = templates.get(template)
         config = MachineConfig(template, info.vcpus, info.memory_mib, tenant)
-        asyncio.run(QemuMachine(directory, info, self._spec(config)).prestart())
+        machine = QemuMachine(directory, info, self._spec(config))
+
+        async def exercise() -> None:
+            channel = await GuestChannel.connect(machine.agent_socket, timeout=self.connect_timeout)
+            try:
+                await channel.run_command(CommandSpec(cmd="true"))
+                await channel.run_code(CodeSpec(code="0"))
+            finally:
+                await channel.close()
+
+        asyncio.run(machine.prestart(exercise))
 
     def machine(self, directory: Path, config: MachineConfig) -> Machine:
         from torpor.sandbox import template as templates

@@ -535,13 +535,18 @@ class QemuMachine:
         """
         await self._wake(ram_ready=ram_ready)
 
-    async def prestart(self) -> None:
+    async def prestart(self, exercise: Callable[[], Awaitable[object]] | None = None) -> None:
         """Do the first half of a wake ahead of time: start QEMU on the saved RAM file and
         device state and load the state, but leave the guest stopped and let go of QMP (so
         the waker can take it). The next :meth:`wake` of this directory, by any
-        :class:`QemuMachine`, then only resumes it: see :data:`PRESTARTED`. ``state`` is
-        kept until that wake, so if this QEMU dies first the wake loads it as usual.
-        Raises InvalidState (no state, or a QEMU runs already), EngineError (QEMU stopped)."""
+        :class:`QemuMachine`, then only resumes it: see :data:`PRESTARTED`.
+
+        Without ``exercise``, ``state`` is kept until that wake, so if this QEMU dies first
+        the wake loads it as usual. With it, the guest runs first (``state`` is consumed),
+        ``exercise()`` is awaited (it talks to the guest: under TCG the code it runs is then
+        translated already when the waker's guest runs it), and the guest is stopped again:
+        if this QEMU dies, the directory cannot be woken. Raises InvalidState (no state, or
+        a QEMU runs already), EngineError (QEMU stopped), what ``exercise`` raises."""
         self._require_stopped("prestart")
         state = self.directory / "state"
         if not state.is_file():
@@ -555,6 +560,11 @@ class QemuMachine:
         await self._start(config, incoming=True)
         try:
             await self._load_state(state)
+            if exercise is not None:
+                discard_state(self.directory)  # the guest is about to change ``ram``
+                await self._qmp_exec("cont")
+                await exercise()
+                await self._qmp_exec("stop")
             assert self._pid is not None
             (self.directory / PRESTARTED).write_text(str(self._pid))
         except BaseException:

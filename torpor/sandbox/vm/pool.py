@@ -2,15 +2,18 @@
 and, for a warm clone, QEMU's start and the state's load as well.
 
 Creating a sandbox is cloning the template's hibernated, booted machine into the sandbox's
-directory (the RAM file copied, a new overlay, the state last) and waking it. Neither the clone
-nor the first half of the wake (start QEMU on the RAM file, load the device state) depends on
-who asks: :class:`ClonePool` does both ahead of time. A pooled clone is *warm*: a QEMU runs on
-it, its state loaded and its guest stopped before ``cont``
-(:meth:`~torpor.sandbox.vm.machine.QemuMachine.prestart`), as the uid of the tenant it was
-made for. A create takes a ready clone with one ``rename`` into its directory (QEMU's working
-directory moves with it) and its wake is then only ``cont`` and the guest's first answer; a
-background thread makes another. A clone of another tenant, or one whose QEMU died, is taken
-*cold* (its QEMU killed) and woken from its state as usual.
+directory (the RAM file copied, a new overlay, the state last) and waking it: start QEMU, load
+the device state, ``cont``, and wait for the guest's first answer, which under TCG is mostly
+QEMU translating the guest code that answers (a new QEMU starts with no translated code).
+None of this depends on who asks, so :class:`ClonePool` does it ahead of time. A pooled clone
+is *warm*: a QEMU runs on it as the uid of the tenant it was made for, its guest was resumed
+and exercised once (a ping, a command, an interpreter call: their code is translated), then
+stopped (:meth:`~torpor.sandbox.vm.machine.QemuMachine.prestart`). A create takes a ready
+clone with one ``rename`` into its directory (QEMU's working directory moves with it); its
+wake is ``cont`` and the first ping, which gives the guest fresh entropy and the clock; a
+background thread makes another clone. A warm clone of another tenant, or one whose QEMU
+died, is removed instead of taken. Without a way to warm (``warm=None``) or when warming
+fails, clones stay cold (files only) and are woken as usual.
 
 A pooled clone is only files under ``<home>/cache/pool/<template>/<build>/`` and the QEMU on
 them: no registry row, so it is never a user's sandbox, is never listed and counts in no quota
@@ -19,7 +22,7 @@ or usage. It is a clone like any other
 manager gives it fresh entropy, the clock and a reseeded interpreter when it is taken, as for
 a fork.
 
-Crash safety: a clone is made (and its QEMU started) in a hidden ``.<id>.tmp`` dir and renamed
+Crash safety: a clone is made (and warmed) in a hidden ``.<id>.tmp`` dir and renamed
 ready when whole; a take is one rename (two takers cannot get the same clone); a half-made dir,
 and a ready clone whose QEMU belongs to no live pool (the server that made it died: its QEMU is
 no longer this process's child), are removed and their QEMU killed by the next :meth:`sweep`
@@ -48,7 +51,7 @@ from torpor.errors import TorporError
 from torpor.sandbox.vm.machine_dir import clone_machine_dir, qemu_pid
 
 #: ``warm(directory, template, tenant)``: start a QEMU on the clone in ``directory`` for
-#: ``tenant`` and load its state, leaving its guest stopped (QemuEngine gives one)
+#: ``tenant``, exercise its guest and stop it (QemuEngine gives one); raises TorporError
 Warm = Callable[[Path, str, str], None]
 #: the file of a pooled clone that names the tenant its QEMU runs for
 TENANT_FILE = "pool-tenant"
@@ -93,23 +96,27 @@ class ClonePool:
     def take(
         self, template: str, snapshot_dir: Path, directory: Path, tenant: str = "default"
     ) -> bool:
-        """Move a ready clone into ``directory`` (absent or empty); False if there is none.
-        A warm clone of ``tenant`` is preferred; one warmed for another tenant is made cold
-        (its QEMU, running as that tenant's uid, is killed) before it is taken."""
+        """Move a ready clone of ``template`` into ``directory`` (absent or empty): a warm
+        one of ``tenant`` or a cold one; False if there is none. Warm clones of another
+        tenant (their QEMU runs as its uid) are removed on the way, and the refill makes
+        clones for ``tenant``."""
         if self.size <= 0:
             return False
         self.tenant = tenant
         ready = self.ready(template, snapshot_dir)
-        ready.sort(key=lambda c: _tenant_of(c) != tenant)  # this tenant's warm clones first
         for clone in ready:
+            owner = _tenant_of(clone)
+            if owner is not None and (owner != tenant or qemu_pid(clone) is None):
+                # its QEMU runs as another tenant's uid (the refill makes this tenant's
+                # instead), or died after its guest ran: nothing this create can wake
+                _remove(clone)
+                continue
             try:
                 with contextlib.suppress(FileNotFoundError):
                     directory.rmdir()  # rename replaces only an empty dir: be sure it is
                 os.rename(clone, directory)
             except OSError:
                 continue  # another taker got it first
-            if _tenant_of(directory) not in (None, tenant):
-                _make_cold(directory)
             log.info("took pooled clone %s for %s", clone.name, directory.name)
             return True
         return False
@@ -158,8 +165,10 @@ class ClonePool:
                         try:
                             self.warm(tmp, template, tenant)
                             (tmp / TENANT_FILE).write_text(tenant)
-                        except TorporError as exc:  # still a good clone, only a cold one
+                        except (OSError, TorporError) as exc:  # its guest may have run
+                            _remove(tmp)
                             log.warning("cannot warm a pooled clone of %s: %s", template, exc)
+                            break  # the next refill tries again
                     os.rename(tmp, d / cid)
             finally:
                 os.close(fd)
@@ -246,14 +255,6 @@ def _kill_qemu(entry: Path) -> None:
             if qemu_pid(entry) is None:
                 break
             time.sleep(0.002)
-
-
-def _make_cold(clone: Path) -> None:
-    """Kill the QEMU of a warm clone: it is then files only, woken from its state."""
-    _kill_qemu(clone)
-    for name in (TENANT_FILE, "prestarted"):
-        with contextlib.suppress(FileNotFoundError):
-            (clone / name).unlink()
 
 
 def _remove(entry: Path) -> None:
