@@ -626,7 +626,46 @@ def main() -> None:
             result = asyncio.run(run(args.reps, args.cold, home, template, not args.no_sdk))
         render(result)
         results[size] = result
-    write_results(RESULTS, {"sizes": results})
+    flat = _flatness(results)
+    for line in flat:
+        mark = "PASS" if line["pass"] else "FAIL"
+        print(
+            f"{mark} flat: {line['step']} at {line['large']} MiB is {line['ratio']:.2f} x "
+            f"its {line['small']} MiB figure, each over its run's floor (<= {FLAT_LIMIT})"
+        )
+    write_results(RESULTS, {"sizes": results, "flatness": flat})
+
+
+#: a step is flat in the guest's size when, over the same run's QEMU start floor, the largest
+#: guest's median is at most this multiple of the smallest's
+FLAT_LIMIT = 1.25
+FLAT_STEPS = ("pause", "wake", "wake_and_call", "create", "create_pooled")
+
+
+def _flatness(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each step's median over its run's floor at the largest guest size, over the same at
+    the smallest (the runs differ in load: the floor of each run scales its figures)."""
+    if len(results) < 2:
+        return []
+    sizes = sorted(results, key=int)
+    small, large = results[sizes[0]]["stats"], results[sizes[-1]]["stats"]
+    out = []
+    for step in FLAT_STEPS:
+        if step not in small or step not in large:
+            continue
+        a = small[step]["median_ms"] / small["floor"]["median_ms"]
+        b = large[step]["median_ms"] / large["floor"]["median_ms"]
+        ratio = b / a
+        out.append(
+            {
+                "step": step,
+                "small": sizes[0],
+                "large": sizes[-1],
+                "ratio": ratio,
+                "pass": ratio <= FLAT_LIMIT,
+            }
+        )
+    return out
 
 
 if __name__ == "__main__":
