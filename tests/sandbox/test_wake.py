@@ -20,6 +20,7 @@ from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.vm.channel import wake_split
 from torpor.sandbox.vm.machine import PRESTARTED
+from torpor.sandbox.vm.pool import TENANT_FILE
 
 pytestmark = pytest.mark.qemu
 
@@ -50,6 +51,7 @@ async def _pooled_creates_and_a_wake(home: Path) -> None:
         for made in (a, b):  # ... whole: their QEMU resumed, the state consumed
             d = m.directory(made.id)
             assert not (d / PRESTARTED).exists() and not (d / "state").exists()
+            assert not (d / TENANT_FILE).exists()
             assert (await m.get(made.id)).state is S.RUNNING
         assert sorted(s.name for s in await m.list()) == ["a", "b"]
         draws = [(await m.run_code(x.id, "import random; random.random()")).text for x in (a, b)]

@@ -117,6 +117,8 @@ class ClonePool:
                 os.rename(clone, directory)
             except OSError:
                 continue  # another taker got it first
+            with contextlib.suppress(FileNotFoundError):
+                (directory / TENANT_FILE).unlink()  # a sandbox's dir now, not the pool's
             log.info("took pooled clone %s for %s", clone.name, directory.name)
             return True
         return False
