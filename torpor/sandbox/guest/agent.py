@@ -9,9 +9,8 @@ QEMU does for the real port, and the host connects). Next to it in /opt/torpor:
 
 The host hangs up on every hibernate and a new QEMU reconnects on wake, so a hang-up is normal:
 the agent drops the half-received frame, keeps every process and variable, and polls again
-every 10 ms. Each request has a thread to itself while it runs (a worker kept from one request
-to the next: :class:`Workers`); ``ping``, ``refresh`` and other quick ops run in order on the
-read loop. Replies to requests of an earlier connection are dropped (``generation``). It never
+every 10 ms. Each request runs on its own thread (``ping`` and ``refresh`` run in order on the
+read loop); replies to requests of an earlier connection are dropped (``generation``). It never
 exits on its own.
 """
 
@@ -23,7 +22,6 @@ import itertools
 import json
 import logging
 import os
-import queue
 import select
 import socket
 import sys
@@ -172,39 +170,6 @@ class SocketLink(Link):
             return False
 
 
-class Workers:
-    """Threads that serve requests, kept once started: a request goes to an idle one, or to
-    a new one when none is idle, so every request starts at once (one may wait on another)
-    and a thread is rarely started. Under TCG a thread start is milliseconds of kernel and
-    interpreter code, translated afresh after every wake."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = (
-            queue.SimpleQueue()
-        )
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` on an idle worker, else on a new one."""
-        with self._lock:
-            if self._idle > 0:
-                self._idle -= 1  # that worker is as good as taken: it is waiting or about to
-                self._queue.put((fn, args))
-                return
-        threading.Thread(target=self._work, args=(fn, args), daemon=True, name="worker").start()
-
-    def _work(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
-        while True:
-            try:
-                fn(*args)
-            except Exception:  # _serve answers its own failures; never lose the thread
-                log.exception("a request's worker failed")
-            with self._lock:
-                self._idle += 1
-            fn, args = self._queue.get()
-
-
 class Request:
     """One request being served: sends its events, data and reply on the right connection."""
 
@@ -242,7 +207,7 @@ class _Call:
 
 
 class Agent:
-    """Reads frames from the link and runs each request on a worker thread; makes the
+    """Reads frames from the link and runs each request on a thread of its own; makes the
     relay's calls to the host (:meth:`call`)."""
 
     def __init__(self, link: Link, *, set_clock: bool = True) -> None:
@@ -252,7 +217,6 @@ class Agent:
         self._send_lock = threading.Lock()
         self._active: dict[int, Request] = {}
         self._uploads: dict[int, tuple[Request, ops.Upload]] = {}
-        self._workers = Workers()
         self.kernel = interpreter.KernelClient()
         self.ops = ops.Operations(self.kernel, set_clock=set_clock)
         self._calls: dict[int, _Call] = {}
@@ -392,7 +356,9 @@ class Agent:
 
     def _start(self, req: Request, payload: Any) -> None:
         self._active[req.id] = req
-        self._workers.submit(self._serve, req, payload)
+        threading.Thread(
+            target=self._serve, args=(req, payload), daemon=True, name=f"req-{req.id}-{req.op}"
+        ).start()
 
     def _serve(self, req: Request, payload: Any) -> None:
         header: dict[str, Any] = {"i": req.id, "t": proto.REPLY}
