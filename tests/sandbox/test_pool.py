@@ -41,49 +41,6 @@ def _wait_ready(pool: ClonePool, snap: Path, n: int) -> None:
     time.sleep(0.05)  # let the filler finish its loop
 
 
-def test_a_pool_is_filled_taken_from_and_refilled(tmp_path: Path) -> None:
-    snap = _template(tmp_path, "b1")
-    pool = ClonePool(tmp_path / "pool", 2)
-    assert not pool.take("python", snap, tmp_path / "sbx-0")  # empty: the caller clones
-    pool.refill_soon("python", snap)
-    _wait_ready(pool, snap, 2)
-    target = tmp_path / "sbx-1"
-    target.mkdir()  # an empty dir made by the caller is fine
-    assert pool.take("python", snap, target)
-    assert {"ram", "state", "disk.qcow2", "machine.json"} <= {p.name for p in target.iterdir()}
-    assert (target / "ram").read_bytes() == (snap / "ram").read_bytes()
-    assert backing_file(target / "disk.qcow2") == snap.resolve() / "disk.qcow2"
-    assert "vmgenid" not in json.loads((target / "machine.json").read_text())  # a new one
-    assert len(pool.ready("python", snap)) == 1
-    pool.refill_soon("python", snap)
-    _wait_ready(pool, snap, 2)
-    assert len(pool.ready("python", snap)) == 2
-
-
-def test_a_rebuilt_template_and_half_made_clones_are_dropped(tmp_path: Path) -> None:
-    old = _template(tmp_path, "b1")
-    pool = ClonePool(tmp_path / "pool", 1)
-    pool.refill_soon("python", old)
-    _wait_ready(pool, old, 1)
-    new = _template(tmp_path, "b2")
-    half = tmp_path / "pool" / "python" / "b2" / ".dead.tmp"
-    half.mkdir(parents=True)
-    assert not pool.take("python", new, tmp_path / "sbx")  # the old build's clone is not used
-    pool.refill_soon("python", new)
-    _wait_ready(pool, new, 1)
-    assert not (tmp_path / "pool" / "python" / "b1").exists()
-    assert not half.exists()
-
-
-def test_no_pool_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TORPOR_CLONE_POOL", raising=False)
-    assert pool_size_from_env() == 0
-    monkeypatch.setenv("TORPOR_CLONE_POOL", "3")
-    assert pool_size_from_env() == 3
-    monkeypatch.setenv("TORPOR_CLONE_POOL", "lots")
-    assert pool_size_from_env() == 0
-
-
 def _warm_entry(pool_root: Path, name: str, *, orphan: bool) -> tuple[Path, int]:
     """A ready pool entry with a process standing for its warm QEMU (a ``sleep`` whose cwd
     is the entry, named by ``qemu.pid``): this process's child, or an orphan (its server
@@ -110,6 +67,51 @@ def _gone(pid: int) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_a_pool_is_filled_taken_from_and_refilled(tmp_path: Path) -> None:
+    snap = _template(tmp_path, "b1")
+    pool = ClonePool(tmp_path / "pool", 2)
+    assert not pool.take("python", snap, tmp_path / "sbx-0")  # empty: the caller clones
+    pool.refill_soon("python", snap)
+    _wait_ready(pool, snap, 2)
+    target = tmp_path / "sbx-1"
+    target.mkdir()  # an empty dir made by the caller is fine
+    assert pool.take("python", snap, target)
+    assert {"ram", "state", "disk.qcow2", "machine.json"} <= {p.name for p in target.iterdir()}
+    assert (target / "ram").read_bytes() == (snap / "ram").read_bytes()
+    assert backing_file(target / "disk.qcow2") == snap.resolve() / "disk.qcow2"
+    assert "vmgenid" not in json.loads((target / "machine.json").read_text())  # a new one
+    assert len(pool.ready("python", snap)) == 1
+    pool.refill_soon("python", snap)
+    _wait_ready(pool, snap, 2)
+    assert len(pool.ready("python", snap)) == 2
+
+
+def test_a_rebuilt_template_and_half_made_clones_are_dropped(tmp_path: Path) -> None:
+    old = _template(tmp_path, "b1")
+    pool = ClonePool(tmp_path / "pool", 1)
+    pool.refill_soon("python", old)
+    _wait_ready(pool, old, 1)
+    _, old_qemu = _warm_entry(pool.root, "warm", orphan=False)  # the old build's, running
+    new = _template(tmp_path, "b2")
+    half = tmp_path / "pool" / "python" / "b2" / ".dead.tmp"
+    half.mkdir(parents=True)
+    assert not pool.take("python", new, tmp_path / "sbx")  # the old build's clone is not used
+    pool.refill_soon("python", new)
+    _wait_ready(pool, new, 1)
+    assert not (tmp_path / "pool" / "python" / "b1").exists()
+    assert _gone(old_qemu)  # its QEMU went with it
+    assert not half.exists()
+
+
+def test_no_pool_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORPOR_CLONE_POOL", raising=False)
+    assert pool_size_from_env() == 0
+    monkeypatch.setenv("TORPOR_CLONE_POOL", "3")
+    assert pool_size_from_env() == 3
+    monkeypatch.setenv("TORPOR_CLONE_POOL", "lots")
+    assert pool_size_from_env() == 0
 
 
 def test_a_sweep_kills_and_removes_what_a_dead_server_left_warm(tmp_path: Path) -> None:

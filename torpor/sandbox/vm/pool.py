@@ -156,7 +156,9 @@ class ClonePool:
             try:
                 for stale in d.parent.iterdir():  # clones of an older build of the template
                     if stale != d:
-                        _remove(stale)
+                        for entry in stale.iterdir() if stale.is_dir() else []:
+                            _kill_qemu(entry)
+                        shutil.rmtree(stale, ignore_errors=True)
                 self._sweep_dir(d)
                 while len(self.ready(template, snapshot_dir)) < self.size:
                     cid = secrets.token_hex(6)
