@@ -17,7 +17,7 @@ import pytest
 
 from tests.sandbox.storage_helpers import make_home, make_machine
 from torpor.sandbox.storage.snapshots import backing_file
-from torpor.sandbox.vm.pool import TENANT_FILE, ClonePool, pool_size_from_env
+from torpor.sandbox.vm.pool import TENANT_FILE, ClonePool, pool_size_from_env, process_token
 
 
 def _template(tmp_path: Path, build: str) -> Path:
@@ -43,17 +43,20 @@ def _wait_ready(pool: ClonePool, snap: Path, n: int) -> None:
 
 def _warm_entry(pool_root: Path, name: str, *, orphan: bool) -> tuple[Path, int]:
     """A ready pool entry with a process standing for its warm QEMU (a ``sleep`` whose cwd
-    is the entry, named by ``qemu.pid``): this process's child, or an orphan (its server
-    died)."""
+    is the entry, named by ``qemu.pid``), made by this process or by one that has exited
+    (its server died)."""
     entry = pool_root / "python" / "b1" / name
     entry.mkdir(parents=True)
-    (entry / TENANT_FILE).write_text("default")
-    if orphan:  # the shell exits at once: its background sleep is nobody's child here
-        subprocess.run(["sh", "-c", "sleep 60 & echo $! > qemu.pid"], cwd=entry, check=True)
+    if orphan:  # made by a shell that exits at once (a server that died)
+        maker = subprocess.Popen(["sh", "-c", "sleep 60 & echo $! > qemu.pid"], cwd=entry)
+        owner = process_token(maker.pid)
+        maker.wait()
         pid = int((entry / "qemu.pid").read_text())
     else:
+        owner = process_token(os.getpid())
         pid = subprocess.Popen(["sleep", "60"], cwd=entry).pid
         (entry / "qemu.pid").write_text(str(pid))
+    (entry / TENANT_FILE).write_text(f"default\n{owner}\n")
     return entry, pid
 
 
@@ -145,3 +148,20 @@ def test_a_warm_clone_of_another_tenant_is_not_taken(tmp_path: Path) -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_gc_sweeps_the_pool_a_dead_server_left(tmp_path: Path) -> None:
+    from torpor.sandbox.storage.retention import collect_garbage
+
+    p = make_home(tmp_path)
+    pool_root = p.cache / "pool"
+    orphan, orphan_pid = _warm_entry(pool_root, "aaa", orphan=True)
+    ours, our_pid = _warm_entry(pool_root, "bbb", orphan=False)  # a live server's
+    try:
+        collect_garbage(p)
+        assert _gone(orphan_pid) and not orphan.exists()
+        assert ours.exists() and not _gone(our_pid)
+    finally:
+        for pid in (orphan_pid, our_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

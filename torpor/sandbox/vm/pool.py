@@ -24,9 +24,9 @@ a fork.
 
 Crash safety: a clone is made (and warmed) in a hidden ``.<id>.tmp`` dir and renamed
 ready when whole; a take is one rename (two takers cannot get the same clone); a half-made dir,
-and a ready clone whose QEMU belongs to no live pool (the server that made it died: its QEMU is
-no longer this process's child), are removed and their QEMU killed by the next :meth:`sweep`
-(at the engine's start and before every refill). A rebuilt template gets a new build dir:
+and a warm clone whose maker has exited (the server died; the clone names its maker's pid and
+start time), are removed and their QEMU killed by the next :meth:`sweep` (at the engine's
+start, before every refill, and by the GC). A rebuilt template gets a new build dir:
 clones of the old build are never taken and are removed by the next refill.
 
 The size is :attr:`ClonePool.size` (``TORPOR_CLONE_POOL``, default 0: no pool, every create
@@ -56,7 +56,7 @@ Warm = Callable[[Path, str, str], None]
 #: the file of a pooled clone that names the tenant its QEMU runs for
 TENANT_FILE = "pool-tenant"
 
-__all__ = ["ClonePool", "pool_size_from_env"]
+__all__ = ["ClonePool", "pool_size_from_env", "process_token"]
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class ClonePool:
                     if self.warm is not None:
                         try:
                             self.warm(tmp, template, tenant)
-                            (tmp / TENANT_FILE).write_text(tenant)
+                            (tmp / TENANT_FILE).write_text(f"{tenant}\n{_me()}\n")
                         except (OSError, TorporError) as exc:  # its guest may have run
                             _remove(tmp)
                             log.warning("cannot warm a pooled clone of %s: %s", template, exc)
@@ -183,8 +183,9 @@ class ClonePool:
                 self._filling.discard(d)
 
     def sweep(self) -> None:
-        """Remove what a crash left in the pool: half-made clones, and clones whose QEMU no
-        live pool owns (not a child of this process: its server died), that QEMU killed."""
+        """Remove what a crash left in the pool: half-made clones no filler works on, and
+        warm clones whose maker has exited (its server died), their QEMU killed. Safe to
+        run from any process (``torpor gc``): a live server's clones are left alone."""
         if not self.root.is_dir():
             return
         for template in self.root.iterdir():
@@ -215,7 +216,7 @@ class ClonePool:
         for template in self.root.iterdir():
             for build in template.iterdir() if template.is_dir() else []:
                 for entry in build.iterdir() if build.is_dir() else []:
-                    if _tenant_of(entry) is not None and not _orphaned(entry):
+                    if _owner_of(entry) == _me():
                         _remove(entry)
 
     def drain(self) -> None:
@@ -232,22 +233,40 @@ class ClonePool:
 def _tenant_of(clone: Path) -> str | None:
     """The tenant a warm clone's QEMU runs for; None for a cold clone."""
     try:
-        return (clone / TENANT_FILE).read_text().strip() or None
+        return (clone / TENANT_FILE).read_text().split("\n")[0].strip() or None
     except OSError:
         return None
 
 
-def _orphaned(entry: Path) -> bool:
-    """A pool dir whose QEMU (if any) is not this process's child: no live pool owns it."""
-    pid = qemu_pid(entry)
-    if pid is None:
-        return True
+def process_token(pid: int) -> str | None:
+    """``pid`` and its start time (a pid is reused; the pair is not); None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            ppid = int(f.read().rsplit(") ", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
+            return f"{pid}:{f.read().rsplit(') ', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def _me() -> str:
+    return process_token(os.getpid()) or str(os.getpid())
+
+
+def _owner_of(entry: Path) -> str | None:
+    """The process that made a warm clone (:func:`process_token`), from its
+    :data:`TENANT_FILE`; None for a cold clone."""
+    try:
+        return (entry / TENANT_FILE).read_text().split("\n")[1].strip() or None
+    except (OSError, IndexError):
+        return None
+
+
+def _orphaned(entry: Path) -> bool:
+    """A warm clone whose pool is gone: the process that made it has exited, or its QEMU."""
+    owner = _owner_of(entry)
+    if owner is None or qemu_pid(entry) is None:
         return True
-    return ppid != os.getpid()
+    pid = owner.split(":")[0]
+    return not pid.isdigit() or process_token(int(pid)) != owner
 
 
 def _kill_qemu(entry: Path) -> None:
