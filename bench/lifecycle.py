@@ -43,6 +43,15 @@ SDK_PAIRS = [
     ("wake", "sdk_wake"),
     ("wake_and_call", "sdk_wake_and_call"),
 ]
+#: the steps of :func:`torpor.sandbox.vm.channel.wake_split`, in order
+GUEST_STEPS = {
+    "first_turn": "1 agent's idle loop runs",
+    "host_seen": "2 sees the host connected",
+    "data": "3 reads the first ping",
+    "served": "4 starts serving it",
+    "answered": "5 answer ready",
+    "received": "6 the host has it",
+}
 #: the QEMU start floor (ms) of the idle host the issue's goals were measured on
 ISSUE_FLOOR_MS = 36.0
 
@@ -187,8 +196,16 @@ class _TimedEngine:
         self.marks.add("clone the template's snapshot dir", time.perf_counter() - t0)
 
     async def connect(self, machine: Any, directory: Path) -> Any:
+        from torpor.sandbox.vm.channel import wake_split
+
         t0 = time.perf_counter()
-        channel = await self.inner.connect(getattr(machine, "inner", machine), directory)
+        inner = getattr(machine, "inner", machine)
+        channel = await self.inner.connect(inner, directory)
+        resumed_at = getattr(inner, "resumed_at", None)
+        marks = getattr(channel, "guest_marks", {})
+        if resumed_at is not None and marks:  # the guest's own stamps (wake_split)
+            for step, ms in wake_split(marks, resumed_at).items():
+                self.marks.add(f"after cont, guest: {GUEST_STEPS[step]}", ms / 1000)
         self.marks.add("guest channel connect (first ping)", time.perf_counter() - t0)
         first = getattr(channel, "first_ping", {})
         if "answer_s" in first:  # how the wait splits (GuestChannel.first_ping)
@@ -222,8 +239,8 @@ async def _cold_boot(home: Path) -> float:
     return elapsed
 
 
-async def _pooled_creates(home: Path, template: str, reps: int) -> list[float]:
-    """Creates that take a ready clone from a pool of 2 (each waits for the refill first)."""
+async def _pooled_creates(home: Path, template: str, reps: int, marks: _Marks) -> list[float]:
+    """Creates that take a warm clone from a pool of 2 (each waits for the refill first)."""
     from torpor.config import paths
     from torpor.sandbox import template as templates
     from torpor.sandbox.engine import QemuEngine
@@ -232,7 +249,8 @@ async def _pooled_creates(home: Path, template: str, reps: int) -> list[float]:
     engine = QemuEngine(paths(home), pool_size=2)
     info = templates.get(template)
     snap = Path(info.snapshot_dir)
-    mgr = SandboxManager(paths(home), engine=engine)
+    marks.phase = "create_pooled"
+    mgr = SandboxManager(paths(home), engine=_TimedEngine(engine, marks))
     out: list[float] = []
     try:
         engine.pool.refill_soon(template, snap)
@@ -429,7 +447,7 @@ async def run(
     finally:
         await mgr.close()
         stack.close()
-    samples["create_pooled"] = await _pooled_creates(home, template, reps)
+    samples["create_pooled"] = await _pooled_creates(home, template, reps, marks)
     stats = {k: summary(v) for k, v in samples.items()}
     floor = stats["floor"]["median_ms"]
     targets = [
@@ -502,7 +520,7 @@ def render(result: dict[str, Any]) -> None:
     labels = {
         "floor": "floor: QEMU start -> QMP ready",
         "create": "create (fork of template, no pool)",
-        "create_pooled": "create (a ready clone from a pool of 2)",
+        "create_pooled": "create (a warm clone from a pool of 2)",
         "command": "command round trip",
         "interpreter": "interpreter round trip",
         "pause": "pause (guest sync + hibernate + registry)",
@@ -608,7 +626,46 @@ def main() -> None:
             result = asyncio.run(run(args.reps, args.cold, home, template, not args.no_sdk))
         render(result)
         results[size] = result
-    write_results(RESULTS, {"sizes": results})
+    flat = _flatness(results)
+    for line in flat:
+        mark = "PASS" if line["pass"] else "FAIL"
+        print(
+            f"{mark} flat: {line['step']} at {line['large']} MiB is {line['ratio']:.2f} x "
+            f"its {line['small']} MiB figure, each over its run's floor (<= {FLAT_LIMIT})"
+        )
+    write_results(RESULTS, {"sizes": results, "flatness": flat})
+
+
+#: a step is flat in the guest's size when, over the same run's QEMU start floor, the largest
+#: guest's median is at most this multiple of the smallest's
+FLAT_LIMIT = 1.25
+FLAT_STEPS = ("pause", "wake", "wake_and_call", "create", "create_pooled")
+
+
+def _flatness(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each step's median over its run's floor at the largest guest size, over the same at
+    the smallest (the runs differ in load: the floor of each run scales its figures)."""
+    if len(results) < 2:
+        return []
+    sizes = sorted(results, key=int)
+    small, large = results[sizes[0]]["stats"], results[sizes[-1]]["stats"]
+    out = []
+    for step in FLAT_STEPS:
+        if step not in small or step not in large:
+            continue
+        a = small[step]["median_ms"] / small["floor"]["median_ms"]
+        b = large[step]["median_ms"] / large["floor"]["median_ms"]
+        ratio = b / a
+        out.append(
+            {
+                "step": step,
+                "small": sizes[0],
+                "large": sizes[-1],
+                "ratio": ratio,
+                "pass": ratio <= FLAT_LIMIT,
+            }
+        )
+    return out
 
 
 if __name__ == "__main__":

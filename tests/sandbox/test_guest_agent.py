@@ -837,3 +837,48 @@ def test_the_interpreter_starts_with_the_agent(agent: AgentProcess, tmp_path: Pa
         assert len(kernel_children(cold.proc.pid)) == 1
     finally:
         cold.stop()
+
+
+def test_the_first_ping_says_how_the_connection_reached_the_agent(agent: AgentProcess) -> None:
+    """The answer to connect()'s ping carries the agent's own stamps (its CLOCK_MONOTONIC,
+    the host's here): the read that brought it, when it was served and answered, and, on a
+    connection after a hang-up, the agent's idle turns in between."""
+
+    def marks_of(ch: GuestChannel) -> dict[str, Any]:
+        marks = dict(ch.guest_marks)
+        assert marks["data"] <= marks["served"] <= marks["answered"]
+        assert marks["answered"] <= marks["answered_at"]  # one clock on a single host
+        return marks
+
+    first = run(agent, lambda ch: asyncio.sleep(0, marks_of(ch)))
+    second = run(agent, lambda ch: asyncio.sleep(0, marks_of(ch)))
+    assert second["turns"], "the agent waited for the host between the two connections"
+    assert first["answered"] <= second["turns"][0] <= second["turns"][-1] <= second["data"]
+
+
+def test_wake_split_places_the_guest_stamps_after_cont() -> None:
+    from torpor.sandbox.vm.channel import wake_split
+
+    # the guest's clock stood still while stopped: its idle turn at 3.99 came before the
+    # stop, the one at 4.01 after the cont; the answer was ready at 4.1 (guest), received at
+    # 100.1 (host) where cont returned at 100.0
+    marks = {
+        "turns": [3.99, 4.01],
+        "host_seen": 4.03,
+        "data": 4.05,
+        "served": 4.07,
+        "answered": 4.1,
+        "answered_at": 100.1,
+    }
+    split = wake_split(marks, 100.0)
+    assert split == pytest.approx(
+        {
+            "first_turn": 10.0,
+            "host_seen": 30.0,
+            "data": 50.0,
+            "served": 70.0,
+            "answered": 100.0,
+            "received": 100.0,
+        }
+    )
+    assert wake_split({}, 100.0) == {}  # an older agent sends no stamps

@@ -1,10 +1,15 @@
 """The clone pool (no VM: a hibernated machine dir on real qcow2 files stands for a template's
-booted machine; a create through the pool on real QEMU is in test_live_snapshot.py)."""
+booted machine, a ``sleep`` for a warm clone's QEMU; creates through the pool on real QEMU
+are in test_wake.py and test_live_snapshot.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -12,7 +17,7 @@ import pytest
 
 from tests.sandbox.storage_helpers import make_home, make_machine
 from torpor.sandbox.storage.snapshots import backing_file
-from torpor.sandbox.vm.pool import ClonePool, pool_size_from_env
+from torpor.sandbox.vm.pool import TENANT_FILE, ClonePool, pool_size_from_env, process_token
 
 
 def _template(tmp_path: Path, build: str) -> Path:
@@ -34,6 +39,37 @@ def _wait_ready(pool: ClonePool, snap: Path, n: int) -> None:
         assert time.monotonic() < deadline, "the pool was not refilled"
         time.sleep(0.02)
     time.sleep(0.05)  # let the filler finish its loop
+
+
+def _warm_entry(pool_root: Path, name: str, *, orphan: bool) -> tuple[Path, int]:
+    """A ready pool entry with a process standing for its warm QEMU (a ``sleep`` whose cwd
+    is the entry, named by ``qemu.pid``), made by this process or by one that has exited
+    (its server died)."""
+    entry = pool_root / "python" / "b1" / name
+    entry.mkdir(parents=True)
+    if orphan:  # made by a shell that exits at once (a server that died)
+        maker = subprocess.Popen(["sh", "-c", "sleep 60 & echo $! > qemu.pid"], cwd=entry)
+        owner = process_token(maker.pid)
+        maker.wait()
+        pid = int((entry / "qemu.pid").read_text())
+    else:
+        owner = process_token(os.getpid())
+        pid = subprocess.Popen(["sleep", "60"], cwd=entry).pid
+        (entry / "qemu.pid").write_text(str(pid))
+    (entry / TENANT_FILE).write_text(f"default\n{owner}\n")
+    return entry, pid
+
+
+def _gone(pid: int) -> bool:
+    for _ in range(500):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_a_pool_is_filled_taken_from_and_refilled(tmp_path: Path) -> None:
@@ -60,6 +96,7 @@ def test_a_rebuilt_template_and_half_made_clones_are_dropped(tmp_path: Path) -> 
     pool = ClonePool(tmp_path / "pool", 1)
     pool.refill_soon("python", old)
     _wait_ready(pool, old, 1)
+    _, old_qemu = _warm_entry(pool.root, "warm", orphan=False)  # the old build's, running
     new = _template(tmp_path, "b2")
     half = tmp_path / "pool" / "python" / "b2" / ".dead.tmp"
     half.mkdir(parents=True)
@@ -67,6 +104,7 @@ def test_a_rebuilt_template_and_half_made_clones_are_dropped(tmp_path: Path) -> 
     pool.refill_soon("python", new)
     _wait_ready(pool, new, 1)
     assert not (tmp_path / "pool" / "python" / "b1").exists()
+    assert _gone(old_qemu)  # its QEMU went with it
     assert not half.exists()
 
 
@@ -77,3 +115,53 @@ def test_no_pool_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pool_size_from_env() == 3
     monkeypatch.setenv("TORPOR_CLONE_POOL", "lots")
     assert pool_size_from_env() == 0
+
+
+def test_a_sweep_kills_and_removes_what_a_dead_server_left_warm(tmp_path: Path) -> None:
+    pool = ClonePool(tmp_path / "pool", 1)
+    orphan, orphan_pid = _warm_entry(pool.root, "aaa", orphan=True)
+    ours, our_pid = _warm_entry(pool.root, "bbb", orphan=False)
+    half = pool.root / "python" / "b1" / ".ccc.tmp"
+    half.mkdir()
+    try:
+        pool.sweep()
+        assert _gone(orphan_pid) and not orphan.exists()
+        assert not half.exists()
+        assert ours.exists() and not _gone(our_pid)  # a live pool's (this process's) clone
+        pool.close()  # the server stops: its warm clones go with their QEMU
+        assert _gone(our_pid) and not ours.exists()
+    finally:
+        for pid in (orphan_pid, our_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_warm_clone_of_another_tenant_is_not_taken(tmp_path: Path) -> None:
+    snap = _template(tmp_path, "b1")
+    pool = ClonePool(tmp_path / "pool", 1)
+    entry, pid = _warm_entry(pool.root, "aaa", orphan=False)
+    try:
+        # its QEMU runs as the other tenant's uid: removed, and the caller clones
+        assert not pool.take("python", snap, tmp_path / "sbx", "acme")
+        assert _gone(pid) and not entry.exists()
+        assert pool.tenant == "acme"  # the next clones are warmed for the last taker
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_gc_sweeps_the_pool_a_dead_server_left(tmp_path: Path) -> None:
+    from torpor.sandbox.storage.retention import collect_garbage
+
+    p = make_home(tmp_path)
+    pool_root = p.cache / "pool"
+    orphan, orphan_pid = _warm_entry(pool_root, "aaa", orphan=True)
+    ours, our_pid = _warm_entry(pool_root, "bbb", orphan=False)  # a live server's
+    try:
+        collect_garbage(p)
+        assert _gone(orphan_pid) and not orphan.exists()
+        assert ours.exists() and not _gone(our_pid)
+    finally:
+        for pid in (orphan_pid, our_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ re-attach to a QEMU that outlived its manager. :class:`Engine` is that interface
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import signal
@@ -192,8 +193,12 @@ class QemuEngine:
         #: ready clones a create takes instead of cloning (``pool_size`` or
         #: ``TORPOR_CLONE_POOL``; 0: none): see :mod:`torpor.sandbox.vm.pool`
         self.pool = ClonePool(
-            paths.cache / "pool", pool_size_from_env() if pool_size is None else pool_size
+            paths.cache / "pool",
+            pool_size_from_env() if pool_size is None else pool_size,
+            warm=self._warm,
         )
+        self.pool.sweep()  # what a server that died left warming in the pool
+        atexit.register(self.pool.close)  # no warm QEMU outlives its server
         #: answers what a sandbox's guest asks at its ``localhost:7777`` (the server sets it):
         #: ``(sandbox_id, method, path, headers, body) -> (status, headers, body)``
         self.guest_calls: GuestCalls | None = None
@@ -232,9 +237,33 @@ class QemuEngine:
 
         info = templates.get(template)
         source = Path(info.snapshot_dir)
-        if not await asyncio.to_thread(self.pool.take, template, source, directory):
+        took = await asyncio.to_thread(self.pool.take, template, source, directory, config.tenant)
+        if not took:
             await asyncio.to_thread(clone_machine_dir, source, directory)
         self.pool.refill_soon(template, source)
+
+    def _warm(self, directory: Path, template: str, tenant: str) -> None:
+        """Start the QEMU of a pooled clone for ``tenant`` and exercise its guest once (a
+        ping, a command, an interpreter call: what a create and its first call run, so
+        under TCG their code is translated already), then stop it (the pool's filler
+        thread). Raises EngineError, GuestError, OperationTimeout."""
+        from torpor.sandbox import template as templates
+        from torpor.sandbox.vm.channel import GuestChannel
+        from torpor.sandbox.vm.machine import QemuMachine
+
+        info = templates.get(template)
+        config = MachineConfig(template, info.vcpus, info.memory_mib, tenant)
+        machine = QemuMachine(directory, info, self._spec(config))
+
+        async def exercise() -> None:
+            channel = await GuestChannel.connect(machine.agent_socket, timeout=self.connect_timeout)
+            try:
+                await channel.run_command(CommandSpec(cmd="true"))
+                await channel.run_code(CodeSpec(code="0"))
+            finally:
+                await channel.close()
+
+        asyncio.run(machine.prestart(exercise))
 
     def machine(self, directory: Path, config: MachineConfig) -> Machine:
         from torpor.sandbox import template as templates

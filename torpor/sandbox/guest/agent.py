@@ -17,6 +17,7 @@ exits on its own.
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import logging
@@ -60,6 +61,10 @@ class Link:
     """A byte stream to the host that survives hang-ups: ``read`` returns b"" on a hang-up,
     and the next ``read`` waits for the host to come back."""
 
+    #: CLOCK_MONOTONIC when a read first found the host connected with nothing to read yet
+    #: (after a hang-up; None until then): when the guest saw the host come back
+    host_seen: float | None = None
+
     def read(self) -> bytes:
         raise NotImplementedError
 
@@ -89,8 +94,9 @@ class PortLink(Link):
             data = os.read(self.fd, 1 << 18)
             if data:
                 return data
-        except BlockingIOError:
-            pass
+        except BlockingIOError:  # the host is connected, nothing to read yet
+            if self.host_seen is None:
+                self.host_seen = time.monotonic()
         except OSError:
             return b""
         poller = select.poll()
@@ -215,6 +221,17 @@ class Agent:
         self.ops = ops.Operations(self.kernel, set_clock=set_clock)
         self._calls: dict[int, _Call] = {}
         self._call_ids = itertools.count(1)
+        #: CLOCK_MONOTONIC of the last turns of the loop that waits for a host (one every
+        #: :data:`HANGUP_POLL`): the guest's clock stands still while QEMU is stopped, so
+        #: the turns after a wake show when the guest ran again
+        self._idle_turns: collections.deque[float] = collections.deque(maxlen=6)
+        #: how the current connection began, in the guest's CLOCK_MONOTONIC: ``turns`` (the
+        #: idle turns before it), ``host_seen`` (a read found the host connected, if one did
+        #: before the first bytes); the ping answers with it. Empty when the guest was
+        #: frozen before it saw the last host hang up (a hibernate right after a request)
+        self.wake_marks: dict[str, Any] = {}
+        #: CLOCK_MONOTONIC when the last read from the host returned
+        self.read_at = 0.0
 
     def call(
         self, request: dict[str, Any], body: bytes, timeout: float
@@ -253,13 +270,20 @@ class Agent:
         decoder = proto.FrameDecoder()
         while True:
             data = self.link.read()
+            self.read_at = time.monotonic()
             if not data:
                 if self.connected:
                     self._hang_up()
                 decoder.reset()
+                self.link.host_seen = None
+                self._idle_turns.append(self.read_at)
                 time.sleep(HANGUP_POLL)
                 continue
             if not self.connected:
+                self.wake_marks = {"turns": list(self._idle_turns)}
+                if self.link.host_seen is not None:
+                    self.wake_marks["host_seen"] = self.link.host_seen
+                self._idle_turns.clear()
                 with self._send_lock:
                     self.connected = True
                 # debug, not info: the agent's log is the serial console, and under TCG

@@ -174,8 +174,13 @@ class Operations:
     # -- machine -------------------------------------------------------------------------
 
     def op_ping(self, req: Any, payload: bytes) -> dict[str, Any]:
-        """``{pid, boot_id, uptime, time, version}``; with ``args.refresh`` (``{unix_time}``,
-        entropy as payload) it refreshes too, once per entropy, and adds ``refresh``."""
+        """``{pid, boot_id, uptime, time, version, marks}``; with ``args.refresh``
+        (``{unix_time}``, entropy as payload) it refreshes too, once per entropy, and adds
+        ``refresh``. ``marks``: how this connection reached the agent in the guest's
+        CLOCK_MONOTONIC (the agent's ``wake_marks``, plus ``data``: the read that brought
+        this ping returned, ``served``: its handling began, ``answered``: its answer is
+        ready, refresh included)."""
+        served = time.monotonic()
         info: dict[str, Any] = {
             "pid": os.getpid(),
             "boot_id": self._boot_id(),
@@ -199,6 +204,11 @@ class Operations:
                     self.tunnels.hang_up()
                     self._ping_refresh = (key, self._refresh(payload, wanted.get("unix_time")))
                 info["refresh"] = self._ping_refresh[1]
+        agent = getattr(req, "agent", None)
+        marks = dict(getattr(agent, "wake_marks", None) or {})
+        marks.update(data=getattr(agent, "read_at", served), served=served)
+        marks["answered"] = time.monotonic()
+        info["marks"] = marks
         return info
 
     def _boot_id(self) -> str:

@@ -16,7 +16,9 @@ What goes, in this order (each step only removes what nothing references):
    but never plugged (a crash mid-attach); and the reverse, a drive's 9p device in a
    machine.json with no attachment record (a crash after the plug, before the record), which
    gets its record back (:func:`restore_unrecorded_drives`);
-5. leftovers of interrupted work (``.*.tmp``, ``.*.work``) older than an hour.
+5. leftovers of interrupted work (``.*.tmp``, ``.*.work``) older than an hour, and in the
+   clone pool (:meth:`torpor.sandbox.vm.pool.ClonePool.sweep`) the warm clones of a server
+   that died and the clones it left half made.
 
 Expired *pauses* (a paused sandbox kept past its ``pause_retention_days``, default 30) are the
 manager's records; :func:`torpor.sandbox.checkpoints.collect_garbage` kills those first and then
@@ -46,6 +48,7 @@ from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, step
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import is_qcow2
+from torpor.sandbox.vm.pool import ClonePool
 
 __all__ = [
     "GcReport",
@@ -340,6 +343,8 @@ def collect_garbage(
             report.restored_attachments = restore_unrecorded_drives(
                 paths, live_sandboxes, before=before
             )
+            # warm clones whose server died, half-made clones (a live server's are kept)
+            ClonePool(paths.cache / "pool", 0).sweep()
     except OSError as exc:
         raise StorageError(f"garbage collection failed: {exc}", exc=exc) from exc
     log.info("gc: %s", report.to_json())

@@ -39,7 +39,7 @@ from torpor.sandbox.models import CommandResult, EntryInfo, Execution, Execution
 from torpor.sandbox.requests import CodeSpec, CommandSpec
 from torpor.types import OutputCallback
 
-__all__ = ["CallHandler", "GuestChannel"]
+__all__ = ["CallHandler", "GuestChannel", "wake_split"]
 
 #: answers a call the guest makes (an HTTP request to its ``localhost:7777``, see
 #: :mod:`torpor.sandbox.guest.relay`): ``(method, path, headers, body) -> (status, headers,
@@ -133,6 +133,10 @@ class GuestChannel:
         #: ``answered`` (1: the first), seconds from the first ping to the answer
         #: (``answer_s``) and the answered ping's own round trip (``round_trip_s``)
         self.first_ping: dict[str, float] = {}
+        #: the same connection seen from the guest: :meth:`connect`'s answer's ``marks``
+        #: (the agent's CLOCK_MONOTONIC stamps) and ``answered_at``, this host's
+        #: ``time.monotonic()`` when that answer arrived; :func:`wake_split` reads them
+        self.guest_marks: dict[str, Any] = {}
         # (when, result) of the refresh connect() did, until another request is sent
         self._fresh: tuple[float, dict[str, Any]] | None = None
         self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
@@ -229,6 +233,9 @@ class GuestChannel:
                     if isinstance(done_refresh, dict):  # an older agent ignores the ask
                         self._fresh = (time.monotonic(), done_refresh)
                     now, answered = loop.time(), tasks.index(task)
+                    marks = info.get("marks")
+                    if isinstance(marks, dict):  # an older agent sends none
+                        self.guest_marks = {**marks, "answered_at": time.monotonic()}
                     self.first_ping.update(
                         pings=len(tasks),
                         answered=answered + 1,
@@ -738,6 +745,41 @@ class GuestChannel:
     async def umount(self, target: str) -> None:
         """``umount target`` in the guest. Raises GuestError."""
         await self._request("umount", {"target": target})
+
+
+def wake_split(marks: dict[str, Any], resumed_at: float) -> dict[str, float]:
+    """Where the wait for a woken guest's first answer went: milliseconds after the host's
+    ``cont`` returned (``resumed_at``, its ``time.monotonic()``) at which the guest ran its
+    agent's idle loop again (``first_turn``), saw the host connected (``host_seen``), read
+    the first bytes (``data``), began serving the ping (``served``) and had its answer ready
+    (``answered``), and when the host got it (``received``). From
+    :attr:`GuestChannel.guest_marks`; empty without them.
+
+    The guest's clock stands still while QEMU is stopped and runs at the host's pace after,
+    so a guest stamp ``g`` is placed on the host's clock as ``received - (answered - g)``
+    (the answer's own trip to the host, well under a millisecond when the guest is warm, is
+    counted in the guest's last step). A step the guest took before ``cont`` (an idle turn
+    before the hibernate) is left out."""
+    try:
+        received = float(marks["answered_at"])
+        answered = float(marks["answered"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+
+    def at(g: float) -> float:
+        return (received - (answered - g) - resumed_at) * 1000
+
+    split: dict[str, float] = {}
+    turns = [at(float(t)) for t in marks.get("turns") or []]
+    after = [t for t in turns if t >= 0]
+    if after:
+        split["first_turn"] = after[0]
+    for key in ("host_seen", "data", "served", "answered"):
+        value = marks.get(key)
+        if isinstance(value, int | float):
+            split[key] = at(float(value))
+    split["received"] = (received - resumed_at) * 1000
+    return split
 
 
 class _VersionMismatch(Exception):

@@ -83,6 +83,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: the file :meth:`QemuMachine.prestart` leaves in a directory whose QEMU waits, state
+#: loaded and guest stopped, for the ``cont`` of its wake (it holds that QEMU's pid)
+PRESTARTED = "prestarted"
+
 
 class QemuMachine:
     """One QEMU process on one directory. Not safe for concurrent use: one caller at a time
@@ -104,6 +108,9 @@ class QemuMachine:
         self._pid: int | None = None
         #: milliseconds of each part of the last :meth:`capture`'s stop (for the benchmarks)
         self.last_capture: dict[str, float] = {}
+        #: ``time.monotonic()`` when the last wake's ``cont`` returned (for the benchmarks:
+        #: :func:`~torpor.sandbox.vm.channel.wake_split`)
+        self.resumed_at: float | None = None
 
     def __repr__(self) -> str:
         return f"QemuMachine({str(self.directory)!r}, running={self.is_running()})"
@@ -528,12 +535,94 @@ class QemuMachine:
         """
         await self._wake(ram_ready=ram_ready)
 
+    async def prestart(self, exercise: Callable[[], Awaitable[object]] | None = None) -> None:
+        """Do the first half of a wake ahead of time: start QEMU on the saved RAM file and
+        device state and load the state, but leave the guest stopped and let go of QMP (so
+        the waker can take it). The next :meth:`wake` of this directory, by any
+        :class:`QemuMachine`, then only resumes it: see :data:`PRESTARTED`.
+
+        Without ``exercise``, ``state`` is kept until that wake, so if this QEMU dies first
+        the wake loads it as usual. With it, the guest runs first (``state`` is consumed),
+        ``exercise()`` is awaited (it talks to the guest: under TCG the code it runs is then
+        translated already when the waker's guest runs it), and the guest is stopped again:
+        if this QEMU dies, the directory cannot be woken. Raises InvalidState (no state, or
+        a QEMU runs already), EngineError (QEMU stopped), what ``exercise`` raises."""
+        self._require_stopped("prestart")
+        state = self.directory / "state"
+        if not state.is_file():
+            raise InvalidState(
+                f"nothing to prestart: no saved state in {self.directory}",
+                state="no-state",
+                required="hibernated",
+            )
+        config = read_machine_json(self.directory)
+        ensure_generation_id(self.directory, config)
+        await self._start(config, incoming=True)
+        try:
+            await self._load_state(state)
+            if exercise is not None:
+                discard_state(self.directory)  # the guest is about to change ``ram``
+                await self._qmp_exec("cont")
+                await exercise()
+                await self._qmp_exec("stop")
+            assert self._pid is not None
+            (self.directory / PRESTARTED).write_text(str(self._pid))
+        except BaseException:
+            await self._reap(force=True)
+            raise
+        await self._disconnect()
+        self._proc = None  # reaped by whoever kills it (subprocess collects the zombie)
+        self._pid = None
+        log.info("prestarted %s", self.directory)
+
+    async def _resume_prestarted(self) -> bool:
+        """Resume the QEMU :meth:`prestart` left loaded on this directory: True if it did,
+        False if there is none (a QEMU that died, or one that is not stopped with its state
+        loaded, is killed and the marker dropped: the caller wakes from ``state``)."""
+        marker = self.directory / PRESTARTED
+        if not marker.exists():
+            return False
+        pid = qemu_pid(self.directory)
+        try:
+            if pid is not None:
+                self._pid = pid
+                await self._connect()
+                status = await self._qmp_exec("query-status")
+                if isinstance(status, dict) and status.get("status") == "paused":
+                    discard_state(self.directory)  # the guest is about to change ``ram``
+                    await self._qmp_exec("cont")
+                    self.resumed_at = time.monotonic()
+                    marker.unlink(missing_ok=True)
+                    return True
+                log.warning("%s: the prestarted QEMU is %s; waking afresh", self.directory, status)
+        except EngineError as exc:
+            log.warning("%s: the prestarted QEMU failed (%s); waking afresh", self.directory, exc)
+        await self._reap(force=True)
+        marker.unlink(missing_ok=True)
+        return False
+
+    async def _load_state(self, state: Path) -> None:
+        """Load the saved device state ``state`` into the QEMU started with -incoming."""
+        await self._set_ignore_shared()
+        fd = os.open(state, os.O_RDONLY)
+        try:
+            assert self._qmp is not None
+            self._qmp.send_fd_scm(fd)
+            await self._qmp_exec("getfd", {"fdname": "state"})
+            await self._qmp_exec("migrate-incoming", {"uri": "fd:state"})
+            await self._wait_incoming()
+        finally:
+            os.close(fd)
+
     async def _wake(
         self,
         pending_shares: list[dict[str, Any]] | None = None,
         *,
         ram_ready: Awaitable[object] | None = None,
     ) -> None:
+        if pending_shares is None and ram_ready is None and await self._resume_prestarted():
+            log.info("resumed the prestarted %s", self.directory)
+            return
         self._require_stopped("wake")
         state = self.directory / "state"
         if not state.is_file():
@@ -557,21 +646,13 @@ class QemuMachine:
             )
         await self._start(config, incoming=True, pending_shares=pending_shares)
         try:
-            await self._set_ignore_shared()
             if ram_ready is not None:
                 await ram_ready
-            fd = os.open(state, os.O_RDONLY)
-            try:
-                assert self._qmp is not None
-                self._qmp.send_fd_scm(fd)
-                await self._qmp_exec("getfd", {"fdname": "state"})
-                await self._qmp_exec("migrate-incoming", {"uri": "fd:state"})
-                await self._wait_incoming()
-            finally:
-                os.close(fd)
+            await self._load_state(state)
             # The guest is about to run on and change ``ram``: the state no longer matches it.
             discard_state(self.directory)
             await self._qmp_exec("cont")
+            self.resumed_at = time.monotonic()
         except BaseException:
             await self._reap(force=True)
             raise
