@@ -14,7 +14,7 @@ the runtime translates as it translates ``httpx``'s.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -35,13 +35,15 @@ def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def query_string(params: Mapping[str, Any] | None) -> str:
-    """``params`` as a query string (a list or tuple value repeats its key), or ``""``."""
+def query_string(params: Mapping[str, Any] | Sequence[tuple[str, Any]] | None) -> str:
+    """``params`` (a mapping, or ``(name, value)`` pairs, as httpx takes them) as a query
+    string (a list or tuple value repeats its name), or ``""``."""
     if not params:
         return ""
+    items = params.items() if isinstance(params, Mapping) else params
     pairs = [
         (str(k), _text(each))
-        for k, v in params.items()
+        for k, v in items
         for each in (v if isinstance(v, (list, tuple)) else (v,))
     ]
     return urlencode(pairs)
@@ -72,7 +74,7 @@ class SocketWire:
         self,
         method: str,
         path: str,
-        params: Mapping[str, Any] | None,
+        params: Mapping[str, Any] | Sequence[tuple[str, Any]] | None,
         content: bytes | None,
         content_type: str | None,
         timeout: float | str | None,

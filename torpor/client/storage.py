@@ -15,11 +15,12 @@ snapshot, see :mod:`torpor.sandbox.checkpoints`. ``collect_garbage`` runs the se
 from __future__ import annotations
 
 import builtins
-from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar, cast
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel
 
+from torpor.client import storage_calls as calls
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.client.sandbox_calls import LONG_TIMEOUT as _LONG_TIMEOUT
 from torpor.sandbox.requests import (
@@ -80,29 +81,29 @@ class Resource(Generic[InfoT]):
         return self.info.name
 
     @classmethod
-    def _from(cls, data: Any, rt: Runtime) -> Self:
-        return cls(cast(InfoT, cls._model.model_validate(data)), rt)
-
-    @classmethod
     def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Self]:
         """This tenant's, oldest first (snapshots: only checked, unexpired ones)."""
         rt = runtime or default_runtime()
-        return [cls._from(d, rt) for d in rt.json("GET", cls._route)]
+        return [cls(i, rt) for i in rt.do(calls.list_resources(cls._route, cls._info_model()))]
 
     @classmethod
     def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Self:
         """One by id or name. Raises SnapshotNotFound (also once expired) / VolumeNotFound /
         DriveNotFound."""
         rt = runtime or default_runtime()
-        return cls._from(rt.json("GET", f"{cls._route}/{quote_id(id_or_name)}"), rt)
+        return cls(rt.do(calls.get(cls._route, cls._info_model(), id_or_name)), rt)
 
     @classmethod
     def _create(cls, spec: Spec, runtime: Runtime | None) -> Self:
         rt = runtime or default_runtime()
-        return cls._from(post_spec(rt, cls._route, spec), rt)
+        return cls(rt.do(calls.create(cls._route, cls._info_model(), spec)), rt)
+
+    @classmethod
+    def _info_model(cls) -> type[Any]:
+        return cls._model
 
     def _delete(self) -> None:
-        self._runtime.request("DELETE", f"{self._route}/{quote_id(self.id)}")
+        self._runtime.do(calls.delete(self._route, self.id))
 
 
 def post_spec(rt: Runtime, path: str, spec: Spec) -> Any:
@@ -113,10 +114,7 @@ def post_spec(rt: Runtime, path: str, spec: Spec) -> Any:
 
 def collect_garbage(*, dry_run: bool = False, runtime: Runtime | None = None) -> dict[str, Any]:
     """Run the server's retention + GC now; returns its report."""
-    result: dict[str, Any] = post_spec(
-        runtime or default_runtime(), "/v1/gc", GcSpec.of(dry_run=dry_run)
-    )
-    return result
+    return (runtime or default_runtime()).do(calls.gc(GcSpec.of(dry_run=dry_run)))
 
 
 class Volume(Resource[VolumeInfo]):
@@ -145,11 +143,7 @@ class Volume(Resource[VolumeInfo]):
         server with no sandbox running. A volume attached read-write shows what the guest has
         flushed (``sync``, or a pause). Raises PathNotFound, InvalidArgument (a directory or
         link), PayloadTooLarge, EngineError."""
-        response = self._runtime.request(
-            "GET", f"{self._route}/{quote_id(self.id)}/files", params={"path": path}
-        )
-        content: bytes = response.content
-        return content
+        return self._runtime.do(calls.read_volume_file(self.id, path))
 
 
 class Drive(Resource[DriveInfo]):
