@@ -110,6 +110,17 @@ def test_volumes_and_drives_through_a_server(home: Paths) -> None:
 
             drive = await torpor.AsyncDrive.create("research", runtime=rt)
             assert [d.name for d in await AsyncDrive.list(runtime=rt)] == ["research"]
+            # labels given at create, and lists filtered by them
+            mine = await AsyncVolume.create(
+                "v-42", size_mib=16, labels={"user": "u-42"}, runtime=rt
+            )
+            await AsyncDrive.create("d-42", labels={"user": "u-42", "team": "a"}, runtime=rt)
+            assert mine.info.labels == {"user": "u-42"}
+            assert [v.id for v in await AsyncVolume.list({"user": "u-42"}, runtime=rt)] == [mine.id]
+            assert await AsyncVolume.list({"user": "u-7"}, runtime=rt) == []
+            assert [d.name for d in await AsyncDrive.list({"team": "a"}, runtime=rt)] == ["d-42"]
+            await mine.delete()
+            await (await AsyncDrive.get("d-42", runtime=rt)).delete()
             assert (await AsyncDrive.get(drive.id, runtime=rt)).name == "research"
             await drive.delete()
             with pytest.raises(DriveNotFound):

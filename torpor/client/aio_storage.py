@@ -112,11 +112,22 @@ class AsyncVolume(AsyncResource[VolumeInfo]):
 
     @classmethod
     async def create(
-        cls, name: str, size_mib: int | None = None, *, runtime: AsyncConnection
+        cls,
+        name: str,
+        size_mib: int | None = None,
+        *,
+        labels: Labels | None = None,
+        runtime: AsyncConnection,
     ) -> AsyncVolume:
-        """A new empty (ext4) volume of ``size_mib`` (default 1024). Raises InvalidName,
-        InvalidArgument, Conflict."""
-        return await cls._create(VolumeSpec.of(name, size_mib=size_mib), runtime)
+        """As :meth:`Volume.create <torpor.client.Volume.create>`."""
+        return await cls._create(VolumeSpec.of(name, size_mib=size_mib, labels=labels), runtime)
+
+    @classmethod
+    async def list(
+        cls, labels: Labels | None = None, *, runtime: AsyncConnection
+    ) -> builtins.list[AsyncVolume]:
+        """As :meth:`Volume.list <torpor.client.Volume.list>`."""
+        return [cls(i, runtime) for i in await runtime.do(cls._list_call(labels))]
 
     async def delete(self) -> None:
         """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
@@ -137,9 +148,18 @@ class AsyncDrive(AsyncResource[DriveInfo]):
         return f"<AsyncDrive {self.id} {self.name!r}>"
 
     @classmethod
-    async def create(cls, name: str, *, runtime: AsyncConnection) -> AsyncDrive:
-        """A new empty drive. Raises InvalidName, Conflict."""
-        return await cls._create(DriveSpec.of(name), runtime)
+    async def create(
+        cls, name: str, *, labels: Labels | None = None, runtime: AsyncConnection
+    ) -> AsyncDrive:
+        """As :meth:`Drive.create <torpor.client.Drive.create>`."""
+        return await cls._create(DriveSpec.of(name, labels=labels), runtime)
+
+    @classmethod
+    async def list(
+        cls, labels: Labels | None = None, *, runtime: AsyncConnection
+    ) -> builtins.list[AsyncDrive]:
+        """As :meth:`Drive.list <torpor.client.Drive.list>`."""
+        return [cls(i, runtime) for i in await runtime.do(cls._list_call(labels))]
 
     async def delete(self) -> None:
         """Delete the drive and its files. Raises Conflict while mounted somewhere."""

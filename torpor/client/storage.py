@@ -31,6 +31,7 @@ from torpor.sandbox.requests import (
 )
 from torpor.sandbox.storage.drives import DriveInfo
 from torpor.sandbox.storage.volumes import VolumeInfo
+from torpor.types import Labels
 
 __all__ = [
     "LONG_TIMEOUT",
@@ -83,8 +84,13 @@ class Resource(Generic[InfoT]):
     @classmethod
     def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Self]:
         """This tenant's, oldest first (snapshots: only checked, unexpired ones)."""
+        return cls._list(None, runtime)
+
+    @classmethod
+    def _list(cls, labels: Labels | None, runtime: Runtime | None) -> builtins.list[Self]:
         rt = runtime or default_runtime()
-        return [cls(i, rt) for i in rt.do(calls.list_resources(cls._route, cls._info_model()))]
+        call = calls.list_resources(cls._route, cls._info_model(), labels)
+        return [cls(i, rt) for i in rt.do(call)]
 
     @classmethod
     def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Self:
@@ -128,11 +134,26 @@ class Volume(Resource[VolumeInfo]):
 
     @classmethod
     def create(
-        cls, name: str, size_mib: int | None = None, *, runtime: Runtime | None = None
+        cls,
+        name: str,
+        size_mib: int | None = None,
+        *,
+        labels: Labels | None = None,
+        runtime: Runtime | None = None,
     ) -> Volume:
-        """A new empty (ext4) volume of ``size_mib`` (default 1024). Raises InvalidName,
-        InvalidArgument, Conflict."""
-        return cls._create(VolumeSpec.of(name, size_mib=size_mib), runtime)
+        """A new empty (ext4) volume of ``size_mib`` (default 1024), carrying ``labels``
+        (a token whose sandbox rights are ``{"user": "u-42"}`` reaches only volumes labelled
+        so, and labels what it creates so). Raises InvalidName, InvalidArgument, Conflict,
+        AccessDenied (labels outside the token's)."""
+        return cls._create(VolumeSpec.of(name, size_mib=size_mib, labels=labels), runtime)
+
+    @classmethod
+    def list(
+        cls, labels: Labels | None = None, *, runtime: Runtime | None = None
+    ) -> builtins.list[Volume]:
+        """This tenant's volumes (those the token may see), oldest first; only those carrying
+        every one of ``labels`` when given."""
+        return cls._list(labels, runtime)
 
     def delete(self) -> None:
         """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
@@ -156,9 +177,20 @@ class Drive(Resource[DriveInfo]):
         return f"<Drive {self.id} {self.name!r}>"
 
     @classmethod
-    def create(cls, name: str, *, runtime: Runtime | None = None) -> Drive:
-        """A new empty drive. Raises InvalidName, Conflict."""
-        return cls._create(DriveSpec.of(name), runtime)
+    def create(
+        cls, name: str, *, labels: Labels | None = None, runtime: Runtime | None = None
+    ) -> Drive:
+        """A new empty drive carrying ``labels`` (as :meth:`Volume.create`). Raises
+        InvalidName, Conflict, AccessDenied."""
+        return cls._create(DriveSpec.of(name, labels=labels), runtime)
+
+    @classmethod
+    def list(
+        cls, labels: Labels | None = None, *, runtime: Runtime | None = None
+    ) -> builtins.list[Drive]:
+        """This tenant's drives (those the token may see), oldest first; only those carrying
+        every one of ``labels`` when given."""
+        return cls._list(labels, runtime)
 
     def delete(self) -> None:
         """Delete the drive and its files. Raises Conflict while mounted somewhere."""
