@@ -18,6 +18,9 @@ EXPECTED = [
     "SourceRef",
     "AsyncRuntime",
     "AsyncSandbox",
+    "AsyncSnapshot",
+    "AsyncVolume",
+    "AsyncDrive",
 ]
 
 

@@ -29,6 +29,9 @@ _LAZY = {
     "SourceRef": "torpor.memory",
     "AsyncRuntime": "torpor.client.aio",
     "AsyncSandbox": "torpor.client.aio_sandbox",
+    "AsyncSnapshot": "torpor.client.aio_sandbox",
+    "AsyncVolume": "torpor.client.aio_storage",
+    "AsyncDrive": "torpor.client.aio_storage",
 }
 
 __all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
@@ -41,6 +44,9 @@ __all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
     "SourceRef",
     "AsyncRuntime",
     "AsyncSandbox",
+    "AsyncSnapshot",
+    "AsyncVolume",
+    "AsyncDrive",
     # the errors every caller may catch; the whole tree is drawn in torpor.errors
     "TorporError",
     "InvalidArgument",

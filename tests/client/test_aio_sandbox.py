@@ -193,6 +193,21 @@ def test_async_sandbox_in_a_real_vm(qemu_served: Path) -> None:
             woken = await sbx.interpreter.run("notes")  # wakes it
             assert woken.text == "['kept across pause']"
             assert (await sbx.info).state.value == "running"
+            # a background process handle, awaited
+            proc = await sbx.commands.start('read line; echo "got $line"')
+            assert [i.pid for i in await sbx.commands.list()] == [proc.pid]
+            await proc.send_stdin("hello\n")
+            assert (await proc.wait(timeout=60)).stdout == "got hello\n"
+            # a snapshot handle, restored and forked into async sandboxes
+            snap = await sbx.snapshot("async-snap")
+            assert isinstance(snap, torpor.AsyncSnapshot)
+            restored = await snap.restore(name="async-restored")
+            assert (await restored.interpreter.run("notes")).text == "['kept across pause']"
+            [forked] = await snap.fork(1)
+            assert (await forked.commands.run("echo forked")).stdout == "forked\n"
+            for each in (restored, forked):
+                await each.kill()
+            await snap.delete()
             await sbx.kill()
             assert (await sbx.info).state.value == "stopped"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import torpor
 from tests.client.conftest import _run
 from tests.sandbox.fakes import FakeEngine
 from torpor.cli import main
@@ -345,3 +346,27 @@ def test_a_follower_continues_across_a_server_restart(tmp_path: Path) -> None:
     kinds = [(k, n) for _, k, n in seen]
     assert kinds == [("create", "first"), ("pause", "first"), ("create", "second")]
     assert [s for s, _, _ in seen] == sorted({s for s, _, _ in seen})  # in order, no repeats
+
+
+def test_volumes_and_drives_carry_labels(home: Home, capsys: pytest.CaptureFixture[str]) -> None:
+    made = cli(
+        capsys, "volume", "create", "v-7", "--size-mib", "16", "--label", "user=u-7", "--json"
+    )
+    assert made.code == 0, made.err
+    info = made.json()
+    assert isinstance(info, dict) and info["labels"] == {"user": "u-7"}
+    assert cli(capsys, "volume", "create", "v-8", "--size-mib", "16", "-q").code == 0
+    listed = cli(capsys, "volume", "ls", "--label", "user=u-7", "--json").json()
+    assert isinstance(listed, list) and [v["name"] for v in listed] == ["v-7"]
+    assert "user=u-7" in cli(capsys, "volume", "ls").out
+    bad = cli(capsys, "volume", "ls", "--label", "nokey")
+    assert bad.code != 0 and "Traceback" not in bad.err
+    assert cli(capsys, "drive", "create", "d-7", "-l", "team=a", "-l", "user=u-7", "-q").code == 0
+    drives = cli(capsys, "drive", "ls", "--label", "team=a", "--json").json()
+    assert isinstance(drives, list) and [d["labels"] for d in drives] == [
+        {"team": "a", "user": "u-7"}
+    ]
+    # the SDK: the same, sync
+    vol = torpor.Volume.create("v-9", 16, labels={"user": "u-9"}, runtime=home.runtime)
+    assert [v.id for v in torpor.Volume.list({"user": "u-9"}, runtime=home.runtime)] == [vol.id]
+    assert [d.name for d in torpor.Drive.list({"user": "u-7"}, runtime=home.runtime)] == ["d-7"]

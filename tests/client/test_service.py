@@ -1,7 +1,8 @@
 """The issue's example end to end: a TCP server, two tenants, three users, one token each;
-memory and sandboxes through one Runtime per user; nothing of one user reaches another. On the
-embedded SQLite store and on PostgreSQL (the sandbox manager is the fake one: the routes, the
-identity and the memory store are real)."""
+memory and sandboxes through one Runtime per user; nothing of one user reaches another; each
+tenant's admin reads its usage per user label. On the embedded SQLite store and on PostgreSQL
+(the real sandbox manager and registry with the manager's fake engine, no VMs: the routes, the
+identity, the memory store and the usage meters are real)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,12 @@ from tests.pg import (  # noqa: F401 (fixtures)
     pg_cluster,
     pg_memory_dsn,
 )
-from tests.server.fake_manager import FakeManager
+from tests.sandbox.fakes import FakeEngine
 from torpor.client import Runtime, Sandbox
+from torpor.config import paths
 from torpor.errors import AccessDenied, SandboxNotFound
 from torpor.memory.backends import open_backend
+from torpor.sandbox.manager import SandboxManager
 from torpor.server.app import create_app
 
 USERS = [("acme", "u-42"), ("acme", "u-43"), ("globex", "u-42")]
@@ -38,8 +42,9 @@ USERS = [("acme", "u-42"), ("acme", "u-43"), ("globex", "u-42")]
 def url_and_app(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Any]]:
     spec = "sqlite" if request.param == "sqlite" else request.getfixturevalue("pg_memory_dsn")
     backend = open_backend(spec, tmp_path / "memory")
+    manager = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
     app = create_app(
-        FakeManager(), supervise=False, require_token=True, memory=backend, memory_embedder=None
+        manager, supervise=False, require_token=True, memory=backend, memory_embedder=None
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -99,5 +104,19 @@ def test_issue_example_two_tenants_three_users(url_and_app: tuple[str, Any]) -> 
     with pytest.raises(SandboxNotFound):  # same user name, other tenant: another world
         Sandbox.get(their.id, runtime=g42)
     assert Sandbox.get(their.id, runtime=a42).info.state == "running"
+
+    # usage: a tenant-wide report, for a token with every sandbox's rights (the tenant's admin)
+    since = (datetime.now(UTC) - timedelta(days=1)).date().isoformat()
+    for tenant in ("acme", "globex"):
+        admin = Runtime(url=url, token=tokens.issue(tenant, [], sandboxes={}))
+        report = admin.usage(by="label:user", since=since)
+        assert report.tenant == tenant
+        users = sorted(u for t, u in USERS if t == tenant)
+        assert sorted(line.key for line in report.lines if line.key) == users
+        assert all(line.sandboxes == 1 and line.vcpu_hours > 0 for line in report.lines)
+        assert report.total.cost.total > 0
+        admin.close()
+    with pytest.raises(AccessDenied):  # a user's token reaches no tenant-wide report
+        a42.usage(by="label:user", since=since)
     for rt in runtimes.values():
         rt.close()

@@ -142,7 +142,7 @@ def test_a_token_of_one_user_reaches_nothing_of_another(
         == 403
     )
     assert c.post("/v1/sandboxes", json={"labels": {key: theirs}}, headers=token).status_code == 403
-    assert c.get("/v1/volumes", headers=token).status_code == 403  # the tenant's shared storage
+    assert c.get("/v1/usage", headers=token).status_code == 403  # tenant-wide
     # nothing changed, and every refusal is in the audit log
     assert manager.infos[sid].state.value == "running"
     assert c.get(f"/v1/sandboxes/{sid}", headers=admin).status_code == 200

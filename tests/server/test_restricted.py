@@ -162,7 +162,7 @@ def _stored_snapshot(live: Live, user: str) -> dict[str, Any]:
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(mine=USERS, theirs=USERS)
-def test_a_users_token_reaches_its_snapshots_and_no_shared_storage(
+def test_a_users_token_reaches_its_snapshots_and_not_the_shared_storage(
     live: Live, mine: str, theirs: str
 ) -> None:
     assume(mine != theirs)
@@ -201,24 +201,42 @@ def test_a_users_token_reaches_its_snapshots_and_no_shared_storage(
     r = me.post(f"/v1/snapshots/{own_snap['id']}/restore", json={"labels": {"user": theirs}})
     assert r.status_code == 403
 
-    # volumes and drives are the tenant's shared storage: none of it, in any way
-    for method, url, body in [
-        ("GET", "/v1/volumes", None),
-        ("POST", "/v1/volumes", {"name": f"mine-{n}", "size_mib": 16}),
-        ("GET", f"/v1/volumes/{volume['id']}", None),
-        ("DELETE", f"/v1/volumes/{volume['id']}", None),
-        ("GET", f"/v1/volumes/{volume['id']}/files?path=/", None),
-        ("GET", "/v1/drives", None),
-        ("POST", "/v1/drives", {"name": f"mine-{n}"}),
-        ("GET", f"/v1/drives/{drive['id']}", None),
-        ("DELETE", f"/v1/drives/{drive['id']}", None),
-        ("POST", f"/v1/sandboxes/{own_box['id']}/volumes", {"volume": volume["id"], "path": "/v"}),
-        ("POST", f"/v1/sandboxes/{own_box['id']}/drives", {"drive": drive["id"], "path": "/d"}),
-        ("POST", "/v1/sandboxes", {"volumes": [{"volume": volume["id"], "path": "/v"}]}),
-        ("POST", "/v1/sandboxes", {"drives": [{"drive": drive["id"], "path": "/d"}]}),
+    # the tenant's shared (unlabelled) volume and drive are out of reach: none of it, any way
+    for method, url, body, error in [
+        ("GET", f"/v1/volumes/{volume['id']}", None, "VolumeNotFound"),
+        ("GET", f"/v1/volumes/{volume['name']}", None, "VolumeNotFound"),
+        ("DELETE", f"/v1/volumes/{volume['id']}", None, "VolumeNotFound"),
+        ("GET", f"/v1/volumes/{volume['id']}/files?path=/", None, "VolumeNotFound"),
+        ("GET", f"/v1/drives/{drive['id']}", None, "DriveNotFound"),
+        ("DELETE", f"/v1/drives/{drive['name']}", None, "DriveNotFound"),
+        (
+            "POST",
+            f"/v1/sandboxes/{own_box['id']}/volumes",
+            {"volume": volume["id"], "path": "/v"},
+            "VolumeNotFound",
+        ),
+        (
+            "POST",
+            f"/v1/sandboxes/{own_box['id']}/drives",
+            {"drive": drive["id"], "path": "/d"},
+            "DriveNotFound",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            {"volumes": [{"volume": volume["id"], "path": "/v"}]},
+            "VolumeNotFound",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            {"drives": [{"drive": drive["id"], "path": "/d"}]},
+            "DriveNotFound",
+        ),
     ]:
         r = me.request(method, url, json=body)
-        assert (r.status_code, r.json()["error"]["type"]) == (403, "AccessDenied"), (url, r.text)
+        assert (r.status_code, r.json()["error"]["type"]) == (404, error), (url, r.text)
+    assert me.get("/v1/volumes").json() == [] and me.get("/v1/drives").json() == []
 
     # nothing of the other user's (or the tenant's) changed
     kept = admin.get(f"/v1/snapshots/{their_snap['id']}").json()
@@ -226,5 +244,111 @@ def test_a_users_token_reaches_its_snapshots_and_no_shared_storage(
     assert admin.get(f"/v1/volumes/{volume['id']}").json()["attachments"] == []
     assert admin.get(f"/v1/drives/{drive['id']}").json()["attachments"] == []
     assert len(admin.get("/v1/sandboxes").json()) == sandboxes  # no restore, no mount made one
+    for c in (admin, me):
+        c.close()
+
+
+def _denials(live: Live) -> int:
+    return sum(not e.allowed for e in live.app.state.memory_backend.audit_log("acme", 10_000))
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(mine=USERS, theirs=USERS)
+def test_a_users_token_reaches_only_volumes_and_drives_with_its_labels(
+    live: Live, mine: str, theirs: str
+) -> None:
+    assume(mine != theirs)
+    n = next(_names)
+    admin = live.client(live.token(None))
+    me = live.client(live.token(mine))
+    labelled = {"user": theirs}
+    their_vol = admin.post(
+        "/v1/volumes", json={"name": f"tv-{n}", "size_mib": 16, "labels": labelled}
+    ).json()
+    their_drv = admin.post("/v1/drives", json={"name": f"td-{n}", "labels": labelled}).json()
+    assert their_vol["labels"] == their_drv["labels"] == labelled
+    own_box = me.put(f"/v1/sandboxes/by-name/box-{n}", json={}).json()
+
+    # what the token makes carries its label; it cannot label one as another user's
+    own_vol = me.post("/v1/volumes", json={"name": f"mv-{n}", "size_mib": 16}).json()
+    assert own_vol["labels"] == {"user": mine}
+    own_drv = me.post("/v1/drives", json={"name": f"md-{n}", "labels": {"team": "x"}}).json()
+    assert own_drv["labels"] == {"team": "x", "user": mine}
+    for route in ("/v1/volumes", "/v1/drives"):
+        r = me.post(route, json={"name": f"x-{n}", "labels": {"user": theirs}})
+        assert (r.status_code, r.json()["error"]["type"]) == (403, "AccessDenied"), r.text
+        assert admin.get(f"{route}/x-{n}").status_code == 404  # nothing made
+
+    # lists: only its own (earlier examples may have left more of this user's); a label
+    # filter narrows them (the admin's too)
+    for route, own, their in (
+        ("/v1/volumes", own_vol, their_vol),
+        ("/v1/drives", own_drv, their_drv),
+    ):
+        listed = me.get(route).json()
+        assert own["id"] in {i["id"] for i in listed}
+        assert all(i["labels"].get("user") == mine for i in listed), listed
+        assert me.get(route, params={"label": f"user={theirs}"}).json() == []
+        theirs_listed = admin.get(route, params={"label": f"user={theirs}"}).json()
+        assert their["id"] in {i["id"] for i in theirs_listed}
+        assert all(i["labels"].get("user") == theirs for i in theirs_listed)
+    teamed = me.get("/v1/drives", params={"label": "team=x"}).json()
+    assert own_drv["id"] in {d["id"] for d in teamed}
+    assert all(d["labels"]["team"] == "x" for d in teamed)
+
+    # its own are there
+    assert me.get(f"/v1/volumes/{own_vol['name']}").json()["id"] == own_vol["id"]
+    r = me.get(f"/v1/volumes/{own_vol['id']}/files", params={"path": "/none"})
+    assert r.json()["error"]["type"] == "PathNotFound"
+    assert me.get(f"/v1/drives/{own_drv['id']}").status_code == 200
+
+    # the other user's are not there at all, and every refusal is audited
+    before = _denials(live)
+    refused = [
+        ("GET", f"/v1/volumes/{their_vol['id']}", None, "VolumeNotFound"),
+        ("GET", f"/v1/volumes/{their_vol['name']}", None, "VolumeNotFound"),
+        ("GET", f"/v1/volumes/{their_vol['id']}/files?path=/", None, "VolumeNotFound"),
+        ("DELETE", f"/v1/volumes/{their_vol['id']}", None, "VolumeNotFound"),
+        ("GET", f"/v1/drives/{their_drv['name']}", None, "DriveNotFound"),
+        ("DELETE", f"/v1/drives/{their_drv['id']}", None, "DriveNotFound"),
+        (
+            "POST",
+            f"/v1/sandboxes/{own_box['id']}/volumes",
+            {"volume": their_vol["id"], "path": "/v"},
+            "VolumeNotFound",
+        ),
+        (
+            "POST",
+            f"/v1/sandboxes/{own_box['id']}/drives",
+            {"drive": their_drv["name"], "path": "/d"},
+            "DriveNotFound",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            {"volumes": [{"volume": their_vol["id"], "path": "/v"}]},
+            "VolumeNotFound",
+        ),
+        (
+            "POST",
+            "/v1/sandboxes",
+            {"drives": [{"drive": their_drv["id"], "path": "/d"}]},
+            "DriveNotFound",
+        ),
+    ]
+    for method, url, body, error in refused:
+        r = me.request(method, url, json=body)
+        assert (r.status_code, r.json()["error"]["type"]) == (404, error), (url, r.text)
+    assert _denials(live) - before >= len(refused)
+    assert admin.get(f"/v1/volumes/{their_vol['id']}").json()["labels"] == labelled
+    assert admin.get(f"/v1/drives/{their_drv['id']}").json()["attachments"] == []
+
+    # and it deletes its own
+    assert me.delete(f"/v1/volumes/{own_vol['id']}").status_code == 204
+    assert me.delete(f"/v1/drives/{own_drv['id']}").status_code == 204
     for c in (admin, me):
         c.close()

@@ -16,6 +16,7 @@ from rich.console import Console
 from torpor.cli.output import AsJson, Quiet, emit, table
 from torpor.client import Drive, Sandbox, Snapshot, Volume
 from torpor.client.storage import collect_garbage
+from torpor.sandbox.models import parse_labels
 
 __all__ = ["register"]
 
@@ -151,16 +152,29 @@ def snapshot_rm(snapshot: Annotated[str, typer.Argument(help="snapshot id or nam
 
 # -- volumes and drives ----------------------------------------------------------------------
 
+LabelOption = Annotated[
+    list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE, repeatable")
+]
+LabelFilter = Annotated[
+    list[str] | None, typer.Option("--label", "-l", help="only those with KEY=VALUE, repeatable")
+]
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in labels.items())
+
 
 @volume_app.command("create")
 def volume_create(
     name: Annotated[str, typer.Argument(help="volume name")],
     size_mib: Annotated[int, typer.Option(help="size in MiB (sparse)")] = 1024,
+    label: LabelOption = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
-    """Make an empty volume. Example: torpor volume create memory-u-42 --size-mib 1024"""
-    vol = Volume.create(name, size_mib)
+    """Make an empty volume. Example: torpor volume create memory-u-42 --size-mib 1024
+    --label user=u-42"""
+    vol = Volume.create(name, size_mib, labels=parse_labels(label))
     emit(
         vol.info,
         as_json=as_json,
@@ -171,21 +185,22 @@ def volume_create(
 
 
 @volume_app.command("ls")
-def volume_ls(as_json: AsJson = False, quiet: Quiet = False) -> None:
-    """List volumes and who has them attached. Example: torpor volume ls"""
-    vols = Volume.list()
+def volume_ls(label: LabelFilter = None, as_json: AsJson = False, quiet: Quiet = False) -> None:
+    """List volumes and who has them attached. Example: torpor volume ls --label user=u-42"""
+    vols = Volume.list(parse_labels(label, what="label filter"))
     if as_json or quiet:
         emit(
             [v.info for v in vols], as_json=as_json, quiet=quiet, ids=lambda xs: [x.id for x in xs]
         )
         return
     _table(
-        ["id", "name", "size", "attached to"],
+        ["id", "name", "size", "labels", "attached to"],
         [
             [
                 v.id,
                 v.name,
                 f"{v.info.size_mib} MiB",
+                _labels(v.info.labels),
                 ", ".join(
                     f"{a.sandbox_id}:{a.path}{' (ro)' if a.read_only else ''}"
                     for a in v.info.attachments
@@ -206,11 +221,12 @@ def volume_rm(volume: Annotated[str, typer.Argument(help="volume id or name")]) 
 @drive_app.command("create")
 def drive_create(
     name: Annotated[str, typer.Argument(help="drive name")],
+    label: LabelOption = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
 ) -> None:
-    """Make an empty shared drive. Example: torpor drive create research"""
-    d = Drive.create(name)
+    """Make an empty shared drive. Example: torpor drive create research --label team=a"""
+    d = Drive.create(name, labels=parse_labels(label))
     emit(
         d.info,
         as_json=as_json,
@@ -221,9 +237,9 @@ def drive_create(
 
 
 @drive_app.command("ls")
-def drive_ls(as_json: AsJson = False, quiet: Quiet = False) -> None:
-    """List drives. Example: torpor drive ls"""
-    drives = Drive.list()
+def drive_ls(label: LabelFilter = None, as_json: AsJson = False, quiet: Quiet = False) -> None:
+    """List drives. Example: torpor drive ls --label team=a"""
+    drives = Drive.list(parse_labels(label, what="label filter"))
     if as_json or quiet:
         emit(
             [d.info for d in drives],
@@ -233,9 +249,14 @@ def drive_ls(as_json: AsJson = False, quiet: Quiet = False) -> None:
         )
         return
     _table(
-        ["id", "name", "mounted in"],
+        ["id", "name", "labels", "mounted in"],
         [
-            [d.id, d.name, ", ".join(f"{a.sandbox_id}:{a.path}" for a in d.info.attachments)]
+            [
+                d.id,
+                d.name,
+                _labels(d.info.labels),
+                ", ".join(f"{a.sandbox_id}:{a.path}" for a in d.info.attachments),
+            ]
             for d in drives
         ],
     )

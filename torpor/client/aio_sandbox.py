@@ -12,9 +12,9 @@
 The same methods, arguments, models and typed errors as the sync handle, each a coroutine;
 ``await sbx.info`` reads fresh details. Both send the same
 :class:`~torpor.client.calls.Call` s, built and read by :mod:`torpor.client.sandbox_calls`:
-only the sending line differs. A ``snapshot`` answers its
-:class:`~torpor.sandbox.storage.snapshots.SnapshotInfo` (restore it with
-``rt.sandboxes.create(snapshot=info.id)``).
+only the sending line differs. A ``snapshot`` answers an
+:class:`AsyncSnapshot` (``await snap.restore()``, ``await snap.fork(2)``), as the sync
+handle answers a :class:`~torpor.client.Snapshot`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,14 @@ from typing import Any, Literal, Protocol, Self, TypeVar
 from pydantic import BaseModel
 
 from torpor.client import sandbox_calls as calls
+from torpor.client import storage_calls
+from torpor.client.aio_storage import AsyncResource
 from torpor.client.calls import Call
+from torpor.client.processes import AsyncProcessHandle
+from torpor.client.processes import list_processes_async as list_processes
+from torpor.client.processes import start_async as start_process
 from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable
-from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution, ProcessInfo, SandboxInfo
 from torpor.sandbox.registry.usage import RetentionSpec
 from torpor.sandbox.requests import (
     COMMAND_TIMEOUT,
@@ -41,6 +46,7 @@ from torpor.sandbox.requests import (
     DriveMount,
     ForkSpec,
     MemoryScope,
+    RestoreSpec,
     SandboxOptions,
     SandboxSettings,
     SandboxSpec,
@@ -64,7 +70,14 @@ class AsyncRuntime(Protocol):
     ) -> AbstractAsyncContextManager[AsyncIterator[str]]: ...
 
 
-__all__ = ["AsyncCommands", "AsyncFiles", "AsyncInterpreter", "AsyncSandbox", "AsyncSandboxes"]
+__all__ = [
+    "AsyncCommands",
+    "AsyncFiles",
+    "AsyncInterpreter",
+    "AsyncSandbox",
+    "AsyncSandboxes",
+    "AsyncSnapshot",
+]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -111,6 +124,19 @@ class AsyncCommands:
         spec = CommandSpec.of(cmd=cmd, cwd=cwd, env=env, timeout=timeout, background=background)
         call = calls.run_command(self._sbx.id, spec)
         return await _run(self._sbx, call, CommandResult, on_stdout, on_stderr)
+
+    async def start(self, cmd: str, *, cwd: str | None = None) -> AsyncProcessHandle:
+        """As :meth:`Commands.start <torpor.client.sandbox.Commands.start>`: a handle to wait
+        for it, read its output, send it stdin or kill it. Raises InvalidArgument."""
+        return await start_process(self._sbx, cmd, cwd=cwd)
+
+    async def list(self, *, include_exited: bool = False) -> builtins.list[ProcessInfo]:
+        """As :meth:`Commands.list <torpor.client.sandbox.Commands.list>`."""
+        return await list_processes(self._sbx, include_exited=include_exited)
+
+    def connect(self, pid: int) -> AsyncProcessHandle:
+        """A handle on a process :meth:`start` made (e.g. in another session)."""
+        return AsyncProcessHandle(self._sbx, pid)
 
 
 class AsyncFiles:
@@ -254,11 +280,11 @@ class AsyncSandbox:
         *,
         retention_days: int | None = None,
         labels: Labels | None = None,
-    ) -> SnapshotInfo:
-        """As :meth:`Sandbox.snapshot <torpor.client.Sandbox.snapshot>`; answers the stored
-        snapshot's info."""
+    ) -> AsyncSnapshot:
+        """As :meth:`Sandbox.snapshot <torpor.client.Sandbox.snapshot>`: a handle on the
+        stored snapshot."""
         spec = SnapshotSpec.of(name=name, retention_days=retention_days, labels=labels)
-        return await self._runtime.do(calls.snapshot(self.id, spec))
+        return AsyncSnapshot(await self._runtime.do(calls.snapshot(self.id, spec)), self._runtime)
 
     async def fork(
         self,
@@ -297,6 +323,60 @@ class AsyncSandbox:
             return
         with contextlib.suppress(NotFound, SandboxClosed):
             await self.kill()
+
+
+class AsyncSnapshot(AsyncResource[SnapshotInfo]):
+    """:class:`~torpor.client.Snapshot`, awaited: an immutable copy of a whole sandbox."""
+
+    _route = "/v1/snapshots"
+    _model = SnapshotInfo
+
+    def __init__(self, info: SnapshotInfo, runtime: AsyncRuntime) -> None:
+        super().__init__(info, runtime)
+        self._sandboxes_runtime = runtime
+
+    def __repr__(self) -> str:
+        return f"<AsyncSnapshot {self.id} {self.name!r}>"
+
+    @classmethod
+    async def list(cls, *, runtime: AsyncRuntime) -> builtins.list[AsyncSnapshot]:  # type: ignore[override]
+        """This tenant's checked, unexpired snapshots, oldest first."""
+        return [cls(i, runtime) for i in await runtime.do(cls._list_call(None))]
+
+    @classmethod
+    async def get(cls, id_or_name: str, *, runtime: AsyncRuntime) -> AsyncSnapshot:  # type: ignore[override]
+        """One by id or name. Raises SnapshotNotFound (also once expired)."""
+        return cls(
+            await runtime.do(storage_calls.get(cls._route, SnapshotInfo, id_or_name)), runtime
+        )
+
+    async def delete(self) -> None:
+        """Delete the snapshot (its storage is reclaimed by the next GC)."""
+        await self._delete()
+
+    async def set_retention(self, days: int) -> SnapshotInfo:
+        """As :meth:`Snapshot.set_retention <torpor.client.Snapshot.set_retention>`."""
+        call = storage_calls.set_retention(self.id, RetentionSpec.of(days=days))
+        self.info = await self._runtime.do(call)
+        return self.info
+
+    async def restore(
+        self, *, name: str | None = None, labels: Labels | None = None, envs: Env | None = None
+    ) -> AsyncSandbox:
+        """As :meth:`Snapshot.restore <torpor.client.Snapshot.restore>`."""
+        spec = RestoreSpec.of(name=name, labels=labels, envs=envs)
+        rt = self._sandboxes_runtime
+        return AsyncSandbox(await rt.do(storage_calls.restore(self.id, spec)), rt)
+
+    async def fork(
+        self, count: int | None = None, *, labels: Labels | None = None, envs: Env | None = None
+    ) -> builtins.list[AsyncSandbox]:
+        """As :meth:`Snapshot.fork <torpor.client.Snapshot.fork>`."""
+        spec = ForkSpec.of(count=count, labels=labels, envs=envs)
+        rt = self._sandboxes_runtime
+        return [
+            AsyncSandbox(i, rt) for i in await rt.do(storage_calls.fork_snapshot(self.id, spec))
+        ]
 
 
 class AsyncSandboxes:

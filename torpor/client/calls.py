@@ -14,6 +14,7 @@ are written once.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,25 +76,50 @@ class Call(Generic[T]):
     answer: Literal["json", "bytes", "text", "none"] = "json"
     timeout: float | Literal["default"] | None = DEFAULT
 
+    def payload(self) -> tuple[bytes | None, str | None]:
+        """The body to send and its content type (``(None, None)`` for none). Raises
+        :class:`InvalidArgument` for a body JSON cannot hold."""
+        if self.content is not None:
+            return self.content, "application/octet-stream"
+        if self.body is not None:
+            return encode(self.body), "application/json"
+        return None, None
+
     def request_kwargs(self) -> dict[str, Any]:
         """The ``httpx`` keyword arguments of this call."""
         kwargs: dict[str, Any] = {"params": self.params}
-        if self.content is not None:
-            kwargs["content"] = self.content
-            kwargs["headers"] = {"content-type": "application/octet-stream"}
-        elif self.body is not None:
-            kwargs["content"] = encode(self.body)
-            kwargs["headers"] = {"content-type": "application/json"}
+        content, content_type = self.payload()
+        if content is not None:
+            kwargs["content"] = content
+            kwargs["headers"] = {"content-type": content_type}
         if self.timeout != DEFAULT:
             kwargs["timeout"] = self.timeout
         return kwargs
 
     def read(self, response: httpx.Response) -> T:
         """The answer of a successful ``response`` (already read), parsed."""
+        return self.read_content(response.content, response.headers.get("content-type"))
+
+    def read_content(self, content: bytes, content_type: str | None = None) -> T:
+        """The answer of a successful request from its body (and its content type, whose
+        charset decodes a text answer; UTF-8 without one), parsed."""
         if self.answer == "json":
-            return self.parse(response.json())
+            return self.parse(json.loads(content))
         if self.answer == "bytes":
-            return self.parse(response.content)
+            return self.parse(content)
         if self.answer == "text":
-            return self.parse(response.text)
+            return self.parse(content.decode(_charset(content_type), errors="replace"))
         return self.parse(None)
+
+
+def _charset(content_type: str | None) -> str:
+    for part in (content_type or "").split(";")[1:]:
+        name, _, value = part.strip().partition("=")
+        if name.lower() == "charset" and value:
+            value = value.strip('"')
+            try:
+                codecs.lookup(value)
+            except LookupError:
+                break
+            return value
+    return "utf-8"

@@ -443,8 +443,7 @@ class RemoteMemory:
 
     def do(self, call: Call[T]) -> T:
         """Send one :class:`Call` and parse its answer (raises the server's typed error)."""
-        data = self.runtime.json(call.method, call.path, **call.request_kwargs())
-        return call.parse(data)
+        return self.runtime.do(call)
 
     @property
     def tenant(self) -> str:

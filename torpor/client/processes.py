@@ -15,6 +15,10 @@ ends, all in ``/tmp/torpor-procs/<pid>/`` (a link to the directory made before t
 known). That directory lives in the guest's RAM and disk,
 so a handle survives a pause and wake (the process keeps running when woken) and is copied by
 a fork. Its output is kept whole in the guest until the directory is removed (``p.forget()``).
+
+An :class:`~torpor.client.aio_sandbox.AsyncSandbox` 's ``commands.start`` answers an
+:class:`AsyncProcessHandle`: the same methods, awaited, running the same guest scripts
+(:func:`start_script`, :class:`_Scripts`): only the sending differs.
 """
 
 from __future__ import annotations
@@ -47,7 +51,35 @@ class Sandbox(Protocol):
     def files(self) -> _Files: ...
 
 
-__all__ = ["PROCS_DIR", "ProcessHandle", "list_processes", "start"]
+class _AsyncCommands(Protocol):
+    async def run(self, cmd: str, *, timeout: float | None = ...) -> CommandResult: ...
+
+
+class _AsyncFiles(Protocol):
+    async def exists(self, path: str) -> bool: ...
+
+    async def read_text(self, path: str) -> str: ...
+
+
+class AsyncSandbox(Protocol):
+    """What an async handle uses of a :class:`torpor.AsyncSandbox`."""
+
+    @property
+    def commands(self) -> _AsyncCommands: ...
+
+    @property
+    def files(self) -> _AsyncFiles: ...
+
+
+__all__ = [
+    "PROCS_DIR",
+    "AsyncProcessHandle",
+    "ProcessHandle",
+    "list_processes",
+    "list_processes_async",
+    "start",
+    "start_async",
+]
 
 #: where each started process keeps its stdin FIFO, output, pid and exit code (in the guest)
 PROCS_DIR = "/tmp/torpor-procs"
@@ -81,8 +113,7 @@ done
 """
 
 
-def _run(sbx: Sandbox, script: str, *, timeout: float | None = _QUICK) -> CommandResult:
-    result = sbx.commands.run(script, timeout=timeout)
+def _checked(result: CommandResult) -> CommandResult:
     if result.exit_code != 0:
         raise InvalidArgument(
             f"the guest could not manage the process: {result.stderr.strip() or result.stdout}"
@@ -90,21 +121,30 @@ def _run(sbx: Sandbox, script: str, *, timeout: float | None = _QUICK) -> Comman
     return result
 
 
-def start(sbx: Sandbox, cmd: str, *, cwd: str | None = None) -> ProcessHandle:
-    """Start ``cmd`` (``/bin/sh``) in the background and return its handle. Raises
-    InvalidArgument (an empty command, or the guest refused)."""
+def _run(sbx: Sandbox, script: str, *, timeout: float | None = _QUICK) -> CommandResult:
+    return _checked(sbx.commands.run(script, timeout=timeout))
+
+
+# -- the scripts and how their answers are read (shared by the sync and the async handles) ----
+
+
+def start_script(cmd: str, cwd: str | None) -> str:
+    """The guest script that starts ``cmd`` and prints its pid. Raises InvalidArgument for an
+    empty command."""
     if not cmd.strip():
         raise InvalidArgument("an empty command", field="cmd")
     body = cmd if cwd is None else f"cd {shlex.quote(cwd)} && {cmd}"
     encoded = shlex.quote(base64.b64encode(body.encode()).decode())
-    out = _run(sbx, _START.format(root=PROCS_DIR, cmd=encoded)).stdout.strip()
-    return ProcessHandle(sbx, int(out), cmd)
+    return _START.format(root=PROCS_DIR, cmd=encoded)
 
 
-def list_processes(sbx: Sandbox, *, include_exited: bool = False) -> list[ProcessInfo]:
-    """The processes started with :func:`start` (running ones, or all with
-    ``include_exited``), oldest pid first."""
-    out = _run(sbx, _LIST.format(root=PROCS_DIR)).stdout
+def list_script() -> str:
+    """The guest script that lists the started processes (read by :func:`parse_list`)."""
+    return _LIST.format(root=PROCS_DIR)
+
+
+def parse_list(out: str, include_exited: bool) -> list[ProcessInfo]:
+    """The processes :func:`list_script` printed, oldest pid first."""
     found: list[ProcessInfo] = []
     for line in out.splitlines():
         pid, code, cmd = [*line.split(" ", 2), "", ""][:3]
@@ -114,83 +154,206 @@ def list_processes(sbx: Sandbox, *, include_exited: bool = False) -> list[Proces
     return sorted(found, key=lambda p: p.pid)
 
 
+class _Scripts:
+    """The guest scripts of one started process (its directory is ``PROCS_DIR/<pid>``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.dir = f"{PROCS_DIR}/{pid}"
+
+    def missing(self) -> NotFound:
+        return NotFound(
+            f"no process {self.pid} started by torpor", kind="process", name=str(self.pid)
+        )
+
+    def exit_code(self) -> str:
+        return f"cat {self.dir}/exit 2>/dev/null || true"
+
+    @staticmethod
+    def parse_exit_code(result: CommandResult) -> int | None:
+        text = result.stdout.strip()
+        return int(text) if text else None
+
+    def wait(self) -> str:
+        return f"while [ ! -e {self.dir}/exit ]; do sleep 0.1; done"
+
+    def still_runs(self, timeout: float | None) -> OperationTimeout:
+        return OperationTimeout(f"process {self.pid} still runs after {timeout} s", pid=self.pid)
+
+    def send_stdin(self, data: str | bytes) -> str:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        encoded = shlex.quote(base64.b64encode(raw).decode())
+        return f"printf %s {encoded} | base64 -d > {self.dir}/stdin"
+
+    def kill(self) -> str:
+        # the wrapper that would write the exit code dies too: write it (128 + SIGKILL)
+        return (
+            f"[ -e {self.dir}/exit ] && exit 3; kill -s KILL -- -{self.pid} && "
+            f"echo 137 > {self.dir}/exit"
+        )
+
+    def read_from(self, offset: int) -> str:
+        return f"tail -c +{int(offset) + 1} {self.dir}/stdout"
+
+    def forget(self) -> str:
+        return f'rm -rf "$(readlink -f {self.dir})" {self.dir}'
+
+    def output(self, code: int | None, stdout: str, stderr: str) -> CommandResult:
+        return CommandResult(
+            exit_code=-1 if code is None else code, stdout=stdout, stderr=stderr, pid=self.pid
+        )
+
+
+# -- the sync handle ---------------------------------------------------------------------------
+
+
+def start(sbx: Sandbox, cmd: str, *, cwd: str | None = None) -> ProcessHandle:
+    """Start ``cmd`` (``/bin/sh``) in the background and return its handle. Raises
+    InvalidArgument (an empty command, or the guest refused)."""
+    out = _run(sbx, start_script(cmd, cwd)).stdout.strip()
+    return ProcessHandle(sbx, int(out), cmd)
+
+
+def list_processes(sbx: Sandbox, *, include_exited: bool = False) -> list[ProcessInfo]:
+    """The processes started with :func:`start` (running ones, or all with
+    ``include_exited``), oldest pid first."""
+    return parse_list(_run(sbx, list_script()).stdout, include_exited)
+
+
 class ProcessHandle:
     """One background process in a sandbox (see the module docstring)."""
 
     def __init__(self, sandbox: Sandbox, pid: int, cmd: str = "") -> None:
         self._sbx = sandbox
+        self._scripts = _Scripts(pid)
         self.pid = pid
         self.cmd = cmd
 
     def __repr__(self) -> str:
         return f"<ProcessHandle {self.pid} {self.cmd!r}>"
 
-    @property
-    def _dir(self) -> str:
-        return f"{PROCS_DIR}/{self.pid}"
-
     def _check(self) -> None:
-        if not self._sbx.files.exists(self._dir):
-            raise NotFound(
-                f"no process {self.pid} started by torpor", kind="process", name=str(self.pid)
-            )
+        if not self._sbx.files.exists(self._scripts.dir):
+            raise self._scripts.missing()
 
     def exit_code(self) -> int | None:
         """Its exit code, or None while it runs. Raises NotFound."""
         self._check()
-        got = self._sbx.commands.run(f"cat {self._dir}/exit 2>/dev/null || true", timeout=_QUICK)
-        text = got.stdout.strip()
-        return int(text) if text else None
+        got = self._sbx.commands.run(self._scripts.exit_code(), timeout=_QUICK)
+        return self._scripts.parse_exit_code(got)
 
     def output(self) -> CommandResult:
         """What it wrote so far (stdout, stderr) and its exit code (-1 while it runs)."""
         self._check()
         code = self.exit_code()
-        return CommandResult(
-            exit_code=-1 if code is None else code,
-            stdout=self._sbx.files.read_text(f"{self._dir}/stdout"),
-            stderr=self._sbx.files.read_text(f"{self._dir}/stderr"),
-            pid=self.pid,
+        files, d = self._sbx.files, self._scripts.dir
+        return self._scripts.output(
+            code, files.read_text(f"{d}/stdout"), files.read_text(f"{d}/stderr")
         )
 
     def wait(self, timeout: float | None = 60.0) -> CommandResult:
         """Wait until it exits; its whole output and exit code. Raises OperationTimeout after
         ``timeout`` seconds (it keeps running), NotFound."""
         self._check()
-        script = f"while [ ! -e {self._dir}/exit ]; do sleep 0.1; done"
         try:
-            self._sbx.commands.run(script, timeout=timeout)
+            self._sbx.commands.run(self._scripts.wait(), timeout=timeout)
         except OperationTimeout:
-            raise OperationTimeout(
-                f"process {self.pid} still runs after {timeout} s", pid=self.pid
-            ) from None
+            raise self._scripts.still_runs(timeout) from None
         return self.output()
 
     def send_stdin(self, data: str | bytes) -> None:
         """Write ``data`` to its stdin. Raises NotFound."""
         self._check()
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        encoded = shlex.quote(base64.b64encode(raw).decode())
-        _run(self._sbx, f"printf %s {encoded} | base64 -d > {self._dir}/stdin")
+        _run(self._sbx, self._scripts.send_stdin(data))
 
     def kill(self) -> bool:
         """Kill it and what it started (its whole session); False if it had exited."""
         self._check()
-        # the wrapper that would write the exit code dies too: write it (128 + SIGKILL)
-        got = self._sbx.commands.run(
-            f"[ -e {self._dir}/exit ] && exit 3; kill -s KILL -- -{self.pid} && "
-            f"echo 137 > {self._dir}/exit",
-            timeout=_QUICK,
-        )
-        return got.exit_code == 0
+        return self._sbx.commands.run(self._scripts.kill(), timeout=_QUICK).exit_code == 0
 
     def read_from(self, offset: int) -> str:
         """What it wrote to stdout from byte ``offset`` on (for following its output)."""
-        got = self._sbx.commands.run(
-            f"tail -c +{int(offset) + 1} {self._dir}/stdout", timeout=_QUICK
-        )
-        return got.stdout
+        return self._sbx.commands.run(self._scripts.read_from(offset), timeout=_QUICK).stdout
 
     def forget(self) -> None:
         """Remove its files from the guest (kill it first if it should stop)."""
-        self._sbx.commands.run(f'rm -rf "$(readlink -f {self._dir})" {self._dir}', timeout=_QUICK)
+        self._sbx.commands.run(self._scripts.forget(), timeout=_QUICK)
+
+
+# -- the async handle --------------------------------------------------------------------------
+
+
+async def start_async(sbx: AsyncSandbox, cmd: str, *, cwd: str | None = None) -> AsyncProcessHandle:
+    """:func:`start` for an :class:`~torpor.client.aio_sandbox.AsyncSandbox`."""
+    out = _checked(await sbx.commands.run(start_script(cmd, cwd), timeout=_QUICK)).stdout
+    return AsyncProcessHandle(sbx, int(out.strip()), cmd)
+
+
+async def list_processes_async(
+    sbx: AsyncSandbox, *, include_exited: bool = False
+) -> list[ProcessInfo]:
+    """:func:`list_processes` for an :class:`~torpor.client.aio_sandbox.AsyncSandbox`."""
+    out = _checked(await sbx.commands.run(list_script(), timeout=_QUICK)).stdout
+    return parse_list(out, include_exited)
+
+
+class AsyncProcessHandle:
+    """:class:`ProcessHandle`, awaited: one background process in an async sandbox."""
+
+    def __init__(self, sandbox: AsyncSandbox, pid: int, cmd: str = "") -> None:
+        self._sbx = sandbox
+        self._scripts = _Scripts(pid)
+        self.pid = pid
+        self.cmd = cmd
+
+    def __repr__(self) -> str:
+        return f"<AsyncProcessHandle {self.pid} {self.cmd!r}>"
+
+    async def _check(self) -> None:
+        if not await self._sbx.files.exists(self._scripts.dir):
+            raise self._scripts.missing()
+
+    async def exit_code(self) -> int | None:
+        """As :meth:`ProcessHandle.exit_code`."""
+        await self._check()
+        got = await self._sbx.commands.run(self._scripts.exit_code(), timeout=_QUICK)
+        return self._scripts.parse_exit_code(got)
+
+    async def output(self) -> CommandResult:
+        """As :meth:`ProcessHandle.output`."""
+        await self._check()
+        code = await self.exit_code()
+        files, d = self._sbx.files, self._scripts.dir
+        return self._scripts.output(
+            code, await files.read_text(f"{d}/stdout"), await files.read_text(f"{d}/stderr")
+        )
+
+    async def wait(self, timeout: float | None = 60.0) -> CommandResult:
+        """As :meth:`ProcessHandle.wait`."""
+        await self._check()
+        try:
+            await self._sbx.commands.run(self._scripts.wait(), timeout=timeout)
+        except OperationTimeout:
+            raise self._scripts.still_runs(timeout) from None
+        return await self.output()
+
+    async def send_stdin(self, data: str | bytes) -> None:
+        """As :meth:`ProcessHandle.send_stdin`."""
+        await self._check()
+        _checked(await self._sbx.commands.run(self._scripts.send_stdin(data), timeout=_QUICK))
+
+    async def kill(self) -> bool:
+        """As :meth:`ProcessHandle.kill`."""
+        await self._check()
+        got = await self._sbx.commands.run(self._scripts.kill(), timeout=_QUICK)
+        return got.exit_code == 0
+
+    async def read_from(self, offset: int) -> str:
+        """As :meth:`ProcessHandle.read_from`."""
+        return (
+            await self._sbx.commands.run(self._scripts.read_from(offset), timeout=_QUICK)
+        ).stdout
+
+    async def forget(self) -> None:
+        """As :meth:`ProcessHandle.forget`."""
+        await self._sbx.commands.run(self._scripts.forget(), timeout=_QUICK)

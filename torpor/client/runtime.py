@@ -29,9 +29,11 @@ from datetime import date, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
+import httpcore
 import httpx
 
 from torpor.client._local import ensure_local_server
+from torpor.client._wire import Answer, SocketWire
 from torpor.client.calls import Call
 from torpor.config import Paths, paths
 from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
@@ -128,7 +130,10 @@ class Runtime:
             self._http = httpx.Client(
                 transport=transport, base_url="http://torpor", headers=headers, timeout=limits
             )
+            # one-shot calls (do) skip httpx's models: see torpor.client._wire
+            self._wire: SocketWire | None = SocketWire(str(self.paths.socket), headers, timeout)
         else:
+            self._wire = None
             assert url is not None
             # TCP_NODELAY: a POST's body must not wait behind its headers for a delayed ACK
             nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
@@ -199,7 +204,36 @@ class Runtime:
     def do(self, call: Call[T]) -> T:
         """Send one :class:`~torpor.client.calls.Call` and read its answer (raises like
         :meth:`request`)."""
-        return call.read(self.request(call.method, call.path, **call.request_kwargs()))
+        if self._wire is None:
+            return call.read(self.request(call.method, call.path, **call.request_kwargs()))
+        content, content_type = call.payload()
+        try:
+            answer = self._on_wire(call, content, content_type)
+        except ServerUnavailable as exc:
+            # as request(): a refused or missing socket means nothing was delivered
+            if not (self.autostart and isinstance(exc.exc, httpcore.ConnectError)):
+                raise
+            self._start_local()
+            answer = self._on_wire(call, content, content_type)
+        if answer.status >= 400:
+            raise self._error(
+                httpx.Response(answer.status, headers=answer.headers, content=answer.content)
+            )
+        return call.read_content(answer.content, answer.headers.get("content-type"))
+
+    def _on_wire(self, call: Call[Any], content: bytes | None, content_type: str | None) -> Answer:
+        assert self._wire is not None
+        method, path = call.method, call.path
+        try:
+            return self._wire.send(method, path, call.params, content, content_type, call.timeout)
+        except (httpcore.ConnectError, httpcore.RemoteProtocolError) as exc:
+            raise ServerUnavailable(f"cannot reach {self._where()}: {exc}", exc=exc) from exc
+        except httpcore.TimeoutException as exc:
+            raise OperationTimeout(
+                f"{method} {path}: no answer from {self._where()} in time", exc=exc
+            ) from exc
+        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
+            raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
 
     @contextmanager
     def stream_events(
@@ -347,6 +381,8 @@ class Runtime:
     def close(self) -> None:
         """Close the connection pool (the local server keeps running)."""
         self._http.close()
+        if self._wire is not None:
+            self._wire.close()
 
     def __enter__(self) -> Self:
         return self

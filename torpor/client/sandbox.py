@@ -27,12 +27,13 @@ from pydantic import BaseModel
 
 import torpor.client.runtime as _runtime_module
 from torpor.client import sandbox_calls as calls
+from torpor.client import storage_calls
 from torpor.client.calls import Call
 from torpor.client.processes import ProcessHandle, list_processes
 from torpor.client.processes import start as start_process
 from torpor.client.pty import Pty
 from torpor.client.runtime import Runtime, default_runtime
-from torpor.client.storage import Resource, post_spec, quote_id
+from torpor.client.storage import Resource
 from torpor.errors import InvalidState, NotFound, SandboxClosed, ServerUnavailable
 from torpor.sandbox.models import (
     CommandResult,
@@ -198,10 +199,6 @@ class Interpreter:
 # -- snapshots and forks ------------------------------------------------------------------
 
 
-def _sandboxes(data: Any, rt: Runtime) -> builtins.list[Sandbox]:
-    return [Sandbox(SandboxInfo.model_validate(d), rt) for d in data]
-
-
 class Snapshot(Resource[SnapshotInfo]):
     """An immutable copy of a whole sandbox (RAM, processes, disk), kept for ``retention_days``."""
 
@@ -218,11 +215,9 @@ class Snapshot(Resource[SnapshotInfo]):
     def set_retention(self, days: int) -> SnapshotInfo:
         """Keep the snapshot ``days`` days (1-365) from when it was taken; returns the info
         with its new ``expires_at``. Raises InvalidArgument, SnapshotNotFound."""
-        spec = RetentionSpec.of(days=days)
-        data = self._runtime.json(
-            "POST", f"/v1/snapshots/{quote_id(self.id)}/retention", json=spec.given()
+        self.info = self._runtime.do(
+            storage_calls.set_retention(self.id, RetentionSpec.of(days=days))
         )
-        self.info = SnapshotInfo.model_validate(data)
         return self.info
 
     def restore(
@@ -231,8 +226,7 @@ class Snapshot(Resource[SnapshotInfo]):
         """A new running sandbox as the snapshot was; it keeps the source's labels and envs,
         updated with ``labels``/``envs``. Raises SnapshotNotFound, CorruptData."""
         spec = RestoreSpec.of(name=name, labels=labels, envs=envs)
-        data = post_spec(self._runtime, f"/v1/snapshots/{quote_id(self.id)}/restore", spec)
-        return Sandbox(SandboxInfo.model_validate(data), self._runtime)
+        return Sandbox(self._runtime.do(storage_calls.restore(self.id, spec)), self._runtime)
 
     def fork(
         self, count: int | None = None, *, labels: Labels | None = None, envs: Env | None = None
@@ -253,7 +247,7 @@ def _fork_snapshot(
 ) -> builtins.list[Sandbox]:
     rt = runtime or default_runtime()
     spec = ForkSpec.of(count=count, labels=labels, names=names, envs=envs)
-    return _sandboxes(post_spec(rt, f"/v1/snapshots/{quote_id(snapshot_id)}/fork", spec), rt)
+    return [Sandbox(i, rt) for i in rt.do(storage_calls.fork_snapshot(snapshot_id, spec))]
 
 
 def snapshot_sandbox(

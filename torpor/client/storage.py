@@ -15,11 +15,12 @@ snapshot, see :mod:`torpor.sandbox.checkpoints`. ``collect_garbage`` runs the se
 from __future__ import annotations
 
 import builtins
-from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar, cast
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel
 
+from torpor.client import storage_calls as calls
 from torpor.client.runtime import Runtime, default_runtime
 from torpor.client.sandbox_calls import LONG_TIMEOUT as _LONG_TIMEOUT
 from torpor.sandbox.requests import (
@@ -30,6 +31,7 @@ from torpor.sandbox.requests import (
 )
 from torpor.sandbox.storage.drives import DriveInfo
 from torpor.sandbox.storage.volumes import VolumeInfo
+from torpor.types import Labels
 
 __all__ = [
     "LONG_TIMEOUT",
@@ -80,29 +82,34 @@ class Resource(Generic[InfoT]):
         return self.info.name
 
     @classmethod
-    def _from(cls, data: Any, rt: Runtime) -> Self:
-        return cls(cast(InfoT, cls._model.model_validate(data)), rt)
-
-    @classmethod
     def list(cls, *, runtime: Runtime | None = None) -> builtins.list[Self]:
         """This tenant's, oldest first (snapshots: only checked, unexpired ones)."""
+        return cls._list(None, runtime)
+
+    @classmethod
+    def _list(cls, labels: Labels | None, runtime: Runtime | None) -> builtins.list[Self]:
         rt = runtime or default_runtime()
-        return [cls._from(d, rt) for d in rt.json("GET", cls._route)]
+        call = calls.list_resources(cls._route, cls._info_model(), labels)
+        return [cls(i, rt) for i in rt.do(call)]
 
     @classmethod
     def get(cls, id_or_name: str, *, runtime: Runtime | None = None) -> Self:
         """One by id or name. Raises SnapshotNotFound (also once expired) / VolumeNotFound /
         DriveNotFound."""
         rt = runtime or default_runtime()
-        return cls._from(rt.json("GET", f"{cls._route}/{quote_id(id_or_name)}"), rt)
+        return cls(rt.do(calls.get(cls._route, cls._info_model(), id_or_name)), rt)
 
     @classmethod
     def _create(cls, spec: Spec, runtime: Runtime | None) -> Self:
         rt = runtime or default_runtime()
-        return cls._from(post_spec(rt, cls._route, spec), rt)
+        return cls(rt.do(calls.create(cls._route, cls._info_model(), spec)), rt)
+
+    @classmethod
+    def _info_model(cls) -> type[Any]:
+        return cls._model
 
     def _delete(self) -> None:
-        self._runtime.request("DELETE", f"{self._route}/{quote_id(self.id)}")
+        self._runtime.do(calls.delete(self._route, self.id))
 
 
 def post_spec(rt: Runtime, path: str, spec: Spec) -> Any:
@@ -113,10 +120,7 @@ def post_spec(rt: Runtime, path: str, spec: Spec) -> Any:
 
 def collect_garbage(*, dry_run: bool = False, runtime: Runtime | None = None) -> dict[str, Any]:
     """Run the server's retention + GC now; returns its report."""
-    result: dict[str, Any] = post_spec(
-        runtime or default_runtime(), "/v1/gc", GcSpec.of(dry_run=dry_run)
-    )
-    return result
+    return (runtime or default_runtime()).do(calls.gc(GcSpec.of(dry_run=dry_run)))
 
 
 class Volume(Resource[VolumeInfo]):
@@ -130,11 +134,26 @@ class Volume(Resource[VolumeInfo]):
 
     @classmethod
     def create(
-        cls, name: str, size_mib: int | None = None, *, runtime: Runtime | None = None
+        cls,
+        name: str,
+        size_mib: int | None = None,
+        *,
+        labels: Labels | None = None,
+        runtime: Runtime | None = None,
     ) -> Volume:
-        """A new empty (ext4) volume of ``size_mib`` (default 1024). Raises InvalidName,
-        InvalidArgument, Conflict."""
-        return cls._create(VolumeSpec.of(name, size_mib=size_mib), runtime)
+        """A new empty (ext4) volume of ``size_mib`` (default 1024), carrying ``labels``
+        (a token whose sandbox rights are ``{"user": "u-42"}`` reaches only volumes labelled
+        so, and labels what it creates so). Raises InvalidName, InvalidArgument, Conflict,
+        AccessDenied (labels outside the token's)."""
+        return cls._create(VolumeSpec.of(name, size_mib=size_mib, labels=labels), runtime)
+
+    @classmethod
+    def list(
+        cls, labels: Labels | None = None, *, runtime: Runtime | None = None
+    ) -> builtins.list[Volume]:
+        """This tenant's volumes (those the token may see), oldest first; only those carrying
+        every one of ``labels`` when given."""
+        return cls._list(labels, runtime)
 
     def delete(self) -> None:
         """Delete the volume and its data. Raises Conflict while a sandbox has it attached."""
@@ -145,11 +164,7 @@ class Volume(Resource[VolumeInfo]):
         server with no sandbox running. A volume attached read-write shows what the guest has
         flushed (``sync``, or a pause). Raises PathNotFound, InvalidArgument (a directory or
         link), PayloadTooLarge, EngineError."""
-        response = self._runtime.request(
-            "GET", f"{self._route}/{quote_id(self.id)}/files", params={"path": path}
-        )
-        content: bytes = response.content
-        return content
+        return self._runtime.do(calls.read_volume_file(self.id, path))
 
 
 class Drive(Resource[DriveInfo]):
@@ -162,9 +177,20 @@ class Drive(Resource[DriveInfo]):
         return f"<Drive {self.id} {self.name!r}>"
 
     @classmethod
-    def create(cls, name: str, *, runtime: Runtime | None = None) -> Drive:
-        """A new empty drive. Raises InvalidName, Conflict."""
-        return cls._create(DriveSpec.of(name), runtime)
+    def create(
+        cls, name: str, *, labels: Labels | None = None, runtime: Runtime | None = None
+    ) -> Drive:
+        """A new empty drive carrying ``labels`` (as :meth:`Volume.create`). Raises
+        InvalidName, Conflict, AccessDenied."""
+        return cls._create(DriveSpec.of(name, labels=labels), runtime)
+
+    @classmethod
+    def list(
+        cls, labels: Labels | None = None, *, runtime: Runtime | None = None
+    ) -> builtins.list[Drive]:
+        """This tenant's drives (those the token may see), oldest first; only those carrying
+        every one of ``labels`` when given."""
+        return cls._list(labels, runtime)
 
     def delete(self) -> None:
         """Delete the drive and its files. Raises Conflict while mounted somewhere."""

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from torpor.client.calls import Call
 from torpor.errors import InvalidArgument
 from torpor.memory.models import Grant, NewToken, TokenSpec, TokenSummary
 
 __all__ = ["Connection", "Tokens", "parse_grant"]
+
+T = TypeVar("T")
 
 
 class Connection(Protocol):
@@ -34,6 +37,8 @@ class Connection(Protocol):
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response: ...
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any: ...
+
+    def do(self, call: Call[T]) -> T: ...
 
     def stream_lines(
         self, method: str, path: str, **kwargs: Any

@@ -599,6 +599,10 @@ class VolumeSpec(Spec):
 
     name: VolumeName
     size_mib: int = Field(default=1024, ge=MIN_VOLUME_MIB, le=MAX_VOLUME_MIB)
+    labels: Labels | None = Field(
+        default=None,
+        description="e.g. {'user': 'u-42'}: lists filter by them, tokens reach by them",
+    )
 
 
 class DriveSpec(Spec):
@@ -607,6 +611,10 @@ class DriveSpec(Spec):
     _positional = "name"
 
     name: DriveName
+    labels: Labels | None = Field(
+        default=None,
+        description="e.g. {'user': 'u-42'}: lists filter by them, tokens reach by them",
+    )
 
 
 class GcSpec(Spec):

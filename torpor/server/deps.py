@@ -18,11 +18,13 @@ reaches:
   when it was taken (``SnapshotInfo.carried.labels``); a route under
   ``/v1/snapshots/{id_or_name}`` answers SnapshotNotFound (audited) for any other, and the
   list shows only those;
-* **no volume and no drive.** They are the tenant's shared storage by design (a volume
-  read-only in many sandboxes, a drive for hand-offs between agents) and carry no labels, so
-  creating, listing, reading, deleting, attaching or mounting one at create needs rights on
-  every sandbox (``{}``); the tenant's admin mounts them into a user's sandbox, which keeps them
-  across pause and wake;
+* **volumes and drives carrying those labels** (given at create, as a sandbox's): a route
+  under ``/v1/volumes/{id_or_name}`` or ``/v1/drives/{id_or_name}`` answers VolumeNotFound or
+  DriveNotFound (audited) for any other, the lists show only those, what it creates carries
+  them, and it attaches or mounts at create only those (into its own sandboxes). A volume or
+  drive without labels (the tenant's shared storage: a volume read-only in many sandboxes, a
+  drive for hand-offs between agents) needs rights on every sandbox (``{}``); the tenant's
+  admin mounts it into a user's sandbox, which keeps it across pause and wake;
 * nothing else tenant-wide (usage, events, GC).
 """
 
@@ -49,6 +51,7 @@ __all__ = [
     "get_manager",
     "get_tenant",
     "over_socket",
+    "visible_shared",
     "visible_snapshot",
     "within_selector",
 ]
@@ -123,14 +126,18 @@ async def get_tenant(request: Request, caller: CallerDep) -> str:
         if target is not None:
             await visible_snapshot(request, caller, target)
         return caller.tenant
-    if not route.startswith("/v1/sandboxes") or route in _SHARED_STORAGE_ROUTES:
+    for kind in ("volume", "drive"):
+        if route.startswith(f"/v1/{kind}s"):
+            if target is not None:
+                visible_shared(request, caller, kind, target)
+            return caller.tenant
+    if not route.startswith("/v1/sandboxes"):
         raise identity.deny(
             caller,
             _action(request),
             "",
-            f"this token reaches only sandboxes labelled {caller.sandboxes} and their "
-            "snapshots; volumes, drives and other tenant-wide resources need rights on every "
-            "sandbox",
+            f"this token reaches only sandboxes, snapshots, volumes and drives labelled "
+            f"{caller.sandboxes}; tenant-wide resources need rights on every sandbox",
         )
     if target is not None:
         info = await get_manager(request).get(target, tenant=caller.tenant)
@@ -140,12 +147,6 @@ async def get_tenant(request: Request, caller: CallerDep) -> str:
             )
             raise SandboxNotFound(f"no sandbox {target!r}", kind="sandbox", name=target)
     return caller.tenant
-
-
-#: routes under /v1/sandboxes that reach the tenant's shared storage (see the module docstring)
-_SHARED_STORAGE_ROUTES = frozenset(
-    {"/v1/sandboxes/{id_or_name}/volumes", "/v1/sandboxes/{id_or_name}/drives"}
-)
 
 
 def checkpoints_of(request: Request, manager: Any) -> Checkpoints:
@@ -176,6 +177,22 @@ async def visible_snapshot(request: Request, caller: Caller, target: str) -> Sna
     return info
 
 
+def visible_shared(request: Request, caller: Caller, kind: str, target: str) -> Any:
+    """The volume or drive (``kind``) ``target`` if ``caller`` may reach it: the owner or a
+    token with every sandbox's rights always; a restricted token only when it carries the
+    token's labels. Raises :class:`~torpor.errors.VolumeNotFound` /
+    :class:`~torpor.errors.DriveNotFound` (audited when it exists but is out of reach)."""
+    cp = checkpoints_of(request, get_manager(request))
+    store = cp.volumes if kind == "volume" else cp.drives
+    info = store.get(target, tenant=caller.tenant)
+    if caller.restricted and not caller.sees(info.labels):
+        get_identity(request).audit(
+            caller, _action(request), f"{kind}:{target}", allowed=False, labels=info.labels
+        )
+        raise store.not_found(f"{kind} {target!r} not found", kind=kind, name=target)
+    return info
+
+
 # The manager is typed loosely on purpose: the server also runs against test doubles and
 # against managers that CHECKPOINTS extends; each route calls one documented method.
 async def _manager(request: Request) -> Any:
@@ -196,18 +213,23 @@ L = TypeVar("L", bound=_Labelled)
 
 
 def within_selector(
-    body: L, caller: Caller, identity: Identity, action: str, name: str | None
+    body: L,
+    caller: Caller,
+    identity: Identity,
+    action: str,
+    name: str | None,
+    kind: str = "sandbox",
 ) -> L:
-    """``body`` (a request that labels new sandboxes: create, get-or-create, fork) with the
-    caller's label selector added to its labels, so a restricted caller's sandboxes always
-    carry them. Raises :class:`~torpor.errors.AccessDenied` (audited) for labels that
-    contradict the selector."""
+    """``body`` (a request that labels what it makes: a sandbox's create, get-or-create,
+    fork; a volume's or drive's create) with the caller's label selector added to its labels,
+    so what a restricted caller makes always carries them. Raises
+    :class:`~torpor.errors.AccessDenied` (audited) for labels that contradict the selector."""
     selector = caller.sandboxes or {}
     if not selector:
         return body
     labels = dict(body.labels or {})
     if any(labels.get(k, v) != v for k, v in selector.items()):
         raise identity.deny(
-            caller, action, f"sandbox:{name or ''}", f"labels {labels} are outside {selector}"
+            caller, action, f"{kind}:{name or ''}", f"labels {labels} are outside {selector}"
         )
     return body.model_copy(update={"labels": {**labels, **selector}})

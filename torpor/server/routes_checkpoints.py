@@ -11,8 +11,8 @@
     DELETE /v1/snapshots/{id}               delete                      -> 204
     POST   /v1/snapshots/{id}/restore       restore into a new sandbox  -> SandboxInfo (201)
     POST   /v1/snapshots/{id}/fork          N sandboxes from a snapshot -> [SandboxInfo] (201)
-    POST   /v1/volumes   GET /v1/volumes   GET|DELETE /v1/volumes/{id}
-    POST   /v1/drives    GET /v1/drives    GET|DELETE /v1/drives/{id}
+    POST   /v1/volumes   GET /v1/volumes[?label=K=V]   GET|DELETE /v1/volumes/{id}
+    POST   /v1/drives    GET /v1/drives[?label=K=V]    GET|DELETE /v1/drives/{id}
     POST   /v1/gc                           retention + garbage collection -> GcReport
 
 The bodies are :mod:`torpor.sandbox.requests` models. A create from a snapshot or with volumes
@@ -26,11 +26,11 @@ import logging
 import os
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from torpor.errors import AccessDenied
 from torpor.sandbox.checkpoints import Checkpoints
-from torpor.sandbox.models import SandboxInfo
+from torpor.sandbox.models import SandboxInfo, parse_labels
 from torpor.sandbox.requests import (
     DriveMount,
     DriveSpec,
@@ -45,12 +45,14 @@ from torpor.sandbox.storage.drives import DriveInfo
 from torpor.sandbox.storage.records import RecordStore
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.sandbox.storage.volumes import VolumeInfo
+from torpor.server.auth import Caller
 from torpor.server.deps import (
     CallerDep,
     IdentityDep,
     Manager,
     Tenant,
     checkpoints_of,
+    visible_shared,
     within_selector,
 )
 
@@ -91,12 +93,30 @@ async def fork(
 
 
 @router.post("/sandboxes/{id_or_name}/volumes")
-async def attach_volume(id_or_name: str, body: VolumeMount, tenant: Tenant, cp: Cp) -> VolumeInfo:
+async def attach_volume(
+    id_or_name: str,
+    body: VolumeMount,
+    request: Request,
+    tenant: Tenant,
+    caller: CallerDep,
+    cp: Cp,
+) -> VolumeInfo:
+    if caller.restricted:  # the sandbox is the caller's (Tenant): the volume must be too
+        visible_shared(request, caller, "volume", body.volume)
     return await cp.attachments.attach_volume(id_or_name, body, tenant=tenant)
 
 
 @router.post("/sandboxes/{id_or_name}/drives")
-async def attach_drive(id_or_name: str, body: DriveMount, tenant: Tenant, cp: Cp) -> DriveInfo:
+async def attach_drive(
+    id_or_name: str,
+    body: DriveMount,
+    request: Request,
+    tenant: Tenant,
+    caller: CallerDep,
+    cp: Cp,
+) -> DriveInfo:
+    if caller.restricted:
+        visible_shared(request, caller, "drive", body.drive)
     return await cp.attachments.attach_drive(id_or_name, body, tenant=tenant)
 
 
@@ -162,14 +182,36 @@ def _delete_shared(
     return Response(status_code=204)
 
 
+def _listed(
+    store: RecordStore[Any], tenant: str, caller: Caller, label: list[str] | None
+) -> list[Any]:
+    """The tenant's volumes or drives the caller may see, carrying every ``label=K=V``."""
+    wanted = parse_labels(label, what="label filter") or {}
+    selector = caller.sandboxes or {}
+    if any(wanted.get(k, v) != v for k, v in selector.items()):
+        return []  # a filter that contradicts the caller's own labels matches nothing
+    return store.list(tenant=tenant, labels={**wanted, **selector})
+
+
+#: ``?label=KEY=VALUE`` (repeatable): only those carrying every one
+LabelQuery = Annotated[list[str] | None, Query(description="KEY=VALUE, repeatable")]
+
+
 @router.post("/volumes", status_code=201)
-async def create_volume(body: VolumeSpec, tenant: Tenant, cp: Cp) -> VolumeInfo:
+async def create_volume(
+    body: VolumeSpec, tenant: Tenant, caller: CallerDep, identity: IdentityDep, cp: Cp
+) -> VolumeInfo:
+    body = within_selector(body, caller, identity, "POST /v1/volumes", body.name, "volume")
     return cp.volumes.create(body, tenant=tenant)
 
 
 @router.get("/volumes")
-async def list_volumes(tenant: Tenant, cp: Cp) -> list[VolumeInfo]:
-    return cp.volumes.list(tenant=tenant)
+async def list_volumes(
+    tenant: Tenant, caller: CallerDep, cp: Cp, label: LabelQuery = None
+) -> list[VolumeInfo]:
+    """The tenant's volumes (those the caller may see), optionally only those carrying every
+    ``label=KEY=VALUE``."""
+    return _listed(cp.volumes, tenant, caller, label)
 
 
 @router.get("/volumes/{id_or_name}")
@@ -183,13 +225,20 @@ async def delete_volume(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
 
 
 @router.post("/drives", status_code=201)
-async def create_drive(body: DriveSpec, tenant: Tenant, cp: Cp) -> DriveInfo:
+async def create_drive(
+    body: DriveSpec, tenant: Tenant, caller: CallerDep, identity: IdentityDep, cp: Cp
+) -> DriveInfo:
+    body = within_selector(body, caller, identity, "POST /v1/drives", body.name, "drive")
     return cp.drives.create(body, tenant=tenant)
 
 
 @router.get("/drives")
-async def list_drives(tenant: Tenant, cp: Cp) -> list[DriveInfo]:
-    return cp.drives.list(tenant=tenant)
+async def list_drives(
+    tenant: Tenant, caller: CallerDep, cp: Cp, label: LabelQuery = None
+) -> list[DriveInfo]:
+    """The tenant's drives (those the caller may see), optionally only those carrying every
+    ``label=KEY=VALUE``."""
+    return _listed(cp.drives, tenant, caller, label)
 
 
 @router.get("/drives/{id_or_name}")

@@ -38,6 +38,7 @@ from torpor.server.deps import (
     IdentityDep,
     Manager,
     Tenant,
+    visible_shared,
     visible_snapshot,
     within_selector,
 )
@@ -87,14 +88,11 @@ async def create_sandbox(
     """Create a sandbox: a fork of its template's booted snapshot or, with ``snapshot``, a
     restore of that snapshot; with ``volumes`` and ``drives`` mounted."""
     body = within_selector(body, caller, identity, "POST /v1/sandboxes", body.name)
-    if caller.restricted and (body.volumes or body.drives):
-        raise identity.deny(
-            caller,
-            "POST /v1/sandboxes",
-            f"sandbox:{body.name or ''}",
-            "volumes and drives are the tenant's shared storage: mounting one needs rights on "
-            "every sandbox",
-        )
+    if caller.restricted:  # it mounts only volumes and drives carrying the caller's labels
+        for volume in body.volumes or ():
+            visible_shared(request, caller, "volume", volume.volume)
+        for drive in body.drives or ():
+            visible_shared(request, caller, "drive", drive.drive)
     if caller.restricted and body.snapshot is not None:
         await visible_snapshot(request, caller, body.snapshot)  # its own sandboxes' only
     if body.plain:  # the manager alone makes it (and a test double of the manager can)

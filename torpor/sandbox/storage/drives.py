@@ -40,6 +40,8 @@ class DriveInfo(BaseModel):
     tenant: str = "default"
     created_at: datetime
     attachments: list[Attachment] = Field(default_factory=list)
+    #: given at create (a record from before labels has none)
+    labels: dict[str, str] = Field(default_factory=dict)
 
     @property
     def mount_tag(self) -> str:
@@ -78,14 +80,17 @@ class DriveStore(RecordStore[DriveInfo]):
     ) -> DriveInfo:
         """Make an empty drive: a :class:`~torpor.sandbox.requests.DriveSpec`, or its
         ``name``. Raises InvalidName, Conflict (name taken), StorageError."""
-        name = DriveSpec.of(spec, **fields).name
+        want = DriveSpec.of(spec, **fields)
+        name, labels = want.name, dict(want.labels or {})
 
         def make(did: str) -> DriveInfo:
             # private: QEMU (9p security_model=mapped-xattr) reads and writes it as the
             # owner, and keeps the guest's owners and modes in xattrs, never on the files
             self.directory(did).mkdir(mode=0o700)
             self.directory(did).chmod(0o700)
-            return DriveInfo(id=did, name=name, tenant=tenant, created_at=datetime.now(UTC))
+            return DriveInfo(
+                id=did, name=name, tenant=tenant, created_at=datetime.now(UTC), labels=labels
+            )
 
         info = self._create(name, tenant, make)
         log.info("created drive %s (%s)", info.id, name)

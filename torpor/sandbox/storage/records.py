@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -154,6 +154,7 @@ class SharedInfo(Protocol):
     tenant: str
     created_at: datetime
     attachments: list[Attachment]
+    labels: dict[str, str]
 
     def model_dump(self, *, mode: str = ...) -> dict[str, Any]: ...
 
@@ -206,8 +207,12 @@ class RecordStore(Generic[InfoT]):
             except ValueError:
                 continue
 
-    def list(self, *, tenant: str = "default") -> builtins.list[InfoT]:
-        """The tenant's resources whose data exists, oldest first."""
+    def list(
+        self, *, tenant: str = "default", labels: Mapping[str, str] | None = None
+    ) -> builtins.list[InfoT]:
+        """The tenant's resources whose data exists, oldest first; only those carrying every
+        ``key=value`` of ``labels`` when given."""
+        wanted = dict(labels or {})
         found = []
         for _, data in read_records(self.root, self.prefix):
             try:
@@ -215,7 +220,11 @@ class RecordStore(Generic[InfoT]):
             except ValueError as exc:
                 log.warning("skipping bad %s record: %s", self.kind, exc)
                 continue
-            if info.tenant == tenant and self._exists(info.id):
+            if (
+                info.tenant == tenant
+                and all(info.labels.get(k) == v for k, v in wanted.items())
+                and self._exists(info.id)
+            ):
                 found.append(info)
         return sorted(found, key=lambda i: i.created_at)
 

@@ -69,6 +69,8 @@ class VolumeInfo(BaseModel):
     size_mib: int
     created_at: datetime
     attachments: list[Attachment] = Field(default_factory=list)
+    #: given at create (a record from before labels has none)
+    labels: dict[str, str] = Field(default_factory=dict)
 
 
 class VolumeStore(RecordStore[VolumeInfo]):
@@ -108,7 +110,7 @@ class VolumeStore(RecordStore[VolumeInfo]):
         EngineError (mkfs failed), StorageError. Nothing is left behind on failure.
         """
         want = VolumeSpec.of(spec, **fields)
-        name, size_mib = want.name, want.size_mib
+        name, size_mib, labels = want.name, want.size_mib, dict(want.labels or {})
         quotas, held = Quotas.of(self.paths, tenant), self.list(tenant=tenant)
         quotas.check(tenant, "volumes", len(held))
         quotas.check(tenant, "volume_mib", sum(v.size_mib for v in held), size_mib)
@@ -140,7 +142,12 @@ class VolumeStore(RecordStore[VolumeInfo]):
                     f"mkfs.ext4 failed for volume {name!r}: {exc.stderr.strip()}", exc=exc
                 ) from exc
             return VolumeInfo(
-                id=vid, name=name, tenant=tenant, size_mib=size_mib, created_at=datetime.now(UTC)
+                id=vid,
+                name=name,
+                tenant=tenant,
+                size_mib=size_mib,
+                created_at=datetime.now(UTC),
+                labels=labels,
             )
 
         info = self._create(name, tenant, make)
