@@ -100,11 +100,23 @@ def stop_node(node: Node, *, keep_log: bool = False) -> None:
         except subprocess.TimeoutExpired:
             node.process.kill()
             node.process.wait()
+    _kill_machines(node)
+    shutil.rmtree(node.home, ignore_errors=True)
+    if not keep_log:
+        node.log.unlink(missing_ok=True)
+
+
+def kill_node(node: Node) -> None:
+    """The node's host dies: SIGKILL the node process and every QEMU it ran (a dead host takes
+    its VMs with it; left running, they would outlive the test, spinning under TCG)."""
+    node.process.send_signal(signal.SIGKILL)
+    node.process.wait()
+    _kill_machines(node)
+
+
+def _kill_machines(node: Node) -> None:
     for pidfile in node.home.glob("sandboxes/*/qemu.pid"):
         text = pidfile.read_text().strip()
         if text.isdigit():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(text), signal.SIGKILL)
-    shutil.rmtree(node.home, ignore_errors=True)
-    if not keep_log:
-        node.log.unlink(missing_ok=True)

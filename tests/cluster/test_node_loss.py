@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import torpor
-from tests.nodes import Node, start_node, stop_node
+from tests.nodes import Node, kill_node, start_node, stop_node
 from tests.pg import PgCluster
 from tests.s3 import S3Server, free_ports
 
@@ -78,8 +77,7 @@ def test_paused_sandbox_wakes_on_another_node_after_its_node_dies(
     assert info.upload_error is None and info.state.value == "paused"
     print(f"durable {time.monotonic() - paused:.2f} s after the pause returned")
 
-    n1.process.send_signal(signal.SIGKILL)  # n1 dies, and its disk with it
-    n1.process.wait()
+    kill_node(n1)  # n1 dies, and its disk with it
     shutil.rmtree(n1.home / "sandboxes")
 
     started = time.monotonic()
@@ -116,8 +114,7 @@ def test_snapshot_restores_on_another_node_after_its_node_dies(
     assert info.upload_error is None and info.node == "n1"
     print(f"snapshot durable {time.monotonic() - taken:.2f} s after it was taken")
 
-    n1.process.send_signal(signal.SIGKILL)
-    n1.process.wait()
+    kill_node(n1)
     shutil.rmtree(n1.home)
 
     rt2 = torpor.Runtime(url=n2.url, token=tok)
