@@ -28,11 +28,24 @@ CPU of a stretch still open estimated as above until its reading).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torpor.sandbox.models import SandboxState
 
-__all__ = ["UP_STATES", "MeterRow", "Meters", "accrue", "extrapolate", "interpolate"]
+__all__ = [
+    "UP_STATES",
+    "MeterRow",
+    "Meters",
+    "accrue",
+    "extrapolate",
+    "interpolate",
+    "meter_row",
+    "meters_from_columns",
+    "stored_rows",
+]
 
 S = SandboxState
 
@@ -155,3 +168,50 @@ def interpolate(before: MeterRow, after: MeterRow, at: float) -> Meters:
     if at >= after.at:
         return after.meters
     return before.meters + (after.meters - before.meters).scaled((at - before.at) / span)
+
+
+def meter_row(values: Sequence[Any]) -> MeterRow:
+    """A transition's meter columns (``dst, at, cpu, owned, vcpu, used, ram, paused, ratio``,
+    as both registries select them) as a :class:`MeterRow`."""
+    dst, at, cpu, owned, vcpu, used, ram, paused, ratio = tuple(values)
+    return MeterRow(at, SandboxState(dst), cpu, owned, Meters(vcpu, used, ram, paused), ratio)
+
+
+def meters_from_columns(
+    columns: Sequence[Any], instants: Sequence[float], *, vcpus: int, memory_mib: int
+) -> tuple[list[Meters], MeterRow | None]:
+    """A sandbox's meters at each of ``instants``, from the meter columns both registries
+    select per instant (the last row at or before it, then the first row after it; a missing
+    row's columns are NULL), and the last row before the last instant (None: none)."""
+    width = len(columns) // (2 * len(instants)) if instants else 0
+    values: list[Meters] = []
+    last: MeterRow | None = None
+    for i, t in enumerate(instants):
+        b = columns[2 * i * width : (2 * i + 1) * width]
+        a = columns[(2 * i + 1) * width : (2 * i + 2) * width]
+        before = None if b[0] is None else meter_row(b)
+        last = before
+        if before is None:
+            values.append(Meters())
+        elif a[0] is None:
+            values.append(extrapolate(before, t, vcpus=vcpus, memory_mib=memory_mib))
+        else:
+            values.append(interpolate(before, meter_row(a), t))
+    return values, last
+
+
+def stored_rows(kind: str, items: Iterable[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
+    """The usage ledger's rows for stored things of ``kind`` (see ``record_stored``)."""
+    return [
+        (
+            kind,
+            item["id"],
+            item["tenant"],
+            item["name"],
+            json.dumps(dict(item.get("labels") or {}), sort_keys=True),
+            int(item["bytes"]),
+            float(item["started_at"]),
+            item.get("expires_at"),
+        )
+        for item in items
+    ]

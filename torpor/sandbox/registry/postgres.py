@@ -78,13 +78,19 @@ from torpor.errors import (
 )
 from torpor.sandbox.models import SandboxEvent, SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition
-from torpor.sandbox.registry.meters import MeterRow, Meters, accrue, extrapolate, interpolate
+from torpor.sandbox.registry.meters import (
+    MeterRow,
+    Meters,
+    accrue,
+    meter_row,
+    meters_from_columns,
+    stored_rows,
+)
 from torpor.sandbox.registry.sqlite import (
     _UNSET,
     EVENTS_SQL,
     SandboxRecord,
     _check_labels,
-    _meter_row,
     _moved,
     _spec_json,
     _Unset,
@@ -99,7 +105,7 @@ PG_SCHEMA_VERSION = 8
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
 #: what the manager's transitions carry for usage meters (schema v8)
 _METER_COLUMNS = frozenset({"cpu_reading", "owned_bytes"})
-#: the meter columns of a transition row, in :func:`~torpor.sandbox.registry.sqlite._meter_row`'s
+#: the meter columns of a transition row, in :func:`~torpor.sandbox.registry.meters.meter_row`'s
 #: order
 _METERS = "dst, at, cpu_reading, owned_bytes, m_vcpu, m_cpu, m_ram, m_paused, cpu_ratio"
 
@@ -1137,7 +1143,6 @@ class PostgresRegistry:
         did not exist yet): as :meth:`Registry.meters_at
         <torpor.sandbox.registry.sqlite.Registry.meters_at>`, two index seeks per sandbox and
         instant (``LATERAL`` joins). Raises StorageError."""
-        width = len(_METERS.split(","))
         extra, joins = [], ""
         args: builtins.list[Any] = []
         for i, t in enumerate(instants):
@@ -1161,21 +1166,9 @@ class PostgresRegistry:
         for r in self._query(sql + " ORDER BY s.created_at, s.id", tuple(args)):
             rec = _row_to_record(r[: len(r) - len(extra)])
             rest = r[len(r) - len(extra) :]
-            values: builtins.list[Meters] = []
-            last: MeterRow | None = None
-            for i, t in enumerate(instants):
-                b = rest[2 * i * width : (2 * i + 1) * width]
-                a = rest[(2 * i + 1) * width : (2 * i + 2) * width]
-                before = None if b[0] is None else _meter_row(b)
-                last = before
-                if before is None:
-                    values.append(Meters())
-                elif a[0] is None:
-                    values.append(
-                        extrapolate(before, t, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
-                    )
-                else:
-                    values.append(interpolate(before, _meter_row(a), t))
+            values, last = meters_from_columns(
+                rest, instants, vcpus=rec.vcpus, memory_mib=rec.memory_mib
+            )
             out.append((rec, values, last))
         return out
 
@@ -1183,19 +1176,7 @@ class PostgresRegistry:
         """Enter stored things of ``kind`` in the usage ledger, or update those there (see
         :meth:`Registry.record_stored <torpor.sandbox.registry.sqlite.Registry.record_stored>`).
         Raises StorageError."""
-        rows = [
-            (
-                kind,
-                item["id"],
-                item["tenant"],
-                item["name"],
-                json.dumps(dict(item.get("labels") or {}), sort_keys=True),
-                int(item["bytes"]),
-                float(item["started_at"]),
-                item.get("expires_at"),
-            )
-            for item in items
-        ]
+        rows = stored_rows(kind, items)
         if not rows:
             return
         with self._tx() as db, db.cursor() as cur:
@@ -1269,7 +1250,7 @@ def _log_transition(
     ).fetchone()
     spec = json.loads((spec_row[0] if spec_row else None) or "{}")
     row = accrue(
-        None if last is None else _meter_row(last),
+        None if last is None else meter_row(last),
         at,
         dst,
         vcpus=int(spec.get("vcpus", 1)),

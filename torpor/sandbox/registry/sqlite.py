@@ -30,7 +30,14 @@ from torpor.config import check_name
 from torpor.errors import Conflict, InvalidArgument, InvalidState, SandboxNotFound, StorageError
 from torpor.sandbox.models import SandboxEvent, SandboxInfo, SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition, event_kind
-from torpor.sandbox.registry.meters import MeterRow, Meters, accrue, extrapolate, interpolate
+from torpor.sandbox.registry.meters import (
+    MeterRow,
+    Meters,
+    accrue,
+    meter_row,
+    meters_from_columns,
+    stored_rows,
+)
 
 __all__ = ["SCHEMA_VERSION", "Registry", "SandboxRecord"]
 
@@ -129,11 +136,6 @@ _METER_COLUMNS = "dst, at, cpu_reading, owned_bytes, m_vcpu, m_cpu, m_ram, m_pau
 
 
 _STATES = {state.value: state for state in SandboxState}
-
-
-def _meter_row(values: tuple[Any, ...] | sqlite3.Row) -> MeterRow:
-    dst, at, cpu, owned, vcpu, used, ram, paused, ratio = tuple(values)
-    return MeterRow(at, _STATES[dst], cpu, owned, Meters(vcpu, used, ram, paused), ratio)
 
 
 def _dt(ts: float) -> datetime:
@@ -490,7 +492,7 @@ class Registry:
             or "{}"
         )
         return accrue(
-            None if last is None else _meter_row(last),
+            None if last is None else meter_row(last),
             at,
             dst,
             vcpus=int(spec.get("vcpus", 1)),
@@ -649,26 +651,13 @@ class Registry:
             sql += " WHERE s.tenant = ?"
             args.append(tenant)
         found = self._query(sql + " ORDER BY s.created_at, s.id", tuple(args))
-        width = len(_METER_COLUMNS.split(","))
         out: builtins.list[tuple[SandboxRecord, builtins.list[Meters], MeterRow | None]] = []
         for r in found:
             rec = _row_to_record(r)
             tail = tuple(r)[len(r) - len(columns) :]
-            values: builtins.list[Meters] = []
-            last: MeterRow | None = None
-            for i, t in enumerate(instants):
-                b = tail[2 * i * width : (2 * i + 1) * width]
-                a = tail[(2 * i + 1) * width : (2 * i + 2) * width]
-                before = None if b[0] is None else _meter_row(b)
-                last = before
-                if before is None:
-                    values.append(Meters())
-                elif a[0] is None:
-                    values.append(
-                        extrapolate(before, t, vcpus=rec.vcpus, memory_mib=rec.memory_mib)
-                    )
-                else:
-                    values.append(interpolate(before, _meter_row(a), t))
+            values, last = meters_from_columns(
+                tail, instants, vcpus=rec.vcpus, memory_mib=rec.memory_mib
+            )
             out.append((rec, values, last))
         return out
 
@@ -677,19 +666,7 @@ class Registry:
         update the size, labels and expiry of those already there, in one transaction. Each
         item has ``id``, ``tenant``, ``name``, ``bytes``, ``started_at`` and optionally
         ``labels`` and ``expires_at``. Raises StorageError."""
-        rows = [
-            (
-                kind,
-                item["id"],
-                item["tenant"],
-                item["name"],
-                json.dumps(dict(item.get("labels") or {}), sort_keys=True),
-                int(item["bytes"]),
-                float(item["started_at"]),
-                item.get("expires_at"),
-            )
-            for item in items
-        ]
+        rows = stored_rows(kind, items)
         if not rows:
             return
         with self._tx() as db:
