@@ -136,8 +136,9 @@ class Checkpoints:
         #: in cluster mode the manifests are the registry's and the chunks are pushed to the
         #: shared store (see :meth:`~torpor.sandbox.manager.cluster.ClusterNode.snapshot_store`)
         self.snapshots = SnapshotStore(self.paths) if cluster is None else cluster.snapshot_store()
-        self.volumes = VolumeStore(self.paths)
-        self.drives = DriveStore(self.paths)
+        #: in cluster mode their records are the registry's (every node sees every one)
+        self.volumes = VolumeStore(self.paths) if cluster is None else cluster.volume_store()
+        self.drives = DriveStore(self.paths) if cluster is None else cluster.drive_store()
         self.held: Held = manager
         self.attachments = Attachments(manager, self.volumes, self.drives)
         self.cloner = Cloner(manager, self.drives)

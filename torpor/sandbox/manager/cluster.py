@@ -91,6 +91,7 @@ from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
 from torpor.sandbox.storage.catalog import CatalogEntry
 from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
 from torpor.sandbox.storage.chunks import ChunkStore, SweepReport, open_chunk_store
+from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.pauses import (
     RamFill,
     begin_rebuild,
@@ -101,6 +102,7 @@ from torpor.sandbox.storage.pauses import (
 from torpor.sandbox.storage.retention import sweep_shared_store
 from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore
 from torpor.sandbox.storage.tiered import TieredChunkBackend
+from torpor.sandbox.storage.volumes import VolumeStore
 
 __all__ = [
     "CLUSTER_ENV",
@@ -109,6 +111,7 @@ __all__ = [
     "ClusterConfig",
     "ClusterNode",
     "RegistryCatalog",
+    "RegistryRecords",
     "compatible",
     "default_url",
     "local_status",
@@ -132,6 +135,10 @@ SWEEP_ENV = "TORPOR_STORE_SWEEP_SECONDS"
 SWEEP_SECONDS = 3600.0
 #: the advisory lock a sweep of the shared store is made under ("tswp")
 SWEEP_LOCK = 0x74737770
+
+#: the advisory locks creates, attaches and deletes of volumes ("tvol") and drives ("tdrv")
+#: are made under, across nodes
+RECORD_LOCKS = {"volume": 0x74766F6C, "drive": 0x74647276}
 
 #: the node a request came from when another node proxied it here (set by the server's proxy):
 #: placement then wakes the sandbox here instead of sending it on again
@@ -631,6 +638,16 @@ class ClusterNode:
             )
         return self._snapshots
 
+    def volume_store(self) -> VolumeStore:
+        """This node's view of the cluster's volumes: records in the registry
+        (:class:`RegistryRecords`), images in this node's ``volumes/``."""
+        return VolumeStore(self.paths, RegistryRecords(self.registry, "volume", self.node))
+
+    def drive_store(self) -> DriveStore:
+        """This node's view of the cluster's drives: records in the registry, directories on
+        the node that made each."""
+        return DriveStore(self.paths, RegistryRecords(self.registry, "drive", self.node))
+
     def origin(self) -> dict[str, Any]:
         """What a snapshot or pause taken here records of where it was made."""
         info = self.info()
@@ -807,6 +824,41 @@ class ClusterNode:
             task.cancel()
         self._beat_pool.shutdown(wait=False)
         self.registry.close()
+
+
+class RegistryRecords:
+    """Volume or drive records in the cluster's PostgreSQL registry (the
+    :class:`~torpor.sandbox.storage.records.RecordMedium` of a cluster node): every node lists,
+    gets, attaches and deletes every volume and drive; creates, attaches and deletes are
+    serialized across nodes by a PostgreSQL advisory lock per kind. Raises StorageError."""
+
+    shared = True
+
+    def __init__(self, registry: PostgresRegistry, kind: str, node: str) -> None:
+        self.registry = registry
+        self.kind = kind
+        self.node: str | None = node
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        yield from self.registry.record_rows(self.kind)
+
+    def save(self, data: dict[str, Any]) -> None:
+        try:
+            self.registry.save_record(self.kind, data)
+        except Conflict as exc:  # two nodes creating one name at once: the unique index decides
+            name = data.get("name")
+            raise Conflict(
+                f"a {self.kind} named {name!r} already exists", kind=self.kind, name=name
+            ) from exc
+
+    def remove(self, rid: str) -> None:
+        self.registry.remove_record(self.kind, rid)
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        return self.registry.locked(RECORD_LOCKS[self.kind])
+
+    def written_at(self, rid: str) -> float | None:
+        return self.registry.record_written_at(self.kind, rid)
 
 
 class RegistryCatalog:

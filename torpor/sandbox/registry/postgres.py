@@ -50,8 +50,14 @@ advisory lock on a connection of its own) and the ``sweeps`` log say which node 
 of stored things as SQLite's schema 2 (:mod:`torpor.sandbox.registry.meters`), so a usage
 report reads the same on both. Transitions recorded before v8 carry zero meters.
 
-Not here (issue 9): volumes and drives (their records stay in each node's home; see the
-README's "Cluster" section).
+**Volumes and drives** (schema v9, ``volumes`` and ``drives``): their records (the JSON a
+:class:`~torpor.sandbox.storage.records.RecordStore` writes) with the columns a query needs:
+tenant, name (unique in the tenant), labels, the sandbox holding a volume, the node its data is
+on, and for a volume the manifest of its latest image pushed to the shared store
+(:meth:`PostgresRegistry.record_volume_image`). :meth:`PostgresRegistry.record_rows`,
+:meth:`PostgresRegistry.save_record`, :meth:`PostgresRegistry.remove_record`,
+:meth:`PostgresRegistry.locked` (a blocking advisory lock) are what
+:class:`~torpor.sandbox.manager.cluster.RegistryRecords` runs on.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ from torpor.errors import (
     SandboxNotFound,
     SnapshotNotFound,
     StorageError,
+    VolumeNotFound,
 )
 from torpor.sandbox.models import SandboxEvent, SandboxState
 from torpor.sandbox.registry.lifecycle import Transition, check_transition
@@ -101,7 +108,7 @@ __all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry", "
 
 log = logging.getLogger(__name__)
 
-PG_SCHEMA_VERSION = 8
+PG_SCHEMA_VERSION = 9
 _MIGRATION_LOCK = 0x70726567  # "preg": the advisory lock migrations take
 #: what the manager's transitions carry for usage meters (schema v8)
 _METER_COLUMNS = frozenset({"cpu_reading", "owned_bytes"})
@@ -254,6 +261,40 @@ CREATE TABLE torpor_registry.stored (
 CREATE INDEX stored_tenant ON torpor_registry.stored (tenant);
 """
 
+# v9: volumes and drives, shared by every node (see the module docstring): ``node`` is where
+# the data is (a volume's latest image, a drive's directory), ``holder`` the sandbox a volume
+# is attached to (read-write, else the first reader); ``image`` the manifest of a volume's
+# latest image in the shared store and ``image_at`` when it was pushed
+_SCHEMA_V9 = """
+CREATE TABLE torpor_registry.volumes (
+    id          TEXT PRIMARY KEY,
+    tenant      TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    size_mib    INTEGER NOT NULL,
+    labels      TEXT NOT NULL DEFAULT '{}',
+    holder      TEXT,
+    node        TEXT,
+    record      TEXT NOT NULL,
+    written_at  DOUBLE PRECISION NOT NULL,
+    image       TEXT,
+    image_at    DOUBLE PRECISION
+);
+CREATE UNIQUE INDEX volumes_name ON torpor_registry.volumes (tenant, name);
+CREATE TABLE torpor_registry.drives (
+    id          TEXT PRIMARY KEY,
+    tenant      TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    labels      TEXT NOT NULL DEFAULT '{}',
+    node        TEXT,
+    record      TEXT NOT NULL,
+    written_at  DOUBLE PRECISION NOT NULL
+);
+CREATE UNIQUE INDEX drives_name ON torpor_registry.drives (tenant, name);
+"""
+
+#: the tables of the shared records (volumes, drives) by kind
+_RECORD_TABLES = {"volume": "torpor_registry.volumes", "drive": "torpor_registry.drives"}
+
 #: version -> the script that brings the schema from the previous version to it
 _MIGRATIONS = {
     1: _SCHEMA_V1,
@@ -264,6 +305,7 @@ _MIGRATIONS = {
     6: _SCHEMA_V6,
     7: _SCHEMA_V7,
     8: _SCHEMA_V8,
+    9: _SCHEMA_V9,
 }
 
 _COLUMNS = (
@@ -928,12 +970,23 @@ class PostgresRegistry:
             "SELECT sandbox_id, manifest FROM torpor_registry.pauses WHERE manifest IS NOT NULL"
         ):
             try:
-                for fm in json.loads(text)["files"].values():
+                body = json.loads(text)
+                for fm in [*body["files"].values(), *(body.get("volumes") or {}).values()]:
                     refs |= FileManifest.from_json(fm).hashes()
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise CorruptData(
                     f"sandbox {sid}: its pause manifest in the registry is unreadable ({exc})",
                     sandbox_id=sid,
+                ) from exc
+        for vid, text in self._query(
+            "SELECT id, image FROM torpor_registry.volumes WHERE image IS NOT NULL"
+        ):
+            try:
+                refs |= FileManifest.from_json(json.loads(text)).hashes()
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise CorruptData(
+                    f"volume {vid}: its image manifest in the registry is unreadable ({exc})",
+                    volume_id=vid,
                 ) from exc
         return refs
 
@@ -958,6 +1011,136 @@ class PostgresRegistry:
             raise StorageError(f"registry error: {exc}", exc=exc) from exc
         finally:
             conn.close()  # the lock, if held, goes with the session
+
+    @contextmanager
+    def locked(self, key: int) -> Iterator[None]:
+        """Hold the session advisory lock ``key`` for the block, waiting for it, on a
+        connection of its own (a node that dies mid-block lets go of it). Raises
+        StorageError."""
+        import psycopg
+
+        try:
+            conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
+        except psycopg.Error as exc:
+            raise StorageError(f"cannot connect to the registry database: {exc}", exc=exc) from exc
+        try:
+            try:
+                conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+            except psycopg.Error as exc:
+                raise StorageError(f"registry error: {exc}", exc=exc) from exc
+            yield
+        finally:
+            conn.close()  # the lock goes with the session
+
+    # -- volumes and drives (schema v9) -----------------------------------------------------
+
+    def record_rows(self, kind: str) -> builtins.list[dict[str, Any]]:
+        """Every record of ``kind`` ("volume", "drive"). Raises StorageError."""
+        rows = self._query(f"SELECT id, record FROM {_RECORD_TABLES[kind]} ORDER BY id")
+        out = []
+        for rid, text in rows:
+            try:
+                data = json.loads(text)
+            except ValueError as exc:
+                log.warning("skipping unreadable %s record %s: %s", kind, rid, exc)
+                continue
+            if isinstance(data, dict):
+                out.append(data)
+        return out
+
+    def save_record(self, kind: str, data: dict[str, Any]) -> None:
+        """Insert or rewrite a volume's or drive's record (its id, tenant, name, labels,
+        attachments, node as :class:`~torpor.sandbox.storage.records.RecordStore` writes
+        them); a volume's pushed image stays. Raises Conflict (the name is another's in the
+        tenant), InvalidArgument (not a record), StorageError."""
+        try:
+            rid, tenant, name = str(data["id"]), str(data["tenant"]), str(data["name"])
+            labels = json.dumps(data.get("labels") or {}, sort_keys=True)
+            node = data.get("node")
+            attachments = list(data.get("attachments") or [])
+        except (KeyError, TypeError) as exc:
+            raise InvalidArgument(f"not a {kind} record: {exc}") from exc
+        writer = next((a for a in attachments if not a.get("read_only")), None)
+        holder = (writer or (attachments[0] if attachments else {})).get("sandbox_id")
+        record = json.dumps(data, sort_keys=True)
+        with self._tx() as db:
+            if kind == "volume":
+                db.execute(
+                    "INSERT INTO torpor_registry.volumes (id, tenant, name, size_mib, labels,"
+                    " holder, node, record, written_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+                    " ON CONFLICT (id) DO UPDATE SET tenant = EXCLUDED.tenant,"
+                    " name = EXCLUDED.name, size_mib = EXCLUDED.size_mib,"
+                    " labels = EXCLUDED.labels, holder = EXCLUDED.holder, node = EXCLUDED.node,"
+                    " record = EXCLUDED.record, written_at = EXCLUDED.written_at",
+                    (
+                        rid,
+                        tenant,
+                        name,
+                        int(data.get("size_mib") or 0),
+                        labels,
+                        holder,
+                        node,
+                        record,
+                        time.time(),
+                    ),
+                )
+            else:
+                db.execute(
+                    "INSERT INTO torpor_registry.drives (id, tenant, name, labels, node, record,"
+                    " written_at) VALUES (%s,%s,%s,%s,%s,%s,%s) ON CONFLICT (id) DO UPDATE SET"
+                    " tenant = EXCLUDED.tenant, name = EXCLUDED.name, labels = EXCLUDED.labels,"
+                    " node = EXCLUDED.node, record = EXCLUDED.record,"
+                    " written_at = EXCLUDED.written_at",
+                    (rid, tenant, name, labels, node, record, time.time()),
+                )
+
+    def remove_record(self, kind: str, rid: str) -> bool:
+        """Forget a volume's or drive's record; True when it was there. Raises
+        StorageError."""
+        with self._tx() as db:
+            cur = db.execute(f"DELETE FROM {_RECORD_TABLES[kind]} WHERE id = %s", (rid,))
+            return bool(cur.rowcount)
+
+    def record_written_at(self, kind: str, rid: str) -> float | None:
+        """When a volume's or drive's record was last written. Raises StorageError."""
+        rows = self._query(f"SELECT written_at FROM {_RECORD_TABLES[kind]} WHERE id = %s", (rid,))
+        return float(rows[0][0]) if rows else None
+
+    def record_volume_image(self, volume_id: str, node: str, manifest: dict[str, Any]) -> None:
+        """Record that ``volume_id``'s latest image is on ``node`` and, as ``manifest``, in
+        the shared store. Raises VolumeNotFound, StorageError."""
+        with self._tx() as db:
+            rows = db.execute(
+                "SELECT record FROM torpor_registry.volumes WHERE id = %s FOR UPDATE",
+                (volume_id,),
+            ).fetchall()
+            if not rows:
+                raise VolumeNotFound(
+                    f"volume {volume_id!r} not found", kind="volume", name=volume_id
+                )
+            data = json.loads(rows[0][0])
+            data["node"] = node
+            db.execute(
+                "UPDATE torpor_registry.volumes SET node = %s, record = %s, image = %s,"
+                " image_at = %s, written_at = %s WHERE id = %s",
+                (
+                    node,
+                    json.dumps(data, sort_keys=True),
+                    json.dumps(manifest, sort_keys=True),
+                    time.time(),
+                    time.time(),
+                    volume_id,
+                ),
+            )
+
+    def volume_image(self, volume_id: str) -> dict[str, Any] | None:
+        """The manifest of ``volume_id``'s latest image in the shared store (None: never
+        pushed). Raises StorageError."""
+        rows = self._query("SELECT image FROM torpor_registry.volumes WHERE id = %s", (volume_id,))
+        if not rows or rows[0][0] is None:
+            return None
+        body: dict[str, Any] = json.loads(rows[0][0])
+        return body
 
     def last_sweep(self) -> float | None:
         """When the last sweep of the shared store finished (None: never). Raises

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from torpor.config import Paths
 from torpor.errors import DriveNotFound, GuestError
 from torpor.sandbox.requests import DriveSpec
-from torpor.sandbox.storage.records import Attachment, RecordStore
+from torpor.sandbox.storage.records import Attachment, RecordMedium, RecordStore
 
 __all__ = ["DriveInfo", "DriveStore", "mount_in_guest"]
 
@@ -42,6 +42,9 @@ class DriveInfo(BaseModel):
     attachments: list[Attachment] = Field(default_factory=list)
     #: given at create (a record from before labels has none)
     labels: dict[str, str] = Field(default_factory=dict)
+    #: cluster mode: the node its directory is on (its sandboxes wake only there); None on
+    #: one machine
+    node: str | None = None
 
     @property
     def mount_tag(self) -> str:
@@ -59,8 +62,8 @@ class DriveStore(RecordStore[DriveInfo]):
     in_use = "is mounted in"
     exclusive_writer = False
 
-    def __init__(self, paths: Paths) -> None:
-        super().__init__(paths.drives, DriveInfo.model_validate)
+    def __init__(self, paths: Paths, records: RecordMedium | None = None) -> None:
+        super().__init__(paths.drives, DriveInfo.model_validate, records)
 
     def directory(self, drive_id: str) -> Path:
         """The host directory a drive shares."""
@@ -89,7 +92,12 @@ class DriveStore(RecordStore[DriveInfo]):
             self.directory(did).mkdir(mode=0o700)
             self.directory(did).chmod(0o700)
             return DriveInfo(
-                id=did, name=name, tenant=tenant, created_at=datetime.now(UTC), labels=labels
+                id=did,
+                name=name,
+                tenant=tenant,
+                created_at=datetime.now(UTC),
+                labels=labels,
+                node=self.records.node,
             )
 
         info = self._create(name, tenant, make)

@@ -9,6 +9,13 @@ records next to its data, guarded by
 ``<directory>/.lock`` across processes. :class:`RecordStore` holds the code both stores run on
 those records (list, get, create, attach, detach, who is attached, release, delete); each store
 adds how its data is made and removed.
+
+Where the records are kept is a :class:`RecordMedium`: :class:`LocalRecords` (the files above,
+the embedded default) or, in cluster mode, the PostgreSQL registry's ``volumes`` and ``drives``
+tables (:class:`~torpor.sandbox.manager.cluster.RegistryRecords`), so every node lists, gets and
+deletes every volume and drive of a tenant. A shared medium also says which node the
+resource's data is on (``node``: where a volume's latest image is, where a drive's directory
+is); a record is listed there even when its data is not on this node.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from torpor.sandbox.vm.disk import write_atomic
 __all__ = [
     "SYSTEM_DIRS",
     "Attachment",
+    "LocalRecords",
+    "RecordMedium",
     "RecordStore",
     "check_attach",
     "check_mount_path",
@@ -146,6 +155,73 @@ def check_attach(
         )
 
 
+class RecordMedium(Protocol):
+    """Where a :class:`RecordStore` keeps its records. Every method raises StorageError when
+    the medium fails."""
+
+    #: True when other nodes keep records here too (a record's data may be on another node)
+    shared: bool
+    #: the node this store runs on (None: one machine)
+    node: str | None
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """Every record's data (bad ones skipped, logged)."""
+        ...
+
+    def save(self, data: dict[str, Any]) -> None:
+        """Write one record (new or not), durably. Raises Conflict when another record of
+        the tenant has its name (a shared medium checks it itself: two nodes may race)."""
+        ...
+
+    def remove(self, rid: str) -> None:
+        """Forget a record (no error when it is not there)."""
+        ...
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """Serialize create/attach/detach/delete across processes (and nodes)."""
+        ...
+
+    def written_at(self, rid: str) -> float | None:
+        """When the record was last written (Unix time; None: not there)."""
+        ...
+
+
+class LocalRecords:
+    """Records as files ``<root>/<prefix>-<hex>.json`` under ``<root>/.lock``."""
+
+    shared = False
+    node: str | None = None
+
+    def __init__(self, root: Path, prefix: str) -> None:
+        self.root = root
+        self.prefix = prefix
+
+    def path(self, rid: str) -> Path:
+        return self.root / f"{rid}.json"
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        for _, data in read_records(self.root, self.prefix):
+            yield data
+
+    def save(self, data: dict[str, Any]) -> None:
+        write_record(self.path(str(data["id"])), data)
+
+    def remove(self, rid: str) -> None:
+        try:
+            self.path(rid).unlink(missing_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot delete the record of {rid}: {exc}", exc=exc) from exc
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        return locked(self.root)
+
+    def written_at(self, rid: str) -> float | None:
+        try:
+            return self.path(rid).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+
 class SharedInfo(Protocol):
     """What a store needs of its record model (VolumeInfo, DriveInfo)."""
 
@@ -155,6 +231,7 @@ class SharedInfo(Protocol):
     created_at: datetime
     attachments: list[Attachment]
     labels: dict[str, str]
+    node: str | None
 
     def model_dump(self, *, mode: str = ...) -> dict[str, Any]: ...
 
@@ -168,7 +245,7 @@ class RecordStore(Generic[InfoT]):
     A subclass sets ``kind`` ("volume"), ``prefix`` ("vol"), ``not_found`` (the NotFound
     subclass), ``in_use`` (how a delete refusal names the holders), ``exclusive_writer`` (the
     sharing rule of :func:`check_attach`) and implements :meth:`_exists` and
-    :meth:`_remove_data` and :meth:`_discard`; it may override :meth:`_before_first_attach`.
+    :meth:`_remove_data` and :meth:`_discard`; it may override :meth:`_before_attach`.
     """
 
     kind: ClassVar[str]
@@ -177,10 +254,18 @@ class RecordStore(Generic[InfoT]):
     in_use: ClassVar[str]
     exclusive_writer: ClassVar[bool]
 
-    def __init__(self, root: Path, parse: Callable[[Any], InfoT]) -> None:
+    def __init__(
+        self, root: Path, parse: Callable[[Any], InfoT], records: RecordMedium | None = None
+    ) -> None:
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         self._parse = parse
+        #: where the records are (default: files in ``root``)
+        self.records: RecordMedium = records or LocalRecords(root, self.prefix)
+
+    def _listed(self, info: InfoT) -> bool:
+        """Whether a record is listed: its data is here, or (a shared medium) on its node."""
+        return self._exists(info.id) or (self.records.shared and info.node != self.records.node)
 
     def _exists(self, rid: str) -> bool:
         """Whether the resource's data is there (a record without it is not listed)."""
@@ -190,18 +275,17 @@ class RecordStore(Generic[InfoT]):
         """Delete the resource's data. May raise OSError."""
         raise NotImplementedError
 
-    def _before_first_attach(self, rid: str) -> None:
-        """Runs under the lock when an attach finds nobody else attached (default: nothing)."""
-
-    def _record(self, rid: str) -> Path:
-        return self.root / f"{rid}.json"
+    def _before_attach(self, info: InfoT, first: bool) -> None:
+        """Runs under the lock before an attach is recorded, ``first`` when nobody else has
+        the resource attached; may change ``info`` (saved with the attachment). Default:
+        nothing."""
 
     def _save(self, info: InfoT) -> None:
-        write_record(self._record(info.id), info.model_dump(mode="json"))
+        self.records.save(info.model_dump(mode="json"))
 
     def _infos(self) -> Iterator[InfoT]:
         """Every valid record, any tenant (an invalid one is skipped quietly)."""
-        for _, data in builtins.list(read_records(self.root, self.prefix)):
+        for data in builtins.list(self.records.rows()):
             try:
                 yield self._parse(data)
             except ValueError:
@@ -214,7 +298,7 @@ class RecordStore(Generic[InfoT]):
         ``key=value`` of ``labels`` when given."""
         wanted = dict(labels or {})
         found = []
-        for _, data in read_records(self.root, self.prefix):
+        for data in self.records.rows():
             try:
                 info = self._parse(data)
             except ValueError as exc:
@@ -223,14 +307,14 @@ class RecordStore(Generic[InfoT]):
             if (
                 info.tenant == tenant
                 and all(info.labels.get(k) == v for k, v in wanted.items())
-                and self._exists(info.id)
+                and self._listed(info)
             ):
                 found.append(info)
         return sorted(found, key=lambda i: i.created_at)
 
     def list_all(self) -> builtins.list[InfoT]:
         """Every tenant's resources whose data exists, oldest first (usage meters them)."""
-        found = [info for info in self._infos() if self._exists(info.id)]
+        found = [info for info in self._infos() if self._listed(info)]
         return sorted(found, key=lambda i: i.created_at)
 
     def get(self, id_or_name: str, *, tenant: str = "default") -> InfoT:
@@ -252,7 +336,7 @@ class RecordStore(Generic[InfoT]):
         :meth:`_discard` removes what was made. Raises Conflict (name taken in the tenant),
         StorageError (an OSError), or what ``make`` raised."""
         rid = f"{self.prefix}-{uuid.uuid4().hex[:12]}"
-        with locked(self.root):
+        with self.records.lock():
             if any(i.name == name for i in self.list(tenant=tenant)):
                 raise Conflict(
                     f"a {self.kind} named {name!r} already exists", kind=self.kind, name=name
@@ -278,12 +362,11 @@ class RecordStore(Generic[InfoT]):
         tenant: str = "default",
     ) -> InfoT:
         """Record that ``sandbox_id`` mounts the resource at ``path`` (checked and normalized
-        here), under the store's lock; :meth:`_before_first_attach` runs when nobody else has
-        it attached. Raises the store's NotFound subclass, InvalidArgument (path), Conflict
+        here), under the store's lock, after :meth:`_before_attach`. Raises the store's NotFound subclass, InvalidArgument (path), Conflict
         (the sharing rule of :func:`check_attach`: never twice to one sandbox; for a volume,
         one writer or any number of readers)."""
         path = check_mount_path(path)
-        with locked(self.root):
+        with self.records.lock():
             info = self.get(id_or_name, tenant=tenant)
             check_attach(
                 self.kind,
@@ -293,8 +376,7 @@ class RecordStore(Generic[InfoT]):
                 read_only,
                 exclusive_writer=self.exclusive_writer,
             )
-            if not info.attachments:
-                self._before_first_attach(info.id)
+            self._before_attach(info, not info.attachments)
             info.attachments.append(
                 Attachment(sandbox_id=sandbox_id, path=path, read_only=read_only)
             )
@@ -311,7 +393,7 @@ class RecordStore(Generic[InfoT]):
 
     def detach(self, id_or_name: str, sandbox_id: str, *, tenant: str = "default") -> InfoT:
         """Forget ``sandbox_id``'s attachment (no error if there was none). Raises NotFound."""
-        with locked(self.root):
+        with self.records.lock():
             info = self.get(id_or_name, tenant=tenant)
             info.attachments = [a for a in info.attachments if a.sandbox_id != sandbox_id]
             self._save(info)
@@ -330,7 +412,7 @@ class RecordStore(Generic[InfoT]):
         """Drop attachments of the sandboxes in ``sandbox_ids`` (or of every sandbox not in
         ``keep``). Returns how many were dropped. Used on kill and by GC."""
         dropped = 0
-        with locked(self.root):
+        with self.records.lock():
             for info in self._infos():
                 kept = [
                     a
@@ -353,12 +435,10 @@ class RecordStore(Generic[InfoT]):
         recording an attach and plugging the device leaves exactly that; the resource stays
         attached for good otherwise. Returns how many were dropped. Used by GC."""
         dropped = 0
-        with locked(self.root):
+        with self.records.lock():
             for info in self._infos():
-                try:
-                    if self._record(info.id).stat().st_mtime >= before:
-                        continue
-                except FileNotFoundError:
+                written = self.records.written_at(info.id)
+                if written is None or written >= before:
                     continue
                 kept = [a for a in info.attachments if plugged(a.sandbox_id, info.id)]
                 if len(kept) != len(info.attachments):
@@ -379,7 +459,7 @@ class RecordStore(Generic[InfoT]):
     def delete(self, id_or_name: str, *, tenant: str = "default") -> InfoT:
         """Delete a resource and its data. Raises NotFound, Conflict while attached,
         StorageError."""
-        with locked(self.root):
+        with self.records.lock():
             info = self.get(id_or_name, tenant=tenant)
             if info.attachments:
                 raise Conflict(
@@ -390,7 +470,7 @@ class RecordStore(Generic[InfoT]):
                     id=info.id,
                 )
             try:
-                self._record(info.id).unlink()
+                self.records.remove(info.id)
                 self._remove_data(info.id)
             except OSError as exc:
                 raise StorageError(f"cannot delete {self.kind} {info.id}: {exc}", exc=exc) from exc

@@ -44,6 +44,7 @@ from torpor.sandbox.requests import MAX_VOLUME_MIB, VolumeSpec  # MAX_VOLUME_MIB
 from torpor.sandbox.storage.records import (  # check_mount_path, SYSTEM_DIRS: re-exported
     SYSTEM_DIRS,
     Attachment,
+    RecordMedium,
     RecordStore,
     check_mount_path,
 )
@@ -71,6 +72,9 @@ class VolumeInfo(BaseModel):
     attachments: list[Attachment] = Field(default_factory=list)
     #: given at create (a record from before labels has none)
     labels: dict[str, str] = Field(default_factory=dict)
+    #: cluster mode: the node its latest image is on (a wake or attach elsewhere pulls it
+    #: from the store); None on one machine
+    node: str | None = None
 
 
 class VolumeStore(RecordStore[VolumeInfo]):
@@ -83,8 +87,8 @@ class VolumeStore(RecordStore[VolumeInfo]):
     in_use = "is attached to"
     exclusive_writer = True
 
-    def __init__(self, paths: Paths) -> None:
-        super().__init__(paths.volumes, VolumeInfo.model_validate)
+    def __init__(self, paths: Paths, records: RecordMedium | None = None) -> None:
+        super().__init__(paths.volumes, VolumeInfo.model_validate, records)
         self.paths = paths
 
     def image(self, volume_id: str) -> Path:
@@ -148,14 +152,16 @@ class VolumeStore(RecordStore[VolumeInfo]):
                 size_mib=size_mib,
                 created_at=datetime.now(UTC),
                 labels=labels,
+                node=self.records.node,
             )
 
         info = self._create(name, tenant, make)
         log.info("created volume %s (%s, %d MiB)", info.id, name, size_mib)
         return info
 
-    def _before_first_attach(self, rid: str) -> None:
-        self.replay_journal(rid)
+    def _before_attach(self, info: VolumeInfo, first: bool) -> None:
+        if first:
+            self.replay_journal(info.id)
 
     def replay_journal(self, volume_id: str) -> None:
         """Replay the ext4 journal of an image nobody has attached.
