@@ -9,6 +9,7 @@ registry's tables), so the two keep the same interface.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ from typing import Any
 import pytest
 
 from torpor.config import Paths, paths
-from torpor.errors import Conflict, DriveNotFound, VolumeNotFound
-from torpor.sandbox.manager.cluster import RegistryRecords
+from torpor.errors import Conflict, DriveNotFound, StorageError, VolumeNotFound
+from torpor.sandbox.manager.cluster import ClusterConfig, ClusterNode, RegistryRecords
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.registry.postgres import PostgresRegistry
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.volumes import VolumeStore
@@ -77,34 +80,96 @@ def test_one_record_interface_over_both_media(
         drvs.get("shared")
 
 
-def test_every_node_sees_every_volume_and_where_it_is(tmp_path: Path, dsn: str) -> None:
-    reg = PostgresRegistry(dsn)
+def _node(tmp_path: Path, dsn: str, store: str, name: str) -> ClusterNode:
+    config = ClusterConfig(dsn=dsn, store=store, node=name, url=f"http://{name}.test:8765")
+    n = ClusterNode(config, paths(tmp_path / name).ensure())
+    n.beat()
+    return n
+
+
+@pytest.mark.s3
+def test_every_node_sees_every_volume_and_attaches_it(tmp_path: Path, dsn: str, store: str) -> None:
+    n1, n2 = _node(tmp_path, dsn, store, "n1"), _node(tmp_path, dsn, store, "n2")
     try:
-        p1, p2 = paths(tmp_path / "n1").ensure(), paths(tmp_path / "n2").ensure()
-        v1 = VolumeStore(p1, RegistryRecords(reg, "volume", "n1"))
-        v2 = VolumeStore(p2, RegistryRecords(reg, "volume", "n2"))
-        d1 = DriveStore(p1, RegistryRecords(reg, "drive", "n1"))
-        d2 = DriveStore(p2, RegistryRecords(reg, "drive", "n2"))
+        v1, v2 = n1.volume_store(), n2.volume_store()
+        d1, d2 = n1.drive_store(), n2.drive_store()
         made = v1.create("data", size_mib=16, labels={"app": "a"})
         drive = d1.create("scratch")
         assert made.node == "n1" and drive.node == "n1"
+        assert n1.registry.volume_image(made.id) is not None  # pushed at create
         # n2 lists, gets and filters n1's volume and drive though their data is on n1
         assert [(v.id, v.node, v.labels) for v in v2.list()] == [(made.id, "n1", {"app": "a"})]
         assert v2.get("data").size_mib == 16
         assert [d.id for d in d2.list()] == [drive.id]
         with pytest.raises(Conflict):  # the name is taken cluster-wide, within the tenant
             v2.create("data", size_mib=16)
-        v2.attach("data", "sbx-1", "/data")  # n1 sees n2's attach at once
-        with pytest.raises(Conflict):
-            v1.attach("data", "sbx-2", "/data")
-        assert reg.record_written_at("volume", made.id) is not None
-        v2.detach("data", "sbx-1")
-        assert v2.delete("data").id == made.id  # deleted from a node its image is not on
+        # n1 writes into the image, as a guest would, then a detach there pushes it
+        v1.attach("data", "sbx-1", "/data")
+        with open(v1.image(made.id), "r+b") as f:
+            f.seek(8 << 20)
+            f.write(b"written on n1")
+        with pytest.raises(Conflict) as held:  # held read-write by a sandbox n1 holds
+            n1.registry.insert(_rec("sbx-1"))
+            n1.acquire("sbx-1", place=False)
+            v2.attach("data", "sbx-2", "/data")
+        assert held.value.data["node"] == "n1" and "n1" in held.value.message
+        v1.detach("data", "sbx-1")
+        # not attached anywhere: n2 attaches it, pulling its latest image from the store
+        assert not v2.image(made.id).exists()
+        got = v2.attach("data", "sbx-2", "/data")
+        assert got.node == "n2" and v1.get("data").node == "n2"
+        with open(v2.image(made.id), "rb") as f:
+            f.seek(8 << 20)
+            assert f.read(13) == b"written on n1"
+        assert reg_written(n1, made.id)
+        v2.detach("data", "sbx-2")
+        assert v1.delete("data").id == made.id  # deleted from a node its image is not on
         assert v1.list() == [] and v2.list() == []
-        # a record whose node is this one but whose data is gone here is not listed
-        gone = v2.create("gone", size_mib=16)
-        v2.image(gone.id).unlink()
-        assert [v.name for v in v2.list()] == []
-        assert [v.name for v in v1.list()] == ["gone"]  # n1 cannot tell: n2 has its image
     finally:
-        reg.close()
+        n1.registry.close()
+        n2.registry.close()
+
+
+def reg_written(n: ClusterNode, vid: str) -> bool:
+    return n.registry.record_written_at("volume", vid) is not None
+
+
+def _rec(sid: str) -> SandboxRecord:
+    now = time.time()
+    return SandboxRecord(
+        id=sid,
+        name=sid,
+        tenant="default",
+        template="python",
+        state=S.RUNNING,
+        created_at=now,
+        last_active_at=now,
+    )
+
+
+@pytest.mark.s3
+def test_a_volume_whose_push_failed_stays_on_its_node(
+    tmp_path: Path, dsn: str, store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n1, n2 = _node(tmp_path, dsn, store, "n1"), _node(tmp_path, dsn, store, "n2")
+    try:
+        v1, v2 = n1.volume_store(), n2.volume_store()
+
+        def down(path: Path) -> Any:
+            raise StorageError("the store is unreachable")
+
+        monkeypatch.setattr(n1.chunks, "put_file", down)
+        made = v1.create("data", size_mib=16)  # made, but only on n1
+        assert n1.registry.volume_image(made.id) is None
+        with pytest.raises(Conflict) as there:
+            v2.attach("data", "sbx-2", "/data")
+        assert there.value.data["node"] == "n1"
+        assert v2.get("data").attachments == []  # nothing recorded
+        assert not v2.image(made.id).exists()
+        monkeypatch.undo()
+        v1.attach("data", "sbx-1", "/data")  # on its node it attaches
+        v1.detach("data", "sbx-1")  # and the push on detach makes it movable
+        assert v2.attach("data", "sbx-2", "/data").node == "n2"
+    finally:
+        n1.registry.close()
+        n2.registry.close()

@@ -79,18 +79,26 @@ from typing import Any
 from torpor.config import Paths, check_name
 from torpor.errors import (
     Conflict,
+    CorruptData,
     InvalidArgument,
     NoNodeAvailable,
     SnapshotNotFound,
     StateLost,
+    StorageError,
     TorporError,
 )
 from torpor.sandbox.models import NodeStatus
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry.postgres import NodeInfo, PostgresRegistry
+from torpor.sandbox.requests import VolumeSpec
 from torpor.sandbox.storage.catalog import CatalogEntry
 from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
-from torpor.sandbox.storage.chunks import ChunkStore, SweepReport, open_chunk_store
+from torpor.sandbox.storage.chunks import (
+    ChunkStore,
+    FileManifest,
+    SweepReport,
+    open_chunk_store,
+)
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.pauses import (
     RamFill,
@@ -102,7 +110,7 @@ from torpor.sandbox.storage.pauses import (
 from torpor.sandbox.storage.retention import sweep_shared_store
 from torpor.sandbox.storage.snapshots import SnapshotInfo, SnapshotStore
 from torpor.sandbox.storage.tiered import TieredChunkBackend
-from torpor.sandbox.storage.volumes import VolumeStore
+from torpor.sandbox.storage.volumes import VolumeInfo, VolumeStore
 
 __all__ = [
     "CLUSTER_ENV",
@@ -604,24 +612,45 @@ class ClusterNode:
             "accelerator": info.accelerator,
             "cpu_model": info.cpu_model,
         }
+        for vid, fm in (manifest.get("volumes") or {}).items():  # their latest images
+            self.registry.record_volume_image(vid, self.node, fm)
         return manifest
 
     def rebuild(
         self, manifest: dict[str, Any], directory: Path, template: str, sandbox_id: str
     ) -> float:
         """Rebuild a paused directory from its manifest (see :func:`rebuild_pause`)."""
-        return rebuild_pause(
-            manifest, directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
+        seconds = rebuild_pause(
+            manifest,
+            directory,
+            self.chunks,
+            self.template_dir(template),
+            sandbox_id=sandbox_id,
+            volumes_dir=self.paths.volumes,
         )
+        self._volumes_here(manifest)
+        return seconds
+
+    def _volumes_here(self, manifest: dict[str, Any]) -> None:
+        """Record that the volume images a rebuilt pause carries are on this node now."""
+        for vid, fm in (manifest.get("volumes") or {}).items():
+            self.registry.record_volume_image(vid, self.node, fm)
 
     def begin_rebuild(
         self, manifest: dict[str, Any], directory: Path, template: str, sandbox_id: str
     ) -> RamFill:
         """Rebuild a paused directory but its RAM's content, which the returned job fills
         (see :func:`begin_rebuild`): QEMU may start meanwhile."""
-        return begin_rebuild(
-            manifest, directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
+        fill = begin_rebuild(
+            manifest,
+            directory,
+            self.chunks,
+            self.template_dir(template),
+            sandbox_id=sandbox_id,
+            volumes_dir=self.paths.volumes,
         )
+        self._volumes_here(manifest)
+        return fill
 
     # -- snapshots ------------------------------------------------------------------------
 
@@ -639,9 +668,72 @@ class ClusterNode:
         return self._snapshots
 
     def volume_store(self) -> VolumeStore:
-        """This node's view of the cluster's volumes: records in the registry
-        (:class:`RegistryRecords`), images in this node's ``volumes/``."""
-        return VolumeStore(self.paths, RegistryRecords(self.registry, "volume", self.node))
+        """This node's view of the cluster's volumes (:class:`ClusterVolumeStore`)."""
+        return ClusterVolumeStore(self)
+
+    def push_volume(self, volume_id: str) -> dict[str, Any]:
+        """Store this node's image of ``volume_id`` in the shared store (only the chunks the
+        store lacks go up) and record it as the volume's latest image, on this node. Returns
+        its file manifest. Raises VolumeNotFound, StorageError."""
+        started = time.perf_counter()
+        image = self.paths.volumes / f"{volume_id}.img"
+        fm = self.chunks.put_file(image).to_json()
+        self.chunks.sync_dirs()
+        self.registry.record_volume_image(volume_id, self.node, fm)
+        log.info(
+            "volume %s pushed to %s (%d new bytes, %.2f s)",
+            volume_id,
+            self.chunks.location,
+            fm.get("new_bytes", 0),
+            time.perf_counter() - started,
+        )
+        return fm
+
+    def pull_volume(self, volume_id: str, manifest: dict[str, Any] | None = None) -> None:
+        """Write ``volume_id``'s image into this node's ``volumes/`` from the shared store:
+        ``manifest`` (a pause's copy) or else its latest pushed image (verified; replaced
+        atomically). Raises StateLost when it was never pushed, CorruptData, StorageError."""
+        started = time.perf_counter()
+        if manifest is None:
+            manifest = self.registry.volume_image(volume_id)
+        if manifest is None:
+            raise StateLost(
+                f"volume {volume_id} has no image in the shared store",
+                volume_id=volume_id,
+                lost="the volume's image (on its node only)",
+            )
+        image = self.paths.volumes / f"{volume_id}.img"
+        tmp = image.with_name(f".{image.name}.pull")
+        try:
+            self.chunks.restore_file(FileManifest.from_json(manifest), tmp)
+            os.replace(tmp, image)
+        except (KeyError, TypeError, ValueError) as exc:
+            tmp.unlink(missing_ok=True)
+            raise CorruptData(
+                f"volume {volume_id}: its image manifest is unreadable ({exc})",
+                volume_id=volume_id,
+            ) from exc
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(f"cannot write volume {volume_id}: {exc}", exc=exc) from exc
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        log.info(
+            "volume %s pulled from %s (%.2f s)",
+            volume_id,
+            self.chunks.location,
+            time.perf_counter() - started,
+        )
+
+    def holder_node(self, sandbox_id: str) -> str | None:
+        """The node running ``sandbox_id`` (its lease), else the one holding its latest
+        pause's files. Raises StorageError."""
+        owner = self.registry.owner(sandbox_id)
+        if owner is not None:
+            return owner
+        pause = self.registry.pause_record(sandbox_id)
+        return None if pause is None else pause.node
 
     def drive_store(self) -> DriveStore:
         """This node's view of the cluster's drives: records in the registry, directories on
@@ -824,6 +916,108 @@ class ClusterNode:
             task.cancel()
         self._beat_pool.shutdown(wait=False)
         self.registry.close()
+
+
+class ClusterVolumeStore(VolumeStore):
+    """A cluster node's volumes: records in the registry (:class:`RegistryRecords`), images
+    in this node's ``volumes/`` and in the shared store.
+
+    A new volume's image is pushed at once, and again whenever its last read-write sandbox
+    lets go of it (a detach, a kill) and with every pause of a sandbox that has it attached
+    (:meth:`ClusterNode.push`): so a volume no sandbox holds can be attached on any node,
+    which pulls its latest image when the one here is not it. A push that fails leaves the
+    volume on its node: an attach elsewhere is then a Conflict naming that node. A volume
+    attached read-write to a sandbox is a Conflict naming the node that runs (or holds the
+    pause of) that sandbox."""
+
+    def __init__(self, cluster: ClusterNode) -> None:
+        super().__init__(cluster.paths, RegistryRecords(cluster.registry, "volume", cluster.node))
+        self.cluster = cluster
+
+    def create(
+        self, spec: VolumeSpec | str | None = None, /, *, tenant: str = "default", **fields: Any
+    ) -> VolumeInfo:
+        info = super().create(spec, tenant=tenant, **fields)
+        self._push(info.id)
+        return info
+
+    def _push(self, volume_id: str) -> None:
+        try:
+            self.cluster.push_volume(volume_id)
+        except TorporError as exc:  # it stays on this node until a later push
+            log.warning(
+                "volume %s: push failed, it stays on node %s: %s", volume_id, self.cluster.node, exc
+            )
+            with contextlib.suppress(TorporError):
+                self.cluster.registry.forget_volume_image(volume_id, self.cluster.node)
+
+    def _before_attach(self, info: VolumeInfo, first: bool) -> None:
+        here = self.cluster.node
+        if info.node not in (None, here) or not self.image(info.id).exists():
+            try:
+                self.cluster.pull_volume(info.id)
+            except StateLost as exc:
+                raise Conflict(
+                    f"volume {info.name!r} ({info.id}) is on node {info.node} only (its latest "
+                    "image was never stored off-node): attach it there",
+                    kind="volume",
+                    id=info.id,
+                    node=info.node,
+                ) from exc
+            if first:
+                info.node = here
+        elif first:
+            info.node = here
+        super()._before_attach(info, first)
+
+    def attach(
+        self,
+        id_or_name: str,
+        sandbox_id: str,
+        path: str,
+        *,
+        read_only: bool = False,
+        tenant: str = "default",
+    ) -> VolumeInfo:
+        try:
+            return super().attach(id_or_name, sandbox_id, path, read_only=read_only, tenant=tenant)
+        except Conflict as exc:
+            holder = exc.data.get("holder")
+            if not isinstance(holder, str):
+                raise
+            node = self.cluster.holder_node(holder)
+            if node is None or node == self.cluster.node:
+                raise
+            url = ""
+            with contextlib.suppress(TorporError):
+                url = self.cluster.registry.node(node).url
+            raise Conflict(
+                f"{exc.message} (sandbox {holder} is on node {node}"
+                + (f", {url}" if url else "")
+                + ")",
+                **{**exc.data, "node": node, "node_url": url},
+            ) from exc
+
+    def _let_go(self, before: list[VolumeInfo]) -> None:
+        """Push the image of every volume here that a read-write sandbox let go of."""
+        for info in before:
+            if any(not a.read_only for a in info.attachments) and self.image(info.id).exists():
+                now = next((v for v in self._infos() if v.id == info.id), None)
+                if now is not None and not any(not a.read_only for a in now.attachments):
+                    self._push(info.id)
+
+    def detach(self, id_or_name: str, sandbox_id: str, *, tenant: str = "default") -> VolumeInfo:
+        before = self.get(id_or_name, tenant=tenant)
+        info = super().detach(id_or_name, sandbox_id, tenant=tenant)
+        self._let_go([before])
+        return info
+
+    def release(self, sandbox_ids: set[str] | None = None, *, keep: set[str] | None = None) -> int:
+        before = [i for i in self._infos() if i.node == self.cluster.node]
+        dropped = super().release(sandbox_ids, keep=keep)
+        if dropped:
+            self._let_go(before)
+        return dropped
 
 
 class RegistryRecords:

@@ -1133,6 +1133,24 @@ class PostgresRegistry:
                 ),
             )
 
+    def forget_volume_image(self, volume_id: str, node: str) -> None:
+        """Record that ``volume_id``'s latest image is on ``node`` only (a push failed: the
+        stored one is older). Raises StorageError."""
+        with self._tx() as db:
+            rows = db.execute(
+                "SELECT record FROM torpor_registry.volumes WHERE id = %s FOR UPDATE",
+                (volume_id,),
+            ).fetchall()
+            if not rows:
+                return
+            data = json.loads(rows[0][0])
+            data["node"] = node
+            db.execute(
+                "UPDATE torpor_registry.volumes SET node = %s, record = %s, image = NULL,"
+                " image_at = NULL WHERE id = %s",
+                (node, json.dumps(data, sort_keys=True), volume_id),
+            )
+
     def volume_image(self, volume_id: str) -> dict[str, Any] | None:
         """The manifest of ``volume_id``'s latest image in the shared store (None: never
         pushed). Raises StorageError."""

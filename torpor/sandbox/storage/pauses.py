@@ -16,15 +16,19 @@ offset is not uploaded, the manifest lists its index in ``from_template``, and
 an overlay on the template's disk (an overlay on a deeper chain, e.g. after a restore, is
 first folded onto the template's disk in a copy); the rebuild points it at the node's own
 template disk. ``machine.json``'s paths under the template's directory are moved to the
-node's. A sandbox with volumes or drives attached is refused (:class:`InvalidArgument`: their
-files are this node's), and so is a template build the waking node does not have
-(:class:`TemplateNotFound`).
+node's. The images of the volumes attached (the disks of ``machine.json``: flushed, as the
+guest synced before it hibernated) are stored too (``volumes``: only the chunks the store
+lacks go up); a rebuild with ``volumes_dir`` writes them there and points ``machine.json`` at
+them. A sandbox with drives attached is refused (:class:`InvalidArgument`: a drive is a
+directory of its node, so the sandbox wakes only there), and so is a template build the
+waking node does not have (:class:`TemplateNotFound`).
 
 The manifest::
 
     {"version": 1, "files": {"ram": <FileManifest>, "state": ..., "disk.qcow2": ...},
      "from_template": [chunk indices of ram], "disk_backing": "template" | null,
-     "template": {"name", "build_id", "directory"}, "new_bytes": N}
+     "template": {"name", "build_id", "directory"}, "new_bytes": N,
+     "volumes": {<volume id>: <FileManifest>}, "volumes_dir": <where they were>}
 
 ``files`` is the key :meth:`~torpor.sandbox.registry.postgres.PostgresRegistry.referenced_chunks`
 marks from, so a sweep of the shared store keeps every chunk a pause needs.
@@ -180,8 +184,8 @@ def push_pause(
 
     ``template_dir`` is the template's directory on this node (its ``snapshot/ram`` and
     ``snapshot/disk.qcow2`` are what the sandbox was cloned from). Raises InvalidArgument for
-    a sandbox whose pause cannot leave this node (volumes or drives attached, a compacted
-    directory), StorageError / EngineError when a file or the store fails (retry later)."""
+    a sandbox whose pause cannot leave this node (drives attached, a compacted directory),
+    StorageError / EngineError when a file or the store fails (retry later)."""
     started = time.perf_counter()
     who = sandbox_id or directory.name
     if (directory / "compacted.json").exists():
@@ -192,10 +196,18 @@ def push_pause(
         config = {}
     except (OSError, ValueError) as exc:
         raise StorageError(f"sandbox {who}: unreadable machine.json: {exc}", exc=exc) from exc
-    if config.get("devices"):
+    shares = [d for d in config.get("devices") or [] if d.get("kind") != "disk"]
+    if shares:
         raise InvalidArgument(
-            f"sandbox {who} has volumes or drives attached: their files are this node's, so "
-            "its pause cannot be made durable off-node",
+            f"sandbox {who} has drives attached ({', '.join(str(d.get('id')) for d in shares)})"
+            ": a drive is a directory of its node, so the sandbox wakes only there and its "
+            "pause is not made durable off-node",
+            sandbox_id=sandbox_id,
+        )
+    disks = [Path(str(d["path"])) for d in config.get("devices") or [] if d.get("kind") == "disk"]
+    if len({p.parent for p in disks}) > 1 or any(p.suffix != ".img" for p in disks):
+        raise InvalidArgument(
+            f"sandbox {who} has disks that are not volumes of one home: {disks}",
             sandbox_id=sandbox_id,
         )
     template = None if template_dir is None else template_identity(template_dir)
@@ -215,6 +227,11 @@ def push_pause(
                 fm = chunks.put_file(path)
             files[rel] = fm.to_json()
             new_bytes += fm.new_bytes
+        volumes: dict[str, Any] = {}
+        for image in disks:  # flushed: the guest synced before it hibernated
+            fm = chunks.put_file(image)
+            volumes[image.stem] = fm.to_json()
+            new_bytes += fm.new_bytes
     chunks.sync_dirs()
     log.info(
         "pushed the pause of %s: %d files, %d new bytes, %d RAM chunks from the template (%.2f s)",
@@ -231,6 +248,8 @@ def push_pause(
         "disk_backing": disk_backing,
         "template": template,
         "new_bytes": new_bytes,
+        "volumes": volumes,
+        "volumes_dir": str(disks[0].parent) if disks else None,
     }
 
 
@@ -251,6 +270,33 @@ def _put_disk(
     return chunks.put_file(folded), "template"
 
 
+def _rebuild_volumes(
+    volumes: dict[str, FileManifest],
+    old_dir: Any,
+    volumes_dir: Path,
+    tmp: Path,
+    chunks: ChunkStore,
+    who: str,
+) -> None:
+    """Write the volume images a pause carries into ``volumes_dir`` (each atomically: the
+    one there, if any, is an older image of the same volume) and point the rebuilt
+    machine.json (in ``tmp``) at them."""
+    for vid, fm in volumes.items():
+        if not vid.startswith("vol-") or "/" in vid or ".." in vid:
+            raise CorruptData(f"sandbox {who}: its pause manifest names volume {vid!r}")
+        image = volumes_dir / f"{vid}.img"
+        part = volumes_dir / f".{vid}.img.pull"
+        try:
+            chunks.restore_file(fm, part)
+            os.replace(part, image)
+        finally:
+            part.unlink(missing_ok=True)
+    if isinstance(old_dir, str) and old_dir != str(volumes_dir) and (tmp / "machine.json").exists():
+        config = json.loads((tmp / "machine.json").read_text())
+        moved = rewrite_prefix(config, old_dir, str(volumes_dir))
+        (tmp / "machine.json").write_text(json.dumps(moved, indent=2))
+
+
 def is_whole(directory: Path) -> bool:
     """Whether ``directory`` holds a whole hibernated machine: a state file, and no RAM
     still being filled by a rebuild (:data:`FILLING`)."""
@@ -264,12 +310,15 @@ def rebuild_pause(
     template_dir: Path,
     *,
     sandbox_id: str = "",
+    volumes_dir: Path | None = None,
 ) -> float:
     """Write the hibernated machine ``manifest`` describes to ``directory`` (replacing what is
     there: a stale copy of an older pause) and return the seconds it took:
     :func:`begin_rebuild`, then :meth:`RamFill.run`. Raises as they do."""
     started = time.perf_counter()
-    begin_rebuild(manifest, directory, chunks, template_dir, sandbox_id=sandbox_id).run()
+    begin_rebuild(
+        manifest, directory, chunks, template_dir, sandbox_id=sandbox_id, volumes_dir=volumes_dir
+    ).run()
     return time.perf_counter() - started
 
 
@@ -343,6 +392,7 @@ def begin_rebuild(
     template_dir: Path,
     *,
     sandbox_id: str = "",
+    volumes_dir: Path | None = None,
 ) -> RamFill:
     """Put the hibernated machine ``manifest`` describes in ``directory`` (replacing what is
     there: a stale copy of an older pause) but for its RAM's content: every other file
@@ -358,6 +408,9 @@ def begin_rebuild(
         if manifest.get("version") != MANIFEST_VERSION:
             raise ValueError(f"unknown version {manifest.get('version')!r}")
         files = {k: FileManifest.from_json(v) for k, v in manifest["files"].items()}
+        volumes = {
+            str(k): FileManifest.from_json(v) for k, v in (manifest.get("volumes") or {}).items()
+        }
         from_template = {int(i) for i in manifest.get("from_template") or []}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptData(
@@ -403,6 +456,8 @@ def begin_rebuild(
             config = json.loads((tmp / "machine.json").read_text())
             moved = rewrite_prefix(config, wanted["directory"], mine["directory"])
             (tmp / "machine.json").write_text(json.dumps(moved, indent=2))
+        if volumes and volumes_dir is not None:
+            _rebuild_volumes(volumes, manifest.get("volumes_dir"), volumes_dir, tmp, chunks, who)
         fsync_dir(tmp)
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)

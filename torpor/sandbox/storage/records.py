@@ -362,9 +362,10 @@ class RecordStore(Generic[InfoT]):
         tenant: str = "default",
     ) -> InfoT:
         """Record that ``sandbox_id`` mounts the resource at ``path`` (checked and normalized
-        here), under the store's lock, after :meth:`_before_attach`. Raises the store's NotFound subclass, InvalidArgument (path), Conflict
-        (the sharing rule of :func:`check_attach`: never twice to one sandbox; for a volume,
-        one writer or any number of readers)."""
+        here), under the store's lock, after :meth:`_before_attach`. Raises the store's
+        NotFound subclass, InvalidArgument (path), Conflict (the sharing rule of
+        :func:`check_attach`: never twice to one sandbox; for a volume, one writer or any
+        number of readers)."""
         path = check_mount_path(path)
         with self.records.lock():
             info = self.get(id_or_name, tenant=tenant)
