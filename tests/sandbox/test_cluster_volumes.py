@@ -9,6 +9,7 @@ registry's tables), so the two keep the same interface.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,12 +19,20 @@ import pytest
 
 from torpor.config import Paths, paths
 from torpor.errors import Conflict, DriveNotFound, StorageError, VolumeNotFound
+from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.manager.cluster import ClusterConfig, ClusterNode, RegistryRecords
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.registry.postgres import PostgresRegistry
 from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.volumes import VolumeStore
+
+try:  # plain pytest puts this directory on sys.path; a package layout needs the relative form
+    from tests.sandbox.test_cluster import die, run, sent_here, until
+    from tests.sandbox.test_cluster import node as cnode
+except ImportError:  # pragma: no cover
+    from .test_cluster import die, run, sent_here, until
+    from .test_cluster import node as cnode
 
 pytestmark = [pytest.mark.postgres]
 
@@ -173,3 +182,81 @@ def test_a_volume_whose_push_failed_stays_on_its_node(
     finally:
         n1.registry.close()
         n2.registry.close()
+
+
+def _write_at(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _read_at(path: Path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
+def _plug(manager: SandboxManager, sid: str, image: Path) -> None:
+    """What attach_volume leaves in machine.json (the fake engine has no hot-plug)."""
+    mj = manager.directory(sid) / "machine.json"
+    config = json.loads(mj.read_text())
+    config["devices"].append(
+        {"id": "vol0", "kind": "disk", "path": str(image), "format": "raw", "slot": 5}
+    )
+    mj.write_text(json.dumps(config))
+
+
+@pytest.mark.s3
+def test_a_paused_sandbox_wakes_elsewhere_with_its_volume(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    async def body() -> None:
+        n1, n2 = cnode(tmp_path, dsn, store, "n1"), cnode(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        assert n1.cluster is not None and n2.cluster is not None
+        v1, v2 = n1.cluster.volume_store(), n2.cluster.volume_store()
+        info = await n1.get_or_create("agent-u-42")
+        vol = v1.create("notes", size_mib=16)
+        v1.attach("notes", info.id, "/data")
+        _plug(n1, info.id, v1.image(vol.id))
+        _write_at(v1.image(vol.id), 4 << 20, b"the agent's notes")  # the guest's, synced
+        await n1.run_code("agent-u-42", "notes = [1, 2]")
+        await n1.pause("agent-u-42")
+        done = await until(lambda: n1.get("agent-u-42"), lambda i: i.durable is not None, 30)
+        assert done.upload_error is None
+        die(n1, tmp_path / "n1")  # its volume image goes with its home
+        with sent_here():
+            out = await n2.run_code("agent-u-42", "notes")
+        assert out.results[0].data["text/plain"] == "[1, 2]"
+        image = v2.image(vol.id)
+        assert _read_at(image, 4 << 20, 17) == b"the agent's notes"
+        devices = json.loads((n2.directory(info.id) / "machine.json").read_text())["devices"]
+        assert [d["path"] for d in devices] == [str(image)]  # pointed at n2's copy
+        now = v2.get("notes")
+        assert now.node == "n2" and [a.sandbox_id for a in now.attachments] == [info.id]
+        await n2.close()
+
+    run(body)
+
+
+@pytest.mark.s3
+def test_a_drive_keeps_its_sandbox_pause_on_its_node(tmp_path: Path, dsn: str, store: str) -> None:
+    async def body() -> None:
+        n1 = cnode(tmp_path, dsn, store, "n1")
+        await n1.start(supervise=False)
+        assert n1.cluster is not None
+        info = await n1.get_or_create("pinned")
+        drive = n1.cluster.drive_store().create("shared")
+        n1.cluster.drive_store().attach("shared", info.id, "/shared")
+        mj = n1.directory(info.id) / "machine.json"
+        config = json.loads(mj.read_text())
+        config["devices"].append({"id": drive.id, "kind": "share", "path": "x", "slot": 6})
+        mj.write_text(json.dumps(config))
+        await n1.pause("pinned")
+        got = await until(lambda: n1.get("pinned"), lambda i: i.upload_error is not None, 30)
+        assert got.durable is None and "drive" in (got.upload_error or "")
+        assert "volume" not in (got.upload_error or "")
+        await n1.close()
+
+    run(body)
