@@ -9,6 +9,7 @@ registry's tables), so the two keep the same interface.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +19,13 @@ from typing import Any
 import pytest
 
 from torpor.config import Paths, paths
-from torpor.errors import Conflict, DriveNotFound, StorageError, VolumeNotFound
+from torpor.errors import (
+    Conflict,
+    DriveNotFound,
+    NoNodeAvailable,
+    StorageError,
+    VolumeNotFound,
+)
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.manager.cluster import ClusterConfig, ClusterNode, RegistryRecords
 from torpor.sandbox.models import SandboxState as S
@@ -240,23 +247,53 @@ def test_a_paused_sandbox_wakes_elsewhere_with_its_volume(
     run(body)
 
 
+def _share(manager: SandboxManager, sid: str, drive_id: str) -> None:
+    """What attach_drive leaves in machine.json (the fake engine has no hot-plug)."""
+    mj = manager.directory(sid) / "machine.json"
+    config = json.loads(mj.read_text())
+    config["devices"].append({"id": drive_id, "kind": "share", "path": "x", "slot": 6})
+    mj.write_text(json.dumps(config))
+
+
 @pytest.mark.s3
-def test_a_drive_keeps_its_sandbox_pause_on_its_node(tmp_path: Path, dsn: str, store: str) -> None:
+def test_a_drive_pins_its_sandbox_to_the_drives_node(tmp_path: Path, dsn: str, store: str) -> None:
     async def body() -> None:
-        n1 = cnode(tmp_path, dsn, store, "n1")
+        n1, n2 = cnode(tmp_path, dsn, store, "n1"), cnode(tmp_path, dsn, store, "n2")
         await n1.start(supervise=False)
-        assert n1.cluster is not None
+        await n2.start(supervise=False)
+        assert n1.cluster is not None and n2.cluster is not None
         info = await n1.get_or_create("pinned")
+        free = await n1.get_or_create("free")
         drive = n1.cluster.drive_store().create("shared")
         n1.cluster.drive_store().attach("shared", info.id, "/shared")
-        mj = n1.directory(info.id) / "machine.json"
-        config = json.loads(mj.read_text())
-        config["devices"].append({"id": drive.id, "kind": "share", "path": "x", "slot": 6})
-        mj.write_text(json.dumps(config))
-        await n1.pause("pinned")
-        got = await until(lambda: n1.get("pinned"), lambda i: i.upload_error is not None, 30)
+        _share(n1, info.id, drive.id)
+        with pytest.raises(Conflict) as elsewhere:  # a drive is attached only on its node
+            n2.cluster.drive_store().attach("shared", "sbx-on-n2", "/shared")
+        assert elsewhere.value.data["node"] == "n1"
+        # the drain pauses it in place and says the drive keeps it there
+        report = await n1.drain_node("n1")
+        assert [s.id for s in report.moved] == [free.id]
+        [kept] = report.failed
+        assert (kept.id, kept.state, kept.drives) == (info.id, S.PAUSED, ["shared"])
+        assert "drive shared" in (kept.error or "")
+        got = await n1.get("pinned")
         assert got.durable is None and "drive" in (got.upload_error or "")
         assert "volume" not in (got.upload_error or "")
-        await n1.close()
+        # another node sends the wake to the drive's node
+        with pytest.raises(Conflict) as there:
+            await n2.run_code("pinned", "1")
+        assert there.value.data["owner_node"] == "n1"
+        assert there.value.data["owner_url"] == "http://n1.test:8765"
+        # the drive's node is gone: a clear error naming it, and nothing taken over
+        die(n1, None)
+        await asyncio.sleep(3.5)  # n1's lease lapses
+        with pytest.raises(NoNodeAvailable) as down, sent_here():
+            await n2.run_code("pinned", "1")
+        assert down.value.data["node"] == "n1" and "n1" in down.value.message
+        assert n2.cluster.recover_lapsed() == []  # the heartbeat does not take it either
+        still = await n2.get("pinned")
+        assert still.state is S.PAUSED and still.error is None
+        assert [r.id for r in n2.cluster.registry.owned_by("n1")] == [info.id]  # waits for n1
+        await n2.close()
 
     run(body)

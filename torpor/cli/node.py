@@ -78,7 +78,8 @@ def drain(
                 f"moved {s.id} ({s.name}, tenant {s.tenant}): paused, durable {s.durable}"
             )
         for s in report.failed:
-            console.print(f"[red]kept {s.id} ({s.name}): {s.error}[/red]")
+            why = f" [drive {', '.join(s.drives)}]" if s.drives else ""
+            console.print(f"[red]kept {s.id} ({s.name}){why}: {s.error}[/red]")
         console.print(
             f"node {report.node} drained: {len(report.moved)} moved, {len(report.failed)} not"
         )

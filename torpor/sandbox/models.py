@@ -215,12 +215,14 @@ class DrainedSandbox(BaseModel):
     state: SandboxState
     durable: datetime | None = None
     error: str | None = None
+    #: the drives that keep it on the node (a drive is a directory of its node)
+    drives: list[str] = Field(default_factory=list)
 
 
 class DrainReport(BaseModel):
     """What ``torpor node drain`` did: the node no longer takes sandboxes; ``moved`` are
     paused, durable and released (any node wakes them); ``failed`` are not (``error`` says
-    why; they stay on the node)."""
+    why, and ``drives`` when drives keep them there; they stay on the node)."""
 
     node: str
     moved: list[DrainedSandbox] = Field(default_factory=list)

@@ -99,7 +99,7 @@ from torpor.sandbox.storage.chunks import (
     SweepReport,
     open_chunk_store,
 )
-from torpor.sandbox.storage.drives import DriveStore
+from torpor.sandbox.storage.drives import DriveInfo, DriveStore
 from torpor.sandbox.storage.pauses import (
     RamFill,
     begin_rebuild,
@@ -308,6 +308,7 @@ class ClusterNode:
         Conflict names that node (``owner_node``, ``owner_url``, ``placed``). Raises Conflict
         naming the node that holds it (``owner_node``) and its URL (``owner_url``),
         NoNodeAvailable, SandboxNotFound, StorageError."""
+        self.check_pins(sandbox_id)
         # an owner that stopped heartbeating lost it: fall back to its last durable pause first
         self.registry.recover(sandbox_id, self.node)
         if (
@@ -726,6 +727,45 @@ class ClusterNode:
             time.perf_counter() - started,
         )
 
+    def pinned_to(self, sandbox_id: str) -> tuple[str, list[str]] | None:
+        """The node a drive attached to ``sandbox_id`` is on, with the names of those
+        drives (None: no drive pins it). Raises StorageError."""
+        pins = [(name, node) for _, name, node in self.registry.drives_of(sandbox_id) if node]
+        if not pins:
+            return None
+        node = pins[0][1]
+        return node, [name for name, n in pins if n == node]
+
+    def check_pins(self, sandbox_id: str) -> None:
+        """Raise unless this node may run ``sandbox_id``: one with a drive attached runs only
+        on the drive's node (a Conflict naming it, ``owner_url``: the server proxies there;
+        NoNodeAvailable naming it when it is down: the sandbox waits for it, nothing of it
+        is lost). Raises StorageError."""
+        pinned = self.pinned_to(sandbox_id)
+        if pinned is None or pinned[0] == self.node:
+            return
+        node, drives = pinned
+        nodes, _ = self._live_nodes()
+        there = next((n for n in nodes if n.id == node), None)
+        if there is None or not there.url:
+            raise NoNodeAvailable(
+                f"sandbox {sandbox_id} has drive {', '.join(drives)} attached, a directory of "
+                f"node {node}, which is down: the sandbox runs only there and waits for it "
+                f"(nothing of it is lost); start node {node} again, or detach the drive "
+                "there first",
+                sandbox_id=sandbox_id,
+                node=node,
+                drives=drives,
+            )
+        raise Conflict(
+            f"sandbox {sandbox_id} has drive {', '.join(drives)} attached, a directory of "
+            f"node {node}: it runs only there; send the request to {there.url}",
+            sandbox_id=sandbox_id,
+            owner_node=node,
+            owner_url=there.url,
+            placed=f"drive {', '.join(drives)}",
+        )
+
     def holder_node(self, sandbox_id: str) -> str | None:
         """The node running ``sandbox_id`` (its lease), else the one holding its latest
         pause's files. Raises StorageError."""
@@ -736,9 +776,8 @@ class ClusterNode:
         return None if pause is None else pause.node
 
     def drive_store(self) -> DriveStore:
-        """This node's view of the cluster's drives: records in the registry, directories on
-        the node that made each."""
-        return DriveStore(self.paths, RegistryRecords(self.registry, "drive", self.node))
+        """This node's view of the cluster's drives (:class:`ClusterDriveStore`)."""
+        return ClusterDriveStore(self)
 
     def origin(self) -> dict[str, Any]:
         """What a snapshot or pause taken here records of where it was made."""
@@ -1018,6 +1057,42 @@ class ClusterVolumeStore(VolumeStore):
         if dropped:
             self._let_go(before)
         return dropped
+
+
+class ClusterDriveStore(DriveStore):
+    """A cluster node's drives: records in the registry (:class:`RegistryRecords`), each
+    drive's directory on the node that made it (``node``). A drive is attached only to a
+    sandbox on its node (else a Conflict naming the node), and pins that sandbox there
+    (:meth:`ClusterNode.check_pins`). A drive is deleted only on its node (its directory is
+    there)."""
+
+    def __init__(self, cluster: ClusterNode) -> None:
+        super().__init__(cluster.paths, RegistryRecords(cluster.registry, "drive", cluster.node))
+        self.cluster = cluster
+
+    def _elsewhere(self, info: DriveInfo, what: str) -> Conflict:
+        url = ""
+        with contextlib.suppress(TorporError):
+            url = self.cluster.registry.node(str(info.node)).url
+        return Conflict(
+            f"drive {info.name!r} ({info.id}) is a directory of node {info.node}: {what} "
+            + (f"there ({url})" if url else "there"),
+            kind="drive",
+            id=info.id,
+            node=info.node,
+            node_url=url,
+        )
+
+    def _before_attach(self, info: DriveInfo, first: bool) -> None:
+        if info.node not in (None, self.cluster.node):
+            raise self._elsewhere(info, "attach it to a sandbox running")
+        super()._before_attach(info, first)
+
+    def delete(self, id_or_name: str, *, tenant: str = "default") -> DriveInfo:
+        info = self.get(id_or_name, tenant=tenant)
+        if info.node not in (None, self.cluster.node) and not info.attachments:
+            raise self._elsewhere(info, "delete it")
+        return super().delete(id_or_name, tenant=tenant)
 
 
 class RegistryRecords:

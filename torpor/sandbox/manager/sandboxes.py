@@ -844,7 +844,15 @@ class SandboxManager(ManagerCore):
         held = await asyncio.to_thread(cluster.registry.owned_by, cluster.node)
         report = DrainReport(node=name)
         errors: dict[str, str] = {}
+        pins: dict[str, list[str]] = {}
         for rec in held:
+            pinned = await asyncio.to_thread(cluster.pinned_to, rec.id)
+            if pinned is not None:  # paused here, but it cannot leave this node
+                pins[rec.id] = pinned[1]
+                errors[rec.id] = (
+                    f"drive {', '.join(pinned[1])} is attached, a directory of this node: "
+                    "the sandbox runs only here (detach the drive to move it)"
+                )
             if rec.state is S.RUNNING:
                 try:
                     await self.pause(rec.id, tenant=rec.tenant)
@@ -869,6 +877,8 @@ class SandboxManager(ManagerCore):
                     )
                 if rec.id not in errors:
                     await asyncio.sleep(0.1)
+            if rec.id in pins:  # paused in place (or why not)
+                rec = await asyncio.to_thread(self.registry.get, rec.id)
             info = rec.to_info()
             line = DrainedSandbox(
                 id=rec.id,
@@ -877,6 +887,7 @@ class SandboxManager(ManagerCore):
                 state=rec.state,
                 durable=info.durable,
                 error=errors.get(rec.id),
+                drives=pins.get(rec.id, []),
             )
             (report.failed if rec.id in errors else report.moved).append(line)
         log.info(

@@ -1133,6 +1133,16 @@ class PostgresRegistry:
                 ),
             )
 
+    def drives_of(self, sandbox_id: str) -> builtins.list[tuple[str, str, str | None]]:
+        """The drives attached to ``sandbox_id``: (id, name, node). Raises StorageError."""
+        rows = self._query(
+            "SELECT id, name, node FROM torpor_registry.drives WHERE record::jsonb ->"
+            " 'attachments' @> jsonb_build_array(jsonb_build_object('sandbox_id', %s::text))"
+            " ORDER BY id",
+            (sandbox_id,),
+        )
+        return [(str(r[0]), str(r[1]), r[2]) for r in rows]
+
     def forget_volume_image(self, volume_id: str, node: str) -> None:
         """Record that ``volume_id``'s latest image is on ``node`` only (a push failed: the
         stored one is older). Raises StorageError."""
@@ -1260,7 +1270,9 @@ class PostgresRegistry:
         heartbeating: its machine and local files count as gone), on behalf of ``node``.
 
         One transaction, compare-and-set on the lapsed lease, so of many nodes recovering at
-        once exactly one does it (the others get None). A sandbox with a durable pause goes
+        once exactly one does it (the others get None). A sandbox with a drive attached is
+        never taken (a drive is a directory of its node: the sandbox waits for that node,
+        nothing of it is lost; None). A sandbox with a durable pause goes
         to ``paused`` at that pause (what changed since is lost, and the transition's reason
         says so); one without goes to ``error`` (its error says what was lost). The owner is
         cleared: the sandbox wakes on whichever node asks next. Returns the transition
@@ -1273,8 +1285,12 @@ class PostgresRegistry:
                 # FOR UPDATE (not SKIP LOCKED): a node that races another's recovery waits
                 # for it and then finds the sandbox recovered, so its acquire that follows
                 # never takes over a lapsed lease of a sandbox still marked as running
-                " AND lease_until < %s FOR UPDATE",
-                (sandbox_id, node, now),
+                " AND lease_until < %s"
+                # a drive pins its sandbox to the drive's node: it waits for that node
+                " AND NOT EXISTS (SELECT 1 FROM torpor_registry.drives d WHERE"
+                " d.record::jsonb -> 'attachments' @> jsonb_build_array("
+                "jsonb_build_object('sandbox_id', %s::text))) FOR UPDATE",
+                (sandbox_id, node, now, sandbox_id),
             ).fetchone()
             if row is None:
                 return None
