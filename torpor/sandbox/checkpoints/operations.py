@@ -703,6 +703,10 @@ class Checkpoints:
         report.expired_sandboxes = expired
         if not dry_run:  # usage bills what GC removed (and what was deleted) until now
             await asyncio.to_thread(
-                sync_stored, self.manager.registry, self.paths, snapshots=self.snapshots
+                sync_stored,
+                self.manager.registry,
+                self.paths,
+                snapshots=self.snapshots,
+                volume_store=self.volumes,
             )
         return report

@@ -74,12 +74,14 @@ def sync_stored(
     *,
     now: float | None = None,
     snapshots: SnapshotStore | None = None,
+    volume_store: VolumeStore | None = None,
 ) -> None:
     """Bring the registry's ledger of stored things in line with the snapshot and volume
     stores: enter (or update: size, labels, expiry) every snapshot and volume there is, and
     end the ones that are gone. ``snapshots``: the snapshot store (default the home's own; a
     cluster node's sees every node's snapshots, while its volumes are its own: volumes other
-    nodes hold are then not ended here). Raises StorageError."""
+    nodes hold are then not ended here). ``volume_store``: the volume store (default the home's own;
+    a cluster node's sees every node's volumes). Raises StorageError."""
     now = time.time() if now is None else now
     store = snapshots or SnapshotStore(paths)
     infos = [
@@ -102,11 +104,11 @@ def sync_stored(
             "bytes": vol.size_mib * _MIB,
             "started_at": vol.created_at.timestamp(),
         }
-        for vol in VolumeStore(paths).list_all()
+        for vol in (volume_store or VolumeStore(paths)).list_all()
     ]
     for kind, items in (("snapshot", infos), ("volume", volumes)):
         registry.record_stored(kind, items)
-        if kind == "volume" and store.catalog.shared:
+        if kind == "volume" and store.catalog.shared and volume_store is None:
             continue  # this node's volumes only: a deleted one was ended by its delete
         gone = {r["id"] for r in registry.stored(kind=kind, live=True)} - {i["id"] for i in items}
         if gone:
