@@ -138,6 +138,10 @@ def test_every_node_sees_every_volume_and_attaches_it(tmp_path: Path, dsn: str, 
             f.seek(8 << 20)
             assert f.read(13) == b"written on n1"
         assert reg_written(n1, made.id)
+        # only changed chunks go up: the same image again sends nothing, one write one chunk
+        assert n2.push_volume(made.id).new_bytes == 0
+        _write_at(v2.image(made.id), 12 << 20, b"written on n2")
+        assert 0 < n2.push_volume(made.id).new_bytes <= n2.chunks.chunk_size
         v2.detach("data", "sbx-2")
         assert v1.delete("data").id == made.id  # deleted from a node its image is not on
         assert v1.list() == [] and v2.list() == []

@@ -672,20 +672,21 @@ class ClusterNode:
         """This node's view of the cluster's volumes (:class:`ClusterVolumeStore`)."""
         return ClusterVolumeStore(self)
 
-    def push_volume(self, volume_id: str) -> dict[str, Any]:
+    def push_volume(self, volume_id: str) -> FileManifest:
         """Store this node's image of ``volume_id`` in the shared store (only the chunks the
-        store lacks go up) and record it as the volume's latest image, on this node. Returns
-        its file manifest. Raises VolumeNotFound, StorageError."""
+        store lacks go up: ``new_bytes`` of the result) and record it as the volume's latest
+        image, on this node. Returns its file manifest. Raises VolumeNotFound,
+        StorageError."""
         started = time.perf_counter()
         image = self.paths.volumes / f"{volume_id}.img"
-        fm = self.chunks.put_file(image).to_json()
+        fm = self.chunks.put_file(image)
         self.chunks.sync_dirs()
-        self.registry.record_volume_image(volume_id, self.node, fm)
+        self.registry.record_volume_image(volume_id, self.node, fm.to_json())
         log.info(
             "volume %s pushed to %s (%d new bytes, %.2f s)",
             volume_id,
             self.chunks.location,
-            fm.get("new_bytes", 0),
+            fm.new_bytes,
             time.perf_counter() - started,
         )
         return fm
