@@ -143,7 +143,12 @@ def test_every_node_sees_every_volume_and_attaches_it(tmp_path: Path, dsn: str, 
         _write_at(v2.image(made.id), 12 << 20, b"written on n2")
         assert 0 < n2.push_volume(made.id).new_bytes <= n2.chunks.chunk_size
         v2.detach("data", "sbx-2")
+        # n1's copy is stale now (the latest is n2's): its tidy drops it, n2's keeps n2's
+        assert n2.volume_store().tidy() == [] and v2.image(made.id).exists()
+        assert n1.volume_store().tidy() == [made.id] and not v1.image(made.id).exists()
         assert v1.delete("data").id == made.id  # deleted from a node its image is not on
+        assert v2.image(made.id).exists()
+        assert n2.volume_store().tidy() == [made.id]
         assert v1.list() == [] and v2.list() == []
     finally:
         n1.registry.close()

@@ -520,6 +520,7 @@ class ClusterNode:
                     if tidy is not None and time.monotonic() - last_tidy >= TIDY_SECONDS:
                         last_tidy = time.monotonic()
                         await tidy()
+                        await asyncio.to_thread(ClusterVolumeStore(self).tidy)
                 except Exception as exc:  # keep beating: PostgreSQL may be back next time
                     log.warning("heartbeat of node %s failed: %s", self.node, exc)
 
@@ -668,7 +669,7 @@ class ClusterNode:
             )
         return self._snapshots
 
-    def volume_store(self) -> VolumeStore:
+    def volume_store(self) -> ClusterVolumeStore:
         """This node's view of the cluster's volumes (:class:`ClusterVolumeStore`)."""
         return ClusterVolumeStore(self)
 
@@ -776,7 +777,7 @@ class ClusterNode:
         pause = self.registry.pause_record(sandbox_id)
         return None if pause is None else pause.node
 
-    def drive_store(self) -> DriveStore:
+    def drive_store(self) -> ClusterDriveStore:
         """This node's view of the cluster's drives (:class:`ClusterDriveStore`)."""
         return ClusterDriveStore(self)
 
@@ -1037,6 +1038,29 @@ class ClusterVolumeStore(VolumeStore):
                 + ")",
                 **{**exc.data, "node": node, "node_url": url},
             ) from exc
+
+    def tidy(self) -> list[str]:
+        """Delete this node's copies of volume images that are of no use here any more: the
+        volume was deleted (from another node), or its latest image is on another node and
+        no sandbox of this node (running here, or whose pause is here) has it attached.
+        Under the volumes' lock (no create, attach or pull is half done meanwhile). Returns
+        the ids dropped. Raises StorageError."""
+        dropped = []
+        here = self.cluster.node
+        with self.records.lock():
+            records = {i.id: i for i in self._infos()}
+            for image in sorted(self.root.glob("vol-*.img")):
+                info = records.get(image.stem)
+                if info is not None and (
+                    info.node in (None, here)
+                    or any(self.cluster.holder_node(a.sandbox_id) == here for a in info.attachments)
+                ):
+                    continue
+                image.unlink(missing_ok=True)
+                dropped.append(image.stem)
+        for vid in dropped:
+            log.info("node %s: dropped its stale copy of volume %s", here, vid)
+        return dropped
 
     def _let_go(self, before: list[VolumeInfo]) -> None:
         """Push the image of every volume here that a read-write sandbox let go of."""
