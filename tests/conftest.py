@@ -51,6 +51,10 @@ def qemu_home(template_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     unprivileged uid (torpor.sandbox.vm.jail), which must be able to walk down to the home."""
     home = Path(tempfile.mkdtemp(prefix="torpor-home-"))
     (home / "templates").symlink_to(template_home / "templates")
+    accel = template_home / "cache" / "accel.json"  # the probe's answer for these templates'
+    if accel.is_file():  # kernel (a fresh probe waits up to 20 s for a guest under KVM)
+        (home / "cache").mkdir()
+        shutil.copy2(accel, home / "cache" / "accel.json")
     monkeypatch.setenv("TORPOR_HOME", str(home))
     yield home
     shutil.rmtree(home, ignore_errors=True)
