@@ -4,6 +4,7 @@ Run from the repository root::
 
     python -m bench.service                 # 100k records, 300 recalls, 20k remembers
     python -m bench.service --quick         # 10k records: a smoke run
+    python -m bench.service --baseline      # and a server without the memory fast path
 
 A real ``torpor serve`` process (lexical only, ``--embedder none``) owns a throwaway home
 holding N records (100 users of one app). The same recall queries run through the embedded
@@ -15,6 +16,11 @@ Targets (issue 8): recall p50 over the local socket at most 2 ms above the embed
 per-query differences, each query timed through every transport in turn, which the spread
 between queries does not blur); remember through HTTP, lexical only, batched, at least
 1,000 records/s.
+``--baseline`` starts a second server, on a copy of the home, with ``TORPOR_FAST_MEMORY=0``
+(every request through FastAPI's routing, :mod:`torpor.server.fastpath` off) and interleaves it
+with the others (``recall_http-socket-baseline``: always its server's first call for a query,
+so compare it with the socket's "server's first" column); the table also gives each server's
+CPU per recall (``/proc``; the main server's covers its socket and TCP calls alike).
 Prints a table, writes ``bench/results/service.json`` and ends with PASS/FAIL per target.
 """
 
@@ -171,18 +177,23 @@ def main(argv: list[str] | None = None) -> int:
 
     home = Path(tempfile.mkdtemp(prefix="tsb"))
     home2 = home.with_name(home.name + "-baseline")
+    served = home  # the main server's home (a copy, like the baseline's, with --baseline)
     proc = proc2 = None
     load_before = os.getloadavg()
     try:
         console.print(f"filling {records:,} records ...")
         fill_s = fill(home, records, users, args.seed)
         if args.baseline:
+            # both servers on copies made alike, so neither has the other's files (nor the
+            # embedded store's, which reads the original)
+            served = home.with_name(home.name + "-served")
+            shutil.copytree(home, served)
             shutil.copytree(home, home2)
             proc2 = serve(home2, _free_port(), fast=False)
             baseline = Runtime(home=home2, autostart=False)
         port = _free_port()
-        proc = serve(home, port)
-        local = Runtime(home=home, autostart=False)
+        proc = serve(served, port)
+        local = Runtime(home=served, autostart=False)
         for rt, server in ((local, proc), *(((baseline, proc2),) if args.baseline else ())):
             deadline = time.monotonic() + 120
             while True:
@@ -287,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                     server.kill()
         shutil.rmtree(home, ignore_errors=True)
         shutil.rmtree(home2, ignore_errors=True)
+        shutil.rmtree(served, ignore_errors=True)
 
     load_after = os.getloadavg()
     delta = results["recall_http-socket"]["p50_ms"] - results["recall_embedded"]["p50_ms"]
