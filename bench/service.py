@@ -4,6 +4,7 @@ Run from the repository root::
 
     python -m bench.service                 # 100k records, 300 recalls, 20k remembers
     python -m bench.service --quick         # 10k records: a smoke run
+    python -m bench.service --baseline      # and a server without the memory fast path
 
 A real ``torpor serve`` process (lexical only, ``--embedder none``) owns a throwaway home
 holding N records (100 users of one app). The same recall queries run through the embedded
@@ -15,6 +16,11 @@ Targets (issue 8): recall p50 over the local socket at most 2 ms above the embed
 per-query differences, each query timed through every transport in turn, which the spread
 between queries does not blur); remember through HTTP, lexical only, batched, at least
 1,000 records/s.
+``--baseline`` starts a second server, on a copy of the home, with ``TORPOR_FAST_MEMORY=0``
+(every request through FastAPI's routing, :mod:`torpor.server.fastpath` off) and interleaves it
+with the others (``recall_http-socket-baseline``: always its server's first call for a query,
+so compare it with the socket's "server's first" column); the table also gives each server's
+CPU per recall (``/proc``; the main server's covers its socket and TCP calls alike).
 Prints a table, writes ``bench/results/service.json`` and ends with PASS/FAIL per target.
 """
 
@@ -86,9 +92,10 @@ def fill(home: Path, records: int, users: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
-def serve(home: Path, port: int) -> subprocess.Popen[bytes]:
-    """``torpor serve`` on ``home`` (socket + TCP), lexical only."""
-    env = {**os.environ, "TORPOR_HOME": str(home)}
+def serve(home: Path, port: int, fast: bool = True) -> subprocess.Popen[bytes]:
+    """``torpor serve`` on ``home`` (socket + TCP), lexical only (``fast``: False turns the
+    memory routes' fast path off, :mod:`torpor.server.fastpath`)."""
+    env = {**os.environ, "TORPOR_HOME": str(home), "TORPOR_FAST_MEMORY": "1" if fast else "0"}
     env.pop("TORPOR_URL", None)
     env.pop("TORPOR_TOKEN", None)
     return subprocess.Popen(
@@ -110,6 +117,12 @@ def serve(home: Path, port: int) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _load(avg: tuple[float, float, float]) -> str:
@@ -147,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=500)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also a second server (a copy of the home) without the memory fast path, "
+        "interleaved with the others (torpor.server.fastpath's before/after in one run)",
+    )
     args = p.parse_args(argv)
     records = args.records or (10_000 if args.quick else 100_000)
     reps = args.reps or (100 if args.quick else 300)
@@ -157,23 +176,34 @@ def main(argv: list[str] | None = None) -> int:
     from torpor.memory import Memory
 
     home = Path(tempfile.mkdtemp(prefix="tsb"))
-    proc = None
+    home2 = home.with_name(home.name + "-baseline")
+    served = home  # the main server's home (a copy, like the baseline's, with --baseline)
+    proc = proc2 = None
     load_before = os.getloadavg()
     try:
         console.print(f"filling {records:,} records ...")
         fill_s = fill(home, records, users, args.seed)
+        if args.baseline:
+            # both servers on copies made alike, so neither has the other's files (nor the
+            # embedded store's, which reads the original)
+            served = home.with_name(home.name + "-served")
+            shutil.copytree(home, served)
+            shutil.copytree(home, home2)
+            proc2 = serve(home2, _free_port(), fast=False)
+            baseline = Runtime(home=home2, autostart=False)
         port = _free_port()
-        proc = serve(home, port)
-        local = Runtime(home=home, autostart=False)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                local.health()
-                break
-            except Exception:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        proc = serve(served, port)
+        local = Runtime(home=served, autostart=False)
+        for rt, server in ((local, proc), *(((baseline, proc2),) if args.baseline else ())):
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    rt.health()
+                    break
+                except Exception:
+                    if server.poll() is not None or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
         token = local.tokens.create(grants=[("write", "")], name="bench").token
         tcp = Runtime(url=f"http://127.0.0.1:{port}", token=token)
 
@@ -187,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                 "http-socket": [local.memory.scope(app="bench", user=n) for n in names],
                 "http-tcp": [tcp.memory.scope(app="bench", user=n) for n in names],
             }
+            if args.baseline:
+                transports["http-socket-baseline"] = [
+                    baseline.memory.scope(app="bench", user=n) for n in names
+                ]
             for scopes in transports.values():  # warm caches and connections
                 time_recalls(scopes, queries[:20])
             samples: dict[str, list[float]] = {name: [] for name in transports}
@@ -194,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             # first call for that query: the server's SQLite connection has a page cache of
             # its own, which the first call warms for the second (the embedded call, in this
             # process, always starts from its own)
-            first_extra: dict[str, list[float]] = {"http-socket": [], "http-tcp": []}
+            first_extra: dict[str, list[float]] = {name: [] for name in transports}
+            cpu_before = {p.pid: _cpu(p.pid) for p in (proc, proc2) if p is not None}
             for _ in range(3):
                 # interleaved query by query: load on the shared machine hits all alike; the
                 # server's two transports take turns going first
@@ -202,10 +237,18 @@ def main(argv: list[str] | None = None) -> int:
                     order = ["embedded", "http-socket", "http-tcp"]
                     if i % 2:
                         order[1:] = order[:0:-1]
+                    if args.baseline:  # a server of its own: always its first call
+                        order.insert(1 + (i // 2) % 3, "http-socket-baseline")
                     for name in order:
                         scopes = transports[name]
                         samples[name] += time_recalls([scopes[i % len(scopes)]], [query])
-                    first_extra[order[1]].append(samples[order[1]][-1] - samples["embedded"][-1])
+                    for name in (
+                        order[1] if order[1] != "http-socket-baseline" else order[2],
+                        "http-socket-baseline",
+                    ):
+                        if name in samples:
+                            first_extra[name].append(samples[name][-1] - samples["embedded"][-1])
+            cpu_after = {pid: _cpu(pid) for pid in cpu_before}
         for name, s in samples.items():
             results[f"recall_{name}"] = {
                 "p50_ms": statistics.median(s) * 1000,
@@ -215,7 +258,16 @@ def main(argv: list[str] | None = None) -> int:
         # the same query through each transport in turn: the median of the per-query
         # differences is the transport's cost without the spread between queries
         embedded = samples["embedded"]
-        for name in ("http-socket", "http-tcp"):
+        # the servers' CPU per recall (the main server answers both of its transports)
+        calls = 3 * len(queries)
+        results["server_cpu_per_recall"] = {
+            "cpu_ms": (cpu_after[proc.pid] - cpu_before[proc.pid]) / (2 * calls) * 1000
+        }
+        if proc2 is not None:
+            results["server_cpu_per_recall_baseline"] = {
+                "cpu_ms": (cpu_after[proc2.pid] - cpu_before[proc2.pid]) / calls * 1000
+            }
+        for name in [t for t in transports if t != "embedded"]:
             diffs = [a - b for a, b in zip(samples[name], embedded, strict=True)]
             results[f"recall_{name}"]["paired_extra_p50_ms"] = statistics.median(diffs) * 1000
             results[f"recall_{name}"]["paired_extra_first_p50_ms"] = (
@@ -237,13 +289,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, rate in rates.items():
             results[f"remember_{name}"] = {"records_per_s": rate, "batch": args.batch}
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for server in (proc, proc2):
+            if server is not None:
+                server.terminate()
+                try:
+                    server.wait(60)
+                except subprocess.TimeoutExpired:
+                    server.kill()
         shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(home2, ignore_errors=True)
+        shutil.rmtree(served, ignore_errors=True)
 
     load_after = os.getloadavg()
     delta = results["recall_http-socket"]["p50_ms"] - results["recall_embedded"]["p50_ms"]
@@ -258,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in results.items():
         table.add_row(
             name,
-            f"{row['p50_ms']:.2f}" if "p50_ms" in row else "",
+            f"{row['p50_ms']:.2f}"
+            if "p50_ms" in row
+            else (f"{row['cpu_ms']:.2f} (CPU, mean)" if "cpu_ms" in row else ""),
             f"{row['p95_ms']:.2f}" if "p95_ms" in row else "",
             f"{row['paired_extra_p50_ms']:.2f}" if "paired_extra_p50_ms" in row else "",
             f"{row['paired_extra_first_p50_ms']:.2f}" if "paired_extra_first_p50_ms" in row else "",

@@ -44,6 +44,7 @@ from torpor.memory.embeddings import Embedder
 from torpor.sandbox.requests import invalid_argument
 from torpor.server.auth import Identity, TokenStore
 from torpor.server.deps import CallerDep
+from torpor.server.fastpath import FastPath
 from torpor.server.limits import BodyLimit
 from torpor.server.mcp.http import mount as mount_mcp
 from torpor.server.schema import install as install_schema
@@ -150,6 +151,7 @@ def create_app(
     idle_interval: float = 1.0,
     max_file_bytes: int = LIMITS.max_file_bytes,
     on_shutdown: list[Any] | None = None,
+    fast_memory: bool = True,
 ) -> FastAPI:
     """A FastAPI app serving ``manager`` (a :class:`~torpor.sandbox.manager.SandboxManager`).
 
@@ -163,7 +165,8 @@ def create_app(
     first use); ``max_import_bytes``: the largest memory import body.
     ``supervise``: run the idle supervisor (``manager.idle_sweep()`` every ``idle_interval``
     seconds). ``on_shutdown``: plain callables run after the manager closed (the daemon
-    removes its socket and pidfile there).
+    removes its socket and pidfile there). ``fast_memory``: answer the hot memory routes
+    without FastAPI's routing (:mod:`torpor.server.fastpath`; False: the benchmarks' baseline).
     """
 
     @contextlib.asynccontextmanager
@@ -212,6 +215,7 @@ def create_app(
     app.state.memory_embedder = memory_embedder
     app.state.max_import_bytes = max_import_bytes
     app.state.max_file_bytes = max_file_bytes
+    app.add_middleware(FastPath, enabled=fast_memory)  # innermost: inside the body limit
     app.add_middleware(BodyLimit)  # every body bounded before it is parsed
     cluster = getattr(manager, "cluster", None)
     if cluster is not None:  # a sandbox another node runs: the request goes there

@@ -171,7 +171,8 @@ def serve(
     ``$TORPOR_MEMORY_BACKEND``). ``embedder``: the memory routes' embedder (``"default"``:
     the local model if installed; ``"none"``: lexical only; or a model name; default
     ``$TORPOR_EMBEDDER`` or ``"default"``). ``manager`` defaults to a
-    :class:`~torpor.sandbox.manager.SandboxManager` on ``home``.
+    :class:`~torpor.sandbox.manager.SandboxManager` on ``home``. ``$TORPOR_FAST_MEMORY=0``
+    sends every request through FastAPI's routing (no :mod:`torpor.server.fastpath`).
 
     Cluster mode (``cluster``: a PostgreSQL DSN, default ``$TORPOR_CLUSTER``): the sandbox
     registry is that database's, pauses are made durable in ``store`` (``s3://bucket/prefix``,
@@ -257,6 +258,9 @@ def serve(
         memory_embedder=_embedder_spec(embedder or os.environ.get("TORPOR_EMBEDDER")),
         require_token=host is not None,
         on_shutdown=cleanup,
+        # the hot memory routes' short way (torpor.server.fastpath); "0": FastAPI's routing for
+        # every request (the benchmark's baseline, bench/service.py --baseline)
+        fast_memory=os.environ.get("TORPOR_FAST_MEMORY", "1") != "0",
     )
     # The stock asyncio loop, not uvloop: qemu.qmp relies on asyncio's own socket objects.
     config = uvicorn.Config(

@@ -223,7 +223,10 @@ def memory_of(request: Request, caller: Caller) -> Memory:
     return base.acting_as(caller.access(request.app.state.memory_backend))
 
 
-def _scope(request: Request, caller: Caller, scope: str, tenant: str | None) -> ScopedMemory:
+def open_scope_of(request: Request, caller: Caller, scope: str, tenant: str | None) -> ScopedMemory:
+    """``caller`` 's view of ``scope`` (``tenant``: the ``?tenant=`` check), as every route
+    opens it. Raises what :meth:`Memory.scope_from_path` raises, and AccessDenied (audited)
+    for another tenant."""
     mem = memory_of(request, caller)
     if tenant is not None:
         mem.access.require_tenant(tenant, "scope")
@@ -250,7 +253,7 @@ def open_scope(
     request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
 ) -> Response:
     """Open a scope: what ``Memory.scope()`` checks (a valid path the caller may read)."""
-    s = _scope(request, caller, scope, tenant)
+    s = open_scope_of(request, caller, scope, tenant)
     return _json(ScopeOut, ScopeOut(tenant=s.scope.tenant, scope=s.path))
 
 
@@ -263,7 +266,12 @@ def remember(
     tenant: TenantQuery = None,
 ) -> Response:
     """Store a fact (with ``key``: supersede the current fact with that key)."""
-    [fact] = _scope(request, caller, scope, tenant).remember_many([body.model_dump()])
+    return do_remember(open_scope_of(request, caller, scope, tenant), body)
+
+
+def do_remember(s: ScopedMemory, body: RememberBody) -> Response:
+    """The remember route's work once its scope is open (also :mod:`torpor.server.fastpath`)."""
+    [fact] = s.remember_many([body.model_dump()])
     return _json(Fact, fact)
 
 
@@ -276,7 +284,9 @@ def remember_many(
     tenant: TenantQuery = None,
 ) -> Response:
     """Store many facts in one transaction (all or nothing)."""
-    return _json(list[Fact], _scope(request, caller, scope, tenant).remember_many(body.items))
+    return _json(
+        list[Fact], open_scope_of(request, caller, scope, tenant).remember_many(body.items)
+    )
 
 
 @router.post("/log", response_model=Episode)
@@ -288,7 +298,12 @@ def log_turn(
     tenant: TenantQuery = None,
 ) -> Response:
     """Append one turn to the episodic log."""
-    [episode] = _scope(request, caller, scope, tenant).log_many([body.model_dump()])
+    return do_log(open_scope_of(request, caller, scope, tenant), body)
+
+
+def do_log(s: ScopedMemory, body: LogBody) -> Response:
+    """The log route's work once its scope is open (also :mod:`torpor.server.fastpath`)."""
+    [episode] = s.log_many([body.model_dump()])
     return _json(Episode, episode)
 
 
@@ -302,7 +317,7 @@ def log_many(
 ) -> Response:
     """Append many turns in one transaction (all or nothing)."""
     turns = [{**t, "at": _time(t.get("at"), "at")} if "at" in t else t for t in body.turns]
-    return _json(list[Episode], _scope(request, caller, scope, tenant).log_many(turns))
+    return _json(list[Episode], open_scope_of(request, caller, scope, tenant).log_many(turns))
 
 
 def _time(value: Any, what: str) -> datetime | None:
@@ -323,7 +338,12 @@ def recall(
     tenant: TenantQuery = None,
 ) -> Response:
     """The best records for a query from this scope and its ancestors."""
-    return _json(list[Hit], _scope(request, caller, scope, tenant).recall(**body.model_dump()))
+    return do_recall(open_scope_of(request, caller, scope, tenant), body)
+
+
+def do_recall(s: ScopedMemory, body: RecallBody) -> Response:
+    """The recall route's work once its scope is open (also :mod:`torpor.server.fastpath`)."""
+    return _json(list[Hit], s.recall(**body.model_dump()))
 
 
 @router.post("/context", response_model=ContextOut)
@@ -335,7 +355,12 @@ def context(
     tenant: TenantQuery = None,
 ) -> Response:
     """A prompt-ready block within a token budget."""
-    c = _scope(request, caller, scope, tenant).context(**body.model_dump())
+    return do_context(open_scope_of(request, caller, scope, tenant), body)
+
+
+def do_context(s: ScopedMemory, body: ContextBody) -> Response:
+    """The context route's work once its scope is open (also :mod:`torpor.server.fastpath`)."""
+    c = s.context(**body.model_dump())
     return _json(
         ContextOut,
         ContextOut(
@@ -357,7 +382,7 @@ def history(
     tenant: TenantQuery = None,
 ) -> Response:
     """Every version of a keyed fact in this scope, oldest first."""
-    return _json(list[Fact], _scope(request, caller, scope, tenant).history(key))
+    return _json(list[Fact], open_scope_of(request, caller, scope, tenant).history(key))
 
 
 @router.get("/records/{record_id}", response_model=Fact | Episode)
@@ -369,7 +394,7 @@ def get_record(
     tenant: TenantQuery = None,
 ) -> Response:
     """One record visible from this scope."""
-    return _json(Fact | Episode, _scope(request, caller, scope, tenant).get(record_id))
+    return _json(Fact | Episode, open_scope_of(request, caller, scope, tenant).get(record_id))
 
 
 @router.post("/records/{record_id}/update", response_model=Fact)
@@ -383,7 +408,7 @@ def update_record(
 ) -> Response:
     """A new version of a keyed fact (the old one stays in its history)."""
     return _json(
-        Fact, _scope(request, caller, scope, tenant).update(record_id, **body.model_dump())
+        Fact, open_scope_of(request, caller, scope, tenant).update(record_id, **body.model_dump())
     )
 
 
@@ -396,7 +421,9 @@ def get_all(
     tenant: TenantQuery = None,
 ) -> Response:
     """One page of the current records stored in this scope, newest first."""
-    return _json(RecordPage, _scope(request, caller, scope, tenant).get_all(**body.model_dump()))
+    return _json(
+        RecordPage, open_scope_of(request, caller, scope, tenant).get_all(**body.model_dump())
+    )
 
 
 @router.delete("/records/{record_id}", response_model=Erased)
@@ -414,7 +441,9 @@ def forget_record(
         if tenant is not None:
             mem.access.require_tenant(tenant, "forget")
         return _json(Erased, Erased(erased=mem.forget(record_id)))
-    return _json(Erased, Erased(erased=_scope(request, caller, scope, tenant).forget(record_id)))
+    return _json(
+        Erased, Erased(erased=open_scope_of(request, caller, scope, tenant).forget(record_id))
+    )
 
 
 @router.delete("/scope", response_model=Erased)
@@ -422,7 +451,7 @@ def forget_scope(
     request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
 ) -> Response:
     """Erase the whole scope subtree (records, profiles, policies)."""
-    return _json(Erased, Erased(erased=_scope(request, caller, scope, tenant).forget()))
+    return _json(Erased, Erased(erased=open_scope_of(request, caller, scope, tenant).forget()))
 
 
 @router.get("/profile", response_model=dict[str, Any])
@@ -430,7 +459,7 @@ def get_profile(
     request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
 ) -> Response:
     """This scope's profile data (``{}`` when none is set)."""
-    return _json(dict[str, Any], _scope(request, caller, scope, tenant).get_profile())
+    return _json(dict[str, Any], open_scope_of(request, caller, scope, tenant).get_profile())
 
 
 @router.put("/profile", response_model=Profile)
@@ -442,7 +471,7 @@ def set_profile(
     tenant: TenantQuery = None,
 ) -> Response:
     """Replace (or merge into) the profile, checked against a JSON schema."""
-    s = _scope(request, caller, scope, tenant)
+    s = open_scope_of(request, caller, scope, tenant)
     return _json(Profile, s.set_profile(body.data, schema=body.json_schema, merge=body.merge))
 
 
@@ -455,7 +484,9 @@ def set_policy(
     tenant: TenantQuery = None,
 ) -> Response:
     """Set this scope's retention and the default TTL of cache records."""
-    return _json(Policy, _scope(request, caller, scope, tenant).set_policy(**body.model_dump()))
+    return _json(
+        Policy, open_scope_of(request, caller, scope, tenant).set_policy(**body.model_dump())
+    )
 
 
 @router.post("/verify", response_model=list[Fact])
@@ -467,7 +498,7 @@ def verify(
     tenant: TenantQuery = None,
 ) -> Response:
     """Re-check the sources of one fact or of every sourced fact in this scope."""
-    return _json(list[Fact], _scope(request, caller, scope, tenant).verify(body.record_id))
+    return _json(list[Fact], open_scope_of(request, caller, scope, tenant).verify(body.record_id))
 
 
 @router.get("/export", response_class=NDJSONResponse)
@@ -475,7 +506,7 @@ def export(
     request: Request, caller: CallerDep, scope: ScopeQuery = "", tenant: TenantQuery = None
 ) -> StreamingResponse:
     """This scope subtree as JSON lines (``application/x-ndjson``), streamed as it is read."""
-    lines = _scope(request, caller, scope, tenant).export_lines()
+    lines = open_scope_of(request, caller, scope, tenant).export_lines()
 
     def body() -> Iterator[bytes]:
         for line in lines:
@@ -492,7 +523,7 @@ async def import_(
     the server's import limit is :class:`PayloadTooLarge`, with nothing written."""
     from starlette.concurrency import run_in_threadpool
 
-    s = await run_in_threadpool(_scope, request, caller, scope, tenant)
+    s = await run_in_threadpool(open_scope_of, request, caller, scope, tenant)
     limit: int = getattr(request.app.state, "max_import_bytes", MAX_IMPORT_BYTES)
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -519,7 +550,7 @@ def fork(
     tenant: TenantQuery = None,
 ) -> Response:
     """Copy this scope subtree to a new scope of the same tenant."""
-    target = _scope(request, caller, scope, tenant).fork(**body.levels)
+    target = open_scope_of(request, caller, scope, tenant).fork(**body.levels)
     return _json(ScopeOut, ScopeOut(tenant=target.scope.tenant, scope=target.path))
 
 
