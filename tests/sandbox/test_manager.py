@@ -501,6 +501,47 @@ def test_qemu_dies_while_running(home: Path) -> None:
     with_manager(home, body)
 
 
+@pytest.mark.parametrize(
+    ("operation", "dst", "then"),
+    [
+        pytest.param("pause", S.PAUSED, S.PAUSED, id="pause"),
+        pytest.param("resume", S.RUNNING, S.RUNNING, id="wake"),
+    ],
+)
+def test_a_step_whose_registry_write_failed_is_settled_by_the_next_call(
+    home: Path, monkeypatch: pytest.MonkeyPatch, operation: str, dst: S, then: S
+) -> None:
+    """The registry goes away (PostgreSQL restarting) just as a pause or wake records its end:
+    the caller gets the typed StorageError, the row is left ``pausing`` / ``waking``, and the
+    next call on the sandbox settles it from where the machine is, losing nothing (it used to
+    answer InvalidState until a restart)."""
+
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create(name="agent")
+        await mgr.run_code("agent", "x = 41")
+        if operation == "resume":
+            await mgr.pause("agent")
+        real = mgr.registry.set_state
+        failed: list[S] = []
+
+        def flaky(sandbox_id: str, src: S, to: S, **kw: Any) -> Any:
+            if to is dst and not failed:
+                failed.append(to)
+                raise StorageError("cannot connect to the registry database (a test)")
+            return real(sandbox_id, src, to, **kw)
+
+        monkeypatch.setattr(mgr.registry, "set_state", flaky)
+        with pytest.raises(StorageError):
+            await getattr(mgr, operation)("agent")
+        assert failed and (await mgr.get("agent")).state in (S.PAUSING, S.WAKING)
+        assert (await mgr.run_code("agent", "x + 1")).text == "42"  # settled, then served
+        assert (await mgr.get("agent")).state is S.RUNNING
+        await mgr.pause("agent")
+        assert (await mgr.get("agent")).state is S.PAUSED
+
+    with_manager(home, body)
+
+
 # -- idle pause -----------------------------------------------------------------------------
 
 

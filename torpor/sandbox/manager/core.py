@@ -349,9 +349,22 @@ class ManagerCore:
     async def _current(self, sandbox_id: str, live: Live) -> SandboxRecord:
         """The sandbox's row, read under its lock. A running sandbox this manager never
         attached (``start()`` not called after a restart) is reconciled first, so a pause can
-        never hibernate a machine it does not hold. Raises StateLost for one in ``error``."""
+        never hibernate a machine it does not hold. So is a row left ``pausing`` or ``waking``:
+        under the lock no pause or wake is under way, so the step that moved it on could not
+        write the registry (PostgreSQL away) after its machine moved on; the machine says
+        where it is (a woken one runs: ``running``; a saved one: ``paused``). Raises StateLost
+        for one in ``error``."""
         rec = self.registry.get(sandbox_id)
-        if rec.state is S.RUNNING and live.machine is None:
+        if rec.state is S.WAKING and live.machine is not None and live.channel is not None:
+            log.warning("sandbox %s: its wake was not recorded; it runs", sandbox_id)
+            rec = self.move(
+                rec,
+                S.RUNNING,
+                "recovered: wake finished",
+                last_active_at=time.time(),
+                paused_at=None,
+            )
+        elif rec.state in (S.RUNNING, S.PAUSING, S.WAKING) and live.machine is None:
             await self._reconcile(rec)
             rec = self.registry.get(sandbox_id)
         if rec.state is S.ERROR:
@@ -768,7 +781,8 @@ class ManagerCore:
         elif action is Recovery.PAUSED:
             if rec.state is S.RUNNING:
                 rec = self.move(rec, S.PAUSING, "recovered: re-hibernated")
-            self.move(rec, S.PAUSED, "recovered: saved state is whole", paused_at=time.time())
+            rec = self.move(rec, S.PAUSED, "recovered: saved state is whole", paused_at=time.time())
+            self._paused(rec)  # cluster mode: made durable like any pause
         elif action is Recovery.LOST:
             self._mark_lost(rec, f"recovered: no QEMU and no saved state while {rec.state.value}")
 
