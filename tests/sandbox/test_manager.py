@@ -19,7 +19,6 @@ from torpor.errors import (
     GuestError,
     InvalidArgument,
     InvalidName,
-    InvalidState,
     PathNotFound,
     SandboxClosed,
     SandboxNotFound,
@@ -517,7 +516,7 @@ def test_a_step_whose_registry_write_failed_is_settled_by_the_next_call(
     answer InvalidState until a restart)."""
 
     async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
-        info = await mgr.create(name="agent")
+        await mgr.create(name="agent")
         await mgr.run_code("agent", "x = 41")
         if operation == "resume":
             await mgr.pause("agent")
