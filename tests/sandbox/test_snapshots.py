@@ -332,3 +332,31 @@ def test_a_snapshot_deleted_while_capturing_is_not_stored(tmp_path: Path) -> Non
     assert not (frozen / "ram").exists()
     with pytest.raises(SnapshotNotFound):
         store.get(info.id)
+
+
+def test_retention_set_while_capturing_is_kept_and_lists_nothing_half_made(
+    tmp_path: Path,
+) -> None:
+    """A retention change of a capturing snapshot goes into its pending record, not into a
+    manifest with no files (which a delete then left behind: the snapshot came back), and the
+    stored manifest carries it."""
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    info = store.begin(freeze(m, store.frozen_root), name="kept", retention_days=3)
+    changed = store.set_retention(info.id, 30)
+    assert changed.retention_days == 30 and changed.status == "capturing"
+    assert not (p.snapshots / f"{info.id}.json").exists()  # no manifest before it is stored
+    assert store.get(info.id).retention_days == 30
+    done = store.complete(info.id)
+    assert done is not None and done.status == "stored" and done.retention_days == 30
+    assert done.expires_at == info.created_at + timedelta(days=30)
+    assert store.get(info.id).retention_days == 30
+
+    other = store.begin(freeze(m, store.frozen_root), name="dropped")
+    store.set_retention(other.id, 20)
+    store.delete(other.id)
+    with pytest.raises(SnapshotNotFound):
+        store.get(other.id)
+    assert store.complete(other.id) is None
+    assert [s.name for s in store.list()] == ["kept"]

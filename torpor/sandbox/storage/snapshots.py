@@ -540,12 +540,23 @@ class SnapshotStore:
                 body["template"] = build
             with self.lock(exclusive=True, name="names"):
                 self.check_name_free(name, tenant, exclude=snapshot_id)
-                if snapshot_id is not None and self.captures.read(snapshot_id) is None:
-                    raise SnapshotNotFound(
-                        f"snapshot {snapshot_id} was deleted while it was captured",
-                        kind="snapshot",
-                        name=snapshot_id,
+                if snapshot_id is not None:
+                    pending = self.captures.read(snapshot_id)
+                    if pending is None:
+                        raise SnapshotNotFound(
+                            f"snapshot {snapshot_id} was deleted while it was captured",
+                            kind="snapshot",
+                            name=snapshot_id,
+                        )
+                    # its retention may have changed while it was captured (set_retention)
+                    kept = SnapshotInfo.model_validate(pending["info"])
+                    info = info.model_copy(
+                        update={
+                            "retention_days": kept.retention_days,
+                            "expires_at": kept.expires_at,
+                        }
                     )
+                    body["info"] = _dump(info)
                 self._write_manifest(sid, body, new=True)
                 step("save:listed")
                 if snapshot_id is not None:
@@ -725,7 +736,14 @@ class SnapshotStore:
                     "expires_at": info.created_at + timedelta(days=days),
                 }
             )
-            self._write_manifest(info.id, dict(body, info=_dump(info)))
+            if info.status == "capturing":  # its manifest is not written yet: the pending
+                with self.lock(exclusive=True, name="names"):  # record carries it there
+                    # (a save holds the store shared: it cannot have listed it meanwhile)
+                    if self.captures.read(info.id) is None:
+                        raise not_found(id_or_name)  # deleted meanwhile
+                    self.captures.write(info.id, dict(body, info=info.model_dump(mode="json")))
+            else:
+                self._write_manifest(info.id, dict(body, info=_dump(info)))
         log.info("snapshot %s (%s): retention set to %d days", info.id, info.name, days)
         return info
 
