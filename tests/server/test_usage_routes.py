@@ -158,7 +158,9 @@ def test_snapshot_retention_after_the_fact_and_gc(tmp_path: Path) -> None:
 
 def test_snapshot_retention_route(client: TestClient, manager: SandboxManager) -> None:
     sid = client.post("/v1/sandboxes", json={"name": "snappy"}, headers=A).json()["id"]
-    r = client.post(f"/v1/sandboxes/{sid}/snapshots", json={"name": "before"}, headers=A)
+    r = client.post(
+        f"/v1/sandboxes/{sid}/snapshots", json={"name": "before", "wait": True}, headers=A
+    )
     assert r.status_code == 201, r.text
     r = client.post("/v1/snapshots/before/retention", json={"days": 45}, headers=A)
     assert r.status_code == 200, r.text
@@ -205,6 +207,10 @@ def test_cli_usage_json_and_csv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             assert bad.exit_code != 0
             snap = runner.invoke(app, ["snapshot", "create", "agent-u-1", "--name", "s1"])
             assert snap.exit_code == 0, snap.output
+            deadline = time.monotonic() + 30  # usage bills a snapshot once it is stored
+            while Snapshot.get("s1", runtime=rt).info.status != "stored":
+                assert time.monotonic() < deadline, "the snapshot was never stored"
+                time.sleep(0.05)
             kept = runner.invoke(app, ["snapshot", "retention", "s1", "20"])
             assert kept.exit_code == 0 and "20 days" in kept.output, kept.output
             assert Snapshot.get("s1", runtime=rt).info.retention_days == 20
