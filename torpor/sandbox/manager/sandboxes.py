@@ -861,8 +861,10 @@ class SandboxManager(ManagerCore):
         deadline = time.monotonic() + timeout
         for rec in held:
             while rec.id not in errors:
-                rec = await asyncio.to_thread(self.registry.get, rec.id)
+                # the owner first: a release lands after the durable stamp, so a record
+                # read after a release already carries it
                 owner = await asyncio.to_thread(cluster.registry.owner, rec.id)
+                rec = await asyncio.to_thread(self.registry.get, rec.id)
                 if owner != cluster.node:
                     break  # released (durable), or taken over
                 if rec.state is not S.PAUSED:
