@@ -21,15 +21,17 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from torpor.errors import InvalidArgument
-from torpor.memory import Memory, ScopedMemory, SourceRef
-from torpor.memory.embeddings import INSTALL_HINT
+from torpor.memory.models import SourceRef
+
+if TYPE_CHECKING:  # the store (numpy, jsonschema ...) loads when a command opens it
+    from torpor.memory import ScopedMemory
 
 __all__ = ["app", "register"]
 
@@ -60,7 +62,9 @@ def _scope(ctx: typer.Context) -> ScopedMemory:
         rt = Runtime(url=o.url, token=o.token) if o.url else Runtime(home=o.home, token=o.token)
         ctx.call_on_close(rt.close)
         remote: Any = rt.memory.scope_from_path(o.scope, tenant=o.tenant)
-        return cast(ScopedMemory, remote)  # the same API (torpor.client.memory)
+        return cast("ScopedMemory", remote)  # the same API (torpor.client.memory)
+    from torpor.memory import Memory
+
     mem = Memory(
         o.home, token=o.token, tenant=o.tenant, embedder="default" if o.embeddings else None
     )
@@ -289,6 +293,9 @@ def reindex(
 
         torpor memory reindex
     """
+    from torpor.memory import Memory
+    from torpor.memory.embeddings import INSTALL_HINT
+
     o: _Opts = ctx.obj
     mem = Memory(o.home, token=o.token, tenant=o.tenant, embedder="default")
     ctx.call_on_close(mem.close)

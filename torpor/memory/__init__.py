@@ -14,23 +14,27 @@ storage.
 
 from __future__ import annotations
 
-from torpor.memory.context import Context
-from torpor.memory.embeddings import Embedder, HashEmbedder, SentenceTransformerEmbedder
-from torpor.memory.memory import Memory
-from torpor.memory.models import (
-    Episode,
-    Fact,
-    Grant,
-    Hit,
-    Policy,
-    Profile,
-    RecordPage,
-    Scope,
-    SourceRef,
-)
-from torpor.memory.provenance import register_resolver
-from torpor.memory.ranking import Candidates, HybridRanker, Ranker
-from torpor.memory.scoped import ScopedMemory
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the real names, for type checkers; at run time each loads on first use
+    from torpor.memory.context import Context
+    from torpor.memory.embeddings import Embedder, HashEmbedder, SentenceTransformerEmbedder
+    from torpor.memory.memory import Memory
+    from torpor.memory.models import (
+        Episode,
+        Fact,
+        Grant,
+        Hit,
+        Policy,
+        Profile,
+        RecordPage,
+        Scope,
+        SourceRef,
+    )
+    from torpor.memory.provenance import register_resolver
+    from torpor.memory.ranking import Candidates, HybridRanker, Ranker
+    from torpor.memory.scoped import ScopedMemory
 
 __all__ = [
     "Candidates",
@@ -53,3 +57,41 @@ __all__ = [
     "SourceRef",
     "register_resolver",
 ]
+
+# Loaded lazily (as ``torpor`` does): ``from torpor.memory.models import Fact`` (the client,
+# the CLI) then costs the models alone, not numpy, jsonschema and the whole store.
+#: public name -> module that defines it
+_LAZY = {
+    "Candidates": "torpor.memory.ranking",
+    "Context": "torpor.memory.context",
+    "Embedder": "torpor.memory.embeddings",
+    "Episode": "torpor.memory.models",
+    "Fact": "torpor.memory.models",
+    "Grant": "torpor.memory.models",
+    "HashEmbedder": "torpor.memory.embeddings",
+    "Hit": "torpor.memory.models",
+    "HybridRanker": "torpor.memory.ranking",
+    "Memory": "torpor.memory.memory",
+    "Policy": "torpor.memory.models",
+    "Profile": "torpor.memory.models",
+    "Ranker": "torpor.memory.ranking",
+    "RecordPage": "torpor.memory.models",
+    "Scope": "torpor.memory.models",
+    "ScopedMemory": "torpor.memory.scoped",
+    "SentenceTransformerEmbedder": "torpor.memory.embeddings",
+    "SourceRef": "torpor.memory.models",
+    "register_resolver": "torpor.memory.provenance",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:  # a submodule (``from torpor.memory import api``) is imported instead
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

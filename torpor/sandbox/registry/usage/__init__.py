@@ -15,16 +15,22 @@ stores below it). Imports: torpor.config, torpor.errors, the registry, torpor.sa
 torpor.sandbox.requests, torpor.sandbox.models.
 """
 
-from torpor.sandbox.registry.usage.models import (
-    Costs,
-    RetentionCost,
-    RetentionSpec,
-    UsageLine,
-    UsageReport,
-    parse_query,
-)
-from torpor.sandbox.registry.usage.rates import RateCard
-from torpor.sandbox.registry.usage.report import build
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the real names, for type checkers; at run time each loads on first use
+    from torpor.sandbox.registry.usage.models import (
+        Costs,
+        RetentionCost,
+        RetentionSpec,
+        UsageLine,
+        UsageReport,
+        parse_query,
+    )
+    from torpor.sandbox.registry.usage.rates import RateCard
+    from torpor.sandbox.registry.usage.report import build
 
 __all__ = [
     "Costs",
@@ -36,3 +42,29 @@ __all__ = [
     "build",
     "parse_query",
 ]
+
+# Loaded lazily: the client and the CLI need the shapes (``models``), not :func:`build`, which
+# pulls in the snapshot and volume stores.
+_LAZY = {
+    "Costs": "torpor.sandbox.registry.usage.models",
+    "RateCard": "torpor.sandbox.registry.usage.rates",
+    "RetentionCost": "torpor.sandbox.registry.usage.models",
+    "RetentionSpec": "torpor.sandbox.registry.usage.models",
+    "UsageLine": "torpor.sandbox.registry.usage.models",
+    "UsageReport": "torpor.sandbox.registry.usage.models",
+    "build": "torpor.sandbox.registry.usage.report",
+    "parse_query": "torpor.sandbox.registry.usage.models",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:  # a submodule (``from ...usage import report``) is imported instead
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
