@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Collection, Sequence
 from typing import Annotated
 
 import typer
@@ -66,8 +67,40 @@ GROUPS = [
 ]
 
 
-def _load() -> None:
+#: command -> the GROUPS modules that define it and its sub-commands (``usage`` adds
+#: ``retention`` to the ``sandbox`` and ``snapshot`` groups); a test checks it against what the
+#: modules register. :func:`main` loads only these for a command line that names one, so a
+#: command does not pay for the imports of the others (``torpor serve`` skips the whole client).
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "template": ("torpor.cli.template",),
+    "doctor": ("torpor.cli.doctor",),
+    "sandbox": ("torpor.cli.sandbox", "torpor.cli.usage"),
+    "run": ("torpor.cli.sandbox",),
+    "events": ("torpor.cli.sandbox",),
+    "serve": ("torpor.cli.serve",),
+    "server": ("torpor.cli.serve",),
+    "memory": ("torpor.cli.memory",),
+    "gc": ("torpor.cli.storage",),
+    "storage": ("torpor.cli.storage",),
+    "snapshot": ("torpor.cli.storage", "torpor.cli.usage"),
+    "volume": ("torpor.cli.storage",),
+    "drive": ("torpor.cli.storage",),
+    "usage": ("torpor.cli.usage",),
+    "token": ("torpor.cli.token",),
+    "mcp": ("torpor.cli.mcp",),
+    "nodes": ("torpor.cli.node",),
+    "node": ("torpor.cli.node",),
+}
+
+_registered: set[str] = set()
+
+
+def _load(modules: Collection[str] | None = None) -> None:
+    """Register the groups of ``modules`` (default: all of :data:`GROUPS`) on :data:`app`,
+    each once, in GROUPS order."""
     for name in GROUPS:
+        if (modules is not None and name not in modules) or name in _registered:
+            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:  # a group not written yet
@@ -75,16 +108,27 @@ def _load() -> None:
                 continue
             raise
         module.register(app)
+        _registered.add(name)
+
+
+def _groups_for(args: Sequence[str]) -> set[str] | None:
+    """The GROUPS modules a command line needs: those of every word on it that names a
+    command (an argument may name one too; one group more is only a few imports more), or
+    None (all of them) when no word does: the root help lists every group, and an unknown
+    command gets click's own answer."""
+    found = {module for arg in args for module in COMMANDS.get(arg, ())}
+    return found or None
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``torpor`` console script (``args``: default ``sys.argv[1:]``)."""
     from torpor.cli.argv import normalize
 
-    _load()
+    args = sys.argv[1:] if args is None else args
+    _load(_groups_for(args))
     command = typer.main.get_command(app)
     try:
-        argv = normalize(command, sys.argv[1:] if args is None else args)
+        argv = normalize(command, args)
         code = command.main(args=argv, prog_name="torpor", standalone_mode=False)
         if isinstance(code, int) and code:  # click returns a typer.Exit's code here
             sys.exit(code)
