@@ -119,16 +119,17 @@ def run(checkouts: list[Path], reps: int) -> dict[str, Any]:
     floor = next(iter(COMMANDS))
     rows = []
     for (name, where), values in walls.items():
-        wall = summary(values)
-        cpu = summary(cpus[(name, where)])
+        wall_s = summary(values)
+        cpu_s = summary(cpus[(name, where)])
         rows.append(
             {
                 "command": name,
                 "checkout": where,
-                "wall": wall,
-                "cpu": cpu,
-                "wall_over_floor": wall["median_ms"] / summary(walls[(floor, where)])["median_ms"],
-                "cpu_over_floor": cpu["median_ms"] / summary(cpus[(floor, where)])["median_ms"],
+                "wall": wall_s,
+                "cpu": cpu_s,
+                "wall_over_floor": wall_s["median_ms"]
+                / summary(walls[(floor, where)])["median_ms"],
+                "cpu_over_floor": cpu_s["median_ms"] / summary(cpus[(floor, where)])["median_ms"],
             }
         )
     return {
