@@ -45,6 +45,7 @@ COMMANDS: dict[str, list[str] | None] = {
 
 
 def _env(checkout: Path, home: Path) -> dict[str, str]:
+    # run in the checkout too: ``-m`` puts the working directory first on sys.path
     return {**os.environ, "PYTHONPATH": str(checkout), "TORPOR_HOME": str(home)}
 
 
@@ -61,10 +62,12 @@ def _once(checkout: Path, args: list[str] | None, home: Path) -> tuple[float, fl
     """Wall and CPU seconds one invocation took (raises RuntimeError if it failed)."""
     env = _env(checkout, home)
     if args == ["serve"]:
-        return _serve_once(env, home)
+        return _serve_once(env, home, checkout)
     argv = [sys.executable, "-c", "pass"] if args is None else [sys.executable, "-m", "torpor.cli"]
     t0 = time.perf_counter()
-    proc = subprocess.Popen([*argv, *(args or [])], env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*argv, *(args or [])], env=env, cwd=checkout, stdout=subprocess.DEVNULL
+    )
     cpu = _wait(proc)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -72,7 +75,7 @@ def _once(checkout: Path, args: list[str] | None, home: Path) -> tuple[float, fl
     return wall, cpu
 
 
-def _serve_once(env: dict[str, str], home: Path) -> tuple[float, float]:
+def _serve_once(env: dict[str, str], home: Path, checkout: Path) -> tuple[float, float]:
     """Wall seconds to the first answer on /v1/health; CPU seconds of the whole process
     (start, that answer, and a SIGTERM stop)."""
     from torpor.client._local import is_alive
@@ -82,6 +85,7 @@ def _serve_once(env: dict[str, str], home: Path) -> tuple[float, float]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "torpor.cli", "serve", "--socket", str(sock)],
         env=env,
+        cwd=checkout,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -107,6 +111,7 @@ def run(checkouts: list[Path], reps: int) -> dict[str, Any]:
             subprocess.run(
                 [sys.executable, "-m", "torpor.cli", "memory", *SCOPE, "remember", "weekly"],
                 env=_env(checkout, home),
+                cwd=checkout,
                 check=True,
                 stdout=subprocess.DEVNULL,
             )
