@@ -96,6 +96,7 @@ from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
 from torpor.sandbox.storage.chunks import (
     ChunkStore,
     FileManifest,
+    PutStats,
     SweepReport,
     open_chunk_store,
 )
@@ -103,6 +104,7 @@ from torpor.sandbox.storage.drives import DriveInfo, DriveStore
 from torpor.sandbox.storage.pauses import (
     RamFill,
     begin_rebuild,
+    manifest_chunks,
     push_pause,
     rebuild_pause,
     warm_template,
@@ -280,6 +282,9 @@ class ClusterNode:
         self.draining = False
         self._snapshots: SnapshotStore | None = None
         self._sweeping: asyncio.Task[None] | None = None
+        #: sandbox -> where the time of its last pause upload went (seconds per step, and
+        #: the chunk store's :class:`PutStats`); for the bench and the logs
+        self.last_push: dict[str, dict[str, Any]] = {}
 
     # -- nodes and leases -----------------------------------------------------------------
 
@@ -308,6 +313,8 @@ class ClusterNode:
         Conflict names that node (``owner_node``, ``owner_url``, ``placed``). Raises Conflict
         naming the node that holds it (``owner_node``) and its URL (``owner_url``),
         NoNodeAvailable, SandboxNotFound, StorageError."""
+        if self._claimed(sandbox_id, place=place):
+            return
         self.check_pins(sandbox_id)
         # an owner that stopped heartbeating lost it: fall back to its last durable pause first
         self.registry.recover(sandbox_id, self.node)
@@ -349,6 +356,43 @@ class ClusterNode:
                 owner_node=owner,
                 owner_url=url,
             ) from exc
+
+    def _claimed(self, sandbox_id: str, *, place: bool) -> bool:
+        """:meth:`acquire`'s common cases in one query and at most one write: the sandbox is
+        this node's already (its lease good for half a lease more: nothing to write), or no
+        node holds it and it needs no placement or its placement is this node (its pause
+        was made here, this node is not full). False for everything else (another node holds
+        it or lapsed, a drive pins it elsewhere, this node drains, placement may name
+        another node), which :meth:`acquire` then walks through step by step. Raises
+        SandboxNotFound, StorageError."""
+        if self.draining or PROXIED.get() is not None:
+            return False
+        now = time.time()
+        facts = self.registry.claim_facts(sandbox_id, self.node, at=now)
+        if facts.pinned_elsewhere:
+            return False
+        mine = facts.owner_node == self.node
+        if facts.owner_node is not None and not mine:
+            return False
+        if mine and (facts.lease_until or 0.0) >= now + self.config.lease_seconds / 2:
+            return True  # the heartbeat renews it
+        if (
+            place
+            and facts.owner_node is None
+            and facts.state is S.PAUSED
+            and facts.origin is not None
+            and facts.manifest_paused_at == facts.paused_at
+        ):  # placed (:meth:`place`): only its origin node being this one is decided here
+            here = self.info()
+            full = (
+                here.capacity_mib > 0
+                and facts.node_memory_mib + facts.memory_mib > here.capacity_mib
+            )
+            if facts.origin.get("node") != self.node or full or not compatible(here, facts.origin):
+                return False
+        return self.registry.claim(
+            sandbox_id, self.node, lease_seconds=self.config.lease_seconds, at=now
+        )
 
     # -- placement ------------------------------------------------------------------------
 
@@ -604,10 +648,25 @@ class ClusterNode:
 
     def push(self, directory: Path, template: str, sandbox_id: str) -> dict[str, Any]:
         """Store the paused directory; return its manifest (see :func:`push_pause`), with
-        where it was made (``origin``: node, accelerator, CPU model; placement reads it)."""
+        where it was made (``origin``: node, accelerator, CPU model; placement reads it).
+        Chunks the sandbox's recorded pause names are not sent again (they stay in the store
+        until this manifest replaces that one). Where the time went is kept in
+        :attr:`last_push` (the bench prints it). Raises as :func:`push_pause`,
+        StorageError."""
+        started = time.perf_counter()
+        stats = PutStats()
+        prior = self.registry.pause_record(sandbox_id)
+        known = manifest_chunks(None if prior is None else prior.manifest)
+        looked_up = time.perf_counter()
         manifest = push_pause(
-            directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
+            directory,
+            self.chunks,
+            self.template_dir(template),
+            sandbox_id=sandbox_id,
+            known=known,
+            stats=stats,
         )
+        pushed = time.perf_counter()
         info = self.info()
         manifest["origin"] = {
             "node": self.node,
@@ -616,7 +675,22 @@ class ClusterNode:
         }
         for vid, fm in (manifest.get("volumes") or {}).items():  # their latest images
             self.registry.record_volume_image(vid, self.node, fm)
+        while len(self.last_push) >= 256:  # a report per sandbox, of the latest ones
+            self.last_push.pop(next(iter(self.last_push)))
+        self.last_push[sandbox_id] = {
+            "prior manifest": looked_up - started,
+            "chunks": pushed - looked_up,
+            "volume records": time.perf_counter() - pushed,
+            "stats": stats.to_json(),
+        }
         return manifest
+
+    def record_durable(self, sandbox_id: str, paused_at: float, manifest: dict[str, Any]) -> None:
+        """Record the pause taken at ``paused_at`` as durable, as ``manifest`` says (see
+        :meth:`PostgresRegistry.record_durable`). Raises StorageError."""
+        started = time.perf_counter()
+        self.registry.record_durable(sandbox_id, self.node, paused_at, manifest)
+        self.last_push.setdefault(sandbox_id, {})["record"] = time.perf_counter() - started
 
     def rebuild(
         self, manifest: dict[str, Any], directory: Path, template: str, sandbox_id: str
