@@ -63,11 +63,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import platform
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -285,6 +287,11 @@ class ClusterNode:
         #: sandbox -> where the time of its last pause upload went (seconds per step, and
         #: the chunk store's :class:`PutStats`); for the bench and the logs
         self.last_push: dict[str, dict[str, Any]] = {}
+        #: volume -> the image manifest (its key) this node's copy was pulled from, and a
+        #: lock per volume so that two pulls of one volume here never write at once
+        self.pulled_volumes: dict[str, str] = {}
+        self._pull_locks: dict[str, threading.Lock] = {}
+        self._pull_guard = threading.Lock()
 
     # -- nodes and leases -----------------------------------------------------------------
 
@@ -803,6 +810,11 @@ class ClusterNode:
             time.perf_counter() - started,
         )
 
+    def volume_pull_lock(self, volume_id: str) -> threading.Lock:
+        """This node's lock for pulling ``volume_id`` (not the cluster-wide volumes' lock)."""
+        with self._pull_guard:
+            return self._pull_locks.setdefault(volume_id, threading.Lock())
+
     def pinned_to(self, sandbox_id: str) -> tuple[str, list[str]] | None:
         """The node a drive attached to ``sandbox_id`` is on, with the names of those
         drives (None: no drive pins it). Raises StorageError."""
@@ -1043,7 +1055,9 @@ class ClusterVolumeStore(VolumeStore):
     which pulls its latest image when the one here is not it. A push that fails leaves the
     volume on its node: an attach elsewhere is then a Conflict naming that node. A volume
     attached read-write to a sandbox is a Conflict naming the node that runs (or holds the
-    pause of) that sandbox."""
+    pause of) that sandbox. An attach pulls the image it needs before it takes the volumes'
+    lock every node shares (:meth:`_pull_ahead`; a lock per volume on this node instead), so
+    no other node's volume operation waits for a transfer."""
 
     def __init__(self, cluster: ClusterNode) -> None:
         super().__init__(cluster.paths, RegistryRecords(cluster.registry, "volume", cluster.node))
@@ -1066,11 +1080,50 @@ class ClusterVolumeStore(VolumeStore):
             with contextlib.suppress(TorporError):
                 self.cluster.registry.forget_volume_image(volume_id, self.cluster.node)
 
+    def _pulled(self, volume_id: str, manifest: dict[str, Any]) -> bool:
+        """Whether this node's image of ``volume_id`` is the one ``manifest`` describes
+        (pulled from it, and no sandbox of this node has written it since: one that did
+        holds the volume here, so it is not pulled at all)."""
+        return self.image(volume_id).exists() and self.cluster.pulled_volumes.get(
+            volume_id
+        ) == _manifest_key(manifest)
+
+    def _pull(self, volume_id: str, manifest: dict[str, Any] | None) -> None:
+        """Pull ``volume_id``'s image (``manifest``: its latest, None: never pushed) unless
+        this node's copy is it already. Raises as :meth:`ClusterNode.pull_volume`."""
+        with self.cluster.volume_pull_lock(volume_id):
+            if manifest is not None and self._pulled(volume_id, manifest):
+                return
+            self.cluster.pull_volume(volume_id, manifest)
+            if manifest is not None:
+                self.cluster.pulled_volumes[volume_id] = _manifest_key(manifest)
+
+    def _pull_ahead(self, id_or_name: str, tenant: str, read_only: bool) -> None:
+        """Before the cluster-wide volumes' lock: pull the volume's latest image when the
+        attach will need it, so no node's volume create, attach or delete waits for the
+        transfer. Under the lock, :meth:`_before_attach` pulls again only if the latest
+        image changed meanwhile. Not for an attach the sharing rule refuses as things stand
+        (a writer holds it, or this one would write to a volume others read). Best effort:
+        what fails here is tried again there."""
+        try:
+            info = self.get(id_or_name, tenant=tenant)
+            if info.node in (None, self.cluster.node) and self.image(info.id).exists():
+                return
+            if any(not a.read_only for a in info.attachments) or (
+                info.attachments and not read_only
+            ):
+                return
+            manifest = self.cluster.registry.volume_image(info.id)
+            if manifest is not None:
+                self._pull(info.id, manifest)
+        except TorporError as exc:
+            log.info("volume %s: no pull ahead of the attach: %s", id_or_name, exc)
+
     def _before_attach(self, info: VolumeInfo, first: bool) -> None:
         here = self.cluster.node
         if info.node not in (None, here) or not self.image(info.id).exists():
             try:
-                self.cluster.pull_volume(info.id)
+                self._pull(info.id, self.cluster.registry.volume_image(info.id))
             except StateLost as exc:
                 raise Conflict(
                     f"volume {info.name!r} ({info.id}) is on node {info.node} only (its latest "
@@ -1094,6 +1147,7 @@ class ClusterVolumeStore(VolumeStore):
         read_only: bool = False,
         tenant: str = "default",
     ) -> VolumeInfo:
+        self._pull_ahead(id_or_name, tenant, read_only)
         try:
             return super().attach(id_or_name, sandbox_id, path, read_only=read_only, tenant=tenant)
         except Conflict as exc:
@@ -1277,6 +1331,10 @@ class RegistryCatalog:
 
     def remove(self, snapshot_id: str) -> bool:
         return self.registry.delete_snapshot(snapshot_id)
+
+
+def _manifest_key(manifest: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def upload_failed(exc: BaseException) -> str:
