@@ -151,7 +151,12 @@ def _put_chunks(
     shared = chunks.backend.shared  # a local store answers "do you have it" from its disk
     recent = getattr(chunks.backend, "written_recently", None)
     try:
-        return _put_chunks_of(path, chunks, theirs, known, stats, shared, recent)
+        tfd = os.open(template, os.O_RDONLY) if theirs and template is not None else -1
+        try:
+            return _put_chunks_of(path, chunks, theirs, tfd, known, stats, shared, recent)
+        finally:
+            if tfd >= 0:
+                os.close(tfd)
     except OSError as exc:
         raise StorageError(f"cannot store {path}: {exc}", exc=exc, path=str(path)) from exc
 
@@ -160,6 +165,7 @@ def _put_chunks_of(
     path: Path,
     chunks: ChunkStore,
     theirs: list[str | None],
+    tfd: int,
     known: set[str],
     stats: PutStats,
     shared: bool,
@@ -183,11 +189,17 @@ def _put_chunks_of(
             if data == zero[:length]:
                 stats.count("zero")
                 return None, False, 0
+            theirs_ = theirs[index] if index < len(theirs) else None
+            if theirs_ is not None and os.pread(tfd, length, start) == data:
+                # the template's bytes (a compare costs a tenth of a hash): its hash, known
+                stats.add("read", time.perf_counter() - t0)
+                stats.count("template")
+                return theirs_, True, 0
             t1 = time.perf_counter()
             digest = hashlib.sha256(data).hexdigest()
             stats.add("read", t1 - t0)
             stats.add("hash", time.perf_counter() - t1)
-            if index < len(theirs) and theirs[index] == digest:
+            if theirs_ == digest:
                 stats.count("template")
                 return digest, True, 0
             if digest in known or (recent is not None and recent(digest)):
