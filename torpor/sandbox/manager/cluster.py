@@ -387,9 +387,11 @@ class ClusterNode:
             place
             and facts.owner_node is None
             and facts.state is S.PAUSED
-            and facts.origin is not None
+            and facts.manifest_paused_at is not None
             and facts.manifest_paused_at == facts.paused_at
         ):  # placed (:meth:`place`): only its origin node being this one is decided here
+            if facts.origin is None:
+                return False
             here = self.info()
             full = (
                 here.capacity_mib > 0
