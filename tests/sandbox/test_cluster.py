@@ -282,7 +282,12 @@ def test_a_wake_racing_a_give_back_keeps_its_lease(tmp_path: Path, dsn: str, sto
             await n1.pause("agent")
             await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
             assert shared.owner(sbx.id) is None  # durable: given back
-            await asyncio.gather(n1.pause("agent"), n1.resume("agent"))  # (a no-op, a wake)
+            # the pause first (a no-op that gives the lease back), the wake queued behind it
+            # (both take their lease in one query now: started together, either may be first)
+            pausing = asyncio.ensure_future(n1.pause("agent"))
+            while not n1.live(sbx.id).lock.locked() and not pausing.done():
+                await asyncio.sleep(0)
+            await asyncio.gather(pausing, n1.resume("agent"))
             assert (await n1.get("agent")).state is S.RUNNING
             assert shared.owner(sbx.id) == "n1"
             with pytest.raises(Conflict):  # so n2 proxies, and never takes it over

@@ -306,3 +306,52 @@ def test_a_drive_pins_its_sandbox_to_the_drives_node(tmp_path: Path, dsn: str, s
         await n2.close()
 
     run(body)
+
+
+@pytest.mark.s3
+def test_a_pull_does_not_hold_the_cluster_wide_volumes_lock(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    """An attach on a node without the volume's latest image pulls it before taking the
+    volumes' lock every node shares (a create or attach elsewhere does not wait for the
+    transfer), and not again under the lock when the image did not change meanwhile; when
+    it did, the lock's pull brings the newer one."""
+    from torpor.sandbox.manager.cluster import RECORD_LOCKS
+
+    n1, n2 = _node(tmp_path, dsn, store, "n1"), _node(tmp_path, dsn, store, "n2")
+    try:
+        v1, v2 = n1.volume_store(), n2.volume_store()
+        made = v1.create("data", size_mib=16)
+        v1.attach("data", "sbx-1", "/data")
+        _write_at(v1.image(made.id), 4 << 20, b"first")
+        v1.detach("data", "sbx-1")
+        free_during: list[bool] = []
+        inner = n2.pull_volume
+
+        def pull(volume_id: str, manifest: dict[str, Any] | None = None) -> None:
+            with n2.registry.exclusive(RECORD_LOCKS["volume"]) as free:
+                free_during.append(free)
+            inner(volume_id, manifest)
+
+        n2.pull_volume = pull  # type: ignore[method-assign]
+        v2.attach("data", "sbx-2", "/data", read_only=True)
+        assert free_during == [True]  # one pull, with the lock free
+        with open(v2.image(made.id), "rb") as f:
+            f.seek(4 << 20)
+            assert f.read(5) == b"first"
+        v2.detach("data", "sbx-2")
+        # a newer image pushed by n1 between the pull ahead and the lock: pulled under it
+        v1.attach("data", "sbx-1", "/data")
+        _write_at(v1.image(made.id), 4 << 20, b"second")
+        v1.detach("data", "sbx-1")
+        real_ahead = v2._pull_ahead
+        v2._pull_ahead = lambda *a: None  # type: ignore[method-assign]
+        v2.attach("data", "sbx-2", "/data", read_only=True)
+        v2._pull_ahead = real_ahead  # type: ignore[method-assign]
+        assert free_during == [True, False]  # pulled under the lock: the image changed
+        with open(v2.image(made.id), "rb") as f:
+            f.seek(4 << 20)
+            assert f.read(6) == b"second"
+    finally:
+        n1.registry.close()
+        n2.registry.close()

@@ -63,11 +63,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import platform
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +98,7 @@ from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
 from torpor.sandbox.storage.chunks import (
     ChunkStore,
     FileManifest,
+    PutStats,
     SweepReport,
     open_chunk_store,
 )
@@ -103,6 +106,7 @@ from torpor.sandbox.storage.drives import DriveInfo, DriveStore
 from torpor.sandbox.storage.pauses import (
     RamFill,
     begin_rebuild,
+    manifest_chunks,
     push_pause,
     rebuild_pause,
     warm_template,
@@ -280,6 +284,14 @@ class ClusterNode:
         self.draining = False
         self._snapshots: SnapshotStore | None = None
         self._sweeping: asyncio.Task[None] | None = None
+        #: sandbox -> where the time of its last pause upload went (seconds per step, and
+        #: the chunk store's :class:`PutStats`); for the bench and the logs
+        self.last_push: dict[str, dict[str, Any]] = {}
+        #: volume -> the image manifest (its key) this node's copy was pulled from, and a
+        #: lock per volume so that two pulls of one volume here never write at once
+        self.pulled_volumes: dict[str, str] = {}
+        self._pull_locks: dict[str, threading.Lock] = {}
+        self._pull_guard = threading.Lock()
 
     # -- nodes and leases -----------------------------------------------------------------
 
@@ -308,6 +320,8 @@ class ClusterNode:
         Conflict names that node (``owner_node``, ``owner_url``, ``placed``). Raises Conflict
         naming the node that holds it (``owner_node``) and its URL (``owner_url``),
         NoNodeAvailable, SandboxNotFound, StorageError."""
+        if self._claimed(sandbox_id, place=place):
+            return
         self.check_pins(sandbox_id)
         # an owner that stopped heartbeating lost it: fall back to its last durable pause first
         self.registry.recover(sandbox_id, self.node)
@@ -349,6 +363,45 @@ class ClusterNode:
                 owner_node=owner,
                 owner_url=url,
             ) from exc
+
+    def _claimed(self, sandbox_id: str, *, place: bool) -> bool:
+        """:meth:`acquire`'s common cases in one query and at most one write: the sandbox is
+        this node's already (its lease good for half a lease more: nothing to write), or no
+        node holds it and it needs no placement or its placement is this node (its pause
+        was made here, this node is not full). False for everything else (another node holds
+        it or lapsed, a drive pins it elsewhere, this node drains, placement may name
+        another node), which :meth:`acquire` then walks through step by step. Raises
+        SandboxNotFound, StorageError."""
+        if self.draining or PROXIED.get() is not None:
+            return False
+        now = time.time()
+        facts = self.registry.claim_facts(sandbox_id, self.node, at=now)
+        if facts.pinned_elsewhere:
+            return False
+        mine = facts.owner_node == self.node
+        if facts.owner_node is not None and not mine:
+            return False
+        if mine and (facts.lease_until or 0.0) >= now + self.config.lease_seconds / 2:
+            return True  # the heartbeat renews it
+        if (
+            place
+            and facts.owner_node is None
+            and facts.state is S.PAUSED
+            and facts.manifest_paused_at is not None
+            and facts.manifest_paused_at == facts.paused_at
+        ):  # placed (:meth:`place`): only its origin node being this one is decided here
+            if facts.origin is None:
+                return False
+            here = self.info()
+            full = (
+                here.capacity_mib > 0
+                and facts.node_memory_mib + facts.memory_mib > here.capacity_mib
+            )
+            if facts.origin.get("node") != self.node or full or not compatible(here, facts.origin):
+                return False
+        return self.registry.claim(
+            sandbox_id, self.node, lease_seconds=self.config.lease_seconds, at=now
+        )
 
     # -- placement ------------------------------------------------------------------------
 
@@ -604,10 +657,25 @@ class ClusterNode:
 
     def push(self, directory: Path, template: str, sandbox_id: str) -> dict[str, Any]:
         """Store the paused directory; return its manifest (see :func:`push_pause`), with
-        where it was made (``origin``: node, accelerator, CPU model; placement reads it)."""
+        where it was made (``origin``: node, accelerator, CPU model; placement reads it).
+        Chunks the sandbox's recorded pause names are not sent again (they stay in the store
+        until this manifest replaces that one). Where the time went is kept in
+        :attr:`last_push` (the bench prints it). Raises as :func:`push_pause`,
+        StorageError."""
+        started = time.perf_counter()
+        stats = PutStats()
+        prior = self.registry.pause_record(sandbox_id)
+        known = manifest_chunks(None if prior is None else prior.manifest)
+        looked_up = time.perf_counter()
         manifest = push_pause(
-            directory, self.chunks, self.template_dir(template), sandbox_id=sandbox_id
+            directory,
+            self.chunks,
+            self.template_dir(template),
+            sandbox_id=sandbox_id,
+            known=known,
+            stats=stats,
         )
+        pushed = time.perf_counter()
         info = self.info()
         manifest["origin"] = {
             "node": self.node,
@@ -616,7 +684,22 @@ class ClusterNode:
         }
         for vid, fm in (manifest.get("volumes") or {}).items():  # their latest images
             self.registry.record_volume_image(vid, self.node, fm)
+        while len(self.last_push) >= 256:  # a report per sandbox, of the latest ones
+            self.last_push.pop(next(iter(self.last_push)))
+        self.last_push[sandbox_id] = {
+            "prior manifest": looked_up - started,
+            "chunks": pushed - looked_up,
+            "volume records": time.perf_counter() - pushed,
+            "stats": stats.to_json(),
+        }
         return manifest
+
+    def record_durable(self, sandbox_id: str, paused_at: float, manifest: dict[str, Any]) -> None:
+        """Record the pause taken at ``paused_at`` as durable, as ``manifest`` says (see
+        :meth:`PostgresRegistry.record_durable`). Raises StorageError."""
+        started = time.perf_counter()
+        self.registry.record_durable(sandbox_id, self.node, paused_at, manifest)
+        self.last_push.setdefault(sandbox_id, {})["record"] = time.perf_counter() - started
 
     def rebuild(
         self, manifest: dict[str, Any], directory: Path, template: str, sandbox_id: str
@@ -728,6 +811,11 @@ class ClusterNode:
             self.chunks.location,
             time.perf_counter() - started,
         )
+
+    def volume_pull_lock(self, volume_id: str) -> threading.Lock:
+        """This node's lock for pulling ``volume_id`` (not the cluster-wide volumes' lock)."""
+        with self._pull_guard:
+            return self._pull_locks.setdefault(volume_id, threading.Lock())
 
     def pinned_to(self, sandbox_id: str) -> tuple[str, list[str]] | None:
         """The node a drive attached to ``sandbox_id`` is on, with the names of those
@@ -969,7 +1057,9 @@ class ClusterVolumeStore(VolumeStore):
     which pulls its latest image when the one here is not it. A push that fails leaves the
     volume on its node: an attach elsewhere is then a Conflict naming that node. A volume
     attached read-write to a sandbox is a Conflict naming the node that runs (or holds the
-    pause of) that sandbox."""
+    pause of) that sandbox. An attach pulls the image it needs before it takes the volumes'
+    lock every node shares (:meth:`_pull_ahead`; a lock per volume on this node instead), so
+    no other node's volume operation waits for a transfer."""
 
     def __init__(self, cluster: ClusterNode) -> None:
         super().__init__(cluster.paths, RegistryRecords(cluster.registry, "volume", cluster.node))
@@ -992,11 +1082,50 @@ class ClusterVolumeStore(VolumeStore):
             with contextlib.suppress(TorporError):
                 self.cluster.registry.forget_volume_image(volume_id, self.cluster.node)
 
+    def _pulled(self, volume_id: str, manifest: dict[str, Any]) -> bool:
+        """Whether this node's image of ``volume_id`` is the one ``manifest`` describes
+        (pulled from it, and no sandbox of this node has written it since: one that did
+        holds the volume here, so it is not pulled at all)."""
+        return self.image(volume_id).exists() and self.cluster.pulled_volumes.get(
+            volume_id
+        ) == _manifest_key(manifest)
+
+    def _pull(self, volume_id: str, manifest: dict[str, Any] | None) -> None:
+        """Pull ``volume_id``'s image (``manifest``: its latest, None: never pushed) unless
+        this node's copy is it already. Raises as :meth:`ClusterNode.pull_volume`."""
+        with self.cluster.volume_pull_lock(volume_id):
+            if manifest is not None and self._pulled(volume_id, manifest):
+                return
+            self.cluster.pull_volume(volume_id, manifest)
+            if manifest is not None:
+                self.cluster.pulled_volumes[volume_id] = _manifest_key(manifest)
+
+    def _pull_ahead(self, id_or_name: str, tenant: str, read_only: bool) -> None:
+        """Before the cluster-wide volumes' lock: pull the volume's latest image when the
+        attach will need it, so no node's volume create, attach or delete waits for the
+        transfer. Under the lock, :meth:`_before_attach` pulls again only if the latest
+        image changed meanwhile. Not for an attach the sharing rule refuses as things stand
+        (a writer holds it, or this one would write to a volume others read). Best effort:
+        what fails here is tried again there."""
+        try:
+            info = self.get(id_or_name, tenant=tenant)
+            if info.node in (None, self.cluster.node) and self.image(info.id).exists():
+                return
+            if any(not a.read_only for a in info.attachments) or (
+                info.attachments and not read_only
+            ):
+                return
+            manifest = self.cluster.registry.volume_image(info.id)
+            if manifest is not None:
+                self._pull(info.id, manifest)
+        except TorporError as exc:
+            log.info("volume %s: no pull ahead of the attach: %s", id_or_name, exc)
+
     def _before_attach(self, info: VolumeInfo, first: bool) -> None:
         here = self.cluster.node
         if info.node not in (None, here) or not self.image(info.id).exists():
             try:
-                self.cluster.pull_volume(info.id)
+                self._pull(info.id, self.cluster.registry.volume_image(info.id))
             except StateLost as exc:
                 raise Conflict(
                     f"volume {info.name!r} ({info.id}) is on node {info.node} only (its latest "
@@ -1020,6 +1149,7 @@ class ClusterVolumeStore(VolumeStore):
         read_only: bool = False,
         tenant: str = "default",
     ) -> VolumeInfo:
+        self._pull_ahead(id_or_name, tenant, read_only)
         try:
             return super().attach(id_or_name, sandbox_id, path, read_only=read_only, tenant=tenant)
         except Conflict as exc:
@@ -1203,6 +1333,10 @@ class RegistryCatalog:
 
     def remove(self, snapshot_id: str) -> bool:
         return self.registry.delete_snapshot(snapshot_id)
+
+
+def _manifest_key(manifest: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def upload_failed(exc: BaseException) -> str:

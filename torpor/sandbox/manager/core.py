@@ -530,9 +530,7 @@ class ManagerCore:
                     manifest = await asyncio.to_thread(
                         cluster.push, self.directory(rec.id), rec.template, rec.id
                     )
-                    await asyncio.to_thread(
-                        cluster.registry.record_durable, rec.id, cluster.node, paused_at, manifest
-                    )
+                    await asyncio.to_thread(cluster.record_durable, rec.id, paused_at, manifest)
                 except InvalidArgument as exc:  # it can never leave this node
                     log.error("sandbox %s: pause not made durable: %s", rec.id, exc)
                     with suppress(TorporError):
@@ -671,12 +669,14 @@ class ManagerCore:
         cluster = self.cluster
         if cluster is None:
             return None
-        pause = await asyncio.to_thread(cluster.registry.pause_record, rec.id)
         directory = self.directory(rec.id)
-        if pause is None or (
-            pause.node == cluster.node and pause.paused_at == rec.paused_at and is_whole(directory)
-        ):
+        # where first (a light read): the manifest is read only when the files are not here
+        where = await asyncio.to_thread(cluster.registry.pause_location, rec.id)
+        if where is None or (where == (cluster.node, rec.paused_at) and is_whole(directory)):
             return None  # never paused in the cluster, or its files are here
+        pause = await asyncio.to_thread(cluster.registry.pause_record, rec.id)
+        if pause is None:
+            return None
         if pause.manifest is None:
             raise StateLost(
                 f"sandbox {rec.id}: its pause is on node {pause.node} and was never stored "

@@ -104,7 +104,14 @@ from torpor.sandbox.registry.sqlite import (
     events_from_rows,
 )
 
-__all__ = ["PG_SCHEMA_VERSION", "NodeInfo", "PauseRecord", "PostgresRegistry", "SnapshotStatus"]
+__all__ = [
+    "PG_SCHEMA_VERSION",
+    "ClaimFacts",
+    "NodeInfo",
+    "PauseRecord",
+    "PostgresRegistry",
+    "SnapshotStatus",
+]
 
 log = logging.getLogger(__name__)
 
@@ -407,6 +414,27 @@ class PauseRecord:
     durable_at: float | None
     upload_error: str | None
     attempts: int
+
+
+@dataclass(frozen=True)
+class ClaimFacts:
+    """What a node needs to take a sandbox without a detour, read in one round trip
+    (:meth:`PostgresRegistry.claim_facts`): its row's state and owner, whether a drive
+    attached pins it to another node, its pause record's where and when (the manifest's
+    ``origin`` only), and what the asking node holds running."""
+
+    state: SandboxState
+    paused_at: float | None
+    memory_mib: int
+    owner_node: str | None
+    lease_until: float | None
+    pinned_elsewhere: bool
+    pause_node: str | None
+    pause_at: float | None
+    manifest_paused_at: float | None
+    origin: dict[str, Any] | None
+    node_sandboxes: int
+    node_memory_mib: int
 
 
 class PostgresRegistry:
@@ -797,6 +825,82 @@ class PostgresRegistry:
             owner_node=row[0],
             lease_until=row[1],
         )
+
+    def claim_facts(self, sandbox_id: str, node_id: str, *, at: float | None = None) -> ClaimFacts:
+        """Everything :meth:`~torpor.sandbox.manager.cluster.ClusterNode.acquire` reads to
+        take ``sandbox_id`` for ``node_id`` in the common case, in one query (see
+        :class:`ClaimFacts`). Raises SandboxNotFound, StorageError."""
+        now = time.time() if at is None else at
+        rows = self._query(
+            "SELECT s.state, s.paused_at, coalesce((s.spec::json->>'memory_mib')::int, 512),"
+            " s.owner_node, s.lease_until,"
+            " EXISTS (SELECT 1 FROM torpor_registry.drives d WHERE d.node IS NOT NULL"
+            " AND d.node <> %s AND d.record::jsonb -> 'attachments' @> jsonb_build_array("
+            "jsonb_build_object('sandbox_id', s.id))),"
+            " p.pause_node, p.pause_at, p.manifest_paused_at,"
+            " CASE WHEN p.manifest IS NULL THEN NULL ELSE (p.manifest::json->'origin')::text END,"
+            " l.n, l.mib"
+            " FROM torpor_registry.sandboxes s"
+            " LEFT JOIN torpor_registry.pauses p ON p.sandbox_id = s.id"
+            " CROSS JOIN (SELECT count(*) AS n,"
+            " coalesce(sum(coalesce((spec::json->>'memory_mib')::int, 512)), 0) AS mib"
+            " FROM torpor_registry.sandboxes WHERE owner_node = %s AND lease_until >= %s"
+            " AND state IN ('running', 'creating')) l"
+            " WHERE s.id = %s",
+            (node_id, node_id, now, sandbox_id),
+        )
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
+        r = rows[0]
+        try:
+            origin = None if r[9] is None else json.loads(r[9])
+        except ValueError:
+            origin = None
+        return ClaimFacts(
+            state=SandboxState(r[0]),
+            paused_at=r[1],
+            memory_mib=int(r[2]),
+            owner_node=r[3],
+            lease_until=r[4],
+            pinned_elsewhere=bool(r[5]),
+            pause_node=r[6],
+            pause_at=r[7],
+            manifest_paused_at=r[8],
+            origin=origin if isinstance(origin, dict) else None,
+            node_sandboxes=int(r[10]),
+            node_memory_mib=int(r[11]),
+        )
+
+    def claim(
+        self, sandbox_id: str, node_id: str, *, lease_seconds: float, at: float | None = None
+    ) -> bool:
+        """Make ``node_id`` the owner of ``sandbox_id`` until ``at + lease_seconds`` when no
+        node holds it or ``node_id`` does (one statement); False otherwise (another node
+        holds it, or held it and lapsed: :meth:`recover` and :meth:`acquire` are for
+        that). Raises StorageError."""
+        now = time.time() if at is None else at
+        with self._lock:
+            import psycopg
+
+            try:
+                cur = self._connection().execute(
+                    b"UPDATE torpor_registry.sandboxes SET owner_node = %s, lease_until = %s"
+                    b" WHERE id = %s AND (owner_node IS NULL OR owner_node = %s)",
+                    (node_id, now + lease_seconds, sandbox_id, node_id),
+                )
+            except psycopg.Error as exc:
+                raise StorageError(f"registry error: {exc}", exc=exc) from exc
+            return bool(cur.rowcount == 1)
+
+    def pause_location(self, sandbox_id: str) -> tuple[str | None, float | None] | None:
+        """The node holding the files of the sandbox's latest pause and that pause's time
+        (None: it was never paused in cluster mode): :meth:`pause_record` without the
+        manifest. Raises StorageError."""
+        rows = self._query(
+            "SELECT pause_node, pause_at FROM torpor_registry.pauses WHERE sandbox_id = %s",
+            (sandbox_id,),
+        )
+        return None if not rows else (rows[0][0], rows[0][1])
 
     def release(self, sandbox_id: str, node_id: str) -> bool:
         """Give ``sandbox_id`` up (after its pause is durable). True when ``node_id`` held it;

@@ -31,6 +31,7 @@ import bisect
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,7 @@ __all__ = [
     "STORE_ENV",
     "ChunkStore",
     "FileManifest",
+    "PutStats",
     "SweepReport",
     "home_chunk_store",
     "open_chunk_store",
@@ -106,6 +108,39 @@ class SweepReport:
     removed: int = 0
     kept: int = 0
     freed_bytes: int = 0
+
+
+class PutStats:
+    """Where the time of storing chunks went: seconds summed over the worker threads per
+    stage (``read`` the file, ``hash``, ``compress``, ``upload`` a new chunk, ``ask`` the
+    store whether it has one) and chunks counted per outcome (``stored``: sent to the store,
+    ``known``: skipped, the store has it; ``template``: equal to the template's; ``zero``).
+    Thread-safe; filled by :meth:`ChunkStore.put_file` and the pause push when given one."""
+
+    STAGES = ("read", "hash", "compress", "upload", "ask")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(self.STAGES, 0.0)
+        self.chunks: dict[str, int] = {}
+        self.stored_bytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    def count(self, outcome: str, stored_bytes: int = 0) -> None:
+        with self._lock:
+            self.chunks[outcome] = self.chunks.get(outcome, 0) + 1
+            self.stored_bytes += stored_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+                "chunks": dict(self.chunks),
+                "stored_bytes": self.stored_bytes,
+            }
 
 
 class ChunkStore:
@@ -168,25 +203,49 @@ class ChunkStore:
         """Whether chunk ``digest`` is stored. Raises StorageError when the store fails."""
         return self.backend.exists(check_hash(digest))
 
-    def put(self, data: bytes, *, digest: str | None = None, ask: bool = True) -> tuple[str, int]:
+    def put(
+        self,
+        data: bytes,
+        *,
+        digest: str | None = None,
+        ask: bool = True,
+        stats: PutStats | None = None,
+    ) -> tuple[str, int]:
         """Store ``data``; return (its sha256, bytes newly written: 0 if it was there already).
         ``digest``: its sha256 when the caller computed it already. ``ask=False`` writes
         without first asking whether the store has it: for data the caller has reason to
         believe is new (a remote store answers that question with a round trip that nearly
         always says no; writing a chunk again is harmless, the content names it).
 
+        ``stats`` adds the time of each stage to it.
+
         Raises StorageError when the store fails.
         """
         digest = digest or hashlib.sha256(data).hexdigest()
-        return digest, self._put_known(digest, data, ask=ask)
+        return digest, self._put_known(digest, data, ask=ask, stats=stats)
 
-    def _put_known(self, digest: str, data: bytes, *, ask: bool = True) -> int:
+    def _put_known(
+        self, digest: str, data: bytes, *, ask: bool = True, stats: PutStats | None = None
+    ) -> int:
         # idempotent: content names the chunk, so one already there is this very data (or a
         # corrupt copy, which its first failed read quarantines, so the next put rewrites it)
+        t0 = time.perf_counter()
         if ask and self.backend.exists(digest):
+            if stats is not None:
+                stats.add("ask", time.perf_counter() - t0)
+                stats.count("known")
             return 0
-        blob = zstandard.ZstdCompressor(level=self.level).compress(data)
-        return self.backend.write(digest, blob)
+        t1 = time.perf_counter()
+        blob = _compressor(self.level).compress(data)
+        t2 = time.perf_counter()
+        written = self.backend.write(digest, blob)
+        if stats is not None:
+            if ask:
+                stats.add("ask", t1 - t0)
+            stats.add("compress", t2 - t1)
+            stats.add("upload", time.perf_counter() - t2)
+            stats.count("stored", written)
+        return written
 
     def get(self, digest: str, *, snapshot_id: str | None = None) -> bytes:
         """The raw bytes of chunk ``digest``, checked against its name.
@@ -327,8 +386,9 @@ class ChunkStore:
 
     # -- whole files --------------------------------------------------------------------------
 
-    def put_file(self, path: Path) -> FileManifest:
-        """Cut ``path`` into chunks, store the new ones, and return its manifest.
+    def put_file(self, path: Path, *, stats: PutStats | None = None) -> FileManifest:
+        """Cut ``path`` into chunks, store the new ones, and return its manifest (``stats``:
+        where the time went is added to it).
 
         Holes (SEEK_HOLE) and all-zero chunks are recorded as ``None`` and not stored.
         Raises StorageError when the file cannot be read or a chunk cannot be written.
@@ -344,6 +404,7 @@ class ChunkStore:
                     length = min(self.chunk_size, size - start)
                     if not overlaps(extents, start, start + length):
                         return None, 0
+                    t0 = time.perf_counter()
                     data = os.pread(f.fileno(), length, start)
                     if len(data) != length:
                         raise StorageError(
@@ -351,8 +412,12 @@ class ChunkStore:
                         )
                     if data == self._zero[:length]:
                         return None, 0
+                    t1 = time.perf_counter()
                     digest = hashlib.sha256(data).hexdigest()
-                    return digest, self._put_known(digest, data)
+                    if stats is not None:
+                        stats.add("read", t1 - t0)
+                        stats.add("hash", time.perf_counter() - t1)
+                    return digest, self._put_known(digest, data, stats=stats)
 
                 with ThreadPoolExecutor(self.workers) as pool:
                     results = list(pool.map(work, range(count)))
@@ -409,6 +474,20 @@ class ChunkStore:
             raise StorageError(
                 f"cannot restore {dest}: {exc}", exc=exc, path=str(dest), snapshot_id=snapshot_id
             ) from exc
+
+
+_compressors = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """A zstd compressor of ``level`` for this thread (one is not safe to share between
+    threads; making one per chunk costs a context allocation each time)."""
+    mine: dict[int, zstandard.ZstdCompressor] | None = getattr(_compressors, "by_level", None)
+    if mine is None:
+        mine = _compressors.by_level = {}
+    if level not in mine:
+        mine[level] = zstandard.ZstdCompressor(level=level)
+    return mine[level]
 
 
 def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:

@@ -212,6 +212,10 @@ class S3ChunkBackend:
         self.backoff_seconds = backoff_seconds
         self.gc_grace_seconds = SHARED_SWEEP_GRACE_SECONDS
         self.client = client if client is not None else _make_client(endpoint_url)
+        #: chunks this process wrote, with when (monotonic), oldest first (see
+        #: :meth:`written_recently`)
+        self._written: OrderedDict[str, float] = OrderedDict()
+        self._written_lock = threading.Lock()
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -264,12 +268,36 @@ class S3ChunkBackend:
         )
         if self.cache is not None:  # the node that wrote a chunk is the likeliest to read it
             self.cache.put(digest, blob)
+        now = time.monotonic()
+        with self._written_lock:
+            self._written.pop(digest, None)
+            self._written[digest] = now
+            while self._written:  # forget what is too old to be trusted anyway
+                oldest = next(iter(self._written.values()))
+                if now - oldest < self.gc_grace_seconds / 2:
+                    break
+                self._written.popitem(last=False)
         return len(blob)
+
+    def written_recently(self, digest: str) -> bool:
+        """Whether this process wrote chunk ``digest`` less than half the sweep grace ago:
+        it is in the store, and a sweep spares it (young) long enough for a manifest naming
+        it to be recorded, so a push may skip it without asking. A chunk this node merely
+        cached is no proof: a sweep may have removed it from the store since (nothing
+        named it)."""
+        with self._written_lock:
+            at = self._written.get(digest)
+        return at is not None and time.monotonic() - at < self.gc_grace_seconds / 2
+
+    def _forget(self, digest: str) -> None:
+        if self.cache is not None:
+            self.cache.drop(digest)
+        with self._written_lock:
+            self._written.pop(digest, None)
 
     def delete(self, digest: str) -> int:
         key = self.key_of(digest)
-        if self.cache is not None:
-            self.cache.drop(digest)
+        self._forget(digest)
         head = self._call(
             f"check chunk {digest[:12]}",
             lambda: self.client.head_object(Bucket=self.where.bucket, Key=key),
@@ -286,8 +314,7 @@ class S3ChunkBackend:
     def quarantine(self, digest: str) -> None:
         key = self.key_of(digest)
         bad = self.where.key("quarantine", f"{digest}.zst")
-        if self.cache is not None:
-            self.cache.drop(digest)
+        self._forget(digest)
         copied = self._call(
             f"quarantine chunk {digest[:12]}",
             lambda: self.client.copy_object(

@@ -60,7 +60,13 @@ from pathlib import Path
 from typing import Any
 
 from torpor.errors import CorruptData, InvalidArgument, StorageError, TemplateNotFound
-from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, data_ranges, overlaps
+from torpor.sandbox.storage.chunks import (
+    ChunkStore,
+    FileManifest,
+    PutStats,
+    data_ranges,
+    overlaps,
+)
 from torpor.sandbox.storage.compaction import template_hashes
 from torpor.sandbox.storage.records import rewrite_prefix
 from torpor.sandbox.storage.snapshots import backing_file
@@ -72,6 +78,7 @@ __all__ = [
     "RamFill",
     "begin_rebuild",
     "is_whole",
+    "manifest_chunks",
     "push_pause",
     "rebuild_pause",
     "template_identity",
@@ -120,19 +127,53 @@ def warm_template(template_dir: Path, chunk_size: int) -> bool:
     return True
 
 
-def _put_ram(
-    ram: Path, chunks: ChunkStore, template_ram: Path | None
+def _put_chunks(
+    path: Path,
+    chunks: ChunkStore,
+    template: Path | None,
+    known: set[str],
+    stats: PutStats,
 ) -> tuple[FileManifest, list[int]]:
-    """Store ``ram`` but the chunks equal to ``template_ram``'s at the same offset; return
-    its manifest and the indices of those chunks."""
+    """Store ``path`` but its chunks equal to ``template``'s at the same offset (the RAM
+    against the template's booted RAM) and those ``known`` to be in the store; return its
+    manifest and the indices of the template's chunks.
+
+    A chunk neither is sent without first asking a shared store whether it has it (a round
+    trip per chunk that nearly always answers no: it is not in the sandbox's last pause;
+    writing one again is harmless, the content names it). Nor is one skipped because this
+    node's cache holds it: a sweep of the shared store may have removed it since, while a
+    chunk the sandbox's recorded pause names stays until the new manifest replaces it, and
+    one this node wrote a moment ago is spared by the sweep's grace."""
     theirs: list[str | None] = []
-    if template_ram is not None and template_ram.is_file():
-        st = template_ram.stat()
-        theirs = _template_hashes(str(template_ram), st.st_size, st.st_mtime_ns, chunks.chunk_size)
+    if template is not None and template.is_file():
+        st = template.stat()
+        theirs = _template_hashes(str(template), st.st_size, st.st_mtime_ns, chunks.chunk_size)
+    shared = chunks.backend.shared  # a local store answers "do you have it" from its disk
+    recent = getattr(chunks.backend, "written_recently", None)
+    try:
+        tfd = os.open(template, os.O_RDONLY) if theirs and template is not None else -1
+        try:
+            return _put_chunks_of(path, chunks, theirs, tfd, known, stats, shared, recent)
+        finally:
+            if tfd >= 0:
+                os.close(tfd)
+    except OSError as exc:
+        raise StorageError(f"cannot store {path}: {exc}", exc=exc, path=str(path)) from exc
+
+
+def _put_chunks_of(
+    path: Path,
+    chunks: ChunkStore,
+    theirs: list[str | None],
+    tfd: int,
+    known: set[str],
+    stats: PutStats,
+    shared: bool,
+    recent: Any,
+) -> tuple[FileManifest, list[int]]:
     size_ = chunks.chunk_size
     zero = bytes(size_)
-    cache = getattr(chunks.backend, "cache", None)  # a remote store's node cache
-    with open(ram, "rb") as f:
+    with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         extents = data_ranges(f.fileno(), size)
 
@@ -141,17 +182,30 @@ def _put_ram(
             length = min(size_, size - start)
             if not overlaps(extents, start, start + length):
                 return None, False, 0
+            t0 = time.perf_counter()
             data = os.pread(f.fileno(), length, start)
+            if len(data) != length:
+                raise StorageError(f"{path} changed while it was being stored", path=str(path))
             if data == zero[:length]:
+                stats.count("zero")
                 return None, False, 0
+            theirs_ = theirs[index] if index < len(theirs) else None
+            if theirs_ is not None and os.pread(tfd, length, start) == data:
+                # the template's bytes (a compare costs a tenth of a hash): its hash, known
+                stats.add("read", time.perf_counter() - t0)
+                stats.count("template")
+                return theirs_, True, 0
+            t1 = time.perf_counter()
             digest = hashlib.sha256(data).hexdigest()
-            if index < len(theirs) and theirs[index] == digest:
+            stats.add("read", t1 - t0)
+            stats.add("hash", time.perf_counter() - t1)
+            if theirs_ == digest:
+                stats.count("template")
                 return digest, True, 0
-            if cache is not None and digest in cache:
-                return digest, False, 0  # this node wrote or read it: it is in the store
-            # not the template's, not seen by this node: new (asking the store first would
-            # cost a round trip per chunk that nearly always answers no)
-            _, new = chunks.put(data, digest=digest, ask=False)
+            if digest in known or (recent is not None and recent(digest)):
+                stats.count("known")
+                return digest, False, 0
+            _, new = chunks.put(data, digest=digest, ask=not shared, stats=stats)
             return digest, False, new
 
         with ThreadPoolExecutor(chunks.workers) as pool:
@@ -163,6 +217,25 @@ def _put_ram(
         new_bytes=sum(n for _, _, n in results),
     )
     return manifest, [i for i, (_, same, _) in enumerate(results) if same]
+
+
+def manifest_chunks(manifest: dict[str, Any] | None) -> set[str]:
+    """Every chunk a pause manifest names that is in the store: its files' and volumes',
+    but for the RAM chunks it takes from the template (those were never sent). Empty for
+    None or a manifest that does not parse (nothing is then taken as known)."""
+    out: set[str] = set()
+    if not manifest:
+        return out
+    try:
+        from_template = {int(i) for i in manifest.get("from_template") or []}
+        for group in ("files", "volumes"):
+            for name, body in (manifest.get(group) or {}).items():
+                fm = FileManifest.from_json(body)
+                skip = from_template if group == "files" and name == "ram" else set()
+                out.update(c for i, c in enumerate(fm.chunks) if c is not None and i not in skip)
+    except (CorruptData, AttributeError, TypeError, ValueError):
+        return set()
+    return out
 
 
 def _files(directory: Path) -> list[Path]:
@@ -177,13 +250,23 @@ def _files(directory: Path) -> list[Path]:
 
 
 def push_pause(
-    directory: Path, chunks: ChunkStore, template_dir: Path | None, *, sandbox_id: str = ""
+    directory: Path,
+    chunks: ChunkStore,
+    template_dir: Path | None,
+    *,
+    sandbox_id: str = "",
+    known: set[str] | None = None,
+    stats: PutStats | None = None,
 ) -> dict[str, Any]:
     """Store the hibernated machine in ``directory`` (no QEMU on it: the caller holds the
     sandbox's lock) in ``chunks`` and return its pause manifest (see the module docstring).
 
     ``template_dir`` is the template's directory on this node (its ``snapshot/ram`` and
-    ``snapshot/disk.qcow2`` are what the sandbox was cloned from). Raises InvalidArgument for
+    ``snapshot/disk.qcow2`` are what the sandbox was cloned from). ``known``: chunks the
+    store holds for as long as this push runs and until its manifest is recorded (those of
+    the sandbox's recorded pause, :func:`manifest_chunks`): not sent again. ``stats``: where
+    the time went (per stage, and ``file <name>`` for each file's wall time). Raises
+    InvalidArgument for
     a sandbox whose pause cannot leave this node (drives attached, a compacted directory),
     StorageError / EngineError when a file or the store fails (retry later)."""
     started = time.perf_counter()
@@ -216,30 +299,41 @@ def push_pause(
     from_template: list[int] = []
     disk_backing: str | None = None
     new_bytes = 0
+    known = known or set()
+    stats = stats if stats is not None else PutStats()
     with tempfile.TemporaryDirectory(prefix=".push-", dir=directory.parent) as scratch:
         for path in _files(directory):
             rel = str(path.relative_to(directory))
+            t0 = time.perf_counter()
             if rel == "ram":
-                fm, from_template = _put_ram(path, chunks, snapshot and snapshot / "ram")
+                ram = None if snapshot is None else snapshot / "ram"
+                fm, from_template = _put_chunks(path, chunks, ram, known, stats)
             elif rel == "disk.qcow2" and snapshot is not None:
-                fm, disk_backing = _put_disk(path, chunks, snapshot / "disk.qcow2", Path(scratch))
+                fm, disk_backing = _put_disk(
+                    path, chunks, snapshot / "disk.qcow2", Path(scratch), known, stats
+                )
             else:
-                fm = chunks.put_file(path)
+                fm = _put_chunks(path, chunks, None, known, stats)[0]
+            stats.add(f"file {rel}", time.perf_counter() - t0)
             files[rel] = fm.to_json()
             new_bytes += fm.new_bytes
         volumes: dict[str, Any] = {}
         for image in disks:  # flushed: the guest synced before it hibernated
-            fm = chunks.put_file(image)
+            t0 = time.perf_counter()
+            fm = _put_chunks(image, chunks, None, known, stats)[0]
+            stats.add(f"file {image.name}", time.perf_counter() - t0)
             volumes[image.stem] = fm.to_json()
             new_bytes += fm.new_bytes
     chunks.sync_dirs()
     log.info(
-        "pushed the pause of %s: %d files, %d new bytes, %d RAM chunks from the template (%.2f s)",
+        "pushed the pause of %s: %d files, %d new bytes, %d RAM chunks from the template "
+        "(%.2f s; %s)",
         who,
         len(files),
         new_bytes,
         len(from_template),
         time.perf_counter() - started,
+        stats.to_json(),
     )
     return {
         "version": MANIFEST_VERSION,
@@ -254,20 +348,25 @@ def push_pause(
 
 
 def _put_disk(
-    disk: Path, chunks: ChunkStore, template_disk: Path, scratch: Path
+    disk: Path,
+    chunks: ChunkStore,
+    template_disk: Path,
+    scratch: Path,
+    known: set[str],
+    stats: PutStats,
 ) -> tuple[FileManifest, str | None]:
     """Store the disk overlay as an overlay on ``template_disk`` (folding a deeper chain onto
     it in a copy first). Returns its manifest and ``"template"`` (or None for a standalone
     image)."""
     backing = backing_file(disk)
     if backing is None:
-        return chunks.put_file(disk), None
+        return _put_chunks(disk, chunks, None, known, stats)[0], None
     if backing.resolve() == template_disk.resolve():
-        return chunks.put_file(disk), "template"
+        return _put_chunks(disk, chunks, None, known, stats)[0], "template"
     folded = scratch / "disk.qcow2"
     shutil.copyfile(disk, folded)
     rebase(folded, template_disk)  # what the layers between hold is folded into the copy
-    return chunks.put_file(folded), "template"
+    return _put_chunks(folded, chunks, None, known, stats)[0], "template"
 
 
 def _rebuild_volumes(
