@@ -220,11 +220,10 @@ class ManagerCore:
         self._supervisor: asyncio.Task[None] | None = None
         self._closed = False
         self._chunks: ChunkStore | None = None if self.cluster is None else self.cluster.chunks
-        #: a sandbox paused longer than this is compacted into the chunk store (None: never;
-        #: in cluster mode a pause is pushed to the shared store instead)
-        self.compact_after_seconds: float | None = (
-            _compact_after() if self.cluster is None else None
-        )
+        #: a sandbox paused longer than this is compacted (None: never): on one machine into
+        #: the home's chunk store; in cluster mode, once its pause is durable, its local files
+        #: are dropped (:mod:`torpor.sandbox.storage.evict`)
+        self.compact_after_seconds: float | None = _compact_after()
 
     # -- helpers --------------------------------------------------------------------------
 
