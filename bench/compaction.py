@@ -268,7 +268,9 @@ def _own_stored(manifest: dict[str, Any], sizes: dict[str, int]) -> tuple[int, i
     return sum(sizes.get(d, 0) for d in own), len(own)
 
 
-async def run_cluster(sandboxes: int, reps: int, base: Path, dsn: str, store: str) -> dict[str, Any]:
+async def run_cluster(
+    sandboxes: int, reps: int, base: Path, dsn: str, store: str
+) -> dict[str, Any]:
     from torpor.config import paths
     from torpor.sandbox.manager import SandboxManager
     from torpor.sandbox.manager.cluster import ClusterConfig
@@ -291,7 +293,7 @@ async def run_cluster(sandboxes: int, reps: int, base: Path, dsn: str, store: st
         fills.append(job)
         return job
 
-    cluster.begin_rebuild = timed  # type: ignore[method-assign]
+    cluster.begin_rebuild = timed  # type: ignore[method-assign,assignment]
     samples: dict[str, list[float]] = {name: [] for name in CLUSTER_STEPS}
     per: list[dict[str, Any]] = []
 
@@ -353,8 +355,8 @@ async def run_cluster(sandboxes: int, reps: int, base: Path, dsn: str, store: st
             await _until_durable(mgr, target)
             await compacted(target)
             if cache is not None:
-                for digest in list(cache._sizes):
-                    cache.drop(digest)
+                for blob in list(cache.root.glob("*/*.zst")):
+                    cache.drop(blob.stem)
             t0 = time.perf_counter()
             await mgr.resume(target)
             samples["wake (cluster, compacted, cache emptied)"].append(time.perf_counter() - t0)

@@ -78,7 +78,7 @@ def test_a_pause_not_durable_as_it_is_keeps_its_files(tmp_path: Path, dsn: str, 
         def failing(*args: Any) -> Any:
             raise StorageError("the store is away (test)")
 
-        n1.cluster.push = failing  # type: ignore[method-assign]
+        n1.cluster.push = failing  # type: ignore[method-assign,assignment]
         await n1.run_code("agent", "x = 2")
         await n1.pause("agent")  # its upload fails: only the older pause is durable
         await until(lambda: n1.get("agent"), lambda i: i.upload_error is not None, timeout=30)
@@ -121,7 +121,7 @@ def test_a_crash_mid_compaction_loses_nothing(
                 def replace(src: Any, dst: Any) -> None:
                     raise Crash
 
-                patch.setattr(evict.os, "replace", replace)
+                patch.setattr(os, "replace", replace)
             elif crash == "after-rename":
 
                 def remove(path: Path) -> None:

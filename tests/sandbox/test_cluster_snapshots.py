@@ -362,7 +362,8 @@ def test_a_durable_snapshots_local_chunks_go_to_the_bounded_cache(
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         body_ = next(c1.snapshots.manifests(snap.id))[1]
-        digests = set().union(*(FileManifest.from_json(f).hashes() for f in body_["files"].values()))
+        files = body_["files"].values()
+        digests = set().union(*(FileManifest.from_json(f).hashes() for f in files))
         assert digests and not any(local.rglob("*.zst"))
         cache = n1.cluster.chunks.backend.cache  # type: ignore[attr-defined]
         assert digests <= set(cache._sizes)

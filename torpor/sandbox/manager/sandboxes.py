@@ -779,7 +779,8 @@ class SandboxManager(ManagerCore):
                 await self.idle_sweep()
                 self.trim_logs()
                 # a cluster node asks PostgreSQL which of its sandboxes qualify: not every tick
-                if self.cluster is None or time.monotonic() - last_compact >= CLUSTER_COMPACT_SECONDS:
+                due = time.monotonic() - last_compact >= CLUSTER_COMPACT_SECONDS
+                if self.cluster is None or due:
                     last_compact = time.monotonic()
                     await self.compact_sweep()
             except Exception:  # keep supervising; a bad sweep must not end idle pausing
