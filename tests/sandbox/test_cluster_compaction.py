@@ -22,6 +22,7 @@ from torpor.errors import StorageError
 from torpor.sandbox.manager import sandboxes as sandboxes_mod
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.storage import evict
+from torpor.sandbox.storage.pauses import FILLING, is_whole, settle_fill
 
 pytestmark = [pytest.mark.postgres, pytest.mark.s3]
 
@@ -185,3 +186,21 @@ def test_clear_leftovers_only_takes_what_a_drop_left(tmp_path: Path) -> None:
     assert evict.clear_leftovers(root) == ["sbx-b"]
     assert sorted(p.name for p in root.iterdir()) == [".sbx-a.rebuild", "sbx-a"]
     assert evict.clear_leftovers(tmp_path / "absent") == []
+
+
+def test_a_rebuild_marker_goes_only_once_the_state_is_consumed(tmp_path: Path) -> None:
+    """A wake that rebuilt a pause without fsync keeps the marker until its saved state is
+    consumed: a crash before that finds the directory not whole (rebuilt again)."""
+    d = tmp_path / "sbx-x"
+    d.mkdir()
+    (d / "state").write_bytes(b"s")
+    (d / FILLING).write_bytes(b"")
+    settle_fill(d)  # the state is still there: the RAM may be half filled
+    assert not is_whole(d) and (d / FILLING).exists()
+    (d / "state").unlink()  # consumed by the wake
+    settle_fill(d)
+    assert not (d / FILLING).exists()
+    (d / FILLING).write_bytes(b"")
+    (d / "state").write_bytes(b"new")  # a pause saved the running guest's state
+    settle_fill(d, saved=True)
+    assert is_whole(d)

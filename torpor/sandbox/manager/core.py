@@ -497,7 +497,7 @@ class ManagerCore:
         except Exception as exc:
             return await self._pause_failed(rec, live, machine, exc)
         live.machine = None
-        settle_fill(directory)  # (a marker a wake could not drop: the state is new and whole)
+        settle_fill(directory, saved=True)  # (a marker a wake could not drop: the state is new)
         await self._step("pause:saved", rec.id)
         # Only now, with the state file durable, does the registry say "paused".
         rec = self.move(rec, S.PAUSED, reason, paused_at=time.time())

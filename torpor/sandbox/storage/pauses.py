@@ -301,12 +301,14 @@ def _rebuild_volumes(
         (tmp / "machine.json").write_text(json.dumps(moved, indent=2))
 
 
-def settle_fill(directory: Path) -> None:
+def settle_fill(directory: Path, *, saved: bool = False) -> None:
     """Drop the :data:`FILLING` marker a rebuild for a wake kept (``durable=False``) once
-    the wake has consumed the saved state: the RAM file is the running guest's now. Best
-    effort (logged): a marker left over makes the next wake rebuild from the store."""
+    the wake has consumed the saved state (it is gone: the RAM file is the running guest's
+    now), or once ``saved``: a pause saved a new state of the running guest. A marker with
+    the saved state still there stays (the RAM may be half filled). Best effort (logged): a
+    marker left over makes the next wake rebuild from the store."""
     try:
-        if (directory / FILLING).exists():
+        if (directory / FILLING).exists() and (saved or not (directory / "state").exists()):
             (directory / FILLING).unlink()
             fsync_dir(directory)
     except OSError as exc:
