@@ -31,6 +31,8 @@ async def _durable_pause(n: Any, name: str, code: str) -> str:
     await n.run_code(name, code)
     await n.pause(name)
     info = await until(lambda: n.get(name), lambda i: i.durable is not None, timeout=30)
+    # (the upload's task ends a moment after the durable stamp; a drop waits for it)
+    await until(lambda: n.get(name), lambda i: not n.cluster.pushing(i.id), timeout=30)
     return str(info.id)
 
 
