@@ -27,15 +27,15 @@ from tests.s3 import S3Server, free_ports
 pytestmark = [pytest.mark.qemu, pytest.mark.postgres, pytest.mark.s3]
 
 
-@pytest.fixture
-def nodes(
+def _nodes(
     template_home: Path,
     pg_cluster: PgCluster,
     pg_database: str,
     s3_server: S3Server,
     s3_bucket: str,
+    **extra: str,
 ) -> Iterator[tuple[Node, Node]]:
-    env = {**os.environ, **s3_server.env(), "TORPOR_EMBEDDER": "none"}
+    env = {**os.environ, **s3_server.env(), "TORPOR_EMBEDDER": "none", **extra}
     env["TORPOR_LEASE_SECONDS"] = "6"
     env.pop("TORPOR_URL", None)
     env.pop("TORPOR_TOKEN", None)
@@ -51,6 +51,36 @@ def nodes(
     finally:
         for node in started:
             stop_node(node)
+
+
+@pytest.fixture
+def nodes(
+    template_home: Path,
+    pg_cluster: PgCluster,
+    pg_database: str,
+    s3_server: S3Server,
+    s3_bucket: str,
+) -> Iterator[tuple[Node, Node]]:
+    yield from _nodes(template_home, pg_cluster, pg_database, s3_server, s3_bucket)
+
+
+@pytest.fixture
+def compacting_nodes(
+    template_home: Path,
+    pg_cluster: PgCluster,
+    pg_database: str,
+    s3_server: S3Server,
+    s3_bucket: str,
+) -> Iterator[tuple[Node, Node]]:
+    """Two nodes that compact every durable paused sandbox at once (its files dropped)."""
+    yield from _nodes(
+        template_home,
+        pg_cluster,
+        pg_database,
+        s3_server,
+        s3_bucket,
+        TORPOR_COMPACT_AFTER_SECONDS="0",
+    )
 
 
 def test_paused_sandbox_wakes_on_another_node_after_its_node_dies(
@@ -126,3 +156,63 @@ def test_snapshot_restores_on_another_node_after_its_node_dies(
     except AssertionError:
         print(n2.log_tail())
         raise
+
+
+def _until_durable(sbx: torpor.Sandbox, node: Node, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    info = sbx.info
+    while info.durable is None:
+        assert time.monotonic() < deadline, f"never durable: {info}\n{node.log_tail()}"
+        time.sleep(0.5)
+        info = sbx.info
+    assert info.upload_error is None and info.state.value == "paused"
+
+
+def test_a_volume_travels_with_its_pause_and_a_compacted_pause_wakes(
+    compacting_nodes: tuple[Node, Node],
+) -> None:
+    """A sandbox with a volume attached is paused on n1 (the volume's image is pushed with
+    the pause: ``volumes`` of its manifest) and, n1 dead and its home deleted, woken on n2
+    with the volume's files and its variables intact. Paused again on n2, its pause durable,
+    n2 compacts it (its local directory dropped) and wakes it from its cache and the store."""
+    n1, n2 = compacting_nodes
+    with torpor.Runtime(home=n1.home, autostart=False) as owner:
+        tok = owner.tokens.create(sandboxes={}, admin=True).token
+    rt = torpor.Runtime(url=n1.url, token=tok)
+    vol = torpor.Volume.create("memory-u-7", size_mib=64, runtime=rt)
+    sbx = rt.sandboxes.create(name="agent-vol", volumes=[{"volume": vol.id, "path": "/memory"}])
+    sbx.commands.run("echo '- prefers tea' >> /memory/facts.md && sync")
+    sbx.interpreter.run("x = 41")
+    sbx.pause()
+    _until_durable(sbx, n1)
+
+    kill_node(n1)
+    shutil.rmtree(n1.home)  # its sandboxes and its volume images with it
+
+    rt2 = torpor.Runtime(url=n2.url, token=tok)
+    woken = rt2.sandboxes.get("agent-vol")
+    try:
+        assert woken.files.read_text("/memory/facts.md") == "- prefers tea\n"
+        assert woken.interpreter.run("x").results[0].data["text/plain"] == "41"
+    except AssertionError:
+        print(n2.log_tail())
+        raise
+    assert torpor.Volume.get(vol.id, runtime=rt2).info.node == "n2"
+    woken.commands.run("echo '- and biscuits' >> /memory/facts.md && sync")
+
+    woken.pause()
+    _until_durable(woken, n2)
+    directory = n2.home / "sandboxes" / woken.id
+    deadline = time.monotonic() + 60
+    while directory.exists():  # n2's supervisor compacts it (looks every 10 s)
+        assert time.monotonic() < deadline, f"never compacted\n{n2.log_tail()}"
+        time.sleep(0.5)
+    assert woken.info.state.value == "paused" and woken.info.owned_bytes == 0
+    again = rt2.sandboxes.get("agent-vol")
+    try:
+        assert again.files.read_text("/memory/facts.md") == "- prefers tea\n- and biscuits\n"
+        assert again.interpreter.run("x").results[0].data["text/plain"] == "41"
+    except AssertionError:
+        print(n2.log_tail())
+        raise
+    assert directory.is_dir()

@@ -337,3 +337,42 @@ def test_another_template_build_is_a_clear_error(tmp_path: Path, dsn: str) -> No
         c.materialize(info.id)
     assert "b1" in str(other.value) and "b2" in str(other.value)
     reg.close()
+
+
+def test_a_durable_snapshots_local_chunks_go_to_the_bounded_cache(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    """Once durable, the local copies of a snapshot's chunks leave the node's ``chunks/`` for
+    its bounded cache; the snapshot restores on its node from the cache, and from the store
+    once the cache let them go."""
+
+    async def body() -> None:
+        (n1,) = (node(tmp_path, dsn, store, "n1"),)
+        (c1,) = await started(n1)
+        await sandbox(n1, "agent")
+        await n1.run_code("agent", "notes = [5]")
+        snap = await c1.snapshot("agent", name="s")
+        local = tmp_path / "n1" / "chunks"
+        await until_snapshot(
+            lambda: c1.get_snapshot("s"), lambda i: i.durable is not None, timeout=30
+        )
+        assert n1.cluster is not None
+        deadline = time.monotonic() + 30
+        while n1.cluster.pushing(f"snapshot:{snap.id}"):  # (evicts right after it is durable)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        body_ = next(c1.snapshots.manifests(snap.id))[1]
+        files = body_["files"].values()
+        digests = set().union(*(FileManifest.from_json(f).hashes() for f in files))
+        assert digests and not any(local.rglob("*.zst"))
+        cache = n1.cluster.chunks.backend.cache  # type: ignore[attr-defined]
+        assert digests <= set(cache._sizes)
+        one = await c1.restore("s", name="from-cache")
+        assert (await n1.run_code(one.id, "notes")).results[0].data["text/plain"] == "[5]"
+        for digest in list(cache._sizes):
+            cache.drop(digest)
+        two = await c1.restore("s", name="from-store")
+        assert (await n1.run_code(two.id, "notes")).results[0].data["text/plain"] == "[5]"
+        await n1.close()
+
+    run(body)

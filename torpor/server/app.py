@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -105,14 +106,24 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(TorporError(f"internal server error: {type(exc).__name__}"))
 
 
+#: seconds between two compaction sweeps of the server's supervisor
+COMPACT_SWEEP_SECONDS = 10.0
+
+
 async def _supervise(manager: Any, interval: float) -> None:
-    """Pause idle sandboxes every ``interval`` seconds until cancelled."""
+    """Pause idle sandboxes every ``interval`` seconds, and compact long-paused ones every
+    :data:`COMPACT_SWEEP_SECONDS` (``manager.compact_sweep``), until cancelled."""
+    last_compact = time.monotonic()
     while True:
         await asyncio.sleep(interval)
         try:
             paused = await manager.idle_sweep()
             if paused:
                 log.info("idle supervisor paused %s", ", ".join(paused))
+            compact = getattr(manager, "compact_sweep", None)
+            if compact is not None and time.monotonic() - last_compact >= COMPACT_SWEEP_SECONDS:
+                last_compact = time.monotonic()
+                await compact()
         except asyncio.CancelledError:
             raise
         except Exception:  # one bad sweep must not stop the supervisor

@@ -722,10 +722,16 @@ class ClusterNode:
             self.registry.record_volume_image(vid, self.node, fm)
 
     def begin_rebuild(
-        self, manifest: dict[str, Any], directory: Path, template: str, sandbox_id: str
+        self,
+        manifest: dict[str, Any],
+        directory: Path,
+        template: str,
+        sandbox_id: str,
+        durable: bool = True,
     ) -> RamFill:
         """Rebuild a paused directory but its RAM's content, which the returned job fills
-        (see :func:`begin_rebuild`): QEMU may start meanwhile."""
+        (see :func:`begin_rebuild`; ``durable=False`` for a wake): QEMU may start
+        meanwhile."""
         fill = begin_rebuild(
             manifest,
             directory,
@@ -733,6 +739,7 @@ class ClusterNode:
             self.template_dir(template),
             sandbox_id=sandbox_id,
             volumes_dir=self.paths.volumes,
+            durable=durable,
         )
         self._volumes_here(manifest)
         return fill
@@ -900,9 +907,29 @@ class ClusterNode:
                     sent,
                     time.perf_counter() - started,
                 )
+                await asyncio.to_thread(self.evict_snapshot_chunks, snapshot_id)
             return True
 
         self.push_later(f"snapshot:{snapshot_id}", push, settle=False)
+
+    def evict_snapshot_chunks(self, snapshot_id: str) -> int:
+        """Move the local copies of a durable snapshot's chunks into the node's bounded cache
+        (:meth:`TieredChunkBackend.evict`); return the local bytes freed. Best effort: a
+        failure is logged (the copies stay, as before)."""
+        store = self.snapshot_store()
+        backend = store.chunks.backend
+        freed = 0
+        try:
+            assert isinstance(backend, TieredChunkBackend)
+            for _info, body in store.manifests(snapshot_id):
+                for fm in body["files"].values():
+                    for digest in FileManifest.from_json(fm).hashes():
+                        freed += backend.evict(digest)
+        except (TorporError, OSError) as exc:
+            log.warning("snapshot %s: cannot evict its local chunks: %s", snapshot_id, exc)
+        if freed:
+            log.info("snapshot %s: %d local chunk bytes moved to the cache", snapshot_id, freed)
+        return freed
 
     async def resume_snapshot_pushes(self) -> None:
         """Push again every snapshot this node saved that is not durable yet and no upload

@@ -58,7 +58,7 @@ from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, req
 from torpor.sandbox.registry.meters import UP_STATES
 from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
 from torpor.sandbox.storage.compaction import Expansion, begin_expand, is_compacted, settle
-from torpor.sandbox.storage.pauses import RamFill, is_whole
+from torpor.sandbox.storage.pauses import RamFill, is_whole, settle_fill
 from torpor.sandbox.vm.machine_dir import process_cpu_seconds, qemu_pid
 
 __all__ = ["SYNC_TIMEOUT", "Held", "Live", "ManagerCore", "StepHook", "wrap_error"]
@@ -220,11 +220,10 @@ class ManagerCore:
         self._supervisor: asyncio.Task[None] | None = None
         self._closed = False
         self._chunks: ChunkStore | None = None if self.cluster is None else self.cluster.chunks
-        #: a sandbox paused longer than this is compacted into the chunk store (None: never;
-        #: in cluster mode a pause is pushed to the shared store instead)
-        self.compact_after_seconds: float | None = (
-            _compact_after() if self.cluster is None else None
-        )
+        #: a sandbox paused longer than this is compacted (None: never): on one machine into
+        #: the home's chunk store; in cluster mode, once its pause is durable, its local files
+        #: are dropped (:mod:`torpor.sandbox.storage.evict`)
+        self.compact_after_seconds: float | None = _compact_after()
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -498,6 +497,7 @@ class ManagerCore:
         except Exception as exc:
             return await self._pause_failed(rec, live, machine, exc)
         live.machine = None
+        settle_fill(directory, saved=True)  # (a marker a wake could not drop: the state is new)
         await self._step("pause:saved", rec.id)
         # Only now, with the state file durable, does the registry say "paused".
         rec = self.move(rec, S.PAUSED, reason, paused_at=time.time())
@@ -581,7 +581,8 @@ class ManagerCore:
         await self.take(rec.id, place=False)
         directory = self.directory(rec.id)
         # cluster mode, its pause on another node: every file here but the RAM's content
-        job: Expansion | RamFill | None = await self.begin_fetch_pause(rec)
+        # (no fsync of the RAM: its marker stays until the wake consumed the state, below)
+        job: Expansion | RamFill | None = await self.begin_fetch_pause(rec, durable=False)
         if job is None and is_compacted(directory):  # its RAM is in the chunk store
             # no fsync: the manifest stays until the wake consumes the state (settle below)
             job = await asyncio.to_thread(
@@ -619,6 +620,7 @@ class ManagerCore:
                 ) from exc
             raise self._mark_lost(rec, f"wake failed and the state is gone: {exc}") from exc
         settle(directory)  # the state is consumed: a compacted RAM's manifest is history now
+        settle_fill(directory)  # and a RAM rebuilt from the store is the running guest's
         if isinstance(job, RamFill):
             await self._fetched(rec, job)
         await self._step("wake:woken", rec.id)
@@ -659,10 +661,13 @@ class ManagerCore:
             fill.begin_seconds + fill.seconds,
         )
 
-    async def begin_fetch_pause(self, rec: SandboxRecord) -> RamFill | None:
+    async def begin_fetch_pause(
+        self, rec: SandboxRecord, *, durable: bool = True
+    ) -> RamFill | None:
         """Cluster mode: unless this node holds the files of the sandbox's latest pause,
         begin rebuilding them from the shared store (its last durable pause): every file but
-        the RAM's content, which the returned job fills (None: nothing to fetch). Raises
+        the RAM's content, which the returned job fills (None: nothing to fetch; ``durable``:
+        see :func:`~torpor.sandbox.storage.pauses.begin_rebuild`). Raises
         StateLost when there is no durable pause to wake from, NoNodeAvailable (another
         accelerator or CPU model), TemplateNotFound (the template build is not on this node),
         CorruptData, StorageError."""
@@ -704,7 +709,7 @@ class ManagerCore:
                 pause.manifest_paused_at,
             )
         return await asyncio.to_thread(
-            cluster.begin_rebuild, pause.manifest, directory, rec.template, rec.id
+            cluster.begin_rebuild, pause.manifest, directory, rec.template, rec.id, durable
         )
 
     async def _guest_unreachable(
@@ -806,6 +811,7 @@ class ManagerCore:
             )
             return
         settle(directory)  # a wake that consumed the state of a compacted RAM: drop its manifest
+        settle_fill(directory)  # (likewise a RAM rebuilt from the store)
         live.channel = await self.engine.connect(machine, directory)
         if rec.state is S.WAKING:
             await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())

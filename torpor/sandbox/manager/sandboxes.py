@@ -49,6 +49,7 @@ from torpor.errors import (
 )
 from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.manager.cluster import local_status
+from torpor.sandbox.manager.compacting import cluster_compact_sweep
 from torpor.sandbox.manager.core import ManagerCore, wrap_error
 from torpor.sandbox.manager.forwards import Forwards
 from torpor.sandbox.manager.terminals import Terminals, TerminalSession
@@ -87,6 +88,8 @@ log = logging.getLogger(__name__)
 
 #: below this fraction of the disk free, every paused sandbox is compacted, whatever its age
 LOW_DISK_FRACTION = 0.10
+#: cluster mode: seconds between two looks for paused sandboxes to compact
+CLUSTER_COMPACT_SECONDS = 10.0
 #: cluster mode: seconds a drain waits, by default, for its pauses to become durable
 DRAIN_SECONDS = 300.0
 #: cluster mode: seconds a closing node waits for its pauses to become durable
@@ -729,13 +732,14 @@ class SandboxManager(ManagerCore):
     ) -> builtins.list[CompactionReport]:
         """Compact (see :mod:`torpor.sandbox.storage.compaction`) up to ``limit`` sandboxes
         paused for at least ``compact_after_seconds`` — or any paused one, longest first, when
-        the disk is below :data:`LOW_DISK_FRACTION` free. Returns what was done; a failure is
-        logged, not raised (the sandbox stays paused with its RAM file)."""
-        if self.cluster is not None:  # its pauses go to the shared store instead
-            return []
+        the disk is below :data:`LOW_DISK_FRACTION` free. In cluster mode only sandboxes whose
+        pause is durable, by dropping their local files (:mod:`.compacting`). Returns what was
+        done; a failure is logged, not raised (the sandbox stays paused with its files)."""
         now = time.time() if now is None else now
         usage = shutil.disk_usage(self.paths.sandboxes)
         low_disk = usage.free < usage.total * LOW_DISK_FRACTION
+        if self.cluster is not None:
+            return await cluster_compact_sweep(self, now, low_disk=low_disk, limit=limit)
         after = self.compact_after_seconds
         if after is None and not low_disk:
             return []
@@ -769,11 +773,16 @@ class SandboxManager(ManagerCore):
     async def supervise(self, interval: float = 1.0) -> None:
         """Run :meth:`idle_sweep` (and :meth:`compact_sweep`) every ``interval`` seconds until
         cancelled."""
+        last_compact = 0.0
         while True:
             try:
                 await self.idle_sweep()
                 self.trim_logs()
-                await self.compact_sweep()
+                # a cluster node asks PostgreSQL which of its sandboxes qualify: not every tick
+                due = time.monotonic() - last_compact >= CLUSTER_COMPACT_SECONDS
+                if self.cluster is None or due:
+                    last_compact = time.monotonic()
+                    await self.compact_sweep()
             except Exception:  # keep supervising; a bad sweep must not end idle pausing
                 log.exception("idle sweep failed")
             await asyncio.sleep(interval)

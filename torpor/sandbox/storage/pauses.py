@@ -41,7 +41,10 @@ between a QEMU may start on the directory (it only maps the RAM file), so a cros
 starts QEMU while the RAM is fetched and loads the device state once it is whole
 (``Machine.wake(ram_ready=...)``). A directory with the marker is never taken for a whole
 pause (:func:`is_whole`): a crash mid-fill leaves one the next wake rebuilds.
-:func:`rebuild_pause` does both steps at once.
+:func:`rebuild_pause` does both steps at once. A wake that follows at once asks for no fsync
+(``durable=False``, as :func:`~torpor.sandbox.storage.compaction.expand` does): the marker
+then stays until the wake has consumed the saved state (:func:`settle_fill`), so until then a
+crash finds it and rebuilds again, and after it the RAM is the running guest's.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ __all__ = [
     "manifest_chunks",
     "push_pause",
     "rebuild_pause",
+    "settle_fill",
     "template_identity",
     "warm_template",
 ]
@@ -396,6 +400,20 @@ def _rebuild_volumes(
         (tmp / "machine.json").write_text(json.dumps(moved, indent=2))
 
 
+def settle_fill(directory: Path, *, saved: bool = False) -> None:
+    """Drop the :data:`FILLING` marker a rebuild for a wake kept (``durable=False``) once
+    the wake has consumed the saved state (it is gone: the RAM file is the running guest's
+    now), or once ``saved``: a pause saved a new state of the running guest. A marker with
+    the saved state still there stays (the RAM may be half filled). Best effort (logged): a
+    marker left over makes the next wake rebuild from the store."""
+    try:
+        if (directory / FILLING).exists() and (saved or not (directory / "state").exists()):
+            (directory / FILLING).unlink()
+            fsync_dir(directory)
+    except OSError as exc:
+        log.warning("cannot drop %s's rebuild marker: %s", directory.name, exc)
+
+
 def is_whole(directory: Path) -> bool:
     """Whether ``directory`` holds a whole hibernated machine: a state file, and no RAM
     still being filled by a rebuild (:data:`FILLING`)."""
@@ -435,6 +453,8 @@ class RamFill:
     sandbox_id: str
     begin_seconds: float
     seconds: float = 0.0
+    #: fsync the RAM and drop the marker (False: neither; :func:`settle_fill` drops it)
+    durable: bool = True
 
     @property
     def who(self) -> str:
@@ -445,8 +465,9 @@ class RamFill:
         :data:`FILLING` marker, so the next wake rebuilds the directory."""
 
     def run(self) -> float:
-        """Fill the RAM file, fsync it and drop the :data:`FILLING` marker; return the
-        seconds. Raises CorruptData naming the sandbox (a bad or missing chunk),
+        """Fill the RAM file, fsync it and drop the :data:`FILLING` marker (unless not
+        ``durable``: then neither); return the seconds. Raises CorruptData naming the
+        sandbox (a bad or missing chunk),
         StorageError when the store or the file system fails (the marker stays: the next
         wake rebuilds the directory)."""
         started = time.perf_counter()
@@ -459,9 +480,11 @@ class RamFill:
                     self.template_ram,
                     self.from_template,
                     self.who,
+                    durable=self.durable,
                 )
-            (self.directory / FILLING).unlink(missing_ok=True)
-            fsync_dir(self.directory)
+            if self.durable:
+                (self.directory / FILLING).unlink(missing_ok=True)
+                fsync_dir(self.directory)
         except CorruptData as exc:
             exc.data["sandbox_id"] = self.sandbox_id
             exc.message = f"sandbox {self.who}: cannot rebuild its pause: {exc.message}"
@@ -492,11 +515,12 @@ def begin_rebuild(
     *,
     sandbox_id: str = "",
     volumes_dir: Path | None = None,
+    durable: bool = True,
 ) -> RamFill:
     """Put the hibernated machine ``manifest`` describes in ``directory`` (replacing what is
     there: a stale copy of an older pause) but for its RAM's content: every other file
     written, the RAM file at its size, empty, and the :data:`FILLING` marker. The returned
-    job fills the RAM (see the module docstring).
+    job fills the RAM (see the module docstring; ``durable`` is the job's).
 
     Raises TemplateNotFound when this node lacks the template build the pause was taken on,
     CorruptData for a bad manifest or chunk (naming the sandbox), StorageError / EngineError
@@ -583,6 +607,7 @@ def begin_rebuild(
         from_template=from_template,
         sandbox_id=sandbox_id,
         begin_seconds=time.perf_counter() - started,
+        durable=durable,
     )
 
 
@@ -593,6 +618,8 @@ def _restore_ram(
     template_ram: Path,
     from_template: set[int],
     who: str,
+    *,
+    durable: bool = True,
 ) -> None:
     """Write the RAM file: chunks in ``from_template`` that this node's template RAM holds
     at the same offset (by the hashes of its chunks, computed once per template file) copied
@@ -634,7 +661,8 @@ def _restore_ram(
 
         with ThreadPoolExecutor(chunks.workers) as pool:
             list(pool.map(work, enumerate(fm.chunks)))
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
         if tfd >= 0:

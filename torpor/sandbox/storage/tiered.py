@@ -16,7 +16,10 @@ it became durable there). :class:`TieredChunkBackend` is the
   lacks it too);
 * **listing, deleting** (a local GC) touch the local directory only: the shared store is swept
   with the whole cluster's marks
-  (:func:`~torpor.sandbox.storage.retention.sweep_shared_store`).
+  (:func:`~torpor.sandbox.storage.retention.sweep_shared_store`);
+* **eviction** (:meth:`TieredChunkBackend.evict`): once a snapshot is durable, the local copies
+  of its chunks move into the shared store's bounded node cache, which lets them go least
+  recently used first; the node's ``chunks/`` holds only what is not durable yet.
 """
 
 from __future__ import annotations
@@ -86,3 +89,16 @@ class TieredChunkBackend:
         except StorageError as exc:
             exc.data.setdefault("chunk", digest)
             raise
+
+    def evict(self, digest: str) -> int:
+        """Move chunk ``digest``, which the shared store holds (the caller pushed it), from
+        the local directory into the remote's bounded cache (when it has one: else the local
+        copy just goes); reads then find it there, or in the shared store once the cache let
+        it go. Returns the local bytes freed (0: no local copy). Raises StorageError."""
+        blob = self.local.read(digest)
+        if blob is None:
+            return 0
+        cache = getattr(self.remote, "cache", None)
+        if cache is not None:
+            cache.put(digest, blob)
+        return self.local.delete(digest)
