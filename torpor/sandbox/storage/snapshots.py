@@ -33,7 +33,7 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -297,11 +297,17 @@ class LiveMachine(Protocol):
         state: Path,
         ram: Path,
         stopped: Callable[[str], None] | None = None,
+        fill_ram: bool = False,
     ) -> float: ...
 
 
 async def freeze_live(
-    machine_dir: Path, frozen_root: Path, machine: LiveMachine, *, for_clones: bool = False
+    machine_dir: Path,
+    frozen_root: Path,
+    machine: LiveMachine,
+    *,
+    for_clones: bool = False,
+    published: Callable[[Path], Awaitable[None]] | None = None,
 ) -> tuple[Path, float]:
     """Make an immutable local copy of the *running* machine in ``machine_dir``; the machine
     runs on. Returns the frozen dir and how long the guest stood still (seconds).
@@ -316,8 +322,12 @@ async def freeze_live(
     is only a disk layer, kept while an overlay names it, else removed by GC). Past
     :data:`MAX_LOCAL_LAYERS` the frozen layer is replaced by a folded copy (same content)
     after the guest runs again. ``for_clones``: the RAM copy stays writable (a fork's children
-    take it). On failure no RAM or state remains in a frozen dir. Raises StorageError /
-    EngineError / InvalidState.
+    take it). ``published(frozen_dir)`` is awaited once the frozen dir is published, before
+    the guest stops, with ``ram.tmp`` made there already (empty, at the RAM's size), which
+    the stop then fills in place: a fork starts its child's QEMU on a hard link of it, so the
+    child's start overlaps the source's stop (:meth:`Checkpoints.fork`); if it raises, the
+    freeze is undone and that is raised. On failure no RAM or state remains in a frozen dir.
+    Raises StorageError / EngineError / InvalidState.
     """
     fid = f"frz-{uuid.uuid4().hex[:12]}"
     tmp, final = frozen_root / f".{fid}.tmp", frozen_root / fid
@@ -343,6 +353,9 @@ async def freeze_live(
         fsync_dir(frozen_root)
         step("freeze:published")
         new_overlay(final / "disk.qcow2", overlay, size=virtual_size(disk))
+        if published is not None:
+            with open(final / "ram.tmp", "xb") as f:
+                f.truncate((machine_dir / "ram").stat().st_size)
 
     def settle() -> None:
         # no fsync: a frozen dir's RAM and state are inputs of the save (whose chunks and
@@ -365,12 +378,22 @@ async def freeze_live(
 
     try:
         await asyncio.to_thread(publish)
+        if published is not None:
+            await published(final)
         downtime = await machine.capture(
-            overlay=overlay, state=final / "state.tmp", ram=final / "ram.tmp", stopped=step
+            overlay=overlay,
+            state=final / "state.tmp",
+            ram=final / "ram.tmp",
+            stopped=step,
+            fill_ram=published is not None,
         )
         step("freeze:captured")
         await asyncio.to_thread(settle)
-    except (OSError, StorageError, EngineError, InvalidState) as exc:
+    except BaseException as exc:
+        if not isinstance(exc, OSError | StorageError | EngineError | InvalidState) and (
+            published is None or not isinstance(exc, Exception | asyncio.CancelledError)
+        ):
+            raise  # the process is going down (a crash point in tests): leave all as is
         overlay.unlink(missing_ok=True)
         for name in ("state", "ram", "state.tmp", "ram.tmp"):
             with contextlib.suppress(OSError):

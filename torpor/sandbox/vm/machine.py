@@ -388,6 +388,7 @@ class QemuMachine:
         state: Path,
         ram: Path,
         stopped: Callable[[str], None] | None = None,
+        fill_ram: bool = False,
     ) -> float:
         """Copy the running machine without hibernating it; returns its downtime (seconds).
 
@@ -400,6 +401,10 @@ class QemuMachine:
         ``state`` (``x-ignore-shared``: the RAM is the shared file) and the RAM file is copied
         to ``ram`` (reflink where the file system can, sparse otherwise); then ``cont``. The
         channel, the QMP connection and the QEMU process stay as they were.
+
+        ``fill_ram``: ``ram`` exists already, at the RAM's size and all holes (a fork's child
+        QEMU may have it mapped, waiting for it): it is filled in place, and on failure left
+        (its maker removes it).
 
         ``overlay`` keeps its name while QEMU runs: the next capture makes this layer read-only
         and QEMU reopens it by the name it was opened with. A hibernate removes it.
@@ -439,7 +444,7 @@ class QemuMachine:
                 stopped("capture:swapped")
             # the RAM copy (the long part) runs beside the device state's save
             copy = asyncio.ensure_future(
-                asyncio.to_thread(copy_sparse, self.directory / "ram", ram)
+                asyncio.to_thread(copy_sparse, self.directory / "ram", ram, into_empty=fill_ram)
             )
             try:
                 await self._set_ignore_shared()
@@ -462,7 +467,7 @@ class QemuMachine:
         except BaseException as exc:
             if not isinstance(exc, Exception | asyncio.CancelledError):
                 raise  # the process is going down (a crash point in tests): leave all as is
-            for f in (state, ram):
+            for f in (state,) if fill_ram else (state, ram):
                 with contextlib.suppress(OSError):
                     f.unlink()
             if not switched:
@@ -529,7 +534,8 @@ class QemuMachine:
 
         ``ram_ready``: the RAM file (at its full size already) is still being filled; QEMU
         starts meanwhile (it only maps the file) and the state, whose devices read guest
-        memory as they load, is loaded once it is done. The consumed ``state`` is deleted
+        memory as they load, is loaded once it is done (``state`` may appear only by then: a
+        fork's child starts while its source's state is saved). The consumed ``state`` is deleted
         before the guest runs. Raises InvalidState if there is no state to load, EngineError
         if QEMU refuses it (then ``state`` is kept), what ``ram_ready`` raises (QEMU stopped).
         """
@@ -625,12 +631,8 @@ class QemuMachine:
             return
         self._require_stopped("wake")
         state = self.directory / "state"
-        if not state.is_file():
-            raise InvalidState(
-                f"nothing to wake: no saved state in {self.directory}",
-                state="no-state",
-                required="hibernated",
-            )
+        if ram_ready is None:
+            self._require_state(state)
         t0 = time.monotonic()
         config = read_machine_json(self.directory)
         ensure_generation_id(self.directory, config)
@@ -648,6 +650,7 @@ class QemuMachine:
         try:
             if ram_ready is not None:
                 await ram_ready
+                self._require_state(state)
             await self._load_state(state)
             # The guest is about to run on and change ``ram``: the state no longer matches it.
             discard_state(self.directory)
@@ -657,6 +660,14 @@ class QemuMachine:
             await self._reap(force=True)
             raise
         log.info("woke %s in %.3fs", self.directory, time.monotonic() - t0)
+
+    def _require_state(self, state: Path) -> None:
+        if not state.is_file():
+            raise InvalidState(
+                f"nothing to wake: no saved state in {self.directory}",
+                state="no-state",
+                required="hibernated",
+            )
 
     async def _wait_incoming(self) -> None:
         deadline = time.monotonic() + MIGRATE_TIMEOUT
