@@ -380,13 +380,15 @@ async def freeze_live(
         await asyncio.to_thread(publish)
         if published is not None:
             await published(final)
-        downtime = await machine.capture(
-            overlay=overlay,
-            state=final / "state.tmp",
-            ram=final / "ram.tmp",
-            stopped=step,
-            fill_ram=published is not None,
-        )
+        into = final / "ram.tmp"
+        if published is None:
+            downtime = await machine.capture(
+                overlay=overlay, state=final / "state.tmp", ram=into, stopped=step
+            )
+        else:
+            downtime = await machine.capture(
+                overlay=overlay, state=final / "state.tmp", ram=into, stopped=step, fill_ram=True
+            )
         step("freeze:captured")
         await asyncio.to_thread(settle)
     except BaseException as exc:
