@@ -71,6 +71,11 @@ def test_a_crash_at_any_step_of_a_freeze_loses_nothing(
     assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x42 2M 64k")
 
 
+def _copy_into(src: Path, dst: Path, in_place: bool) -> None:
+    with open(src, "rb") as fin, open(dst, "r+b" if in_place else "wb") as fout:
+        shutil.copyfileobj(fin, fout)
+
+
 class FakeLiveMachine:
     """The file side of a live capture, without QEMU (what the storage layer relies on): the
     disk name moves to the overlay at the switch, then device state and a RAM copy appear."""
@@ -96,11 +101,7 @@ class FakeLiveMachine:
         if stopped is not None:
             stopped("capture:swapped")
         state.write_bytes((self.directory / "state").read_bytes())
-        with (
-            open(self.directory / "ram", "rb") as src,
-            open(ram, "r+b" if fill_ram else "wb") as dst,
-        ):
-            shutil.copyfileobj(src, dst)
+        _copy_into(self.directory / "ram", ram, fill_ram)
         if stopped is not None:
             stopped("capture:saved")
         return 0.001

@@ -399,8 +399,10 @@ class QemuMachine:
         more and becomes the frozen layer), ``disk.qcow2`` is made a second name of
         ``overlay`` (so it always names the layer QEMU writes), the device state is saved to
         ``state`` (``x-ignore-shared``: the RAM is the shared file) and the RAM file is copied
-        to ``ram`` (reflink where the file system can, sparse otherwise); then ``cont``. The
-        channel, the QMP connection and the QEMU process stay as they were.
+        to ``ram`` (reflink where the file system can, sparse otherwise; the copy starts as
+        soon as ``stop`` returns and runs beside the switch and the save, which need QMP round
+        trips: the capability and the state's descriptor are handed over before the stop);
+        then ``cont``. The channel, the QMP connection and the QEMU process stay as they were.
 
         ``fill_ram``: ``ram`` exists already, at the RAM's size and all holes (a fork's child
         QEMU may have it mapped, waiting for it): it is filled in place, and on failure left
@@ -427,10 +429,24 @@ class QemuMachine:
             },
         )
         switched = False
-        marks = [time.monotonic()]
-        await self._qmp_exec("stop")
+        copy: asyncio.Future[None] | None = None
+        fd = -1
+        marks: list[float] = []
         try:
+            # what needs no stop comes first: the capability (a setting QEMU keeps) and the
+            # state file's descriptor
+            await self._set_ignore_shared()
+            fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            assert self._qmp is not None
+            self._qmp.send_fd_scm(fd)
+            await self._qmp_exec("getfd", {"fdname": "state"})
             marks.append(time.monotonic())
+            await self._qmp_exec("stop")  # returns once in-flight I/O is done: RAM is still
+            marks.append(time.monotonic())
+            # the RAM copy (the long part) runs beside the disk switch and the state's save
+            copy = asyncio.ensure_future(
+                asyncio.to_thread(copy_sparse, self.directory / "ram", ram, into_empty=fill_ram)
+            )
             await self._qmp_exec("blockdev-snapshot", {"node": top, "overlay": node})
             switched = True
             if stopped is not None:
@@ -442,24 +458,10 @@ class QemuMachine:
             marks.append(time.monotonic())
             if stopped is not None:
                 stopped("capture:swapped")
-            # the RAM copy (the long part) runs beside the device state's save
-            copy = asyncio.ensure_future(
-                asyncio.to_thread(copy_sparse, self.directory / "ram", ram, into_empty=fill_ram)
-            )
-            try:
-                await self._set_ignore_shared()
-                fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    assert self._qmp is not None
-                    self._qmp.send_fd_scm(fd)
-                    await self._qmp_exec("getfd", {"fdname": "state"})
-                    await self._qmp_exec("migrate", {"uri": "fd:state"})
-                    await self._wait_migration("saving the device state")
-                finally:
-                    os.close(fd)
-                marks.append(time.monotonic())
-            finally:
-                await asyncio.wait([copy])
+            await self._qmp_exec("migrate", {"uri": "fd:state"})
+            await self._wait_migration("saving the device state")
+            marks.append(time.monotonic())
+            await asyncio.wait([copy])
             copy.result()
             marks.append(time.monotonic())
             if stopped is not None:
@@ -467,6 +469,8 @@ class QemuMachine:
         except BaseException as exc:
             if not isinstance(exc, Exception | asyncio.CancelledError):
                 raise  # the process is going down (a crash point in tests): leave all as is
+            if copy is not None:  # never leave a thread writing a file being removed
+                await asyncio.wait([copy])
             for f in (state,) if fill_ram else (state, ram):
                 with contextlib.suppress(OSError):
                     f.unlink()
@@ -484,6 +488,9 @@ class QemuMachine:
             if isinstance(exc, OSError):
                 raise EngineError(f"cannot capture {self.directory}: {exc}", exc=exc) from exc
             raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
         await self._qmp_exec("cont")
         marks.append(time.monotonic())
         # the rename is made durable after the guest runs again (on ext4 any flush the guest
