@@ -91,8 +91,11 @@ class FakeLiveMachine:
         ram: Path,
         stopped: Callable[[str], None] | None = None,
         fill_ram: bool = False,
+        precopy: bool = False,
     ) -> float:
         assert fill_ram == ram.exists()  # a fork's child maps it already: filled in place
+        if precopy:  # while the guest runs: a first copy the one in the stop writes over
+            _copy_into(self.directory / "ram", ram, fill_ram)
         os.link(overlay, self.directory / ".disk.qcow2.link")
         os.replace(self.directory / ".disk.qcow2.link", self.directory / "disk.qcow2")
         for old in self.directory.glob(".disk-*.qcow2"):  # the old top's name: done with
@@ -101,7 +104,7 @@ class FakeLiveMachine:
         if stopped is not None:
             stopped("capture:swapped")
         state.write_bytes((self.directory / "state").read_bytes())
-        _copy_into(self.directory / "ram", ram, fill_ram)
+        _copy_into(self.directory / "ram", ram, fill_ram or precopy)
         if stopped is not None:
             stopped("capture:saved")
         return 0.001

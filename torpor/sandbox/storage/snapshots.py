@@ -298,6 +298,7 @@ class LiveMachine(Protocol):
         ram: Path,
         stopped: Callable[[str], None] | None = None,
         fill_ram: bool = False,
+        precopy: bool = False,
     ) -> float: ...
 
 
@@ -322,11 +323,13 @@ async def freeze_live(
     is only a disk layer, kept while an overlay names it, else removed by GC). Past
     :data:`MAX_LOCAL_LAYERS` the frozen layer is replaced by a folded copy (same content)
     after the guest runs again. ``for_clones``: the RAM copy stays writable (a fork's children
-    take it). ``published(frozen_dir)`` is awaited once the frozen dir is published, before
-    the guest stops, with ``ram.tmp`` made there already (empty, at the RAM's size), which
-    the stop then fills in place: a fork starts its child's QEMU on a hard link of it, so the
-    child's start overlaps the source's stop (:meth:`Checkpoints.fork`); if it raises, the
-    freeze is undone and that is raised. On failure no RAM or state remains in a frozen dir.
+    take it); else (a snapshot) the RAM is copied once before the stop too, so the copy in
+    the stop is shorter (``precopy``: see :meth:`LiveMachine.capture`).
+    ``published(frozen_dir)`` is awaited once the frozen dir is published, before the guest
+    stops, with ``ram.tmp`` made there already (empty, at the RAM's size), which the stop
+    then fills in place: a fork starts its child's QEMU on a hard link of it, so the child's
+    start overlaps the source's stop (:meth:`Checkpoints.fork`); if it raises, the freeze is
+    undone and that is raised. On failure no RAM or state remains in a frozen dir.
     Raises StorageError / EngineError / InvalidState.
     """
     fid = f"frz-{uuid.uuid4().hex[:12]}"
@@ -363,7 +366,8 @@ async def freeze_live(
         # that leaves a frozen dir that nothing lists, and GC keeps only its disk layer
         for name in ("state", "ram"):
             os.replace(final / f"{name}.tmp", final / name)
-        fsync_dir(final)
+        if not for_clones:  # a fork's children take the RAM and state at once: no sync
+            fsync_dir(final)
         layer = final / "disk.qcow2"
         if len([b for b in backing_chain(layer) if _under(b, frozen_root)]) >= MAX_LOCAL_LAYERS:
             # the machine's chain grows by one per capture: past a few, the frozen layer is
@@ -381,13 +385,17 @@ async def freeze_live(
         if published is not None:
             await published(final)
         into = final / "ram.tmp"
-        if published is None:
-            downtime = await machine.capture(
-                overlay=overlay, state=final / "state.tmp", ram=into, stopped=step
-            )
-        else:
+        if published is not None:  # a fork: its child waits for the RAM
             downtime = await machine.capture(
                 overlay=overlay, state=final / "state.tmp", ram=into, stopped=step, fill_ram=True
+            )
+        else:  # a snapshot (the shorter stop) or a fork of many (the sooner return)
+            downtime = await machine.capture(
+                overlay=overlay,
+                state=final / "state.tmp",
+                ram=into,
+                stopped=step,
+                precopy=not for_clones,
             )
         step("freeze:captured")
         await asyncio.to_thread(settle)

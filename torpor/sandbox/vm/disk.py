@@ -43,36 +43,65 @@ _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 _BLOCK = 1 << 20
 
 
-def copy_sparse(src: Path, dst: Path, *, into_empty: bool = False) -> None:
+def copy_sparse(src: Path, dst: Path, *, in_place: bool = False) -> None:
     """Copy ``src`` to ``dst`` (replacing it): a reflink if the file system can, else the data
     extents only, so holes stay holes. Works across file systems.
 
-    ``into_empty``: ``dst`` exists already, at ``src``'s size and all holes (a new RAM file a
-    QEMU may have mapped, waiting for it: see :meth:`QemuMachine.capture`); it is filled in
-    place, never truncated. Raises OSError (also when that ``dst`` has another size)."""
-    with open(src, "rb") as fin, open(dst, "r+b" if into_empty else "wb") as fout:
+    ``in_place``: ``dst`` exists already at ``src``'s size (a new sparse RAM file a QEMU may
+    have mapped, waiting for it, or an earlier copy of ``src``: see
+    :meth:`QemuMachine.capture`) and is written over in place, never truncated: where
+    ``src`` has data it gets ``src``'s, where ``src`` has a hole it reads zeros (data it held
+    there is zeroed). Over an earlier copy this writes into page cache and blocks that exist
+    already, so it is faster than a new copy. Raises OSError (also when that ``dst`` has
+    another size)."""
+    with open(src, "rb") as fin, open(dst, "r+b" if in_place else "wb") as fout:
         ifd, ofd = fin.fileno(), fout.fileno()
         size = os.fstat(ifd).st_size
-        if into_empty and os.fstat(ofd).st_size != size:
+        if in_place and os.fstat(ofd).st_size != size:
             raise OSError(errno.EINVAL, f"{dst} is not {size} bytes long like {src}")
         try:
             fcntl.ioctl(ofd, _FICLONE, ifd)
             return
         except OSError:
             pass
-        if not into_empty:
+        if not in_place:
             os.ftruncate(ofd, size)
         pos = 0
         while pos < size:
             try:
                 start = os.lseek(ifd, pos, os.SEEK_DATA)
             except OSError as exc:
-                if exc.errno == errno.ENXIO:  # no data after pos
-                    break
-                raise
+                if exc.errno != errno.ENXIO:
+                    raise
+                start = size  # no data after pos
+            if in_place and start > pos:
+                _zero_data(ofd, pos, start)
+            if start >= size:
+                break
             end = os.lseek(ifd, start, os.SEEK_HOLE)
             copy_range(ifd, ofd, start, end)
             pos = end
+
+
+def _zero_data(fd: int, start: int, end: int) -> None:
+    """Write zeros over whatever data ``fd`` holds between ``start`` and ``end`` (its holes
+    read zeros already: nothing is written into them)."""
+    pos = start
+    while pos < end:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return
+            raise
+        if data >= end:
+            return
+        stop = min(end, os.lseek(fd, data, os.SEEK_HOLE))
+        while data < stop:
+            n = min(_BLOCK, stop - data)
+            os.pwrite(fd, bytes(n), data)
+            data += n
+        pos = stop
 
 
 def copy_range(ifd: int, ofd: int, start: int, end: int) -> None:

@@ -389,6 +389,7 @@ class QemuMachine:
         ram: Path,
         stopped: Callable[[str], None] | None = None,
         fill_ram: bool = False,
+        precopy: bool = False,
     ) -> float:
         """Copy the running machine without hibernating it; returns its downtime (seconds).
 
@@ -406,7 +407,10 @@ class QemuMachine:
 
         ``fill_ram``: ``ram`` exists already, at the RAM's size and all holes (a fork's child
         QEMU may have it mapped, waiting for it): it is filled in place, and on failure left
-        (its maker removes it).
+        (its maker removes it). ``precopy``: copy the RAM once before the stop too, while the
+        guest runs (a copy of no one instant), so that the copy in the stop writes over page
+        cache and disk blocks that exist already (``copy_sparse(in_place=True)``: measured
+        1.5-2.5 x faster than a new copy on ext4): a shorter stop for a longer call.
 
         ``overlay`` keeps its name while QEMU runs: the next capture makes this layer read-only
         and QEMU reopens it by the name it was opened with. A hibernate removes it.
@@ -432,7 +436,10 @@ class QemuMachine:
         copy: asyncio.Future[None] | None = None
         fd = -1
         marks: list[float] = []
+        source = self.directory / "ram"
         try:
+            if precopy:
+                await asyncio.to_thread(copy_sparse, source, ram, in_place=fill_ram)
             # what needs no stop comes first: the capability (a setting QEMU keeps) and the
             # state file's descriptor
             await self._set_ignore_shared()
@@ -445,7 +452,7 @@ class QemuMachine:
             marks.append(time.monotonic())
             # the RAM copy (the long part) runs beside the disk switch and the state's save
             copy = asyncio.ensure_future(
-                asyncio.to_thread(copy_sparse, self.directory / "ram", ram, into_empty=fill_ram)
+                asyncio.to_thread(copy_sparse, source, ram, in_place=fill_ram or precopy)
             )
             await self._qmp_exec("blockdev-snapshot", {"node": top, "overlay": node})
             switched = True
@@ -614,9 +621,11 @@ class QemuMachine:
         marker.unlink(missing_ok=True)
         return False
 
-    async def _load_state(self, state: Path) -> None:
-        """Load the saved device state ``state`` into the QEMU started with -incoming."""
-        await self._set_ignore_shared()
+    async def _load_state(self, state: Path, *, capability_set: bool = False) -> None:
+        """Load the saved device state ``state`` into the QEMU started with -incoming
+        (``capability_set``: its ``x-ignore-shared`` is set already)."""
+        if not capability_set:
+            await self._set_ignore_shared()
         fd = os.open(state, os.O_RDONLY)
         try:
             assert self._qmp is not None
@@ -656,9 +665,10 @@ class QemuMachine:
         await self._start(config, incoming=True, pending_shares=pending_shares)
         try:
             if ram_ready is not None:
+                await self._set_ignore_shared()  # a setting: made while the RAM is filled
                 await ram_ready
                 self._require_state(state)
-            await self._load_state(state)
+            await self._load_state(state, capability_set=ram_ready is not None)
             # The guest is about to run on and change ``ram``: the state no longer matches it.
             discard_state(self.directory)
             await self._qmp_exec("cont")
