@@ -159,6 +159,9 @@ def test_a_crash_while_a_fork_child_waits_loses_nothing(
         assert (frozen / "ram.tmp").stat().st_size == (machine / "ram").stat().st_size
         os.link(frozen / "ram.tmp", child / "ram")
 
+    def saved(state: Path) -> None:  # inside the stop: the child loads while the source runs
+        os.link(state, child / "state")
+
     crash_at.append(step)
     with pytest.raises(Crash):
         asyncio.run(
@@ -168,6 +171,7 @@ def test_a_crash_while_a_fork_child_waits_loses_nothing(
                 FakeLiveMachine(machine),
                 for_clones=True,
                 published=published,
+                saved=saved,
             )
         )
     crash_at.clear()
@@ -186,9 +190,11 @@ def test_a_crash_while_a_fork_child_waits_loses_nothing(
             FakeLiveMachine(machine),
             for_clones=True,
             published=published,
+            saved=saved,
         )
     )
     assert (child / "ram").samefile(frozen / "ram")  # filled in place: the child's RAM
+    assert (child / "state").samefile(frozen / "state")
     assert (child / "ram").read_bytes() == (machine / "ram").read_bytes()
 
 

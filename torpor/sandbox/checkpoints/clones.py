@@ -58,7 +58,8 @@ class Children:
 @dataclass
 class PendingChild:
     """A fork's child started before its source stopped (:meth:`Cloner.start_pending`): its
-    QEMU starts while the source's stop fills its RAM; it loads its state once released."""
+    QEMU starts while the source's stop fills its RAM; it loads its state once
+    :meth:`released <release>`."""
 
     record: SandboxRecord
     directory: Path
@@ -66,28 +67,29 @@ class PendingChild:
     #: its wake (all or none: on failure the child is removed), the children it made
     woken: asyncio.Future[list[SandboxInfo]]
 
-    def give_state(self, frozen: Path) -> None:
-        """The source's stop is over and ``frozen`` holds the child's state: link it into
-        the child's directory (then :meth:`go`). Raises EngineError."""
+    def release(self, state: Path) -> None:
+        """Called inside the source's stop once its RAM (the child's, filled in place) and
+        its device state (the file ``state``) are whole: link the state into the child's
+        directory and let its wake load it and run, while the source resumes. Raises
+        EngineError (the freeze then fails and the child is abandoned)."""
         from torpor.sandbox.vm.machine_dir import link_state
 
-        link_state(frozen, self.directory)
-
-    def go(self) -> None:
-        """Let the child's wake load its state and run (the frozen dir has dropped its
-        names of the child's RAM and state by now)."""
+        link_state(state, self.directory)
         if not self.ready.done():
             self.ready.set_result(None)
 
-    async def abandon(self, why: str, *, wait: bool = True) -> None:
-        """The freeze failed: the child's wake fails (it removes the child); ``wait`` for
-        that."""
+    async def abandon(self, why: str, *, wait: bool = True) -> list[SandboxInfo]:
+        """The freeze failed: the child's wake fails (it removes the child) unless it was
+        released already; ``wait`` for it. Returns the children made anyway (released
+        before the failure: the caller removes them)."""
         if not self.ready.done():
             self.ready.set_exception(EngineError(f"the fork's source was not frozen: {why}"))
-        if wait:
-            await asyncio.wait([self.woken])
-            if not self.woken.cancelled():
-                self.woken.exception()  # retrieved: the freeze's failure is what is raised
+        if not wait:
+            return []
+        await asyncio.wait([self.woken])
+        if self.woken.cancelled() or self.woken.exception() is not None:
+            return []  # retrieved: the freeze's failure is what is raised
+        return self.woken.result()
 
 
 class Cloner:

@@ -25,9 +25,12 @@ How each one works (the storage is in :mod:`~torpor.sandbox.storage.snapshots`):
   guest flush: RAM and disk are taken at one instant; for a paused one the frozen RAM is a
   hard link to the source's, cloned into every child before the source could run again),
   then the children wake. Nothing goes through the chunk store, so a child costs one sparse
-  RAM copy and a wake (the last child takes the frozen copy itself). All children or none:
-  a failure removes the ones already made. A fork of a snapshot id is a restore of
-  ``count`` children.
+  RAM copy and a wake (the last child takes the frozen copy itself). The one child of a
+  running source starts before the source stops (:meth:`Cloner.start_pending`): its QEMU
+  maps a link of the frozen RAM the stop then fills, so QEMU's start overlaps the stop, and
+  it loads the state while the source resumes. All
+  children or none: a failure removes the ones already made. A fork of a snapshot id is a
+  restore of ``count`` children.
 
 **Volumes and snapshots.** A volume is shared, long-lived data and is never part of a snapshot.
 The guest has it mounted with cached file-system state, so a snapshot or fork of a sandbox with a
@@ -163,7 +166,8 @@ class Checkpoints:
         *,
         before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None = None,
         link_ram: bool = False,
-        before_stop: Callable[[SandboxRecord, Path], Awaitable[None]] | None = None,
+        before_stop: Callable[[SandboxRecord, Path], Awaitable[Callable[[Path], None]]]
+        | None = None,
     ) -> T:
         """Freeze the sandbox: a running one live (:meth:`_freeze_live`, never paused), a
         paused one as it is, one with a drive mounted by pause + freeze + wake.
@@ -175,9 +179,10 @@ class Checkpoints:
         ``then(record, frozen_dir, before_wake's result)`` runs after (alongside the source's
         wake on the pause path, after the lock is released on the live path, so the source's
         calls go on meanwhile). ``before_stop(record, frozen_dir)`` runs on the live path only,
-        once the frozen dir is published and before the source stops (see
-        :func:`~torpor.sandbox.storage.snapshots.freeze_live`'s ``published``). Returns what
-        ``then`` returns."""
+        once the frozen dir is published and before the source stops, and returns what is
+        called inside the stop with the saved state's file (see
+        :func:`~torpor.sandbox.storage.snapshots.freeze_live`'s ``published`` and
+        ``saved``). Returns what ``then`` returns."""
         m = self.held
         rec = m.registry.find(tenant, id_or_name)
         vols = self.volumes.attached_to(rec.id)
@@ -203,7 +208,8 @@ class Checkpoints:
         link_ram: bool,
         before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None,
         then: Callable[[SandboxRecord, Path, Any], Awaitable[T]],
-        before_stop: Callable[[SandboxRecord, Path], Awaitable[None]] | None = None,
+        before_stop: Callable[[SandboxRecord, Path], Awaitable[Callable[[Path], None]]]
+        | None = None,
     ) -> T:
         """:meth:`_freeze`'s work once the sandbox is this node's (see there)."""
         m = self.held
@@ -283,7 +289,8 @@ class Checkpoints:
         live: Any,
         *,
         for_clones: bool,
-        before_stop: Callable[[SandboxRecord, Path], Awaitable[None]] | None = None,
+        before_stop: Callable[[SandboxRecord, Path], Awaitable[Callable[[Path], None]]]
+        | None = None,
     ) -> Path:
         """For a snapshot, flush the guest's file systems (so the disk layer alone is whole
         too: a snapshot's disk may be read without its RAM); then
@@ -295,11 +302,16 @@ class Checkpoints:
                 await asyncio.wait_for(live.channel.sync(), SYNC_TIMEOUT)
             except Exception as exc:  # RAM and disk are captured at one instant either way
                 log.warning("sync before the snapshot of %s failed: %r", rec.id, exc)
-        published = None
+        published = saved = None
         if before_stop is not None:
+            inside: list[Callable[[Path], None]] = []
 
             async def published(frozen: Path) -> None:
-                await before_stop(rec, frozen)
+                inside.append(await before_stop(rec, frozen))
+
+            def saved(state: Path) -> None:
+                for hook in inside:
+                    hook(state)
 
         with self.snapshots.lock():
             frozen, downtime = await freeze_live(
@@ -308,6 +320,7 @@ class Checkpoints:
                 live.machine,
                 for_clones=for_clones,
                 published=published,
+                saved=saved,
             )
         self.last_downtime = downtime
         return frozen
@@ -615,16 +628,16 @@ class Checkpoints:
         # while the stop copies the RAM into its RAM file, and it loads the state after.
         pending: list[PendingChild] = []
 
-        async def start_early(rec: SandboxRecord, frozen: Path) -> None:
+        async def start_early(rec: SandboxRecord, frozen: Path) -> Callable[[Path], None]:
             size = virtual_size(frozen / "disk.qcow2")
             pending.append(await self.cloner.start_pending(frozen, children_of(rec), size))
+            return pending[-1].release  # inside the stop: the child loads while the source runs
 
         async def clone(rec: SandboxRecord, frozen: Path) -> Any:
-            # the frozen RAM is a hard link to the source's (paused) or the child's RAM
-            # (live): clone it, or hand the child its state, before anything runs on it
+            # the frozen RAM is a hard link to the source's (paused) or to the child's
+            # (live: released already): clone it before the source wakes, and drop it
             try:
                 if pending:
-                    await asyncio.to_thread(pending[0].give_state, frozen)
                     return None
                 drives = self.cloner.drives_for(frozen, rec.id)
                 recs = await self.cloner.prepare(frozen, children_of(rec), take_ram=True)
@@ -634,7 +647,6 @@ class Checkpoints:
 
         async def wake(rec: SandboxRecord, frozen: Path, prepared: Any) -> list[SandboxInfo]:
             if pending:
-                pending[0].go()  # the frozen dir names neither its RAM nor its state now
                 return await pending[0].woken
             recs, drives = prepared
             return await self.cloner.wake_children(
@@ -651,8 +663,10 @@ class Checkpoints:
                 before_stop=start_early if fork.count == 1 else None,
             )
         except BaseException as exc:
-            for child in pending:
-                await child.abandon(repr(exc), wait=isinstance(exc, Exception))
+            for child in pending:  # released before the failure: made, so removed
+                for made in await child.abandon(repr(exc), wait=isinstance(exc, Exception)):
+                    with contextlib.suppress(TorporError):
+                        await self.manager.kill(made.id, tenant=tenant)
             raise
 
     async def create(

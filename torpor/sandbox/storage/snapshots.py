@@ -309,6 +309,7 @@ async def freeze_live(
     *,
     for_clones: bool = False,
     published: Callable[[Path], Awaitable[None]] | None = None,
+    saved: Callable[[Path], None] | None = None,
 ) -> tuple[Path, float]:
     """Make an immutable local copy of the *running* machine in ``machine_dir``; the machine
     runs on. Returns the frozen dir and how long the guest stood still (seconds).
@@ -329,8 +330,10 @@ async def freeze_live(
     stops, with ``ram.tmp`` made there already (empty, at the RAM's size), which the stop
     then fills in place: a fork starts its child's QEMU on a hard link of it, so the child's
     start overlaps the source's stop (:meth:`Checkpoints.fork`); if it raises, the freeze is
-    undone and that is raised. On failure no RAM or state remains in a frozen dir.
-    Raises StorageError / EngineError / InvalidState.
+    undone and that is raised. ``saved(state_file)`` is called inside the stop once the RAM
+    copy and the device state are whole, before ``cont`` (the fork's child loads them while
+    the source resumes); if it raises, the capture fails and is undone. On failure no RAM or
+    state remains in a frozen dir. Raises StorageError / EngineError / InvalidState.
     """
     fid = f"frz-{uuid.uuid4().hex[:12]}"
     tmp, final = frozen_root / f".{fid}.tmp", frozen_root / fid
@@ -384,18 +387,20 @@ async def freeze_live(
         await asyncio.to_thread(publish)
         if published is not None:
             await published(final)
-        into = final / "ram.tmp"
+        into, state = final / "ram.tmp", final / "state.tmp"
+
+        def stopped(name: str) -> None:
+            step(name)
+            if name == "capture:saved" and saved is not None:
+                saved(state)
+
         if published is not None:  # a fork: its child waits for the RAM
             downtime = await machine.capture(
-                overlay=overlay, state=final / "state.tmp", ram=into, stopped=step, fill_ram=True
+                overlay=overlay, state=state, ram=into, stopped=stopped, fill_ram=True
             )
         else:  # a snapshot (the shorter stop) or a fork of many (the sooner return)
             downtime = await machine.capture(
-                overlay=overlay,
-                state=final / "state.tmp",
-                ram=into,
-                stopped=step,
-                precopy=not for_clones,
+                overlay=overlay, state=state, ram=into, stopped=stopped, precopy=not for_clones
             )
         step("freeze:captured")
         await asyncio.to_thread(settle)

@@ -561,14 +561,14 @@ def clone_pending(src: Path, dst: Path, *, size: int) -> None:
         raise EngineError(f"cannot clone {src} to {dst}: {exc}", exc=exc) from exc
 
 
-def link_state(src: Path, dst: Path) -> None:
-    """Give the clone :func:`clone_pending` made in ``dst`` the device state saved in
-    ``src`` (a hard link: the clone's wake consumes it at once, and the frozen dir drops its
-    own name). Raises EngineError."""
+def link_state(state: Path, dst: Path) -> None:
+    """Give the clone :func:`clone_pending` made in ``dst`` the device state saved in the
+    file ``state`` (a hard link: the clone's wake consumes it at once, and the frozen dir
+    drops its own name). Raises EngineError."""
     try:
-        os.link(src / "state", dst / "state")
+        os.link(state, dst / "state")
     except OSError as exc:
-        raise EngineError(f"cannot give {dst} the state of {src}: {exc}", exc=exc) from exc
+        raise EngineError(f"cannot give {dst} the state {state}: {exc}", exc=exc) from exc
 
 
 def clone_machine_dir(src: Path, dst: Path, *, take_ram: bool = False) -> None:
