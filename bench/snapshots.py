@@ -13,7 +13,9 @@ Runs on real QEMU through :class:`torpor.sandbox.checkpoints.Checkpoints` with t
 * **restore** of a stored snapshot into a new running sandbox (verified chunks -> frozen dir ->
   clone -> wake -> fresh entropy);
 * **fork** of a running sandbox, and of a snapshot id (``Sandbox.fork(snapshot_id)``), into 1
-  and into 10 children (time per child);
+  and into 10 children (time per child); a fork of one child of a running source starts
+  the child's QEMU before the source stops, so its "QEMU start + load + cont" spans the
+  source's stop;
 * **where the time goes**: each operation's steps, timed in the same run by wrapping the
   functions that do them (sync, freeze, listing, materialize, clone, QEMU start + load + cont,
   channel connect, reseed); the snapshot's storing into the chunk store runs behind the call
@@ -75,7 +77,16 @@ class _Splits:
         ("torpor.sandbox.storage.snapshots:SnapshotStore", "begin", "list as capturing"),
         ("torpor.sandbox.storage.snapshots:SnapshotStore", "materialize", "materialize chunks"),
         ("torpor.sandbox.checkpoints.clones:Cloner", "prepare", "clone (rows + dirs)"),
-        ("torpor.sandbox.vm.machine:QemuMachine", "wake", "QEMU start + load + cont"),
+        (
+            "torpor.sandbox.checkpoints.clones:Cloner",
+            "start_pending",
+            "one child's row + dir, before the stop",
+        ),
+        (
+            "torpor.sandbox.vm.machine:QemuMachine",
+            "wake",
+            "QEMU start + load + cont (a pending child's: from before the stop)",
+        ),
         ("torpor.sandbox.engine:QemuEngine", "connect", "guest channel connect"),
         ("torpor.sandbox.vm.channel:GuestChannel", "refresh", "reseed (entropy, clock)"),
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.sandbox.storage_helpers import make_home, make_machine, qemu_io
+from torpor.sandbox.storage import retention
 from torpor.sandbox.storage import snapshots as snapmod
 from torpor.sandbox.storage.retention import collect_garbage
 from torpor.sandbox.storage.snapshots import SnapshotStore, freeze, freeze_live
@@ -70,6 +71,11 @@ def test_a_crash_at_any_step_of_a_freeze_loses_nothing(
     assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x42 2M 64k")
 
 
+def _copy_into(src: Path, dst: Path, in_place: bool) -> None:
+    with open(src, "rb") as fin, open(dst, "r+b" if in_place else "wb") as fout:
+        shutil.copyfileobj(fin, fout)
+
+
 class FakeLiveMachine:
     """The file side of a live capture, without QEMU (what the storage layer relies on): the
     disk name moves to the overlay at the switch, then device state and a RAM copy appear."""
@@ -84,7 +90,12 @@ class FakeLiveMachine:
         state: Path,
         ram: Path,
         stopped: Callable[[str], None] | None = None,
+        fill_ram: bool = False,
+        precopy: bool = False,
     ) -> float:
+        assert fill_ram == ram.exists()  # a fork's child maps it already: filled in place
+        if precopy:  # while the guest runs: a first copy the one in the stop writes over
+            _copy_into(self.directory / "ram", ram, fill_ram)
         os.link(overlay, self.directory / ".disk.qcow2.link")
         os.replace(self.directory / ".disk.qcow2.link", self.directory / "disk.qcow2")
         for old in self.directory.glob(".disk-*.qcow2"):  # the old top's name: done with
@@ -93,7 +104,7 @@ class FakeLiveMachine:
         if stopped is not None:
             stopped("capture:swapped")
         state.write_bytes((self.directory / "state").read_bytes())
-        shutil.copyfile(self.directory / "ram", ram)
+        _copy_into(self.directory / "ram", ram, fill_ram or precopy)
         if stopped is not None:
             stopped("capture:saved")
         return 0.001
@@ -125,3 +136,88 @@ def test_a_crash_at_any_step_of_a_live_freeze_loses_nothing(
     assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x55 6M 64k")
     assert "read 65536" in qemu_io(out / "disk.qcow2", "read -P 0x42 2M 64k")
     assert (out / "ram").read_bytes() == (machine / "ram").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "step",
+    ["freeze:copied", "freeze:published", "capture:swapped", "capture:saved", "freeze:captured"],
+)
+def test_a_crash_while_a_fork_child_waits_loses_nothing(
+    tmp_path: Path, crash_at: list[str], step: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork of one child from a running source links the child's RAM to the frozen dir's
+    ``ram.tmp`` before the stop (``published``); a crash at any step leaves the source whole
+    and GC leaves no frozen RAM behind once the child's directory is gone (a child that was
+    never woken is removed at the restart)."""
+    p = make_home(tmp_path)
+    machine = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    child = p.sandboxes / "child"
+    child.mkdir()
+
+    async def published(frozen: Path) -> None:
+        assert (frozen / "ram.tmp").stat().st_size == (machine / "ram").stat().st_size
+        os.link(frozen / "ram.tmp", child / "ram")
+
+    def saved(state: Path) -> None:  # inside the stop: the child loads while the source runs
+        os.link(state, child / "state")
+
+    crash_at.append(step)
+    with pytest.raises(Crash):
+        asyncio.run(
+            freeze_live(
+                machine,
+                store.frozen_root,
+                FakeLiveMachine(machine),
+                for_clones=True,
+                published=published,
+                saved=saved,
+            )
+        )
+    crash_at.clear()
+    shutil.rmtree(child)  # the restart removes the child that never ran
+    _disk_is_whole(machine)
+    monkeypatch.setattr(retention, "LEFTOVER_GRACE_SECONDS", 0.0)  # as if later
+    collect_garbage(p)
+    _disk_is_whole(machine)
+    assert not [f for f in store.frozen_root.rglob("ram*") if f.is_file()]
+    qemu_io(machine / "disk.qcow2", "write -P 0x55 6M 64k")  # the machine runs on
+    child.mkdir()
+    frozen, _ = asyncio.run(
+        freeze_live(
+            machine,
+            store.frozen_root,
+            FakeLiveMachine(machine),
+            for_clones=True,
+            published=published,
+            saved=saved,
+        )
+    )
+    assert (child / "ram").samefile(frozen / "ram")  # filled in place: the child's RAM
+    assert (child / "state").samefile(frozen / "state")
+    assert (child / "ram").read_bytes() == (machine / "ram").read_bytes()
+
+
+def test_a_failing_fork_child_start_undoes_the_freeze(tmp_path: Path) -> None:
+    """``published`` raising (the child could not start) leaves no frozen RAM and the source
+    on a whole disk, and the error is the one raised."""
+    p = make_home(tmp_path)
+    machine = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+
+    async def published(frozen: Path) -> None:
+        raise RuntimeError("no room for the child")
+
+    with pytest.raises(RuntimeError, match="no room"):
+        asyncio.run(
+            freeze_live(
+                machine,
+                store.frozen_root,
+                FakeLiveMachine(machine),
+                for_clones=True,
+                published=published,
+            )
+        )
+    _disk_is_whole(machine)
+    assert not [f for f in store.frozen_root.rglob("ram*") if f.is_file()]
+    assert not list(machine.glob(".disk-*.qcow2"))

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from torpor.config import paths
+from torpor.errors import Conflict, EngineError
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.vm import machine_dir
 
 pytestmark = pytest.mark.qemu
 
@@ -61,7 +63,9 @@ def _disk_fsck(frozen: Path, scratch: Path) -> str:
     return done.stdout
 
 
-def test_live_snapshot_and_fork_leave_the_source_running(qemu_home: Path, tmp_path: Path) -> None:
+def test_live_snapshot_and_fork_leave_the_source_running(
+    qemu_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async def main() -> None:
         m = SandboxManager(paths(qemu_home))
         await m.start(supervise=False)
@@ -107,6 +111,43 @@ def test_live_snapshot_and_fork_leave_the_source_running(qemu_home: Path, tmp_pa
             assert urandom[0] != urandom[1]
             for k in kids:
                 assert (await m.run_code(k.id, "v")).text == "'kept-in-ram'"
+
+            # a fork of one child starts the child's QEMU before the source stops (its RAM is
+            # filled in place): the source runs on untouched, the child has its RAM and a
+            # whole file from the writer, which goes on writing in it; two such forks differ
+            ones = [(await cp.fork(src.id, count=1))[0] for _ in range(2)]
+            assert m.live(src.id).machine is machine and m.live(src.id).channel is channel
+            assert m.registry.transitions(src.id)[seen:] == []
+            for k in ones:
+                assert (await m.run_code(k.id, "v")).text == "'kept-in-ram'"
+                at_fork = _lines_are_whole((await m.read_file(k.id, "/root/lines.txt")).decode())
+                await asyncio.sleep(0.5)
+                text = (await m.read_file(k.id, "/root/lines.txt")).decode()
+                assert _lines_are_whole(text) > at_fork
+            drawn = [(await m.run_code(k.id, "random.random()")).text for k in ones]
+            assert drawn[0] != drawn[1]
+
+            # a one-child fork that fails before its child starts (a taken name) or after
+            # (its state cannot be handed over) leaves nothing: no child, no QEMU, no frozen
+            # RAM; the source runs on
+            def frozen_rams() -> set[Path]:
+                return {f for f in cp.snapshots.frozen_root.rglob("ram*") if f.is_file()}
+
+            before, rams = {i.id for i in await m.list()}, frozen_rams()
+            with pytest.raises(Conflict):
+                await cp.fork(src.id, count=1, names=[ones[0].name])
+
+            def refuse(src_dir: Path, dst: Path) -> None:
+                raise EngineError(f"cannot give {dst} the state (test)")
+
+            monkeypatch.setattr(machine_dir, "link_state", refuse)
+            with pytest.raises(EngineError, match="the state"):
+                await cp.fork(src.id, count=1)
+            monkeypatch.undo()
+            assert {i.id for i in await m.list()} == before
+            assert frozen_rams() == rams
+            assert (await m.run_code(src.id, "v")).text == "'kept-in-ram'"
+            assert m.live(src.id).machine is machine
 
             # the snapshot restores to the instant it was taken: RAM and disk agree, the
             # writer's file is whole, and the restored guest writes on

@@ -18,12 +18,12 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torpor.errors import DriveNotFound, TorporError
+from torpor.errors import DriveNotFound, EngineError, TorporError
 from torpor.sandbox.manager import Held
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
@@ -32,7 +32,7 @@ from torpor.sandbox.storage.captures import drop_ram
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.volumes import Attachment
 
-__all__ = ["Children", "Cloner", "drop_ram"]
+__all__ = ["Children", "Cloner", "PendingChild", "drop_ram"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,43 @@ class Children:
     memory_scope: dict[str, Any] | None = None
     #: environment variables of the children's commands (a fork's are its source's)
     envs: Mapping[str, str] | None = None
+
+
+@dataclass
+class PendingChild:
+    """A fork's child started before its source stopped (:meth:`Cloner.start_pending`): its
+    QEMU starts while the source's stop fills its RAM; it loads its state once
+    :meth:`released <release>`."""
+
+    record: SandboxRecord
+    directory: Path
+    ready: asyncio.Future[None]
+    #: its wake (all or none: on failure the child is removed), the children it made
+    woken: asyncio.Future[list[SandboxInfo]]
+
+    def release(self, state: Path) -> None:
+        """Called inside the source's stop once its RAM (the child's, filled in place) and
+        its device state (the file ``state``) are whole: link the state into the child's
+        directory and let its wake load it and run, while the source resumes. Raises
+        EngineError (the freeze then fails and the child is abandoned)."""
+        from torpor.sandbox.vm.machine_dir import link_state
+
+        link_state(state, self.directory)
+        if not self.ready.done():
+            self.ready.set_result(None)
+
+    async def abandon(self, why: str, *, wait: bool = True) -> list[SandboxInfo]:
+        """The freeze failed: the child's wake fails (it removes the child) unless it was
+        released already; ``wait`` for it. Returns the children made anyway (released
+        before the failure: the caller removes them)."""
+        if not self.ready.done():
+            self.ready.set_exception(EngineError(f"the fork's source was not frozen: {why}"))
+        if not wait:
+            return []
+        await asyncio.wait([self.woken])
+        if self.woken.cancelled() or self.woken.exception() is not None:
+            return []  # retrieved: the freeze's failure is what is raised
+        return self.woken.result()
 
 
 class Cloner:
@@ -97,32 +134,9 @@ class Cloner:
         from torpor.sandbox.vm.machine import clone_machine_dir
 
         m = self.manager
-        config = json.loads((frozen / "machine.json").read_text())
-        memory = int(config.get("memory_mib", 512))
-        m.check_room(children.tenant, sandboxes=children.count, memory_mib=children.count * memory)
         recs: list[SandboxRecord] = []
         try:
-            for i in range(children.count):  # registry rows first: a taken name fails first
-                sid = "sbx-" + secrets.token_hex(6)
-                now = time.time()
-                rec = SandboxRecord(
-                    id=sid,
-                    tenant=children.tenant,
-                    name=children.names[i] if children.names else sid,
-                    template=str(config.get("template", "python")),
-                    state=S.CREATING,
-                    labels=dict(children.labels or {}),
-                    vcpus=int(config.get("vcpus", 1)),
-                    memory_mib=int(config.get("memory_mib", 512)),
-                    idle_pause_seconds=children.idle_pause_seconds,
-                    pause_retention_days=children.pause_retention_days,
-                    envs=dict(children.envs or {}),
-                    created_at=now,
-                    last_active_at=now,
-                    memory_scope=children.memory_scope,
-                )
-                m.registry.insert(rec, reason=children.reason)
-                recs.append(rec)
+            self._insert_rows(frozen, children, recs)
             # the last child takes the frozen RAM itself when no one else has a name for it
             # (a live freeze's or a restore's copy; the caller drops it after): one copy fewer
             own = (frozen / "ram").stat().st_nlink == 1 and take_ram
@@ -142,6 +156,61 @@ class Cloner:
             raise
         return recs
 
+    def _insert_rows(self, frozen: Path, children: Children, recs: list[SandboxRecord]) -> None:
+        """Check the quota and insert ``children``'s registry rows (``creating``, shaped as
+        the machine in ``frozen``), appending each to ``recs`` (the caller removes them on
+        failure). Raises Conflict (a name taken), InvalidArgument (quota)."""
+        m = self.manager
+        config = json.loads((frozen / "machine.json").read_text())
+        memory = int(config.get("memory_mib", 512))
+        m.check_room(children.tenant, sandboxes=children.count, memory_mib=children.count * memory)
+        for i in range(children.count):  # registry rows first: a taken name fails first
+            sid = "sbx-" + secrets.token_hex(6)
+            now = time.time()
+            rec = SandboxRecord(
+                id=sid,
+                tenant=children.tenant,
+                name=children.names[i] if children.names else sid,
+                template=str(config.get("template", "python")),
+                state=S.CREATING,
+                labels=dict(children.labels or {}),
+                vcpus=int(config.get("vcpus", 1)),
+                memory_mib=memory,
+                idle_pause_seconds=children.idle_pause_seconds,
+                pause_retention_days=children.pause_retention_days,
+                envs=dict(children.envs or {}),
+                created_at=now,
+                last_active_at=now,
+                memory_scope=children.memory_scope,
+            )
+            m.registry.insert(rec, reason=children.reason)
+            recs.append(rec)
+
+    async def start_pending(self, frozen: Path, children: Children, size: int) -> PendingChild:
+        """Start the one child of a fork whose running source is about to stop, before it
+        stops: its row, a directory from the frozen dir being made
+        (:func:`~torpor.sandbox.vm.machine_dir.clone_pending`; ``size``: the disk's) and its
+        wake, which starts QEMU and then waits for :meth:`PendingChild.release`. All or none:
+        on failure nothing is left. Raises as :meth:`prepare`."""
+        from torpor.sandbox.vm.machine_dir import clone_pending
+
+        m = self.manager
+        recs: list[SandboxRecord] = []
+        try:
+            self._insert_rows(frozen, children, recs)
+            await asyncio.to_thread(clone_pending, frozen, m.directory(recs[0].id), size=size)
+        except BaseException as exc:
+            for rec in recs:
+                await m.abort_create(rec, m.live(rec.id), exc)
+            raise
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(
+            self.wake_children(
+                recs, [], tenant=children.tenant, reason=children.reason, ram_ready=ready
+            )
+        )
+        return PendingChild(recs[0], m.directory(recs[0].id), ready, task)
+
     async def wake_children(
         self,
         recs: list[SandboxRecord],
@@ -149,16 +218,18 @@ class Cloner:
         *,
         tenant: str,
         reason: str,
+        ram_ready: Awaitable[object] | None = None,
     ) -> list[SandboxInfo]:
         """Wake the prepared children concurrently, refresh their randomness and clock, mount
-        their drives. All or none."""
+        their drives. All or none. ``ram_ready``: their RAM and state are still being
+        written (:meth:`start_pending`)."""
         m = self.manager
 
         async def one(rec: SandboxRecord) -> SandboxInfo:
             live = m.live(rec.id)
             async with live.lock:
                 try:
-                    await m.boot(rec, live)
+                    await m.boot(rec, live, ram_ready=ram_ready)
                     for drive, path, ro in drives:
                         self.drives.attach(
                             drive.id, rec.id, path, read_only=ro, tenant=drive.tenant

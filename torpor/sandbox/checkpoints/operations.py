@@ -25,9 +25,12 @@ How each one works (the storage is in :mod:`~torpor.sandbox.storage.snapshots`):
   guest flush: RAM and disk are taken at one instant; for a paused one the frozen RAM is a
   hard link to the source's, cloned into every child before the source could run again),
   then the children wake. Nothing goes through the chunk store, so a child costs one sparse
-  RAM copy and a wake (the last child takes the frozen copy itself). All children or none:
-  a failure removes the ones already made. A fork of a snapshot id is a restore of
-  ``count`` children.
+  RAM copy and a wake (the last child takes the frozen copy itself). The one child of a
+  running source starts before the source stops (:meth:`Cloner.start_pending`): its QEMU
+  maps a link of the frozen RAM the stop then fills, so QEMU's start overlaps the stop, and
+  it loads the state while the source resumes. All
+  children or none: a failure removes the ones already made. A fork of a snapshot id is a
+  restore of ``count`` children.
 
 **Volumes and snapshots.** A volume is shared, long-lived data and is never part of a snapshot.
 The guest has it mounted with cached file-system state, so a snapshot or fork of a sandbox with a
@@ -64,7 +67,7 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.sandbox.checkpoints.attach import Attachments
-from torpor.sandbox.checkpoints.clones import Children, Cloner, drop_ram
+from torpor.sandbox.checkpoints.clones import Children, Cloner, PendingChild, drop_ram
 from torpor.sandbox.manager import SYNC_TIMEOUT, Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
@@ -94,6 +97,7 @@ from torpor.sandbox.storage.snapshots import (
     freeze_live,
 )
 from torpor.sandbox.storage.volumes import VolumeStore
+from torpor.sandbox.vm.disk import virtual_size
 
 __all__ = ["VOLUME_SNAPSHOT_REFUSAL", "Checkpoints"]
 
@@ -162,6 +166,8 @@ class Checkpoints:
         *,
         before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None = None,
         link_ram: bool = False,
+        before_stop: Callable[[SandboxRecord, Path], Awaitable[Callable[[Path], None]]]
+        | None = None,
     ) -> T:
         """Freeze the sandbox: a running one live (:meth:`_freeze_live`, never paused), a
         paused one as it is, one with a drive mounted by pause + freeze + wake.
@@ -172,7 +178,11 @@ class Checkpoints:
         the live path the frozen RAM is a copy it may let the last child take);
         ``then(record, frozen_dir, before_wake's result)`` runs after (alongside the source's
         wake on the pause path, after the lock is released on the live path, so the source's
-        calls go on meanwhile). Returns what ``then`` returns."""
+        calls go on meanwhile). ``before_stop(record, frozen_dir)`` runs on the live path only,
+        once the frozen dir is published and before the source stops, and returns what is
+        called inside the stop with the saved state's file (see
+        :func:`~torpor.sandbox.storage.snapshots.freeze_live`'s ``published`` and
+        ``saved``). Returns what ``then`` returns."""
         m = self.held
         rec = m.registry.find(tenant, id_or_name)
         vols = self.volumes.attached_to(rec.id)
@@ -188,7 +198,7 @@ class Checkpoints:
             )
         await m.take(rec.id)  # cluster mode: Conflict (proxied) when another node runs it
         try:
-            return await self._frozen_held(rec, link_ram, before_wake, then)
+            return await self._frozen_held(rec, link_ram, before_wake, then, before_stop)
         finally:
             await m.give_back(rec.id)
 
@@ -198,6 +208,8 @@ class Checkpoints:
         link_ram: bool,
         before_wake: Callable[[SandboxRecord, Path], Awaitable[Any]] | None,
         then: Callable[[SandboxRecord, Path, Any], Awaitable[T]],
+        before_stop: Callable[[SandboxRecord, Path], Awaitable[Callable[[Path], None]]]
+        | None = None,
     ) -> T:
         """:meth:`_freeze`'s work once the sandbox is this node's (see there)."""
         m = self.held
@@ -219,7 +231,9 @@ class Checkpoints:
             was_running = rec.state is S.RUNNING
             if was_running and self._can_capture_live(rec, live):
                 await m.drain(live)
-                frozen = await self._freeze_live(rec, live, for_clones=link_ram)
+                frozen = await self._freeze_live(
+                    rec, live, for_clones=link_ram, before_stop=before_stop
+                )
                 was_running = False  # nothing to wake: the source never stopped running
                 try:
                     prepared = None if before_wake is None else await before_wake(rec, frozen)
@@ -269,7 +283,15 @@ class Checkpoints:
             return False
         return not self.drives.attached_to(rec.id)
 
-    async def _freeze_live(self, rec: SandboxRecord, live: Any, *, for_clones: bool) -> Path:
+    async def _freeze_live(
+        self,
+        rec: SandboxRecord,
+        live: Any,
+        *,
+        for_clones: bool,
+        before_stop: Callable[[SandboxRecord, Path], Awaitable[Callable[[Path], None]]]
+        | None = None,
+    ) -> Path:
         """For a snapshot, flush the guest's file systems (so the disk layer alone is whole
         too: a snapshot's disk may be read without its RAM); then
         :func:`~torpor.sandbox.storage.snapshots.freeze_live` the running machine. A fork
@@ -280,12 +302,25 @@ class Checkpoints:
                 await asyncio.wait_for(live.channel.sync(), SYNC_TIMEOUT)
             except Exception as exc:  # RAM and disk are captured at one instant either way
                 log.warning("sync before the snapshot of %s failed: %r", rec.id, exc)
+        published = saved = None
+        if before_stop is not None:
+            inside: list[Callable[[Path], None]] = []
+
+            async def published(frozen: Path) -> None:
+                inside.append(await before_stop(rec, frozen))
+
+            def saved(state: Path) -> None:
+                for hook in inside:
+                    hook(state)
+
         with self.snapshots.lock():
             frozen, downtime = await freeze_live(
                 self.held.directory(rec.id),
                 self.snapshots.frozen_root,
                 live.machine,
                 for_clones=for_clones,
+                published=published,
+                saved=saved,
             )
         self.last_downtime = downtime
         return frozen
@@ -574,37 +609,65 @@ class Checkpoints:
         # the source pauses: it must never be left paused because its children took its room
         self.held.check_room(tenant, sandboxes=fork.count, memory_mib=fork.count * src.memory_mib)
 
+        def children_of(rec: SandboxRecord) -> Children:
+            return Children(
+                count=fork.count,
+                labels={**rec.labels, **(fork.labels or {})},
+                names=fork.names,
+                idle_pause_seconds=rec.idle_pause_seconds,
+                pause_retention_days=rec.pause_retention_days,
+                tenant=tenant,
+                reason=f"forked from {rec.id}",
+                memory_scope=(
+                    rec.memory_scope if fork.memory_scope is None else fork.memory_scope.record()
+                ),
+                envs={**rec.envs, **(fork.envs or {})},
+            )
+
+        # One child of a running source starts before the source stops: its QEMU starts
+        # while the stop copies the RAM into its RAM file, and it loads the state after.
+        pending: list[PendingChild] = []
+
+        async def start_early(rec: SandboxRecord, frozen: Path) -> Callable[[Path], None]:
+            size = virtual_size(frozen / "disk.qcow2")
+            pending.append(await self.cloner.start_pending(frozen, children_of(rec), size))
+            return pending[-1].release  # inside the stop: the child loads while the source runs
+
         async def clone(rec: SandboxRecord, frozen: Path) -> Any:
-            # the frozen RAM is a hard link to the source's: clone it before the source wakes
+            # the frozen RAM is a hard link to the source's (paused) or to the child's
+            # (live: released already): clone it before the source wakes, and drop it
             try:
+                if pending:
+                    return None
                 drives = self.cloner.drives_for(frozen, rec.id)
-                children = Children(
-                    count=fork.count,
-                    labels={**rec.labels, **(fork.labels or {})},
-                    names=fork.names,
-                    idle_pause_seconds=rec.idle_pause_seconds,
-                    pause_retention_days=rec.pause_retention_days,
-                    tenant=tenant,
-                    reason=f"forked from {rec.id}",
-                    memory_scope=(
-                        rec.memory_scope
-                        if fork.memory_scope is None
-                        else fork.memory_scope.record()
-                    ),
-                    envs={**rec.envs, **(fork.envs or {})},
-                )
-                recs = await self.cloner.prepare(frozen, children, take_ram=True)
+                recs = await self.cloner.prepare(frozen, children_of(rec), take_ram=True)
             finally:
                 drop_ram(frozen)
             return recs, drives
 
         async def wake(rec: SandboxRecord, frozen: Path, prepared: Any) -> list[SandboxInfo]:
+            if pending:
+                return await pending[0].woken
             recs, drives = prepared
             return await self.cloner.wake_children(
                 recs, drives, tenant=tenant, reason=f"forked from {rec.id}"
             )
 
-        return await self._freeze(tenant, id_or_name, wake, before_wake=clone, link_ram=True)
+        try:
+            return await self._freeze(
+                tenant,
+                id_or_name,
+                wake,
+                before_wake=clone,
+                link_ram=True,
+                before_stop=start_early if fork.count == 1 else None,
+            )
+        except BaseException as exc:
+            for child in pending:  # released before the failure: made, so removed
+                for made in await child.abandon(repr(exc), wait=isinstance(exc, Exception)):
+                    with contextlib.suppress(TorporError):
+                        await self.manager.kill(made.id, tenant=tenant)
+            raise
 
     async def create(
         self, spec: SandboxSpec | None = None, /, *, tenant: str = "default", **fields: Any

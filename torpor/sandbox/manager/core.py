@@ -112,7 +112,12 @@ class Held(Protocol):
     async def wake_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord: ...
 
     async def boot(
-        self, rec: SandboxRecord, live: Live, *, woken_step: str | None = None
+        self,
+        rec: SandboxRecord,
+        live: Live,
+        *,
+        woken_step: str | None = None,
+        ram_ready: Awaitable[object] | None = None,
     ) -> Channel: ...
 
     def move(
@@ -449,15 +454,18 @@ class ManagerCore:
         live: Live,
         *,
         woken_step: str | None = None,
+        ram_ready: Awaitable[object] | None = None,
     ) -> Channel:
         """Start the hibernated machine in the sandbox's directory, connect to its agent and
         give the guest fresh entropy and the host's clock (clones of one snapshot must not
-        share random state). ``woken_step`` is reported to ``on_step`` after the wake. Raises
-        what the engine and the channel raise; the caller undoes what was started."""
+        share random state). ``woken_step`` is reported to ``on_step`` after the wake.
+        ``ram_ready``: its RAM and state are still being written (a fork's child: see
+        ``Machine.wake``). Raises what the engine and the channel raise; the caller undoes
+        what was started."""
         directory = self.directory(rec.id)
         machine = self.engine.machine(directory, self._config(rec))
         live.machine = machine
-        await machine.wake()
+        await machine.wake(ram_ready=ram_ready)
         if woken_step is not None:
             await self._step(woken_step, rec.id)
         live.channel = await self.engine.connect(machine, directory)

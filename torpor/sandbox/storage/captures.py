@@ -73,8 +73,9 @@ def cache_size() -> int:
 
 def drop_ram(frozen: Path) -> None:
     """Remove a frozen dir's RAM and state once every clone has its own copy (the disk layer
-    stays: overlays are backed by it; an empty dir goes)."""
-    for name in ("ram", "state"):
+    stays: overlays are backed by it; an empty dir goes), and what a capture cut short left
+    of them (``ram.tmp``, ``state.tmp``)."""
+    for name in ("ram", "state", "ram.tmp", "state.tmp"):
         with contextlib.suppress(FileNotFoundError):
             (frozen / name).unlink()
     with contextlib.suppress(OSError):

@@ -271,12 +271,13 @@ def collect_garbage(
                     store.captures.drop_stale_spares(set(store.captures.links()))
                 # RAM in a frozen dir is a clone's input for moments (a fork, a restore) or
                 # a cached snapshot's; any other, older than the grace, a crash left behind
+                # (a capture the crash cut short left it as ram.tmp)
                 for d in frozen_root.glob("frz-*"):
-                    ram = d / "ram"
-                    if d.name in cached or not ram.is_file():
+                    rams = [r for r in (d / "ram", d / "ram.tmp") if r.is_file()]
+                    if d.name in cached or not rams:
                         continue
-                    if time.time() - ram.stat().st_mtime > LEFTOVER_GRACE_SECONDS:
-                        report.freed_bytes += _du(ram)
+                    if time.time() - max(r.stat().st_mtime for r in rams) > LEFTOVER_GRACE_SECONDS:
+                        report.freed_bytes += sum(_du(r) for r in rams)
                         if not dry_run:
                             drop_ram(d)
                 used |= cached

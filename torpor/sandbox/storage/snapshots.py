@@ -33,7 +33,7 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -297,11 +297,19 @@ class LiveMachine(Protocol):
         state: Path,
         ram: Path,
         stopped: Callable[[str], None] | None = None,
+        fill_ram: bool = False,
+        precopy: bool = False,
     ) -> float: ...
 
 
 async def freeze_live(
-    machine_dir: Path, frozen_root: Path, machine: LiveMachine, *, for_clones: bool = False
+    machine_dir: Path,
+    frozen_root: Path,
+    machine: LiveMachine,
+    *,
+    for_clones: bool = False,
+    published: Callable[[Path], Awaitable[None]] | None = None,
+    saved: Callable[[Path], None] | None = None,
 ) -> tuple[Path, float]:
     """Make an immutable local copy of the *running* machine in ``machine_dir``; the machine
     runs on. Returns the frozen dir and how long the guest stood still (seconds).
@@ -316,8 +324,16 @@ async def freeze_live(
     is only a disk layer, kept while an overlay names it, else removed by GC). Past
     :data:`MAX_LOCAL_LAYERS` the frozen layer is replaced by a folded copy (same content)
     after the guest runs again. ``for_clones``: the RAM copy stays writable (a fork's children
-    take it). On failure no RAM or state remains in a frozen dir. Raises StorageError /
-    EngineError / InvalidState.
+    take it); else (a snapshot) the RAM is copied once before the stop too, so the copy in
+    the stop is shorter (``precopy``: see :meth:`LiveMachine.capture`).
+    ``published(frozen_dir)`` is awaited once the frozen dir is published, before the guest
+    stops, with ``ram.tmp`` made there already (empty, at the RAM's size), which the stop
+    then fills in place: a fork starts its child's QEMU on a hard link of it, so the child's
+    start overlaps the source's stop (:meth:`Checkpoints.fork`); if it raises, the freeze is
+    undone and that is raised. ``saved(state_file)`` is called inside the stop once the RAM
+    copy and the device state are whole, before ``cont`` (the fork's child loads them while
+    the source resumes); if it raises, the capture fails and is undone. On failure no RAM or
+    state remains in a frozen dir. Raises StorageError / EngineError / InvalidState.
     """
     fid = f"frz-{uuid.uuid4().hex[:12]}"
     tmp, final = frozen_root / f".{fid}.tmp", frozen_root / fid
@@ -343,6 +359,9 @@ async def freeze_live(
         fsync_dir(frozen_root)
         step("freeze:published")
         new_overlay(final / "disk.qcow2", overlay, size=virtual_size(disk))
+        if published is not None:
+            with open(final / "ram.tmp", "xb") as f:
+                f.truncate((machine_dir / "ram").stat().st_size)
 
     def settle() -> None:
         # no fsync: a frozen dir's RAM and state are inputs of the save (whose chunks and
@@ -350,7 +369,8 @@ async def freeze_live(
         # that leaves a frozen dir that nothing lists, and GC keeps only its disk layer
         for name in ("state", "ram"):
             os.replace(final / f"{name}.tmp", final / name)
-        fsync_dir(final)
+        if not for_clones:  # a fork's children take the RAM and state at once: no sync
+            fsync_dir(final)
         layer = final / "disk.qcow2"
         if len([b for b in backing_chain(layer) if _under(b, frozen_root)]) >= MAX_LOCAL_LAYERS:
             # the machine's chain grows by one per capture: past a few, the frozen layer is
@@ -365,12 +385,30 @@ async def freeze_live(
 
     try:
         await asyncio.to_thread(publish)
-        downtime = await machine.capture(
-            overlay=overlay, state=final / "state.tmp", ram=final / "ram.tmp", stopped=step
-        )
+        if published is not None:
+            await published(final)
+        into, state = final / "ram.tmp", final / "state.tmp"
+
+        def stopped(name: str) -> None:
+            step(name)
+            if name == "capture:saved" and saved is not None:
+                saved(state)
+
+        if published is not None:  # a fork: its child waits for the RAM
+            downtime = await machine.capture(
+                overlay=overlay, state=state, ram=into, stopped=stopped, fill_ram=True
+            )
+        else:  # a snapshot (the shorter stop) or a fork of many (the sooner return)
+            downtime = await machine.capture(
+                overlay=overlay, state=state, ram=into, stopped=stopped, precopy=not for_clones
+            )
         step("freeze:captured")
         await asyncio.to_thread(settle)
-    except (OSError, StorageError, EngineError, InvalidState) as exc:
+    except BaseException as exc:
+        if not isinstance(exc, OSError | StorageError | EngineError | InvalidState) and (
+            published is None or not isinstance(exc, Exception | asyncio.CancelledError)
+        ):
+            raise  # the process is going down (a crash point in tests): leave all as is
         overlay.unlink(missing_ok=True)
         for name in ("state", "ram", "state.tmp", "ram.tmp"):
             with contextlib.suppress(OSError):

@@ -2,8 +2,9 @@
 
 * :func:`copy_sparse` — copy a (mostly sparse) RAM file or image: a reflink where the file
   system can, else only its data extents; across file systems too.
-* :func:`qemu_img` — run ``qemu-img``, errors as EngineError; :func:`new_overlay` and
-  :func:`rebase` for the two things every layer does with it.
+* :func:`new_overlay` — a new qcow2 overlay on a backing image, written here (no process).
+* :func:`qemu_img` — run ``qemu-img``, errors as EngineError; :func:`rebase` and
+  :func:`set_backing` for what every layer does with it.
 * :func:`write_atomic` — a file appears whole or not at all (tmp + fsync + rename + dir fsync).
 * :func:`fsync_dir` — make the renames and unlinks in a directory durable.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import struct
 import subprocess
 from pathlib import Path
 
@@ -32,6 +34,7 @@ __all__ = [
     "set_backing",
     "virtual_size",
     "write_atomic",
+    "write_overlay",
 ]
 
 _FICLONE = 0x40049409  # ioctl: share the source's extents (btrfs, xfs)
@@ -40,29 +43,65 @@ _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 _BLOCK = 1 << 20
 
 
-def copy_sparse(src: Path, dst: Path) -> None:
+def copy_sparse(src: Path, dst: Path, *, in_place: bool = False) -> None:
     """Copy ``src`` to ``dst`` (replacing it): a reflink if the file system can, else the data
-    extents only, so holes stay holes. Works across file systems. Raises OSError."""
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+    extents only, so holes stay holes. Works across file systems.
+
+    ``in_place``: ``dst`` exists already at ``src``'s size (a new sparse RAM file a QEMU may
+    have mapped, waiting for it, or an earlier copy of ``src``: see
+    :meth:`QemuMachine.capture`) and is written over in place, never truncated: where
+    ``src`` has data it gets ``src``'s, where ``src`` has a hole it reads zeros (data it held
+    there is zeroed). Over an earlier copy this writes into page cache and blocks that exist
+    already, so it is faster than a new copy. Raises OSError (also when that ``dst`` has
+    another size)."""
+    with open(src, "rb") as fin, open(dst, "r+b" if in_place else "wb") as fout:
         ifd, ofd = fin.fileno(), fout.fileno()
+        size = os.fstat(ifd).st_size
+        if in_place and os.fstat(ofd).st_size != size:
+            raise OSError(errno.EINVAL, f"{dst} is not {size} bytes long like {src}")
         try:
             fcntl.ioctl(ofd, _FICLONE, ifd)
             return
         except OSError:
             pass
-        size = os.fstat(ifd).st_size
-        os.ftruncate(ofd, size)
+        if not in_place:
+            os.ftruncate(ofd, size)
         pos = 0
         while pos < size:
             try:
                 start = os.lseek(ifd, pos, os.SEEK_DATA)
             except OSError as exc:
-                if exc.errno == errno.ENXIO:  # no data after pos
-                    break
-                raise
+                if exc.errno != errno.ENXIO:
+                    raise
+                start = size  # no data after pos
+            if in_place and start > pos:
+                _zero_data(ofd, pos, start)
+            if start >= size:
+                break
             end = os.lseek(ifd, start, os.SEEK_HOLE)
             copy_range(ifd, ofd, start, end)
             pos = end
+
+
+def _zero_data(fd: int, start: int, end: int) -> None:
+    """Write zeros over whatever data ``fd`` holds between ``start`` and ``end`` (its holes
+    read zeros already: nothing is written into them)."""
+    pos = start
+    while pos < end:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return
+            raise
+        if data >= end:
+            return
+        stop = min(end, os.lseek(fd, data, os.SEEK_HOLE))
+        while data < stop:
+            n = min(_BLOCK, stop - data)
+            os.pwrite(fd, bytes(n), data)
+            data += n
+        pos = stop
 
 
 def copy_range(ifd: int, ofd: int, start: int, end: int) -> None:
@@ -111,26 +150,19 @@ def is_qcow2(path: Path) -> bool:
 
 def new_overlay(backing: Path, path: Path, *, size: int | None = None) -> None:
     """Make ``path`` a new, empty qcow2 overlay on ``backing`` (a qcow2). With ``size`` (the
-    backing's virtual size in bytes) ``backing`` is not opened (``-u``): it may be a layer a
-    running QEMU still writes, or not exist yet. In a directory an unprivileged QEMU owns
+    backing's virtual size in bytes) ``backing`` is not opened: it may be a layer a running
+    QEMU still writes, or not exist yet; without it the size is read from ``backing``'s
+    header. The image is written here (:func:`write_overlay`), not by a ``qemu-img``
+    process: forks, restores and creates make one or two each, and a process start costs
+    tens of milliseconds on a loaded host. In a directory an unprivileged QEMU owns
     (:mod:`torpor.sandbox.vm.jail`), the overlay is that QEMU's too, so it can open it while
     running. Raises EngineError."""
-    if size is None:
-        qemu_img("create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(path))
-    else:
-        qemu_img(
-            "create",
-            "-q",
-            "-u",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            str(backing),
-            str(path),
-            str(size),
-        )
+    try:
+        if size is None:
+            size = virtual_size(backing)
+        write_overlay(path, os.fsencode(str(backing)), size)
+    except OSError as exc:
+        raise EngineError(f"cannot make the overlay {path} on {backing}: {exc}", exc=exc) from exc
     if os.geteuid() == 0:
         try:
             owner = path.parent.stat()
@@ -138,6 +170,61 @@ def new_overlay(backing: Path, path: Path, *, size: int | None = None) -> None:
                 os.chown(path, owner.st_uid, owner.st_gid)
         except OSError as exc:
             raise EngineError(f"cannot hand {path} to its machine's user: {exc}", exc=exc) from exc
+
+
+# The layout ``qemu-img create -f qcow2 -F qcow2 -b <backing>`` writes (qcow2 version 3,
+# 64 KiB clusters, 16-bit refcounts), from QEMU's docs/interop/qcow2.txt: cluster 0 holds the
+# header, its extensions (the backing file's format) and the backing file's name; cluster 1
+# the refcount table, whose one entry names cluster 2, the refcount block counting clusters
+# 0-3 once each; cluster 3 the L1 table, all zero (no cluster allocated: every read falls
+# through to the backing file). The file ends after the L1 table, as qemu-img's does.
+_CLUSTER_BITS = 16
+_CLUSTER = 1 << _CLUSTER_BITS
+_HEADER_LENGTH = 112
+_EXT_BACKING_FORMAT = 0xE2792ACA
+_MAX_BACKING_NAME = 1023  # QEMU's own limit
+
+
+def write_overlay(path: Path, backing: bytes, size: int) -> None:
+    """Write ``path`` as an empty qcow2 image of ``size`` bytes whose backing file is the
+    qcow2 named ``backing`` (stored as given: absolute, or relative to ``path``'s folder).
+    Raises OSError: also for a size of 0 or over 4 TiB (one L1 cluster) or a name over
+    1023 bytes, which qemu-img handles and this does not."""
+    l1_entries = -(-size // (_CLUSTER * (_CLUSTER // 8)))
+    if size <= 0 or l1_entries * 8 > _CLUSTER or not 0 < len(backing) <= _MAX_BACKING_NAME:
+        raise OSError(errno.EINVAL, f"no overlay of {size} bytes on a {len(backing)}-byte name")
+    ext = struct.pack(">II", _EXT_BACKING_FORMAT, 5) + b"qcow2\0\0\0" + bytes(8)  # + the end
+    name_offset = _HEADER_LENGTH + len(ext)
+    header = struct.pack(
+        ">4sIQIIQIIQQIIQQQQII8x",
+        b"QFI\xfb",
+        3,  # version
+        name_offset,
+        len(backing),
+        _CLUSTER_BITS,
+        size,
+        0,  # no encryption
+        l1_entries,
+        3 * _CLUSTER,  # L1 table
+        _CLUSTER,  # refcount table
+        1,  # its clusters
+        0,  # snapshots
+        0,
+        0,  # incompatible features
+        0,  # compatible features
+        0,  # autoclear features
+        4,  # refcount order: 16 bits
+        _HEADER_LENGTH,  # then compression type 0 (zlib) and padding
+    )
+    assert len(header) == _HEADER_LENGTH
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, header + ext + backing, 0)
+        os.pwrite(fd, struct.pack(">Q", 2 * _CLUSTER), _CLUSTER)
+        os.pwrite(fd, struct.pack(">4H", 1, 1, 1, 1), 2 * _CLUSTER)
+        os.ftruncate(fd, 3 * _CLUSTER + l1_entries * 8)
+    finally:
+        os.close(fd)
 
 
 def virtual_size(path: Path) -> int:

@@ -388,6 +388,8 @@ class QemuMachine:
         state: Path,
         ram: Path,
         stopped: Callable[[str], None] | None = None,
+        fill_ram: bool = False,
+        precopy: bool = False,
     ) -> float:
         """Copy the running machine without hibernating it; returns its downtime (seconds).
 
@@ -398,8 +400,17 @@ class QemuMachine:
         more and becomes the frozen layer), ``disk.qcow2`` is made a second name of
         ``overlay`` (so it always names the layer QEMU writes), the device state is saved to
         ``state`` (``x-ignore-shared``: the RAM is the shared file) and the RAM file is copied
-        to ``ram`` (reflink where the file system can, sparse otherwise); then ``cont``. The
-        channel, the QMP connection and the QEMU process stay as they were.
+        to ``ram`` (reflink where the file system can, sparse otherwise; the copy starts as
+        soon as ``stop`` returns and runs beside the switch and the save, which need QMP round
+        trips: the capability and the state's descriptor are handed over before the stop);
+        then ``cont``. The channel, the QMP connection and the QEMU process stay as they were.
+
+        ``fill_ram``: ``ram`` exists already, at the RAM's size and all holes (a fork's child
+        QEMU may have it mapped, waiting for it): it is filled in place, and on failure left
+        (its maker removes it). ``precopy``: copy the RAM once before the stop too, while the
+        guest runs (a copy of no one instant), so that the copy in the stop writes over page
+        cache and disk blocks that exist already (``copy_sparse(in_place=True)``: measured
+        1.5-2.5 x faster than a new copy on ext4): a shorter stop for a longer call.
 
         ``overlay`` keeps its name while QEMU runs: the next capture makes this layer read-only
         and QEMU reopens it by the name it was opened with. A hibernate removes it.
@@ -422,10 +433,27 @@ class QemuMachine:
             },
         )
         switched = False
-        marks = [time.monotonic()]
-        await self._qmp_exec("stop")
+        copy: asyncio.Future[None] | None = None
+        fd = -1
+        marks: list[float] = []
+        source = self.directory / "ram"
         try:
+            if precopy:
+                await asyncio.to_thread(copy_sparse, source, ram, in_place=fill_ram)
+            # what needs no stop comes first: the capability (a setting QEMU keeps) and the
+            # state file's descriptor
+            await self._set_ignore_shared()
+            fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            assert self._qmp is not None
+            self._qmp.send_fd_scm(fd)
+            await self._qmp_exec("getfd", {"fdname": "state"})
             marks.append(time.monotonic())
+            await self._qmp_exec("stop")  # returns once in-flight I/O is done: RAM is still
+            marks.append(time.monotonic())
+            # the RAM copy (the long part) runs beside the disk switch and the state's save
+            copy = asyncio.ensure_future(
+                asyncio.to_thread(copy_sparse, source, ram, in_place=fill_ram or precopy)
+            )
             await self._qmp_exec("blockdev-snapshot", {"node": top, "overlay": node})
             switched = True
             if stopped is not None:
@@ -437,24 +465,10 @@ class QemuMachine:
             marks.append(time.monotonic())
             if stopped is not None:
                 stopped("capture:swapped")
-            # the RAM copy (the long part) runs beside the device state's save
-            copy = asyncio.ensure_future(
-                asyncio.to_thread(copy_sparse, self.directory / "ram", ram)
-            )
-            try:
-                await self._set_ignore_shared()
-                fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    assert self._qmp is not None
-                    self._qmp.send_fd_scm(fd)
-                    await self._qmp_exec("getfd", {"fdname": "state"})
-                    await self._qmp_exec("migrate", {"uri": "fd:state"})
-                    await self._wait_migration("saving the device state")
-                finally:
-                    os.close(fd)
-                marks.append(time.monotonic())
-            finally:
-                await asyncio.wait([copy])
+            await self._qmp_exec("migrate", {"uri": "fd:state"})
+            await self._wait_migration("saving the device state")
+            marks.append(time.monotonic())
+            await asyncio.wait([copy])
             copy.result()
             marks.append(time.monotonic())
             if stopped is not None:
@@ -462,7 +476,9 @@ class QemuMachine:
         except BaseException as exc:
             if not isinstance(exc, Exception | asyncio.CancelledError):
                 raise  # the process is going down (a crash point in tests): leave all as is
-            for f in (state, ram):
+            if copy is not None:  # never leave a thread writing a file being removed
+                await asyncio.wait([copy])
+            for f in (state,) if fill_ram else (state, ram):
                 with contextlib.suppress(OSError):
                     f.unlink()
             if not switched:
@@ -479,6 +495,9 @@ class QemuMachine:
             if isinstance(exc, OSError):
                 raise EngineError(f"cannot capture {self.directory}: {exc}", exc=exc) from exc
             raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
         await self._qmp_exec("cont")
         marks.append(time.monotonic())
         # the rename is made durable after the guest runs again (on ext4 any flush the guest
@@ -529,7 +548,8 @@ class QemuMachine:
 
         ``ram_ready``: the RAM file (at its full size already) is still being filled; QEMU
         starts meanwhile (it only maps the file) and the state, whose devices read guest
-        memory as they load, is loaded once it is done. The consumed ``state`` is deleted
+        memory as they load, is loaded once it is done (``state`` may appear only by then: a
+        fork's child starts while its source's state is saved). The consumed ``state`` is deleted
         before the guest runs. Raises InvalidState if there is no state to load, EngineError
         if QEMU refuses it (then ``state`` is kept), what ``ram_ready`` raises (QEMU stopped).
         """
@@ -601,9 +621,11 @@ class QemuMachine:
         marker.unlink(missing_ok=True)
         return False
 
-    async def _load_state(self, state: Path) -> None:
-        """Load the saved device state ``state`` into the QEMU started with -incoming."""
-        await self._set_ignore_shared()
+    async def _load_state(self, state: Path, *, capability_set: bool = False) -> None:
+        """Load the saved device state ``state`` into the QEMU started with -incoming
+        (``capability_set``: its ``x-ignore-shared`` is set already)."""
+        if not capability_set:
+            await self._set_ignore_shared()
         fd = os.open(state, os.O_RDONLY)
         try:
             assert self._qmp is not None
@@ -625,12 +647,8 @@ class QemuMachine:
             return
         self._require_stopped("wake")
         state = self.directory / "state"
-        if not state.is_file():
-            raise InvalidState(
-                f"nothing to wake: no saved state in {self.directory}",
-                state="no-state",
-                required="hibernated",
-            )
+        if ram_ready is None:
+            self._require_state(state)
         t0 = time.monotonic()
         config = read_machine_json(self.directory)
         ensure_generation_id(self.directory, config)
@@ -647,8 +665,10 @@ class QemuMachine:
         await self._start(config, incoming=True, pending_shares=pending_shares)
         try:
             if ram_ready is not None:
+                await self._set_ignore_shared()  # a setting: made while the RAM is filled
                 await ram_ready
-            await self._load_state(state)
+                self._require_state(state)
+            await self._load_state(state, capability_set=ram_ready is not None)
             # The guest is about to run on and change ``ram``: the state no longer matches it.
             discard_state(self.directory)
             await self._qmp_exec("cont")
@@ -657,6 +677,14 @@ class QemuMachine:
             await self._reap(force=True)
             raise
         log.info("woke %s in %.3fs", self.directory, time.monotonic() - t0)
+
+    def _require_state(self, state: Path) -> None:
+        if not state.is_file():
+            raise InvalidState(
+                f"nothing to wake: no saved state in {self.directory}",
+                state="no-state",
+                required="hibernated",
+            )
 
     async def _wait_incoming(self) -> None:
         deadline = time.monotonic() + MIGRATE_TIMEOUT

@@ -55,9 +55,11 @@ __all__ = [
     "ShareSpec",
     "build_command",
     "clone_machine_dir",
+    "clone_pending",
     "discard_state",
     "ensure_generation_id",
     "inspect_dir",
+    "link_state",
     "new_machine_config",
     "read_machine_json",
     "socket_path",
@@ -532,6 +534,41 @@ def _prune_links(runtime: Path) -> None:
         with contextlib.suppress(OSError):
             if not Path(os.readlink(entry)).parent.is_dir():
                 entry.unlink()
+
+
+def clone_pending(src: Path, dst: Path, *, size: int) -> None:
+    """Make ``dst`` a clone of the machine being frozen into the frozen dir ``src`` while its
+    source still runs (a fork's child, started before its source stops): ``ram`` is a hard
+    link of ``src/ram.tmp`` (empty yet: the source's stop fills it in place),
+    ``machine.json`` is ``src``'s without its VM generation id, and ``disk.qcow2`` a new
+    overlay on ``src/disk.qcow2`` of ``size`` bytes, made without opening it (the source
+    writes that layer until its stop). It has no ``state`` until :func:`link_state`, so it
+    cannot be woken before. Raises EngineError."""
+    src, dst = Path(src).resolve(), Path(dst).resolve()
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        discard_state(dst)
+        for name in ("disk.qcow2", "ram"):
+            with contextlib.suppress(FileNotFoundError):
+                (dst / name).unlink()
+        os.link(src / "ram.tmp", dst / "ram")
+        (dst / "ram").chmod(0o600)
+        config = read_machine_json(src)
+        config.pop("vmgenid", None)  # a clone is a new generation: its first wake picks one
+        (dst / "machine.json").write_text(json.dumps(config, indent=2))
+        new_overlay(src / "disk.qcow2", dst / "disk.qcow2", size=size)
+    except OSError as exc:
+        raise EngineError(f"cannot clone {src} to {dst}: {exc}", exc=exc) from exc
+
+
+def link_state(state: Path, dst: Path) -> None:
+    """Give the clone :func:`clone_pending` made in ``dst`` the device state saved in the
+    file ``state`` (a hard link: the clone's wake consumes it at once, and the frozen dir
+    drops its own name). Raises EngineError."""
+    try:
+        os.link(state, dst / "state")
+    except OSError as exc:
+        raise EngineError(f"cannot give {dst} the state {state}: {exc}", exc=exc) from exc
 
 
 def clone_machine_dir(src: Path, dst: Path, *, take_ram: bool = False) -> None:
