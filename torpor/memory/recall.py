@@ -12,7 +12,11 @@
    orders the rest; the default, :class:`~torpor.memory.ranking.HybridRanker`, puts the most
    specific scope first, then relevance, then recency (its formulas are in
    :mod:`torpor.memory.ranking`). Another one is passed as ``torpor.Memory(ranking=...)``.
-4. **The first k** of that order are the answer.
+4. **Replies.** With an embedder and the default ranker, the store is asked for the turn
+   before each of the first ``reply_top`` hits (same scope and session, by ``at``), and
+   :meth:`~torpor.memory.ranking.HybridRanker.with_replies` lifts those turns by a share of
+   their reply's score (one indexed lookup per hit).
+5. **The first k** of that order are the answer.
 
 Why stop words are searched: a question is mostly function words ("what is
 my ...", "who am I ..."), and when its content words are paraphrased away they are all that
@@ -34,7 +38,9 @@ import logging
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,12 +48,12 @@ import numpy.typing as npt
 
 from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore
 from torpor.memory.embeddings import Embedder
-from torpor.memory.models import Hit
+from torpor.memory.models import Episode, Hit, to_us
 from torpor.memory.ranking import STOPWORDS, Candidates, HybridRanker, Ranker, words
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STOPWORDS", "candidates", "query_terms", "recall"]
+__all__ = ["STOPWORDS", "candidates", "previous_turns", "query_terms", "recall"]
 
 DEFAULT_RANKING = HybridRanker()
 #: the lexical side's candidates are this many times the vector side's: the engine orders
@@ -178,6 +184,12 @@ def recall(
     if k <= 0:
         return []
     pool = max(k * 3, 30)  # candidates per source: enough to fuse, cheap to materialize
+    replies = (
+        isinstance(ranking, HybridRanker)
+        and embedder is not None
+        and ranking.reply > 0
+        and ranking.reply_top > 0
+    )
     found = candidates(
         store,
         query,
@@ -186,9 +198,34 @@ def recall(
         query_scope=query_scope,
         embedder=embedder,
         min_similarity=min_similarity,
-        limit=k,
+        limit=max(k, ranking.reply_top) if replies else k,
     )
-    return ranking.rank(found)[:k]
+    hits = ranking.rank(found)
+    if replies:
+        assert isinstance(ranking, HybridRanker)
+        hits = ranking.with_replies(hits, previous_turns(store, hits[: ranking.reply_top], flt))
+    return hits[:k]
+
+
+def previous_turns(store: TenantStore, hits: Sequence[Hit], flt: RecordFilter) -> dict[str, str]:
+    """For each episode among ``hits`` that has a session: the id of the visible episode just
+    before it in the same scope and session (by ``valid_from``), when there is one.
+
+    Raises what the store raises (:class:`StorageError`)."""
+    out: dict[str, str] = {}
+    for hit in hits:
+        rec = hit.record
+        if not isinstance(rec, Episode) or rec.session is None:
+            continue
+        at = to_us(rec.valid_from)
+        until = at if flt.until is None else min(flt.until, at)
+        before = store.scan(
+            replace(flt, scopes=(rec.scope,), kinds=("episode",), session=rec.session, until=until),
+            1,
+        )
+        if before:
+            out[rec.id] = before[0].id
+    return out
 
 
 def __getattr__(name: str) -> Any:
