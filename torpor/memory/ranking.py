@@ -223,7 +223,9 @@ class HybridRanker:
                 out.append(hit)
                 continue
             scores = {**hit.scores, "reply": extra}
-            out.append(Hit.model_construct(record=hit.record, score=hit.score + extra, scores=scores))
+            out.append(
+                Hit.model_construct(record=hit.record, score=hit.score + extra, scores=scores)
+            )
         return self.order(out)
 
     def rank(self, found: Candidates) -> list[Hit]:
