@@ -62,8 +62,8 @@ both let long turns crowd out the short turn that answers. Coverage keeps a fift
 because bm25's IDF collapses in small stores. The reply share: on real conversations a
 question often matches the answer better than the turn that holds the evidence (a user states
 a fact, the reply repeats and expands it), so a turn takes a little of its reply's score; it
-only reorders hits already found (relevance, hence abstention, is untouched). Stop words weigh little in
-coverage and only through the engine's IDF in bm25 (why they are searched at all:
+only reorders hits already found (relevance, hence abstention, is untouched). Stop words
+weigh little in coverage and only through the engine's IDF in bm25 (why they are searched at all:
 :mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
 BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in
 ``bench/README.md`` ("Ranking").

@@ -184,11 +184,14 @@ def recall(
     if k <= 0:
         return []
     pool = max(k * 3, 30)  # candidates per source: enough to fuse, cheap to materialize
+    # the reply share needs the default ranker and vectors (see HybridRanker.with_replies)
     replies = (
-        isinstance(ranking, HybridRanker)
+        ranking
+        if isinstance(ranking, HybridRanker)
         and embedder is not None
         and ranking.reply > 0
         and ranking.reply_top > 0
+        else None
     )
     found = candidates(
         store,
@@ -198,12 +201,11 @@ def recall(
         query_scope=query_scope,
         embedder=embedder,
         min_similarity=min_similarity,
-        limit=max(k, ranking.reply_top) if replies else k,
+        limit=k if replies is None else max(k, replies.reply_top),
     )
     hits = ranking.rank(found)
-    if replies:
-        assert isinstance(ranking, HybridRanker)
-        hits = ranking.with_replies(hits, previous_turns(store, hits[: ranking.reply_top], flt))
+    if replies is not None:
+        hits = replies.with_replies(hits, previous_turns(store, hits[: replies.reply_top], flt))
     return hits[:k]
 
 
