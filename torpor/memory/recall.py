@@ -40,7 +40,6 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,7 @@ import numpy.typing as npt
 
 from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore
 from torpor.memory.embeddings import Embedder
-from torpor.memory.models import Episode, Hit, to_us
+from torpor.memory.models import Episode, Hit
 from torpor.memory.ranking import STOPWORDS, Candidates, HybridRanker, Ranker, words
 
 log = logging.getLogger(__name__)
@@ -211,23 +210,12 @@ def recall(
 
 def previous_turns(store: TenantStore, hits: Sequence[Hit], flt: RecordFilter) -> dict[str, str]:
     """For each episode among ``hits`` that has a session: the id of the visible episode just
-    before it in the same scope and session (by ``valid_from``), when there is one.
+    before it in the same scope and session (by ``valid_from``), when there is one
+    (:meth:`~torpor.memory.backends.base.TenantStore.previous_episodes`).
 
     Raises what the store raises (:class:`StorageError`)."""
-    out: dict[str, str] = {}
-    for hit in hits:
-        rec = hit.record
-        if not isinstance(rec, Episode) or rec.session is None:
-            continue
-        at = to_us(rec.valid_from)
-        until = at if flt.until is None else min(flt.until, at)
-        before = store.scan(
-            replace(flt, scopes=(rec.scope,), kinds=("episode",), session=rec.session, until=until),
-            1,
-        )
-        if before:
-            out[rec.id] = before[0].id
-    return out
+    episodes = [h.record for h in hits if isinstance(h.record, Episode)]
+    return store.previous_episodes(episodes, flt) if episodes else {}
 
 
 def __getattr__(name: str) -> Any:
