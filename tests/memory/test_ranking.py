@@ -15,6 +15,7 @@ from torpor.errors import InvalidArgument
 from torpor.memory import Candidates, Episode, Fact, HashEmbedder, Hit, HybridRanker, Memory
 from torpor.memory.backends.base import AnyRecord
 from torpor.memory.models import from_us, now_us, to_us
+from torpor.memory.recall import previous_turns
 
 NOW = now_us()
 USER = "app/a/user/u"
@@ -82,9 +83,52 @@ OPTIONS = [
 ]
 
 
+REPLY_OPTIONS = [
+    pytest.param("reply", 0.0, id="reply"),
+    pytest.param("reply_top", 1, id="reply_top"),
+]
+
+
 def test_every_option_is_tested() -> None:
-    tested = {p.values[0] for p in OPTIONS}
+    tested = {p.values[0] for p in [*OPTIONS, *REPLY_OPTIONS]}
     assert tested == {f.name for f in dataclasses.fields(HybridRanker)}
+
+
+def _hit(rid: str, score: float) -> Hit:
+    rec = Episode(
+        id=rid, scope=USER, text=rid, session="s", created_at=from_us(NOW), valid_from=from_us(NOW)
+    )
+    return Hit.model_construct(record=rec, score=score, scores={"scope_distance": 0.0})
+
+
+def _replied() -> list[Hit]:
+    # "answer" is the best hit; "fact" (the turn before it) is third, close behind "other"
+    return [_hit("answer", 1.0), _hit("other", 0.5), _hit("fact", 0.45)]
+
+
+def test_a_turn_takes_a_share_of_its_replys_score() -> None:
+    hits = HybridRanker().with_replies(_replied(), {"answer": "fact"})
+    assert [h.id for h in hits] == ["answer", "fact", "other"]
+    assert hits[1].score == pytest.approx(0.45 + 0.1 * 1.0)
+    assert hits[1].scores["reply"] == pytest.approx(0.1)
+    assert "reply" not in hits[0].scores and "reply" not in hits[2].scores
+    # a turn before that is not among the hits is not added
+    assert [h.id for h in HybridRanker().with_replies(_replied(), {"answer": "gone"})] == [
+        "answer",
+        "other",
+        "fact",
+    ]
+
+
+@pytest.mark.parametrize(("option", "value"), REPLY_OPTIONS)
+def test_every_reply_option_changes_the_answer(option: str, value: object) -> None:
+    changed = dataclasses.replace(HybridRanker(reply_top=2), **{option: value})  # type: ignore[arg-type]
+    base = HybridRanker(reply_top=2)
+    previous = {"answer": "fact", "other": "fact"}
+    # reply_top=1: only "answer" passes its share; reply_top=2: "other" too
+    assert _answer(changed.with_replies(_replied(), previous)) != _answer(
+        base.with_replies(_replied(), previous)
+    )
 
 
 @pytest.mark.parametrize(("option", "value", "base"), OPTIONS)
@@ -313,5 +357,33 @@ def test_recall_prefers_the_named_speakers_turns(
         hits = u.recall("did Dana fix the kayak", k=2)
         assert [h.id for h in hits] == [dana.id, sam.id]
         assert hits[0].scores["speaker"] > hits[1].scores["speaker"] == 1.0
+    finally:
+        mem.close()
+
+
+def test_previous_turns_are_the_same_sessions_visible_turn_before(
+    backend_spec: str, home: Path
+) -> None:
+    """Through a real store: the turn before a hit is the latest earlier episode of its own
+    session that the filter lets through (not another session's, not one after ``as_of``)."""
+    mem = Memory(str(home), embedder=HashEmbedder(64), backend=backend_spec)
+    try:
+        u = mem.scope(app="a", user="u")
+        base = from_us(NOW) - timedelta(days=2)
+        first = u.log("user", "I use Flask 2.3 with SQLite", session="s1", at=base)
+        u.log("user", "unrelated other chat", session="s2", at=base + timedelta(minutes=1))
+        reply = u.log(
+            "assistant", "Flask and SQLite, good", session="s1", at=base + timedelta(minutes=2)
+        )
+        fact = u.remember("a fact has no turn before it")
+        flt = u._filter(now_us(), kinds=("fact", "episode"))
+        hits = [Hit.model_construct(record=r, score=1.0, scores={}) for r in (reply, first, fact)]
+        assert previous_turns(mem.store, hits, flt) == {reply.id: first.id}
+        past = u._filter(now_us(), kinds=("fact", "episode"), as_of=to_us(base) - 1)
+        assert previous_turns(mem.store, hits[:1], past) == {}
+        # and recall runs the lookup: the turn before the best hit carries its share
+        hits = u.recall("Flask and SQLite, good", k=3)
+        assert hits[0].id == reply.id
+        assert {h.id: h.scores.get("reply", 0.0) for h in hits}[first.id] > 0
     finally:
         mem.close()

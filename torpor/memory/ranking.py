@@ -30,6 +30,9 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
     score     = relevance * kind * speaker * recency  (tiered, the default)
               = relevance * kind * speaker * recency * scope  (``tiered=False``)
+    reply     = with an embedder, an episode whose next turn in its session is among the first
+                ``reply_top`` (20) hits gains ``reply`` (0.1) times that turn's score
+                (:meth:`HybridRanker.with_replies`; recall asks the store for the turns)
 
 then drops what should not be returned, and orders the rest:
 
@@ -56,8 +59,11 @@ lexical side is mostly BM25 with a term frequency of 1 and the length normalized
 whole store: a long turn contains most words of any question, so coverage alone (the old 0.8
 share) and a mean taken over the candidates (the records that matched most, hence long ones)
 both let long turns crowd out the short turn that answers. Coverage keeps a fifth of the score
-because bm25's IDF collapses in small stores. Stop words weigh little in
-coverage and only through the engine's IDF in bm25 (why they are searched at all:
+because bm25's IDF collapses in small stores. The reply share: on real conversations a
+question often matches the answer better than the turn that holds the evidence (a user states
+a fact, the reply repeats and expands it), so a turn takes a little of its reply's score; it
+only reorders hits already found (relevance, hence abstention, is untouched). Stop words
+weigh little in coverage and only through the engine's IDF in bm25 (why they are searched at all:
 :mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
 BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in
 ``bench/README.md`` ("Ranking").
@@ -193,6 +199,34 @@ class HybridRanker:
     min_similarity: float = 0.15
     relative_floor: float = 0.0
     tiered: bool = True
+    reply: float = 0.1
+    reply_top: int = 20
+
+    def with_replies(self, hits: Sequence[Hit], previous: dict[str, str]) -> list[Hit]:
+        """``hits`` (this ranker's order) with each episode's score raised by ``reply`` times
+        the score of the hit that follows it in its session, when that one is among the first
+        ``reply_top`` (``previous``: a hit's id -> the id of the episode just before it, as
+        the store found them), then ordered again. The share lands in ``Hit.scores["reply"]``;
+        relevance is untouched (abstention does not change), and no record is added."""
+        by_id = {h.id: h for h in hits}
+        added: dict[str, float] = {}
+        for hit in hits[: self.reply_top]:
+            before = previous.get(hit.id)
+            if before is not None and before in by_id:
+                added[before] = added.get(before, 0.0) + self.reply * hit.score
+        if not added:
+            return list(hits)
+        out = []
+        for hit in hits:
+            extra = added.get(hit.id)
+            if extra is None:
+                out.append(hit)
+                continue
+            scores = {**hit.scores, "reply": extra}
+            out.append(
+                Hit.model_construct(record=hit.record, score=hit.score + extra, scores=scores)
+            )
+        return self.order(out)
 
     def rank(self, found: Candidates) -> list[Hit]:
         """Score the candidates, drop the weak ones, order the rest."""

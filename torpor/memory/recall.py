@@ -12,7 +12,11 @@
    orders the rest; the default, :class:`~torpor.memory.ranking.HybridRanker`, puts the most
    specific scope first, then relevance, then recency (its formulas are in
    :mod:`torpor.memory.ranking`). Another one is passed as ``torpor.Memory(ranking=...)``.
-4. **The first k** of that order are the answer.
+4. **Replies.** With an embedder and the default ranker, the store is asked for the turn
+   before each of the first ``reply_top`` hits (same scope and session, by ``at``), and
+   :meth:`~torpor.memory.ranking.HybridRanker.with_replies` lifts those turns by a share of
+   their reply's score (one indexed lookup per hit).
+5. **The first k** of that order are the answer.
 
 Why stop words are searched: a question is mostly function words ("what is
 my ...", "who am I ..."), and when its content words are paraphrased away they are all that
@@ -34,6 +38,7 @@ import logging
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -42,12 +47,12 @@ import numpy.typing as npt
 
 from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore
 from torpor.memory.embeddings import Embedder
-from torpor.memory.models import Hit
+from torpor.memory.models import Episode, Hit
 from torpor.memory.ranking import STOPWORDS, Candidates, HybridRanker, Ranker, words
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STOPWORDS", "candidates", "query_terms", "recall"]
+__all__ = ["STOPWORDS", "candidates", "previous_turns", "query_terms", "recall"]
 
 DEFAULT_RANKING = HybridRanker()
 #: the lexical side's candidates are this many times the vector side's: the engine orders
@@ -178,6 +183,15 @@ def recall(
     if k <= 0:
         return []
     pool = max(k * 3, 30)  # candidates per source: enough to fuse, cheap to materialize
+    # the reply share needs the default ranker and vectors (see HybridRanker.with_replies)
+    replies = (
+        ranking
+        if isinstance(ranking, HybridRanker)
+        and embedder is not None
+        and ranking.reply > 0
+        and ranking.reply_top > 0
+        else None
+    )
     found = candidates(
         store,
         query,
@@ -186,9 +200,22 @@ def recall(
         query_scope=query_scope,
         embedder=embedder,
         min_similarity=min_similarity,
-        limit=k,
+        limit=k if replies is None else max(k, replies.reply_top),
     )
-    return ranking.rank(found)[:k]
+    hits = ranking.rank(found)
+    if replies is not None:
+        hits = replies.with_replies(hits, previous_turns(store, hits[: replies.reply_top], flt))
+    return hits[:k]
+
+
+def previous_turns(store: TenantStore, hits: Sequence[Hit], flt: RecordFilter) -> dict[str, str]:
+    """For each episode among ``hits`` that has a session: the id of the visible episode just
+    before it in the same scope and session (by ``valid_from``), when there is one
+    (:meth:`~torpor.memory.backends.base.TenantStore.previous_episodes`).
+
+    Raises what the store raises (:class:`StorageError`)."""
+    episodes = [h.record for h in hits if isinstance(h.record, Episode)]
+    return store.previous_episodes(episodes, flt) if episodes else {}
 
 
 def __getattr__(name: str) -> Any:

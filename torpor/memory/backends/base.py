@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torpor.errors import QuotaExceeded
@@ -273,6 +273,23 @@ class TenantStore(abc.ABC):
     ) -> list[AnyRecord]:
         """Visible records ordered by ``valid_from`` (newest first by default), up to
         ``limit``, after skipping the first ``offset`` (a page)."""
+
+    def previous_episodes(self, episodes: Sequence[Episode], flt: RecordFilter) -> dict[str, str]:
+        """For each of ``episodes`` that has a session: the id of the episode ``flt`` lets
+        through just before it in the same scope and session (the latest earlier
+        ``valid_from``), when there is one. This default asks :meth:`scan` once per episode;
+        a backend may answer in one query. Raises :class:`StorageError`."""
+        out: dict[str, str] = {}
+        for ep in episodes:
+            if ep.session is None:
+                continue
+            at = to_us(ep.valid_from)
+            until = at if flt.until is None else min(flt.until, at)
+            sub = replace(flt, scopes=(ep.scope,), kinds=("episode",), session=ep.session)
+            before = self.scan(replace(sub, until=until), 1)
+            if before:
+                out[ep.id] = before[0].id
+        return out
 
     @abc.abstractmethod
     def count(self, flt: RecordFilter) -> int:

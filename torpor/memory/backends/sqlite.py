@@ -20,6 +20,7 @@ import math
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from torpor.memory.backends.base import (
 )
 from torpor.memory.models import (
     AuditEntry,
+    Episode,
     Fact,
     Policy,
     Profile,
@@ -286,6 +288,28 @@ class SQLiteTenantStore(TenantStore):
                 [*params, limit, max(offset, 0)],
             ).fetchall()
         return [schema.row_to_record(r) for r in rows]
+
+    def previous_episodes(self, episodes: Sequence[Episode], flt: RecordFilter) -> dict[str, str]:
+        """See :meth:`TenantStore.previous_episodes`: one statement, a correlated lookup per
+        episode on the (scope, valid_from) index."""
+        ids = [ep.id for ep in episodes if ep.session is not None]
+        if not ids:
+            return {}
+        sub = replace(flt, kinds=("episode",))
+        where, params = schema.filter_sql(sub)
+        out: dict[str, str] = {}
+        with self._db.read("previous episodes") as conn:
+            for at in range(0, len(ids), 500):
+                part = ids[at : at + 500]
+                rows = conn.execute(
+                    f"SELECT c.id, (SELECT r.id FROM records r WHERE r.scope = c.scope "
+                    f"AND r.session = c.session AND r.valid_from < c.valid_from AND {where} "
+                    f"ORDER BY r.valid_from DESC, r.rid DESC LIMIT 1) FROM records c "
+                    f"WHERE c.id IN ({','.join('?' * len(part))}) AND c.session IS NOT NULL",
+                    [*params, *part],
+                ).fetchall()
+                out.update((str(c), str(p)) for c, p in rows if p is not None)
+        return out
 
     def count(self, flt: RecordFilter) -> int:
         where, params = schema.filter_sql(flt)
