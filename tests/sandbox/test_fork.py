@@ -111,11 +111,11 @@ def test_bad_input_leaves_nothing_behind(qemu_home: Path, monkeypatch: pytest.Mo
     real_put = ChunkStore._put_known
     disk = {"full": False, "writes": 0}
 
-    def put(self: ChunkStore, digest: str, data: bytes) -> int:
+    def put(self: ChunkStore, digest: str, data: bytes, **kw: Any) -> int:
         disk["writes"] += 1
         if disk["full"] and disk["writes"] > 3:
             raise StorageError("No space left on device", chunk=digest)
-        return real_put(self, digest, data)
+        return real_put(self, digest, data, **kw)
 
     monkeypatch.setattr(ChunkStore, "_put_known", put)
     monkeypatch.setenv("TORPOR_SNAPSHOT_CACHE", "0")  # a restore reads the (bad) chunks

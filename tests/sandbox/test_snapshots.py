@@ -6,6 +6,7 @@ import json
 import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -225,11 +226,11 @@ def test_disk_full_during_snapshot_leaves_nothing_listed(
     calls = {"n": 0}
     real = ChunkStore._put_known
 
-    def full(self: ChunkStore, digest: str, data: bytes) -> int:
+    def full(self: ChunkStore, digest: str, data: bytes, **kw: Any) -> int:
         calls["n"] += 1
         if calls["n"] > 2:
             raise StorageError("No space left on device", chunk=digest)
-        return real(self, digest, data)
+        return real(self, digest, data, **kw)
 
     monkeypatch.setattr(ChunkStore, "_put_known", full)
     with pytest.raises(StorageError):
