@@ -12,11 +12,46 @@ The public names below are loaded lazily, so ``import torpor`` stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
-from torpor import errors as _errors
+from torpor._lazy import lazy_exports
 from torpor._version import __version__
+
+if TYPE_CHECKING:  # the names mypy and editors see; at run time they load on first use
+    from torpor.client import Drive, Runtime, Sandbox, Snapshot, Volume
+    from torpor.client.aio import AsyncRuntime
+    from torpor.client.aio_sandbox import AsyncSandbox, AsyncSnapshot
+    from torpor.client.aio_storage import AsyncDrive, AsyncVolume
+    from torpor.errors import (
+        AccelerationUnavailable,
+        AccessDenied,
+        Conflict,
+        CorruptData,
+        DriveNotFound,
+        EngineError,
+        GuestError,
+        InvalidArgument,
+        InvalidName,
+        InvalidState,
+        NotFound,
+        OperationTimeout,
+        PathNotFound,
+        PayloadTooLarge,
+        QuotaExceeded,
+        RecordNotFound,
+        SandboxClosed,
+        SandboxNotFound,
+        SchemaViolation,
+        ServerUnavailable,
+        SnapshotNotFound,
+        StateLost,
+        StorageError,
+        TemplateNotFound,
+        TorporError,
+        Unauthenticated,
+        VolumeNotFound,
+    )
+    from torpor.memory import Memory, SourceRef
 
 #: public name -> module that defines it
 _LAZY = {
@@ -78,19 +113,6 @@ __all__ = [  # noqa: RUF022 (ordered by importance, not alphabet)
     "__version__",
 ]
 
-_ERRORS = frozenset(__all__) - set(_LAZY) - {"__version__"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _ERRORS:
-        return getattr(_errors, name)
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torpor' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+# every other public name is an error class, defined in torpor.errors
+_LAZY.update(dict.fromkeys(frozenset(__all__) - set(_LAZY) - {"__version__"}, "torpor.errors"))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

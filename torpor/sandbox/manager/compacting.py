@@ -1,4 +1,7 @@
-"""Compaction in cluster mode: which paused sandboxes of this node drop their local files.
+"""Which paused sandboxes are compacted, and in cluster mode how: they drop their local files.
+
+:func:`sweep_due` picks, in both modes, the paused sandboxes that are due; the rest is
+cluster mode's.
 
 The storage side (what is dropped, how a crash is survived, why the wake path is the one a
 wake on another node takes) is :mod:`torpor.sandbox.storage.evict`. Here the manager picks:
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from torpor.errors import TorporError
@@ -23,7 +27,7 @@ from torpor.sandbox.storage.compaction import CompactionReport
 from torpor.sandbox.storage.evict import clear_leftovers, drop_paused
 from torpor.sandbox.storage.pauses import is_whole
 
-__all__ = ["cluster_compact_sweep", "durable_manifest"]
+__all__ = ["cluster_compact_sweep", "durable_manifest", "sweep_due"]
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +75,35 @@ async def cluster_compact_sweep(
     except TorporError as exc:
         log.warning("compaction: cannot list the paused sandboxes: %s", exc)
         return done
-    candidates = sorted((r for r in paused if r.id in here), key=lambda r: r.paused_at or 0)
-    for rec in candidates:
+    candidates = [r for r in paused if r.id in here]
+
+    async def drop(rec: SandboxRecord) -> CompactionReport | None:
+        rec = await asyncio.to_thread(manager.registry.get, rec.id)
+        manifest = await asyncio.to_thread(durable_manifest, manager, rec)
+        if manifest is None:
+            return None
+        directory = manager.directory(rec.id)
+        return await asyncio.to_thread(drop_paused, directory, manifest, sandbox_id=rec.id)
+
+    return await sweep_due(manager, candidates, now, low_disk=low_disk, limit=limit, one=drop)
+
+
+async def sweep_due(
+    manager: ManagerCore,
+    candidates: Iterable[SandboxRecord],
+    now: float,
+    *,
+    low_disk: bool,
+    limit: int,
+    one: Callable[[SandboxRecord], Awaitable[CompactionReport | None]],
+) -> list[CompactionReport]:
+    """Run ``one`` on up to ``limit`` of ``candidates`` that are due, longest paused first:
+    paused for ``compact_after_seconds`` (any of them when ``low_disk``), not running, not
+    busy, and whose lock is free. ``one`` runs under the sandbox's lock and returns None when
+    the sandbox, read again, no longer qualifies. A failure is logged, not raised."""
+    after = manager.compact_after_seconds
+    done: list[CompactionReport] = []
+    for rec in sorted(candidates, key=lambda r: r.paused_at or 0):
         if len(done) >= limit:
             break
         paused_for = now - (rec.paused_at or now)
@@ -83,16 +114,12 @@ async def cluster_compact_sweep(
             continue
         try:
             async with live.lock:
-                rec = await asyncio.to_thread(manager.registry.get, rec.id)
                 if live.machine is not None:
                     continue
-                manifest = await asyncio.to_thread(durable_manifest, manager, rec)
-                if manifest is None:
-                    continue
-                directory = manager.directory(rec.id)
-                done.append(
-                    await asyncio.to_thread(drop_paused, directory, manifest, sandbox_id=rec.id)
-                )
+                report = await one(rec)
         except TorporError as exc:
             log.warning("compaction of %s failed: %s", rec.id, exc)
+            continue
+        if report is not None:
+            done.append(report)
     return done

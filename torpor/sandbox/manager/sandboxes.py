@@ -49,7 +49,7 @@ from torpor.errors import (
 )
 from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.manager.cluster import local_status
-from torpor.sandbox.manager.compacting import cluster_compact_sweep
+from torpor.sandbox.manager.compacting import cluster_compact_sweep, sweep_due
 from torpor.sandbox.manager.core import ManagerCore, wrap_error
 from torpor.sandbox.manager.forwards import Forwards
 from torpor.sandbox.manager.terminals import Terminals, TerminalSession
@@ -743,32 +743,23 @@ class SandboxManager(ManagerCore):
         after = self.compact_after_seconds
         if after is None and not low_disk:
             return []
-        done: builtins.list[CompactionReport] = []
-        candidates = sorted(self.registry.list(states={S.PAUSED}), key=lambda r: r.paused_at or 0)
-        for rec in candidates:
-            if len(done) >= limit:
-                break
-            paused_for = now - (rec.paused_at or now)
-            if not low_disk and (after is None or paused_for < after):
-                continue
+        candidates = [
+            r
+            for r in self.registry.list(states={S.PAUSED})
+            if not is_compacted(self.directory(r.id))
+        ]
+
+        async def compact_one(rec: SandboxRecord) -> CompactionReport | None:
+            rec = self.registry.get(rec.id)
+            if rec.state is not S.PAUSED:
+                return None
+            template_ram = self.paths.templates / rec.template / "snapshot" / "ram"
             directory = self.directory(rec.id)
-            if is_compacted(directory):
-                continue
-            live = self.live(rec.id)
-            if live.lock.locked():
-                continue
-            try:
-                async with live.lock:
-                    rec = self.registry.get(rec.id)
-                    if rec.state is not S.PAUSED or live.machine is not None:
-                        continue
-                    template_ram = self.paths.templates / rec.template / "snapshot" / "ram"
-                    done.append(
-                        await asyncio.to_thread(compact, directory, self.chunk_store, template_ram)
-                    )
-            except TorporError as exc:
-                log.warning("compaction of %s failed: %s", rec.id, exc)
-        return done
+            return await asyncio.to_thread(compact, directory, self.chunk_store, template_ram)
+
+        return await sweep_due(
+            self, candidates, now, low_disk=low_disk, limit=limit, one=compact_one
+        )
 
     async def supervise(self, interval: float = 1.0) -> None:
         """Run :meth:`idle_sweep` (and :meth:`compact_sweep`) every ``interval`` seconds until

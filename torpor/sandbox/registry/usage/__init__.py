@@ -17,8 +17,9 @@ torpor.sandbox.requests, torpor.sandbox.models.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torpor._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the real names, for type checkers; at run time each loads on first use
     from torpor.sandbox.registry.usage.models import (
@@ -57,14 +58,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:  # a submodule (``from ...usage import report``) is imported instead
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)
