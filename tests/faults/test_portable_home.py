@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,34 @@ def test_a_home_split_across_file_systems_copies_by_hand(
     assert compact(machine, store, template_ram).from_template > 0
     expand(machine, store)  # the template's chunks come back through the fallback
     assert (machine / "ram").read_bytes() == original
+
+
+def test_relocation_opens_no_fifo_and_leaves_what_agents_wrote_alone(tmp_path: Path) -> None:
+    """A FIFO or a device in the home is never opened (reading one blocks), and a file an
+    agent wrote into a drive keeps its bytes even when it names the old home."""
+    old = _old_style_home(tmp_path)
+    p = paths(old)
+    rootfs_dev = p.cache / "rootfs" / "dev"
+    rootfs_dev.mkdir(parents=True)
+    os.mkfifo(rootfs_dev / "console")
+    os.mkfifo(p.sandboxes / "sbx-1" / "stray.json")
+    written = p.drives / "d1" / "notes.json"
+    written.parent.mkdir(parents=True)
+    payload = json.dumps({"where": str(old.resolve() / "drives" / "d1")})
+    written.write_text(payload)
+    record = p.drives / "d1.json"
+    record.write_text(json.dumps({"id": "d1", "path": str(old.resolve() / "drives" / "d1")}))
+    new = tmp_path / "moved"
+    subprocess.run(["cp", "-a", str(old), str(new)], check=True)
+    shutil.rmtree(old)
+
+    result: list[object] = []
+    worker = threading.Thread(target=lambda: result.append(relocate(paths(new))), daemon=True)
+    worker.start()
+    worker.join(120)  # a FIFO opened for reading blocks for ever: fail instead of hanging
+    assert not worker.is_alive(), "relocate() blocked on a FIFO"
+    assert result and result[0] is not None
+    assert (new / "drives" / "d1" / "notes.json").read_text() == payload
+    assert json.loads((new / "drives" / "d1.json").read_text())["path"] == str(
+        new.resolve() / "drives" / "d1"
+    )

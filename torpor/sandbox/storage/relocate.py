@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,11 +81,27 @@ def _recorded_home(paths: Paths) -> Path | None:
 
 
 def _files(home: Path) -> Iterator[Path]:
+    """The regular files of ``home`` that may hold its paths: not the stores of :data:`_SKIP`,
+    not what agents wrote into a drive (``drives/<id>/``: their files are theirs, whatever
+    they contain; the drive's record ``drives/<id>.json`` is ours), not the template build's
+    root file system (``cache/rootfs``: device nodes, FIFOs, a Debian tree). A device or a FIFO
+    is never opened: reading one may block for ever."""
     for root, dirs, files in os.walk(home):
-        if Path(root) == home:
+        here = Path(root)
+        if here == home:
             dirs[:] = [d for d in dirs if d not in _SKIP]
+        elif here == home / "drives":
+            dirs[:] = []
+        elif here == home / "cache":
+            dirs[:] = [d for d in dirs if d != "rootfs"]
         for name in files:
-            yield Path(root) / name
+            path = here / name
+            try:
+                regular = stat.S_ISREG(path.lstat().st_mode)
+            except OSError:
+                continue
+            if regular:
+                yield path
 
 
 def _rewrite_json(path: Path, old: str, new: str) -> bool:
