@@ -13,9 +13,10 @@ Runs on real QEMU through :class:`torpor.sandbox.checkpoints.Checkpoints` with t
 * **restore** of a stored snapshot into a new running sandbox (verified chunks -> frozen dir ->
   clone -> wake -> fresh entropy);
 * **fork** of a running sandbox, and of a snapshot id (``Sandbox.fork(snapshot_id)``), into 1
-  and into 10 children (time per child); a fork of one child of a running source starts
-  the child's QEMU before the source stops, so its "QEMU start + load + cont" spans the
-  source's stop;
+  and into 10 children (time per child); the children of a running source start their QEMU
+  before the source stops, and those of a snapshot id (and a restore without a spare clone)
+  before their RAM is copied, so their "QEMU start + load + cont" spans the stop or the
+  copies;
 * **where the time goes**: each operation's steps, timed in the same run by wrapping the
   functions that do them (sync, freeze, listing, materialize, clone, QEMU start + load + cont,
   channel connect, reseed); the snapshot's storing into the chunk store runs behind the call
@@ -80,12 +81,13 @@ class _Splits:
         (
             "torpor.sandbox.checkpoints.clones:Cloner",
             "start_pending",
-            "one child's row + dir, before the stop",
+            "children's rows + dirs, before their RAM (a live fork's: before the stop)",
         ),
+        ("torpor.sandbox.checkpoints.clones:Pending", "fill", "RAM copies into started children"),
         (
             "torpor.sandbox.vm.machine:QemuMachine",
             "wake",
-            "QEMU start + load + cont (a pending child's: from before the stop)",
+            "QEMU start + load + cont (a started child's: from before its RAM is whole)",
         ),
         ("torpor.sandbox.engine:QemuEngine", "connect", "guest channel connect"),
         ("torpor.sandbox.vm.channel:GuestChannel", "refresh", "reseed (entropy, clock)"),
