@@ -18,8 +18,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,15 @@ class Pending:
     woken: asyncio.Future[list[SandboxInfo]]
     #: the last child's RAM file is the frozen RAM itself (a live fork's, filled by the stop)
     linked: bool = False
+    #: per child that waits for its RAM: set once its QEMU runs and waits for it
+    waiting: list[asyncio.Future[None]] = field(default_factory=list)
+
+    async def started(self) -> None:
+        """Wait until every child's QEMU runs and waits for its RAM, or their wake ended (it
+        failed: :meth:`abandon` and the wake say why)."""
+        while not self.woken.done() and not all(f.done() for f in self.waiting):
+            waits: list[asyncio.Future[Any]] = [f for f in self.waiting if not f.done()]
+            await asyncio.wait([*waits, self.woken], return_when=asyncio.FIRST_COMPLETED)
 
     def release(self, state: Path) -> None:
         """Called inside a live source's stop once the frozen RAM and the device state (the
@@ -143,6 +152,19 @@ class Pending:
         for f in self.ready:
             if f is not None and not f.done():
                 f.set_exception(exc)
+
+
+class _Gate:
+    """What a pending child's wake awaits for its RAM: notes that its QEMU waits (the first
+    time it is awaited), then waits for ``ready``."""
+
+    def __init__(self, ready: asyncio.Future[None], waiting: asyncio.Future[None]) -> None:
+        self.ready, self.waiting = ready, waiting
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if not self.waiting.done():
+            self.waiting.set_result(None)
+        return self.ready.__await__()
 
 
 class Cloner:
@@ -289,12 +311,18 @@ class Cloner:
             for rec in recs:
                 await m.abort_create(rec, m.live(rec.id), exc)
             raise
+        waiting = [loop.create_future() for f in ready if f is not None]
+        gates = iter(waiting)
         task = asyncio.ensure_future(
             self.wake_children(
-                recs, drives or [], tenant=children.tenant, reason=children.reason, ram_ready=ready
+                recs,
+                drives or [],
+                tenant=children.tenant,
+                reason=children.reason,
+                ram_ready=[None if f is None else _Gate(f, next(gates)) for f in ready],
             )
         )
-        return Pending(recs, dirs, ready, task, linked=linked)
+        return Pending(recs, dirs, ready, task, linked=linked, waiting=waiting)
 
     async def wake_children(
         self,

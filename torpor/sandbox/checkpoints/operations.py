@@ -636,6 +636,8 @@ class Checkpoints:
             pending.append(
                 await self.cloner.start_pending(frozen, children_of(rec), size, linked=True)
             )
+            if fork.count > 1:  # their QEMUs' start-up would slow the source's stop down
+                await pending[-1].started()
             return pending[-1].release  # inside the stop: the state, linked into each child
 
         async def clone(rec: SandboxRecord, frozen: Path) -> Any:

@@ -549,11 +549,12 @@ def clone_pending(src: Path, dst: Path, *, size: int, own_ram: bool = False) -> 
     EngineError."""
     src, dst = Path(src).resolve(), Path(dst).resolve()
     try:
+        if dst.exists():  # (a new child's is not: nothing to clear, no directory sync)
+            discard_state(dst)
+            for name in ("disk.qcow2", "ram"):
+                with contextlib.suppress(FileNotFoundError):
+                    (dst / name).unlink()
         dst.mkdir(parents=True, exist_ok=True)
-        discard_state(dst)
-        for name in ("disk.qcow2", "ram"):
-            with contextlib.suppress(FileNotFoundError):
-                (dst / name).unlink()
         if own_ram:
             ram = src / "ram.tmp" if (src / "ram.tmp").exists() else src / "ram"
             with open(dst / "ram", "xb") as f:
