@@ -537,10 +537,20 @@ def _prune_links(runtime: Path) -> None:
                 entry.unlink()
 
 
+def _write_clone_config(src: Path, dst: Path) -> None:
+    """Give the clone ``dst`` the machine.json of ``src`` with a VM generation id of its own
+    (a clone is a new generation), chosen now rather than at its first wake, whose
+    :func:`ensure_generation_id` then writes (and syncs) nothing. Not synced here: a clone's
+    ``state``, written after, is what makes it wakeable. Raises OSError, EngineError."""
+    config = read_machine_json(src)
+    config["vmgenid"] = str(uuid.uuid4())
+    (dst / "machine.json").write_text(json.dumps(config, indent=2))
+
+
 def clone_pending(src: Path, dst: Path, *, size: int, own_ram: bool = False) -> None:
     """Make ``dst`` a clone of the machine in the frozen dir ``src`` whose RAM is not whole yet
     (a child started before its RAM is written, so its QEMU's start overlaps the writing):
-    ``machine.json`` is ``src``'s without its VM generation id, and ``disk.qcow2`` a new
+    ``machine.json`` is ``src``'s with a new VM generation id, and ``disk.qcow2`` a new
     overlay on ``src/disk.qcow2`` of ``size`` bytes, made without opening it (a live source
     may write that layer until its stop). ``ram`` is a hard link of ``src/ram.tmp`` (empty
     yet: a live source's stop fills it in place), or with ``own_ram`` a new file of its own at
@@ -562,9 +572,7 @@ def clone_pending(src: Path, dst: Path, *, size: int, own_ram: bool = False) -> 
         else:
             os.link(src / "ram.tmp", dst / "ram")
         (dst / "ram").chmod(0o600)
-        config = read_machine_json(src)
-        config.pop("vmgenid", None)  # a clone is a new generation: its first wake picks one
-        (dst / "machine.json").write_text(json.dumps(config, indent=2))
+        _write_clone_config(src, dst)
         new_overlay(src / "disk.qcow2", dst / "disk.qcow2", size=size)
     except OSError as exc:
         raise EngineError(f"cannot clone {src} to {dst}: {exc}", exc=exc) from exc
@@ -624,9 +632,7 @@ def clone_machine_dir(src: Path, dst: Path, *, take_ram: bool = False) -> None:
             (dst / "ram").chmod(0o600)
         else:
             copy_sparse(src / "ram", dst / "ram")
-        config = read_machine_json(src)
-        config.pop("vmgenid", None)  # a clone is a new generation: its first wake picks one
-        (dst / "machine.json").write_text(json.dumps(config, indent=2))
+        _write_clone_config(src, dst)
         new_overlay(src / "disk.qcow2", dst / "disk.qcow2")
         shutil.copyfile(src / "state", dst / "state.tmp")
         with open(dst / "state.tmp", "rb") as f:
