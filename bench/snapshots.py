@@ -105,7 +105,7 @@ class _Splits:
             module, _, cls = where.partition(":")
             owner: Any = importlib.import_module(module)
             if cls:
-                owner = getattr(owner, cls)
+                owner = getattr(owner, cls, None)
             fn = getattr(owner, attr, None)
             if fn is None:  # (an older tree, compared in the same run: no such step)
                 continue
