@@ -5,7 +5,10 @@ device state and a disk layer. :class:`Cloner` turns it into ``count`` new sandb
 phases, so a fork can clone while its source is still paused and wake the children alongside
 it: :meth:`~Cloner.prepare` makes the registry rows and machine dirs,
 :meth:`~Cloner.wake_children` wakes them (fresh entropy and clock) and mounts the drives
-they inherit. Both are all or none. A component of
+they inherit. Both are all or none. :meth:`~Cloner.start_pending` starts the children
+before their RAM is whole (a fork of a running source, a clone of a cached snapshot): each
+QEMU starts while the RAM is written and loads once its own copy is done (:class:`Pending`).
+A component of
 :class:`~torpor.sandbox.checkpoints.Checkpoints`, working on the manager through
 :class:`~torpor.sandbox.manager.Held` only.
 """
@@ -119,13 +122,16 @@ class Pending:
                     return
                 try:
                     await asyncio.to_thread(fill_pending, ram, self.directories[i], state)
-                except BaseException as exc:
+                except Exception as exc:
                     failed.append(exc)
                     return
             self._go(i)
 
-        # every copy ends before anything else: no thread is left writing a removed file
-        await asyncio.gather(*(one(i) for i in own), return_exceptions=True)
+        try:  # every copy ends before anything else: no thread is left writing a removed file
+            await asyncio.gather(*(one(i) for i in own), return_exceptions=True)
+        except BaseException:  # cancelled: the children must not wait for ever
+            self._fail(EngineError("cloning was cancelled"))
+            raise
         if failed:
             self._fail(failed[0])
         elif self.linked:
