@@ -13,9 +13,10 @@ Runs on real QEMU through :class:`torpor.sandbox.checkpoints.Checkpoints` with t
 * **restore** of a stored snapshot into a new running sandbox (verified chunks -> frozen dir ->
   clone -> wake -> fresh entropy);
 * **fork** of a running sandbox, and of a snapshot id (``Sandbox.fork(snapshot_id)``), into 1
-  and into 10 children (time per child); a fork of one child of a running source starts
-  the child's QEMU before the source stops, so its "QEMU start + load + cont" spans the
-  source's stop;
+  and into 10 children (time per child); the children of a running source start their QEMU
+  before the source stops, and those of a snapshot id (and a restore without a spare clone)
+  before their RAM is copied, so their "QEMU start + load + cont" spans the stop or the
+  copies;
 * **where the time goes**: each operation's steps, timed in the same run by wrapping the
   functions that do them (sync, freeze, listing, materialize, clone, QEMU start + load + cont,
   channel connect, reseed); the snapshot's storing into the chunk store runs behind the call
@@ -50,6 +51,7 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +82,13 @@ class _Splits:
         (
             "torpor.sandbox.checkpoints.clones:Cloner",
             "start_pending",
-            "one child's row + dir, before the stop",
+            "children's rows + dirs, before their RAM (a live fork's: before the stop)",
         ),
+        ("torpor.sandbox.checkpoints.clones:Pending", "fill", "RAM copies into started children"),
         (
             "torpor.sandbox.vm.machine:QemuMachine",
             "wake",
-            "QEMU start + load + cont (a pending child's: from before the stop)",
+            "QEMU start + load + cont (a started child's: from before its RAM is whole)",
         ),
         ("torpor.sandbox.engine:QemuEngine", "connect", "guest channel connect"),
         ("torpor.sandbox.vm.channel:GuestChannel", "refresh", "reseed (entropy, clock)"),
@@ -102,8 +105,10 @@ class _Splits:
             module, _, cls = where.partition(":")
             owner: Any = importlib.import_module(module)
             if cls:
-                owner = getattr(owner, cls)
-            fn = getattr(owner, attr)
+                owner = getattr(owner, cls, None)
+            fn = getattr(owner, attr, None)
+            if fn is None:  # (an older tree, compared in the same run: no such step)
+                continue
             self._undo.append((owner, attr, fn))
             wrapped = (
                 self._wrap_async(fn, label)
@@ -184,9 +189,18 @@ async def _guest_clock_offset(manager: Any, sid: str, samples: int = 5) -> float
 
 
 async def _one_size(
-    manager: Any, cp: Any, template: str, mib: int, reps: int, splits: _Splits
+    manager: Any,
+    cp: Any,
+    template: str,
+    mib: int,
+    reps: int,
+    splits: _Splits,
+    floor: Callable[[], Awaitable[float]],
 ) -> dict[str, Any]:
-    """Snapshot (with the source's downtime), restore and fork timings of one guest size."""
+    """Snapshot (with the source's downtime), restore and fork timings of one guest size, and
+    the QEMU start floor ``floor()`` measured once per repetition among them (load drifts over
+    a run: each size is scaled by the floor measured beside it)."""
+    starts: list[float] = []
     stored_t: list[float] = []
     forksnap1_t: list[float] = []
     forksnap10_t: list[float] = []
@@ -203,6 +217,7 @@ async def _one_size(
     await manager.run_code(src.id, "data = [i * i for i in range(200_000)]")
     await manager.run_code(src.id, "import time")
     for i in range(reps):
+        starts.append(await floor())
         await manager.run_code(src.id, f"step = {i}")
         quiet = await _guest_clock_offset(manager, src.id)
         quiet_gaps.append(abs(await _guest_clock_offset(manager, src.id) - quiet))
@@ -246,6 +261,7 @@ async def _one_size(
         await cp.settle()
     tens = max(1, reps // 2)
     for _ in range(tens):
+        starts.append(await floor())
         splits.op = f"{mib}:fork 10"
         t0 = time.perf_counter()
         kids = await cp.fork(src.id, count=10)
@@ -285,6 +301,7 @@ async def _one_size(
         "fork_snapshot10_per_child": summary(forksnap10_t),
         "stored_after": summary(stored_t),
         "steps_mean_ms": steps,
+        "floor_qemu_start": summary(starts),
     }
 
 
@@ -318,7 +335,9 @@ async def run(
             if built.memory_mib != mib:
                 out["skipped"][str(mib)] = f"template {template!r} is {built.memory_mib} MiB"
                 continue
-            out["sizes"][str(mib)] = await _one_size(manager, cp, template, mib, reps, splits)
+            out["sizes"][str(mib)] = await _one_size(
+                manager, cp, template, mib, reps, splits, lambda: _start_floor(tdir, p.cache)
+            )
         out["floor_ram_copy"] = summary(floors)
         out["floor_qemu_start"] = summary(starts)
         out["dedup"] = await _dedup(manager, cp, sandboxes) if sandboxes else None
@@ -382,16 +401,17 @@ async def _dedup(manager: Any, cp: Any, n: int) -> dict[str, Any]:
     }
 
 
-def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
+def render(result: dict[str, Any]) -> list[tuple[str, float, float, float]]:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     mib = 1 << 20
-    targets: list[tuple[str, float, float]] = []
+    targets: list[tuple[str, float, float, float]] = []
     ram_floor = result["floor_ram_copy"]["median_ms"]
-    start_floor = result["floor_qemu_start"]["median_ms"]
     for size, r in result["sizes"].items():
+        # the floor measured among this size's operations (an older result: the run's)
+        start_floor = r.get("floor_qemu_start", result["floor_qemu_start"])["median_ms"]
         table = Table(
             "operation", "median ms", "p95 ms", "n", title=f"torpor checkpoints, {size} MiB guest"
         )
@@ -429,9 +449,10 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
         console.print(
             f"same run: source downtime = {down / ram_floor:.2f} x the RAM-copy floor "
             f"({ram_floor:.0f} ms), restore = {r['restore']['median_ms'] / start_floor:.1f} x "
-            f"the QEMU start floor ({start_floor:.0f} ms)"
+            f"the QEMU start floor ({start_floor:.0f} ms, measured among this size's "
+            "operations)"
         )
-        targets += [
+        goals = [
             (f"{size} MiB: snapshot <= 200 ms", r["snapshot"]["median_ms"], 200.0),
             (f"{size} MiB: source downtime <= 60 ms", down, 60.0),
             (f"{size} MiB: restore <= 200 ms", r["restore"]["median_ms"], 200.0),
@@ -448,6 +469,7 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
                 100.0,
             ),
         ]
+        targets += [(name, got, limit, start_floor) for name, got, limit in goals]
     for size, why in result.get("skipped", {}).items():
         console.print(f"[yellow]{size} MiB skipped: {why}[/yellow]")
     console.print(
@@ -464,19 +486,26 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float]]:
             f"{d['paused_dirs_local_bytes'] / mib:.0f} MiB (no reflink on this FS)"
         )
         targets.append(
-            ("20 paused <= 2 x B + changed", float(d["store_bytes"]), float(d["limit_bytes"]))
+            (
+                "20 paused <= 2 x B + changed",
+                float(d["store_bytes"]),
+                float(d["limit_bytes"]),
+                ISSUE_FLOOR_MS,  # not scaled
+            )
         )
     # The goals are milliseconds on an idle 2-core host whose QEMU start floor was
     # ISSUE_FLOOR_MS; on a loaded host each goal is also checked as the same multiple of the
-    # floor measured in this run (a same-run ratio), which load inflates alike.
-    scale = start_floor / ISSUE_FLOOR_MS
-    console.print(
-        f"QEMU start floor {start_floor:.0f} ms = {scale:.1f} x the {ISSUE_FLOOR_MS:.0f} ms "
-        "of the idle host the goals were set on"
-    )
-    for name, got, limit in targets:
+    # floor measured among the same size's operations (a same-run ratio), which load
+    # inflates alike.
+    for size, r in result["sizes"].items():
+        start = r.get("floor_qemu_start", result["floor_qemu_start"])["median_ms"]
+        console.print(
+            f"{size} MiB: QEMU start floor {start:.0f} ms = {start / ISSUE_FLOOR_MS:.1f} x the "
+            f"{ISSUE_FLOOR_MS:.0f} ms of the idle host the goals were set on"
+        )
+    for name, got, limit, floor in targets:
         ratio = got / limit
-        scaled = got / (limit * scale) if "paused" not in name else ratio
+        scaled = got / (limit * floor / ISSUE_FLOOR_MS)
         console.print(
             f"{'PASS' if ratio <= 1 else 'FAIL'}  {name}: ratio {ratio:.2f};  "
             f"{'PASS' if scaled <= 1 else 'FAIL'} against the same multiple of this run's "
@@ -506,7 +535,8 @@ def main() -> None:
     }
     targets = render(result)
     result["targets"] = [
-        {"name": n, "measured": g, "target": t, "ratio": g / t} for n, g, t in targets
+        {"name": n, "measured": g, "target": t, "ratio": g / t, "floor_ms": f}
+        for n, g, t, f in targets
     ]
     write_results(RESULTS, result)
 

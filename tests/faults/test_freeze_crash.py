@@ -22,7 +22,8 @@ from torpor.sandbox.storage import retention
 from torpor.sandbox.storage import snapshots as snapmod
 from torpor.sandbox.storage.retention import collect_garbage
 from torpor.sandbox.storage.snapshots import SnapshotStore, freeze, freeze_live
-from torpor.sandbox.vm.disk import is_qcow2
+from torpor.sandbox.vm.disk import is_qcow2, virtual_size
+from torpor.sandbox.vm.machine_dir import clone_pending, fill_pending, link_state
 
 
 class Crash(BaseException):
@@ -138,29 +139,33 @@ def test_a_crash_at_any_step_of_a_live_freeze_loses_nothing(
     assert (out / "ram").read_bytes() == (machine / "ram").read_bytes()
 
 
+@pytest.mark.parametrize("count", [1, 2], ids=["one-child", "two-children"])
 @pytest.mark.parametrize(
     "step",
     ["freeze:copied", "freeze:published", "capture:swapped", "capture:saved", "freeze:captured"],
 )
-def test_a_crash_while_a_fork_child_waits_loses_nothing(
-    tmp_path: Path, crash_at: list[str], step: str, monkeypatch: pytest.MonkeyPatch
+def test_a_crash_while_fork_children_wait_loses_nothing(
+    tmp_path: Path, crash_at: list[str], step: str, count: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fork of one child from a running source links the child's RAM to the frozen dir's
-    ``ram.tmp`` before the stop (``published``); a crash at any step leaves the source whole
-    and GC leaves no frozen RAM behind once the child's directory is gone (a child that was
-    never woken is removed at the restart)."""
+    """The children of a fork from a running source are made before the stop
+    (``published``): the last one's RAM is a link to the frozen dir's ``ram.tmp``, any other
+    has a RAM file of its own, filled from it after the stop. A crash at any step leaves the
+    source whole and GC leaves no frozen RAM behind once the children's directories are gone
+    (children that were never woken are removed at the restart)."""
     p = make_home(tmp_path)
     machine = make_machine(p, "sb1")
     store = SnapshotStore(p)
-    child = p.sandboxes / "child"
-    child.mkdir()
+    kids = [p.sandboxes / f"child{i}" for i in range(count)]
+    size = virtual_size(machine / "disk.qcow2")
 
     async def published(frozen: Path) -> None:
         assert (frozen / "ram.tmp").stat().st_size == (machine / "ram").stat().st_size
-        os.link(frozen / "ram.tmp", child / "ram")
+        for i, kid in enumerate(kids):
+            clone_pending(frozen, kid, size=size, own_ram=i < count - 1)
 
-    def saved(state: Path) -> None:  # inside the stop: the child loads while the source runs
-        os.link(state, child / "state")
+    def saved(state: Path) -> None:  # inside the stop: the state, linked into each child
+        for kid in kids:
+            link_state(state, kid)
 
     crash_at.append(step)
     with pytest.raises(Crash):
@@ -175,14 +180,14 @@ def test_a_crash_while_a_fork_child_waits_loses_nothing(
             )
         )
     crash_at.clear()
-    shutil.rmtree(child)  # the restart removes the child that never ran
+    for kid in kids:
+        shutil.rmtree(kid, ignore_errors=True)  # the restart removes children that never ran
     _disk_is_whole(machine)
     monkeypatch.setattr(retention, "LEFTOVER_GRACE_SECONDS", 0.0)  # as if later
     collect_garbage(p)
     _disk_is_whole(machine)
     assert not [f for f in store.frozen_root.rglob("ram*") if f.is_file()]
     qemu_io(machine / "disk.qcow2", "write -P 0x55 6M 64k")  # the machine runs on
-    child.mkdir()
     frozen, _ = asyncio.run(
         freeze_live(
             machine,
@@ -193,9 +198,13 @@ def test_a_crash_while_a_fork_child_waits_loses_nothing(
             saved=saved,
         )
     )
-    assert (child / "ram").samefile(frozen / "ram")  # filled in place: the child's RAM
-    assert (child / "state").samefile(frozen / "state")
-    assert (child / "ram").read_bytes() == (machine / "ram").read_bytes()
+    assert (kids[-1] / "ram").samefile(frozen / "ram")  # filled in place: the last child's
+    for kid in kids[:-1]:  # the others' own RAM files, filled after the stop
+        assert not (kid / "ram").samefile(frozen / "ram")
+        fill_pending(kids[-1] / "ram", kid)
+    for kid in kids:
+        assert (kid / "state").samefile(frozen / "state")
+        assert (kid / "ram").read_bytes() == (machine / "ram").read_bytes()
 
 
 def test_a_failing_fork_child_start_undoes_the_freeze(tmp_path: Path) -> None:

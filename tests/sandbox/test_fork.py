@@ -14,10 +14,11 @@ from typing import Any, TypeVar
 import pytest
 
 from torpor.config import paths
-from torpor.errors import Conflict, CorruptData, InvalidArgument, SnapshotNotFound
+from torpor.errors import Conflict, CorruptData, EngineError, InvalidArgument, SnapshotNotFound
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState
+from torpor.sandbox.vm import machine_dir
 
 pytestmark = pytest.mark.qemu
 T = TypeVar("T")
@@ -90,6 +91,22 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
             assert k.labels == {"user": "u-42", "strategy": "try"}  # carried over, then updated
             assert k.idle_pause_seconds == 600
         assert len(draws) == 3
+        # each child's QEMU started on a RAM file of its own (the spare's or a copy)
+        rams = [m.directory(k.id) / "ram" for k in kids]
+        assert len({(r.stat().st_dev, r.stat().st_ino) for r in rams}) == 3
+        # a copy into a started child that fails leaves no child and no QEMU behind
+        before = {i.id for i in await m.list()}
+        dirs = set(m.paths.sandboxes.iterdir())
+
+        def refuse(ram: Path, dst: Path, state: Path | None = None) -> None:
+            raise EngineError(f"cannot fill {dst} (test)")
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(machine_dir, "fill_pending", refuse)
+            with pytest.raises(EngineError, match="cannot fill"):
+                await cp.fork_snapshot(snap.id, count=3)
+        assert {i.id for i in await m.list()} == before
+        assert set(m.paths.sandboxes.iterdir()) == dirs
         await m.write_file(kids[0].id, "/workspace/mine.txt", "kid 0")
         assert not await m.exists(kids[1].id, "/workspace/mine.txt")
         # a live fork of a paused sandbox: it stays paused

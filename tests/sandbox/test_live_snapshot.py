@@ -111,6 +111,9 @@ def test_live_snapshot_and_fork_leave_the_source_running(
             assert urandom[0] != urandom[1]
             for k in kids:
                 assert (await m.run_code(k.id, "v")).text == "'kept-in-ram'"
+            # each child of a fork of many started on a RAM file of its own
+            child_rams = [m.directory(k.id) / "ram" for k in kids]
+            assert not child_rams[0].samefile(child_rams[1])
 
             # a fork of one child starts the child's QEMU before the source stops (its RAM is
             # filled in place): the source runs on untouched, the child has its RAM and a
@@ -143,6 +146,15 @@ def test_live_snapshot_and_fork_leave_the_source_running(
             monkeypatch.setattr(machine_dir, "link_state", refuse)
             with pytest.raises(EngineError, match="the state"):
                 await cp.fork(src.id, count=1)
+            monkeypatch.undo()
+
+            # the same for a fork of many whose copy into one child fails after the stop
+            def refuse_fill(ram: Path, dst: Path, state: Path | None = None) -> None:
+                raise EngineError(f"cannot fill {dst} (test)")
+
+            monkeypatch.setattr(machine_dir, "fill_pending", refuse_fill)
+            with pytest.raises(EngineError, match="cannot fill"):
+                await cp.fork(src.id, count=3)
             monkeypatch.undo()
             assert {i.id for i in await m.list()} == before
             assert frozen_rams() == rams

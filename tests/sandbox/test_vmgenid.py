@@ -59,13 +59,18 @@ def test_a_clone_gets_a_new_id_that_then_stays(tmp_path: Path) -> None:
     )
     clone_machine_dir(src, dst)
     config = read_machine_json(dst)
-    assert "vmgenid" not in config
-    assert {k: v for k, v in read_machine_json(src).items() if k != "vmgenid"} == config
-    ensure_generation_id(dst, config)
-    first = read_machine_json(dst)["vmgenid"]
-    assert first not in (GUID, None) and config["vmgenid"] == first
-    ensure_generation_id(dst, read_machine_json(dst))  # a second wake keeps it
+    first = config["vmgenid"]  # chosen by the clone: its first wake writes nothing
+    assert first not in (GUID, None)
+    assert {k: v for k, v in read_machine_json(src).items() if k != "vmgenid"} == {
+        k: v for k, v in config.items() if k != "vmgenid"
+    }
+    clone_machine_dir(src, tmp_path / "other")  # another clone, another generation
+    assert read_machine_json(tmp_path / "other")["vmgenid"] not in (GUID, first)
+    ensure_generation_id(dst, config)  # its wakes keep it
     assert read_machine_json(dst)["vmgenid"] == first
+    del config["vmgenid"]  # a machine from before ids were kept gets one at its wake
+    ensure_generation_id(dst, config)
+    assert config["vmgenid"] not in (None, first) and read_machine_json(dst) == config
 
 
 @pytest.mark.qemu

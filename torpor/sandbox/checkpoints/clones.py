@@ -5,7 +5,10 @@ device state and a disk layer. :class:`Cloner` turns it into ``count`` new sandb
 phases, so a fork can clone while its source is still paused and wake the children alongside
 it: :meth:`~Cloner.prepare` makes the registry rows and machine dirs,
 :meth:`~Cloner.wake_children` wakes them (fresh entropy and clock) and mounts the drives
-they inherit. Both are all or none. A component of
+they inherit. Both are all or none. :meth:`~Cloner.start_pending` starts the children
+before their RAM is whole (a fork of a running source, a clone of a cached snapshot): each
+QEMU starts while the RAM is written and loads once its own copy is done (:class:`Pending`).
+A component of
 :class:`~torpor.sandbox.checkpoints.Checkpoints`, working on the manager through
 :class:`~torpor.sandbox.manager.Held` only.
 """
@@ -18,8 +21,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +34,9 @@ from torpor.sandbox.registry import SandboxRecord
 from torpor.sandbox.storage.captures import drop_ram
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.volumes import Attachment
+from torpor.sandbox.vm.disk import virtual_size
 
-__all__ = ["Children", "Cloner", "PendingChild", "drop_ram"]
+__all__ = ["COPIES_AT_ONCE", "Children", "Cloner", "Pending", "drop_ram"]
 
 log = logging.getLogger(__name__)
 
@@ -55,41 +59,118 @@ class Children:
     envs: Mapping[str, str] | None = None
 
 
-@dataclass
-class PendingChild:
-    """A fork's child started before its source stopped (:meth:`Cloner.start_pending`): its
-    QEMU starts while the source's stop fills its RAM; it loads its state once
-    :meth:`released <release>`."""
+#: how many RAM copies into pending children run at once (each child loads as soon as its
+#: own copy is done: fewer at once lets the first ones start sooner on a small host)
+COPIES_AT_ONCE = 2
 
-    record: SandboxRecord
-    directory: Path
-    ready: asyncio.Future[None]
-    #: its wake (all or none: on failure the child is removed), the children it made
+
+@dataclass
+class Pending:
+    """Children started before their RAM is whole (:meth:`Cloner.start_pending`): each QEMU
+    starts (it only maps its RAM file) while the RAM is written, and loads its state once its
+    own RAM and state are there."""
+
+    records: list[SandboxRecord]
+    directories: list[Path]
+    #: per child, set once its RAM and state are whole (None: a child whole already)
+    ready: list[asyncio.Future[None] | None]
+    #: their wake (all or none: on failure every child is removed), the children it made
     woken: asyncio.Future[list[SandboxInfo]]
+    #: the last child's RAM file is the frozen RAM itself (a live fork's, filled by the stop)
+    linked: bool = False
+    #: per child that waits for its RAM: set once its QEMU runs and waits for it
+    waiting: list[asyncio.Future[None]] = field(default_factory=list)
+
+    async def started(self) -> None:
+        """Wait until every child's QEMU runs and waits for its RAM, or their wake ended (it
+        failed: :meth:`abandon` and the wake say why)."""
+        while not self.woken.done() and not all(f.done() for f in self.waiting):
+            waits: list[asyncio.Future[Any]] = [f for f in self.waiting if not f.done()]
+            await asyncio.wait([*waits, self.woken], return_when=asyncio.FIRST_COMPLETED)
 
     def release(self, state: Path) -> None:
-        """Called inside the source's stop once its RAM (the child's, filled in place) and
-        its device state (the file ``state``) are whole: link the state into the child's
-        directory and let its wake load it and run, while the source resumes. Raises
-        EngineError (the freeze then fails and the child is abandoned)."""
+        """Called inside a live source's stop once the frozen RAM and the device state (the
+        file ``state``) are whole: link the state into every child's directory. A lone child
+        (whose RAM is the frozen one) loads it at once, while the source resumes; the
+        children of a fork of more wait for :meth:`fill`. Raises EngineError (the freeze then
+        fails and the children are abandoned)."""
         from torpor.sandbox.vm.machine_dir import link_state
 
-        link_state(state, self.directory)
-        if not self.ready.done():
-            self.ready.set_result(None)
+        for directory in self.directories:
+            link_state(state, directory)
+        if len(self.directories) == 1:
+            self._go(0)
+
+    async def fill(self, ram: Path, state: Path | None = None) -> None:
+        """Copy ``ram`` in place into each child's own RAM file (with ``state``, then a copy
+        of it), :data:`COPIES_AT_ONCE` at a time, each child loading as soon as its own is
+        whole; then the :attr:`linked` child, whose RAM is ``ram`` itself, once nothing reads
+        it any more. Never raises: a failure fails every child still waiting (their wake then
+        removes them all and raises it)."""
+        from torpor.sandbox.vm.machine_dir import fill_pending
+
+        last = len(self.ready) - 1
+        own = [
+            i for i, f in enumerate(self.ready) if f is not None and not (self.linked and i == last)
+        ]
+        gate = asyncio.Semaphore(COPIES_AT_ONCE)
+        failed: list[BaseException] = []
+
+        async def one(i: int) -> None:
+            async with gate:
+                if failed:
+                    return
+                try:
+                    await asyncio.to_thread(fill_pending, ram, self.directories[i], state)
+                except Exception as exc:
+                    failed.append(exc)
+                    return
+            self._go(i)
+
+        try:  # every copy ends before anything else: no thread is left writing a removed file
+            await asyncio.gather(*(one(i) for i in own), return_exceptions=True)
+        except BaseException:  # cancelled: the children must not wait for ever
+            self._fail(EngineError("cloning was cancelled"))
+            raise
+        if failed:
+            self._fail(failed[0])
+        elif self.linked:
+            self._go(last)
 
     async def abandon(self, why: str, *, wait: bool = True) -> list[SandboxInfo]:
-        """The freeze failed: the child's wake fails (it removes the child) unless it was
-        released already; ``wait`` for it. Returns the children made anyway (released
+        """The freeze failed: the children's wake fails (it removes them) unless they were
+        all released already; ``wait`` for it. Returns the children made anyway (released
         before the failure: the caller removes them)."""
-        if not self.ready.done():
-            self.ready.set_exception(EngineError(f"the fork's source was not frozen: {why}"))
+        self._fail(EngineError(f"the fork's source was not frozen: {why}"))
         if not wait:
             return []
         await asyncio.wait([self.woken])
         if self.woken.cancelled() or self.woken.exception() is not None:
             return []  # retrieved: the freeze's failure is what is raised
         return self.woken.result()
+
+    def _go(self, i: int) -> None:
+        f = self.ready[i]
+        if f is not None and not f.done():
+            f.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        for f in self.ready:
+            if f is not None and not f.done():
+                f.set_exception(exc)
+
+
+class _Gate:
+    """What a pending child's wake awaits for its RAM: notes that its QEMU waits (the first
+    time it is awaited), then waits for ``ready``."""
+
+    def __init__(self, ready: asyncio.Future[None], waiting: asyncio.Future[None]) -> None:
+        self.ready, self.waiting = ready, waiting
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if not self.waiting.done():
+            self.waiting.set_result(None)
+        return self.ready.__await__()
 
 
 class Cloner:
@@ -109,13 +190,21 @@ class Cloner:
         take_ram: bool = False,
         spare: Callable[[Path], bool] | None = None,
     ) -> list[SandboxInfo]:
-        """Clone, wake and refresh ``children`` from a frozen dir; all or none (``take_ram``,
-        ``spare``: as for :meth:`prepare`)."""
+        """Clone, wake and refresh ``children`` from a frozen dir; all or none. ``take_ram``:
+        the frozen RAM is the caller's own (dropped after), the last child takes it (see
+        :meth:`prepare`). Else ``frozen`` is a cached, read-only one: the children's QEMUs
+        start while their RAM is copied (:meth:`start_pending`, then :meth:`Pending.fill`),
+        and ``spare(path)`` may move a ready clone into the last one's directory."""
         drives = self.drives_for(frozen, drives_of, recorded_drives)
-        recs = await self.prepare(frozen, children, take_ram=take_ram, spare=spare)
-        return await self.wake_children(
-            recs, drives, tenant=children.tenant, reason=children.reason
-        )
+        if take_ram:
+            recs = await self.prepare(frozen, children, take_ram=True)
+            return await self.wake_children(
+                recs, drives, tenant=children.tenant, reason=children.reason
+            )
+        size = await asyncio.to_thread(virtual_size, frozen / "disk.qcow2")
+        pending = await self.start_pending(frozen, children, size, drives=drives, spare=spare)
+        await pending.fill(frozen / "ram", frozen / "state")
+        return await pending.woken
 
     async def prepare(
         self,
@@ -186,30 +275,60 @@ class Cloner:
             m.registry.insert(rec, reason=children.reason)
             recs.append(rec)
 
-    async def start_pending(self, frozen: Path, children: Children, size: int) -> PendingChild:
-        """Start the one child of a fork whose running source is about to stop, before it
-        stops: its row, a directory from the frozen dir being made
-        (:func:`~torpor.sandbox.vm.machine_dir.clone_pending`; ``size``: the disk's) and its
-        wake, which starts QEMU and then waits for :meth:`PendingChild.release`. All or none:
-        on failure nothing is left. Raises as :meth:`prepare`."""
+    async def start_pending(
+        self,
+        frozen: Path,
+        children: Children,
+        size: int,
+        *,
+        linked: bool = False,
+        drives: list[tuple[DriveInfo, str, bool]] | None = None,
+        spare: Callable[[Path], bool] | None = None,
+    ) -> Pending:
+        """Start ``children`` before their RAM is whole: their rows, directories from the
+        frozen dir (:func:`~torpor.sandbox.vm.machine_dir.clone_pending`; ``size``: the
+        disk's) and their wake, which starts each QEMU and then waits for its RAM and state
+        (:meth:`Pending.release`, :meth:`Pending.fill`). ``linked``: ``frozen`` is being
+        frozen from a running source (``ram.tmp``, filled by its stop), which the last child
+        takes as its RAM; every other child has a RAM file of its own. ``spare(path)``: moves
+        a ready clone into the last child's directory if there is one (True; that child needs
+        nothing more). All or none: on failure nothing is left. Raises as :meth:`prepare`."""
         from torpor.sandbox.vm.machine_dir import clone_pending
 
         m = self.manager
         recs: list[SandboxRecord] = []
+        loop = asyncio.get_running_loop()
+        ready: list[asyncio.Future[None] | None] = []
         try:
             self._insert_rows(frozen, children, recs)
-            await asyncio.to_thread(clone_pending, frozen, m.directory(recs[0].id), size=size)
+            dirs = [m.directory(r.id) for r in recs]
+
+            def make() -> None:
+                last = len(dirs) - 1
+                for i, d in enumerate(dirs):
+                    if i == last and spare is not None and spare(d):
+                        ready.append(None)
+                        continue
+                    clone_pending(frozen, d, size=size, own_ram=not (linked and i == last))
+                    ready.append(loop.create_future())
+
+            await asyncio.to_thread(make)
         except BaseException as exc:
             for rec in recs:
                 await m.abort_create(rec, m.live(rec.id), exc)
             raise
-        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = [loop.create_future() for f in ready if f is not None]
+        gates = iter(waiting)
         task = asyncio.ensure_future(
             self.wake_children(
-                recs, [], tenant=children.tenant, reason=children.reason, ram_ready=ready
+                recs,
+                drives or [],
+                tenant=children.tenant,
+                reason=children.reason,
+                ram_ready=[None if f is None else _Gate(f, next(gates)) for f in ready],
             )
         )
-        return PendingChild(recs[0], m.directory(recs[0].id), ready, task)
+        return Pending(recs, dirs, ready, task, linked=linked, waiting=waiting)
 
     async def wake_children(
         self,
@@ -218,18 +337,18 @@ class Cloner:
         *,
         tenant: str,
         reason: str,
-        ram_ready: Awaitable[object] | None = None,
+        ram_ready: Sequence[Awaitable[object] | None] | None = None,
     ) -> list[SandboxInfo]:
         """Wake the prepared children concurrently, refresh their randomness and clock, mount
-        their drives. All or none. ``ram_ready``: their RAM and state are still being
-        written (:meth:`start_pending`)."""
+        their drives. All or none. ``ram_ready``: per child, None or what is awaited for its
+        RAM and state, still being written (:meth:`start_pending`)."""
         m = self.manager
 
-        async def one(rec: SandboxRecord) -> SandboxInfo:
+        async def one(rec: SandboxRecord, ready: Awaitable[object] | None) -> SandboxInfo:
             live = m.live(rec.id)
             async with live.lock:
                 try:
-                    await m.boot(rec, live, ram_ready=ram_ready)
+                    await m.boot(rec, live, ram_ready=ready)
                     for drive, path, ro in drives:
                         self.drives.attach(
                             drive.id, rec.id, path, read_only=ro, tenant=drive.tenant
@@ -242,7 +361,10 @@ class Cloner:
                 return m.move(rec, S.RUNNING, reason, last_active_at=time.time()).to_info()
 
         # children wake concurrently (QEMU start-up overlaps); all or none
-        results = await asyncio.gather(*(one(r) for r in recs), return_exceptions=True)
+        readies = list(ram_ready) if ram_ready is not None else [None] * len(recs)
+        results = await asyncio.gather(
+            *(one(r, w) for r, w in zip(recs, readies, strict=True)), return_exceptions=True
+        )
         made = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:

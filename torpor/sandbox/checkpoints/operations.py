@@ -19,18 +19,20 @@ How each one works (the storage is in :mod:`~torpor.sandbox.storage.snapshots`):
   returns only then). A crash in between is finished by :meth:`Checkpoints.recover`.
 * **restore(snapshot)**: a snapshot whose frozen dir is still cached locally (capturing, or
   among the newest ``$TORPOR_SNAPSHOT_CACHE`` stored) is cloned from that dir, its spare
-  clone moved in when there is one; any other is rebuilt from verified chunks into a frozen
-  dir first. The new sandbox is woken and given fresh entropy and the host's clock.
+  clone moved in when there is one (else the child's QEMU starts while its RAM is copied);
+  any other is rebuilt from verified chunks into a frozen dir first. The new sandbox is woken
+  and given fresh entropy and the host's clock.
 * **fork(sandbox, count)**: freeze as for a snapshot (live for a running source, with no
   guest flush: RAM and disk are taken at one instant; for a paused one the frozen RAM is a
   hard link to the source's, cloned into every child before the source could run again),
   then the children wake. Nothing goes through the chunk store, so a child costs one sparse
-  RAM copy and a wake (the last child takes the frozen copy itself). The one child of a
-  running source starts before the source stops (:meth:`Cloner.start_pending`): its QEMU
-  maps a link of the frozen RAM the stop then fills, so QEMU's start overlaps the stop, and
-  it loads the state while the source resumes. All
-  children or none: a failure removes the ones already made. A fork of a snapshot id is a
-  restore of ``count`` children.
+  RAM copy and a wake (the last child takes the frozen copy itself). The children of a
+  running source start before the source stops (:meth:`Cloner.start_pending`): the last
+  one's QEMU maps a link of the frozen RAM the stop then fills, the others' map RAM files of
+  their own, filled from it once the source runs again; so QEMU's start overlaps the stop and
+  the copies, and each child loads the state as soon as its RAM is whole (the last one once
+  the copies are done). All children or none: a failure removes the ones already made. A fork
+  of a snapshot id is a restore of ``count`` children.
 
 **Volumes and snapshots.** A volume is shared, long-lived data and is never part of a snapshot.
 The guest has it mounted with cached file-system state, so a snapshot or fork of a sandbox with a
@@ -67,7 +69,7 @@ from torpor.errors import (
     TorporError,
 )
 from torpor.sandbox.checkpoints.attach import Attachments
-from torpor.sandbox.checkpoints.clones import Children, Cloner, PendingChild, drop_ram
+from torpor.sandbox.checkpoints.clones import Children, Cloner, Pending, drop_ram
 from torpor.sandbox.manager import SYNC_TIMEOUT, Held, SandboxManager
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
@@ -624,18 +626,23 @@ class Checkpoints:
                 envs={**rec.envs, **(fork.envs or {})},
             )
 
-        # One child of a running source starts before the source stops: its QEMU starts
-        # while the stop copies the RAM into its RAM file, and it loads the state after.
-        pending: list[PendingChild] = []
+        # The children of a running source start before the source stops: their QEMUs start
+        # while the stop copies the RAM (into the last child's RAM file), the others' copies
+        # follow while the source runs on, and each loads its state once its RAM is whole.
+        pending: list[Pending] = []
 
         async def start_early(rec: SandboxRecord, frozen: Path) -> Callable[[Path], None]:
-            size = virtual_size(frozen / "disk.qcow2")
-            pending.append(await self.cloner.start_pending(frozen, children_of(rec), size))
-            return pending[-1].release  # inside the stop: the child loads while the source runs
+            size = await asyncio.to_thread(virtual_size, frozen / "disk.qcow2")
+            pending.append(
+                await self.cloner.start_pending(frozen, children_of(rec), size, linked=True)
+            )
+            if fork.count > 1:  # their QEMUs' start-up would slow the source's stop down
+                await pending[-1].started()
+            return pending[-1].release  # inside the stop: the state, linked into each child
 
         async def clone(rec: SandboxRecord, frozen: Path) -> Any:
-            # the frozen RAM is a hard link to the source's (paused) or to the child's
-            # (live: released already): clone it before the source wakes, and drop it
+            # the frozen RAM is a hard link to the source's (paused) or to the last child's
+            # (live): clone it before the source wakes, and drop it
             try:
                 if pending:
                     return None
@@ -646,7 +653,9 @@ class Checkpoints:
             return recs, drives
 
         async def wake(rec: SandboxRecord, frozen: Path, prepared: Any) -> list[SandboxInfo]:
-            if pending:
+            if pending:  # the other children's copies of the last one's RAM, then all run
+                last = pending[0].directories[-1]
+                await pending[0].fill(last / "ram")
                 return await pending[0].woken
             recs, drives = prepared
             return await self.cloner.wake_children(
@@ -660,7 +669,7 @@ class Checkpoints:
                 wake,
                 before_wake=clone,
                 link_ram=True,
-                before_stop=start_early if fork.count == 1 else None,
+                before_stop=start_early,
             )
         except BaseException as exc:
             for child in pending:  # released before the failure: made, so removed

@@ -58,6 +58,7 @@ __all__ = [
     "clone_pending",
     "discard_state",
     "ensure_generation_id",
+    "fill_pending",
     "inspect_dir",
     "link_state",
     "new_machine_config",
@@ -536,29 +537,60 @@ def _prune_links(runtime: Path) -> None:
                 entry.unlink()
 
 
-def clone_pending(src: Path, dst: Path, *, size: int) -> None:
-    """Make ``dst`` a clone of the machine being frozen into the frozen dir ``src`` while its
-    source still runs (a fork's child, started before its source stops): ``ram`` is a hard
-    link of ``src/ram.tmp`` (empty yet: the source's stop fills it in place),
-    ``machine.json`` is ``src``'s without its VM generation id, and ``disk.qcow2`` a new
-    overlay on ``src/disk.qcow2`` of ``size`` bytes, made without opening it (the source
-    writes that layer until its stop). It has no ``state`` until :func:`link_state`, so it
-    cannot be woken before. Raises EngineError."""
+def _write_clone_config(src: Path, dst: Path) -> None:
+    """Give the clone ``dst`` the machine.json of ``src`` with a VM generation id of its own
+    (a clone is a new generation), chosen now rather than at its first wake, whose
+    :func:`ensure_generation_id` then writes (and syncs) nothing. Not synced here: a clone's
+    ``state``, written after, is what makes it wakeable. Raises OSError, EngineError."""
+    config = read_machine_json(src)
+    config["vmgenid"] = str(uuid.uuid4())
+    (dst / "machine.json").write_text(json.dumps(config, indent=2))
+
+
+def clone_pending(src: Path, dst: Path, *, size: int, own_ram: bool = False) -> None:
+    """Make ``dst`` a clone of the machine in the frozen dir ``src`` whose RAM is not whole yet
+    (a child started before its RAM is written, so its QEMU's start overlaps the writing):
+    ``machine.json`` is ``src``'s with a new VM generation id, and ``disk.qcow2`` a new
+    overlay on ``src/disk.qcow2`` of ``size`` bytes, made without opening it (a live source
+    may write that layer until its stop). ``ram`` is a hard link of ``src/ram.tmp`` (empty
+    yet: a live source's stop fills it in place), or with ``own_ram`` a new file of its own at
+    the RAM's size, all holes, that :func:`fill_pending` fills. It has no ``state`` until
+    :func:`link_state` or :func:`fill_pending`, so it cannot be woken before. Raises
+    EngineError."""
     src, dst = Path(src).resolve(), Path(dst).resolve()
     try:
+        if dst.exists():  # (a new child's is not: nothing to clear, no directory sync)
+            discard_state(dst)
+            for name in ("disk.qcow2", "ram"):
+                with contextlib.suppress(FileNotFoundError):
+                    (dst / name).unlink()
         dst.mkdir(parents=True, exist_ok=True)
-        discard_state(dst)
-        for name in ("disk.qcow2", "ram"):
-            with contextlib.suppress(FileNotFoundError):
-                (dst / name).unlink()
-        os.link(src / "ram.tmp", dst / "ram")
+        if own_ram:
+            ram = src / "ram.tmp" if (src / "ram.tmp").exists() else src / "ram"
+            with open(dst / "ram", "xb") as f:
+                f.truncate(ram.stat().st_size)
+        else:
+            os.link(src / "ram.tmp", dst / "ram")
         (dst / "ram").chmod(0o600)
-        config = read_machine_json(src)
-        config.pop("vmgenid", None)  # a clone is a new generation: its first wake picks one
-        (dst / "machine.json").write_text(json.dumps(config, indent=2))
+        _write_clone_config(src, dst)
         new_overlay(src / "disk.qcow2", dst / "disk.qcow2", size=size)
     except OSError as exc:
         raise EngineError(f"cannot clone {src} to {dst}: {exc}", exc=exc) from exc
+
+
+def fill_pending(ram: Path, dst: Path, state: Path | None = None) -> None:
+    """Fill the RAM file of the clone :func:`clone_pending` made in ``dst`` (``own_ram``) with
+    ``ram``'s data, in place (its QEMU may have it mapped, waiting); with ``state``, then give
+    it a copy of that device state, last and by a rename (a clone whose RAM is half-filled has
+    no state; no fsync: a clone that was never woken is removed after a crash). Raises
+    EngineError."""
+    try:
+        copy_sparse(ram, dst / "ram", in_place=True)
+        if state is not None:
+            shutil.copyfile(state, dst / "state.tmp")
+            os.replace(dst / "state.tmp", dst / "state")
+    except OSError as exc:
+        raise EngineError(f"cannot fill the clone {dst} from {ram}: {exc}", exc=exc) from exc
 
 
 def link_state(state: Path, dst: Path) -> None:
@@ -600,9 +632,7 @@ def clone_machine_dir(src: Path, dst: Path, *, take_ram: bool = False) -> None:
             (dst / "ram").chmod(0o600)
         else:
             copy_sparse(src / "ram", dst / "ram")
-        config = read_machine_json(src)
-        config.pop("vmgenid", None)  # a clone is a new generation: its first wake picks one
-        (dst / "machine.json").write_text(json.dumps(config, indent=2))
+        _write_clone_config(src, dst)
         new_overlay(src / "disk.qcow2", dst / "disk.qcow2")
         shutil.copyfile(src / "state", dst / "state.tmp")
         with open(dst / "state.tmp", "rb") as f:
