@@ -200,7 +200,9 @@ def recall(
         query_scope=query_scope,
         embedder=embedder,
         min_similarity=min_similarity,
-        limit=k if replies is None else max(k, replies.reply_top),
+        # with the reply share every candidate is kept: a turn ranked below reply_top still
+        # takes its reply's share (BEAM dev R@10 0.523 -> 0.541; bench/README.md)
+        limit=k if replies is None else None,
     )
     hits = ranking.rank(found)
     if replies is not None:
