@@ -1,10 +1,17 @@
-"""Recall on real multi-session conversations (BEAM): torpor against its own parts and BM25.
+"""Recall on real multi-session conversations (BEAM, REALTALK): torpor against its own parts
+and BM25.
 
 Run from the repository root (the data is not in this repository; see ``bench/README.md``)::
 
-    python -m bench.conversations                      # 100K chats: 20 conversations, minutes
+    python -m bench.conversations                      # BEAM 100K: 20 conversations, minutes
     python -m bench.conversations --sizes 100K,500K    # + the 35 longer ones (longer run)
     python -m bench.conversations --limit 5            # the first 5 conversations of each size
+    python -m bench.conversations --set realtalk       # REALTALK: 10 chats between people
+
+BEAM: long user/assistant chats, generated, evidence per probing question. REALTALK: 21 days
+of real messaging between two people (short turns, dated to the second), questions in three
+categories (facts, often multi-hop; temporal; inference) with their evidence turns; only its
+``data/Chat_*.json`` files are read (its ``data/locomo/`` folder is another set, never read).
 
 Each conversation is indexed on its own, turn by turn, as episodes of one scope:
 ``scope.log_many([{"role": speaker, "text": "speaker: text", "session": batch, "at": time}])``,
@@ -536,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     nq = sum(len(c.questions) for c in convs)
     label = f"BEAM {','.join(sizes)}" if args.set == "beam" else "REALTALK"
     console.print(
-        f"[bold]{label}[/]{' (' + args.ranker + ')' if args.ranker else ''}: {len(convs)} conversations, "
+        f"[bold]{label}[/]{' (' + args.ranker + ')' if args.ranker else ''}: "
+        f"{len(convs)} conversations, "
         f"{sum(len(c.turns) for c in convs)} turns, {nq} questions with evidence"
     )
     t0 = time.perf_counter()

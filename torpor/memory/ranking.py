@@ -57,7 +57,8 @@ the side that singles out a record decides more for this query: names and rare w
 match a short turn make a peaked lexical side, a paraphrase makes a peaked vector side. On
 conversations between people (REALTALK) the words decide more than on BEAM's long
 user/assistant turns, where MiniLM does better: lexical 1.0 with the stand-out factor is the
-weight at which the default is at or above both its parts on both sets' tuning halves. Written as a convex blend of the raw scores, relevance keeps its absolute scale, so
+weight at which the default is at or above both its parts on both sets' tuning halves.
+Written as a convex blend of the raw scores, relevance keeps its absolute scale, so
 ``Hit.score`` stays comparable across queries (abstention thresholds, the kind prior). A side
 whose candidates all score alike (spread under ``spread_floor``, e.g. only stop words matched)
 gets no weight. Reciprocal rank fusion and fixed blends lost to MiniLM alone on real
@@ -398,7 +399,8 @@ def _stand_out(values: Iterable[float]) -> float:
     return (max(xs) - sum(xs) / len(xs)) / sd if len(xs) > 1 and sd > 0 else 0.0
 
 
-_MONTHS = {m: n for n, m in enumerate("jan feb mar apr may jun jul aug sep oct nov dec".split(), 1)}
+_MONTH_NAMES = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_MONTHS = {m: n for n, m in enumerate(_MONTH_NAMES, 1)}
 _MONTH = r"(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
 _DAY_MONTH = re.compile(
     r"\b(\d{1,2})(?:st|nd|rd|th)?\s+(?:of\s+)?" + _MONTH + r"(?:,?\s*(\d{4}))?", re.IGNORECASE
@@ -413,13 +415,15 @@ _ISO_DAY = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b")
 def query_days(query: str) -> tuple[tuple[int | None, int, int], ...]:
     """The calendar days ``query`` names, as (year or None, month, day): "7 Jan 2024",
     "January 6th", "2024-01-06". Impossible days are left out."""
-    found: list[tuple[int | None, int, int]] = []
-    for m in _DAY_MONTH.finditer(query):
-        found.append((_year(m.group(3)), _MONTHS[m.group(2).lower()[:3]], int(m.group(1))))
-    for m in _MONTH_DAY.finditer(query):
-        found.append((_year(m.group(3)), _MONTHS[m.group(1).lower()[:3]], int(m.group(2))))
-    for m in _ISO_DAY.finditer(query):
-        found.append((int(m.group(1)), int(m.group(2)), int(m.group(3))))
+    found: list[tuple[int | None, int, int]] = [
+        (_year(m.group(3)), _MONTHS[m.group(2).lower()[:3]], int(m.group(1)))
+        for m in _DAY_MONTH.finditer(query)
+    ]
+    found += [
+        (_year(m.group(3)), _MONTHS[m.group(1).lower()[:3]], int(m.group(2)))
+        for m in _MONTH_DAY.finditer(query)
+    ]
+    found += [(int(m.group(1)), int(m.group(2)), int(m.group(3))) for m in _ISO_DAY.finditer(query)]
     return tuple(d for d in dict.fromkeys(found) if _valid_day(d))
 
 
