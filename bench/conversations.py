@@ -1,10 +1,17 @@
-"""Recall on real multi-session conversations (BEAM): torpor against its own parts and BM25.
+"""Recall on real multi-session conversations (BEAM, REALTALK): torpor against its own parts
+and BM25.
 
 Run from the repository root (the data is not in this repository; see ``bench/README.md``)::
 
-    python -m bench.conversations                      # 100K chats: 20 conversations, minutes
+    python -m bench.conversations                      # BEAM 100K: 20 conversations, minutes
     python -m bench.conversations --sizes 100K,500K    # + the 35 longer ones (longer run)
     python -m bench.conversations --limit 5            # the first 5 conversations of each size
+    python -m bench.conversations --set realtalk       # REALTALK: 10 chats between people
+
+BEAM: long user/assistant chats, generated, evidence per probing question. REALTALK: 21 days
+of real messaging between two people (short turns, dated to the second), questions in three
+categories (facts, often multi-hop; temporal; inference) with their evidence turns; only its
+``data/Chat_*.json`` files are read (its ``data/locomo/`` folder is another set, never read).
 
 Each conversation is indexed on its own, turn by turn, as episodes of one scope:
 ``scope.log_many([{"role": speaker, "text": "speaker: text", "session": batch, "at": time}])``,
@@ -51,7 +58,12 @@ from rich.table import Table
 log = logging.getLogger("bench.conversations")
 console = Console(width=160)
 OUT = Path(__file__).resolve().parent / "results" / "conversations.json"
-DEFAULT_DATA = Path.home() / ".cache" / "torpor-bench" / "BEAM"
+BENCH_CACHE = Path.home() / ".cache" / "torpor-bench"
+DEFAULT_DATA = BENCH_CACHE / "BEAM"
+SETS = {"beam": DEFAULT_DATA, "realtalk": BENCH_CACHE / "REALTALK"}
+#: REALTALK's question categories (its evaluation code: 1 scored as a list of answers, 2 as a
+#: date, 3 as an inference)
+REALTALK_CATEGORIES = {1: "facts (multi-hop)", 2: "temporal", 3: "inference"}
 KS = (1, 5, 10)
 SYSTEMS = ("torpor", "torpor-lexical", "bm25", "dense")
 MAX_CHARS = 32_000  # torpor's text limit (LIMITS.max_memory_text_chars); longer turns are cut
@@ -141,6 +153,52 @@ def split(convs: Sequence[Conversation], part: str) -> list[Conversation]:
         if (n % 2 == 0) == (part == "dev"):
             out.append(conv)
     return out
+
+
+def load_realtalk(data: Path, limit: int | None) -> list[Conversation]:
+    """REALTALK's chats, ``data/Chat_<n>_<a>_<b>.json`` in numeric order (``limit`` of them).
+
+    Only those files are read: the checkout's ``data/locomo/`` holds another set (LoCoMo,
+    split per chat), which is never read here."""
+    root = data / "data"
+    files = [f for f in root.glob("Chat_*.json") if f.is_file()] if root.is_dir() else []
+    if not files:
+        raise SystemExit(f"no REALTALK chats at {root}: see bench/README.md for how to get them")
+    files.sort(key=lambda f: int(f.name.split("_")[1]))
+    return [_realtalk(f"realtalk/{f.stem}", f) for f in files[:limit]]
+
+
+def _realtalk(name: str, path: Path) -> Conversation:
+    """One REALTALK chat: its ``session_<n>`` lists of messages (``clean_text``, ``speaker``,
+    ``date_time`` as ``DD.MM.YYYY, HH:MM:SS``, ``dia_id`` ``D<session>:<n>``) and its ``qa``
+    (``evidence``: the dia_ids). A message with a picture keeps its caption, as the
+    dataset's own evaluation does."""
+    chat = json.loads(path.read_text())
+    sessions = sorted(
+        (k for k in chat if re.fullmatch(r"session_\d+", k)), key=lambda k: int(k.split("_")[1])
+    )
+    turns: list[Turn] = []
+    ids: dict[str, int] = {}
+    when = datetime(2023, 1, 1, tzinfo=UTC)
+    for key in sessions:
+        for msg in chat[key]:
+            try:
+                at = datetime.strptime(msg["date_time"], "%d.%m.%Y, %H:%M:%S").replace(tzinfo=UTC)
+            except (KeyError, ValueError):
+                at = when + timedelta(seconds=1)
+            when = max(when + timedelta(microseconds=1), at)
+            text = (msg.get("clean_text") or "").strip()
+            if msg.get("blip_caption"):
+                text = f"{text} [shares a photo: {msg['blip_caption']}]".strip()
+            ids[msg["dia_id"]] = len(turns)
+            turns.append(Turn(len(turns), msg["speaker"], text or "(empty)", key, when))
+    conv = Conversation(name, turns)
+    for q in chat.get("qa", []):
+        evidence = frozenset(ids[e] for e in q.get("evidence", []) if e in ids)
+        ability = REALTALK_CATEGORIES.get(q.get("category"), f"category {q.get('category')}")
+        if evidence and q.get("question"):
+            conv.questions.append(Question(ability, q["question"], evidence))
+    return conv
 
 
 def _conversation(name: str, d: Path) -> Conversation:
@@ -233,11 +291,14 @@ class CachedEmbedder:
 Search = Callable[[str, int], list[int]]
 
 
-def torpor_index(conv: Conversation, home: Path, embedder: Any) -> tuple[Search, float]:
-    """Index ``conv`` in a fresh torpor memory; returns its search and the indexing seconds."""
+def torpor_index(
+    conv: Conversation, home: Path, embedder: Any, ranking: Any = None
+) -> tuple[Search, float]:
+    """Index ``conv`` in a fresh torpor memory; returns its search and the indexing seconds
+    (``ranking``: a ranker to try instead of the default, see ``--ranker``)."""
     import torpor
 
-    mem = torpor.Memory(home=str(home), embedder=embedder)
+    mem = torpor.Memory(home=str(home), embedder=embedder, ranking=ranking)
     scope = mem.scope(app="beam", user=conv.name.replace("/", "-").lower())
     t0 = time.perf_counter()
     recs = scope.log_many(
@@ -316,7 +377,9 @@ def _pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1000 if ordered else 0
 
 
-def run(convs: Sequence[Conversation], systems: Sequence[str], cache: Path) -> dict[str, Tally]:
+def run(
+    convs: Sequence[Conversation], systems: Sequence[str], cache: Path, ranking: Any = None
+) -> dict[str, Tally]:
     """Every system on every conversation; returns their tallies."""
     tallies = {s: Tally() for s in systems}
     emb = CachedEmbedder(cache) if {"torpor", "dense"} & set(systems) else None
@@ -332,9 +395,9 @@ def run(convs: Sequence[Conversation], systems: Sequence[str], cache: Path) -> d
         with tempfile.TemporaryDirectory(prefix="torpor-beam-") as tmp:
             for system in systems:
                 if system == "torpor":
-                    search, spent = torpor_index(conv, Path(tmp) / "default", emb)
+                    search, spent = torpor_index(conv, Path(tmp) / "default", emb, ranking)
                 elif system == "torpor-lexical":
-                    search, spent = torpor_index(conv, Path(tmp) / "lexical", None)
+                    search, spent = torpor_index(conv, Path(tmp) / "lexical", None, ranking)
                 elif system == "bm25":
                     search, spent = bm25_index(conv)
                 else:
@@ -411,10 +474,38 @@ def print_tables(tables: dict[str, dict[str, dict[str, float]]], tallies: dict[s
     console.print(speed)
 
 
+def _ranker(spec: str) -> Any:
+    """A :class:`~torpor.memory.HybridRanker` with the fields ``spec`` names (``a=1,b=2``)."""
+    import dataclasses
+
+    from torpor.memory.ranking import HybridRanker
+
+    fields = {f.name: f.type for f in dataclasses.fields(HybridRanker)}
+    kw: dict[str, Any] = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in fields:
+            raise SystemExit(f"--ranker: HybridRanker has no field {name!r}")
+        default = getattr(HybridRanker(), name)
+        kw[name] = (
+            value.strip().lower() in ("1", "true")
+            if isinstance(default, bool)
+            else type(default)(value)
+        )
+    return HybridRanker(**kw)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns 0 (a missed goal is a FAIL row, not an error)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the BEAM checkout")
+    ap.add_argument("--set", choices=sorted(SETS), default="beam", help="which conversations")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="the set's checkout (default ~/.cache/torpor-bench/<SET>)",
+    )
     ap.add_argument("--sizes", default="100K", help="comma-separated chat sizes (100K,500K)")
     ap.add_argument("--limit", type=int, default=None, help="conversations per size")
     ap.add_argument(
@@ -425,7 +516,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--cache", type=Path, default=DEFAULT_DATA.parent / "vectors")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default bench/results/conversations[-SET].json"
+    )
+    ap.add_argument(
+        "--ranker",
+        default="",
+        help="try HybridRanker fields instead of the defaults, e.g. 'lexical=0.75,reply=0'",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -433,14 +531,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}")
-    convs = split(load(args.data.expanduser(), sizes, args.limit), args.split)
+    data = (args.data or SETS[args.set]).expanduser()
+    loaded = (
+        load(data, sizes, args.limit) if args.set == "beam" else load_realtalk(data, args.limit)
+    )
+    convs = split(loaded, args.split)
+    ranking = _ranker(args.ranker) if args.ranker else None
+    out = args.out or (
+        OUT if args.set == "beam" else OUT.with_name(f"conversations-{args.set}.json")
+    )
     nq = sum(len(c.questions) for c in convs)
+    label = f"BEAM {','.join(sizes)}" if args.set == "beam" else "REALTALK"
     console.print(
-        f"[bold]BEAM[/] {','.join(sizes)}: {len(convs)} conversations, "
+        f"[bold]{label}[/]{' (' + args.ranker + ')' if args.ranker else ''}: "
+        f"{len(convs)} conversations, "
         f"{sum(len(c.turns) for c in convs)} turns, {nq} questions with evidence"
     )
     t0 = time.perf_counter()
-    tallies = run(convs, systems, args.cache.expanduser())
+    tallies = run(convs, systems, args.cache.expanduser(), ranking)
     tables = {s: t.table() for s, t in tallies.items()}
     print_tables(tables, tallies)
     rows = verdicts(tables) if "torpor" in tables else []
@@ -450,8 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "data": {
-            "set": "BEAM",
-            "sizes": sizes,
+            "set": "BEAM" if args.set == "beam" else "REALTALK",
+            "sizes": sizes if args.set == "beam" else None,
+            "ranker": args.ranker or None,
             "limit": args.limit,
             "split": args.split,
             "conversations": len(convs),
@@ -469,9 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         "targets": [{"target": n, "pass": ok, "detail": d} for n, ok, d in rows],
         "seconds": time.perf_counter() - t0,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    console.print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    console.print(f"wrote {out}")
     return 0
 
 

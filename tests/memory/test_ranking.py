@@ -15,6 +15,7 @@ from torpor.errors import InvalidArgument
 from torpor.memory import Candidates, Episode, Fact, HashEmbedder, Hit, HybridRanker, Memory
 from torpor.memory.backends.base import AnyRecord
 from torpor.memory.models import from_us, now_us, to_us
+from torpor.memory.ranking import query_days
 from torpor.memory.recall import previous_turns
 
 NOW = now_us()
@@ -70,6 +71,8 @@ OPTIONS = [
     pytest.param("bm25_k1", 2.0, HybridRanker(), id="bm25_k1"),
     pytest.param("bm25_b", 0.0, HybridRanker(), id="bm25_b"),
     pytest.param("lexical", 0.9, HybridRanker(), id="lexical"),
+    pytest.param("stand_out", 0.0, HybridRanker(), id="stand_out"),
+    pytest.param("dated", 0.0, HybridRanker(), id="dated"),
     pytest.param("hybrid_coverage", 0.9, HybridRanker(), id="hybrid_coverage"),
     pytest.param("spread_floor", 0.5, HybridRanker(), id="spread_floor"),
     pytest.param("scope_decay", 0.3, HybridRanker(tiered=False), id="scope_decay"),
@@ -138,6 +141,8 @@ def test_every_option_changes_the_answer(option: str, value: object, base: Hybri
     found = dataclasses.replace(_found(), vector=None) if option == "coverage" else _found()
     if option == "speaker":
         found = _dialogue("did dana say the kayak is mine")
+    if option == "dated":  # the talk (40 days ago) is on the day the query names
+        found = dataclasses.replace(found, query=f"is the kayak mine, {_day(TALK)}")
     assert _answer(changed.rank(found)) != _answer(base.rank(found))
 
 
@@ -206,6 +211,8 @@ def test_the_blend_weighs_each_side_by_how_its_best_candidates_stand_out() -> No
         _found(0.05), vector=[(r, 0.4 + s / 4) for r, s in _found().vector or ()]
     )
     assert ranker.rank(flat)[0].scores["lexical_weight"] < weight
+    # the side whose best candidate stands out further gains weight (``stand_out``)
+    assert HybridRanker(stand_out=0.0).rank(_found(0.05))[0].scores["lexical_weight"] != weight
     # no vector candidates: the lexical side decides alone
     alone = dataclasses.replace(_found(0.05), vector=[])
     assert {h.scores["lexical_weight"] for h in ranker.rank(alone)} == {1.0}
@@ -243,6 +250,55 @@ def test_a_question_naming_a_speaker_prefers_that_speakers_turns(query: str, fir
         assert by_id[rid].scores["speaker"] == (1.1 if rid in named else 1.0)
         assert by_id[rid].scores["relevance"] == pytest.approx(by_id["talk"].scores["relevance"])
     assert "speaker" not in by_id["weak"].scores  # a fact has no speaker
+
+
+def _day(rec: AnyRecord) -> str:
+    return rec.valid_from.strftime("%d %B %Y")
+
+
+@pytest.mark.parametrize(
+    ("query", "days"),
+    [
+        pytest.param("what did she make on 29 Dec 2023?", ((2023, 12, 29),), id="day-month-year"),
+        pytest.param("naps on January 6th, 2024", ((2024, 1, 6),), id="month-day-year"),
+        pytest.param("where was he on 31st of december", ((None, 12, 31),), id="no-year"),
+        pytest.param("the 2024-02-29 meeting", ((2024, 2, 29),), id="iso"),
+        pytest.param("on 30 February", (), id="impossible"),
+        pytest.param("may I ask what happened in 2024", (), id="no-day"),
+        pytest.param("when did Kate visit Art Basel?", (), id="none"),
+    ],
+)
+def test_query_days_reads_the_days_a_question_names(
+    query: str, days: tuple[tuple[int | None, int, int], ...]
+) -> None:
+    assert query_days(query) == days
+
+
+def test_a_turn_on_the_day_the_question_names_comes_first() -> None:
+    """Two turns alike in every score but their day: the one on the named day (or the day
+    after it, when it was told) wins; a year that does not match does not count."""
+    at = TALK.valid_from
+    early = TALK.model_copy(update={"id": "early", "valid_from": at - timedelta(days=3)})
+    late = TALK.model_copy(update={"id": "late", "valid_from": at})
+
+    def first(query: str) -> str:
+        found = dataclasses.replace(
+            _dialogue("is the kayak mine"),
+            query=query,
+            lexical=[(late, 2.0), (early, 2.0), (WEAK, 0.5)],
+            vector=[(late, 0.6), (early, 0.6), (WEAK, 0.2)],
+        )
+        hits = HybridRanker().rank(found)
+        return hits[0].id
+
+    assert first("is the kayak mine") == "late"  # a tie goes to the newer turn
+    assert first(f"is the kayak mine, {_day(early)}") == "early"
+    told_next_day = (early.valid_from - timedelta(days=1)).strftime("%d %B")
+    assert first(f"is the kayak mine, {told_next_day}") == "early"
+    other_year = early.valid_from.replace(year=early.valid_from.year - 1).strftime("%d %B %Y")
+    assert first(f"is the kayak mine, {other_year}") == "late"
+    hit = next(h for h in HybridRanker().rank(_dialogue(f"kayak {_day(TALK)}")) if h.id == "talk")
+    assert hit.scores["date"] == 1.3 and hit.scores["relevance"] <= 1
 
 
 def test_bm25_normalizes_length_against_the_stores_mean() -> None:

@@ -20,16 +20,21 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
               = w * lexical + (1 - w) * max(vector, 0)            with one, where a candidate
                 that one side did not find counts as that side's weakest candidate, and the
                 query's lexical weight (``Hit.scores["lexical_weight"]``) is
-                w = (L / sd_lex) / (L / sd_lex + 1 / sd_vec),  L = ``lexical`` = 0.5,
-                sd_* = the standard deviation of that side's candidate scores
+                w / (1 - w) = (L / sd_lex) / (1 / sd_vec) * (z_lex / z_vec) ** p,
+                L = ``lexical`` = 1.0, sd_* = the standard deviation of that side's
+                candidate scores, z_* = how far that side's best candidate stands above
+                the side's mean, in its standard deviations, p = ``stand_out`` = 0.5
     kind      = 1.0 for facts, 0.5 for episodes  (distilled knowledge over raw history:
                 "user facts > session > raw history")
     speaker   = 1 + ``speaker`` (0.1) for an episode whose role the query names ("what did
                 Caroline say ..."), when the candidates' episodes have other roles too; else 1
+    date      = 1 + ``dated`` (0.3) for a record whose ``valid_from`` falls on a day the query
+                names ("on 7 Jan 2024", "January 6", "2024-01-06"; without a year, any year)
+                or the day after (a day is often told the next morning); else 1
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
-    score     = relevance * kind * speaker * recency  (tiered, the default)
-              = relevance * kind * speaker * recency * scope  (``tiered=False``)
+    score     = relevance * kind * speaker * date * recency  (tiered, the default)
+              = relevance * kind * speaker * date * recency * scope  (``tiered=False``)
     reply     = with an embedder, an episode whose next turn in its session is among the first
                 ``reply_top`` (20) hits gains ``reply`` (0.1) times that turn's score
                 (:meth:`HybridRanker.with_replies`; recall asks the store for the turns)
@@ -46,10 +51,14 @@ then drops what should not be returned, and orders the rest:
   better ancestor hit may outrank a weak local one.
 
 Why this blend. It orders candidates exactly as the sum of the two sides' standard scores
-(``(x - mean) / sd`` over each side's candidates, the lexical one weighed 0.5) would, so the
-side whose best candidates stand out from the rest decides more for this query: names and rare
-words that match a short turn make a peaked lexical side, a paraphrase makes a peaked vector
-side. Written as a convex blend of the raw scores, relevance keeps its absolute scale, so
+(``(x - mean) / sd`` over each side's candidates) would, each side weighed by how far its own
+best candidate stands out (the square root of the ratio of the two best standard scores), so
+the side that singles out a record decides more for this query: names and rare words that
+match a short turn make a peaked lexical side, a paraphrase makes a peaked vector side. On
+conversations between people (REALTALK) the words decide more than on BEAM's long
+user/assistant turns, where MiniLM does better: lexical 1.0 with the stand-out factor is the
+weight at which the default is at or above both its parts on both sets' tuning halves.
+Written as a convex blend of the raw scores, relevance keeps its absolute scale, so
 ``Hit.score`` stays comparable across queries (abstention thresholds, the kind prior). A side
 whose candidates all score alike (spread under ``spread_floor``, e.g. only stop words matched)
 gets no weight. Reciprocal rank fusion and fixed blends lost to MiniLM alone on real
@@ -76,12 +85,22 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
 from typing import Protocol
 
 from torpor.memory.backends.base import AnyRecord
 from torpor.memory.models import Episode, Fact, Hit, path_depth, to_us
 
-__all__ = ["STOPWORDS", "Candidates", "HybridRanker", "Ranker", "coverage", "stem", "words"]
+__all__ = [
+    "STOPWORDS",
+    "Candidates",
+    "HybridRanker",
+    "Ranker",
+    "coverage",
+    "query_days",
+    "stem",
+    "words",
+]
 
 STOPWORDS = frozenset(
     """
@@ -188,7 +207,9 @@ class HybridRanker:
     stopword: float = 0.2
     bm25_k1: float = 1.2
     bm25_b: float = 0.75
-    lexical: float = 0.5
+    lexical: float = 1.0
+    stand_out: float = 0.5
+    dated: float = 0.3
     hybrid_coverage: float = 0.2
     spread_floor: float = 0.01
     scope_decay: float = 0.7
@@ -245,6 +266,7 @@ class HybridRanker:
         lexical = {rid: share * c + (1 - share) * bm25[rid] for rid, c in covered.items()}
         weight, fill_lexical, fill_vector = self._blend(lexical, vector)
         named = self._named_speakers(found.terms, records.values())
+        days = query_days(found.query) if self.dated > 0 else ()
         scored: list[tuple[AnyRecord, dict[str, float], float]] = []
         for rid, rec in records.items():
             scores: dict[str, float] = {"lexical": lexical.get(rid, 0.0)}
@@ -260,6 +282,8 @@ class HybridRanker:
                 )
             if isinstance(rec, Episode):
                 scores["speaker"] = 1 + self.speaker if rec.role in named else 1.0
+            if days:
+                scores["date"] = 1 + self.dated if _on_days(rec.valid_from, days) else 1.0
             scored.append((rec, scores, self._score(rec, found, scores, relevance)))
         top = max((sc["relevance"] for _, sc, _ in scored), default=0.0)
         kept = [
@@ -282,7 +306,8 @@ class HybridRanker:
         candidate: that side's weakest candidate's (it ranked below all of them).
 
         The weight makes the blend order the candidates as the sum of the two sides'
-        standard scores would, the lexical one weighed ``lexical``: the side whose best
+        standard scores would, the lexical one weighed ``lexical`` times the ratio of the
+        two sides' best standard scores to the power ``stand_out``: the side whose best
         candidates stand out from the rest counts more for this query."""
         fill_lexical = min(lexical.values(), default=0.0)
         fill_vector = min(vector.values(), default=0.0)
@@ -294,8 +319,12 @@ class HybridRanker:
             return 0.0, fill_lexical, fill_vector
         if lex_flat and vec_flat:
             return 0.5, fill_lexical, fill_vector
-        weight = (self.lexical / lex_spread) / (self.lexical / lex_spread + 1 / vec_spread)
-        return weight, fill_lexical, fill_vector
+        odds = (self.lexical / lex_spread) / (1 / vec_spread)
+        if self.stand_out:
+            lex_z, vec_z = _stand_out(lexical.values()), _stand_out(vector.values())
+            if lex_z > 0 and vec_z > 0:
+                odds *= (lex_z / vec_z) ** self.stand_out
+        return odds / (1 + odds), fill_lexical, fill_vector
 
     @staticmethod
     def _named_speakers(terms: Sequence[str], records: Iterable[AnyRecord]) -> frozenset[str]:
@@ -356,9 +385,69 @@ class HybridRanker:
         scores["kind"] = 1.0 if isinstance(rec, Fact) else self.episode
         scores["recency"] = 1 + self.recency * 0.5 ** (age_days / self.half_life_days)
         score = relevance * scores["kind"] * scores.get("speaker", 1.0) * scores["recency"]
+        score *= scores.get("date", 1.0)
         if not self.tiered:
             score *= scores["scope"]
         return score
+
+
+def _stand_out(values: Iterable[float]) -> float:
+    """How far the best of ``values`` stands above their mean, in standard deviations
+    (0 for fewer than two or when they are all alike)."""
+    xs = list(values)
+    sd = _spread(xs)
+    return (max(xs) - sum(xs) / len(xs)) / sd if len(xs) > 1 and sd > 0 else 0.0
+
+
+_MONTH_NAMES = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_MONTHS = {m: n for n, m in enumerate(_MONTH_NAMES, 1)}
+_MONTH = r"(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
+_DAY_MONTH = re.compile(
+    r"\b(\d{1,2})(?:st|nd|rd|th)?\s+(?:of\s+)?" + _MONTH + r"(?:,?\s*(\d{4}))?", re.IGNORECASE
+)
+_MONTH_DAY = re.compile(
+    r"\b" + _MONTH + r"\s+(\d{1,2})(?:st|nd|rd|th)?\b(?:,?\s*(\d{4}))?", re.IGNORECASE
+)
+_ISO_DAY = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b")
+
+
+@functools.lru_cache(maxsize=1024)
+def query_days(query: str) -> tuple[tuple[int | None, int, int], ...]:
+    """The calendar days ``query`` names, as (year or None, month, day): "7 Jan 2024",
+    "January 6th", "2024-01-06". Impossible days are left out."""
+    found: list[tuple[int | None, int, int]] = [
+        (_year(m.group(3)), _MONTHS[m.group(2).lower()[:3]], int(m.group(1)))
+        for m in _DAY_MONTH.finditer(query)
+    ]
+    found += [
+        (_year(m.group(3)), _MONTHS[m.group(1).lower()[:3]], int(m.group(2)))
+        for m in _MONTH_DAY.finditer(query)
+    ]
+    found += [(int(m.group(1)), int(m.group(2)), int(m.group(3))) for m in _ISO_DAY.finditer(query)]
+    return tuple(d for d in dict.fromkeys(found) if _valid_day(d))
+
+
+def _year(text: str | None) -> int | None:
+    return int(text) if text else None
+
+
+def _valid_day(day: tuple[int | None, int, int]) -> bool:
+    year, month, dom = day
+    try:
+        date(2024 if year is None else year, month, dom)  # 2024: a leap year, for 29 Feb
+    except ValueError:
+        return False
+    return True
+
+
+def _on_days(when: datetime, days: Sequence[tuple[int | None, int, int]]) -> bool:
+    """Whether ``when`` (UTC) falls on one of ``days`` or on the day after one."""
+    today = when.astimezone(UTC).date()
+    for d in (today, today - timedelta(days=1)):
+        for year, month, dom in days:
+            if d.month == month and d.day == dom and (year is None or d.year == year):
+                return True
+    return False
 
 
 def _spread(values: Iterable[float]) -> float:

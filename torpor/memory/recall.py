@@ -15,7 +15,8 @@
 4. **Replies.** With an embedder and the default ranker, the store is asked for the turn
    before each of the first ``reply_top`` hits (same scope and session, by ``at``), and
    :meth:`~torpor.memory.ranking.HybridRanker.with_replies` lifts those turns by a share of
-   their reply's score (one indexed lookup per hit).
+   their reply's score (one indexed lookup per hit); the ranker keeps twice ``reply_top`` hits
+   for it, so a turn ranked below ``reply_top`` can still rise.
 5. **The first k** of that order are the answer.
 
 Why stop words are searched: a question is mostly function words ("what is
@@ -200,7 +201,9 @@ def recall(
         query_scope=query_scope,
         embedder=embedder,
         min_similarity=min_similarity,
-        limit=k if replies is None else max(k, replies.reply_top),
+        # with the reply share, twice reply_top are kept: a turn ranked below reply_top can
+        # still take its reply's share (BEAM dev R@10 0.523 -> 0.538; bench/README.md)
+        limit=k if replies is None else max(k, 2 * replies.reply_top),
     )
     hits = ranking.rank(found)
     if replies is not None:
