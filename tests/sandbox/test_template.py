@@ -139,7 +139,8 @@ def test_a_template_booted_with_another_kernel_command_line_is_stale(tmp_path: P
     assert templates.stale_reason(info) is None
     # a template.json from before the command line was kept has none: rebuilt once
     legacy = {k: v for k, v in info.to_json().items() if k != "kernel_append"}
-    assert "command line" in (templates.stale_reason(templates.TemplateInfo.from_json(legacy)) or "")
+    older = templates.TemplateInfo.from_json(legacy)
+    assert "command line" in (templates.stale_reason(older) or "")
     other = templates.TemplateInfo.from_json({**info.to_json(), "kernel_append": "quiet"})
     assert "command line" in (templates.stale_reason(other) or "")
     agent = templates.TemplateInfo.from_json({**info.to_json(), "guest_hash": "0" * 12})

@@ -64,8 +64,9 @@ async def _pooled_creates_and_a_wake(home: Path) -> None:
         await m.run_code(a.id, "kept = 41")
         # the draw after next of a seeded generator, then the generator at its first draw
         await m.run_code(
-            a.id, "random.seed(5)\nnext_one = [random.random() for _ in range(2)][1]\n"
-            "random.seed(5)\nrandom.random()"
+            a.id,
+            "random.seed(5)\nnext_one = [random.random() for _ in range(2)][1]\n"
+            "random.seed(5)\nrandom.random()",
         )
         await m.pause(a.id)
         await asyncio.sleep(3)  # the guest's clock stands still meanwhile ...

@@ -89,9 +89,7 @@ def doctor(
     for t in built:
         why = templates.stale_reason(t)
         stale = (
-            ""
-            if why is None
-            else f" [yellow]stale: {why}; run `torpor template build {t.name}`[/]"
+            "" if why is None else f" [yellow]stale: {why}; run `torpor template build {t.name}`[/]"
         )
         rows.append(f"{t.name} ({t.build_id}, {t.accel}){stale}")
     table.add_row(

@@ -177,10 +177,10 @@ class Operations:
         """``{pid, boot_id, uptime, time, version, marks}``; with ``args.refresh``
         (``{unix_time}``, entropy as payload) it refreshes too, once per entropy, and adds
         ``refresh``. ``{unix_time, key, reseed: false}`` with no payload (a plain wake: the
-        guest's random state was never copied) only sets the clock, once per ``key``. ``marks``: how this connection reached the agent in the guest's
-        CLOCK_MONOTONIC (the agent's ``wake_marks``, plus ``data``: the read that brought
-        this ping returned, ``served``: its handling began, ``answered``: its answer is
-        ready, refresh included)."""
+        guest's random state was never copied) only sets the clock, once per ``key``.
+        ``marks``: how this connection reached the agent in the guest's CLOCK_MONOTONIC (the
+        agent's ``wake_marks``, plus ``data``: the read that brought this ping returned,
+        ``served``: its handling began, ``answered``: its answer is ready, refresh included)."""
         served = time.monotonic()
         info: dict[str, Any] = {
             "pid": os.getpid(),
