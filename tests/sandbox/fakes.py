@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import os
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,11 +95,14 @@ class FakeEngine:
     def machine(self, directory: Path, config: MachineConfig) -> FakeMachine:
         return FakeMachine(self, directory)
 
-    async def connect(self, machine: Any, directory: Path) -> FakeChannel:
+    async def connect(self, machine: Any, directory: Path, *, reseed: bool = True) -> FakeChannel:
         self.calls.append("connect")
         if self._fault("connect") or directory not in self.world.processes:
             raise GuestError("the guest agent does not answer (injected)")
-        return FakeChannel(self, directory)
+        channel = FakeChannel(self, directory)
+        if not reseed:  # the clock only, in the first ping
+            self.world.processes[directory].refreshes.append((None, time.time()))
+        return channel
 
     def inspect(self, directory: Path) -> DirStatus:
         proc = self.world.processes.get(directory)

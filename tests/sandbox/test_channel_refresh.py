@@ -181,3 +181,38 @@ def test_spare_pings_are_not_cancelled(tmp_path: Path) -> None:
     assert first["pings"] >= 3 and first["answered"] == 1
     assert seen.count((proto.REQ, "ping")) == first["pings"]
     assert not [t for t, _ in seen if t == proto.CANCEL]
+
+
+def test_connect_without_reseed_sets_the_clock_only(tmp_path: Path) -> None:
+    # A plain wake: the guest's random state is its own, so the first ping carries the clock
+    # and no entropy, the interpreter keeps drawing where it was, and a refresh() after it
+    # is a real one (not answered from the clock-only ping).
+    proc = _agent(tmp_path / "a")
+    sock = tmp_path / "a" / "agent.sock"
+    seed = "import random\nrandom.seed(7)"
+
+    async def body() -> None:
+        async with await GuestChannel.connect(sock, timeout=20, refresh=False) as ch:
+            await ch.run_code(seed)
+            expected = (await ch.run_code("random.random()")).text
+            await ch.run_code(seed)
+        async with await GuestChannel.connect(sock, timeout=20, reseed=False) as ch:
+            assert (await ch.run_code("random.random()")).text == expected
+            result = await ch.refresh()
+            assert result["entropy_bytes"] == 64 and result["interpreter_reseeded"]
+            # the retries of one clock-only ping (one key) refresh once; another key, again
+            ask = {"refresh": {"unix_time": time.time(), "key": "k1", "reseed": False}}
+            one = await ch._request("ping", ask, b"")
+            two = await ch._request("ping", ask, b"")
+            ask["refresh"]["key"] = "k2"
+            three = await ch._request("ping", ask, b"")
+            assert one["refresh"] == two["refresh"]
+            assert three["refresh"]["time"] > one["refresh"]["time"]
+            assert one["refresh"]["entropy_bytes"] == 0
+            assert not one["refresh"]["interpreter_reseeded"]
+
+    try:
+        asyncio.run(body())
+    finally:
+        proc.kill()
+        proc.wait()

@@ -121,6 +121,32 @@ def test_template_info_round_trips_through_json(tmp_path: Path) -> None:
     assert again == info
 
 
+def test_a_template_booted_with_another_kernel_command_line_is_stale(tmp_path: Path) -> None:
+    from torpor.sandbox.vm.machine_dir import KERNEL_APPEND
+
+    ghash = _rootfs.guest_hash(_rootfs.guest_files(templates.GUEST_DIR))
+    info = templates.TemplateInfo(
+        name="t",
+        directory=tmp_path,
+        build_id="b",
+        kernel=tmp_path / "k",
+        initrd=tmp_path / "i",
+        base_image=tmp_path / "d",
+        snapshot_dir=tmp_path / "s",
+        guest_hash=ghash,
+        kernel_append=KERNEL_APPEND,
+    )
+    assert templates.stale_reason(info) is None
+    # a template.json from before the command line was kept has none: rebuilt once
+    legacy = {k: v for k, v in info.to_json().items() if k != "kernel_append"}
+    older = templates.TemplateInfo.from_json(legacy)
+    assert "command line" in (templates.stale_reason(older) or "")
+    other = templates.TemplateInfo.from_json({**info.to_json(), "kernel_append": "quiet"})
+    assert "command line" in (templates.stale_reason(other) or "")
+    agent = templates.TemplateInfo.from_json({**info.to_json(), "guest_hash": "0" * 12})
+    assert "agent" in (templates.stale_reason(agent) or "")
+
+
 @pytest.mark.qemu
 def test_the_python_template_is_built_and_booted(qemu_home: Path) -> None:
     info = templates.get("python")
@@ -133,6 +159,7 @@ def test_the_python_template_is_built_and_booted(qemu_home: Path) -> None:
     assert (snap / "disk.qcow2").is_file()
     machine = json.loads((snap / "machine.json").read_text())
     assert machine["kernel"] == str(info.kernel) and machine["accel"] == info.accel
+    assert machine["append"] == info.kernel_append  # what the snapshot booted with
     assert (info.directory / "snapshot").resolve() == snap.resolve()
 
 

@@ -9,6 +9,7 @@ One test per accelerator, one manager each: under TCG every wake costs a fractio
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,19 @@ async def _pooled_creates_and_a_wake(home: Path) -> None:
         ).read_text()  # each its own VM generation id
 
         await m.run_code(a.id, "kept = 41")
+        # the draw after next of a seeded generator, then the generator at its first draw
+        await m.run_code(
+            a.id,
+            "random.seed(5)\nnext_one = [random.random() for _ in range(2)][1]\n"
+            "random.seed(5)\nrandom.random()",
+        )
         await m.pause(a.id)
+        await asyncio.sleep(3)  # the guest's clock stands still meanwhile ...
         await m.resume(a.id)
+        # ... and a plain wake sets it, but does not reseed: no other guest shares this state
+        guest_now = float((await m.run_code(a.id, "import time; time.time()")).text or "0")
+        assert abs(guest_now - time.time()) < 2.0
+        assert (await m.run_code(a.id, "random.random() == next_one")).text == "True"
         live = m.live(a.id)
         marks = live.channel.guest_marks  # type: ignore[union-attr]
         resumed_at = live.machine.resumed_at  # type: ignore[union-attr]

@@ -12,7 +12,6 @@ from rich.table import Table
 
 from torpor.config import paths
 from torpor.sandbox import template as templates
-from torpor.sandbox.template import rootfs as _rootfs
 from torpor.sandbox.vm import accel as accel_probe
 
 __all__ = ["register"]
@@ -62,7 +61,6 @@ def doctor(
     if as_json:
         from torpor.cli.output import emit
 
-        current = _rootfs.guest_hash(_rootfs.guest_files(templates.GUEST_DIR))
         emit(
             {
                 "home": str(paths().home),
@@ -73,7 +71,7 @@ def doctor(
                     tool: shutil.which(tool) for tool in ("debootstrap", "mkfs.ext4", "qemu-img")
                 },
                 "templates": [
-                    {**t.to_json(), "stale": t.guest_hash != current}
+                    {**t.to_json(), "stale": templates.stale_reason(t) is not None}
                     for t in templates.list_templates()
                 ],
             },
@@ -87,15 +85,11 @@ def doctor(
     for tool in ("debootstrap", "mkfs.ext4", "qemu-img"):
         table.add_row(tool, shutil.which(tool) or "[red]missing[/]")
     built = templates.list_templates()
-    current = _rootfs.guest_hash(_rootfs.guest_files(templates.GUEST_DIR))
     rows = []
     for t in built:
+        why = templates.stale_reason(t)
         stale = (
-            ""
-            if t.guest_hash == current
-            else (
-                f" [yellow]stale: the guest agent changed; run `torpor template build {t.name}`[/]"
-            )
+            "" if why is None else f" [yellow]stale: {why}; run `torpor template build {t.name}`[/]"
         )
         rows.append(f"{t.name} ({t.build_id}, {t.accel}){stale}")
     table.add_row(

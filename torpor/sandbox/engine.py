@@ -157,8 +157,10 @@ class Engine(Protocol):
     def machine(self, directory: Path, config: MachineConfig) -> Machine:
         """The (not yet started) machine of a sandbox directory."""
 
-    async def connect(self, machine: Machine, directory: Path) -> Channel:
-        """Open the guest channel of a running machine."""
+    async def connect(self, machine: Machine, directory: Path, *, reseed: bool = True) -> Channel:
+        """Open the guest channel of a running machine and refresh the guest: host entropy,
+        the host's clock and a reseed of its interpreter; without ``reseed`` (a plain wake,
+        whose random state no other guest shares) the clock only."""
 
     def inspect(self, directory: Path) -> DirStatus:
         """What the files (and any live QEMU) of ``directory`` can back."""
@@ -274,7 +276,7 @@ class QemuEngine:
         )
         return machine
 
-    async def connect(self, machine: Machine, directory: Path) -> Channel:
+    async def connect(self, machine: Machine, directory: Path, *, reseed: bool = True) -> Channel:
         from torpor.sandbox.vm.channel import GuestChannel
 
         socket = getattr(machine, "agent_socket", directory / "agent.sock")
@@ -290,7 +292,7 @@ class QemuEngine:
                 return await handler(sandbox_id, method, path, headers, body)
 
         channel: Channel = await GuestChannel.connect(
-            Path(socket), timeout=self.connect_timeout, on_call=on_call
+            Path(socket), timeout=self.connect_timeout, reseed=reseed, on_call=on_call
         )
         return channel
 

@@ -176,10 +176,11 @@ class Operations:
     def op_ping(self, req: Any, payload: bytes) -> dict[str, Any]:
         """``{pid, boot_id, uptime, time, version, marks}``; with ``args.refresh``
         (``{unix_time}``, entropy as payload) it refreshes too, once per entropy, and adds
-        ``refresh``. ``marks``: how this connection reached the agent in the guest's
-        CLOCK_MONOTONIC (the agent's ``wake_marks``, plus ``data``: the read that brought
-        this ping returned, ``served``: its handling began, ``answered``: its answer is
-        ready, refresh included)."""
+        ``refresh``. ``{unix_time, key, reseed: false}`` with no payload (a plain wake: the
+        guest's random state was never copied) only sets the clock, once per ``key``.
+        ``marks``: how this connection reached the agent in the guest's CLOCK_MONOTONIC (the
+        agent's ``wake_marks``, plus ``data``: the read that brought this ping returned,
+        ``served``: its handling began, ``answered``: its answer is ready, refresh included)."""
         served = time.monotonic()
         info: dict[str, Any] = {
             "pid": os.getpid(),
@@ -194,7 +195,8 @@ class Operations:
             # fresh entropy: only the first of them refreshes (a wake must not queue a refresh
             # per lost ping). Keyed by the entropy, not by the connection: a guest snapshotted
             # before it saw its host hang up still counts the old connection as current.
-            key = payload or None
+            key = payload or wanted.get("key") or None
+            reseed = wanted.get("reseed") is not False
             with self._refresh_lock:
                 if key is None or self._ping_refresh is None or self._ping_refresh[0] != key:
                     # a new host connection (every one starts so): the terminals and tunnels
@@ -202,7 +204,8 @@ class Operations:
                     # frozen before it saw that host hang up
                     self.terminals.hang_up()
                     self.tunnels.hang_up()
-                    self._ping_refresh = (key, self._refresh(payload, wanted.get("unix_time")))
+                    done = self._refresh(payload, wanted.get("unix_time"), reseed=reseed)
+                    self._ping_refresh = (key, done)
                 info["refresh"] = self._ping_refresh[1]
         agent = getattr(req, "agent", None)
         marks = dict(getattr(agent, "wake_marks", None) or {})
@@ -225,7 +228,9 @@ class Operations:
         """Mix host entropy into the kernel pool, set the clock, reseed the interpreter."""
         return self._refresh(payload, req.args.get("unix_time"))
 
-    def _refresh(self, payload: bytes, unix_time: Any) -> dict[str, Any]:
+    def _refresh(self, payload: bytes, unix_time: Any, *, reseed: bool = True) -> dict[str, Any]:
+        """Mix ``payload`` into the kernel pool, set the clock to ``unix_time`` and, with
+        ``reseed``, have the interpreter reseed before its next run."""
         credited = False
         if payload:
             if self._urandom is None:  # kept open: an open() is a path walk, slow after a wake
@@ -245,12 +250,14 @@ class Operations:
                 log.warning("cannot set the clock: %s", exc)
         # A seed from host entropy *and* the (now mixed) pool: clones must diverge even if
         # the host sent the same bytes twice. (random.seed hashes bytes itself.)
-        seed = payload + os.urandom(32)
+        reseeded = False
+        if reseed:
+            reseeded = self._defer_reseed(payload + os.urandom(32))
         return {
             "entropy_bytes": len(payload),
             "credited": credited,
             "clock_set": clock_set,
-            "interpreter_reseeded": self._defer_reseed(seed),
+            "interpreter_reseeded": reseeded,
             "time": time.time(),
         }
 

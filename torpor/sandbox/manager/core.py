@@ -633,8 +633,10 @@ class ManagerCore:
             await self._fetched(rec, job)
         await self._step("wake:woken", rec.id)
         try:
-            live.channel = await self.engine.connect(machine, directory)
-            await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
+            # The guest that last ran on this RAM is the one woken (its state is deleted before
+            # it runs): no other guest shares its random state, so it needs the host's clock
+            # but no entropy or reseed (a fork, restore or create has them: boot()).
+            live.channel = await self.engine.connect(machine, directory, reseed=False)
         except Exception as exc:
             return await self._guest_unreachable(rec, live, machine, exc)
         for hook in self.guest_hooks:

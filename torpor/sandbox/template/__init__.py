@@ -16,6 +16,7 @@ from torpor.sandbox.template.templates import (
     list_templates,
     recipe,
     remove,
+    stale_reason,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "list_templates",
     "recipe",
     "remove",
+    "stale_reason",
 ]

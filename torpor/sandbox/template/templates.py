@@ -41,6 +41,7 @@ from torpor.config import check_name, paths
 from torpor.errors import EngineError, GuestError, StorageError, TemplateNotFound, TorporError
 from torpor.sandbox.template import rootfs as _rootfs
 from torpor.sandbox.template.rootfs import Progress
+from torpor.sandbox.vm.machine_dir import KERNEL_APPEND
 
 __all__ = [
     "AGENT_TIMEOUT",
@@ -51,6 +52,7 @@ __all__ = [
     "list_templates",
     "recipe",
     "remove",
+    "stale_reason",
 ]
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ class TemplateInfo:
     rootfs_key: str = ""
     created_at: str = ""
     boot_seconds: float = 0.0
+    #: the guest kernel's command line its snapshot booted with ("" : built before it was kept)
+    kernel_append: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -103,6 +107,20 @@ class TemplateInfo:
             if isinstance(v, Path) and v.is_relative_to(self.directory)
         }
         return replace(self, **moved)
+
+
+def stale_reason(info: TemplateInfo, guest_hash: str | None = None) -> str | None:
+    """Why ``info`` is not what a build would make now (None: it is): the guest files
+    differ from ``guest_hash`` (default: the packaged ones'), or its snapshot booted with
+    another kernel command line. A stale template keeps working (its sandboxes and clones
+    keep the command line their machine.json records); a build replaces it."""
+    if guest_hash is None:
+        guest_hash = _rootfs.guest_hash(_rootfs.guest_files(GUEST_DIR))
+    if info.guest_hash != guest_hash:
+        return "the guest agent changed"
+    if info.kernel_append != KERNEL_APPEND:
+        return "the guest kernel's command line changed"
+    return None
 
 
 def _template_dir(name: str) -> Path:
@@ -235,12 +253,11 @@ def build(
         if not force:
             with contextlib.suppress(TemplateNotFound):
                 cur = get(name)
-                if (cur.guest_hash, cur.rootfs_key, cur.vcpus, cur.memory_mib) == (
-                    ghash,
-                    rkey,
-                    vcpus,
-                    memory_mib,
-                ) and (cur.snapshot_dir / "state").exists():
+                if (
+                    (cur.rootfs_key, cur.vcpus, cur.memory_mib) == (rkey, vcpus, memory_mib)
+                    and stale_reason(cur, ghash) is None
+                    and (cur.snapshot_dir / "state").exists()
+                ):
                     say("done", f"template {name!r} is up to date")
                     return cur
         try:
@@ -304,6 +321,7 @@ def _new_build(
         pip=pip,
         guest_hash=ghash,
         rootfs_key=rkey,
+        kernel_append=KERNEL_APPEND,
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )
 

@@ -152,13 +152,17 @@ class GuestChannel:
         limits: Limits = LIMITS,
         op_timeout: float = 120.0,
         refresh: bool = True,
+        reseed: bool = True,
         on_call: CallHandler | None = None,
     ) -> GuestChannel:
         """Connect to ``socket_path`` and wait until the agent answers a ping, retrying while
         the socket does not exist yet or refuses. With ``refresh`` (the default: every
         connection follows a boot, wake, fork or restore) the ping carries 64 fresh bytes of
         host entropy and the host's clock, so the guest is refreshed in the same round trip
-        and a :meth:`refresh` right after is answered without another one.
+        and a :meth:`refresh` right after is answered without another one. Without
+        ``reseed`` (a plain wake of the machine that last ran on this RAM: no other guest
+        shares its random state) the ping sets the clock only, and a :meth:`refresh` after
+        it does go to the guest.
         Raises :class:`OperationTimeout`, or :class:`GuestError` if the agent speaks another
         protocol version (a stale template)."""
         loop = asyncio.get_running_loop()
@@ -175,7 +179,7 @@ class GuestChannel:
             channel = cls(reader, writer, limits=limits, op_timeout=op_timeout, on_call=on_call)
             try:
                 channel.first_ping["socket_s"] = loop.time() - started
-                await channel._first_ping(deadline, refresh)
+                await channel._first_ping(deadline, refresh, reseed)
                 return channel
             except GuestError as exc:  # hung up before answering: try a new connection
                 last_exc = exc
@@ -197,7 +201,7 @@ class GuestChannel:
             path=str(socket_path),
         )
 
-    async def _first_ping(self, deadline: float, refresh: bool) -> None:
+    async def _first_ping(self, deadline: float, refresh: bool, reseed: bool) -> None:
         # A ping can be lost: the guest discards what arrives before its agent opens the port
         # (boot), and right after a wake the agent may still be noticing the previous
         # connection's hang-up, which drops the replies of that moment. So ping again, first
@@ -209,9 +213,12 @@ class GuestChannel:
         interval = FIRST_PING_RETRY
         args: dict[str, Any] = {}
         entropy = b""
-        if refresh:
+        # what makes the retries of this ping one refresh in the guest: its entropy, or a key
+        once: dict[str, Any] = {}
+        if refresh and reseed:
             entropy = os.urandom(64)
-            args = {"refresh": {"unix_time": time.time()}}
+        elif refresh:
+            once = {"key": os.urandom(8).hex(), "reseed": False}
         sent: list[float] = []  # when each ping went out
         try:
             while True:
@@ -219,7 +226,7 @@ class GuestChannel:
                 if left <= 0:
                     raise OperationTimeout("the guest agent did not answer a ping", seconds=left)
                 if refresh:  # the clock as of this ping, not the first one
-                    args = {"refresh": {"unix_time": time.time()}}
+                    args = {"refresh": {"unix_time": time.time(), **once}}
                 sent.append(loop.time())
                 tasks.append(loop.create_task(self._request("ping", args, entropy, idle=None)))
                 done, _ = await asyncio.wait(
@@ -721,6 +728,7 @@ class GuestChannel:
         fresh = self._fresh
         if (
             fresh is not None
+            and fresh[1].get("entropy_bytes")  # not a clock-only one (connect without reseed)
             and time.monotonic() - fresh[0] < FRESH_FOR
             and (unix_time is None or abs(unix_time - time.time()) < 1.0)
         ):

@@ -71,9 +71,15 @@ log = logging.getLogger(__name__)
 QEMU_BINARY = "qemu-system-x86_64"
 MACHINE_TYPE = "pc-i440fx-7.2"
 #: The guest's kernel command line. ``panic=-1`` + ``-no-reboot``: a guest panic ends QEMU.
+#: ``init_on_alloc=0``: Debian's kernel zeroes every page and slab object it allocates (a
+#: hardening against reading stale kernel memory); under TCG each zeroing is emulated, and
+#: allocation-heavy guest work (a ``stat`` allocates a page for the path) took 20-35 % more
+#: QEMU CPU with it (bench/README, issue 13). The guest kernel protects no tenant from another:
+#: a sandbox's VM has one, and QEMU is the boundary. A template records the command line its
+#: snapshot booted with (``TemplateInfo.kernel_append``): a build replaces one booted with another.
 KERNEL_APPEND = (
     "console=ttyS0 root=/dev/vda rw init=/opt/torpor/init.sh panic=-1 quiet "
-    "i8042.noaux i8042.nokbd i8042.nopnp tsc=reliable"
+    "i8042.noaux i8042.nokbd i8042.nopnp tsc=reliable init_on_alloc=0"
 )
 _SLOT_SERIAL = 3
 _SLOT_ROOT = 4
