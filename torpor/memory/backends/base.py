@@ -56,6 +56,7 @@ __all__ = [
     "AnyRecord",
     "MemoryBackend",
     "RecordFilter",
+    "SearchMemo",
     "TenantStore",
     "Vector",
     "check_record_quota",
@@ -183,6 +184,18 @@ def time_clauses(flt: RecordFilter, alias: str, ph: str) -> tuple[list[str], lis
     return parts, params
 
 
+@dataclass
+class SearchMemo:
+    """What the searches of ONE query may share: recall passes the same memo to its lexical
+    search(es) and its vector search, so a record both find is built once and a term searched
+    twice (content words, then all words) is looked up once. A backend keys both by what it
+    read (the whole row; the term and the database's change counter), so a stale entry is
+    never used; one that keeps nothing here is still correct. Never kept across queries."""
+
+    records: dict[Any, Any] = field(default_factory=dict)
+    postings: dict[Any, Any] = field(default_factory=dict)
+
+
 class TenantStore(abc.ABC):
     """All records, profiles and policies of one tenant. Thread-safe; usable across processes."""
 
@@ -297,10 +310,16 @@ class TenantStore(abc.ABC):
 
     @abc.abstractmethod
     def lexical_search(
-        self, terms: Sequence[str], flt: RecordFilter, limit: int
+        self,
+        terms: Sequence[str],
+        flt: RecordFilter,
+        limit: int,
+        *,
+        memo: SearchMemo | None = None,
     ) -> list[tuple[AnyRecord, float]]:
         """Visible records matching ANY of ``terms`` (already lower-cased word tokens, no
-        operators), best first, with a positive relevance score. Empty ``terms`` -> ``[]``."""
+        operators), best first, with a positive relevance score. Empty ``terms`` -> ``[]``.
+        ``memo``: shared by the searches of one query (:class:`SearchMemo`); may be ignored."""
 
     def mean_words(self) -> float | None:
         """The mean word count of the tenant's indexed texts (BM25's average document length),
@@ -310,10 +329,16 @@ class TenantStore(abc.ABC):
 
     @abc.abstractmethod
     def vector_search(
-        self, vector: Vector, flt: RecordFilter, limit: int
+        self,
+        vector: Vector,
+        flt: RecordFilter,
+        limit: int,
+        *,
+        memo: SearchMemo | None = None,
     ) -> list[tuple[AnyRecord, float]]:
         """Visible records that have an embedding, by cosine similarity to ``vector``, best
-        first. Exact or approximate; approximate search must still apply ``flt`` exactly."""
+        first. Exact or approximate; approximate search must still apply ``flt`` exactly.
+        ``memo``: as for :meth:`lexical_search`."""
 
     @abc.abstractmethod
     def iter_records(self, prefix: str) -> Iterator[tuple[AnyRecord, list[float] | None]]:
