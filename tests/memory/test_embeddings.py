@@ -101,9 +101,7 @@ def test_onnx_query_path_gives_the_torch_vectors(tmp_path: Path) -> None:
     assert float((got * ref).sum(axis=1).min()) >= 0.9999
 
 
-def test_onnx_query_path_can_be_turned_off(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_onnx_query_path_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORPOR_ONNX", "0")
     emb = SentenceTransformerEmbedder(cache=tmp_path)
     assert emb.embed(["hello"]).shape == (1, 384)

@@ -8,11 +8,11 @@ faster, identical vectors to float precision (``bench/README.md``, "Query embedd
 
 How it gets the graph: at first use, the locally installed sentence-transformers model
 (transformer and mean pooling) is exported with ``torch.onnx`` into
-``<home>/cache/onnx/<model>-<digest>.onnx`` (or ``$TORPOR_ONNX_CACHE``; a few seconds, once per model and home; the digest
-covers the model's config, its weights file's size and time, and the torch version). Nothing
-is downloaded. The session is then checked against PyTorch on a probe sentence and used only
-when the two agree (cosine >= :data:`AGREE`); batches keep PyTorch, so stored vectors do not
-change.
+``<home>/cache/onnx/<model>-<digest>.onnx`` (or ``$TORPOR_ONNX_CACHE``): a few seconds, once
+per model and home; the digest covers the model's config, its weights file's size and time,
+and the torch version. Nothing is downloaded. The session is then checked against PyTorch
+on probe sentences and used only when the two agree (cosine >= :data:`AGREE`); batches keep
+PyTorch, so stored vectors do not change.
 
 Optional: it needs ``onnxruntime`` (and ``onnx`` for the export), the ``torpor[onnx]`` extra.
 Without them, or with ``TORPOR_ONNX=0``, or for a model this does not know how to export
@@ -72,9 +72,7 @@ class OnnxQueryModel:
         opts.intra_op_num_threads = 1
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self._session = ort.InferenceSession(
-            str(graph), opts, providers=["CPUExecutionProvider"]
-        )
+        self._session = ort.InferenceSession(str(graph), opts, providers=["CPUExecutionProvider"])
         self._st = st_model
         self._names = [i.name for i in self._session.get_inputs()]
         self.graph = graph

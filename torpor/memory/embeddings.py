@@ -130,6 +130,11 @@ class SentenceTransformerEmbedder:
                 log.info("loaded embedding model %s", self.path)
             return self._model
 
+    @property
+    def query_runtime(self) -> str:
+        """What embeds queries: ``"onnxruntime"`` or ``"torch"`` (loads the model)."""
+        return "onnxruntime" if self._query_model() is not None else "torch"
+
     def _query_model(self) -> OnnxQueryModel | None:
         """The ONNX Runtime session for queries, built on first use; None when it is off or
         cannot be had (then PyTorch embeds queries, as before)."""

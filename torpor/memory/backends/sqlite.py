@@ -423,9 +423,7 @@ class SQLiteTenantStore(TenantStore):
             "SELECT rowid FROM records_fts WHERE records_fts MATCH ? ORDER BY rowid DESC LIMIT ?",
             ('"' + term.replace('"', '""') + '"', _TERM_CAP),
         ).fetchall()
-        rids = (
-            np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows)) if rows else None
-        )
+        rids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows)) if rows else None
         if memo is not None:
             memo.postings[key] = rids
         return rids
