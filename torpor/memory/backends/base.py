@@ -27,7 +27,8 @@ Conventions every backend follows (the shared tests in ``tests/memory`` check th
   refuse, inside the write transaction, a batch that would take the count over it: all or
   nothing (:func:`check_record_quota`).
 
-Version 1 of this interface. Changes are announced in commit messages.
+Version 2 of this interface (2: ``lexical_search`` and ``vector_search`` take ``memo=``, a
+:class:`SearchMemo` a backend may use or ignore). Changes are announced in commit messages.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ __all__ = [
     "visible",
 ]
 
-INTERFACE_VERSION = 1
+INTERFACE_VERSION = 2
 
 AnyRecord = Fact | Episode
 #: A dense vector: a sequence of floats (a float32 numpy array in practice), L2-normalized.
