@@ -32,6 +32,18 @@ from tests.s3 import s3_bucket, s3_server  # noqa: F401 (fixtures: a real S3 ser
 from torpor.config import paths
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _onnx_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One exported ONNX query model per test session, not one per test's fresh home (an
+    export takes seconds: :mod:`torpor.memory._onnx`)."""
+    if os.environ.get("TORPOR_ONNX_CACHE"):
+        yield
+        return
+    os.environ["TORPOR_ONNX_CACHE"] = str(tmp_path_factory.mktemp("onnx"))
+    yield
+    os.environ.pop("TORPOR_ONNX_CACHE", None)
+
+
 @pytest.fixture(scope="session")
 def template_home() -> Path:
     """The torpor home holding the built ``python`` template."""

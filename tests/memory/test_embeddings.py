@@ -83,3 +83,26 @@ def test_resolve() -> None:
         resolve_embedder(42)
     with pytest.raises(InvalidArgument):
         SentenceTransformerEmbedder("/nonexistent/model")
+
+
+def test_onnx_query_path_gives_the_torch_vectors(tmp_path: Path) -> None:
+    """With onnxruntime installed, queries run through an exported graph that must give
+    PyTorch's vectors (cosine >= 0.9999) at any length, padded in a batch or alone."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    fast = SentenceTransformerEmbedder(cache=tmp_path)
+    slow = SentenceTransformerEmbedder(onnx=False)
+    texts = ["what did Caroline paint last week?", "hi", "a much longer sentence " * 200, "é ü"]
+    got = np.vstack([fast.embed([t]) for t in texts] + [fast.embed(texts)])
+    assert fast._onnx is not None and fast._onnx.graph.parent == tmp_path
+    assert slow._query_model() is None
+    ref = slow.embed([*texts, *texts])  # a batch: encode's path, what stored vectors use
+    assert got.shape == ref.shape == (8, 384)
+    assert float((got * ref).sum(axis=1).min()) >= 0.9999
+
+
+def test_onnx_query_path_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORPOR_ONNX", "0")
+    emb = SentenceTransformerEmbedder(cache=tmp_path)
+    assert emb.embed(["hello"]).shape == (1, 384)
+    assert emb._onnx is None and not list(tmp_path.iterdir())

@@ -76,10 +76,10 @@ class _Spy:
         self.searches: list[list[str]] = []
 
     def lexical_search(
-        self, terms: Sequence[str], flt: RecordFilter, limit: int
+        self, terms: Sequence[str], flt: RecordFilter, limit: int, **kw: Any
     ) -> list[tuple[AnyRecord, float]]:
         self.searches.append(list(terms))
-        return self.inner.lexical_search(terms, flt, limit)
+        return self.inner.lexical_search(terms, flt, limit, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -26,6 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from torpor.errors import InvalidArgument
+from torpor.memory import _onnx
+from torpor.memory._onnx import OnnxQueryModel
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +88,19 @@ def default_model_path() -> Path | None:
 class SentenceTransformerEmbedder:
     """A sentence-transformers model loaded offline on first use (CPU, batched)."""
 
-    def __init__(self, model: str | Path | None = None, *, batch_size: int = 64) -> None:
-        """Raises :class:`InvalidArgument` when no local model exists or the extra is missing."""
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        batch_size: int = 64,
+        onnx: bool = True,
+        cache: str | Path | None = None,
+    ) -> None:
+        """``onnx``: embed queries (up to four texts at a time) through ONNX Runtime when it
+        is installed and agrees with PyTorch (:mod:`torpor.memory._onnx`); ``cache``: where
+        the exported graph is kept (default :func:`torpor.memory._onnx.cache_dir`).
+
+        Raises :class:`InvalidArgument` when no local model exists or the extra is missing."""
         path = Path(model) if model is not None else default_model_path()
         if path is None or not path.exists():
             raise InvalidArgument(f"no local embedding model found: {INSTALL_HINT}")
@@ -100,6 +113,10 @@ class SentenceTransformerEmbedder:
         self.batch_size = batch_size
         self._model: Any = None
         self._lock = threading.Lock()
+        self._onnx_wanted = onnx
+        self._cache = Path(cache) if cache is not None else None
+        self._onnx: OnnxQueryModel | None = None
+        self._onnx_tried = False
 
     def _load(self) -> Any:
         with self._lock:
@@ -112,6 +129,25 @@ class SentenceTransformerEmbedder:
                 self._model = SentenceTransformer(str(self.path), device="cpu")
                 log.info("loaded embedding model %s", self.path)
             return self._model
+
+    @property
+    def query_runtime(self) -> str:
+        """What embeds queries: ``"onnxruntime"`` or ``"torch"`` (loads the model)."""
+        return "onnxruntime" if self._query_model() is not None else "torch"
+
+    def _query_model(self) -> OnnxQueryModel | None:
+        """The ONNX Runtime session for queries, built on first use; None when it is off or
+        cannot be had (then PyTorch embeds queries, as before)."""
+        if self._onnx_tried:
+            return self._onnx
+        model = self._load()
+        with self._lock:
+            if not self._onnx_tried:
+                if self._onnx_wanted and _onnx.enabled():
+                    cache = self._cache if self._cache is not None else _onnx.cache_dir()
+                    self._onnx = OnnxQueryModel.load(model, self.path, cache)
+                self._onnx_tried = True
+        return self._onnx
 
     @property
     def dim(self) -> int:
@@ -147,9 +183,13 @@ class SentenceTransformerEmbedder:
         is per calling thread, so a batch embedded elsewhere keeps both (MKL's is
         process-wide: a batch running in those few milliseconds may use one thread for that
         long; speed only, never the result). Skipping ``encode``'s batching machinery saves a
-        few more milliseconds; the vectors are the same."""
+        few more milliseconds; the vectors are the same. With ONNX Runtime (optional), the
+        same forward pass runs as one call (:mod:`torpor.memory._onnx`)."""
         import torch
 
+        fast = self._query_model()
+        if fast is not None:
+            return fast.embed(texts)
         model = self._load()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -77,9 +77,13 @@ def to_us(dt: datetime) -> int:
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def from_us(us: int) -> datetime:
-    """The UTC datetime for ``us`` microseconds since the epoch."""
-    return datetime.fromtimestamp(us // 1_000_000, tz=UTC).replace(microsecond=us % 1_000_000)
+    """The UTC datetime for ``us`` microseconds since the epoch (one addition: recall builds
+    three per candidate record)."""
+    return _EPOCH + timedelta(microseconds=us)
 
 
 def now_us() -> int:

@@ -6,8 +6,10 @@
    embedder, its vector search each return up to ``max(3k, 30)`` records, already confined by
    the :class:`~torpor.memory.backends.base.RecordFilter` to what the caller may see
    (:class:`~torpor.memory.ranking.Candidates`). The query is embedded in a worker thread while
-   the lexical search runs (the model releases the GIL), and the last 256 query vectors are
-   kept, since ``context()`` asks twice and agents repeat themselves.
+   the lexical search runs (the model releases the GIL) and the lexical candidates' texts are
+   tokenized for the ranker; the last 256 query vectors are kept, since ``context()`` asks
+   twice and agents repeat themselves. Both searches share one
+   :class:`~torpor.memory.backends.base.SearchMemo`, so a record both find is built once.
 3. **Ranker.** A :class:`~torpor.memory.ranking.Ranker` scores them, drops the weak ones and
    orders the rest; the default, :class:`~torpor.memory.ranking.HybridRanker`, puts the most
    specific scope first, then relevance, then recency (its formulas are in
@@ -46,10 +48,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore
+from torpor.memory.backends.base import AnyRecord, RecordFilter, SearchMemo, TenantStore
 from torpor.memory.embeddings import Embedder
 from torpor.memory.models import Episode, Hit
-from torpor.memory.ranking import STOPWORDS, Candidates, HybridRanker, Ranker, words
+from torpor.memory.ranking import (
+    STOPWORDS,
+    Candidates,
+    HybridRanker,
+    Ranker,
+    text_terms,
+    words,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +78,16 @@ def query_terms(text: str) -> list[str]:
 
 
 def _lexical(
-    store: TenantStore, terms: list[str], flt: RecordFilter, pool: int
+    store: TenantStore, terms: list[str], flt: RecordFilter, pool: int, memo: SearchMemo
 ) -> list[tuple[AnyRecord, float]]:
     """The backend's lexical matches for ``terms``: the content words' first, and all the
     terms' only if those are fewer than ``pool`` (stop words match a large share of a big
-    store, so they are searched only where the content words leave room)."""
+    store, so they are searched only where the content words leave room). The second search
+    reuses the first one's term lookups and records through ``memo``."""
     content = [t for t in terms if t not in STOPWORDS]
-    found = store.lexical_search(content, flt, pool) if content else []
+    found = store.lexical_search(content, flt, pool, memo=memo) if content else []
     if len(found) < pool and len(content) < len(terms):
-        found = store.lexical_search(terms, flt, pool)
+        found = store.lexical_search(terms, flt, pool, memo=memo)
     return found
 
 
@@ -132,13 +142,14 @@ def candidates(
     Raises what the store raises (:class:`StorageError`).
     """
     terms = query_terms(query)
+    memo = SearchMemo()  # this query's only: each record found is built once
     if embedder is None:
         return Candidates(
             query=query,
             terms=tuple(terms),
             scope=query_scope,
             now=flt.as_of if flt.as_of is not None else flt.now,
-            lexical=_lexical(store, terms, flt, pool * LEXICAL_POOL),
+            lexical=_lexical(store, terms, flt, pool * LEXICAL_POOL, memo),
             vector=None,
             min_similarity=min_similarity,
             mean_words=store.mean_words(),
@@ -147,10 +158,19 @@ def candidates(
     # the query's embedding (the slow part) runs in a worker thread while the lexical
     # search runs here: the model releases the GIL, so the two overlap
     pending = _embed_query(embedder, query)
-    lexical = _lexical(store, terms, flt, pool * LEXICAL_POOL)
+    lexical = _lexical(store, terms, flt, pool * LEXICAL_POOL, memo)
     mean_words = store.mean_words()
-    qvec = pending.result() if isinstance(pending, Future) else pending
-    vector = store.vector_search(qvec.tolist(), flt, pool)
+    if isinstance(pending, Future):
+        # still embedding: tokenize the lexical candidates for the ranker meanwhile
+        # (cached per text, so the ranker's coverage and BM25 lengths find them ready)
+        for rec, _ in lexical:
+            if pending.done():
+                break
+            text_terms(rec.text)
+        qvec = pending.result()
+    else:
+        qvec = pending
+    vector = store.vector_search(qvec.tolist(), flt, pool, memo=memo)
     return Candidates(
         query=query,
         terms=tuple(terms),

@@ -23,6 +23,7 @@ from torpor.memory.backends import _pg_schema as schema
 from torpor.memory.backends.base import (
     AnyRecord,
     RecordFilter,
+    SearchMemo,
     TenantStore,
     Vector,
     check_record_quota,
@@ -325,7 +326,12 @@ class PostgresTenantStore(TenantStore):
         return int(row[0]) if row else 0
 
     def lexical_search(
-        self, terms: Sequence[str], flt: RecordFilter, limit: int
+        self,
+        terms: Sequence[str],
+        flt: RecordFilter,
+        limit: int,
+        *,
+        memo: SearchMemo | None = None,  # rows hold JSON as dicts (unhashable): not used
     ) -> list[tuple[AnyRecord, float]]:
         terms = list(dict.fromkeys(t for t in terms if t))[:_MAX_TERMS]
         if not terms or limit <= 0 or not flt.scopes or not flt.kinds:
@@ -358,7 +364,12 @@ class PostgresTenantStore(TenantStore):
         return [(schema.row_to_record(r), float(r[-1])) for r in rows]
 
     def vector_search(
-        self, vector: Vector, flt: RecordFilter, limit: int
+        self,
+        vector: Vector,
+        flt: RecordFilter,
+        limit: int,
+        *,
+        memo: SearchMemo | None = None,  # as in lexical_search: not used
     ) -> list[tuple[AnyRecord, float]]:
         if limit <= 0 or len(vector) == 0:
             return []

@@ -126,6 +126,7 @@ def record_from_row(values: Sequence[Any], *, json_text: bool) -> AnyRecord:
             verified=bool(verified),
             stale=bool(stale),
             superseded_by=superseded_by,
+            reason=None,  # every field given: model_construct resolves no default
             **common,
         )
     return Episode.model_construct(kind="episode", role=role or "user", session=session, **common)

@@ -27,7 +27,8 @@ Conventions every backend follows (the shared tests in ``tests/memory`` check th
   refuse, inside the write transaction, a batch that would take the count over it: all or
   nothing (:func:`check_record_quota`).
 
-Version 1 of this interface. Changes are announced in commit messages.
+Version 2 of this interface (2: ``lexical_search`` and ``vector_search`` take ``memo=``, a
+:class:`SearchMemo` a backend may use or ignore). Changes are announced in commit messages.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "AnyRecord",
     "MemoryBackend",
     "RecordFilter",
+    "SearchMemo",
     "TenantStore",
     "Vector",
     "check_record_quota",
@@ -64,7 +66,7 @@ __all__ = [
     "visible",
 ]
 
-INTERFACE_VERSION = 1
+INTERFACE_VERSION = 2
 
 AnyRecord = Fact | Episode
 #: A dense vector: a sequence of floats (a float32 numpy array in practice), L2-normalized.
@@ -183,6 +185,18 @@ def time_clauses(flt: RecordFilter, alias: str, ph: str) -> tuple[list[str], lis
     return parts, params
 
 
+@dataclass
+class SearchMemo:
+    """What the searches of ONE query may share: recall passes the same memo to its lexical
+    search(es) and its vector search, so a record both find is built once and a term searched
+    twice (content words, then all words) is looked up once. A backend keys both by what it
+    read (the whole row; the term and the database's change counter), so a stale entry is
+    never used; one that keeps nothing here is still correct. Never kept across queries."""
+
+    records: dict[Any, Any] = field(default_factory=dict)
+    postings: dict[Any, Any] = field(default_factory=dict)
+
+
 class TenantStore(abc.ABC):
     """All records, profiles and policies of one tenant. Thread-safe; usable across processes."""
 
@@ -297,10 +311,16 @@ class TenantStore(abc.ABC):
 
     @abc.abstractmethod
     def lexical_search(
-        self, terms: Sequence[str], flt: RecordFilter, limit: int
+        self,
+        terms: Sequence[str],
+        flt: RecordFilter,
+        limit: int,
+        *,
+        memo: SearchMemo | None = None,
     ) -> list[tuple[AnyRecord, float]]:
         """Visible records matching ANY of ``terms`` (already lower-cased word tokens, no
-        operators), best first, with a positive relevance score. Empty ``terms`` -> ``[]``."""
+        operators), best first, with a positive relevance score. Empty ``terms`` -> ``[]``.
+        ``memo``: shared by the searches of one query (:class:`SearchMemo`); may be ignored."""
 
     def mean_words(self) -> float | None:
         """The mean word count of the tenant's indexed texts (BM25's average document length),
@@ -310,10 +330,16 @@ class TenantStore(abc.ABC):
 
     @abc.abstractmethod
     def vector_search(
-        self, vector: Vector, flt: RecordFilter, limit: int
+        self,
+        vector: Vector,
+        flt: RecordFilter,
+        limit: int,
+        *,
+        memo: SearchMemo | None = None,
     ) -> list[tuple[AnyRecord, float]]:
         """Visible records that have an embedding, by cosine similarity to ``vector``, best
-        first. Exact or approximate; approximate search must still apply ``flt`` exactly."""
+        first. Exact or approximate; approximate search must still apply ``flt`` exactly.
+        ``memo``: as for :meth:`lexical_search`."""
 
     @abc.abstractmethod
     def iter_records(self, prefix: str) -> Iterator[tuple[AnyRecord, list[float] | None]]:

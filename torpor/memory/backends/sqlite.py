@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from torpor.config import check_name
 from torpor.errors import InvalidArgument, RecordNotFound
@@ -41,6 +42,7 @@ from torpor.memory.backends.base import (
     AnyRecord,
     MemoryBackend,
     RecordFilter,
+    SearchMemo,
     TenantStore,
     Vector,
     check_record_quota,
@@ -80,6 +82,17 @@ def _varints(data: bytes) -> list[int]:
 
 def _vec_blob(vector: Vector) -> bytes:
     return np.asarray(vector, dtype=np.float32).tobytes()
+
+
+def _record(row: tuple[Any, ...], memo: SearchMemo | None) -> AnyRecord:
+    """The record of a row selected with ``_RCOLS``, built once per query: keyed by the whole
+    row, so a row that changed between two searches is built again."""
+    if memo is None:
+        return schema.row_to_record(row)
+    rec: AnyRecord | None = memo.records.get(row)
+    if rec is None:
+        rec = memo.records[row] = schema.row_to_record(row)
+    return rec
 
 
 def _within_sql(prefix: str, column: str = "scope") -> tuple[str, list[Any]]:
@@ -319,7 +332,12 @@ class SQLiteTenantStore(TenantStore):
             )
 
     def lexical_search(
-        self, terms: Sequence[str], flt: RecordFilter, limit: int
+        self,
+        terms: Sequence[str],
+        flt: RecordFilter,
+        limit: int,
+        *,
+        memo: SearchMemo | None = None,
     ) -> list[tuple[AnyRecord, float]]:
         """See :meth:`TenantStore.lexical_search`.
 
@@ -330,7 +348,9 @@ class SQLiteTenantStore(TenantStore):
         ``bench/README.md``, "SQLite lexical search"), and memory records are short, so term
         frequency and length add little. A term matching more than :data:`_TERM_CAP` rows
         contributes only its newest matches (its idf is small). Candidates are then checked
-        against ``flt`` in SQL, best first, widening as needed.
+        against ``flt`` in SQL, best first, widening as needed: the best ``limit + 8`` first
+        (the filter usually passes nearly all), then up to ``2 * limit + 8``, then a join.
+        With a ``memo``, a term's matches and a row's record are reused within the query.
         """
         terms = [t for t in dict.fromkeys(terms) if t]
         if not terms or limit <= 0:
@@ -338,19 +358,17 @@ class SQLiteTenantStore(TenantStore):
         where, params = schema.filter_sql(flt)
         with self._db.read("lexical search") as conn:
             total = max(int(conn.execute("SELECT max(rid) FROM records").fetchone()[0] or 0), 1)
+            version = None
+            if memo is not None:
+                version = (conn.execute("PRAGMA data_version").fetchone()[0], self._db.writes)
             rid_lists, weights = [], []
             for term in terms:
-                rows = conn.execute(
-                    "SELECT rowid FROM records_fts WHERE records_fts MATCH ? "
-                    "ORDER BY rowid DESC LIMIT ?",
-                    ('"' + term.replace('"', '""') + '"', _TERM_CAP),
-                ).fetchall()
-                if not rows:
+                rids = self._postings(conn, term, memo, (version, total))
+                if rids is None:
                     continue
-                rids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
                 df = float(len(rids))
                 if len(rids) == _TERM_CAP:  # capped: extrapolate df from the rowid span
-                    df = df * total / max(total - int(rids[-1]) + 1, 1)
+                    df = df * total / max(total - int(rids.min()) + 1, 1)
                 rid_lists.append(rids)
                 weights.append(math.log(1 + (total - df + 0.5) / (df + 0.5)))
             if not rid_lists:
@@ -363,9 +381,14 @@ class SQLiteTenantStore(TenantStore):
             scores = np.bincount(inverse, weights=all_w)
             order = np.lexsort((-uniq, -scores))  # best score, then newest
             ranked = uniq[order]
-            # usually the filter passes nearly everything: check the best few first
-            head = [int(r) for r in ranked[: limit * 2 + 8]]
+            # usually the filter passes nearly everything: check the best few first, and
+            # build only the rows returned (building one costs more than finding it)
+            head = [int(r) for r in ranked[: limit + 8]]
             found = self._fetch_rids(conn, head, where, params)
+            if len(found) < min(limit, len(head)) and len(ranked) > len(head):
+                more = [int(r) for r in ranked[len(head) : limit * 2 + 8]]
+                found.update(self._fetch_rids(conn, more, where, params))
+                head += more
             if len(found) < min(limit, len(head)) and len(ranked) > len(head):
                 # a selective filter: find the eligible matches in one join, then rank them
                 match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
@@ -384,8 +407,29 @@ class SQLiteTenantStore(TenantStore):
                 found = self._fetch_rids(conn, head, where, params)
             head_scores = scores[np.searchsorted(uniq, head)].tolist() if head else []
             best = [(r, sc) for r, sc in zip(head, head_scores, strict=True) if r in found]
-        # only the rows returned become records (building one costs more than finding it)
-        return [(schema.row_to_record(found[r]), float(sc)) for r, sc in best[:limit]]
+        return [(_record(found[r], memo), float(sc)) for r, sc in best[:limit]]
+
+    @staticmethod
+    def _postings(
+        conn: sqlite3.Connection, term: str, memo: SearchMemo | None, version: Any
+    ) -> npt.NDArray[np.int64] | None:
+        """The rowids matching ``term`` (its newest :data:`_TERM_CAP` at most, in no set
+        order), or None; from the memo when this query already looked the term up in this
+        database state. Read as one string that numpy parses: a third less time than a
+        Python tuple per match (``bench/README.md``, "Speed of the default configuration")."""
+        key = (term, version)
+        if memo is not None and key in memo.postings:
+            cached: npt.NDArray[np.int64] | None = memo.postings[key]
+            return cached
+        row = conn.execute(
+            "SELECT group_concat(rowid, ' ') FROM (SELECT rowid FROM records_fts "
+            "WHERE records_fts MATCH ? ORDER BY rowid DESC LIMIT ?)",
+            ('"' + term.replace('"', '""') + '"', _TERM_CAP),
+        ).fetchone()
+        rids = np.fromstring(row[0], dtype=np.int64, sep=" ") if row and row[0] else None
+        if memo is not None:
+            memo.postings[key] = rids
+        return rids
 
     def mean_words(self) -> float | None:
         """See :meth:`TenantStore.mean_words`: FTS5's own totals (its "averages" record: the
@@ -415,7 +459,12 @@ class SQLiteTenantStore(TenantStore):
         return found
 
     def vector_search(
-        self, vector: Vector, flt: RecordFilter, limit: int
+        self,
+        vector: Vector,
+        flt: RecordFilter,
+        limit: int,
+        *,
+        memo: SearchMemo | None = None,
     ) -> list[tuple[AnyRecord, float]]:
         if limit <= 0:
             return []
@@ -442,7 +491,7 @@ class SQLiteTenantStore(TenantStore):
                     break
                 want *= 4
         rows.sort(key=lambda r: -sims[r[0]])
-        return [(schema.row_to_record(r), sims[r[0]]) for r in rows[:limit]]
+        return [(_record(r, memo), sims[r[0]]) for r in rows[:limit]]
 
     def iter_records(self, prefix: str) -> Iterator[tuple[AnyRecord, list[float] | None]]:
         where, params = _within_sql(prefix, "r.scope")
