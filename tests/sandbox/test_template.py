@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,8 +107,8 @@ def test_host_mirror_reads_deb822_then_one_line_sources(tmp_path: Path) -> None:
     assert _rootfs.host_mirror(tmp_path / "x", tmp_path / "y") == _rootfs.DEFAULT_MIRROR
 
 
-def test_template_info_round_trips_through_json(tmp_path: Path) -> None:
-    info = templates.TemplateInfo(
+def _info(tmp_path: Path, **fields: Any) -> templates.TemplateInfo:
+    return templates.TemplateInfo(
         name="t",
         directory=tmp_path,
         build_id="b",
@@ -115,8 +116,12 @@ def test_template_info_round_trips_through_json(tmp_path: Path) -> None:
         initrd=tmp_path / "i",
         base_image=tmp_path / "d",
         snapshot_dir=tmp_path / "s",
-        apt=["git"],
+        **fields,
     )
+
+
+def test_template_info_round_trips_through_json(tmp_path: Path) -> None:
+    info = _info(tmp_path, apt=["git"])
     again = templates.TemplateInfo.from_json(json.loads(json.dumps(info.to_json())))
     assert again == info
 
@@ -125,17 +130,7 @@ def test_a_template_booted_with_another_kernel_command_line_is_stale(tmp_path: P
     from torpor.sandbox.vm.machine_dir import KERNEL_APPEND
 
     ghash = _rootfs.guest_hash(_rootfs.guest_files(templates.GUEST_DIR))
-    info = templates.TemplateInfo(
-        name="t",
-        directory=tmp_path,
-        build_id="b",
-        kernel=tmp_path / "k",
-        initrd=tmp_path / "i",
-        base_image=tmp_path / "d",
-        snapshot_dir=tmp_path / "s",
-        guest_hash=ghash,
-        kernel_append=KERNEL_APPEND,
-    )
+    info = _info(tmp_path, guest_hash=ghash, kernel_append=KERNEL_APPEND)
     assert templates.stale_reason(info) is None
     # a template.json from before the command line was kept has none: rebuilt once
     legacy = {k: v for k, v in info.to_json().items() if k != "kernel_append"}
