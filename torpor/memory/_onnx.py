@@ -80,8 +80,7 @@ class OnnxQueryModel:
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         """Mean-pooled, L2-normalized vectors of ``texts`` (tokenized by the model's own
         tokenizer, so truncation and special tokens are the model's)."""
-        prepare = getattr(self._st, "preprocess", None) or self._st.tokenize
-        batch = prepare(list(texts))
+        batch = _tokenize(self._st, texts)
         feed = {name: batch[name].numpy().astype(np.int64) for name in self._names}
         pooled = np.asarray(self._session.run(None, feed)[0], dtype=np.float32)
         norms = np.linalg.norm(pooled, axis=1, keepdims=True)
@@ -116,6 +115,13 @@ class OnnxQueryModel:
         except Exception:  # an optional speed-up must never break recall
             log.warning("ONNX query path off: could not build it", exc_info=True)
             return None
+
+
+def _tokenize(st_model: Any, texts: Sequence[str]) -> Any:
+    """``texts`` through the model's own tokenizer (``preprocess`` in newer
+    sentence-transformers, ``tokenize`` before): its truncation and special tokens."""
+    prepare = getattr(st_model, "preprocess", None) or st_model.tokenize
+    return prepare(list(texts))
 
 
 def _exportable(st_model: Any) -> bool:
@@ -164,8 +170,7 @@ def _export(st_model: Any, graph: Path) -> None:
             weights = mask.unsqueeze(-1).to(hidden.dtype)
             return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
 
-    prepare = getattr(st_model, "preprocess", None) or st_model.tokenize
-    sample = prepare([_PROBE, "hi"])
+    sample = _tokenize(st_model, [_PROBE, "hi"])
     args = tuple(sample[n] for n in _INPUTS)
     axes = {n: {0: "batch", 1: "tokens"} for n in _INPUTS} | {"embedding": {0: "batch"}}
     graph.parent.mkdir(parents=True, exist_ok=True)
@@ -199,9 +204,8 @@ def _agreement(st_model: Any, model: OnnxQueryModel) -> float:
     import torch
 
     texts = [_PROBE, "hi", _PROBE * 12]  # the last one is truncated at the model's limit
-    prepare = getattr(st_model, "preprocess", None) or st_model.tokenize
     with torch.inference_mode():
-        ref = st_model.forward(prepare(texts))["sentence_embedding"].float().numpy()
+        ref = st_model.forward(_tokenize(st_model, texts))["sentence_embedding"].float().numpy()
     ref /= np.linalg.norm(ref, axis=1, keepdims=True)
     got = model.embed(texts)
     return float((ref * got).sum(axis=1).min())

@@ -83,7 +83,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Protocol
@@ -321,7 +321,8 @@ class HybridRanker:
             return 0.5, fill_lexical, fill_vector
         odds = (self.lexical / lex_spread) / (1 / vec_spread)
         if self.stand_out:
-            lex_z, vec_z = _stand_out(lexical.values()), _stand_out(vector.values())
+            lex_z = _stand_out(lexical.values(), lex_spread)
+            vec_z = _stand_out(vector.values(), vec_spread)
             if lex_z > 0 and vec_z > 0:
                 odds *= (lex_z / vec_z) ** self.stand_out
         return odds / (1 + odds), fill_lexical, fill_vector
@@ -391,17 +392,15 @@ class HybridRanker:
         return score
 
 
-def _stand_out(values: Iterable[float]) -> float:
-    """How far the best of ``values`` stands above their mean, in standard deviations
-    (0 for fewer than two or when they are all alike)."""
-    xs = list(values)
-    sd = _spread(xs)
-    return (max(xs) - sum(xs) / len(xs)) / sd if len(xs) > 1 and sd > 0 else 0.0
+def _stand_out(values: Collection[float], sd: float) -> float:
+    """How far the best of ``values`` stands above their mean, in ``sd`` (their standard
+    deviation, :func:`_spread`); 0 for fewer than two or when they are all alike."""
+    return (max(values) - sum(values) / len(values)) / sd if len(values) > 1 and sd > 0 else 0.0
 
 
 _MONTH_NAMES = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 _MONTHS = {m: n for n, m in enumerate(_MONTH_NAMES, 1)}
-_MONTH = r"(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
+_MONTH = "(" + "|".join(_MONTH_NAMES) + r")[a-z]*\.?"
 _DAY_MONTH = re.compile(
     r"\b(\d{1,2})(?:st|nd|rd|th)?\s+(?:of\s+)?" + _MONTH + r"(?:,?\s*(\d{4}))?", re.IGNORECASE
 )
