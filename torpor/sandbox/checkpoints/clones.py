@@ -212,13 +212,10 @@ class Cloner:
         children: Children,
         *,
         take_ram: bool = False,
-        spare: Callable[[Path], bool] | None = None,
     ) -> list[SandboxRecord]:
         """Registry rows (``creating``) and hibernated machine dirs cloned from ``frozen`` for
         ``children``. ``take_ram``: the caller drops the frozen RAM afterwards, so the last
-        child may take it (when it has no other name). ``spare(path)``: moves a ready clone
-        of ``frozen`` (a cached snapshot's spare) to the directory ``path`` if there is one
-        (True): the last child's, instead of cloning. All or none: on failure every row and
+        child may take it (when it has no other name). All or none: on failure every row and
         dir made here is removed."""
         from torpor.sandbox.vm.machine import clone_machine_dir
 
@@ -233,12 +230,9 @@ class Cloner:
                 asyncio.to_thread(clone_machine_dir, frozen, m.directory(r.id)) for r in recs[:-1]
             ]
             last = m.directory(recs[-1].id)
-            if not own and spare is not None and await asyncio.to_thread(spare, last):
-                await asyncio.gather(*copies)
-            else:
-                await asyncio.gather(
-                    *copies, asyncio.to_thread(clone_machine_dir, frozen, last, take_ram=own)
-                )
+            await asyncio.gather(
+                *copies, asyncio.to_thread(clone_machine_dir, frozen, last, take_ram=own)
+            )
         except BaseException as exc:
             for rec in recs:
                 await m.abort_create(rec, m.live(rec.id), exc)
