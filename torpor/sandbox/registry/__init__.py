@@ -2,6 +2,9 @@
 
 * :mod:`.lifecycle` — the state machine: states, the legal transitions with a guard on every
   operation, and what a restarted manager does with each state (recovery)
+* :mod:`.records` — :class:`SandboxRecord`, one row, and the pure mapping of rows to records
+* :mod:`.base` — :class:`~torpor.sandbox.registry.base.SqlRegistry`: the SQL on sandboxes,
+  transitions and the usage ledger, written once for both backends
 * :mod:`.sqlite` — :class:`Registry`: one SQLite database (WAL, ``synchronous=FULL``) of
   sandbox rows and their transitions; a transition is a compare-and-set the lifecycle checks
 * :mod:`.postgres` — :class:`~torpor.sandbox.registry.postgres.PostgresRegistry`: the same
@@ -17,7 +20,8 @@ PostgresRegistry is opened; for usage, torpor.sandbox.storage and torpor.sandbox
 """
 
 from torpor.sandbox.registry.postgres import PostgresRegistry
-from torpor.sandbox.registry.sqlite import SCHEMA_VERSION, Registry, SandboxRecord
+from torpor.sandbox.registry.records import SandboxRecord
+from torpor.sandbox.registry.sqlite import SCHEMA_VERSION, Registry
 
 #: the registry a manager holds: SQLite on one machine (the default), PostgreSQL in a cluster
 #: (the same interface for sandboxes and transitions)
