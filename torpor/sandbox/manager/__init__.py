@@ -7,8 +7,9 @@
   boot, recovery after a restart), and :class:`~.core.Held`, the part of it the checkpoint
   component may use
 * :mod:`.cluster` — cluster mode (``torpor serve --cluster``): the node's heartbeat and leases
-  on the PostgreSQL registry, pauses made durable in the shared store, wake anywhere, recovery
-  of a lost node's sandboxes
+  on the PostgreSQL registry, placement, pauses made durable in the shared store, wake
+  anywhere, recovery of a lost node's sandboxes (a package, one module per part of
+  :class:`~.cluster.ClusterNode`)
 
 Imports: the registry, the engine, models; never checkpoints (which sit on top of it).
 """

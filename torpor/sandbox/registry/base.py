@@ -82,6 +82,10 @@ _STORED_COLUMNS = (
 )
 
 
+#: a sandbox row's columns as :meth:`SqlRegistry._select` reads them (table ``s``)
+_SANDBOX_SELECT = ", ".join(f"s.{c}" for c in SANDBOX_COLUMNS)
+
+
 @lru_cache(maxsize=1024)
 def _render(text: str, param: str, schema: str) -> str:
     sql = text.format(
@@ -141,12 +145,8 @@ class SqlRegistry:
     def _select(self, extra: str = "", joins: str = "") -> str:
         """``SELECT`` of a sandbox row (``s``) with what the backend adds, then ``extra``
         columns and ``joins``; the caller appends ``WHERE``."""
-        columns = ", ".join(f"s.{c}" for c in SANDBOX_COLUMNS)
-        return (
-            self._sql(f"SELECT {columns}{self.RECORD_EXTRA}{extra} FROM {{sandboxes}} s")
-            + self.RECORD_JOIN
-            + joins
-        )
+        head = f"SELECT {_SANDBOX_SELECT}{self.RECORD_EXTRA}{extra} FROM {{sandboxes}} s"
+        return self._sql(head) + self.RECORD_JOIN + joins
 
     def _log_transition(
         self,

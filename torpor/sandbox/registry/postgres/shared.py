@@ -9,7 +9,7 @@ import builtins
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -157,41 +157,48 @@ class SharedTables(PostgresCore):
         """Every chunk some recorded manifest names (expired ones included: they go first,
         by :meth:`delete_snapshot`). Raises CorruptData when a manifest does not parse (a
         sweep must then not run), StorageError."""
+        refs: set[str] = set()
+        for hashes in [
+            *self._manifest_hashes(
+                "SELECT id, manifest FROM torpor_registry.snapshots",
+                "snapshot",
+                "manifest",
+                lambda body: body["files"].values(),
+            ),
+            *self._manifest_hashes(
+                "SELECT sandbox_id, manifest FROM torpor_registry.pauses"
+                " WHERE manifest IS NOT NULL",
+                "sandbox",
+                "pause manifest",
+                lambda body: [*body["files"].values(), *(body.get("volumes") or {}).values()],
+            ),
+            *self._manifest_hashes(
+                "SELECT id, image FROM torpor_registry.volumes WHERE image IS NOT NULL",
+                "volume",
+                "image manifest",
+                lambda body: [body],
+            ),
+        ]:
+            refs |= hashes
+        return refs
+
+    def _manifest_hashes(
+        self, sql: str, kind: str, what: str, files: Callable[[Any], Iterable[Any]]
+    ) -> Iterator[set[str]]:
+        """The chunk hashes of each file manifest ``files`` finds in the JSON of each row
+        ``(id, text)`` of ``sql``. Raises CorruptData naming the ``kind`` (``snapshot_id``,
+        ``sandbox_id``, ``volume_id``) whose ``what`` does not parse."""
         from torpor.sandbox.storage.chunks import FileManifest
 
-        refs: set[str] = set()
-        for sid, text in self._query("SELECT id, manifest FROM torpor_registry.snapshots"):
+        for rid, text in self._query(sql):
             try:
-                for fm in json.loads(text)["files"].values():
-                    refs |= FileManifest.from_json(fm).hashes()
+                found = [FileManifest.from_json(fm).hashes() for fm in files(json.loads(text))]
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise CorruptData(
-                    f"snapshot {sid}: its manifest in the registry is unreadable ({exc})",
-                    snapshot_id=sid,
+                    f"{kind} {rid}: its {what} in the registry is unreadable ({exc})",
+                    **{f"{kind}_id": rid},
                 ) from exc
-        for sid, text in self._query(
-            "SELECT sandbox_id, manifest FROM torpor_registry.pauses WHERE manifest IS NOT NULL"
-        ):
-            try:
-                body = json.loads(text)
-                for fm in [*body["files"].values(), *(body.get("volumes") or {}).values()]:
-                    refs |= FileManifest.from_json(fm).hashes()
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise CorruptData(
-                    f"sandbox {sid}: its pause manifest in the registry is unreadable ({exc})",
-                    sandbox_id=sid,
-                ) from exc
-        for vid, text in self._query(
-            "SELECT id, image FROM torpor_registry.volumes WHERE image IS NOT NULL"
-        ):
-            try:
-                refs |= FileManifest.from_json(json.loads(text)).hashes()
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise CorruptData(
-                    f"volume {vid}: its image manifest in the registry is unreadable ({exc})",
-                    volume_id=vid,
-                ) from exc
-        return refs
+            yield from found
 
     # -- sweeps of the shared store (schema v7) ---------------------------------------------
 
