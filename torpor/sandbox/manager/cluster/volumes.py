@@ -35,7 +35,8 @@ RECORD_LOCKS = {"volume": 0x74766F6C, "drive": 0x74647276}
 
 class Volumes(NodeBase):
     """The part of a :class:`~torpor.sandbox.manager.cluster.ClusterNode` that moves volume
-    images through the shared store (see the module docstring)."""
+    images through the shared store, and tells which node has a sandbox a volume is
+    attached to (see the module docstring)."""
 
     def push_volume(self, volume_id: str) -> FileManifest:
         """Store this node's image of ``volume_id`` in the shared store (only the chunks the
