@@ -324,15 +324,11 @@ class SharedTables(PostgresCore):
         """Record that ``volume_id``'s latest image is on ``node`` and, as ``manifest``, in
         the shared store. Raises VolumeNotFound, StorageError."""
         with self._tx() as db:
-            rows = db.execute(
-                "SELECT record FROM torpor_registry.volumes WHERE id = %s FOR UPDATE",
-                (volume_id,),
-            ).fetchall()
-            if not rows:
+            data = _locked_volume(db, volume_id)
+            if data is None:
                 raise VolumeNotFound(
                     f"volume {volume_id!r} not found", kind="volume", name=volume_id
                 )
-            data = json.loads(rows[0][0])
             data["node"] = node
             db.execute(
                 "UPDATE torpor_registry.volumes SET node = %s, record = %s, image = %s,"
@@ -361,13 +357,9 @@ class SharedTables(PostgresCore):
         """Record that ``volume_id``'s latest image is on ``node`` only (a push failed: the
         stored one is older). Raises StorageError."""
         with self._tx() as db:
-            rows = db.execute(
-                "SELECT record FROM torpor_registry.volumes WHERE id = %s FOR UPDATE",
-                (volume_id,),
-            ).fetchall()
-            if not rows:
+            data = _locked_volume(db, volume_id)
+            if data is None:
                 return
-            data = json.loads(rows[0][0])
             data["node"] = node
             db.execute(
                 "UPDATE torpor_registry.volumes SET node = %s, record = %s, image = NULL,"
@@ -401,6 +393,15 @@ class SharedTables(PostgresCore):
                 " VALUES (%s,%s,%s,%s,%s,%s)",
                 (node, started_at, time.time(), removed, kept, freed_bytes),
             )
+
+
+def _locked_volume(db: Any, volume_id: str) -> dict[str, Any] | None:
+    """The record of ``volume_id``, its row locked until the caller's transaction ends (None:
+    no such volume)."""
+    rows = db.execute(
+        "SELECT record FROM torpor_registry.volumes WHERE id = %s FOR UPDATE", (volume_id,)
+    ).fetchall()
+    return None if not rows else dict(json.loads(rows[0][0]))
 
 
 def _epoch(value: Any) -> float:
