@@ -538,42 +538,55 @@ class PostgresRegistry:
     def insert(self, rec: SandboxRecord, *, reason: str = "create") -> None:
         """Add a sandbox and log its first state. Raises InvalidName, InvalidArgument,
         Conflict (name taken by a live sandbox of the tenant) or StorageError."""
-        check_name(rec.name, "sandbox name")
-        labels = _check_labels(rec.labels)
-        spec = _spec_json(rec.vcpus, rec.memory_mib, rec.envs, rec.memory_scope)
+        self.insert_many([rec], reason=reason)
+
+    def insert_many(self, recs: Sequence[SandboxRecord], *, reason: str = "create") -> None:
+        """Add sandboxes and log their first states, all in one transaction (a fork's
+        children: one commit, so one sync, for all): all or none. Raises as :meth:`insert`
+        (Conflict names the first name taken, by a live sandbox or earlier in ``recs``)."""
+        rows = []
+        for rec in recs:
+            check_name(rec.name, "sandbox name")
+            labels = _check_labels(rec.labels)
+            spec = _spec_json(rec.vcpus, rec.memory_mib, rec.envs, rec.memory_scope)
+            rows.append((rec, labels, spec))
+        taken = recs[0] if recs else None  # the row being written: a Conflict is its name's
         try:
             with self._tx() as db:
-                db.execute(
-                    f"INSERT INTO torpor_registry.sandboxes ({_COLUMNS}) VALUES "
-                    "(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
-                    (
-                        rec.id,
-                        rec.tenant,
-                        rec.name,
-                        rec.template,
-                        rec.state.value,
-                        json.dumps(labels, sort_keys=True),
-                        spec,
-                        rec.idle_pause_seconds,
-                        rec.pause_retention_days,
-                        rec.created_at,
-                        rec.last_active_at,
-                        rec.paused_at,
-                        rec.error,
-                    ),
-                )
-                db.execute(
-                    "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
-                    " VALUES (%s,%s,%s,%s,%s)",
-                    (rec.id, None, rec.state.value, rec.created_at, reason),
-                )
+                for rec, labels, spec in rows:
+                    taken = rec
+                    db.execute(
+                        f"INSERT INTO torpor_registry.sandboxes ({_COLUMNS}) VALUES "
+                        "(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                        (
+                            rec.id,
+                            rec.tenant,
+                            rec.name,
+                            rec.template,
+                            rec.state.value,
+                            json.dumps(labels, sort_keys=True),
+                            spec,
+                            rec.idle_pause_seconds,
+                            rec.pause_retention_days,
+                            rec.created_at,
+                            rec.last_active_at,
+                            rec.paused_at,
+                            rec.error,
+                        ),
+                    )
+                    db.execute(
+                        "INSERT INTO torpor_registry.transitions (sandbox_id, src, dst, at, reason)"
+                        " VALUES (%s,%s,%s,%s,%s)",
+                        (rec.id, None, rec.state.value, rec.created_at, reason),
+                    )
             self.generation += 1
         except Conflict as exc:
+            assert taken is not None
             raise Conflict(
-                f"a sandbox named {rec.name!r} already exists",
+                f"a sandbox named {taken.name!r} already exists",
                 exc=exc.exc,
-                name=rec.name,
-                tenant=rec.tenant,
+                name=taken.name,
+                tenant=taken.tenant,
             ) from exc
 
     def set_state(

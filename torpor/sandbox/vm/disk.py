@@ -1,7 +1,8 @@
 """Disk and file utilities every layer of the sandbox package shares: one copy of each.
 
 * :func:`copy_sparse` — copy a (mostly sparse) RAM file or image: a reflink where the file
-  system can, else only its data extents; across file systems too.
+  system can, else only its data extents (each allocated in one call first); across file
+  systems too.
 * :func:`new_overlay` — a new qcow2 overlay on a backing image, written here (no process).
 * :func:`qemu_img` — run ``qemu-img``, errors as EngineError; :func:`rebase` and
   :func:`set_backing` for what every layer does with it.
@@ -14,6 +15,7 @@ layer (EngineError for a machine directory, StorageError for stored data).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -29,6 +31,7 @@ __all__ = [
     "fsync_dir",
     "is_qcow2",
     "new_overlay",
+    "preallocate",
     "qemu_img",
     "rebase",
     "set_backing",
@@ -41,6 +44,10 @@ _FICLONE = 0x40049409  # ioctl: share the source's extents (btrfs, xfs)
 #: errors after which copy_file_range cannot work between these two files: copy by hand
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 _BLOCK = 1 << 20
+#: fallocate(2) itself (``os.posix_fallocate`` falls back to writing every block where the
+#: file system has no fallocate: a second copy's worth of writes)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 def copy_sparse(src: Path, dst: Path, *, in_place: bool = False) -> None:
@@ -66,6 +73,7 @@ def copy_sparse(src: Path, dst: Path, *, in_place: bool = False) -> None:
             pass
         if not in_place:
             os.ftruncate(ofd, size)
+        can_allocate = True
         pos = 0
         while pos < size:
             try:
@@ -79,8 +87,22 @@ def copy_sparse(src: Path, dst: Path, *, in_place: bool = False) -> None:
             if start >= size:
                 break
             end = os.lseek(ifd, start, os.SEEK_HOLE)
+            if can_allocate:
+                can_allocate = preallocate(ofd, start, end - start)
             copy_range(ifd, ofd, start, end)
             pos = end
+
+
+def preallocate(fd: int, start: int, length: int) -> bool:
+    """Allocate bytes ``start``..``start + length`` of ``fd`` (``fallocate(2)``, mode 0: the
+    size and any data there are kept, holes become allocated blocks that read zeros). False
+    if the file system cannot (nothing done). Raises OSError (ENOSPC: the disk is full)."""
+    if _libc.fallocate(fd, 0, start, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV):
+        return False
+    raise OSError(err, os.strerror(err))
 
 
 def _zero_data(fd: int, start: int, end: int) -> None:
