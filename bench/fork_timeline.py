@@ -220,7 +220,8 @@ def render(
             "  "
             + who
             + ": QEMU CPU ms at QMP "
-            + ", at cont ".join(f"{c.get(k) or 0:.0f}" for k in ("at_qmp", "at_cont"))
+            + f"{c.get('at_qmp') or 0:.0f}, at load {c.get('at_load') or 0:.0f}, at cont "
+            + f"{c.get('at_cont') or 0:.0f}"
             + f", at end {c.get('at_end') or 0:.0f}"
         )
 
@@ -243,9 +244,9 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
 
     async def exec_(self: Any, cmd: str, *a: Any, **k: Any) -> Any:
         out = await wrapped_exec(self, cmd, *a, **k)
-        if cmd in ("cont", "migrate-set-capabilities") and tl.t0 is not None:
-            key = "at_cont" if cmd == "cont" else "at_qmp"
-            cont_cpu.setdefault(_short(self.directory), {})[key] = _cpu_ms(self._pid)
+        keys = {"migrate-set-capabilities": "at_qmp", "getfd": "at_load", "cont": "at_cont"}
+        if cmd in keys and tl.t0 is not None:
+            cont_cpu.setdefault(_short(self.directory), {})[keys[cmd]] = _cpu_ms(self._pid)
         return out
 
     vm_machine.QemuMachine._qmp_exec = exec_  # type: ignore[method-assign]
