@@ -59,15 +59,16 @@ class Timeline:
         return (time.perf_counter() - self.t0) * 1000
 
     def add(self, who: str, what: str, start: float, end: float, **extra: Any) -> None:
-        if self.t0 is None:
+        if self.t0 is None or who == "-":  # (a wrapper that only samples)
             return
         with self._lock:
             span = {"who": who, "what": what, "start": round(start, 1), "end": round(end, 1)}
             self.spans.append(span | extra)
 
-    def wrap(self, where: str, attr: str, who: Any, what: Any = None) -> None:
+    def wrap(self, where: str, attr: str, who: Any, what: Any = None, after: Any = None) -> None:
         """Wrap ``where`` (``module`` or ``module:Class``) ``.attr``; ``who(args, kwargs)``
-        names the child, ``what(args, kwargs)`` the step (default: ``attr``)."""
+        names the child, ``what(args, kwargs)`` the step (default: ``attr``); ``after(args,
+        kwargs)`` is called once it returned."""
         module, _, cls = where.partition(":")
         owner: Any = importlib.import_module(module)
         if cls:
@@ -100,6 +101,8 @@ class Timeline:
                     return await fn(*a, **k)
                 finally:
                     tl.add(w, s, t, tl.now(), thread=threading.current_thread().name[:12])
+                    if after is not None:
+                        after(a, k)
 
             setattr(owner, attr, timed_async)
         else:
@@ -150,7 +153,6 @@ def _short(path: Any) -> str:
 
 def install(tl: Timeline) -> None:
     """Wrap every step of a fork's children."""
-    from torpor.sandbox.vm import machine as vm_machine
 
     def d0(a: tuple[Any, ...], k: dict[str, Any]) -> str:  # a QemuMachine method
         return _short(a[0].directory)
@@ -189,17 +191,27 @@ def install(tl: Timeline) -> None:
     tl.wrap("torpor.sandbox.checkpoints.clones:Cloner", "start_pending", lambda a, k: "all")
     tl.wrap("torpor.sandbox.checkpoints.clones:Cloner", "wake_children", lambda a, k: "all")
     tl.wrap("torpor.sandbox.vm.disk", "copy_sparse", lambda a, k: _short(Path(a[1]).parent))
-    # the QEMU pids and their CPU at `cont` (the rest: at the fork's end)
-    orig_start = vm_machine.QemuMachine._start
 
-    async def start(self: Any, *a: Any, **k: Any) -> Any:
-        out = await orig_start(self, *a, **k)
-        if self._pid is not None:
-            tl.pids[_short(self.directory)] = self._pid
-        return out
 
-    tl._undo.append((vm_machine.QemuMachine, "_start", orig_start))
-    vm_machine.QemuMachine._start = start  # type: ignore[method-assign]
+def install_cpu(tl: Timeline, samples: dict[str, dict[str, float | None]]) -> None:
+    """Note each child's QEMU pid once it started, and its CPU when QMP first answers, when
+    its state starts loading and at ``cont`` (into ``samples``)."""
+    from torpor.sandbox.vm.machine_dir import qemu_pid
+
+    def started(a: tuple[Any, ...], k: dict[str, Any]) -> None:
+        pid = qemu_pid(a[0].directory)
+        if pid is not None:
+            tl.pids[_short(a[0].directory)] = pid
+
+    keys = {"migrate-set-capabilities": "at_qmp", "getfd": "at_load", "cont": "at_cont"}
+
+    def sample(a: tuple[Any, ...], k: dict[str, Any]) -> None:
+        if a[1] in keys and tl.t0 is not None:
+            who = _short(a[0].directory)
+            samples.setdefault(who, {})[keys[a[1]]] = _cpu_ms(tl.pids.get(who))
+
+    tl.wrap("torpor.sandbox.vm.machine:QemuMachine", "_start", lambda a, k: "-", after=started)
+    tl.wrap("torpor.sandbox.vm.machine:QemuMachine", "_qmp_exec", lambda a, k: "-", after=sample)
 
 
 def render(
@@ -230,6 +242,7 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     from torpor.config import paths
     from torpor.sandbox.checkpoints import Checkpoints
     from torpor.sandbox.manager import SandboxManager
+    from torpor.sandbox.vm.machine_dir import qemu_pid
 
     p = paths(home)
     manager = SandboxManager(p)
@@ -238,18 +251,7 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     tl = Timeline()
     install(tl)
     cont_cpu: dict[str, dict[str, float | None]] = {}
-    from torpor.sandbox.vm import machine as vm_machine
-
-    wrapped_exec = vm_machine.QemuMachine._qmp_exec
-
-    async def exec_(self: Any, cmd: str, *a: Any, **k: Any) -> Any:
-        out = await wrapped_exec(self, cmd, *a, **k)
-        keys = {"migrate-set-capabilities": "at_qmp", "getfd": "at_load", "cont": "at_cont"}
-        if cmd in keys and tl.t0 is not None:
-            cont_cpu.setdefault(_short(self.directory), {})[keys[cmd]] = _cpu_ms(self._pid)
-        return out
-
-    vm_machine.QemuMachine._qmp_exec = exec_  # type: ignore[method-assign]
+    install_cpu(tl, cont_cpu)
     runs: list[dict[str, Any]] = []
     try:
         src = await manager.create(name="tl-src", template=args.template)
@@ -262,9 +264,9 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
         for _ in range(args.reps):
             await cp.settle()
             load = os.getloadavg()[0]
-            tl.spans, tl.pids, cont_cpu = [], {}, {}
+            tl.spans, tl.pids = [], {}
             cont_cpu.clear()
-            src_pid = manager.live(src.id).machine._pid
+            src_pid = qemu_pid(manager.directory(src.id))
             src_cpu0 = _cpu_ms(src_pid)
             times0, stat0, th0 = os.times(), _stat(), _threads()
             tl.t0 = time.perf_counter()
@@ -286,7 +288,8 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
                 f"CPU ms: children's QEMUs {qemu_sum:.0f}, this process {own:.0f} "
                 f"(user {1000 * (times1.user - times0.user):.0f}), source QEMU "
                 f"{(_cpu_ms(src_pid) or 0) - (src_cpu0 or 0):.0f}; threads "
-                f"{ {k: round(v - th0.get(k, 0.0)) for k, v in th1.items()} }; host (all CPUs) {busy}; load {load:.2f}"
+                f"{ {k: round(v - th0.get(k, 0.0)) for k, v in th1.items()} }; "
+                f"host (all CPUs) {busy}; load {load:.2f}"
             )
             render(tl.spans, cpu, total)
             runs.append({"total_ms": total, "load": load, "spans": list(tl.spans), "cpu": cpu})
@@ -295,7 +298,6 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
         await manager.kill(src.id)
     finally:
         tl.close()
-        vm_machine.QemuMachine._qmp_exec = wrapped_exec  # type: ignore[method-assign]
         await cp.settle()
         for info in await manager.list():
             with contextlib.suppress(Exception):

@@ -163,11 +163,11 @@ def test_insert_many_is_all_or_none(reg: AnyRegistry) -> None:
     kids = [rec("sbx-a", "a"), rec("sbx-b", "taken"), rec("sbx-c", "c")]
     with pytest.raises(Conflict) as info:
         reg.insert_many(kids, reason="forked")
-    assert info.value.name == "taken"
+    assert info.value.data["name"] == "taken"
     assert [r.id for r in reg.list()] == ["sbx-old"]  # the batch left no row
     with pytest.raises(Conflict) as twice:  # a name given twice in one batch
         reg.insert_many([rec("sbx-d", "d"), rec("sbx-e", "d")])
-    assert twice.value.name == "d"
+    assert twice.value.data["name"] == "d"
     reg.insert_many([rec("sbx-a", "a"), rec("sbx-c", "c")], reason="forked")
     assert sorted(r.name for r in reg.list()) == ["a", "c", "taken"]
     assert [(t.src, t.dst, t.reason) for t in reg.transitions("sbx-c")] == [
