@@ -111,11 +111,14 @@ class Timeline:
                 if tl.t0 is None:
                     return fn(*a, **k)
                 w, s = names(a, k)
-                t = tl.now()
+                t, cpu = tl.now(), time.thread_time()
                 try:
                     return fn(*a, **k)
                 finally:
-                    tl.add(w, s, t, tl.now(), thread=threading.current_thread().name[:12])
+                    cpu_ms = round((time.thread_time() - cpu) * 1000, 1)
+                    tl.add(
+                        w, s, t, tl.now(), thread=threading.current_thread().name[:12], cpu=cpu_ms
+                    )
 
             setattr(owner, attr, timed)
 
@@ -143,6 +146,18 @@ def _threads() -> dict[str, float]:
             name = names.get(int(tid), "other")
             key = "main" if name == "MainThread" else "workers" if "asyncio" in name else "other"
             out[key] = out.get(key, 0.0) + ms
+    return out
+
+
+def _vmstat() -> dict[str, int]:
+    """The host's dirty and under-writeback page cache (MiB) and dirty throttling count."""
+    want = {"nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold"}
+    out = {}
+    with open("/proc/vmstat") as f:
+        for line in f:
+            k, v = line.split()
+            if k in want:
+                out[k] = int(v) * 4096 >> 20
     return out
 
 
@@ -225,6 +240,7 @@ def render(
         print(
             f"{s['start']:8.1f} {s['end']:8.1f} {s['end'] - s['start']:7.1f}  {s['who']:8} "
             f"{s.get('thread', ''):12} {s['what']}"
+            + (f" (CPU {s['cpu']} ms)" if "cpu" in s else "")
         )
     print(f"total {total:.1f} ms")
     for who, c in sorted(cpu.items()):
@@ -254,7 +270,10 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     install_cpu(tl, cont_cpu)
     runs: list[dict[str, Any]] = []
     try:
-        src = await manager.create(name="tl-src", template=args.template)
+        from torpor.sandbox import template as templates
+
+        mib = templates.get(args.template).memory_mib
+        src = await manager.create(name="tl-src", template=args.template, memory_mib=mib)
         await manager.run_code(src.id, "data = [i * i for i in range(200_000)]")
         snap = None
         if args.of_snapshot:
@@ -277,6 +296,7 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
             total = tl.now()
             tl.t0 = None
             times1, stat1, th1 = os.times(), _stat(), _threads()
+            print(f"page cache MiB at the end: {_vmstat()}")
             cpu = {
                 who: {**cont_cpu.get(who, {}), "at_end": _cpu_ms(pid)}
                 for who, pid in tl.pids.items()
