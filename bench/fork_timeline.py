@@ -8,6 +8,7 @@ writes JSON.
 
     python3 -m bench.fork_timeline --count 10 --reps 3            # a running source
     python3 -m bench.fork_timeline --count 10 --of-snapshot       # a snapshot id
+    python3 -m bench.fork_timeline --count 10 --before            # the path before, to compare
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ class Timeline:
 
             setattr(owner, attr, timed)
 
+    def patch(self, owner: Any, attr: str, value: Any) -> None:
+        """Set ``owner.attr`` to ``value`` until :meth:`close`."""
+        self._undo.append((owner, attr, inspect.getattr_static(owner, attr)))
+        setattr(owner, attr, value)
+
     def close(self) -> None:
         for owner, attr, fn in reversed(self._undo):
             setattr(owner, attr, fn)
@@ -208,6 +214,25 @@ def install(tl: Timeline) -> None:
     tl.wrap("torpor.sandbox.vm.disk", "copy_sparse", lambda a, k: _short(Path(a[1]).parent))
 
 
+def _the_path_before(tl: Timeline) -> None:
+    """Undo issue 13 session 8's cuts, for a comparison in the same run: one registry
+    transaction per child, and RAM copies that allocate page by page."""
+    import torpor.sandbox.vm.disk as disk
+    from torpor.sandbox.registry.sqlite import Registry
+
+    many = Registry.insert_many
+
+    def one_by_one(self: Registry, recs: Any, *, reason: str = "create") -> None:
+        for rec in recs:
+            many(self, [rec], reason=reason)
+
+    def cannot(fd: int, start: int, length: int) -> bool:
+        return False
+
+    tl.patch(Registry, "insert_many", one_by_one)
+    tl.patch(disk, "preallocate", cannot)
+
+
 def install_cpu(tl: Timeline, samples: dict[str, dict[str, float | None]]) -> None:
     """Note each child's QEMU pid once it started, and its CPU when QMP first answers, when
     its state starts loading and at ``cont`` (into ``samples``)."""
@@ -265,6 +290,8 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     await manager.start(supervise=False)
     cp = Checkpoints(manager)
     tl = Timeline()
+    if args.before:
+        _the_path_before(tl)
     install(tl)
     cont_cpu: dict[str, dict[str, float | None]] = {}
     install_cpu(tl, cont_cpu)
@@ -325,7 +352,7 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
         await manager.close(pause=False)
     totals = [r["total_ms"] for r in runs]
     print(f"per child: median {statistics.median(totals) / args.count:.1f} ms over {len(totals)}")
-    return {"count": args.count, "template": args.template, "runs": runs}
+    return {"count": args.count, "template": args.template, "before": args.before, "runs": runs}
 
 
 def main() -> None:
@@ -334,6 +361,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--template", default="python")
     parser.add_argument("--of-snapshot", action="store_true", help="fork a snapshot id")
+    parser.add_argument(
+        "--before",
+        action="store_true",
+        help="the path before issue 13 session 8 (one registry commit per child, no "
+        "preallocation), to compare in the same run",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     with bench_home() as home:
