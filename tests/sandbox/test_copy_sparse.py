@@ -113,3 +113,12 @@ def test_a_copy_where_the_file_system_cannot_preallocate(
     copy_sparse(src, dst)
     assert dst.read_bytes() == src.read_bytes()
     assert calls == [0]  # asked once, not once per extent
+
+
+def test_preallocate_raises_what_is_not_a_missing_feature(tmp_path: Path) -> None:
+    from torpor.sandbox.vm.disk import preallocate
+
+    path = tmp_path / "f"
+    _sparse(path, MIB, {})
+    with open(path, "rb") as f, pytest.raises(OSError):  # not writable: EBADF, not "cannot"
+        preallocate(f.fileno(), 0, MIB)

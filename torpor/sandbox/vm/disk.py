@@ -22,6 +22,7 @@ import os
 import struct
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from torpor.errors import EngineError
 
@@ -44,10 +45,22 @@ _FICLONE = 0x40049409  # ioctl: share the source's extents (btrfs, xfs)
 #: errors after which copy_file_range cannot work between these two files: copy by hand
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 _BLOCK = 1 << 20
-#: fallocate(2) itself (``os.posix_fallocate`` falls back to writing every block where the
-#: file system has no fallocate: a second copy's worth of writes)
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _find_fallocate() -> Any:
+    """fallocate(2) itself, or None where the C library has none (not Linux):
+    ``os.posix_fallocate`` falls back to writing every block where the file system has no
+    fallocate, a second copy's worth of writes."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, TypeError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _find_fallocate()
 
 
 def copy_sparse(src: Path, dst: Path, *, in_place: bool = False) -> None:
@@ -104,7 +117,9 @@ def preallocate(fd: int, start: int, length: int) -> bool:
     """Allocate bytes ``start``..``start + length`` of ``fd`` (``fallocate(2)``, mode 0: the
     size and any data there are kept, holes become allocated blocks that read zeros). False
     if the file system cannot (nothing done). Raises OSError (ENOSPC: the disk is full)."""
-    if _libc.fallocate(fd, 0, start, length) == 0:
+    if _fallocate is None:
+        return False
+    if _fallocate(fd, 0, start, length) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV):
