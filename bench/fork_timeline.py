@@ -339,7 +339,18 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
                 f"host (all CPUs) {busy}; load {load:.2f}"
             )
             render(tl.spans, cpu, total)
-            runs.append({"total_ms": total, "load": load, "spans": list(tl.spans), "cpu": cpu})
+            down = cp.last_downtime if snap is None else None
+            if down is not None:
+                print(f"the source stood still {down * 1000:.1f} ms (stop -> cont)")
+            runs.append(
+                {
+                    "total_ms": total,
+                    "load": load,
+                    "downtime_ms": None if down is None else down * 1000,
+                    "spans": list(tl.spans),
+                    "cpu": cpu,
+                }
+            )
             for kid in kids:
                 await manager.kill(kid.id)
         await manager.kill(src.id)
