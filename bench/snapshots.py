@@ -36,6 +36,7 @@ Each figure is reported for every guest size given (``--sizes``, default 512 MiB
 
     python3 -m bench.snapshots                 # 10 repetitions
     python3 -m bench.snapshots --reps 3 --sandboxes 0   # a quick look
+    python3 -m bench.snapshots --reps 5 --sandboxes 0 --forks-only   # the forks alone
 
 Results go to ``bench/results/snapshots.json``; each target prints PASS/FAIL with the ratio
 measured/target (<= 1.00 passes).
@@ -196,10 +197,13 @@ async def _one_size(
     reps: int,
     splits: _Splits,
     floor: Callable[[], Awaitable[float]],
+    *,
+    forks_only: bool = False,
 ) -> dict[str, Any]:
     """Snapshot (with the source's downtime), restore and fork timings of one guest size, and
     the QEMU start floor ``floor()`` measured once per repetition among them (load drifts over
-    a run: each size is scaled by the floor measured beside it)."""
+    a run: each size is scaled by the floor measured beside it). ``forks_only``: one
+    snapshot, untimed (for the forks of a snapshot id), then only the forks."""
     starts: list[float] = []
     stored_t: list[float] = []
     forksnap1_t: list[float] = []
@@ -216,7 +220,11 @@ async def _one_size(
     src = await manager.create(name=f"bench-src-{mib}", template=template, memory_mib=mib)
     await manager.run_code(src.id, "data = [i * i for i in range(200_000)]")
     await manager.run_code(src.id, "import time")
-    for i in range(reps):
+    if forks_only:
+        snap = await cp.snapshot(src.id, name=f"bench-{mib}")
+        await cp.wait_stored(snap.id)
+        await cp.settle()
+    for i in range(0 if forks_only else reps):
         starts.append(await floor())
         await manager.run_code(src.id, f"step = {i}")
         quiet = await _guest_clock_offset(manager, src.id)
@@ -244,21 +252,10 @@ async def _one_size(
         assert (await manager.run_code(restored.id, "step")).text == str(i)
         await manager.kill(restored.id)
         await cp.settle()
-        splits.op = f"{mib}:fork 1"
-        t0 = time.perf_counter()
-        kids = await cp.fork(src.id, count=1)
-        fork1_t.append(time.perf_counter() - t0)
-        splits.op = ""
-        for k in kids:
-            await manager.kill(k.id)
-        splits.op = f"{mib}:fork 1 of a snapshot id"
-        t0 = time.perf_counter()
-        kids = await cp.fork_snapshot(snap.id, count=1)
-        forksnap1_t.append(time.perf_counter() - t0)
-        splits.op = ""
-        for k in kids:
-            await manager.kill(k.id)
-        await cp.settle()
+        await _forks_of_one(manager, cp, src.id, snap.id, mib, splits, fork1_t, forksnap1_t)
+    for _ in range(reps if forks_only else 0):
+        starts.append(await floor())
+        await _forks_of_one(manager, cp, src.id, snap.id, mib, splits, fork1_t, forksnap1_t)
     tens = max(1, reps // 2)
     for _ in range(tens):
         starts.append(await floor())
@@ -281,9 +278,19 @@ async def _one_size(
     counts = {"snapshot": reps, "restore": reps, "fork 1": reps, "fork 1 of a snapshot id": reps}
     counts |= {"fork 10": tens, "fork 10 of a snapshot id": tens}
     steps = splits.means(f"{mib}:", counts)
-    return {
+    out: dict[str, Any] = {
         "template": template,
         "memory_mib": mib,
+        "fork1_per_child": summary(fork1_t),
+        "fork10_per_child": summary(fork10_t),
+        "fork_snapshot1_per_child": summary(forksnap1_t),
+        "fork_snapshot10_per_child": summary(forksnap10_t),
+        "steps_mean_ms": steps,
+        "floor_qemu_start": summary(starts),
+    }
+    if forks_only:
+        return out
+    return out | {
         "snapshot": summary(snap_t),
         "snapshot_first_ms": snap_t[0] * 1000,
         "snapshot_later": summary(snap_t[1:] or snap_t),
@@ -295,18 +302,45 @@ async def _one_size(
             k: statistics.median(p[k] for p in parts if k in p) for k in (parts[0] if parts else {})
         },
         "restore": summary(restore_t),
-        "fork1_per_child": summary(fork1_t),
-        "fork10_per_child": summary(fork10_t),
-        "fork_snapshot1_per_child": summary(forksnap1_t),
-        "fork_snapshot10_per_child": summary(forksnap10_t),
         "stored_after": summary(stored_t),
-        "steps_mean_ms": steps,
-        "floor_qemu_start": summary(starts),
     }
 
 
+async def _forks_of_one(
+    manager: Any,
+    cp: Any,
+    source: str,
+    snapshot: str,
+    mib: int,
+    splits: _Splits,
+    fork1_t: list[float],
+    forksnap1_t: list[float],
+) -> None:
+    """A fork of one child of the running ``source`` and one of ``snapshot``, timed."""
+    splits.op = f"{mib}:fork 1"
+    t0 = time.perf_counter()
+    kids = await cp.fork(source, count=1)
+    fork1_t.append(time.perf_counter() - t0)
+    splits.op = ""
+    for k in kids:
+        await manager.kill(k.id)
+    splits.op = f"{mib}:fork 1 of a snapshot id"
+    t0 = time.perf_counter()
+    kids = await cp.fork_snapshot(snapshot, count=1)
+    forksnap1_t.append(time.perf_counter() - t0)
+    splits.op = ""
+    for k in kids:
+        await manager.kill(k.id)
+    await cp.settle()
+
+
 async def run(
-    reps: int, sandboxes: int, home: Path, sizes: list[tuple[int, str]]
+    reps: int,
+    sandboxes: int,
+    home: Path,
+    sizes: list[tuple[int, str]],
+    *,
+    forks_only: bool = False,
 ) -> dict[str, Any]:
     from torpor.config import paths
     from torpor.errors import TemplateNotFound
@@ -336,7 +370,14 @@ async def run(
                 out["skipped"][str(mib)] = f"template {template!r} is {built.memory_mib} MiB"
                 continue
             out["sizes"][str(mib)] = await _one_size(
-                manager, cp, template, mib, reps, splits, lambda: _start_floor(tdir, p.cache)
+                manager,
+                cp,
+                template,
+                mib,
+                reps,
+                splits,
+                lambda: _start_floor(tdir, p.cache),
+                forks_only=forks_only,
             )
         out["floor_ram_copy"] = summary(floors)
         out["floor_qemu_start"] = summary(starts)
@@ -401,6 +442,34 @@ async def _dedup(manager: Any, cp: Any, n: int) -> dict[str, Any]:
     }
 
 
+def _snapshot_report(
+    console: Any, size: str, r: dict[str, Any], ram_floor: float, start_floor: float
+) -> list[tuple[str, float, float]]:
+    """Print what a run with snapshots measured beside the forks; return its goals."""
+    mib = 1 << 20
+    console.print(f"inside the stop (median ms): {r['capture_parts_ms']}")
+    sizes = r["snapshot_sizes"]
+    later = statistics.median(x["stored_bytes"] for x in sizes[1:] or sizes)
+    console.print(
+        f"first snapshot {r['snapshot_first_ms']:.0f} ms, "
+        f"{sizes[0]['size_bytes'] / mib:.0f} MiB logical, "
+        f"{sizes[0]['stored_bytes'] / mib:.1f} MiB stored; later ones add "
+        f"{later / mib:.1f} MiB each (median)"
+    )
+    down = r["downtime_host"]["median_ms"]
+    console.print(
+        f"same run: source downtime = {down / ram_floor:.2f} x the RAM-copy floor "
+        f"({ram_floor:.0f} ms), restore = {r['restore']['median_ms'] / start_floor:.1f} x "
+        f"the QEMU start floor ({start_floor:.0f} ms, measured among this size's "
+        "operations)"
+    )
+    return [
+        (f"{size} MiB: snapshot <= 200 ms", r["snapshot"]["median_ms"], 200.0),
+        (f"{size} MiB: source downtime <= 60 ms", down, 60.0),
+        (f"{size} MiB: restore <= 200 ms", r["restore"]["median_ms"], 200.0),
+    ]
+
+
 def render(result: dict[str, Any]) -> list[tuple[str, float, float, float]]:
     from rich.console import Console
     from rich.table import Table
@@ -428,34 +497,17 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float, float]]:
             ("fork_snapshot1_per_child", "fork 1 of a snapshot id, per child"),
             ("fork_snapshot10_per_child", "fork 10 of a snapshot id, per child"),
         ]:
-            st = r[key]
+            st = r.get(key)
+            if st is None:  # (a run of the forks only)
+                continue
             table.add_row(label, f"{st['median_ms']:.0f}", f"{st['p95_ms']:.0f}", str(st["n"]))
         console.print(table)
-        console.print(f"inside the stop (median ms): {r['capture_parts_ms']}")
         steps = Table("operation", "step", "mean ms per operation", title="where the time goes")
         for op, per in r["steps_mean_ms"].items():
             for step_name, ms in per.items():
                 steps.add_row(op, step_name, f"{ms:.0f}")
         console.print(steps)
-        sizes = r["snapshot_sizes"]
-        later = statistics.median(x["stored_bytes"] for x in sizes[1:] or sizes)
-        console.print(
-            f"first snapshot {r['snapshot_first_ms']:.0f} ms, "
-            f"{sizes[0]['size_bytes'] / mib:.0f} MiB logical, "
-            f"{sizes[0]['stored_bytes'] / mib:.1f} MiB stored; later ones add "
-            f"{later / mib:.1f} MiB each (median)"
-        )
-        down = r["downtime_host"]["median_ms"]
-        console.print(
-            f"same run: source downtime = {down / ram_floor:.2f} x the RAM-copy floor "
-            f"({ram_floor:.0f} ms), restore = {r['restore']['median_ms'] / start_floor:.1f} x "
-            f"the QEMU start floor ({start_floor:.0f} ms, measured among this size's "
-            "operations)"
-        )
         goals = [
-            (f"{size} MiB: snapshot <= 200 ms", r["snapshot"]["median_ms"], 200.0),
-            (f"{size} MiB: source downtime <= 60 ms", down, 60.0),
-            (f"{size} MiB: restore <= 200 ms", r["restore"]["median_ms"], 200.0),
             (f"{size} MiB: fork 1 <= 150 ms", r["fork1_per_child"]["median_ms"], 150.0),
             (f"{size} MiB: fork 10 <= 100 ms per child", r["fork10_per_child"]["median_ms"], 100.0),
             (
@@ -469,6 +521,8 @@ def render(result: dict[str, Any]) -> list[tuple[str, float, float, float]]:
                 100.0,
             ),
         ]
+        if "snapshot" in r:  # (not a run of the forks only)
+            goals = _snapshot_report(console, size, r, ram_floor, start_floor) + goals
         targets += [(name, got, limit, start_floor) for name, got, limit in goals]
     for size, why in result.get("skipped", {}).items():
         console.print(f"[yellow]{size} MiB skipped: {why}[/yellow]")
@@ -519,6 +573,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sandboxes", type=int, default=20, help="dedup run (0: skip it)")
     parser.add_argument(
+        "--forks-only",
+        action="store_true",
+        help="time only the forks (of 1 and 10, of a running source and of a snapshot id)",
+    )
+    parser.add_argument(
         "--sizes",
         default="512:python,2048:python-2g",
         help="guest sizes as MiB:template (a 2 GiB template: templates.build('python-2g', "
@@ -527,7 +586,9 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [(int(m), t) for m, t in (x.split(":") for x in args.sizes.split(","))]
     with bench_home() as home:
-        result = asyncio.run(run(args.reps, args.sandboxes, home, sizes))
+        result = asyncio.run(
+            run(args.reps, args.sandboxes, home, sizes, forks_only=args.forks_only)
+        )
     result["host"] = {
         "machine": platform.machine(),
         "cpus": os.cpu_count(),

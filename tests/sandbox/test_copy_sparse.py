@@ -72,3 +72,53 @@ def test_in_place_refuses_another_size(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         copy_sparse(src, dst, in_place=True)
     assert dst.read_bytes()[:4] == b"keep"  # untouched
+
+
+def test_a_copy_allocates_only_the_sources_data(tmp_path: Path) -> None:
+    src, dst = tmp_path / "ram", tmp_path / "child-ram"
+    _sparse(src, 64 * MIB, {2 * MIB: b"d" * (3 * MIB), 50 * MIB: b"e" * 4096})
+    _sparse(dst, 64 * MIB, {})
+    copy_sparse(src, dst, in_place=True)
+    assert dst.read_bytes() == src.read_bytes()
+    assert 3 * MIB <= _allocated(dst) < 4 * MIB  # the extents, preallocated: no hole filled
+
+
+def test_preallocate_keeps_size_and_data(tmp_path: Path) -> None:
+    from torpor.sandbox.vm.disk import preallocate
+
+    path = tmp_path / "f"
+    _sparse(path, 8 * MIB, {MIB: b"keep"})
+    with open(path, "r+b") as f:
+        assert preallocate(f.fileno(), 4 * MIB, MIB)
+    assert path.stat().st_size == 8 * MIB
+    assert _allocated(path) >= MIB
+    data = path.read_bytes()
+    assert data[MIB : MIB + 4] == b"keep" and data[4 * MIB : 5 * MIB] == bytes(MIB)
+
+
+def test_a_copy_where_the_file_system_cannot_preallocate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torpor.sandbox.vm.disk as disk
+
+    calls: list[int] = []
+
+    def cannot(fd: int, start: int, length: int) -> bool:
+        calls.append(start)
+        return False
+
+    monkeypatch.setattr(disk, "preallocate", cannot)
+    src, dst = tmp_path / "ram", tmp_path / "copy"
+    _sparse(src, 32 * MIB, {0: b"a" * 4096, 9 * MIB: b"b" * 4096, 20 * MIB: b"c" * 4096})
+    copy_sparse(src, dst)
+    assert dst.read_bytes() == src.read_bytes()
+    assert calls == [0]  # asked once, not once per extent
+
+
+def test_preallocate_raises_what_is_not_a_missing_feature(tmp_path: Path) -> None:
+    from torpor.sandbox.vm.disk import preallocate
+
+    path = tmp_path / "f"
+    _sparse(path, MIB, {})
+    with open(path, "rb") as f, pytest.raises(OSError):  # not writable: EBADF, not "cannot"
+        preallocate(f.fileno(), 0, MIB)

@@ -158,6 +158,23 @@ def test_names_unique_per_tenant_among_live(reg: AnyRegistry) -> None:
         reg.find("other", "sbx-1")  # another tenant's id is not found
 
 
+def test_insert_many_is_all_or_none(reg: AnyRegistry) -> None:
+    reg.insert(rec("sbx-old", "taken"))
+    kids = [rec("sbx-a", "a"), rec("sbx-b", "taken"), rec("sbx-c", "c")]
+    with pytest.raises(Conflict) as info:
+        reg.insert_many(kids, reason="forked")
+    assert info.value.data["name"] == "taken"
+    assert [r.id for r in reg.list()] == ["sbx-old"]  # the batch left no row
+    with pytest.raises(Conflict) as twice:  # a name given twice in one batch
+        reg.insert_many([rec("sbx-d", "d"), rec("sbx-e", "d")])
+    assert twice.value.data["name"] == "d"
+    reg.insert_many([rec("sbx-a", "a"), rec("sbx-c", "c")], reason="forked")
+    assert sorted(r.name for r in reg.list()) == ["a", "c", "taken"]
+    assert [(t.src, t.dst, t.reason) for t in reg.transitions("sbx-c")] == [
+        (None, S.CREATING, "forked")
+    ]
+
+
 @pytest.mark.parametrize("name", ["", "Agent", "-x", "a b", "x" * 64, "a/b"])
 def test_invalid_names(reg: AnyRegistry, name: str) -> None:
     with pytest.raises(InvalidName):

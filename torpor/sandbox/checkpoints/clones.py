@@ -241,12 +241,14 @@ class Cloner:
 
     def _insert_rows(self, frozen: Path, children: Children, recs: list[SandboxRecord]) -> None:
         """Check the quota and insert ``children``'s registry rows (``creating``, shaped as
-        the machine in ``frozen``), appending each to ``recs`` (the caller removes them on
-        failure). Raises Conflict (a name taken), InvalidArgument (quota)."""
+        the machine in ``frozen``) in one transaction (one sync for all, before any QEMU
+        starts), then append them to ``recs`` (the caller removes them on a later failure).
+        Raises Conflict (a name taken: no row is left), InvalidArgument (quota)."""
         m = self.manager
         config = json.loads((frozen / "machine.json").read_text())
         memory = int(config.get("memory_mib", 512))
         m.check_room(children.tenant, sandboxes=children.count, memory_mib=children.count * memory)
+        made: list[SandboxRecord] = []
         for i in range(children.count):  # registry rows first: a taken name fails first
             sid = "sbx-" + secrets.token_hex(6)
             now = time.time()
@@ -266,8 +268,9 @@ class Cloner:
                 last_active_at=now,
                 memory_scope=children.memory_scope,
             )
-            m.registry.insert(rec, reason=children.reason)
-            recs.append(rec)
+            made.append(rec)
+        m.registry.insert_many(made, reason=children.reason)
+        recs.extend(made)
 
     async def start_pending(
         self,

@@ -209,46 +209,59 @@ class SqlRegistry:
     def insert(self, rec: SandboxRecord, *, reason: str = "create") -> None:
         """Add a sandbox and log its first state. Raises InvalidName, InvalidArgument,
         Conflict (name taken by a live sandbox of the tenant) or StorageError."""
-        check_name(rec.name, "sandbox name")
-        labels = check_labels(rec.labels)
-        spec = spec_json(rec.vcpus, rec.memory_mib, rec.envs, rec.memory_scope)
+        self.insert_many([rec], reason=reason)
+
+    def insert_many(self, recs: Sequence[SandboxRecord], *, reason: str = "create") -> None:
+        """Add sandboxes and log their first states, all in one transaction (a fork's
+        children: one commit, so one sync, for all): all or none. Raises as :meth:`insert`
+        (Conflict names the first name taken, by a live sandbox or earlier in ``recs``)."""
+        rows = []
+        for rec in recs:
+            check_name(rec.name, "sandbox name")
+            labels = check_labels(rec.labels)
+            spec = spec_json(rec.vcpus, rec.memory_mib, rec.envs, rec.memory_scope)
+            rows.append((rec, labels, spec))
+        taken = recs[0] if recs else None  # the row being written: a Conflict is its name's
         try:
             with self._tx() as db:
-                db.execute(
-                    self._sql(
-                        f"INSERT INTO {{sandboxes}} ({', '.join(SANDBOX_COLUMNS)})"
-                        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
-                    ),
-                    (
-                        rec.id,
-                        rec.tenant,
-                        rec.name,
-                        rec.template,
-                        rec.state.value,
-                        json.dumps(labels, sort_keys=True),
-                        spec,
-                        rec.idle_pause_seconds,
-                        rec.pause_retention_days,
-                        rec.created_at,
-                        rec.last_active_at,
-                        rec.paused_at,
-                        rec.error,
-                    ),
-                )
-                db.execute(
-                    self._sql(
-                        "INSERT INTO {transitions} (sandbox_id, src, dst, at, reason)"
-                        " VALUES (?,?,?,?,?)"
-                    ),
-                    (rec.id, None, rec.state.value, rec.created_at, reason),
-                )  # the first row: every meter at zero
+                for rec, labels, spec in rows:
+                    taken = rec
+                    db.execute(
+                        self._sql(
+                            f"INSERT INTO {{sandboxes}} ({', '.join(SANDBOX_COLUMNS)})"
+                            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                        ),
+                        (
+                            rec.id,
+                            rec.tenant,
+                            rec.name,
+                            rec.template,
+                            rec.state.value,
+                            json.dumps(labels, sort_keys=True),
+                            spec,
+                            rec.idle_pause_seconds,
+                            rec.pause_retention_days,
+                            rec.created_at,
+                            rec.last_active_at,
+                            rec.paused_at,
+                            rec.error,
+                        ),
+                    )
+                    db.execute(
+                        self._sql(
+                            "INSERT INTO {transitions} (sandbox_id, src, dst, at, reason)"
+                            " VALUES (?,?,?,?,?)"
+                        ),
+                        (rec.id, None, rec.state.value, rec.created_at, reason),
+                    )  # the first row: every meter at zero
             self.generation += 1
         except Conflict as exc:
+            assert taken is not None
             raise Conflict(
-                f"a sandbox named {rec.name!r} already exists",
+                f"a sandbox named {taken.name!r} already exists",
                 exc=exc.exc,
-                name=rec.name,
-                tenant=rec.tenant,
+                name=taken.name,
+                tenant=taken.tenant,
             ) from exc
 
     def set_state(
