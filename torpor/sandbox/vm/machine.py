@@ -13,7 +13,8 @@ Crash safety: ``state`` only ever appears whole (tmp + fsync + rename), and a wa
 *before* ``cont``, so a QEMU killed at any point leaves either a loadable (ram, state) pair or
 no state file — never a state older than the RAM file.
 
-Disks (virtio-blk) and shares (virtio-9p) are hot-plugged into the running guest. QEMU has no
+Disks (virtio-blk) and shares (virtio-9p) are hot-plugged into the running guest (the methods
+are :mod:`torpor.sandbox.vm.hotplug`'s, mixed into :class:`QemuMachine`). QEMU has no
 QMP command to create a 9p backend, so :meth:`QemuMachine.attach_share` hibernates and wakes
 once with the backend on the command line, then hot-plugs the device. Note that QEMU refuses to
 migrate while a 9p share is *mounted* in the guest: unmount before hibernate.
@@ -35,8 +36,9 @@ from typing import Any
 from qemu.qmp import QMPClient, QMPError
 
 from torpor._tail import log_tail
-from torpor.errors import EngineError, InvalidArgument, InvalidState
+from torpor.errors import EngineError, InvalidState
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay
+from torpor.sandbox.vm.hotplug import HotPlug
 from torpor.sandbox.vm.jail import popen_args, prepare, prepare_path
 from torpor.sandbox.vm.machine_dir import (
     MACHINE_TYPE,
@@ -48,19 +50,14 @@ from torpor.sandbox.vm.machine_dir import (
     DiskSpec,
     MachineSpec,
     ShareSpec,
-    add_device,
-    add_nic,
     build_command,
     clone_machine_dir,
     discard_state,
-    disk_args,
     ensure_generation_id,
     inspect_dir,
     new_machine_config,
-    nic_args,
     qemu_pid,
     read_machine_json,
-    share_args,
     socket_path,
     write_machine_json,
 )
@@ -88,7 +85,7 @@ log = logging.getLogger(__name__)
 PRESTARTED = "prestarted"
 
 
-class QemuMachine:
+class QemuMachine(HotPlug):
     """One QEMU process on one directory. Not safe for concurrent use: one caller at a time
     (the sandbox manager serialises operations per sandbox).
 
@@ -723,88 +720,6 @@ class QemuMachine:
         machine._pid = pid
         await machine._connect()
         return machine
-
-    # -- hot-plug ------------------------------------------------------------------------------
-
-    async def attach_disk(self, disk: DiskSpec) -> None:
-        """Hot-plug a virtio-blk disk into the running guest and record it in machine.json
-        (so every later wake has it). Raises InvalidArgument, EngineError, InvalidState."""
-        self._require_running("attach a disk")
-        config = read_machine_json(self.directory)
-        rec = add_device(config, disk)
-        if self.spec.jail is not None:
-            await asyncio.to_thread(
-                prepare_path, self.directory / rec["path"], self.spec.jail, write=not disk.read_only
-            )
-        node, dev = disk_args(rec)
-        await self._qmp_exec("blockdev-add", node)
-        try:
-            await self._qmp_exec("device_add", dev)
-        except EngineError:
-            with contextlib.suppress(EngineError):
-                await self._qmp_exec("blockdev-del", {"node-name": node["node-name"]})
-            raise
-        write_machine_json(self.directory, config)
-
-    async def attach_nic(self) -> None:
-        """Hot-plug a network card on QEMU's user-mode network (see
-        :func:`~torpor.sandbox.vm.machine_dir.nic_args`) and record it in machine.json, so
-        every later wake has it. The guest still has to bring it up. Raises InvalidArgument
-        (one already), EngineError, InvalidState."""
-        self._require_running("attach a network card")
-        config = read_machine_json(self.directory)
-        rec = add_nic(config)
-        netdev, dev = nic_args(rec)
-        await self._qmp_exec("netdev_add", netdev)
-        try:
-            await self._qmp_exec("device_add", dev)
-        except EngineError:
-            with contextlib.suppress(EngineError):
-                await self._qmp_exec("netdev_del", {"id": netdev["id"]})
-            raise
-        write_machine_json(self.directory, config)
-
-    async def attach_share(self, share: ShareSpec) -> None:
-        """Share a host directory into the running guest (virtio-9p, tag ``share.tag``).
-
-        QEMU cannot create a 9p backend at run time, so this hibernates, wakes with the backend
-        on the command line, then hot-plugs the device (~a wake's cost). Raises
-        InvalidArgument, EngineError, InvalidState.
-        """
-        self._require_running("attach a share")
-        if not share.path.is_dir():
-            raise EngineError(f"share path {share.path} is not a directory")
-        config = read_machine_json(self.directory)
-        rec = add_device(config, share)  # validates and picks the slot; saved after plug
-        await self.hibernate()
-        await self._wake(pending_shares=[rec])
-        _fsdev, dev = share_args(rec)
-        await self._qmp_exec("device_add", dev)
-        write_machine_json(self.directory, config)
-
-    async def detach(self, device_id: str, *, timeout: float = 30.0) -> None:
-        """Unplug a hot-plugged disk or share (the guest must release it: unmount first) and
-        drop it from machine.json. Raises InvalidArgument (unknown id), EngineError (the guest
-        did not let go within ``timeout``), InvalidState."""
-        self._require_running("detach a device")
-        config = read_machine_json(self.directory)
-        recs = [d for d in config["devices"] if d["id"] == device_id]
-        if not recs:
-            raise InvalidArgument(f"no device {device_id!r} on this machine", id=device_id)
-        await self._qmp_exec("device_del", {"id": device_id})
-        deadline = time.monotonic() + timeout
-        while True:  # the guest acknowledges the ACPI eject on its own time
-            children = await self._qmp_exec("qom-list", {"path": "/machine/peripheral"})
-            if not any(c.get("name") == device_id for c in children):
-                break
-            if time.monotonic() > deadline:
-                raise EngineError(f"the guest did not release {device_id!r} within {timeout}s")
-            await asyncio.sleep(0.05)
-        if recs[0]["kind"] == "disk":
-            with contextlib.suppress(EngineError):
-                await self._qmp_exec("blockdev-del", {"node-name": f"blk-{device_id}"})
-        config["devices"] = [d for d in config["devices"] if d["id"] != device_id]
-        write_machine_json(self.directory, config)
 
     async def qmp(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
         """Run a raw QMP command on the running machine (for tests and diagnostics)."""
