@@ -50,8 +50,9 @@ from torpor.errors import (
 from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.manager.cluster import local_status
 from torpor.sandbox.manager.compacting import cluster_compact_sweep, sweep_due
-from torpor.sandbox.manager.core import ManagerCore, wrap_error
+from torpor.sandbox.manager.core import wrap_error
 from torpor.sandbox.manager.forwards import Forwards
+from torpor.sandbox.manager.recovery import Reconciler
 from torpor.sandbox.manager.terminals import Terminals, TerminalSession
 from torpor.sandbox.models import (
     CommandResult,
@@ -148,7 +149,7 @@ def _set_envs_code(envs: Mapping[str, str]) -> str:
     )
 
 
-class SandboxManager(ManagerCore):
+class SandboxManager(Reconciler):
     """Owns every sandbox of one torpor home. All methods are coroutines; ``tenant`` (keyword,
     default ``"default"``) scopes names and lookups.
 
