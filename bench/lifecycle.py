@@ -172,9 +172,18 @@ class _TimedMachine:
         await self.inner.wake(ram_ready=ram_ready)
         self.marks.add("QEMU start + load state + cont", time.perf_counter() - t0)
 
-    async def hibernate(self) -> None:
+    async def hibernate(self, *, ready: Awaitable[object] | None = None) -> None:
+        timed = None
+        if ready is not None:  # the guest's flush, which the hibernate waits for before its stop
+
+            async def timed_ready() -> None:
+                t1 = time.perf_counter()
+                await ready
+                self.marks.add("hibernate: waits for the guest's flush", time.perf_counter() - t1)
+
+            timed = timed_ready()
         t0 = time.perf_counter()
-        await self.inner.hibernate()
+        await self.inner.hibernate(ready=timed)
         self.marks.add("hibernate (stop, save state, quit)", time.perf_counter() - t0)
 
 
@@ -389,6 +398,7 @@ async def run(
     from torpor.sandbox import template as templates
     from torpor.sandbox.engine import QemuEngine
     from torpor.sandbox.manager import SandboxManager
+    from torpor.sandbox.vm.exits import settle_exit
 
     load_before = os.getloadavg()
     info = templates.get(template)
@@ -429,7 +439,14 @@ async def run(
         for _ in range(reps):
             marks.phase = "pause"
             samples["pause"].append(await _timed(lambda: mgr.pause("bench")))
-            samples["floor"].append(await _floor(mgr.directory(sbx.id)))
+            directory = mgr.directory(sbx.id).resolve()
+            # QEMU exits after the pause returned (torpor.sandbox.vm.exits): the floor's QEMU
+            # starts on the same directory once it is gone, as a wake's would
+            marks.add(
+                "QEMU's exit, after the pause returned",
+                await _timed(functools.partial(settle_exit, directory)),
+            )
+            samples["floor"].append(await _floor(directory))
             marks.phase = "wake"
             t0 = time.perf_counter()
             await mgr.resume("bench")

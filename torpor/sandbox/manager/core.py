@@ -189,6 +189,25 @@ async def _settled(task: asyncio.Future[Any]) -> TorporError | None:
     return exc if isinstance(exc, TorporError) else None
 
 
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # read (and logged by whoever waits for it), never "never retrieved"
+
+
+async def _hang_up(sandbox_id: str, channel: Channel, flush: asyncio.Future[Any]) -> None:
+    """Wait for the guest's flush before a pause stops it, then close the channel. A hung
+    guest must not hold the pause (its RAM is saved either way): after SYNC_TIMEOUT, or if
+    the flush failed, the pause goes on (logged)."""
+    done, _ = await asyncio.wait([flush], timeout=SYNC_TIMEOUT)
+    if not done:
+        flush.cancel()
+        log.warning("sync before pausing %s timed out after %ss", sandbox_id, SYNC_TIMEOUT)
+    elif not flush.cancelled() and flush.exception() is not None:
+        log.warning("sync before pausing %s failed: %r", sandbox_id, flush.exception())
+    with suppress(Exception):
+        await channel.close()
+
+
 def wrap_error(exc: BaseException, what: str, sandbox_id: str) -> TorporError:
     """``exc`` as a TorporError: itself if it is one, else an EngineError wrapping it."""
     if isinstance(exc, TorporError):
@@ -484,25 +503,29 @@ class ManagerCore:
         self._lives.pop(rec.id, None)
 
     async def pause_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
-        if live.channel is not None:
+        channel = live.channel
+        if channel is not None:
             for hook in self.guest_hooks:  # may refuse (busy drive): still running then
-                await hook.before_pause(rec.id, live.channel)
+                await hook.before_pause(rec.id, channel)
+        # The guest flushes its page cache (so the disk overlay is whole) while the registry
+        # records "pausing" and QEMU sets the save up; the stop waits for the flush.
+        flush = None if channel is None else asyncio.ensure_future(channel.sync())
+        if flush is not None:
+            flush.add_done_callback(_retrieved)
+            await asyncio.sleep(0)  # its request leaves before the registry's write blocks
         rec = self.move(rec, S.PAUSING, reason)
         await self._step("pause:begin", rec.id)
         directory = self.directory(rec.id)
-        channel, live.channel = live.channel, None
-        if channel is not None:
-            try:  # flush the guest's page cache so the disk overlay is whole; a hung guest
-                # must not hold the pause (its RAM is saved either way)
-                await asyncio.wait_for(channel.sync(), SYNC_TIMEOUT)
-            except Exception as exc:
-                log.warning("sync before pausing %s failed: %r", rec.id, exc)
-            with suppress(Exception):
-                await channel.close()
+        live.channel = None
+        ready = None
+        if channel is not None and flush is not None:
+            ready = asyncio.ensure_future(_hang_up(rec.id, channel, flush))
         machine = live.machine or self.engine.machine(directory, self._config(rec))
         try:
-            await machine.hibernate()
+            await machine.hibernate(ready=ready)
         except Exception as exc:
+            if ready is not None:
+                await asyncio.wait([ready])
             return await self._pause_failed(rec, live, machine, exc)
         live.machine = None
         settle_fill(directory, saved=True)  # (a marker a wake could not drop: the state is new)

@@ -80,6 +80,7 @@ from torpor.sandbox.storage.compaction import CompactionReport, compact, is_comp
 from torpor.sandbox.storage.relocate import relocate
 from torpor.sandbox.storage.snapshots import check_retention
 from torpor.sandbox.storage.volume_files import read_disk_file
+from torpor.sandbox.vm.exits import settle_exits
 from torpor.sandbox.vm.machine_dir import has_nic, read_machine_json
 from torpor.types import OutputCallback
 
@@ -998,6 +999,7 @@ class SandboxManager(Reconciler):
             if live.machine is not None:  # still running (not paused): let the next attach
                 with suppress(Exception):
                     await live.machine.release()
+        await settle_exits()  # the QEMUs of those pauses, still exiting: none outlives this
         if self.cluster is not None:  # the pauses just made: durable before the node goes
             await self.cluster.wait_pushes(CLOSE_PUSH_SECONDS)
             await self.cluster.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ class HotPlug:
     ) -> Any:
         raise NotImplementedError
 
-    async def hibernate(self) -> None:
+    async def hibernate(self, *, ready: Awaitable[object] | None = None) -> None:
         raise NotImplementedError
 
     async def _wake(self, pending_shares: list[dict[str, Any]] | None = None) -> None:

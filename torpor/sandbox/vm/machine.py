@@ -38,6 +38,7 @@ from qemu.qmp import QMPClient, QMPError
 from torpor._tail import log_tail
 from torpor.errors import EngineError, InvalidState
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay
+from torpor.sandbox.vm.exits import hand_off, settle_exit
 from torpor.sandbox.vm.hotplug import HotPlug
 from torpor.sandbox.vm.jail import popen_args, prepare, prepare_path
 from torpor.sandbox.vm.machine_dir import (
@@ -157,6 +158,7 @@ class QemuMachine(HotPlug):
         pending_shares: list[dict[str, Any]] | None = None,
     ) -> None:
         """Start QEMU on the directory and connect QMP. Raises EngineError if it dies."""
+        await settle_exit(self.directory)
         for name in ("qmp.sock", "agent.sock", "qemu.pid"):
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / name).unlink()
@@ -280,13 +282,6 @@ class QemuMachine(HotPlug):
         self._proc = None
         self._pid = None
 
-    async def _quit(self) -> None:
-        """Ask QEMU to quit over QMP and wait for the process to be gone."""
-        if self._qmp is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._qmp.execute("quit"), 5)
-        await self._reap(timeout=10.0)
-
     async def _set_ignore_shared(self) -> None:
         await self._qmp_exec(
             "migrate-set-capabilities",
@@ -317,6 +312,7 @@ class QemuMachine(HotPlug):
         """
         from torpor.sandbox.vm.accel import probe
 
+        await settle_exit(self.directory)
         self._require_stopped("boot")
         accel = (
             self.spec.accel
@@ -337,18 +333,21 @@ class QemuMachine(HotPlug):
         await self._start(config, incoming=False)
         log.info("booted %s (%s)", self.directory, accel)
 
-    async def hibernate(self) -> None:
-        """Stop the guest, save its device state to ``state`` and quit QEMU.
+    async def hibernate(self, *, ready: Awaitable[object] | None = None) -> None:
+        """Stop the guest, save its device state to ``state`` and tell QEMU to quit.
 
-        The RAM stays in ``ram``. If saving fails, the guest is resumed and EngineError is
-        raised (the machine is still running, no ``state`` was written).
+        The RAM stays in ``ram``. Returns once ``state`` is durable; QEMU exits on its own
+        time (:mod:`torpor.sandbox.vm.exits`: the next start on this directory waits for it).
+        ``ready`` is awaited just before the guest is stopped, once the save is set up (the
+        caller's last words with the guest, its flush, overlap those QMP round trips). If
+        saving fails (or ``ready`` raises), the guest is resumed and EngineError is raised
+        (the machine is still running, no ``state`` was written).
         """
         self._require_running("hibernate")
         t0 = time.monotonic()
         tmp = self.directory / "state.tmp"
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        await self._qmp_exec("stop")
         try:
             await self._set_ignore_shared()
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -356,6 +355,9 @@ class QemuMachine(HotPlug):
                 assert self._qmp is not None
                 self._qmp.send_fd_scm(fd)
                 await self._qmp_exec("getfd", {"fdname": "state"})
+                if ready is not None:
+                    await ready
+                await self._qmp_exec("stop")
                 await self._qmp_exec("migrate", {"uri": "fd:state"})
                 await self._wait_migration("saving the device state")
                 os.fsync(fd)
@@ -373,7 +375,14 @@ class QemuMachine(HotPlug):
             fsync_dir(self.directory)
         except OSError as exc:
             raise EngineError(f"cannot write the state file: {exc}", exc=exc) from exc
-        await self._quit()
+        # Saved: the guest is stopped and the migration's end inactivated the disks (flushed,
+        # unlocked). QEMU's own exit is not waited for (exits.settle_exit).
+        if self._qmp is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._qmp.execute("quit"), 5)
+        await self._disconnect()
+        hand_off(self.directory, self._proc, self._pid)
+        self._proc, self._pid = None, None
         with contextlib.suppress(OSError):
             drop_layer_aliases(self.directory)
         log.info("hibernated %s in %.3fs", self.directory, time.monotonic() - t0)
@@ -564,6 +573,7 @@ class QemuMachine(HotPlug):
         translated already when the waker's guest runs it), and the guest is stopped again:
         if this QEMU dies, the directory cannot be woken. Raises InvalidState (no state, or
         a QEMU runs already), EngineError (QEMU stopped), what ``exercise`` raises."""
+        await settle_exit(self.directory)
         self._require_stopped("prestart")
         state = self.directory / "state"
         if not state.is_file():
@@ -639,6 +649,7 @@ class QemuMachine(HotPlug):
         *,
         ram_ready: Awaitable[object] | None = None,
     ) -> None:
+        await settle_exit(self.directory)  # the QEMU of the last hibernate, still exiting
         if pending_shares is None and ram_ready is None and await self._resume_prestarted():
             log.info("resumed the prestarted %s", self.directory)
             return
@@ -708,6 +719,7 @@ class QemuMachine(HotPlug):
         if self._pid is None:
             self._pid = qemu_pid(self.directory)
         await self._reap(force=True)
+        await settle_exit(self.directory)
 
     @classmethod
     async def attach(cls, directory: Path, template: BootImage, spec: MachineSpec) -> QemuMachine:
