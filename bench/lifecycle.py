@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import platform
 import statistics
@@ -282,8 +283,9 @@ async def _pooled_creates(home: Path, template: str, reps: int, marks: _Marks) -
 
 
 def _serve(home: Path) -> subprocess.Popen[bytes]:
-    """``torpor serve`` on ``home`` (its unix socket only), as the SDK's local server."""
-    env = {**os.environ, "TORPOR_HOME": str(home)}
+    """``torpor serve`` on ``home`` (its unix socket only), as the SDK's local server, writing
+    each request's timings to ``home/server-timing.jsonl`` (:mod:`torpor.server.timing`)."""
+    env = {**os.environ, "TORPOR_HOME": str(home), "TORPOR_SERVER_TIMING": str(_timing(home))}
     for var in ("TORPOR_URL", "TORPOR_TOKEN"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "torpor.cli", "serve", "--embedder", "none"]
@@ -293,6 +295,14 @@ def _serve(home: Path) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def _timing(home: Path) -> Path:
+    return home / "server-timing.jsonl"
+
+
+#: an SDK step's key -> its engine step's (SDK_PAIRS)
+SDK_ENGINE = {sdk: engine for engine, sdk in SDK_PAIRS}
 
 
 class _Sdk:
@@ -317,6 +327,7 @@ class _Sdk:
         for key in self.KEYS:
             samples[key] = []
         self.samples = samples
+        self.home, self.seen = home, 0
         self.proc = _serve(home)
         self.rt = Runtime(home=home, autostart=False)
         deadline = time.monotonic() + 120
@@ -331,9 +342,30 @@ class _Sdk:
                 time.sleep(0.05)
         self.sbx = Sandbox.create(template, name="sdk", memory_mib=memory_mib, runtime=self.rt)
         self.sbx.interpreter.run("0")
+        with contextlib.suppress(OSError):
+            self.seen = len(_timing(home).read_text().splitlines())
 
     def _add(self, key: str, t0: float) -> None:
-        self.samples[key].append(time.perf_counter() - t0)
+        """Record the SDK step ``key`` that began at ``t0``, and how its time splits, from the
+        server's lines for its requests: the engine's operations inside the server, the rest
+        of the server (routing, auth, models, JSON), the client and the socket. Its time minus
+        the engine's is what the SDK and the server add, paired request by request."""
+        total = time.perf_counter() - t0
+        self.samples[key].append(total)
+        lines = _timing(self.home).read_text().splitlines()
+        mine = [json.loads(x) for x in lines[self.seen :]]
+        self.seen = len(lines)
+        if not mine:
+            return
+        engine = sum(x["engine_ms"] for x in mine) / 1000
+        app = sum(x["app_ms"] for x in mine) / 1000
+        for part, value in (
+            ("server: the engine's operation", engine),
+            ("server: the rest (routing, auth, models, JSON)", app - engine),
+            ("the client and the socket", total - app),
+        ):
+            self.samples.setdefault(f"{key}: {part}", []).append(value)
+        self.samples.setdefault(f"sdk_added: {key}", []).append(total - engine)
 
     def create(self, i: int) -> None:
         from torpor.client import Sandbox
@@ -458,6 +490,7 @@ async def run(
         marks.phase = "other"
         ok = (await mgr.run_code("bench", "sum(kept)")).text == str(sum(range(1000)))
         await mgr.pause("bench")
+        await settle_exit(mgr.directory(sbx.id).resolve())  # QEMU exits after the pause
         paused = _paused_cost(mgr.directory(sbx.id))
         await mgr.kill("bench")
         cold_s = await _cold_boot(home) if cold else None
@@ -490,8 +523,13 @@ async def run(
             )
         )
         for engine_key, sdk_key in SDK_PAIRS:
-            added = stats[sdk_key]["median_ms"] - stats[engine_key]["median_ms"]
-            targets.append((f"SDK/server adds to {engine_key} <= 25 ms", added, 25.0))
+            paired = stats.get(f"sdk_added: {sdk_key}")
+            if paired is not None:  # the client's time minus the engine's inside the server
+                added, how = paired["median_ms"], "paired per request"
+            else:
+                added = stats[sdk_key]["median_ms"] - stats[engine_key]["median_ms"]
+                how = "difference of medians"
+            targets.append((f"SDK/server adds to {engine_key} ({how}) <= 25 ms", added, 25.0))
     return {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load": {"before": load_before, "after": os.getloadavg()},
@@ -572,12 +610,21 @@ def render(result: dict[str, Any]) -> None:
     console.print(table)
     if "sdk_wake" in result["stats"]:
         pairs = Table(title="the same operation: engine vs SDK (same run, medians)")
-        for col in ("operation", "engine ms", "SDK ms", "SDK - engine ms", "SDK / engine"):
+        cols = ("operation", "engine ms", "SDK ms", "SDK - engine ms", "SDK / engine")
+        for col in (*cols, "SDK adds, paired ms"):
             pairs.add_column(col, justify="right" if col != "operation" else "left")
         for engine_key, sdk_key in SDK_PAIRS:
             e = result["stats"][engine_key]["median_ms"]
             k = result["stats"][sdk_key]["median_ms"]
-            pairs.add_row(engine_key, f"{e:.1f}", f"{k:.1f}", f"{k - e:.1f}", f"{k / e:.2f}")
+            paired = result["stats"].get(f"sdk_added: {sdk_key}")
+            pairs.add_row(
+                engine_key,
+                f"{e:.1f}",
+                f"{k:.1f}",
+                f"{k - e:.1f}",
+                f"{k / e:.2f}",
+                "-" if paired is None else f"{paired['median_ms']:.1f}",
+            )
         console.print(pairs)
     for what, c in result.get("counts", {}).items():
         console.print(f"{what}: median {c['median']:g}, max {c['max']:g}")

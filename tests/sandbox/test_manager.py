@@ -28,6 +28,7 @@ from torpor.errors import (
 )
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.vm.exits import settle_exit
 
 T = TypeVar("T")
 
@@ -794,6 +795,8 @@ def test_qemu_lifecycle_keeps_ram_and_holds_nothing_paused(qemu_home: Path) -> N
             await mgr.run_command("agent", "nohup sleep 1000 >/dev/null 2>&1 &", background=True)
             await mgr.pause("agent")
             directory = mgr.directory(info.id)
+            assert mgr.engine.inspect(directory).has_state  # durable when the pause returns
+            await settle_exit(directory.resolve())  # QEMU, told to quit, exits on its own time
             assert _qemu_procs_on(directory) == []  # no QEMU, so no RAM and no CPU
             assert mgr.engine.inspect(directory).has_state
             result = await mgr.run_code("agent", "notes")  # wake on request
