@@ -5,7 +5,8 @@ device state ``state``, its disk, ``machine.json`` and sockets (the layout, the 
 the command line are :mod:`torpor.sandbox.vm.machine_dir`'s).
 
 Hibernate = ``stop`` + migrate device state only (capability ``x-ignore-shared``: the RAM stays
-in ``ram``) to ``state.tmp``, fsync, rename to ``state``, quit. Wake = a new QEMU on the same
+in ``ram``) to ``state.tmp``, fsync, rename to ``state``, quit (QEMU's exit is not waited
+for: :mod:`torpor.sandbox.vm.exits`). Wake = a new QEMU on the same
 ``ram`` with ``-incoming defer``, load ``state``, delete it, ``cont``. No RAM is copied either
 way, so both cost tens of milliseconds whatever the RAM size.
 
