@@ -44,6 +44,8 @@ SDK_PAIRS = [
     ("wake", "sdk_wake"),
     ("wake_and_call", "sdk_wake_and_call"),
 ]
+#: SDK steps measured paired only (client time minus the engine's inside the server)
+SDK_ONLY = ("sdk_snapshot", "sdk_restore", "sdk_fork")
 #: the steps of :func:`torpor.sandbox.vm.channel.wake_split`, in order
 GUEST_STEPS = {
     "first_turn": "1 agent's idle loop runs",
@@ -318,6 +320,7 @@ class _Sdk:
         "sdk_wake_and_call",
         "sdk_call_wakes",
         "sdk_get_or_create_and_call",
+        *SDK_ONLY,
     )
 
     def __init__(self, home: Path, template: str, memory_mib: int, samples: Samples) -> None:
@@ -327,7 +330,7 @@ class _Sdk:
         for key in self.KEYS:
             samples[key] = []
         self.samples = samples
-        self.home, self.seen = home, 0
+        self.home = home
         self.proc = _serve(home)
         self.rt = Runtime(home=home, autostart=False)
         deadline = time.monotonic() + 120
@@ -342,19 +345,22 @@ class _Sdk:
                 time.sleep(0.05)
         self.sbx = Sandbox.create(template, name="sdk", memory_mib=memory_mib, runtime=self.rt)
         self.sbx.interpreter.run("0")
-        with contextlib.suppress(OSError):
-            self.seen = len(_timing(home).read_text().splitlines())
 
-    def _add(self, key: str, t0: float) -> None:
-        """Record the SDK step ``key`` that began at ``t0``, and how its time splits, from the
-        server's lines for its requests: the engine's operations inside the server, the rest
-        of the server (routing, auth, models, JSON), the client and the socket. Its time minus
-        the engine's is what the SDK and the server add, paired request by request."""
+    def _begin(self) -> tuple[float, int]:
+        """The start of a timed SDK step: the time, and how many requests the server had
+        timed by then (the lines after it are the step's requests)."""
+        return time.perf_counter(), len(_timing(self.home).read_text().splitlines())
+
+    def _add(self, key: str, begun: tuple[float, int]) -> None:
+        """Record the SDK step ``key`` (``begun`` by :meth:`_begin`), and how its time splits,
+        from the server's lines for its requests (each written before its answer leaves): the
+        engine's operations inside the server, the rest of the server (routing, auth,
+        models, JSON), the client and the socket. Its time minus the engine's is what the SDK
+        and the server add, paired request by request."""
+        t0, seen = begun
         total = time.perf_counter() - t0
         self.samples[key].append(total)
-        lines = _timing(self.home).read_text().splitlines()
-        mine = [json.loads(x) for x in lines[self.seen :]]
-        self.seen = len(lines)
+        mine = [json.loads(x) for x in _timing(self.home).read_text().splitlines()[seen:]]
         if not mine:
             return
         engine = sum(x["engine_ms"] for x in mine) / 1000
@@ -370,17 +376,17 @@ class _Sdk:
     def create(self, i: int) -> None:
         from torpor.client import Sandbox
 
-        t0 = time.perf_counter()
+        begun = self._begin()
         made = Sandbox.create(
             self.template, name=f"s{i}", memory_mib=self.memory_mib, runtime=self.rt
         )
-        self._add("sdk_create", t0)
+        self._add("sdk_create", begun)
         made.kill()
 
     def interpreter(self) -> None:
-        t0 = time.perf_counter()
+        begun = self._begin()
         self.sbx.interpreter.run("1 + 1")
-        self._add("sdk_interpreter", t0)
+        self._add("sdk_interpreter", begun)
 
     def wakes(self) -> None:
         """Pause, then wake three ways: resume + a call (as the engine's wake and
@@ -388,22 +394,40 @@ class _Sdk:
         agent's session starts with, DESIGN.md)."""
         from torpor.client import Sandbox
 
-        t0 = time.perf_counter()
+        begun = self._begin()
         self.sbx.pause()
-        self._add("sdk_pause", t0)
-        t0 = time.perf_counter()
+        self._add("sdk_pause", begun)
+        begun = self._begin()
         self.sbx.resume()
-        self._add("sdk_wake", t0)
+        self._add("sdk_wake", begun)
         self.sbx.interpreter.run("1")
-        self._add("sdk_wake_and_call", t0)
+        self._add("sdk_wake_and_call", begun)
         self.sbx.pause()
-        t0 = time.perf_counter()
+        begun = self._begin()
         self.sbx.interpreter.run("1")
-        self._add("sdk_call_wakes", t0)
+        self._add("sdk_call_wakes", begun)
         self.sbx.pause()
-        t0 = time.perf_counter()
+        begun = self._begin()
         Sandbox.get_or_create("sdk", runtime=self.rt).interpreter.run("1")
-        self._add("sdk_get_or_create_and_call", t0)
+        self._add("sdk_get_or_create_and_call", begun)
+
+    def checkpoints(self, i: int) -> None:
+        """Snapshot the running sandbox, restore it, fork it (one child): paired only (the
+        engine's own figures for these are ``bench/snapshots.py``'s)."""
+        begun = self._begin()
+        snap = self.sbx.snapshot(name=f"sdk-{i}")
+        self._add("sdk_snapshot", begun)
+        begun = self._begin()
+        restored = snap.restore()
+        self._add("sdk_restore", begun)
+        restored.kill()
+        begun = self._begin()
+        children = self.sbx.fork()
+        self._add("sdk_fork", begun)
+        for child in children:
+            child.kill()
+        with contextlib.suppress(Exception):  # (its chunk-store save may still run)
+            snap.delete()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -487,6 +511,7 @@ async def run(
             samples["wake_and_call"].append(time.perf_counter() - t0)
             if side is not None:
                 side.wakes()
+                side.checkpoints(len(samples["pause"]))
         marks.phase = "other"
         ok = (await mgr.run_code("bench", "sum(kept)")).text == str(sum(range(1000)))
         await mgr.pause("bench")
@@ -530,6 +555,11 @@ async def run(
                 added = stats[sdk_key]["median_ms"] - stats[engine_key]["median_ms"]
                 how = "difference of medians"
             targets.append((f"SDK/server adds to {engine_key} ({how}) <= 25 ms", added, 25.0))
+        for sdk_key in SDK_ONLY:
+            paired = stats.get(f"sdk_added: {sdk_key}")
+            if paired is not None:
+                name = f"SDK/server adds to {sdk_key[4:]} (paired per request) <= 25 ms"
+                targets.append((name, paired["median_ms"], 25.0))
     return {
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load": {"before": load_before, "after": os.getloadavg()},
@@ -591,6 +621,9 @@ def render(result: dict[str, Any]) -> None:
             "sdk_wake_and_call": "SDK: resume + first interpreter call",
             "sdk_call_wakes": "SDK: interpreter call that wakes it",
             "sdk_get_or_create_and_call": "SDK: get_or_create + first call",
+            "sdk_snapshot": "SDK: snapshot (running source)",
+            "sdk_restore": "SDK: restore of that snapshot",
+            "sdk_fork": "SDK: fork of one child (running source)",
         }
     )
     for key, label in labels.items():

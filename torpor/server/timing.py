@@ -47,7 +47,7 @@ _MANAGER_CALLS = (
     "read_file",
     "write_file",
 )
-_CHECKPOINT_CALLS = ("create", "snapshot", "fork", "restore")
+_CHECKPOINT_CALLS = ("create", "snapshot", "fork", "fork_snapshot", "restore")
 
 
 def _timed(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
