@@ -45,7 +45,13 @@ SDK_PAIRS = [
     ("wake_and_call", "sdk_wake_and_call"),
 ]
 #: SDK steps measured paired only (client time minus the engine's inside the server)
-SDK_ONLY = ("sdk_snapshot", "sdk_restore", "sdk_fork")
+SDK_ONLY = (
+    "sdk_call_wakes",
+    "sdk_get_or_create_and_call",
+    "sdk_snapshot",
+    "sdk_restore",
+    "sdk_fork",
+)
 #: the steps of :func:`torpor.sandbox.vm.channel.wake_split`, in order
 GUEST_STEPS = {
     "first_turn": "1 agent's idle loop runs",
@@ -318,8 +324,6 @@ class _Sdk:
         "sdk_pause",
         "sdk_wake",
         "sdk_wake_and_call",
-        "sdk_call_wakes",
-        "sdk_get_or_create_and_call",
         *SDK_ONLY,
     )
 
