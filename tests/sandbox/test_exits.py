@@ -65,3 +65,21 @@ def test_nothing_handed_off_is_a_no_op(tmp_path: Path) -> None:
     exits.hand_off(tmp_path, None, None)
     assert not exits.exiting(tmp_path)
     asyncio.run(asyncio.wait_for(exits.settle_exit(tmp_path), 1))
+
+
+def test_a_process_known_by_its_pid_only_is_watched_through_its_pid_file(tmp_path: Path) -> None:
+    # a QEMU re-attached after a restart is not this process's child: only its pid file says
+    # it runs (here a child stands in; a zombie counts as gone)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"], cwd=tmp_path)
+    (tmp_path / "qemu.pid").write_text(str(proc.pid))
+    exits.hand_off(tmp_path, None, proc.pid)
+    assert exits.exiting(tmp_path)
+
+    async def main() -> float:
+        t0 = time.monotonic()
+        await asyncio.wait_for(exits.settle_exit(tmp_path), 10)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) > 0.05
+    assert not exits.exiting(tmp_path)
+    proc.wait()
