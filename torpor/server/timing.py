@@ -7,8 +7,8 @@ manager's and the checkpoint component's operations, the outermost call only). A
 time for the same request minus ``engine_ms`` is what the SDK and the server add to the
 engine's operation, paired request by request (``bench/lifecycle.py``), which load on a
 shared machine blurs far less than a difference of two medians. Nothing changes when the
-variable is unset (the checkpoint component's methods are wrapped on its class, for the
-process: outside a timed request the wrapper only calls through).
+variable is unset. When it is set, the checkpoint component's methods are wrapped on its
+class, for the whole process (outside a timed request the wrapper only calls through).
 """
 
 from __future__ import annotations
