@@ -152,12 +152,14 @@ class FakeMachine:
             raise EngineError("QEMU died right after cont (injected)")
         self.engine.world.processes[self.directory] = FakeProcess(next(_pids), values)
 
-    async def hibernate(self) -> None:
+    async def hibernate(self, *, ready: Awaitable[object] | None = None) -> None:
         self.engine.calls.append("hibernate")
         await asyncio.sleep(0)
         proc = self.engine.world.processes.get(self.directory)
         if proc is None:
             raise EngineError("QEMU is not running")
+        if ready is not None:
+            await ready
         if self.engine._fault("hibernate:refused"):  # e.g. a migration error: guest resumed
             raise EngineError("saving the device state failed (injected)")
         if self.engine._fault("hibernate:before-save"):

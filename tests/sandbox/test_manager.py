@@ -26,8 +26,9 @@ from torpor.errors import (
     StorageError,
     TemplateNotFound,
 )
-from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.manager import SandboxManager, core
 from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.vm.exits import settle_exit
 
 T = TypeVar("T")
 
@@ -170,6 +171,59 @@ def test_pause_waits_for_calls_in_flight(home: Path) -> None:
         await mgr.pause(info.id)
         assert (await slow).exit_code == 0  # the command finished before the machine paused
         assert (await mgr.get(info.id)).state is S.PAUSED
+
+    with_manager(home, body)
+
+
+def test_the_guest_flush_runs_beside_the_pausing_record_and_ends_before_the_save(
+    home: Path,
+) -> None:
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        channel = mgr.live(info.id).channel
+        assert channel is not None
+        seen: list[str] = []
+        release = asyncio.Event()
+
+        async def sync() -> None:  # the guest takes its time to flush
+            seen.append(f"flush sent while {mgr.registry.get(info.id).state.value}")
+            await release.wait()
+            seen.append("flushed")
+
+        async def close() -> None:
+            seen.append("channel closed")
+
+        channel.sync = sync  # type: ignore[method-assign]
+        channel.close = close  # type: ignore[method-assign]
+        pause = asyncio.create_task(mgr.pause(info.id))
+        while mgr.registry.get(info.id).state is not S.PAUSING:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        assert not pause.done() and not (mgr.directory(info.id) / "state").exists()
+        release.set()
+        assert (await pause).state is S.PAUSED
+        assert seen == ["flush sent while running", "flushed", "channel closed"]
+
+    with_manager(home, body)
+
+
+def test_a_guest_that_never_flushes_does_not_hold_the_pause(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(core, "SYNC_TIMEOUT", 0.05)
+
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        info = await mgr.create()
+        await mgr.run_code(info.id, "v = 'ram'")
+        channel = mgr.live(info.id).channel
+        assert channel is not None
+
+        async def sync() -> None:
+            await asyncio.Event().wait()  # hung
+
+        channel.sync = sync  # type: ignore[method-assign]
+        assert (await mgr.pause(info.id)).state is S.PAUSED
+        assert (await mgr.run_code(info.id, "v")).text == "'ram'"
 
     with_manager(home, body)
 
@@ -794,6 +848,8 @@ def test_qemu_lifecycle_keeps_ram_and_holds_nothing_paused(qemu_home: Path) -> N
             await mgr.run_command("agent", "nohup sleep 1000 >/dev/null 2>&1 &", background=True)
             await mgr.pause("agent")
             directory = mgr.directory(info.id)
+            assert mgr.engine.inspect(directory).has_state  # durable when the pause returns
+            await settle_exit(directory.resolve())  # QEMU, told to quit, exits on its own time
             assert _qemu_procs_on(directory) == []  # no QEMU, so no RAM and no CPU
             assert mgr.engine.inspect(directory).has_state
             result = await mgr.run_code("agent", "notes")  # wake on request

@@ -16,6 +16,7 @@ import pytest
 from torpor.errors import EngineError, InvalidArgument, InvalidName, InvalidState
 from torpor.sandbox import template as templates
 from torpor.sandbox.template import TemplateInfo
+from torpor.sandbox.vm.exits import settle_exit
 from torpor.sandbox.vm.machine import (
     DiskSpec,
     MachineSpec,
@@ -249,10 +250,14 @@ def test_hibernate_and_wake_keep_the_guest_ram(qemu_home: Path) -> None:
         assert pid is not None
         await machine.hibernate()
         assert not machine.is_running()
+        assert inspect_dir(machine.directory).has_state  # durable when hibernate returns
+        await settle_exit(machine.directory)  # QEMU, told to quit, exits on its own time
         assert not Path(f"/proc/{pid}").exists()  # QEMU gone: no RAM held by a process
-        assert inspect_dir(machine.directory).has_state
         await machine.wake()
         assert await _run(machine, "secret + 1") == "43"
+        await machine.hibernate()
+        await machine.wake()  # at once: the start waits for the last QEMU to be gone
+        assert await _run(machine, "secret + 2") == "44"
         await machine.kill()
         assert not machine.is_running()
         assert (machine.directory / "ram").exists()  # kill keeps the files

@@ -49,6 +49,7 @@ from torpor.server.fastpath import FastPath
 from torpor.server.limits import BodyLimit
 from torpor.server.mcp.http import mount as mount_mcp
 from torpor.server.schema import install as install_schema
+from torpor.server.timing import instrument
 
 __all__ = ["ROUTERS", "create_app", "error_response"]
 
@@ -233,6 +234,7 @@ def create_app(
         from torpor.server.proxy import OwnerProxy
 
         app.add_middleware(OwnerProxy, node=cluster.node)
+    instrument(app, manager)  # outermost: $TORPOR_SERVER_TIMING (the benchmarks) only
     app.add_exception_handler(TorporError, _torpor_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

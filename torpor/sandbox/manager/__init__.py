@@ -4,8 +4,9 @@
   calls that run inside a sandbox (commands, files, the interpreter), with wake-on-request and
   the idle supervisor
 * :mod:`.core` — the manager's state and the steps its operations are made of (pause, wake,
-  boot, recovery after a restart), and :class:`~.core.Held`, the part of it the checkpoint
-  component may use
+  boot), and :class:`~.core.Held`, the part of it the checkpoint component may use
+* :mod:`.recovery` — recovery after a restart: each registry row brought in line with its
+  sandbox directory
 * :mod:`.cluster` — cluster mode (``torpor serve --cluster``): the node's heartbeat and leases
   on the PostgreSQL registry, placement, pauses made durable in the shared store, wake
   anywhere, recovery of a lost node's sandboxes (a package, one module per part of

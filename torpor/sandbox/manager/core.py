@@ -3,8 +3,8 @@
 :class:`ManagerCore` is the base of :class:`~torpor.sandbox.manager.SandboxManager`: it holds
 the manager's state (engine, registry, one :class:`Live` per sandbox) and the steps its public
 operations are made of: pause (hibernate) and wake a held sandbox, undo a failed create, mark a
-sandbox whose RAM is gone as lost, and after a restart bring a registry row in line with what its
-directory holds (:meth:`ManagerCore._reconcile`, the table is
+sandbox whose RAM is gone as lost. Bringing a registry row in line with what its directory
+holds after a restart is :mod:`torpor.sandbox.manager.recovery`'s (the table is
 :func:`~torpor.sandbox.registry.lifecycle.recovery`).
 
 Every step that changes state goes through :meth:`ManagerCore.move`, which the lifecycle table
@@ -54,7 +54,7 @@ from torpor.sandbox.manager.cluster import (
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import AnyRegistry, Registry, SandboxRecord
-from torpor.sandbox.registry.lifecycle import Lifecycle, Recovery, recovery, require_for
+from torpor.sandbox.registry.lifecycle import Lifecycle, require_for
 from torpor.sandbox.registry.meters import UP_STATES
 from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
 from torpor.sandbox.storage.compaction import Expansion, begin_expand, is_compacted, settle
@@ -187,6 +187,25 @@ async def _settled(task: asyncio.Future[Any]) -> TorporError | None:
         return None
     exc = task.exception()
     return exc if isinstance(exc, TorporError) else None
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # read (and logged by whoever waits for it), never "never retrieved"
+
+
+async def _hang_up(sandbox_id: str, channel: Channel, flush: asyncio.Future[Any]) -> None:
+    """Wait for the guest's flush before a pause stops it, then close the channel. A hung
+    guest must not hold the pause (its RAM is saved either way): after SYNC_TIMEOUT, or if
+    the flush failed, the pause goes on (logged)."""
+    done, _ = await asyncio.wait([flush], timeout=SYNC_TIMEOUT)
+    if not done:
+        flush.cancel()
+        log.warning("sync before pausing %s timed out after %ss", sandbox_id, SYNC_TIMEOUT)
+    elif not flush.cancelled() and flush.exception() is not None:
+        log.warning("sync before pausing %s failed: %r", sandbox_id, flush.exception())
+    with suppress(Exception):
+        await channel.close()
 
 
 def wrap_error(exc: BaseException, what: str, sandbox_id: str) -> TorporError:
@@ -484,25 +503,29 @@ class ManagerCore:
         self._lives.pop(rec.id, None)
 
     async def pause_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
-        if live.channel is not None:
+        channel = live.channel
+        if channel is not None:
             for hook in self.guest_hooks:  # may refuse (busy drive): still running then
-                await hook.before_pause(rec.id, live.channel)
+                await hook.before_pause(rec.id, channel)
+        # The guest flushes its page cache (so the disk overlay is whole) while the registry
+        # records "pausing" and QEMU sets the save up; the stop waits for the flush.
+        flush = None if channel is None else asyncio.ensure_future(channel.sync())
+        if flush is not None:
+            flush.add_done_callback(_retrieved)
+            await asyncio.sleep(0)  # its request leaves before the registry's write blocks
         rec = self.move(rec, S.PAUSING, reason)
         await self._step("pause:begin", rec.id)
         directory = self.directory(rec.id)
-        channel, live.channel = live.channel, None
-        if channel is not None:
-            try:  # flush the guest's page cache so the disk overlay is whole; a hung guest
-                # must not hold the pause (its RAM is saved either way)
-                await asyncio.wait_for(channel.sync(), SYNC_TIMEOUT)
-            except Exception as exc:
-                log.warning("sync before pausing %s failed: %r", rec.id, exc)
-            with suppress(Exception):
-                await channel.close()
+        live.channel = None
+        ready = None
+        if channel is not None and flush is not None:
+            ready = asyncio.ensure_future(_hang_up(rec.id, channel, flush))
         machine = live.machine or self.engine.machine(directory, self._config(rec))
         try:
-            await machine.hibernate()
+            await machine.hibernate(ready=ready)
         except Exception as exc:
+            if ready is not None:
+                await asyncio.wait([ready])
             return await self._pause_failed(rec, live, machine, exc)
         live.machine = None
         settle_fill(directory, saved=True)  # (a marker a wake could not drop: the state is new)
@@ -762,74 +785,7 @@ class ManagerCore:
             await self._quiet_kill(live, self.directory(sandbox_id))
             self._mark_lost(rec, "QEMU died while running")
 
-    # -- recovery after a restart ---------------------------------------------------------
-
     async def _reconcile(self, rec: SandboxRecord) -> None:
-        """Bring one registry row in line with its directory after a restart (the table is
-        :func:`~torpor.sandbox.registry.lifecycle.recovery`)."""
-        directory = self.directory(rec.id)
-        status = self.engine.inspect(directory)
-        if rec.state is S.STOPPED and not status.exists:
-            return  # the common case for killed sandboxes: nothing left to clean
-        live = self.live(rec.id)
-        action = recovery(
-            rec.state, has_state=status.has_state, qemu_alive=status.qemu_pid is not None
-        )
-        log.info("sandbox %s: %s on start -> %s", rec.id, rec.state.value, action.value)
-        if action is Recovery.REATTACH:
-            try:
-                await self._reattach(rec, live, directory)
-                return
-            except Exception as exc:
-                log.warning("sandbox %s: cannot re-attach its QEMU: %r", rec.id, exc)
-                await self._rehibernate(live)
-                rec = self.registry.get(rec.id)
-                action = recovery(
-                    rec.state, has_state=self.engine.inspect(directory).has_state, qemu_alive=False
-                )
-        if action is Recovery.UNDO_CREATE:
-            await self.abort_create(rec, live, EngineError("interrupted by a restart"))
-            return
-        await self._quiet_kill(live, directory)
-        if action is Recovery.DELETE_FILES:
-            await asyncio.to_thread(shutil.rmtree, directory, True)
-        elif action is Recovery.PAUSED:
-            if rec.state is S.RUNNING:
-                rec = self.move(rec, S.PAUSING, "recovered: re-hibernated")
-            rec = self.move(rec, S.PAUSED, "recovered: saved state is whole", paused_at=time.time())
-            self._paused(rec)  # cluster mode: made durable like any pause
-        elif action is Recovery.LOST:
-            self._mark_lost(rec, f"recovered: no QEMU and no saved state while {rec.state.value}")
-
-    async def _rehibernate(self, live: Live) -> None:
-        """Save the RAM of a machine whose guest does not answer (best effort)."""
-        machine = live.machine
-        if machine is not None and machine.is_running():
-            with suppress(Exception):
-                await machine.hibernate()
-                live.machine = None
-
-    async def _reattach(self, rec: SandboxRecord, live: Live, directory: Path) -> None:
-        """Take over a QEMU that outlived its manager; finish a half-done pause or wake."""
-        machine = await self.engine.attach(directory, self._config(rec))
-        live.machine = machine
-        if rec.state is S.PAUSING:  # finish the pause it was in
-            await self.pause_held(
-                self.move(rec, S.RUNNING, "recovered: re-attached"),
-                live,
-                "recovered: finish pause",
-            )
-            return
-        settle(directory)  # a wake that consumed the state of a compacted RAM: drop its manifest
-        settle_fill(directory)  # (likewise a RAM rebuilt from the store)
-        live.channel = await self.engine.connect(machine, directory)
-        if rec.state is S.WAKING:
-            await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
-            self.move(
-                rec,
-                S.RUNNING,
-                "recovered: wake finished",
-                last_active_at=time.time(),
-                paused_at=None,
-            )
-        log.info("sandbox %s: re-attached to its running QEMU", rec.id)
+        """Bring one registry row in line with its directory after a restart (the
+        manager's: :class:`~torpor.sandbox.manager.recovery.Reconciler`)."""
+        raise NotImplementedError

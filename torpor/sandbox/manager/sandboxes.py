@@ -50,8 +50,9 @@ from torpor.errors import (
 from torpor.sandbox.engine import Channel, MachineConfig
 from torpor.sandbox.manager.cluster import local_status
 from torpor.sandbox.manager.compacting import cluster_compact_sweep, sweep_due
-from torpor.sandbox.manager.core import ManagerCore, wrap_error
+from torpor.sandbox.manager.core import wrap_error
 from torpor.sandbox.manager.forwards import Forwards
+from torpor.sandbox.manager.recovery import Reconciler
 from torpor.sandbox.manager.terminals import Terminals, TerminalSession
 from torpor.sandbox.models import (
     CommandResult,
@@ -79,6 +80,7 @@ from torpor.sandbox.storage.compaction import CompactionReport, compact, is_comp
 from torpor.sandbox.storage.relocate import relocate
 from torpor.sandbox.storage.snapshots import check_retention
 from torpor.sandbox.storage.volume_files import read_disk_file
+from torpor.sandbox.vm.exits import settle_exits
 from torpor.sandbox.vm.machine_dir import has_nic, read_machine_json
 from torpor.types import OutputCallback
 
@@ -148,7 +150,7 @@ def _set_envs_code(envs: Mapping[str, str]) -> str:
     )
 
 
-class SandboxManager(ManagerCore):
+class SandboxManager(Reconciler):
     """Owns every sandbox of one torpor home. All methods are coroutines; ``tenant`` (keyword,
     default ``"default"``) scopes names and lookups.
 
@@ -997,6 +999,7 @@ class SandboxManager(ManagerCore):
             if live.machine is not None:  # still running (not paused): let the next attach
                 with suppress(Exception):
                     await live.machine.release()
+        await settle_exits()  # the QEMUs of those pauses, still exiting: none outlives this
         if self.cluster is not None:  # the pauses just made: durable before the node goes
             await self.cluster.wait_pushes(CLOSE_PUSH_SECONDS)
             await self.cluster.close()

@@ -329,6 +329,7 @@ def _new_build(
 async def _boot_and_snapshot(info: TemplateInfo, say: Progress, *, lines: bool) -> str:
     """Cold-boot the build's image, wait for the agent, hibernate; return the accel used."""
     from torpor.sandbox.vm.accel import probe
+    from torpor.sandbox.vm.exits import settle_exit
     from torpor.sandbox.vm.machine import MachineSpec, QemuMachine
 
     report = await asyncio.to_thread(probe, kernel=info.kernel, initrd=info.initrd)
@@ -353,6 +354,7 @@ async def _boot_and_snapshot(info: TemplateInfo, say: Progress, *, lines: bool) 
             await _warm_up(machine.agent_socket)
         say("snapshot", "hibernating the booted guest")
         await machine.hibernate()
+        await settle_exit(machine.directory)  # a built template has no QEMU left
     except BaseException:
         await machine.kill()
         raise

@@ -2,6 +2,9 @@
 
 * :mod:`.machine` — :class:`~.machine.QemuMachine`: cold boot, hibernate, wake, kill,
   hot-plug, and a live capture (a copy of the running machine without hibernating it)
+* :mod:`.hotplug` — the hot-plug of disks, network cards and shares (mixed into the machine)
+* :mod:`.exits` — QEMUs told to quit after a hibernate, reaped in the background; a new start
+  on the directory waits for them
 * :mod:`.pool` — ready clones of a template's booted machine, so a create skips the clone
 * :mod:`.machine_dir` — a machine's directory: machine.json, the QEMU command line,
   inspection after a crash, clones

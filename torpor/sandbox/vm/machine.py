@@ -5,7 +5,8 @@ device state ``state``, its disk, ``machine.json`` and sockets (the layout, the 
 the command line are :mod:`torpor.sandbox.vm.machine_dir`'s).
 
 Hibernate = ``stop`` + migrate device state only (capability ``x-ignore-shared``: the RAM stays
-in ``ram``) to ``state.tmp``, fsync, rename to ``state``, quit. Wake = a new QEMU on the same
+in ``ram``) to ``state.tmp``, fsync, rename to ``state``, quit (QEMU's exit is not waited
+for: :mod:`torpor.sandbox.vm.exits`). Wake = a new QEMU on the same
 ``ram`` with ``-incoming defer``, load ``state``, delete it, ``cont``. No RAM is copied either
 way, so both cost tens of milliseconds whatever the RAM size.
 
@@ -13,7 +14,8 @@ Crash safety: ``state`` only ever appears whole (tmp + fsync + rename), and a wa
 *before* ``cont``, so a QEMU killed at any point leaves either a loadable (ram, state) pair or
 no state file — never a state older than the RAM file.
 
-Disks (virtio-blk) and shares (virtio-9p) are hot-plugged into the running guest. QEMU has no
+Disks (virtio-blk) and shares (virtio-9p) are hot-plugged into the running guest (the methods
+are :mod:`torpor.sandbox.vm.hotplug`'s, mixed into :class:`QemuMachine`). QEMU has no
 QMP command to create a 9p backend, so :meth:`QemuMachine.attach_share` hibernates and wakes
 once with the backend on the command line, then hot-plugs the device. Note that QEMU refuses to
 migrate while a 9p share is *mounted* in the guest: unmount before hibernate.
@@ -35,8 +37,10 @@ from typing import Any
 from qemu.qmp import QMPClient, QMPError
 
 from torpor._tail import log_tail
-from torpor.errors import EngineError, InvalidArgument, InvalidState
+from torpor.errors import EngineError, InvalidState
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay
+from torpor.sandbox.vm.exits import hand_off, settle_exit
+from torpor.sandbox.vm.hotplug import HotPlug
 from torpor.sandbox.vm.jail import popen_args, prepare, prepare_path
 from torpor.sandbox.vm.machine_dir import (
     MACHINE_TYPE,
@@ -48,19 +52,14 @@ from torpor.sandbox.vm.machine_dir import (
     DiskSpec,
     MachineSpec,
     ShareSpec,
-    add_device,
-    add_nic,
     build_command,
     clone_machine_dir,
     discard_state,
-    disk_args,
     ensure_generation_id,
     inspect_dir,
     new_machine_config,
-    nic_args,
     qemu_pid,
     read_machine_json,
-    share_args,
     socket_path,
     write_machine_json,
 )
@@ -88,7 +87,7 @@ log = logging.getLogger(__name__)
 PRESTARTED = "prestarted"
 
 
-class QemuMachine:
+class QemuMachine(HotPlug):
     """One QEMU process on one directory. Not safe for concurrent use: one caller at a time
     (the sandbox manager serialises operations per sandbox).
 
@@ -160,6 +159,7 @@ class QemuMachine:
         pending_shares: list[dict[str, Any]] | None = None,
     ) -> None:
         """Start QEMU on the directory and connect QMP. Raises EngineError if it dies."""
+        await settle_exit(self.directory)
         for name in ("qmp.sock", "agent.sock", "qemu.pid"):
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / name).unlink()
@@ -283,13 +283,6 @@ class QemuMachine:
         self._proc = None
         self._pid = None
 
-    async def _quit(self) -> None:
-        """Ask QEMU to quit over QMP and wait for the process to be gone."""
-        if self._qmp is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._qmp.execute("quit"), 5)
-        await self._reap(timeout=10.0)
-
     async def _set_ignore_shared(self) -> None:
         await self._qmp_exec(
             "migrate-set-capabilities",
@@ -320,6 +313,7 @@ class QemuMachine:
         """
         from torpor.sandbox.vm.accel import probe
 
+        await settle_exit(self.directory)
         self._require_stopped("boot")
         accel = (
             self.spec.accel
@@ -340,18 +334,21 @@ class QemuMachine:
         await self._start(config, incoming=False)
         log.info("booted %s (%s)", self.directory, accel)
 
-    async def hibernate(self) -> None:
-        """Stop the guest, save its device state to ``state`` and quit QEMU.
+    async def hibernate(self, *, ready: Awaitable[object] | None = None) -> None:
+        """Stop the guest, save its device state to ``state`` and tell QEMU to quit.
 
-        The RAM stays in ``ram``. If saving fails, the guest is resumed and EngineError is
-        raised (the machine is still running, no ``state`` was written).
+        The RAM stays in ``ram``. Returns once ``state`` is durable; QEMU exits on its own
+        time (:mod:`torpor.sandbox.vm.exits`: the next start on this directory waits for it).
+        ``ready`` is awaited just before the guest is stopped, once the save is set up (the
+        caller's last words with the guest, its flush, overlap those QMP round trips). If
+        saving fails (or ``ready`` raises), the guest is resumed and EngineError is raised
+        (the machine is still running, no ``state`` was written).
         """
         self._require_running("hibernate")
         t0 = time.monotonic()
         tmp = self.directory / "state.tmp"
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        await self._qmp_exec("stop")
         try:
             await self._set_ignore_shared()
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -359,6 +356,9 @@ class QemuMachine:
                 assert self._qmp is not None
                 self._qmp.send_fd_scm(fd)
                 await self._qmp_exec("getfd", {"fdname": "state"})
+                if ready is not None:
+                    await ready
+                await self._qmp_exec("stop")
                 await self._qmp_exec("migrate", {"uri": "fd:state"})
                 await self._wait_migration("saving the device state")
                 os.fsync(fd)
@@ -376,7 +376,14 @@ class QemuMachine:
             fsync_dir(self.directory)
         except OSError as exc:
             raise EngineError(f"cannot write the state file: {exc}", exc=exc) from exc
-        await self._quit()
+        # Saved: the guest is stopped and the migration's end inactivated the disks (flushed,
+        # unlocked). QEMU's own exit is not waited for (exits.settle_exit).
+        if self._qmp is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._qmp.execute("quit"), 5)
+        await self._disconnect()
+        hand_off(self.directory, self._proc, self._pid)
+        self._proc, self._pid = None, None
         with contextlib.suppress(OSError):
             drop_layer_aliases(self.directory)
         log.info("hibernated %s in %.3fs", self.directory, time.monotonic() - t0)
@@ -567,6 +574,7 @@ class QemuMachine:
         translated already when the waker's guest runs it), and the guest is stopped again:
         if this QEMU dies, the directory cannot be woken. Raises InvalidState (no state, or
         a QEMU runs already), EngineError (QEMU stopped), what ``exercise`` raises."""
+        await settle_exit(self.directory)
         self._require_stopped("prestart")
         state = self.directory / "state"
         if not state.is_file():
@@ -642,6 +650,7 @@ class QemuMachine:
         *,
         ram_ready: Awaitable[object] | None = None,
     ) -> None:
+        await settle_exit(self.directory)  # the QEMU of the last hibernate, still exiting
         if pending_shares is None and ram_ready is None and await self._resume_prestarted():
             log.info("resumed the prestarted %s", self.directory)
             return
@@ -711,6 +720,7 @@ class QemuMachine:
         if self._pid is None:
             self._pid = qemu_pid(self.directory)
         await self._reap(force=True)
+        await settle_exit(self.directory)
 
     @classmethod
     async def attach(cls, directory: Path, template: BootImage, spec: MachineSpec) -> QemuMachine:
@@ -723,88 +733,6 @@ class QemuMachine:
         machine._pid = pid
         await machine._connect()
         return machine
-
-    # -- hot-plug ------------------------------------------------------------------------------
-
-    async def attach_disk(self, disk: DiskSpec) -> None:
-        """Hot-plug a virtio-blk disk into the running guest and record it in machine.json
-        (so every later wake has it). Raises InvalidArgument, EngineError, InvalidState."""
-        self._require_running("attach a disk")
-        config = read_machine_json(self.directory)
-        rec = add_device(config, disk)
-        if self.spec.jail is not None:
-            await asyncio.to_thread(
-                prepare_path, self.directory / rec["path"], self.spec.jail, write=not disk.read_only
-            )
-        node, dev = disk_args(rec)
-        await self._qmp_exec("blockdev-add", node)
-        try:
-            await self._qmp_exec("device_add", dev)
-        except EngineError:
-            with contextlib.suppress(EngineError):
-                await self._qmp_exec("blockdev-del", {"node-name": node["node-name"]})
-            raise
-        write_machine_json(self.directory, config)
-
-    async def attach_nic(self) -> None:
-        """Hot-plug a network card on QEMU's user-mode network (see
-        :func:`~torpor.sandbox.vm.machine_dir.nic_args`) and record it in machine.json, so
-        every later wake has it. The guest still has to bring it up. Raises InvalidArgument
-        (one already), EngineError, InvalidState."""
-        self._require_running("attach a network card")
-        config = read_machine_json(self.directory)
-        rec = add_nic(config)
-        netdev, dev = nic_args(rec)
-        await self._qmp_exec("netdev_add", netdev)
-        try:
-            await self._qmp_exec("device_add", dev)
-        except EngineError:
-            with contextlib.suppress(EngineError):
-                await self._qmp_exec("netdev_del", {"id": netdev["id"]})
-            raise
-        write_machine_json(self.directory, config)
-
-    async def attach_share(self, share: ShareSpec) -> None:
-        """Share a host directory into the running guest (virtio-9p, tag ``share.tag``).
-
-        QEMU cannot create a 9p backend at run time, so this hibernates, wakes with the backend
-        on the command line, then hot-plugs the device (~a wake's cost). Raises
-        InvalidArgument, EngineError, InvalidState.
-        """
-        self._require_running("attach a share")
-        if not share.path.is_dir():
-            raise EngineError(f"share path {share.path} is not a directory")
-        config = read_machine_json(self.directory)
-        rec = add_device(config, share)  # validates and picks the slot; saved after plug
-        await self.hibernate()
-        await self._wake(pending_shares=[rec])
-        _fsdev, dev = share_args(rec)
-        await self._qmp_exec("device_add", dev)
-        write_machine_json(self.directory, config)
-
-    async def detach(self, device_id: str, *, timeout: float = 30.0) -> None:
-        """Unplug a hot-plugged disk or share (the guest must release it: unmount first) and
-        drop it from machine.json. Raises InvalidArgument (unknown id), EngineError (the guest
-        did not let go within ``timeout``), InvalidState."""
-        self._require_running("detach a device")
-        config = read_machine_json(self.directory)
-        recs = [d for d in config["devices"] if d["id"] == device_id]
-        if not recs:
-            raise InvalidArgument(f"no device {device_id!r} on this machine", id=device_id)
-        await self._qmp_exec("device_del", {"id": device_id})
-        deadline = time.monotonic() + timeout
-        while True:  # the guest acknowledges the ACPI eject on its own time
-            children = await self._qmp_exec("qom-list", {"path": "/machine/peripheral"})
-            if not any(c.get("name") == device_id for c in children):
-                break
-            if time.monotonic() > deadline:
-                raise EngineError(f"the guest did not release {device_id!r} within {timeout}s")
-            await asyncio.sleep(0.05)
-        if recs[0]["kind"] == "disk":
-            with contextlib.suppress(EngineError):
-                await self._qmp_exec("blockdev-del", {"node-name": f"blk-{device_id}"})
-        config["devices"] = [d for d in config["devices"] if d["id"] != device_id]
-        write_machine_json(self.directory, config)
 
     async def qmp(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
         """Run a raw QMP command on the running machine (for tests and diagnostics)."""
