@@ -72,6 +72,7 @@ async def _worker(home: Path, seed: int, ops: int, crash_rate: float, log_path: 
     manager = SandboxManager(paths(home))
     await manager.start(supervise=False)
     cp = Checkpoints(manager)
+    await cp.recover()  # as a restarted server does
     manager.on_step = maybe_die
     snapmod.failpoint = maybe_die
     for _ in range(ops):
@@ -138,6 +139,7 @@ async def _restart_and_check(home: Path) -> tuple[list[str], float]:
     restart = time.perf_counter() - t0
     cp = Checkpoints(manager)
     try:
+        await cp.recover()  # what a restarted server does: finish the captures a crash cut short
         rows = manager.registry.list()
         for rec in rows:
             state = rec.state.value
@@ -174,10 +176,12 @@ async def _restart_and_check(home: Path) -> tuple[list[str], float]:
         store = SnapshotStore(p)
         for snap in cp.list_snapshots():
             try:
+                await cp.wait_stored(snap.id)  # a capture the crash cut short is finished
                 shutil.rmtree(store.materialize(snap.id))
             except TorporError as exc:
                 bad.append(f"listed snapshot {snap.id} does not restore: {exc}")
     finally:
+        await cp.settle()
         await manager.close(pause=False)
     return bad, restart
 
