@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,3 +84,39 @@ def test_a_process_known_by_its_pid_only_is_watched_through_its_pid_file(tmp_pat
     assert asyncio.run(main()) > 0.05
     assert not exits.exiting(tmp_path)
     proc.wait()
+
+
+def test_a_process_that_exits_first_lets_its_quitting_qemus_finish(tmp_path: Path) -> None:
+    """A pause in one process, a wake in the next: the first process's exit waits for the
+    QEMU it handed off, so the second never meets it."""
+    script = (
+        "import subprocess, sys, pathlib\n"
+        "from torpor.sandbox.vm import exits\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(0.5)'])\n"
+        "print(p.pid, flush=True)\n"
+        f"exits.hand_off(pathlib.Path({str(tmp_path)!r}), p, p.pid)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=30
+    )
+    pid = int(out.stdout.split()[0])
+    assert not Path(f"/proc/{pid}").exists()  # reaped before its parent exited
+
+
+def test_a_wake_waits_for_another_process_s_exiting_qemu(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(0.4)"], cwd=tmp_path
+    )  # stands in for another process's QEMU: its pid file, its cwd the directory
+    (tmp_path / "qemu.pid").write_text(f"{proc.pid}\n")
+    reaper = threading.Thread(target=proc.wait)  # its parent reaps it, as that process would
+    reaper.start()
+
+    async def main() -> float:
+        t0 = time.monotonic()
+        await asyncio.wait_for(exits.settle_foreign_exit(tmp_path), 10)
+        return time.monotonic() - t0
+
+    waited = asyncio.run(main())
+    reaper.join()
+    assert proc.returncode == 0
+    assert waited > 0.1  # it waited for the process, not only for a thread of this one

@@ -9,12 +9,16 @@ which the pause does not wait for: :func:`hand_off` gives the process to a threa
 first awaits :func:`settle_exit` (QEMU removes its pid file as it exits, so a new QEMU must
 not start before the old one is gone). A manager that closes awaits :func:`settle_exits`, so
 no QEMU outlives it. A process that dies meanwhile leaves the quitting QEMU to finish alone:
-its directory already holds a whole saved state.
+its directory already holds a whole saved state. A process that exits normally joins its
+reapers first (:func:`_join_at_exit`), so a pause in one process and a wake in the next (the
+demo's two processes) never meet the old QEMU; a wake that does meet another process's exiting
+QEMU waits for it (:func:`settle_foreign_exit`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
@@ -26,7 +30,14 @@ from pathlib import Path
 
 from torpor.sandbox.vm.machine_dir import qemu_pid
 
-__all__ = ["EXIT_TIMEOUT", "exiting", "hand_off", "settle_exit", "settle_exits"]
+__all__ = [
+    "EXIT_TIMEOUT",
+    "exiting",
+    "hand_off",
+    "settle_exit",
+    "settle_exits",
+    "settle_foreign_exit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +102,19 @@ async def settle_exits() -> None:
     for thread in list(_EXITING.values()):
         while thread.is_alive():  # noqa: ASYNC110 - a thread reaps it
             await asyncio.sleep(0.001)
+
+
+async def settle_foreign_exit(directory: Path) -> None:
+    """Wait, up to :data:`EXIT_TIMEOUT`, until no QEMU of another process runs on
+    ``directory`` (one told to quit after its hibernate and still exiting). A QEMU still there
+    then is left for the caller's check to refuse."""
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    while qemu_pid(directory) is not None and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.002)
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """No QEMU this process told to quit outlives it (each reaper kills after its timeout)."""
+    for thread in list(_EXITING.values()):
+        thread.join()

@@ -39,7 +39,7 @@ from qemu.qmp import QMPClient, QMPError
 from torpor._tail import log_tail
 from torpor.errors import EngineError, InvalidState
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay
-from torpor.sandbox.vm.exits import hand_off, settle_exit
+from torpor.sandbox.vm.exits import hand_off, settle_exit, settle_foreign_exit
 from torpor.sandbox.vm.hotplug import HotPlug
 from torpor.sandbox.vm.jail import popen_args, prepare, prepare_path
 from torpor.sandbox.vm.machine_dir import (
@@ -654,6 +654,8 @@ class QemuMachine(HotPlug):
         if pending_shares is None and ram_ready is None and await self._resume_prestarted():
             log.info("resumed the prestarted %s", self.directory)
             return
+        if not self.is_running():
+            await settle_foreign_exit(self.directory)  # another process's, told to quit
         self._require_stopped("wake")
         state = self.directory / "state"
         if ram_ready is None:
