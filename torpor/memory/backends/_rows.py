@@ -68,7 +68,7 @@ def record_to_row(r: AnyRecord) -> tuple[Any, ...]:
         r.scope,
         r.key if isinstance(r, Fact) else None,
         r.text,
-        json.dumps(r.metadata, separators=(",", ":")),
+        json.dumps(r.metadata, separators=(",", ":")) if r.metadata else "{}",
         to_us(r.created_at),
         to_us(r.valid_from),
         _opt_us(r.valid_to),
