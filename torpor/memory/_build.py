@@ -7,9 +7,8 @@ gives the batch its times and ids: one run of consecutive microseconds reserved 
 process clock (:func:`~torpor.memory.models.now_us_run`: record ``i`` is ``first + i``, as
 one :func:`~torpor.memory.models.now_us` call per record would have given, so facts with the
 same key in one batch still supersede one another in order), and the random part of every id
-read at once. The models are built with ``model_construct``: every value has just been
-checked here, and pydantic would only check the same types again (a third of an add's Python
-time, measured in ``bench/README.md``, "Lexical batched adds").
+read at once. The models are built with :func:`~torpor.memory.models.trusted`: every value
+has just been checked here, and pydantic would only check the same types again.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from torpor.memory.models import (
     from_us,
     new_ids,
     now_us_run,
+    trusted,
 )
 
 __all__ = ["episodes", "facts"]
@@ -72,24 +72,27 @@ def facts(items: Iterable[str | Mapping[str, Any]], scope: str, policy: Policy) 
     ):
         at = from_us(t)
         out.append(
-            Fact.model_construct(
-                id=id_,
-                kind="fact",
-                scope=scope,
-                text=text,
-                metadata=meta,
-                created_at=at,
-                valid_from=at,
-                valid_to=None,
-                durability=durability,
-                expires_at=None if life is None else from_us(t + life),
-                key=key,
-                source=source,
-                source_hash=proof[1],
-                verified=proof[0],
-                reason=proof[2],
-                stale=False,
-                superseded_by=None,
+            trusted(
+                Fact,
+                {
+                    "id": id_,
+                    "kind": "fact",
+                    "scope": scope,
+                    "text": text,
+                    "metadata": meta,
+                    "created_at": at,
+                    "valid_from": at,
+                    "valid_to": None,
+                    "durability": durability,
+                    "expires_at": None if life is None else from_us(t + life),
+                    "key": key,
+                    "source": source,
+                    "source_hash": proof[1],
+                    "verified": proof[0],
+                    "reason": proof[2],
+                    "stale": False,
+                    "superseded_by": None,
+                },
             )
         )
     return out
@@ -135,19 +138,22 @@ def episodes(
     ):
         created = from_us(t)
         out.append(
-            Episode.model_construct(
-                id=id_,
-                kind="episode",
-                scope=scope,
-                text=text,
-                metadata=meta,
-                created_at=created,
-                valid_from=from_us(at) if at else created,  # as before: `at or now`
-                valid_to=None,
-                durability=durability,
-                expires_at=None if life is None else from_us(t + life),
-                role=role,
-                session=own,
+            trusted(
+                Episode,
+                {
+                    "id": id_,
+                    "kind": "episode",
+                    "scope": scope,
+                    "text": text,
+                    "metadata": meta,
+                    "created_at": created,
+                    "valid_from": from_us(at) if at else created,  # as before: `at or now`
+                    "valid_to": None,
+                    "durability": durability,
+                    "expires_at": None if life is None else from_us(t + life),
+                    "role": role,
+                    "session": own,
+                },
             )
         )
     return out

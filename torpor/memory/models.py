@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -58,6 +58,7 @@ __all__ = [
     "path_depth",
     "path_within",
     "to_us",
+    "trusted",
 ]
 
 Kind = Literal["fact", "episode"]
@@ -288,6 +289,23 @@ class Policy(_Model):
 
     retention_seconds: float | None = Field(default=None, gt=0)
     cache_ttl_seconds: float | None = Field(default=None, gt=0)
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def trusted(cls: type[_M], values: dict[str, Any]) -> _M:
+    """A ``cls`` holding ``values``, which give every field and are already checked (a batch
+    the API has just validated, a row read back from storage): no validation, as
+    ``model_construct``, without its per-field alias search, which made it slower than
+    validating (pydantic 2.13: 9.9 us against 6.7 us to validate and 1.8 us here, for a
+    fact). Raises KeyError for a missing field: a caller's bug, not a user's."""
+    m = cls.__new__(cls)
+    object.__setattr__(m, "__dict__", {name: values[name] for name in cls.__pydantic_fields__})
+    object.__setattr__(m, "__pydantic_fields_set__", set(values))
+    object.__setattr__(m, "__pydantic_extra__", None)
+    object.__setattr__(m, "__pydantic_private__", None)
+    return m
 
 
 class Record(BaseModel):

@@ -139,11 +139,10 @@ SYSTEM_MIGRATIONS: list[str] = [
 ]
 
 COLUMNS = "rid, " + RECORD_COLUMNS
+_MARKS = ", ".join(["?"] * len(COLUMNS.split(", ")))
 #: a record with its rowid first (the writer numbers a batch itself: the FTS5 index and the
 #: vectors then need no lookup of the rowids SQLite chose)
-INSERT_SQL = (
-    f"INSERT INTO records ({COLUMNS}) VALUES ({', '.join('?' * len(COLUMNS.split(', ')))})"
-)
+INSERT_SQL = f"INSERT INTO records ({COLUMNS}) VALUES ({_MARKS})"
 #: the FTS5 entry of a new record: ``(rid, text)``, what the v1 insert trigger did
 FTS_INSERT_SQL = "INSERT INTO records_fts (rowid, text) VALUES (?, ?)"
 #: ``n`` more records in the quota's counter, what the v2 insert trigger did one by one
