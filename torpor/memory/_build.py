@@ -128,7 +128,7 @@ def episodes(
         if own is not None:
             check.text(own, "session")
         at = check.time(turn.get("at"), "at")
-        durability = turn.get("durability") or "persistent"
+        durability: Durability = turn.get("durability") or "persistent"
         life = check.expiry(policy, 0, durability, ttl)
         checked.append((role[:64], text, meta, own, at, durability, life))
     times, ids = _times(len(checked))
