@@ -49,7 +49,9 @@ def _opt_us(value: Any) -> int | None:
 
 
 def _json(value: Any, json_text: bool) -> Any:
-    return json.loads(value) if json_text else value
+    if not json_text:
+        return value
+    return {} if value == "{}" else json.loads(value)  # most records carry no metadata
 
 
 def _source(value: Any, json_text: bool) -> SourceRef:
