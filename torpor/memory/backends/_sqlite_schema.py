@@ -4,8 +4,9 @@ shares with PostgreSQL is :mod:`torpor.memory.backends._rows`).
 The schema version is ``PRAGMA user_version``; :data:`MIGRATIONS` lists the steps, each run in
 one transaction, so a database is always at a whole version. Records live in one table
 (facts and episodes together, so one FTS5 query ranks both), the FTS5 index is an external
-content table kept in sync by triggers, and embeddings sit in their own table so that scans of
-records do not drag vectors along.
+content table kept in sync by the store's inserts (since v3) and by triggers on delete and
+update, and embeddings sit in their own table so that scans of records do not drag vectors
+along.
 """
 
 from __future__ import annotations
