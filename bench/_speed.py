@@ -9,12 +9,17 @@ ingest against the embedder's own batch throughput (issue 10's targets).
   every record, the ranking. The same stores are also read lexical-only (``embedder=None``).
 * **Ingest**: ``log_many`` of the same texts with the model as the store's embedder, against
   ``model.embed`` of those texts alone, interleaved, medians of the repetitions.
+* **Single-record ingest**: the same texts logged one ``log()`` call each, from one thread
+  and from several threads into one memory (what the HTTP server's thread pool does with
+  concurrent requests: their embeddings share model calls, :mod:`torpor.memory._coalesce`),
+  interleaved with the model alone and ``log_many``.
 """
 
 from __future__ import annotations
 
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +32,7 @@ from bench._scale import BATCH, ProjectionEmbedder, _chunks
 from bench._torpor import open_memory
 from bench.memgen import synthetic_texts
 
-__all__ = ["QueryModelEmbedder", "ingest_ratio", "search_latency"]
+__all__ = ["QueryModelEmbedder", "ingest_ratio", "search_latency", "single_ingest"]
 
 
 class QueryModelEmbedder:
@@ -128,4 +133,62 @@ def ingest_ratio(model: Any, texts: Sequence[str], reps: int = 3) -> dict[str, A
         "embedder_records_per_s": a,
         "log_many_records_per_s": b,
         "ratio": b / a,
+    }
+
+
+def _log_rate(model: Any, texts: Sequence[str], threads: int) -> float:
+    """Records/s logging ``texts`` into a fresh memory with ``model``: one ``log_many`` when
+    ``threads`` is 0, else one ``log()`` per text from ``threads`` threads (texts dealt out
+    round-robin)."""
+    with tempfile.TemporaryDirectory(prefix="torpor-bench-single-") as tmp:
+        mem = open_memory(Path(tmp), model)
+        scope = mem.scope(app="bench", user="single")
+        scope.log("user", "warm")  # records the model, once
+        if threads == 0:
+            t0 = time.perf_counter()
+            scope.log_many([{"role": "user", "text": t} for t in texts])
+        else:
+
+            def work(part: Sequence[str]) -> None:
+                for text in part:
+                    scope.log("user", text)
+
+            pool = [
+                threading.Thread(target=work, args=(texts[i::threads],)) for i in range(threads)
+            ]
+            t0 = time.perf_counter()
+            for th in pool:
+                th.start()
+            for th in pool:
+                th.join()
+        rate = len(texts) / (time.perf_counter() - t0)
+        mem.close()
+    return rate
+
+
+def single_ingest(
+    model: Any, texts: Sequence[str], threads: int = 8, reps: int = 3
+) -> dict[str, Any]:
+    """Records/s of single ``log()`` calls from one thread and from ``threads`` threads,
+    of ``log_many`` and of ``model.embed`` alone on the same texts, interleaved ``reps``
+    times; medians, and each against the model's batch rate."""
+    runs: dict[str, list[float]] = {"model": [], "log_many": [], "one_thread": [], "threads": []}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model.embed(list(texts))
+        runs["model"].append(len(texts) / (time.perf_counter() - t0))
+        runs["log_many"].append(_log_rate(model, texts, 0))
+        runs["one_thread"].append(_log_rate(model, texts, 1))
+        runs["threads"].append(_log_rate(model, texts, threads))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        "texts": len(texts),
+        "threads": threads,
+        "reps": reps,
+        "embedder_records_per_s": med["model"],
+        "log_many_records_per_s": med["log_many"],
+        "one_thread_log_records_per_s": med["one_thread"],
+        "threads_log_records_per_s": med["threads"],
+        "threads_ratio": med["threads"] / med["model"],
+        "one_thread_ratio": med["one_thread"] / med["model"],
     }

@@ -40,7 +40,7 @@ from rich.table import Table
 
 from bench._quality import QualityResult, docs_of, evaluate
 from bench._scale import add_throughput, scale_run
-from bench._speed import ingest_ratio, search_latency
+from bench._speed import ingest_ratio, search_latency, single_ingest
 from bench._torpor import TorporSystem
 from bench.memgen import KINDS, GenConfig, generate
 from bench.peers import BM25Peer, ChromaPeer, Embedder, Mem0Peer, Peer, mem0_python
@@ -211,9 +211,12 @@ def run_speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
         console.print(f"  speed: default embedder at {size:,} records ...")
         rows.append(search_latency(size, model, sentences, questions, reps) | {"load": _load()})
     ingest = ingest_ratio(model, sentences[: 300 if args.quick else 1000], reps=3)
+    single = single_ingest(model, sentences[: 200 if args.quick else 600], threads=8, reps=3)
+    single["load"] = _load()
     report["speed"] = {
         "search": rows,
         "ingest": ingest | {"load": _load()},
+        "single_ingest": single,
         "query_runtime": runtime,
     }
     t = Table(
@@ -244,6 +247,14 @@ def run_speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
     console.print(
         f"  ingest: log_many {ingest['log_many_records_per_s']:,.0f} records/s, the model alone "
         f"{ingest['embedder_records_per_s']:,.0f}/s ({ingest['ratio']:.0%})"
+    )
+    console.print(
+        f"  single log() calls: {single['threads']} threads "
+        f"{single['threads_log_records_per_s']:,.0f} records/s "
+        f"({single['threads_ratio']:.0%} of the model's batch rate, "
+        f"{single['embedder_records_per_s']:,.0f}/s), one thread "
+        f"{single['one_thread_log_records_per_s']:,.0f}/s ({single['one_thread_ratio']:.0%}), "
+        f"log_many {single['log_many_records_per_s']:,.0f}/s; load {single['load']:.1f}"
     )
 
 
@@ -340,6 +351,17 @@ def targets(report: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
             "not run"
             if ing is None
             else f"{ing['log_many_records_per_s']:,.0f} vs {ing['embedder_records_per_s']:,.0f}/s",
+        )
+    )
+    single = None if speed is None else speed.get("single_ingest")
+    out.append(
+        (
+            "8 threads of single log() calls >= 90% of the model's own batch throughput",
+            None if single is None else single["threads_ratio"] >= 0.9,
+            "not run"
+            if single is None
+            else f"{single['threads_log_records_per_s']:,.0f} vs "
+            f"{single['embedder_records_per_s']:,.0f}/s",
         )
     )
     systems = {s["system"]: s for s in report.get("quality", {}).get("systems", [])}

@@ -23,6 +23,7 @@ from typing import Self
 
 from torpor.config import Quotas, paths
 from torpor.errors import AccessDenied, Conflict, InvalidArgument, RecordNotFound
+from torpor.memory._coalesce import batcher_for
 from torpor.memory.access import Access, TokenManager, hash_token
 from torpor.memory.backends import open_backend
 from torpor.memory.backends.base import MemoryBackend, Vector
@@ -195,12 +196,15 @@ class Memory:
         return Quotas.of(self.paths, self.tenant).memory_records
 
     def embed(self, texts: list[str]) -> list[Vector | None] | None:
-        """Vectors for ``texts`` to store with them, or None (lexical only). Raises what
-        :meth:`writer_embedder` raises."""
+        """Vectors for ``texts`` to store with them, or None (lexical only). A call of a few
+        texts (a single ``log()`` or ``remember()``) that arrives while the model embeds
+        another thread's shares the next model call with the others that came meanwhile
+        (:mod:`torpor.memory._coalesce`). Raises what :meth:`writer_embedder` raises and
+        what the embedder raises for these texts."""
         emb = self.writer_embedder()
         if emb is None or not texts:
             return None
-        return list(emb.embed(texts))
+        return list(batcher_for(emb).embed(texts))
 
     def reindex(self, *, batch: int = 256) -> int:
         """Embed every record of this tenant that has no vector (written by a lexical-only

@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -52,10 +52,13 @@ __all__ = [
     "TokenSummary",
     "from_us",
     "new_id",
+    "new_ids",
     "now_us",
+    "now_us_run",
     "path_depth",
     "path_within",
     "to_us",
+    "trusted",
 ]
 
 Kind = Literal["fact", "episode"]
@@ -77,9 +80,6 @@ def to_us(dt: datetime) -> int:
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
 def from_us(us: int) -> datetime:
     """The UTC datetime for ``us`` microseconds since the epoch (one addition: recall builds
     three per candidate record)."""
@@ -99,9 +99,27 @@ def now_us() -> int:
         return us
 
 
+def now_us_run(n: int) -> int:
+    """The first of ``n`` consecutive microsecond times, all reserved at once: each is one a
+    call of :func:`now_us` could have returned (strictly increasing, none given twice), for
+    a batch of records that need a time each (one lock and one clock read for the batch)."""
+    global _last_us
+    with _clock_lock:
+        first = max(time.time_ns() // 1000, _last_us + 1)
+        _last_us = first + max(n, 1) - 1
+        return first
+
+
 def new_id() -> str:
     """A new record id: 14 hex digits of time then 10 random hex digits (sortable by time)."""
     return f"{now_us():014x}{secrets.token_hex(5)}"
+
+
+def new_ids(times: list[int]) -> list[str]:
+    """One id per time in ``times``, in :func:`new_id`'s form (the time's 14 hex digits, then
+    10 random hex digits; the random part from one read of the system's source for them all)."""
+    noise = secrets.token_hex(5 * len(times))
+    return [f"{t:014x}{noise[10 * i : 10 * i + 10]}" for i, t in enumerate(times)]
 
 
 class _Model(BaseModel):
@@ -271,6 +289,23 @@ class Policy(_Model):
 
     retention_seconds: float | None = Field(default=None, gt=0)
     cache_ttl_seconds: float | None = Field(default=None, gt=0)
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def trusted(cls: type[_M], values: dict[str, Any]) -> _M:
+    """A ``cls`` holding ``values``, which give every field and are already checked (a batch
+    the API has just validated, a row read back from storage): no validation, as
+    ``model_construct``, without its per-field alias search, which made it slower than
+    validating (pydantic 2.13: 9.9 us against 6.7 us to validate and 1.8 us here, for a
+    fact). Raises KeyError for a missing field: a caller's bug, not a user's."""
+    m = cls.__new__(cls)
+    object.__setattr__(m, "__dict__", {name: values[name] for name in cls.__pydantic_fields__})
+    object.__setattr__(m, "__pydantic_fields_set__", set(values))
+    object.__setattr__(m, "__pydantic_extra__", None)
+    object.__setattr__(m, "__pydantic_private__", None)
+    return m
 
 
 class Record(BaseModel):

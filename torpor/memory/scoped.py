@@ -17,8 +17,8 @@ from typing import IO, Any, Protocol
 from pydantic import BaseModel
 
 from torpor.errors import InvalidArgument, RecordNotFound
+from torpor.memory import _build, provenance, transfer
 from torpor.memory import _validate as check
-from torpor.memory import provenance, transfer
 from torpor.memory.access import Access
 from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore, Vector
 from torpor.memory.context import Context, build_context
@@ -35,7 +35,6 @@ from torpor.memory.models import (
     Scope,
     SourceRef,
     from_us,
-    new_id,
     now_us,
     path_within,
 )
@@ -97,43 +96,6 @@ class ScopedMemory:
         vectors = self.memory.embed([r.text for r in records])
         return self.memory.store.add(records, vectors, quota=quota)
 
-    def _fact(
-        self,
-        text: str,
-        key: str | None,
-        metadata: Mapping[str, Any] | None,
-        source: SourceRef | Mapping[str, Any] | None,
-        durability: Durability,
-        ttl: float | timedelta | None,
-        policy: Policy,
-    ) -> Fact:
-        text, key = check.text(text), check.key(key)
-        meta, seconds = check.metadata(metadata), check.ttl(ttl)
-        source = check.source(source)
-        now = now_us()
-        expires = check.expiry(policy, now, durability, seconds)
-        verified, digest, reason = False, None, None
-        if source is not None:
-            outcome = provenance.check(source)
-            verified, digest = outcome.verified, outcome.sha256
-            reason = None if verified else outcome.reason or "not verified"
-        t = from_us(now)
-        return Fact(
-            id=new_id(),
-            scope=self.path,
-            text=text,
-            key=key,
-            metadata=meta,
-            created_at=t,
-            valid_from=t,
-            durability=durability,
-            expires_at=None if expires is None else from_us(expires),
-            source=source,
-            source_hash=digest,
-            verified=verified,
-            reason=reason,
-        )
-
     # -- writes -----------------------------------------------------------------------------
     def remember(
         self,
@@ -172,25 +134,7 @@ class ScopedMemory:
         ``durability``, ``ttl``. All or nothing: every item is checked before anything is
         written. Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "remember")
-        facts, policy = [], self._policy()
-        for item in items:
-            if not isinstance(item, (str, Mapping)):
-                raise InvalidArgument(f"an item is a text or a mapping, not {type(item).__name__}")
-            spec: dict[str, Any] = {"text": item} if isinstance(item, str) else dict(item)
-            unknown = set(spec) - {"text", "key", "metadata", "source", "durability", "ttl"}
-            if unknown:
-                raise InvalidArgument(f"unknown fields {sorted(unknown)}")
-            facts.append(
-                self._fact(
-                    spec.get("text", ""),
-                    spec.get("key"),
-                    spec.get("metadata"),
-                    spec.get("source"),
-                    spec.get("durability") or "persistent",
-                    spec.get("ttl"),
-                    policy,
-                )
-            )
+        facts = _build.facts(items, self.path, self._policy())
         return [f for f in self._add(facts) if isinstance(f, Fact)]
 
     def log(
@@ -226,38 +170,7 @@ class ScopedMemory:
         embedding batch. All or nothing: every turn is checked before anything is written.
         Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "log")
-        episodes, policy = [], self._policy()
-        for turn in turns:
-            if not isinstance(turn, Mapping):
-                raise InvalidArgument(f"a turn is a mapping, not {type(turn).__name__}")
-            spec: dict[str, Any] = dict(turn)
-            unknown = set(spec) - {"role", "text", "session", "metadata", "at", "durability", "ttl"}
-            if unknown:
-                raise InvalidArgument(f"unknown fields {sorted(unknown)}")
-            role = check.text(spec.get("role"), "role")
-            text = check.text(spec.get("text"))
-            meta, seconds = check.metadata(spec.get("metadata")), check.ttl(spec.get("ttl"))
-            session = spec.get("session") or self.scope.session
-            if session is not None:
-                check.text(session, "session")
-            now = now_us()
-            at = check.time(spec.get("at"), "at")
-            durability: Durability = spec.get("durability") or "persistent"
-            expires = check.expiry(policy, now, durability, seconds)
-            episodes.append(
-                Episode(
-                    id=new_id(),
-                    scope=self.path,
-                    text=text,
-                    role=role[:64],
-                    session=session,
-                    metadata=meta,
-                    created_at=from_us(now),
-                    valid_from=from_us(at or now),
-                    durability=durability,
-                    expires_at=None if expires is None else from_us(expires),
-                )
-            )
+        episodes = _build.episodes(turns, self.path, self._policy(), self.scope.session)
         return [e for e in self._add(episodes) if isinstance(e, Episode)]
 
     # -- reads ------------------------------------------------------------------------------

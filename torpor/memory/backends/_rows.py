@@ -22,6 +22,7 @@ from torpor.memory.models import (
     TokenInfo,
     from_us,
     to_us,
+    trusted,
 )
 
 __all__ = [
@@ -48,7 +49,9 @@ def _opt_us(value: Any) -> int | None:
 
 
 def _json(value: Any, json_text: bool) -> Any:
-    return json.loads(value) if json_text else value
+    if not json_text:
+        return value
+    return {} if value == "{}" else json.loads(value)  # most records carry no metadata
 
 
 def _source(value: Any, json_text: bool) -> SourceRef:
@@ -68,7 +71,7 @@ def record_to_row(r: AnyRecord) -> tuple[Any, ...]:
         r.scope,
         r.key if isinstance(r, Fact) else None,
         r.text,
-        json.dumps(r.metadata, separators=(",", ":")),
+        json.dumps(r.metadata, separators=(",", ":")) if r.metadata else "{}",
         to_us(r.created_at),
         to_us(r.valid_from),
         _opt_us(r.valid_to),
@@ -118,7 +121,7 @@ def record_from_row(values: Sequence[Any], *, json_text: bool) -> AnyRecord:
         "expires_at": None if expires_at is None else from_us(expires_at),
     }
     if kind == "fact":
-        return Fact.model_construct(
+        common.update(
             kind="fact",
             key=key,
             source=None if source is None else _source(source, json_text),
@@ -126,10 +129,11 @@ def record_from_row(values: Sequence[Any], *, json_text: bool) -> AnyRecord:
             verified=bool(verified),
             stale=bool(stale),
             superseded_by=superseded_by,
-            reason=None,  # every field given: model_construct resolves no default
-            **common,
+            reason=None,
         )
-    return Episode.model_construct(kind="episode", role=role or "user", session=session, **common)
+        return trusted(Fact, common)
+    common.update(kind="episode", role=role or "user", session=session)
+    return trusted(Episode, common)
 
 
 #: the token columns both backends select, in :func:`token_from_row`'s order

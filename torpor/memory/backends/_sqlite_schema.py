@@ -4,8 +4,9 @@ shares with PostgreSQL is :mod:`torpor.memory.backends._rows`).
 The schema version is ``PRAGMA user_version``; :data:`MIGRATIONS` lists the steps, each run in
 one transaction, so a database is always at a whole version. Records live in one table
 (facts and episodes together, so one FTS5 query ranks both), the FTS5 index is an external
-content table kept in sync by triggers, and embeddings sit in their own table so that scans of
-records do not drag vectors along.
+content table kept in sync by the store's inserts (since v3) and by triggers on delete and
+update, and embeddings sit in their own table so that scans of records do not drag vectors
+along.
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ MIGRATIONS: list[str] = [
         UPDATE counts SET n = n - 1 WHERE what = 'records';
     END;
     """,
+    # v3: an insert indexes its text and counts itself in the statements that add a batch
+    # (:data:`INSERT_SQL`, :data:`FTS_INSERT_SQL`, :data:`COUNT_SQL`): a trigger per row
+    # doubled the time SQLite spent on a batch add (``bench/README.md``, "Lexical batched
+    # adds"); deletes and text updates keep theirs
+    """
+    DROP TRIGGER records_ai;
+    DROP TRIGGER records_count_ai;
+    """,
 ]
 
 SYSTEM_MIGRATIONS: list[str] = [
@@ -131,10 +140,14 @@ SYSTEM_MIGRATIONS: list[str] = [
 ]
 
 COLUMNS = "rid, " + RECORD_COLUMNS
-INSERT_SQL = (
-    f"INSERT INTO records ({RECORD_COLUMNS}) VALUES "
-    f"({', '.join('?' * len(RECORD_COLUMNS.split(', ')))})"
-)
+_MARKS = ", ".join(["?"] * len(COLUMNS.split(", ")))
+#: a record with its rowid first (the writer numbers a batch itself: the FTS5 index and the
+#: vectors then need no lookup of the rowids SQLite chose)
+INSERT_SQL = f"INSERT INTO records ({COLUMNS}) VALUES ({_MARKS})"
+#: the FTS5 entry of a new record: ``(rid, text)``, what the v1 insert trigger did
+FTS_INSERT_SQL = "INSERT INTO records_fts (rowid, text) VALUES (?, ?)"
+#: ``n`` more records in the quota's counter, what the v2 insert trigger did one by one
+COUNT_SQL = "UPDATE counts SET n = n + ? WHERE what = 'records'"
 
 
 def row_to_record(row: tuple[Any, ...]) -> AnyRecord:

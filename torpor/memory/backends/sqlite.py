@@ -126,7 +126,7 @@ class SQLiteTenantStore(TenantStore):
             raise InvalidArgument("records and vectors differ in length")
         stored: list[AnyRecord] = []
         rows: list[tuple[Any, ...]] = []
-        vecs: list[tuple[bytes, str]] = []
+        vecs: list[bytes | None] = []
         with self._db.write("add") as conn:
             # BEGIN IMMEDIATE holds the write lock: the count cannot move under this check
             check_record_quota(self.tenant, quota, self._count(conn), len(records))
@@ -136,33 +136,34 @@ class SQLiteTenantStore(TenantStore):
                     rec = self._supersede(conn, rec)
                 rows.append(schema.record_to_row(rec))
                 vec = None if vectors is None else vectors[i]
-                if vec is not None:
-                    vecs.append((_vec_blob(vec), rec.id))
+                vecs.append(None if vec is None else _vec_blob(vec))
                 stored.append(rec)
             self._insert_many(conn, rows, vecs)
         return stored
 
     @staticmethod
     def _insert_many(
-        conn: sqlite3.Connection, rows: list[tuple[Any, ...]], vecs: list[tuple[bytes, str]]
+        conn: sqlite3.Connection, rows: list[tuple[Any, ...]], vecs: list[bytes | None]
     ) -> None:
-        """Insert the pending ``rows`` and their vectors (by record id), then clear both."""
-        if rows:
-            conn.executemany(schema.INSERT_SQL, rows)
-            rows.clear()
-        if vecs:
-            conn.executemany(
-                "INSERT INTO vectors (rid, vec) SELECT rid, ? FROM records WHERE id = ?", vecs
-            )
-            vecs.clear()
-
-    @staticmethod
-    def _insert(conn: sqlite3.Connection, rec: AnyRecord, vec: Vector | None) -> None:
-        cur = conn.execute(schema.INSERT_SQL, schema.record_to_row(rec))
-        if vec is not None:
-            conn.execute(
-                "INSERT INTO vectors (rid, vec) VALUES (?, ?)", (cur.lastrowid, _vec_blob(vec))
-            )
+        """Insert the pending ``rows`` (:func:`record_to_row`'s) with their FTS5 entries,
+        their vectors (None: no vector) and the count, then clear both lists. The rows are
+        numbered from the largest rowid up, as SQLite itself would number them."""
+        if not rows:
+            return
+        top = conn.execute("SELECT max(rid) FROM records").fetchone()[0] or 0
+        rids = range(top + 1, top + 1 + len(rows))
+        conn.executemany(
+            schema.INSERT_SQL, [(rid, *row) for rid, row in zip(rids, rows, strict=True)]
+        )
+        conn.executemany(
+            schema.FTS_INSERT_SQL, [(rid, row[4]) for rid, row in zip(rids, rows, strict=True)]
+        )
+        blobs = [(rid, v) for rid, v in zip(rids, vecs, strict=True) if v is not None]
+        if blobs:
+            conn.executemany("INSERT INTO vectors (rid, vec) VALUES (?, ?)", blobs)
+        conn.execute(schema.COUNT_SQL, (len(rows),))
+        rows.clear()
+        vecs.clear()
 
     @staticmethod
     def _current(conn: sqlite3.Connection, rec: Fact) -> Any:
@@ -221,7 +222,10 @@ class SQLiteTenantStore(TenantStore):
                         rec = rec.model_copy(
                             update={"valid_to": from_us(row[2]), "superseded_by": row[1]}
                         )
-                self._insert(conn, rec, None if vectors is None else vectors[i])
+                vec = None if vectors is None else vectors[i]
+                self._insert_many(
+                    conn, [schema.record_to_row(rec)], [None if vec is None else _vec_blob(vec)]
+                )
                 inserted += 1
         return inserted
 
