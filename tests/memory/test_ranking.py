@@ -201,8 +201,11 @@ def test_the_blend_weighs_each_side_by_how_its_best_candidates_stand_out() -> No
     weight = hits["local"].scores["lexical_weight"]
     assert 0 < weight < 1 and all(h.scores["lexical_weight"] == weight for h in hits.values())
     for h in hits.values():  # a convex blend of the two sides, so comparable across queries
-        # a record the lexical side missed is scored on its own words (``unseen``)
-        lexical = h.scores["lexical"]
+        lexical = (
+            h.scores["lexical"]
+            if "bm25" in h.scores
+            else min(x.scores["lexical"] for x in hits.values() if "bm25" in x.scores)
+        )  # a record the lexical side missed that shares no term counts as its weakest
         expected = weight * lexical + (1 - weight) * max(h.scores["vector"], 0.0)
         assert h.scores["relevance"] == pytest.approx(expected)
         assert 0 <= h.scores["relevance"] <= 1
@@ -233,10 +236,12 @@ def _unseen_found() -> Candidates:
 def test_a_candidate_the_lexical_search_missed_is_scored_on_its_own_words() -> None:
     """A vector candidate that the lexical search did not return gets ``unseen`` times the
     weakest returned engine score when it shares a term with the query (it scored below that
-    one), length-normalized like the others; one that shares no term gets 0."""
+    one), length-normalized like the others; one that shares no term counts as the lexical
+    side's weakest candidate."""
     hits = {h.id: h for h in HybridRanker().rank(_unseen_found())}
     paddle, canoe = hits["paddle"], hits["canoe"]
-    assert canoe.scores["coverage"] == canoe.scores["bm25"] == canoe.scores["lexical"] == 0
+    assert "bm25" not in canoe.scores and "coverage" not in canoe.scores
+    assert canoe.scores["lexical"] == min(h.scores["lexical"] for h in hits.values())
     assert paddle.scores["coverage"] > 0 and paddle.scores["bm25"] > 0
     assert paddle.score > canoe.score  # the same cosine: the shared word decides
     # the estimate is proportional to ``unseen``, and below the weakest returned match's

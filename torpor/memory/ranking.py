@@ -16,12 +16,13 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     lexical   = c * coverage + (1 - c) * bm25     (0 when not matched; c = ``coverage`` = 0.2
                 without an embedder, ``hybrid_coverage`` = 0.2 with one). A vector candidate
                 the lexical search did not return is scored on its own words: its coverage,
-                and as engine score ``unseen`` (0.65) times the weakest returned one when it
-                shares a term with the query (its own score is below that one's), else 0
+                and as engine score ``unseen`` (0.65) times the weakest returned one, when it
+                shares a term with the query (its own score is below that one's)
     vector    = cosine similarity to the query     (only with an embedder)
     relevance = lexical                            without an embedder
               = w * lexical + (1 - w) * max(vector, 0)            with one, where a candidate
-                the vector side did not find counts as that side's weakest candidate, and the
+                one side did not find (and, for the lexical side, that shares no term with the
+                query) counts as that side's weakest candidate, and the
                 query's lexical weight (``Hit.scores["lexical_weight"]``) is
                 w / (1 - w) = (L / sd_lex) / (1 / sd_vec) * (z_lex / z_vec) ** p,
                 L = ``lexical`` = 1.0, sd_* = the standard deviation of that side's
@@ -311,10 +312,10 @@ class HybridRanker:
     def _unseen(
         self, found: Candidates, covered: dict[str, float]
     ) -> list[tuple[AnyRecord, float]]:
-        """The lexical matches with an engine score for each vector candidate the lexical
-        search did not return: ``unseen`` times the weakest returned score when the record
-        shares a term with the query (it scored below that one), 0 when it shares none.
-        Fills ``covered`` with their coverage."""
+        """The lexical matches, with an engine score for each vector candidate the lexical
+        search did not return that shares a term with the query: ``unseen`` times the weakest
+        returned score (its own is below that one's). Fills ``covered`` with their coverage.
+        One that shares no term is left out (it counts as the weakest candidate)."""
         if not found.vector or not found.lexical or self.unseen <= 0:
             return list(found.lexical)
         weakest = min(score for _, score in found.lexical)
@@ -322,8 +323,10 @@ class HybridRanker:
         for rec, _ in found.vector:
             if rec.id in covered:
                 continue
-            covered[rec.id] = c = coverage(found.terms, rec.text, self.stopword)
-            out.append((rec, self.unseen * weakest if c > 0 else 0.0))
+            c = coverage(found.terms, rec.text, self.stopword)
+            if c > 0:
+                covered[rec.id] = c
+                out.append((rec, self.unseen * weakest))
         return out
 
     def _blend(
