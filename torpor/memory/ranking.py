@@ -17,7 +17,8 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 without an embedder, ``hybrid_coverage`` = 0.2 with one). A vector candidate
                 the lexical search did not return is scored on its own words: its coverage,
                 and as engine score ``unseen`` (0.65) times the weakest returned one, when it
-                shares a term with the query (its own score is below that one's)
+                shares a term with the query (its own score is below that one's; its
+                ``Hit.scores["bm25"]`` is that estimate)
     vector    = cosine similarity to the query     (only with an embedder)
     relevance = lexical                            without an embedder
               = w * lexical + (1 - w) * max(vector, 0)            with one, where a candidate
