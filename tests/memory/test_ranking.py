@@ -83,6 +83,7 @@ OPTIONS = [
     pytest.param("min_similarity", 0.05, HybridRanker(), id="min_similarity"),
     pytest.param("relative_floor", 0.5, HybridRanker(), id="relative_floor"),
     pytest.param("tiered", False, HybridRanker(), id="tiered"),
+    pytest.param("unseen", 0.0, HybridRanker(), id="unseen"),
 ]
 
 
@@ -143,6 +144,8 @@ def test_every_option_changes_the_answer(option: str, value: object, base: Hybri
         found = _dialogue("did dana say the kayak is mine")
     if option == "dated":  # the talk (40 days ago) is on the day the query names
         found = dataclasses.replace(found, query=f"is the kayak mine, {_day(TALK)}")
+    if option == "unseen":
+        found = _unseen_found()
     assert _answer(changed.rank(found)) != _answer(base.rank(found))
 
 
@@ -202,7 +205,7 @@ def test_the_blend_weighs_each_side_by_how_its_best_candidates_stand_out() -> No
             h.scores["lexical"]
             if "bm25" in h.scores
             else min(x.scores["lexical"] for x in hits.values() if "bm25" in x.scores)
-        )  # a record the lexical side missed counts as its weakest candidate
+        )  # a record the lexical side missed that shares no term counts as its weakest
         expected = weight * lexical + (1 - weight) * max(h.scores["vector"], 0.0)
         assert h.scores["relevance"] == pytest.approx(expected)
         assert 0 <= h.scores["relevance"] <= 1
@@ -216,6 +219,41 @@ def test_the_blend_weighs_each_side_by_how_its_best_candidates_stand_out() -> No
     # no vector candidates: the lexical side decides alone
     alone = dataclasses.replace(_found(0.05), vector=[])
     assert {h.scores["lexical_weight"] for h in ranker.rank(alone)} == {1.0}
+
+
+# found by vectors only, alike: one shares a word with the query, the other none
+PADDLE = _record(Fact, "paddle", "a kayak paddle", USER, 3)
+CANOE = _record(Fact, "canoe", "a red canoe", USER, 3)
+
+
+def _unseen_found() -> Candidates:
+    return dataclasses.replace(
+        _found(),
+        vector=[*(_found().vector or ()), (CANOE, 0.45), (PADDLE, 0.45)],
+    )
+
+
+def test_a_candidate_the_lexical_search_missed_is_scored_on_its_own_words() -> None:
+    """A vector candidate that the lexical search did not return gets ``unseen`` times the
+    weakest returned engine score when it shares a term with the query (it scored below that
+    one), length-normalized like the others; one that shares no term counts as the lexical
+    side's weakest candidate."""
+    hits = {h.id: h for h in HybridRanker().rank(_unseen_found())}
+    paddle, canoe = hits["paddle"], hits["canoe"]
+    assert "bm25" not in canoe.scores and "coverage" not in canoe.scores
+    assert canoe.scores["lexical"] == min(h.scores["lexical"] for h in hits.values())
+    assert paddle.scores["coverage"] > 0 and paddle.scores["bm25"] > 0
+    assert paddle.score > canoe.score  # the same cosine: the shared word decides
+    # the estimate is proportional to ``unseen``, and below the weakest returned match's
+    # engine score before length normalization: WEAK (3 words) and PADDLE (3 words)
+    # normalize alike
+    half = {h.id: h for h in HybridRanker(unseen=0.325).rank(_unseen_found())}
+    assert half["paddle"].scores["bm25"] == pytest.approx(paddle.scores["bm25"] / 2)
+    assert paddle.scores["bm25"] < hits["weak"].scores["bm25"]
+    # off: both count as the lexical side's weakest candidate, so the cosine alone decides
+    off = {h.id: h for h in HybridRanker(unseen=0.0).rank(_unseen_found())}
+    assert "bm25" not in off["paddle"].scores and "bm25" not in off["canoe"].scores
+    assert off["paddle"].scores["relevance"] == off["canoe"].scores["relevance"]
 
 
 def _dialogue(query: str) -> Candidates:

@@ -14,11 +14,16 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 k1 = 1.2, b = 0.75 (BM25's), mean words = the store's (``Candidates.mean_words``)
                 or, when the backend cannot tell, the candidates'
     lexical   = c * coverage + (1 - c) * bm25     (0 when not matched; c = ``coverage`` = 0.2
-                without an embedder, ``hybrid_coverage`` = 0.2 with one)
+                without an embedder, ``hybrid_coverage`` = 0.2 with one). A vector candidate
+                the lexical search did not return is scored on its own words: its coverage,
+                and as engine score ``unseen`` (0.65) times the weakest returned one, when it
+                shares a term with the query (its own score is below that one's; its
+                ``Hit.scores["bm25"]`` is that estimate)
     vector    = cosine similarity to the query     (only with an embedder)
     relevance = lexical                            without an embedder
               = w * lexical + (1 - w) * max(vector, 0)            with one, where a candidate
-                that one side did not find counts as that side's weakest candidate, and the
+                one side did not find (and, for the lexical side, that shares no term with the
+                query) counts as that side's weakest candidate, and the
                 query's lexical weight (``Hit.scores["lexical_weight"]``) is
                 w / (1 - w) = (L / sd_lex) / (1 / sd_vec) * (z_lex / z_vec) ** p,
                 L = ``lexical`` = 1.0, sd_* = the standard deviation of that side's
@@ -68,7 +73,11 @@ lexical side is mostly BM25 with a term frequency of 1 and the length normalized
 whole store: a long turn contains most words of any question, so coverage alone (the old 0.8
 share) and a mean taken over the candidates (the records that matched most, hence long ones)
 both let long turns crowd out the short turn that answers. Coverage keeps a fifth of the score
-because bm25's IDF collapses in small stores. The reply share: on real conversations a
+because bm25's IDF collapses in small stores. A record only the vectors found used to count as
+the lexical side's weakest candidate whatever its own words, so on BEAM a turn that MiniLM
+ranked first or second often fell past the tenth place; it is now scored on its own words, with
+an engine score it can only have had below the weakest returned one (0.65 of it: the dev halves'
+choice, ``bench/README.md``). The reply share: on real conversations a
 question often matches the answer better than the turn that holds the evidence (a user states
 a fact, the reply repeats and expands it), so a turn takes a little of its reply's score; it
 only reorders hits already found (relevance, hence abstention, is untouched). Stop words
@@ -222,6 +231,7 @@ class HybridRanker:
     tiered: bool = True
     reply: float = 0.1
     reply_top: int = 20
+    unseen: float = 0.65
 
     def with_replies(self, hits: Sequence[Hit], previous: dict[str, str]) -> list[Hit]:
         """``hits`` (this ranker's order) with each episode's score raised by ``reply`` times
@@ -251,18 +261,19 @@ class HybridRanker:
 
     def rank(self, found: Candidates) -> list[Hit]:
         """Score the candidates, drop the weak ones, order the rest."""
-        bm25 = self._bm25(found.lexical, found.mean_words)
         records = {rec.id: rec for rec, _ in found.lexical}
+        covered = {
+            rec.id: coverage(found.terms, rec.text, self.stopword) for rec, _ in found.lexical
+        }
+        matched = self._unseen(found, covered)
+        bm25 = self._bm25(matched, found.mean_words)
         floor = self.min_similarity if found.min_similarity is None else found.min_similarity
         vector: dict[str, float] = {}
         for rec, similarity in found.vector or ():
             vector[rec.id] = similarity
-            if rec.id in bm25 or similarity >= floor:
+            if rec.id in records or similarity >= floor:
                 records[rec.id] = rec
         share = self.coverage if found.vector is None else self.hybrid_coverage
-        covered = {
-            rec.id: coverage(found.terms, rec.text, self.stopword) for rec, _ in found.lexical
-        }
         lexical = {rid: share * c + (1 - share) * bm25[rid] for rid, c in covered.items()}
         weight, fill_lexical, fill_vector = self._blend(lexical, vector)
         named = self._named_speakers(found.terms, records.values())
@@ -298,6 +309,26 @@ class HybridRanker:
             Hit.model_construct(record=rec, score=score, scores=sc)
             for rec, sc, score in kept[: found.limit]
         ]
+
+    def _unseen(
+        self, found: Candidates, covered: dict[str, float]
+    ) -> list[tuple[AnyRecord, float]]:
+        """The lexical matches, with an engine score for each vector candidate the lexical
+        search did not return that shares a term with the query: ``unseen`` times the weakest
+        returned score (its own is below that one's). Fills ``covered`` with their coverage.
+        One that shares no term is left out (it counts as the weakest candidate)."""
+        if not found.vector or not found.lexical or self.unseen <= 0:
+            return list(found.lexical)
+        weakest = min(score for _, score in found.lexical)
+        out = list(found.lexical)
+        for rec, _ in found.vector:
+            if rec.id in covered:
+                continue
+            c = coverage(found.terms, rec.text, self.stopword)
+            if c > 0:
+                covered[rec.id] = c
+                out.append((rec, self.unseen * weakest))
+        return out
 
     def _blend(
         self, lexical: dict[str, float], vector: dict[str, float]
