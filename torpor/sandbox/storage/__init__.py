@@ -8,6 +8,9 @@ S3-compatible object storage).
   locally, pushed in the background, read from either)
 * :mod:`.snapshots` — immutable, verified snapshots (manifests over chunks), freezing a
   machine directory
+* :mod:`.manifests` — what a snapshot's manifest holds (:class:`~.manifests.SnapshotInfo`) and
+  the store's reading half: list, find, push, scrub
+* :mod:`.backing` — qcow2 backing chains read from the headers; folding local layers into one
 * :mod:`.catalog` — where snapshot manifests are recorded: the home's files, or (cluster
   mode) the PostgreSQL registry
 * :mod:`.volumes`, :mod:`.volume_files` — disk images that outlive sandboxes; reading a file

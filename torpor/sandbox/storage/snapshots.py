@@ -19,6 +19,10 @@ The manifest is written last, atomically, after every chunk is durable, and carr
 its own body; :meth:`SnapshotStore.list` shows only manifests whose digest and chunks check, and
 :meth:`SnapshotStore.materialize` verifies every chunk's hash (a flipped byte -> CorruptData
 naming the snapshot).
+
+The manifest's format and the store's reading half (list, get, push, scrub) are in
+:mod:`~torpor.sandbox.storage.manifests`; the qcow2 backing chains a freeze deepens and folds,
+in :mod:`~torpor.sandbox.storage.backing`. Both are re-exported here.
 """
 
 from __future__ import annotations
@@ -26,44 +30,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import shutil
-import struct
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from pydantic import BaseModel, Field
-
-from torpor.config import Paths, Quotas, check_name
+from torpor.config import Paths, check_name
 from torpor.errors import (
-    Conflict,
     CorruptData,
     EngineError,
-    InvalidArgument,
     InvalidState,
     SnapshotNotFound,
     StorageError,
-    TemplateNotFound,
 )
-from torpor.sandbox.requests import MAX_RETENTION_DAYS
+from torpor.sandbox.storage.backing import (
+    backing_chain,
+    backing_file,
+    folded_copy,
+    is_under,
+    template_anchor,
+)
 from torpor.sandbox.storage.captures import PendingCaptures, cache_size, drop_ram
-from torpor.sandbox.storage.catalog import CatalogEntry, LocalCatalog, SnapshotCatalog, not_found
+from torpor.sandbox.storage.catalog import LocalCatalog, SnapshotCatalog, not_found
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, home_chunk_store
 from torpor.sandbox.storage.compaction import MARKER as COMPACTED_MARKER
+from torpor.sandbox.storage.manifests import (
+    FORMAT_VERSION,
+    CarriedSettings,
+    ManifestReader,
+    SnapshotInfo,
+    check_retention,
+    dump_info,
+    file_identity,
+    manifest_digest,
+    template_build,
+)
 from torpor.sandbox.storage.records import rewrite_prefix
 from torpor.sandbox.vm.disk import (
     copy_sparse,
     fsync_dir,
     is_qcow2,
     new_overlay,
-    rebase,
     set_backing,
     virtual_size,
 )
@@ -71,6 +83,7 @@ from torpor.sandbox.vm.disk import (
 __all__ = [
     "FORMAT_VERSION",
     "MAX_LOCAL_LAYERS",
+    "CarriedSettings",
     "SnapshotInfo",
     "SnapshotStore",
     "backing_chain",
@@ -82,118 +95,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 #: frozen layers a machine's disk may sit on before :func:`freeze` folds them into one
 MAX_LOCAL_LAYERS = 4
 #: files of a machine dir that are never captured: sockets, logs, pid and lock files
 _VOLATILE_SUFFIXES = (".sock", ".log", ".pid", ".lock", ".tmp")
-
-
-class CarriedSettings(BaseModel):
-    """The settings of the sandbox a snapshot was taken of, which a restore or a fork of the
-    snapshot carries over unless the caller gives its own: whose the machine is (labels), when
-    it pauses by itself, and how long a pause is kept."""
-
-    labels: dict[str, str] = Field(default_factory=dict)
-    idle_pause_seconds: int | None = None
-    pause_retention_days: int | None = None
-
-
-class SnapshotInfo(BaseModel):
-    """What a caller sees of a stored snapshot."""
-
-    id: str
-    name: str
-    tenant: str = "default"
-    sandbox_id: str | None = None
-    template: str | None = None
-    labels: dict[str, str] = Field(default_factory=dict)
-    retention_days: int = 7
-    created_at: datetime
-    expires_at: datetime
-    #: logical bytes of the captured files, and bytes this snapshot added to the chunk store
-    size_bytes: int = 0
-    stored_bytes: int = 0
-    #: volumes that were attached to the source (not part of the snapshot: see checkpoints)
-    volumes: list[dict[str, Any]] = Field(default_factory=list)
-    #: drives the source had mounted ({"id", "tenant", "path", "read_only"}): their contents
-    #: are not in the snapshot, but a restore mounts them again where they were
-    drives: list[dict[str, Any]] = Field(default_factory=list)
-    #: the source sandbox's settings, carried over to what is restored or forked from this
-    carried: CarriedSettings = Field(default_factory=CarriedSettings)
-    #: ``capturing``: frozen on this node and usable (restore, fork), its chunks and manifest
-    #: still being written (``stored_bytes`` is 0 until then); ``stored``: in the chunk store
-    status: Literal["capturing", "stored"] = "stored"
-    #: cluster mode (not in the manifest: the registry's): the node the snapshot was saved on,
-    #: when all of it was stored in the shared store (None: not yet, or no cluster), and why
-    #: the last push failed (it is retried)
-    node: str | None = None
-    durable: datetime | None = None
-    upload_error: str | None = None
-
-    def expired(self, now: datetime | None = None) -> bool:
-        return (now or datetime.now(UTC)) >= self.expires_at
-
-
-#: the fields of a SnapshotInfo its catalog fills in, never written into a manifest
-_STATUS_FIELDS = frozenset({"node", "durable", "upload_error"})
-
-
-def check_retention(days: int, *, what: str = "retention_days") -> int:
-    """Return ``days`` if it is an int in 1..:data:`~torpor.sandbox.requests.MAX_RETENTION_DAYS`
-    (the store's own guard; requests are checked by their model), else raise InvalidArgument."""
-    if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= MAX_RETENTION_DAYS:
-        raise InvalidArgument(
-            f"{what} must be a whole number of days from 1 to {MAX_RETENTION_DAYS}, not {days!r}",
-            field=what,
-            value=str(days),
-        )
-    return days
-
-
-# -- qcow2 headers ------------------------------------------------------------------------------
-
-
-def backing_file(path: Path) -> Path | None:
-    """The backing file named in a qcow2 header (resolved against its directory), or None.
-
-    Reads the header directly (offset 8: u64 name offset, offset 16: u32 name length) so a scan
-    of many overlays costs no ``qemu-img`` process. Raises StorageError if unreadable.
-    """
-    try:
-        with open(path, "rb") as f:
-            header = f.read(20)
-            if len(header) < 20 or header[:4] != b"QFI\xfb":
-                return None
-            offset, length = struct.unpack(">QI", header[8:20])
-            if not offset or not length:
-                return None
-            f.seek(offset)
-            name = f.read(length).decode()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StorageError(f"cannot read the qcow2 header of {path}: {exc}", exc=exc) from exc
-    target = Path(name)
-    return target if target.is_absolute() else path.parent / target
-
-
-def backing_chain(path: Path) -> list[Path]:
-    """Every backing file below ``path``, nearest first."""
-    chain: list[Path] = []
-    current: Path | None = path
-    while current is not None and len(chain) < 256:
-        current = backing_file(current) if current.exists() else None
-        if current is not None:
-            chain.append(current)
-    return chain
-
-
-def _folded_copy(layer: Path, dest: Path, anchor: Path | None) -> None:
-    """Copy the qcow2 ``layer`` to ``dest`` with the local layers under it folded in, so it
-    is backed by ``anchor`` (the template's disk) alone. Raises OSError, EngineError."""
-    copy_sparse(layer, dest)
-    dest.chmod(0o600)
-    rebase(dest, anchor)
-
 
 # -- frozen dirs --------------------------------------------------------------------------------
 
@@ -246,13 +151,13 @@ def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> P
                 os.link(entry, tmp / entry.name)
             elif not is_qcow2(entry):
                 copy_sparse(entry, tmp / entry.name)
-            elif len([b for b in backing_chain(entry) if _under(b, frozen_root)]) >= (
+            elif len([b for b in backing_chain(entry) if is_under(b, frozen_root)]) >= (
                 MAX_LOCAL_LAYERS
             ):
                 # Every freeze adds a layer under the machine; past a few, fold them into one
                 # layer on the template's disk so the chain (and each disk read) stays short.
                 # The old layers stay as they are for whoever else is backed by them.
-                _folded_copy(entry, tmp / entry.name, _anchor(entry, (frozen_root,)))
+                folded_copy(entry, tmp / entry.name, template_anchor(entry, (frozen_root,)))
                 layers.append(entry)
             else:
                 os.link(entry, tmp / entry.name)  # the machine keeps its disk meanwhile
@@ -372,11 +277,11 @@ async def freeze_live(
         if not for_clones:  # a fork's children take the RAM and state at once: no sync
             fsync_dir(final)
         layer = final / "disk.qcow2"
-        if len([b for b in backing_chain(layer) if _under(b, frozen_root)]) >= MAX_LOCAL_LAYERS:
+        if len([b for b in backing_chain(layer) if is_under(b, frozen_root)]) >= MAX_LOCAL_LAYERS:
             # the machine's chain grows by one per capture: past a few, the frozen layer is
             # replaced by a folded copy (the same disk); the running QEMU keeps its open chain
             folded = final / ".disk.qcow2.fold"
-            _folded_copy(layer, folded, _anchor(layer, (frozen_root,)))
+            folded_copy(layer, folded, template_anchor(layer, (frozen_root,)))
             os.replace(folded, layer)
             fsync_dir(final)
         for f in final.iterdir():
@@ -417,7 +322,7 @@ async def freeze_live(
             named = backing_file(disk)
         except StorageError:
             named = None
-        if named is None or not _under(named, final):  # the machine is not on it: drop it
+        if named is None or not is_under(named, final):  # the machine is not on it: drop it
             shutil.rmtree(final, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
@@ -427,24 +332,7 @@ async def freeze_live(
     return final, downtime
 
 
-def _under(path: Path, root: Path) -> bool:
-    return path.resolve().is_relative_to(root.resolve())
-
-
-def _anchor(layer: Path, local_roots: tuple[Path, ...]) -> Path | None:
-    """The first backing file of ``layer`` outside ``local_roots`` (the template's disk)."""
-    for b in backing_chain(layer):
-        if not any(b.resolve().is_relative_to(r.resolve()) for r in local_roots):
-            return b
-    return None
-
-
-def _identity(path: Path) -> dict[str, Any]:
-    st = path.stat()
-    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-class SnapshotStore:
+class SnapshotStore(ManifestReader):
     """Stored snapshots of one torpor home: manifests under ``snapshots/``, chunks in
     ``chunks/`` (or in the store ``$TORPOR_STORE`` names, e.g. ``s3://bucket/prefix``: see
     :func:`~torpor.sandbox.storage.chunks.open_chunk_store`)."""
@@ -532,13 +420,13 @@ class SnapshotStore:
                         continue
                     source = entry
                     if is_qcow2(entry):
-                        anchor = _anchor(entry, local_roots)
+                        anchor = template_anchor(entry, local_roots)
                         if backing_file(entry) != anchor:
                             # fold the local frozen layers in: rebase onto the template's disk
                             work.mkdir(exist_ok=True)
                             source = work / entry.name
-                            _folded_copy(entry, source, anchor)
-                        anchors[entry.name] = None if anchor is None else _identity(anchor)
+                            folded_copy(entry, source, anchor)
+                        anchors[entry.name] = None if anchor is None else file_identity(anchor)
                     fm = self.chunks.put_file(source)
                     files[entry.name] = fm.to_json()
                     size += fm.size
@@ -565,7 +453,7 @@ class SnapshotStore:
             )
             body = {
                 "version": FORMAT_VERSION,
-                "info": _dump(info),
+                "info": dump_info(info),
                 "files": files,
                 "anchors": anchors,
             }
@@ -573,7 +461,7 @@ class SnapshotStore:
                 body["envs"] = dict(envs)
             if origin:
                 body["origin"] = dict(origin)
-            build = None if template is None else _template_build(self.paths, template)
+            build = None if template is None else template_build(self.paths, template)
             if build is not None:
                 body["template"] = build
             with self.lock(exclusive=True, name="names"):
@@ -594,7 +482,7 @@ class SnapshotStore:
                             "expires_at": kept.expires_at,
                         }
                     )
-                    body["info"] = _dump(info)
+                    body["info"] = dump_info(info)
                 self._write_manifest(sid, body, new=True)
                 step("save:listed")
                 if snapshot_id is not None:
@@ -697,10 +585,6 @@ class SnapshotStore:
         self.evict()
         return info
 
-    def cached(self, snapshot_id: str) -> Path | None:
-        """The local frozen dir of ``snapshot_id`` if it still holds its RAM, else None."""
-        return self.captures.cached(snapshot_id)
-
     def evict(self, keep: int | None = None) -> list[str]:
         """Give back the RAM of stored snapshots' cached frozen dirs past the newest ``keep``
         (default :func:`~torpor.sandbox.storage.captures.cache_size`); nothing while a clone
@@ -722,24 +606,6 @@ class SnapshotStore:
                 gone.append(sid)
         return gone
 
-    def check_room(self, tenant: str) -> None:
-        """Raise QuotaExceeded if ``tenant`` holds its quota of snapshots (expired ones count
-        until GC removes them)."""
-        held = self.list(tenant=tenant, include_expired=True)
-        Quotas.of(self.paths, tenant).check(tenant, "snapshots", len(held))
-
-    def check_name_free(self, name: str, tenant: str, *, exclude: str | None = None) -> None:
-        """Raise Conflict if ``tenant`` has a snapshot named ``name`` (expired and capturing
-        ones count; ``exclude``: a capture's own pending record)."""
-        for info in self.list(tenant=tenant, include_expired=True):
-            if info.name == name and info.id != exclude:
-                raise Conflict(
-                    f"a snapshot named {name!r} already exists ({info.id})",
-                    kind="snapshot",
-                    name=name,
-                    id=info.id,
-                )
-
     def _write_manifest(self, sid: str, body: dict[str, Any], *, new: bool = False) -> None:
         """Record ``body`` (with its digest) as snapshot ``sid``'s manifest: a ``new`` one
         only once every chunk it names is stored; a rewritten one (retention, a moved home)
@@ -753,7 +619,7 @@ class SnapshotStore:
                             "the manifest was written",
                             snapshot_id=sid,
                         )
-        body = dict(body, digest=_digest(body))
+        body = dict(body, digest=manifest_digest(body))
         if new:
             self.catalog.add(sid, body)
         else:
@@ -781,7 +647,7 @@ class SnapshotStore:
                         raise not_found(id_or_name)  # deleted meanwhile
                     self.captures.write(info.id, dict(body, info=info.model_dump(mode="json")))
             else:
-                self._write_manifest(info.id, dict(body, info=_dump(info)))
+                self._write_manifest(info.id, dict(body, info=dump_info(info)))
         log.info("snapshot %s (%s): retention set to %d days", info.id, info.name, days)
         return info
 
@@ -828,113 +694,6 @@ class SnapshotStore:
         was there. Raises StorageError."""
         return self.catalog.remove(snapshot_id)
 
-    # -- reading ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _load(entry: CatalogEntry) -> dict[str, Any]:
-        """A manifest whose digest checks; raises CorruptData otherwise."""
-        sid = entry.id
-        try:
-            if entry.body is None:
-                raise ValueError(entry.error or "unreadable")
-            body = dict(entry.body)
-            digest = body.pop("digest")
-        except (ValueError, KeyError) as exc:
-            raise CorruptData(
-                f"snapshot manifest {sid}.json is unreadable", exc=exc, snapshot_id=sid
-            ) from exc
-        if digest != _digest(body) or body.get("version") != FORMAT_VERSION:
-            raise CorruptData(f"snapshot {sid}: its manifest fails its digest", snapshot_id=sid)
-        return body
-
-    @staticmethod
-    def _info(entry: CatalogEntry, body: dict[str, Any]) -> SnapshotInfo:
-        info = SnapshotInfo.model_validate(
-            {k: v for k, v in body["info"].items() if k not in _STATUS_FIELDS}
-        )
-        if entry.node is None and entry.durable_at is None and entry.upload_error is None:
-            return info
-        durable = None
-        if entry.durable_at is not None:
-            durable = datetime.fromtimestamp(entry.durable_at, UTC)
-        return info.model_copy(
-            update={"node": entry.node, "durable": durable, "upload_error": entry.upload_error}
-        )
-
-    def manifests(
-        self, snapshot_id: str | None = None
-    ) -> Iterator[tuple[SnapshotInfo, dict[str, Any]]]:
-        """Every manifest that checks (tenant-blind; for GC), or only ``snapshot_id``'s. Bad
-        ones are logged and skipped. Raises StorageError when the catalog cannot be read."""
-        entries = sorted(self.catalog.entries(snapshot_id), key=lambda e: e.id)
-        for entry in entries:
-            try:
-                body = self._load(entry)
-                yield self._info(entry, body), body
-            except (CorruptData, ValueError) as exc:
-                log.warning("skipping snapshot manifest %s: %s", entry.id, exc)
-
-    def _all(self) -> Iterator[tuple[SnapshotInfo, dict[str, Any]]]:
-        """Stored snapshots, then the capturing ones whose frozen dir is whole (a pending
-        record whose manifest exists already is the stored one)."""
-        seen: set[str] = set()
-        for info, body in self.manifests():
-            seen.add(info.id)
-            yield info, body
-        for sid, body in self.captures.records():
-            if sid in seen or self.captures.cached(sid) is None:
-                continue
-            try:
-                yield SnapshotInfo.model_validate(body["info"]), body
-            except (KeyError, ValueError) as exc:
-                log.warning("skipping pending snapshot %s: %s", sid, exc)
-
-    def list(
-        self, *, tenant: str = "default", include_expired: bool = False, now: datetime | None = None
-    ) -> list[SnapshotInfo]:
-        """The tenant's snapshots whose manifests check, oldest first."""
-        found = [
-            info
-            for info, _ in self._all()
-            if info.tenant == tenant and (include_expired or not info.expired(now))
-        ]
-        return sorted(found, key=lambda i: i.created_at)
-
-    def get(
-        self, id_or_name: str, *, tenant: str = "default", include_expired: bool = False
-    ) -> SnapshotInfo:
-        """One snapshot by id or name. Raises SnapshotNotFound (also for an expired one)."""
-        return self._find(id_or_name, tenant, include_expired)[0]
-
-    def origin(self, id_or_name: str, *, tenant: str = "default") -> dict[str, Any]:
-        """Where the snapshot was taken (``{"node", "accelerator", "cpu_model"}``; empty for
-        one taken outside a cluster). Raises SnapshotNotFound."""
-        body = self._find(id_or_name, tenant, False)[1]
-        raw = body.get("origin")
-        return dict(raw) if isinstance(raw, dict) else {}
-
-    def envs(self, id_or_name: str, *, tenant: str = "default") -> dict[str, str]:
-        """The environment variables of the sandbox snapshot ``id_or_name`` was taken of
-        (empty for one taken before they were kept). Raises SnapshotNotFound."""
-        body = self._find(id_or_name, tenant, False)[1]
-        return {str(k): str(v) for k, v in (body.get("envs") or {}).items()}
-
-    def _find(
-        self, id_or_name: str, tenant: str, include_expired: bool
-    ) -> tuple[SnapshotInfo, dict[str, Any]]:
-        found = list(self.manifests(id_or_name)) if id_or_name.startswith("snap-") else []
-        for info, body in found or self._all():
-            if info.tenant == tenant and id_or_name in (info.id, info.name):
-                if info.expired() and not include_expired:
-                    raise SnapshotNotFound(
-                        f"snapshot {id_or_name!r} expired on {info.expires_at:%Y-%m-%d %H:%M} UTC",
-                        kind="snapshot",
-                        name=id_or_name,
-                        expired=True,
-                    )
-                return info, body
-        raise not_found(id_or_name)
-
     def materialize(self, id_or_name: str, *, tenant: str = "default") -> Path:
         """Rebuild the snapshot as a new frozen dir (every chunk verified) and return it.
 
@@ -954,7 +713,7 @@ class SnapshotStore:
             if ident is None:
                 continue
             anchor = Path(ident["path"])
-            if anchor.exists() and _identity(anchor) == ident:
+            if anchor.exists() and file_identity(anchor) == ident:
                 continue
             here = self._same_template(info, body)
             if here is None:
@@ -1004,116 +763,3 @@ class SnapshotStore:
             f.chmod(0o400)
         log.info("materialized snapshot %s into %s", info.id, fid)
         return final
-
-    def _same_template(
-        self, info: SnapshotInfo, body: dict[str, Any]
-    ) -> tuple[Path, tuple[str, str]] | None:
-        """For a snapshot taken in another home (another node of a cluster): this home's
-        template disk directory and (its template directory there, here) when this home has
-        the very build the snapshot was taken on; None when the snapshot does not say its
-        build. Raises TemplateNotFound when this home lacks that build."""
-        wanted = body.get("template")
-        if not isinstance(wanted, dict) or not info.template:
-            return None
-        mine = _template_build(self.paths, info.template)
-        if mine is None or mine["build_id"] != wanted.get("build_id"):
-            raise TemplateNotFound(
-                f"snapshot {info.id} was taken on template {info.template!r} build "
-                f"{wanted.get('build_id')}; this node has "
-                + ("no such template" if mine is None else f"build {mine['build_id']}")
-                + ": build the same template here (same name, same build) to restore it",
-                kind="template",
-                name=info.template,
-                build_id=wanted.get("build_id"),
-                snapshot_id=info.id,
-            )
-        disk_dir = (self.paths.templates / info.template / "snapshot").resolve()
-        return disk_dir, (str(wanted.get("directory")), str(mine["directory"]))
-
-    def push(self, snapshot_id: str, *, workers: int = 8) -> int:
-        """Copy every chunk of the snapshot that the shared store lacks there (cluster mode:
-        its chunks were saved on this node, see
-        :class:`~torpor.sandbox.storage.tiered.TieredChunkBackend`); each is verified before
-        it goes. Returns the bytes uploaded. Idempotent. Raises SnapshotNotFound (deleted
-        meanwhile), CorruptData (a local chunk fails its check, naming the snapshot),
-        InvalidArgument (the store is not tiered), StorageError."""
-        from torpor.sandbox.storage.tiered import TieredChunkBackend
-
-        backend = self.chunks.backend
-        if not isinstance(backend, TieredChunkBackend):
-            raise InvalidArgument(f"chunks in {self.chunks.location} are not pushed anywhere")
-        found = list(self.manifests(snapshot_id))
-        if not found:
-            raise not_found(snapshot_id)
-        digests: set[str] = set()
-        for fm in found[0][1]["files"].values():
-            digests |= FileManifest.from_json(fm).hashes()
-
-        def one(digest: str) -> int:
-            try:
-                return backend.push(
-                    digest, lambda blob: self.chunks.check(digest, blob, snapshot_id)
-                )
-            except CorruptData as exc:
-                exc.data["snapshot_id"] = snapshot_id
-                raise
-
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            sent = sum(pool.map(one, sorted(digests)))
-        log.info("pushed snapshot %s: %d chunks, %d bytes sent", snapshot_id, len(digests), sent)
-        return sent
-
-    def verify(self) -> dict[str, Any]:
-        """Scrub the store: read back every chunk a manifest names, quarantine the bad ones and
-        say which snapshots they belong to. A snapshot whose chunks are bad or missing reads
-        again once a later snapshot stores the same data (chunks are named by content).
-
-        Returns ``{"chunks": checked, "bad_chunks": [...], "affected": {snapshot_id: [chunk,
-        ...]}}``. Raises StorageError when a chunk cannot be read at all."""
-        users: dict[str, list[str]] = {}
-        for info, body in self.manifests():
-            for fm in body["files"].values():
-                for digest in FileManifest.from_json(fm).hashes():
-                    users.setdefault(digest, []).append(info.id)
-        bad = sorted(d for d in users if not self.chunks.verify(d))
-        affected: dict[str, list[str]] = {}
-        for digest in bad:
-            for sid in users[digest]:
-                affected.setdefault(sid, []).append(digest)
-        if bad:
-            log.error("scrub: %d bad chunk(s) in %d snapshot(s)", len(bad), len(affected))
-        return {"chunks": len(users), "bad_chunks": bad, "affected": affected}
-
-    def referenced_chunks(self) -> set[str]:
-        """Every chunk some manifest names (expired ones included: GC deletes those first)."""
-        refs: set[str] = set()
-        for _, body in self.manifests():
-            for fm in body["files"].values():
-                refs |= FileManifest.from_json(fm).hashes()
-        return refs
-
-
-def _dump(info: SnapshotInfo) -> dict[str, Any]:
-    """``info`` as its manifest keeps it (what the catalog says is not written there)."""
-    return info.model_dump(mode="json", exclude=set(_STATUS_FIELDS))
-
-
-def _template_build(paths: Paths, template: str) -> dict[str, str] | None:
-    """The name, build and directory of ``template`` in the home ``paths`` (None: it has no
-    ``template.json``, e.g. a test engine's)."""
-    template_dir = paths.templates / template
-    try:
-        body = json.loads((template_dir / "template.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(body, dict):
-        return None
-    return {
-        "name": str(body.get("name", template)),
-        "build_id": str(body.get("build_id", "")),
-        "directory": str(body.get("directory", template_dir)),
-    }
-
-
-def _digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
