@@ -1,8 +1,11 @@
 """torpor.sandbox.manager: the one owner of every sandbox of a torpor home.
 
-* :mod:`.sandboxes` — :class:`SandboxManager`: create, get, list, pause, resume, kill, and the
-  calls that run inside a sandbox (commands, files, the interpreter), with wake-on-request and
-  the idle supervisor
+* :mod:`.sandboxes` — :class:`SandboxManager`: create, get, list, pause, resume, kill, the idle
+  supervisor, start and close; with the two parts it is made of:
+* :mod:`.calls` — :class:`~.calls.SandboxCalls`: the calls that run inside a sandbox (commands,
+  code, terminals, files, ports), with wake-on-request
+* :mod:`.nodes` — :class:`~.nodes.NodeOperations`: this node's part in a cluster (join at start,
+  drain, stale directories) and the list of nodes
 * :mod:`.core` — the manager's state and the steps its operations are made of (pause, wake,
   boot), and :class:`~.core.Held`, the part of it the checkpoint component may use
 * :mod:`.recovery` — recovery after a restart: each registry row brought in line with its

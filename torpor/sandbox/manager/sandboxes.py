@@ -15,21 +15,22 @@ what the directory holds. When RAM cannot be recovered the sandbox goes to ``err
 raise :class:`~torpor.errors.StateLost` whose ``lost`` says what went and what was kept.
 
 The steps these operations are made of (pause, wake, recovery after a restart) are in
-:mod:`torpor.sandbox.manager.core`, the base class of :class:`SandboxManager`.
+:mod:`torpor.sandbox.manager.core`, the base class of :class:`SandboxManager`; the calls that
+run inside a sandbox (commands, code, terminals, files, ports) in
+:mod:`torpor.sandbox.manager.calls`, and what this node does in a cluster (join, drain, stale
+directories) in :mod:`torpor.sandbox.manager.nodes`, the two parts it is made of.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
-import functools
-import json
 import logging
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Mapping
+from contextlib import suppress
 from typing import Any
 
 from torpor._tail import log_tail
@@ -38,51 +39,34 @@ from torpor.errors import (
     AccessDenied,
     Conflict,
     CorruptData,
-    EngineError,
     GuestError,
     InvalidArgument,
-    OperationTimeout,
     SandboxClosed,
     SandboxNotFound,
-    StateLost,
     TorporError,
 )
-from torpor.sandbox.engine import Channel, MachineConfig
-from torpor.sandbox.manager.cluster import local_status
+from torpor.sandbox.engine import MachineConfig
+from torpor.sandbox.manager.calls import SandboxCalls
 from torpor.sandbox.manager.compacting import cluster_compact_sweep, sweep_due
 from torpor.sandbox.manager.core import wrap_error
-from torpor.sandbox.manager.forwards import Forwards
-from torpor.sandbox.manager.recovery import Reconciler
-from torpor.sandbox.manager.terminals import Terminals, TerminalSession
+from torpor.sandbox.manager.nodes import NodeOperations
 from torpor.sandbox.models import (
-    CommandResult,
-    DrainedSandbox,
-    DrainReport,
-    EntryInfo,
-    Execution,
-    NodeStatus,
     SandboxEvent,
     SandboxInfo,
 )
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import Registry, SandboxRecord
-from torpor.sandbox.registry.lifecycle import require, require_for
+from torpor.sandbox.registry.lifecycle import require
 from torpor.sandbox.registry.repair import orphans
 from torpor.sandbox.requests import (
-    CodeSpec,
-    CommandSpec,
-    PtySpec,
     SandboxOptions,
     SandboxSettings,
-    check_guest_path,
 )
 from torpor.sandbox.storage.compaction import CompactionReport, compact, is_compacted
 from torpor.sandbox.storage.relocate import relocate
 from torpor.sandbox.storage.snapshots import check_retention
-from torpor.sandbox.storage.volume_files import read_disk_file
 from torpor.sandbox.vm.exits import settle_exits
 from torpor.sandbox.vm.machine_dir import has_nic, read_machine_json
-from torpor.types import OutputCallback
 
 __all__ = ["SandboxManager"]
 
@@ -92,8 +76,6 @@ log = logging.getLogger(__name__)
 LOW_DISK_FRACTION = 0.10
 #: cluster mode: seconds between two looks for paused sandboxes to compact
 CLUSTER_COMPACT_SECONDS = 10.0
-#: cluster mode: seconds a drain waits, by default, for its pauses to become durable
-DRAIN_SECONDS = 300.0
 #: cluster mode: seconds a closing node waits for its pauses to become durable
 CLOSE_PUSH_SECONDS = 120.0
 
@@ -129,28 +111,7 @@ def _internet_policy(wanted: bool | None) -> bool:
     return allowed if wanted is None else wanted
 
 
-async def _stopped(machine: Any, grace: float = 0.2) -> bool:
-    """Whether ``machine``'s QEMU has exited, giving a process that is being killed
-    ``grace`` seconds to be gone (a broken channel is often the first sign of its death)."""
-    deadline = time.monotonic() + grace
-    while machine.is_running():
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
-
-
-def _set_envs_code(envs: Mapping[str, str]) -> str:
-    """Python that puts ``envs`` into the interpreter's ``os.environ`` (what it starts
-    inherits them) and leaves no name behind. A JSON object of strings is a Python literal."""
-    return (
-        "import os as _torpor_os\n"
-        f"_torpor_os.environ.update({json.dumps(dict(envs))})\n"
-        "del _torpor_os\n"
-    )
-
-
-class SandboxManager(Reconciler):
+class SandboxManager(NodeOperations, SandboxCalls):
     """Owns every sandbox of one torpor home. All methods are coroutines; ``tenant`` (keyword,
     default ``"default"``) scopes names and lookups.
 
@@ -159,16 +120,6 @@ class SandboxManager(Reconciler):
     SandboxClosed (the sandbox's state forbids the call), StateLost (a crash destroyed RAM),
     EngineError / GuestError / OperationTimeout from the machine and the agent.
     """
-
-    @functools.cached_property
-    def terminals(self) -> Terminals:
-        """Programs on terminals in the sandboxes (:mod:`torpor.sandbox.manager.terminals`)."""
-        return Terminals(self)
-
-    @functools.cached_property
-    def forwards(self) -> Forwards:
-        """Host listeners for ports in the sandboxes (:mod:`torpor.sandbox.manager.forwards`)."""
-        return Forwards(self)
 
     # -- create ---------------------------------------------------------------------------
 
@@ -518,188 +469,6 @@ class SandboxManager(Reconciler):
         self._lives.pop(rec.id, None)
         return rec.to_info()
 
-    # -- calls inside a sandbox -----------------------------------------------------------
-
-    @asynccontextmanager
-    async def _use(self, tenant: str, id_or_name: str) -> AsyncIterator[Channel]:
-        """Wake the sandbox if paused, count the call as in flight, touch the idle clock."""
-        self._check_open()
-        async with self._held(tenant, id_or_name, "call") as (rec, live):
-            if rec.state is S.PAUSED:
-                rec = await self.wake_held(rec, live, "wake on request")
-            channel = live.channel
-            if channel is None:
-                raise GuestError(f"sandbox {rec.id} has no guest channel", sandbox_id=rec.id)
-            self.registry.touch(rec.id)  # first: if it raises, nothing is held yet
-            live.busy += 1  # from here on, the finally below releases it
-        try:
-            yield channel
-        except (GuestError, EngineError) as exc:
-            machine = live.machine
-            if machine is not None and await _stopped(machine):
-                # the call saw its machine die: say what that lost, not "connection broke"
-                await self._machine_died(rec.id, live)
-                now = self.registry.get(rec.id)
-                if now.state is S.ERROR:
-                    raise self.lost(now) from exc
-            raise
-        finally:
-            live.busy -= 1
-            with suppress(TorporError):
-                self.registry.touch(rec.id)
-            async with live.idle:
-                live.idle.notify_all()
-
-    async def run_command(
-        self,
-        id_or_name: str,
-        command: CommandSpec | str,
-        /,
-        *,
-        tenant: str = "default",
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        **fields: Any,
-    ) -> CommandResult:
-        """Run a shell command in the sandbox (waking it first): a
-        :class:`~torpor.sandbox.requests.CommandSpec`, or ``cmd`` and its fields (``cwd``,
-        ``env``, ``timeout``, ``background``). Raises InvalidArgument / PayloadTooLarge for a
-        bad spec before waking anything, then as the guest channel's ``run_command``."""
-        spec = CommandSpec.of(command, **fields)
-        envs = self._find(tenant, id_or_name).envs
-        if envs:  # the sandbox's own variables, under the command's
-            spec = CommandSpec.of(spec, env={**envs, **(spec.env or {})})
-        async with self._use(tenant, id_or_name) as ch:
-            return await ch.run_command(spec, on_stdout=on_stdout, on_stderr=on_stderr)
-
-    async def run_code(
-        self,
-        id_or_name: str,
-        code: CodeSpec | str,
-        /,
-        *,
-        tenant: str = "default",
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        **fields: Any,
-    ) -> Execution:
-        """Run code in the sandbox's long-lived interpreter (waking it first): a
-        :class:`~torpor.sandbox.requests.CodeSpec`, or ``code`` and its ``timeout``."""
-        spec = CodeSpec.of(code, **fields)
-        async with self._use(tenant, id_or_name) as ch:
-            rec = self._find(tenant, id_or_name)
-            live = self.live(rec.id)
-            if rec.envs and not live.envs_sent:
-                await ch.run_code(CodeSpec.of(_set_envs_code(rec.envs)))
-                live.envs_sent = True
-            try:
-                return await ch.run_code(spec, on_stdout=on_stdout, on_stderr=on_stderr)
-            except OperationTimeout:  # the guest may restart an interpreter it had to stop
-                live.envs_sent = False
-                raise
-
-    async def open_pty(
-        self,
-        id_or_name: str,
-        spec: PtySpec | str | None = None,
-        on_data: Callable[[bytes], None] | None = None,
-        *,
-        tenant: str = "default",
-    ) -> TerminalSession:
-        """Start ``spec`` (a :class:`~torpor.sandbox.requests.PtySpec` or a command; default
-        ``bash``) on a new terminal in the sandbox, waking it first; returns once it runs.
-        ``on_data`` gets its output. Input, resize and kill: :attr:`terminals`. Raises
-        InvalidArgument (a bad spec, an engine without terminals), PathNotFound (``cwd``),
-        SandboxNotFound, InvalidState, GuestError."""
-        spec = PtySpec.of(spec)
-        async with self._use(tenant, id_or_name) as ch:
-            rec = self._find(tenant, id_or_name)
-            env = {**rec.envs, **(spec.env or {})}
-            return await self.terminals.start(ch, rec.id, tenant, spec, env, on_data)
-
-    async def get_host(self, id_or_name: str, port: int, *, tenant: str = "default") -> str:
-        """``127.0.0.1:NNNNN``: where on this host a connection reaches ``port`` in the sandbox
-        (the same address every time for one port, until the sandbox is killed; a connection
-        wakes a paused sandbox). Nothing needs to listen yet. Raises InvalidArgument (not a
-        port), SandboxNotFound, SandboxClosed (killed), EngineError."""
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise InvalidArgument(f"a port is 1 to 65535, not {port!r}", field="port")
-        rec = self._find(tenant, id_or_name)
-        require_for("call", rec.id, rec.state)
-        return (await self.forwards.expose(rec.id, tenant, port)).address
-
-    async def open_tunnel(
-        self,
-        id_or_name: str,
-        port: int,
-        tunnel_id: str,
-        on_data: Callable[[bytes], object],
-        *,
-        tenant: str = "default",
-    ) -> tuple[Any, asyncio.Task[int]]:
-        """Connect to ``port`` in the sandbox (waking it) for :attr:`forwards`: the channel
-        to send on (``tunnel_send``/``tunnel_close``) and a task ending when the guest's side
-        closes. Raises NotFound (nothing listens), InvalidArgument (an engine without
-        tunnels), SandboxNotFound, InvalidState, GuestError."""
-        async with self._use(tenant, id_or_name) as ch:
-            if not hasattr(ch, "tunnel_open"):
-                raise InvalidArgument("this sandbox engine cannot reach ports in its sandboxes")
-            done = await ch.tunnel_open(tunnel_id, port, on_data)
-            return ch, done
-
-    async def read_file(self, id_or_name: str, path: str, *, tenant: str = "default") -> bytes:
-        """A file's bytes. Raises PathNotFound, InvalidArgument (a bad path).
-
-        A sandbox that lost its machine (``error``, StateLost: "disk kept") is still read,
-        from the disk it kept: what the guest had written to it (committed journal
-        included). Every other call on it raises StateLost."""
-        check_guest_path(path)
-        try:
-            async with self._use(tenant, id_or_name) as ch:
-                return await ch.read_file(path)
-        except StateLost:
-            rec = self._find(tenant, id_or_name)
-            disk = self.directory(rec.id) / "disk.qcow2"
-            if rec.state is not S.ERROR or not disk.exists():
-                raise
-            async with self.live(rec.id).lock:  # nothing wakes or deletes it meanwhile
-                return await asyncio.to_thread(read_disk_file, disk, path)
-
-    async def write_file(
-        self, id_or_name: str, path: str, data: bytes | str, *, tenant: str = "default"
-    ) -> None:
-        """Write a file (parents created). Raises InvalidArgument (a bad path)."""
-        check_guest_path(path)
-        async with self._use(tenant, id_or_name) as ch:
-            await ch.write_file(path, data)
-
-    async def list_dir(
-        self, id_or_name: str, path: str, *, tenant: str = "default"
-    ) -> builtins.list[EntryInfo]:
-        """A directory's entries. Raises PathNotFound, InvalidArgument (a bad path)."""
-        check_guest_path(path)
-        async with self._use(tenant, id_or_name) as ch:
-            return await ch.list_dir(path)
-
-    async def exists(self, id_or_name: str, path: str, *, tenant: str = "default") -> bool:
-        """Whether a path exists in the sandbox. Raises InvalidArgument (a bad path)."""
-        check_guest_path(path)
-        async with self._use(tenant, id_or_name) as ch:
-            return await ch.exists(path)
-
-    async def remove(self, id_or_name: str, path: str, *, tenant: str = "default") -> None:
-        """Remove a file or a tree. Raises PathNotFound, InvalidArgument (a bad path, or one
-        that would wipe the guest's OS: see :func:`~torpor.sandbox.requests.check_guest_path`)."""
-        check_guest_path(path, removing=True)
-        async with self._use(tenant, id_or_name) as ch:
-            await ch.remove(path)
-
-    async def make_dir(self, id_or_name: str, path: str, *, tenant: str = "default") -> None:
-        """Make a directory (and parents). Raises InvalidArgument (a bad path)."""
-        check_guest_path(path)
-        async with self._use(tenant, id_or_name) as ch:
-            await ch.make_dir(path)
-
     # -- idle pause, start, close ---------------------------------------------------------
 
     async def idle_sweep(self, now: float | None = None) -> builtins.list[str]:
@@ -805,155 +574,6 @@ class SandboxManager(Reconciler):
             self._supervisor = asyncio.get_running_loop().create_task(
                 self.supervise(interval), name="torpor-idle-supervisor"
             )
-
-    # -- nodes (cluster mode) ------------------------------------------------------------
-
-    async def nodes(self) -> builtins.list[NodeStatus]:
-        """Every node with its health and load; on one machine a single row for it
-        (``local``). Raises StorageError."""
-        if self.cluster is not None:
-            return await asyncio.to_thread(self.cluster.statuses)
-        running = self.registry.list(states={S.RUNNING, S.CREATING})
-        return [local_status(len(running), sum(r.memory_mib for r in running))]
-
-    async def drain_node(self, name: str, *, timeout: float = DRAIN_SECONDS) -> DrainReport:
-        """Drain node ``name``: it takes no new sandbox from now on (until it restarts),
-        pauses each sandbox it runs, waits up to ``timeout`` seconds until each pause is
-        durable and gives it up (any node wakes it next). Only the node itself can: for
-        another live node this raises a Conflict naming it (``owner_url``: the server proxies
-        the request there). Raises InvalidArgument (not in cluster mode), NotFound (no such
-        node), Conflict (another node; or a node that is not alive: nothing to move, its
-        sandboxes are recovered when its lease lapses), StorageError."""
-        cluster = self.cluster
-        if cluster is None:
-            raise InvalidArgument("draining a node needs cluster mode (torpor serve --cluster)")
-        check_name(name, "node name")
-        if name != cluster.node:
-            other = await asyncio.to_thread(cluster.registry.node, name)
-            if not other.alive(time.time(), cluster.config.lease_seconds) or not other.url:
-                raise Conflict(
-                    f"node {name} is not alive: nothing to drain (its sandboxes are recovered "
-                    "from their last durable pause when its lease lapses)",
-                    node=name,
-                )
-            raise Conflict(
-                f"node {name} drains itself: send the request to {other.url}",
-                owner_node=name,
-                owner_url=other.url,
-            )
-        cluster.draining = True
-        await asyncio.to_thread(cluster.beat)  # the registry says so before anything moves
-        held = await asyncio.to_thread(cluster.registry.owned_by, cluster.node)
-        report = DrainReport(node=name)
-        errors: dict[str, str] = {}
-        pins: dict[str, list[str]] = {}
-        for rec in held:
-            pinned = await asyncio.to_thread(cluster.pinned_to, rec.id)
-            if pinned is not None:  # paused here, but it cannot leave this node
-                pins[rec.id] = pinned[1]
-                errors[rec.id] = (
-                    f"drive {', '.join(pinned[1])} is attached, a directory of this node: "
-                    "the sandbox runs only here (detach the drive to move it)"
-                )
-            if rec.state is S.RUNNING:
-                try:
-                    await self.pause(rec.id, tenant=rec.tenant)
-                except TorporError as exc:
-                    errors[rec.id] = str(exc)
-        deadline = time.monotonic() + timeout
-        for rec in held:
-            while rec.id not in errors:
-                # the owner first: a release lands after the durable stamp, so a record
-                # read after a release already carries it
-                owner = await asyncio.to_thread(cluster.registry.owner, rec.id)
-                rec = await asyncio.to_thread(self.registry.get, rec.id)
-                if owner != cluster.node:
-                    break  # released (durable), or taken over
-                if rec.state is not S.PAUSED:
-                    errors[rec.id] = f"it is {rec.state.value}, not paused"
-                elif rec.durable_at is None and not cluster.pushing(rec.id):
-                    await self.give_back(rec.id)
-                    if rec.upload_error:
-                        errors[rec.id] = f"its pause is not durable: {rec.upload_error}"
-                if time.monotonic() > deadline:
-                    errors[rec.id] = f"its pause was not durable within {timeout:.0f} s" + (
-                        f": {rec.upload_error}" if rec.upload_error else ""
-                    )
-                if rec.id not in errors:
-                    await asyncio.sleep(0.1)
-            if rec.id in pins:  # paused in place (or why not)
-                rec = await asyncio.to_thread(self.registry.get, rec.id)
-            info = rec.to_info()
-            line = DrainedSandbox(
-                id=rec.id,
-                name=rec.name,
-                tenant=rec.tenant,
-                state=rec.state,
-                durable=info.durable,
-                error=errors.get(rec.id),
-                drives=pins.get(rec.id, []),
-            )
-            (report.failed if rec.id in errors else report.moved).append(line)
-        log.info(
-            "node %s drained: %d sandboxes moved, %d not",
-            name,
-            len(report.moved),
-            len(report.failed),
-        )
-        return report
-
-    async def _start_node(self) -> None:
-        """Cluster mode: heartbeat (renewing this node's leases first, so no other node
-        recovers them meanwhile), reconcile only the sandboxes this node holds, push the
-        pauses that are not durable yet, then heartbeat in the background."""
-        cluster = self.cluster
-        assert cluster is not None
-        await asyncio.to_thread(cluster.beat)
-        for rec in await asyncio.to_thread(cluster.registry.owned_by, cluster.node):
-            try:
-                await self._reconcile(rec)
-                rec = self.registry.get(rec.id)
-                if rec.state is S.PAUSED and rec.durable_at is None:
-                    self._paused(rec)
-                else:
-                    await self.give_back(rec.id)
-            except Exception:  # one broken sandbox must not keep the others from starting
-                log.exception("reconciling sandbox %s failed", rec.id)
-        await asyncio.to_thread(cluster.recover_lapsed)
-        await self.drop_stale()
-        cluster.start_heartbeat(self.drop_stale)
-        log.info("node %s joined the cluster (store %s)", cluster.node, cluster.chunks.location)
-
-    async def drop_stale(self) -> builtins.list[str]:
-        """Cluster mode: delete this node's sandbox directories that another node made stale
-        (the sandbox woke there since, or was killed); return their ids. A failure is
-        logged, not raised."""
-        cluster = self.cluster
-        dropped: builtins.list[str] = []
-        if cluster is None or not self.paths.sandboxes.is_dir():
-            return dropped
-        for directory in sorted(self.paths.sandboxes.iterdir()):
-            sandbox_id = directory.name
-            if not directory.is_dir() or not sandbox_id.startswith("sbx-"):
-                continue
-            live = self.live(sandbox_id)
-            if live.lock.locked() or live.machine is not None:
-                continue
-            try:
-                async with live.lock:
-                    if live.machine is None and await asyncio.to_thread(cluster.stale, sandbox_id):
-                        # a QEMU left from before this node was declared lost runs a machine
-                        # another node has taken over: it goes with the files
-                        with suppress(TorporError):
-                            self.engine.terminate(directory)
-                        await asyncio.to_thread(shutil.rmtree, directory, True)
-                        dropped.append(sandbox_id)
-                        self._lives.pop(sandbox_id, None)
-            except TorporError as exc:
-                log.warning("cannot tell whether %s is stale: %s", sandbox_id, exc)
-        if dropped:
-            log.info("dropped %d stale sandbox directories: %s", len(dropped), dropped)
-        return dropped
 
     async def _start_alone(self) -> None:
         assert isinstance(self.registry, Registry)  # a manager without a cluster has SQLite's
