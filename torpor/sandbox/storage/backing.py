@@ -58,6 +58,7 @@ def folded_copy(layer: Path, dest: Path, anchor: Path | None) -> None:
 
 
 def is_under(path: Path, root: Path) -> bool:
+    """Whether ``path`` (symlinks resolved) is inside ``root``."""
     return path.resolve().is_relative_to(root.resolve())
 
 

@@ -137,10 +137,12 @@ def template_build(paths: Paths, template: str) -> dict[str, str] | None:
 
 
 def manifest_digest(body: dict[str, Any]) -> str:
+    """The sha256 of ``body`` as canonical JSON (what a manifest's ``digest`` is)."""
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def file_identity(path: Path) -> dict[str, Any]:
+    """What tells a template disk from a rebuilt one: its path, size and mtime."""
     st = path.stat()
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
