@@ -335,7 +335,8 @@ async def freeze_live(
 class SnapshotStore(ManifestReader):
     """Stored snapshots of one torpor home: manifests under ``snapshots/``, chunks in
     ``chunks/`` (or in the store ``$TORPOR_STORE`` names, e.g. ``s3://bucket/prefix``: see
-    :func:`~torpor.sandbox.storage.chunks.open_chunk_store`)."""
+    :func:`~torpor.sandbox.storage.chunks.open_chunk_store`). The writes are here; list,
+    get, push and scrub come from :class:`~torpor.sandbox.storage.manifests.ManifestReader`."""
 
     def __init__(
         self,
