@@ -233,7 +233,7 @@ def _the_path_before(tl: Timeline) -> None:
     tl.patch(disk, "preallocate", cannot)
 
 
-def install_cpu(tl: Timeline, samples: dict[str, dict[str, float | None]]) -> None:
+def install_cpu(tl: Timeline, samples: dict[str, dict[str, Any]]) -> None:
     """Note each child's QEMU pid once it started, and its CPU when QMP first answers, when
     its state starts loading and at ``cont`` (into ``samples``)."""
     from torpor.sandbox.vm.machine_dir import qemu_pid
@@ -252,11 +252,37 @@ def install_cpu(tl: Timeline, samples: dict[str, dict[str, float | None]]) -> No
 
     tl.wrap("torpor.sandbox.vm.machine:QemuMachine", "_start", lambda a, k: "-", after=started)
     tl.wrap("torpor.sandbox.vm.machine:QemuMachine", "_qmp_exec", lambda a, k: "-", after=sample)
+    install_pings(tl, samples)
 
 
-def render(
-    spans: list[dict[str, Any]], cpu: dict[str, dict[str, float | None]], total: float
-) -> None:
+def install_pings(tl: Timeline, samples: dict[str, dict[str, Any]]) -> None:
+    """Note, per child, how its channel's first ping went (``GuestChannel.first_ping``: pings
+    sent, the one answered), its QEMU's CPU once the answer came (``at_answer``: from
+    ``at_cont``, the guest's CPU to its first answer) and the guest's own split of that wait
+    (``wake_split``, ms after ``cont``)."""
+    from torpor.sandbox.engine import QemuEngine
+    from torpor.sandbox.vm.channel import wake_split
+
+    connect = QemuEngine.connect
+
+    async def noted(self: Any, machine: Any, directory: Path, **k: Any) -> Any:
+        channel = await connect(self, machine, directory, **k)
+        if tl.t0 is not None:
+            who = _short(directory)
+            got = samples.setdefault(who, {})
+            got["at_answer"] = _cpu_ms(tl.pids.get(who))
+            first = getattr(channel, "first_ping", {})
+            got["pings"], got["answered"] = first.get("pings"), first.get("answered")
+            resumed = getattr(machine, "resumed_at", None)
+            marks = getattr(channel, "guest_marks", {})
+            if resumed is not None and marks:
+                got["split"] = {k: round(v, 1) for k, v in wake_split(marks, resumed).items()}
+        return channel
+
+    tl.patch(QemuEngine, "connect", noted)
+
+
+def render(spans: list[dict[str, Any]], cpu: dict[str, dict[str, Any]], total: float) -> None:
     spans = sorted(spans, key=lambda s: s["start"])
     print(f"{'start':>8} {'end':>8} {'dur':>7}  {'who':8} {'thread':12} what")
     for s in spans:
@@ -275,7 +301,18 @@ def render(
             + ": QEMU CPU ms at QMP "
             + f"{c.get('at_qmp') or 0:.0f}, at load {c.get('at_load') or 0:.0f}, at cont "
             + f"{c.get('at_cont') or 0:.0f}"
-            + f", at end {c.get('at_end') or 0:.0f}"
+            + f", at answer {c.get('at_answer') or 0:.0f}, at end {c.get('at_end') or 0:.0f}"
+            + f"; pings {c.get('pings')}, answered #{c.get('answered')}"
+            + (f"; guest after cont {c['split']}" if c.get("split") else "")
+        )
+    kids = [c for c in cpu.values() if c.get("at_answer") and c.get("at_cont")]
+    if kids:
+        to_answer = [c["at_answer"] - c["at_cont"] for c in kids]
+        pings = [c.get("pings") or 0 for c in kids]
+        print(
+            f"children: QEMU CPU from cont to the first answer median "
+            f"{statistics.median(to_answer):.0f} ms; pings sent {sorted(pings)}, answered "
+            f"{sorted(c.get('answered') or 0 for c in kids)}"
         )
 
 
@@ -293,7 +330,7 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     if args.before:
         _the_path_before(tl)
     install(tl)
-    cont_cpu: dict[str, dict[str, float | None]] = {}
+    cont_cpu: dict[str, dict[str, Any]] = {}
     install_cpu(tl, cont_cpu)
     runs: list[dict[str, Any]] = []
     try:
