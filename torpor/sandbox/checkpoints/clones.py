@@ -346,7 +346,7 @@ class Cloner:
         lives = [m.live(rec.id) for rec in recs]
 
         async def one(rec: SandboxRecord, live: Live, ready: Awaitable[object] | None) -> None:
-            await m.boot(rec, live, ram_ready=ready)
+            await m.boot(rec, live, ram_ready=ready, cold=True)
             for drive, path, ro in drives:
                 self.drives.attach(drive.id, rec.id, path, read_only=ro, tenant=drive.tenant)
                 await mount_in_guest(live.channel, drive, path, ro)

@@ -119,6 +119,7 @@ class Held(Protocol):
         *,
         woken_step: str | None = None,
         ram_ready: Awaitable[object] | None = None,
+        cold: bool = False,
     ) -> Channel: ...
 
     def move(
@@ -505,20 +506,21 @@ class ManagerCore:
         *,
         woken_step: str | None = None,
         ram_ready: Awaitable[object] | None = None,
+        cold: bool = False,
     ) -> Channel:
         """Start the hibernated machine in the sandbox's directory, connect to its agent and
         give the guest fresh entropy and the host's clock (clones of one snapshot must not
         share random state). ``woken_step`` is reported to ``on_step`` after the wake.
         ``ram_ready``: its RAM and state are still being written (a fork's child: see
-        ``Machine.wake``). Raises what the engine and the channel raise; the caller undoes
-        what was started."""
+        ``Machine.wake``). ``cold``: a fork's or a restore's child (see ``Engine.connect``).
+        Raises what the engine and the channel raise; the caller undoes what was started."""
         directory = self.directory(rec.id)
         machine = self.engine.machine(directory, self._config(rec))
         live.machine = machine
         await machine.wake(ram_ready=ram_ready)
         if woken_step is not None:
             await self._step(woken_step, rec.id)
-        live.channel = await self.engine.connect(machine, directory)
+        live.channel = await self.engine.connect(machine, directory, cold=cold)
         await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
         return live.channel
 
