@@ -357,17 +357,28 @@ class Cloner:
                 await held.enter_async_context(live.lock)
             readies = list(ram_ready) if ram_ready is not None else [None] * len(recs)
             # children wake concurrently (QEMU start-up overlaps); all or none
-            results = await asyncio.gather(
-                *(one(r, lv, w) for r, lv, w in zip(recs, lives, readies, strict=True)),
-                return_exceptions=True,
-            )
+            try:
+                results = await asyncio.gather(
+                    *(one(r, lv, w) for r, lv, w in zip(recs, lives, readies, strict=True)),
+                    return_exceptions=True,
+                )
+            except BaseException as exc:  # cancelled: no child is left half made
+                results = [exc]
             failed = [r for r in results if isinstance(r, BaseException)]
             if not failed:
+                moving = asyncio.ensure_future(
+                    m.move_many(recs, S.RUNNING, reason, last_active_at=time.time())
+                )
                 try:
-                    now = time.time()
-                    rows = await m.move_many(recs, S.RUNNING, reason, last_active_at=now)
+                    rows = await asyncio.shield(moving)
                 except BaseException as exc:
-                    failed = [exc]
+                    # cancelled while the commit runs in its thread: it decides (committed,
+                    # the children are whole and running: they stay)
+                    await asyncio.wait([moving])
+                    if moving.cancelled() or moving.exception() is not None:
+                        failed = [exc]
+                    else:
+                        raise
             if failed:
                 self.drives.release({rec.id for rec in recs})
                 for rec, live in zip(recs, lives, strict=True):
