@@ -9,6 +9,7 @@ writes JSON.
     python3 -m bench.fork_timeline --count 10 --reps 3            # a running source
     python3 -m bench.fork_timeline --count 10 --of-snapshot       # a snapshot id
     python3 -m bench.fork_timeline --count 10 --before            # the path before, to compare
+    python3 -m bench.fork_timeline --count 10 --before-9          # before session 9's cuts
 """
 
 from __future__ import annotations
@@ -191,6 +192,12 @@ def install(tl: Timeline) -> None:
         lambda a, k: _short(a[1]),
         lambda a, k: f"registry -> {a[3].value}",
     )
+    tl.wrap(
+        "torpor.sandbox.registry.sqlite:Registry",
+        "set_states",
+        lambda a, k: f"{len(a[1])} rows",
+        lambda a, k: f"registry -> {a[1][0].dst.value if a[1] else '-'} (one commit)",
+    )
     for fn in ("clone_pending", "fill_pending", "link_state", "clone_machine_dir"):
         tl.wrap("torpor.sandbox.vm.machine_dir", fn, lambda a, k: _short(a[1]))
     tl.wrap("torpor.sandbox.vm.machine_dir", "discard_state", lambda a, k: _short(a[0]))
@@ -233,7 +240,22 @@ def _the_path_before(tl: Timeline) -> None:
     tl.patch(disk, "preallocate", cannot)
 
 
-def install_cpu(tl: Timeline, samples: dict[str, dict[str, float | None]]) -> None:
+def _the_path_before_session_9(tl: Timeline) -> None:
+    """Undo issue 13 session 9's cuts, for a comparison in the same run: each child's move
+    to ``running`` one commit on the event loop, and its first ping retried from 20 ms."""
+    import torpor.sandbox.vm.channel as channel
+    from torpor.sandbox.manager.core import ManagerCore
+
+    async def one_by_one(
+        self: ManagerCore, recs: Any, dst: Any, reason: str = "", **columns: Any
+    ) -> Any:
+        return [self.move(rec, dst, reason, **columns) for rec in recs]
+
+    tl.patch(ManagerCore, "move_many", one_by_one)
+    tl.patch(channel, "CLONE_FIRST_PING_RETRY", channel.FIRST_PING_RETRY)
+
+
+def install_cpu(tl: Timeline, samples: dict[str, dict[str, Any]]) -> None:
     """Note each child's QEMU pid once it started, and its CPU when QMP first answers, when
     its state starts loading and at ``cont`` (into ``samples``)."""
     from torpor.sandbox.vm.machine_dir import qemu_pid
@@ -252,11 +274,37 @@ def install_cpu(tl: Timeline, samples: dict[str, dict[str, float | None]]) -> No
 
     tl.wrap("torpor.sandbox.vm.machine:QemuMachine", "_start", lambda a, k: "-", after=started)
     tl.wrap("torpor.sandbox.vm.machine:QemuMachine", "_qmp_exec", lambda a, k: "-", after=sample)
+    install_pings(tl, samples)
 
 
-def render(
-    spans: list[dict[str, Any]], cpu: dict[str, dict[str, float | None]], total: float
-) -> None:
+def install_pings(tl: Timeline, samples: dict[str, dict[str, Any]]) -> None:
+    """Note, per child, how its channel's first ping went (``GuestChannel.first_ping``: pings
+    sent, the one answered), its QEMU's CPU once the answer came (``at_answer``: from
+    ``at_cont``, the guest's CPU to its first answer) and the guest's own split of that wait
+    (``wake_split``, ms after ``cont``)."""
+    from torpor.sandbox.engine import QemuEngine
+    from torpor.sandbox.vm.channel import wake_split
+
+    connect = QemuEngine.connect
+
+    async def noted(self: Any, machine: Any, directory: Path, **k: Any) -> Any:
+        channel = await connect(self, machine, directory, **k)
+        if tl.t0 is not None:
+            who = _short(directory)
+            got = samples.setdefault(who, {})
+            got["at_answer"] = _cpu_ms(tl.pids.get(who))
+            first = getattr(channel, "first_ping", {})
+            got["pings"], got["answered"] = first.get("pings"), first.get("answered")
+            resumed = getattr(machine, "resumed_at", None)
+            marks = getattr(channel, "guest_marks", {})
+            if resumed is not None and marks:
+                got["split"] = {k: round(v, 1) for k, v in wake_split(marks, resumed).items()}
+        return channel
+
+    tl.patch(QemuEngine, "connect", noted)
+
+
+def render(spans: list[dict[str, Any]], cpu: dict[str, dict[str, Any]], total: float) -> None:
     spans = sorted(spans, key=lambda s: s["start"])
     print(f"{'start':>8} {'end':>8} {'dur':>7}  {'who':8} {'thread':12} what")
     for s in spans:
@@ -268,6 +316,14 @@ def render(
             + (f" (CPU {s['cpu']} ms)" if "cpu" in s else "")
         )
     print(f"total {total:.1f} ms")
+    moves: dict[str, float] = {}
+    for s in spans:  # set_state runs inside set_states: count the outer call only
+        if s["what"].startswith("registry -> running") and not (
+            s["what"] == "registry -> running" and s.get("thread") != "MainThread"
+        ):
+            key = "event loop" if s.get("thread") == "MainThread" else "worker thread"
+            moves[key] = moves.get(key, 0.0) + s["end"] - s["start"]
+    print(f"moves to running, ms spent: { {k: round(v, 1) for k, v in moves.items()} }")
     for who, c in sorted(cpu.items()):
         print(
             "  "
@@ -275,7 +331,18 @@ def render(
             + ": QEMU CPU ms at QMP "
             + f"{c.get('at_qmp') or 0:.0f}, at load {c.get('at_load') or 0:.0f}, at cont "
             + f"{c.get('at_cont') or 0:.0f}"
-            + f", at end {c.get('at_end') or 0:.0f}"
+            + f", at answer {c.get('at_answer') or 0:.0f}, at end {c.get('at_end') or 0:.0f}"
+            + f"; pings {c.get('pings')}, answered #{c.get('answered')}"
+            + (f"; guest after cont {c['split']}" if c.get("split") else "")
+        )
+    kids = [c for c in cpu.values() if c.get("at_answer") and c.get("at_cont")]
+    if kids:
+        to_answer = [c["at_answer"] - c["at_cont"] for c in kids]
+        pings = [c.get("pings") or 0 for c in kids]
+        print(
+            f"children: QEMU CPU from cont to the first answer median "
+            f"{statistics.median(to_answer):.0f} ms; pings sent {sorted(pings)}, answered "
+            f"{sorted(c.get('answered') or 0 for c in kids)}"
         )
 
 
@@ -292,8 +359,10 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     tl = Timeline()
     if args.before:
         _the_path_before(tl)
+    if args.before_9:
+        _the_path_before_session_9(tl)
     install(tl)
-    cont_cpu: dict[str, dict[str, float | None]] = {}
+    cont_cpu: dict[str, dict[str, Any]] = {}
     install_cpu(tl, cont_cpu)
     runs: list[dict[str, Any]] = []
     try:
@@ -363,7 +432,13 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
         await manager.close(pause=False)
     totals = [r["total_ms"] for r in runs]
     print(f"per child: median {statistics.median(totals) / args.count:.1f} ms over {len(totals)}")
-    return {"count": args.count, "template": args.template, "before": args.before, "runs": runs}
+    return {
+        "count": args.count,
+        "template": args.template,
+        "before": args.before,
+        "before_9": args.before_9,
+        "runs": runs,
+    }
 
 
 def main() -> None:
@@ -377,6 +452,12 @@ def main() -> None:
         action="store_true",
         help="the path before issue 13 session 8 (one registry commit per child, no "
         "preallocation), to compare in the same run",
+    )
+    parser.add_argument(
+        "--before-9",
+        action="store_true",
+        help="the path before issue 13 session 9 (one registry commit per child's move to "
+        "running, first pings retried from 20 ms), to compare in the same run",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()

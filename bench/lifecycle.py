@@ -213,12 +213,14 @@ class _TimedEngine:
         await self.inner.clone(*args)
         self.marks.add("clone the template's snapshot dir", time.perf_counter() - t0)
 
-    async def connect(self, machine: Any, directory: Path, *, reseed: bool = True) -> Any:
+    async def connect(
+        self, machine: Any, directory: Path, *, reseed: bool = True, cold: bool = False
+    ) -> Any:
         from torpor.sandbox.vm.channel import wake_split
 
         t0 = time.perf_counter()
         inner = getattr(machine, "inner", machine)
-        channel = await self.inner.connect(inner, directory, reseed=reseed)
+        channel = await self.inner.connect(inner, directory, reseed=reseed, cold=cold)
         resumed_at = getattr(inner, "resumed_at", None)
         marks = getattr(channel, "guest_marks", {})
         if resumed_at is not None and marks:  # the guest's own stamps (wake_split)

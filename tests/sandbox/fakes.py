@@ -95,7 +95,9 @@ class FakeEngine:
     def machine(self, directory: Path, config: MachineConfig) -> FakeMachine:
         return FakeMachine(self, directory)
 
-    async def connect(self, machine: Any, directory: Path, *, reseed: bool = True) -> FakeChannel:
+    async def connect(
+        self, machine: Any, directory: Path, *, reseed: bool = True, cold: bool = False
+    ) -> FakeChannel:
         self.calls.append("connect")
         if self._fault("connect") or directory not in self.world.processes:
             raise GuestError("the guest agent does not answer (injected)")

@@ -14,7 +14,14 @@ from typing import Any, TypeVar
 import pytest
 
 from torpor.config import paths
-from torpor.errors import Conflict, CorruptData, EngineError, InvalidArgument, SnapshotNotFound
+from torpor.errors import (
+    Conflict,
+    CorruptData,
+    EngineError,
+    InvalidArgument,
+    SnapshotNotFound,
+    StorageError,
+)
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState
@@ -22,6 +29,7 @@ from torpor.sandbox.vm import machine_dir
 
 pytestmark = pytest.mark.qemu
 T = TypeVar("T")
+RUNNING = SandboxState.RUNNING
 
 
 def _run(home: Path, body: Callable[[SandboxManager, Checkpoints], Awaitable[T]]) -> T:
@@ -91,6 +99,10 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
             assert k.labels == {"user": "u-42", "strategy": "try"}  # carried over, then updated
             assert k.idle_pause_seconds == 600
         assert len(draws) == 3
+        # the children moved to running in one commit, each move logged on its own row
+        steps = [[(t.src, t.dst) for t in m.registry.transitions(k.id)] for k in kids]
+        assert steps == [[(None, SandboxState.CREATING), (SandboxState.CREATING, RUNNING)]] * 3
+        assert len({m.registry.transitions(k.id)[-1].at for k in kids}) == 1
         # each child's QEMU started on a RAM file of its own (the spare's or a copy)
         rams = [m.directory(k.id) / "ram" for k in kids]
         assert len({(r.stat().st_dev, r.stat().st_ino) for r in rams}) == 3
@@ -105,6 +117,20 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
             mp.setattr(machine_dir, "fill_pending", refuse)
             with pytest.raises(EngineError, match="cannot fill"):
                 await cp.fork_snapshot(snap.id, count=3)
+        assert {i.id for i in await m.list()} == before
+        assert set(m.paths.sandboxes.iterdir()) == dirs
+        # that commit refused (the registry's disk full): no child is left either
+        real = m.registry.set_states
+
+        def full(moves: Any, **kw: Any) -> Any:
+            if len(moves) > 1:
+                raise StorageError("the registry's disk is full (test)")
+            return real(moves, **kw)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(m.registry, "set_states", full)
+            with pytest.raises(StorageError, match="disk is full"):
+                await cp.fork_snapshot(snap.id, count=2)
         assert {i.id for i in await m.list()} == before
         assert set(m.paths.sandboxes.iterdir()) == dirs
         await m.write_file(kids[0].id, "/workspace/mine.txt", "kid 0")
@@ -122,7 +148,6 @@ def test_snapshot_restore_and_fork(qemu_home: Path) -> None:
 
 
 def test_bad_input_leaves_nothing_behind(qemu_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torpor.errors import StorageError
     from torpor.sandbox.storage.chunks import ChunkStore
 
     real_put = ChunkStore._put_known

@@ -28,7 +28,7 @@ from torpor.errors import (
     StorageError,
 )
 from torpor.sandbox.models import SandboxState as S
-from torpor.sandbox.registry import SCHEMA_VERSION, Registry, SandboxRecord
+from torpor.sandbox.registry import SCHEMA_VERSION, Move, Registry, SandboxRecord
 from torpor.sandbox.registry.postgres import PG_SCHEMA_VERSION, NodeInfo, PostgresRegistry
 
 AnyRegistry = Registry | PostgresRegistry
@@ -173,6 +173,53 @@ def test_insert_many_is_all_or_none(reg: AnyRegistry) -> None:
     assert [(t.src, t.dst, t.reason) for t in reg.transitions("sbx-c")] == [
         (None, S.CREATING, "forked")
     ]
+
+
+def _kids(reg: AnyRegistry) -> list[str]:
+    ids = ["sbx-a", "sbx-b", "sbx-c"]
+    reg.insert_many([rec(i, i.removeprefix("sbx-")) for i in ids], reason="forked")
+    return ids
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(Move("sbx-b", S.CREATING, S.PAUSED), id="illegal-transition"),
+        pytest.param(Move("sbx-b", S.RUNNING, S.PAUSING), id="row-not-in-src"),
+        pytest.param(Move("sbx-gone", S.CREATING, S.RUNNING), id="unknown-row"),
+        pytest.param(Move("sbx-b", S.CREATING, S.RUNNING, columns={"name": "x"}), id="bad-column"),
+    ],
+)
+def test_set_states_refuses_the_whole_batch(reg: AnyRegistry, bad: Move) -> None:
+    ids = _kids(reg)
+    before = {i: reg.transitions(i) for i in ids}
+    moves = [Move("sbx-a", S.CREATING, S.RUNNING), bad, Move("sbx-c", S.CREATING, S.RUNNING)]
+    with pytest.raises((InvalidState, SandboxNotFound, InvalidArgument)):
+        reg.set_states(moves, reason="forked")
+    assert {r.id: r.state for r in reg.list()} == dict.fromkeys(ids, S.CREATING)
+    assert {i: reg.transitions(i) for i in ids} == before  # nothing logged either
+
+
+def test_set_states_moves_and_logs_every_row(reg: AnyRegistry) -> None:
+    ids = _kids(reg)
+    moves = [
+        Move(i, S.CREATING, S.RUNNING, cpu_reading=n, columns={"last_active_at": 50.0 + n})
+        for n, i in enumerate(ids)
+    ]
+    steps = reg.set_states(moves, reason="forked", at=100.0)
+    assert [(t.sandbox_id, t.src, t.dst, t.at) for t in steps] == [
+        (i, S.CREATING, S.RUNNING, 100.0) for i in ids
+    ]
+    for n, i in enumerate(ids):
+        got = reg.get(i)
+        assert (got.state, got.last_active_at) == (S.RUNNING, 50.0 + n)
+        assert [(t.src, t.dst, t.reason) for t in reg.transitions(i)] == [
+            (None, S.CREATING, "forked"),
+            (S.CREATING, S.RUNNING, "forked"),
+        ]
+    assert reg.set_states([]) == []
+    with pytest.raises(InvalidState):  # moved already: a second batch is refused
+        reg.set_states(moves[:1])
 
 
 @pytest.mark.parametrize("name", ["", "Agent", "-x", "a b", "x" * 64, "a/b"])

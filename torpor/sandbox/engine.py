@@ -160,10 +160,14 @@ class Engine(Protocol):
     def machine(self, directory: Path, config: MachineConfig) -> Machine:
         """The (not yet started) machine of a sandbox directory."""
 
-    async def connect(self, machine: Machine, directory: Path, *, reseed: bool = True) -> Channel:
+    async def connect(
+        self, machine: Machine, directory: Path, *, reseed: bool = True, cold: bool = False
+    ) -> Channel:
         """Open the guest channel of a running machine and refresh the guest: host entropy,
         the host's clock and a reseed of its interpreter; without ``reseed`` (a plain wake,
-        whose random state no other guest shares) the clock only."""
+        whose random state no other guest shares) the clock only. ``cold``: the guest was
+        just started from a frozen dir (a fork's or a restore's child), so its first answer
+        is slow: its first ping is sent again later (``CLONE_FIRST_PING_RETRY``)."""
 
     def inspect(self, directory: Path) -> DirStatus:
         """What the files (and any live QEMU) of ``directory`` can back."""
@@ -279,8 +283,14 @@ class QemuEngine:
         )
         return machine
 
-    async def connect(self, machine: Machine, directory: Path, *, reseed: bool = True) -> Channel:
-        from torpor.sandbox.vm.channel import GuestChannel
+    async def connect(
+        self, machine: Machine, directory: Path, *, reseed: bool = True, cold: bool = False
+    ) -> Channel:
+        from torpor.sandbox.vm.channel import (
+            CLONE_FIRST_PING_RETRY,
+            FIRST_PING_RETRY,
+            GuestChannel,
+        )
 
         socket = getattr(machine, "agent_socket", directory / "agent.sock")
         handler = self.guest_calls
@@ -295,7 +305,11 @@ class QemuEngine:
                 return await handler(sandbox_id, method, path, headers, body)
 
         channel: Channel = await GuestChannel.connect(
-            Path(socket), timeout=self.connect_timeout, reseed=reseed, on_call=on_call
+            Path(socket),
+            timeout=self.connect_timeout,
+            reseed=reseed,
+            on_call=on_call,
+            first_retry=CLONE_FIRST_PING_RETRY if cold else FIRST_PING_RETRY,
         )
         return channel
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from torpor.errors import DriveNotFound, EngineError, TorporError
 from torpor.sandbox.manager import Held
+from torpor.sandbox.manager.core import Live
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SandboxRecord
@@ -337,41 +338,55 @@ class Cloner:
         ram_ready: Sequence[Awaitable[object] | None] | None = None,
     ) -> list[SandboxInfo]:
         """Wake the prepared children concurrently, refresh their randomness and clock, mount
-        their drives. All or none. ``ram_ready``: per child, None or what is awaited for its
-        RAM and state, still being written (:meth:`start_pending`)."""
+        their drives, then move them all to ``running`` in one registry commit. All or none:
+        until that commit every child is ``creating`` (a crash before it undoes them all), and
+        on a failure every child is removed. ``ram_ready``: per child, None or what is awaited
+        for its RAM and state, still being written (:meth:`start_pending`)."""
         m = self.manager
+        lives = [m.live(rec.id) for rec in recs]
 
-        async def one(rec: SandboxRecord, ready: Awaitable[object] | None) -> SandboxInfo:
-            live = m.live(rec.id)
-            async with live.lock:
+        async def one(rec: SandboxRecord, live: Live, ready: Awaitable[object] | None) -> None:
+            await m.boot(rec, live, ram_ready=ready, cold=True)
+            for drive, path, ro in drives:
+                self.drives.attach(drive.id, rec.id, path, read_only=ro, tenant=drive.tenant)
+                await mount_in_guest(live.channel, drive, path, ro)
+
+        # every child's lock is held until its row says running (or it is removed)
+        async with contextlib.AsyncExitStack() as held:
+            for live in lives:
+                await held.enter_async_context(live.lock)
+            readies = list(ram_ready) if ram_ready is not None else [None] * len(recs)
+            # children wake concurrently (QEMU start-up overlaps); all or none
+            try:
+                results = await asyncio.gather(
+                    *(one(r, lv, w) for r, lv, w in zip(recs, lives, readies, strict=True)),
+                    return_exceptions=True,
+                )
+            except BaseException as exc:  # cancelled: no child is left half made
+                results = [exc]
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if not failed:
+                moving = asyncio.ensure_future(
+                    m.move_many(recs, S.RUNNING, reason, last_active_at=time.time())
+                )
                 try:
-                    await m.boot(rec, live, ram_ready=ready)
-                    for drive, path, ro in drives:
-                        self.drives.attach(
-                            drive.id, rec.id, path, read_only=ro, tenant=drive.tenant
-                        )
-                        await mount_in_guest(live.channel, drive, path, ro)
+                    rows = await asyncio.shield(moving)
                 except BaseException as exc:
-                    self.drives.release({rec.id})
-                    await m.abort_create(rec, live, exc)
-                    raise
-                return m.move(rec, S.RUNNING, reason, last_active_at=time.time()).to_info()
-
-        # children wake concurrently (QEMU start-up overlaps); all or none
-        readies = list(ram_ready) if ram_ready is not None else [None] * len(recs)
-        results = await asyncio.gather(
-            *(one(r, w) for r, w in zip(recs, readies, strict=True)), return_exceptions=True
-        )
-        made = [r for r in results if isinstance(r, SandboxInfo)]
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for child in made:
-                with contextlib.suppress(TorporError):
-                    await m.kill(child.id, tenant=tenant)
-                self.drives.release({child.id})
-            raise failed[0]
-        log.info("%s: %d sandbox(es) %s", reason, len(made), [c.id for c in made])
-        return made
+                    # cancelled while the commit runs in its thread: it decides (committed,
+                    # the children are whole and running: they stay)
+                    await asyncio.wait([moving])
+                    if moving.cancelled() or moving.exception() is not None:
+                        failed = [exc]
+                    else:
+                        raise
+            if failed:
+                self.drives.release({rec.id for rec in recs})
+                for rec, live in zip(recs, lives, strict=True):
+                    with contextlib.suppress(TorporError):
+                        await m.abort_create(rec, live, failed[0])
+                raise failed[0]
+        log.info("%s: %d sandbox(es) %s", reason, len(rows), [r.id for r in rows])
+        return [r.to_info() for r in rows]
 
     def drive_records(self, sandbox_id: str) -> list[dict[str, Any]]:
         return [

@@ -53,7 +53,7 @@ from torpor.sandbox.manager.cluster import (
 )
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.models import SandboxState as S
-from torpor.sandbox.registry import AnyRegistry, Registry, SandboxRecord
+from torpor.sandbox.registry import AnyRegistry, Move, Registry, SandboxRecord
 from torpor.sandbox.registry.lifecycle import Lifecycle, require_for
 from torpor.sandbox.registry.meters import UP_STATES
 from torpor.sandbox.storage.chunks import ChunkStore, home_chunk_store
@@ -92,7 +92,8 @@ class Held(Protocol):
 
     Look up a sandbox's :meth:`live` side and hold ``live.lock``; then :meth:`drain` in-flight
     calls, :meth:`pause_held` / :meth:`wake_held` it, :meth:`boot` a freshly cloned machine,
-    :meth:`move` its registry row (the lifecycle table guards it), :meth:`abort_create` a
+    :meth:`move` its registry row (the lifecycle table guards it; :meth:`move_many` for many in
+    one commit), :meth:`abort_create` a
     half-made one, or raise :meth:`lost` for one whose RAM is gone.
     """
 
@@ -118,11 +119,16 @@ class Held(Protocol):
         *,
         woken_step: str | None = None,
         ram_ready: Awaitable[object] | None = None,
+        cold: bool = False,
     ) -> Channel: ...
 
     def move(
         self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any
     ) -> SandboxRecord: ...
+
+    async def move_many(
+        self, recs: builtins.list[SandboxRecord], dst: S, reason: str = "", **columns: Any
+    ) -> builtins.list[SandboxRecord]: ...
 
     async def abort_create(self, rec: SandboxRecord, live: Live, exc: BaseException) -> None: ...
 
@@ -321,15 +327,20 @@ class ManagerCore:
             template=rec.template, vcpus=rec.vcpus, memory_mib=rec.memory_mib, tenant=rec.tenant
         )
 
-    def move(self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any) -> SandboxRecord:
-        """Record ``rec -> dst`` in the registry (the lifecycle table guards it) and return the
-        fresh row. The row carries what usage meters: the QEMU process's CPU seconds when
-        leaving a state in which it runs (``cpu_reading``, unless given), and the bytes the
-        sandbox owns on disk when entering ``paused``."""
+    def _readings(self, rec: SandboxRecord, dst: S, columns: dict[str, Any]) -> dict[str, Any]:
+        """``columns`` with what usage meters at ``rec -> dst``: the QEMU process's CPU seconds
+        when leaving a state in which it runs (``cpu_reading``, unless given), and the bytes
+        the sandbox owns on disk when entering ``paused``."""
         if rec.state in UP_STATES and "cpu_reading" not in columns:
             columns["cpu_reading"] = self.cpu_reading(rec.id)
         if dst is S.PAUSED:
             columns["owned_bytes"] = self.owned_bytes(rec.id)
+        return columns
+
+    def move(self, rec: SandboxRecord, dst: S, reason: str = "", **columns: Any) -> SandboxRecord:
+        """Record ``rec -> dst`` in the registry (the lifecycle table guards it) and return the
+        fresh row, with the usage readings of :meth:`_readings`."""
+        columns = self._readings(rec, dst, columns)
         lifecycle = Lifecycle(
             rec.id,
             rec.state,
@@ -339,6 +350,27 @@ class ManagerCore:
         )
         lifecycle.to(dst, reason)
         return self.registry.get(rec.id)
+
+    async def move_many(
+        self, recs: builtins.list[SandboxRecord], dst: S, reason: str = "", **columns: Any
+    ) -> builtins.list[SandboxRecord]:
+        """:meth:`move` every one of ``recs`` to ``dst`` in one registry transaction (one
+        commit: a fork's children going to ``running``), all or none, in a worker thread (the
+        commit waits for the disk); returns their fresh rows. Raises as :meth:`move`, for the
+        first row that cannot move (then none moved)."""
+
+        def record() -> builtins.list[SandboxRecord]:
+            moves = []
+            for rec in recs:
+                got = self._readings(rec, dst, dict(columns))
+                cpu, owned = got.pop("cpu_reading", None), got.pop("owned_bytes", None)
+                moves.append(Move(rec.id, rec.state, dst, cpu, owned, got))
+            self.registry.set_states(moves, reason=reason)
+            for rec in recs:
+                log.info("sandbox %s: %s -> %s (%s)", rec.id, rec.state.value, dst.value, reason)
+            return [self.registry.get(rec.id) for rec in recs]
+
+        return await asyncio.to_thread(record)
 
     async def _step(self, step: str, sandbox_id: str) -> None:
         if self.on_step is not None:
@@ -474,20 +506,21 @@ class ManagerCore:
         *,
         woken_step: str | None = None,
         ram_ready: Awaitable[object] | None = None,
+        cold: bool = False,
     ) -> Channel:
         """Start the hibernated machine in the sandbox's directory, connect to its agent and
         give the guest fresh entropy and the host's clock (clones of one snapshot must not
         share random state). ``woken_step`` is reported to ``on_step`` after the wake.
         ``ram_ready``: its RAM and state are still being written (a fork's child: see
-        ``Machine.wake``). Raises what the engine and the channel raise; the caller undoes
-        what was started."""
+        ``Machine.wake``). ``cold``: a fork's or a restore's child (see ``Engine.connect``).
+        Raises what the engine and the channel raise; the caller undoes what was started."""
         directory = self.directory(rec.id)
         machine = self.engine.machine(directory, self._config(rec))
         live.machine = machine
         await machine.wake(ram_ready=ram_ready)
         if woken_step is not None:
             await self._step(woken_step, rec.id)
-        live.channel = await self.engine.connect(machine, directory)
+        live.channel = await self.engine.connect(machine, directory, cold=cold)
         await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
         return live.channel
 

@@ -19,6 +19,7 @@ Imports: torpor.config, torpor.errors, torpor.sandbox.models; psycopg only when 
 PostgresRegistry is opened; for usage, torpor.sandbox.storage and torpor.sandbox.requests.
 """
 
+from torpor.sandbox.registry.base import Move
 from torpor.sandbox.registry.postgres import PostgresRegistry
 from torpor.sandbox.registry.records import SandboxRecord
 from torpor.sandbox.registry.sqlite import SCHEMA_VERSION, Registry
@@ -27,4 +28,11 @@ from torpor.sandbox.registry.sqlite import SCHEMA_VERSION, Registry
 #: (the same interface for sandboxes and transitions)
 AnyRegistry = Registry | PostgresRegistry
 
-__all__ = ["SCHEMA_VERSION", "AnyRegistry", "PostgresRegistry", "Registry", "SandboxRecord"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "AnyRegistry",
+    "Move",
+    "PostgresRegistry",
+    "Registry",
+    "SandboxRecord",
+]

@@ -24,6 +24,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, closing
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -52,7 +53,7 @@ from torpor.sandbox.registry.records import (
     spec_size,
 )
 
-__all__ = ["METER_COLUMNS", "SqlRegistry"]
+__all__ = ["METER_COLUMNS", "Move", "SqlRegistry"]
 
 #: the meter columns of a transition row, in :func:`~torpor.sandbox.registry.meters.meter_row`'s
 #: order
@@ -67,6 +68,21 @@ METER_COLUMNS = (
     "m_paused",
     "cpu_ratio",
 )
+
+
+@dataclass(frozen=True)
+class Move:
+    """One row's state change for :meth:`SqlRegistry.set_states`: ``sandbox_id`` from
+    ``src`` to ``dst`` (compare-and-set), the usage readings taken at the move, and the
+    ``columns`` (``paused_at``, ``error``, ``last_active_at``) set with it."""
+
+    sandbox_id: str
+    src: SandboxState
+    dst: SandboxState
+    cpu_reading: float | None = None
+    owned_bytes: int | None = None
+    columns: Mapping[str, Any] = field(default_factory=dict)
+
 
 #: the columns of the usage ledger, in a row's order
 _STORED_COLUMNS = (
@@ -284,39 +300,59 @@ class SqlRegistry:
         ``src`` (someone else moved it: another call, another node), SandboxNotFound, or
         StorageError.
         """
-        check_transition(sandbox_id, src, dst)
+        move = Move(sandbox_id, src, dst, cpu_reading, owned_bytes, dict(columns))
+        return self.set_states([move], reason=reason, at=at)[0]
+
+    def set_states(
+        self, moves: Sequence[Move], *, reason: str = "", at: float | None = None
+    ) -> builtins.list[Transition]:
+        """Make every move of ``moves`` (each as :meth:`set_state`: compare-and-set, logged
+        with its readings, its columns updated) in one transaction, so one commit for all (a
+        fork's children going to ``running``): all or none. Every move is checked against the
+        lifecycle table before anything is written.
+
+        Raises as :meth:`set_state`, for the first move that cannot be made (no row is then
+        moved)."""
         allowed = {"paused_at", "error", "last_active_at"}
-        if not set(columns) <= allowed:
-            raise InvalidArgument(f"cannot set {sorted(set(columns) - allowed)}")
+        for move in moves:
+            check_transition(move.sandbox_id, move.src, move.dst)
+            if not set(move.columns) <= allowed:
+                raise InvalidArgument(f"cannot set {sorted(set(move.columns) - allowed)}")
         when = time.time() if at is None else at
-        sets = ", ".join(["state = ?"] + [f"{c} = ?" for c in columns])  # names from above
         with self._tx() as db:
-            cur = db.execute(
-                self._sql(f"UPDATE {{sandboxes}} SET {sets} WHERE id = ? AND state = ?"),
-                (dst.value, *columns.values(), sandbox_id, src.value),
-            )
-            if cur.rowcount != 1:
-                row = db.execute(
-                    self._sql("SELECT state FROM {sandboxes} WHERE id = ?"), (sandbox_id,)
-                ).fetchone()
-                if row is None:
-                    raise SandboxNotFound(
-                        f"no sandbox {sandbox_id}", kind="sandbox", name=sandbox_id
-                    )
-                check_transition(sandbox_id, SandboxState(row[0]), dst)
-                raise moved(sandbox_id, SandboxState(row[0]), src)
-            self._log_transition(
-                db,
-                sandbox_id,
-                src,
-                dst,
-                when,
-                reason,
-                cpu_reading=cpu_reading,
-                owned_bytes=owned_bytes,
-            )
-        self.generation += 1
-        return Transition(sandbox_id, src, dst, when, reason)
+            for move in moves:
+                self._move_row(db, move, when, reason)
+        if moves:
+            self.generation += 1
+        return [Transition(m.sandbox_id, m.src, m.dst, when, reason) for m in moves]
+
+    def _move_row(self, db: Any, move: Move, when: float, reason: str) -> None:
+        """One move of :meth:`set_states`, in its transaction ``db``."""
+        sets = ", ".join(["state = ?"] + [f"{c} = ?" for c in move.columns])  # checked names
+        cur = db.execute(
+            self._sql(f"UPDATE {{sandboxes}} SET {sets} WHERE id = ? AND state = ?"),
+            (move.dst.value, *move.columns.values(), move.sandbox_id, move.src.value),
+        )
+        if cur.rowcount != 1:
+            row = db.execute(
+                self._sql("SELECT state FROM {sandboxes} WHERE id = ?"), (move.sandbox_id,)
+            ).fetchone()
+            if row is None:
+                raise SandboxNotFound(
+                    f"no sandbox {move.sandbox_id}", kind="sandbox", name=move.sandbox_id
+                )
+            check_transition(move.sandbox_id, SandboxState(row[0]), move.dst)
+            raise moved(move.sandbox_id, SandboxState(row[0]), move.src)
+        self._log_transition(
+            db,
+            move.sandbox_id,
+            move.src,
+            move.dst,
+            when,
+            reason,
+            cpu_reading=move.cpu_reading,
+            owned_bytes=move.owned_bytes,
+        )
 
     def update_settings(
         self,

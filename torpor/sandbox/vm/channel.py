@@ -39,7 +39,7 @@ from torpor.sandbox.models import CommandResult, EntryInfo, Execution, Execution
 from torpor.sandbox.requests import CodeSpec, CommandSpec
 from torpor.types import OutputCallback
 
-__all__ = ["CallHandler", "GuestChannel", "wake_split"]
+__all__ = ["CLONE_FIRST_PING_RETRY", "CallHandler", "GuestChannel", "wake_split"]
 
 #: answers a call the guest makes (an HTTP request to its ``localhost:7777``, see
 #: :mod:`torpor.sandbox.guest.relay`): ``(method, path, headers, body) -> (status, headers,
@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 TIMEOUT_GRACE = 15.0
 #: the first ping's first retry (seconds); later retries back off by 1.5x up to 1 s
 FIRST_PING_RETRY = 0.02
+#: the first retry for a fork's or a restore's child (a QEMU that just started on a frozen
+#: guest): its guest answers after 50-350 ms of cold translation under TCG, nearly always
+#: to the first ping, so retries from 20 ms only queued 2-6 pings each for it to serve; a
+#: ping lost to the reconnect is sent again once the guest can have run its first steps
+CLONE_FIRST_PING_RETRY = 0.1
 #: a refresh done by connect() stands in for a refresh() this soon after, nothing between
 FRESH_FOR = 2.0
 #: ops the agent serves on its read loop, in arrival order (its ``INLINE_OPS``): a cancel
@@ -154,6 +159,7 @@ class GuestChannel:
         refresh: bool = True,
         reseed: bool = True,
         on_call: CallHandler | None = None,
+        first_retry: float = FIRST_PING_RETRY,
     ) -> GuestChannel:
         """Connect to ``socket_path`` and wait until the agent answers a ping, retrying while
         the socket does not exist yet or refuses. With ``refresh`` (the default: every
@@ -162,7 +168,8 @@ class GuestChannel:
         and a :meth:`refresh` right after is answered without another one. Without
         ``reseed`` (a plain wake of the machine that last ran on this RAM: no other guest
         shares its random state) the ping sets the clock only, and a :meth:`refresh` after
-        it does go to the guest.
+        it does go to the guest. ``first_retry``: seconds before the first ping is sent
+        again (later retries back off by 1.5x up to 1 s).
         Raises :class:`OperationTimeout`, or :class:`GuestError` if the agent speaks another
         protocol version (a stale template)."""
         loop = asyncio.get_running_loop()
@@ -179,7 +186,7 @@ class GuestChannel:
             channel = cls(reader, writer, limits=limits, op_timeout=op_timeout, on_call=on_call)
             try:
                 channel.first_ping["socket_s"] = loop.time() - started
-                await channel._first_ping(deadline, refresh, reseed)
+                await channel._first_ping(deadline, refresh, reseed, first_retry)
                 return channel
             except GuestError as exc:  # hung up before answering: try a new connection
                 last_exc = exc
@@ -201,7 +208,9 @@ class GuestChannel:
             path=str(socket_path),
         )
 
-    async def _first_ping(self, deadline: float, refresh: bool, reseed: bool) -> None:
+    async def _first_ping(
+        self, deadline: float, refresh: bool, reseed: bool, first_retry: float = FIRST_PING_RETRY
+    ) -> None:
         # A ping can be lost: the guest discards what arrives before its agent opens the port
         # (boot), and right after a wake the agent may still be noticing the previous
         # connection's hang-up, which drops the replies of that moment. So ping again, first
@@ -210,7 +219,7 @@ class GuestChannel:
         # pings on its read loop, so the extra ones cost the waking guest little.
         loop = asyncio.get_running_loop()
         tasks: list[asyncio.Task[dict[str, Any]]] = []
-        interval = FIRST_PING_RETRY
+        interval = first_retry
         args: dict[str, Any] = {}
         entropy = b""
         # what makes the retries of this ping one refresh in the guest: its entropy, or a key

@@ -1,0 +1,99 @@
+"""Waking a clone's children (``Cloner.wake_children``) on the fake engine: they move to
+``running`` in one commit, and a failure or a cancellation leaves none of them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox.fakes import FakeEngine
+from torpor.config import paths
+from torpor.errors import GuestError
+from torpor.sandbox.checkpoints.clones import Cloner
+from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry import SandboxRecord
+from torpor.sandbox.storage.drives import DriveStore
+
+
+async def _children(m: SandboxManager, engine: FakeEngine, count: int) -> list[SandboxRecord]:
+    now = time.time()
+    recs = [
+        SandboxRecord(
+            id=f"sbx-kid{i}",
+            tenant="default",
+            name=f"kid{i}",
+            template="python",
+            state=S.CREATING,
+            created_at=now,
+            last_active_at=now,
+        )
+        for i in range(count)
+    ]
+    m.registry.insert_many(recs, reason="forked")
+    for rec in recs:
+        await engine.clone("python", m.directory(rec.id), m._config(rec))
+    return recs
+
+
+def _run(tmp_path: Path, body: object) -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        m = SandboxManager(paths(tmp_path / "home"), engine=engine)
+        try:
+            await body(m, engine, Cloner(m, DriveStore(m.paths)))  # type: ignore[operator]
+        finally:
+            await m.close(pause=False)
+
+    asyncio.run(main())
+
+
+def test_children_move_to_running_in_one_commit(tmp_path: Path) -> None:
+    async def body(m: SandboxManager, engine: FakeEngine, cloner: Cloner) -> None:
+        recs = await _children(m, engine, 3)
+        made = await cloner.wake_children(recs, [], tenant="default", reason="forked")
+        assert [i.state for i in made] == [S.RUNNING] * 3
+        last = [m.registry.transitions(r.id)[-1] for r in recs]
+        assert {(t.src, t.dst, t.reason) for t in last} == {(S.CREATING, S.RUNNING, "forked")}
+        assert len({t.at for t in last}) == 1  # one transaction
+
+    _run(tmp_path, body)
+
+
+def test_one_child_failing_removes_them_all(tmp_path: Path) -> None:
+    async def body(m: SandboxManager, engine: FakeEngine, cloner: Cloner) -> None:
+        recs = await _children(m, engine, 3)
+        engine.faults["connect"] = 1  # one guest does not answer
+        with pytest.raises(GuestError):
+            await cloner.wake_children(recs, [], tenant="default", reason="forked")
+        for rec in recs:
+            assert m.registry.get(rec.id).state is S.STOPPED
+            assert S.RUNNING not in [t.dst for t in m.registry.transitions(rec.id)]
+            assert not m.directory(rec.id).exists()
+        assert engine.world.processes == {}
+
+    _run(tmp_path, body)
+
+
+def test_a_cancelled_wake_leaves_no_child(tmp_path: Path) -> None:
+    async def body(m: SandboxManager, engine: FakeEngine, cloner: Cloner) -> None:
+        recs = await _children(m, engine, 3)
+        loop = asyncio.get_running_loop()
+        never: asyncio.Future[None] = loop.create_future()  # the last child's RAM never comes
+        waking = asyncio.ensure_future(
+            cloner.wake_children(
+                recs, [], tenant="default", reason="forked", ram_ready=[None, None, never]
+            )
+        )
+        while len(engine.world.processes) < 2:  # two children run, the last one waits
+            await asyncio.sleep(0.01)
+        waking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waking
+        assert {m.registry.get(r.id).state for r in recs} == {S.STOPPED}
+        assert engine.world.processes == {}
+
+    _run(tmp_path, body)
