@@ -54,7 +54,7 @@ def _run(tmp_path: Path, body: object) -> None:
 def test_children_move_to_running_in_one_commit(tmp_path: Path) -> None:
     async def body(m: SandboxManager, engine: FakeEngine, cloner: Cloner) -> None:
         recs = await _children(m, engine, 3)
-        made = await cloner.wake_children(recs, [], tenant="default", reason="forked")
+        made = await cloner.wake_children(recs, [], reason="forked")
         assert [i.state for i in made] == [S.RUNNING] * 3
         last = [m.registry.transitions(r.id)[-1] for r in recs]
         assert {(t.src, t.dst, t.reason) for t in last} == {(S.CREATING, S.RUNNING, "forked")}
@@ -68,7 +68,7 @@ def test_one_child_failing_removes_them_all(tmp_path: Path) -> None:
         recs = await _children(m, engine, 3)
         engine.faults["connect"] = 1  # one guest does not answer
         with pytest.raises(GuestError):
-            await cloner.wake_children(recs, [], tenant="default", reason="forked")
+            await cloner.wake_children(recs, [], reason="forked")
         for rec in recs:
             assert m.registry.get(rec.id).state is S.STOPPED
             assert S.RUNNING not in [t.dst for t in m.registry.transitions(rec.id)]
@@ -84,9 +84,7 @@ def test_a_cancelled_wake_leaves_no_child(tmp_path: Path) -> None:
         loop = asyncio.get_running_loop()
         never: asyncio.Future[None] = loop.create_future()  # the last child's RAM never comes
         waking = asyncio.ensure_future(
-            cloner.wake_children(
-                recs, [], tenant="default", reason="forked", ram_ready=[None, None, never]
-            )
+            cloner.wake_children(recs, [], reason="forked", ram_ready=[None, None, never])
         )
         while len(engine.world.processes) < 2:  # two children run, the last one waits
             await asyncio.sleep(0.01)

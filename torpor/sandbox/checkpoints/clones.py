@@ -199,9 +199,7 @@ class Cloner:
         drives = self.drives_for(frozen, drives_of, recorded_drives)
         if take_ram:
             recs = await self.prepare(frozen, children, take_ram=True)
-            return await self.wake_children(
-                recs, drives, tenant=children.tenant, reason=children.reason
-            )
+            return await self.wake_children(recs, drives, reason=children.reason)
         size = await asyncio.to_thread(virtual_size, frozen / "disk.qcow2")
         pending = await self.start_pending(frozen, children, size, drives=drives, spare=spare)
         await pending.fill(frozen / "ram", frozen / "state")
@@ -321,7 +319,6 @@ class Cloner:
             self.wake_children(
                 recs,
                 drives or [],
-                tenant=children.tenant,
                 reason=children.reason,
                 ram_ready=[None if f is None else _Gate(f, next(gates)) for f in ready],
             )
@@ -333,7 +330,6 @@ class Cloner:
         recs: list[SandboxRecord],
         drives: list[tuple[DriveInfo, str, bool]],
         *,
-        tenant: str,
         reason: str,
         ram_ready: Sequence[Awaitable[object] | None] | None = None,
     ) -> list[SandboxInfo]:

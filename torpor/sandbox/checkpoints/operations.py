@@ -658,9 +658,7 @@ class Checkpoints:
                 await pending[0].fill(last / "ram")
                 return await pending[0].woken
             recs, drives = prepared
-            return await self.cloner.wake_children(
-                recs, drives, tenant=tenant, reason=f"forked from {rec.id}"
-            )
+            return await self.cloner.wake_children(recs, drives, reason=f"forked from {rec.id}")
 
         try:
             return await self._freeze(
