@@ -10,6 +10,7 @@ writes JSON.
     python3 -m bench.fork_timeline --count 10 --of-snapshot       # a snapshot id
     python3 -m bench.fork_timeline --count 10 --before            # the path before, to compare
     python3 -m bench.fork_timeline --count 10 --before-9          # before session 9's cuts
+    python3 -m bench.fork_timeline --count 1 --template python,python-2g   # sizes in turn
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ from typing import Any
 from bench._common import bench_home, write_results
 
 RESULTS = Path(__file__).parent / "results" / "fork_timeline.json"
+
+
+def _faults(pid: int | None) -> int | None:
+    """Page faults (minor + major) the process ``pid`` took so far, or None."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[7]) + int(fields[9])  # minflt, majflt (fields 10 and 12 of stat)
 
 
 def _cpu_ms(pid: int | None) -> float | None:
@@ -219,6 +232,13 @@ def install(tl: Timeline) -> None:
     tl.wrap("torpor.sandbox.checkpoints.clones:Cloner", "start_pending", lambda a, k: "all")
     tl.wrap("torpor.sandbox.checkpoints.clones:Cloner", "wake_children", lambda a, k: "all")
     tl.wrap("torpor.sandbox.vm.disk", "copy_sparse", lambda a, k: _short(Path(a[1]).parent))
+    # the copy inside a live source's stop (the machine module imports it by name)
+    tl.wrap(
+        "torpor.sandbox.vm.machine",
+        "copy_sparse",
+        lambda a, k: "source",
+        lambda a, k: "RAM copy in the stop",
+    )
 
 
 def _the_path_before(tl: Timeline) -> None:
@@ -270,7 +290,9 @@ def install_cpu(tl: Timeline, samples: dict[str, dict[str, Any]]) -> None:
     def sample(a: tuple[Any, ...], k: dict[str, Any]) -> None:
         if a[1] in keys and tl.t0 is not None:
             who = _short(a[0].directory)
-            samples.setdefault(who, {})[keys[a[1]]] = _cpu_ms(tl.pids.get(who))
+            got = samples.setdefault(who, {})
+            got[keys[a[1]]] = _cpu_ms(tl.pids.get(who))
+            got["faults_" + keys[a[1]]] = _faults(tl.pids.get(who))
 
     tl.wrap("torpor.sandbox.vm.machine:QemuMachine", "_start", lambda a, k: "-", after=started)
     tl.wrap("torpor.sandbox.vm.machine:QemuMachine", "_qmp_exec", lambda a, k: "-", after=sample)
@@ -293,6 +315,7 @@ def install_pings(tl: Timeline, samples: dict[str, dict[str, Any]]) -> None:
             who = _short(directory)
             got = samples.setdefault(who, {})
             got["at_answer"] = _cpu_ms(tl.pids.get(who))
+            got["faults_at_answer"] = _faults(tl.pids.get(who))
             first = getattr(channel, "first_ping", {})
             got["pings"], got["answered"] = first.get("pings"), first.get("answered")
             resumed = getattr(machine, "resumed_at", None)
@@ -332,6 +355,8 @@ def render(spans: list[dict[str, Any]], cpu: dict[str, dict[str, Any]], total: f
             + f"{c.get('at_qmp') or 0:.0f}, at load {c.get('at_load') or 0:.0f}, at cont "
             + f"{c.get('at_cont') or 0:.0f}"
             + f", at answer {c.get('at_answer') or 0:.0f}, at end {c.get('at_end') or 0:.0f}"
+            + f"; page faults at QMP {c.get('faults_at_qmp')}, at cont {c.get('faults_at_cont')}"
+            + f", at answer {c.get('faults_at_answer')}, at end {c.get('faults_at_end')}"
             + f"; pings {c.get('pings')}, answered #{c.get('answered')}"
             + (f"; guest after cont {c['split']}" if c.get("split") else "")
         )
@@ -344,6 +369,43 @@ def render(spans: list[dict[str, Any]], cpu: dict[str, dict[str, Any]], total: f
             f"{statistics.median(to_answer):.0f} ms; pings sent {sorted(pings)}, answered "
             f"{sorted(c.get('answered') or 0 for c in kids)}"
         )
+
+
+def _median(values: list[float | None]) -> str:
+    got = [v for v in values if v is not None]
+    return f"{statistics.median(got):.1f}" if got else "-"
+
+
+def summarize(name: str, runs: list[dict[str, Any]], count: int) -> None:
+    """Print the medians of one template's forks: wall time per child, the source's stop and
+    its RAM copy's CPU, and each child's QEMU CPU from its start to QMP, from there to
+    ``cont`` (the state's load) and from ``cont`` to the first answer."""
+    if not runs:
+        return
+    kids = [c for r in runs for c in r["cpu"].values()]
+
+    def span(r: dict[str, Any], what: str, key: str) -> float | None:
+        got = [s for s in r["spans"] if s["what"] == what]
+        if not got:
+            return None
+        return float(got[0]["cpu"] if key == "cpu" else got[0]["end"] - got[0]["start"])
+
+    def part(c: dict[str, Any], a: str, b: str | None) -> float | None:
+        if c.get(a) is None or (b is not None and c.get(b) is None):
+            return None
+        return float(c[a] - (c[b] if b else 0))
+
+    loads = [r["load"] for r in runs]
+    print(
+        f"{name}: {len(runs)} forks of {count}, load {min(loads):.1f}-{max(loads):.1f}; medians, "
+        f"ms: per child {_median([r['total_ms'] / count for r in runs])}, source stood still "
+        f"{_median([r['downtime_ms'] for r in runs])}, RAM copy in the stop wall "
+        f"{_median([span(r, 'RAM copy in the stop', 'wall') for r in runs])} / CPU "
+        f"{_median([span(r, 'RAM copy in the stop', 'cpu') for r in runs])}; a child's QEMU "
+        f"CPU to QMP {_median([part(c, 'at_qmp', None) for c in kids])}, QMP -> cont "
+        f"{_median([part(c, 'at_cont', 'at_qmp') for c in kids])}, cont -> first answer "
+        f"{_median([part(c, 'at_answer', 'at_cont') for c in kids])}"
+    )
 
 
 async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
@@ -368,15 +430,21 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     try:
         from torpor.sandbox import template as templates
 
-        mib = templates.get(args.template).memory_mib
-        src = await manager.create(name="tl-src", template=args.template, memory_mib=mib)
-        await manager.run_code(src.id, "data = [i * i for i in range(200_000)]")
-        snap = None
-        if args.of_snapshot:
-            snap = await cp.snapshot(src.id, name="tl-snap")
-            await cp.wait_stored(snap.id)
-            await cp.settle()
-        for _ in range(args.reps):
+        # one source per template (guest size), forked in turn: the sizes meet the same load
+        names = args.template.split(",")
+        sources: dict[str, Any] = {}
+        snaps: dict[str, Any] = {}
+        for name in names:
+            mib = templates.get(name).memory_mib
+            src = await manager.create(name=f"tl-src-{name}", template=name, memory_mib=mib)
+            await manager.run_code(src.id, "data = [i * i for i in range(200_000)]")
+            sources[name] = src
+            if args.of_snapshot:
+                snaps[name] = await cp.snapshot(src.id, name=f"tl-snap-{name}")
+                await cp.wait_stored(snaps[name].id)
+                await cp.settle()
+        for _, name in ((r, n) for r in range(args.reps) for n in names):
+            src, snap = sources[name], snaps.get(name)
             await cp.settle()
             load = os.getloadavg()[0]
             tl.spans, tl.pids = [], {}
@@ -394,7 +462,11 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
             times1, stat1, th1 = os.times(), _stat(), _threads()
             print(f"page cache MiB at the end: {_vmstat()}")
             cpu = {
-                who: {**cont_cpu.get(who, {}), "at_end": _cpu_ms(pid)}
+                who: {
+                    **cont_cpu.get(who, {}),
+                    "at_end": _cpu_ms(pid),
+                    "faults_at_end": _faults(pid),
+                }
                 for who, pid in tl.pids.items()
             }
             qemu_sum = sum(c["at_end"] or 0 for c in cpu.values())
@@ -409,20 +481,24 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
             )
             render(tl.spans, cpu, total)
             down = cp.last_downtime if snap is None else None
+            parts = getattr(manager.live(src.id).machine, "last_capture", {})
             if down is not None:
-                print(f"the source stood still {down * 1000:.1f} ms (stop -> cont)")
+                print(f"the source stood still {down * 1000:.1f} ms (stop -> cont): {parts}")
             runs.append(
                 {
+                    "template": name,
                     "total_ms": total,
                     "load": load,
                     "downtime_ms": None if down is None else down * 1000,
+                    "capture_parts_ms": dict(parts) if down is not None else None,
                     "spans": list(tl.spans),
                     "cpu": cpu,
                 }
             )
             for kid in kids:
                 await manager.kill(kid.id)
-        await manager.kill(src.id)
+        for src in sources.values():
+            await manager.kill(src.id)
     finally:
         tl.close()
         await cp.settle()
@@ -430,8 +506,8 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
             with contextlib.suppress(Exception):
                 await manager.kill(info.id)
         await manager.close(pause=False)
-    totals = [r["total_ms"] for r in runs]
-    print(f"per child: median {statistics.median(totals) / args.count:.1f} ms over {len(totals)}")
+    for name in args.template.split(","):
+        summarize(name, [r for r in runs if r["template"] == name], args.count)
     return {
         "count": args.count,
         "template": args.template,
@@ -445,7 +521,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--template", default="python")
+    parser.add_argument(
+        "--template",
+        default="python",
+        help="the source's template; several, comma-separated (python,python-2g): one source "
+        "each, forked in turn in the same process",
+    )
     parser.add_argument("--of-snapshot", action="store_true", help="fork a snapshot id")
     parser.add_argument(
         "--before",
