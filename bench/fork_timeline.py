@@ -405,6 +405,15 @@ def summarize(name: str, runs: list[dict[str, Any]], count: int) -> None:
         f"CPU to QMP {_median([part(c, 'at_qmp', None) for c in kids])}, QMP -> cont "
         f"{_median([part(c, 'at_cont', 'at_qmp') for c in kids])}, cont -> first answer "
         f"{_median([part(c, 'at_answer', 'at_cont') for c in kids])}"
+        + (
+            f"; the other children's RAM copies, CPU per copy {_median(copies)}"
+            if (
+                copies := [
+                    s.get("cpu") for r in runs for s in r["spans"] if s["what"] == "fill_pending"
+                ]
+            )
+            else ""
+        )
     )
 
 
