@@ -423,6 +423,29 @@ def summarize(name: str, runs: list[dict[str, Any]], count: int) -> None:
     )
 
 
+def flatness(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """With several templates forked in turn: each one's fork time over the first template's
+    fork just before it (the pair met the same load), median over the pairs; printed as
+    PASS/FAIL against ``bench.lifecycle``'s limit for "flat in the guest's size"."""
+    from bench.lifecycle import FLAT_LIMIT
+
+    out = []
+    first = [r for r in runs if r["template"] == names[0]]
+    for name in names[1:]:
+        pairs = zip(first, [r for r in runs if r["template"] == name], strict=False)
+        ratios = [b["total_ms"] / a["total_ms"] for a, b in pairs]
+        if not ratios:
+            continue
+        ratio = statistics.median(ratios)
+        out.append({"template": name, "over": names[0], "ratio": ratio, "pairs": len(ratios)})
+        print(
+            f"{'PASS' if ratio <= FLAT_LIMIT else 'FAIL'} flat: a fork of {name} is {ratio:.2f} "
+            f"x one of {names[0]} (median of {len(ratios)} pairs forked in turn, "
+            f"<= {FLAT_LIMIT})"
+        )
+    return out
+
+
 async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     from torpor.config import paths
     from torpor.sandbox.checkpoints import Checkpoints
@@ -525,9 +548,12 @@ async def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:
             with contextlib.suppress(Exception):
                 await manager.kill(info.id)
         await manager.close(pause=False)
-    for name in args.template.split(","):
+    names = args.template.split(",")
+    for name in names:
         summarize(name, [r for r in runs if r["template"] == name], args.count)
+    flat = flatness(runs, names)
     return {
+        "flatness": flat,
         "count": args.count,
         "template": args.template,
         "before": args.before,
