@@ -5,6 +5,7 @@ processes whose cwd is the directory and whose pid is in its ``qemu.pid`` stand 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -208,3 +209,10 @@ def test_linger_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORPOR_LINGER_SECONDS", "30")
     monkeypatch.setenv("TORPOR_LINGER_MAX", "0")
     assert not Linger.from_env().enabled
+
+
+def test_one_whose_directory_is_gone_is_killed(tmp_path: Path) -> None:
+    proc = _lingering(tmp_path / "sbx")
+    shutil.rmtree(tmp_path / "sbx")  # (its sandbox deleted by another way than a kill)
+    linger.drop((tmp_path / "sbx").resolve())
+    assert _gone(proc)

@@ -262,7 +262,7 @@ def drop(directory: Path) -> None:
     if claimed is None:
         # another process claimed it (it runs there now, or was killed), or its directory
         # went with its sandbox: only a QEMU left on a directory that is gone is ended here
-        if not directory.exists():
+        if not directory.exists() and (entry.proc is not None or _ran_in(entry.pid, directory)):
             _kill(entry.pid, entry.proc)
             hand_off(directory, entry.proc, None if entry.proc else entry.pid)
         elif entry.proc is not None:
@@ -286,6 +286,16 @@ def _mine(directory: Path, entry: _Kept) -> bool:
     ``entry`` (not another process's, which resumed that QEMU and paused it again)."""
     marker = read_marker(directory / MARKER)
     return marker is not None and marker.pid == entry.pid and marker.owner == me()
+
+
+def _ran_in(pid: int, directory: Path) -> bool:
+    """Whether the process ``pid`` has its cwd in ``directory``, removed since (so a pid
+    reused by another process is never killed)."""
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    return cwd in (str(directory), f"{directory} (deleted)")
 
 
 def _kill(pid: int, proc: subprocess.Popen[bytes] | None) -> None:
