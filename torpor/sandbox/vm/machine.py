@@ -1,4 +1,4 @@
-"""The QEMU machine of one sandbox directory: cold boot, hibernate, wake, kill, hot-plug.
+r"""The QEMU machine of one sandbox directory: cold boot, hibernate, wake, kill, hot-plug.
 
 A sandbox directory holds everything its machine is: its guest RAM file ``ram``, the saved
 device state ``state``, its disk, ``machine.json`` and sockets (the layout, the machine type and
@@ -9,6 +9,10 @@ in ``ram``) to ``state.tmp``, fsync, rename to ``state``, quit (QEMU's exit is n
 for: :mod:`torpor.sandbox.vm.exits`). Wake = a new QEMU on the same
 ``ram`` with ``-incoming defer``, load ``state``, delete it, ``cont``. No RAM is copied either
 way, so both cost tens of milliseconds whatever the RAM size.
+
+With a linger window (``QemuMachine(linger=...)``, from the engine) a hibernate keeps its
+stopped QEMU a few seconds instead of telling it to quit, and a wake that finds it, unchanged,
+only ``cont``\ s it: :mod:`torpor.sandbox.vm.linger`.
 
 Crash safety: ``state`` only ever appears whole (tmp + fsync + rename), and a wake deletes it
 *before* ``cont``, so a QEMU killed at any point leaves either a loadable (ram, state) pair or
@@ -44,6 +48,7 @@ from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay
 from torpor.sandbox.vm.exits import hand_off, settle_exit, settle_foreign_exit
 from torpor.sandbox.vm.hotplug import HotPlug
 from torpor.sandbox.vm.jail import popen_args, prepare, prepare_path
+from torpor.sandbox.vm.kept import Kept
 from torpor.sandbox.vm.machine_dir import (
     MACHINE_TYPE,
     MIGRATE_TIMEOUT,
@@ -89,7 +94,7 @@ log = logging.getLogger(__name__)
 PRESTARTED = lingering.MARKER
 
 
-class QemuMachine(HotPlug):
+class QemuMachine(HotPlug, Kept):
     """One QEMU process on one directory. Not safe for concurrent use: one caller at a time
     (the sandbox manager serialises operations per sandbox).
 
@@ -409,30 +414,6 @@ class QemuMachine(HotPlug):
             drop_layer_aliases(self.directory)
         log.info("hibernated %s in %.3fs", self.directory, time.monotonic() - t0)
 
-    def _keep_lingering(self) -> bool:
-        """After a hibernate's save: when :attr:`linger` allows, mark this stopped QEMU as
-        lingering (its marker, with the files' fingerprint) and hand it to
-        :mod:`torpor.sandbox.vm.linger`, which ends it when its window is over; True if
-        kept (the caller lets go of QMP), False to quit it as usual."""
-        policy = self.linger
-        pid = self._pid
-        if policy is None or not policy.enabled or pid is None or not self.is_running():
-            return False
-        try:
-            marker = lingering.Marker(
-                kind="linger",
-                pid=pid,
-                owner=lingering.me(),
-                expires=time.time() + policy.seconds,
-                fingerprint=lingering.fingerprint(self.directory),
-            )
-            lingering.write_marker(self.directory, marker)
-        except OSError as exc:
-            log.warning("%s: cannot keep QEMU lingering (%s); it quits", self.directory, exc)
-            return False
-        lingering.keep(self.directory, self._proc, pid, policy.seconds, policy.max_count)
-        return True
-
     async def capture(
         self,
         *,
@@ -650,57 +631,6 @@ class QemuMachine(HotPlug):
         self._proc = None  # reaped by whoever kills it (subprocess collects the zombie)
         self._pid = None
         log.info("prestarted %s", self.directory)
-
-    async def _take_kept(self, *, resume: bool) -> bool:
-        """Resume the stopped QEMU :meth:`prestart` or a lingering pause left on this
-        directory (:data:`PRESTARTED`): True if it did; False if there is none, or ``resume``
-        is False, or it fails its checks (:func:`~torpor.sandbox.vm.linger.stale_reason`: a
-        lingering one's window is over or its files changed; or its QEMU is dead, or not
-        stopped as it was left). A QEMU not resumed is killed and its marker dropped, so the
-        caller wakes from ``state``. Raises EngineError only if that kill fails."""
-        marker = lingering.read_marker(self.directory / PRESTARTED)
-        if marker is None:
-            if (self.directory / PRESTARTED).exists():  # unreadable: nothing to trust
-                (self.directory / PRESTARTED).unlink(missing_ok=True)
-            return False
-        claimed = lingering.claim(self.directory)  # from here no other process acts on it
-        if claimed is None:
-            return False
-        proc = lingering.release(self.directory)  # this process's own: stop its window
-        try:
-            why = "this wake loads the state" if not resume else None
-            why = why or lingering.stale_reason(marker, self.directory)
-            if why is None:
-                self._proc, self._pid = proc, marker.pid
-                if await self._resume_stopped():
-                    return True
-            else:
-                log.info("%s: not resuming its stopped QEMU: %s", self.directory, why)
-            if qemu_pid(self.directory) == marker.pid:
-                self._proc, self._pid = proc, marker.pid
-                await self._reap(force=True)
-            self._proc, self._pid = None, None
-            return False
-        finally:
-            claimed.unlink(missing_ok=True)
-
-    async def _resume_stopped(self) -> bool:
-        """``cont`` the stopped QEMU :attr:`_pid` (left stopped by :meth:`prestart` or a
-        lingering hibernate) if it is in a :data:`~torpor.sandbox.vm.linger.RESUMABLE`
-        runstate; True if it runs now (the consumed ``state`` is deleted first)."""
-        try:
-            await self._connect()
-            status = await self._qmp_exec("query-status")
-            runstate = status.get("status") if isinstance(status, dict) else None
-            if runstate in lingering.RESUMABLE:
-                discard_state(self.directory)  # the guest is about to change ``ram``
-                await self._qmp_exec("cont")
-                self.resumed_at = time.monotonic()
-                return True
-            log.warning("%s: the stopped QEMU is %s; waking afresh", self.directory, runstate)
-        except EngineError as exc:
-            log.warning("%s: the stopped QEMU failed (%s); waking afresh", self.directory, exc)
-        return False
 
     async def _load_state(self, state: Path, *, capability_set: bool = False) -> None:
         """Load the saved device state ``state`` into the QEMU started with -incoming
