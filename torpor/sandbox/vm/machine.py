@@ -1,4 +1,4 @@
-r"""The QEMU machine of one sandbox directory: cold boot, hibernate, wake, kill, hot-plug.
+"""The QEMU machine of one sandbox directory: cold boot, hibernate, wake, kill, hot-plug.
 
 A sandbox directory holds everything its machine is: its guest RAM file ``ram``, the saved
 device state ``state``, its disk, ``machine.json`` and sockets (the layout, the machine type and
@@ -12,7 +12,8 @@ way, so both cost tens of milliseconds whatever the RAM size.
 
 With a linger window (``QemuMachine(linger=...)``, from the engine) a hibernate keeps its
 stopped QEMU a few seconds instead of telling it to quit, and a wake that finds it, unchanged,
-only ``cont``\ s it: :mod:`torpor.sandbox.vm.linger`.
+only resumes it: :mod:`torpor.sandbox.vm.linger` (the machine's side of it:
+:mod:`torpor.sandbox.vm.kept`).
 
 Crash safety: ``state`` only ever appears whole (tmp + fsync + rename), and a wake deletes it
 *before* ``cont``, so a QEMU killed at any point leaves either a loadable (ram, state) pair or
