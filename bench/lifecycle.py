@@ -272,12 +272,12 @@ async def _cold_boot(home: Path) -> float:
 
 async def _pooled_creates(home: Path, template: str, reps: int, marks: _Marks) -> list[float]:
     """Creates that take a warm clone from a pool of 2 (each waits for the refill first)."""
-    from torpor.config import paths
+    from torpor.config import Linger, paths
     from torpor.sandbox import template as templates
     from torpor.sandbox.engine import QemuEngine
     from torpor.sandbox.manager import SandboxManager
 
-    engine = QemuEngine(paths(home), pool_size=2)
+    engine = QemuEngine(paths(home), pool_size=2, linger=Linger(0))
     info = templates.get(template)
     snap = Path(info.snapshot_dir)
     marks.phase = "create_pooled"
@@ -331,7 +331,9 @@ async def run(
     }
     marks = _Marks(samples)
     mgr = SandboxManager(
-        paths(home), engine=_TimedEngine(QemuEngine(paths(home), pool_size=0), marks)
+        # (linger off whatever the environment says: these rows are cold wakes)
+        paths(home),
+        engine=_TimedEngine(QemuEngine(paths(home), pool_size=0, linger=Linger(0)), marks),
     )
     # the SDK's steps run on a server of a home of their own, each right after the engine's
     # (blocking calls: the engine waits meanwhile, its machines idle)
