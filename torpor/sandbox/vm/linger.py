@@ -13,9 +13,10 @@ process that kept it, when its window ends, and a :func:`fingerprint` of ``state
 and ``disk.qcow2`` taken right after the save.
 
 A wake within the window (``QemuMachine.wake``, in any process: QMP is a unix socket in the
-directory) claims the marker by renaming it (:func:`claim`: of two processes only one can),
-checks it (:func:`stale_reason`: the window, the fingerprint, the pid) and the QEMU's
-runstate, and only resumes it (``cont``, which after a migration re-activates the disks).
+directory; the machine's side is :mod:`torpor.sandbox.vm.kept`) claims the marker by renaming
+it (:func:`claim`: of two processes only one can), checks it (:func:`stale_reason`: the
+window, the fingerprint, the pid) and the QEMU's runstate, and only resumes it (``cont``,
+which after a migration re-activates the disks).
 Anything else — the window over, files changed (a compaction, a snapshot that switched the
 disk overlay, a fetched pause, a wake elsewhere), a dead QEMU, an unexpected runstate — kills
 it and the wake proceeds cold from ``state``. Durability is unchanged: the state is on disk
