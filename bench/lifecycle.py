@@ -689,7 +689,15 @@ def main() -> None:
 #: a step is flat in the guest's size when, over the same run's QEMU start floor, the largest
 #: guest's median is at most this multiple of the smallest's
 FLAT_LIMIT = 1.25
-FLAT_STEPS = ("pause", "wake", "wake_and_call", "create", "create_pooled")
+FLAT_STEPS = (
+    "pause",
+    "wake",
+    "wake_and_call",
+    "create",
+    "create_pooled",
+    "warm_wake",
+    "warm_wake_and_call",
+)
 
 
 def _flatness(results: dict[str, Any]) -> list[dict[str, Any]]:
