@@ -10,6 +10,12 @@ directory uses.
 
     python3 -m bench.lifecycle               # 10 repetitions
     python3 -m bench.lifecycle --reps 20 --cold   # also time one cold boot of the template
+    python3 -m bench.lifecycle --linger 0    # without the wakes within a linger window
+
+Each repetition also pauses and wakes a second sandbox whose engine keeps a pause's stopped
+QEMU for ``--linger`` seconds (:mod:`torpor.sandbox.vm.linger`), right after the cold wake
+of the first (a manager of its own on a home of its own, and through the SDK a server started
+with ``TORPOR_LINGER_SECONDS``): the cold rows are measured as before, linger off.
 
 Results go to ``bench/results/lifecycle.json``; each target prints PASS/FAIL with the ratio
 measured/target (<= 1.00 passes).
@@ -21,37 +27,19 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from bench._common import bench_home, summary, write_results
+from bench._sdk_side import SDK_ONLY, SDK_PAIRS, WARM_GAP, SdkSide
 
 RESULTS = Path(__file__).parent / "results" / "lifecycle.json"
-Samples = dict[str, list[float]]
-#: (engine step, the same through the SDK and the server): the SDK/server path's cost
-SDK_PAIRS = [
-    ("create", "sdk_create"),
-    ("interpreter", "sdk_interpreter"),
-    ("pause", "sdk_pause"),
-    ("wake", "sdk_wake"),
-    ("wake_and_call", "sdk_wake_and_call"),
-]
-#: SDK steps measured paired only (client time minus the engine's inside the server)
-SDK_ONLY = (
-    "sdk_call_wakes",
-    "sdk_get_or_create_and_call",
-    "sdk_snapshot",
-    "sdk_restore",
-    "sdk_fork",
-)
 #: the steps of :func:`torpor.sandbox.vm.channel.wake_split`, in order
 GUEST_STEPS = {
     "first_turn": "1 agent's idle loop runs",
@@ -111,8 +99,10 @@ async def _floor(directory: Path) -> float:
 
 
 def _paused_cost(directory: Path) -> dict[str, Any]:
-    """Processes running in a paused sandbox's directory, their RSS, and its disk use."""
+    """Processes running in a paused sandbox's directory, their RSS (and its parts: private
+    memory, mapped files, shared memory such as the guest's RAM file), and its disk use."""
     pids, rss_kib = [], 0
+    parts = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -121,8 +111,11 @@ def _paused_cost(directory: Path) -> dict[str, Any]:
                 continue
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
+                    key = line.split(":")[0]
+                    if key == "VmRSS":
                         rss_kib += int(line.split()[1])
+                    elif key in parts:
+                        parts[key] += int(line.split()[1])
             pids.append(int(pid))
         except OSError:
             continue
@@ -131,6 +124,7 @@ def _paused_cost(directory: Path) -> dict[str, Any]:
     return {
         "qemu_pids": pids,
         "rss_kib": rss_kib,
+        "rss_parts_kib": parts,
         "disk_kib_used": int(du.stdout.split()[0]) if du.returncode == 0 else None,
         "apparent_mib": round(apparent / 2**20, 1),
         "files": sorted(p.name for p in directory.iterdir()),
@@ -177,9 +171,19 @@ class _TimedMachine:
         return getattr(self.inner, name)
 
     async def wake(self, *, ram_ready: Awaitable[object] | None = None) -> None:
+        from torpor.sandbox.vm.linger import MARKER, read_marker
+
+        kept = read_marker(self.inner.directory / MARKER)  # a lingering QEMU to resume?
         t0 = time.perf_counter()
         await self.inner.wake(ram_ready=ram_ready)
-        self.marks.add("QEMU start + load state + cont", time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        resumed = kept is not None and self.inner.pid == kept.pid
+        if kept is not None:  # (a wake that found it stale went cold: counted, not hidden)
+            self.marks.count("kept QEMU resumed (1) or a new one started (0)", int(resumed))
+        if resumed:
+            self.marks.add("resume the kept QEMU (claim, checks, cont)", elapsed)
+        else:
+            self.marks.add("QEMU start + load state + cont", elapsed)
 
     async def hibernate(self, *, ready: Awaitable[object] | None = None) -> None:
         timed = None
@@ -193,7 +197,14 @@ class _TimedMachine:
             timed = timed_ready()
         t0 = time.perf_counter()
         await self.inner.hibernate(ready=timed)
-        self.marks.add("hibernate (stop, save state, quit)", time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        kept = (self.inner.directory / "prestarted").exists()  # (linger: QEMU stays, stopped)
+        step = (
+            "hibernate (stop, save state, keep QEMU)"
+            if kept
+            else "hibernate (stop, save state, quit)"
+        )
+        self.marks.add(step, elapsed)
 
 
 class _TimedEngine:
@@ -261,12 +272,12 @@ async def _cold_boot(home: Path) -> float:
 
 async def _pooled_creates(home: Path, template: str, reps: int, marks: _Marks) -> list[float]:
     """Creates that take a warm clone from a pool of 2 (each waits for the refill first)."""
-    from torpor.config import paths
+    from torpor.config import Linger, paths
     from torpor.sandbox import template as templates
     from torpor.sandbox.engine import QemuEngine
     from torpor.sandbox.manager import SandboxManager
 
-    engine = QemuEngine(paths(home), pool_size=2)
+    engine = QemuEngine(paths(home), pool_size=2, linger=Linger(0))
     info = templates.get(template)
     snap = Path(info.snapshot_dir)
     marks.phase = "create_pooled"
@@ -292,161 +303,6 @@ async def _pooled_creates(home: Path, template: str, reps: int, marks: _Marks) -
     return out
 
 
-def _serve(home: Path) -> subprocess.Popen[bytes]:
-    """``torpor serve`` on ``home`` (its unix socket only), as the SDK's local server, writing
-    each request's timings to ``home/server-timing.jsonl`` (:mod:`torpor.server.timing`)."""
-    env = {**os.environ, "TORPOR_HOME": str(home), "TORPOR_SERVER_TIMING": str(_timing(home))}
-    for var in ("TORPOR_URL", "TORPOR_TOKEN"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "torpor.cli", "serve", "--embedder", "none"]
-    return subprocess.Popen(
-        [*cmd, "--log-level", "warning"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
-def _timing(home: Path) -> Path:
-    return home / "server-timing.jsonl"
-
-
-#: an SDK step's key -> its engine step's (SDK_PAIRS)
-SDK_ENGINE = {sdk: engine for engine, sdk in SDK_PAIRS}
-
-
-class _Sdk:
-    """The same steps through the public SDK, against a ``torpor serve`` of another home (the
-    unix socket), each right after the engine's own (so load hits both alike): what the
-    server and the client add to the engine's numbers."""
-
-    KEYS = (
-        "sdk_create",
-        "sdk_interpreter",
-        "sdk_pause",
-        "sdk_wake",
-        "sdk_wake_and_call",
-        *SDK_ONLY,
-    )
-
-    def __init__(self, home: Path, template: str, memory_mib: int, samples: Samples) -> None:
-        from torpor.client import Runtime, Sandbox
-
-        self.template, self.memory_mib = template, memory_mib
-        for key in self.KEYS:
-            samples[key] = []
-        self.samples = samples
-        self.home = home
-        self.proc = _serve(home)
-        self.rt = Runtime(home=home, autostart=False)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                self.rt.health()
-                break
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise
-                time.sleep(0.05)
-        self.sbx = Sandbox.create(template, name="sdk", memory_mib=memory_mib, runtime=self.rt)
-        self.sbx.interpreter.run("0")
-
-    def _begin(self) -> tuple[float, int]:
-        """The start of a timed SDK step: the time, and how many requests the server had
-        timed by then (the lines after it are the step's requests)."""
-        return time.perf_counter(), len(_timing(self.home).read_text().splitlines())
-
-    def _add(self, key: str, begun: tuple[float, int]) -> None:
-        """Record the SDK step ``key`` (``begun`` by :meth:`_begin`), and how its time splits,
-        from the server's lines for its requests (each written before its answer leaves): the
-        engine's operations inside the server, the rest of the server (routing, auth,
-        models, JSON), the client and the socket. Its time minus the engine's is what the SDK
-        and the server add, paired request by request."""
-        t0, seen = begun
-        total = time.perf_counter() - t0
-        self.samples[key].append(total)
-        mine = [json.loads(x) for x in _timing(self.home).read_text().splitlines()[seen:]]
-        if not mine:
-            return
-        engine = sum(x["engine_ms"] for x in mine) / 1000
-        app = sum(x["app_ms"] for x in mine) / 1000
-        for part, value in (
-            ("server: the engine's operation", engine),
-            ("server: the rest (routing, auth, models, JSON)", app - engine),
-            ("the client and the socket", total - app),
-        ):
-            self.samples.setdefault(f"{key}: {part}", []).append(value)
-        self.samples.setdefault(f"sdk_added: {key}", []).append(total - engine)
-
-    def create(self, i: int) -> None:
-        from torpor.client import Sandbox
-
-        begun = self._begin()
-        made = Sandbox.create(
-            self.template, name=f"s{i}", memory_mib=self.memory_mib, runtime=self.rt
-        )
-        self._add("sdk_create", begun)
-        made.kill()
-
-    def interpreter(self) -> None:
-        begun = self._begin()
-        self.sbx.interpreter.run("1 + 1")
-        self._add("sdk_interpreter", begun)
-
-    def wakes(self) -> None:
-        """Pause, then wake three ways: resume + a call (as the engine's wake and
-        wake_and_call), a call alone (wake-on-request), get_or_create + a call (what an
-        agent's session starts with, DESIGN.md)."""
-        from torpor.client import Sandbox
-
-        begun = self._begin()
-        self.sbx.pause()
-        self._add("sdk_pause", begun)
-        begun = self._begin()
-        self.sbx.resume()
-        self._add("sdk_wake", begun)
-        self.sbx.interpreter.run("1")
-        self._add("sdk_wake_and_call", begun)
-        self.sbx.pause()
-        begun = self._begin()
-        self.sbx.interpreter.run("1")
-        self._add("sdk_call_wakes", begun)
-        self.sbx.pause()
-        begun = self._begin()
-        Sandbox.get_or_create("sdk", runtime=self.rt).interpreter.run("1")
-        self._add("sdk_get_or_create_and_call", begun)
-
-    def checkpoints(self, i: int) -> None:
-        """Snapshot the running sandbox, restore it, fork it (one child): paired only (the
-        engine's own figures for these are ``bench/snapshots.py``'s)."""
-        begun = self._begin()
-        snap = self.sbx.snapshot(name=f"sdk-{i}")
-        self._add("sdk_snapshot", begun)
-        begun = self._begin()
-        restored = snap.restore()
-        self._add("sdk_restore", begun)
-        restored.kill()
-        begun = self._begin()
-        children = self.sbx.fork()
-        self._add("sdk_fork", begun)
-        for child in children:
-            child.kill()
-        with contextlib.suppress(Exception):  # (its chunk-store save may still run)
-            snap.delete()
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.sbx.kill()
-        self.rt.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def _elapsed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -454,9 +310,14 @@ def _elapsed(fn: Callable[[], Any]) -> float:
 
 
 async def run(
-    reps: int, cold: bool, home: Path, template: str = "python", sdk: bool = True
+    reps: int,
+    cold: bool,
+    home: Path,
+    template: str = "python",
+    sdk: bool = True,
+    linger: float = 30.0,
 ) -> dict[str, Any]:
-    from torpor.config import paths
+    from torpor.config import Linger, paths
     from torpor.sandbox import template as templates
     from torpor.sandbox.engine import QemuEngine
     from torpor.sandbox.manager import SandboxManager
@@ -470,16 +331,40 @@ async def run(
     }
     marks = _Marks(samples)
     mgr = SandboxManager(
-        paths(home), engine=_TimedEngine(QemuEngine(paths(home), pool_size=0), marks)
+        # (linger off whatever the environment says: these rows are cold wakes)
+        paths(home),
+        engine=_TimedEngine(QemuEngine(paths(home), pool_size=0, linger=Linger(0)), marks),
     )
     # the SDK's steps run on a server of a home of their own, each right after the engine's
     # (blocking calls: the engine waits meanwhile, its machines idle)
-    side: _Sdk | None = None
+    side: SdkSide | None = None
+    # wakes within a linger window: a sandbox of a manager (and a server) of their own
+    warm: SandboxManager | None = None
+    warm_side: SdkSide | None = None
+    lingering: dict[str, Any] | None = None
+    warm_ok: bool | None = None
     stack = contextlib.ExitStack()
     try:
         if sdk:
-            side = _Sdk(stack.enter_context(bench_home()), template, info.memory_mib, samples)
+            side = SdkSide(stack.enter_context(bench_home()), template, info.memory_mib, samples)
             stack.callback(side.close)
+        if linger > 0:
+            for key in ("warm_pause", "warm_wake", "warm_wake_and_call"):
+                samples[key] = []
+            warm_home = stack.enter_context(bench_home())
+            warm_engine = QemuEngine(paths(warm_home), pool_size=0, linger=Linger(linger, 4))
+            warm = SandboxManager(paths(warm_home), engine=_TimedEngine(warm_engine, marks))
+            await warm.create(name="warm", template=template, memory_mib=info.memory_mib)
+            await warm.run_code("warm", "kept = list(range(1000))")
+            if sdk:
+                warm_side = SdkSide(
+                    stack.enter_context(bench_home()),
+                    template,
+                    info.memory_mib,
+                    samples,
+                    linger=linger,
+                )
+                stack.callback(warm_side.close)
         # create: a fork of the template's booted snapshot (each one killed afterwards)
         sbx = await mgr.create(name="bench", template=template, memory_mib=info.memory_mib)
         await mgr.run_code("bench", "0")  # start the guest's interpreter once
@@ -518,8 +403,24 @@ async def run(
             if side is not None:
                 side.wakes()
                 side.checkpoints(len(samples["pause"]))
+            if warm is not None:  # the same within the window, right after the cold ones
+                marks.phase = "warm_pause"
+                samples["warm_pause"].append(await _timed(lambda: warm.pause("warm")))
+                if lingering is None:  # what a lingering QEMU holds meanwhile
+                    lingering = _paused_cost(warm.directory((await warm.get("warm")).id))
+                await asyncio.sleep(WARM_GAP)
+                marks.phase = "warm_wake"
+                t0 = time.perf_counter()
+                await warm.resume("warm")
+                samples["warm_wake"].append(time.perf_counter() - t0)
+                await warm.run_code("warm", "1")
+                samples["warm_wake_and_call"].append(time.perf_counter() - t0)
+            if warm_side is not None:
+                warm_side.warm_wakes()
         marks.phase = "other"
         ok = (await mgr.run_code("bench", "sum(kept)")).text == str(sum(range(1000)))
+        if warm is not None:
+            warm_ok = (await warm.run_code("warm", "sum(kept)")).text == str(sum(range(1000)))
         await mgr.pause("bench")
         await settle_exit(mgr.directory(sbx.id).resolve())  # QEMU exits after the pause
         paused = _paused_cost(mgr.directory(sbx.id))
@@ -527,6 +428,8 @@ async def run(
         cold_s = await _cold_boot(home) if cold else None
     finally:
         await mgr.close()
+        if warm is not None:
+            await warm.close()
         stack.close()
     samples["create_pooled"] = await _pooled_creates(home, template, reps, marks)
     stats = {k: summary(v) for k, v in samples.items()}
@@ -545,6 +448,22 @@ async def run(
         ("command round trip", stats["command"]["median_ms"], 50.0),
         ("paused: no QEMU, RSS 0", float(len(paused["qemu_pids"]) + paused["rss_kib"]), 0.0),
     ]
+    if samples.get("warm_wake"):
+        warm_ms = stats["warm_wake"]["median_ms"]
+        targets.append(("wake within the linger window <= 100 ms", warm_ms, 100.0))
+        targets.append(("wake within the linger window <= 3x floor", warm_ms, 3 * floor))
+    if samples.get("sdk_warm_wake_and_call"):
+        targets.append(
+            (
+                "wake + first call within the linger window through the SDK <= 130 ms",
+                stats["sdk_warm_wake_and_call"]["median_ms"],
+                130.0,
+            )
+        )
+        paired = stats.get("sdk_added: sdk_warm_wake_and_call")
+        if paired is not None:
+            name = "SDK/server adds to a warm wake + call (paired per request) <= 25 ms"
+            targets.append((name, paired["median_ms"], 25.0))
     if sdk:
         targets.append(
             (
@@ -582,7 +501,10 @@ async def run(
             k: {"median": statistics.median(v), "max": max(v)} for k, v in marks.counts.items()
         },
         "ram_intact_after_wakes": ok,
+        "ram_intact_after_warm_wakes": warm_ok,
         "paused_sandbox": paused,
+        "linger_seconds": linger,
+        "lingering_sandbox": lingering,
         "template_cold_boot_s": {"from_build": info.boot_seconds, "measured": cold_s},
         "targets": [
             {
@@ -617,6 +539,9 @@ def render(result: dict[str, Any]) -> None:
         "pause": "pause (guest sync + hibernate + registry)",
         "wake": "wake (+ channel + refresh + registry)",
         "wake_and_call": "wake + first interpreter call",
+        "warm_pause": "pause that keeps its QEMU (linger)",
+        "warm_wake": "wake within the linger window",
+        "warm_wake_and_call": "wake within the window + first interpreter call",
     }
     labels.update(
         {
@@ -630,6 +555,8 @@ def render(result: dict[str, Any]) -> None:
             "sdk_snapshot": "SDK: snapshot (running source)",
             "sdk_restore": "SDK: restore of that snapshot",
             "sdk_fork": "SDK: fork of one child (running source)",
+            "sdk_warm_wake": "SDK: resume within the linger window",
+            "sdk_warm_wake_and_call": "SDK: resume within the window + first call",
         }
     )
     for key, label in labels.items():
@@ -679,6 +606,18 @@ def render(result: dict[str, Any]) -> None:
         f"{paused['rss_kib']} KiB, disk used {paused['disk_kib_used']} KiB "
         f"(apparent {paused['apparent_mib']} MiB: {', '.join(paused['files'])})"
     )
+    kept = result.get("lingering_sandbox")
+    if kept:
+        parts = kept["rss_parts_kib"]
+        console.print(
+            f"lingering sandbox ({result['linger_seconds']:g} s window): QEMU pids "
+            f"{kept['qemu_pids']}, RSS {kept['rss_kib']} KiB: private (QEMU's own, its "
+            f"translation cache) {parts['RssAnon']}, mapped files (the guest's RAM file, "
+            f"QEMU's binary) {parts['RssFile']}, shared memory {parts['RssShmem']} KiB"
+        )
+        console.print(
+            f"RAM intact after {result['reps']} warm wakes: {result['ram_intact_after_warm_wakes']}"
+        )
     cold = result["template_cold_boot_s"]
     console.print(
         f"template cold boot: {cold['from_build']:.2f} s at build"
@@ -710,6 +649,12 @@ def main() -> None:
         "--no-sdk", action="store_true", help="skip the same steps through the SDK and a server"
     )
     parser.add_argument(
+        "--linger",
+        type=float,
+        default=30.0,
+        help="seconds a pause keeps its QEMU for the warm wakes (0: none are measured)",
+    )
+    parser.add_argument(
         "--sizes",
         default="512:python,2048:python-2g",
         help="guest sizes as MiB:template (a size whose template is missing is skipped)",
@@ -726,7 +671,9 @@ def main() -> None:
             print(f"{size} MiB skipped: no template {template!r}")
             continue
         with bench_home() as home:
-            result = asyncio.run(run(args.reps, args.cold, home, template, not args.no_sdk))
+            result = asyncio.run(
+                run(args.reps, args.cold, home, template, not args.no_sdk, args.linger)
+            )
         render(result)
         results[size] = result
     flat = _flatness(results)
@@ -742,7 +689,15 @@ def main() -> None:
 #: a step is flat in the guest's size when, over the same run's QEMU start floor, the largest
 #: guest's median is at most this multiple of the smallest's
 FLAT_LIMIT = 1.25
-FLAT_STEPS = ("pause", "wake", "wake_and_call", "create", "create_pooled")
+FLAT_STEPS = (
+    "pause",
+    "wake",
+    "wake_and_call",
+    "create",
+    "create_pooled",
+    "warm_wake",
+    "warm_wake_and_call",
+)
 
 
 def _flatness(results: dict[str, Any]) -> list[dict[str, Any]]:

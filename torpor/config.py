@@ -36,11 +36,14 @@ from torpor.errors import InvalidArgument, InvalidName, QuotaExceeded
 
 __all__ = [
     "LIMITS",
+    "LINGER_MAX_ENV",
+    "LINGER_SECONDS_ENV",
     "NAME_RE",
     "QEMU_GID",
     "QEMU_UID_BASE",
     "QEMU_UID_COUNT",
     "Limits",
+    "Linger",
     "Paths",
     "Quotas",
     "check_name",
@@ -88,6 +91,58 @@ class Limits:
 
 
 LIMITS = Limits()
+
+#: the operator's settings of :class:`Linger` (seconds, and how many at once per process)
+LINGER_SECONDS_ENV = "TORPOR_LINGER_SECONDS"
+LINGER_MAX_ENV = "TORPOR_LINGER_MAX"
+
+
+@dataclass(frozen=True)
+class Linger:
+    """How long the stopped QEMU of a pause is kept for a warm wake, and how many at once.
+
+    A pause makes its state durable as always; with a window, its QEMU is then kept,
+    stopped, for ``seconds`` instead of being told to quit, and a wake within the window
+    that finds the files exactly as the pause left them only resumes it
+    (:mod:`torpor.sandbox.vm.linger`). At most ``max_count`` are kept per process (the
+    oldest goes first); each holds its QEMU's own memory (tens of MiB; the guest's RAM is
+    the sandbox's file either way). ``seconds`` 0 (the default) or ``max_count`` 0: off,
+    a paused sandbox holds no process, as without this.
+
+    :meth:`from_env` reads ``TORPOR_LINGER_SECONDS`` (0-3600) and ``TORPOR_LINGER_MAX``
+    (0-64, default 4).
+    """
+
+    seconds: float = 0.0
+    max_count: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a pause keeps its QEMU at all."""
+        return self.seconds > 0 and self.max_count > 0
+
+    @classmethod
+    def from_env(cls) -> Linger:
+        """The setting from the environment; a value that is not a number in range is
+        ignored (logged) and the default used, as for the other environment settings."""
+        default = cls()
+        seconds, max_count = default.seconds, default.max_count
+        raw = os.environ.get(LINGER_SECONDS_ENV, "").strip()
+        if raw:
+            try:
+                seconds = float(raw)
+                if not 0 <= seconds <= 3600:
+                    raise ValueError(raw)
+            except ValueError:
+                log.warning("%s=%r is not 0-3600 seconds; ignored", LINGER_SECONDS_ENV, raw)
+                seconds = default.seconds
+        raw = os.environ.get(LINGER_MAX_ENV, "").strip()
+        if raw:
+            if raw.isdigit() and int(raw) <= 64:
+                max_count = int(raw)
+            else:
+                log.warning("%s=%r is not 0-64; using %d", LINGER_MAX_ENV, raw, max_count)
+        return cls(seconds, max_count)
 
 
 @dataclass(frozen=True)

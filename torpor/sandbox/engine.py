@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torpor._tail import LOG_KEEP, trim_log
-from torpor.config import Paths
+from torpor.config import Linger, Paths
 from torpor.errors import EngineError, InvalidArgument
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
 from torpor.sandbox.requests import CodeSpec, CommandSpec
@@ -129,7 +130,9 @@ class Machine(Protocol):
 
     async def hibernate(self, *, ready: Awaitable[object] | None = None) -> None:
         """Save the machine (its RAM file and a durable device state) and stop it.
-        ``ready`` is awaited just before the guest stops (the caller's flush of the guest)."""
+        ``ready`` is awaited just before the guest stops (the caller's flush of the guest).
+        The engine may keep the stopped process a short while for a faster next wake (see
+        :class:`QemuEngine`'s ``linger``): the saved state is durable either way."""
         ...
 
     async def kill(self) -> None: ...
@@ -193,12 +196,23 @@ class QemuEngine:
     """
 
     def __init__(
-        self, paths: Paths, *, connect_timeout: float = 30.0, pool_size: int | None = None
+        self,
+        paths: Paths,
+        *,
+        connect_timeout: float = 30.0,
+        pool_size: int | None = None,
+        linger: Linger | None = None,
     ) -> None:
+        from torpor.sandbox.vm import linger as lingering
         from torpor.sandbox.vm.pool import ClonePool, pool_size_from_env
 
         self.paths = paths
         self.connect_timeout = connect_timeout
+        #: how long a pause keeps its stopped QEMU for a warm wake (``linger`` or
+        #: ``TORPOR_LINGER_SECONDS`` / ``TORPOR_LINGER_MAX``; off by default): see
+        #: :mod:`torpor.sandbox.vm.linger`
+        self.linger = Linger.from_env() if linger is None else linger
+        lingering.sweep(paths.sandboxes)  # what a process that died left lingering
         #: ready clones a create takes instead of cloning (``pool_size`` or
         #: ``TORPOR_CLONE_POOL``; 0: none): see :mod:`torpor.sandbox.vm.pool`
         self.pool = ClonePool(
@@ -279,7 +293,7 @@ class QemuEngine:
         from torpor.sandbox.vm.machine import QemuMachine
 
         machine: Machine = QemuMachine(
-            directory, templates.get(config.template), self._spec(config)
+            directory, templates.get(config.template), self._spec(config), linger=self.linger
         )
         return machine
 
@@ -350,6 +364,9 @@ class QemuEngine:
             log.warning("cannot trim the console log of %s: %s", directory.name, exc)
 
     def terminate(self, directory: Path) -> None:
+        from torpor.sandbox.vm import linger as lingering
+
+        lingering.drop(directory.resolve())  # this process's lingering QEMU, at once
         pid = self.inspect(directory).qemu_pid
         if pid is not None:
             try:
@@ -364,3 +381,5 @@ class QemuEngine:
                 if self.inspect(directory).qemu_pid is None:
                     break
                 time.sleep(0.002)
+        with contextlib.suppress(OSError):  # a dead QEMU's marker: nothing to resume
+            (directory / lingering.MARKER).unlink(missing_ok=True)

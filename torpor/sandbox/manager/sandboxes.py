@@ -65,7 +65,7 @@ from torpor.sandbox.requests import (
 from torpor.sandbox.storage.compaction import CompactionReport, compact, is_compacted
 from torpor.sandbox.storage.relocate import relocate
 from torpor.sandbox.storage.snapshots import check_retention
-from torpor.sandbox.vm.exits import settle_exits
+from torpor.sandbox.vm.linger import settle_all
 from torpor.sandbox.vm.machine_dir import has_nic, read_machine_json
 
 __all__ = ["SandboxManager"]
@@ -619,7 +619,8 @@ class SandboxManager(NodeOperations, SandboxCalls):
             if live.machine is not None:  # still running (not paused): let the next attach
                 with suppress(Exception):
                     await live.machine.release()
-        await settle_exits()  # the QEMUs of those pauses, still exiting: none outlives this
+        # the QEMUs of those pauses, still exiting or lingering: none outlives this manager
+        await settle_all(self.paths.sandboxes)
         if self.cluster is not None:  # the pauses just made: durable before the node goes
             await self.cluster.wait_pushes(CLOSE_PUSH_SECONDS)
             await self.cluster.close()

@@ -65,10 +65,11 @@ def _record(directory: Path) -> SandboxRecord:
     status = inspect_dir(directory)
     now = time.time()
     started = directory.stat().st_mtime
-    if status.qemu_pid is not None:
-        state, error, paused_at = SandboxState.RUNNING, None, None
-    elif status.has_state:
+    if status.has_state:  # the guest never ran past a whole state: a QEMU beside it is one
+        # told to quit after its pause, or kept stopped for a warm wake (vm/linger.py)
         state, error, paused_at = SandboxState.PAUSED, None, (directory / "state").stat().st_mtime
+    elif status.qemu_pid is not None:
+        state, error, paused_at = SandboxState.RUNNING, None, None
     else:
         state, error, paused_at = SandboxState.ERROR, "RAM and processes; disk kept", None
     return SandboxRecord(

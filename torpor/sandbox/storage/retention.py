@@ -18,7 +18,8 @@ What goes, in this order (each step only removes what nothing references):
    gets its record back (:func:`restore_unrecorded_drives`);
 5. leftovers of interrupted work (``.*.tmp``, ``.*.work``) older than an hour, and in the
    clone pool (:meth:`torpor.sandbox.vm.pool.ClonePool.sweep`) the warm clones of a server
-   that died and the clones it left half made.
+   that died and the clones it left half made; and the QEMUs a process that died left
+   lingering on paused sandboxes (:func:`torpor.sandbox.vm.linger.sweep`).
 
 Expired *pauses* (a paused sandbox kept past its ``pause_retention_days``, default 30) are the
 manager's records; :func:`torpor.sandbox.checkpoints.collect_garbage` kills those first and then
@@ -48,6 +49,7 @@ from torpor.sandbox.storage.drives import DriveStore
 from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, step
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import is_qcow2
+from torpor.sandbox.vm.linger import sweep as linger_sweep
 from torpor.sandbox.vm.pool import ClonePool
 
 __all__ = [
@@ -346,6 +348,7 @@ def collect_garbage(
             )
             # warm clones whose server died, half-made clones (a live server's are kept)
             ClonePool(paths.cache / "pool", 0).sweep()
+            linger_sweep(paths.sandboxes)  # QEMUs kept lingering by a process that died
     except OSError as exc:
         raise StorageError(f"garbage collection failed: {exc}", exc=exc) from exc
     log.info("gc: %s", report.to_json())

@@ -49,7 +49,9 @@ class HotPlug:
     ) -> Any:
         raise NotImplementedError
 
-    async def hibernate(self, *, ready: Awaitable[object] | None = None) -> None:
+    async def hibernate(
+        self, *, ready: Awaitable[object] | None = None, linger: bool = True
+    ) -> None:
         raise NotImplementedError
 
     async def _wake(self, pending_shares: list[dict[str, Any]] | None = None) -> None:
@@ -105,7 +107,7 @@ class HotPlug:
             raise EngineError(f"share path {share.path} is not a directory")
         config = read_machine_json(self.directory)
         rec = add_device(config, share)  # validates and picks the slot; saved after plug
-        await self.hibernate()
+        await self.hibernate(linger=False)  # (its QEMU is replaced at once)
         await self._wake(pending_shares=[rec])
         _fsdev, dev = share_args(rec)
         await self._qmp_exec("device_add", dev)

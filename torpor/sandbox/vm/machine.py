@@ -10,6 +10,11 @@ for: :mod:`torpor.sandbox.vm.exits`). Wake = a new QEMU on the same
 ``ram`` with ``-incoming defer``, load ``state``, delete it, ``cont``. No RAM is copied either
 way, so both cost tens of milliseconds whatever the RAM size.
 
+With a linger window (``QemuMachine(linger=...)``, from the engine) a hibernate keeps its
+stopped QEMU a few seconds instead of telling it to quit, and a wake that finds it, unchanged,
+only resumes it: :mod:`torpor.sandbox.vm.linger` (the machine's side of it:
+:mod:`torpor.sandbox.vm.kept`).
+
 Crash safety: ``state`` only ever appears whole (tmp + fsync + rename), and a wake deletes it
 *before* ``cont``, so a QEMU killed at any point leaves either a loadable (ram, state) pair or
 no state file — never a state older than the RAM file.
@@ -37,11 +42,14 @@ from typing import Any
 from qemu.qmp import QMPClient, QMPError
 
 from torpor._tail import log_tail
+from torpor.config import Linger
 from torpor.errors import EngineError, InvalidState
+from torpor.sandbox.vm import linger as lingering
 from torpor.sandbox.vm.disk import copy_sparse, fsync_dir, new_overlay
 from torpor.sandbox.vm.exits import hand_off, settle_exit, settle_foreign_exit
 from torpor.sandbox.vm.hotplug import HotPlug
 from torpor.sandbox.vm.jail import popen_args, prepare, prepare_path
+from torpor.sandbox.vm.kept import Kept
 from torpor.sandbox.vm.machine_dir import (
     MACHINE_TYPE,
     MIGRATE_TIMEOUT,
@@ -82,12 +90,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: the file :meth:`QemuMachine.prestart` leaves in a directory whose QEMU waits, state
-#: loaded and guest stopped, for the ``cont`` of its wake (it holds that QEMU's pid)
-PRESTARTED = "prestarted"
+#: the file :meth:`QemuMachine.prestart` (and a lingering pause: :mod:`.linger`) leaves in a
+#: directory whose QEMU waits, guest stopped, for the ``cont`` of its wake
+PRESTARTED = lingering.MARKER
 
 
-class QemuMachine(HotPlug):
+class QemuMachine(HotPlug, Kept):
     """One QEMU process on one directory. Not safe for concurrent use: one caller at a time
     (the sandbox manager serialises operations per sandbox).
 
@@ -96,10 +104,20 @@ class QemuMachine(HotPlug):
     running machine, ``hibernate`` on a stopped one ...).
     """
 
-    def __init__(self, directory: Path, template: BootImage, spec: MachineSpec) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        template: BootImage,
+        spec: MachineSpec,
+        *,
+        linger: Linger | None = None,
+    ) -> None:
         self.directory = Path(directory).resolve()
         self.template = template
         self.spec = spec
+        #: whether (and how long) a hibernate keeps its stopped QEMU for a warm wake
+        #: (:mod:`torpor.sandbox.vm.linger`); None: never
+        self.linger = linger
         self.agent_socket = socket_path(self.directory / "agent.sock")
         self.console_log = self.directory / "console.log"
         self._qmp: QMPClient | None = None
@@ -159,7 +177,7 @@ class QemuMachine(HotPlug):
         pending_shares: list[dict[str, Any]] | None = None,
     ) -> None:
         """Start QEMU on the directory and connect QMP. Raises EngineError if it dies."""
-        await settle_exit(self.directory)
+        await lingering.settle(self.directory)
         for name in ("qmp.sock", "agent.sock", "qemu.pid"):
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / name).unlink()
@@ -334,11 +352,15 @@ class QemuMachine(HotPlug):
         await self._start(config, incoming=False)
         log.info("booted %s (%s)", self.directory, accel)
 
-    async def hibernate(self, *, ready: Awaitable[object] | None = None) -> None:
+    async def hibernate(
+        self, *, ready: Awaitable[object] | None = None, linger: bool = True
+    ) -> None:
         """Stop the guest, save its device state to ``state`` and tell QEMU to quit.
 
         The RAM stays in ``ram``. Returns once ``state`` is durable; QEMU exits on its own
         time (:mod:`torpor.sandbox.vm.exits`: the next start on this directory waits for it).
+        With a linger window (:attr:`linger`; ``linger=False`` says never for this one),
+        QEMU is instead kept stopped for a warm wake (:mod:`torpor.sandbox.vm.linger`).
         ``ready`` is awaited just before the guest is stopped, once the save is set up (the
         caller's last words with the guest, its flush, overlap those QMP round trips). If
         saving fails (or ``ready`` raises), the guest is resumed and EngineError is raised
@@ -378,6 +400,11 @@ class QemuMachine(HotPlug):
             raise EngineError(f"cannot write the state file: {exc}", exc=exc) from exc
         # Saved: the guest is stopped and the migration's end inactivated the disks (flushed,
         # unlocked). QEMU's own exit is not waited for (exits.settle_exit).
+        if linger and self._keep_lingering():
+            await self._disconnect()
+            self._proc, self._pid = None, None
+            log.info("hibernated %s in %.3fs; lingering", self.directory, time.monotonic() - t0)
+            return
         if self._qmp is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._qmp.execute("quit"), 5)
@@ -594,7 +621,10 @@ class QemuMachine(HotPlug):
                 await exercise()
                 await self._qmp_exec("stop")
             assert self._pid is not None
-            (self.directory / PRESTARTED).write_text(str(self._pid))
+            lingering.write_marker(
+                self.directory,
+                lingering.Marker(kind="prestart", pid=self._pid, owner=lingering.me()),
+            )
         except BaseException:
             await self._reap(force=True)
             raise
@@ -602,32 +632,6 @@ class QemuMachine(HotPlug):
         self._proc = None  # reaped by whoever kills it (subprocess collects the zombie)
         self._pid = None
         log.info("prestarted %s", self.directory)
-
-    async def _resume_prestarted(self) -> bool:
-        """Resume the QEMU :meth:`prestart` left loaded on this directory: True if it did,
-        False if there is none (a QEMU that died, or one that is not stopped with its state
-        loaded, is killed and the marker dropped: the caller wakes from ``state``)."""
-        marker = self.directory / PRESTARTED
-        if not marker.exists():
-            return False
-        pid = qemu_pid(self.directory)
-        try:
-            if pid is not None:
-                self._pid = pid
-                await self._connect()
-                status = await self._qmp_exec("query-status")
-                if isinstance(status, dict) and status.get("status") == "paused":
-                    discard_state(self.directory)  # the guest is about to change ``ram``
-                    await self._qmp_exec("cont")
-                    self.resumed_at = time.monotonic()
-                    marker.unlink(missing_ok=True)
-                    return True
-                log.warning("%s: the prestarted QEMU is %s; waking afresh", self.directory, status)
-        except EngineError as exc:
-            log.warning("%s: the prestarted QEMU failed (%s); waking afresh", self.directory, exc)
-        await self._reap(force=True)
-        marker.unlink(missing_ok=True)
-        return False
 
     async def _load_state(self, state: Path, *, capability_set: bool = False) -> None:
         """Load the saved device state ``state`` into the QEMU started with -incoming
@@ -650,10 +654,11 @@ class QemuMachine(HotPlug):
         *,
         ram_ready: Awaitable[object] | None = None,
     ) -> None:
-        await settle_exit(self.directory)  # the QEMU of the last hibernate, still exiting
-        if pending_shares is None and ram_ready is None and await self._resume_prestarted():
-            log.info("resumed the prestarted %s", self.directory)
+        resume = pending_shares is None and ram_ready is None
+        if await self._take_kept(resume=resume):
+            log.info("resumed the stopped QEMU of %s", self.directory)
             return
+        await lingering.settle(self.directory)  # the QEMU of the last hibernate, still exiting
         if not self.is_running():
             await settle_foreign_exit(self.directory)  # another process's, told to quit
         self._require_stopped("wake")
@@ -718,11 +723,15 @@ class QemuMachine(HotPlug):
         await self._disconnect()
 
     async def kill(self) -> None:
-        """Kill QEMU at once (no state saved). Files are kept. A no-op when not running."""
+        """Kill QEMU at once (no state saved), a lingering one too. Files are kept. A no-op
+        when none runs."""
+        lingering.drop(self.directory)
         if self._pid is None:
             self._pid = qemu_pid(self.directory)
         await self._reap(force=True)
         await settle_exit(self.directory)
+        with contextlib.suppress(OSError):
+            (self.directory / PRESTARTED).unlink(missing_ok=True)
 
     @classmethod
     async def attach(cls, directory: Path, template: BootImage, spec: MachineSpec) -> QemuMachine:
