@@ -36,10 +36,12 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     date      = 1 + ``dated`` (0.3) for a record whose ``valid_from`` falls on a day the query
                 names ("on 7 Jan 2024", "January 6", "2024-01-06"; without a year, any year)
                 or the day after (a day is often told the next morning); else 1
+    asks      = ``asking`` (0.7) for an episode that only asks (its text ends with "?" and
+                no sentence ends before it: "What about you, Kate?"); else 1
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
-    score     = relevance * kind * speaker * date * recency  (tiered, the default)
-              = relevance * kind * speaker * date * recency * scope  (``tiered=False``)
+    score     = relevance * kind * speaker * date * asks * recency  (tiered, the default)
+              = relevance * kind * speaker * date * asks * recency * scope  (``tiered=False``)
     reply     = with an embedder, an episode whose next turn in its session is among the first
                 ``reply_top`` (20) hits gains ``reply`` (0.1) times that turn's score
                 (:meth:`HybridRanker.with_replies`; recall asks the store for the turns)
@@ -80,7 +82,11 @@ an engine score it can only have had below the weakest returned one (0.65 of it:
 choice, ``bench/README.md``). The reply share: on real conversations a
 question often matches the answer better than the turn that holds the evidence (a user states
 a fact, the reply repeats and expands it), so a turn takes a little of its reply's score; it
-only reorders hits already found (relevance, hence abstention, is untouched). Stop words
+only reorders hits already found (relevance, hence abstention, is untouched). A turn that
+only asks holds no answer, yet a question put to memory matches other questions best (same
+words, same form: MiniLM puts them close): on REALTALK such turns were 9% of the turns, 3% of
+the evidence and 15% of the default's first five hits, so their score is lowered (not their
+relevance: abstention is untouched). Stop words
 weigh little in coverage and only through the engine's IDF in bm25 (why they are searched at all:
 :mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
 BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in
@@ -106,6 +112,7 @@ __all__ = [
     "HybridRanker",
     "Ranker",
     "coverage",
+    "asks",
     "query_days",
     "stem",
     "words",
@@ -152,6 +159,16 @@ def stem(word: str) -> str:
         if w.endswith(suffix) and len(w) - len(suffix) >= 3:
             return w[: -len(suffix)] + repl
     return w
+
+
+_SENTENCE_END = re.compile(r"[.!](?:\s|$)")
+
+
+def asks(text: str) -> bool:
+    """Whether ``text`` only asks: it ends with a question mark and no sentence ends before
+    it ("Where did you go? Was it fun?" asks; "I went to Rome. Have you been?" tells)."""
+    body = text.rstrip()
+    return body.endswith("?") and _SENTENCE_END.search(body) is None
 
 
 @functools.lru_cache(maxsize=8192)
@@ -219,6 +236,7 @@ class HybridRanker:
     lexical: float = 1.0
     stand_out: float = 0.5
     dated: float = 0.3
+    asking: float = 0.7
     hybrid_coverage: float = 0.2
     spread_floor: float = 0.01
     scope_decay: float = 0.7
@@ -293,6 +311,8 @@ class HybridRanker:
                 )
             if isinstance(rec, Episode):
                 scores["speaker"] = 1 + self.speaker if rec.role in named else 1.0
+                if self.asking != 1.0 and asks(rec.text):
+                    scores["asks"] = self.asking
             if days:
                 scores["date"] = 1 + self.dated if _on_days(rec.valid_from, days) else 1.0
             scored.append((rec, scores, self._score(rec, found, scores, relevance)))
@@ -417,7 +437,7 @@ class HybridRanker:
         scores["kind"] = 1.0 if isinstance(rec, Fact) else self.episode
         scores["recency"] = 1 + self.recency * 0.5 ** (age_days / self.half_life_days)
         score = relevance * scores["kind"] * scores.get("speaker", 1.0) * scores["recency"]
-        score *= scores.get("date", 1.0)
+        score *= scores.get("date", 1.0) * scores.get("asks", 1.0)
         if not self.tiered:
             score *= scores["scope"]
         return score
