@@ -314,6 +314,11 @@ def _asked(query: str) -> Candidates:
         pytest.param("Wow! Really?", False, id="exclaims-then-asks"),
         pytest.param("I sold the kayak.", False, id="tells"),
         pytest.param("is it 3.5 metres?", True, id="a-decimal-point"),
+        pytest.param(
+            "sam: I'm planning a week in Rome with my two kids in May, can you find us a hotel?",
+            False,
+            id="a-request-with-its-context",
+        ),
     ],
 )
 def test_asks_reads_turns_that_only_ask(text: str, asking: bool) -> None:

@@ -36,8 +36,8 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     date      = 1 + ``dated`` (0.3) for a record whose ``valid_from`` falls on a day the query
                 names ("on 7 Jan 2024", "January 6", "2024-01-06"; without a year, any year)
                 or the day after (a day is often told the next morning); else 1
-    asks      = ``asking`` (0.7) for an episode that only asks (its text ends with "?" and
-                no sentence ends before it: "What about you, Kate?"); else 1
+    asks      = ``asking`` (0.7) for an episode that only asks: at most 15 words, ending with
+                "?" with no sentence ending before it ("What about you, Kate?"); else 1
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
     score     = relevance * kind * speaker * date * asks * recency  (tiered, the default)
@@ -82,11 +82,13 @@ an engine score it can only have had below the weakest returned one (0.65 of it:
 choice, ``bench/README.md``). The reply share: on real conversations a
 question often matches the answer better than the turn that holds the evidence (a user states
 a fact, the reply repeats and expands it), so a turn takes a little of its reply's score; it
-only reorders hits already found (relevance, hence abstention, is untouched). A turn that
-only asks holds no answer, yet a question put to memory matches other questions best (same
-words, same form: MiniLM puts them close): on REALTALK such turns were 9% of the turns, 3% of
-the evidence and 15% of the default's first five hits, so their score is lowered (not their
-relevance: abstention is untouched). Stop words
+only reorders hits already found (relevance, hence abstention, is untouched). A short turn
+that only asks holds no answer, yet a question put to memory matches other questions best
+(same words, same form: MiniLM puts them close): on REALTALK turns that only ask were 9% of
+the turns, 3% of the evidence and 15% of the default's first five hits, so their score is
+lowered (not their relevance: abstention is untouched). Only short ones: a long question is
+a request that carries its context ("I'm trying to ... on Python 3.11, can you help?"), which
+is where BEAM's evidence is (lowering every question cost BEAM dev R@5 0.484 -> 0.340). Stop words
 weigh little in coverage and only through the engine's IDF in bm25 (why they are searched at all:
 :mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
 BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in
@@ -162,13 +164,20 @@ def stem(word: str) -> str:
 
 
 _SENTENCE_END = re.compile(r"[.!](?:\s|$)")
+#: a question longer than this is a request that carries its context (see the module docstring)
+ASK_WORDS = 15
 
 
 def asks(text: str) -> bool:
-    """Whether ``text`` only asks: it ends with a question mark and no sentence ends before
-    it ("Where did you go? Was it fun?" asks; "I went to Rome. Have you been?" tells)."""
+    """Whether ``text`` only asks: at most :data:`ASK_WORDS` words, ending with a question
+    mark with no sentence ending before it ("Where did you go? Was it fun?" asks; "I went to
+    Rome. Have you been?" tells)."""
     body = text.rstrip()
-    return body.endswith("?") and _SENTENCE_END.search(body) is None
+    return (
+        body.endswith("?")
+        and _SENTENCE_END.search(body) is None
+        and text_terms(text)[0] <= ASK_WORDS
+    )
 
 
 @functools.lru_cache(maxsize=8192)
