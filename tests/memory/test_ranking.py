@@ -294,10 +294,12 @@ def test_a_question_naming_a_speaker_prefers_that_speakers_turns(query: str, fir
 
 
 def _asked(query: str) -> Candidates:
-    """:func:`_dialogue` with Sam's (newer) turn turned into a question: the same words."""
-    question = REPLY.model_copy(update={"text": f"{REPLY.text}?"})
+    """:func:`_dialogue` with the same words in both turns: Sam's (newer) asks, Dana's tells."""
+    swap = {
+        REPLY.id: REPLY.model_copy(update={"text": "is the kayak mine?"}),
+        TALK.id: TALK.model_copy(update={"text": "the kayak is mine."}),
+    }
     found = _dialogue(query)
-    swap = {REPLY.id: question}
     return dataclasses.replace(
         found,
         lexical=[(swap.get(r.id, r), s) for r, s in found.lexical],
@@ -332,11 +334,11 @@ def test_a_turn_that_only_asks_ranks_below_a_turn_that_tells() -> None:
     hits = HybridRanker().rank(_asked("is the kayak mine"))
     by_id = {h.id: h for h in hits}
     assert hits[0].id == "talk"
-    assert by_id["reply"].scores["asks"] == 0.7 and "asks" not in by_id["talk"].scores
+    assert by_id["reply"].scores["asks"] == 0.5 and "asks" not in by_id["talk"].scores
     assert by_id["reply"].scores["relevance"] == pytest.approx(by_id["talk"].scores["relevance"])
     reply, talk = by_id["reply"], by_id["talk"]  # alike but for the factor and their age
     assert reply.score / reply.scores["recency"] == pytest.approx(
-        0.7 * talk.score / talk.scores["recency"]
+        0.5 * talk.score / talk.scores["recency"]
     )
 
 

@@ -36,7 +36,7 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     date      = 1 + ``dated`` (0.3) for a record whose ``valid_from`` falls on a day the query
                 names ("on 7 Jan 2024", "January 6", "2024-01-06"; without a year, any year)
                 or the day after (a day is often told the next morning); else 1
-    asks      = ``asking`` (0.7) for an episode that only asks: at most 15 words, ending with
+    asks      = ``asking`` (0.5) for an episode that only asks: at most 10 words, ending with
                 "?" with no sentence ending before it ("What about you, Kate?"); else 1
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
@@ -165,7 +165,7 @@ def stem(word: str) -> str:
 
 _SENTENCE_END = re.compile(r"[.!](?:\s|$)")
 #: a question longer than this is a request that carries its context (see the module docstring)
-ASK_WORDS = 15
+ASK_WORDS = 10
 
 
 def asks(text: str) -> bool:
@@ -245,7 +245,7 @@ class HybridRanker:
     lexical: float = 1.0
     stand_out: float = 0.5
     dated: float = 0.3
-    asking: float = 0.7
+    asking: float = 0.5
     hybrid_coverage: float = 0.2
     spread_floor: float = 0.01
     scope_decay: float = 0.7
