@@ -330,7 +330,7 @@ def test_asks_reads_turns_that_only_ask(text: str, asking: bool) -> None:
 def test_a_turn_that_only_asks_ranks_below_a_turn_that_tells() -> None:
     """Two turns with the same words: Sam's (newer) asks, Dana's tells. A tie goes to the
     newer turn, unless the asking one is lowered; its relevance (abstention) is untouched."""
-    assert [h.id for h in HybridRanker(asking=1.0).rank(_asked("is the kayak mine"))][0] == "reply"
+    assert HybridRanker(asking=1.0).rank(_asked("is the kayak mine"))[0].id == "reply"
     hits = HybridRanker().rank(_asked("is the kayak mine"))
     by_id = {h.id: h for h in hits}
     assert hits[0].id == "talk"
