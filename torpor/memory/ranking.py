@@ -84,11 +84,11 @@ question often matches the answer better than the turn that holds the evidence (
 a fact, the reply repeats and expands it), so a turn takes a little of its reply's score; it
 only reorders hits already found (relevance, hence abstention, is untouched). A short turn
 that only asks holds no answer, yet a question put to memory matches other questions best
-(same words, same form: MiniLM puts them close): on REALTALK turns that only ask were 9% of
-the turns, 3% of the evidence and 15% of the default's first five hits, so their score is
-lowered (not their relevance: abstention is untouched). Only short ones: a long question is
-a request that carries its context ("I'm trying to ... on Python 3.11, can you help?"), which
-is where BEAM's evidence is (lowering every question cost BEAM dev R@5 0.484 -> 0.340). Stop words
+(same words, same form: MiniLM puts them close): on REALTALK such turns were 6% of the turns,
+1.4% of the evidence and 11% of the default's first five hits, so their score is lowered (not
+their relevance: abstention is untouched). Only short ones: a long question is a request that
+carries its context ("I'm trying to ... on Python 3.11, can you help?"), which is where BEAM's
+evidence is (lowering every question cost BEAM dev R@5 0.484 -> 0.340). Stop words
 weigh little in coverage and only through the engine's IDF in bm25 (why they are searched at all:
 :mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
 BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in
