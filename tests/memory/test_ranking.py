@@ -15,7 +15,7 @@ from torpor.errors import InvalidArgument
 from torpor.memory import Candidates, Episode, Fact, HashEmbedder, Hit, HybridRanker, Memory
 from torpor.memory.backends.base import AnyRecord
 from torpor.memory.models import from_us, now_us, to_us
-from torpor.memory.ranking import query_days
+from torpor.memory.ranking import asks, query_days
 from torpor.memory.recall import previous_turns
 
 NOW = now_us()
@@ -73,6 +73,7 @@ OPTIONS = [
     pytest.param("lexical", 0.9, HybridRanker(), id="lexical"),
     pytest.param("stand_out", 0.0, HybridRanker(), id="stand_out"),
     pytest.param("dated", 0.0, HybridRanker(), id="dated"),
+    pytest.param("asking", 1.0, HybridRanker(), id="asking"),
     pytest.param("hybrid_coverage", 0.9, HybridRanker(), id="hybrid_coverage"),
     pytest.param("spread_floor", 0.5, HybridRanker(), id="spread_floor"),
     pytest.param("scope_decay", 0.3, HybridRanker(tiered=False), id="scope_decay"),
@@ -146,6 +147,8 @@ def test_every_option_changes_the_answer(option: str, value: object, base: Hybri
         found = dataclasses.replace(found, query=f"is the kayak mine, {_day(TALK)}")
     if option == "unseen":
         found = _unseen_found()
+    if option == "asking":
+        found = _asked("is the kayak mine")
     assert _answer(changed.rank(found)) != _answer(base.rank(found))
 
 
@@ -288,6 +291,55 @@ def test_a_question_naming_a_speaker_prefers_that_speakers_turns(query: str, fir
         assert by_id[rid].scores["speaker"] == (1.1 if rid in named else 1.0)
         assert by_id[rid].scores["relevance"] == pytest.approx(by_id["talk"].scores["relevance"])
     assert "speaker" not in by_id["weak"].scores  # a fact has no speaker
+
+
+def _asked(query: str) -> Candidates:
+    """:func:`_dialogue` with the same words in both turns: Sam's (newer) asks, Dana's tells."""
+    swap = {
+        REPLY.id: REPLY.model_copy(update={"text": "is the kayak mine?"}),
+        TALK.id: TALK.model_copy(update={"text": "the kayak is mine."}),
+    }
+    found = _dialogue(query)
+    return dataclasses.replace(
+        found,
+        lexical=[(swap.get(r.id, r), s) for r, s in found.lexical],
+        vector=[(swap.get(r.id, r), s) for r, s in found.vector or ()],
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "asking"),
+    [
+        pytest.param("What about you, Kate?", True, id="question"),
+        pytest.param("sam: Where did you go? Was it fun?  ", True, id="two-questions"),
+        pytest.param("I went to Rome. Have you been?", False, id="tells-then-asks"),
+        pytest.param("Wow! Really?", False, id="exclaims-then-asks"),
+        pytest.param("I sold the kayak.", False, id="tells"),
+        pytest.param("is it 3.5 metres?", True, id="a-decimal-point"),
+        pytest.param(
+            "sam: I'm planning a week in Rome with my two kids in May, can you find us a hotel?",
+            False,
+            id="a-request-with-its-context",
+        ),
+    ],
+)
+def test_asks_reads_turns_that_only_ask(text: str, asking: bool) -> None:
+    assert asks(text) is asking
+
+
+def test_a_turn_that_only_asks_ranks_below_a_turn_that_tells() -> None:
+    """Two turns with the same words: Sam's (newer) asks, Dana's tells. A tie goes to the
+    newer turn, unless the asking one is lowered; its relevance (abstention) is untouched."""
+    assert HybridRanker(asking=1.0).rank(_asked("is the kayak mine"))[0].id == "reply"
+    hits = HybridRanker().rank(_asked("is the kayak mine"))
+    by_id = {h.id: h for h in hits}
+    assert hits[0].id == "talk"
+    assert by_id["reply"].scores["asks"] == 0.5 and "asks" not in by_id["talk"].scores
+    assert by_id["reply"].scores["relevance"] == pytest.approx(by_id["talk"].scores["relevance"])
+    reply, talk = by_id["reply"], by_id["talk"]  # alike but for the factor and their age
+    assert reply.score / reply.scores["recency"] == pytest.approx(
+        0.5 * talk.score / talk.scores["recency"]
+    )
 
 
 def _day(rec: AnyRecord) -> str:

@@ -391,9 +391,9 @@ class Hit(BaseModel):
     """One recalled record. ``score`` is the final rank score; ``scores`` says why, as the
     ranker reports it (the default's: ``coverage``, ``bm25``, ``lexical`` (their blend),
     ``vector`` (cosine), ``lexical_weight``, ``relevance``, ``scope_distance``, ``scope``,
-    ``kind``, ``speaker`` (episodes), ``date`` (when the query names a day), ``recency``,
-    ``reply`` (the share of its next turn's score, when it has one); see
-    :mod:`torpor.memory.ranking`)."""
+    ``kind``, ``speaker`` (episodes), ``date`` (when the query names a day), ``asks`` (an
+    episode that only asks a question), ``recency``, ``reply`` (the share of its next turn's
+    score, when it has one); see :mod:`torpor.memory.ranking`)."""
 
     model_config = ConfigDict(extra="forbid")
 

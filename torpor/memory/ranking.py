@@ -36,10 +36,12 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     date      = 1 + ``dated`` (0.3) for a record whose ``valid_from`` falls on a day the query
                 names ("on 7 Jan 2024", "January 6", "2024-01-06"; without a year, any year)
                 or the day after (a day is often told the next morning); else 1
+    asks      = ``asking`` (0.5) for an episode that only asks: at most 10 words, ending with
+                "?" with no sentence ending before it ("What about you, Kate?"); else 1
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
-    score     = relevance * kind * speaker * date * recency  (tiered, the default)
-              = relevance * kind * speaker * date * recency * scope  (``tiered=False``)
+    score     = relevance * kind * speaker * date * asks * recency  (tiered, the default)
+              = relevance * kind * speaker * date * asks * recency * scope  (``tiered=False``)
     reply     = with an embedder, an episode whose next turn in its session is among the first
                 ``reply_top`` (20) hits gains ``reply`` (0.1) times that turn's score
                 (:meth:`HybridRanker.with_replies`; recall asks the store for the turns)
@@ -80,7 +82,13 @@ an engine score it can only have had below the weakest returned one (0.65 of it:
 choice, ``bench/README.md``). The reply share: on real conversations a
 question often matches the answer better than the turn that holds the evidence (a user states
 a fact, the reply repeats and expands it), so a turn takes a little of its reply's score; it
-only reorders hits already found (relevance, hence abstention, is untouched). Stop words
+only reorders hits already found (relevance, hence abstention, is untouched). A short turn
+that only asks holds no answer, yet a question put to memory matches other questions best
+(same words, same form: MiniLM puts them close): on REALTALK such turns were 6% of the turns,
+1.4% of the evidence and 11% of the default's first five hits, so their score is lowered (not
+their relevance: abstention is untouched). Only short ones: a long question is a request that
+carries its context ("I'm trying to ... on Python 3.11, can you help?"), which is where BEAM's
+evidence is (lowering every question cost BEAM dev R@5 0.484 -> 0.340). Stop words
 weigh little in coverage and only through the engine's IDF in bm25 (why they are searched at all:
 :mod:`torpor.memory.recall`). The figures behind these choices (``bench/conversations.py`` on
 BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) are in
@@ -105,6 +113,7 @@ __all__ = [
     "Candidates",
     "HybridRanker",
     "Ranker",
+    "asks",
     "coverage",
     "query_days",
     "stem",
@@ -152,6 +161,23 @@ def stem(word: str) -> str:
         if w.endswith(suffix) and len(w) - len(suffix) >= 3:
             return w[: -len(suffix)] + repl
     return w
+
+
+_SENTENCE_END = re.compile(r"[.!](?:\s|$)")
+#: a question longer than this is a request that carries its context (see the module docstring)
+ASK_WORDS = 10
+
+
+def asks(text: str) -> bool:
+    """Whether ``text`` only asks: at most :data:`ASK_WORDS` words, ending with a question
+    mark with no sentence ending before it ("Where did you go? Was it fun?" asks; "I went to
+    Rome. Have you been?" tells)."""
+    body = text.rstrip()
+    return (
+        body.endswith("?")
+        and _SENTENCE_END.search(body) is None
+        and text_terms(text)[0] <= ASK_WORDS
+    )
 
 
 @functools.lru_cache(maxsize=8192)
@@ -219,6 +245,7 @@ class HybridRanker:
     lexical: float = 1.0
     stand_out: float = 0.5
     dated: float = 0.3
+    asking: float = 0.5
     hybrid_coverage: float = 0.2
     spread_floor: float = 0.01
     scope_decay: float = 0.7
@@ -293,6 +320,8 @@ class HybridRanker:
                 )
             if isinstance(rec, Episode):
                 scores["speaker"] = 1 + self.speaker if rec.role in named else 1.0
+                if self.asking != 1.0 and asks(rec.text):
+                    scores["asks"] = self.asking
             if days:
                 scores["date"] = 1 + self.dated if _on_days(rec.valid_from, days) else 1.0
             scored.append((rec, scores, self._score(rec, found, scores, relevance)))
@@ -417,7 +446,7 @@ class HybridRanker:
         scores["kind"] = 1.0 if isinstance(rec, Fact) else self.episode
         scores["recency"] = 1 + self.recency * 0.5 ** (age_days / self.half_life_days)
         score = relevance * scores["kind"] * scores.get("speaker", 1.0) * scores["recency"]
-        score *= scores.get("date", 1.0)
+        score *= scores.get("date", 1.0) * scores.get("asks", 1.0)
         if not self.tiered:
             score *= scores["scope"]
         return score
