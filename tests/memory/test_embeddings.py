@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,14 +10,7 @@ import pytest
 
 from torpor.errors import InvalidArgument
 from torpor.memory import Memory, SentenceTransformerEmbedder
-from torpor.memory.embeddings import (
-    HashEmbedder,
-    default_model_path,
-    mean_by_owner,
-    normalize,
-    resolve_embedder,
-    split_window,
-)
+from torpor.memory.embeddings import HashEmbedder, default_model_path, resolve_embedder
 
 pytestmark = pytest.mark.embeddings
 
@@ -114,53 +106,3 @@ def test_onnx_query_path_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.M
     emb = SentenceTransformerEmbedder(cache=tmp_path)
     assert emb.embed(["hello"]).shape == (1, 384)
     assert emb._onnx is None and not list(tmp_path.iterdir())
-
-
-def _word_offsets(text: str) -> list[tuple[int, int]]:
-    """One 'word piece' per run of non-space characters (a stand-in tokenizer)."""
-    return [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]
-
-
-def test_split_window_cuts_at_sentence_ends_within_the_budget() -> None:
-    text = "One two three. Four five six seven. Eight nine.\nTen eleven twelve thirteen"
-    pieces = split_window(text, _word_offsets(text), 6)
-    assert pieces == [
-        "One two three.",
-        "Four five six seven. Eight nine.",
-        "Ten eleven twelve thirteen",
-    ]
-    assert split_window(text, _word_offsets(text), 13) == [text]  # it fits: whole
-
-
-def test_split_window_cuts_a_long_sentence_between_words() -> None:
-    text = " ".join(f"w{i}" for i in range(10)) + ". Tail."
-    pieces = split_window(text, _word_offsets(text), 4)
-    assert all(len(p.split()) <= 4 for p in pieces)
-    assert " ".join(pieces).split() == text.split()  # nothing lost, nothing repeated
-    with pytest.raises(InvalidArgument):
-        split_window(text, _word_offsets(text), 0)
-
-
-def test_mean_by_owner() -> None:
-    vecs = np.array([[1, 0], [0, 1], [3, 4]], dtype=np.float32)
-    out = mean_by_owner(vecs, [0, 0, 1], 2)
-    assert np.allclose(out, [[2**-0.5, 2**-0.5], [0.6, 0.8]], atol=1e-6)
-
-
-def test_a_long_text_is_the_mean_of_its_windows(minilm: SentenceTransformerEmbedder) -> None:
-    """Past MiniLM's 256 word pieces, the rest of a text still counts: its vector is the
-    normalized mean of its pieces' vectors, alone or in a batch."""
-    head = "We talked about the garden and the tomatoes that grew along the fence. " * 30
-    tail = "Then Maria said she is moving to Lisbon in March to work at a bakery."
-    text = head + tail
-    tokens = len(minilm._load().tokenizer(text, add_special_tokens=False)["input_ids"])
-    assert tokens > 256
-    pieces, owners = minilm._pieces([text])
-    assert owners is not None and len(pieces) >= 2 and pieces[-1].endswith("bakery.")
-    expected = normalize(minilm._embed_pieces(pieces).mean(axis=0))[0]
-    alone = minilm.embed([text])[0]
-    batched = minilm.embed([text, "hi", "filler one", "filler two", "filler three"])[0]
-    assert np.allclose(alone, expected, atol=1e-4) and np.allclose(batched, expected, atol=1e-4)
-    truncated = SentenceTransformerEmbedder(split_long=False, onnx=False).embed([text])[0]
-    query = minilm.embed(["where is Maria moving to work at a bakery?"])[0]
-    assert float(alone @ query) > float(truncated @ query)  # the tail was lost before

