@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.sandbox.procs import procs_on
 from torpor.config import Linger, paths
 from torpor.sandbox.engine import QemuEngine
 from torpor.sandbox.manager import SandboxManager
@@ -39,20 +40,6 @@ PAUSE_WAKE = [
 
 def _manager(home: Path, linger: Linger) -> SandboxManager:
     return SandboxManager(paths(home), engine=QemuEngine(paths(home), pool_size=0, linger=linger))
-
-
-def _procs_on(directory: Path) -> list[int]:
-    """Pids of the live processes whose cwd is ``directory`` (QEMU runs there; a zombie's
-    cwd cannot be read)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(directory.resolve()):
-                    found.append(int(pid))
-            except OSError:
-                continue
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -94,7 +81,7 @@ def test_a_wake_within_the_window_resumes_the_same_qemu(qemu_home: Path) -> None
             assert (d / "state").is_file()  # durable as always: the QEMU is only kept
             marker = read_marker(d / MARKER)
             assert marker is not None and marker.kind == "linger" and marker.pid == pid
-            assert _procs_on(d) == [pid]
+            assert procs_on(d) == [pid]
             await m.resume(sid)
             assert qemu_pid(d) == pid  # the very same QEMU, resumed
             assert not (d / MARKER).exists() and not (d / "state").exists()
@@ -106,7 +93,7 @@ def test_a_wake_within_the_window_resumes_the_same_qemu(qemu_home: Path) -> None
             assert qemu_pid(d) == pid
             assert (await m.run_code(sid, "v2")).text == "'KEPT-IN-RAM'"
             await m.kill(sid)  # kill while running, then one while lingering below
-            assert _procs_on(d) == [] and not d.exists()
+            assert procs_on(d) == [] and not d.exists()
         finally:
             await m.close()
 
@@ -158,7 +145,7 @@ def test_a_wake_that_cannot_use_the_lingering_qemu_is_cold_and_correct(
             assert not _alive(pid)  # and never the stale one
             await _intact(m, sid)
             assert m.transitions(sid)[-4:] == PAUSE_WAKE
-            assert _procs_on(d) == [woke]
+            assert procs_on(d) == [woke]
         finally:
             await m.close()
 
@@ -183,7 +170,7 @@ def test_the_oldest_lingering_qemu_goes_first_over_the_count(qemu_home: Path) ->
             await _intact(m, b)
         finally:
             await m.close()
-        assert _procs_on(da) == [] and _procs_on(db) == []  # the close paused them: gone
+        assert procs_on(da) == [] and procs_on(db) == []  # the close paused them: gone
 
     asyncio.run(main())
 
@@ -236,7 +223,7 @@ def test_another_process_wakes_the_lingering_qemu(qemu_home: Path) -> None:
             lingering = qemu_pid(d)
             assert lingering is not None
             await m.kill(sid)  # a kill while lingering: no QEMU left
-            assert await _wait_gone(lingering) and _procs_on(d) == []
+            assert await _wait_gone(lingering) and procs_on(d) == []
         finally:
             await m.close()
 
@@ -288,6 +275,6 @@ def test_a_manager_killed_in_the_window_loses_nothing(qemu_home: Path) -> None:
             await _intact(m, sid)
         finally:
             await m.close()
-        assert _procs_on(d) == []
+        assert procs_on(d) == []
 
     asyncio.run(main())

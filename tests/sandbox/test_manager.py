@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any, TypeVar
 import pytest
 
 from tests.sandbox.fakes import FakeEngine, FakeWorld
+from tests.sandbox.procs import procs_on
 from torpor.config import paths
 from torpor.errors import (
     Conflict,
@@ -823,19 +823,6 @@ def test_restart_resolves_half_done_steps(
 # -- the same on real QEMU ------------------------------------------------------------------
 
 
-def _qemu_procs_on(directory: Path) -> list[int]:
-    """Pids of any process whose cwd is ``directory`` (QEMU runs there)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(directory.resolve()):
-                    found.append(int(pid))
-            except OSError:
-                continue
-    return found
-
-
 @pytest.mark.qemu
 def test_qemu_lifecycle_keeps_ram_and_holds_nothing_paused(qemu_home: Path) -> None:
     async def main() -> None:
@@ -850,7 +837,7 @@ def test_qemu_lifecycle_keeps_ram_and_holds_nothing_paused(qemu_home: Path) -> N
             directory = mgr.directory(info.id)
             assert mgr.engine.inspect(directory).has_state  # durable when the pause returns
             await settle_exit(directory.resolve())  # QEMU, told to quit, exits on its own time
-            assert _qemu_procs_on(directory) == []  # no QEMU, so no RAM and no CPU
+            assert procs_on(directory) == []  # no QEMU, so no RAM and no CPU
             assert mgr.engine.inspect(directory).has_state
             result = await mgr.run_code("agent", "notes")  # wake on request
             assert result.text == "['prefers weekly summaries']"
@@ -859,7 +846,7 @@ def test_qemu_lifecycle_keeps_ram_and_holds_nothing_paused(qemu_home: Path) -> N
             ps = await mgr.run_command("agent", "pgrep -f 'sleep 1000'")
             assert ps.exit_code == 0  # the process survived hibernation
             await mgr.kill("agent")
-            assert not directory.exists() and _qemu_procs_on(directory) == []
+            assert not directory.exists() and procs_on(directory) == []
             with pytest.raises(SandboxClosed):
                 await mgr.run_code(info.id, "notes")
         finally:
