@@ -293,6 +293,42 @@ def test_a_question_naming_a_speaker_prefers_that_speakers_turns(query: str, fir
     assert "speaker" not in by_id["weak"].scores  # a fact has no speaker
 
 
+@pytest.mark.parametrize(
+    ("roles", "query", "named"),
+    [
+        pytest.param(("Dana Reyes", "sam"), "did dana say the kayak is mine", "talk", id="one-word"),
+        pytest.param(("Dana Reyes", "sam"), "did reyes say the kayak is mine", "talk", id="surname"),
+        pytest.param(("Dana Reyes", "sam"), "did dan say the kayak is mine", "", id="three-letter-variant"),
+        pytest.param(("Muhhamed", "sam"), "did muhammad say the kayak is mine", "talk", id="spelling"),
+        pytest.param(("Muhhamed", "sam"), "did mohammed say the kayak is mine", "talk", id="spelling2"),
+        pytest.param(("Muhhamed", "sam"), "did hammed say the kayak is mine", "", id="not-first-letter"),
+        pytest.param(("Akib", "sam"), "did aqib say the kayak is mine", "talk", id="four-letters"),
+        pytest.param(("Dana Reyes", "Sam Reyes"), "did reyes say the kayak is mine", "", id="shared"),
+        pytest.param(("Dana Reyes", "Sam Reyes"), "did sam reyes say it", "reply", id="shared-full"),
+        pytest.param(("Al Lee", "sam"), "did al say the kayak is mine", "", id="two-letters"),
+        pytest.param(("Al Lee", "sam"), "did al lee say the kayak is mine", "talk", id="every-word"),
+        pytest.param(("Dana Reyes", "sam"), "did dana tell sam the kayak is mine", "", id="both"),
+    ],
+)
+def test_a_speaker_is_named_by_one_word_of_the_role_or_a_close_spelling(
+    roles: tuple[str, str], query: str, named: str
+) -> None:
+    """A word of a role that no other role has names that speaker, as do close spellings of
+    it (same first letter, four letters or more); a word shared by two roles names neither,
+    and a short word only counts as the whole role."""
+    found = _dialogue(query)
+    talk = TALK.model_copy(update={"role": roles[0]})
+    reply = REPLY.model_copy(update={"role": roles[1]})
+    found = dataclasses.replace(
+        found,
+        lexical=[(talk, 2.0), (reply, 2.0), (WEAK, 0.5)],
+        vector=[(talk, 0.6), (reply, 0.6), (WEAK, 0.2)],
+    )
+    hits = {h.id: h for h in HybridRanker().rank(found)}
+    for rid in ("talk", "reply"):
+        assert hits[rid].scores["speaker"] == (1.1 if rid == named else 1.0), rid
+
+
 def _asked(query: str) -> Candidates:
     """:func:`_dialogue` with the same words in both turns: Sam's (newer) asks, Dana's tells."""
     swap = {

@@ -32,7 +32,9 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     kind      = 1.0 for facts, 0.5 for episodes  (distilled knowledge over raw history:
                 "user facts > session > raw history")
     speaker   = 1 + ``speaker`` (0.1) for an episode whose role the query names ("what did
-                Caroline say ..."), when the candidates' episodes have other roles too; else 1
+                Caroline say ..."; all of the role's words, or a word of it no other role has,
+                spelled as is or closely: "Fahim" or "Fahin" for "Fahim Khan"), when the
+                candidates' episodes have other roles too; else 1
     date      = 1 + ``dated`` (0.3) for a record whose ``valid_from`` falls on a day the query
                 names ("on 7 Jan 2024", "January 6", "2024-01-06"; without a year, any year)
                 or the day after (a day is often told the next morning); else 1
@@ -97,6 +99,7 @@ BEAM, and ``bench/memory.py``'s generated set for abstention and supersession) a
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import re
@@ -178,6 +181,31 @@ def asks(text: str) -> bool:
         and _SENTENCE_END.search(body) is None
         and text_terms(text)[0] <= ASK_WORDS
     )
+
+
+#: the shortest word of a speaker's role that names the speaker on its own
+NAME_WORD = 3
+#: how alike (:class:`difflib.SequenceMatcher` ratio) two spellings of a name must be
+NAME_LIKENESS = 0.75
+
+
+def name_words(role: str) -> frozenset[str]:
+    """The words of a speaker's role that name the speaker on their own: lower-cased, at
+    least :data:`NAME_WORD` letters, not stop words ("Fahim Khan" -> fahim, khan)."""
+    return frozenset(w for w in words(role.lower()) if len(w) >= NAME_WORD and w not in STOPWORDS)
+
+
+def spelled_alike(name: str, word: str) -> bool:
+    """Whether ``word`` (lower-cased) is ``name`` or, both of at least four letters, a close
+    spelling of it: the same first letter and a :data:`NAME_LIKENESS` likeness ("muhammad",
+    "mohammed" for "muhhamed"; "aqib" for "akib"). Questions misspell the names of the
+    people they ask about; a word that only looks like a name costs little, it raises that
+    speaker's turns by the speaker factor."""
+    if word == name:
+        return True
+    if len(word) < 4 or len(name) < 4 or word[0] != name[0]:
+        return False
+    return difflib.SequenceMatcher(None, word, name).ratio() >= NAME_LIKENESS
 
 
 @functools.lru_cache(maxsize=8192)
@@ -389,15 +417,29 @@ class HybridRanker:
 
     @staticmethod
     def _named_speakers(terms: Sequence[str], records: Iterable[AnyRecord]) -> frozenset[str]:
-        """The roles of the candidate episodes that the query names (every word of the role
-        among the query's terms), unless it names them all: a question about one speaker's
-        turns ("what did Caroline paint?") prefers that speaker's, one that names every
-        speaker, or none, prefers nobody."""
+        """The roles of the candidate episodes that the query names, unless it names them all:
+        a question about one speaker's turns ("what did Caroline paint?") prefers that
+        speaker's, one that names every speaker, or none, prefers nobody.
+
+        A role is named when every word of it is among the query's terms, or when the query
+        has one of its name words (:func:`name_words`) that no other role has, spelled as is
+        or closely (:func:`spelled_alike`): real questions call "Fahim Khan" "Fahim" and
+        "Muhhamed" "Muhammad"."""
         roles = {rec.role for rec in records if isinstance(rec, Episode)}
         if len(roles) < 2:
             return frozenset()
         asked = {t.lower() for t in terms}
-        named = frozenset(r for r in roles if (w := words(r.lower())) and set(w) <= asked)
+        owned = {r: name_words(r) for r in roles}
+        owners: dict[str, int] = {}
+        for found in owned.values():
+            for w in found:
+                owners[w] = owners.get(w, 0) + 1
+        named = frozenset(
+            r
+            for r in roles
+            if ((w := words(r.lower())) and set(w) <= asked)
+            or any(owners[n] == 1 and any(spelled_alike(n, a) for a in asked) for n in owned[r])
+        )
         return named if named != roles else frozenset()
 
     def order(self, hits: Iterable[Hit]) -> list[Hit]:
