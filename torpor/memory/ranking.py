@@ -33,7 +33,7 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 "user facts > session > raw history")
     speaker   = 1 + ``speaker`` (0.1) for an episode whose role the query names ("what did
                 Caroline say ..."; all of the role's words, or a word of it no other role has,
-                spelled as is or closely: "Fahim" or "Fahin" for "Fahim Khan"), when the
+                as is or, capitalized, closely: "Fahim" or "Fahin" for "Fahim Khan"), when the
                 candidates' episodes have other roles too; else 1
     date      = 1 + ``dated`` (0.3) for a record whose ``valid_from`` falls on a day the query
                 names ("on 7 Jan 2024", "January 6", "2024-01-06"; without a year, any year)
@@ -331,7 +331,7 @@ class HybridRanker:
         share = self.coverage if found.vector is None else self.hybrid_coverage
         lexical = {rid: share * c + (1 - share) * bm25[rid] for rid, c in covered.items()}
         weight, fill_lexical, fill_vector = self._blend(lexical, vector)
-        named = self._named_speakers(found.terms, records.values())
+        named = self._named_speakers(found.query, found.terms, records.values())
         days = query_days(found.query) if self.dated > 0 else ()
         scored: list[tuple[AnyRecord, dict[str, float], float]] = []
         for rid, rec in records.items():
@@ -416,19 +416,23 @@ class HybridRanker:
         return odds / (1 + odds), fill_lexical, fill_vector
 
     @staticmethod
-    def _named_speakers(terms: Sequence[str], records: Iterable[AnyRecord]) -> frozenset[str]:
+    def _named_speakers(
+        query: str, terms: Sequence[str], records: Iterable[AnyRecord]
+    ) -> frozenset[str]:
         """The roles of the candidate episodes that the query names, unless it names them all:
         a question about one speaker's turns ("what did Caroline paint?") prefers that
         speaker's, one that names every speaker, or none, prefers nobody.
 
         A role is named when every word of it is among the query's terms, or when the query
-        has one of its name words (:func:`name_words`) that no other role has, spelled as is
-        or closely (:func:`spelled_alike`): real questions call "Fahim Khan" "Fahim" and
-        "Muhhamed" "Muhammad"."""
+        has one of its name words (:func:`name_words`) that no other role has, as is or, when
+        the query writes it capitalized (a proper noun), spelled closely
+        (:func:`spelled_alike`): real questions call "Fahim Khan" "Fahim" and "Muhhamed"
+        "Muhammad". Lower-case words are matched exactly only: "used" is not "user"."""
         roles = {rec.role for rec in records if isinstance(rec, Episode)}
         if len(roles) < 2:
             return frozenset()
         asked = {t.lower() for t in terms}
+        proper = {w.lower() for w in words(query) if w[0].isupper()}
         owned = {r: name_words(r) for r in roles}
         owners: dict[str, int] = {}
         for found in owned.values():
@@ -438,7 +442,10 @@ class HybridRanker:
             r
             for r in roles
             if ((w := words(r.lower())) and set(w) <= asked)
-            or any(owners[n] == 1 and any(spelled_alike(n, a) for a in asked) for n in owned[r])
+            or any(
+                owners[n] == 1 and (n in asked or any(spelled_alike(n, a) for a in proper))
+                for n in owned[r]
+            )
         )
         return named if named != roles else frozenset()
 
