@@ -435,9 +435,9 @@ class HybridRanker:
         proper = {w.lower() for w in words(query) if w[0].isupper()}
         owned = {r: name_words(r) for r in roles}
         owners: dict[str, int] = {}
-        for found in owned.values():
-            for w in found:
-                owners[w] = owners.get(w, 0) + 1
+        for names in owned.values():
+            for n in names:
+                owners[n] = owners.get(n, 0) + 1
         named = frozenset(
             r
             for r in roles
