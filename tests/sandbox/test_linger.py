@@ -1,8 +1,9 @@
 """A pause that keeps its stopped QEMU for a short window (torpor.sandbox.vm.linger), on real
 QEMU (marked qemu): a wake within the window resumes the very same QEMU with the sandbox's
 RAM and disk intact and the same registry transitions as a cold wake; past the window, with
-linger off, over the count, or with a file changed since the pause, the wake is cold (a new
-QEMU) and as correct; another OS process can take the lingering QEMU over; a kill leaves no
+linger off, over the count, with a file changed since the pause, or with its marker claimed by
+a process that died before it resumed or killed it, the wake is cold (a new QEMU) and as
+correct; another OS process can take the lingering QEMU over; a kill leaves no
 QEMU; a manager killed in the window loses nothing.
 """
 
@@ -24,7 +25,7 @@ from torpor.config import Linger, paths
 from torpor.sandbox.engine import QemuEngine
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState as S
-from torpor.sandbox.vm.linger import MARKER, read_marker
+from torpor.sandbox.vm.linger import CLAIMED, MARKER, read_marker
 from torpor.sandbox.vm.machine_dir import qemu_pid
 
 pytestmark = pytest.mark.qemu
@@ -109,6 +110,10 @@ def _replace_state(d: Path) -> None:
     os.replace(d / "state.copy", d / "state")
 
 
+def _claim_and_die(d: Path) -> None:
+    os.rename(d / MARKER, d / f"{CLAIMED}1:0")  # claimed by a process that died at once
+
+
 @pytest.mark.parametrize(
     ("linger", "meddle", "why"),
     [
@@ -116,6 +121,7 @@ def _replace_state(d: Path) -> None:
         pytest.param(Linger(1.0, 4), None, "expired", id="window-over"),
         pytest.param(Linger(60, 4), _touch_ram, "changed", id="ram-touched"),
         pytest.param(Linger(60, 4), _replace_state, "changed", id="state-replaced"),
+        pytest.param(Linger(60, 4), _claim_and_die, "claimed", id="claimer-died"),
     ],
 )
 def test_a_wake_that_cannot_use_the_lingering_qemu_is_cold_and_correct(

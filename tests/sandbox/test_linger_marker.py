@@ -216,3 +216,46 @@ def test_one_whose_directory_is_gone_is_killed(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "sbx")  # (its sandbox deleted by another way than a kill)
     linger.drop((tmp_path / "sbx").resolve())
     assert _gone(proc)
+
+
+def _claimed_by(directory: Path, owner: str) -> Path:
+    """The marker of ``directory`` renamed aside as ``owner``'s claim would name it."""
+    claimed = directory / f"{linger.CLAIMED}{owner}"
+    os.rename(directory / linger.MARKER, claimed)
+    return claimed
+
+
+def test_what_a_dead_claimer_left_stopped_is_killed(tmp_path: Path) -> None:
+    proc = _lingering(tmp_path)
+    claimed = _claimed_by(tmp_path, "1:0")  # a claimer long gone, before its resume or kill
+    assert linger.recover(tmp_path) == [proc.pid]
+    assert _gone(proc) and not claimed.exists()
+    assert linger.recover(tmp_path) == []  # nothing left to do
+
+
+def test_a_live_claimer_s_claim_is_left_alone(tmp_path: Path) -> None:
+    proc = _lingering(tmp_path)
+    claimed = _claimed_by(tmp_path, linger.me())  # this process: resuming it right now
+    assert linger.recover(tmp_path) == []
+    assert claimed.exists() and proc.poll() is None
+    claimed.unlink()
+
+
+def test_a_dead_claimer_s_resumed_qemu_is_left_running(tmp_path: Path) -> None:
+    proc = _lingering(tmp_path)
+    claimed = _claimed_by(tmp_path, "1:0")
+    (tmp_path / "state").unlink()  # a resume deletes the state before its ``cont``
+    assert linger.recover(tmp_path) == []
+    assert not claimed.exists()  # the stale claim goes ...
+    time.sleep(0.2)
+    assert proc.poll() is None  # ... and the guest that runs on is kept
+    linger.release(tmp_path.resolve())
+    proc.kill()
+    proc.wait()
+
+
+def test_the_sweep_recovers_a_dead_claimer_s_qemu(tmp_path: Path) -> None:
+    orphan = _lingering(tmp_path / "orphan")
+    _claimed_by(tmp_path / "orphan", "1:0")
+    assert linger.sweep(tmp_path) == [tmp_path / "orphan"]
+    assert _gone(orphan)

@@ -82,6 +82,7 @@ class Kept:
         its files changed; or its QEMU is dead, or not stopped as it was left). A QEMU not
         resumed is killed and its marker dropped, so the caller wakes from ``state``.
         Raises EngineError only if that kill fails."""
+        lingering.recover(self.directory)  # a claimer that died before it resumed or killed
         marker = lingering.read_marker(self.directory / lingering.MARKER)
         if marker is None:
             if (self.directory / lingering.MARKER).exists():  # unreadable: nothing to trust

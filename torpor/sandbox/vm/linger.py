@@ -50,6 +50,7 @@ from torpor.sandbox.vm.machine_dir import qemu_pid
 from torpor.sandbox.vm.pool import process_token
 
 __all__ = [
+    "CLAIMED",
     "FINGERPRINTED",
     "MARKER",
     "Marker",
@@ -61,6 +62,7 @@ __all__ = [
     "kept",
     "me",
     "read_marker",
+    "recover",
     "release",
     "settle",
     "settle_all",
@@ -74,6 +76,8 @@ log = logging.getLogger(__name__)
 #: the file in a directory whose QEMU waits, stopped with the guest's state loaded or saved,
 #: for the ``cont`` of a wake (a :class:`Marker` as JSON; a bare pid from older versions)
 MARKER = "prestarted"
+#: a claimed marker's name: this prefix, then the claimer (:func:`me`)
+CLAIMED = f".{MARKER}.claimed-"
 #: the files whose identity and times a lingering QEMU's marker records
 FINGERPRINTED = ("state", "ram", "disk.qcow2")
 #: the runstates in which a kept QEMU may be resumed: ``paused`` (a prestarted QEMU: its state
@@ -140,13 +144,39 @@ def claim(directory: Path) -> Path | None:
     """Take the marker of ``directory`` for this process by renaming it aside, so no other
     process acts on its QEMU (a rename succeeds once); the path it now has, or None when
     there is none (or another process took it first). The caller resumes or kills that QEMU,
-    then removes the claimed file."""
-    claimed = directory / f".{MARKER}.claimed-{os.getpid()}"
+    then removes the claimed file (a claimer that dies before that: :func:`recover`)."""
+    claimed = directory / f"{CLAIMED}{me()}"
     try:
         os.rename(directory / MARKER, claimed)
     except FileNotFoundError:
         return None
     return claimed
+
+
+def recover(directory: Path) -> list[int]:
+    """End what a claimer that died left on ``directory``: between its claim and its resume
+    or kill, the marker is renamed aside, so no wake would find the stopped QEMU, and a cold
+    wake would wait for it to go and then refuse to start another. Such a QEMU is killed
+    only while it is still stopped on the saved state (``state`` is there: a resume deletes
+    it before ``cont``); the claim is removed either way. A live claimer's claim, or one
+    named by a bare pid (an older torpor's), is left alone. Returns the pids killed."""
+    killed = []
+    for path in directory.glob(f"{CLAIMED}*"):
+        owner = path.name.removeprefix(CLAIMED)
+        if ":" not in owner or _alive(owner):
+            continue
+        marker = read_marker(path)
+        if (
+            marker is not None
+            and (directory / "state").is_file()
+            and qemu_pid(directory) == marker.pid
+        ):
+            _kill(marker.pid, None)
+            hand_off(directory, None, marker.pid)
+            killed.append(marker.pid)
+            log.warning("%s: killed the stopped QEMU a dead claimer left", directory.name)
+        path.unlink(missing_ok=True)
+    return killed
 
 
 def stale_reason(marker: Marker, directory: Path, now: float | None = None) -> str | None:
@@ -254,12 +284,10 @@ def drop(directory: Path) -> None:
     process claimed it: claim its marker, SIGKILL it, and let a reaper collect it (the next
     start on the directory waits for that: :func:`~torpor.sandbox.vm.exits.settle_exit`).
     Never blocks on the QEMU."""
-    with _LOCK:
-        entry = _KEPT.pop(directory, None)
-    if entry is None:
+    taken = _unkeep(directory)
+    if taken is None:
         return
-    entry.timer.cancel()
-    claimed = claim(directory) if _mine(directory, entry) else None
+    entry, claimed = taken
     if claimed is None:
         # another process claimed it (it runs there now, or was killed), or its directory
         # went with its sandbox: only a QEMU left on a directory that is gone is ended here
@@ -280,6 +308,18 @@ def drop(directory: Path) -> None:
     finally:
         claimed.unlink(missing_ok=True)
     log.info("%s: dropped its lingering QEMU %d", directory, entry.pid)
+
+
+def _unkeep(directory: Path) -> tuple[_Kept, Path | None] | None:
+    """Stop keeping the lingering QEMU of ``directory``: its entry (None when this process
+    keeps none there), its timer cancelled, and its claimed marker when the marker is still
+    the one this process wrote (None when another process claimed it)."""
+    with _LOCK:
+        entry = _KEPT.pop(directory, None)
+    if entry is None:
+        return None
+    entry.timer.cancel()
+    return entry, claim(directory) if _mine(directory, entry) else None
 
 
 def _mine(directory: Path, entry: _Kept) -> bool:
@@ -340,10 +380,13 @@ async def settle_all(under: Path | None = None) -> None:
 def sweep(root: Path) -> list[Path]:
     """Kill the lingering QEMUs of the sandbox directories in ``root`` whose keeper has
     exited (a process that died in their window: nothing will expire them), and remove
-    their markers; returns their directories. Safe from any process: a live keeper's are
-    left alone."""
+    their markers, and what a dead claimer left (:func:`recover`); returns their
+    directories. Safe from any process: a live keeper's are left alone."""
     swept = []
     for directory in sorted(root.iterdir()) if root.is_dir() else []:
+        if recover(directory):
+            swept.append(directory)
+            continue
         marker = read_marker(directory / MARKER)
         if marker is None or marker.kind != "linger" or _alive(marker.owner):
             continue
@@ -377,13 +420,8 @@ def _kill_at_exit() -> None:
     """No lingering QEMU outlives the process that kept it: SIGKILL each still owned (its
     state is on disk), without waiting for it to go."""
     for directory in kept():
-        with _LOCK:
-            entry = _KEPT.pop(directory, None)
-        if entry is None:
-            continue
-        entry.timer.cancel()
-        claimed = claim(directory) if _mine(directory, entry) else None
-        if claimed is None:
+        entry, claimed = _unkeep(directory) or (None, None)
+        if entry is None or claimed is None:
             continue
         if qemu_pid(directory) == entry.pid:
             _kill(entry.pid, entry.proc)
