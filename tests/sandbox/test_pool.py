@@ -166,3 +166,22 @@ def test_gc_sweeps_the_pool_a_dead_server_left(tmp_path: Path) -> None:
         for pid in (orphan_pid, our_pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_warm_up_refused_at_exit_leaves_no_qemu_behind(tmp_path: Path) -> None:
+    snap = _template(tmp_path, "b1")
+    started: list[int] = []
+
+    def warm(directory: Path, template: str, tenant: str) -> None:
+        started.append(subprocess.Popen(["sleep", "60"], cwd=directory).pid)
+        (directory / "qemu.pid").write_text(str(started[-1]))
+        # what asyncio raises in a filler thread once the interpreter is exiting
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    pool = ClonePool(tmp_path / "pool", 1, warm=warm)
+    pool.refill_soon("python", snap)
+    deadline = time.monotonic() + 30
+    while pool._filling and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert started and _gone(started[0])  # its "QEMU" was killed ...
+    assert list((tmp_path / "pool" / "python" / "b1").iterdir()) == []  # ... and removed

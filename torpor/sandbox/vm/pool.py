@@ -169,7 +169,9 @@ class ClonePool:
                         try:
                             self.warm(tmp, template, tenant)
                             (tmp / TENANT_FILE).write_text(f"{tenant}\n{_me()}\n")
-                        except (OSError, TorporError) as exc:  # its guest may have run
+                        # (RuntimeError: the interpreter is exiting and refuses new
+                        # executor work; the half-warmed clone's QEMU must not outlive it)
+                        except (OSError, TorporError, RuntimeError) as exc:  # its guest ran
                             _remove(tmp)
                             log.warning("cannot warm a pooled clone of %s: %s", template, exc)
                             break  # the next refill tries again
