@@ -231,17 +231,19 @@ def _conversation(name: str, d: Path) -> Conversation:
 
 # -- embeddings -----------------------------------------------------------------------------
 class CachedEmbedder:
-    """torpor's default embedder with a per-text cache, kept on disk between runs.
+    """torpor's default embedder (or the model at ``model``, see ``--model``) with a per-text
+    cache, kept on disk between runs.
 
     It carries the model's own ``name`` (the store records it), so torpor sees exactly the
     default configuration. ``serve_queries`` False: texts not in the cache are embedded by the
     model each time, which is how torpor's query embedding stays in its measured search time.
+    The cache files are keyed by the model's name and the texts, so two models never share one.
     """
 
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, model: Path | None = None) -> None:
         from torpor.memory.embeddings import SentenceTransformerEmbedder
 
-        self.model = SentenceTransformerEmbedder()
+        self.model = SentenceTransformerEmbedder(model)
         self.name = self.model.name
         self.cache_dir = cache_dir
         self.cache: dict[str, npt.NDArray[np.float32]] = {}
@@ -378,11 +380,16 @@ def _pct(samples: list[float], q: float) -> float:
 
 
 def run(
-    convs: Sequence[Conversation], systems: Sequence[str], cache: Path, ranking: Any = None
+    convs: Sequence[Conversation],
+    systems: Sequence[str],
+    cache: Path,
+    ranking: Any = None,
+    model: Path | None = None,
 ) -> dict[str, Tally]:
-    """Every system on every conversation; returns their tallies."""
+    """Every system on every conversation; returns their tallies (``model``: the embedder's
+    folder, default MiniLM)."""
     tallies = {s: Tally() for s in systems}
-    emb = CachedEmbedder(cache) if {"torpor", "dense"} & set(systems) else None
+    emb = CachedEmbedder(cache, model) if {"torpor", "dense"} & set(systems) else None
     if emb is not None:
         emb.model.embed(["load the model before anything is timed"])
     for n, conv in enumerate(convs, 1):
@@ -524,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="try HybridRanker fields instead of the defaults, e.g. 'lexical=0.75,reply=0'",
     )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a sentence-transformers folder to embed with instead of MiniLM (torpor, dense)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -543,12 +556,13 @@ def main(argv: list[str] | None = None) -> int:
     nq = sum(len(c.questions) for c in convs)
     label = f"BEAM {','.join(sizes)}" if args.set == "beam" else "REALTALK"
     console.print(
-        f"[bold]{label}[/]{' (' + args.ranker + ')' if args.ranker else ''}: "
+        f"[bold]{label}[/]{' (' + args.ranker + ')' if args.ranker else ''}"
+        f"{' with ' + args.model.name if args.model else ''}: "
         f"{len(convs)} conversations, "
         f"{sum(len(c.turns) for c in convs)} turns, {nq} questions with evidence"
     )
     t0 = time.perf_counter()
-    tallies = run(convs, systems, args.cache.expanduser(), ranking)
+    tallies = run(convs, systems, args.cache.expanduser(), ranking, args.model)
     tables = {s: t.table() for s, t in tallies.items()}
     print_tables(tables, tallies)
     rows = verdicts(tables) if "torpor" in tables else []
@@ -561,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             "set": "BEAM" if args.set == "beam" else "REALTALK",
             "sizes": sizes if args.set == "beam" else None,
             "ranker": args.ranker or None,
+            "model": str(args.model) if args.model else None,
             "limit": args.limit,
             "split": args.split,
             "conversations": len(convs),
