@@ -24,7 +24,11 @@ left out). Systems, on the same strings:
 * ``torpor`` -- the default configuration (``Memory()``: MiniLM hybrid recall);
 * ``torpor-lexical`` -- ``Memory(embedder=None)``;
 * ``bm25`` -- plain Okapi BM25 (``rank-bm25``), lower-cased alphanumeric tokens;
-* ``dense`` -- MiniLM cosine similarity alone (exact, numpy).
+* ``dense`` -- MiniLM cosine similarity alone (exact, numpy);
+* ``rerank B`` (with ``--rerank``) -- the default plus a cross-encoder reordering its first
+  ``--rerank-depth`` hits with blend ``B`` (``Memory(reranker=...)``, opt-in; one row per
+  value of ``--rerank-blend``; the cross-encoder's scores of a question's candidates are
+  computed once and shared by the rows, so only the first row's search time is real).
 
 Document vectors are computed once per text with the real model and cached on disk
 (``--cache``), so a rerun only embeds the queries; torpor's search time includes its own
@@ -48,12 +52,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 from rich.console import Console
 from rich.table import Table
+
+from torpor.memory.rerank import CrossEncoderReranker
 
 log = logging.getLogger("bench.conversations")
 console = Console(width=160)
@@ -241,9 +247,9 @@ class CachedEmbedder:
     """
 
     def __init__(self, cache_dir: Path, model: Path | None = None) -> None:
-        from torpor.memory.embeddings import SentenceTransformerEmbedder
+        from bench.embedders import load_embedder
 
-        self.model = SentenceTransformerEmbedder(model)
+        self.model = load_embedder(model)
         self.name = self.model.name
         self.cache_dir = cache_dir
         self.cache: dict[str, npt.NDArray[np.float32]] = {}
@@ -251,7 +257,7 @@ class CachedEmbedder:
 
     @property
     def dim(self) -> int:
-        return self.model.dim
+        return int(self.model.dim)
 
     def _file(self, key: str) -> Path:
         return self.cache_dir / f"{key}.npy"
@@ -276,7 +282,8 @@ class CachedEmbedder:
 
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         missing = [t for t in texts if t not in self.cache]
-        fresh = self.model.embed(missing) if missing else None
+        as_query = getattr(self.model, "embed_queries", self.model.embed)
+        fresh = as_query(missing) if missing else None
         got = dict(zip(missing, fresh if fresh is not None else [], strict=True))
         self.queries.update(got)
         rows = [self.cache[t] if t in self.cache else got[t] for t in texts]
@@ -285,7 +292,8 @@ class CachedEmbedder:
     def query(self, text: str) -> npt.NDArray[np.float32]:
         """A query's vector (the one torpor's run computed, when there was one)."""
         if text not in self.queries:
-            self.queries[text] = self.model.embed([text])[0]
+            as_query = getattr(self.model, "embed_queries", self.model.embed)
+            self.queries[text] = as_query([text])[0]
         return self.queries[text]
 
 
@@ -294,13 +302,14 @@ Search = Callable[[str, int], list[int]]
 
 
 def torpor_index(
-    conv: Conversation, home: Path, embedder: Any, ranking: Any = None
+    conv: Conversation, home: Path, embedder: Any, ranking: Any = None, reranker: Any = None
 ) -> tuple[Search, float]:
     """Index ``conv`` in a fresh torpor memory; returns its search and the indexing seconds
-    (``ranking``: a ranker to try instead of the default, see ``--ranker``)."""
+    (``ranking``: a ranker to try instead of the default, see ``--ranker``; ``reranker``:
+    see ``--rerank``)."""
     import torpor
 
-    mem = torpor.Memory(home=str(home), embedder=embedder, ranking=ranking)
+    mem = torpor.Memory(home=str(home), embedder=embedder, ranking=ranking, reranker=reranker)
     scope = mem.scope(app="beam", user=conv.name.replace("/", "-").lower())
     t0 = time.perf_counter()
     recs = scope.log_many(
@@ -379,17 +388,41 @@ def _pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] * 1000 if ordered else 0
 
 
+class SharedReranker(CrossEncoderReranker):
+    """A cross-encoder reranker with its own blend over one shared model (``base``), whose
+    scores of a (question, candidates) batch are kept: the ``rerank B`` rows see the same
+    candidates, so they are scored once. ``fresh_s``: the seconds of each batch scored."""
+
+    memo: ClassVar[dict[tuple[str, tuple[str, ...]], Any]] = {}
+    fresh_s: ClassVar[list[float]] = []
+
+    def __init__(self, base: CrossEncoderReranker, blend: float) -> None:
+        super().__init__(base.path, depth=base.depth, blend=blend, max_tokens=base.max_tokens)
+        self.base = base
+
+    def scores(self, query: str, texts: Sequence[str]) -> Any:
+        key = (query, tuple(texts))
+        if key not in self.memo:
+            t0 = time.perf_counter()
+            self.memo[key] = self.base.scores(query, texts)
+            self.fresh_s.append(time.perf_counter() - t0)
+        return self.memo[key]
+
+
 def run(
     convs: Sequence[Conversation],
     systems: Sequence[str],
     cache: Path,
     ranking: Any = None,
     model: Path | None = None,
+    rerankers: dict[str, Any] | None = None,
 ) -> dict[str, Tally]:
     """Every system on every conversation; returns their tallies (``model``: the embedder's
-    folder, default MiniLM)."""
+    folder, default MiniLM; ``rerankers``: the ``rerank B`` systems' rerankers by name)."""
+    rerankers = rerankers or {}
+    systems = [*systems, *rerankers]
     tallies = {s: Tally() for s in systems}
-    emb = CachedEmbedder(cache, model) if {"torpor", "dense"} & set(systems) else None
+    emb = CachedEmbedder(cache, model) if {"torpor", "dense", *rerankers} & set(systems) else None
     if emb is not None:
         emb.model.embed(["load the model before anything is timed"])
     for n, conv in enumerate(convs, 1):
@@ -401,7 +434,11 @@ def run(
         )
         with tempfile.TemporaryDirectory(prefix="torpor-beam-") as tmp:
             for system in systems:
-                if system == "torpor":
+                if system in rerankers:
+                    search, spent = torpor_index(
+                        conv, Path(tmp) / system.replace(" ", "-"), emb, ranking, rerankers[system]
+                    )
+                elif system == "torpor":
                     search, spent = torpor_index(conv, Path(tmp) / "default", emb, ranking)
                 elif system == "torpor-lexical":
                     search, spent = torpor_index(conv, Path(tmp) / "lexical", None, ranking)
@@ -422,7 +459,8 @@ def run(
 
 
 def verdicts(tables: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str, bool, str]]:
-    """The default at or above every other row on every ability with >= 30 questions."""
+    """The default at or above every other row on every ability with >= 30 questions (the
+    opt-in ``rerank`` rows are not the default's parts and are left out)."""
     rows = []
     base = tables.get("torpor", {})
     for ability, fig in base.items():
@@ -431,7 +469,7 @@ def verdicts(tables: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str, 
         worse = [
             f"{s} {k} {tables[s][ability][k]:.3f} > {fig[k]:.3f}"
             for s in tables
-            if s != "torpor" and ability in tables[s]
+            if s != "torpor" and not s.startswith("rerank") and ability in tables[s]
             for k in (f"R@{k}" for k in KS)
             if tables[s][ability][k] > fig[k] + 1e-9
         ]
@@ -503,6 +541,17 @@ def _ranker(spec: str) -> Any:
     return HybridRanker(**kw)
 
 
+def _rerankers(args: argparse.Namespace) -> dict[str, SharedReranker]:
+    """The ``rerank B`` systems of ``--rerank``, one per blend, sharing one model."""
+    base = CrossEncoderReranker(
+        None if args.rerank == "default" else Path(args.rerank).expanduser(),
+        depth=args.rerank_depth,
+        max_tokens=args.rerank_tokens,
+    )
+    blends = [float(b) for b in args.rerank_blend.split(",") if b.strip()]
+    return {f"rerank {b:g}": SharedReranker(base, b) for b in blends}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns 0 (a missed goal is a FAIL row, not an error)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -537,6 +586,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a sentence-transformers folder to embed with instead of MiniLM (torpor, dense)",
     )
+    ap.add_argument(
+        "--rerank",
+        default=None,
+        help="add 'rerank B' rows: a cross-encoder folder, or 'default' (torpor[rerank])",
+    )
+    ap.add_argument("--rerank-depth", type=int, default=30, help="hits the cross-encoder reorders")
+    ap.add_argument(
+        "--rerank-blend", default="0.7", help="the cross-encoder's share, e.g. '0.5,0.7,1'"
+    )
+    ap.add_argument("--rerank-tokens", type=int, default=256, help="word pieces per pair")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -562,9 +621,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(len(c.turns) for c in convs)} turns, {nq} questions with evidence"
     )
     t0 = time.perf_counter()
-    tallies = run(convs, systems, args.cache.expanduser(), ranking, args.model)
+    rerankers = _rerankers(args) if args.rerank else {}
+    tallies = run(convs, systems, args.cache.expanduser(), ranking, args.model, rerankers)
     tables = {s: t.table() for s, t in tallies.items()}
     print_tables(tables, tallies)
+    if rerankers:
+        console.print(
+            f"cross-encoder, {len(SharedReranker.fresh_s)} batches of up to "
+            f"{args.rerank_depth} pairs: p50 {_pct(SharedReranker.fresh_s, 0.5):.0f} ms, "
+            f"p95 {_pct(SharedReranker.fresh_s, 0.95):.0f} ms"
+        )
     rows = verdicts(tables) if "torpor" in tables else []
     rows += speed_verdicts(tallies)
     for name, ok, detail in rows:
@@ -576,6 +642,17 @@ def main(argv: list[str] | None = None) -> int:
             "sizes": sizes if args.set == "beam" else None,
             "ranker": args.ranker or None,
             "model": str(args.model) if args.model else None,
+            "rerank": (
+                {
+                    "model": str(next(iter(rerankers.values())).base.path),
+                    "depth": args.rerank_depth,
+                    "tokens": args.rerank_tokens,
+                    "cross_encoder_p50_ms": _pct(SharedReranker.fresh_s, 0.5),
+                    "cross_encoder_p95_ms": _pct(SharedReranker.fresh_s, 0.95),
+                }
+                if rerankers
+                else None
+            ),
             "limit": args.limit,
             "split": args.split,
             "conversations": len(convs),

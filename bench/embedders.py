@@ -24,9 +24,13 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from rich.console import Console
 from rich.table import Table
 
@@ -34,6 +38,77 @@ from bench.conversations import SETS, load, load_realtalk
 
 console = Console(width=160)
 OUT = Path(__file__).resolve().parent / "results" / "embedders.json"
+
+
+class OnnxFolderEmbedder:
+    """A BERT-style encoder shipped as one ONNX graph and a ``tokenizer.json`` (no
+    sentence-transformers folder): first-token pooling, unit vectors; queries may get an
+    instruction prefix (``query_prefix``, as BGE models expect). Bench-only: it lets
+    ``conversations.py --model`` measure such a model against MiniLM without a conversion.
+    """
+
+    def __init__(self, path: Path, query_prefix: str = "", max_tokens: int = 256) -> None:
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        self.path = path
+        self.name = f"onnx:{path.name}"
+        self.query_prefix = query_prefix
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.tokenizer.enable_truncation(max_tokens)
+        self.tokenizer.enable_padding()
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        self._one = ort.InferenceSession(
+            str(path / "model.onnx"), opts, providers=["CPUExecutionProvider"]
+        )
+        self._many = ort.InferenceSession(
+            str(path / "model.onnx"), providers=["CPUExecutionProvider"]
+        )
+        self.dim = int(self._one.get_outputs()[0].shape[-1])
+        self.query_runtime = "onnxruntime"
+
+    def _run(self, texts: list[str], session: Any) -> npt.NDArray[np.float32]:
+        enc = self.tokenizer.encode_batch(texts)
+        feed = {
+            "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64),
+        }
+        hidden = session.run(None, feed)[0]
+        vecs = np.asarray(hidden[:, 0, :], dtype=np.float32)
+        out: npt.NDArray[np.float32] = vecs / np.linalg.norm(vecs, axis=1, keepdims=True).clip(
+            min=1e-12
+        )
+        return out
+
+    def embed(self, texts: Sequence[str], batch: int = 32) -> npt.NDArray[np.float32]:
+        if len(texts) <= 4:
+            return self._run(list(texts), self._one)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for start in range(0, len(order), batch):
+            idx = order[start : start + batch]
+            out[idx] = self._run([texts[i] for i in idx], self._many)
+        return out
+
+    def embed_queries(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        return self.embed([self.query_prefix + t for t in texts])
+
+
+def load_embedder(path: Path | None) -> Any:
+    """The embedder at ``path``: a sentence-transformers folder (torpor's own embedder class),
+    an ONNX graph + tokenizer folder (:class:`OnnxFolderEmbedder`; a folder named ``bge*``
+    gets BGE's query instruction), or torpor's default MiniLM when None."""
+    from torpor.memory.embeddings import SentenceTransformerEmbedder
+
+    if path is not None and (path / "model.onnx").exists() and not (path / "modules.json").exists():
+        prefix = QUERY_PREFIX_BGE if path.name.startswith("bge") else ""
+        return OnnxFolderEmbedder(path, query_prefix=prefix)
+    return SentenceTransformerEmbedder(path)
+
+
+QUERY_PREFIX_BGE = "Represent this sentence for searching relevant passages: "
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -63,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     onnx = not args.no_onnx
     models = {
         "MiniLM": SentenceTransformerEmbedder(onnx=onnx),
-        args.model.name: SentenceTransformerEmbedder(args.model, onnx=onnx),
+        args.model.name: load_embedder(args.model)
+        if (args.model / "model.onnx").exists()
+        else SentenceTransformerEmbedder(args.model, onnx=onnx),
     }
     names = list(models)
     for emb in models.values():

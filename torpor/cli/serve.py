@@ -46,6 +46,14 @@ def serve(
             envvar="TORPOR_EMBEDDER", help="memory embedder: default, none (lexical) or a model"
         ),
     ] = None,
+    reranker: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TORPOR_RERANKER",
+            help="memory recall's cross-encoder reranker: none (default), default "
+            "(torpor[rerank]) or a model folder",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
     cluster: Annotated[
         str | None,
@@ -91,6 +99,7 @@ def serve(
         token_file=token_file,
         memory=memory,
         embedder=embedder,
+        reranker=reranker,
         log_level=log_level.lower(),
         cluster=cluster,
         store=store,

@@ -30,6 +30,7 @@ from torpor.memory.backends.base import MemoryBackend, Vector
 from torpor.memory.embeddings import INSTALL_HINT, Embedder, resolve_embedder
 from torpor.memory.models import AuditEntry, Scope, from_us, now_us
 from torpor.memory.ranking import HybridRanker, Ranker
+from torpor.memory.rerank import Reranker, resolve_reranker
 from torpor.memory.scoped import ScopedMemory
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,11 @@ class Memory:
     (lexical only) or an :class:`Embedder`; ``backend``: ``"sqlite"`` or a PostgreSQL DSN;
     ``ranking``: how recall orders what it finds, for every scope of this memory (a
     :class:`~torpor.memory.ranking.Ranker`; default :class:`~torpor.memory.HybridRanker`, e.g.
-    ``HybridRanker(tiered=False)`` to let relevance outrank scope).
+    ``HybridRanker(tiered=False)`` to let relevance outrank scope); ``reranker``: None (the
+    default), ``"default"`` (the packaged cross-encoder, the ``torpor[rerank]`` extra), a
+    model folder or a :class:`~torpor.memory.rerank.Reranker`, which reorders each recall's
+    first hits (:mod:`torpor.memory.rerank`; better on real conversations, ~10x the search
+    time).
 
     Raises :class:`InvalidArgument` for a ``ranking`` without a ``rank`` method,
     :class:`AccessDenied` (audited) for an unknown/revoked token or a token of another
@@ -62,10 +67,12 @@ class Memory:
         embedder: str | Embedder | None = "default",
         backend: str = "sqlite",
         ranking: Ranker | None = None,
+        reranker: str | Reranker | None = None,
     ) -> None:
         if ranking is not None and not callable(getattr(ranking, "rank", None)):
             raise InvalidArgument(f"ranking must have a rank(candidates) method, not {ranking!r}")
         self.ranking: Ranker = HybridRanker() if ranking is None else ranking
+        self.reranker = resolve_reranker(reranker)
         self.paths = paths(home)
         self.backend = open_backend(backend, self.paths.memory)
         self.tokens = TokenManager(self.backend)
@@ -104,6 +111,7 @@ class Memory:
         *,
         embedder: Embedder | None = None,
         ranking: Ranker | None = None,
+        reranker: Reranker | None = None,
         home: str | os.PathLike[str] | None = None,
     ) -> Memory:
         """A Memory of ``tenant`` over a backend that someone else opened and closes (the
@@ -112,6 +120,7 @@ class Memory:
         Raises :class:`InvalidName`, :class:`StorageError`."""
         self = cls.__new__(cls)
         self.ranking = HybridRanker() if ranking is None else ranking
+        self.reranker = reranker
         self.paths = paths(home)
         self.backend = backend
         self.tokens = TokenManager(backend)

@@ -393,7 +393,9 @@ class Hit(BaseModel):
     ``vector`` (cosine), ``lexical_weight``, ``relevance``, ``scope_distance``, ``scope``,
     ``kind``, ``speaker`` (episodes), ``date`` (when the query names a day), ``asks`` (an
     episode that only asks a question), ``recency``, ``reply`` (the share of its next turn's
-    score, when it has one); see :mod:`torpor.memory.ranking`)."""
+    score, when it has one); see :mod:`torpor.memory.ranking`), and with a reranker
+    ``rerank`` (its probability) and ``ranked`` (the ranker's score; ``score`` is then their
+    blend, :mod:`torpor.memory.rerank`)."""
 
     model_config = ConfigDict(extra="forbid")
 

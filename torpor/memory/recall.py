@@ -19,7 +19,9 @@
    :meth:`~torpor.memory.ranking.HybridRanker.with_replies` lifts those turns by a share of
    their reply's score (one indexed lookup per hit); the ranker keeps twice ``reply_top`` hits
    for it, so a turn ranked below ``reply_top`` can still rise.
-5. **The first k** of that order are the answer.
+5. **Reranking** (opt-in, ``torpor.Memory(reranker=...)``): a cross-encoder reorders the
+   first ``depth`` hits (:mod:`torpor.memory.rerank`); the ranker keeps at least that many.
+6. **The first k** of that order are the answer.
 
 Why stop words are searched: a question is mostly function words ("what is
 my ...", "who am I ..."), and when its content words are paraphrased away they are all that
@@ -59,6 +61,7 @@ from torpor.memory.ranking import (
     text_terms,
     words,
 )
+from torpor.memory.rerank import Reranker
 
 log = logging.getLogger(__name__)
 
@@ -194,10 +197,11 @@ def recall(
     embedder: Embedder | None,
     ranking: Ranker = DEFAULT_RANKING,
     min_similarity: float | None = None,
+    reranker: Reranker | None = None,
 ) -> list[Hit]:
     """The ``k`` best hits for ``query`` among the records ``flt`` lets through, as
-    ``ranking`` orders them (``min_similarity``: this query's vector floor, None for the
-    ranker's own).
+    ``ranking`` orders them, then ``reranker`` when there is one (``min_similarity``: this
+    query's vector floor, None for the ranker's own).
 
     Raises what the store raises (:class:`StorageError`) and what the ranker raises.
     """
@@ -223,11 +227,16 @@ def recall(
         min_similarity=min_similarity,
         # with the reply share, twice reply_top are kept: a turn ranked below reply_top can
         # still take its reply's share (BEAM dev R@10 0.523 -> 0.538; bench/README.md)
-        limit=k if replies is None else max(k, 2 * replies.reply_top),
+        limit=max(
+            k if replies is None else max(k, 2 * replies.reply_top),
+            reranker.depth if reranker is not None else 0,
+        ),
     )
     hits = ranking.rank(found)
     if replies is not None:
         hits = replies.with_replies(hits, previous_turns(store, hits[: replies.reply_top], flt))
+    if reranker is not None:
+        hits = reranker.rerank(query, hits)
     return hits[:k]
 
 

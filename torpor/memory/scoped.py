@@ -40,6 +40,7 @@ from torpor.memory.models import (
 )
 from torpor.memory.ranking import Ranker
 from torpor.memory.recall import recall as _recall
+from torpor.memory.rerank import Reranker
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class Owner(Protocol):
 
     @property
     def ranking(self) -> Ranker: ...
+
+    @property
+    def reranker(self) -> Reranker | None: ...
 
     def usable_embedder(self) -> Embedder | None: ...
 
@@ -226,6 +230,7 @@ class ScopedMemory:
             embedder=self.memory.usable_embedder(),
             ranking=self.memory.ranking,
             min_similarity=min_similarity,
+            reranker=self.memory.reranker,
         )
 
     def context(

@@ -42,6 +42,7 @@ from torpor.errors import InvalidArgument, NotFound, TorporError
 from torpor.memory.backends import open_backend
 from torpor.memory.backends.base import MemoryBackend
 from torpor.memory.embeddings import Embedder
+from torpor.memory.rerank import Reranker, resolve_reranker
 from torpor.sandbox.requests import invalid_argument
 from torpor.server.auth import Identity, TokenStore
 from torpor.server.deps import CallerDep
@@ -157,6 +158,7 @@ def create_app(
     tokens: TokenStore | None = None,
     memory: MemoryBackend | str | None = None,
     memory_embedder: Embedder | str | None = "default",
+    memory_reranker: Reranker | str | None = None,
     max_import_bytes: int = 256 << 20,
     require_token: bool | None = None,
     supervise: bool = True,
@@ -174,7 +176,9 @@ def create_app(
     come over the unix socket are refused (default: when ``tokens`` is given).
     ``tokens``: a deprecated token file's tokens, imported into the store at start.
     ``memory_embedder``: the memory routes' embedder (as ``Memory(embedder=...)``; loaded on
-    first use); ``max_import_bytes``: the largest memory import body.
+    first use); ``memory_reranker``: their reranker (as ``Memory(reranker=...)``, default
+    none; resolved here, so a missing model fails the start with :class:`InvalidArgument`);
+    ``max_import_bytes``: the largest memory import body.
     ``supervise``: run the idle supervisor (``manager.idle_sweep()`` every ``idle_interval``
     seconds). ``on_shutdown``: plain callables run after the manager closed (the daemon
     removes its socket and pidfile there). ``fast_memory``: answer the hot memory routes
@@ -225,6 +229,7 @@ def create_app(
     app.state.identity = identity
     app.state.memory_backend = backend
     app.state.memory_embedder = memory_embedder
+    app.state.memory_reranker = resolve_reranker(memory_reranker)
     app.state.max_import_bytes = max_import_bytes
     app.state.max_file_bytes = max_file_bytes
     app.add_middleware(FastPath, enabled=fast_memory)  # innermost: inside the body limit

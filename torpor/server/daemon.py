@@ -155,6 +155,7 @@ def serve(
     manager: Any = None,
     memory: str | None = None,
     embedder: str | None = None,
+    reranker: str | None = None,
     log_level: str = "info",
     cluster: str | None = None,
     store: str | None = None,
@@ -170,7 +171,9 @@ def serve(
     memory store's backend (``"sqlite"``, the default, or a PostgreSQL DSN; default
     ``$TORPOR_MEMORY_BACKEND``). ``embedder``: the memory routes' embedder (``"default"``:
     the local model if installed; ``"none"``: lexical only; or a model name; default
-    ``$TORPOR_EMBEDDER`` or ``"default"``). ``manager`` defaults to a
+    ``$TORPOR_EMBEDDER`` or ``"default"``). ``reranker``: their cross-encoder reranker
+    (``"default"``: the packaged one, ``torpor[rerank]``; a model folder; default
+    ``$TORPOR_RERANKER`` or none). ``manager`` defaults to a
     :class:`~torpor.sandbox.manager.SandboxManager` on ``home``. ``$TORPOR_FAST_MEMORY=0``
     sends every request through FastAPI's routing (no :mod:`torpor.server.fastpath`).
 
@@ -256,6 +259,7 @@ def serve(
         tokens=tokens,
         memory=memory or os.environ.get("TORPOR_MEMORY_BACKEND") or "sqlite",
         memory_embedder=_embedder_spec(embedder or os.environ.get("TORPOR_EMBEDDER")),
+        memory_reranker=reranker or os.environ.get("TORPOR_RERANKER"),
         require_token=host is not None,
         on_shutdown=cleanup,
         # the hot memory routes' short way (torpor.server.fastpath); "0": FastAPI's routing for

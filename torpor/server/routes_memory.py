@@ -208,6 +208,7 @@ def tenant_memory(app: Any, tenant: str) -> Memory:
             state.memory_backend,
             tenant,
             embedder=_embedder(state),
+            reranker=getattr(state, "memory_reranker", None),
             home=None if served is None else served.home,
         )
         with _lock:
