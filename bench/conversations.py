@@ -591,11 +591,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="add 'rerank B' rows: a cross-encoder folder, or 'default' (torpor[rerank])",
     )
-    ap.add_argument("--rerank-depth", type=int, default=30, help="hits the cross-encoder reorders")
+    ap.add_argument("--rerank-depth", type=int, default=20, help="hits the cross-encoder reorders")
     ap.add_argument(
         "--rerank-blend", default="0.7", help="the cross-encoder's share, e.g. '0.5,0.7,1'"
     )
-    ap.add_argument("--rerank-tokens", type=int, default=256, help="word pieces per pair")
+    ap.add_argument("--rerank-tokens", type=int, default=128, help="word pieces per pair")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]

@@ -50,7 +50,7 @@ class Memory:
     ``HybridRanker(tiered=False)`` to let relevance outrank scope); ``reranker``: None (the
     default), ``"default"`` (the packaged cross-encoder, the ``torpor[rerank]`` extra), a
     model folder or a :class:`~torpor.memory.rerank.Reranker`, which reorders each recall's
-    first hits (:mod:`torpor.memory.rerank`; better on real conversations, ~10x the search
+    first hits (:mod:`torpor.memory.rerank`; better on real conversations, ~30x the search
     time).
 
     Raises :class:`InvalidArgument` for a ``ranking`` without a ``rank`` method,

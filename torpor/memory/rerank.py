@@ -4,11 +4,12 @@ Recall's ranker (:mod:`torpor.memory.ranking`) scores a question and a record fr
 share: words, and a MiniLM vector of each computed apart. A cross-encoder reads the question
 and a record *together* and scores how well the record answers it. On real conversations
 that finds evidence worded unlike its question, at a price: one forward pass of a 12-layer
-model over every (question, record) pair, about ten times a query's embedding
-(``bench/README.md``, "Reranking"). It is therefore off by default and opt-in per memory::
+model over every (question, record) pair, a few hundred milliseconds a query on two cores
+where the search itself takes ~10 ms (``bench/README.md``, "Cross-encoder reranking"). It is
+therefore off by default and opt-in per memory::
 
     torpor.Memory(reranker="default")        # the packaged model, see below
-    torpor.Memory(reranker=CrossEncoderReranker("/models/my-ms-marco", depth=20))
+    torpor.Memory(reranker=CrossEncoderReranker("/models/my-ms-marco", depth=10))
 
 How it orders: the ranker's first ``depth`` hits (recall asks the ranker for at least that
 many) are scored in one batch; each gets ``blend`` x its cross-encoder score plus
@@ -93,9 +94,9 @@ class CrossEncoderReranker:
         self,
         path: str | Path | None = None,
         *,
-        depth: int = 30,
+        depth: int = 20,
         blend: float = 0.7,
-        max_tokens: int = 256,
+        max_tokens: int = 128,
     ) -> None:
         folder = Path(path) if path is not None else default_reranker_path()
         if folder is None:
