@@ -73,7 +73,7 @@ def test_no_match_stays_empty_with_a_reranker(home: Path) -> None:
     ("spec", "message"),
     [
         (42, "reranker must be"),
-        ("/nonexistent/model", "holds no model.onnx"),
+        ("/nonexistent/model", r"holds no model\.onnx"),
     ],
 )
 def test_bad_reranker_specs_are_refused(home: Path, spec: object, message: str) -> None:
@@ -184,5 +184,5 @@ def test_the_server_refuses_to_start_with_a_missing_reranker(home: Path) -> None
     from tests.server.fake_manager import FakeManager
     from torpor.server.app import create_app
 
-    with pytest.raises(InvalidArgument, match="holds no model.onnx"):
+    with pytest.raises(InvalidArgument, match=r"holds no model\.onnx"):
         create_app(FakeManager(), supervise=False, memory_reranker=str(home / "nothing"))
