@@ -51,7 +51,7 @@ def serve(
         typer.Option(
             envvar="TORPOR_RERANKER",
             help="memory recall's cross-encoder reranker: none (default), default "
-            "(torpor[rerank]) or a model folder",
+            "(the torpor rerank extra) or a model folder",
         ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
