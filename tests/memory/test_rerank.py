@@ -186,3 +186,30 @@ def test_the_server_refuses_to_start_with_a_missing_reranker(home: Path) -> None
 
     with pytest.raises(InvalidArgument, match=r"holds no model\.onnx"):
         create_app(FakeManager(), supervise=False, memory_reranker=str(home / "nothing"))
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+
+
+@rerank
+def test_the_cli_recalls_through_the_reranker(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from torpor.cli import _load, app
+
+    _load()
+    runner = CliRunner()
+    base = ["memory", "--home", str(tmp_path / "home"), "--scope", "app/a/user/u", "--json"]
+    for text in ("Kate: spring cleaning is done", "Kate: two weeks in Kyoto this April"):
+        r = runner.invoke(app, [*base, "log", "kate", text], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+    plain = runner.invoke(app, [*base, "recall", "Where did Kate go?"], catch_exceptions=False)
+    ranked = runner.invoke(app, [*base, "--reranker", "default", "recall", "Where did Kate go?"])
+    assert ranked.exit_code == 0, ranked.output
+    assert all("rerank" not in h["scores"] for h in json.loads(plain.stdout))
+    hits = json.loads(ranked.stdout)
+    assert hits and all("rerank" in h["scores"] for h in hits)
+    bad = runner.invoke(app, [*base, "--reranker", str(tmp_path / "none"), "recall", "x"])
+    assert bad.exit_code != 0 and isinstance(bad.exception, InvalidArgument)

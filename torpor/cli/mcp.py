@@ -40,6 +40,14 @@ def mcp(
     sandboxes: Annotated[
         bool, typer.Option("--sandboxes/--no-sandboxes", help="offer the sandbox tools too")
     ] = True,
+    reranker: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TORPOR_RERANKER",
+            help="recall's cross-encoder: none (default), default (the torpor rerank extra) "
+            "or a model folder (local memory only: a server uses its own)",
+        ),
+    ] = None,
 ) -> None:
     """Serve torpor's MCP tools (memory and sandboxes) on stdin/stdout.
 
@@ -58,7 +66,7 @@ def mcp(
     if runtime.url is None:
         from torpor.memory import Memory
 
-        memory = Memory(embedder=None if lexical else "default")
+        memory = Memory(embedder=None if lexical else "default", reranker=reranker)
     else:
         memory = getattr(runtime, "memory", None) or _NoMemory(runtime.url)
     context = ToolContext(

@@ -52,6 +52,7 @@ class _Opts:
     as_json: bool
     url: str | None = None
     server: bool = False
+    reranker: str | None = None
 
 
 def _scope(ctx: typer.Context) -> ScopedMemory:
@@ -66,7 +67,11 @@ def _scope(ctx: typer.Context) -> ScopedMemory:
     from torpor.memory import Memory
 
     mem = Memory(
-        o.home, token=o.token, tenant=o.tenant, embedder="default" if o.embeddings else None
+        o.home,
+        token=o.token,
+        tenant=o.tenant,
+        embedder="default" if o.embeddings else None,
+        reranker=o.reranker,
     )
     ctx.call_on_close(mem.close)
     return mem.scope_from_path(o.scope)
@@ -103,6 +108,14 @@ def main(
     server: Annotated[
         bool, typer.Option("--server", help="the local server's memory (over its socket)")
     ] = False,
+    reranker: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TORPOR_RERANKER",
+            help="recall's cross-encoder: none (default), default (the torpor rerank extra) "
+            "or a model folder; a server (--url, --server) uses its own",
+        ),
+    ] = None,
 ) -> None:
     """Options shared by every memory command.
 
@@ -110,7 +123,7 @@ def main(
 
         torpor memory --scope app/support/user/u-42 recall "summaries" -k 3
     """
-    ctx.obj = _Opts(home, tenant, token, scope, embeddings, as_json, url, server)
+    ctx.obj = _Opts(home, tenant, token, scope, embeddings, as_json, url, server, reranker)
 
 
 @app.command()
