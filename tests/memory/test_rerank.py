@@ -46,9 +46,11 @@ def _fill(mem: Memory, n: int) -> None:
     )
 
 
-def test_recall_hands_the_reranker_at_least_depth_hits_and_keeps_its_order(home: Path) -> None:
+def test_recall_hands_the_reranker_at_least_depth_hits_and_keeps_its_order(
+    home: Path, backend_spec: str
+) -> None:
     rr = Reverse(depth=50)
-    mem = Memory(str(home), embedder=HashEmbedder(64), reranker=rr)
+    mem = Memory(str(home), embedder=HashEmbedder(64), backend=backend_spec, reranker=rr)
     _fill(mem, 60)
     got = [h.text for h in mem.scope(app="a", user="u").recall("garden roses", k=2)]
     mem.close()
