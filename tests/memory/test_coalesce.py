@@ -16,7 +16,7 @@ import pytest
 
 from torpor.errors import InvalidArgument
 from torpor.memory import HashEmbedder, Memory
-from torpor.memory._coalesce import FEW, EmbedBatcher, batcher_for
+from torpor.memory._coalesce import FEW, MAX_TEXTS, EmbedBatcher, batcher_for
 from torpor.memory.models import Episode, now_us
 
 
@@ -140,7 +140,7 @@ def test_an_interrupted_follower_leaves_the_queue_working() -> None:
         b._queue.append(call)
     b._leave(call)  # what embed() does when its wait is interrupted
     leader.join(5)
-    assert not leader.is_alive() and not b._busy and not b._queue
+    assert not leader.is_alive() and b._running == 0 and not b._queue
     assert b.embed(["after"]).shape == (1, 32)
 
 
@@ -152,3 +152,40 @@ def test_vectors_are_the_models_own(n: int) -> None:
     out = _together(n, lambda i: b.embed([texts[i]]))
     for i, vec in enumerate(out):
         np.testing.assert_allclose(vec, model.inner.embed([texts[i]]), rtol=1e-6)
+
+
+class OverlapEmbedder(SlowEmbedder):
+    """Counts the model calls running at once."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
+        self.now = 0
+        self.most = 0
+
+    def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            return super().embed(texts)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_lanes_bound_the_model_calls_at_once_and_joined_batches_stay_few(lanes: int) -> None:
+    """With two lanes two shared model calls run at once (one per core: the default
+    embedder's few-text path runs on one thread), never more; each joins at most
+    MAX_TEXTS texts, and every caller still gets its own text's vector."""
+    model = OverlapEmbedder(delay=0.05)
+    b = EmbedBatcher(model, lanes=lanes)
+    n = 16
+    texts = [f"sentence {i}" for i in range(n)]
+    out = _together(n, lambda i: b.embed([texts[i]]))
+    assert model.most == lanes
+    assert max(len(c) for c in model.calls) <= MAX_TEXTS
+    assert len(model.calls) < n  # joined all the same
+    for i, vec in enumerate(out):
+        np.testing.assert_allclose(vec, model.inner.embed([texts[i]]), rtol=1e-6)
+    assert b._running == 0 and not b._queue

@@ -6,11 +6,20 @@ about 120 one by one), and the HTTP server runs its sync routes in a thread pool
 concurrent requests are the common case. :class:`EmbedBatcher` joins the texts of the calls
 that arrive while the model is busy into the next model call:
 
-* the first caller finds the model idle and embeds its own text at once (**a lone caller
-  waits for nobody**: no timer, no extra thread);
-* a caller that arrives while a batch runs queues its texts and waits;
-* when a batch ends, its leader hands the lead to the oldest queued caller, which takes
-  every queued text (up to :data:`MAX_TEXTS`) into one model call and does the same.
+* a caller that finds a free lane (fewer than :data:`LANES` model calls running) embeds its
+  own text at once, with whatever is queued (**a lone caller waits for nobody**: no timer,
+  no extra thread);
+* a caller that arrives while every lane runs a batch queues its texts and waits;
+* when a batch ends, its leader hands the lane to the oldest queued caller, which takes the
+  queued texts (up to :data:`MAX_TEXTS`) into one model call and does the same.
+
+Why lanes, and why small joined batches: the default embedder embeds up to four texts on
+one thread (through ONNX Runtime when it is installed; ``embeddings.py``), and its larger
+batches on all cores (PyTorch). Measured on this 2-core machine, quiet, 480 short sentences,
+texts/s: PyTorch's batch of all 303; one thread at 1 / 4 / 8 texts a call 185 / 305 / 357;
+two such calls at once, 4 texts each, 568. So two lanes of joined batches that stay on the
+one-thread path beat the model's own batch; one lane of up to 64 texts (before) gave 8
+threads of ``log()`` 215/s against the batch's 455/s in ``bench.memory``.
 
 Only the embedding is shared: each caller then writes its own records in its own
 transaction, so a call returns after its own records are committed, and a write error (a
@@ -21,6 +30,7 @@ Calls that bring more than :data:`FEW` texts are batches already and go straight
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -31,36 +41,41 @@ import numpy.typing as npt
 
 from torpor.memory.embeddings import Embedder
 
-__all__ = ["FEW", "MAX_TEXTS", "EmbedBatcher", "batcher_for"]
+__all__ = ["FEW", "LANES", "MAX_TEXTS", "EmbedBatcher", "batcher_for"]
 
 #: calls with at most this many texts are joined; larger ones are batches already
 FEW = 4
-#: most texts one shared model call embeds
-MAX_TEXTS = 64
+#: most texts one shared model call embeds: the embedder's one-thread path (module docstring)
+MAX_TEXTS = FEW
+#: shared model calls that may run at once: one per core, at most four
+LANES = max(1, min(4, os.cpu_count() or 1))
 
 
 class _Call:
     """One caller's texts, and what it gets back."""
 
-    __slots__ = ("done", "error", "lead", "texts", "vectors")
+    __slots__ = ("error", "lead", "served", "texts", "vectors", "wake")
 
     def __init__(self, texts: Sequence[str]) -> None:
         self.texts = list(texts)
-        self.done = threading.Event()
-        self.lead = False  # set with ``done`` when this caller is to run the next batch
+        self.wake = threading.Event()  # served, or handed a lane
+        self.served = threading.Event()  # ``vectors`` or ``error`` is set
+        self.lead = False  # set with ``wake`` when this caller is to run the next batch
         self.vectors: npt.NDArray[np.float32] | None = None
         self.error: BaseException | None = None
 
 
 class EmbedBatcher:
-    """Joins concurrent :meth:`embed` calls of few texts into shared model calls (see the
-    module docstring). Thread-safe; one per embedder (:func:`batcher_for`)."""
+    """Joins concurrent :meth:`embed` calls of few texts into shared model calls, up to
+    ``lanes`` at once (see the module docstring). Thread-safe; one per embedder
+    (:func:`batcher_for`)."""
 
-    def __init__(self, embedder: Embedder) -> None:
+    def __init__(self, embedder: Embedder, *, lanes: int = LANES) -> None:
         self.embedder = embedder
+        self.lanes = max(1, lanes)
         self._lock = threading.Lock()
         self._queue: list[_Call] = []
-        self._busy = False
+        self._running = 0  # lanes in use: callers running (or about to run) a batch
         #: model calls made and texts they embedded (for tests and the bench)
         self.model_calls = 0
         self.texts_embedded = 0
@@ -73,59 +88,68 @@ class EmbedBatcher:
         call = _Call(texts)
         with self._lock:
             self._queue.append(call)
-            lead = not self._busy
-            self._busy = True
-        if not lead:
-            try:
-                call.done.wait()
-            except BaseException:  # interrupted while queued: leave, passing on any lead
-                self._leave(call)
-                raise
-            lead = call.lead
-        if lead:
-            self._lead()
+            if self._running < self.lanes:
+                self._running += 1
+                call.lead = True
+        try:
+            if not call.lead:
+                call.wake.wait()
+            if call.lead:
+                self._lead(call)
+            call.served.wait()  # by this caller's batch, or by another lane's
+        except BaseException:  # interrupted: leave, passing on any lane it holds
+            self._leave(call)
+            raise
         if call.error is not None:
             raise call.error
-        assert call.vectors is not None  # set with ``done`` by the batch that served it
+        assert call.vectors is not None
         return call.vectors
 
-    def _lead(self) -> None:
-        """Run one batch from the head of the queue (this caller's own call is first), then
-        hand the lead to the oldest call still queued, or mark the model idle."""
+    def _lead(self, own: _Call) -> None:
+        """Run one batch of the oldest queued calls (``own`` first, unless another lane has
+        taken it), then hand this lane to the oldest queued call without one, or free it."""
         with self._lock:
             batch: list[_Call] = []
-            size = 0
+            if own in self._queue:
+                self._queue.remove(own)
+                batch.append(own)
+            size = sum(len(c.texts) for c in batch)
             while self._queue and (not batch or size + len(self._queue[0].texts) <= MAX_TEXTS):
+                if self._queue[0].lead:  # holds a lane of its own: it runs itself
+                    break
                 batch.append(self._queue.pop(0))
                 size += len(batch[-1].texts)
         try:
-            self._serve(batch)
+            if batch:
+                self._serve(batch)
         finally:
+            own.lead = False
             with self._lock:
-                if self._queue:
-                    nxt = self._queue[0]
-                    nxt.lead = True
-                    nxt.done.set()
-                else:
-                    self._busy = False
+                self._hand_on()
             for call in batch:
                 if call.vectors is None and call.error is None:  # interrupted: never hang
                     call.error = RuntimeError("the shared embedding batch was interrupted")
-                call.done.set()
+                call.served.set()
+                call.wake.set()
 
     def _leave(self, call: _Call) -> None:
-        """Take ``call`` out of the queue; if it had just been handed the lead, hand it on."""
+        """Take ``call`` out of the queue; if it holds a lane, hand the lane on."""
         with self._lock:
-            if call not in self._queue:
-                return  # already served
-            self._queue.remove(call)
-            if not call.lead:
+            if call in self._queue:
+                self._queue.remove(call)
+            if call.lead:
+                call.lead = False
+                self._hand_on()
+
+    def _hand_on(self) -> None:
+        """Give a lane that ends to the oldest queued call without one, or free it (under
+        ``_lock``)."""
+        for nxt in self._queue:
+            if not nxt.lead:
+                nxt.lead = True
+                nxt.wake.set()
                 return
-            if self._queue:
-                self._queue[0].lead = True
-                self._queue[0].done.set()
-            else:
-                self._busy = False
+        self._running -= 1
 
     def _serve(self, batch: list[_Call]) -> None:
         """Embed every call's texts in one model call; if it fails, each call on its own."""
