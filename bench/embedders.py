@@ -75,12 +75,10 @@ class OnnxFolderEmbedder:
             "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
             "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64),
         }
+        from torpor.memory.embeddings import normalize
+
         hidden = session.run(None, feed)[0]
-        vecs = np.asarray(hidden[:, 0, :], dtype=np.float32)
-        out: npt.NDArray[np.float32] = vecs / np.linalg.norm(vecs, axis=1, keepdims=True).clip(
-            min=1e-12
-        )
-        return out
+        return normalize(hidden[:, 0, :])
 
     def embed(self, texts: Sequence[str], batch: int = 32) -> npt.NDArray[np.float32]:
         if len(texts) <= 4:
