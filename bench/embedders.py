@@ -69,15 +69,10 @@ class OnnxFolderEmbedder:
         self.query_runtime = "onnxruntime"
 
     def _run(self, texts: list[str], session: Any) -> npt.NDArray[np.float32]:
-        enc = self.tokenizer.encode_batch(texts)
-        feed = {
-            "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
-            "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
-            "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64),
-        }
         from torpor.memory.embeddings import normalize
+        from torpor.memory.rerank import bert_feed
 
-        hidden = session.run(None, feed)[0]
+        hidden = session.run(None, bert_feed(self.tokenizer.encode_batch(texts), session))[0]
         return normalize(hidden[:, 0, :])
 
     def embed(self, texts: Sequence[str], batch: int = 32) -> npt.NDArray[np.float32]:

@@ -45,6 +45,7 @@ __all__ = [
     "INSTALL_HINT",
     "CrossEncoderReranker",
     "Reranker",
+    "bert_feed",
     "default_reranker_path",
     "resolve_reranker",
 ]
@@ -144,13 +145,7 @@ class CrossEncoderReranker:
             return np.zeros(0, dtype=np.float32)
         session, tok = self._load()
         enc = tok.encode_batch([(query, t) for t in texts])
-        feed = {
-            "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
-            "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
-            "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64),
-        }
-        wanted = {i.name for i in session.get_inputs()}
-        logits = session.run(None, {k: v for k, v in feed.items() if k in wanted})[0]
+        logits = session.run(None, bert_feed(enc, session))[0]
         return np.asarray(logits, dtype=np.float32).reshape(len(texts))
 
     def rerank(self, query: str, hits: Sequence[Hit]) -> list[Hit]:
@@ -173,6 +168,21 @@ class CrossEncoderReranker:
         # stable: equal blends keep the ranker's order
         out.sort(key=lambda h: -h.score)
         return [*out, *tail]
+
+
+def bert_feed(encodings: Sequence[Any], session: Any) -> dict[str, npt.NDArray[np.int64]]:
+    """A BERT graph's inputs for ``tokenizers`` encodings (padded to one length): ids,
+    attention mask and token types, those of them that ``session`` takes."""
+    columns = {
+        "input_ids": [e.ids for e in encodings],
+        "attention_mask": [e.attention_mask for e in encodings],
+        "token_type_ids": [e.type_ids for e in encodings],
+    }
+    return {
+        i.name: np.array(columns[i.name], dtype=np.int64)
+        for i in session.get_inputs()
+        if i.name in columns
+    }
 
 
 def _unit(values: npt.NDArray[Any]) -> npt.NDArray[np.float64]:
