@@ -15,7 +15,7 @@ from torpor.errors import InvalidArgument
 from torpor.memory import Candidates, Episode, Fact, HashEmbedder, Hit, HybridRanker, Memory
 from torpor.memory.backends.base import AnyRecord
 from torpor.memory.models import from_us, now_us, to_us
-from torpor.memory.ranking import asks, query_days
+from torpor.memory.ranking import asks, instructs, query_days
 from torpor.memory.recall import previous_turns
 
 NOW = now_us()
@@ -74,6 +74,7 @@ OPTIONS = [
     pytest.param("stand_out", 0.0, HybridRanker(), id="stand_out"),
     pytest.param("dated", 0.0, HybridRanker(), id="dated"),
     pytest.param("asking", 1.0, HybridRanker(), id="asking"),
+    pytest.param("instructing", 1.0, HybridRanker(), id="instructing"),
     pytest.param("hybrid_coverage", 0.9, HybridRanker(), id="hybrid_coverage"),
     pytest.param("spread_floor", 0.5, HybridRanker(), id="spread_floor"),
     pytest.param("scope_decay", 0.3, HybridRanker(tiered=False), id="scope_decay"),
@@ -149,6 +150,8 @@ def test_every_option_changes_the_answer(option: str, value: object, base: Hybri
         found = _unseen_found()
     if option == "asking":
         found = _asked("is the kayak mine")
+    if option == "instructing":
+        found = _instructed("kayak")
     assert _answer(changed.rank(found)) != _answer(base.rank(found))
 
 
@@ -574,3 +577,49 @@ def test_previous_turns_are_the_same_sessions_visible_turn_before(
         assert {h.id: h.scores.get("reply", 0.0) for h in hits}[first.id] > 0
     finally:
         mem.close()
+
+
+def _instructed(query: str) -> Candidates:
+    """:func:`_dialogue` with the same words in both turns: Sam's (newer) tells, Dana's
+    (older) gives a standing instruction."""
+    swap = {
+        REPLY.id: REPLY.model_copy(update={"text": "sam: Sam quoted kayak prices."}),
+        TALK.id: TALK.model_copy(update={"text": "dana: Always quote kayak prices."}),
+    }
+    found = _dialogue(query)
+    return dataclasses.replace(
+        found,
+        lexical=[(swap.get(r.id, r), s) for r, s in found.lexical],
+        vector=[(swap.get(r.id, r), s) for r, s in found.vector or ()],
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "instructing"),
+    [
+        pytest.param("Always include version numbers when I ask about libraries.", True, id="always"),
+        pytest.param("user: never use tabs", True, id="speaker-never"),
+        pytest.param("Fahim Khan: Please always copy me in", True, id="please-always"),
+        pytest.param("From now on, answer in French.", True, id="from-now-on"),
+        pytest.param("I always walk to work.", False, id="tells-a-habit"),
+        pytest.param("Alwaysbright is a shop", False, id="a-longer-word"),
+        pytest.param("sam: We never went back.", False, id="tells-a-fact"),
+        pytest.param("Fahim Khan: never heard of him", False, id="never-and-a-past-tense"),
+        pytest.param("Never mind", False, id="never-mind"),
+        pytest.param("Always a pleasure!", False, id="always-a-phrase"),
+    ],
+)
+def test_instructs_reads_standing_instructions(text: str, instructing: bool) -> None:
+    assert instructs(text) is instructing
+
+
+def test_a_standing_instruction_ranks_above_a_turn_that_tells() -> None:
+    """Two turns the query matches alike: the newer one wins a tie, unless the older one is a
+    standing instruction; its relevance (abstention) is untouched."""
+    assert HybridRanker(instructing=1.0).rank(_instructed("kayak prices"))[0].id == "reply"
+    hits = HybridRanker().rank(_instructed("kayak prices"))
+    by_id = {h.id: h for h in hits}
+    assert hits[0].id == "talk"
+    assert by_id["talk"].scores["instructs"] == 1.5 and "instructs" not in by_id["reply"].scores
+    talk, reply = by_id["talk"], by_id["reply"]
+    assert talk.scores["relevance"] == pytest.approx(reply.scores["relevance"])

@@ -40,10 +40,13 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 or the day after (a day is often told the next morning); else 1
     asks      = ``asking`` (0.5) for an episode that only asks: at most 10 words, ending with
                 "?" with no sentence ending before it ("What about you, Kate?"); else 1
+    instructs = ``instructing`` (1.5) for an episode that opens with a standing instruction
+                ("Always include version numbers when I ask about libraries", "Never ...",
+                "From now on ..."): it governs every later request on its topic; else 1
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
-    score     = relevance * kind * speaker * date * asks * recency  (tiered, the default)
-              = relevance * kind * speaker * date * asks * recency * scope  (``tiered=False``)
+    score     = relevance * kind * speaker * date * asks * instructs * recency  (tiered, the
+                default), times scope too with ``tiered=False``
     reply     = with an embedder, an episode whose next turn in its session is among the first
                 ``reply_top`` (20) hits gains ``reply`` (0.1) times that turn's score
                 (:meth:`HybridRanker.with_replies`; recall asks the store for the turns)
@@ -118,6 +121,7 @@ __all__ = [
     "Ranker",
     "asks",
     "coverage",
+    "instructs",
     "query_days",
     "stem",
     "words",
@@ -181,6 +185,28 @@ def asks(text: str) -> bool:
         and _SENTENCE_END.search(body) is None
         and text_terms(text)[0] <= ASK_WORDS
     )
+
+
+#: words that, after "always" or "never", make it tell rather than instruct: a past tense
+#: ("never heard of him"), a state or a set phrase ("always a pleasure", "never mind")
+_TELLS = (
+    r"\w+ed|said|heard|thought|knew|saw|seen|been|had|was|were|went|gone|got|did|done|told|"
+    r"felt|made|came|took|found|met|left|won|lost|ate|bought|forgot|meant|mind|a|an|the|so|"
+    r"such|there|here|nice|good|great|fun|happy|glad|is|are|am|has|have|do|does|i|you|we|they|"
+    r"he|she|it"
+)
+_INSTRUCTION = re.compile(
+    r"^\s*(?:[\w .'-]{1,40}:\s*)?"  # a "speaker: " prefix, as conversations are often logged
+    rf"(?:please\s+)?(?:(?:always|never)\s+(?!(?:{_TELLS})\b)\w|from now on\b)",
+    re.IGNORECASE,
+)
+
+
+def instructs(text: str) -> bool:
+    """Whether ``text`` opens with a standing instruction: "Always include version numbers
+    when I ask about libraries", "Never ...", "Please always ...", "From now on ..." (after
+    an optional ``speaker:`` prefix). "I always walk to work" tells; it does not instruct."""
+    return _INSTRUCTION.search(text) is not None
 
 
 #: the shortest word of a speaker's role that names the speaker on its own
@@ -274,6 +300,7 @@ class HybridRanker:
     stand_out: float = 0.5
     dated: float = 0.3
     asking: float = 0.5
+    instructing: float = 1.5
     hybrid_coverage: float = 0.2
     spread_floor: float = 0.01
     scope_decay: float = 0.7
@@ -350,6 +377,8 @@ class HybridRanker:
                 scores["speaker"] = 1 + self.speaker if rec.role in named else 1.0
                 if self.asking != 1.0 and asks(rec.text):
                     scores["asks"] = self.asking
+                if self.instructing != 1.0 and instructs(rec.text):
+                    scores["instructs"] = self.instructing
             if days:
                 scores["date"] = 1 + self.dated if _on_days(rec.valid_from, days) else 1.0
             scored.append((rec, scores, self._score(rec, found, scores, relevance)))
@@ -496,6 +525,7 @@ class HybridRanker:
         scores["recency"] = 1 + self.recency * 0.5 ** (age_days / self.half_life_days)
         score = relevance * scores["kind"] * scores.get("speaker", 1.0) * scores["recency"]
         score *= scores.get("date", 1.0) * scores.get("asks", 1.0)
+        score *= scores.get("instructs", 1.0)
         if not self.tiered:
             score *= scores["scope"]
         return score
