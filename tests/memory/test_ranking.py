@@ -597,7 +597,9 @@ def _instructed(query: str) -> Candidates:
 @pytest.mark.parametrize(
     ("text", "instructing"),
     [
-        pytest.param("Always include version numbers when I ask about libraries.", True, id="always"),
+        pytest.param(
+            "Always include version numbers when I ask about libraries.", True, id="always"
+        ),
         pytest.param("user: never use tabs", True, id="speaker-never"),
         pytest.param("Fahim Khan: Please always copy me in", True, id="please-always"),
         pytest.param("From now on, answer in French.", True, id="from-now-on"),
