@@ -15,7 +15,7 @@ from torpor.errors import InvalidArgument
 from torpor.memory import Candidates, Episode, Fact, HashEmbedder, Hit, HybridRanker, Memory
 from torpor.memory.backends.base import AnyRecord
 from torpor.memory.models import from_us, now_us, to_us
-from torpor.memory.ranking import asks, instructs, query_days
+from torpor.memory.ranking import asks, instructs, prefers, query_days
 from torpor.memory.recall import previous_turns
 
 NOW = now_us()
@@ -75,6 +75,7 @@ OPTIONS = [
     pytest.param("dated", 0.0, HybridRanker(), id="dated"),
     pytest.param("asking", 1.0, HybridRanker(), id="asking"),
     pytest.param("instructing", 1.0, HybridRanker(), id="instructing"),
+    pytest.param("preferring", 1.0, HybridRanker(), id="preferring"),
     pytest.param("hybrid_coverage", 0.9, HybridRanker(), id="hybrid_coverage"),
     pytest.param("spread_floor", 0.5, HybridRanker(), id="spread_floor"),
     pytest.param("scope_decay", 0.3, HybridRanker(tiered=False), id="scope_decay"),
@@ -152,6 +153,8 @@ def test_every_option_changes_the_answer(option: str, value: object, base: Hybri
         found = _asked("is the kayak mine")
     if option == "instructing":
         found = _instructed("kayak")
+    if option == "preferring":
+        found = _instructed("kayak", "dana: I prefer kayak prices.")
     assert _answer(changed.rank(found)) != _answer(base.rank(found))
 
 
@@ -579,12 +582,12 @@ def test_previous_turns_are_the_same_sessions_visible_turn_before(
         mem.close()
 
 
-def _instructed(query: str) -> Candidates:
+def _instructed(query: str, dana: str = "dana: Always quote kayak prices.") -> Candidates:
     """:func:`_dialogue` with the same words in both turns: Sam's (newer) tells, Dana's
-    (older) gives a standing instruction."""
+    (older) gives a standing instruction (or says ``dana``)."""
     swap = {
         REPLY.id: REPLY.model_copy(update={"text": "sam: Sam quoted kayak prices."}),
-        TALK.id: TALK.model_copy(update={"text": "dana: Always quote kayak prices."}),
+        TALK.id: TALK.model_copy(update={"text": dana}),
     }
     found = _dialogue(query)
     return dataclasses.replace(
@@ -625,3 +628,32 @@ def test_a_standing_instruction_ranks_above_a_turn_that_tells() -> None:
     assert by_id["talk"].scores["instructs"] == 1.5 and "instructs" not in by_id["reply"].scores
     talk, reply = by_id["talk"], by_id["reply"]
     assert talk.scores["relevance"] == pytest.approx(reply.scores["relevance"])
+
+
+@pytest.mark.parametrize(
+    ("text", "preferring"),
+    [
+        pytest.param("I prefer e-books for their portability", True, id="prefer"),
+        pytest.param("user: so I'd rather keep it simple", True, id="rather"),
+        pytest.param("Akib: I usually prefer tea", True, id="usually"),
+        pytest.param("Would you prefer tea?", False, id="asks-the-other"),
+        pytest.param("It was rather good", False, id="rather-an-adverb"),
+    ],
+)
+def test_prefers_reads_stated_preferences(text: str, preferring: bool) -> None:
+    assert prefers(text) is preferring
+
+
+def test_a_stated_preference_ranks_above_a_turn_that_tells() -> None:
+    """As a standing instruction, by a smaller factor, and only with vectors; an instruction
+    that also states a preference counts once, as an instruction."""
+    found = _instructed("kayak prices", "dana: I prefer kayak prices.")
+    assert HybridRanker(preferring=1.0).rank(found)[0].id == "reply"
+    by_id = {h.id: h for h in HybridRanker().rank(found)}
+    assert HybridRanker().rank(found)[0].id == "talk"
+    assert by_id["talk"].scores["prefers"] == 1.2 and "instructs" not in by_id["talk"].scores
+    lexical_only = HybridRanker().rank(dataclasses.replace(found, vector=None))
+    assert all("prefers" not in h.scores for h in lexical_only)  # with an embedder only
+    both = _instructed("kayak prices", "dana: Always quote them, I prefer kayak prices.")
+    talk = next(h for h in HybridRanker().rank(both) if h.id == "talk")
+    assert talk.scores["instructs"] == 1.5 and "prefers" not in talk.scores

@@ -43,10 +43,12 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     instructs = ``instructing`` (1.5) for an episode that opens with a standing instruction
                 ("Always include version numbers when I ask about libraries", "Never ...",
                 "From now on ..."): it governs every later request on its topic; else 1
+    prefers   = ``preferring`` (1.2) for any other episode that states a preference ("I prefer
+                e-books", "I'd rather ..."), with an embedder; else 1
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
-    score     = relevance * kind * speaker * date * asks * instructs * recency  (tiered, the
-                default), times scope too with ``tiered=False``
+    score     = relevance * kind * speaker * date * asks * instructs * prefers * recency
+                (tiered, the default), times scope too with ``tiered=False``
     reply     = with an embedder, an episode whose next turn in its session is among the first
                 ``reply_top`` (20) hits gains ``reply`` (0.1) times that turn's score
                 (:meth:`HybridRanker.with_replies`; recall asks the store for the turns)
@@ -122,6 +124,7 @@ __all__ = [
     "asks",
     "coverage",
     "instructs",
+    "prefers",
     "query_days",
     "stem",
     "words",
@@ -207,6 +210,18 @@ def instructs(text: str) -> bool:
     when I ask about libraries", "Never ...", "Please always ...", "From now on ..." (after
     an optional ``speaker:`` prefix). "I always walk to work" tells; it does not instruct."""
     return _INSTRUCTION.search(text) is not None
+
+
+_PREFERENCE = re.compile(
+    r"\bI(?:'d| would)? (?:really |much |kinda |usually |generally |always )?(?:prefer|rather)\b",
+    re.IGNORECASE,
+)
+
+
+def prefers(text: str) -> bool:
+    """Whether ``text`` states a preference of the speaker's: "I prefer e-books", "I'd
+    rather ...", "I usually prefer ..." anywhere in it."""
+    return _PREFERENCE.search(text) is not None
 
 
 #: the shortest word of a speaker's role that names the speaker on its own
@@ -301,6 +316,7 @@ class HybridRanker:
     dated: float = 0.3
     asking: float = 0.5
     instructing: float = 1.5
+    preferring: float = 1.2
     hybrid_coverage: float = 0.2
     spread_floor: float = 0.01
     scope_decay: float = 0.7
@@ -379,6 +395,8 @@ class HybridRanker:
                     scores["asks"] = self.asking
                 if self.instructing != 1.0 and instructs(rec.text):
                     scores["instructs"] = self.instructing
+                elif self.preferring != 1.0 and found.vector is not None and prefers(rec.text):
+                    scores["prefers"] = self.preferring
             if days:
                 scores["date"] = 1 + self.dated if _on_days(rec.valid_from, days) else 1.0
             scored.append((rec, scores, self._score(rec, found, scores, relevance)))
@@ -525,7 +543,7 @@ class HybridRanker:
         scores["recency"] = 1 + self.recency * 0.5 ** (age_days / self.half_life_days)
         score = relevance * scores["kind"] * scores.get("speaker", 1.0) * scores["recency"]
         score *= scores.get("date", 1.0) * scores.get("asks", 1.0)
-        score *= scores.get("instructs", 1.0)
+        score *= scores.get("instructs", 1.0) * scores.get("prefers", 1.0)
         if not self.tiered:
             score *= scores["scope"]
         return score
