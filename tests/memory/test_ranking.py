@@ -340,11 +340,11 @@ def test_a_speaker_is_named_by_one_word_of_the_role_or_a_close_spelling(
         assert hits[rid].scores["speaker"] == (1.1 if rid == named else 1.0), rid
 
 
-def _asked(query: str) -> Candidates:
-    """:func:`_dialogue` with the same words in both turns: Sam's (newer) asks, Dana's tells."""
+def _retold(query: str, sam: str, dana: str) -> Candidates:
+    """:func:`_dialogue` with Sam's (newer) turn saying ``sam`` and Dana's saying ``dana``."""
     swap = {
-        REPLY.id: REPLY.model_copy(update={"text": "is the kayak mine?"}),
-        TALK.id: TALK.model_copy(update={"text": "the kayak is mine."}),
+        REPLY.id: REPLY.model_copy(update={"text": sam}),
+        TALK.id: TALK.model_copy(update={"text": dana}),
     }
     found = _dialogue(query)
     return dataclasses.replace(
@@ -352,6 +352,11 @@ def _asked(query: str) -> Candidates:
         lexical=[(swap.get(r.id, r), s) for r, s in found.lexical],
         vector=[(swap.get(r.id, r), s) for r, s in found.vector or ()],
     )
+
+
+def _asked(query: str) -> Candidates:
+    """:func:`_dialogue` with the same words in both turns: Sam's (newer) asks, Dana's tells."""
+    return _retold(query, "is the kayak mine?", "the kayak is mine.")
 
 
 @pytest.mark.parametrize(
@@ -585,37 +590,38 @@ def test_previous_turns_are_the_same_sessions_visible_turn_before(
 def _instructed(query: str, dana: str = "dana: Always quote kayak prices.") -> Candidates:
     """:func:`_dialogue` with the same words in both turns: Sam's (newer) tells, Dana's
     (older) gives a standing instruction (or says ``dana``)."""
-    swap = {
-        REPLY.id: REPLY.model_copy(update={"text": "sam: Sam quoted kayak prices."}),
-        TALK.id: TALK.model_copy(update={"text": dana}),
-    }
-    found = _dialogue(query)
-    return dataclasses.replace(
-        found,
-        lexical=[(swap.get(r.id, r), s) for r, s in found.lexical],
-        vector=[(swap.get(r.id, r), s) for r, s in found.vector or ()],
-    )
+    return _retold(query, "sam: Sam quoted kayak prices.", dana)
 
 
 @pytest.mark.parametrize(
-    ("text", "instructing"),
+    ("read", "text", "expected"),
     [
         pytest.param(
-            "Always include version numbers when I ask about libraries.", True, id="always"
+            instructs,
+            "Always include version numbers when I ask about libraries.",
+            True,
+            id="always",
         ),
-        pytest.param("user: never use tabs", True, id="speaker-never"),
-        pytest.param("Fahim Khan: Please always copy me in", True, id="please-always"),
-        pytest.param("From now on, answer in French.", True, id="from-now-on"),
-        pytest.param("I always walk to work.", False, id="tells-a-habit"),
-        pytest.param("Alwaysbright is a shop", False, id="a-longer-word"),
-        pytest.param("sam: We never went back.", False, id="tells-a-fact"),
-        pytest.param("Fahim Khan: never heard of him", False, id="never-and-a-past-tense"),
-        pytest.param("Never mind", False, id="never-mind"),
-        pytest.param("Always a pleasure!", False, id="always-a-phrase"),
+        pytest.param(instructs, "user: never use tabs", True, id="speaker-never"),
+        pytest.param(instructs, "Fahim Khan: Please always copy me in", True, id="please-always"),
+        pytest.param(instructs, "From now on, answer in French.", True, id="from-now-on"),
+        pytest.param(instructs, "I always walk to work.", False, id="tells-a-habit"),
+        pytest.param(instructs, "Alwaysbright is a shop", False, id="a-longer-word"),
+        pytest.param(instructs, "sam: We never went back.", False, id="tells-a-fact"),
+        pytest.param(instructs, "Fahim Khan: never heard of him", False, id="never-past-tense"),
+        pytest.param(instructs, "Never mind", False, id="never-mind"),
+        pytest.param(instructs, "Always a pleasure!", False, id="always-a-phrase"),
+        pytest.param(prefers, "I prefer e-books for their portability", True, id="prefer"),
+        pytest.param(prefers, "user: so I'd rather keep it simple", True, id="rather"),
+        pytest.param(prefers, "Akib: I usually prefer tea", True, id="usually"),
+        pytest.param(prefers, "Would you prefer tea?", False, id="asks-the-other"),
+        pytest.param(prefers, "It was rather good", False, id="rather-an-adverb"),
     ],
 )
-def test_instructs_reads_standing_instructions(text: str, instructing: bool) -> None:
-    assert instructs(text) is instructing
+def test_standing_instructions_and_stated_preferences_are_read(
+    read: Callable[[str], bool], text: str, expected: bool
+) -> None:
+    assert read(text) is expected
 
 
 def test_a_standing_instruction_ranks_above_a_turn_that_tells() -> None:
@@ -628,20 +634,6 @@ def test_a_standing_instruction_ranks_above_a_turn_that_tells() -> None:
     assert by_id["talk"].scores["instructs"] == 1.5 and "instructs" not in by_id["reply"].scores
     talk, reply = by_id["talk"], by_id["reply"]
     assert talk.scores["relevance"] == pytest.approx(reply.scores["relevance"])
-
-
-@pytest.mark.parametrize(
-    ("text", "preferring"),
-    [
-        pytest.param("I prefer e-books for their portability", True, id="prefer"),
-        pytest.param("user: so I'd rather keep it simple", True, id="rather"),
-        pytest.param("Akib: I usually prefer tea", True, id="usually"),
-        pytest.param("Would you prefer tea?", False, id="asks-the-other"),
-        pytest.param("It was rather good", False, id="rather-an-adverb"),
-    ],
-)
-def test_prefers_reads_stated_preferences(text: str, preferring: bool) -> None:
-    assert prefers(text) is preferring
 
 
 def test_a_stated_preference_ranks_above_a_turn_that_tells() -> None:
