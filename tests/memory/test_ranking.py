@@ -641,8 +641,9 @@ def test_a_stated_preference_ranks_above_a_turn_that_tells() -> None:
     that also states a preference counts once, as an instruction."""
     found = _instructed("kayak prices", "dana: I prefer kayak prices.")
     assert HybridRanker(preferring=1.0).rank(found)[0].id == "reply"
-    by_id = {h.id: h for h in HybridRanker().rank(found)}
-    assert HybridRanker().rank(found)[0].id == "talk"
+    hits = HybridRanker().rank(found)
+    by_id = {h.id: h for h in hits}
+    assert hits[0].id == "talk"
     assert by_id["talk"].scores["prefers"] == 1.2 and "instructs" not in by_id["talk"].scores
     lexical_only = HybridRanker().rank(dataclasses.replace(found, vector=None))
     assert all("prefers" not in h.scores for h in lexical_only)  # with an embedder only
