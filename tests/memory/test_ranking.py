@@ -15,7 +15,7 @@ from torpor.errors import InvalidArgument
 from torpor.memory import Candidates, Episode, Fact, HashEmbedder, Hit, HybridRanker, Memory
 from torpor.memory.backends.base import AnyRecord
 from torpor.memory.models import from_us, now_us, to_us
-from torpor.memory.ranking import asks, instructs, prefers, query_days
+from torpor.memory.ranking import asks, instructs, prefers, query_days, recounts
 from torpor.memory.recall import previous_turns
 
 NOW = now_us()
@@ -616,9 +616,21 @@ def _instructed(query: str, dana: str = "dana: Always quote kayak prices.") -> C
         pytest.param(prefers, "Akib: I usually prefer tea", True, id="usually"),
         pytest.param(prefers, "Would you prefer tea?", False, id="asks-the-other"),
         pytest.param(prefers, "It was rather good", False, id="rather-an-adverb"),
+        pytest.param(recounts, "Have I ever used Bootstrap?", True, id="have-i"),
+        pytest.param(recounts, "did I tell you about Rome?", True, id="did-i"),
+        pytest.param(recounts, "Whether I ever paid the fee", True, id="i-ever"),
+        pytest.param(recounts, "Summarize how my app developed", True, id="summarize"),
+        pytest.param(recounts, "Give me a summary of my trips", True, id="summary"),
+        pytest.param(recounts, "the order in which I brought up my trips", True, id="brought-up"),
+        pytest.param(recounts, "What did we plan in our last chats?", True, id="our-chats"),
+        pytest.param(recounts, "Shoe sizes across my messages?", True, id="across-my"),
+        pytest.param(recounts, "How should I organize my CV?", False, id="asks-for-help"),
+        pytest.param(recounts, "Plan my writing sessions for the week", False, id="sessions"),
+        pytest.param(recounts, "What did Caroline paint?", False, id="asks-a-fact"),
+        pytest.param(recounts, "I have I-94 questions", False, id="i-have"),
     ],
 )
-def test_standing_instructions_and_stated_preferences_are_read(
+def test_instructions_preferences_and_recounting_queries_are_read(
     read: Callable[[str], bool], text: str, expected: bool
 ) -> None:
     assert read(text) is expected
@@ -650,3 +662,15 @@ def test_a_stated_preference_ranks_above_a_turn_that_tells() -> None:
     both = _instructed("kayak prices", "dana: Always quote them, I prefer kayak prices.")
     talk = next(h for h in HybridRanker().rank(both) if h.id == "talk")
     assert talk.scores["instructs"] == 1.5 and "prefers" not in talk.scores
+
+
+@pytest.mark.parametrize(
+    "dana", ["dana: Always quote kayak prices.", "dana: I prefer kayak prices."]
+)
+def test_a_question_about_the_past_wants_what_happened(dana: str) -> None:
+    """A query about the conversation's past (:func:`recounts`) gives standing instructions
+    and stated preferences no factor: the newer turn wins the tie again."""
+    assert HybridRanker().rank(_instructed("kayak prices", dana))[0].id == "talk"
+    hits = HybridRanker().rank(_instructed("Have I ever seen kayak prices?", dana))
+    assert hits[0].id == "reply"
+    assert all("instructs" not in h.scores and "prefers" not in h.scores for h in hits)

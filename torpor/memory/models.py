@@ -393,7 +393,8 @@ class Hit(BaseModel):
     ``vector`` (cosine), ``lexical_weight``, ``relevance``, ``scope_distance``, ``scope``,
     ``kind``, ``speaker`` (episodes), ``date`` (when the query names a day), ``asks`` (an
     episode that only asks a question), ``instructs`` / ``prefers`` (an episode that gives a
-    standing instruction / states a preference), ``recency``, ``reply`` (the share of its
+    standing instruction / states a preference, when the query is not about the past),
+    ``recency``, ``reply`` (the share of its
     next turn's score, when it has one); see :mod:`torpor.memory.ranking`), and with a reranker
     ``rerank`` (its probability) and ``ranked`` (the ranker's score; ``score`` is then their
     blend, :mod:`torpor.memory.rerank`)."""

@@ -44,7 +44,9 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 ("Always include version numbers when I ask about libraries", "Never ...",
                 "From now on ..."): it governs every later request on its topic; else 1
     prefers   = ``preferring`` (1.2) for any other episode that states a preference ("I prefer
-                e-books", "I'd rather ..."), with an embedder; else 1
+                e-books", "I'd rather ..."), with an embedder; else 1. Neither counts for a
+                query about the conversation's past (:func:`recounts`: "Have I ever ...?",
+                "summarize ...", "... throughout our conversations"): it wants what happened
     recency   = 1 + 0.05 * 0.5 ** (age_days / 30)
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
     score     = relevance * kind * speaker * date * asks * instructs * prefers * recency
@@ -126,6 +128,7 @@ __all__ = [
     "instructs",
     "prefers",
     "query_days",
+    "recounts",
     "stem",
     "words",
 ]
@@ -222,6 +225,25 @@ def prefers(text: str) -> bool:
     """Whether ``text`` states a preference of the speaker's: "I prefer e-books", "I'd
     rather ...", "I usually prefer ..." anywhere in it."""
     return _PREFERENCE.search(text) is not None
+
+
+_RECOUNT = re.compile(
+    r"^\s*(?:have|did|had) I\b|\bI ever\b|\bbrought up\b|\bsummar(?:y|ies|i[sz]e)|"
+    r"\bour (?:\w+ )?(?:conversations?|chats?|discussions?)\b|"
+    r"\b(?:across|throughout|during) (?:all )?(?:our|my|these|the) (?:\w+ )?"
+    r"(?:conversations?|chats?|discussions?|sessions|messages)\b",
+    re.IGNORECASE,
+)
+
+
+def recounts(query: str) -> bool:
+    """Whether ``query`` asks about the conversation's own history rather than for help now:
+    it opens with "Have I", "Did I" or "Had I", or has "I ever", "brought up", "summary" /
+    "summarize", "our conversations" (chats, discussions), or "across my sessions" (throughout,
+    during; messages). A standing instruction or a stated preference governs a request on its
+    topic ("How should I organize my CV?"); a question about what happened ("Have I ever
+    used Bootstrap?", "Summarize how my project developed") wants what happened."""
+    return _RECOUNT.search(query) is not None
 
 
 #: the shortest word of a speaker's role that names the speaker on its own
@@ -376,6 +398,13 @@ class HybridRanker:
         weight, fill_lexical, fill_vector = self._blend(lexical, vector)
         named = self._named_speakers(found.query, found.terms, records.values())
         days = query_days(found.query) if self.dated > 0 else ()
+        # standing instructions and stated preferences govern requests on their topic, not
+        # questions about what happened (preferences only count with vectors)
+        instructing, preferring = (
+            (1.0, 1.0)
+            if recounts(found.query)
+            else (self.instructing, self.preferring if found.vector is not None else 1.0)
+        )
         scored: list[tuple[AnyRecord, dict[str, float], float]] = []
         for rid, rec in records.items():
             scores: dict[str, float] = {"lexical": lexical.get(rid, 0.0)}
@@ -393,10 +422,10 @@ class HybridRanker:
                 scores["speaker"] = 1 + self.speaker if rec.role in named else 1.0
                 if self.asking != 1.0 and asks(rec.text):
                     scores["asks"] = self.asking
-                if self.instructing != 1.0 and instructs(rec.text):
-                    scores["instructs"] = self.instructing
-                elif self.preferring != 1.0 and found.vector is not None and prefers(rec.text):
-                    scores["prefers"] = self.preferring
+                if instructing != 1.0 and instructs(rec.text):
+                    scores["instructs"] = instructing
+                elif preferring != 1.0 and prefers(rec.text):
+                    scores["prefers"] = preferring
             if days:
                 scores["date"] = 1 + self.dated if _on_days(rec.valid_from, days) else 1.0
             scored.append((rec, scores, self._score(rec, found, scores, relevance)))
