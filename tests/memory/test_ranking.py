@@ -629,7 +629,7 @@ def _instructed(query: str, dana: str = "dana: Always quote kayak prices.") -> C
         pytest.param(recounts, "How should I organize my CV?", False, id="asks-for-help"),
         pytest.param(recounts, "Plan my writing sessions for the week", False, id="sessions"),
         pytest.param(recounts, "What did Caroline paint?", False, id="asks-a-fact"),
-        pytest.param(recounts, "I have I-94 questions", False, id="i-have"),
+        pytest.param(recounts, "Have Ivy and Sam met?", False, id="have-ivy"),
     ],
 )
 def test_instructions_preferences_and_recounting_queries_are_read(

@@ -394,10 +394,10 @@ class Hit(BaseModel):
     ``kind``, ``speaker`` (episodes), ``date`` (when the query names a day), ``asks`` (an
     episode that only asks a question), ``instructs`` / ``prefers`` (an episode that gives a
     standing instruction / states a preference, when the query is not about the past),
-    ``recency``, ``reply`` (the share of its
-    next turn's score, when it has one); see :mod:`torpor.memory.ranking`), and with a reranker
-    ``rerank`` (its probability) and ``ranked`` (the ranker's score; ``score`` is then their
-    blend, :mod:`torpor.memory.rerank`)."""
+    ``recency``, ``reply`` (the share of its next turn's score, when it has one); see
+    :mod:`torpor.memory.ranking`), and with a reranker ``rerank`` (its probability) and
+    ``ranked`` (the ranker's score; ``score`` is then their blend, :mod:`torpor.memory.rerank`).
+    """
 
     model_config = ConfigDict(extra="forbid")
 

@@ -197,7 +197,8 @@ def asks(text: str) -> bool:
 #: ("never heard of him"; "-ed", but not "embed", "shred", "exceed", "proceed"), a state or a
 #: set phrase ("always a pleasure", "never mind")
 _TELLS = (
-    r"(?!embed\b|shred\b|\w*eed\b)\w+ed|said|heard|thought|knew|saw|seen|been|had|was|were|went|gone|got|did|done|told|"
+    r"(?!embed\b|shred\b|\w*eed\b)\w+ed|"
+    r"said|heard|thought|knew|saw|seen|been|had|was|were|went|gone|got|did|done|told|"
     r"felt|made|came|took|found|met|left|won|lost|ate|bought|forgot|meant|mind|a|an|the|so|"
     r"such|there|here|nice|good|great|fun|happy|glad|is|are|am|has|have|do|does|i|you|we|they|"
     r"he|she|it"
