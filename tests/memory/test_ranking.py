@@ -613,6 +613,7 @@ def _instructed(query: str, dana: str = "dana: Always quote kayak prices.") -> C
         pytest.param(instructs, "Always a pleasure!", False, id="always-a-phrase"),
         pytest.param(instructs, "Always embed the chart.", True, id="embed-is-no-past-tense"),
         pytest.param(instructs, "Never exceed 200 words", True, id="exceed-is-no-past-tense"),
+        pytest.param(instructs, "Never agreed to that", False, id="agreed-is-a-past-tense"),
         pytest.param(prefers, "I prefer e-books for their portability", True, id="prefer"),
         pytest.param(prefers, "user: so I'd rather keep it simple", True, id="rather"),
         pytest.param(prefers, "Akib: I usually prefer tea", True, id="usually"),
