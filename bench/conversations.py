@@ -7,6 +7,7 @@ Run from the repository root (the data is not in this repository; see ``bench/RE
     python -m bench.conversations --sizes 100K,500K    # + the 35 longer ones (longer run)
     python -m bench.conversations --limit 5            # the first 5 conversations of each size
     python -m bench.conversations --set realtalk       # REALTALK: 10 chats between people
+    python -m bench.conversations --dates session      # every turn dated by its session
 
 BEAM: long user/assistant chats, generated, evidence per probing question. REALTALK: 21 days
 of real messaging between two people (short turns, dated to the second), questions in three
@@ -15,11 +16,12 @@ categories (facts, often multi-hop; temporal; inference) with their evidence tur
 
 Each conversation is indexed on its own, turn by turn, as episodes of one scope:
 ``scope.log_many([{"role": speaker, "text": "speaker: text", "session": batch, "at": time}])``,
-with ``at`` the batch's time anchor plus one minute per turn. Then each of its probing
-questions is asked (``scope.recall(question, k=10)``) and scored against its evidence turns
-(``source_chat_ids``): Recall@k is the share of a question's evidence turns among the first
-``k`` hits, averaged per memory ability (``abstention`` questions have no evidence and are
-left out). Systems, on the same strings:
+with ``at`` the batch's time anchor plus one minute per turn (``--dates session``: the
+session's first time for each of its turns, as a log that dates sessions only). Then each of
+its probing questions is asked (``scope.recall(question, k=10)``) and scored against its
+evidence turns (``source_chat_ids``): Recall@k is the share of a question's evidence turns
+among the first ``k`` hits, averaged per memory ability (``abstention`` questions have no
+evidence and are left out). Systems, on the same strings:
 
 * ``torpor`` -- the default configuration (``Memory()``: MiniLM hybrid recall);
 * ``torpor-lexical`` -- ``Memory(embedder=None)``;
@@ -49,7 +51,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -159,6 +161,15 @@ def split(convs: Sequence[Conversation], part: str) -> list[Conversation]:
         if (n % 2 == 0) == (part == "dev"):
             out.append(conv)
     return out
+
+
+def session_dated(conv: Conversation) -> Conversation:
+    """``conv`` with every turn dated by its session's first turn, as a log that knows only
+    when each session took place (many chat exports; the turns keep their order)."""
+    first: dict[str, datetime] = {}
+    for t in conv.turns:
+        first.setdefault(t.session, t.at)
+    return replace(conv, turns=[replace(t, at=first[t.session]) for t in conv.turns])
 
 
 def load_realtalk(data: Path, limit: int | None) -> list[Conversation]:
@@ -596,6 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rerank-blend", default="0.7", help="the cross-encoder's share, e.g. '0.5,0.7,1'"
     )
     ap.add_argument("--rerank-tokens", type=int, default=128, help="word pieces per pair")
+    ap.add_argument(
+        "--dates",
+        choices=("turn", "session"),
+        default="turn",
+        help="session: every turn dated by its session's first turn (a log with session dates)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -608,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
         load(data, sizes, args.limit) if args.set == "beam" else load_realtalk(data, args.limit)
     )
     convs = split(loaded, args.split)
+    if args.dates == "session":
+        convs = [session_dated(c) for c in convs]
     ranking = _ranker(args.ranker) if args.ranker else None
     out = args.out or (
         OUT if args.set == "beam" else OUT.with_name(f"conversations-{args.set}.json")
@@ -616,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     label = f"BEAM {','.join(sizes)}" if args.set == "beam" else "REALTALK"
     console.print(
         f"[bold]{label}[/]{' (' + args.ranker + ')' if args.ranker else ''}"
-        f"{' with ' + args.model.name if args.model else ''}: "
+        f"{' with ' + args.model.name if args.model else ''}"
+        f"{', turns dated by session' if args.dates == 'session' else ''}: "
         f"{len(convs)} conversations, "
         f"{sum(len(c.turns) for c in convs)} turns, {nq} questions with evidence"
     )
@@ -655,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "limit": args.limit,
             "split": args.split,
+            "dates": args.dates,
             "conversations": len(convs),
         },
         "questions": nq,

@@ -64,6 +64,18 @@ def test_hits_explain_themselves(hmem: Memory) -> None:
     assert hit.scores["vector"] > 0.3
 
 
+def test_a_session_dated_alike_still_lends_replies(hmem: Memory) -> None:
+    """A log that dates each session once (every turn of it at the same time) keeps its
+    turns' order: a turn still takes its share of its reply's score (``scores["reply"]``)."""
+    u = hmem.scope(app="a", user="u")
+    day = "2023-05-08T13:56:00"
+    told = u.log("mia", "mia: we adopted a kitten last weekend", session="s1", at=day)
+    u.log("ben", "ben: a kitten! what did you name the kitten?", session="s1", at=day)
+    u.log("mia", "mia: unrelated: the bus was late", session="s2", at=day)
+    hits = {h.id: h for h in u.recall("what is the name of the kitten", k=5)}
+    assert "reply" in hits[told.id].scores
+
+
 def test_keyed_facts_always_current(mem: Memory) -> None:
     u = mem.scope(app="a", user="u")
     for i in range(30):

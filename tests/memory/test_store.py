@@ -344,3 +344,31 @@ def test_mean_words_is_the_stores_or_unknown(store: TenantStore) -> None:
     assert mean == pytest.approx(18 / 3)
     store.forget([long.id])
     assert store.mean_words() == pytest.approx(8 / 2)
+
+
+def test_previous_episodes_follow_the_logged_order(store: TenantStore) -> None:
+    """The turn before a turn is the latest earlier one of its scope and session; turns of
+    one time (a log that dates every turn of a session alike) come in the order stored."""
+    t = from_us(now_us())
+    earlier = from_us(now_us() - 60_000_000)
+    a, b, c = (episode(x, session="s1", valid_from=t) for x in ("a", "b", "c"))
+    late = episode("back-filled", session="s1", valid_from=earlier)  # stored last, dated first
+    other = episode("other session", session="s2", valid_from=t)
+    elsewhere = episode("other scope", scope="app/a", session="s1", valid_from=t)
+    store.add([a, b, c])
+    store.add([late, other, elsewhere])
+    got = store.previous_episodes([a, b, c, late, other, elsewhere], flt())
+    assert got == {a.id: late.id, b.id: a.id, c.id: b.id}
+    # the contract's own default (a backend without a query of its own) agrees
+    assert TenantStore.previous_episodes(store, [a, b, c, late, other, elsewhere], flt()) == got
+    # what the filter hides is skipped: with ``b`` forgotten, ``c`` follows ``a``
+    store.forget([b.id])
+    assert store.previous_episodes([c], flt()) == {c.id: a.id}
+    assert TenantStore.previous_episodes(store, [c], flt()) == {c.id: a.id}
+    # a long session of one time: the default pages through the scan
+    many = [episode(f"turn {i}", session="s3", valid_from=t) for i in range(150)]
+    store.add(many)
+    asked = [many[0], many[1], many[75], many[149]]
+    want = {many[i].id: many[i - 1].id for i in (1, 75, 149)}
+    assert store.previous_episodes(asked, flt()) == want
+    assert TenantStore.previous_episodes(store, asked, flt()) == want

@@ -153,7 +153,9 @@ class ScopedMemory:
         ttl: float | timedelta | None = None,
     ) -> Episode:
         """Append one turn (``role``: who spoke; ``at``: back-fill its time, a datetime or an
-        ISO 8601 string; without an offset it is UTC). Raises as :meth:`remember` does."""
+        ISO 8601 string; without an offset it is UTC). Turns of one session that share a time
+        (a log that dates only its sessions) keep the order they were logged in. Raises as
+        :meth:`remember` does."""
         return self.log_many(
             [
                 {

@@ -29,7 +29,7 @@ from torpor.memory.backends.base import (
     check_record_quota,
     successor,
 )
-from torpor.memory.models import Fact, Policy, Profile, from_us, to_us
+from torpor.memory.models import Episode, Fact, Policy, Profile, from_us, to_us
 
 __all__ = ["PostgresTenantStore", "Transactions", "vec_text"]
 
@@ -316,6 +316,24 @@ class PostgresTenantStore(TenantStore):
                 [*params, max(limit, 0), offset],
             ).fetchall()
         return [schema.row_to_record(r) for r in rows]
+
+    def previous_episodes(self, episodes: Sequence[Episode], flt: RecordFilter) -> dict[str, str]:
+        """See :meth:`TenantStore.previous_episodes`: one statement, a lateral lookup per
+        episode on the (tenant, scope, valid_from, seq) index."""
+        ids = [ep.id for ep in episodes if ep.session is not None]
+        if not ids:
+            return {}
+        where, params = schema.filter_sql(replace(flt, kinds=("episode",)))
+        with self._tx("previous episodes") as cur:
+            rows = cur.execute(
+                "SELECT c.id, p.id FROM torpor.records c CROSS JOIN LATERAL "
+                f"(SELECT r.id FROM torpor.records r WHERE {where} AND r.scope = c.scope "
+                "AND r.session = c.session AND (r.valid_from, r.seq) < (c.valid_from, c.seq) "
+                "ORDER BY r.valid_from DESC, r.seq DESC LIMIT 1) p "
+                f"WHERE c.tenant_id = {_T} AND c.id = ANY(%s) AND c.session IS NOT NULL",
+                [*params, ids],
+            ).fetchall()
+        return {str(c): str(p) for c, p in rows}
 
     def count(self, flt: RecordFilter) -> int:
         where, params = schema.filter_sql(flt)

@@ -308,7 +308,8 @@ class SQLiteTenantStore(TenantStore):
 
     def previous_episodes(self, episodes: Sequence[Episode], flt: RecordFilter) -> dict[str, str]:
         """See :meth:`TenantStore.previous_episodes`: one statement, a correlated lookup per
-        episode on the (scope, valid_from) index."""
+        episode on the (scope, valid_from) index (whose entries end with the rowid, so the
+        row-value bound ``(valid_from, rid)`` is a range of it)."""
         ids = [ep.id for ep in episodes if ep.session is not None]
         if not ids:
             return {}
@@ -320,7 +321,8 @@ class SQLiteTenantStore(TenantStore):
                 part = ids[at : at + 500]
                 rows = conn.execute(
                     f"SELECT c.id, (SELECT r.id FROM records r WHERE r.scope = c.scope "
-                    f"AND r.session = c.session AND r.valid_from < c.valid_from AND {where} "
+                    f"AND r.session = c.session AND (r.valid_from, r.rid) < (c.valid_from, c.rid) "
+                    f"AND {where} "
                     f"ORDER BY r.valid_from DESC, r.rid DESC LIMIT 1) FROM records c "
                     f"WHERE c.id IN ({','.join('?' * len(part))}) AND c.session IS NOT NULL",
                     [*params, *part],
