@@ -8,6 +8,7 @@ Run from the repository root (the data is not in this repository; see ``bench/RE
     python -m bench.conversations --limit 5            # the first 5 conversations of each size
     python -m bench.conversations --set realtalk       # REALTALK: 10 chats between people
     python -m bench.conversations --dates session      # every turn dated by its session
+    python -m bench.conversations --no-sessions        # the turns logged without sessions
 
 BEAM: long user/assistant chats, generated, evidence per probing question. REALTALK: 21 days
 of real messaging between two people (short turns, dated to the second), questions in three
@@ -17,7 +18,8 @@ categories (facts, often multi-hop; temporal; inference) with their evidence tur
 Each conversation is indexed on its own, turn by turn, as episodes of one scope:
 ``scope.log_many([{"role": speaker, "text": "speaker: text", "session": batch, "at": time}])``,
 with ``at`` the batch's time anchor plus one minute per turn (``--dates session``: the
-session's first time for each of its turns, as a log that dates sessions only). Then each of
+session's first time for each of its turns, as a log that dates sessions only;
+``--no-sessions``: no ``session``). Then each of
 its probing questions is asked (``scope.recall(question, k=10)``) and scored against its
 evidence turns (``source_chat_ids``): Recall@k is the share of a question's evidence turns
 among the first ``k`` hits, averaged per memory ability (``abstention`` questions have no
@@ -86,7 +88,7 @@ class Turn:
     id: int
     role: str
     text: str
-    session: str
+    session: str | None
     at: datetime
 
 
@@ -166,7 +168,7 @@ def split(convs: Sequence[Conversation], part: str) -> list[Conversation]:
 def session_dated(conv: Conversation) -> Conversation:
     """``conv`` with every turn dated by its session's first turn, as a log that knows only
     when each session took place (many chat exports; the turns keep their order)."""
-    first: dict[str, datetime] = {}
+    first: dict[str | None, datetime] = {}
     for t in conv.turns:
         first.setdefault(t.session, t.at)
     return replace(conv, turns=[replace(t, at=first[t.session]) for t in conv.turns])
@@ -613,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
         default="turn",
         help="session: every turn dated by its session's first turn (a log with session dates)",
     )
+    ap.add_argument(
+        "--no-sessions", action="store_true", help="log the turns without their session ids"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -627,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     convs = split(loaded, args.split)
     if args.dates == "session":
         convs = [session_dated(c) for c in convs]
+    if args.no_sessions:
+        convs = [replace(c, turns=[replace(t, session=None) for t in c.turns]) for c in convs]
     ranking = _ranker(args.ranker) if args.ranker else None
     out = args.out or (
         OUT if args.set == "beam" else OUT.with_name(f"conversations-{args.set}.json")
@@ -636,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         f"[bold]{label}[/]{' (' + args.ranker + ')' if args.ranker else ''}"
         f"{' with ' + args.model.name if args.model else ''}"
-        f"{', turns dated by session' if args.dates == 'session' else ''}: "
+        f"{', turns dated by session' if args.dates == 'session' else ''}"
+        f"{', no sessions' if args.no_sessions else ''}: "
         f"{len(convs)} conversations, "
         f"{sum(len(c.turns) for c in convs)} turns, {nq} questions with evidence"
     )
@@ -676,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
             "limit": args.limit,
             "split": args.split,
             "dates": args.dates,
+            "sessions": not args.no_sessions,
             "conversations": len(convs),
         },
         "questions": nq,

@@ -65,14 +65,21 @@ def test_hits_explain_themselves(hmem: Memory) -> None:
 
 
 def test_a_session_dated_alike_still_lends_replies(hmem: Memory) -> None:
-    """A log that dates each session once (every turn of it at the same time) keeps its
-    turns' order: a turn still takes its share of its reply's score (``scores["reply"]``)."""
+    """A log that dates each session once (every turn of it at the same time), or that has
+    no sessions, keeps its turns' order: a turn still takes its share of its reply's score
+    (``scores["reply"]``)."""
     u = hmem.scope(app="a", user="u")
     day = "2023-05-08T13:56:00"
     told = u.log("mia", "mia: we adopted a kitten last weekend", session="s1", at=day)
     u.log("ben", "ben: a kitten! what did you name the kitten?", session="s1", at=day)
     u.log("mia", "mia: unrelated: the bus was late", session="s2", at=day)
     hits = {h.id: h for h in u.recall("what is the name of the kitten", k=5)}
+    assert "reply" in hits[told.id].scores
+    # and a log without sessions is one log of its scope
+    w = hmem.scope(app="a", user="w")
+    told = w.log("mia", "mia: we adopted a kitten last weekend", at=day)
+    w.log("ben", "ben: a kitten! what did you name the kitten?", at=day)
+    hits = {h.id: h for h in w.recall("what is the name of the kitten", k=5)}
     assert "reply" in hits[told.id].scores
 
 

@@ -548,9 +548,10 @@ def test_recall_prefers_the_named_speakers_turns(
     try:
         u = mem.scope(app="a", user="u")
         base = from_us(NOW) - timedelta(days=2)
-        dana = u.log("Dana", "I finally fixed the kayak", at=base)
-        sam = u.log("Sam", "I finally fixed the kayak", at=base + timedelta(hours=1))
-        u.log("Sam", "the weather was fine all week", at=base + timedelta(hours=2))
+        # two chats (in one log, Dana's turn would take a share of Sam's as its reply)
+        dana = u.log("Dana", "I finally fixed the kayak", session="d", at=base)
+        sam = u.log("Sam", "I finally fixed the kayak", session="s", at=base + timedelta(hours=1))
+        u.log("Sam", "the weather was fine all week", session="s", at=base + timedelta(hours=2))
         assert [h.id for h in u.recall("who fixed the kayak", k=2)] == [sam.id, dana.id]
         hits = u.recall("did Dana fix the kayak", k=2)
         assert [h.id for h in hits] == [dana.id, sam.id]

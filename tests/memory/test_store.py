@@ -347,20 +347,24 @@ def test_mean_words_is_the_stores_or_unknown(store: TenantStore) -> None:
 
 
 def test_previous_episodes_follow_the_logged_order(store: TenantStore) -> None:
-    """The turn before a turn is the latest earlier one of its scope and session; turns of
-    one time (a log that dates every turn of a session alike) come in the order stored."""
+    """The turn before a turn is the latest earlier one of its scope and session (or of its
+    scope's turns without a session); turns of one time (a log that dates every turn of a
+    session alike) come in the order stored."""
     t = from_us(now_us())
     earlier = from_us(now_us() - 60_000_000)
     a, b, c = (episode(x, session="s1", valid_from=t) for x in ("a", "b", "c"))
     late = episode("back-filled", session="s1", valid_from=earlier)  # stored last, dated first
     other = episode("other session", session="s2", valid_from=t)
     elsewhere = episode("other scope", scope="app/a", session="s1", valid_from=t)
-    store.add([a, b, c])
-    store.add([late, other, elsewhere])
-    got = store.previous_episodes([a, b, c, late, other, elsewhere], flt())
-    assert got == {a.id: late.id, b.id: a.id, c.id: b.id}
+    # turns logged without a session are their scope's one log
+    x, y = (episode(w, valid_from=t) for w in ("x", "y"))
+    store.add([a, x, b, c, fact("a fact in between")])
+    store.add([late, other, elsewhere, y])
+    asked = [a, b, c, late, other, elsewhere, x, y]
+    got = store.previous_episodes(asked, flt())
+    assert got == {a.id: late.id, b.id: a.id, c.id: b.id, y.id: x.id}
     # the contract's own default (a backend without a query of its own) agrees
-    assert TenantStore.previous_episodes(store, [a, b, c, late, other, elsewhere], flt()) == got
+    assert TenantStore.previous_episodes(store, asked, flt()) == got
     # what the filter hides is skipped: with ``b`` forgotten, ``c`` follows ``a``
     store.forget([b.id])
     assert store.previous_episodes([c], flt()) == {c.id: a.id}

@@ -51,10 +51,11 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
     scope     = 0.7 ** distance  (distance: 0 = the query's own scope, 1 = its parent ...)
     score     = relevance * kind * speaker * date * asks * instructs * prefers * recency
                 (tiered, the default), times scope too with ``tiered=False``
-    reply     = with an embedder, an episode whose next turn in its session is among the first
-                ``reply_top`` (20) hits gains ``reply`` (0.1) times that turn's score
-                (:meth:`HybridRanker.with_replies`; recall asks the store for the turns: in
-                time order, and turns of the same time in the order they were logged)
+    reply     = with an embedder, an episode whose next turn in its session (or, without
+                one, in its scope's log) is among the first ``reply_top`` (20) hits gains
+                ``reply`` (0.1) times that turn's score (:meth:`HybridRanker.with_replies`;
+                recall asks the store for the turns: in time order, and turns of the same
+                time in the order they were logged)
 
 then drops what should not be returned, and orders the rest:
 

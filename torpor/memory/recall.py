@@ -15,7 +15,8 @@
    specific scope first, then relevance, then recency (its formulas are in
    :mod:`torpor.memory.ranking`). Another one is passed as ``torpor.Memory(ranking=...)``.
 4. **Replies.** With an embedder and the default ranker, the store is asked for the turn
-   before each of the first ``reply_top`` hits (same scope and session, by ``at``), and
+   before each of the first ``reply_top`` hits (same scope and session, by ``at``, then by
+   the order logged; turns logged without a session are one log of their scope), and
    :meth:`~torpor.memory.ranking.HybridRanker.with_replies` lifts those turns by a share of
    their reply's score (one indexed lookup per hit); the ranker keeps twice ``reply_top`` hits
    for it, so a turn ranked below ``reply_top`` can still rise.
@@ -241,8 +242,9 @@ def recall(
 
 
 def previous_turns(store: TenantStore, hits: Sequence[Hit], flt: RecordFilter) -> dict[str, str]:
-    """For each episode among ``hits`` that has a session: the id of the visible episode just
-    before it in the same scope and session (by ``valid_from``), when there is one
+    """For each episode among ``hits``: the id of the visible episode just before it in the
+    same scope and session (by ``valid_from``, then the order logged; the turns without a
+    session are their scope's one log), when there is one
     (:meth:`~torpor.memory.backends.base.TenantStore.previous_episodes`).
 
     Raises what the store raises (:class:`StorageError`)."""

@@ -320,7 +320,7 @@ class PostgresTenantStore(TenantStore):
     def previous_episodes(self, episodes: Sequence[Episode], flt: RecordFilter) -> dict[str, str]:
         """See :meth:`TenantStore.previous_episodes`: one statement, a lateral lookup per
         episode on the (tenant, scope, valid_from, seq) index."""
-        ids = [ep.id for ep in episodes if ep.session is not None]
+        ids = [ep.id for ep in episodes]
         if not ids:
             return {}
         where, params = schema.filter_sql(replace(flt, kinds=("episode",)))
@@ -328,9 +328,10 @@ class PostgresTenantStore(TenantStore):
             rows = cur.execute(
                 "SELECT c.id, p.id FROM torpor.records c CROSS JOIN LATERAL "
                 f"(SELECT r.id FROM torpor.records r WHERE {where} AND r.scope = c.scope "
-                "AND r.session = c.session AND (r.valid_from, r.seq) < (c.valid_from, c.seq) "
+                "AND r.session IS NOT DISTINCT FROM c.session "
+                "AND (r.valid_from, r.seq) < (c.valid_from, c.seq) "
                 "ORDER BY r.valid_from DESC, r.seq DESC LIMIT 1) p "
-                f"WHERE c.tenant_id = {_T} AND c.id = ANY(%s) AND c.session IS NOT NULL",
+                f"WHERE c.tenant_id = {_T} AND c.id = ANY(%s) AND c.kind = 'episode'",
                 [*params, ids],
             ).fetchall()
         return {str(c): str(p) for c, p in rows}

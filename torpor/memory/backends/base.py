@@ -289,16 +289,15 @@ class TenantStore(abc.ABC):
         ``limit``, after skipping the first ``offset`` (a page)."""
 
     def previous_episodes(self, episodes: Sequence[Episode], flt: RecordFilter) -> dict[str, str]:
-        """For each of ``episodes`` that has a session: the id of the episode ``flt`` lets
-        through just before it in the same scope and session, when there is one: the latest
-        earlier ``valid_from``, and among turns of the same time (a log that dates a
-        session's turns alike) the one stored before it. This default pages through
-        :meth:`scan` (newest first, same-time records last stored first) per episode; a
-        backend may answer in one query. Raises :class:`StorageError`."""
+        """For each of ``episodes``: the id of the episode ``flt`` lets through just before it
+        in the same scope and session (the turns logged without a session are one running
+        log of their scope), when there is one: the latest earlier ``valid_from``, and among
+        turns of the same time (a log that dates a session's turns alike) the one stored
+        before it. This default pages through :meth:`scan` (newest first, same-time records
+        last stored first) per episode; a backend may answer in one query. Raises
+        :class:`StorageError`."""
         out: dict[str, str] = {}
         for ep in episodes:
-            if ep.session is None:
-                continue
             at = to_us(ep.valid_from)
             until = at + 1 if flt.until is None else min(flt.until, at + 1)
             sub = replace(flt, scopes=(ep.scope,), kinds=("episode",), session=ep.session)
@@ -308,14 +307,16 @@ class TenantStore(abc.ABC):
         return out
 
     def _stored_before(self, ep: Episode, at: int, flt: RecordFilter, page: int = 64) -> str | None:
-        """The id of the first record of ``flt``'s newest-first scan that comes after ``ep``
-        (or, when ``ep`` is not among them, that is older than ``at``)."""
+        """The id of the first episode of ``ep``'s session in ``flt``'s newest-first scan that
+        comes after ``ep`` (or, when ``ep`` is not among them, that is older than ``at``)."""
         seen, offset = False, 0
         while batch := self.scan(flt, page, offset=offset):
             for rec in batch:
                 if rec.id == ep.id:
                     seen = True
-                elif seen or to_us(rec.valid_from) < at:
+                elif (seen or to_us(rec.valid_from) < at) and (
+                    isinstance(rec, Episode) and rec.session == ep.session
+                ):
                     return rec.id
             offset += page
         return None

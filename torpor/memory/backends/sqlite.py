@@ -310,7 +310,7 @@ class SQLiteTenantStore(TenantStore):
         """See :meth:`TenantStore.previous_episodes`: one statement, a correlated lookup per
         episode on the (scope, valid_from) index (whose entries end with the rowid, so the
         row-value bound ``(valid_from, rid)`` is a range of it)."""
-        ids = [ep.id for ep in episodes if ep.session is not None]
+        ids = [ep.id for ep in episodes]
         if not ids:
             return {}
         sub = replace(flt, kinds=("episode",))
@@ -321,10 +321,10 @@ class SQLiteTenantStore(TenantStore):
                 part = ids[at : at + 500]
                 rows = conn.execute(
                     f"SELECT c.id, (SELECT r.id FROM records r WHERE r.scope = c.scope "
-                    f"AND r.session = c.session AND (r.valid_from, r.rid) < (c.valid_from, c.rid) "
+                    f"AND r.session IS c.session AND (r.valid_from, r.rid) < (c.valid_from, c.rid) "
                     f"AND {where} "
                     f"ORDER BY r.valid_from DESC, r.rid DESC LIMIT 1) FROM records c "
-                    f"WHERE c.id IN ({','.join('?' * len(part))}) AND c.session IS NOT NULL",
+                    f"WHERE c.id IN ({','.join('?' * len(part))}) AND c.kind = 'episode'",
                     [*params, *part],
                 ).fetchall()
                 out.update((str(c), str(p)) for c, p in rows if p is not None)
