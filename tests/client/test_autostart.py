@@ -100,3 +100,33 @@ def test_a_streamed_first_call_starts_the_server(home: Path) -> None:
     with pytest.raises(SandboxNotFound):
         Sandbox(info, rt).commands.run("echo hi", on_stdout=print)
     assert server_pid(home) == rt.health()["pid"]
+
+
+def test_the_started_server_runs_this_processs_torpor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a source tree, the child's PYTHONPATH leads with that tree: the server imports
+    the code its starter runs, not another installed copy (or none)."""
+    import torpor
+    from torpor.client import _local
+    from torpor.config import Paths
+
+    started: list[dict[str, str]] = []
+
+    class Exited:
+        returncode = 1
+
+        def poll(self) -> int:
+            return 1
+
+    def popen(args: list[str], **kw: object) -> Exited:
+        started.append(kw["env"])  # type: ignore[arg-type]
+        return Exited()
+
+    monkeypatch.setattr("torpor.client._local.subprocess.Popen", popen)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    with pytest.raises(ServerUnavailable):
+        _local.ensure_local_server(Paths(tmp_path / "h"), timeout=5)
+    tree = Path(torpor.__file__).resolve().parents[1]
+    assert tree.name not in ("site-packages", "dist-packages")  # the tests run a checkout
+    assert started[0]["PYTHONPATH"].split(os.pathsep) == [str(tree), "/elsewhere"]

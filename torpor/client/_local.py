@@ -43,6 +43,18 @@ def is_alive(socket_path: Path, *, timeout: float = 2.0) -> bool:
         return False
 
 
+def _same_torpor() -> dict[str, str]:
+    """The child's ``PYTHONPATH`` when this process runs torpor from a source tree (a checkout
+    on ``sys.path``, not an installed copy): that tree first, so the server it starts runs
+    this code, not whatever copy (or none) the interpreter would find from the server's home.
+    An installed torpor needs nothing (the same interpreter finds it)."""
+    root = Path(__file__).resolve().parents[2]  # the folder holding the ``torpor`` package
+    if root.name in ("site-packages", "dist-packages"):
+        return {}
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([str(root), *([rest] if rest else [])])}
+
+
 def ensure_local_server(p: Paths, *, timeout: float = 120.0) -> None:
     """Make sure a server answers on ``p.socket``, starting one if needed.
 
@@ -55,7 +67,7 @@ def ensure_local_server(p: Paths, *, timeout: float = 120.0) -> None:
         if is_alive(p.socket):
             return
         log_file = p.home / "server.log"
-        env = {**os.environ, "TORPOR_HOME": str(p.home)}
+        env = {**os.environ, "TORPOR_HOME": str(p.home), **_same_torpor()}
         log.info("starting a local torpor server for %s", p.home)
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(  # our own interpreter and module
