@@ -20,7 +20,7 @@ from torpor.errors import (
     SchemaViolation,
 )
 from torpor.memory import Memory
-from torpor.memory.models import from_us, now_us, to_us
+from torpor.memory.models import Episode, from_us, now_us, to_us
 
 _RT = itertools.count()
 
@@ -271,6 +271,27 @@ def test_export_import_fork_roundtrip(hmem: Memory, tmp_path: Path) -> None:
     assert u.import_(io.StringIO(buf.getvalue())) == 0  # same scope, same ids: idempotent
     with pytest.raises(InvalidArgument):
         w.import_(io.StringIO('{"type": "fact"}\n'))
+
+
+def test_a_session_of_one_time_keeps_its_order_through_export_and_fork(
+    hmem: Memory, tmp_path: Path
+) -> None:
+    """Turns of one time are ordered as logged (the turn before each, for the reply share),
+    and an export imported elsewhere, or a fork, keeps that order."""
+    u = hmem.scope(app="a", user="u")
+    for i in range(6):
+        u.log("mia", f"turn {i}", session="s1", at="2023-05-08T13:56:00")
+    path = tmp_path / "u.jsonl"
+    u.export(path)
+    w = hmem.scope(app="a", user="w")
+    w.import_(path)
+    for s in (u, w, u.fork(app="a", user="x")):
+        turns = [t for t in s.get_all(kind="episode").items if isinstance(t, Episode)]
+        before = hmem.store.previous_episodes(turns, s._filter(now_us(), kinds=("episode",)))
+        text = {t.id: t.text for t in turns}
+        assert {text[a]: text[b] for a, b in before.items()} == {
+            f"turn {i}": f"turn {i - 1}" for i in range(1, 6)
+        }
 
 
 def test_metadata_may_hold_escaped_nul_text(mem: Memory) -> None:
