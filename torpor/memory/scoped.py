@@ -196,7 +196,8 @@ class ScopedMemory:
     ) -> list[Hit]:
         """The ``k`` best records for ``query`` from this scope and its ancestors, as the
         memory's ranking orders them: by default most specific scope first, then relevance,
-        then recency (see :mod:`torpor.memory.recall`).
+        then recency (see :mod:`torpor.memory.recall`). Each search reaches three times ``k``
+        deep (at least 30), so asking for more than 10 can also change the first few.
 
         Current facts only, unless ``include_history`` or ``as_of`` (what was valid then).
         ``since``, ``until`` and ``as_of`` take a datetime or an ISO 8601 string; a time
