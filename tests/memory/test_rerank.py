@@ -133,6 +133,23 @@ def test_the_packaged_model_prefers_the_answer(cross: CrossEncoderReranker) -> N
 
 
 @rerank
+def test_a_pairs_score_does_not_depend_on_the_other_hits(cross: CrossEncoderReranker) -> None:
+    """The int8 model quantizes its activations over its whole input: in one padded batch a
+    pair's logit moved with its companions. Scored alone, it is the same in any company."""
+    query = "Where did Kate travel last spring?"
+    answer = "Kate: back from Kyoto! the temples in April were unreal"
+    short = ["Emi: ok", "Kate: yes"]
+    long = ["Emi: " + "we walked along the river and talked about the garden " * 9]
+    alone = cross.scores(query, [answer])[0]
+    assert cross.scores(query, [*short, answer])[2] == alone
+    assert cross.scores(query, [answer, *long])[0] == alone
+    assert cross.scores(query, []).shape == (0,)
+    # the packaged tokenizer pads to 512 unless told otherwise: a pair runs at its own length
+    _, tok = cross._load()
+    assert len(tok.encode(query, answer).ids) < 40
+
+
+@rerank
 def test_memory_with_the_default_reranker_lifts_the_answer(home: Path) -> None:
     """The answer shares no content word with the question but the speaker: lexical recall
     ranks it below a turn that shares "where", "did" and "spring"; the cross-encoder puts

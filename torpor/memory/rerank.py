@@ -12,12 +12,19 @@ therefore off by default and opt-in per memory::
     torpor.Memory(reranker=CrossEncoderReranker("/models/my-ms-marco", depth=10))
 
 How it orders: the ranker's first ``depth`` hits (recall asks the ranker for at least that
-many) are scored in one batch; each gets ``blend`` x its cross-encoder score plus
-(1 - ``blend``) x its ranker score, both scaled to [0, 1] over those hits, and they are sorted
-by that. Hits below ``depth`` keep their order after them. The ranker has already dropped
-what is too weak to return, so abstention (an empty answer) is the ranker's alone. Each
-reranked hit's ``scores`` gains ``rerank`` (the cross-encoder's probability) and ``ranked``
-(the ranker's score); ``score`` becomes the blend.
+many) are scored by the model, each (question, record) pair on its own; each gets
+``blend`` x its cross-encoder score plus (1 - ``blend``) x its ranker score, both scaled to
+[0, 1] over those hits, and they are sorted by that. Hits below ``depth`` keep their order
+after them. The ranker has already dropped what is too weak to return, so abstention (an
+empty answer) is the ranker's alone. Each reranked hit's ``scores`` gains ``rerank`` (the
+cross-encoder's probability) and ``ranked`` (the ranker's score); ``score`` becomes the blend.
+
+Why a pair at a time and not one batch: the int8 model quantizes its activations over its
+whole input, so in a batch a pair's logit moved with the other pairs and with the padding to
+the longest of them (by 0.5 for a typical query's worst pair). Alone, a pair scores the same
+whatever else recall found. It also costs less on conversation turns, which are short next
+to the longest of twenty (``bench/README.md``, "Cross-encoder reranking": a fifth less time
+on REALTALK, the same on BEAM's long turns).
 
 The model: an ONNX cross-encoder folder (``model.onnx`` taking ``input_ids``,
 ``attention_mask`` and ``token_type_ids``, one logit out; ``tokenizer.json``). ``"default"``
@@ -130,6 +137,8 @@ class CrossEncoderReranker:
 
                 tok = Tokenizer.from_file(str(self.path / "tokenizer.json"))
                 tok.enable_truncation(self.max_tokens, strategy="only_second")
+                # the packaged tokenizer.json pads to a fixed 512: a pair of 30 word pieces
+                # would cost 13x its own length. Pad to the longest, that is, not at all
                 tok.enable_padding()
                 opts = ort.SessionOptions()
                 opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -140,13 +149,14 @@ class CrossEncoderReranker:
             return self._session, self._tokenizer
 
     def scores(self, query: str, texts: Sequence[str]) -> npt.NDArray[np.float32]:
-        """The model's logit for each (``query``, text) pair, in one batch."""
-        if not texts:
-            return np.zeros(0, dtype=np.float32)
+        """The model's logit for each (``query``, text) pair, each pair run on its own (so
+        its logit does not depend on the other texts: see the module's docstring)."""
         session, tok = self._load()
-        enc = tok.encode_batch([(query, t) for t in texts])
-        logits = session.run(None, bert_feed(enc, session))[0]
-        return np.asarray(logits, dtype=np.float32).reshape(len(texts))
+        out = np.zeros(len(texts), dtype=np.float32)
+        for i, text in enumerate(texts):
+            feed = bert_feed([tok.encode(query, text)], session)
+            out[i] = np.asarray(session.run(None, feed)[0], dtype=np.float32).reshape(-1)[0]
+        return out
 
     def rerank(self, query: str, hits: Sequence[Hit]) -> list[Hit]:
         """``hits`` with the first ``depth`` reordered (see the module's docstring)."""
