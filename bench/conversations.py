@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rerank-depth", type=int, default=20, help="hits the cross-encoder reorders")
     ap.add_argument(
-        "--rerank-blend", default="0.7", help="the cross-encoder's share, e.g. '0.5,0.7,1'"
+        "--rerank-blend", default="0.5", help="the cross-encoder's share, e.g. '0.5,0.7,1'"
     )
     ap.add_argument("--rerank-tokens", type=int, default=128, help="word pieces per pair")
     ap.add_argument(

@@ -103,7 +103,7 @@ class CrossEncoderReranker:
         path: str | Path | None = None,
         *,
         depth: int = 20,
-        blend: float = 0.7,
+        blend: float = 0.5,
         max_tokens: int = 128,
     ) -> None:
         folder = Path(path) if path is not None else default_reranker_path()
