@@ -83,6 +83,40 @@ def test_a_session_dated_alike_still_lends_replies(hmem: Memory) -> None:
     assert "reply" in hits[told.id].scores
 
 
+def test_a_question_about_yesterday_finds_yesterdays_turn(mem: Memory) -> None:
+    """Turns alike but for their day: "yesterday", "3 days ago" and "last week" are counted
+    from the day recall is asked on (``as_of`` here; else now)."""
+    _days_counted_from_the_asking(mem)
+
+
+def test_a_question_about_yesterday_finds_yesterdays_turn_with_vectors(hmem: Memory) -> None:
+    _days_counted_from_the_asking(hmem)
+
+
+def _days_counted_from_the_asking(memory: Memory) -> None:
+    u = memory.scope(app="a", user="u")
+    asked = "2026-12-03T15:00:00"  # a Thursday
+    logged = {
+        back: u.log("user", "user: I cooked dinner for the family", session=f"s{back}", at=at)
+        for back, at in (
+            (0, "2026-12-03T09:00:00"),
+            (1, "2026-12-02T19:30:00"),
+            (3, "2026-11-30T20:00:00"),
+            (8, "2026-11-25T18:00:00"),
+        )
+    }
+
+    def first(question: str) -> str:
+        return u.recall(question, k=4, as_of=asked)[0].id
+
+    assert first("what did I cook for the family") == logged[0].id  # the newest
+    assert first("what did I cook for the family yesterday") == logged[1].id
+    assert first("what did I cook for the family 3 days ago") == logged[3].id
+    assert first("what did I cook for the family last week") == logged[8].id
+    hit = u.recall("what did I cook yesterday", k=4, as_of=asked)[0]
+    assert hit.scores["date"] == 1.3
+
+
 def test_keyed_facts_always_current(mem: Memory) -> None:
     u = mem.scope(app="a", user="u")
     for i in range(30):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,14 @@ from torpor.errors import InvalidArgument
 from torpor.memory import Candidates, Episode, Fact, HashEmbedder, Hit, HybridRanker, Memory
 from torpor.memory.backends.base import AnyRecord
 from torpor.memory.models import from_us, now_us, to_us
-from torpor.memory.ranking import asks, instructs, prefers, query_days, recounts
+from torpor.memory.ranking import (
+    asks,
+    instructs,
+    prefers,
+    query_days,
+    recounts,
+    relative_days,
+)
 from torpor.memory.recall import previous_turns
 
 NOW = now_us()
@@ -441,6 +448,80 @@ def test_a_turn_on_the_day_the_question_names_comes_first() -> None:
     assert first(f"is the kayak mine, {other_year}") == "late"
     hit = next(h for h in HybridRanker().rank(_dialogue(f"kayak {_day(TALK)}")) if h.id == "talk")
     assert hit.scores["date"] == 1.3 and hit.scores["relevance"] <= 1
+
+
+THURSDAY = date(2026, 12, 3)
+
+
+def _days(*spans: tuple[int, int]) -> tuple[tuple[int, int, int], ...]:
+    """Every day from THURSDAY - a to THURSDAY - b days, for each (a, b)."""
+    out: list[tuple[int, int, int]] = []
+    for a, b in spans:
+        for back in range(a, b - 1, -1):
+            d = THURSDAY - timedelta(days=back)
+            out.append((d.year, d.month, d.day))
+    return tuple(out)
+
+
+@pytest.mark.parametrize(
+    ("query", "days"),
+    [
+        pytest.param("what did I cook yesterday?", _days((1, 1)), id="yesterday"),
+        pytest.param("and last night?", _days((1, 1)), id="last-night"),
+        pytest.param("the day before yesterday", _days((2, 2)), id="day-before"),
+        pytest.param("what did we plan this morning", _days((0, 0)), id="this-morning"),
+        pytest.param("anything new today?", _days((0, 0)), id="today"),
+        pytest.param("3 days ago", _days((3, 3)), id="days-ago"),
+        pytest.param("a couple of days ago", _days((2, 2)), id="couple"),
+        pytest.param("two weeks ago", _days((17, 11)), id="weeks-ago"),
+        pytest.param("a month ago", _days((37, 23)), id="month-ago"),
+        pytest.param("what did Sam say last Monday", _days((3, 3)), id="last-monday"),
+        pytest.param("on Thursday", _days((7, 7)), id="same-weekday"),
+        pytest.param("this week", _days((3, 0)), id="this-week"),
+        pytest.param("last week", _days((10, 4)), id="last-week"),
+        pytest.param("over the past week", _days((7, 1)), id="past-week"),
+        pytest.param("this month", _days((2, 0)), id="this-month"),
+        pytest.param("last month", _days((32, 3)), id="last-month"),
+        pytest.param("what have I said recently", (), id="recently"),
+        pytest.param("Monday meetings are long", (), id="bare-weekday"),
+        pytest.param("what happened in 2024", (), id="a-year"),
+    ],
+)
+def test_relative_days_counts_from_the_day_asked(
+    query: str, days: tuple[tuple[int, int, int], ...]
+) -> None:
+    assert relative_days(query, THURSDAY) == days
+
+
+def test_a_turn_on_a_day_named_from_today_comes_first() -> None:
+    """Two turns alike in every score but their day; the question counts its day from
+    ``Candidates.now`` (recall's clock, or ``as_of``): "yesterday" lifts yesterday's turn
+    only, not today's (the day-after allowance is for dates, told the next morning)."""
+    now = datetime(2026, 12, 3, 15, tzinfo=UTC)
+    turns = {
+        back: TALK.model_copy(
+            update={"id": f"back-{back}", "valid_from": now - timedelta(days=back)}
+        )
+        for back in (0, 1, 3)
+    }
+
+    def first(query: str, at: datetime = now) -> str:
+        found = dataclasses.replace(
+            _dialogue("is the kayak mine"),
+            query=query,
+            now=to_us(at),
+            lexical=[(t, 2.0) for t in turns.values()],
+            vector=[(t, 0.6) for t in turns.values()],
+        )
+        return HybridRanker().rank(found)[0].id
+
+    assert first("is the kayak mine") == "back-0"  # a tie goes to the newer turn
+    assert first("was the kayak mine yesterday") == "back-1"
+    assert first("was the kayak mine 3 days ago") == "back-3"
+    assert first("was the kayak mine last Monday") == "back-3"  # 3 Dec 2026 is a Thursday
+    # counted from the instant asked: asked a day later, "yesterday" is today's turn
+    assert first("was the kayak mine yesterday", now + timedelta(days=1)) == "back-0"
+    assert first("was the kayak mine recently") == "back-0"
 
 
 def test_bm25_normalizes_length_against_the_stores_mean() -> None:

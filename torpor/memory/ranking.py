@@ -37,7 +37,10 @@ give back, best first; :func:`torpor.memory.recall.recall` keeps the first ``k``
                 candidates' episodes have other roles too; else 1
     date      = 1 + ``dated`` (0.3) for a record whose ``valid_from`` falls on a day the query
                 names ("on 7 Jan 2024", "January 6", "2024-01-06"; without a year, any year)
-                or the day after (a day is often told the next morning); else 1
+                or on the day after it (a day is often told the next morning); or on a day
+                the query names from the day it is asked on (``Candidates.now``: "yesterday",
+                "3 days ago", "last Monday", "this week", "last month": :func:`relative_days`;
+                that day only); else 1
     asks      = ``asking`` (0.5) for an episode that only asks: at most 10 words, ending with
                 "?" with no sentence ending before it ("What about you, Kate?"); else 1
     instructs = ``instructing`` (1.5) for an episode that opens with a standing instruction
@@ -131,6 +134,7 @@ __all__ = [
     "prefers",
     "query_days",
     "recounts",
+    "relative_days",
     "stem",
     "words",
 ]
@@ -405,6 +409,7 @@ class HybridRanker:
         weight, fill_lexical, fill_vector = self._blend(lexical, vector)
         named = self._named_speakers(found.query, found.terms, records.values())
         days = query_days(found.query) if self.dated > 0 else ()
+        recent = _days_back(found.query, found.now) if self.dated > 0 else frozenset()
         # standing instructions and stated preferences govern requests on their topic, not
         # questions about what happened (preferences only count with vectors)
         instructing, preferring = (
@@ -433,8 +438,12 @@ class HybridRanker:
                     scores["instructs"] = instructing
                 elif preferring != 1.0 and prefers(rec.text):
                     scores["prefers"] = preferring
-            if days:
-                scores["date"] = 1 + self.dated if _on_days(rec.valid_from, days) else 1.0
+            if days or recent:
+                on = (
+                    _on_days(rec.valid_from, days)
+                    or rec.valid_from.astimezone(UTC).date() in recent
+                )
+                scores["date"] = 1 + self.dated if on else 1.0
             scored.append((rec, scores, self._score(rec, found, scores, relevance)))
         top = max((sc["relevance"] for _, sc, _ in scored), default=0.0)
         kept = [
@@ -630,6 +639,75 @@ def _valid_day(day: tuple[int | None, int, int]) -> bool:
     except ValueError:
         return False
     return True
+
+
+_NUMBER = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
+_NUMBER |= {"seven": 7, "eight": 8, "nine": 9, "ten": 10, "a couple of": 2, "a few": 3}
+_WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
+_TODAY = re.compile(r"\b(?:today|tonight|this (?:morning|afternoon|evening))\b", re.IGNORECASE)
+_YESTERDAY = re.compile(r"\b(?:(?:the )?day before )?yesterday\b|\blast night\b", re.IGNORECASE)
+_AGO = re.compile(
+    r"\b(\d{1,3}|" + "|".join(sorted(_NUMBER, key=len, reverse=True)) + r")\s+"
+    r"(day|week|month)s?\s+ago\b",
+    re.IGNORECASE,
+)
+_WEEKDAY = re.compile(r"\b(?:on|last|this past) (" + "|".join(_WEEKDAYS) + r")\b", re.IGNORECASE)
+_SPAN = re.compile(r"\b(this|last|past) (week|month)\b", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=1024)
+def relative_days(query: str, today: date) -> tuple[tuple[int, int, int], ...]:
+    """The calendar days ``query`` names counting from ``today``, as (year, month, day):
+    "today" / "this morning" / "tonight"; "yesterday" / "last night"; "the day before
+    yesterday"; "3 days ago", "two weeks ago" (that day, +-3 days), "a month ago" (+-7 days);
+    "on Monday" / "last Monday" (the latest Monday before today); "this week" (since Monday),
+    "last week" (Monday to Sunday before it), "past week" (the 7 days before today); "this
+    month", "last month". Nothing else: "recently" or "this year" name no day."""
+    spans: list[tuple[date, date]] = []
+    if _TODAY.search(query):
+        spans.append((today, today))
+    for m in _YESTERDAY.finditer(query):
+        back = 2 if "before" in m.group(0).lower() else 1
+        spans.append((today - timedelta(days=back),) * 2)
+    for m in _AGO.finditer(query):
+        n = _NUMBER.get(m.group(1).lower()) or int(m.group(1))
+        unit = m.group(2).lower()
+        mid = today - timedelta(days=n * {"day": 1, "week": 7, "month": 30}[unit])
+        pad = timedelta(days={"day": 0, "week": 3, "month": 7}[unit])
+        spans.append((mid - pad, mid + pad))
+    for m in _WEEKDAY.finditer(query):
+        back = (today.weekday() - _WEEKDAYS.index(m.group(1).lower())) % 7 or 7
+        spans.append((today - timedelta(days=back),) * 2)
+    monday = today - timedelta(days=today.weekday())
+    first = today.replace(day=1)
+    for m in _SPAN.finditer(query):
+        which, unit = m.group(1).lower(), m.group(2).lower()
+        if unit == "week":
+            spans.append(
+                (monday, today)
+                if which == "this"
+                else (monday - timedelta(days=7), monday - timedelta(days=1))
+                if which == "last"
+                else (today - timedelta(days=7), today - timedelta(days=1))
+            )
+        elif which == "this":
+            spans.append((first, today))
+        else:
+            last_month_end = first - timedelta(days=1)
+            spans.append((last_month_end.replace(day=1), last_month_end))
+    days: dict[tuple[int, int, int], None] = {}
+    for start, end in spans:
+        for i in range((end - start).days + 1):
+            d = start + timedelta(days=i)
+            days[(d.year, d.month, d.day)] = None
+    return tuple(days)
+
+
+def _days_back(query: str, now_us: int) -> frozenset[date]:
+    """The days ``query`` names from the day it is asked on (:func:`relative_days`;
+    ``now_us``: that instant), as dates."""
+    today = datetime.fromtimestamp(now_us / 1e6, UTC).date()
+    return frozenset(date(*day) for day in relative_days(query, today))
 
 
 def _on_days(when: datetime, days: Sequence[tuple[int | None, int, int]]) -> bool:
