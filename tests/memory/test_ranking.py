@@ -480,6 +480,8 @@ def _days(*spans: tuple[int, int]) -> tuple[tuple[int, int, int], ...]:
         pytest.param("this week", _days((3, 0)), id="this-week"),
         pytest.param("last week", _days((10, 4)), id="last-week"),
         pytest.param("over the past week", _days((7, 1)), id="past-week"),
+        pytest.param("what did we do last weekend", _days((5, 4)), id="last-weekend"),
+        pytest.param("plans for this weekend", _days((-2, -3)), id="this-weekend"),
         pytest.param("this month", _days((2, 0)), id="this-month"),
         pytest.param("last month", _days((32, 3)), id="last-month"),
         pytest.param("what have I said recently", (), id="recently"),

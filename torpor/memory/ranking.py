@@ -652,7 +652,7 @@ _AGO = re.compile(
     re.IGNORECASE,
 )
 _WEEKDAY = re.compile(r"\b(?:on|last|this past) (" + "|".join(_WEEKDAYS) + r")\b", re.IGNORECASE)
-_SPAN = re.compile(r"\b(this|last|past) (week|month)\b", re.IGNORECASE)
+_SPAN = re.compile(r"\b(this|last|past) (weekend|week|month)\b", re.IGNORECASE)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -662,7 +662,8 @@ def relative_days(query: str, today: date) -> tuple[tuple[int, int, int], ...]:
     yesterday"; "3 days ago", "two weeks ago" (that day, +-3 days), "a month ago" (+-7 days);
     "on Monday" / "last Monday" (the latest Monday before today); "this week" (since Monday),
     "last week" (Monday to Sunday before it), "past week" (the 7 days before today); "this
-    month", "last month". Nothing else: "recently" or "this year" name no day."""
+    weekend" / "last weekend" (Saturday and Sunday of this calendar week / the one before);
+    "this month", "last month". Nothing else: "recently" or "this year" name no day."""
     spans: list[tuple[date, date]] = []
     if _TODAY.search(query):
         spans.append((today, today))
@@ -682,7 +683,10 @@ def relative_days(query: str, today: date) -> tuple[tuple[int, int, int], ...]:
     first = today.replace(day=1)
     for m in _SPAN.finditer(query):
         which, unit = m.group(1).lower(), m.group(2).lower()
-        if unit == "week":
+        if unit == "weekend":  # Saturday and Sunday of this calendar week, or the one before
+            saturday = monday + timedelta(days=5 if which == "this" else -2)
+            spans.append((saturday, saturday + timedelta(days=1)))
+        elif unit == "week":
             spans.append(
                 (monday, today)
                 if which == "this"
