@@ -151,6 +151,8 @@ class CrossEncoderReranker:
     def scores(self, query: str, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         """The model's logit for each (``query``, text) pair, each pair run on its own (so
         its logit does not depend on the other texts: see the module's docstring)."""
+        if not texts:
+            return np.zeros(0, dtype=np.float32)
         session, tok = self._load()
         out = np.zeros(len(texts), dtype=np.float32)
         for i, text in enumerate(texts):
