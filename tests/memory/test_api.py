@@ -115,6 +115,8 @@ def _days_counted_from_the_asking(memory: Memory) -> None:
     assert first("what did I cook for the family last week") == logged[8].id
     hit = u.recall("what did I cook yesterday", k=4, as_of=asked)[0]
     assert hit.scores["date"] == 1.3
+    # a day counted back past the calendar's start names nothing; the recall still answers
+    assert u.recall("what did I cook 999 months ago", k=4, as_of="0001-01-03T00:00:00") == []
 
 
 def test_keyed_facts_always_current(mem: Memory) -> None:

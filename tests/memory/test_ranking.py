@@ -495,6 +495,21 @@ def test_relative_days_counts_from_the_day_asked(
     assert relative_days(query, THURSDAY) == days
 
 
+def test_relative_days_stop_at_the_calendars_ends() -> None:
+    """Asked in the first days of year 1 (an early ``as_of``), a day counted back past the
+    calendar's start is left out instead of failing the recall."""
+    early = date.min + timedelta(days=2)
+    assert relative_days("what happened 999 months ago", early) == ()
+    assert relative_days("last month", early) == ()
+    assert relative_days("last week", early) == ()  # 1 January 1 was a Monday
+    assert relative_days("this week", early) == ((1, 1, 1), (1, 1, 2), (1, 1, 3))
+    assert relative_days("a week ago", early) == ()
+    assert relative_days("the day before yesterday", early) == ((1, 1, 1),)
+    # 31 December 9999, the last day, is a Friday: its weekend lies past the calendar
+    assert relative_days("this weekend", date.max) == ()
+    assert relative_days("today", date.max) == ((9999, 12, 31),)
+
+
 def test_a_turn_on_a_day_named_from_today_comes_first() -> None:
     """Two turns alike in every score but their day; the question counts its day from
     ``Candidates.now`` (recall's clock, or ``as_of``): "yesterday" lifts yesterday's turn

@@ -664,45 +664,45 @@ def relative_days(query: str, today: date) -> tuple[tuple[int, int, int], ...]:
     "last week" (Monday to Sunday before it), "past week" (the 7 days before today); "this
     weekend" / "last weekend" (Saturday and Sunday of this calendar week / the one before);
     "this month", "last month". Nothing else: "recently" or "this year" name no day."""
-    spans: list[tuple[date, date]] = []
+    # each span as (first, last) days back from today, a negative one ahead of it
+    spans: list[tuple[int, int]] = []
     if _TODAY.search(query):
-        spans.append((today, today))
+        spans.append((0, 0))
     for m in _YESTERDAY.finditer(query):
         back = 2 if "before" in m.group(0).lower() else 1
-        spans.append((today - timedelta(days=back),) * 2)
+        spans.append((back, back))
     for m in _AGO.finditer(query):
         n = _NUMBER.get(m.group(1).lower()) or int(m.group(1))
         unit = m.group(2).lower()
-        mid = today - timedelta(days=n * {"day": 1, "week": 7, "month": 30}[unit])
-        pad = timedelta(days={"day": 0, "week": 3, "month": 7}[unit])
-        spans.append((mid - pad, mid + pad))
+        mid = n * {"day": 1, "week": 7, "month": 30}[unit]
+        pad = {"day": 0, "week": 3, "month": 7}[unit]
+        spans.append((mid + pad, mid - pad))
     for m in _WEEKDAY.finditer(query):
         back = (today.weekday() - _WEEKDAYS.index(m.group(1).lower())) % 7 or 7
-        spans.append((today - timedelta(days=back),) * 2)
-    monday = today - timedelta(days=today.weekday())
-    first = today.replace(day=1)
+        spans.append((back, back))
+    monday = today.weekday()  # days back to this week's Monday
     for m in _SPAN.finditer(query):
         which, unit = m.group(1).lower(), m.group(2).lower()
         if unit == "weekend":  # Saturday and Sunday of this calendar week, or the one before
-            saturday = monday + timedelta(days=5 if which == "this" else -2)
-            spans.append((saturday, saturday + timedelta(days=1)))
+            spans.append((monday - 5, monday - 6) if which == "this" else (monday + 2, monday + 1))
         elif unit == "week":
             spans.append(
-                (monday, today)
+                (monday, 0)
                 if which == "this"
-                else (monday - timedelta(days=7), monday - timedelta(days=1))
+                else (monday + 7, monday + 1)
                 if which == "last"
-                else (today - timedelta(days=7), today - timedelta(days=1))
+                else (7, 1)
             )
         elif which == "this":
-            spans.append((first, today))
-        else:
-            last_month_end = first - timedelta(days=1)
-            spans.append((last_month_end.replace(day=1), last_month_end))
+            spans.append((today.day - 1, 0))
+        elif today.replace(day=1) > date.min:  # last month: it ends the day before the 1st
+            length = (today.replace(day=1) - timedelta(days=1)).day
+            spans.append((today.day + length - 1, today.day))
+    reach_back, reach_ahead = (today - date.min).days, (date.max - today).days
     days: dict[tuple[int, int, int], None] = {}
-    for start, end in spans:
-        for i in range((end - start).days + 1):
-            d = start + timedelta(days=i)
+    for first, last in spans:
+        for back in range(min(first, reach_back), max(last, -reach_ahead) - 1, -1):
+            d = today - timedelta(days=back)
             days[(d.year, d.month, d.day)] = None
     return tuple(days)
 
