@@ -439,10 +439,7 @@ class HybridRanker:
                 elif preferring != 1.0 and prefers(rec.text):
                     scores["prefers"] = preferring
             if days or recent:
-                on = (
-                    _on_days(rec.valid_from, days)
-                    or rec.valid_from.astimezone(UTC).date() in recent
-                )
+                on = _on_days(rec.valid_from, days, recent)
                 scores["date"] = 1 + self.dated if on else 1.0
             scored.append((rec, scores, self._score(rec, found, scores, relevance)))
         top = max((sc["relevance"] for _, sc, _ in scored), default=0.0)
@@ -714,14 +711,20 @@ def _days_back(query: str, now_us: int) -> frozenset[date]:
     return frozenset(date(*day) for day in relative_days(query, today))
 
 
-def _on_days(when: datetime, days: Sequence[tuple[int | None, int, int]]) -> bool:
-    """Whether ``when`` (UTC) falls on one of ``days`` or on the day after one."""
-    today = when.astimezone(UTC).date()
-    for d in (today, today - timedelta(days=1)):
-        for year, month, dom in days:
-            if d.month == month and d.day == dom and (year is None or d.year == year):
-                return True
-    return False
+def _on_days(
+    when: datetime, named: Sequence[tuple[int | None, int, int]], counted: Collection[date]
+) -> bool:
+    """Whether ``when`` (UTC) falls on one of ``counted`` (days counted from the asking), or
+    on one of ``named`` (a year of None: any year) or the day after one."""
+    day = when.astimezone(UTC).date()
+    if day in counted:
+        return True
+    told = (day,) if day == date.min else (day, day - timedelta(days=1))
+    return any(
+        d.month == month and d.day == dom and (year is None or d.year == year)
+        for d in told
+        for year, month, dom in named
+    )
 
 
 def _spread(values: Iterable[float]) -> float:
