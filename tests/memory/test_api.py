@@ -118,8 +118,8 @@ def _days_counted_from_the_asking(memory: Memory) -> None:
     # a day counted back past the calendar's start names nothing; the recall still answers
     assert u.recall("what did I cook 999 months ago", k=4, as_of="0001-01-03T00:00:00") == []
     # nor does a named date against a turn on the calendar's first day (no day before it)
-    first = u.log("user", "user: I cooked dinner on the first day", at="0001-01-01T00:00:00")
-    assert first.id in {h.id for h in u.recall("what did I cook on 5 March", k=10)}
+    day_one = u.log("user", "user: I cooked dinner on the first day", at="0001-01-01T00:00:00")
+    assert day_one.id in {h.id for h in u.recall("what did I cook on 5 March", k=10)}
 
 
 def test_keyed_facts_always_current(mem: Memory) -> None:
