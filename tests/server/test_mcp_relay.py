@@ -87,6 +87,30 @@ def test_the_guest_reaches_its_scope_and_nothing_else(client: TestClient) -> Non
     assert Memory.attach(backend, "globex", embedder=None).scope(**U42).recall("green tea") == []
 
 
+def test_a_guest_cannot_name_a_level_above_its_binding(client: TestClient) -> None:
+    """Bound to a session, naming an app and user would put the call at
+    ``app/billing/user/alice/session/s1``, whose ancestors recall reads: refused."""
+    acme = Memory.attach(client.app.state.memory_backend, "acme", embedder=None)  # type: ignore[attr-defined]
+    acme.scope(app="billing", user="alice").remember("alice's card ends in 4242")
+    sbx = make(client, "agent-s1", A, memory_scope={"session": "s1"})
+    above = {"app": "billing", "user": "alice"}
+    for path, body in (
+        ("/v1/memory/recall", {"query": "card", **above}),
+        ("/v1/memory/remember", {"text": "planted", **above}),
+        ("/v1/memory/recall", {"query": "card", "user": "alice"}),
+    ):
+        status, err = guest(client, sbx["id"], path, body)
+        assert (status, err["error"]["type"]) == (403, "AccessDenied"), (path, body, err)
+    assert acme.scope(**above).get_all().total == 1  # nothing planted
+    # between two bound levels is above the deepest one too; below it stays open
+    both = make(client, "agent-a-s1", A, memory_scope={"app": "billing", "session": "s1"})
+    status, err = guest(client, both["id"], "/v1/memory/recall", {"query": "card", "user": "alice"})
+    assert (status, err["error"]["type"]) == (403, "AccessDenied")
+    deep = make(client, "agent-u", A, memory_scope={"app": "billing", "user": "alice"})
+    status, fact = guest(client, deep["id"], "/v1/memory/remember", {"text": "y", "session": "s2"})
+    assert status == 200 and fact["scope"] == "app/billing/user/alice/session/s2"
+
+
 def test_mcp_inside_the_sandbox(client: TestClient) -> None:
     sbx = make(client, "agent-u-42", A, memory_scope=U42)
     guest(client, sbx["id"], "/v1/memory/remember", {"text": "prefers daily summaries"})

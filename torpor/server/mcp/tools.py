@@ -112,9 +112,12 @@ class ToolContext:
         """The scope levels of a call: ``given`` within :attr:`scope`.
 
         Raises :class:`AccessDenied` when ``given`` names a level the caller is bound to
-        with another value.
+        with another value, or adds a level above the deepest one it is bound to (bound to
+        a session, a call naming an app would reach ``app/<x>/session/<s>`` and, through
+        recall's ancestors, that app's own records).
         """
         out = dict(self.scope)
+        deepest = max((LEVELS.index(lv) for lv in self.scope), default=-1)
         for level in LEVELS:
             value = given.get(level)
             if value is None:
@@ -123,6 +126,13 @@ class ToolContext:
             if bound is not None and bound != value:
                 raise AccessDenied(
                     f"this caller is bound to {level} {bound!r}, not {value!r}",
+                    tenant=self.tenant,
+                    scope=level,
+                )
+            if bound is None and LEVELS.index(level) < deepest:
+                raise AccessDenied(
+                    f"this caller is bound to {LEVELS[deepest]} {self.scope[LEVELS[deepest]]!r}"
+                    f" and may only name levels below it, not {level}",
                     tenant=self.tenant,
                     scope=level,
                 )
