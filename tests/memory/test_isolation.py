@@ -56,6 +56,27 @@ def test_read_grant_cannot_write(home: Path, backend_spec: str) -> None:
     admin.close()
 
 
+def test_verify_by_id_needs_write_on_the_records_own_scope(home: Path, backend_spec: str) -> None:
+    """``verify(id)`` from a writable scope reads an ancestor's fact; re-marking it is a write
+    to that ancestor, which a token that may only read it cannot do."""
+    admin = Memory(str(home), embedder=None, backend=backend_spec)
+    src = home.parent / "src.txt"
+    src.write_text("the sky is blue\n")
+    fact = admin.scope().remember("sky is blue", source={"path": str(src)})
+    assert fact.verified
+    tok = admin.tokens.issue("default", [("read", ""), ("write", "app/a/user/u")])
+    m = Memory(str(home), token=tok, embedder=None, backend=backend_spec)
+    src.write_text("the sky is green\n")  # verify would now mark it stale
+    for scope in (m.scope(), m.scope(app="a", user="u")):
+        with pytest.raises(AccessDenied):
+            scope.verify(fact.id)
+    stored = admin.scope().get(fact.id)
+    assert stored.verified and not stored.stale
+    assert not admin.scope().verify(fact.id)[0].verified  # the owner's verify does mark it
+    m.close()
+    admin.close()
+
+
 def test_bad_or_revoked_or_foreign_token(home: Path, backend_spec: str) -> None:
     admin = Memory(str(home), tenant="acme", embedder=None, backend=backend_spec)
     with pytest.raises(AccessDenied):

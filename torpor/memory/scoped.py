@@ -431,7 +431,8 @@ class ScopedMemory:
         or missing source becomes ``stale`` and unverified. Returns the updated facts."""
         self.memory.access.require("write", self.path, "verify")
         if record_id is not None:
-            rec = self.get(record_id)
+            rec = self.get(record_id)  # may be an ancestor's record, which this scope reads
+            self.memory.access.require("write", rec.scope, "verify")
             facts = [rec] if isinstance(rec, Fact) else []
         else:
             flt = RecordFilter(
