@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import itertools
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +21,7 @@ from torpor.errors import (
     SchemaViolation,
 )
 from torpor.memory import Memory
-from torpor.memory.models import Episode, from_us, now_us, to_us
+from torpor.memory.models import Episode, Policy, from_us, now_us, to_us
 
 _RT = itertools.count()
 
@@ -310,6 +311,27 @@ def test_export_import_fork_roundtrip(hmem: Memory, tmp_path: Path) -> None:
     assert u.import_(io.StringIO(buf.getvalue())) == 0  # same scope, same ids: idempotent
     with pytest.raises(InvalidArgument):
         w.import_(io.StringIO('{"type": "fact"}\n'))
+
+
+def test_export_and_fork_keep_the_policy_of_a_scope_without_records(
+    mem: Memory, tmp_path: Path
+) -> None:
+    """A retention set on an app whose records all sit on its users is part of the subtree:
+    an export carries it and a fork copies it (they used to read policies only of scopes
+    holding records, so a backup silently dropped it)."""
+    a = mem.scope(app="a")
+    a.set_policy(retention_seconds=3600)
+    mem.scope(app="a", user="u").set_policy(cache_ttl_seconds=60)
+    mem.scope(app="a", user="u").remember("hello")
+    mem.scope(app="other").set_policy(retention_seconds=7)  # outside the subtree
+    b = a.fork(app="b")
+    assert mem.store.get_policy("app/b") == Policy(retention_seconds=3600)
+    assert mem.store.get_policy("app/b/user/u") == Policy(cache_ttl_seconds=60)
+    lines = [json.loads(line) for line in a.export_lines()]
+    assert sorted(x["scope"] for x in lines if x["type"] == "policy") == ["app/a", "app/a/user/u"]
+    w = mem.scope(app="w")
+    w.import_(io.StringIO("\n".join(json.dumps(x) for x in lines)))
+    assert mem.store.get_policy("app/w") == Policy(retention_seconds=3600)
 
 
 def test_a_session_of_one_time_keeps_its_order_through_export_and_fork(

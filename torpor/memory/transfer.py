@@ -52,16 +52,8 @@ def export_lines(store: TenantStore, prefix: str, embedding_model: str | None) -
         )
     for profile in store.iter_profiles(prefix):
         yield json.dumps({"type": "profile", "profile": profile.model_dump(mode="json")})
-    # policies are per scope; read each scope that has records or a profile
-    seen: set[str] = set()
-    for rec, _ in store.iter_records(prefix):
-        if rec.scope not in seen:
-            seen.add(rec.scope)
-            policy = store.get_policy(rec.scope)
-            if policy is not None:
-                yield json.dumps(
-                    {"type": "policy", "scope": rec.scope, "policy": policy.model_dump(mode="json")}
-                )
+    for scope, policy in store.iter_policies(prefix):  # a scope's own, records or not
+        yield json.dumps({"type": "policy", "scope": scope, "policy": policy.model_dump(mode="json")})
 
 
 class Bundle:

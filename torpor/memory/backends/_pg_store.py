@@ -509,6 +509,17 @@ class PostgresTenantStore(TenantStore):
                 (scope, policy.retention_seconds, policy.cache_ttl_seconds),
             )
 
+    def iter_policies(self, prefix: str) -> Iterator[tuple[str, Policy]]:
+        where, params = _within_sql(prefix)
+        with self._tx("export policies") as cur:
+            rows = cur.execute(
+                "SELECT scope, retention_seconds, cache_ttl_seconds FROM torpor.policies "
+                f"WHERE tenant_id = {_T} AND {where} ORDER BY scope",
+                params,
+            ).fetchall()
+        for scope, retention, cache_ttl in rows:
+            yield scope, Policy(retention_seconds=retention, cache_ttl_seconds=cache_ttl)
+
     def get_meta(self, key: str) -> str | None:
         with self._tx("get meta") as cur:
             row = cur.execute(

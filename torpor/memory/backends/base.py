@@ -394,6 +394,10 @@ class TenantStore(abc.ABC):
         """Set the policy of ``scope`` (replacing the old one)."""
 
     @abc.abstractmethod
+    def iter_policies(self, prefix: str) -> Iterator[tuple[str, Policy]]:
+        """Every ``(scope, policy)`` set at ``prefix`` or below, by scope."""
+
+    @abc.abstractmethod
     def get_meta(self, key: str) -> str | None:
         """A tenant-level setting (e.g. ``embedding_model``, ``embedding_dim``), or None."""
 

@@ -596,6 +596,17 @@ class SQLiteTenantStore(TenantStore):
                 (scope, policy.retention_seconds, policy.cache_ttl_seconds),
             )
 
+    def iter_policies(self, prefix: str) -> Iterator[tuple[str, Policy]]:
+        where, params = _within_sql(prefix)
+        with self._db.read("export policies") as conn:
+            rows = conn.execute(
+                "SELECT scope, retention_seconds, cache_ttl_seconds FROM policies "
+                f"WHERE {where} ORDER BY scope",
+                params,
+            ).fetchall()
+        for scope, retention, cache_ttl in rows:
+            yield scope, Policy(retention_seconds=retention, cache_ttl_seconds=cache_ttl)
+
     def get_meta(self, key: str) -> str | None:
         with self._db.read("get meta") as conn:
             row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
