@@ -275,6 +275,20 @@ class QemuMachine(HotPlug, Kept):
                 raise EngineError(self._died_message(f"QEMU died during {cmd}"), exc=exc) from exc
             raise EngineError(f"QMP {cmd} failed: {detail}", exc=exc) from exc
 
+    async def _pass_fd(self, fd: int) -> None:
+        """Hand QEMU the state file's descriptor ``fd`` as ``state``; a QEMU that dies
+        meanwhile (the QMP client then refuses to send) is an EngineError, as in
+        :meth:`_qmp_exec`."""
+        if self._qmp is None:
+            raise EngineError("QMP not connected (getfd)")
+        try:
+            self._qmp.send_fd_scm(fd)
+        except (QMPError, OSError) as exc:
+            if not self.is_running():
+                raise EngineError(self._died_message("QEMU died during getfd"), exc=exc) from exc
+            raise EngineError(f"QMP could not pass the state file: {exc}", exc=exc) from exc
+        await self._qmp_exec("getfd", {"fdname": "state"})
+
     async def _disconnect(self) -> None:
         if self._qmp is not None:
             client, self._qmp = self._qmp, None
@@ -375,9 +389,7 @@ class QemuMachine(HotPlug, Kept):
             await self._set_ignore_shared()
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                assert self._qmp is not None
-                self._qmp.send_fd_scm(fd)
-                await self._qmp_exec("getfd", {"fdname": "state"})
+                await self._pass_fd(fd)
                 if ready is not None:
                     await ready
                 await self._qmp_exec("stop")
@@ -478,9 +490,7 @@ class QemuMachine(HotPlug, Kept):
             # state file's descriptor
             await self._set_ignore_shared()
             fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            assert self._qmp is not None
-            self._qmp.send_fd_scm(fd)
-            await self._qmp_exec("getfd", {"fdname": "state"})
+            await self._pass_fd(fd)
             marks.append(time.monotonic())
             await self._qmp_exec("stop")  # returns once in-flight I/O is done: RAM is still
             marks.append(time.monotonic())
@@ -640,9 +650,7 @@ class QemuMachine(HotPlug, Kept):
             await self._set_ignore_shared()
         fd = os.open(state, os.O_RDONLY)
         try:
-            assert self._qmp is not None
-            self._qmp.send_fd_scm(fd)
-            await self._qmp_exec("getfd", {"fdname": "state"})
+            await self._pass_fd(fd)
             await self._qmp_exec("migrate-incoming", {"uri": "fd:state"})
             await self._wait_incoming()
         finally:
