@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import io
-import json
 import itertools
+import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from torpor.errors import (
     RecordNotFound,
     SchemaViolation,
 )
-from torpor.memory import Memory
+from torpor.memory import Memory, ScopedMemory
 from torpor.memory.models import Episode, Policy, from_us, now_us, to_us
 
 _RT = itertools.count()
@@ -324,7 +324,7 @@ def test_export_and_fork_keep_the_policy_of_a_scope_without_records(
     mem.scope(app="a", user="u").set_policy(cache_ttl_seconds=60)
     mem.scope(app="a", user="u").remember("hello")
     mem.scope(app="other").set_policy(retention_seconds=7)  # outside the subtree
-    b = a.fork(app="b")
+    a.fork(app="b")
     assert mem.store.get_policy("app/b") == Policy(retention_seconds=3600)
     assert mem.store.get_policy("app/b/user/u") == Policy(cache_ttl_seconds=60)
     lines = [json.loads(line) for line in a.export_lines()]
@@ -414,3 +414,78 @@ def test_export_import_round_trip_property(
         assert u2.import_(io.StringIO(buf.getvalue())) == len(items)
         after = sorted((r.model_dump_json() for r, _ in m2.store.iter_records("")))
     assert after == before
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda u: u.remember("x", ttl="abc"), id="ttl-str"),
+        pytest.param(lambda u: u.remember("x", ttl=[1]), id="ttl-list"),
+        pytest.param(lambda u: u.remember("x", ttl=True), id="ttl-bool"),
+        pytest.param(lambda u: u.remember("x", ttl=float("nan")), id="ttl-nan"),
+        pytest.param(lambda u: u.remember("x", ttl=float("inf")), id="ttl-inf"),
+        pytest.param(lambda u: u.remember("x", ttl=1e12), id="ttl-past-1000-years"),
+        pytest.param(lambda u: u.log("user", "x", at="0001-01-01T00:00:00+01:00"), id="at-min"),
+        pytest.param(lambda u: u.log("user", "x", at="9999-12-31T23:59:59-01:00"), id="at-max"),
+        pytest.param(lambda u: u.recall("x", as_of="0001-01-01T00:00:00+01:00"), id="as_of"),
+        pytest.param(lambda u: u.recall("x", kind=5), id="kind-int"),
+        pytest.param(lambda u: u.recall("x", kind=[{}]), id="kind-dict"),
+        pytest.param(lambda u: u.remember("x", metadata={"n": float("nan")}), id="meta-nan"),
+        pytest.param(lambda u: u.remember("x", metadata={"n": [float("inf")]}), id="meta-inf"),
+        pytest.param(lambda u: u.set_policy(retention_seconds=float("inf")), id="retention-inf"),
+        pytest.param(lambda u: u.set_policy(retention_seconds=1e300), id="retention-huge"),
+        pytest.param(lambda u: u.set_policy(cache_ttl_seconds=1e300), id="cache-ttl-huge"),
+    ],
+)
+def test_values_out_of_range_are_invalid_and_write_nothing(mem: Memory, call) -> None:  # type: ignore[no-untyped-def]
+    """Each of these was a raw OverflowError / ValueError / TypeError, and some were stored
+    first: a policy of 1e300 seconds made every later write of its scope fail, a NaN in
+    metadata every filtered listing (SQLite). The limits: durations up to a thousand years,
+    times within years 1-9999 in UTC, metadata that is JSON."""
+    u = mem.scope(app="a", user="u")
+    u.remember("kept", metadata={"topic": "t"})
+    with pytest.raises(InvalidArgument):
+        call(u)
+    assert mem.store.get_policy(u.path) is None
+    assert [f.text for f in u.get_all(filters={"topic": "t"}).items] == ["kept"]
+    u.remember("still writable", durability="cache", ttl=timedelta(days=365 * 999))
+    assert u.get_all().total == 2
+
+
+def _export_line(u: ScopedMemory, **change: object) -> list[str]:
+    header, line = list(u.export_lines())
+    obj = json.loads(line)
+    obj["record"].update({"id": "ffffffffffffff0000000001", **change.pop("record", {})})  # type: ignore[dict-item]
+    obj.update(change)
+    return [header, json.dumps(obj)]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param({"embedding": [0.1, "x"]}, id="vector-not-numbers"),
+        pytest.param({"embedding": [float("nan")] * 64}, id="vector-nan"),
+        pytest.param({"record": {"text": "a\x00b"}}, id="text-nul"),
+        pytest.param({"record": {"text": "y" * 40_000}}, id="text-too-long"),
+        pytest.param({"record": {"key": "bad key !"}}, id="bad-key"),
+        pytest.param({"record": {"scope": "garbage"}}, id="scope-not-a-path"),
+        pytest.param({"record": {"scope": "app/b"}}, id="scope-outside-the-export"),
+        pytest.param({"record": {"metadata": {"n": float("nan")}}}, id="metadata-nan"),
+    ],
+)
+def test_an_import_checks_what_remember_checks(hmem: Memory, change: dict[str, object]) -> None:
+    u = hmem.scope(app="a", user="u")
+    u.remember("hello world", key="greeting")
+    with pytest.raises(InvalidArgument):
+        u.import_(_export_line(u, **change))
+    assert [f.text for f in u.get_all().items] == ["hello world"]
+
+
+def test_an_imported_vector_of_another_length_is_embedded_again(hmem: Memory) -> None:
+    """Same model name, wrong length (a hand-edited or truncated export): the vector is made
+    again rather than stored (on SQLite it had made every recall of the tenant fail)."""
+    u = hmem.scope(app="a", user="u")
+    u.remember("hello world")
+    assert u.import_(_export_line(u, embedding=[0.1, 0.2, 0.3])) == 1
+    assert [h.text for h in u.recall("hello", k=5)] == ["hello world", "hello world"]
+    assert [h.text for h in hmem.scope(app="b").recall("hello")] == []

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torpor.errors import AccessDenied
-from torpor.memory import Memory
+from torpor.memory import Fact, Memory
 from torpor.memory.models import Scope, path_within
 
 
@@ -71,7 +71,7 @@ def test_verify_by_id_needs_write_on_the_records_own_scope(home: Path, backend_s
         with pytest.raises(AccessDenied):
             scope.verify(fact.id)
     stored = admin.scope().get(fact.id)
-    assert stored.verified and not stored.stale
+    assert isinstance(stored, Fact) and stored.verified and not stored.stale
     assert not admin.scope().verify(fact.id)[0].verified  # the owner's verify does mark it
     m.close()
     admin.close()

@@ -75,3 +75,30 @@ def test_export_streams_json_lines(client: TestClient) -> None:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert lines[0]["type"] == "torpor-memory" and len(lines) == 301
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("post", "/v1/memory/remember", {"text": "x", "ttl": "abc"}),
+        ("post", "/v1/memory/remember", {"text": "x", "ttl": 1e12}),
+        ("post", "/v1/memory/log", {"role": "u", "text": "x", "at": "9999-12-31T23:59:59-01:00"}),
+        ("post", "/v1/memory/recall", {"query": "x", "as_of": "0001-01-01T00:00:00+01:00"}),
+        ("post", "/v1/memory/recall", {"query": "x", "kind": 5}),
+        ("put", "/v1/memory/policy", {"retention_seconds": 1e300}),
+        ("post", "/v1/memory/remember", b'{"text": "x", "metadata": {"n": NaN}}'),
+    ],
+)
+def test_values_out_of_range_are_400(
+    client: TestClient, method: str, path: str, body: dict[str, object] | bytes
+) -> None:
+    """Durations past a thousand years, times outside years 1-9999 in UTC, a kind that is
+    not a string and NaN (which Python's JSON reader takes) were 500s, or worse."""
+    sent = {"content": body, "headers": {"content-type": "application/json"}}
+    r = getattr(client, method)(
+        path, params=Q, **(sent if isinstance(body, bytes) else {"json": body})
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "InvalidArgument", r.text
+    assert _count(client) == 0
+    r = client.post("/v1/memory/get_all", params=Q, json={"filters": {"topic": "y"}})
+    assert r.status_code == 200, r.text  # a stored NaN had made every filtered listing fail

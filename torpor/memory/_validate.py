@@ -19,7 +19,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from torpor.config import LIMITS
 from torpor.errors import InvalidArgument, PayloadTooLarge, SchemaViolation
-from torpor.memory.models import Durability, Policy, SourceRef, to_us
+from torpor.memory.models import MAX_SECONDS, Durability, Policy, SourceRef, to_us
 
 __all__ = ["expiry", "key", "metadata", "profile", "source", "text", "time", "ttl"]
 
@@ -86,7 +86,7 @@ def metadata(metadata: Mapping[str, Any] | None, what: str = "metadata") -> dict
             raise InvalidArgument(f"invalid {what} key {k!r}")
     _strings(out, what)  # before json.dumps: it recurses, and would pass a surrogate
     try:
-        encoded = json.dumps(out)
+        encoded = json.dumps(out, allow_nan=False)  # NaN is not JSON: no store could filter on it
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"{what} must be JSON-serializable: {exc}") from None
     size = len(encoded)
@@ -148,12 +148,20 @@ def source(source: SourceRef | Mapping[str, Any] | None) -> SourceRef | None:
 
 
 def ttl(ttl: float | timedelta | None) -> float | None:
-    """None, or a positive time to live in seconds."""
+    """None, or a time to live in seconds: a number or a timedelta, more than 0 and at most
+    :data:`~torpor.memory.models.MAX_SECONDS` (a thousand years)."""
     if ttl is None:
         return None
-    seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
-    if seconds <= 0:
-        raise InvalidArgument(f"ttl must be positive, not {ttl!r}")
+    if isinstance(ttl, timedelta):
+        seconds = ttl.total_seconds()
+    elif isinstance(ttl, int | float) and not isinstance(ttl, bool):
+        seconds = float(ttl)
+    else:
+        raise InvalidArgument(f"ttl must be a number of seconds or a timedelta, not {ttl!r}")
+    if not 0 < seconds <= MAX_SECONDS:  # NaN fails this too
+        raise InvalidArgument(
+            f"ttl must be more than 0 and at most {MAX_SECONDS:.0f} seconds, not {ttl!r}"
+        )
     return seconds
 
 
@@ -178,12 +186,20 @@ def time(value: datetime | date | str | None, what: str) -> int | None:
                 f"{what} must be a datetime or an ISO 8601 string such as "
                 f"2024-03-15T09:30:00Z, not {value[:64]!r}"
             ) from None
-        return to_us(parsed)
-    if isinstance(value, datetime):
-        return to_us(value)
-    if isinstance(value, date):
-        return to_us(datetime(value.year, value.month, value.day))
-    raise InvalidArgument(f"{what} must be a datetime or an ISO 8601 string")
+        us = to_us(parsed)
+    elif isinstance(value, datetime):
+        us = to_us(value)
+    elif isinstance(value, date):
+        us = to_us(datetime(value.year, value.month, value.day))
+    else:
+        raise InvalidArgument(f"{what} must be a datetime or an ISO 8601 string")
+    if not _FIRST_US <= us <= _LAST_US:  # 0001-01-01T00:00+01:00 is before year 1 in UTC
+        raise InvalidArgument(f"{what} must fall within years 1-9999 in UTC, not {value!r}")
+    return us
+
+
+_FIRST_US = to_us(datetime.min)
+_LAST_US = to_us(datetime.max)
 
 
 def expiry(policy: Policy, now: int, durability: Durability, ttl: float | None) -> int | None:

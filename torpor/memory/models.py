@@ -283,12 +283,18 @@ class SourceRef(_Model):
         return base
 
 
+#: the longest time to live, retention or cache TTL, in seconds (1,000 years): a record's end
+#: stays a datetime (beyond it, one would pass year 9999 and fail every later write or read)
+MAX_SECONDS = 1000 * 365.25 * 86_400
+
+
 class Policy(_Model):
     """Per-scope policy: ``retention_seconds`` caps how long any record in the scope lives;
-    ``cache_ttl_seconds`` is the default TTL of ``cache`` records written there."""
+    ``cache_ttl_seconds`` is the default TTL of ``cache`` records written there (each more
+    than 0 and at most :data:`MAX_SECONDS`)."""
 
-    retention_seconds: float | None = Field(default=None, gt=0)
-    cache_ttl_seconds: float | None = Field(default=None, gt=0)
+    retention_seconds: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    cache_ttl_seconds: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
 
 
 _M = TypeVar("_M", bound=BaseModel)

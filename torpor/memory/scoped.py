@@ -207,12 +207,14 @@ class ScopedMemory:
         check.text(query, "query")
         if not isinstance(k, int) or k < 0:
             raise InvalidArgument("k must be a non-negative integer")
+        if kind is not None and not isinstance(kind, str | list | tuple):
+            raise InvalidArgument(f"kind must be 'fact', 'episode' or a list of them, not {kind!r}")
         kinds: tuple[Kind, ...] = (
             ("fact", "episode")
             if kind is None
             else ((kind,) if isinstance(kind, str) else tuple(kind))
         )
-        if not set(kinds) <= {"fact", "episode"}:
+        if not all(k in ("fact", "episode") for k in kinds):
             raise InvalidArgument(f"kind must be 'fact' or 'episode', not {kind!r}")
         flt = self._filter(
             now_us(),
@@ -513,14 +515,18 @@ class ScopedMemory:
 def _load_into(scope: ScopedMemory, bundle: transfer.Bundle, action: str) -> int:
     """Insert a parsed, re-rooted bundle into ``scope`` (import and fork). Returns records."""
     access, store = scope.memory.access, scope.memory.store
-    for path in {r.scope for r in bundle.records} | {p.scope for p in bundle.profiles}:
+    paths = {r.scope for r in bundle.records} | {p.scope for p in bundle.profiles}
+    for path in paths | {path for path, _ in bundle.policies}:
         access.require("write", path, action)
-    vectors: list[Any] | None = list(bundle.vectors)
     emb = scope.memory.writer_embedder()
-    if emb is None:
-        vectors = None
-    elif bundle.embedding_model != emb.name:  # re-embed with this tenant's model
-        vectors = scope.memory.embed([r.text for r in bundle.records])
+    vectors: list[Any] | None = None
+    if emb is not None:  # keep a vector of this tenant's model; embed the others again
+        same = bundle.embedding_model == emb.name
+        vectors = list(bundle.vectors)
+        redo = [i for i, v in enumerate(vectors) if not same or v is None or len(v) != emb.dim]
+        made = scope.memory.embed([bundle.records[i].text for i in redo]) or []
+        for i, vec in zip(redo, made, strict=True):
+            vectors[i] = vec
     n = store.import_records(bundle.records, vectors, quota=scope.memory.record_quota())
     for profile in bundle.profiles:
         store.put_profile(profile)

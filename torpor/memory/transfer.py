@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
 
 from torpor.errors import InvalidArgument
+from torpor.memory import _validate as check
 from torpor.memory.backends.base import AnyRecord, TenantStore
-from torpor.memory.models import Episode, Fact, Policy, Profile, new_id
+from torpor.memory.models import Episode, Fact, Policy, Profile, Scope, new_id, path_within
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,9 @@ def export_lines(store: TenantStore, prefix: str, embedding_model: str | None) -
     for profile in store.iter_profiles(prefix):
         yield json.dumps({"type": "profile", "profile": profile.model_dump(mode="json")})
     for scope, policy in store.iter_policies(prefix):  # a scope's own, records or not
-        yield json.dumps({"type": "policy", "scope": scope, "policy": policy.model_dump(mode="json")})
+        yield json.dumps(
+            {"type": "policy", "scope": scope, "policy": policy.model_dump(mode="json")}
+        )
 
 
 class Bundle:
@@ -82,21 +86,24 @@ def parse_lines(lines: Iterable[str]) -> Bundle:
             if kind == "torpor-memory":
                 if obj.get("version") != FORMAT_VERSION:
                     raise ValueError(f"unsupported export version {obj.get('version')}")
-                bundle.scope = str(obj.get("scope") or "")
+                bundle.scope = _scope(obj.get("scope") or "", "")
                 bundle.embedding_model = obj.get("embedding_model")
                 header = True
             elif not header:
                 raise ValueError("missing the torpor-memory header line")
-            elif kind == "fact":
-                bundle.records.append(Fact.model_validate(obj["record"]))
-                bundle.vectors.append(obj.get("embedding"))
-            elif kind == "episode":
-                bundle.records.append(Episode.model_validate(obj["record"]))
-                bundle.vectors.append(obj.get("embedding"))
+            elif kind in ("fact", "episode"):
+                model = Fact if kind == "fact" else Episode
+                bundle.records.append(_record(model.model_validate(obj["record"]), bundle.scope))
+                bundle.vectors.append(_vector(obj.get("embedding")))
             elif kind == "profile":
-                bundle.profiles.append(Profile.model_validate(obj["profile"]))
+                profile = Profile.model_validate(obj["profile"])
+                _scope(profile.scope, bundle.scope)
+                check.metadata(profile.data, "profile")
+                bundle.profiles.append(profile)
             elif kind == "policy":
-                bundle.policies.append((str(obj["scope"]), Policy(**obj["policy"])))
+                bundle.policies.append(
+                    (_scope(obj["scope"], bundle.scope), Policy(**obj["policy"]))
+                )
             else:
                 raise ValueError(f"unknown line type {kind!r}")
         except (ValueError, KeyError, TypeError, ValidationError, InvalidArgument) as exc:
@@ -104,6 +111,39 @@ def parse_lines(lines: Iterable[str]) -> Bundle:
     if not header:
         raise InvalidArgument("not a torpor memory export (no header line)")
     return bundle
+
+
+def _scope(path: object, within: str) -> str:
+    """``path`` if it is a scope path (in its one spelling) at ``within`` or below."""
+    if not isinstance(path, str) or Scope.from_path(path).path != path:
+        raise ValueError(f"{path!r} is not a scope path such as 'app/a/user/u'")
+    if not path_within(path, within):
+        raise ValueError(f"scope {path!r} is outside the export's scope {within!r}")
+    return path
+
+
+def _record(rec: AnyRecord, within: str) -> AnyRecord:
+    """``rec`` if it passes what :meth:`remember` and :meth:`log` check of their input."""
+    _scope(rec.scope, within)
+    check.text(rec.text)
+    check.metadata(rec.metadata)
+    if isinstance(rec, Fact):
+        check.key(rec.key)
+    else:
+        check.text(rec.role, "role")
+    return rec
+
+
+def _vector(value: object) -> list[float] | None:
+    """None, or a list of finite numbers (its length is checked against the importing
+    tenant's embedder when the vectors are kept)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in value
+    ):
+        raise ValueError("embedding must be null or a list of finite numbers")
+    return [float(x) for x in value]
 
 
 def _move(path: str, old: str, new: str) -> str:
