@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -440,6 +441,45 @@ def test_manager_compacts_long_paused_sandboxes_and_wakes_them(tmp_path: Path) -
             run = await mgr.run_code("agent", "notes")  # wakes it: the RAM is rebuilt first
             assert run.results[0].data["text/plain"] == "[1, 2]"
             assert not is_compacted(directory)
+        finally:
+            await mgr.close(pause=False)
+
+    asyncio.run(main())
+
+
+def test_a_gc_during_the_managers_compaction_keeps_its_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the RAM's chunks being put and compacted.json naming them, no manifest names
+    them: a GC (`torpor gc`, POST /v1/gc) that swept then took the RAM for good. The
+    compaction holds the store's lock, so the GC waits for it."""
+
+    async def main() -> None:
+        mgr = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
+        mgr.compact_after_seconds = 0
+        try:
+            info = await mgr.create(name="agent")
+            await mgr.run_code("agent", "notes = [1, 2]")
+            await mgr.pause("agent")
+            rec = mgr.registry.get(info.id)
+            store, gcs = mgr.chunk_store, []
+            real_sync = store.sync_dirs
+
+            def sync_then_gc() -> None:  # the chunks are in, the marker not yet written
+                real_sync()
+                gc = threading.Thread(target=collect_garbage, args=(mgr.paths,))
+                gc.start()
+                gcs.append(gc)
+                gc.join(0.5)  # unlocked, it would sweep right here
+
+            monkeypatch.setattr(store, "sync_dirs", sync_then_gc)
+            assert rec.paused_at is not None
+            done = await mgr.compact_sweep(now=rec.paused_at + 1)
+            assert [r.sandbox_dir for r in done] == [str(mgr.directory(info.id))]
+            gcs[0].join(30)
+            assert not gcs[0].is_alive()
+            run = await mgr.run_code("agent", "notes")  # the RAM is rebuilt from its chunks
+            assert run.results[0].data["text/plain"] == "[1, 2]"
         finally:
             await mgr.close(pause=False)
 

@@ -102,6 +102,37 @@ def test_corrupt_manifest_still_protects_its_chunks(tmp_path: Path) -> None:
     assert set(store.chunks) == before
 
 
+@pytest.mark.parametrize("damage", ["read-error", "one-byte"])
+def test_a_manifest_that_does_not_read_stops_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """A manifest GC cannot read (one EIO, one damaged byte) names chunks GC cannot know:
+    sweeping then deleted every chunk of a snapshot that a retried read or a repaired byte
+    would have restored. Nothing is swept, and its cached frozen dir stays."""
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    info = store.save(freeze(make_machine(p, "sb1"), store.frozen_root), name="keep")
+    before, links = set(store.chunks), store.captures.links()
+    manifest = p.snapshots / f"{info.id}.json"
+    good = manifest.read_bytes()
+    if damage == "one-byte":
+        manifest.write_bytes(b"X" + good[1:])
+    else:
+        real_read_text = Path.read_text
+
+        def flaky(self: Path, *a: Any, **k: Any) -> str:
+            if self == manifest:
+                raise OSError(5, "Input/output error")
+            return real_read_text(self, *a, **k)
+
+        monkeypatch.setattr(Path, "read_text", flaky)
+    collect_garbage(p)
+    monkeypatch.undo()
+    assert set(store.chunks) == before and store.captures.links() == links
+    manifest.write_bytes(good)
+    store.materialize(info.id)  # whole again once the manifest reads
+
+
 def test_dry_run_removes_nothing(tmp_path: Path) -> None:
     p = make_home(tmp_path)
     store = SnapshotStore(p)

@@ -64,7 +64,7 @@ from torpor.sandbox.requests import (
 )
 from torpor.sandbox.storage.compaction import CompactionReport, compact, is_compacted
 from torpor.sandbox.storage.relocate import relocate
-from torpor.sandbox.storage.snapshots import check_retention
+from torpor.sandbox.storage.snapshots import check_retention, store_lock
 from torpor.sandbox.vm.linger import settle_all
 from torpor.sandbox.vm.machine_dir import has_nic, read_machine_json
 
@@ -526,7 +526,14 @@ class SandboxManager(NodeOperations, SandboxCalls):
                 return None
             template_ram = self.paths.templates / rec.template / "snapshot" / "ram"
             directory = self.directory(rec.id)
-            return await asyncio.to_thread(compact, directory, self.chunk_store, template_ram)
+
+            def run() -> CompactionReport:
+                # its chunks are named by no manifest until compacted.json is durable: a GC
+                # sweep (POST /v1/gc, `torpor gc`) waits for the store's lock meanwhile
+                with store_lock(self.paths):
+                    return compact(directory, self.chunk_store, template_ram)
+
+            return await asyncio.to_thread(run)
 
         return await sweep_due(
             self, candidates, now, low_disk=low_disk, limit=limit, one=compact_one

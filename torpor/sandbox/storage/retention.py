@@ -120,9 +120,12 @@ def referenced_frozen(paths: Paths, frozen_root: Path) -> set[str]:
     return refs
 
 
-def _all_named_chunks(store: SnapshotStore) -> set[str]:
-    """Chunks named by any manifest that parses as JSON, digest or not."""
+def _all_named_chunks(store: SnapshotStore) -> tuple[set[str], list[str]]:
+    """Chunks named by any manifest that parses as JSON, digest or not; and the ids of the
+    manifests that did not read or parse (one read error, one damaged byte): their chunks
+    are unknown, so no chunk may be swept while they stay so."""
     refs: set[str] = set()
+    unreadable: list[str] = []
     for entry in store.catalog.entries():
         try:
             if entry.body is None:
@@ -130,10 +133,9 @@ def _all_named_chunks(store: SnapshotStore) -> set[str]:
             for fm in entry.body["files"].values():
                 refs |= FileManifest.from_json(fm).hashes()
         except Exception as exc:
-            log.warning(
-                "manifest %s unreadable during GC (%s); keeping nothing for it", entry.id, exc
-            )
-    return refs
+            log.error("gc: snapshot manifest %s does not read (%s)", entry.id, exc)
+            unreadable.append(entry.id)
+    return refs, unreadable
 
 
 def _plugged(paths: Paths, sandbox_id: str, device_id: str) -> bool:
@@ -255,13 +257,14 @@ def collect_garbage(
                     if not dry_run:
                         store.forget(info.id)
                         step("gc:expired")
+            named, unreadable = _all_named_chunks(store)
             frozen_root = store.frozen_root
             if frozen_root.is_dir():
                 used = referenced_frozen(paths, frozen_root)
                 # a snapshot's cached frozen dir (capturing, or kept for fast restores) is
                 # used; a link that names no snapshot (deleted, expired, a crash before its
                 # pending record) goes, and its dir with it unless a disk chain names it
-                snapshots = {i.id for i, _ in store.manifests()}
+                snapshots = {i.id for i, _ in store.manifests()} | set(unreadable)
                 snapshots |= {sid for sid, _ in store.captures.records()}
                 cached = set()
                 for sid, frozen in store.captures.links().items():
@@ -302,7 +305,6 @@ def collect_garbage(
                     report.freed_bytes += _du(p)
                     if not dry_run:
                         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-            named = _all_named_chunks(store)
             if dry_run:
                 expired = set(report.expired_snapshots)
                 named = set()
@@ -315,7 +317,12 @@ def collect_garbage(
                 compacted: CorruptData | None = None
             except CorruptData as exc:
                 compacted = exc
-            if compacted is not None:
+            if unreadable:
+                log.error(
+                    "gc: snapshot manifests %s do not read; no chunk is swept until they do",
+                    ", ".join(unreadable),
+                )
+            elif compacted is not None:
                 log.error("gc: %s; no chunk is swept until it is fixed", compacted)
             elif store.chunks.backend.shared:
                 # the manifests here are this node's only: a sweep would take other nodes'

@@ -91,6 +91,7 @@ __all__ = [
     "check_retention",
     "freeze",
     "freeze_live",
+    "store_lock",
 ]
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,20 @@ def step(name: str) -> None:
     """Report the step ``name`` to :data:`failpoint` (a crash point in the fault tests)."""
     if failpoint is not None:
         failpoint(name)
+
+
+@contextlib.contextmanager
+def store_lock(paths: Paths, *, exclusive: bool = False, name: str = "store") -> Iterator[None]:
+    """Hold the home's ``snapshots/.<name>.lock`` for the block. ``store``: whoever puts
+    chunks that no manifest names yet (a save, a compaction) holds it shared until one does;
+    GC's sweep holds it exclusive. ``names``: snapshot names commit one at a time."""
+    paths.snapshots.mkdir(parents=True, exist_ok=True)
+    fd = os.open(paths.snapshots / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> Path:
@@ -357,15 +372,11 @@ class SnapshotStore(ManifestReader):
 
     # -- locking: saves share the store, GC takes it alone, names commit one at a time --------
 
-    @contextlib.contextmanager
-    def lock(self, *, exclusive: bool = False, name: str = "store") -> Iterator[None]:
+    def lock(
+        self, *, exclusive: bool = False, name: str = "store"
+    ) -> contextlib.AbstractContextManager[None]:
         """Hold ``snapshots/.<name>.lock`` (shared or exclusive) for the block."""
-        fd = os.open(self.root / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            yield
-        finally:
-            os.close(fd)
+        return store_lock(self.paths, exclusive=exclusive, name=name)
 
     # -- writing ------------------------------------------------------------------------------
 
