@@ -12,6 +12,8 @@ import os
 import re
 from pathlib import Path
 
+from torpor._files import open_regular
+
 __all__ = ["LOG_LIMIT", "log_tail", "trim_log"]
 
 #: how much of the end of a file is read (a bounded read of a file of any size)
@@ -26,7 +28,7 @@ def log_tail(path: Path, lines: int = 30, *, max_bytes: int = TAIL_BYTES) -> str
     """The last ``lines`` lines of ``path`` within its last ``max_bytes`` bytes, control
     characters replaced; empty when the file cannot be read."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:  # not through a link
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - max_bytes))
             data = f.read(max_bytes)
@@ -45,11 +47,11 @@ def trim_log(path: Path, *, limit: int = LOG_LIMIT, keep: int = LOG_KEEP) -> boo
     after the cut its next write lands at the new end). A line written during the cut may be
     lost; the file's size stays bounded whatever a guest prints. Raises OSError."""
     try:
-        if os.stat(path).st_size <= limit:
+        if os.lstat(path).st_size <= limit:
             return False
     except FileNotFoundError:
         return False
-    with open(path, "r+b") as f:
+    with os.fdopen(open_regular(path, os.O_RDWR), "r+b") as f:  # not through a link
         size = f.seek(0, os.SEEK_END)
         f.seek(max(0, size - keep))
         tail = f.read(keep)

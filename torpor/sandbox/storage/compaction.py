@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torpor._files import open_regular
 from torpor.errors import CorruptData, StorageError
 from torpor.sandbox.storage.chunk_backends import is_hash
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, data_ranges, overlaps
@@ -151,7 +152,8 @@ def _store_ram(
     """
     zero = bytes(chunks.chunk_size)
     per_chunk = chunks.chunk_size // PAGE
-    with open(ram, "rb") as mine, open(template_ram or os.devnull, "rb") as base_file:
+    mine_fd = open_regular(ram, os.O_RDONLY)  # the sandbox's own file, never a link out
+    with os.fdopen(mine_fd, "rb") as mine, open(template_ram or os.devnull, "rb") as base_file:
         size = os.fstat(mine.fileno()).st_size
         template_size = os.fstat(base_file.fileno()).st_size
         extents = data_ranges(mine.fileno(), size)
@@ -249,7 +251,7 @@ def compact(directory: Path, chunks: ChunkStore, template_ram: Path | None) -> C
     }
     _write_json(directory / MARKER, body)
     try:
-        with open(ram, "r+b") as f:
+        with os.fdopen(open_regular(ram, os.O_RDWR), "r+b") as f:
             f.truncate(0)
             f.truncate(manifest.size)
             os.fsync(f.fileno())
@@ -432,6 +434,21 @@ def begin_expand(
     return _begin(directory, chunks, sandbox_id, durable)[0]
 
 
+def _template_of(directory: Path, recorded: object) -> Path | None:
+    """The template RAM ``recorded`` in ``directory``'s manifest if it is one: a
+    ``<name>/snapshot/ram`` in the ``templates`` of a directory above ``directory`` (the
+    home; its ``templates`` may be a link). The manifest lies where the sandbox's QEMU uid
+    can write, so another path is never read."""
+    if not isinstance(recorded, str):
+        return None
+    path = Path(recorded).resolve()
+    if path.name != "ram" or path.parent.name != "snapshot":
+        return None
+    templates = path.parent.parent.parent
+    homes = Path(directory).absolute().parents
+    return path if any((h / "templates").resolve() == templates for h in homes) else None
+
+
 def _begin(
     directory: Path, chunks: ChunkStore, sandbox_id: str | None, durable: bool
 ) -> tuple[Expansion | None, bool]:
@@ -451,9 +468,9 @@ def _begin(
     template = body.get("template")
     template_fd: int | None = None
     if template and (from_template or patches):
-        tpath = Path(template["path"])
+        tpath = _template_of(directory, template.get("path"))
         try:
-            if _identity(tpath) == template:
+            if tpath is not None and _identity(tpath) == template:
                 template_fd = os.open(tpath, os.O_RDONLY)
         except OSError:
             template_fd = None
@@ -464,7 +481,7 @@ def _begin(
     try:
         # the template's holes stay holes: only its data ranges are copied
         tdata = [] if template_fd is None else data_ranges(template_fd, manifest.size)
-        fd = os.open(directory / "ram", os.O_WRONLY | os.O_CREAT, 0o600)
+        fd = open_regular(directory / "ram", os.O_WRONLY | os.O_CREAT)
         st = os.fstat(fd)
         if st.st_blocks or st.st_size != manifest.size:
             # data left by a crash before compaction emptied it, or by an interrupted

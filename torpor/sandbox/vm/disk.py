@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from torpor._files import open_regular
 from torpor.errors import EngineError
 
 __all__ = [
@@ -322,8 +323,16 @@ def write_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
     fsync, rename; with ``sync_dir`` the directory too, so the rename survives a crash). No tmp
     file is left behind on failure. Raises OSError."""
     tmp = path.with_name(f".{path.name}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
-        with open(tmp, "wb") as f:
+        try:
+            fd = open_regular(tmp, flags, 0o666)  # the mode open() gives
+        except OSError as exc:  # a link or FIFO planted in a machine's directory: not followed
+            if exc.errno not in (errno.ELOOP, errno.EINVAL):
+                raise
+            tmp.unlink()
+            fd = open_regular(tmp, flags | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -195,6 +195,12 @@ def _grant(path: Path, jail: Jail, bits: int) -> None:
     os.chmod(path, stat.S_IMODE(st.st_mode) | bits << 3)
 
 
+def _home_of(path: Path) -> Path | None:
+    """The torpor home ``path`` lies in: the parent of its nearest ancestor named as a home's
+    directory (``sandboxes``, ``snapshots``, ...), or None."""
+    return next((p.parent for p in path.parents if p.name in _HOME_DIRS), None)
+
+
 def _open_way(path: Path, jail: Jail) -> None:
     """Grant traversal of the directories of a torpor home above ``path``: up to the home
     (the parent of its ``templates``/``sandboxes``/... directory), then check the rest."""
@@ -247,11 +253,17 @@ def prepare(directory: Path, jail: Jail, config: dict[str, Any]) -> None:
         for key in ("kernel", "initrd"):
             if config.get(key):
                 prepare_path(Path(config[key]), jail, shared=True)
+        home = _home_of(directory)
+        homes = [] if home is None else [home, *((home / d).resolve() for d in _HOME_DIRS)]
         current = _backing(directory / "disk.qcow2")
         for _ in range(256):
             if current is None:
                 break
             real = current.resolve()
+            # the overlay's header is the jailed uid's to write: a backing file named there
+            # outside the home (an escaped QEMU's "/etc/shadow") is never handed to it
+            if not any(real.is_relative_to(root) for root in homes):
+                raise EngineError(f"{directory}: its disk's backing file {real} is outside {home}")
             prepare_path(real, jail, shared=any(p.name == "templates" for p in real.parents))
             current = _backing(real)
     except OSError as exc:
