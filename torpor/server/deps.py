@@ -36,6 +36,7 @@ from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from torpor.errors import SandboxNotFound, SnapshotNotFound
+from torpor.memory.models import SCOPE_LEVELS
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.server.auth import Caller, Identity
@@ -221,9 +222,21 @@ def within_selector(
     kind: str = "sandbox",
 ) -> L:
     """``body`` (a request that labels what it makes: a sandbox's create, get-or-create,
-    fork; a volume's or drive's create) with the caller's label selector added to its labels,
-    so what a restricted caller makes always carries them. Raises
-    :class:`~torpor.errors.AccessDenied` (audited) for labels that contradict the selector."""
+    fork, relabel; a volume's or drive's create) with the caller's label selector added to
+    its labels, so what a restricted caller makes always carries them. Raises
+    :class:`~torpor.errors.AccessDenied` (audited) for labels that contradict the selector,
+    and for a ``memory_scope`` the caller's memory grants do not cover: the sandbox's guest
+    is answered there at ``localhost:7777``, so binding it is doing it (write; read for a
+    read-only binding)."""
+    scope = getattr(body, "memory_scope", None)
+    if scope is not None and caller.grants is not None:
+        levels = {k: v for k, v in scope.record().items() if k != "read_only"}
+        path = "/".join(f"{k}/{levels[k]}" for k in SCOPE_LEVELS if k in levels)
+        mode = "read" if scope.read_only else "write"
+        if not caller.access(identity.backend).allows(mode, path):
+            raise identity.deny(
+                caller, action, f"{kind}:{name or ''}", f"memory scope {path!r} needs {mode}"
+            )
     selector = caller.sandboxes or {}
     if not selector:
         return body

@@ -158,11 +158,18 @@ async def get_sandbox(id_or_name: str, manager: Manager, tenant: Tenant) -> Sand
 
 @router.patch("/{id_or_name}")
 async def update_sandbox(
-    id_or_name: str, body: SandboxSettings, manager: Manager, tenant: Tenant
+    id_or_name: str,
+    body: SandboxSettings,
+    manager: Manager,
+    tenant: Tenant,
+    caller: CallerDep,
+    identity: IdentityDep,
 ) -> SandboxInfo:
     """Change a sandbox's labels (replaced as a whole) or idle pause (0: never); fields left
-    out stay as they are."""
+    out stay as they are. A restricted caller's new labels keep its selector's."""
     own(await manager.get(id_or_name, tenant=tenant), tenant, id_or_name)
+    if body.labels is not None:
+        body = within_selector(body, caller, identity, "PATCH /v1/sandboxes/{id}", id_or_name)
     return own(await manager.update(id_or_name, body, tenant=tenant), tenant, id_or_name)
 
 

@@ -1,0 +1,94 @@
+"""What a restricted token may bind its sandboxes to: labels within its selector (on create
+and on relabel), and a memory scope within its memory grants (the guest is answered there at
+``localhost:7777`` with the tenant's memory). The real manager on the fake engine, over the
+app's routes; the guest's calls through the relay as in tests/server/test_mcp_relay.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.sandbox.fakes import FakeEngine
+from torpor.config import paths
+from torpor.memory import Memory
+from torpor.sandbox.manager import SandboxManager
+from torpor.server.app import create_app
+
+U42 = {"app": "support", "user": "u-42"}
+U43 = {"app": "support", "user": "u-43"}
+
+
+@pytest.fixture
+def real(tmp_path: Path) -> Iterator[tuple[Any, TestClient]]:
+    manager = SandboxManager(paths(tmp_path), engine=FakeEngine())
+    app = create_app(manager, supervise=False, require_token=True, memory_embedder=None)
+    with TestClient(app) as c:
+        yield app, c
+
+
+def _token(app: Any, **kw: Any) -> dict[str, str]:
+    secret = app.state.identity.tokens.issue("acme", kw.pop("grants", []), **kw)
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def _guest_recall(app: Any, c: TestClient, sandbox_id: str, query: str) -> list[str]:
+    raw = json.dumps({"query": query}).encode()
+    assert c.portal is not None
+    status, _, answer = c.portal.call(
+        app.state.guest_relay, sandbox_id, "POST", "/v1/memory/recall",
+        {"content-type": "application/json"}, raw,
+    )  # fmt: skip
+    assert status == 200, answer
+    return [h["record"]["text"] for h in json.loads(answer)["hits"]]
+
+
+def test_a_sandbox_binds_only_memory_its_token_may_use(real: tuple[Any, TestClient]) -> None:
+    app, c = real
+    Memory.attach(app.state.memory_backend, "acme", embedder=None).scope(**U43).remember(
+        "u-43's card ends in 4242"
+    )
+    tok = _token(app, grants=[("write", "app/support/user/u-42")], sandboxes={"user": "u-42"})
+    direct = c.post("/v1/memory/recall", params={"scope": "app/support/user/u-43"},
+                    json={"query": "card"}, headers=tok)  # fmt: skip
+    assert direct.status_code == 403
+    for method, path, body in (
+        ("post", "/v1/sandboxes", {"memory_scope": U43}),
+        ("put", "/v1/sandboxes/by-name/b1", {"memory_scope": {"app": "support"}}),
+        ("post", "/v1/sandboxes", {"memory_scope": {**U43, "read_only": True}}),
+    ):
+        r = getattr(c, method)(path, json=body, headers=tok)
+        assert (r.status_code, r.json()["error"]["type"]) == (403, "AccessDenied"), body
+    mine = c.post("/v1/sandboxes", json={"memory_scope": U42}, headers=tok)
+    assert mine.status_code == 201, mine.text
+    assert _guest_recall(app, c, mine.json()["id"], "card") == []
+    r = c.post(f"/v1/sandboxes/{mine.json()['id']}/fork", json={"memory_scope": U43}, headers=tok)
+    assert r.status_code == 403
+    reader = _token(app, grants=[("read", "app/support")], sandboxes={"user": "u-42"})
+    r = c.post("/v1/sandboxes", json={"memory_scope": U43}, headers=reader)
+    assert r.status_code == 403  # read only: it may bind read-only
+    r = c.post("/v1/sandboxes", json={"memory_scope": {**U43, "read_only": True}}, headers=reader)
+    assert r.status_code == 201, r.text
+    assert _guest_recall(app, c, r.json()["id"], "card") == ["u-43's card ends in 4242"]
+    audit = Memory.attach(app.state.memory_backend, "acme", embedder=None).audit_log()
+    assert any(not e.allowed and "memory scope" in str(e.detail) for e in audit)
+
+
+def test_a_restricted_token_cannot_relabel_its_sandbox_away(real: tuple[Any, TestClient]) -> None:
+    app, c = real
+    u42 = _token(app, sandboxes={"user": "u-42"})
+    u43 = _token(app, sandboxes={"user": "u-43"})
+    sid = c.post("/v1/sandboxes", json={"name": "box", "labels": {"team": "a"}}, headers=u42)
+    sid = sid.json()["id"]
+    for labels in ({"user": "u-43"}, {"user": "u-43", "team": "a"}):
+        r = c.patch(f"/v1/sandboxes/{sid}", json={"labels": labels}, headers=u42)
+        assert (r.status_code, r.json()["error"]["type"]) == (403, "AccessDenied")
+    assert c.get(f"/v1/sandboxes/{sid}", headers=u43).status_code == 404
+    r = c.patch(f"/v1/sandboxes/{sid}", json={"labels": {}}, headers=u42)  # keeps its selector
+    assert r.status_code == 200 and r.json()["labels"] == {"user": "u-42"}
+    r = c.patch(f"/v1/sandboxes/{sid}", json={"idle_pause_seconds": 60}, headers=u42)
+    assert r.status_code == 200 and r.json()["labels"] == {"user": "u-42"}
