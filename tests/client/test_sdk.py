@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from torpor.client import Runtime, Sandbox
+from torpor.client import Runtime, Sandbox, Snapshot
 from torpor.errors import (
     AccessDenied,
+    InvalidArgument,
     InvalidName,
     InvalidState,
     PathNotFound,
@@ -71,6 +72,28 @@ def test_errors_are_rebuilt_as_their_classes(served: Served) -> None:
     sbx.kill()
     with pytest.raises(SandboxClosed):
         sbx.commands.run("echo hi")
+
+
+@pytest.mark.parametrize("name", ["", ".", ".."])
+def test_an_empty_or_dot_name_is_invalid_on_both_transports(
+    tcp_served: tuple[object, str], served: Served, name: str
+) -> None:
+    """Over TCP httpx drops a "." segment, so the path named the list (and "" drew a
+    redirect): the SDK parsed that as one sandbox and raised pydantic's or json's errors."""
+    _, url = tcp_served
+    for rt in (Runtime(url=url, token="a" * 32), served.runtime):
+        with pytest.raises(InvalidArgument):
+            Sandbox.get(name, runtime=rt)
+        with pytest.raises(InvalidArgument):
+            Sandbox.get_or_create(name, runtime=rt)
+        with pytest.raises(InvalidArgument):
+            Snapshot.get(name, runtime=rt)
+
+
+@pytest.mark.parametrize("kwargs", [{"expires_in_seconds": 0}, {"name": "x" * 201}])
+def test_a_bad_token_spec_is_invalid_argument(served: Served, kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument):
+        served.runtime.tokens.create(**kwargs)  # type: ignore[arg-type]
 
 
 def test_commands(served: Served) -> None:

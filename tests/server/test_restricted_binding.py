@@ -92,3 +92,14 @@ def test_a_restricted_token_cannot_relabel_its_sandbox_away(real: tuple[Any, Tes
     assert r.status_code == 200 and r.json()["labels"] == {"user": "u-42"}
     r = c.patch(f"/v1/sandboxes/{sid}", json={"idle_pause_seconds": 60}, headers=u42)
     assert r.status_code == 200 and r.json()["labels"] == {"user": "u-42"}
+
+
+@pytest.mark.parametrize("edge", ["0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"])
+def test_a_usage_window_past_the_calendar_is_invalid(
+    real: tuple[Any, TestClient], edge: str
+) -> None:
+    app, c = real
+    tok = _token(app, sandboxes={})
+    for params in ({"since": edge}, {"until": edge}):
+        r = c.get("/v1/usage", params=params, headers=tok)
+        assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidArgument"), r.text

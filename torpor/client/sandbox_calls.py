@@ -17,7 +17,7 @@ from urllib.parse import quote
 from pydantic import BaseModel, TypeAdapter
 
 from torpor.client.calls import DEFAULT, Call
-from torpor.errors import from_wire
+from torpor.errors import InvalidArgument, from_wire
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.registry.usage import RetentionSpec
 from torpor.sandbox.requests import (
@@ -56,8 +56,18 @@ _ENTRIES = TypeAdapter(list[EntryInfo])
 
 
 def route(sandbox_id: str, suffix: str = "") -> str:
-    """The API path of a sandbox (``/v1/sandboxes/<id>``), plus ``suffix``."""
-    return f"/v1/sandboxes/{quote(sandbox_id, safe='')}{suffix}"
+    """The API path of a sandbox (``/v1/sandboxes/<id>``), plus ``suffix``. Raises
+    :class:`InvalidArgument` for an id that names no path segment (``""``, ``.``, ``..``)."""
+    return at("/v1/sandboxes", sandbox_id, suffix)
+
+
+def at(collection: str, id_or_name: str, suffix: str = "") -> str:
+    """``<collection>/<id_or_name><suffix>``, the name quoted. An empty name, ``.`` or ``..``
+    would name the collection (or its parent) once a client normalizes the path:
+    :class:`InvalidArgument`."""
+    if not isinstance(id_or_name, str) or id_or_name in ("", ".", ".."):
+        raise InvalidArgument(f"{id_or_name!r} is not an id or a name")
+    return f"{collection}/{quote(id_or_name, safe='')}{suffix}"
 
 
 def _run_timeout(timeout: float | None) -> float | None:
@@ -79,7 +89,7 @@ def create(spec: SandboxSpec) -> Call[SandboxInfo]:
 
 
 def get_or_create(name: str, spec: SandboxOptions) -> Call[SandboxInfo]:
-    path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
+    path = at("/v1/sandboxes/by-name", name)
     return Call("PUT", path, body=spec.given(), parse=SandboxInfo.model_validate)
 
 

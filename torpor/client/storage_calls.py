@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 from pydantic import BaseModel, TypeAdapter
 
 from torpor.client.calls import Call
-from torpor.client.sandbox_calls import LONG_TIMEOUT
+from torpor.client.sandbox_calls import LONG_TIMEOUT, at
 from torpor.sandbox.models import SandboxInfo
 from torpor.sandbox.registry.usage import RetentionSpec
 from torpor.sandbox.requests import ForkSpec, GcSpec, RestoreSpec, Spec
@@ -42,7 +41,7 @@ _SANDBOXES = TypeAdapter(list[SandboxInfo])
 
 
 def _at(route: str, id_or_name: str, suffix: str = "") -> str:
-    return f"{route}/{quote(id_or_name, safe='')}{suffix}"
+    return at(route, id_or_name, suffix)
 
 
 def list_resources(

@@ -20,10 +20,12 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
 import httpx
+from pydantic import ValidationError
 
 from torpor.client.calls import Call
 from torpor.errors import InvalidArgument
 from torpor.memory.models import Grant, NewToken, TokenSpec, TokenSummary
+from torpor.sandbox.requests import invalid_argument
 
 __all__ = ["Connection", "Tokens", "parse_grant"]
 
@@ -80,14 +82,17 @@ class Tokens:
     ) -> NewToken:
         """A new token (see :class:`~torpor.memory.models.TokenInfo` for the rights).
         Raises :class:`InvalidArgument`, :class:`AccessDenied` (not an admin)."""
-        spec = TokenSpec(
-            tenant=tenant,
-            name=name,
-            grants=[parse_grant(g) for g in grants],
-            sandboxes=None if sandboxes is None else dict(sandboxes),
-            admin=admin,
-            expires_in_seconds=expires_in_seconds,
-        )
+        try:
+            spec = TokenSpec(
+                tenant=tenant,
+                name=name,
+                grants=[parse_grant(g) for g in grants],
+                sandboxes=None if sandboxes is None else dict(sandboxes),
+                admin=admin,
+                expires_in_seconds=expires_in_seconds,
+            )
+        except ValidationError as exc:
+            raise invalid_argument(exc.errors(), "invalid token") from None
         body = spec.model_dump(mode="json")
         return NewToken.model_validate(self._rt.json("POST", "/v1/tokens", json=body))
 

@@ -131,7 +131,10 @@ def parse_time(value: datetime | date | str | float | None, what: str) -> dateti
             ) from exc
         value = parsed
     if isinstance(value, datetime):
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        try:  # 0001-01-01T00:00+01:00 is before year 1 in UTC
+            return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        except OverflowError as exc:
+            raise InvalidArgument(f"{what} {value!r} is out of range", field=what) from exc
     if isinstance(value, date):
         return datetime(value.year, value.month, value.day, tzinfo=UTC)
     raise InvalidArgument(f"{what} must be a time, not {type(value).__name__}", field=what)
