@@ -377,9 +377,10 @@ def test_expanded_ram_equals_the_original_byte_for_byte(
     template's, punched to holes or changed, with chunks of 4 pages: the rebuilt RAM equals
     the original (with the template's file, or without it: from the store only), and a hole
     of the template inside a template-equal chunk stays a hole."""
-    tmp = tmp_path_factory.mktemp("layout")
-    tram, ram = tmp / "template-ram", tmp / "sbx" / "ram"
-    ram.parent.mkdir()
+    tmp = tmp_path_factory.mktemp("layout")  # a home: expand reads only its templates' RAM
+    tram, ram = tmp / "templates" / "t" / "snapshot" / "ram", tmp / "sandboxes" / "sbx" / "ram"
+    tram.parent.mkdir(parents=True)
+    ram.parent.mkdir(parents=True)
     size = len(layout) * PAGE
     with open(tram, "wb") as t, open(ram, "wb") as s:
         t.truncate(size)

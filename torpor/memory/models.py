@@ -291,7 +291,7 @@ MAX_SECONDS = 1000 * 365.25 * 86_400
 class Policy(_Model):
     """Per-scope policy: ``retention_seconds`` caps how long any record in the scope lives;
     ``cache_ttl_seconds`` is the default TTL of ``cache`` records written there (each more
-    than 0 and at most :data:`MAX_SECONDS`)."""
+    than 0 and at most 1,000 years, :data:`MAX_SECONDS`)."""
 
     retention_seconds: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     cache_ttl_seconds: float | None = Field(default=None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)

@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torpor.errors import Conflict, GuestError, InvalidArgument, InvalidState, TorporError
@@ -30,6 +31,7 @@ from torpor.sandbox.storage.drives import DriveInfo, DriveStore, mount_in_guest
 from torpor.sandbox.storage.records import RecordStore
 from torpor.sandbox.storage.snapshots import step
 from torpor.sandbox.storage.volumes import VolumeInfo, VolumeStore, find_guest_disk
+from torpor.sandbox.vm.machine_dir import read_machine_json
 
 __all__ = ["Attachments"]
 
@@ -176,42 +178,66 @@ class Attachments:
         path, read_only = spec.path, spec.read_only
         rec = await self.attachable(self.volumes, tenant, id_or_name, path)
         vol = self.volumes.attach(spec.volume, rec.id, path, read_only=read_only, tenant=tenant)
+
+        def drop() -> None:
+            self.volumes.detach(vol.id, rec.id, tenant=tenant)
+
         live = self.manager.live(rec.id)
+        undone = False
         try:
             async with live.lock:
                 machine, channel = self.running_machine(rec.id, live)
-                await machine.attach_disk(  # type: ignore[attr-defined]
-                    DiskSpec(
-                        id=vol.id,
-                        path=self.volumes.image(vol.id),
-                        read_only=read_only,
-                        format="raw",
-                        serial=vol.id,
+                try:
+                    await machine.attach_disk(  # type: ignore[attr-defined]
+                        DiskSpec(
+                            id=vol.id,
+                            path=self.volumes.image(vol.id),
+                            read_only=read_only,
+                            format="raw",
+                            serial=vol.id,
+                        )
                     )
-                )
-                device = await find_guest_disk(channel, vol.id)
-                await channel.mount(  # type: ignore[attr-defined]
-                    device, path, fstype="ext4", options="ro" if read_only else None
-                )
+                    device = await find_guest_disk(channel, vol.id)
+                    await channel.mount(  # type: ignore[attr-defined]
+                        device, path, fstype="ext4", options="ro" if read_only else None
+                    )
+                except BaseException:
+                    # a disk left plugged must stay recorded: unrecorded, a second writer
+                    # could attach the volume, and a snapshot would carry it
+                    undone = True
+                    await self._unplug(machine, vol.id, rec.id, drop)
+                    raise
         except BaseException:
-            self.volumes.detach(vol.id, rec.id, tenant=tenant)
+            if not undone:  # it failed before the machine was reached: nothing is plugged
+                drop()
             raise
         log.info("volume %s mounted in %s at %s", vol.id, rec.id, path)
         return self.volumes.get(vol.id, tenant=tenant)
 
-    async def _unplug_share(
-        self, machine: Machine, drive_id: str, sandbox_id: str, tenant: str
-    ) -> None:
-        """Undo a drive's attach whose mount failed: unplug the share, then drop the record.
-        A share the guest will not release stays recorded (the guest can still mount it)."""
+    def _plugged(self, sandbox_id: str) -> set[str]:
+        """The ids of the devices in the sandbox's machine.json (empty if it cannot be read)."""
         try:
-            await machine.detach(drive_id)  # type: ignore[attr-defined]
-        except Exception as exc:
-            log.warning(
-                "cannot unplug drive %s from %s: %s; it stays attached", drive_id, sandbox_id, exc
-            )
-            return
-        self.drives.detach(drive_id, sandbox_id, tenant=tenant)
+            config = read_machine_json(self.manager.directory(sandbox_id))
+        except (OSError, ValueError, TorporError):
+            return set()
+        return {d.get("id") for d in config.get("devices", [])}
+
+    async def _unplug(
+        self, machine: Machine, device_id: str, sandbox_id: str, drop: Callable[[], object] | None
+    ) -> None:
+        """Undo an attach that failed after its device may have been plugged: unplug it (if
+        it is in the machine), then ``drop`` its record. A device the guest will not release
+        stays recorded (the guest can still use it)."""
+        if device_id in self._plugged(sandbox_id):
+            try:
+                await machine.detach(device_id)  # type: ignore[attr-defined]
+            except Exception as exc:
+                log.warning(
+                    "cannot unplug %s from %s: %s; it stays attached", device_id, sandbox_id, exc
+                )
+                return
+        if drop is not None:
+            drop()
 
     async def attach_drive(
         self,
@@ -267,12 +293,21 @@ class Attachments:
                 await live.channel.refresh(entropy=os.urandom(64), unix_time=time.time())
                 await self.after_wake(rec.id, live.channel)
             step("attach:plugged")
-            self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)
+            try:  # the drive may have been deleted while the share was plugged
+                self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)
+            except BaseException:
+                await self._unplug(machine, info.id, rec.id, None)
+                raise
             step("attach:recorded")
             try:
                 await mount_in_guest(live.channel, info, path, read_only)
             except BaseException:
-                await self._unplug_share(machine, info.id, rec.id, tenant)
+                await self._unplug(
+                    machine,
+                    info.id,
+                    rec.id,
+                    lambda: self.drives.detach(info.id, rec.id, tenant=tenant),
+                )
                 raise
             step("attach:mounted")
         log.info("drive %s mounted in %s at %s", info.id, rec.id, path)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -356,7 +357,11 @@ class Checkpoints:
         """
         snap = SnapshotSpec.of(spec, **fields)
         rec = self.manager.registry.find(tenant, id_or_name)
-        name = snap.name or f"{rec.name}-{time.strftime('%Y%m%d-%H%M%S')}"[:63]
+        if snap.name:
+            name = snap.name
+        else:  # the sandbox's name cut, never the time; the random part tells one second's apart
+            suffix = f"-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+            name = rec.name[: 63 - len(suffix)].rstrip("-.") + suffix
         check_name(name, "snapshot name")
         self.snapshots.check_name_free(name, tenant)  # fail before pausing anything
         self.snapshots.check_room(tenant)

@@ -22,6 +22,7 @@ from typing import Any
 from torpor.errors import InvalidArgument, InvalidState
 from torpor.sandbox.models import SandboxEvent, SandboxInfo, SandboxState
 from torpor.sandbox.registry.lifecycle import event_kind
+from torpor.sandbox.requests import MAX_LABELS
 
 __all__ = [
     "SANDBOX_COLUMNS",
@@ -189,7 +190,10 @@ def spec_size(text: str | None) -> tuple[int, int]:
 
 def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
     """``labels`` as a plain dict. Raises InvalidArgument unless it maps non-empty strings
-    to strings."""
+    to strings, at most :data:`~torpor.sandbox.requests.MAX_LABELS` of them (a merge of a
+    request's labels over a sandbox's can pass a request's own limit)."""
+    if len(labels) > MAX_LABELS:
+        raise InvalidArgument(f"a sandbox has at most {MAX_LABELS} labels, not {len(labels)}")
     out: dict[str, str] = {}
     for key, value in labels.items():
         if not isinstance(key, str) or not isinstance(value, str) or not key:

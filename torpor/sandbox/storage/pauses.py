@@ -283,7 +283,7 @@ def push_pause(
         config = {}
     except (OSError, ValueError) as exc:
         raise StorageError(f"sandbox {who}: unreadable machine.json: {exc}", exc=exc) from exc
-    shares = [d for d in config.get("devices") or [] if d.get("kind") != "disk"]
+    shares = [d for d in config.get("devices") or [] if d.get("kind") == "share"]  # not a nic
     if shares:
         raise InvalidArgument(
             f"sandbox {who} has drives attached ({', '.join(str(d.get('id')) for d in shares)})"
