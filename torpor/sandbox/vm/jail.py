@@ -243,6 +243,7 @@ def prepare_path(path: Path, jail: Jail, *, shared: bool = False, write: bool = 
 def prepare(directory: Path, jail: Jail, config: dict[str, Any]) -> None:
     """Make the machine directory ``directory`` (machine.json ``config``) and everything its
     QEMU opens usable by ``jail`` (see the module docstring). Raises EngineError."""
+    home = _home_of(Path(directory).absolute()) or _home_of(Path(directory).resolve())
     directory = Path(directory).resolve()
     try:
         _open_way(directory, jail)  # QEMU resolves its pid file's path from the root down
@@ -253,7 +254,6 @@ def prepare(directory: Path, jail: Jail, config: dict[str, Any]) -> None:
         for key in ("kernel", "initrd"):
             if config.get(key):
                 prepare_path(Path(config[key]), jail, shared=True)
-        home = _home_of(directory)
         homes = [] if home is None else [home, *((home / d).resolve() for d in _HOME_DIRS)]
         current = _backing(directory / "disk.qcow2")
         for _ in range(256):
