@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,3 +161,24 @@ def test_a_backing_file_outside_the_home_is_never_handed_to_qemu(
         jail_mod.prepare(d, Jail(QEMU_UID_BASE + 1), {})
     st = host.stat()
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the jail hands files over only as root")
+def test_a_backing_file_in_the_homes_templates_is_handed_over(open_home: Path) -> None:
+    """The check keeps what runs: a sandbox, and a clone warming in the pool under the
+    home's cache, on a template's disk (here behind a link, as the tests' shared templates)."""
+    shared = open_home / "shared-templates"
+    disk = shared / "python" / "snapshot" / "disk.qcow2"
+    disk.parent.mkdir(parents=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "1M"], check=True)
+    p = paths(open_home / "home").ensure()
+    open_home.chmod(0o711)  # mkdtemp made it 0700
+    p.templates.rmdir()
+    p.templates.symlink_to(shared)
+    for d in (p.sandboxes / "sb1", p.home / "cache" / "pool" / "python" / "b1" / "x.tmp"):
+        d.mkdir(parents=True)
+        write_overlay(
+            d / "disk.qcow2", os.fsencode(str(p.templates / "python/snapshot/disk.qcow2")), 1 * MIB
+        )
+        jail_mod.prepare(d, Jail(QEMU_UID_BASE + 1), {})
+        assert (d / "disk.qcow2").stat().st_uid == QEMU_UID_BASE + 1

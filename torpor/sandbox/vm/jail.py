@@ -195,10 +195,14 @@ def _grant(path: Path, jail: Jail, bits: int) -> None:
     os.chmod(path, stat.S_IMODE(st.st_mode) | bits << 3)
 
 
+#: where machines run from: a home's sandboxes, and the clone pool under its cache
+_MACHINE_DIRS = _HOME_DIRS | {"cache"}
+
+
 def _home_of(path: Path) -> Path | None:
     """The torpor home ``path`` lies in: the parent of its nearest ancestor named as a home's
-    directory (``sandboxes``, ``snapshots``, ...), or None."""
-    return next((p.parent for p in path.parents if p.name in _HOME_DIRS), None)
+    directory (``sandboxes``, ``cache``, ...), or None."""
+    return next((p.parent for p in path.parents if p.name in _MACHINE_DIRS), None)
 
 
 def _open_way(path: Path, jail: Jail) -> None:
@@ -254,7 +258,7 @@ def prepare(directory: Path, jail: Jail, config: dict[str, Any]) -> None:
         for key in ("kernel", "initrd"):
             if config.get(key):
                 prepare_path(Path(config[key]), jail, shared=True)
-        homes = [] if home is None else [home, *((home / d).resolve() for d in _HOME_DIRS)]
+        homes = [] if home is None else [home, *((home / d).resolve() for d in _MACHINE_DIRS)]
         current = _backing(directory / "disk.qcow2")
         for _ in range(256):
             if current is None:
