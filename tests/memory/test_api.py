@@ -489,3 +489,20 @@ def test_an_imported_vector_of_another_length_is_embedded_again(hmem: Memory) ->
     assert u.import_(_export_line(u, embedding=[0.1, 0.2, 0.3])) == 1
     assert [h.text for h in u.recall("hello", k=5)] == ["hello world", "hello world"]
     assert [h.text for h in hmem.scope(app="b").recall("hello")] == []
+
+
+def test_an_import_into_a_scope_with_retention_is_capped(mem: Memory) -> None:
+    """A scope's retention caps every record in it: the imported ones too (and a fork's)."""
+    src = mem.scope(app="src")
+    src.remember("kept forever at the source")
+    buf = io.StringIO()
+    src.export(buf)
+    dst = mem.scope(app="dst")
+    dst.set_policy(retention_seconds=60)
+    assert dst.import_(io.StringIO(buf.getvalue())) == 1
+    mem.scope(app="dst2").set_policy(retention_seconds=60)
+    src.fork(app="dst2")
+    for scope in (dst, mem.scope(app="dst2")):
+        (rec,) = scope.get_all().items
+        assert rec.expires_at is not None
+        assert (rec.expires_at - rec.created_at).total_seconds() <= 60

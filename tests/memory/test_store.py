@@ -376,3 +376,43 @@ def test_previous_episodes_follow_the_logged_order(store: TenantStore) -> None:
     want = {many[i].id: many[i - 1].id for i in (1, 75, 149)}
     assert store.previous_episodes(asked, flt()) == want
     assert TenantStore.previous_episodes(store, asked, flt()) == want
+
+
+def _unit(seed: int) -> list[float]:
+    v = np.random.default_rng(seed).normal(size=16).astype(np.float32)
+    return [float(x) for x in v / np.linalg.norm(v)]
+
+
+def test_a_forgotten_records_rowid_is_never_given_again(store: TenantStore) -> None:
+    """SQLite numbered new rows from max(rowid) + 1: after the newest record was forgotten the
+    next one took its rowid, and the vector index (which knows rows by rowid) kept scoring
+    it with the forgotten record's vector."""
+    a, b, c = _unit(1), _unit(2), _unit(3)
+    ra = store.add([fact("first")], [a])[0]
+    rb = store.add([fact("second")], [b])[0]
+    store.vector_search(a, flt(), 5)  # the index now holds rb's vector
+    store.forget([rb.id])
+    rc = store.add([fact("third")], [c])[0]
+    hits = store.vector_search(c, flt(), 5)
+    assert [h[0].id for h in hits] == [rc.id, ra.id]
+    assert hits[0][1] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_an_old_match_behind_many_newer_ones_elsewhere_is_found(store: TenantStore) -> None:
+    """A term's postings keep its newest matches only (SQLite's _TERM_CAP): with a selective
+    filter the older match in the queried scope was dropped, not ranked."""
+    from torpor.memory.backends.sqlite import _TERM_CAP
+
+    mine = store.add([fact("alpha in my scope")])[0]
+    store.add([fact(f"alpha elsewhere {i}", scope="app/b") for i in range(_TERM_CAP + 1)])
+    assert [r.id for r, _ in store.lexical_search(["alpha"], flt(), 5)] == [mine.id]
+    assert [r.id for r, _ in store.lexical_search(["mine", "alpha"], flt(), 5)] == [mine.id]
+
+
+def test_both_backends_search_the_same_first_terms(store: TenantStore) -> None:
+    from torpor.memory.backends.base import MAX_LEXICAL_TERMS
+
+    target = store.add([fact("zebra crossing")])[0]
+    terms = [f"word{i}" for i in range(MAX_LEXICAL_TERMS - 1)]
+    assert [r.id for r, _ in store.lexical_search([*terms, "zebra"], flt(), 5)] == [target.id]
+    assert store.lexical_search([*terms, "filler", "zebra"], flt(), 5) == []  # past the cut

@@ -21,6 +21,7 @@ from psycopg.types.json import Jsonb
 from torpor.errors import InvalidArgument, RecordNotFound, StorageError
 from torpor.memory.backends import _pg_schema as schema
 from torpor.memory.backends.base import (
+    MAX_LEXICAL_TERMS,
     AnyRecord,
     RecordFilter,
     SearchMemo,
@@ -35,7 +36,6 @@ __all__ = ["PostgresTenantStore", "Transactions", "vec_text"]
 
 _RCOLS = ", ".join(f"r.{c}" for c in schema.COLUMNS.split(", "))
 _T = schema.TENANT
-_MAX_TERMS = 64
 _PROFILE_COLS = "scope, data, json_schema, updated_at, version"
 
 
@@ -352,7 +352,7 @@ class PostgresTenantStore(TenantStore):
         *,
         memo: SearchMemo | None = None,  # rows hold JSON as dicts (unhashable): not used
     ) -> list[tuple[AnyRecord, float]]:
-        terms = list(dict.fromkeys(t for t in terms if t))[:_MAX_TERMS]
+        terms = list(dict.fromkeys(t for t in terms if t))[:MAX_LEXICAL_TERMS]
         if not terms or limit <= 0 or not flt.scopes or not flt.kinds:
             return []
         # any of the terms: an OR of one plain query per term (no operator parsing at all)

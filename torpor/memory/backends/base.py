@@ -54,6 +54,7 @@ from torpor.memory.models import (
 
 __all__ = [
     "INTERFACE_VERSION",
+    "MAX_LEXICAL_TERMS",
     "AnyRecord",
     "MemoryBackend",
     "RecordFilter",
@@ -65,6 +66,10 @@ __all__ = [
     "time_clauses",
     "visible",
 ]
+
+#: the distinct terms a lexical search uses, the first ones of the query (a pasted page
+#: would otherwise be a query of thousands of ORed terms; both backends cut at the same place)
+MAX_LEXICAL_TERMS = 256
 
 INTERFACE_VERSION = 2
 
@@ -335,7 +340,8 @@ class TenantStore(abc.ABC):
         memo: SearchMemo | None = None,
     ) -> list[tuple[AnyRecord, float]]:
         """Visible records matching ANY of ``terms`` (already lower-cased word tokens, no
-        operators), best first, with a positive relevance score. Empty ``terms`` -> ``[]``.
+        operators; the first :data:`MAX_LEXICAL_TERMS` distinct ones, on every backend alike),
+        best first, with a positive relevance score. Empty ``terms`` -> ``[]``.
         ``memo``: shared by the searches of one query (:class:`SearchMemo`); may be ignored."""
 
     def mean_words(self) -> float | None:

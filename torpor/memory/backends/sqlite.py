@@ -39,6 +39,7 @@ from torpor.memory.backends._rows import (
 from torpor.memory.backends._sqlite_conn import Conn, connect
 from torpor.memory.backends._vindex import VectorIndex
 from torpor.memory.backends.base import (
+    MAX_LEXICAL_TERMS,
     AnyRecord,
     MemoryBackend,
     RecordFilter,
@@ -147,11 +148,21 @@ class SQLiteTenantStore(TenantStore):
     ) -> None:
         """Insert the pending ``rows`` (:func:`record_to_row`'s) with their FTS5 entries,
         their vectors (None: no vector) and the count, then clear both lists. The rows are
-        numbered from the largest rowid up, as SQLite itself would number them."""
+        numbered from the largest rowid ever given, never reusing a forgotten record's (the
+        vector index, here and in other processes, knows rows by rowid: a reused one would
+        keep the forgotten record's vector)."""
         if not rows:
             return
-        top = conn.execute("SELECT max(rid) FROM records").fetchone()[0] or 0
+        top = conn.execute(
+            "SELECT max(coalesce((SELECT max(rid) FROM records), 0), "
+            "coalesce((SELECT n FROM counts WHERE what = 'max_rid'), 0))"
+        ).fetchone()[0]
         rids = range(top + 1, top + 1 + len(rows))
+        conn.execute(
+            "INSERT INTO counts VALUES ('max_rid', ?) "
+            "ON CONFLICT (what) DO UPDATE SET n = excluded.n",
+            (rids[-1],),
+        )
         conn.executemany(
             schema.INSERT_SQL, [(rid, *row) for rid, row in zip(rids, rows, strict=True)]
         )
@@ -358,7 +369,7 @@ class SQLiteTenantStore(TenantStore):
         (the filter usually passes nearly all), then up to ``2 * limit + 8``, then a join.
         With a ``memo``, a term's matches and a row's record are reused within the query.
         """
-        terms = [t for t in dict.fromkeys(terms) if t]
+        terms = [t for t in dict.fromkeys(terms) if t][:MAX_LEXICAL_TERMS]
         if not terms or limit <= 0:
             return []
         where, params = schema.filter_sql(flt)
@@ -367,7 +378,7 @@ class SQLiteTenantStore(TenantStore):
             version = None
             if memo is not None:
                 version = (conn.execute("PRAGMA data_version").fetchone()[0], self._db.writes)
-            rid_lists, weights = [], []
+            rid_lists, weights, found_terms = [], [], []
             for term in terms:
                 rids = self._postings(conn, term, memo, (version, total))
                 if rids is None:
@@ -377,6 +388,7 @@ class SQLiteTenantStore(TenantStore):
                     df = df * total / max(total - int(rids.min()) + 1, 1)
                 rid_lists.append(rids)
                 weights.append(math.log(1 + (total - df + 0.5) / (df + 0.5)))
+                found_terms.append(term)
             if not rid_lists:
                 return []
             all_rids = np.concatenate(rid_lists)
@@ -395,23 +407,22 @@ class SQLiteTenantStore(TenantStore):
                 more = [int(r) for r in ranked[len(head) : limit * 2 + 8]]
                 found.update(self._fetch_rids(conn, more, where, params))
                 head += more
-            if len(found) < min(limit, len(head)) and len(ranked) > len(head):
-                # a selective filter: find the eligible matches in one join, then rank them
-                match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
-                eligible = np.fromiter(
-                    (
-                        r[0]
-                        for r in conn.execute(
-                            f"SELECT r.rid FROM records_fts JOIN records r NOT INDEXED "
-                            f"ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND {where}",
-                            [match, *params],
-                        )
-                    ),
-                    dtype=np.int64,
-                )
-                head = [int(r) for r in ranked[np.isin(ranked, eligible)][:limit]]
-                found = self._fetch_rids(conn, head, where, params)
             head_scores = scores[np.searchsorted(uniq, head)].tolist() if head else []
+            if len(found) < min(limit, len(head)) and len(ranked) > len(head):
+                # a selective filter: score the eligible matches themselves, a join per term
+                # (a common term's postings keep only its newest _TERM_CAP: an older match
+                # in this scope would not be among them)
+                eligible: dict[int, float] = {}
+                for term, weight in zip(found_terms, weights, strict=True):
+                    for (rid,) in conn.execute(
+                        f"SELECT r.rid FROM records_fts JOIN records r NOT INDEXED "
+                        f"ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND {where}",
+                        ['"' + term.replace('"', '""') + '"', *params],
+                    ):
+                        eligible[rid] = eligible.get(rid, 0.0) + weight
+                head = sorted(eligible, key=lambda r: (-eligible[r], -r))[:limit]
+                head_scores = [eligible[r] for r in head]
+                found = self._fetch_rids(conn, head, where, params)
             best = [(r, sc) for r, sc in zip(head, head_scores, strict=True) if r in found]
         return [(_record(found[r], memo), float(sc)) for r, sc in best[:limit]]
 
