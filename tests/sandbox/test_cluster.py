@@ -355,6 +355,35 @@ def test_durable_only_for_the_current_pause(pg: PostgresRegistry) -> None:
     assert record is not None and (record.node, record.manifest_paused_at) == ("n1", 100.0)
 
 
+def test_a_late_record_of_a_taken_over_pause_is_refused(pg: PostgresRegistry) -> None:
+    """n1's lease lapses during its upload of the pause at 100; n2 recovers the sandbox,
+    wakes it and pauses it at 200. n1's upload then ends: recording it would have made the
+    next wake rebuild the pause at 100 over n2's newer one."""
+    pg.insert(_rec(S.PAUSED, paused_at=50.0))
+    pg.record_durable("sbx-1", "n1", 50.0, {"version": 1, "files": {}, "tag": "p0"})
+    pg.acquire("sbx-1", "n1", lease_seconds=5, at=1000.0)
+    for a, b, at in ((S.PAUSED, S.WAKING, None), (S.WAKING, S.RUNNING, None)):
+        pg.set_state("sbx-1", a, b, paused_at=at)
+    pg.set_state("sbx-1", S.RUNNING, S.PAUSING)
+    pg.set_state("sbx-1", S.PAUSING, S.PAUSED, paused_at=100.0)
+    pg.note_pause("sbx-1", "n1", 100.0)  # n1 starts pushing
+    assert pg.recover("sbx-1", "n2", at=2000.0) is not None  # its lease lapsed
+    pg.acquire("sbx-1", "n2", lease_seconds=5, at=2000.0)
+    with pytest.raises(Conflict):  # held by n2 now
+        pg.record_durable("sbx-1", "n1", 100.0, {"version": 1, "files": {}, "tag": "p1"})
+    pg.set_state("sbx-1", S.PAUSED, S.WAKING)
+    pg.set_state("sbx-1", S.WAKING, S.RUNNING, paused_at=None)
+    pg.set_state("sbx-1", S.RUNNING, S.PAUSING)
+    pg.set_state("sbx-1", S.PAUSING, S.PAUSED, paused_at=200.0)
+    pg.note_pause("sbx-1", "n2", 200.0)
+    pg.record_durable("sbx-1", "n2", 200.0, {"version": 1, "files": {}, "tag": "p2"})
+    with pytest.raises(Conflict):  # given up by n2, but paused again since
+        pg.record_durable("sbx-1", "n1", 100.0, {"version": 1, "files": {}, "tag": "p1"})
+    record = pg.pause_record("sbx-1")
+    assert record is not None and record.manifest is not None
+    assert (record.node, record.manifest["tag"]) == ("n2", "p2")
+
+
 def test_recover_exactly_once(pg: PostgresRegistry, dsn: str) -> None:
     pg.insert(_rec(S.RUNNING, paused_at=None))
     pg.record_durable("sbx-1", "n1", 50.0, {"version": 1, "files": {}})

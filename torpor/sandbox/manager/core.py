@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from torpor.config import Paths, Quotas
 from torpor.errors import (
+    Conflict,
     EngineError,
     GuestError,
     InvalidArgument,
@@ -600,11 +601,16 @@ class ManagerCore:
                     with suppress(TorporError):
                         cluster.registry.record_upload_error(rec.id, str(exc))
                     return None
+                except Conflict as exc:  # taken over, or paused again, meanwhile: not ours
+                    log.warning("sandbox %s: pause not recorded: %s", rec.id, exc)
+                    return None
                 except Exception as exc:
                     log.warning("sandbox %s: pause upload failed, retrying: %s", rec.id, exc)
                     with suppress(TorporError):
-                        cluster.registry.note_pause(rec.id, cluster.node, paused_at)
-                        cluster.registry.record_upload_error(rec.id, upload_failed(exc))
+                        again = self.registry.get(rec.id)  # the upload took a while
+                        if again.state is S.PAUSED and again.paused_at == paused_at:
+                            cluster.registry.note_pause(rec.id, cluster.node, paused_at)
+                            cluster.registry.record_upload_error(rec.id, upload_failed(exc))
                     return False
                 log.info("sandbox %s: pause durable in %s", rec.id, cluster.chunks.location)
                 return True

@@ -322,9 +322,26 @@ class Leases(PostgresCore):
         """Record that the pause ``node`` took at ``paused_at`` is stored off-node, as
         ``manifest`` says, and in the same transaction give the sandbox up if ``node`` holds
         it and it is still in that pause (any node may wake it from now on: no moment in
-        which it is durable yet held); return when (now). Raises StorageError."""
+        which it is durable yet held); return when (now). Raises StorageError, Conflict when
+        the pause is no longer the sandbox's: another node holds it (its lease lapsed during
+        the upload and it was taken over), or it was paused again since (the late record
+        would have made the next wake rebuild a lost pause over the newer one)."""
         now = time.time()
         with self._tx() as db:
+            row = db.execute(
+                "SELECT state, owner_node, paused_at FROM torpor_registry.sandboxes"
+                " WHERE id = %s FOR UPDATE",
+                (sandbox_id,),
+            ).fetchone()
+            if row is not None:
+                state, owner, latest = SandboxState(row[0]), row[1], row[2]
+                newer = state is SandboxState.PAUSED and latest is not None and latest != paused_at
+                if (owner is not None and owner != node) or newer:
+                    raise Conflict(
+                        f"sandbox {sandbox_id}: the pause node {node} took at {paused_at} is no "
+                        f"longer its latest (held by {owner}, {state.value} at {latest})",
+                        sandbox_id=sandbox_id,
+                    )
             db.execute(
                 "INSERT INTO torpor_registry.pauses (sandbox_id, pause_node, pause_at, manifest,"
                 " manifest_paused_at, durable_at) VALUES (%s,%s,%s,%s,%s,%s)"
