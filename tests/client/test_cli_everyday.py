@@ -370,3 +370,39 @@ def test_volumes_and_drives_carry_labels(home: Home, capsys: pytest.CaptureFixtu
     vol = torpor.Volume.create("v-9", 16, labels={"user": "u-9"}, runtime=home.runtime)
     assert [v.id for v in torpor.Volume.list({"user": "u-9"}, runtime=home.runtime)] == [vol.id]
     assert [d.name for d in torpor.Drive.list({"user": "u-7"}, runtime=home.runtime)] == ["d-7"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["token", "create", "--write", "app//u-42"],  # a grant that would match no scope
+        ["sandbox", "create", "a1", "--volume", "v1:/data:readonly"],  # not read-only: refused
+        ["sandbox", "create", "a1", "--volume", "v1:/data:ro:x"],
+        ["sandbox", "create", "a1", "--drive", "d1:/shared:ro"],
+        ["memory", "-s", "app/a/user/u", "remember", "hi", "--source", "[1]"],
+        ["memory", "-s", "app/a/user/u", "remember", "hi", "--source", '"x"'],
+    ],
+)
+def test_a_mistake_is_one_typed_line_and_does_nothing(
+    home: Home, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """Each of these was accepted (a token that grants nothing, a volume mounted read-write
+    for a mode typo) or ended in an untyped error with the traceback hint."""
+    made = cli(capsys, *args)
+    assert made.code == 1, made.out
+    assert made.err.startswith("error: InvalidArgument") and "TORPOR_DEBUG" not in made.err
+    assert Sandbox.list(runtime=home.runtime) == []
+    assert [t for t in home.runtime.tokens.list() if t.grants] == []
+
+
+def test_run_file_that_is_a_directory_is_refused(
+    home: Home, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert cli(capsys, "sandbox", "create", "a1").code == 0
+    made = cli(capsys, "run", "a1", "--file", str(tmp_path))
+    assert made.code != 0 and "Traceback" not in made.err and "TORPOR_DEBUG" not in made.err
+    assert "directory" in made.err
+    bad = tmp_path / "latin1.py"
+    bad.write_bytes(b"x = '\xe9'\n")
+    made = cli(capsys, "run", "a1", "--file", str(bad))
+    assert made.code == 1 and made.err.startswith("error: InvalidArgument: cannot read")

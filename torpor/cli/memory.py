@@ -77,6 +77,19 @@ def _scope(ctx: typer.Context) -> ScopedMemory:
     return mem.scope_from_path(o.scope)
 
 
+def _source(text: str | None) -> SourceRef | None:
+    """``--source``'s JSON (checked as JSON before the command runs) as a SourceRef."""
+    if not text:
+        return None
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise InvalidArgument(
+            f'--source takes a JSON object such as \'{{"path": "/notes.md"}}\', not {text!r}',
+            option="--source",
+        )
+    return SourceRef(**data)
+
+
 def _emit(ctx: typer.Context, data: Any, table: Table | str | None = None) -> None:
     if ctx.obj.as_json or table is None:
         typer.echo(json.dumps(data, default=str, indent=2))
@@ -145,7 +158,7 @@ def remember(
 
         torpor memory -s app/a/user/u remember "prefers daily summaries" --key cadence
     """
-    ref = SourceRef(**json.loads(source)) if source else None
+    ref = _source(source)
     f = _scope(ctx).remember(
         text,
         key=key,

@@ -104,12 +104,21 @@ def _many(infos: list[SandboxInfo], as_json: bool, quiet: bool) -> None:
     emit(infos, as_json=as_json, quiet=quiet, ids=lambda xs: [i.id for i in xs], render=_listing)
 
 
-def _pairs(items: list[str] | None, what: str, example: str) -> list[list[str]]:
-    """``["vol:/data:ro"]`` -> ``[["vol", "/data", "ro"]]``. Raises InvalidArgument."""
+def _pairs(
+    items: list[str] | None, what: str, example: str, modes: tuple[str, ...] = ()
+) -> list[list[str]]:
+    """``["vol:/data:ro"]`` -> ``[["vol", "/data", "ro"]]``: a name, a path and, where
+    ``modes`` are allowed, one of them. Anything else (``:readonly``, a fourth part) is an
+    InvalidArgument, never read as the default."""
     out = []
     for item in items or []:
         parts = item.split(":")
-        if len(parts) < 2 or not parts[0] or not parts[1]:
+        if (
+            len(parts) not in ((2, 3) if modes else (2,))
+            or not parts[0]
+            or not parts[1]
+            or (len(parts) == 3 and parts[2] not in modes)
+        ):
             raise InvalidArgument(f"{what} {item!r} is not {example}", option=what)
         out.append(parts)
     return out
@@ -188,7 +197,7 @@ def create(
         return
     volumes: list[Any] = [
         {"volume": v[0], "path": v[1], "read_only": v[2:] == ["ro"]}
-        for v in _pairs(volume, "--volume", "VOLUME:/path[:ro]")
+        for v in _pairs(volume, "--volume", "VOLUME:/path[:ro|:rw]", modes=("ro", "rw"))
     ]
     drives: list[Any] = [
         {"drive": d[0], "path": d[1]} for d in _pairs(drive, "--drive", "DRIVE:/path")
@@ -449,7 +458,10 @@ def run(
     name: Name,
     code: Annotated[str | None, typer.Argument(help="Python code; '-' reads it from stdin")] = None,
     file: Annotated[
-        Path | None, typer.Option("--file", "-f", help="run this file's code", exists=True)
+        Path | None,
+        typer.Option(
+            "--file", "-f", help="run this file's code", exists=True, dir_okay=False, readable=True
+        ),
     ] = None,
     timeout: Annotated[float | None, typer.Option(help="seconds")] = None,
     as_json: AsJson = False,
@@ -466,7 +478,10 @@ def run(
     """
     if (code is None) == (file is None):
         raise InvalidArgument("give the code, '-' (stdin) or --file PATH (one of them)")
-    source = file.read_text() if file is not None else sys.stdin.read() if code == "-" else code
+    try:
+        source = file.read_text() if file is not None else sys.stdin.read() if code == "-" else code
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"cannot read {file}: {exc}", option="--file") from exc
     assert source is not None
     execution = Sandbox.get(name).interpreter.run(source, timeout=timeout)
     if as_json:

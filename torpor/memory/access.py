@@ -37,12 +37,14 @@ def hash_token(token: str) -> str:
 def _grants(grants: Iterable[Grant | tuple[str, str]]) -> list[Grant]:
     out = []
     for g in grants:
-        if isinstance(g, Grant):
-            out.append(g)
-        elif isinstance(g, tuple) and len(g) == 2:
+        if isinstance(g, Grant):  # a model (the server's request) is checked the same way
+            g = (g.mode, g.prefix)
+        if isinstance(g, tuple) and len(g) == 2:
             mode, prefix = g
-            # validate the prefix as a scope path so a typo cannot grant too much
-            Scope.from_path(prefix)
+            # validate the prefix as a scope path, in its one spelling, so a typo cannot grant
+            # too much (or nothing: "app//u-42" would match no scope)
+            if not isinstance(prefix, str) or Scope.from_path(prefix).path != prefix.strip("/"):
+                raise InvalidArgument(f"grant prefix {prefix!r} is not a scope path such as app/a")
             out.append(Grant(mode=mode, prefix=prefix.strip("/")))  # type: ignore[arg-type]
         else:
             raise InvalidArgument(f"a grant is ('read'|'write', 'scope/prefix'), not {g!r}")
