@@ -416,3 +416,14 @@ def test_both_backends_search_the_same_first_terms(store: TenantStore) -> None:
     terms = [f"word{i}" for i in range(MAX_LEXICAL_TERMS - 1)]
     assert [r.id for r, _ in store.lexical_search([*terms, "zebra"], flt(), 5)] == [target.id]
     assert store.lexical_search([*terms, "filler", "zebra"], flt(), 5) == []  # past the cut
+
+
+def test_a_metadata_filter_on_an_object_compares_values(store: TenantStore) -> None:
+    """SQLite compared an object's or a list's JSON text: key order, and 1 against 1.0,
+    made equal values differ (PostgreSQL's jsonb and ``visible`` compare values)."""
+    store.add([fact("alpha", metadata={"loc": {"city": "Oslo", "zip": "0150"}, "v": [1.0]})])
+    store.add([fact("beta", metadata={"loc": "Oslo", "v": 1})])  # scalars: never an object
+    for wanted in ({"loc": {"zip": "0150", "city": "Oslo"}}, {"v": [1]}):
+        assert [r.text for r in store.scan(flt(metadata=wanted), 10)] == ["alpha"]
+        assert store.count(flt(metadata=wanted)) == 1
+    assert store.count(flt(metadata={"loc": {"city": "Oslo"}})) == 0

@@ -8,6 +8,7 @@ lock; the 10 s busy timeout covers the wait inside SQLite itself.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sqlite3
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from torpor.config import make_private
 from torpor.errors import CorruptData, InvalidArgument, StorageError
@@ -40,6 +42,30 @@ def translate(exc: sqlite3.Error, path: Path, what: str) -> StorageError:
     return StorageError(f"memory database {path} failed ({what}): {text}", exc=exc, path=str(path))
 
 
+def canonical_json(value: Any) -> str:
+    """``value`` as JSON in one spelling: keys sorted, a whole float written as an integer, so
+    that values equal in Python (and in PostgreSQL's jsonb) are equal as text."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        return v
+
+    return json.dumps(plain(value), sort_keys=True, separators=(",", ":"))
+
+
+def _sql_canonical_json(text: str | None) -> str | None:
+    """SQL ``torpor_json(text)``: :func:`canonical_json` of a JSON text (NULL if it is none)."""
+    try:
+        return None if text is None else canonical_json(json.loads(text))
+    except ValueError:
+        return None
+
+
 def connect(path: Path, migrations: list[str]) -> sqlite3.Connection:
     """Open (creating if needed) the database at ``path``, in WAL mode, migrated to the latest
     version. Raises :class:`CorruptData` or :class:`StorageError`."""
@@ -56,6 +82,7 @@ def connect(path: Path, migrations: list[str]) -> sqlite3.Connection:
     except sqlite3.Error as exc:
         raise translate(exc, path, "open") from exc
     try:
+        conn.create_function("torpor_json", 1, _sql_canonical_json, deterministic=True)
         conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")

@@ -11,10 +11,10 @@ along.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from torpor.memory.backends._rows import RECORD_COLUMNS, record_from_row, record_to_row
+from torpor.memory.backends._sqlite_conn import canonical_json
 from torpor.memory.backends.base import AnyRecord, RecordFilter, time_clauses
 
 __all__ = [
@@ -195,7 +195,10 @@ def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
                 f"json_type({a}.metadata, ?) = 'text' AND json_extract({a}.metadata, ?) = ?"
             )
             params += [path, path, v]
-        else:
-            parts.append(f"json_extract({a}.metadata, ?) = json(?)")
-            params += [path, json.dumps(v, separators=(",", ":"))]
+        else:  # an object or a list: equal as values (key order, 1 and 1.0 aside)
+            parts.append(
+                f"json_type({a}.metadata, ?) IN ('object', 'array') "
+                f"AND torpor_json(json_extract({a}.metadata, ?)) = ?"
+            )
+            params += [path, path, canonical_json(v)]
     return " AND ".join(parts), params
