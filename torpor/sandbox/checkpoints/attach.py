@@ -214,12 +214,12 @@ class Attachments:
         log.info("volume %s mounted in %s at %s", vol.id, rec.id, path)
         return self.volumes.get(vol.id, tenant=tenant)
 
-    def _plugged(self, sandbox_id: str) -> set[str]:
-        """The ids of the devices in the sandbox's machine.json (empty if it cannot be read)."""
+    def _plugged(self, sandbox_id: str) -> set[str] | None:
+        """The ids of the devices in the sandbox's machine.json (None if it cannot be read)."""
         try:
             config = read_machine_json(self.manager.directory(sandbox_id))
         except (OSError, ValueError, TorporError):
-            return set()
+            return None
         return {d.get("id") for d in config.get("devices", [])}
 
     async def _unplug(
@@ -228,7 +228,8 @@ class Attachments:
         """Undo an attach that failed after its device may have been plugged: unplug it (if
         it is in the machine), then ``drop`` its record. A device the guest will not release
         stays recorded (the guest can still use it)."""
-        if device_id in self._plugged(sandbox_id):
+        plugged = self._plugged(sandbox_id)
+        if plugged is None or device_id in plugged:  # unknown: unplug to be sure
             try:
                 await machine.detach(device_id)  # type: ignore[attr-defined]
             except Exception as exc:
