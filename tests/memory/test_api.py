@@ -506,3 +506,16 @@ def test_an_import_into_a_scope_with_retention_is_capped(mem: Memory) -> None:
         (rec,) = scope.get_all().items
         assert rec.expires_at is not None
         assert (rec.expires_at - rec.created_at).total_seconds() <= 60
+
+
+def test_a_profile_merged_past_one_calls_limit_forks_and_imports(mem: Memory) -> None:
+    """Each merge is checked on its own, so a stored profile may be larger than one call
+    may send; the import's checks must not refuse what the store holds."""
+    u = mem.scope(app="a", user="u")
+    u.set_profile({"bio": "x" * 20_000})
+    u.set_profile({"notes": "y" * 20_000}, merge=True)
+    u.remember("hello")
+    assert u.fork(app="a", user="v").get_profile() == u.get_profile()
+    w = mem.scope(app="a", user="w")
+    w.import_(list(u.export_lines()))
+    assert w.get_profile() == u.get_profile()

@@ -104,6 +104,31 @@ def test_expand_without_the_template_reads_every_chunk_from_the_store(tmp_path: 
     assert (d / "ram").read_bytes() == original
 
 
+def test_a_built_templates_ram_is_read_through_its_snapshot_link(tmp_path: Path) -> None:
+    """templates.py lays a template out as templates/<name>/snapshot -> builds/<id>/snapshot:
+    the manifest's template path resolves below templates/<name>/builds, and must still be
+    read (a check that wanted templates/ three levels up sent every chunk to the store)."""
+    p = paths(tmp_path / "home").ensure()
+    build = p.templates / "python" / "builds" / "b1" / "snapshot"
+    build.mkdir(parents=True)
+    (p.templates / "python" / "snapshot").symlink_to(Path("builds") / "b1" / "snapshot")
+    tram = p.templates / "python" / "snapshot" / "ram"  # as the manager names it
+    with open(tram, "wb") as f:
+        f.truncate(8 * MIB)
+        f.seek(4 * MIB)
+        f.write(os.urandom(3 * MIB))
+    d = p.sandboxes / "sb1"
+    d.mkdir(parents=True)
+    shutil.copyfile(tram, d / "ram")
+    (d / "state").write_bytes(os.urandom(5000))
+    original = (d / "ram").read_bytes()
+    store = ChunkStore(p.chunks)
+    assert compact(d, store, tram).from_template > 0
+    report = rebuild(d, store, sandbox_id="sb1")
+    assert (d / "ram").read_bytes() == original
+    assert (report.template_bytes, report.store_bytes) == (3 * MIB, 0)
+
+
 def test_a_changed_template_rebuilds_patched_chunks_from_the_store_checked(
     tmp_path: Path,
 ) -> None:

@@ -16,6 +16,7 @@ with ``superseded_by`` links remapped, so an import never collides with its own 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from torpor.errors import InvalidArgument
+from torpor.errors import InvalidArgument, PayloadTooLarge
 from torpor.memory import _validate as check
 from torpor.memory.backends.base import AnyRecord, TenantStore
 from torpor.memory.models import Episode, Fact, Policy, Profile, Scope, new_id, path_within
@@ -98,7 +99,8 @@ def parse_lines(lines: Iterable[str]) -> Bundle:
             elif kind == "profile":
                 profile = Profile.model_validate(obj["profile"])
                 _scope(profile.scope, bundle.scope)
-                check.metadata(profile.data, "profile")
+                with contextlib.suppress(PayloadTooLarge):  # merges grow past one call's limit
+                    check.metadata(profile.data, "profile")
                 bundle.profiles.append(profile)
             elif kind == "policy":
                 bundle.policies.append(

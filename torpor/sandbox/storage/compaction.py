@@ -436,17 +436,18 @@ def begin_expand(
 
 def _template_of(directory: Path, recorded: object) -> Path | None:
     """The template RAM ``recorded`` in ``directory``'s manifest if it is one: a
-    ``<name>/snapshot/ram`` in the ``templates`` of a directory above ``directory`` (the
-    home; its ``templates`` may be a link). The manifest lies where the sandbox's QEMU uid
+    ``.../snapshot/ram`` that lies, links followed, within the ``templates`` of a directory
+    above ``directory`` (the home; a template's ``snapshot`` links to its current build,
+    and ``templates`` itself may be a link). The manifest lies where the sandbox's QEMU uid
     can write, so another path is never read."""
     if not isinstance(recorded, str):
         return None
-    path = Path(recorded).resolve()
-    if path.name != "ram" or path.parent.name != "snapshot":
+    named = Path(recorded)
+    if named.name != "ram" or named.parent.name != "snapshot":
         return None
-    templates = path.parent.parent.parent
+    real = named.resolve()  # the links are the home's own (root's), not the sandbox's
     homes = Path(directory).absolute().parents
-    return path if any((h / "templates").resolve() == templates for h in homes) else None
+    return named if any(real.is_relative_to((h / "templates").resolve()) for h in homes) else None
 
 
 def _begin(
