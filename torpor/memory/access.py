@@ -20,7 +20,15 @@ from datetime import datetime
 from torpor.config import check_name
 from torpor.errors import AccessDenied, InvalidArgument
 from torpor.memory.backends.base import MemoryBackend
-from torpor.memory.models import AuditEntry, Grant, Scope, TokenInfo, from_us, now_us, path_within
+from torpor.memory.models import (
+    AuditEntry,
+    Grant,
+    TokenInfo,
+    canonical_path,
+    from_us,
+    now_us,
+    path_within,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +51,9 @@ def _grants(grants: Iterable[Grant | tuple[str, str]]) -> list[Grant]:
             mode, prefix = g
             # validate the prefix as a scope path, in its one spelling, so a typo cannot grant
             # too much (or nothing: "app//u-42" would match no scope)
-            if not isinstance(prefix, str) or Scope.from_path(prefix).path != prefix.strip("/"):
-                raise InvalidArgument(f"grant prefix {prefix!r} is not a scope path such as app/a")
-            out.append(Grant(mode=mode, prefix=prefix.strip("/")))  # type: ignore[arg-type]
+            if not isinstance(prefix, str):
+                raise InvalidArgument(f"a grant's prefix is a scope path, not {prefix!r}")
+            out.append(Grant(mode=mode, prefix=canonical_path(prefix.strip("/"))))  # type: ignore[arg-type]
         else:
             raise InvalidArgument(f"a grant is ('read'|'write', 'scope/prefix'), not {g!r}")
     return out

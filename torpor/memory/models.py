@@ -50,6 +50,7 @@ __all__ = [
     "TokenInfo",
     "TokenSpec",
     "TokenSummary",
+    "canonical_path",
     "from_us",
     "new_id",
     "new_ids",
@@ -205,6 +206,15 @@ class Scope(_Model):
 
     def __str__(self) -> str:
         return f"{self.tenant}:{self.path or '/'}"
+
+
+def canonical_path(path: object) -> str:
+    """``path`` if it is a scope path in its one spelling (``"app/a/user/u"``: level/value
+    pairs in the levels' order, no empty part). Raises :class:`InvalidArgument` otherwise
+    (``"app//u"`` would name a scope no record is in)."""
+    if not isinstance(path, str) or Scope.from_path(path).path != path:
+        raise InvalidArgument(f"{path!r} is not a scope path such as 'app/a/user/u'")
+    return path
 
 
 def path_depth(path: str) -> int:

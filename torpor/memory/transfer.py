@@ -28,7 +28,15 @@ from pydantic import ValidationError
 from torpor.errors import InvalidArgument, PayloadTooLarge
 from torpor.memory import _validate as check
 from torpor.memory.backends.base import AnyRecord, TenantStore
-from torpor.memory.models import Episode, Fact, Policy, Profile, Scope, new_id, path_within
+from torpor.memory.models import (
+    Episode,
+    Fact,
+    Policy,
+    Profile,
+    canonical_path,
+    new_id,
+    path_within,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +125,7 @@ def parse_lines(lines: Iterable[str]) -> Bundle:
 
 def _scope(path: object, within: str) -> str:
     """``path`` if it is a scope path (in its one spelling) at ``within`` or below."""
-    if not isinstance(path, str) or Scope.from_path(path).path != path:
-        raise ValueError(f"{path!r} is not a scope path such as 'app/a/user/u'")
+    path = canonical_path(path)
     if not path_within(path, within):
         raise ValueError(f"scope {path!r} is outside the export's scope {within!r}")
     return path

@@ -36,7 +36,7 @@ from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from torpor.errors import SandboxNotFound, SnapshotNotFound
-from torpor.memory.models import SCOPE_LEVELS
+from torpor.memory.models import Scope
 from torpor.sandbox.checkpoints import Checkpoints
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.server.auth import Caller, Identity
@@ -231,7 +231,7 @@ def within_selector(
     scope = getattr(body, "memory_scope", None)
     if scope is not None and caller.grants is not None:
         levels = {k: v for k, v in scope.record().items() if k != "read_only"}
-        path = "/".join(f"{k}/{levels[k]}" for k in SCOPE_LEVELS if k in levels)
+        path = Scope(tenant=caller.tenant, **levels).path
         mode = "read" if scope.read_only else "write"
         if not caller.access(identity.backend).allows(mode, path):
             raise identity.deny(
