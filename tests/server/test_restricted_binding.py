@@ -16,6 +16,8 @@ from fastapi.testclient import TestClient
 from tests.sandbox.fakes import FakeEngine
 from torpor.config import paths
 from torpor.memory import Memory
+from torpor.memory.models import SCOPE_LEVELS
+from torpor.sandbox import requests
 from torpor.sandbox.manager import SandboxManager
 from torpor.server.app import create_app
 
@@ -103,3 +105,63 @@ def test_a_usage_window_past_the_calendar_is_invalid(
     for params in ({"since": edge}, {"until": edge}):
         r = c.get("/v1/usage", params=params, headers=tok)
         assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidArgument"), r.text
+
+
+def _guest_remember(app: Any, c: TestClient, sandbox_id: str, text: str) -> int:
+    assert c.portal is not None
+    status, _, _ = c.portal.call(
+        app.state.guest_relay, sandbox_id, "POST", "/v1/memory/remember",
+        {"content-type": "application/json"}, json.dumps({"text": text}).encode(),
+    )  # fmt: skip
+    return int(status)
+
+
+def test_a_guest_reads_no_ancestor_its_binder_could_not(real: tuple[Any, TestClient]) -> None:
+    # recall at app/support/user/u-42 also reads app/support and the tenant's root: a token
+    # that may only use u-42's scope must not reach those through its guest
+    app, c = real
+    owner = Memory.attach(app.state.memory_backend, "acme", embedder=None)
+    owner.scope(app="support").remember("the support team's discount code is 7731")
+    owner.scope(**U42).remember("u-42's discount code is 1234")
+    tok = _token(app, grants=[("write", "app/support/user/u-42")], sandboxes={"user": "u-42"})
+    r = c.post("/v1/sandboxes", json={"memory_scope": U42}, headers=tok)
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert _guest_recall(app, c, info["id"], "discount code") == ["u-42's discount code is 1234"]
+    assert info["memory_scope"]["grants"] == [{"mode": "write", "prefix": "app/support/user/u-42"}]
+    assert _guest_remember(app, c, info["id"], "u-42 prefers email") == 200
+    again = c.put("/v1/sandboxes/by-name/" + info["name"], json={"memory_scope": U42}, headers=tok)
+    assert again.status_code == 200, again.text  # the same binding, the same grants
+    # a token that may read the app's scope too: its guest reads it as well
+    wider = _token(
+        app,
+        grants=[("read", "app/support"), ("write", "app/support/user/u-42")],
+        sandboxes={"user": "u-42"},
+    )
+    r = c.post("/v1/sandboxes", json={"memory_scope": U42}, headers=wider)
+    assert r.status_code == 201, r.text
+    assert sorted(_guest_recall(app, c, r.json()["id"], "discount code")) == [
+        "the support team's discount code is 7731",
+        "u-42's discount code is 1234",
+    ]
+
+
+def test_a_binding_names_grants_within_its_binders(real: tuple[Any, TestClient]) -> None:
+    app, c = real
+    Memory.attach(app.state.memory_backend, "acme", embedder=None).scope(**U42).remember(
+        "u-42 likes tea"
+    )
+    tok = _token(app, grants=[("write", "app/support/user/u-42")], sandboxes={"user": "u-42"})
+    wide = {**U42, "grants": [{"mode": "read", "prefix": "app/support"}]}
+    r = c.post("/v1/sandboxes", json={"memory_scope": wide}, headers=tok)
+    assert (r.status_code, r.json()["error"]["type"]) == (403, "AccessDenied")
+    narrow = {**U42, "grants": [{"mode": "read", "prefix": "app/support/user/u-42"}]}
+    r = c.post("/v1/sandboxes", json={"memory_scope": narrow}, headers=tok)
+    assert r.status_code == 201, r.text
+    assert _guest_recall(app, c, r.json()["id"], "tea") == ["u-42 likes tea"]
+    assert _guest_remember(app, c, r.json()["id"], "u-42 likes coffee") == 403  # read only
+    for prefix in ("app//u-42", "user/u-42/app/support", "app/support/user", "team/x", 7):
+        bad = {**U42, "grants": [{"mode": "read", "prefix": prefix}]}
+        r = c.post("/v1/sandboxes", json={"memory_scope": bad}, headers=tok)
+        assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidArgument"), prefix
+    assert requests.SCOPE_LEVELS == SCOPE_LEVELS

@@ -40,7 +40,17 @@ import posixpath
 import re
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, ClassVar, Self, TypeVar, Union, get_args, get_origin
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    Literal,
+    Self,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+)
 
 from pydantic import (
     AfterValidator,
@@ -425,18 +435,66 @@ ScopeName = Annotated[
 ]
 
 
+#: the levels of a memory scope path, outermost first (torpor.memory.models.SCOPE_LEVELS)
+SCOPE_LEVELS = ("app", "user", "agent", "session")
+#: the most grants a memory binding may carry (as many as a token may)
+MAX_SCOPE_GRANTS = 100
+
+
+def check_scope_prefix(prefix: object) -> str:
+    """``prefix`` if it is a memory scope path in its one spelling (``""``: the whole tenant;
+    ``"app/a/user/u"``: level/name pairs in the levels' order). Raises InvalidArgument."""
+    if not isinstance(prefix, str):
+        raise InvalidArgument(f"a grant's prefix is a scope path, not {prefix!r}", field="prefix")
+    parts = prefix.split("/") if prefix else []
+    levels = parts[0::2]
+    if (
+        len(parts) % 2
+        or any(lv not in SCOPE_LEVELS for lv in levels)
+        or [SCOPE_LEVELS.index(lv) for lv in levels]
+        != sorted({SCOPE_LEVELS.index(lv) for lv in levels})
+    ):
+        raise InvalidArgument(
+            f"{prefix!r} is not a scope path such as 'app/a/user/u'", field="prefix", value=prefix
+        )
+    for name in parts[1::2]:
+        check_name(name, "memory scope name")
+    return prefix
+
+
+class ScopeGrant(Spec):
+    """A right of a memory binding: ``read`` or ``write`` (write implies read) on every scope
+    under ``prefix`` (a scope path; ``""``: the whole tenant)."""
+
+    mode: Literal["read", "write"]
+    prefix: Annotated[str, AfterValidator(check_scope_prefix)]
+
+
 class MemoryScope(Spec):
     """The memory a sandbox's agent reaches from inside, at ``localhost:7777`` with no
-    credential: this scope of the sandbox's tenant (and the scopes below it)."""
+    credential: this scope of the sandbox's tenant (and the scopes below it, and what recall
+    reads above it)."""
 
     app: ScopeName | None = None
     user: ScopeName | None = None
     agent: ScopeName | None = None
     session: ScopeName | None = None
     read_only: bool = Field(default=False, description="recall only: no remember or forget")
+    grants: list[ScopeGrant] | None = Field(
+        default=None,
+        max_length=MAX_SCOPE_GRANTS,
+        description="the rights the guest's calls are limited to, as a token's grants; None: "
+        "the tenant's (the server sets a restricted token's own grants here, so its guest "
+        "never reads more than the token could)",
+    )
+
+    def levels(self) -> dict[str, str]:
+        """The scope's levels that are set (``{"app": "a", "user": "u"}``)."""
+        return {lv: v for lv in SCOPE_LEVELS if (v := getattr(self, lv)) is not None}
 
     def record(self) -> dict[str, Any]:
-        """What the registry keeps: the levels set, and ``read_only`` when true."""
+        """What the registry keeps: the levels set, ``read_only`` when true, ``grants`` when
+        given."""
         return self.model_dump(exclude_none=True, exclude_defaults=True)
 
 

@@ -38,6 +38,7 @@ from starlette.concurrency import run_in_threadpool
 from torpor.errors import SandboxNotFound, SnapshotNotFound
 from torpor.memory.models import Scope
 from torpor.sandbox.checkpoints import Checkpoints
+from torpor.sandbox.requests import MemoryScope, ScopeGrant
 from torpor.sandbox.storage.snapshots import SnapshotInfo
 from torpor.server.auth import Caller, Identity
 
@@ -213,6 +214,31 @@ class _Labelled(Protocol):
 L = TypeVar("L", bound=_Labelled)
 
 
+def _bound(
+    scope: MemoryScope, caller: Caller, identity: Identity, action: str, target: str
+) -> MemoryScope:
+    """``scope`` bound by a restricted ``caller``: write on it (read for a read-only binding),
+    and its ``grants`` within the caller's, the caller's own when it names none and may not
+    read the whole tenant, so the guest, answered as the tenant, reads no ancestor the caller
+    could not. Raises AccessDenied (audited)."""
+    access = caller.access(identity.backend)
+    path = Scope(tenant=caller.tenant, **scope.levels()).path
+    mode = "read" if scope.read_only else "write"
+    if not access.allows(mode, path):
+        raise identity.deny(caller, action, target, f"memory scope {path!r} needs {mode}")
+    if scope.grants is None:
+        if access.allows("read", ""):  # it may read every ancestor: nothing to keep
+            return scope
+        own = [ScopeGrant(mode=g.mode, prefix=g.prefix) for g in caller.grants or ()]
+        return scope.model_copy(update={"grants": own})
+    for g in scope.grants:
+        if not access.allows(g.mode, g.prefix):
+            raise identity.deny(
+                caller, action, target, f"a binding's grant {g.mode} on {g.prefix!r} needs it"
+            )
+    return scope
+
+
 def within_selector(
     body: L,
     caller: Caller,
@@ -227,16 +253,11 @@ def within_selector(
     :class:`~torpor.errors.AccessDenied` (audited) for labels that contradict the selector,
     and for a ``memory_scope`` the caller's memory grants do not cover: the sandbox's guest
     is answered there at ``localhost:7777``, so binding it is doing it (write; read for a
-    read-only binding)."""
+    read-only binding). The binding keeps the caller's grants (see :func:`_bound`)."""
     scope = getattr(body, "memory_scope", None)
     if scope is not None and caller.grants is not None:
-        levels = {k: v for k, v in scope.record().items() if k != "read_only"}
-        path = Scope(tenant=caller.tenant, **levels).path
-        mode = "read" if scope.read_only else "write"
-        if not caller.access(identity.backend).allows(mode, path):
-            raise identity.deny(
-                caller, action, f"{kind}:{name or ''}", f"memory scope {path!r} needs {mode}"
-            )
+        bound = _bound(scope, caller, identity, action, f"{kind}:{name or ''}")
+        body = body.model_copy(update={"memory_scope": bound})
     selector = caller.sandboxes or {}
     if not selector:
         return body

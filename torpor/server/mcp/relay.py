@@ -4,8 +4,9 @@ The guest agent turns each HTTP request made to ``localhost:7777`` into a ``call
 the sandbox's channel (:mod:`torpor.sandbox.guest.relay`); the engine hands it to
 :class:`GuestRelay` with the sandbox's id. Identity enters here, in :meth:`GuestRelay.context_of`:
 the registry's record of that sandbox says its tenant and the ``memory_scope`` it was created
-with (kept over pause/wake, inherited by forks). Nothing the guest sends can change either: a
-call may name levels below the scope (an ``agent``, a ``session``) but never another one.
+with (kept over pause/wake, inherited by forks), and the grants it is limited to (a restricted
+token's own, when one bound it). Nothing the guest sends can change any of them: a call may
+name levels below the scope (an ``agent``, a ``session``) but never another one.
 
 Inside the VM::
 
@@ -36,6 +37,9 @@ from starlette.routing import Route
 
 from torpor import errors
 from torpor.errors import AccessDenied, InvalidArgument, NotFound, TorporError
+from torpor.memory.access import Access
+from torpor.memory.models import Grant
+from torpor.sandbox.requests import MemoryScope
 from torpor.server.mcp.endpoint import Endpoint, from_request, memory_for
 from torpor.server.mcp.tools import LEVELS, ToolContext, build_server
 
@@ -117,11 +121,14 @@ class GuestRelay:
                 tenant=rec.tenant,
                 scope="",
             )
+        memory = await memory_for(self.app, rec.tenant)
+        if scope.get("grants") is not None:  # bound by a restricted token: its rights, no more
+            given = MemoryScope.model_validate(scope).grants or []
+            grants = [Grant(mode=g.mode, prefix=g.prefix) for g in given]
+            access = Access(memory.backend, rec.tenant, f"sandbox:{rec.name}", grants)
+            memory = memory.acting_as(access)
         return ToolContext(
-            tenant=rec.tenant,
-            memory=await memory_for(self.app, rec.tenant),
-            scope=levels,
-            read_only=bool(scope.get("read_only")),
+            tenant=rec.tenant, memory=memory, scope=levels, read_only=bool(scope.get("read_only"))
         )
 
     async def __call__(
