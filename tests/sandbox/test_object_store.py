@@ -408,6 +408,24 @@ def test_unknown_store_is_invalid_argument(url: str, tmp_path: Path) -> None:
         open_chunk_store(url, tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("env", "endpoint"),
+    [
+        pytest.param({}, "localhost:9000", id="endpoint-without-scheme"),
+        pytest.param({"AWS_PROFILE": "no-such-profile"}, None, id="missing-profile"),
+        pytest.param({"AWS_DEFAULT_REGION": "not a region!"}, None, id="bad-region"),
+    ],
+)
+def test_a_store_that_cannot_be_opened_is_a_typed_error(
+    env: dict[str, str], endpoint: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises((InvalidArgument, StorageError)) as err:
+        open_chunk_store("s3://bucket/p", tmp_path, endpoint_url=endpoint)
+    assert "s3://bucket/p" in str(err.value)
+
+
 def test_default_store_is_the_local_directory(tmp_path: Path) -> None:
     store = open_chunk_store(None, tmp_path)
     assert store.location == str(tmp_path / "chunks")

@@ -211,7 +211,7 @@ class S3ChunkBackend:
         self.attempts = max(1, attempts)
         self.backoff_seconds = backoff_seconds
         self.gc_grace_seconds = SHARED_SWEEP_GRACE_SECONDS
-        self.client = client if client is not None else _make_client(endpoint_url)
+        self.client = client if client is not None else _make_client(endpoint_url, self.location)
         #: chunks this process wrote, with when (monotonic), oldest first (see
         #: :meth:`written_recently`)
         self._written: OrderedDict[str, float] = OrderedDict()
@@ -407,12 +407,15 @@ class S3ChunkBackend:
         raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def _make_client(endpoint_url: str | None) -> Any:
-    """A boto3 S3 client; boto3's own retries are off (:meth:`S3ChunkBackend._call` retries,
-    with a log line per retry). Raises StorageError when boto3 is not installed."""
+def _make_client(endpoint_url: str | None, location: str) -> Any:
+    """A boto3 S3 client for the store at ``location``; boto3's own retries are off
+    (:meth:`S3ChunkBackend._call` retries, with a log line per retry). Raises StorageError
+    when boto3 is not installed or its configuration does not load (a missing profile),
+    InvalidArgument for an endpoint or region it refuses."""
     try:
         import boto3
         from botocore.config import Config
+        from botocore.exceptions import BotoCoreError
     except ImportError as exc:
         raise StorageError(
             "an s3:// chunk store needs boto3: pip install 'torpor[cluster]'", exc=exc
@@ -424,4 +427,11 @@ def _make_client(endpoint_url: str | None) -> Any:
         read_timeout=30,
         max_pool_connections=16,
     )
-    return boto3.client("s3", endpoint_url=endpoint, config=config)
+    try:
+        return boto3.client("s3", endpoint_url=endpoint, config=config)
+    except ValueError as exc:  # an endpoint without a scheme, a malformed region
+        raise InvalidArgument(
+            f"cannot open {location}: {exc}", exc=exc, store=location, endpoint=endpoint
+        ) from exc
+    except BotoCoreError as exc:  # a missing profile, an unreadable ~/.aws/config
+        raise StorageError(f"cannot open {location}: {exc}", exc=exc, store=location) from exc
