@@ -524,3 +524,25 @@ def test_access_denied_is_not_retried() -> None:
         ChunkStore(backend=backend, chunk_size=CS).get("ab" * 32, snapshot_id="snap-x")
     assert err.value.data["attempts"] == 1 and err.value.data["snapshot_id"] == "snap-x"
     assert not isinstance(err.value, CorruptData)
+
+
+def test_a_sweep_spares_a_chunk_written_again_after_it_was_listed() -> None:
+    """A sweep lists the store, then deletes what no manifest names: a chunk listed as old but
+    uploaded again since (a pause's push, whose manifest is recorded after its chunks) stays."""
+    from datetime import UTC, datetime, timedelta
+
+    client, stub = _stubbed()
+    digest = "ab" * 32
+    key = f"p/chunks/ab/{digest}.zst"
+    old = datetime.now(UTC) - timedelta(days=2)
+    stub.add_response(
+        "list_objects_v2",
+        {"Contents": [{"Key": key, "Size": 10, "LastModified": old}], "IsTruncated": False},
+    )
+    # between the listing and the delete, another node wrote the same chunk again
+    stub.add_response("head_object", {"ContentLength": 10, "LastModified": datetime.now(UTC)})
+    backend = S3ChunkBackend("s3://bucket/p", client=client)
+    with stub:
+        report = ChunkStore(backend=backend, chunk_size=CS).sweep(set(), min_age_seconds=3600)
+        stub.assert_no_pending_responses()
+    assert (report.removed, report.kept, report.freed_bytes) == (0, 1, 0)

@@ -75,8 +75,10 @@ class ChunkBackend(Protocol):
         """Store ``blob`` as ``digest``, whole or not at all; return the bytes written."""
         ...
 
-    def delete(self, digest: str) -> int:
-        """Remove a chunk; return the bytes freed (0 when it was not there)."""
+    def delete(self, digest: str, *, before: float | None = None) -> int | None:
+        """Remove a chunk; return the bytes freed (0 when it was not there). ``before``: only
+        a chunk last written before this Unix time (a sweep's cut-off); one written since
+        stays and the answer is None."""
         ...
 
     def quarantine(self, digest: str) -> None:
@@ -140,10 +142,13 @@ class LocalChunkBackend:
         self._touched.add(target.parent)
         return len(blob)
 
-    def delete(self, digest: str) -> int:
+    def delete(self, digest: str, *, before: float | None = None) -> int | None:
         path = self.path_of(digest)
         try:
-            size = path.stat().st_size
+            st = path.stat()
+            if before is not None and st.st_mtime >= before:
+                return None
+            size = st.st_size
             path.unlink()
         except FileNotFoundError:
             return 0

@@ -328,7 +328,7 @@ class ChunkStore:
 
     def remove(self, digest: str) -> int:
         """Delete a chunk; return the bytes freed (0 if it was not there)."""
-        return self.backend.delete(check_hash(digest))
+        return self.backend.delete(check_hash(digest)) or 0
 
     def __iter__(self) -> Iterator[str]:
         """Every chunk name in the store (temporary and quarantined files excluded)."""
@@ -358,22 +358,31 @@ class ChunkStore:
         (for a shared store: every node's). Chunks written less than ``min_age_seconds`` ago
         are kept, since a snapshot being saved writes its chunks before its manifest (the
         caller also holds the store's exclusive lock; the age covers writers that do not
-        share that lock). ``dry_run`` counts and deletes nothing; ``on_removed`` is called with
-        each chunk deleted (a crash point in the fault tests). Raises StorageError.
+        share that lock); so is one written again after the listing, when it is deleted.
+        ``dry_run`` counts and deletes nothing; ``on_removed`` is called with each chunk
+        deleted (a crash point in the fault tests). Raises StorageError.
         """
         now = time.time() if now is None else now
+        # a chunk written again after the listing (a writer whose manifest is not recorded
+        # yet) is spared when it is deleted: the listing's times are old by then
+        before = now - min_age_seconds if min_age_seconds > 0 else None
         report = SweepReport()
         for entry in list(self.backend.entries()):
             if entry.digest in marked or now - entry.modified < min_age_seconds:
                 report.kept += 1
                 continue
-            report.removed += 1
             if dry_run:
+                report.removed += 1
                 report.freed_bytes += entry.size
-            else:
-                report.freed_bytes += self.backend.delete(entry.digest)
-                if on_removed is not None:
-                    on_removed(entry.digest)
+                continue
+            freed = self.backend.delete(entry.digest, before=before)
+            if freed is None:
+                report.kept += 1
+                continue
+            report.removed += 1
+            report.freed_bytes += freed
+            if on_removed is not None:
+                on_removed(entry.digest)
         log.info(
             "sweep of %s: %d removed, %d kept, %d bytes%s",
             self.location,

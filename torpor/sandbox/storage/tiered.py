@@ -58,8 +58,8 @@ class TieredChunkBackend:
     def write(self, digest: str, blob: bytes) -> int:
         return self.local.write(digest, blob)
 
-    def delete(self, digest: str) -> int:
-        return self.local.delete(digest)
+    def delete(self, digest: str, *, before: float | None = None) -> int | None:
+        return self.local.delete(digest, before=before)
 
     def quarantine(self, digest: str) -> None:
         self.local.quarantine(digest)
@@ -101,4 +101,4 @@ class TieredChunkBackend:
         cache = getattr(self.remote, "cache", None)
         if cache is not None:
             cache.put(digest, blob)
-        return self.local.delete(digest)
+        return self.local.delete(digest) or 0
