@@ -132,3 +132,13 @@ def test_a_frame_waiting_for_its_payload_is_dropped_by_reset() -> None:
     decoder.reset()
     assert decoder.pending == 0
     assert [f.id for f in decoder.feed(good)] == [2]
+
+
+def test_a_deeply_nested_header_is_skipped() -> None:
+    # json.loads raises RecursionError, not ValueError, past its nesting limit
+    deep = b'{"i":1,"t":"reply","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    crc = proto._crc(len(deep), 0, deep)
+    bad = proto.PREFIX.pack(proto.MAGIC, len(deep), 0, crc) + deep
+    good = proto.encode_frame({"i": 2, "t": proto.REPLY})
+    decoder = proto.FrameDecoder()
+    assert [f.id for f in decoder.feed(bad + good)] == [2]

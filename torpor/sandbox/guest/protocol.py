@@ -243,7 +243,7 @@ class FrameDecoder:
 def _parse_header(raw: bytes) -> dict[str, Any] | None:
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # too deeply nested too
         return None
     if (
         not isinstance(header, dict)

@@ -303,6 +303,9 @@ class GuestChannel:
             error = GuestError("the guest agent hung up")
         except OSError as exc:
             error = GuestError(f"the connection to the guest agent broke: {exc}", exc=exc)
+        except Exception as exc:  # what the guest sent broke the host's reading of it
+            log.exception("reading from the guest agent failed")
+            error = GuestError(f"the guest agent sent what the host cannot read: {exc!r}", exc=exc)
         self._fail_all(error)
 
     def _on_frame(self, frame: proto.Frame) -> None:
@@ -457,7 +460,7 @@ class GuestChannel:
         if reply.get("result_in_data"):
             try:
                 result = json.loads(bytes(pending.data))
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # not JSON, or nested too deep
                 raise GuestError(f"the guest sent a corrupt {op} result", exc=exc) from exc
             pending.data.clear()
         else:

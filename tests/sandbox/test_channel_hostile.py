@@ -1,0 +1,89 @@
+"""The host's end of the channel facing a hostile or broken guest: whatever bytes the guest
+writes, the host neither crashes nor hangs nor allocates without bound, and raises typed
+errors. The guest here is a fake, speaking the protocol (or not) over a socket pair."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+
+from torpor.errors import GuestError
+from torpor.sandbox.guest import protocol as proto
+from torpor.sandbox.vm.channel import GuestChannel
+
+T = TypeVar("T")
+
+
+class FakeGuest:
+    """The guest's end of a socket pair: reads the host's frames, writes whatever it likes."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.decoder = proto.FrameDecoder()
+        self.frames: list[proto.Frame] = []
+
+    async def next_frame(self) -> proto.Frame:
+        while not self.frames:
+            data = await self.reader.read(1 << 16)
+            assert data, "the host hung up"
+            self.frames.extend(self.decoder.feed(data))
+        return self.frames.pop(0)
+
+    async def send(self, raw: bytes) -> None:
+        self.writer.write(raw)
+        await self.writer.drain()
+
+    async def reply(self, req_id: int, **fields: object) -> None:
+        await self.send(proto.encode_frame({"i": req_id, "t": proto.REPLY, **fields}))
+
+
+def with_guest(body: Callable[[GuestChannel, FakeGuest], Awaitable[T]], **kw: object) -> T:
+    """Run ``body(channel, guest)`` with a channel connected to a fake guest."""
+
+    async def main() -> T:
+        host_sock, guest_sock = socket.socketpair()
+        reader, writer = await asyncio.open_unix_connection(sock=host_sock)
+        channel = GuestChannel(reader, writer, **kw)  # type: ignore[arg-type]
+        guest = FakeGuest(*await asyncio.open_unix_connection(sock=guest_sock))
+        try:
+            return await asyncio.wait_for(body(channel, guest), 10)
+        finally:
+            await channel.close()
+            guest.writer.close()
+
+    return asyncio.run(main())
+
+
+def raw_frame(header: bytes, payload: bytes = b"") -> bytes:
+    """A frame around ``header`` as given (a valid crc, whatever the JSON holds)."""
+    crc = proto._crc(len(header), len(payload), header)
+    return proto.PREFIX.pack(proto.MAGIC, len(header), len(payload), crc) + header + payload
+
+
+def test_a_deeply_nested_header_is_skipped_and_the_channel_lives_on() -> None:
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        task = asyncio.create_task(ch.exists("/x"))
+        req = await guest.next_frame()
+        deep = b'{"i":%d,"t":"reply","x":' % req.id + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        await guest.send(raw_frame(deep))
+        await guest.reply(req.id, ok=True, result={"exists": True})
+        assert await task is True
+
+    with_guest(body)
+
+
+def test_a_deeply_nested_big_result_is_a_guest_error() -> None:
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        task = asyncio.create_task(ch.list_dir("/"))
+        req = await guest.next_frame()
+        await guest.send(proto.encode_frame({"i": req.id, "t": proto.DATA}, b"[" * 100_000))
+        await guest.reply(req.id, ok=True, result_in_data=True)
+        with pytest.raises(GuestError, match="corrupt"):
+            await task
+        assert not ch.closed
+
+    with_guest(body)
