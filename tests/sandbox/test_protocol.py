@@ -142,3 +142,26 @@ def test_a_deeply_nested_header_is_skipped() -> None:
     good = proto.encode_frame({"i": 2, "t": proto.REPLY})
     decoder = proto.FrameDecoder()
     assert [f.id for f in decoder.feed(bad + good)] == [2]
+
+
+def test_fake_prefixes_claiming_long_headers_cost_linear_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A hostile guest writes a prefix every 16 bytes, each claiming a 1 MiB header: checked
+    # one by one up to the next magic, 64 KiB of them cost 4 GiB of crc (the host's event
+    # loop stood still for seconds per KiB). The work stays in proportion to the input.
+    checked = 0
+    crc = proto._crc
+
+    def counting(header_len: int, payload_len: int, header: bytes) -> int:
+        nonlocal checked
+        checked += len(header)
+        return crc(header_len, payload_len, header)
+
+    monkeypatch.setattr(proto, "_crc", counting)
+    fake = proto.PREFIX.pack(proto.MAGIC, proto.MAX_HEADER, 0, 0) * (64 * 1024 // 16)
+    good = proto.encode_frame({"i": 7, "t": proto.REPLY})
+    decoder = proto.FrameDecoder()
+    frames = decoder.feed(fake) + decoder.feed(b"\0" * proto.MAX_HEADER) + decoder.feed(good)
+    assert [f.id for f in frames] == [7]
+    assert checked <= 16 * proto.MAX_HEADER

@@ -71,6 +71,10 @@ MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 20
 #: payload bytes per frame when a sender splits large data
 CHUNK = 256 * 1024
+#: header bytes a decoder may check in candidate frames that turn out bad (crc or JSON)
+#: before it skips such a candidate whole: this much, plus this many times the bytes fed
+WASTE_ALLOWANCE = 4 * MAX_HEADER
+WASTE_FACTOR = 4
 
 REQ = "req"
 DATA = "data"
@@ -170,11 +174,15 @@ class FrameDecoder:
         # arriving: a 256 KiB payload comes in 4 KiB reads on a virtio port, and parsing
         # the header again for each of them costs a lot under TCG.
         self._hold: tuple[int, dict[str, Any]] | None = None
+        # bytes fed, and header bytes checked in candidates that were not frames
+        self._fed = 0
+        self._wasted = 0
 
     def reset(self) -> None:
         """Forget any partial frame (the peer hung up)."""
         self._buf.clear()
         self._hold = None
+        self._fed = self._wasted = 0
 
     @property
     def pending(self) -> int:
@@ -184,6 +192,7 @@ class FrameDecoder:
     def feed(self, data: bytes) -> list[Frame]:
         """Add ``data``; return every frame that is now complete, in order."""
         self._buf += data
+        self._fed += len(data)
         frames: list[Frame] = []
         while True:
             frame = self._next()
@@ -196,6 +205,19 @@ class FrameDecoder:
         at = self._buf.find(MAGIC, 1)
         n = len(self._buf) - len(MAGIC) + 1 if at < 0 else at
         n = max(1, n)
+        del self._buf[:n]
+        self.skipped += n
+
+    def _reject(self, hlen: int) -> None:
+        # A prefix whose header (``hlen`` bytes, checked) is no frame's. Skipping to the next
+        # magic lets a stream of fake prefixes, one every 16 bytes each claiming a long
+        # header, cost that header's length per 16 bytes; past the budget the whole
+        # candidate is skipped, so the work stays in proportion to the bytes fed.
+        self._wasted += hlen
+        if self._wasted <= WASTE_ALLOWANCE + WASTE_FACTOR * self._fed:
+            self._skip()
+            return
+        n = PREFIX.size + hlen
         del self._buf[:n]
         self.skipped += n
 
@@ -220,12 +242,9 @@ class FrameDecoder:
             if len(buf) < PREFIX.size + hlen:
                 return None
             raw = bytes(buf[PREFIX.size : PREFIX.size + hlen])
-            if _crc(hlen, plen, raw) != crc:
-                self._skip()
-                continue
-            header = _parse_header(raw)
+            header = _parse_header(raw) if _crc(hlen, plen, raw) == crc else None
             if header is None:
-                self._skip()
+                self._reject(hlen)
                 continue
             end = PREFIX.size + hlen + plen
             if len(buf) < end:
