@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import pytest
 
-from torpor.errors import GuestError
+from torpor.errors import GuestError, PathNotFound, TorporError
 from torpor.sandbox.guest import protocol as proto
 from torpor.sandbox.vm.channel import GuestChannel
 
@@ -85,5 +85,32 @@ def test_a_deeply_nested_big_result_is_a_guest_error() -> None:
         with pytest.raises(GuestError, match="corrupt"):
             await task
         assert not ch.closed
+
+    with_guest(body)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"message": "clash"},
+        {"exc": "not an exception"},
+        {"args": 5},
+        {"__class__": "x"},
+        {"http_status": 200},
+        [1, 2],
+        "ab",
+    ],
+)
+def test_an_error_with_hostile_data_is_still_a_typed_error(data: object) -> None:
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        task = asyncio.create_task(ch.exists("/x"))
+        req = await guest.next_frame()
+        error = {"type": "PathNotFound", "message": "gone", "data": data}
+        await guest.reply(req.id, ok=False, error=error)
+        with pytest.raises(TorporError) as info:
+            await task
+        assert info.value.message == "gone"
+        assert isinstance(info.value, PathNotFound | GuestError)
+        assert info.value.http_status in (PathNotFound.http_status, GuestError.http_status)
 
     with_guest(body)

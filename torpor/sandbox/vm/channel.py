@@ -813,10 +813,25 @@ class _VersionMismatch(Exception):
         self.version = version
 
 
+#: names a guest's error data may not set on the error it becomes (they are the error's own:
+#: its message, cause, ``data``, ``http_status``, ``to_wire``, ``args``, dunders...)
+_RESERVED = frozenset(dir(TorporError)) | {"message", "exc", "data"}
+
+
 def _guest_error(payload: Any) -> TorporError:
+    """The error a guest's reply reports, as the :mod:`torpor.errors` class it names (a
+    GuestError for a name this host does not know). The guest is not trusted: data that is
+    not an object is dropped, and so are keys that would overwrite the error's own
+    attributes."""
     if not isinstance(payload, dict):
         return GuestError("the guest agent failed without saying why")
-    error = from_wire(payload)
+    data = payload.get("data")
+    kept = (
+        {k: v for k, v in data.items() if k not in _RESERVED and not k.startswith("_")}
+        if isinstance(data, dict)
+        else {}
+    )
+    error = from_wire({**payload, "data": kept})
     if type(error) is TorporError:  # a type name this host does not know
         return GuestError(error.message, **error.data)
     return error
