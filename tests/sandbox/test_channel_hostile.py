@@ -11,7 +11,8 @@ from typing import TypeVar
 
 import pytest
 
-from torpor.errors import GuestError, PathNotFound, TorporError
+from torpor.config import Limits
+from torpor.errors import GuestError, PathNotFound, PayloadTooLarge, TorporError
 from torpor.sandbox.guest import protocol as proto
 from torpor.sandbox.vm.channel import GuestChannel
 
@@ -114,3 +115,22 @@ def test_an_error_with_hostile_data_is_still_a_typed_error(data: object) -> None
         assert info.value.http_status in (PathNotFound.http_status, GuestError.http_status)
 
     with_guest(body)
+
+
+def test_output_past_the_limit_is_refused_by_the_host_too() -> None:
+    # The guest enforces max_output; a hostile one does not, and the host kept every chunk
+    # (a guest could fill the host's memory through one command's stdout).
+    limit = 64 * 1024
+
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        task = asyncio.create_task(ch.run_command("yes"))
+        req = await guest.next_frame()
+        chunk = proto.encode_frame({"i": req.id, "t": proto.EVENT, "s": "stdout"}, b"y" * limit)
+        for _ in range(200):  # 12.5 MiB, far past the limit and any slack
+            await guest.send(chunk)
+        await guest.reply(req.id, ok=True, result={"exit_code": 0})
+        with pytest.raises(PayloadTooLarge):
+            await task
+        assert (await guest.next_frame()).type == proto.CANCEL
+
+    with_guest(body, limits=Limits(max_output_bytes=limit))

@@ -64,6 +64,9 @@ FRESH_FOR = 2.0
 #: ops the agent serves on its read loop, in arrival order (its ``INLINE_OPS``): a cancel
 #: cannot stop one, so none is sent
 INLINE_OPS = frozenset({"ping", "refresh"})
+#: output bytes a request may get past its limit before the host refuses it: the guest
+#: enforces the limit itself, but its last read of a command's pipes may add what they held
+OUTPUT_SLACK = 4 << 20
 
 
 @dataclass
@@ -73,6 +76,8 @@ class _Pending:
     last_activity: float
     data: bytearray = field(default_factory=bytearray)
     data_limit: int = 0
+    #: bytes of output events received (kept in ``streams``)
+    output_bytes: int = 0
     streams: dict[str, list[str]] = field(default_factory=lambda: {"stdout": [], "stderr": []})
     callbacks: dict[str, OutputCallback | None] = field(default_factory=dict)
     decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
@@ -328,20 +333,28 @@ class GuestChannel:
                 except Exception:  # a user's callback must not break the channel
                     log.exception("%s event handler failed", pending.op)
             else:
+                pending.output_bytes += len(frame.payload)
+                if pending.output_bytes > pending.data_limit + OUTPUT_SLACK:
+                    self._too_large(frame.id, pending, "printed", pending.output_bytes)
+                    return
                 pending.on_output(stream, frame.payload)
         elif kind == proto.DATA:
             pending.data += frame.payload
             if len(pending.data) > pending.data_limit:
-                pending.future.set_exception(
-                    PayloadTooLarge(
-                        f"{pending.op} returned over {pending.data_limit} bytes",
-                        size=len(pending.data),
-                        limit=pending.data_limit,
-                    )
-                )
-                self._send_cancel(frame.id)
+                self._too_large(frame.id, pending, "returned", len(pending.data))
         elif kind == proto.REPLY:
             pending.future.set_result(frame.header)
+
+    def _too_large(self, req_id: int, pending: _Pending, what: str, size: int) -> None:
+        """Fail request ``req_id`` with PayloadTooLarge and tell the guest to stop it."""
+        pending.future.set_exception(
+            PayloadTooLarge(
+                f"{pending.op} {what} over {pending.data_limit} bytes",
+                size=size,
+                limit=pending.data_limit,
+            )
+        )
+        self._send_cancel(req_id)
 
     async def _answer(self, frame: proto.Frame) -> None:
         """Answer one ``call`` of the guest with :attr:`on_call` (503 without one)."""
