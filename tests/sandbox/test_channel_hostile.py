@@ -14,7 +14,7 @@ import pytest
 from torpor.config import Limits
 from torpor.errors import GuestError, PathNotFound, PayloadTooLarge, TorporError
 from torpor.sandbox.guest import protocol as proto
-from torpor.sandbox.vm.channel import GuestChannel
+from torpor.sandbox.vm.channel import MAX_CALLS, GuestChannel
 
 T = TypeVar("T")
 
@@ -134,3 +134,36 @@ def test_output_past_the_limit_is_refused_by_the_host_too() -> None:
         assert (await guest.next_frame()).type == proto.CANCEL
 
     with_guest(body, limits=Limits(max_output_bytes=limit))
+
+
+def test_calls_in_flight_at_once_are_bounded() -> None:
+    # Each call frame (up to 1 MiB of body) became a task held until answered, with no
+    # bound: a guest could queue any number of them behind a slow memory store.
+    running = 0
+    most = 0
+    release = asyncio.Event()
+
+    async def on_call(
+        method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await release.wait()
+        running -= 1
+        return 200, {}, b"ok"
+
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        calls = MAX_CALLS + 50
+        for cid in range(calls):
+            await guest.send(
+                proto.encode_frame({"i": cid, "t": proto.CALL, "method": "POST", "path": "/"})
+            )
+        refused = [await guest.next_frame() for _ in range(calls - MAX_CALLS)]
+        assert {f.header["status"] for f in refused} == {429}
+        assert most == MAX_CALLS
+        release.set()
+        answered = [await guest.next_frame() for _ in range(MAX_CALLS)]
+        assert {f.header["status"] for f in answered} == {200}
+
+    with_guest(body, on_call=on_call)

@@ -31,6 +31,7 @@ from torpor.errors import (
     InvalidArgument,
     OperationTimeout,
     PayloadTooLarge,
+    QuotaExceeded,
     TorporError,
     from_wire,
 )
@@ -39,7 +40,7 @@ from torpor.sandbox.models import CommandResult, EntryInfo, Execution, Execution
 from torpor.sandbox.requests import CodeSpec, CommandSpec
 from torpor.types import OutputCallback
 
-__all__ = ["CLONE_FIRST_PING_RETRY", "CallHandler", "GuestChannel", "wake_split"]
+__all__ = ["CLONE_FIRST_PING_RETRY", "MAX_CALLS", "CallHandler", "GuestChannel", "wake_split"]
 
 #: answers a call the guest makes (an HTTP request to its ``localhost:7777``, see
 #: :mod:`torpor.sandbox.guest.relay`): ``(method, path, headers, body) -> (status, headers,
@@ -67,6 +68,8 @@ INLINE_OPS = frozenset({"ping", "refresh"})
 #: output bytes a request may get past its limit before the host refuses it: the guest
 #: enforces the limit itself, but its last read of a command's pipes may add what they held
 OUTPUT_SLACK = 4 << 20
+#: calls of the guest (its memory relay) the host answers at once; more are refused (429)
+MAX_CALLS = 64
 
 
 @dataclass
@@ -315,6 +318,9 @@ class GuestChannel:
 
     def _on_frame(self, frame: proto.Frame) -> None:
         if frame.type == proto.CALL:  # the guest asks (the memory relay); its own ids
+            if len(self._calls) >= MAX_CALLS:  # each holds its body until answered
+                self._refuse_call(frame.id)
+                return
             task = asyncio.get_running_loop().create_task(self._answer(frame))
             self._calls.add(task)
             task.add_done_callback(self._calls.discard)
@@ -355,6 +361,20 @@ class GuestChannel:
             )
         )
         self._send_cancel(req_id)
+
+    def _refuse_call(self, call_id: int) -> None:
+        """Answer call ``call_id`` with 429: :data:`MAX_CALLS` are being answered already."""
+        wire = QuotaExceeded(
+            f"over {MAX_CALLS} memory calls from this sandbox at once", limit=MAX_CALLS
+        ).to_wire()
+        answer = {
+            "i": call_id,
+            "t": proto.ANSWER,
+            "status": QuotaExceeded.http_status,
+            "headers": {"content-type": "application/json"},
+        }
+        if self._closed is None:
+            self._writer.write(proto.encode_frame(answer, json.dumps({"error": wire}).encode()))
 
     async def _answer(self, frame: proto.Frame) -> None:
         """Answer one ``call`` of the guest with :attr:`on_call` (503 without one)."""
