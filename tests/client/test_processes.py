@@ -15,7 +15,7 @@ import pytest
 
 from torpor.client import processes
 from torpor.client.processes import ProcessHandle, list_processes, start
-from torpor.errors import InvalidArgument, NotFound, OperationTimeout
+from torpor.errors import GuestError, InvalidArgument, NotFound, OperationTimeout
 from torpor.sandbox.models import CommandResult
 
 
@@ -122,3 +122,19 @@ def test_a_shell_session_line_by_line(sbx: Any) -> None:
     assert "42\n" in text and "err\n" in text
     assert code == 1  # `exit` after `false`: the shell exits with the last status
     assert list_processes(sbx, include_exited=True) == []  # forgotten
+
+
+def test_what_other_guest_processes_leave_in_the_directory_is_no_raw_error(
+    sbx: Any, tmp_path: Path
+) -> None:
+    # The directory is the guest's: any process there can add to it or write in it.
+    p = start(sbx, "true")
+    assert p.wait(timeout=10).exit_code == 0
+    (tmp_path / "procs" / "12x").mkdir()  # matches the listing's [0-9]* glob
+    (tmp_path / "procs" / "3 4").mkdir()
+    assert [i.pid for i in list_processes(sbx, include_exited=True)] == [p.pid]
+    (tmp_path / "procs" / str(p.pid) / "exit").write_text("junk\n")
+    with pytest.raises(GuestError):
+        p.exit_code()
+    with pytest.raises(GuestError):
+        p.wait(timeout=10)

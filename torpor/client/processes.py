@@ -24,10 +24,11 @@ An :class:`~torpor.client.aio_sandbox.AsyncSandbox` 's ``commands.start`` answer
 from __future__ import annotations
 
 import base64
+import binascii
 import shlex
 from typing import Protocol
 
-from torpor.errors import InvalidArgument, NotFound, OperationTimeout
+from torpor.errors import GuestError, InvalidArgument, NotFound, OperationTimeout
 from torpor.sandbox.models import CommandResult, ProcessInfo
 
 
@@ -144,14 +145,32 @@ def list_script() -> str:
 
 
 def parse_list(out: str, include_exited: bool) -> list[ProcessInfo]:
-    """The processes :func:`list_script` printed, oldest pid first."""
+    """The processes :func:`list_script` printed, oldest pid first. A line that is not one
+    of theirs (a directory another guest process made there) is skipped."""
     found: list[ProcessInfo] = []
     for line in out.splitlines():
         pid, code, cmd = [*line.split(" ", 2), "", ""][:3]
+        if not _is_number(pid):
+            continue
         if code != "-" and not include_exited:
             continue
-        found.append(ProcessInfo(pid=int(pid), cmd=base64.b64decode(cmd).decode(errors="replace")))
+        try:
+            text = base64.b64decode(cmd, validate=True).decode(errors="replace")
+        except binascii.Error:
+            continue
+        found.append(ProcessInfo(pid=int(pid), cmd=text))
     return sorted(found, key=lambda p: p.pid)
+
+
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _number(text: str, what: str) -> int:
+    """``text`` (what a guest script printed) as an int. Raises GuestError if it is none."""
+    if not _is_number(text.strip()):
+        raise GuestError(f"the guest gave {text.strip()[:80]!r} for {what}")
+    return int(text)
 
 
 class _Scripts:
@@ -172,7 +191,7 @@ class _Scripts:
     @staticmethod
     def parse_exit_code(result: CommandResult) -> int | None:
         text = result.stdout.strip()
-        return int(text) if text else None
+        return _number(text, "an exit code") if text else None
 
     def wait(self) -> str:
         return f"while [ ! -e {self.dir}/exit ]; do sleep 0.1; done"
@@ -209,9 +228,10 @@ class _Scripts:
 
 def start(sbx: Sandbox, cmd: str, *, cwd: str | None = None) -> ProcessHandle:
     """Start ``cmd`` (``/bin/sh``) in the background and return its handle. Raises
-    InvalidArgument (an empty command, or the guest refused)."""
-    out = _run(sbx, start_script(cmd, cwd)).stdout.strip()
-    return ProcessHandle(sbx, int(out), cmd)
+    InvalidArgument (an empty command, or the guest refused), GuestError (it printed no
+    pid)."""
+    out = _run(sbx, start_script(cmd, cwd)).stdout
+    return ProcessHandle(sbx, _number(out, "a pid"), cmd)
 
 
 def list_processes(sbx: Sandbox, *, include_exited: bool = False) -> list[ProcessInfo]:
@@ -237,7 +257,8 @@ class ProcessHandle:
             raise self._scripts.missing()
 
     def exit_code(self) -> int | None:
-        """Its exit code, or None while it runs. Raises NotFound."""
+        """Its exit code, or None while it runs. Raises NotFound, GuestError (its exit
+        file holds no number)."""
         self._check()
         got = self._sbx.commands.run(self._scripts.exit_code(), timeout=_QUICK)
         return self._scripts.parse_exit_code(got)
@@ -286,7 +307,7 @@ class ProcessHandle:
 async def start_async(sbx: AsyncSandbox, cmd: str, *, cwd: str | None = None) -> AsyncProcessHandle:
     """:func:`start` for an :class:`~torpor.client.aio_sandbox.AsyncSandbox`."""
     out = _checked(await sbx.commands.run(start_script(cmd, cwd), timeout=_QUICK)).stdout
-    return AsyncProcessHandle(sbx, int(out.strip()), cmd)
+    return AsyncProcessHandle(sbx, _number(out, "a pid"), cmd)
 
 
 async def list_processes_async(
