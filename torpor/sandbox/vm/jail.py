@@ -258,16 +258,22 @@ def prepare(directory: Path, jail: Jail, config: dict[str, Any]) -> None:
         for key in ("kernel", "initrd"):
             if config.get(key):
                 prepare_path(Path(config[key]), jail, shared=True)
-        homes = [] if home is None else [home, *((home / d).resolve() for d in _MACHINE_DIRS)]
+        # the home's machine directories only: the home itself also holds the registry, the
+        # tenants' memory databases and the uid table
+        roots = [] if home is None else [(home / d).resolve() for d in _MACHINE_DIRS]
         current = _backing(directory / "disk.qcow2")
         for _ in range(256):
             if current is None:
                 break
             real = current.resolve()
             # the overlay's header is the jailed uid's to write: a backing file named there
-            # outside the home (an escaped QEMU's "/etc/shadow") is never handed to it
-            if not any(real.is_relative_to(root) for root in homes):
-                raise EngineError(f"{directory}: its disk's backing file {real} is outside {home}")
+            # outside the home's machines (an escaped QEMU's "/etc/shadow", or the home's
+            # registry.db) is never handed to it
+            if not any(real.is_relative_to(root) for root in roots):
+                raise EngineError(
+                    f"{directory}: its disk's backing file {real} is outside the machine "
+                    f"directories of {home}"
+                )
             prepare_path(real, jail, shared=any(p.name == "templates" for p in real.parents))
             current = _backing(real)
     except OSError as exc:
