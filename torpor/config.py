@@ -263,10 +263,15 @@ class Quotas:
             return cls()
         except (OSError, ValueError) as exc:
             raise InvalidArgument(f"cannot read {file}: {exc}", path=str(file)) from exc
-        merged = {**dict(table.get("*", {})), **dict(table.get(tenant, {}))}
         try:
+            if not isinstance(table, dict):
+                raise TypeError("not an object of tenants")
+            entries = [table.get("*", {}), table.get(tenant, {})]
+            if not all(isinstance(entry, dict) for entry in entries):
+                raise TypeError("a tenant's entry is not an object of quotas")
+            merged = {**entries[0], **entries[1]}
             return cls(**{k: int(v) for k, v in merged.items()})
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise InvalidArgument(f"bad quota in {file}: {exc}", path=str(file)) from exc
 
     def check(self, tenant: str, quota: str, used: int, adding: int = 1) -> None:

@@ -121,3 +121,22 @@ def test_a_fork_over_quota_is_refused_before_its_source_pauses(tmp_path: Path) -
             await m.close(pause=False)
 
     asyncio.run(main())
+
+
+def test_a_quotas_file_of_another_shape_is_typed(tmp_path: Path) -> None:
+    """A quotas.json that is JSON but not the table (a list, a tenant's entry not an object,
+    a value too big for a number) is InvalidArgument, never a raw TypeError (HTTP 500 on
+    every create)."""
+    p = paths(tmp_path / "home")
+    p.home.mkdir(parents=True)
+    for text in (
+        "[]",
+        "null",
+        '{"*": 5}',
+        '{"*": "ab"}',
+        '{"t": [1]}',
+        '{"*": {"volumes": 1e999}}',
+    ):
+        (p.home / "quotas.json").write_text(text)
+        with pytest.raises(InvalidArgument):
+            Quotas.of(p, "t")
