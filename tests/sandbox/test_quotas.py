@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,28 @@ def test_a_quotas_file_of_another_shape_is_typed(tmp_path: Path) -> None:
         (p.home / "quotas.json").write_text(text)
         with pytest.raises(InvalidArgument):
             Quotas.of(p, "t")
+
+
+def test_concurrent_wakes_of_compacted_sandboxes_keep_to_the_quota(tmp_path: Path) -> None:
+    """A wake of a compacted sandbox waits for its RAM's rebuild to begin before it records
+    ``waking``; two such wakes at once must not both pass a quota with room for one."""
+    home = tmp_path / "home"
+
+    async def main() -> None:
+        m = SandboxManager(paths(home), engine=FakeEngine())
+        m.compact_after_seconds = 0
+        try:
+            for name in ("a", "b"):
+                await m.create(name=name)
+                await m.pause(name)
+            done = await m.compact_sweep(now=time.time() + 1, limit=2)
+            assert len(done) == 2
+            _quotas(home, {"*": {"running_sandboxes": 1}})
+            got = await asyncio.gather(m.resume("a"), m.resume("b"), return_exceptions=True)
+            assert sorted(type(g).__name__ for g in got) == ["QuotaExceeded", "SandboxInfo"]
+            states = sorted(i.state.value for i in await m.list())
+            assert states == ["paused", "running"]
+        finally:
+            await m.close(pause=False)
+
+    asyncio.run(main())

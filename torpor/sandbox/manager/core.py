@@ -642,9 +642,8 @@ class ManagerCore:
         raise self._mark_lost(rec, f"QEMU died while pausing: {exc}") from exc
 
     async def wake_held(self, rec: SandboxRecord, live: Live, reason: str) -> SandboxRecord:
-        self.check_room(
-            rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=self._ram_held(rec.id)
-        )
+        allocated = self._ram_held(rec.id)
+        self.check_room(rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=allocated)
         # cluster mode: hold the lease again, now, under the lock: a call that ended just
         # before may have given it back after this call took it (Conflict if another node
         # took it since: the request goes there)
@@ -658,8 +657,14 @@ class ManagerCore:
             job = await asyncio.to_thread(
                 begin_expand, directory, self.chunk_store, sandbox_id=rec.id, durable=False
             )
-        rec = self.move(rec, S.WAKING, reason)
         try:
+            if job is not None or self.cluster is not None:
+                # again: the steps above awaited, and another wake or a create may have
+                # taken the room meanwhile (``waking`` is what makes this one count)
+                self.check_room(
+                    rec.tenant, sandboxes=1, memory_mib=rec.memory_mib, allocated=allocated
+                )
+            rec = self.move(rec, S.WAKING, reason)
             await self._step("wake:begin", rec.id)
         except BaseException:
             if job is not None:
