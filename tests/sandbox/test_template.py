@@ -268,3 +268,59 @@ def test_a_rebuild_without_options_keeps_the_templates_recipe(
     assert templates.recipe("python", None, None, None, None) == (["git"], ["numpy"], 2, 1024)
     assert templates.recipe("python", ["jq"], [], None, 512) == (["jq"], [], 2, 512)
     assert templates.recipe("data", None, None, None, None) == ([], [], 1, 512)
+
+
+def test_two_builds_sharing_an_image_each_get_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two templates of one package set (``python`` and ``python-2g``) built at once need the
+    same cached image: neither may clear or convert the other's half-made files (a cached
+    image converted from a half-made file system is reused by every later build)."""
+    import threading
+    import time
+
+    root = tmp_path / "rootfs-key" / "rootfs"
+    (root / "boot").mkdir(parents=True)
+    (root / "boot" / "vmlinuz-6").write_bytes(b"kernel")
+    (root / "boot" / "initrd.img-6").write_bytes(b"initrd")
+    guest = tmp_path / "guest"
+    guest.mkdir()
+    (guest / "init.sh").write_text("#!/bin/sh\n")
+    whole = b"ext4" * 4096
+
+    def run(cmd: list[str], what: str, **_: Any) -> str:
+        if cmd[0] == "mkfs.ext4":  # writes the file system a piece at a time
+            with open(cmd[-1], "r+b") as f:
+                for i in range(0, len(whole), 2048):
+                    f.seek(i)
+                    f.write(whole[i : i + 2048])
+                    time.sleep(0.005)
+        elif cmd[0] == "qemu-img":
+            time.sleep(0.02)
+            shutil.copyfile(cmd[-2], cmd[-1])
+        return ""
+
+    monkeypatch.setattr(_rootfs, "_run", run)
+    monkeypatch.setattr(_rootfs, "_slim", lambda root: None)
+    monkeypatch.setattr(_rootfs, "DISK_SIZE_MIB", 1)
+    files = _rootfs.guest_files(guest)
+    cache = tmp_path / "cache"
+    start = threading.Barrier(2)
+    got: list[Any] = []
+
+    def build() -> None:
+        start.wait()
+        try:
+            got.append(_rootfs.ensure_image(cache, root, files))
+        except Exception as exc:
+            got.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(g, Path) for g in got), got
+    for image in got:
+        assert (image / "base.qcow2").read_bytes()[: len(whole)] == whole
+        assert (image / "vmlinuz").read_bytes() == b"kernel"

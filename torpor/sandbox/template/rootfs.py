@@ -409,15 +409,18 @@ def ensure_image(
     final = cache / "images" / key
     if (final / "base.qcow2").exists() and not force:
         return final
-    say("image", "making the disk image")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(key + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    # This step owns /opt/torpor of the cached tree; the lock keeps two builds (of different
-    # templates on the same rootfs) from swapping the guest files under each other's mkfs.
+    # One image maker per rootfs, from clearing ``<key>.tmp`` to its rename: this step owns
+    # /opt/torpor of the cached tree, and two builds of templates with the same packages
+    # (``python``, ``python-2g``) make the same image in the same tmp dir.
     with open(rootfs.parent / ".image.lock", "w") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if (final / "base.qcow2").exists() and not force:
+            return final  # the other build made it meanwhile
+        say("image", "making the disk image")
+        tmp = final.with_name(key + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         _slim(rootfs)
         opt = rootfs / "opt" / "torpor"
         shutil.rmtree(opt, ignore_errors=True)
@@ -434,24 +437,24 @@ def ensure_image(
         _run(
             ["mkfs.ext4", "-q", "-F", "-L", "torpor-root", "-d", str(rootfs), str(raw)], "mkfs.ext4"
         )
-    _run(
-        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(tmp / "base.qcow2")],
-        "qemu-img convert",
-    )
-    raw.unlink()
-    (tmp / "image.json").write_text(
-        json.dumps(
-            {
-                "rootfs": str(rootfs),
-                "kernel": kernel.name,
-                "initrd": initrd.name,
-                "guest_files": sorted(files),
-            }
+        _run(
+            ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(tmp / "base.qcow2")],
+            "qemu-img convert",
         )
-    )
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        raw.unlink()
+        (tmp / "image.json").write_text(
+            json.dumps(
+                {
+                    "rootfs": str(rootfs),
+                    "kernel": kernel.name,
+                    "initrd": initrd.name,
+                    "guest_files": sorted(files),
+                }
+            )
+        )
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
     return final
 
 
