@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.sandbox.fakes import FakeEngine, FakeWorld
+from tests.sandbox.fakes import FakeEngine, FakeMachine, FakeWorld
 from tests.sandbox.procs import procs_on
 from torpor.config import paths
 from torpor.errors import (
@@ -430,6 +430,49 @@ def test_a_wake_cut_short_is_settled_by_the_next_call(home: Path) -> None:
         assert paused.state is S.PAUSED
         assert mgr.registry.transitions(info.id)[-1].reason == "recovered: saved state is whole"
         assert (await mgr.run_command(info.id, "echo back")).stdout == "back\n"
+
+    with_manager(home, body)
+
+
+@pytest.mark.parametrize(
+    ("operation", "step"),
+    [("resume", "wake"), ("resume", "connect"), ("pause", "hibernate")],
+)
+def test_a_step_cancelled_midway_is_settled_by_the_next_call(
+    home: Path, monkeypatch: pytest.MonkeyPatch, operation: str, step: str
+) -> None:
+    """A caller's timeout cancels a wake while QEMU loads the state or the guest is being
+    reached (or a pause while QEMU saves): the row is left ``waking`` / ``pausing`` with the
+    machine half-way. The next call settles it from where the machine is, as after a
+    crash, instead of refusing the sandbox (and counting it as running) until a restart."""
+
+    async def body(mgr: SandboxManager, engine: FakeEngine) -> None:
+        await mgr.create(name="agent")
+        await mgr.run_code("agent", "x = 41")
+        if operation == "resume":
+            await mgr.pause("agent")
+        entered = asyncio.Event()
+        target: Any = engine if step == "connect" else FakeMachine
+        real = getattr(target, step)
+
+        async def slow(*args: Any, **kw: Any) -> Any:
+            result = await real(*args, **kw)
+            entered.set()
+            await asyncio.sleep(3600)
+            return result
+
+        monkeypatch.setattr(target, step, slow)
+        task = asyncio.ensure_future(getattr(mgr, operation)("agent"))
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        monkeypatch.setattr(target, step, real)
+        assert (await mgr.get("agent")).state in (S.WAKING, S.PAUSING)
+        assert (await mgr.run_code("agent", "x + 1")).text == "42"  # settled, then served
+        assert (await mgr.get("agent")).state is S.RUNNING
+        await mgr.pause("agent")
+        assert (await mgr.get("agent")).state is S.PAUSED
 
     with_manager(home, body)
 

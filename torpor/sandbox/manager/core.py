@@ -408,8 +408,9 @@ class ManagerCore:
         never hibernate a machine it does not hold. So is a row left ``pausing`` or ``waking``:
         under the lock no pause or wake is under way, so the step that moved it on could not
         write the registry (PostgreSQL away) after its machine moved on; the machine says
-        where it is (a woken one runs: ``running``; a saved one: ``paused``). Raises StateLost
-        for one in ``error``."""
+        where it is (a woken one runs: ``running``; a saved one: ``paused``), and one whose
+        pause or wake was cancelled half-way (its machine is let go and found again). Raises
+        StateLost for one in ``error``."""
         rec = self.registry.get(sandbox_id)
         if rec.state is S.WAKING and live.machine is not None and live.channel is not None:
             log.warning("sandbox %s: its wake was not recorded; it runs", sandbox_id)
@@ -421,6 +422,16 @@ class ManagerCore:
                 paused_at=None,
             )
         elif rec.state in (S.RUNNING, S.PAUSING, S.WAKING) and live.machine is None:
+            await self._reconcile(rec)
+            rec = self.registry.get(sandbox_id)
+        elif rec.state in (S.PAUSING, S.WAKING):
+            # a step cut short (its caller was cancelled) left its machine half-way: let go
+            # of it and settle the row from where the machine is, as after a restart
+            log.warning("sandbox %s: a %s was cut short; settling it", sandbox_id, rec.state.value)
+            machine, live.machine, live.channel = live.machine, None, None
+            if machine is not None:
+                with suppress(Exception):
+                    await machine.release()
             await self._reconcile(rec)
             rec = self.registry.get(sandbox_id)
         if rec.state is S.ERROR:
