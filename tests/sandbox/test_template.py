@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from torpor.config import paths
-from torpor.errors import InvalidArgument, InvalidName, TemplateNotFound
+from torpor.errors import InvalidArgument, InvalidName, StorageError, TemplateNotFound
 from torpor.sandbox import template as templates
 from torpor.sandbox.template import rootfs as _rootfs
 
@@ -324,3 +324,50 @@ def test_two_builds_sharing_an_image_each_get_it_whole(
     for image in got:
         assert (image / "base.qcow2").read_bytes()[: len(whole)] == whole
         assert (image / "vmlinuz").read_bytes() == b"kernel"
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_a_publish_that_fails_leaves_the_template_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """A rebuild whose template.json cannot be written (the disk full) must not leave the
+    template's ``snapshot`` link on the new build while template.json names the old one: a
+    wake or restore rebuilt on this node checks template.json's build and backs its disk on
+    the link's. The new build's files go too."""
+    import errno
+    import os
+
+    monkeypatch.setenv("TORPOR_HOME", str(tmp_path / "home"))
+    image = tmp_path / "image"
+    image.mkdir()
+    for name in ("base.qcow2", "vmlinuz", "initrd.img"):
+        (image / name).write_bytes(name.encode())
+    monkeypatch.setattr(_rootfs, "ensure_rootfs", lambda *a, **kw: tmp_path / "rootfs")
+    monkeypatch.setattr(_rootfs, "ensure_image", lambda *a, **kw: image)
+    monkeypatch.setattr(_rootfs, "prune_images", lambda *a, **kw: None)
+
+    async def boot(info: templates.TemplateInfo, say: Any, *, lines: bool) -> str:
+        (info.snapshot_dir / "state").write_text("saved")
+        return "tcg"
+
+    monkeypatch.setattr(templates.templates, "_boot_and_snapshot", boot)
+    first = templates.build("python", apt=["git"])
+    link = first.directory / "snapshot"
+    assert link.resolve() == first.snapshot_dir.resolve()
+
+    real_replace = os.replace
+
+    def full(*args: Any) -> None:
+        if failing == "fsync" or Path(args[1]).name == "template.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_replace(*args)
+
+    monkeypatch.setattr(os, failing, full)
+    with pytest.raises(StorageError):
+        templates.build("python", apt=["jq"])
+    monkeypatch.undo()
+    monkeypatch.setenv("TORPOR_HOME", str(tmp_path / "home"))
+    now = templates.get("python")
+    assert now.build_id == first.build_id
+    assert link.resolve() == now.snapshot_dir.resolve()
+    assert [b.name for b in (first.directory / "builds").iterdir()] == [first.build_id]

@@ -278,7 +278,16 @@ def build(
         info = TemplateInfo.from_json(
             {**info.to_json(), "accel": accel, "boot_seconds": round(time.monotonic() - t0, 2)}
         )
-        _publish(info)
+        try:
+            _publish(info)
+        except StorageError:
+            try:  # published, and only its last sync failed: the build is in use
+                published = get(name).build_id == info.build_id
+            except TorporError:
+                published = False
+            if not published:
+                shutil.rmtree(info.directory / "builds" / info.build_id, ignore_errors=True)
+            raise
         say("done", f"template {name!r} built ({info.build_id})")
         return info
 
@@ -452,22 +461,33 @@ def _console_tail(console: Path | None, lines: int = 25) -> str:
 
 
 def _publish(info: TemplateInfo) -> None:
-    """Write template.json (atomically, last) and point ``snapshot`` at the new build."""
+    """Write template.json (atomically, last) and point ``snapshot`` at the new build. On
+    failure the template stays as it was: its ``snapshot`` link and template.json name the
+    same build (a wake or restore checks the one and backs its disk on the other). Raises
+    StorageError."""
     d = info.directory
+    link, link_tmp, tmp = d / "snapshot", d / "snapshot.tmp", d / "template.json.tmp"
     try:
-        link_tmp = d / "snapshot.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            link_tmp.unlink()
-        link_tmp.symlink_to(Path("builds") / info.build_id / "snapshot")
-        if (d / "snapshot").is_dir() and not (d / "snapshot").is_symlink():
-            shutil.rmtree(d / "snapshot")
-        os.replace(link_tmp, d / "snapshot")
-        tmp = d / "template.json.tmp"
-        with open(tmp, "w") as f:
+        old = os.readlink(link) if link.is_symlink() else None
+        with open(tmp, "w") as f:  # first: what a full disk refuses, before anything moves
             json.dump(info.to_json(), f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, d / "template.json")
+        _point(link, link_tmp, Path("builds") / info.build_id / "snapshot")
+        try:
+            os.replace(tmp, d / "template.json")
+        except OSError:
+            with contextlib.suppress(OSError):
+                if old is None:
+                    link.unlink()
+                else:
+                    _point(link, link_tmp, Path(old))
+            raise
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise StorageError(f"cannot publish template {info.name!r}: {exc}", exc=exc) from exc
+    try:
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)
@@ -475,3 +495,14 @@ def _publish(info: TemplateInfo) -> None:
             os.close(fd)
     except OSError as exc:
         raise StorageError(f"cannot publish template {info.name!r}: {exc}", exc=exc) from exc
+
+
+def _point(link: Path, link_tmp: Path, target: Path) -> None:
+    """Make the symlink ``link`` name ``target`` (by a rename of ``link_tmp``). Raises
+    OSError."""
+    with contextlib.suppress(FileNotFoundError):
+        link_tmp.unlink()
+    link_tmp.symlink_to(target)
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)  # (a template from before builds/: its snapshot was a directory)
+    os.replace(link_tmp, link)
