@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from torpor.errors import InvalidArgument, PathNotFound
+from tests.memory.conftest import Api
+from torpor.errors import AccessDenied, InvalidArgument, PathNotFound
 from torpor.memory import Memory, SourceRef, register_resolver
 from torpor.memory.provenance import check
 
@@ -103,6 +104,28 @@ def test_volume_source_without_a_server_is_unverified(tmp_path: Path) -> None:
     finally:
         set_default_runtime(None)
     assert not outcome.verified and "cannot reach" in outcome.reason
+
+
+def test_a_token_cannot_read_host_files_through_a_source(api: Api, tmp_path: Path) -> None:
+    """A host file is read with this process's rights (the server's), not a token's: a token
+    holder citing one learned any file the server can read (a one-byte range's hash, whether
+    a quote is in it, its size). Host sources are the home owner's alone."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cret\n")
+    owner = api.mem.scope(app="a", user="u")  # type: ignore[attr-defined]
+    cited = owner.remember("the secret", source={"path": str(secret)})
+    assert cited.verified  # the owner still cites host files
+    u = api.as_token([("write", "app/a/user/u")]).scope(app="a", user="u")  # type: ignore[attr-defined]
+    with pytest.raises(AccessDenied):
+        u.remember("x", source={"path": str(secret), "start": 0, "end": 1})
+    with pytest.raises(AccessDenied):
+        u.remember_many(["y", {"text": "x", "source": {"path": str(secret), "quote": "s3c"}}])
+    assert u.get_all().total == 1  # nothing written
+    secret.write_text("changed\n")
+    with pytest.raises(AccessDenied):
+        u.verify(cited.id)
+    assert u.verify() == []  # left as it was: not re-read for the token
+    assert not owner.get(cited.id).stale
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ has just been checked here, and pydantic would only check the same types again.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torpor.errors import InvalidArgument
@@ -44,9 +44,16 @@ def _times(n: int) -> tuple[list[int], list[str]]:
     return times, new_ids(times)
 
 
-def facts(items: Iterable[str | Mapping[str, Any]], scope: str, policy: Policy) -> list[Fact]:
+def facts(
+    items: Iterable[str | Mapping[str, Any]],
+    scope: str,
+    policy: Policy,
+    may_cite: Callable[[SourceRef], None] | None = None,
+) -> list[Fact]:
     """The facts for ``items`` (texts, or mappings of :data:`_FACT_FIELDS`) in ``scope``.
-    Raises :class:`InvalidArgument` / :class:`PayloadTooLarge` for the first bad item."""
+    ``may_cite`` raises for a source the caller may not have read (before any is read).
+    Raises :class:`InvalidArgument` / :class:`PayloadTooLarge` for the first bad item, and
+    what ``may_cite`` raises."""
     checked = []
     for item in items:
         if isinstance(item, str):
@@ -61,6 +68,8 @@ def facts(items: Iterable[str | Mapping[str, Any]], scope: str, policy: Policy) 
         text, key = check.text(spec.get("text", "")), check.key(spec.get("key"))
         meta, ttl = check.metadata(spec.get("metadata")), check.ttl(spec.get("ttl"))
         source = check.source(spec.get("source"))
+        if source is not None and may_cite is not None:
+            may_cite(source)
         durability: Durability = spec.get("durability") or "persistent"
         # when it expires, counted from its write (added once the batch has its times)
         life = check.expiry(policy, 0, durability, ttl)

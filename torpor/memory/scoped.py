@@ -93,6 +93,18 @@ class ScopedMemory:
     def _policy(self) -> Policy:
         return self.memory.store.get_policy(self.path) or Policy()
 
+    def _may_cite(self, ref: SourceRef) -> None:
+        """Refuse (:class:`AccessDenied`, audited) a host file source to a caller with a
+        token: the file is read with this process's rights (a server's), not the token's."""
+        access = self.memory.access
+        if access.grants is not None and provenance.source_kind(ref) == "host":
+            raise access.deny(
+                "cite",
+                self.path,
+                f"a host file source ({ref.location}) is read only for the home's owner, "
+                "not with a token",
+            )
+
     def _add(self, records: Sequence[AnyRecord]) -> list[AnyRecord]:
         """Store ``records`` with their vectors, in one transaction (all or none: over the
         tenant's memory-records quota, :class:`QuotaExceeded` and nothing written)."""
@@ -117,7 +129,8 @@ class ScopedMemory:
         :class:`InvalidArgument`, :class:`PayloadTooLarge`, :class:`AccessDenied`,
         :class:`StorageError`, :class:`Conflict` (the store's vectors come from another
         embedding model than this memory's), :class:`QuotaExceeded` (the tenant holds its
-        ``memory_records`` quota; nothing written).
+        ``memory_records`` quota; nothing written). A host file ``source`` is the home
+        owner's: with a token, :class:`AccessDenied`.
         """
         return self.remember_many(
             [
@@ -138,7 +151,7 @@ class ScopedMemory:
         ``durability``, ``ttl``. All or nothing: every item is checked before anything is
         written. Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "remember")
-        facts = _build.facts(items, self.path, self._policy())
+        facts = _build.facts(items, self.path, self._policy(), self._may_cite)
         return [f for f in self._add(facts) if isinstance(f, Fact)]
 
     def log(
@@ -430,11 +443,15 @@ class ScopedMemory:
 
     def verify(self, record_id: str | None = None) -> list[Fact]:
         """Re-check the sources of one fact or of every sourced fact in this scope; a changed
-        or missing source becomes ``stale`` and unverified. Returns the updated facts."""
+        or missing source becomes ``stale`` and unverified. Returns the updated facts. A host
+        file source is re-read for the home's owner only: with a token, such a fact is left
+        as it is (:class:`AccessDenied` when named by ``record_id``)."""
         self.memory.access.require("write", self.path, "verify")
         if record_id is not None:
             rec = self.get(record_id)  # may be an ancestor's record, which this scope reads
             self.memory.access.require("write", rec.scope, "verify")
+            if isinstance(rec, Fact) and rec.source is not None:
+                self._may_cite(rec.source)
             facts = [rec] if isinstance(rec, Fact) else []
         else:
             flt = RecordFilter(
@@ -443,7 +460,10 @@ class ScopedMemory:
             facts = [f for f in self.memory.store.scan(flt, 1_000_000) if isinstance(f, Fact)]
         out = []
         for fact in facts:
-            if fact.source is None:
+            if fact.source is None or (
+                self.memory.access.grants is not None
+                and provenance.source_kind(fact.source) == "host"
+            ):
                 continue
             outcome = provenance.check(fact.source)
             stale = fact.source_hash is not None and outcome.sha256 != fact.source_hash
