@@ -261,6 +261,40 @@ def test_profile_schema(mem: Memory) -> None:
     assert v.set_profile({"tz": "UTC"}, merge=True).data == {"age": 3, "tz": "UTC"}
 
 
+def test_concurrent_profile_merges_keep_every_key(
+    mem: Memory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two merges that read the profile before either writes it: each merged onto the same
+    old document and the second write dropped the first one's key (four threads merging 25
+    keys each kept about 75 of 100)."""
+    import threading
+
+    u = mem.scope(app="a", user="u")
+    u.set_profile({"base": 1})
+    read = mem.store.get_profile
+    both_read = threading.Barrier(2, timeout=5)
+    waited: set[int] = set()
+
+    def read_then_wait(scope: str) -> object:
+        found = read(scope)
+        if threading.get_ident() not in waited:  # each thread's first read only
+            waited.add(threading.get_ident())
+            both_read.wait()
+        return found
+
+    monkeypatch.setattr(mem.store, "get_profile", read_then_wait)
+    threads = [
+        threading.Thread(target=u.set_profile, args=({key: 1},), kwargs={"merge": True})
+        for key in ("x", "y")
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    monkeypatch.undo()
+    assert u.get_profile() == {"base": 1, "x": 1, "y": 1}
+
+
 def test_ttl_cache_retention_gc(mem: Memory) -> None:
     u = mem.scope(app="a", user="u")
     short = u.remember("temporary value", durability="cache", ttl=timedelta(microseconds=1))

@@ -16,7 +16,7 @@ from typing import IO, Any, Protocol
 
 from pydantic import BaseModel
 
-from torpor.errors import InvalidArgument, RecordNotFound
+from torpor.errors import Conflict, InvalidArgument, RecordNotFound
 from torpor.memory import _build, provenance, transfer
 from torpor.memory import _validate as check
 from torpor.memory.access import Access
@@ -44,7 +44,11 @@ from torpor.memory.rerank import Reranker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Owner", "ScopedMemory"]
+__all__ = ["PROFILE_TRIES", "Owner", "ScopedMemory"]
+
+#: how many times :meth:`ScopedMemory.set_profile` reads and writes again when another writer
+#: changed the profile between its read and its write
+PROFILE_TRIES = 100
 
 
 class Owner(Protocol):
@@ -396,17 +400,25 @@ class ScopedMemory:
         merge: bool = False,
     ) -> Profile:
         """Replace (or with ``merge``, update) the profile, checked against ``schema`` (a
-        pydantic model or a JSON schema) or else the schema stored with the profile.
-        Raises :class:`SchemaViolation`, :class:`InvalidArgument`."""
+        pydantic model or a JSON schema) or else the schema stored with the profile. The
+        write is made over the profile it read: a concurrent change makes it read and merge
+        again, so no caller's keys are lost. Raises :class:`SchemaViolation`,
+        :class:`InvalidArgument`, :class:`Conflict` (overtaken :data:`PROFILE_TRIES` times)."""
         self.memory.access.require("write", self.path, "set_profile")
-        old = self.memory.store.get_profile(self.path)
-        doc = {**(old.data if (merge and old) else {}), **check.metadata(data, "profile")}
-        json_schema = check.profile(doc, schema, old.json_schema if old else None)
-        return self.memory.store.put_profile(
-            Profile(
+        store = self.memory.store
+        new = check.metadata(data, "profile")
+        for _ in range(PROFILE_TRIES):
+            old = store.get_profile(self.path)
+            doc = {**(old.data if (merge and old) else {}), **new}
+            json_schema = check.profile(doc, schema, old.json_schema if old else None)
+            profile = Profile(
                 scope=self.path, data=doc, json_schema=json_schema, updated_at=from_us(now_us())
             )
-        )
+            try:
+                return store.put_profile(profile, expect_version=old.version if old else 0)
+            except Conflict:
+                continue  # another writer's profile came in between: read it and merge again
+        raise Conflict(f"the profile of {self.scope} kept changing: not written", kind="profile")
 
     def set_policy(
         self, *, retention_seconds: float | None = None, cache_ttl_seconds: float | None = None

@@ -28,6 +28,7 @@ from torpor.memory.backends.base import (
     TenantStore,
     Vector,
     check_record_quota,
+    profile_moved,
     successor,
 )
 from torpor.memory.models import Episode, Fact, Policy, Profile, from_us, to_us
@@ -468,17 +469,32 @@ class PostgresTenantStore(TenantStore):
             ).fetchone()
         return None if row is None else self._profile(row)
 
-    def put_profile(self, profile: Profile) -> Profile:
+    def put_profile(self, profile: Profile, *, expect_version: int | None = None) -> Profile:
         schema_doc = None if profile.json_schema is None else Jsonb(profile.json_schema)
+        values = (profile.scope, Jsonb(profile.data), schema_doc, to_us(profile.updated_at))
+        insert = (
+            f"INSERT INTO torpor.profiles (tenant_id, {_PROFILE_COLS}) "
+            f"VALUES ({_T}, %s, %s, %s, %s, 1) ON CONFLICT (tenant_id, scope) "
+        )
         with self._tx("set profile") as cur:
-            row = cur.execute(
-                f"INSERT INTO torpor.profiles (tenant_id, {_PROFILE_COLS}) "
-                f"VALUES ({_T}, %s, %s, %s, %s, 1) ON CONFLICT (tenant_id, scope) DO UPDATE SET "
-                "data = EXCLUDED.data, json_schema = EXCLUDED.json_schema, "
-                "updated_at = EXCLUDED.updated_at, version = torpor.profiles.version + 1 "
-                "RETURNING version",
-                (profile.scope, Jsonb(profile.data), schema_doc, to_us(profile.updated_at)),
-            ).fetchone()
+            if expect_version is None:
+                row = cur.execute(
+                    insert + "DO UPDATE SET data = EXCLUDED.data, "
+                    "json_schema = EXCLUDED.json_schema, updated_at = EXCLUDED.updated_at, "
+                    "version = torpor.profiles.version + 1 RETURNING version",
+                    values,
+                ).fetchone()
+            elif expect_version == 0:  # none stored: a concurrent insert wins, this one not
+                row = cur.execute(insert + "DO NOTHING RETURNING version", values).fetchone()
+            else:  # a concurrent update takes the row first: this WHERE then fails
+                row = cur.execute(
+                    "UPDATE torpor.profiles SET data = %s, json_schema = %s, updated_at = %s, "
+                    f"version = version + 1 WHERE tenant_id = {_T} AND scope = %s "
+                    "AND version = %s RETURNING version",
+                    (*values[1:], profile.scope, expect_version),
+                ).fetchone()
+            if row is None and expect_version is not None:
+                raise profile_moved(profile.scope, expect_version)
         return profile.model_copy(update={"version": int(row[0]) if row else 1})
 
     def iter_profiles(self, prefix: str) -> Iterator[Profile]:

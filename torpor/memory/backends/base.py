@@ -38,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torpor.errors import QuotaExceeded
+from torpor.errors import Conflict, QuotaExceeded
 from torpor.memory.models import (
     AuditEntry,
     Episode,
@@ -62,6 +62,7 @@ __all__ = [
     "TenantStore",
     "Vector",
     "check_record_quota",
+    "profile_moved",
     "successor",
     "time_clauses",
     "visible",
@@ -145,6 +146,17 @@ def successor(rec: Fact, current_valid_from_us: int) -> Fact:
     if start != to_us(rec.valid_from):
         rec = rec.model_copy(update={"valid_from": from_us(start)})
     return rec
+
+
+def profile_moved(scope: str, expected: int) -> Conflict:
+    """The error of a :meth:`TenantStore.put_profile` whose ``expect_version`` is not the
+    stored version any more."""
+    return Conflict(
+        f"the profile of {scope or '/'!r} changed since version {expected} was read",
+        kind="profile",
+        scope=scope,
+        expected=expected,
+    )
 
 
 def check_record_quota(tenant: str, quota: int | None, used: int, adding: int) -> None:
@@ -384,8 +396,11 @@ class TenantStore(abc.ABC):
         """The profile of exactly ``scope``, or None."""
 
     @abc.abstractmethod
-    def put_profile(self, profile: Profile) -> Profile:
-        """Store ``profile`` (replacing the old one); the stored version is old version + 1."""
+    def put_profile(self, profile: Profile, *, expect_version: int | None = None) -> Profile:
+        """Store ``profile`` (replacing the old one); the stored version is old version + 1.
+        With ``expect_version``, only while the stored version is that one (0: none stored):
+        else :class:`~torpor.errors.Conflict` and nothing written (a read-modify-write, such
+        as a merge, that another writer overtook)."""
 
     @abc.abstractmethod
     def iter_profiles(self, prefix: str) -> Iterator[Profile]:

@@ -47,6 +47,7 @@ from torpor.memory.backends.base import (
     TenantStore,
     Vector,
     check_record_quota,
+    profile_moved,
     successor,
 )
 from torpor.memory.models import (
@@ -563,12 +564,15 @@ class SQLiteTenantStore(TenantStore):
             ).fetchone()
         return None if row is None else self._profile(row)
 
-    def put_profile(self, profile: Profile) -> Profile:
+    def put_profile(self, profile: Profile, *, expect_version: int | None = None) -> Profile:
         with self._db.write("set profile") as conn:
             row = conn.execute(
                 "SELECT version FROM profiles WHERE scope = ?", (profile.scope,)
             ).fetchone()
-            version = 1 if row is None else row[0] + 1
+            stored = 0 if row is None else int(row[0])
+            if expect_version is not None and stored != expect_version:
+                raise profile_moved(profile.scope, expect_version)
+            version = stored + 1
             conn.execute(
                 "INSERT OR REPLACE INTO profiles (scope, data, json_schema, updated_at, version) "
                 "VALUES (?, ?, ?, ?, ?)",
