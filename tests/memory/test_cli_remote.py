@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from tests.server.fake_manager import FakeManager
 from torpor.cli import _load, app
-from torpor.errors import AccessDenied
+from torpor.errors import AccessDenied, InvalidArgument
 from torpor.server.app import create_app
 
 _load()
@@ -73,3 +73,19 @@ def test_memory_cli_against_a_remote_server(
     assert refused.exit_code != 0 and isinstance(refused.exception, AccessDenied)
     erased = run("--json", "forget", "--yes")
     assert json.loads(erased.stdout) == {"erased": 2}
+
+
+def test_reindex_against_a_server_is_refused_not_run_on_the_local_store(
+    server: tuple[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reindex`` has no route: with ``--url`` it opened the local home's store instead (a
+    stranger's token: "unknown or revoked token"; no token: the local store reindexed and its
+    count reported as the server's)."""
+    url, web = server
+    token = web.state.identity.tokens.issue("acme", [("write", "")])
+    monkeypatch.setenv("TORPOR_HOME", str(tmp_path / "nowhere"))
+    for opts in (["--url", url, "--token", token], ["--url", url], ["--server"]):
+        done = runner.invoke(app, ["memory", *opts, "reindex"])
+        assert done.exit_code != 0 and isinstance(done.exception, InvalidArgument), opts
+        assert "server" in str(done.exception)
+    assert not (tmp_path / "nowhere").exists()  # nothing local opened

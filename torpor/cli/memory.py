@@ -313,7 +313,8 @@ def reindex(
     batch: Annotated[int, typer.Option(help="texts embedded per batch")] = 256,
 ) -> None:
     """Embed the records that have no vector yet (written without --embeddings), with the
-    local embedding model. The whole tenant, whatever --scope says.
+    local embedding model. The whole tenant, whatever --scope says. A local store only: a
+    server (--url, --server) has no reindex, and is refused rather than the local home used.
 
     Example:
 
@@ -323,6 +324,12 @@ def reindex(
     from torpor.memory.embeddings import INSTALL_HINT
 
     o: _Opts = ctx.obj
+    if o.url or o.server:
+        raise InvalidArgument(
+            "reindex works on a store itself, not through a server: run it on the server's "
+            "machine with its --home (no --url, --server or $TORPOR_URL)",
+            option="--url" if o.url else "--server",
+        )
     mem = Memory(o.home, token=o.token, tenant=o.tenant, embedder="default")
     ctx.call_on_close(mem.close)
     if mem.embedder is None:
