@@ -261,6 +261,22 @@ def test_profile_schema(mem: Memory) -> None:
     assert v.set_profile({"tz": "UTC"}, merge=True).data == {"age": 3, "tz": "UTC"}
 
 
+def test_remember_many_returns_what_its_own_later_items_superseded(mem: Memory) -> None:
+    """Facts of one batch with the same key supersede one another in order; the batch's answer
+    gave every one of them as current (``valid_to`` None), unlike ``get`` and ``history``."""
+    u = mem.scope(app="a", user="u")
+    got = u.remember_many(
+        [
+            {"text": "plan is free", "key": "plan"},
+            "unkeyed",
+            {"text": "plan is pro", "key": "plan"},
+            {"text": "plan is team", "key": "plan"},
+        ]
+    )
+    assert got == [u.get(f.id) for f in got]
+    assert [f.superseded_by for f in got] == [got[2].id, None, got[3].id, None]
+
+
 def test_concurrent_profile_merges_keep_every_key(
     mem: Memory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

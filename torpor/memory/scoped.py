@@ -153,10 +153,21 @@ class ScopedMemory:
         """Store many facts in one transaction with one embedding batch. Each item is a text
         or a mapping with ``text`` and optionally ``key``, ``metadata``, ``source``,
         ``durability``, ``ttl``. All or nothing: every item is checked before anything is
-        written. Raises as :meth:`remember` does."""
+        written. Items with the same key supersede one another in order (the facts returned
+        say so). Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "remember")
         facts = _build.facts(items, self.path, self._policy(), self._may_cite)
-        return [f for f in self._add(facts) if isinstance(f, Fact)]
+        stored = [f for f in self._add(facts) if isinstance(f, Fact)]
+        latest: dict[str, int] = {}  # a later item with the same key ended this one, as stored
+        for i, fact in enumerate(stored):
+            if fact.key is None:
+                continue
+            if (j := latest.get(fact.key)) is not None:
+                stored[j] = stored[j].model_copy(
+                    update={"valid_to": fact.valid_from, "superseded_by": fact.id}
+                )
+            latest[fact.key] = i
+        return stored
 
     def log(
         self,
