@@ -119,6 +119,15 @@ def test_errors_map_to_status_and_wire(
     assert type(from_wire(err)).__name__ == kind
 
 
+def test_an_error_quoting_a_lone_surrogate_is_typed_not_500(client: TestClient) -> None:
+    # JSON may carry "\\ud800" (a lone surrogate, no UTF-8 form); the error quoting it is
+    # answered as the typed error, not a 500 from rendering its body
+    for body in (b'{"name": "\\ud800"}', b'{"template": "x\\udfff"}'):
+        r = client.post("/v1/sandboxes", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "InvalidName"
+
+
 def test_illegal_transition_is_409_with_data(client: TestClient) -> None:
     info = _create(client)
     r = client.post(f"/v1/sandboxes/{info['id']}/resume")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import json
 import logging
 import os
 import shutil
@@ -72,9 +73,21 @@ ROUTERS = [
 ]
 
 
+class _ErrorBody(JSONResponse):
+    """A typed error body. Its message or data may quote what the caller sent, and JSON lets a
+    string carry a lone surrogate (``"\\ud800"``), which UTF-8 cannot: such a body is written
+    with every non-ASCII character escaped instead of failing (a 500 for a bad name)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
+
+
 def error_response(exc: TorporError) -> JSONResponse:
     """The HTTP form of a torpor error."""
-    return JSONResponse(status_code=exc.http_status, content={"error": exc.to_wire()})
+    return _ErrorBody(status_code=exc.http_status, content={"error": exc.to_wire()})
 
 
 async def _torpor_error(request: Request, exc: Exception) -> JSONResponse:
