@@ -188,6 +188,27 @@ def test_tokens_created_listed_revoked_live(served: tuple[FakeManager, Any, Test
 
 
 @pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b'{"sandboxes": {"user": "\\ud800"}}', id="surrogate-value"),
+        pytest.param(b'{"sandboxes": {"\\udfff": "u-42"}}', id="surrogate-key"),
+        pytest.param(b'{"sandboxes": {"user": "u\\u0000"}}', id="nul"),
+    ],
+)
+def test_a_selector_no_store_can_keep_is_refused_before_a_token_is_made(
+    served: tuple[FakeManager, Any, TestClient], body: bytes
+) -> None:
+    # a lone surrogate was stored on SQLite, the answer was a 500 (the secret lost) and every
+    # later GET /v1/tokens of the tenant a 500 too
+    _, app, c = served
+    admin = {**_auth(_issue(app, "acme", admin=True)), "content-type": "application/json"}
+    made = c.post("/v1/tokens", content=body, headers=admin)
+    assert made.status_code == 400 and made.json()["error"]["type"] == "InvalidArgument"
+    listed = c.get("/v1/tokens", headers=admin)
+    assert listed.status_code == 200 and len(listed.json()) == 1  # the admin's own only
+
+
+@pytest.mark.parametrize(
     "header",
     [
         pytest.param(None, id="missing"),
