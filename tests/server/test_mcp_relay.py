@@ -111,6 +111,48 @@ def test_a_guest_cannot_name_a_level_above_its_binding(client: TestClient) -> No
     assert status == 200 and fact["scope"] == "app/billing/user/alice/session/s2"
 
 
+def _refusals(client: TestClient, tenant: str) -> list[Any]:
+    backend = client.app.state.memory_backend  # type: ignore[attr-defined]
+    return [e for e in backend.audit_log(tenant, 1000) if not e.allowed]
+
+
+def test_a_guests_refusals_are_audited(client: TestClient) -> None:
+    """A guest naming another user's scope, or writing through a read-only binding, is in the
+    tenant's audit log, by the sandbox, as every other refusal is."""
+    sbx = make(client, "agent-u-42", A, memory_scope=U42)
+    reader = make(client, "reader", A, memory_scope={**U42, "read_only": True})
+    before = len(_refusals(client, "acme"))
+    status, _ = guest(client, sbx["id"], "/v1/memory/recall", {"query": "x", "user": "u-43"})
+    assert status == 403
+    status, _ = guest(client, reader["id"], "/v1/memory/remember", {"text": "x"})
+    assert status == 403
+    refused = _refusals(client, "acme")[: len(_refusals(client, "acme")) - before]
+    assert sorted(e.actor for e in refused) == sorted(
+        [f"sandbox:{sbx['id']}", f"sandbox:{reader['id']}"]
+    )
+    assert {e.action for e in refused} == {"mcp recall", "mcp remember"}
+
+
+def test_a_token_without_sandbox_rights_is_audited_over_mcp(client: TestClient) -> None:
+    """/mcp's sandbox tools refuse a token without sandbox rights, audited as the sandbox
+    routes refuse it."""
+    identity = client.app.state.identity  # type: ignore[attr-defined]
+    token = identity.tokens.issue("acme", [("write", "")], sandboxes=None)
+    headers = {**MCP, "Authorization": f"Bearer {token}"}
+    call = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "sandbox_exec", "arguments": {"sandbox": "x", "cmd": "id"}},
+    }
+    before = len(_refusals(client, "acme"))
+    answer = client.post("/mcp", json=call, headers=headers).json()
+    assert answer["result"]["isError"], answer
+    assert "AccessDenied" in answer["result"]["content"][0]["text"]
+    refused = _refusals(client, "acme")
+    assert len(refused) == before + 1 and refused[0].action == "mcp sandbox_exec"
+
+
 def test_mcp_inside_the_sandbox(client: TestClient) -> None:
     sbx = make(client, "agent-u-42", A, memory_scope=U42)
     guest(client, sbx["id"], "/v1/memory/remember", {"text": "prefers daily summaries"})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -165,6 +166,7 @@ async def caller_context(request: Request) -> ToolContext:
     memory = await memory_for(app, caller.tenant)
     if not caller.is_owner:
         memory = memory.acting_as(caller.access(memory.backend))
+    identity = get_identity(request)
     sandboxes = None
     if caller.sandboxes is not None:
         sandboxes = ManagerOps(
@@ -172,9 +174,14 @@ async def caller_context(request: Request) -> ToolContext:
             checkpoints_of(request, manager),
             caller.tenant,
             caller=caller,
-            identity=get_identity(request),
+            identity=identity,
         )
-    return ToolContext(tenant=caller.tenant, memory=memory, sandboxes=sandboxes)
+    return ToolContext(
+        tenant=caller.tenant,
+        memory=memory,
+        sandboxes=sandboxes,
+        deny=functools.partial(identity.deny, caller),
+    )
 
 
 def mount(app: FastAPI) -> Callable[[], contextlib.AbstractAsyncContextManager[None]]:

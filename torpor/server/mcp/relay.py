@@ -122,13 +122,19 @@ class GuestRelay:
                 scope="",
             )
         memory = await memory_for(self.app, rec.tenant)
+        actor = f"sandbox:{rec.id}"
         if scope.get("grants") is not None:  # bound by a restricted token: its rights, no more
             given = MemoryScope.model_validate(scope).grants or []
             grants = [Grant(mode=g.mode, prefix=g.prefix) for g in given]
-            access = Access(memory.backend, rec.tenant, f"sandbox:{rec.name}", grants)
-            memory = memory.acting_as(access)
+            memory = memory.acting_as(Access(memory.backend, rec.tenant, actor, grants))
+        # a refusal is audited in the tenant's log, by the sandbox, as every other refusal
+        audit = Access(self.app.state.identity.backend, rec.tenant, actor)
         return ToolContext(
-            tenant=rec.tenant, memory=memory, scope=levels, read_only=bool(scope.get("read_only"))
+            tenant=rec.tenant,
+            memory=memory,
+            scope=levels,
+            read_only=bool(scope.get("read_only")),
+            deny=audit.deny,
         )
 
     async def __call__(

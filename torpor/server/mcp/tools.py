@@ -100,6 +100,9 @@ class ToolContext:
     ``sandboxes``: None where sandbox tools are not offered (inside a sandbox);
     ``scope``: levels the caller is bound to (a sandbox's ``memory_scope``): a call may add
     levels below them but never name others; ``read_only``: writes are refused.
+    ``deny``: ``deny(action, scope, message)`` writes the audit entry of a refusal decided
+    here and returns the :class:`AccessDenied` to raise (None: refusals are not audited, as
+    for ``torpor mcp`` on the caller's own store).
     """
 
     tenant: str
@@ -107,14 +110,21 @@ class ToolContext:
     sandboxes: SandboxOps | None = None
     scope: dict[str, str] = field(default_factory=dict)
     read_only: bool = False
+    deny: Callable[[str, str, str], AccessDenied] | None = None
 
-    def levels(self, given: Mapping[str, str | None]) -> dict[str, str]:
+    def refuse(self, action: str, scope: str, message: str) -> AccessDenied:
+        """The :class:`AccessDenied` of a refusal (audited through :attr:`deny`)."""
+        if self.deny is not None:
+            return self.deny(action, scope, message)
+        return AccessDenied(message, tenant=self.tenant, scope=scope)
+
+    def levels(self, given: Mapping[str, str | None], action: str = "mcp") -> dict[str, str]:
         """The scope levels of a call: ``given`` within :attr:`scope`.
 
-        Raises :class:`AccessDenied` when ``given`` names a level the caller is bound to
-        with another value, or adds a level above the deepest one it is bound to (bound to
-        a session, a call naming an app would reach ``app/<x>/session/<s>`` and, through
-        recall's ancestors, that app's own records).
+        Raises :class:`AccessDenied` (audited, see :attr:`deny`) when ``given`` names a level
+        the caller is bound to with another value, or adds a level above the deepest one it
+        is bound to (bound to a session, a call naming an app would reach
+        ``app/<x>/session/<s>`` and, through recall's ancestors, that app's own records).
         """
         out = dict(self.scope)
         deepest = max((LEVELS.index(lv) for lv in self.scope), default=-1)
@@ -124,25 +134,24 @@ class ToolContext:
                 continue
             bound = self.scope.get(level)
             if bound is not None and bound != value:
-                raise AccessDenied(
-                    f"this caller is bound to {level} {bound!r}, not {value!r}",
-                    tenant=self.tenant,
-                    scope=level,
+                raise self.refuse(
+                    action, level, f"this caller is bound to {level} {bound!r}, not {value!r}"
                 )
             if bound is None and LEVELS.index(level) < deepest:
-                raise AccessDenied(
+                raise self.refuse(
+                    action,
+                    level,
                     f"this caller is bound to {LEVELS[deepest]} {self.scope[LEVELS[deepest]]!r}"
                     f" and may only name levels below it, not {level}",
-                    tenant=self.tenant,
-                    scope=level,
                 )
             out[level] = value
         return out
 
-    def writable(self) -> None:
-        """Raises :class:`AccessDenied` if this caller may only read."""
+    def writable(self, action: str = "mcp") -> None:
+        """Raises :class:`AccessDenied` (audited, see :attr:`deny`) if this caller may only
+        read."""
         if self.read_only:
-            raise AccessDenied("this caller's memory is read-only", tenant=self.tenant, scope="")
+            raise self.refuse(action, "", "this caller's memory is read-only")
 
 
 #: how the tools learn who is calling (one function per transport, see the module docstring)
@@ -201,19 +210,25 @@ def build_server(
     )
 
     async def scoped(
-        ctx: Context, write: bool, levels: dict[str, str | None], op: Callable[[Any], Any]
+        ctx: Context,
+        tool: str,
+        write: bool,
+        levels: dict[str, str | None],
+        op: Callable[[Any], Any],
     ) -> Any:
-        """``op(scope)`` on the caller's scope, in one worker thread (the store is sync)."""
+        """``op(scope)`` on the caller's scope, in one worker thread (the store is sync);
+        ``tool`` names the call in the audit entry of a refusal."""
         tc = await get_context(ctx)
+        action = f"mcp {tool}"
         if write:
-            tc.writable()
-        lv = tc.levels(levels)
+            tc.writable(action)
+        lv = tc.levels(levels, action)
         return await anyio.to_thread.run_sync(lambda: op(tc.memory.scope(**lv)))
 
-    async def sandboxes(ctx: Context) -> SandboxOps:
+    async def sandboxes(ctx: Context, tool: str) -> SandboxOps:
         tc = await get_context(ctx)
         if tc.sandboxes is None:
-            raise AccessDenied("sandbox tools are not offered here", tenant=tc.tenant, scope="")
+            raise tc.refuse(f"mcp {tool}", "", "sandbox tools are not offered here")
         return tc.sandboxes
 
     # -- memory ---------------------------------------------------------------------------
@@ -242,6 +257,7 @@ def build_server(
         async def run() -> dict[str, Any]:
             fact = await scoped(
                 ctx,
+                "remember",
                 True,
                 _lv(app, user, agent, session),
                 lambda sm: sm.remember(text, key=key, metadata=metadata),
@@ -270,6 +286,7 @@ def build_server(
         async def run() -> dict[str, Any]:
             hits = await scoped(
                 ctx,
+                "recall",
                 False,
                 _lv(app, user, agent, session),
                 lambda sm: sm.recall(query, k, kind=kind),
@@ -297,6 +314,7 @@ def build_server(
         async def run() -> dict[str, Any]:
             block = await scoped(
                 ctx,
+                "context",
                 False,
                 _lv(app, user, agent, session),
                 lambda sm: sm.context(query, budget_tokens),
@@ -320,7 +338,7 @@ def build_server(
 
         async def run() -> dict[str, Any]:
             facts = await scoped(
-                ctx, False, _lv(app, user, agent, session), lambda sm: sm.history(key)
+                ctx, "history", False, _lv(app, user, agent, session), lambda sm: sm.history(key)
             )
             return {"facts": [_json(f) for f in facts]}
 
@@ -340,7 +358,7 @@ def build_server(
 
         async def run() -> dict[str, Any]:
             n = await scoped(
-                ctx, True, _lv(app, user, agent, session), lambda sm: sm.forget(record_id)
+                ctx, "forget", True, _lv(app, user, agent, session), lambda sm: sm.forget(record_id)
             )
             return {"erased": n}
 
@@ -360,7 +378,11 @@ def build_server(
 
         async def run() -> dict[str, Any]:
             levels = _lv(app, user, agent, session)
-            return {"profile": await scoped(ctx, False, levels, lambda sm: sm.get_profile())}
+            return {
+                "profile": await scoped(
+                    ctx, "profile_get", False, levels, lambda sm: sm.get_profile()
+                )
+            }
 
         result: dict[str, Any] = await _call("profile_get", run)
         return result
@@ -382,6 +404,7 @@ def build_server(
         async def run() -> dict[str, Any]:
             doc = await scoped(
                 ctx,
+                "profile_set",
                 True,
                 _lv(app, user, agent, session),
                 lambda sm: sm.set_profile(data, merge=merge),
@@ -397,7 +420,7 @@ def build_server(
 
 
 def _sandbox_tools(
-    server: MCPServer, sandboxes: Callable[[Context], Awaitable[SandboxOps]]
+    server: MCPServer, sandboxes: Callable[[Context, str], Awaitable[SandboxOps]]
 ) -> None:
     @server.tool(annotations=_WRITE)
     async def sandbox_get_or_create(
@@ -420,7 +443,9 @@ def _sandbox_tools(
             options = SandboxOptions.of(
                 labels=labels, template=template, idle_pause_seconds=idle_pause_seconds
             )
-            return _json(await (await sandboxes(ctx)).get_or_create(name, options))
+            return _json(
+                await (await sandboxes(ctx, "sandbox_get_or_create")).get_or_create(name, options)
+            )
 
         result: dict[str, Any] = await _call("sandbox_get_or_create", run)
         return result
@@ -440,7 +465,7 @@ def _sandbox_tools(
 
         async def run() -> dict[str, Any]:
             spec = CommandSpec.of(cmd=cmd, cwd=cwd, timeout=timeout)
-            return _json(await (await sandboxes(ctx)).run_command(sandbox, spec))
+            return _json(await (await sandboxes(ctx, "sandbox_exec")).run_command(sandbox, spec))
 
         result: dict[str, Any] = await _call("sandbox_exec", run)
         return result
@@ -457,7 +482,7 @@ def _sandbox_tools(
 
         async def run() -> dict[str, Any]:
             spec = CodeSpec.of(code=code, timeout=timeout)
-            return _json(await (await sandboxes(ctx)).run_code(sandbox, spec))
+            return _json(await (await sandboxes(ctx, "sandbox_run_code")).run_code(sandbox, spec))
 
         result: dict[str, Any] = await _call("sandbox_run_code", run)
         return result
@@ -469,7 +494,7 @@ def _sandbox_tools(
         """A text file's content from the sandbox (UTF-8; undecodable bytes are replaced)."""
 
         async def run() -> dict[str, Any]:
-            data = await (await sandboxes(ctx)).read_file(sandbox, path)
+            data = await (await sandboxes(ctx, "sandbox_read_file")).read_file(sandbox, path)
             return {"path": path, "size": len(data), "content": data.decode("utf-8", "replace")}
 
         result: dict[str, Any] = await _call("sandbox_read_file", run)
@@ -486,7 +511,7 @@ def _sandbox_tools(
 
         async def run() -> dict[str, Any]:
             data = content.encode("utf-8")
-            await (await sandboxes(ctx)).write_file(sandbox, path, data)
+            await (await sandboxes(ctx, "sandbox_write_file")).write_file(sandbox, path, data)
             return {"path": path, "size": len(data)}
 
         result: dict[str, Any] = await _call("sandbox_write_file", run)
@@ -497,7 +522,7 @@ def _sandbox_tools(
         """Hibernate the sandbox to disk (RAM, processes and all); the next call wakes it."""
 
         async def run() -> dict[str, Any]:
-            return _json(await (await sandboxes(ctx)).pause(sandbox))
+            return _json(await (await sandboxes(ctx, "sandbox_pause")).pause(sandbox))
 
         result: dict[str, Any] = await _call("sandbox_pause", run)
         return result
@@ -513,7 +538,7 @@ def _sandbox_tools(
 
         async def run() -> dict[str, Any]:
             spec = SnapshotSpec.of(name=name, retention_days=retention_days)
-            return dict(await (await sandboxes(ctx)).snapshot(sandbox, spec))
+            return dict(await (await sandboxes(ctx, "sandbox_snapshot")).snapshot(sandbox, spec))
 
         result: dict[str, Any] = await _call("sandbox_snapshot", run)
         return result
@@ -530,7 +555,9 @@ def _sandbox_tools(
         processes and files (to try several approaches at once)."""
 
         async def run() -> dict[str, Any]:
-            children = await (await sandboxes(ctx)).fork(sandbox, ForkSpec.of(count=count))
+            children = await (await sandboxes(ctx, "sandbox_fork")).fork(
+                sandbox, ForkSpec.of(count=count)
+            )
             return {"sandboxes": [_json(c) for c in children]}
 
         result: dict[str, Any] = await _call("sandbox_fork", run)
