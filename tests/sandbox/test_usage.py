@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from torpor.config import Paths
+from torpor.config import Paths, paths
 from torpor.errors import InvalidArgument
 from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SCHEMA_VERSION, Registry, SandboxRecord
 from torpor.sandbox.registry.meters import MeterRow, Meters, accrue, interpolate
 from torpor.sandbox.registry.usage import RateCard, build, parse_query
 from torpor.sandbox.registry.usage.report import stored_in_window
+from torpor.sandbox.storage.volumes import VolumeStore
 
 HOUR = 3600.0
 T0 = 1_790_000_000.0  # a fixed instant: the fake clock's start of the month
@@ -231,9 +232,24 @@ def test_stored_things_are_billed_while_they_exist(reg: Registry) -> None:
     lines = {line.key: line for line in report.lines}
     assert lines["u-1"].snapshot_gb_months == pytest.approx(2 * 0.5)  # half a month to expiry
     assert lines["u-1"].cost.snapshots == pytest.approx(2 * 0.5 * 0.08)
-    assert lines[None].volume_gib_hours == pytest.approx(10 * 100)  # volumes carry no labels
+    assert lines[None].volume_gib_hours == pytest.approx(10 * 100)  # this volume carries no labels
     assert lines[None].cost.volumes == pytest.approx(10 * 100 * 0.000153)
     assert stored_in_window({"started_at": 10, "ended_at": 5}, 0, 100) == 0
+
+
+def test_a_labelled_volume_is_billed_to_its_label(tmp_path: Path) -> None:
+    """A volume made with labels (a restricted token's carry its user) is on that label's
+    line of a ``by=label:`` report, as a snapshot is; an unlabelled one stays on None."""
+    home = paths(tmp_path / "home").ensure()
+    store = VolumeStore(home)
+    mine = store.create("mine", size_mib=16, labels={"user": "u-42"}, tenant="t")
+    store.create("shared", size_mib=32, tenant="t")
+    reg = Registry(home.registry)
+    later = datetime.fromtimestamp(mine.created_at.timestamp() + HOUR, UTC)
+    report = build(reg, home, tenant="t", by="label:user", since=mine.created_at, now=later)
+    lines = {line.key: line for line in report.lines}
+    assert lines["u-42"].volumes == 1 and lines[None].volumes == 1
+    assert lines["u-42"].volume_gib_hours == pytest.approx(16 / 1024, rel=1e-3)
 
 
 def test_retention_cost_is_projected(reg: Registry) -> None:

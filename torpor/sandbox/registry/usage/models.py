@@ -52,7 +52,8 @@ class Costs(BaseModel):
 
 class UsageLine(BaseModel):
     """The usage of one group (a tenant, a sandbox, the sandboxes with one label value) over
-    the window. ``key`` is None for things without the grouping label (volumes carry none)."""
+    the window. ``key`` is None for things without the grouping label (an unlabelled volume:
+    the tenant's shared storage)."""
 
     key: str | None
     name: str | None = None

@@ -103,6 +103,7 @@ def sync_stored(
             "name": vol.name,
             "bytes": vol.size_mib * _MIB,
             "started_at": vol.created_at.timestamp(),
+            "labels": dict(vol.labels),
         }
         for vol in (volume_store or VolumeStore(paths)).list_all()
     ]
