@@ -87,6 +87,7 @@ def test_export_streams_json_lines(client: TestClient) -> None:
         ("post", "/v1/memory/recall", {"query": "x", "kind": 5}),
         ("put", "/v1/memory/policy", {"retention_seconds": 1e300}),
         ("post", "/v1/memory/remember", b'{"text": "x", "metadata": {"n": NaN}}'),
+        ("post", "/v1/memory/get_all", {"page": 10**20}),
     ],
 )
 def test_values_out_of_range_are_400(

@@ -332,6 +332,8 @@ class ScopedMemory:
             or not 1 <= page_size <= self.MAX_PAGE_SIZE
         ):
             raise InvalidArgument(f"page_size must be 1-{self.MAX_PAGE_SIZE}, not {page_size!r}")
+        if page * page_size > 2**63 - 1:  # the stores' offsets are 64-bit integers
+            raise InvalidArgument(f"page {page} of {page_size} records is past any store's end")
         if kind not in (None, "fact", "episode"):
             raise InvalidArgument(f"kind must be 'fact' or 'episode', not {kind!r}")
         self.memory.access.require("read", self.path, "get_all")
