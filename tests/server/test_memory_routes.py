@@ -103,3 +103,14 @@ def test_values_out_of_range_are_400(
     assert _count(client) == 0
     r = client.post("/v1/memory/get_all", params=Q, json={"filters": {"topic": "y"}})
     assert r.status_code == 200, r.text  # a stored NaN had made every filtered listing fail
+
+
+def test_a_record_id_no_store_can_hold_is_not_found(client: TestClient) -> None:
+    """A lone surrogate (JSON can carry one) names no record: it was a 500 from SQLite."""
+    r = client.post(
+        "/v1/memory/verify",
+        params=Q,
+        content=b'{"record_id": "\\ud800"}',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 404 and r.json()["error"]["type"] == "RecordNotFound", r.text

@@ -109,6 +109,19 @@ def key(key: object) -> str | None:
     return key
 
 
+def record_id(value: object) -> str | None:
+    """``value`` as a record id to look up, or None for a string no record can have as its id
+    (a NUL or a lone surrogate: neither store can even be asked). Raises InvalidArgument for
+    anything but a string."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"a record id is a string, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return None if "\x00" in value else value
+
+
 def profile(
     doc: Mapping[str, Any],
     schema: type[BaseModel] | Mapping[str, Any] | None,

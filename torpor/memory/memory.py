@@ -23,6 +23,7 @@ from typing import Self
 
 from torpor.config import Quotas, paths
 from torpor.errors import AccessDenied, Conflict, InvalidArgument, RecordNotFound
+from torpor.memory import _validate as check
 from torpor.memory._coalesce import batcher_for
 from torpor.memory.access import Access, TokenManager, hash_token
 from torpor.memory.backends import open_backend
@@ -281,7 +282,8 @@ class Memory:
             return target.forget()
         if not isinstance(target, str):
             raise InvalidArgument("forget() takes a record id or a scope")
-        found = self.store.get([target], 0)  # expired records can be erased too
+        rid = check.record_id(target)
+        found = self.store.get([rid], 0) if rid is not None else []  # expired ones too
         if not found:
             raise RecordNotFound(f"no record {target!r}", kind="record", name=target)
         self.access.require("write", found[0].scope, "forget")

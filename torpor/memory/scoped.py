@@ -297,7 +297,8 @@ class ScopedMemory:
     def get(self, record_id: str) -> AnyRecord:
         """One record visible from this scope (its own, an ancestor's or a descendant's).
         Raises :class:`RecordNotFound`, or :class:`AccessDenied` for an ungranted scope."""
-        found = self.memory.store.get([record_id], now_us())
+        rid = check.record_id(record_id)
+        found = self.memory.store.get([rid], now_us()) if rid is not None else []
         rec = found[0] if found else None
         if rec is None or not (
             rec.scope in self.scope.ancestors() or path_within(rec.scope, self.path)
@@ -456,7 +457,8 @@ class ScopedMemory:
             n = self.memory.store.forget_scope(self.path)
             access.audit("forget.scope", self.path, records=n)
             return n
-        found = self.memory.store.get([record_id], 0)  # expired ones too
+        rid = check.record_id(record_id)
+        found = self.memory.store.get([rid], 0) if rid is not None else []  # expired ones too
         if not found or not path_within(found[0].scope, self.path):
             raise RecordNotFound(
                 f"no record {record_id!r} in {self.scope}", kind="record", name=record_id
