@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import http.server
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from tests.memory.conftest import Api
 from torpor.errors import AccessDenied, InvalidArgument, PathNotFound
-from torpor.memory import Memory, SourceRef, register_resolver
+from torpor.memory import Memory, SourceRef, provenance, register_resolver
 from torpor.memory.provenance import check
 
 
@@ -126,6 +130,72 @@ def test_a_token_cannot_read_host_files_through_a_source(api: Api, tmp_path: Pat
         u.verify(cited.id)
     assert u.verify() == []  # left as it was: not re-read for the token
     assert not owner.get(cited.id).stale
+
+
+def test_a_token_cites_no_sandbox_volume_or_private_url(api: Api, tmp_path: Path) -> None:
+    """A sandbox or volume source is read through the server's own socket, as the home's
+    owner: a token citing one read another tenant's machine (and woke it). A URL is fetched
+    by the server: a token's may not name a loopback, private or link-local host."""
+    page = _serve({"/": (200, b"internal page\n")})
+    url = f"http://127.0.0.1:{page.server_port}/"
+    u = api.as_token([("write", "app/a/user/u")]).scope(app="a", user="u")  # type: ignore[attr-defined]
+    for source in (
+        {"sandbox": "agent-u-43", "path": "/workspace/notes.md"},
+        {"volume": "memory-u-43", "path": "/facts.md"},
+        {"url": url},
+        {"url": "http://169.254.169.254/latest/meta-data/"},
+    ):
+        with pytest.raises(AccessDenied):
+            u.remember("x", source=source)
+    assert u.get_all().total == 0
+    owner = api.mem.scope(app="a", user="u")  # type: ignore[attr-defined]
+    assert owner.remember("an internal page", source={"url": url}).verified  # the owner may
+
+
+def _serve(
+    pages: dict[str, tuple[int, bytes, str | None] | tuple[int, bytes]], host: str = "127.0.0.1"
+) -> Any:
+    """An HTTP server on ``host`` answering ``pages`` (path -> status, body[, Location])."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status, body, *where = pages.get(self.path, (404, b""))
+            self.send_response(status)
+            if where:
+                self.send_header("Location", where[0])
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer((host, 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_public_only_fetch_checks_every_redirect(monkeypatch: pytest.MonkeyPatch) -> None:
+    secret_host = "127.0.0.2"
+    secret = _serve({"/secret": (200, b"metadata token\n")}, secret_host)
+    hop = _serve({"/": (302, b"", f"http://{secret_host}:{secret.server_port}/secret")})
+
+    def only_the_second_is_private(url: str) -> None:  # 127.0.0.1 stands for a public host
+        if httpx.URL(url).host == secret_host:
+            raise AccessDenied(f"{url} is not public", tenant="", scope="")
+
+    ref = SourceRef(url=f"http://127.0.0.1:{hop.server_port}/")
+    assert check(ref).verified  # followed as the owner's
+    monkeypatch.setattr(provenance, "check_public", only_the_second_is_private)
+    outcome = check(ref, public_only=True)
+    assert not outcome.verified and "not public" in (outcome.reason or "")
+    for host in ("127.0.0.1", "10.1.2.3", "169.254.169.254", "[::1]", "localhost", "192.168.0.1"):
+        with pytest.raises(AccessDenied):
+            _real_check_public(f"http://{host}/x")
+    _real_check_public("http://8.8.8.8/x")  # a public address passes
+
+
+_real_check_public = provenance.check_public
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,8 @@ def facts(
     may_cite: Callable[[SourceRef], None] | None = None,
 ) -> list[Fact]:
     """The facts for ``items`` (texts, or mappings of :data:`_FACT_FIELDS`) in ``scope``.
-    ``may_cite`` raises for a source the caller may not have read (before any is read).
+    ``may_cite`` raises for a source the caller may not have read (before any is read); with
+    one, URL sources are fetched from public addresses only (a token's call).
     Raises :class:`InvalidArgument` / :class:`PayloadTooLarge` for the first bad item, and
     what ``may_cite`` raises."""
     checked = []
@@ -73,7 +74,8 @@ def facts(
         durability: Durability = spec.get("durability") or "persistent"
         # when it expires, counted from its write (added once the batch has its times)
         life = check.expiry(policy, 0, durability, ttl)
-        checked.append((text, key, meta, durability, life, source, _provenance(source)))
+        proof = _provenance(source, public_only=may_cite is not None)
+        checked.append((text, key, meta, durability, life, source, proof))
     times, ids = _times(len(checked))
     out = []
     for (text, key, meta, durability, life, source, proof), t, id_ in zip(
@@ -107,11 +109,11 @@ def facts(
     return out
 
 
-def _provenance(source: SourceRef | None) -> tuple[bool, str | None, str | None]:
+def _provenance(source: SourceRef | None, public_only: bool) -> tuple[bool, str | None, str | None]:
     """``(verified, sha256, reason)`` of a fact citing ``source`` (read and hashed now)."""
     if source is None:
         return False, None, None
-    outcome = provenance.check(source)
+    outcome = provenance.check(source, public_only=public_only)
     if outcome.verified:
         return True, outcome.sha256, None
     return False, outcome.sha256, outcome.reason or "not verified"

@@ -13,6 +13,11 @@ volume attached to a running sandbox shows what the guest has flushed: ``sync``,
 The client is imported on first use only, so ``torpor.memory`` alone never loads it. A
 resolver returns the whole file; :func:`cite` cuts the cited line(s) or byte range out of it.
 
+Who may cite what: ``host``, ``sandbox`` and ``volume`` sources are read with this process's
+own rights (on a server: the home owner's, whatever tenant asks), so only the owner may cite
+them (:data:`OWNER_ONLY`); a caller with a token cites ``url`` sources, fetched only from
+public addresses (``public_only``: no loopback, private or link-local host, at any redirect).
+
 A fact is ``verified`` only when the cited content exists (and contains ``ref.quote`` when
 one is given); its SHA-256 is stored. :func:`check` re-reads it: a different hash or a
 missing source marks the fact ``stale`` and unverified.
@@ -21,18 +26,34 @@ missing source marks the fact ``stale`` and unverified.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torpor.errors import NotFound, PathNotFound, TorporError
+from torpor.errors import AccessDenied, NotFound, PathNotFound, TorporError
 from torpor.memory.models import SourceRef
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Resolver", "Verification", "check", "cite", "read_source", "register_resolver"]
+__all__ = [
+    "OWNER_ONLY",
+    "Resolver",
+    "Verification",
+    "check",
+    "check_public",
+    "cite",
+    "read_source",
+    "register_resolver",
+]
+
+#: source kinds read with this process's own rights: the home owner's to cite, not a token's
+OWNER_ONLY = frozenset({"host", "sandbox", "volume"})
+#: redirects a public-only fetch follows (each one checked)
+MAX_REDIRECTS = 5
 
 #: ``resolver(ref) -> bytes`` of the whole file; raises :class:`NotFound` when it is missing.
 Resolver = Callable[[SourceRef], bytes]
@@ -74,11 +95,42 @@ def _read_host(ref: SourceRef) -> bytes:
         ) from exc
 
 
-def _read_url(ref: SourceRef) -> bytes:
+def check_public(url: str) -> None:
+    """Raise :class:`AccessDenied` when ``url``'s host is, or resolves to, an address that is
+    not public (loopback, private, link-local such as a cloud's metadata service...). A host
+    that does not resolve passes: fetching it fails on its own."""
     import httpx
 
     try:
-        resp = httpx.get(ref.url or "", timeout=5.0, follow_redirects=True)
+        host = httpx.URL(url).host
+    except httpx.InvalidURL:
+        return
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return
+    for address in addresses:
+        if not ipaddress.ip_address(str(address).split("%")[0]).is_global:
+            raise AccessDenied(
+                f"{url}: {host} is not a public address ({address})", tenant="", scope=""
+            )
+
+
+def _read_url(ref: SourceRef, public_only: bool = False) -> bytes:
+    import httpx
+
+    url = ref.url or ""
+    try:
+        with httpx.Client(timeout=5.0, follow_redirects=not public_only) as client:
+            for _ in range(MAX_REDIRECTS + 1):
+                if public_only:
+                    check_public(url)
+                resp = client.get(url)
+                if not (public_only and resp.is_redirect and resp.next_request is not None):
+                    break
+                url = str(resp.next_request.url)
+    except AccessDenied as exc:
+        raise NotFound(f"cannot fetch {ref.url}: {exc}", kind="url", name=ref.url) from exc
     except httpx.HTTPError as exc:
         raise NotFound(f"cannot fetch {ref.url}: {exc}", kind="url", name=ref.url, exc=exc) from exc
     if resp.status_code != 200:
@@ -86,15 +138,18 @@ def _read_url(ref: SourceRef) -> bytes:
     return resp.content
 
 
-def read_source(ref: SourceRef) -> bytes:
+def read_source(ref: SourceRef, *, public_only: bool = False) -> bytes:
     """The whole file (or document) ``ref`` names, through the resolver registered for its
-    kind or the built-in one. Raises :class:`NotFound` (or a subclass) when it cannot be read,
-    and any other :class:`TorporError` the resolver raises (for a sandbox or volume:
+    kind or the built-in one (``public_only``: the built-in URL reader fetches from public
+    addresses only). Raises :class:`NotFound` (or a subclass) when it cannot be read, and any
+    other :class:`TorporError` the resolver raises (for a sandbox or volume:
     :class:`~torpor.errors.ServerUnavailable` without a server)."""
     kind = source_kind(ref)
     with _lock:
         resolver = _resolvers.get(kind)
     if resolver is None:
+        if kind == "url":
+            return _read_url(ref, public_only)
         resolver = _default_resolver(kind)
     return resolver(ref)
 
@@ -149,10 +204,11 @@ def _normalize(text: bytes) -> str:
     return " ".join(text.decode("utf-8", "replace").split()).casefold()
 
 
-def check(ref: SourceRef) -> Verification:
-    """Read and hash the content ``ref`` cites; never raises for an unreadable source."""
+def check(ref: SourceRef, *, public_only: bool = False) -> Verification:
+    """Read and hash the content ``ref`` cites (``public_only``: see :func:`read_source`);
+    never raises for an unreadable source."""
     try:
-        cited = cite(read_source(ref), ref)
+        cited = cite(read_source(ref, public_only=public_only), ref)
     except TorporError as exc:
         log.info("source %s not verified: %s", ref.location, exc)
         return Verification(False, None, str(exc))

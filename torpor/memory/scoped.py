@@ -16,7 +16,7 @@ from typing import IO, Any, Protocol
 
 from pydantic import BaseModel
 
-from torpor.errors import Conflict, InvalidArgument, RecordNotFound
+from torpor.errors import AccessDenied, Conflict, InvalidArgument, RecordNotFound
 from torpor.memory import _build, provenance, transfer
 from torpor.memory import _validate as check
 from torpor.memory.access import Access
@@ -97,17 +97,27 @@ class ScopedMemory:
     def _policy(self) -> Policy:
         return self.memory.store.get_policy(self.path) or Policy()
 
+    @property
+    def _by_token(self) -> bool:
+        """Whether the caller has a token (a grant list), not the home's own owner."""
+        return self.memory.access.grants is not None
+
     def _may_cite(self, ref: SourceRef) -> None:
-        """Refuse (:class:`AccessDenied`, audited) a host file source to a caller with a
-        token: the file is read with this process's rights (a server's), not the token's."""
-        access = self.memory.access
-        if access.grants is not None and provenance.source_kind(ref) == "host":
-            raise access.deny(
+        """For a caller with a token: refuse (:class:`AccessDenied`, audited) a source this
+        process reads with its own rights (a host file, a sandbox's or a volume's: on a server,
+        the home owner's, whatever the tenant), and a URL whose host is not public."""
+        kind = provenance.source_kind(ref)
+        if kind in provenance.OWNER_ONLY:
+            raise self.memory.access.deny(
                 "cite",
                 self.path,
-                f"a host file source ({ref.location}) is read only for the home's owner, "
-                "not with a token",
+                f"a {kind} source ({ref.location}) is read with the server's own rights: only "
+                "the home's owner cites one, not a token",
             )
+        try:
+            provenance.check_public(ref.url or "")
+        except AccessDenied as exc:
+            raise self.memory.access.deny("cite", self.path, exc.message) from None
 
     def _add(self, records: Sequence[AnyRecord]) -> list[AnyRecord]:
         """Store ``records`` with their vectors, in one transaction (all or none: over the
@@ -156,7 +166,8 @@ class ScopedMemory:
         written. Items with the same key supersede one another in order (the facts returned
         say so). Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "remember")
-        facts = _build.facts(items, self.path, self._policy(), self._may_cite)
+        may_cite = self._may_cite if self._by_token else None
+        facts = _build.facts(items, self.path, self._policy(), may_cite)
         stored = [f for f in self._add(facts) if isinstance(f, Fact)]
         latest: dict[str, int] = {}  # a later item with the same key ended this one, as stored
         for i, fact in enumerate(stored):
@@ -470,14 +481,15 @@ class ScopedMemory:
 
     def verify(self, record_id: str | None = None) -> list[Fact]:
         """Re-check the sources of one fact or of every sourced fact in this scope; a changed
-        or missing source becomes ``stale`` and unverified. Returns the updated facts. A host
-        file source is re-read for the home's owner only: with a token, such a fact is left
-        as it is (:class:`AccessDenied` when named by ``record_id``)."""
+        or missing source becomes ``stale`` and unverified. Returns the updated facts. A host,
+        sandbox or volume source is re-read for the home's owner only: with a token, such a
+        fact is left as it is (:class:`AccessDenied` when named by ``record_id``), and a URL
+        is fetched from public addresses only."""
         self.memory.access.require("write", self.path, "verify")
         if record_id is not None:
             rec = self.get(record_id)  # may be an ancestor's record, which this scope reads
             self.memory.access.require("write", rec.scope, "verify")
-            if isinstance(rec, Fact) and rec.source is not None:
+            if isinstance(rec, Fact) and rec.source is not None and self._by_token:
                 self._may_cite(rec.source)
             facts = [rec] if isinstance(rec, Fact) else []
         else:
@@ -488,11 +500,10 @@ class ScopedMemory:
         out = []
         for fact in facts:
             if fact.source is None or (
-                self.memory.access.grants is not None
-                and provenance.source_kind(fact.source) == "host"
+                self._by_token and provenance.source_kind(fact.source) in provenance.OWNER_ONLY
             ):
                 continue
-            outcome = provenance.check(fact.source)
+            outcome = provenance.check(fact.source, public_only=self._by_token)
             stale = fact.source_hash is not None and outcome.sha256 != fact.source_hash
             verified = outcome.verified and not stale
             reason = None
