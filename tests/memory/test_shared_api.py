@@ -8,6 +8,7 @@ has, except to build tokens (``Api.as_token``).
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from torpor.errors import (
     PayloadTooLarge,
     RecordNotFound,
     SchemaViolation,
+    StorageError,
 )
 from torpor.memory import Context, Episode, Fact, Hit, Policy, Profile
 from torpor.memory.models import from_us, now_us
@@ -245,6 +247,27 @@ def test_export_is_streamed_in_order(api: Api) -> None:
     assert u.export(buf) == 2001
     first = buf.getvalue().splitlines()[0]
     assert '"torpor-memory"' in first
+
+
+def test_a_failed_export_leaves_an_existing_file_as_it_was(
+    api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m: Any = api.mem
+    v = m.scope(app="a", user="v")
+    v.remember("v's plan")
+    backup = tmp_path / "v.jsonl"
+    assert v.export(backup) == 2
+    before = backup.read_text()
+
+    def cut_short() -> Iterator[str]:  # the server went away (or the store failed) mid-way
+        yield before.splitlines()[0]
+        raise StorageError("the connection broke")
+
+    monkeypatch.setattr(v, "export_lines", cut_short)
+    with pytest.raises(StorageError):
+        v.export(backup)
+    assert backup.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["v.jsonl"]  # no temporary file left
 
 
 def test_grants_apply_alike(api: Api) -> None:

@@ -42,6 +42,7 @@ from torpor.memory.models import (
     RecordPage,
     Scope,
 )
+from torpor.memory.transfer import write_lines
 
 __all__ = ["Call", "RemoteMemory", "RemoteScope", "encode"]
 
@@ -405,13 +406,7 @@ class RemoteScope:
     def export(self, dest: str | Path | IO[str]) -> int:
         """As :meth:`ScopedMemory.export <torpor.memory.ScopedMemory.export>`: streamed, never
         held whole in memory."""
-        if isinstance(dest, (str, Path)):
-            try:
-                with open(dest, "w", encoding="utf-8") as fh:
-                    return sum(1 for line in self.export_lines() if fh.write(line + "\n"))
-            except OSError as exc:
-                raise InvalidArgument(f"cannot write {dest}: {exc}", exc=exc) from exc
-        return sum(1 for line in self.export_lines() if dest.write(line + "\n"))
+        return write_lines(self.export_lines(), dest)
 
     def import_(self, src: str | Path | IO[str] | Iterable[str]) -> int:
         """As :meth:`ScopedMemory.import_ <torpor.memory.ScopedMemory.import_>`."""

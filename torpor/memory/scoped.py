@@ -532,15 +532,9 @@ class ScopedMemory:
         return transfer.export_lines(self.memory.store, self.path, emb)
 
     def export(self, dest: str | Path | IO[str]) -> int:
-        """Write this scope subtree as JSONL to a path or text stream. Returns lines written."""
-        lines = self.export_lines()
-        if isinstance(dest, (str, Path)):
-            try:
-                with open(dest, "w", encoding="utf-8") as fh:
-                    return sum(1 for line in lines if fh.write(line + "\n"))
-            except OSError as exc:
-                raise InvalidArgument(f"cannot write {dest}: {exc}", exc=exc) from exc
-        return sum(1 for line in lines if dest.write(line + "\n"))
+        """Write this scope subtree as JSONL to a path (whole or not at all: an existing file
+        stays as it was when the export fails) or a text stream. Returns lines written."""
+        return transfer.write_lines(self.export_lines(), dest)
 
     def import_(self, src: str | Path | IO[str] | Iterable[str]) -> int:
         """Load an export into this scope (re-rooted here). All or nothing. Returns records
