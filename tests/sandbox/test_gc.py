@@ -251,6 +251,38 @@ def test_a_pause_shows_when_it_expires_and_warns_a_day_before(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("damage", ["read-error", "one-byte"])
+def test_a_pending_record_that_does_not_read_keeps_its_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """A capturing snapshot's frozen dir is its only copy, kept by its pending record. A
+    record GC could not read (one EIO, one damaged byte) used to count as none: the link and
+    the frozen dir went, and the snapshot with them."""
+    p = make_home(tmp_path)
+    store = SnapshotStore(p)
+    info = store.begin(freeze(make_machine(p, "sb1"), store.frozen_root), name="capturing")
+    links = store.captures.links()
+    assert info.id in links and links[info.id].is_dir()
+    record = store.captures.pending_root / f"{info.id}.json"
+    good = record.read_bytes()
+    if damage == "one-byte":
+        record.write_bytes(good[:-2] + b"X}")
+    else:
+        real_read_text = Path.read_text
+
+        def flaky(self: Path, *a: Any, **k: Any) -> str:
+            if self == record:
+                raise OSError(5, "Input/output error")
+            return real_read_text(self, *a, **k)
+
+        monkeypatch.setattr(Path, "read_text", flaky)
+    collect_garbage(p)
+    monkeypatch.undo()
+    assert store.captures.links() == links and links[info.id].is_dir()
+    record.write_bytes(good)
+    assert store.captures.read(info.id) is not None  # whole again once the record reads
+
+
 def test_recover_and_gc_finish_a_capture_left_pending(tmp_path: Path) -> None:
     """A snapshot listed as capturing when the server died is stored by the next server's
     recover (and a failed capture by the next GC pass)."""

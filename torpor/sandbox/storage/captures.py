@@ -263,6 +263,14 @@ class PendingCaptures:
             if body is not None:
                 yield path.stem, body
 
+    def ids(self) -> set[str]:
+        """The snapshot id of every pending record there is, whether it reads or not (what GC
+        must keep: an unreadable record may read again, and its link is the snapshot's
+        only copy)."""
+        if not self.pending_root.is_dir():
+            return set()
+        return {path.stem for path in self.pending_root.glob("snap-*.json")}
+
     def remove(self, snapshot_id: str) -> bool:
         """Remove ``snapshot_id``'s pending record (durably); False if there was none."""
         try:

@@ -265,7 +265,7 @@ def collect_garbage(
                 # used; a link that names no snapshot (deleted, expired, a crash before its
                 # pending record) goes, and its dir with it unless a disk chain names it
                 snapshots = {i.id for i, _ in store.manifests()} | set(unreadable)
-                snapshots |= {sid for sid, _ in store.captures.records()}
+                snapshots |= store.captures.ids()  # a record that fails to read included
                 cached = set()
                 for sid, frozen in store.captures.links().items():
                     if sid in snapshots:
