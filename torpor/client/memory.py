@@ -31,6 +31,7 @@ from pydantic import BaseModel, TypeAdapter
 from torpor.client.calls import Call, encode
 from torpor.client.tokens import Connection, Tokens
 from torpor.errors import InvalidArgument
+from torpor.memory._lines import write_lines
 from torpor.memory.context import Context
 from torpor.memory.models import (
     AuditEntry,
@@ -42,7 +43,6 @@ from torpor.memory.models import (
     RecordPage,
     Scope,
 )
-from torpor.memory.transfer import write_lines
 
 __all__ = ["Call", "RemoteMemory", "RemoteScope", "encode"]
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from torpor.errors import AccessDenied, Conflict, InvalidArgument, RecordNotFound
 from torpor.memory import _build, provenance, transfer
 from torpor.memory import _validate as check
+from torpor.memory._lines import write_lines
 from torpor.memory.access import Access
 from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore, Vector
 from torpor.memory.context import Context, build_context
@@ -534,7 +535,7 @@ class ScopedMemory:
     def export(self, dest: str | Path | IO[str]) -> int:
         """Write this scope subtree as JSONL to a path (whole or not at all: an existing file
         stays as it was when the export fails) or a text stream. Returns lines written."""
-        return transfer.write_lines(self.export_lines(), dest)
+        return write_lines(self.export_lines(), dest)
 
     def import_(self, src: str | Path | IO[str] | Iterable[str]) -> int:
         """Load an export into this scope (re-rooted here). All or nothing. Returns records

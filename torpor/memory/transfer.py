@@ -20,11 +20,8 @@ import contextlib
 import json
 import logging
 import math
-import os
-import threading
 from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -70,29 +67,6 @@ def export_lines(store: TenantStore, prefix: str, embedding_model: str | None) -
         yield json.dumps(
             {"type": "policy", "scope": scope, "policy": policy.model_dump(mode="json")}
         )
-
-
-def write_lines(lines: Iterable[str], dest: str | Path | IO[str]) -> int:
-    """Write ``lines`` (an export's) to a text stream, or to a file at a path whole or not at
-    all: a temporary file beside it, renamed over it at the end, so an export that fails
-    half-way (a refused token, a server gone) leaves an existing file as it was. Returns the
-    lines written. Raises :class:`InvalidArgument` (the path cannot be written) and what
-    ``lines`` raises."""
-    if not isinstance(dest, (str, Path)):
-        return sum(1 for line in lines if dest.write(line + "\n"))
-    path = Path(dest)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                n = sum(1 for line in lines if fh.write(line + "\n"))
-            os.replace(tmp, path)
-        except OSError as exc:
-            raise InvalidArgument(f"cannot write {dest}: {exc}", exc=exc) from exc
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-    return n
 
 
 class Bundle:
