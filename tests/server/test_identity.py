@@ -187,6 +187,47 @@ def test_tokens_created_listed_revoked_live(served: tuple[FakeManager, Any, Test
     assert {"token.issue", "token.revoke"} <= {e.action for e in log}
 
 
+def test_a_token_makes_no_token_that_holds_more_than_it_does(
+    served: tuple[FakeManager, Any, TestClient],
+) -> None:
+    """An admin token of one user's memory and sandboxes, that expires in an hour, could mint
+    a full-rights token that never expires."""
+    _, app, c = served
+    hour = from_us(now_us()) + timedelta(hours=1)
+    narrow = _auth(
+        _issue(
+            app,
+            "acme",
+            grants=[("write", "app/a/user/u-42")],
+            sandboxes={"user": "u-42"},
+            admin=True,
+            expires_at=hour,
+        )
+    )
+    before = _denials(app, "acme")
+    for body in (
+        {"grants": [{"mode": "write", "prefix": ""}]},
+        {"grants": [{"mode": "read", "prefix": "app/a"}]},
+        {"sandboxes": {}},
+        {"sandboxes": {"user": "u-43"}},
+        {"grants": [{"mode": "read", "prefix": "app/a/user/u-42"}], "expires_in_seconds": 7200},
+    ):
+        r = c.post("/v1/tokens", json=body, headers=narrow)
+        assert (r.status_code, r.json()["error"]["type"]) == (403, "AccessDenied"), body
+    assert _denials(app, "acme") == before + 5
+    ok = {
+        "grants": [{"mode": "read", "prefix": "app/a/user/u-42/session/s1"}],
+        "sandboxes": {"user": "u-42", "team": "x"},
+    }
+    made = c.post("/v1/tokens", json=ok, headers=narrow)
+    assert made.status_code == 201, made.text
+    expires = datetime.fromisoformat(made.json()["info"]["expires_at"])
+    assert abs((expires - hour).total_seconds()) < 1  # the maker's own expiry
+    # the home's owner (and a full admin) still make any token
+    full = _auth(_issue(app, "acme", grants=[("write", "")], sandboxes={}, admin=True))
+    assert c.post("/v1/tokens", json={"sandboxes": {}}, headers=full).status_code == 201
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -201,7 +242,8 @@ def test_a_selector_no_store_can_keep_is_refused_before_a_token_is_made(
     # a lone surrogate was stored on SQLite, the answer was a 500 (the secret lost) and every
     # later GET /v1/tokens of the tenant a 500 too
     _, app, c = served
-    admin = {**_auth(_issue(app, "acme", admin=True)), "content-type": "application/json"}
+    full = _issue(app, "acme", grants=[("write", "")], sandboxes={}, admin=True)
+    admin = {**_auth(full), "content-type": "application/json"}
     made = c.post("/v1/tokens", content=body, headers=admin)
     assert made.status_code == 400 and made.json()["error"]["type"] == "InvalidArgument"
     listed = c.get("/v1/tokens", headers=admin)

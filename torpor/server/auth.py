@@ -33,6 +33,7 @@ import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from torpor.config import check_name
@@ -69,7 +70,8 @@ class Caller:
     ``grants``: memory rights (None: every scope of the tenant). ``sandboxes``: sandbox rights
     as a label selector (None: no sandbox at all; ``{}``: every sandbox of the tenant;
     ``{"user": "u-42"}``: only sandboxes carrying those labels). ``admin``: may manage the
-    tenant's tokens. ``token_id``: the public id of the token used (None for the local owner).
+    tenant's tokens. ``token_id``: the public id of the token used (None for the local owner);
+    ``expires_at``: when that token stops being honoured (None: never).
     """
 
     tenant: str
@@ -78,6 +80,7 @@ class Caller:
     sandboxes: dict[str, str] | None = field(default_factory=dict)
     admin: bool = True
     token_id: str | None = None
+    expires_at: datetime | None = None
 
     @property
     def is_owner(self) -> bool:
@@ -155,6 +158,7 @@ class Identity:
             sandboxes=None if info.sandboxes is None else dict(info.sandboxes),
             admin=info.admin,
             token_id=info.id,
+            expires_at=info.expires_at,
         )
 
     def deny(

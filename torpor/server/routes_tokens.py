@@ -8,19 +8,20 @@
 
 Only an admin may manage tokens: the home's owner (the local socket), who may do so for any
 tenant (``?tenant=`` / ``TokenSpec.tenant``: this is how a tenant's first token is made), or a
-token created with ``admin``, within its own tenant. Every refusal is audited.
+token created with ``admin``, within its own tenant; a token makes tokens that hold no more
+than it does (grants, sandbox rights, expiry). Every refusal is audited.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from torpor.errors import InvalidArgument, NotFound
+from torpor.errors import AccessDenied, InvalidArgument, NotFound
 from torpor.memory.models import NewToken, TokenSpec, TokenSummary, from_us, now_us
-from torpor.server.auth import Caller, Identity
+from torpor.server.auth import Caller, Identity, labels_match
 from torpor.server.deps import CallerDep, IdentityDep
 
 __all__ = ["router"]
@@ -39,6 +40,33 @@ def _tenant(caller: Caller, identity: Identity, tenant: str | None, action: str)
     return tenant
 
 
+def _within_own(
+    caller: Caller, identity: Identity, body: TokenSpec, expires: datetime | None
+) -> datetime | None:
+    """Check that the token ``body`` asks for holds no more than ``caller``'s own: its
+    grants covered by the caller's, its sandbox rights within the caller's selector, its
+    expiry no later (a caller's that expires gives its own expiry to a token that names
+    none). Returns that expiry. Raises :class:`AccessDenied` (audited)."""
+
+    def deny(why: str) -> AccessDenied:
+        return identity.deny(
+            caller, "token.create", "", f"a token may not grant more than it holds: {why}"
+        )
+
+    access = caller.access(identity.backend)
+    for g in body.grants:
+        if not access.allows(g.mode, g.prefix):
+            raise deny(f"{g.mode} on {g.prefix or '/'!r}")
+    own = caller.sandboxes
+    if body.sandboxes is not None and (own is None or not labels_match(body.sandboxes, own)):
+        raise deny(f"sandboxes {body.sandboxes} are outside {own}")
+    if caller.expires_at is not None:
+        if expires is not None and expires > caller.expires_at:
+            raise deny(f"it expires at {caller.expires_at.isoformat()}")
+        expires = expires or caller.expires_at
+    return expires
+
+
 @router.post("", status_code=201)
 async def create_token(body: TokenSpec, caller: CallerDep, identity: IdentityDep) -> NewToken:
     """Create a token; its secret is in the answer, and nowhere else ever after."""
@@ -48,6 +76,8 @@ async def create_token(body: TokenSpec, caller: CallerDep, identity: IdentityDep
         if body.expires_in_seconds is None
         else from_us(now_us()) + timedelta(seconds=body.expires_in_seconds)
     )
+    if not caller.is_owner:
+        expires = _within_own(caller, identity, body, expires)
     secret = identity.tokens.issue(
         tenant,
         body.grants,
