@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import os
+import subprocess
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -129,6 +130,17 @@ class FakeEngine:
     def crash(self, directory: Path) -> None:
         """SIGKILL the fake QEMU of ``directory``: RAM gone, files kept."""
         self.world.processes.pop(directory, None)
+
+
+class DiskEngine(FakeEngine):
+    """A fake engine whose machines also have a real (empty) qcow2 ``disk.qcow2``: what a
+    snapshot, fork or restore freezes and clones (``qemu-img`` only, no VM)."""
+
+    async def clone(self, template: str, directory: Path, config: MachineConfig) -> None:
+        await super().clone(template, directory, config)
+        disk = directory / "disk.qcow2"
+        args = ["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "32M"]
+        await asyncio.to_thread(subprocess.run, args, check=True)
 
 
 class FakeMachine:

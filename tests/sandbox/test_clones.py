@@ -95,3 +95,47 @@ def test_a_cancelled_wake_leaves_no_child(tmp_path: Path) -> None:
         assert engine.world.processes == {}
 
     _run(tmp_path, body)
+
+
+@pytest.mark.parametrize("operation", ["fork", "snapshot"])
+def test_a_source_that_fails_to_wake_leaves_no_child_and_keeps_its_snapshot(
+    tmp_path: Path, operation: str
+) -> None:
+    """A paused-path fork whose source failed to wake again raised, but kept the children
+    running (nobody held their ids: they ran on, billed); they are killed. A snapshot taken
+    whole is kept: the source that failed to wake may be lost, the snapshot its last copy."""
+    from tests.sandbox.fakes import DiskEngine, FakeMachine
+    from torpor.errors import EngineError
+    from torpor.sandbox.checkpoints import Checkpoints
+
+    source: set[Path] = set()
+
+    class SourceFails(FakeMachine):
+        async def wake(self, *, ram_ready: object = None) -> None:
+            if self.directory in source:
+                raise EngineError("QEMU died while loading the state (injected)")
+            await super().wake(ram_ready=ram_ready)  # type: ignore[arg-type]
+
+    class Engine(DiskEngine):
+        def machine(self, directory: Path, config: object) -> FakeMachine:
+            return SourceFails(self, directory)
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=Engine())
+        cp = Checkpoints(m)
+        try:
+            src = await m.create(name="src")
+            source.add(m.directory(src.id))
+            with pytest.raises(EngineError):
+                if operation == "fork":
+                    await cp.fork(src.id, count=2)
+                else:
+                    await cp.snapshot(src.id, name="before")
+            assert [r.id for r in m.registry.list() if r.state is not S.STOPPED] == [src.id]
+            kept = ["before"] if operation == "snapshot" else []
+            assert [s.name for s in cp.list_snapshots()] == kept
+        finally:
+            await cp.settle()
+            await m.close(pause=False)
+
+    asyncio.run(main())

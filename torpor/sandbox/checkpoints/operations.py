@@ -171,6 +171,7 @@ class Checkpoints:
         link_ram: bool = False,
         before_stop: Callable[[SandboxRecord, Path], Awaitable[Callable[[Path], None]]]
         | None = None,
+        undo: Callable[[T], Awaitable[None]] | None = None,
     ) -> T:
         """Freeze the sandbox: a running one live (:meth:`_freeze_live`, never paused), a
         paused one as it is, one with a drive mounted by pause + freeze + wake.
@@ -185,7 +186,9 @@ class Checkpoints:
         once the frozen dir is published and before the source stops, and returns what is
         called inside the stop with the saved state's file (see
         :func:`~torpor.sandbox.storage.snapshots.freeze_live`'s ``published`` and
-        ``saved``). Returns what ``then`` returns."""
+        ``saved``). ``undo(result)`` removes what ``then`` made when the source's wake
+        alongside it failed (the call raises that failure: nothing is left made). Returns
+        what ``then`` returns."""
         m = self.held
         rec = m.registry.find(tenant, id_or_name)
         vols = self.volumes.attached_to(rec.id)
@@ -201,7 +204,7 @@ class Checkpoints:
             )
         await m.take(rec.id)  # cluster mode: Conflict (proxied) when another node runs it
         try:
-            return await self._frozen_held(rec, link_ram, before_wake, then, before_stop)
+            return await self._frozen_held(rec, link_ram, before_wake, then, before_stop, undo)
         finally:
             await m.give_back(rec.id)
 
@@ -213,6 +216,7 @@ class Checkpoints:
         then: Callable[[SandboxRecord, Path, Any], Awaitable[T]],
         before_stop: Callable[[SandboxRecord, Path], Awaitable[Callable[[Path], None]]]
         | None = None,
+        undo: Callable[[T], Awaitable[None]] | None = None,
     ) -> T:
         """:meth:`_freeze`'s work once the sandbox is this node's (see there)."""
         m = self.held
@@ -273,6 +277,8 @@ class Checkpoints:
             return await then(rec, frozen, prepared)
         for r in results:
             if isinstance(r, BaseException):
+                if undo is not None and not isinstance(results[0], BaseException):
+                    await undo(cast(T, results[0]))  # made, but the source did not wake
                 raise r
         return cast(T, results[0])
 
@@ -403,6 +409,8 @@ class Checkpoints:
             self._complete_later(info.id)
             return info
 
+        # no undo: a snapshot taken whole is kept when the source then fails to wake (it may
+        # be the only copy of that state left)
         info = await self._freeze(tenant, id_or_name, capture)
         if not snap.wait:
             return info
@@ -665,6 +673,11 @@ class Checkpoints:
             recs, drives = prepared
             return await self.cloner.wake_children(recs, drives, reason=f"forked from {rec.id}")
 
+        async def remove(children: list[SandboxInfo]) -> None:
+            for child in children:
+                with contextlib.suppress(TorporError):
+                    await self.manager.kill(child.id, tenant=tenant)
+
         try:
             return await self._freeze(
                 tenant,
@@ -673,6 +686,7 @@ class Checkpoints:
                 before_wake=clone,
                 link_ram=True,
                 before_stop=start_early,
+                undo=remove,
             )
         except BaseException as exc:
             for child in pending:  # released before the failure: made, so removed
