@@ -139,3 +139,35 @@ def test_a_source_that_fails_to_wake_leaves_no_child_and_keeps_its_snapshot(
             await m.close(pause=False)
 
     asyncio.run(main())
+
+
+def test_a_restore_keeps_the_memory_scope_and_a_fork_of_a_snapshot_takes_the_one_given(
+    tmp_path: Path,
+) -> None:
+    """A restored sandbox lost the memory its guest reached at localhost:7777 (its agent's
+    code, restored in RAM, then met no memory), though a create refuses a ``memory_scope``
+    with a snapshot because "a restore takes it from the snapshot"; a fork of a snapshot
+    ignored the ``memory_scope`` it was given."""
+    from tests.sandbox.fakes import DiskEngine
+    from torpor.sandbox.checkpoints import Checkpoints
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=DiskEngine())
+        cp = Checkpoints(m)
+        try:
+            scope = {"app": "support", "user": "u-42"}
+            src = await m.create(name="src", memory_scope=scope)
+            snap = await cp.snapshot(src.id, name="before")
+            assert snap.carried.memory_scope == scope
+            assert (await cp.restore(snap.id)).memory_scope == scope
+            assert (await cp.create(snapshot=snap.id)).memory_scope == scope
+            forked = await cp.fork_snapshot(snap.id, count=2)
+            assert [c.memory_scope for c in forked] == [scope, scope]
+            other = {"app": "support", "user": "u-42", "session": "s-1", "read_only": True}
+            forked = await cp.fork_snapshot(snap.id, count=1, memory_scope=other)
+            assert forked[0].memory_scope == other
+        finally:
+            await cp.settle()
+            await m.close(pause=False)
+
+    asyncio.run(main())

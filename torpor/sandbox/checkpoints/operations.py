@@ -387,6 +387,7 @@ class Checkpoints:
                     labels=rec.labels,
                     idle_pause_seconds=rec.idle_pause_seconds,
                     pause_retention_days=rec.pause_retention_days,
+                    memory_scope=rec.memory_scope,
                 ),
                 "envs": rec.envs,
             }
@@ -510,7 +511,7 @@ class Checkpoints:
         """A new running sandbox from a stored snapshot (RAM, processes and files as they were),
         with the source sandbox's labels (updated with ``labels``), idle pause and pause
         retention unless the caller gives them (a restored user's VM stays traceable to its
-        user, and still pauses when idle).
+        user, and still pauses when idle), and its memory scope.
         ``spec`` (or ``fields``: ``name``, ``labels``, ``idle_pause_seconds``,
         ``pause_retention_days``) is a :class:`~torpor.sandbox.requests.RestoreSpec`.
 
@@ -519,7 +520,7 @@ class Checkpoints:
         """
         options = RestoreSpec.of(spec, **fields)
         names = None if options.name is None else [options.name]
-        children = await self._from_snapshot(snapshot, 1, names, options, tenant)
+        children = await self._from_snapshot(snapshot, 1, names, options, None, tenant)
         return children[0]
 
     async def fork_snapshot(
@@ -532,11 +533,12 @@ class Checkpoints:
         **fields: Any,
     ) -> list[SandboxInfo]:
         """``count`` new sandboxes from one stored snapshot (see :meth:`restore`); ``spec`` (or
-        ``fields``: ``count``, ``labels``, ``names``) is a
+        ``fields``: ``count``, ``labels``, ``names``, ``memory_scope``, ``envs``) is a
         :class:`~torpor.sandbox.requests.ForkSpec`."""
         fork = ForkSpec.of(spec, **fields)
         options = RestoreSpec.of(labels=fork.labels, envs=fork.envs)
-        return await self._from_snapshot(snapshot, fork.count, fork.names, options, tenant)
+        scope = None if fork.memory_scope is None else fork.memory_scope.record()
+        return await self._from_snapshot(snapshot, fork.count, fork.names, options, scope, tenant)
 
     async def _from_snapshot(
         self,
@@ -544,8 +546,11 @@ class Checkpoints:
         count: int,
         names: list[str] | None,
         options: RestoreSpec,
+        memory_scope: dict[str, Any] | None,
         tenant: str,
     ) -> list[SandboxInfo]:
+        """``count`` children of the snapshot: its carried settings unless ``options`` (or
+        ``memory_scope``, None: the source's) give others."""
         info = self.snapshots.get(snapshot, tenant=tenant)
         cluster = self.manager.cluster
         if cluster is not None:  # not durable yet, or another accelerator: another node's
@@ -585,6 +590,7 @@ class Checkpoints:
                     pause_retention_days=retention,
                     tenant=tenant,
                     reason=f"restored from {info.id}",
+                    memory_scope=carried.memory_scope if memory_scope is None else memory_scope,
                     envs=envs,
                 )
                 return await self.cloner.spawn(

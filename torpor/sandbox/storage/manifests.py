@@ -55,11 +55,13 @@ FORMAT_VERSION = 1
 class CarriedSettings(BaseModel):
     """The settings of the sandbox a snapshot was taken of, which a restore or a fork of the
     snapshot carries over unless the caller gives its own: whose the machine is (labels), when
-    it pauses by itself, and how long a pause is kept."""
+    it pauses by itself, how long a pause is kept, and the memory its guest reaches."""
 
     labels: dict[str, str] = Field(default_factory=dict)
     idle_pause_seconds: int | None = None
     pause_retention_days: int | None = None
+    #: the memory scope its guest reaches at ``localhost:7777`` (None: none)
+    memory_scope: dict[str, Any] | None = None
 
 
 class SnapshotInfo(BaseModel):
