@@ -166,3 +166,41 @@ def test_concurrent_wakes_of_compacted_sandboxes_keep_to_the_quota(tmp_path: Pat
             await m.close(pause=False)
 
     asyncio.run(main())
+def test_concurrent_snapshots_cannot_pass_the_quota_together(tmp_path: Path) -> None:
+    """The snapshot count was checked before the names lock: two snapshots taken at once
+    both saw room for one and both were listed."""
+    import threading
+    import time
+
+    from tests.sandbox.storage_helpers import make_home, make_machine
+    from torpor.sandbox.storage import snapshots as snapmod
+    from torpor.sandbox.storage.snapshots import SnapshotStore, freeze
+
+    p = make_home(tmp_path)
+    _quotas(p.home, {"*": {"snapshots": 1}})
+    store = SnapshotStore(p)
+    m = make_machine(p, "sb1")
+    frozen = [freeze(m, store.frozen_root) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            store.begin(frozen[1], name="two")
+        except BaseException as exc:
+            errors.append(exc)
+
+    other = threading.Thread(target=second)
+
+    def failpoint(name: str) -> None:
+        if name == "capture:linked" and not other.is_alive() and not errors:
+            other.start()  # the second one starts while the first one is being listed
+            time.sleep(0.5)
+
+    snapmod.failpoint = failpoint
+    try:
+        store.begin(frozen[0], name="one")
+    finally:
+        snapmod.failpoint = None
+    other.join()
+    assert [type(e) for e in errors] == [QuotaExceeded]
+    assert [s.name for s in store.list()] == ["one"]

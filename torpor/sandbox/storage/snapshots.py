@@ -478,7 +478,9 @@ class SnapshotStore(ManifestReader):
                 body["template"] = build
             with self.lock(exclusive=True, name="names"):
                 self.check_name_free(name, tenant, exclude=snapshot_id)
-                if snapshot_id is not None:
+                if snapshot_id is None:  # again, under the lock (a save at once took it)
+                    self.check_room(tenant)
+                else:
                     pending = self.captures.read(snapshot_id)
                     if pending is None:
                         raise SnapshotNotFound(
@@ -523,7 +525,6 @@ class SnapshotStore(ManifestReader):
         full quota, StorageError."""
         check_name(name, "snapshot name")
         check_retention(retention_days)
-        self.check_room(tenant)
         sid = f"snap-{uuid.uuid4().hex[:12]}"
         created = datetime.now(UTC)
         size = sum(
@@ -550,6 +551,7 @@ class SnapshotStore(ManifestReader):
         if envs:
             body["envs"] = dict(envs)
         with self.lock(), self.lock(exclusive=True, name="names"):  # GC waits for both
+            self.check_room(tenant)  # under the lock: two at once cannot both take the last
             self.check_name_free(name, tenant)
             self.captures.link(sid, frozen)  # first: a record always names a linked dir
             step("capture:linked")
