@@ -154,3 +154,53 @@ def test_labels_merged_past_the_limit_are_invalid(tmp_path: Path) -> None:
             await m.close(pause=False)
 
     asyncio.run(main())
+
+
+def test_a_volume_attached_while_a_snapshot_waits_for_its_lease_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The volume check ran before the sandbox's lease (cluster mode: a registry round trip)
+    and its lock: a volume attached meanwhile was frozen into the snapshot, whose restores
+    then plugged the volume's image as a second writer."""
+    import torpor.sandbox.checkpoints.attach as attach_mod
+    from tests.sandbox.fakes import DiskEngine, FakeChannel
+    from torpor.errors import Conflict
+
+    class Engine(DiskEngine):
+        def machine(self, directory: Path, config: Any) -> PlugMachine:
+            return PlugMachine(self, directory)
+
+    async def disk(channel: Any, serial: str, timeout: float = 20.0) -> str:
+        return "/dev/vdb"
+
+    async def mount(self: Any, device: str, path: str, **kw: Any) -> None:
+        return None
+
+    monkeypatch.setattr(attach_mod, "find_guest_disk", disk)
+    monkeypatch.setattr(FakeChannel, "mount", mount, raising=False)
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=Engine())
+        cp = Checkpoints(m)
+        leasing, leased = asyncio.Event(), asyncio.Event()
+
+        async def take(sandbox_id: str, *, place: bool = True) -> None:
+            leasing.set()
+            await leased.wait()  # the cluster's lease, taken on a thread
+
+        try:
+            vol = cp.volumes.create("memory", size_mib=16)
+            a = await m.create(name="a")
+            monkeypatch.setattr(m, "take", take)
+            snapshot = asyncio.ensure_future(cp.snapshot(a.id, name="s"))
+            await leasing.wait()
+            await cp.attachments.attach_volume(a.id, volume=vol.id, path="/memory")
+            leased.set()
+            with pytest.raises(Conflict):
+                await snapshot
+            assert cp.list_snapshots() == []
+        finally:
+            await cp.settle()
+            await m.close(pause=False)
+
+    asyncio.run(main())

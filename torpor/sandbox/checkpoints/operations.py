@@ -191,6 +191,15 @@ class Checkpoints:
         what ``then`` returns."""
         m = self.held
         rec = m.registry.find(tenant, id_or_name)
+        self._refuse_volumes(rec)  # before the lease; again under the lock (see there)
+        await m.take(rec.id)  # cluster mode: Conflict (proxied) when another node runs it
+        try:
+            return await self._frozen_held(rec, link_ram, before_wake, then, before_stop, undo)
+        finally:
+            await m.give_back(rec.id)
+
+    def _refuse_volumes(self, rec: SandboxRecord) -> None:
+        """Raise Conflict (:data:`VOLUME_SNAPSHOT_REFUSAL`) if the sandbox has a volume."""
         vols = self.volumes.attached_to(rec.id)
         if vols:
             raise Conflict(
@@ -202,11 +211,6 @@ class Checkpoints:
                 sandbox_id=rec.id,
                 volumes=[v.id for v, _ in vols],
             )
-        await m.take(rec.id)  # cluster mode: Conflict (proxied) when another node runs it
-        try:
-            return await self._frozen_held(rec, link_ram, before_wake, then, before_stop, undo)
-        finally:
-            await m.give_back(rec.id)
 
     async def _frozen_held(
         self,
@@ -223,6 +227,9 @@ class Checkpoints:
         live = m.live(rec.id)
         async with live.lock:
             rec = m.registry.get(rec.id)
+            # a volume attached since the first look (it records, then plugs under this
+            # lock) would be frozen into the machine: a second writer in every restore
+            self._refuse_volumes(rec)
             if rec.state is S.PAUSED:
                 await m.fetch_pause(rec)  # cluster mode: its files may be on another node
             if rec.state is S.ERROR:
