@@ -161,7 +161,7 @@ def _serve(
         def do_GET(self) -> None:
             status, body, *where = pages.get(self.path, (404, b""))
             self.send_response(status)
-            if where:
+            if where and where[0]:
                 self.send_header("Location", where[0])
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

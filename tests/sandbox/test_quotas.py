@@ -166,6 +166,8 @@ def test_concurrent_wakes_of_compacted_sandboxes_keep_to_the_quota(tmp_path: Pat
             await m.close(pause=False)
 
     asyncio.run(main())
+
+
 def test_concurrent_snapshots_cannot_pass_the_quota_together(tmp_path: Path) -> None:
     """The snapshot count was checked before the names lock: two snapshots taken at once
     both saw room for one and both were listed."""

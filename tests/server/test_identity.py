@@ -205,13 +205,14 @@ def test_a_token_makes_no_token_that_holds_more_than_it_does(
         )
     )
     before = _denials(app, "acme")
-    for body in (
+    asks: list[dict[str, Any]] = [
         {"grants": [{"mode": "write", "prefix": ""}]},
         {"grants": [{"mode": "read", "prefix": "app/a"}]},
         {"sandboxes": {}},
         {"sandboxes": {"user": "u-43"}},
         {"grants": [{"mode": "read", "prefix": "app/a/user/u-42"}], "expires_in_seconds": 7200},
-    ):
+    ]
+    for body in asks:
         r = c.post("/v1/tokens", json=body, headers=narrow)
         assert (r.status_code, r.json()["error"]["type"]) == (403, "AccessDenied"), body
     assert _denials(app, "acme") == before + 5
