@@ -350,6 +350,28 @@ def test_half_sent_frame_then_hang_up_is_dropped(agent: AgentProcess) -> None:
     assert run(agent, lambda ch: ch.run_command("echo ok")).stdout == "ok\n"
 
 
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        pytest.param("ls", "not an object", id="args-not-an-object"),
+        pytest.param("write", {"path": "/tmp/x\x00y"}, id="write-path-with-nul"),
+        pytest.param("write", {"path": "/tmp/x", "max_bytes": "lots"}, id="write-bad-number"),
+    ],
+)
+def test_a_request_the_agent_cannot_take_is_answered(
+    agent: AgentProcess, op: str, args: Any
+) -> None:
+    """The agent logged such a request's error and sent nothing: the host waited out its
+    timeout (120 s by default) for each one."""
+
+    async def body(ch: GuestChannel) -> None:
+        with pytest.raises(GuestError, match="cannot take"):
+            await ch._request(op, args)
+        assert (await ch.ping())["pid"] == agent.proc.pid  # and it serves on
+
+    run(agent, body, op_timeout=30)
+
+
 def test_agent_death_fails_in_flight_requests(agent: AgentProcess, tmp_path: Path) -> None:
     pidfile = tmp_path / "pid"
 

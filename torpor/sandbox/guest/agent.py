@@ -292,8 +292,27 @@ class Agent:
             for frame in decoder.feed(data):
                 try:
                     self._on_frame(frame)
-                except Exception:  # a bad frame must never stop the agent
+                except Exception as exc:  # a bad frame must never stop the agent
                     log.exception("failed to handle frame %r", frame.header)
+                    self._refuse(frame, exc)
+
+    def _refuse(self, frame: proto.Frame, exc: Exception) -> None:
+        """Answer the request ``frame`` belongs to with the error handling it raised (args
+        that are not an object, a bad number, a path with NUL): the host would otherwise wait
+        out its timeout for a reply that never comes."""
+        if frame.type not in (proto.REQ, proto.DATA):
+            return
+        entry = self._uploads.pop(frame.id, None)
+        if entry is not None:
+            entry[1].abort()
+        op = str(frame.header.get("op", "")) if frame.type == proto.REQ else ""
+        error = proto.error_dict("GuestError", f"the guest cannot take request {op!r}: {exc!r}")
+        try:
+            self.send(
+                self.generation, {"i": frame.id, "t": proto.REPLY, "ok": False, "error": error}
+            )
+        except Exception:  # the host went away: nobody is waiting
+            log.exception("cannot answer request %d", frame.id)
 
     def _hang_up(self) -> None:
         with self._send_lock:
