@@ -138,7 +138,7 @@ class Linger:
                 seconds = default.seconds
         raw = os.environ.get(LINGER_MAX_ENV, "").strip()
         if raw:
-            if raw.isdigit() and int(raw) <= 64:
+            if raw.isdecimal() and int(raw) <= 64:
                 max_count = int(raw)
             else:
                 log.warning("%s=%r is not 0-64; using %d", LINGER_MAX_ENV, raw, max_count)
@@ -328,7 +328,7 @@ def server_pid(home: str | os.PathLike[str] | None = None) -> int | None:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 text = handle.read().strip()
-                return int(text) if text.isdigit() else None
+                return int(text) if text.isdecimal() else None
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
             return None
     except FileNotFoundError:

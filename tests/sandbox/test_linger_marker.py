@@ -209,6 +209,8 @@ def test_linger_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORPOR_LINGER_SECONDS", "30")
     monkeypatch.setenv("TORPOR_LINGER_MAX", "0")
     assert not Linger.from_env().enabled
+    monkeypatch.setenv("TORPOR_LINGER_MAX", "³")  # a digit to str.isdigit, not to int()
+    assert Linger.from_env() == Linger(30.0, 4)
 
 
 def test_one_whose_directory_is_gone_is_killed(tmp_path: Path) -> None:

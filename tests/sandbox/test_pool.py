@@ -116,6 +116,8 @@ def test_no_pool_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pool_size_from_env() == 3
     monkeypatch.setenv("TORPOR_CLONE_POOL", "lots")
     assert pool_size_from_env() == 0
+    monkeypatch.setenv("TORPOR_CLONE_POOL", "²")  # a digit to str.isdigit, not to int()
+    assert pool_size_from_env() == 0
 
 
 def test_a_sweep_kills_and_removes_what_a_dead_server_left_warm(tmp_path: Path) -> None:

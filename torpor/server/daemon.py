@@ -50,7 +50,7 @@ def _lock(p: Paths) -> IO[str]:
         raise Conflict(
             f"another torpor server (pid {owner or '?'}) owns {p.home}; stop it with "
             "`torpor server stop` (running sandboxes are paused, nothing is lost)",
-            pid=int(owner) if owner.isdigit() else None,
+            pid=int(owner) if owner.isdecimal() else None,
             home=str(p.home),
         ) from None
     handle.seek(0)

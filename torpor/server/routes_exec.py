@@ -154,7 +154,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     counts while reading (a chunked body has no length). Raises :class:`PayloadTooLarge`.
     """
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isdecimal() and int(declared) > limit:
         raise PayloadTooLarge(
             f"body of {declared} bytes is over the {limit}-byte limit",
             size=int(declared),

@@ -125,7 +125,7 @@ def read_marker(path: Path) -> Marker | None:
         text = path.read_text().strip()
     except OSError:
         return None
-    if text.isdigit():  # a prestarted QEMU's marker before it had fields
+    if text.isdecimal():  # a prestarted QEMU's marker before it had fields
         return Marker(kind="prestart", pid=int(text))
     try:
         data: dict[str, Any] = json.loads(text)
@@ -410,7 +410,7 @@ def me() -> str:
 
 
 def _alive(owner: str | None) -> bool:
-    if not owner or not owner.split(":")[0].isdigit():
+    if not owner or not owner.split(":")[0].isdecimal():
         return False
     return process_token(int(owner.split(":")[0])) == owner
 

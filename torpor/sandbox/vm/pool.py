@@ -67,7 +67,7 @@ REFILL_DELAY = 1.0
 def pool_size_from_env() -> int:
     """``TORPOR_CLONE_POOL`` as a size (0 when unset or not a whole number from 0 to 64)."""
     raw = os.environ.get("TORPOR_CLONE_POOL", "0").strip()
-    return int(raw) if raw.isdigit() and int(raw) <= 64 else 0
+    return int(raw) if raw.isdecimal() and int(raw) <= 64 else 0
 
 
 class ClonePool:
@@ -268,7 +268,7 @@ def _orphaned(entry: Path) -> bool:
     if owner is None or qemu_pid(entry) is None:
         return True
     pid = owner.split(":")[0]
-    return not pid.isdigit() or process_token(int(pid)) != owner
+    return not pid.isdecimal() or process_token(int(pid)) != owner
 
 
 def _kill_qemu(entry: Path) -> None:
