@@ -123,6 +123,13 @@ def test_none_means_not_given_unless_it_means_something() -> None:
             id="big-env",
         ),
         pytest.param(lambda: CodeSpec.of("x" * (17 << 20)), PayloadTooLarge, id="big-code"),
+        # the guest's select() cannot wait that long: a raw OverflowError in the guest
+        pytest.param(
+            lambda: CommandSpec.of("true", timeout=float("inf")), InvalidArgument, id="inf-timeout"
+        ),
+        pytest.param(
+            lambda: CodeSpec.of("1", timeout=1e30), InvalidArgument, id="code-timeout-too-long"
+        ),
     ],
 )
 def test_typed_errors(make: Any, error: type[Exception]) -> None:

@@ -342,8 +342,10 @@ Env = Annotated[
 RetentionDays = Annotated[int, Field(ge=1, le=MAX_RETENTION_DAYS)]
 #: where in the guest a volume or drive is mounted (normalized; no system directory)
 MountPath = Annotated[str, AfterValidator(check_mount_path)]
+#: the longest timeout a call takes (a year; longer: None, no limit)
+MAX_TIMEOUT = 365 * 86400.0
 #: seconds a call may run; None: no limit
-Timeout = Annotated[float | None, Field(gt=0)]
+Timeout = Annotated[float | None, Field(gt=0, le=MAX_TIMEOUT)]
 
 
 def _takes_none(field: Any) -> bool:

@@ -40,7 +40,7 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdecimal() and int(declared) > self.limit:
+        if declared.isdigit() and int(declared) > self.limit:
             await self._refuse(send, int(declared))
             return
         seen = 0
