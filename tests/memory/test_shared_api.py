@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,27 @@ def test_filters_kind_metadata_time(api: Api) -> None:
     day_ago = from_us(now_us() - 86_400_000_000)
     assert [h.id for h in u.recall("garden", until=day_ago)] == [old.id]
     assert old.id not in [h.id for h in u.recall("garden", since=day_ago)]
+
+
+def test_times_are_read_alike_embedded_and_over_http(api: Api) -> None:
+    """A ``date`` worked embedded and was "not JSON" over HTTP; a number was refused embedded
+    and read as a Unix time over HTTP. Both read as the library reads them now."""
+    u: Any = api.mem.scope(app="a", user="u")  # type: ignore[attr-defined]
+    first = u.log("user", "planted tomatoes", at=date(2026, 3, 1))
+    second = u.log_many([{"role": "user", "text": "tomatoes sprouted", "at": "2026-03-08"}])[0]
+    assert first.at == datetime(2026, 3, 1, tzinfo=UTC)  # a bare date: its midnight, UTC
+    assert second.at == datetime(2026, 3, 8, tzinfo=UTC)
+    hits = u.recall("tomatoes", since=date(2026, 3, 5), until="2026-03-09T00:00:00")
+    assert [h.id for h in hits] == [second.id]
+    assert [h.id for h in u.recall("tomatoes", as_of=date(2026, 3, 2))] == [first.id]
+    for bad in (
+        lambda: u.log("user", "x", at=1_772_323_200),
+        lambda: u.recall("tomatoes", as_of=1_772_323_200),
+        lambda: u.log_many([{"role": "user", "text": "x", "at": 1_772_323_200}]),
+    ):
+        with pytest.raises(InvalidArgument):
+            bad()
+    assert len(u.recall("tomatoes", k=10)) == 2  # nothing written by the refused calls
 
 
 def test_batched_writes(hapi: Api) -> None:

@@ -18,7 +18,7 @@ import codecs
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from typing import Any, Generic, Literal, TypeVar
 
 import httpx
@@ -35,7 +35,7 @@ DEFAULT: Literal["default"] = "default"
 
 
 def _default(value: object) -> object:
-    if isinstance(value, datetime):
+    if isinstance(value, (datetime, date)):  # a date: its midnight, as the library reads it
         return value.isoformat()
     if isinstance(value, timedelta):
         return value.total_seconds()

@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterator
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
@@ -86,12 +85,19 @@ class RememberManyBody(_Body):
     items: list[Any] = Field(max_length=100_000)
 
 
+#: a time as JSON carries it, read by the memory layer as the library reads it: ISO 8601, a
+#: time without an offset and a bare date (its midnight) in UTC; a number is refused there
+IsoTime = Annotated[
+    str | None, Field(description="ISO 8601: '2026-03-01T14:00:00Z'; no offset: UTC")
+]
+
+
 class LogBody(_Body):
     role: Any = None
     text: Any = None
     session: Any = None
     metadata: Any = None
-    at: datetime | None = None
+    at: IsoTime = None
     durability: Any = "persistent"
     ttl: Any = None
 
@@ -105,9 +111,9 @@ class RecallBody(_Body):
     k: Any = 5
     kind: Any = None
     metadata: Any = None
-    since: datetime | None = None
-    until: datetime | None = None
-    as_of: datetime | None = None
+    since: IsoTime = None
+    until: IsoTime = None
+    as_of: IsoTime = None
     include_history: bool = False
     session: str | None = None
     min_similarity: float | None = None
@@ -317,17 +323,7 @@ def log_many(
     tenant: TenantQuery = None,
 ) -> Response:
     """Append many turns in one transaction (all or nothing)."""
-    turns = [{**t, "at": _time(t.get("at"), "at")} if "at" in t else t for t in body.turns]
-    return _json(list[Episode], open_scope_of(request, caller, scope, tenant).log_many(turns))
-
-
-def _time(value: Any, what: str) -> datetime | None:
-    if value is None or isinstance(value, datetime):
-        return value
-    try:
-        return datetime.fromisoformat(str(value))
-    except ValueError:
-        raise InvalidArgument(f"{what} must be an ISO 8601 time, not {value!r}") from None
+    return _json(list[Episode], open_scope_of(request, caller, scope, tenant).log_many(body.turns))
 
 
 @router.post("/recall", response_model=list[Hit])
