@@ -8,7 +8,7 @@ has, except to build tokens (``Api.as_token``).
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -99,13 +99,14 @@ def test_times_are_read_alike_embedded_and_over_http(api: Api) -> None:
     hits = u.recall("tomatoes", since=date(2026, 3, 5), until="2026-03-09T00:00:00")
     assert [h.id for h in hits] == [second.id]
     assert [h.id for h in u.recall("tomatoes", as_of=date(2026, 3, 2))] == [first.id]
-    for bad in (
+    bad: list[Callable[[], object]] = [
         lambda: u.log("user", "x", at=1_772_323_200),
         lambda: u.recall("tomatoes", as_of=1_772_323_200),
         lambda: u.log_many([{"role": "user", "text": "x", "at": 1_772_323_200}]),
-    ):
+    ]
+    for call in bad:
         with pytest.raises(InvalidArgument):
-            bad()
+            call()
     assert len(u.recall("tomatoes", k=10)) == 2  # nothing written by the refused calls
 
 
