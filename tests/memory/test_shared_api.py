@@ -316,6 +316,18 @@ def test_grants_apply_alike(api: Api) -> None:
     assert len(denied) >= 4  # (the refusal naming tenant "other" is in that tenant's log)
 
 
+def test_an_update_keeps_the_facts_time_to_live(api: Api) -> None:
+    """A fact remembered for an hour lived for ever once updated: the new version had no
+    expiry. It now lives as long as the old one was given to, counted from the update."""
+    u: Any = api.mem.scope(app="a", user="u")  # type: ignore[attr-defined]
+    busy = u.remember("in a meeting until 3", key="status", ttl=3600)
+    later = u.update(busy.id, "in a meeting until 4")
+    assert later.expires_at is not None
+    assert abs((later.expires_at - later.valid_from).total_seconds() - 3600) < 1
+    forever = u.remember("lives in Lisbon", key="city")
+    assert u.update(forever.id, "lives in Porto").expires_at is None
+
+
 def test_get_all_update_and_delete_all(api: Api) -> None:
     """What mem0 users reach for: every record of a user a page at a time (filtered by
     metadata), update by id as a new version with history, and a delete_all that erases

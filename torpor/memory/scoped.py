@@ -364,7 +364,8 @@ class ScopedMemory:
         self, record_id: str, text: str, *, metadata: Mapping[str, Any] | None = None
     ) -> Fact:
         """A new version of the keyed fact ``record_id`` with ``text`` (and ``metadata``, else
-        the old one's): the old version ends and stays in :meth:`history`. A fact without a
+        the old one's; its durability, and its time to live counted afresh; no source: the
+        old one's cited the old text): the old version ends and stays in :meth:`history`. A fact without a
         key has no versions (remember it with ``key=`` to make it updatable) and an episode
         is an event: both are :class:`InvalidArgument`. Raises :class:`RecordNotFound`,
         :class:`AccessDenied`, and what :meth:`remember` raises."""
@@ -384,11 +385,15 @@ class ScopedMemory:
         scope = self
         if old.scope != self.path:  # an ancestor's or a descendant's: its own scope
             scope = ScopedMemory(self.memory, Scope.from_path(old.scope, tenant=self.scope.tenant))
+        # the new version lives as long as the old one was given to (a fact remembered for an
+        # hour and updated is still one for an hour); a source cited the old text, not this
+        life = None if old.expires_at is None else (old.expires_at - old.valid_from)
         return scope.remember(
             text,
             key=old.key,
             metadata=old.metadata if metadata is None else metadata,
             durability=old.durability,
+            ttl=None if life is None else max(life.total_seconds(), 1e-6),
         )
 
     def delete_all(self) -> int:
