@@ -365,10 +365,10 @@ class ScopedMemory:
     ) -> Fact:
         """A new version of the keyed fact ``record_id`` with ``text`` (and ``metadata``, else
         the old one's; its durability, and its time to live counted afresh; no source: the
-        old one's cited the old text): the old version ends and stays in :meth:`history`. A fact without a
-        key has no versions (remember it with ``key=`` to make it updatable) and an episode
-        is an event: both are :class:`InvalidArgument`. Raises :class:`RecordNotFound`,
-        :class:`AccessDenied`, and what :meth:`remember` raises."""
+        old one's cited the old text): the old version ends and stays in :meth:`history`. A
+        fact without a key has no versions (remember it with ``key=`` to make it updatable)
+        and an episode is an event: both are :class:`InvalidArgument`. Raises
+        :class:`RecordNotFound`, :class:`AccessDenied`, and what :meth:`remember` raises."""
         old = self.get(record_id)
         if not isinstance(old, Fact) or old.key is None:
             what = "an episode" if not isinstance(old, Fact) else "a fact without a key"
