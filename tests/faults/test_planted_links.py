@@ -186,25 +186,37 @@ def test_a_backing_file_in_the_homes_templates_is_handed_over(open_home: Path) -
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the jail hands files over only as root")
 def test_a_backing_file_of_the_homes_own_files_is_never_handed_to_qemu(open_home: Path) -> None:
-    """The home holds more than machines: its registry, the tenants' memory databases, the
-    uid table. A disk header naming one of them is refused like a host file, and nothing
-    there (nor a directory above it) changes owner or mode."""
+    """The home holds more than disk layers: its registry, the tenants' memory databases, the
+    uid table, other tenants' sandboxes and volumes. A disk header naming one of them is
+    refused like a host file, and nothing there (nor a directory above it) changes owner or
+    mode."""
     p = paths(open_home).ensure()
     p.registry.write_text("every tenant's sandboxes\n")
     p.registry.chmod(0o600)
     db = p.memory / "other-tenant.db"
     db.write_text("another tenant's memory\n")
     db.chmod(0o600)
+    other = p.sandboxes / "sb2"  # another tenant's machine and volume
+    other.mkdir(parents=True)
+    ram = other / "ram"
+    ram.write_text("another tenant's RAM\n")
+    ram.chmod(0o600)
+    p.volumes.mkdir(parents=True, exist_ok=True)
+    volume = p.volumes / "vol-other.img"
+    volume.write_text("another tenant's volume\n")
+    volume.chmod(0o600)
     d = p.sandboxes / "sb1"
     d.mkdir(parents=True)
-    for target in (p.registry, db):
+    for target in (p.registry, db, ram, volume):
         before = {
-            f: (f.stat().st_uid, f.stat().st_gid, f.stat().st_mode) for f in (target, p.memory)
+            f: (f.stat().st_uid, f.stat().st_gid, f.stat().st_mode)
+            for f in {target, target.parent} - {p.home}  # (the home: opened for sb1)
         }
         write_overlay(d / "disk.qcow2", os.fsencode(str(target)), 1 * MIB)
         with pytest.raises(EngineError, match="outside"):
             jail_mod.prepare(d, Jail(QEMU_UID_BASE + 1), {})
         after = {
-            f: (f.stat().st_uid, f.stat().st_gid, f.stat().st_mode) for f in (target, p.memory)
+            f: (f.stat().st_uid, f.stat().st_gid, f.stat().st_mode)
+            for f in {target, target.parent} - {p.home}  # (the home: opened for sb1)
         }
         assert after == before

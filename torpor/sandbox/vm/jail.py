@@ -197,6 +197,10 @@ def _grant(path: Path, jail: Jail, bits: int) -> None:
 
 #: where machines run from: a home's sandboxes, and the clone pool under its cache
 _MACHINE_DIRS = _HOME_DIRS | {"cache"}
+#: where a machine's disk chain may lead: a template's disk, a snapshot's frozen layers, the
+#: clone pool's (never another sandbox's directory, a volume's image or a drive's files,
+#: which are another tenant's as often as not)
+_BACKING_DIRS = frozenset({"templates", "snapshots", "cache"})
 
 
 def _home_of(path: Path) -> Path | None:
@@ -258,21 +262,22 @@ def prepare(directory: Path, jail: Jail, config: dict[str, Any]) -> None:
         for key in ("kernel", "initrd"):
             if config.get(key):
                 prepare_path(Path(config[key]), jail, shared=True)
-        # the home's machine directories only: the home itself also holds the registry, the
-        # tenants' memory databases and the uid table
-        roots = [] if home is None else [(home / d).resolve() for d in _MACHINE_DIRS]
+        # the home's disk layers only: the home itself also holds the registry, the tenants'
+        # memory databases and the uid table; its sandboxes, volumes and drives hold other
+        # tenants' machines and data
+        roots = [] if home is None else [(home / d).resolve() for d in _BACKING_DIRS]
         current = _backing(directory / "disk.qcow2")
         for _ in range(256):
             if current is None:
                 break
             real = current.resolve()
             # the overlay's header is the jailed uid's to write: a backing file named there
-            # outside the home's machines (an escaped QEMU's "/etc/shadow", or the home's
-            # registry.db) is never handed to it
+            # outside the home's disk layers (an escaped QEMU's "/etc/shadow", the home's
+            # registry.db, another tenant's volume image) is never handed to it
             if not any(real.is_relative_to(root) for root in roots):
                 raise EngineError(
-                    f"{directory}: its disk's backing file {real} is outside the machine "
-                    f"directories of {home}"
+                    f"{directory}: its disk's backing file {real} is outside the disk layers "
+                    f"({', '.join(sorted(_BACKING_DIRS))}) of {home}"
                 )
             prepare_path(real, jail, shared=any(p.name == "templates" for p in real.parents))
             current = _backing(real)
