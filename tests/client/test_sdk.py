@@ -13,6 +13,7 @@ from torpor.errors import (
     InvalidArgument,
     InvalidName,
     InvalidState,
+    NotFound,
     PathNotFound,
     PayloadTooLarge,
     SandboxClosed,
@@ -94,6 +95,21 @@ def test_an_empty_or_dot_name_is_invalid_on_both_transports(
 def test_a_bad_token_spec_is_invalid_argument(served: Served, kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidArgument):
         served.runtime.tokens.create(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("token_id", ["", ".", "..", "../sandboxes/{sid}"])
+def test_revoke_sends_the_token_id_as_one_path_segment(
+    tcp_served: tuple[object, str], served: Served, token_id: str
+) -> None:
+    """The id went into the path unquoted: ``revoke("../sandboxes/<id>")`` sent
+    ``DELETE /v1/sandboxes/<id>`` and killed that sandbox, and ``revoke("")`` drew a redirect
+    that the SDK took for a success."""
+    _, url = tcp_served
+    for rt in (Runtime(url=url, token="a" * 32), served.runtime):
+        sbx = Sandbox.create(runtime=rt)
+        with pytest.raises((InvalidArgument, NotFound)):
+            rt.tokens.revoke(token_id.format(sid=sbx.id))
+        assert sbx.info.state.value == "running"
 
 
 def test_commands(served: Served) -> None:

@@ -23,6 +23,7 @@ import httpx
 from pydantic import ValidationError
 
 from torpor.client.calls import Call
+from torpor.client.sandbox_calls import at
 from torpor.errors import InvalidArgument
 from torpor.memory.models import Grant, NewToken, TokenSpec, TokenSummary
 from torpor.sandbox.requests import invalid_argument
@@ -104,6 +105,7 @@ class Tokens:
 
     def revoke(self, token_id: str, *, tenant: str | None = None) -> None:
         """Revoke a token by id; effective on the server's next request. Raises
-        :class:`NotFound` for an unknown id."""
+        :class:`NotFound` for an unknown id, :class:`InvalidArgument` for one that names no
+        path segment (``""``, ``.``, ``..``)."""
         params: dict[str, Any] = {} if tenant is None else {"tenant": tenant}
-        self._rt.request("DELETE", f"/v1/tokens/{token_id}", params=params)
+        self._rt.request("DELETE", at("/v1/tokens", token_id), params=params)
