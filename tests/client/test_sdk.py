@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from torpor.client import Runtime, Sandbox, Snapshot
+from torpor.client import AsyncRuntime, Runtime, Sandbox, Snapshot
+from torpor.client.calls import Call
 from torpor.errors import (
     AccessDenied,
     InvalidArgument,
@@ -20,6 +22,7 @@ from torpor.errors import (
     SandboxNotFound,
     ServerUnavailable,
     TemplateNotFound,
+    TorporError,
 )
 
 if TYPE_CHECKING:
@@ -110,6 +113,39 @@ def test_revoke_sends_the_token_id_as_one_path_segment(
         with pytest.raises((InvalidArgument, NotFound)):
             rt.tokens.revoke(token_id.format(sid=sbx.id))
         assert sbx.info.state.value == "running"
+
+
+def test_a_redirect_is_an_error_not_an_answer(
+    tcp_served: tuple[object, str], served: Served
+) -> None:
+    """A 3xx (a slash the router moves, a proxy sending http to https) counted as success:
+    ``request`` returned it, and ``json``/``do`` raised json's own error on its empty body."""
+    _, url = tcp_served
+    for rt in (Runtime(url=url, token="a" * 32), served.runtime):
+        with pytest.raises(TorporError) as info:
+            rt.request("GET", "/v1/sandboxes/")
+        assert info.value.data["status"] == 307
+        with pytest.raises(TorporError):
+            rt.do(Call("GET", "/v1/sandboxes/"))
+        with pytest.raises(TorporError), rt.stream_lines("GET", "/v1/sandboxes/") as lines:
+            list(lines)
+
+    async def main() -> None:
+        for rt in (
+            AsyncRuntime(url=url, token="a" * 32),
+            AsyncRuntime(home=served.home, autostart=False),
+        ):
+            async with rt:
+                with pytest.raises(TorporError) as info:
+                    await rt.request("GET", "/v1/sandboxes/")
+                assert info.value.data["status"] == 307
+                with pytest.raises(TorporError):
+                    await rt.do(Call("GET", "/v1/sandboxes/"))
+                with pytest.raises(TorporError):
+                    async with rt.stream_lines("GET", "/v1/sandboxes/") as lines:
+                        [line async for line in lines]
+
+    asyncio.run(main())
 
 
 def test_commands(served: Served) -> None:

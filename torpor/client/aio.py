@@ -52,7 +52,7 @@ from torpor.client.memory import (
     import_body,
     scope_params,
 )
-from torpor.client.runtime import DEFAULT_TIMEOUT, error_of, target
+from torpor.client.runtime import DEFAULT_TIMEOUT, error_of, failed, target
 from torpor.errors import InvalidArgument, OperationTimeout, ServerUnavailable
 from torpor.memory.context import Context
 from torpor.memory.models import (
@@ -130,7 +130,7 @@ class AsyncRuntime:
             assert self.paths is not None
             await asyncio.to_thread(ensure_local_server, self.paths)
             response = await self._send(method, path, **kwargs)
-        if response.status_code >= 400:
+        if failed(response.status_code):
             raise error_of(response)
         return response
 
@@ -150,7 +150,7 @@ class AsyncRuntime:
         """Send a request and yield its answer's lines as they arrive."""
         try:
             async with self._http.stream(method, path, **kwargs) as response:
-                if response.status_code >= 400:
+                if failed(response.status_code):
                     await response.aread()
                     raise error_of(response)
                 yield response.aiter_lines()

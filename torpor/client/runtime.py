@@ -46,7 +46,14 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["DEFAULT_TIMEOUT", "Runtime", "default_runtime", "error_of", "set_default_runtime"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Runtime",
+    "default_runtime",
+    "error_of",
+    "failed",
+    "set_default_runtime",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +65,26 @@ RECONNECT_DELAY = 0.5
 DEFAULT_TIMEOUT = 300.0
 
 
+def failed(status: int) -> bool:
+    """Whether an answer of ``status`` is no success: a torpor server answers 2xx; anything
+    else (an error, a redirect the client does not follow) is :func:`error_of`'s."""
+    return not 200 <= status < 300
+
+
 def error_of(response: httpx.Response) -> TorporError:
-    """The typed error an error answer of a torpor server stands for (its wire form; a body
-    that is not one is a plain :class:`TorporError`, or :class:`ServerUnavailable` for 502/503)."""
+    """The typed error an answer that :func:`failed` stands for (its wire form; a body that
+    is not one is a plain :class:`TorporError`, or :class:`ServerUnavailable` for 502/503)."""
     try:
         payload = response.json()["error"]
         if not isinstance(payload, dict):
             raise TypeError(payload)
         return from_wire(payload)
     except (ValueError, KeyError, TypeError):
-        err = TorporError(
-            f"HTTP {response.status_code}: {response.text[:500]}", status=response.status_code
+        moved = response.headers.get("location")
+        said = response.text[:500] or (
+            f"a redirect to {moved[:200]}, not followed" if moved else ""
         )
+        err = TorporError(f"HTTP {response.status_code}: {said}", status=response.status_code)
         return ServerUnavailable(err.message) if response.status_code in (502, 503) else err
 
 
@@ -193,7 +208,7 @@ class Runtime:
                 raise
             self._start_local()
             response = self._send(method, path, **kwargs)
-        if response.status_code >= 400:
+        if failed(response.status_code):
             raise self._error(response)
         return response
 
@@ -215,7 +230,7 @@ class Runtime:
                 raise
             self._start_local()
             answer = self._on_wire(call, content, content_type)
-        if answer.status >= 400:
+        if failed(answer.status):
             raise self._error(
                 httpx.Response(answer.status, headers=answer.headers, content=answer.content)
             )
@@ -266,7 +281,7 @@ class Runtime:
                     raise OperationTimeout(f"{method} {path}: no answer in time", exc=exc) from exc
                 except httpx.HTTPError as exc:
                     raise ServerUnavailable(f"{method} {path} failed: {exc}", exc=exc) from exc
-            if response.status_code >= 400:
+            if failed(response.status_code):
                 response.read()
                 raise self._error(response)
             try:
