@@ -104,3 +104,24 @@ def test_async_token_grants(api: Api) -> None:
                 await rt.memory.scope()
 
     asyncio.run(main())
+
+
+def test_a_failed_async_export_leaves_an_existing_file_as_it_was(api: Api, tmp_path: Path) -> None:
+    """The async export opened the file for writing before the first line came, so one that
+    failed (here: its token revoked) left an existing backup empty; the sync one did not."""
+    new = api.runtime.tokens.create(grants=[("write", "app/a/user/u")])
+
+    async def main() -> None:
+        async with torpor.AsyncRuntime(home=api.home, token=new.token, autostart=False) as rt:
+            u = await rt.memory.scope(app="a", user="u")
+            await u.remember("u's plan")
+            backup = tmp_path / "u.jsonl"
+            assert await u.export(backup) == 2
+            before = backup.read_text()
+            api.runtime.tokens.revoke(new.info.id)
+            with pytest.raises(AccessDenied):
+                await u.export(backup)
+            assert backup.read_text() == before
+            assert [p.name for p in tmp_path.iterdir()] == ["u.jsonl"]  # no temporary file
+
+    asyncio.run(main())

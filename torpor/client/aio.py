@@ -16,8 +16,10 @@ functions, so only the sending differs. Errors are the same typed ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
+import secrets
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -384,17 +386,31 @@ class AsyncRemoteScope:
 
     async def export(self, dest: str | Path | IO[str]) -> int:
         """As :meth:`ScopedMemory.export <torpor.memory.ScopedMemory.export>` (streamed;
-        the file is written off the event loop, a thousand lines at a time)."""
+        the file is written off the event loop, a thousand lines at a time). A path is written
+        whole or not at all: a temporary file beside it is renamed over it at the end, so an
+        export that fails leaves an existing file as it was. Raises InvalidArgument (the
+        destination cannot be written) and the server's errors."""
+        if not isinstance(dest, (str, Path)):
+            try:
+                return await self._write(dest)
+            except OSError as exc:
+                raise InvalidArgument(f"cannot write {dest}: {exc}", exc=exc) from exc
+        path = Path(dest)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
-            if isinstance(dest, (str, Path)):
-                fh = await asyncio.to_thread(open, dest, "w", encoding="utf-8")
+            try:
+                fh = await asyncio.to_thread(open, tmp, "w", encoding="utf-8")
                 try:
-                    return await self._write(fh)
+                    n = await self._write(fh)
                 finally:
                     await asyncio.to_thread(fh.close)
-            return await self._write(dest)
-        except OSError as exc:
-            raise InvalidArgument(f"cannot write {dest}: {exc}", exc=exc) from exc
+                await asyncio.to_thread(os.replace, tmp, path)
+            except OSError as exc:
+                raise InvalidArgument(f"cannot write {dest}: {exc}", exc=exc) from exc
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return n
 
     async def _write(self, out: IO[str]) -> int:
         n, buf = 0, []
