@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import stat
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor.client import Runtime, Sandbox
+from torpor.client import AsyncRuntime, AsyncSandbox, Runtime, Sandbox
 from torpor.errors import SandboxNotFound, ServerUnavailable
 from torpor.sandbox.models import SandboxInfo
 from torpor.server.daemon import server_pid, stop_server
@@ -100,6 +101,29 @@ def test_a_streamed_first_call_starts_the_server(home: Path) -> None:
     with pytest.raises(SandboxNotFound):
         Sandbox(info, rt).commands.run("echo hi", on_stdout=print)
     assert server_pid(home) == rt.health()["pid"]
+
+
+def test_an_async_streamed_first_call_starts_the_server(home: Path) -> None:
+    """The sync client started the server for a streamed call; the async one raised
+    ServerUnavailable."""
+    info = SandboxInfo.model_validate(
+        {
+            "id": "ghost",
+            "name": "ghost",
+            "template": "python",
+            "state": "running",
+            "created_at": 0,
+            "last_active_at": 0,
+        }
+    )
+
+    async def main() -> None:
+        async with AsyncRuntime(home=home) as rt:
+            with pytest.raises(SandboxNotFound):
+                await AsyncSandbox(info, rt).commands.run("echo hi", on_stdout=print)
+            assert server_pid(home) == (await rt.health())["pid"]
+
+    asyncio.run(main())
 
 
 def test_the_started_server_runs_this_processs_torpor(

@@ -149,9 +149,24 @@ class AsyncRuntime:
     async def stream_lines(
         self, method: str, path: str, **kwargs: Any
     ) -> AsyncIterator[AsyncIterator[str]]:
-        """Send a request and yield its answer's lines as they arrive."""
+        """Send a request and yield its answer's lines as they arrive (as
+        :meth:`Runtime.stream_lines <torpor.client.Runtime.stream_lines>`: raises like
+        :meth:`request`, and starts the local server if the connection is refused, nothing
+        having been sent then)."""
         try:
-            async with self._http.stream(method, path, **kwargs) as response:
+            async with contextlib.AsyncExitStack() as stack:
+                for attempt in (1, 2):
+                    try:
+                        stream = self._http.stream(method, path, **kwargs)
+                        response = await stack.enter_async_context(stream)
+                        break
+                    except httpx.ConnectError as exc:
+                        if attempt == 2 or not self.autostart:
+                            raise ServerUnavailable(
+                                f"cannot reach {self._where()}: {exc}", exc=exc
+                            ) from exc
+                        assert self.paths is not None
+                        await asyncio.to_thread(ensure_local_server, self.paths)
                 if failed(response.status_code):
                     await response.aread()
                     raise error_of(response)
