@@ -148,6 +148,22 @@ def test_a_redirect_is_an_error_not_an_answer(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), "soon"])
+def test_a_runtime_timeout_out_of_range_is_invalid_argument(
+    tcp_served: tuple[object, str], served: Served, timeout: object
+) -> None:
+    """Such a timeout was taken, and the first call raised the socket's ValueError or
+    OverflowError (0: ServerUnavailable from the sync client, OperationTimeout from the async
+    one)."""
+    _, url = tcp_served
+    for kwargs in ({"home": served.home, "autostart": False}, {"url": url}):
+        with pytest.raises(InvalidArgument):
+            Runtime(timeout=timeout, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument):
+            AsyncRuntime(timeout=timeout, **kwargs)  # type: ignore[arg-type]
+    assert Runtime(home=served.home, autostart=False, timeout=None).health()["ok"]
+
+
 def test_commands(served: Served) -> None:
     sbx = Sandbox.create(runtime=served.runtime)
     result = sbx.commands.run("echo hello", env={"A": "1"}, cwd="/w")

@@ -63,7 +63,7 @@ class Answer:
 class SocketWire:
     """HTTP/1.1 over one unix socket with a pool of kept-alive connections (thread-safe)."""
 
-    def __init__(self, socket_path: str, headers: Mapping[str, str], timeout: float) -> None:
+    def __init__(self, socket_path: str, headers: Mapping[str, str], timeout: float | None) -> None:
         self._pool = httpcore.ConnectionPool(uds=socket_path)
         self._headers = [(b"host", b"torpor")] + [
             (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()

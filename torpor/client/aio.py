@@ -54,7 +54,7 @@ from torpor.client.memory import (
     import_body,
     scope_params,
 )
-from torpor.client.runtime import DEFAULT_TIMEOUT, error_of, failed, target
+from torpor.client.runtime import DEFAULT_TIMEOUT, error_of, failed, seconds, target
 from torpor.errors import InvalidArgument, OperationTimeout, ServerUnavailable
 from torpor.memory.context import Context
 from torpor.memory.models import (
@@ -87,9 +87,10 @@ class AsyncRuntime:
         token: str | None = None,
         home: str | os.PathLike[str] | None = None,
         *,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = DEFAULT_TIMEOUT,
         autostart: bool = True,
     ) -> None:
+        timeout = seconds(timeout)
         url, self.paths, headers = target(url, token, home)
         self.url = url
         self.autostart = autostart and url is None

@@ -36,9 +36,16 @@ from torpor.client._local import ensure_local_server
 from torpor.client._wire import Answer, SocketWire
 from torpor.client.calls import Call
 from torpor.config import Paths, paths
-from torpor.errors import OperationTimeout, ServerUnavailable, TorporError, from_wire
+from torpor.errors import (
+    InvalidArgument,
+    OperationTimeout,
+    ServerUnavailable,
+    TorporError,
+    from_wire,
+)
 from torpor.sandbox.models import DrainReport, EventPage, NodeStatus, SandboxEvent
 from torpor.sandbox.registry.usage import UsageReport, parse_query
+from torpor.sandbox.requests import MAX_TIMEOUT
 
 if TYPE_CHECKING:
     from torpor.client.memory import RemoteMemory
@@ -52,6 +59,7 @@ __all__ = [
     "default_runtime",
     "error_of",
     "failed",
+    "seconds",
     "set_default_runtime",
 ]
 
@@ -63,6 +71,25 @@ RECONNECT_DELAY = 0.5
 #: Seconds to wait for an answer when the call has no timeout of its own. Generous: a call may
 #: first wake a paused sandbox, and under TCG a cold template boot takes a while.
 DEFAULT_TIMEOUT = 300.0
+
+
+def seconds(timeout: float | None) -> float | None:
+    """A client's ``timeout``, checked: seconds, more than 0 and at most a year
+    (:data:`~torpor.sandbox.requests.MAX_TIMEOUT`), or None for no limit. Raises
+    :class:`InvalidArgument` (0, a negative number, NaN, infinity, not a number)."""
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout <= MAX_TIMEOUT
+    ):
+        raise InvalidArgument(
+            f"a timeout is seconds, more than 0 and at most {MAX_TIMEOUT:.0f}, or None for no "
+            f"limit, not {timeout!r}",
+            field="timeout",
+        )
+    return float(timeout)
 
 
 def failed(status: int) -> bool:
@@ -125,6 +152,8 @@ class Runtime:
     ``url``: a remote server (``http(s)://host:port``); ``token``: its bearer token.
     With neither (nor ``$TORPOR_URL``), the local server of ``home`` (default ``$TORPOR_HOME``)
     is used over its unix socket and started if it is not running (``autostart``).
+    ``timeout``: seconds to wait for an answer when a call has none of its own (None: no
+    limit); InvalidArgument when it is not more than 0 and at most a year.
     """
 
     def __init__(
@@ -133,9 +162,10 @@ class Runtime:
         token: str | None = None,
         home: str | os.PathLike[str] | None = None,
         *,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = DEFAULT_TIMEOUT,
         autostart: bool = True,
     ) -> None:
+        timeout = seconds(timeout)
         url, self.paths, headers = target(url, token, home)
         self.url = url
         self.autostart = autostart and url is None
