@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from torpor.client import AsyncRuntime, Runtime, Sandbox, Snapshot
+from torpor.client import AsyncRuntime, AsyncSandbox, Runtime, Sandbox, Snapshot
 from torpor.client.calls import Call
 from torpor.errors import (
     AccessDenied,
@@ -24,6 +27,7 @@ from torpor.errors import (
     TemplateNotFound,
     TorporError,
 )
+from torpor.sandbox.models import SandboxInfo
 
 if TYPE_CHECKING:
     from tests.client.conftest import Served
@@ -162,6 +166,56 @@ def test_a_runtime_timeout_out_of_range_is_invalid_argument(
         with pytest.raises(InvalidArgument):
             AsyncRuntime(timeout=timeout, **kwargs)  # type: ignore[arg-type]
     assert Runtime(home=served.home, autostart=False, timeout=None).health()["ok"]
+
+
+@pytest.fixture
+def proxy_413() -> Iterator[str]:
+    """A proxy in front of the server that refuses every body as too large, in its own words
+    (an HTML page, as nginx's ``client_max_body_size``); yields its base URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    page = b"<html><body><h1>413 Request Entity Too Large</h1></body></html>"
+    answer = (
+        b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Type: text/html\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
+    )
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+
+
+def test_a_proxys_413_is_payload_too_large(proxy_413: str) -> None:
+    """A 413 whose body is not the server's error (a proxy's page) was a plain TorporError:
+    ``except PayloadTooLarge`` around ``files.write`` missed it."""
+    info = SandboxInfo.model_validate(
+        {
+            "id": "sbx-1",
+            "name": "sbx-1",
+            "template": "python",
+            "state": "running",
+            "created_at": 0,
+            "last_active_at": 0,
+        }
+    )
+    with pytest.raises(PayloadTooLarge):
+        Sandbox(info, Runtime(url=proxy_413)).files.write("/workspace/big", b"x" * 1000)
+
+    async def main() -> None:
+        async with AsyncRuntime(url=proxy_413) as rt:
+            with pytest.raises(PayloadTooLarge):
+                await AsyncSandbox(info, rt).files.write("/workspace/big", b"x" * 1000)
+
+    asyncio.run(main())
 
 
 def test_commands(served: Served) -> None:

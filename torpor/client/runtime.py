@@ -39,6 +39,7 @@ from torpor.config import Paths, paths
 from torpor.errors import (
     InvalidArgument,
     OperationTimeout,
+    PayloadTooLarge,
     ServerUnavailable,
     TorporError,
     from_wire,
@@ -98,9 +99,18 @@ def failed(status: int) -> bool:
     return not 200 <= status < 300
 
 
+#: what an error answer without torpor's wire form (a proxy's page) means, by its status
+_BY_STATUS: dict[int, type[TorporError]] = {
+    413: PayloadTooLarge,
+    502: ServerUnavailable,
+    503: ServerUnavailable,
+}
+
+
 def error_of(response: httpx.Response) -> TorporError:
     """The typed error an answer that :func:`failed` stands for (its wire form; a body that
-    is not one is a plain :class:`TorporError`, or :class:`ServerUnavailable` for 502/503)."""
+    is not one is a plain :class:`TorporError`: :class:`PayloadTooLarge` for 413,
+    :class:`ServerUnavailable` for 502/503)."""
     try:
         payload = response.json()["error"]
         if not isinstance(payload, dict):
@@ -111,8 +121,8 @@ def error_of(response: httpx.Response) -> TorporError:
         said = response.text[:500] or (
             f"a redirect to {moved[:200]}, not followed" if moved else ""
         )
-        err = TorporError(f"HTTP {response.status_code}: {said}", status=response.status_code)
-        return ServerUnavailable(err.message) if response.status_code in (502, 503) else err
+        kind = _BY_STATUS.get(response.status_code, TorporError)
+        return kind(f"HTTP {response.status_code}: {said}", status=response.status_code)
 
 
 def target(
