@@ -165,3 +165,29 @@ def test_a_binding_names_grants_within_its_binders(real: tuple[Any, TestClient])
         r = c.post("/v1/sandboxes", json={"memory_scope": bad}, headers=tok)
         assert (r.status_code, r.json()["error"]["type"]) == (400, "InvalidArgument"), prefix
     assert requests.SCOPE_LEVELS == SCOPE_LEVELS
+
+
+def test_get_or_create_reuses_a_binding_made_with_other_grants(
+    real: tuple[Any, TestClient],
+) -> None:
+    # the grants a token's binding keeps are the server's, not the caller's: a get-or-create
+    # naming the same scope reuses the sandbox whoever bound it (the owner, a rotated token)
+    app, c = real
+    full = _token(app, grants=[("write", "")], sandboxes={})
+    body = {"memory_scope": U42, "labels": {"user": "u-42"}}
+    made = c.put("/v1/sandboxes/by-name/box", json=body, headers=full)
+    assert made.status_code in (200, 201), made.text
+    tok = _token(app, grants=[("write", "app/support/user/u-42")], sandboxes={"user": "u-42"})
+    again = c.put("/v1/sandboxes/by-name/box", json={"memory_scope": U42}, headers=tok)
+    assert again.status_code == 200, again.text
+    assert again.json()["id"] == made.json()["id"]
+    mine = c.put("/v1/sandboxes/by-name/mine", json={"memory_scope": U42}, headers=tok)
+    assert mine.status_code in (200, 201), mine.text
+    rotated = _token(
+        app,
+        grants=[("write", "app/support/user/u-42"), ("read", "app/faq")],
+        sandboxes={"user": "u-42"},
+    )
+    again = c.put("/v1/sandboxes/by-name/mine", json={"memory_scope": U42}, headers=rotated)
+    assert again.status_code == 200, again.text
+    assert again.json()["id"] == mine.json()["id"]

@@ -111,6 +111,12 @@ def _internet_policy(wanted: bool | None) -> bool:
     return allowed if wanted is None else wanted
 
 
+def _scope_of(binding: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``memory_scope`` record without its ``grants``: the scope a get-or-create compares
+    (the grants are the rights of whoever bound it, kept with the binding)."""
+    return {k: v for k, v in binding.items() if k != "grants"}
+
+
 class SandboxManager(NodeOperations, SandboxCalls):
     """Owns every sandbox of one torpor home. All methods are coroutines; ``tenant`` (keyword,
     default ``"default"``) scopes names and lookups.
@@ -226,7 +232,9 @@ class SandboxManager(NodeOperations, SandboxCalls):
         Options given for an existing sandbox are applied where they can change (labels are
         updated with the given ones; idle pause and pause retention replaced) and refused where
         they cannot: a different ``template``, ``vcpus`` or ``memory_mib`` is a Conflict naming
-        the field (the machine is what it is; nothing is changed then). Raises like
+        the field (the machine is what it is; nothing is changed then), and so is another
+        ``memory_scope`` (the same scope bound with other ``grants`` is the same: the binding
+        keeps its own). Raises like
         :meth:`create` (bad options even when the sandbox exists; InvalidArgument when they
         name another sandbox); a sandbox in ``error`` is returned as is (its calls raise
         StateLost)."""
@@ -267,7 +275,10 @@ class SandboxManager(NodeOperations, SandboxCalls):
                     sandbox_id=rec.id,
                     field=field,
                 )
-        wanted_scope = None if spec.memory_scope is None else spec.memory_scope.record()
+        # the scope itself (levels, read_only) is fixed at create; its ``grants`` are the rights
+        # of whoever bound it (a restricted token's own), kept with the binding: another
+        # caller's naming the same scope reuses it
+        wanted_scope = None if spec.memory_scope is None else _scope_of(spec.memory_scope.record())
         had = self._has_internet(rec.id)
         if "internet" in given and had is not None and bool(spec.internet) != had:
             raise Conflict(
@@ -276,9 +287,10 @@ class SandboxManager(NodeOperations, SandboxCalls):
                 sandbox_id=rec.id,
                 field="internet",
             )
-        if "memory_scope" in given and wanted_scope != rec.memory_scope:
+        had_scope = None if rec.memory_scope is None else _scope_of(rec.memory_scope)
+        if "memory_scope" in given and wanted_scope != had_scope:
             raise Conflict(
-                f"sandbox {rec.name!r} exists with memory_scope={rec.memory_scope!r}, not "
+                f"sandbox {rec.name!r} exists with memory_scope={had_scope!r}, not "
                 f"{wanted_scope!r}; it is fixed at create (fork it with another scope)",
                 sandbox_id=rec.id,
                 field="memory_scope",
