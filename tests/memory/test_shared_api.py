@@ -8,6 +8,8 @@ has, except to build tokens (``Api.as_token``).
 from __future__ import annotations
 
 import io
+import os
+import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -290,6 +292,39 @@ def test_a_failed_export_leaves_an_existing_file_as_it_was(
         v.export(backup)
     assert backup.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["v.jsonl"]  # no temporary file left
+
+
+def test_an_export_writes_into_the_file_it_is_given(api: Api, tmp_path: Path) -> None:
+    """The whole-or-nothing export replaced the path it was given: a private backup (0600)
+    came back readable by everyone, a link to the latest backup became a file of its own,
+    and a pipe (``export >(gzip > u.gz)``, /dev/stdout) could not be written at all."""
+    m: Any = api.mem
+    v = m.scope(app="a", user="v")
+    v.remember("v's plan")
+    private = tmp_path / "v.jsonl"
+    private.write_text("")
+    private.chmod(0o600)
+    assert v.export(private) == 2
+    assert private.stat().st_mode & 0o777 == 0o600
+    dated = tmp_path / "v-2026-03-01.jsonl"
+    dated.write_text("")
+    latest = tmp_path / "latest.jsonl"
+    latest.symlink_to(dated.name)
+    assert v.export(latest) == 2
+    assert latest.is_symlink() and dated.read_text() == private.read_text()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    try:
+        assert v.export(fifo) == 2
+    finally:
+        if reader.is_alive():  # the export never opened the pipe: let the reader go
+            with open(fifo, "w"):
+                pass
+        reader.join()
+    assert got == [private.read_text()]
 
 
 def test_grants_apply_alike(api: Api) -> None:
