@@ -152,6 +152,24 @@ def test_a_token_cites_no_sandbox_volume_or_private_url(api: Api, tmp_path: Path
     assert owner.remember("an internal page", source={"url": url}).verified  # the owner may
 
 
+def test_a_tokens_verify_leaves_the_owners_internal_url_facts_as_they_are(api: Api) -> None:
+    """A token's verify fetches public addresses only, so an owner's fact citing an internal
+    page (an intranet wiki) was re-checked as unreachable: marked stale and unverified by any
+    token that may write the scope. It is left as it is, as a host file's fact is."""
+    page = _serve({"/": (200, b"the internal runbook\n")})
+    url = f"http://127.0.0.1:{page.server_port}/"
+    owner = api.mem.scope(app="a", user="u")  # type: ignore[attr-defined]
+    cited = owner.remember("the runbook", source={"url": url})
+    assert cited.verified
+    u = api.as_token([("write", "app/a/user/u")]).scope(app="a", user="u")  # type: ignore[attr-defined]
+    with pytest.raises(AccessDenied):
+        u.verify(cited.id)
+    assert u.verify() == []  # not re-read for the token
+    after = owner.get(cited.id)
+    assert after.verified and not after.stale
+    page.shutdown()
+
+
 def _serve(
     pages: dict[str, tuple[int, bytes, str | None] | tuple[int, bytes]], host: str = "127.0.0.1"
 ) -> Any:

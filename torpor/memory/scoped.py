@@ -52,6 +52,18 @@ __all__ = ["PROFILE_TRIES", "Owner", "ScopedMemory"]
 PROFILE_TRIES = 100
 
 
+def _citable(ref: SourceRef) -> bool:
+    """Whether a token's call may have ``ref`` read (see :meth:`ScopedMemory._may_cite`): not
+    a source read with this process's own rights, not a URL of a host that is not public."""
+    if provenance.source_kind(ref) in provenance.OWNER_ONLY:
+        return False
+    try:
+        provenance.check_public(ref.url or "")
+    except AccessDenied:
+        return False
+    return True
+
+
 class Owner(Protocol):
     """What a :class:`ScopedMemory` uses of the :class:`~torpor.memory.Memory` that made it.
 
@@ -489,8 +501,9 @@ class ScopedMemory:
         """Re-check the sources of one fact or of every sourced fact in this scope; a changed
         or missing source becomes ``stale`` and unverified. Returns the updated facts. A host,
         sandbox or volume source is re-read for the home's owner only: with a token, such a
-        fact is left as it is (:class:`AccessDenied` when named by ``record_id``), and a URL
-        is fetched from public addresses only."""
+        fact is left as it is (:class:`AccessDenied` when named by ``record_id``), and so is
+        one citing a URL that is not public (an intranet page the owner cited): a token's
+        fetch reaches public addresses only."""
         self.memory.access.require("write", self.path, "verify")
         if record_id is not None:
             rec = self.get(record_id)  # may be an ancestor's record, which this scope reads
@@ -505,9 +518,7 @@ class ScopedMemory:
             facts = [f for f in self.memory.store.scan(flt, 1_000_000) if isinstance(f, Fact)]
         out = []
         for fact in facts:
-            if fact.source is None or (
-                self._by_token and provenance.source_kind(fact.source) in provenance.OWNER_ONLY
-            ):
+            if fact.source is None or (self._by_token and not _citable(fact.source)):
                 continue
             outcome = provenance.check(fact.source, public_only=self._by_token)
             stale = fact.source_hash is not None and outcome.sha256 != fact.source_hash
