@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import functools
 import os
-import secrets
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -56,6 +55,7 @@ from torpor.client.memory import (
 )
 from torpor.client.runtime import DEFAULT_TIMEOUT, error_of, failed, seconds, target
 from torpor.errors import InvalidArgument, OperationTimeout, ServerUnavailable
+from torpor.memory._lines import ExportFile
 from torpor.memory.context import Context
 from torpor.memory.models import (
     AuditEntry,
@@ -402,30 +402,25 @@ class AsyncRemoteScope:
 
     async def export(self, dest: str | Path | IO[str]) -> int:
         """As :meth:`ScopedMemory.export <torpor.memory.ScopedMemory.export>` (streamed;
-        the file is written off the event loop, a thousand lines at a time). A path is written
-        whole or not at all: a temporary file beside it is renamed over it at the end, so an
-        export that fails leaves an existing file as it was. Raises InvalidArgument (the
-        destination cannot be written) and the server's errors."""
+        the file is written off the event loop, a thousand lines at a time; a path whole or
+        not at all, as :class:`~torpor.memory._lines.ExportFile` says). Raises
+        InvalidArgument (the destination cannot be written) and the server's errors."""
         if not isinstance(dest, (str, Path)):
             try:
                 return await self._write(dest)
             except OSError as exc:
                 raise InvalidArgument(f"cannot write {dest}: {exc}", exc=exc) from exc
-        path = Path(dest)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        target = await asyncio.to_thread(ExportFile, dest)
+        fh = await asyncio.to_thread(target.open)
         try:
-            try:
-                fh = await asyncio.to_thread(open, tmp, "w", encoding="utf-8")
-                try:
-                    n = await self._write(fh)
-                finally:
-                    await asyncio.to_thread(fh.close)
-                await asyncio.to_thread(os.replace, tmp, path)
-            except OSError as exc:
-                raise InvalidArgument(f"cannot write {dest}: {exc}", exc=exc) from exc
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            n = await self._write(fh)
+        except OSError as exc:
+            await asyncio.to_thread(target.discard)
+            raise target.failure(exc) from exc
+        except BaseException:
+            await asyncio.to_thread(target.discard)
+            raise
+        await asyncio.to_thread(target.commit)
         return n
 
     async def _write(self, out: IO[str]) -> int:
