@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from torpor.config import Paths, paths
 from torpor.errors import (
     Conflict,
     CorruptData,
@@ -19,6 +21,7 @@ from torpor.errors import (
     InvalidState,
     SnapshotNotFound,
     StorageError,
+    TemplateNotFound,
 )
 from torpor.sandbox.storage import snapshots as snapmod
 from torpor.sandbox.storage.chunks import ChunkStore
@@ -361,3 +364,68 @@ def test_retention_set_while_capturing_is_kept_and_lists_nothing_half_made(
         store.get(other.id)
     assert store.complete(other.id) is None
     assert [s.name for s in store.list()] == ["kept"]
+
+
+def _build(p: Paths, build_id: str, fill: int) -> Path:
+    """Template ``python`` rebuilt as ``build_id`` (its disk holds ``fill`` in its first MiB):
+    ``snapshot`` names the new build, older builds stay where they are."""
+    tdir = p.templates / "python"
+    bdir = tdir / "builds" / build_id / "snapshot"
+    bdir.mkdir(parents=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(bdir / "disk.qcow2"), "32M"], check=True
+    )
+    qemu_io(bdir / "disk.qcow2", f"write -P {fill} 0 1M")
+    link = tdir / "snapshot"
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(Path("builds") / build_id / "snapshot")
+    (tdir / "template.json").write_text(
+        json.dumps({"name": "python", "build_id": build_id, "directory": str(tdir)})
+    )
+    return bdir / "disk.qcow2"
+
+
+def test_a_snapshot_names_the_build_its_disk_rests_on(tmp_path: Path) -> None:
+    """A sandbox made from build b1, snapshotted after the template was rebuilt as b2, is a
+    b1 snapshot: a node holding only b2 refuses it instead of laying its disk on b2's."""
+    a = paths(tmp_path / "a").ensure()
+    b1 = _build(a, "b1", 0x11)
+    m = a.sandboxes / "sb1"
+    m.mkdir(parents=True)
+    (m / "ram").write_bytes(b"\x01" * 8192)
+    (m / "state").write_bytes(b"state")
+    (m / "machine.json").write_text("{}")
+    subprocess.run(
+        [
+            "qemu-img",
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            str(b1),
+            "-F",
+            "qcow2",
+            str(m / "disk.qcow2"),
+        ],
+        check=True,
+    )
+    _build(a, "b2", 0x22)  # the template is rebuilt; sb1 still runs on b1
+    store = SnapshotStore(a)
+    info = store.save(freeze(m, store.frozen_root), name="s", template="python")
+    shutil.rmtree(a.templates)  # node a is gone
+
+    b = paths(tmp_path / "b").ensure()  # another node: the template's current build only
+    _build(b, "b2", 0x22)
+    other = SnapshotStore(b, chunks=store.chunks)
+    (b.snapshots / f"{info.id}.json").write_bytes((a.snapshots / f"{info.id}.json").read_bytes())
+    with pytest.raises(TemplateNotFound, match="b1"):
+        other.materialize(info.id)
+    # and where b1 is the current build, it restores on it, reading what it read before
+    c = paths(tmp_path / "c").ensure()
+    _build(c, "b1", 0x11)
+    third = SnapshotStore(c, chunks=store.chunks)
+    (c.snapshots / f"{info.id}.json").write_bytes((a.snapshots / f"{info.id}.json").read_bytes())
+    out = third.materialize(info.id)
+    assert "read 1048576/1048576" in qemu_io(out / "disk.qcow2", "read -P 0x11 0 1M")

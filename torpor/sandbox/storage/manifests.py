@@ -121,9 +121,13 @@ def dump_info(info: SnapshotInfo) -> dict[str, Any]:
     return info.model_dump(mode="json", exclude=set(STATUS_FIELDS))
 
 
-def template_build(paths: Paths, template: str) -> dict[str, str] | None:
+def template_build(
+    paths: Paths, template: str, *, disk: Path | None = None
+) -> dict[str, str] | None:
     """The name, build and directory of ``template`` in the home ``paths`` (None: it has no
-    ``template.json``, e.g. a test engine's)."""
+    ``template.json``, e.g. a test engine's). ``disk``: the template disk a snapshot's disk
+    rests on; when it is an older build's (``builds/<id>/``: the template was rebuilt after
+    the sandbox was made), that build is the one named, not the current one."""
     template_dir = paths.templates / template
     try:
         body = json.loads((template_dir / "template.json").read_text())
@@ -131,9 +135,15 @@ def template_build(paths: Paths, template: str) -> dict[str, str] | None:
         return None
     if not isinstance(body, dict):
         return None
+    build_id = str(body.get("build_id", ""))
+    if disk is not None:
+        builds = (template_dir / "builds").resolve()
+        within = disk.resolve()
+        if within.is_relative_to(builds) and within != builds:  # else a template from before
+            build_id = within.relative_to(builds).parts[0]  # builds/: its one build
     return {
         "name": str(body.get("name", template)),
-        "build_id": str(body.get("build_id", "")),
+        "build_id": build_id,
         "directory": str(body.get("directory", template_dir)),
     }
 

@@ -424,6 +424,7 @@ class SnapshotStore(ManifestReader):
         anchors: dict[str, Any] = {}
         size = new = 0
         local_roots = (self.frozen_root, self.paths.sandboxes)
+        on: Path | None = None  # the template disk the snapshot's disk rests on
         work = self.root / f".{sid}.work"
         with self.lock():
             try:
@@ -439,6 +440,7 @@ class SnapshotStore(ManifestReader):
                             source = work / entry.name
                             folded_copy(entry, source, anchor)
                         anchors[entry.name] = None if anchor is None else file_identity(anchor)
+                        on = on or anchor
                     fm = self.chunks.put_file(source)
                     files[entry.name] = fm.to_json()
                     size += fm.size
@@ -473,7 +475,7 @@ class SnapshotStore(ManifestReader):
                 body["envs"] = dict(envs)
             if origin:
                 body["origin"] = dict(origin)
-            build = None if template is None else template_build(self.paths, template)
+            build = None if template is None else template_build(self.paths, template, disk=on)
             if build is not None:
                 body["template"] = build
             with self.lock(exclusive=True, name="names"):
