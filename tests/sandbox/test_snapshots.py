@@ -323,6 +323,30 @@ def test_a_capturing_snapshot_is_listed_cached_and_then_stored(
     assert [s.name for s in store.list()] == ["first", "second"]
 
 
+def test_eviction_keeps_a_capture_whose_pending_record_does_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capturing snapshot's frozen dir is its only copy. Another capture's eviction took a
+    record that did not read (one damaged byte) for a stored snapshot's and dropped its RAM:
+    once the record read again, complete found no state and dropped the snapshot."""
+    monkeypatch.setenv("TORPOR_SNAPSHOT_CACHE", "0")
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    first = store.begin(freeze(m, store.frozen_root), name="first")
+    record = store.captures.pending_root / f"{first.id}.json"
+    good = record.read_bytes()
+    record.write_bytes(good[:-2] + b"X}")
+    second = store.begin(freeze(m, store.frozen_root), name="second")
+    store.complete(second.id)  # evicts every stored snapshot's RAM (a cache of 0)
+    assert store.cached(second.id) is None
+    record.write_bytes(good)
+    assert store.cached(first.id) is not None
+    done = store.complete(first.id)
+    assert done is not None and done.status == "stored"
+    assert store.get("first").status == "stored"
+
+
 def test_a_snapshot_deleted_while_capturing_is_not_stored(tmp_path: Path) -> None:
     p = make_home(tmp_path)
     m = make_machine(p, "sb1")

@@ -606,10 +606,11 @@ class SnapshotStore(ManifestReader):
         (default :func:`~torpor.sandbox.storage.captures.cache_size`); nothing while a clone
         copies from the cache. Returns the snapshot ids evicted."""
         keep = cache_size() if keep is None else keep
-        stored = [
+        pending = self.captures.ids()  # a record that fails to read included: its dir is
+        stored = [  # the snapshot's only copy
             (frozen.stat().st_mtime if frozen.exists() else 0.0, sid, frozen)
             for sid, frozen in self.captures.links().items()
-            if self.captures.read(sid) is None
+            if sid not in pending
         ]
         stored.sort(reverse=True)
         gone: list[str] = []
