@@ -129,3 +129,28 @@ def test_bad_chunk_size_and_name(tmp_path: Path) -> None:
         ChunkStore(tmp_path, chunk_size=1000)
     with pytest.raises(InvalidArgument):
         _store(tmp_path).path_of("../../etc/passwd")
+
+
+def test_a_failed_extent_lookup_stores_data_not_holes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only ENXIO from SEEK_DATA means "no data after here". Any other error (EIO reading the
+    extent tree) had the rest of the file recorded as holes: a snapshot of zeros, silently."""
+    src = tmp_path / "src"
+    with open(src, "wb") as f:
+        f.write(b"\x01" * CS)
+        f.seek(3 * CS)
+        f.write(b"\x02" * CS)  # data after a hole
+    real_lseek = os.lseek
+
+    def failing(fd: int, pos: int, how: int) -> int:
+        if how == os.SEEK_DATA and pos > 0:
+            raise OSError(5, "Input/output error")
+        return real_lseek(fd, pos, how)
+
+    monkeypatch.setattr(os, "lseek", failing)
+    store = _store(tmp_path)
+    fm = store.put_file(src)
+    monkeypatch.undo()
+    store.restore_file(fm, tmp_path / "dst")
+    assert (tmp_path / "dst").read_bytes() == src.read_bytes()

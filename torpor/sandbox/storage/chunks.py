@@ -28,6 +28,7 @@ the rest.
 from __future__ import annotations
 
 import bisect
+import errno
 import hashlib
 import logging
 import os
@@ -500,14 +501,17 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 
 
 def data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
-    """The (start, end) extents of ``fd`` that hold data, found with SEEK_DATA/SEEK_HOLE."""
+    """The (start, end) extents of ``fd`` that hold data, found with SEEK_DATA/SEEK_HOLE
+    (all of it when they fail: a hole is never guessed)."""
     ranges: list[tuple[int, int]] = []
     pos = 0
     try:
         while pos < size:
             try:
                 start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: no data after pos
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:  # only ENXIO says no data after pos
+                    raise
                 break
             end = os.lseek(fd, start, os.SEEK_HOLE)
             ranges.append((start, end))
