@@ -154,3 +154,33 @@ def test_a_failed_extent_lookup_stores_data_not_holes(
     monkeypatch.undo()
     store.restore_file(fm, tmp_path / "dst")
     assert (tmp_path / "dst").read_bytes() == src.read_bytes()
+
+
+def test_a_bad_copy_in_the_shared_store_is_replaced_by_the_next_push(tmp_path: Path) -> None:
+    """Cluster mode: a node's chunks in front of a shared store (here a directory). A chunk
+    whose shared copy went bad was judged corrupt, but only the (absent) local copy was
+    quarantined: every later push of the same data skipped it ("there already"), so each new
+    snapshot holding it was restorable on no other node."""
+    from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
+    from torpor.sandbox.storage.tiered import TieredChunkBackend
+
+    shared = LocalChunkBackend(tmp_path / "shared")
+
+    def node(name: str) -> ChunkStore:
+        tiered = TieredChunkBackend(LocalChunkBackend(tmp_path / name), shared)
+        return ChunkStore(backend=tiered, chunk_size=CS)
+
+    a, b = node("a"), node("b")
+    data = os.urandom(CS)
+    digest, _ = a.put(data)
+    assert isinstance(a.backend, TieredChunkBackend)
+    a.backend.push(digest, lambda blob: a.check(digest, blob))
+    path = shared.path_of(digest)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CorruptData):
+        b.get(digest)  # node b has no copy of its own: the shared one is bad
+    a.put(data)  # the same data saved again on node a, and pushed
+    a.backend.push(digest, lambda blob: a.check(digest, blob))
+    assert b.get(digest) == data

@@ -10,7 +10,8 @@ it became durable there). :class:`TieredChunkBackend` is the
 * **reads** take the local copy when there is one, else the shared store's (through its own
   bounded cache): a node restores a snapshot taken elsewhere by pulling the chunks it lacks.
   The chunk store verifies every blob it gets, and a bad local copy is read again from the
-  shared store (``cached=False``) before the chunk is judged corrupt;
+  shared store (``cached=False``) before the chunk is judged corrupt; a bad copy is
+  quarantined where it was read (:meth:`TieredChunkBackend.quarantine`);
 * **existence** is asked of the local directory only, so saving costs no request to the
   shared store (a chunk the node lacks is written locally, and pushed only if the store
   lacks it too);
@@ -62,7 +63,13 @@ class TieredChunkBackend:
         return self.local.delete(digest, before=before)
 
     def quarantine(self, digest: str) -> None:
-        self.local.quarantine(digest)
+        """Move aside the copy the bad blob came from: this node's when it has one (reads
+        take it first), else the shared store's, so the next push of the same data writes
+        it again instead of skipping it as there already."""
+        if self.local.exists(digest):
+            self.local.quarantine(digest)
+        else:
+            self.remote.quarantine(digest)
 
     def entries(self) -> Iterator[ChunkEntry]:
         return self.local.entries()
