@@ -283,6 +283,24 @@ def test_a_pending_record_that_does_not_read_keeps_its_capture(
     assert store.captures.read(info.id) is not None  # whole again once the record reads
 
 
+def test_a_forks_linked_ram_is_not_taken_for_a_leftover(tmp_path: Path) -> None:
+    """A fork of a paused sandbox freezes with its RAM hard-linked (no copy) and clones the
+    children from that link outside the store's lock. The link has the source's mtime (the
+    pause, hours ago), so a GC pass in between dropped the frozen RAM and state as a crash's
+    leftovers and the fork failed. A link just made is recent (its ctime)."""
+    import os
+    import time
+
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    long_ago = time.time() - 3 * 3600  # paused three hours ago
+    for name in ("ram", "state"):
+        os.utime(m / name, (long_ago, long_ago))
+    frozen = freeze(m, SnapshotStore(p).frozen_root, link_ram=True)
+    collect_garbage(p)
+    assert (frozen / "ram").is_file() and (frozen / "state").is_file()
+
+
 def test_recover_and_gc_finish_a_capture_left_pending(tmp_path: Path) -> None:
     """A snapshot listed as capturing when the server died is stored by the next server's
     recover (and a failed capture by the next GC pass)."""

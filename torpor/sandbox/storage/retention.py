@@ -276,12 +276,15 @@ def collect_garbage(
                     store.captures.drop_stale_spares(set(store.captures.links()))
                 # RAM in a frozen dir is a clone's input for moments (a fork, a restore) or
                 # a cached snapshot's; any other, older than the grace, a crash left behind
-                # (a capture the crash cut short left it as ram.tmp)
+                # (a capture the crash cut short left it as ram.tmp). Its age is its last
+                # change of any kind: a fork's is a hard link made a moment ago to a RAM
+                # file last written hours ago (the link shows in the ctime only)
                 for d in frozen_root.glob("frz-*"):
                     rams = [r for r in (d / "ram", d / "ram.tmp") if r.is_file()]
                     if d.name in cached or not rams:
                         continue
-                    if time.time() - max(r.stat().st_mtime for r in rams) > LEFTOVER_GRACE_SECONDS:
+                    touched = max(max(st.st_mtime, st.st_ctime) for st in map(Path.stat, rams))
+                    if time.time() - touched > LEFTOVER_GRACE_SECONDS:
                         report.freed_bytes += sum(_du(r) for r in rams)
                         if not dry_run:
                             drop_ram(d)
