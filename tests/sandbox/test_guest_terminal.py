@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -68,5 +69,42 @@ def test_a_bad_working_directory_is_refused(agent: AgentProcess) -> None:
     async def body(ch: GuestChannel) -> None:
         with pytest.raises(PathNotFound):
             await ch.pty_open("t3", "sh", lambda b: None, cwd="/no/such/dir")
+
+    run(agent, body)
+
+
+def _running(token: str) -> list[int]:
+    """The pids of live processes whose command line holds ``token``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdecimal():
+            try:
+                if token.encode() in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_terminal_whose_opener_gives_up_is_killed(agent: AgentProcess) -> None:
+    """A pty_open cancelled before the guest said the program started (the HTTP caller hung
+    up) leaves nothing running: the request is cancelled, and the guest kills the program
+    (or never lets it run)."""
+    token = f"opener-{time.time_ns()}"
+
+    async def body(ch: GuestChannel) -> None:
+        opening = asyncio.create_task(ch.pty_open("t5", f"sleep 300; : {token}", lambda b: None))
+        for _ in range(3):  # the request is sent; the guest has not answered yet
+            await asyncio.sleep(0)
+        assert not opening.done()
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        deadline = time.monotonic() + 3  # time for the guest to start (and end) it
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        left = _running(token)
+        agent.pids.extend(left)
+        assert not left, "the terminal's program outlived its cancelled open"
 
     run(agent, body)

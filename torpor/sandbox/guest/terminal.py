@@ -147,6 +147,8 @@ class Terminals:
         with self._lock:
             self._open[tid] = term
         req.cancel_hook = term.kill
+        if req.cancelled:  # the host gave up while the program was starting
+            term.kill()
         try:
             _wait_for_session(proc)
             req.event("started", str(proc.pid).encode())

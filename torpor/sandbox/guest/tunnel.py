@@ -97,6 +97,8 @@ class Tunnels:
         with self._lock:
             self._open[tid] = conn
         req.cancel_hook = conn.abort
+        if req.cancelled:  # the host gave up while this was connecting
+            conn.abort()
         total = 0
         try:
             req.event("started", b"")

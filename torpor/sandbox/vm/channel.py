@@ -119,6 +119,18 @@ class _Pending:
         return "".join(self.streams.get(stream, []))
 
 
+async def _until_started(started: asyncio.Future[int], task: asyncio.Task[int]) -> None:
+    """Wait until the guest says a long request (a terminal, a tunnel) started, or it ended.
+    A caller that gives up meanwhile cancels the request too, so the guest ends what it
+    started for it instead of keeping it for nobody."""
+    try:
+        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        started.cancel()
+        task.cancel()
+        raise
+
+
 class GuestChannel:
     """One connection to one guest agent. Create it with :meth:`connect`."""
 
@@ -641,7 +653,7 @@ class GuestChannel:
             return int(result.get("exit_code", -1))
 
         task = loop.create_task(run())
-        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+        await _until_started(started, task)
         if not started.done():  # it failed (or exited) before it said it started
             started.cancel()
             exc = task.exception()
@@ -692,7 +704,7 @@ class GuestChannel:
             return int(result.get("bytes", 0))
 
         task = loop.create_task(run())
-        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+        await _until_started(started, task)
         if not started.done():
             started.cancel()
             exc = task.exception()
