@@ -21,6 +21,7 @@ runs the request itself instead, as if it had been proxied there.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -111,7 +112,7 @@ class OwnerProxy:
                     break
                 parts.append(message.get("body", b""))
                 ended = not message.get("more_body", False)
-            if await self._forward(url, scope, b"".join(parts), send):
+            if await self._forward(url, scope, b"".join(parts), receive, send):
                 return
             if placed:  # the node placement chose is unreachable: this node does it itself
                 await self._here(scope, b"".join(parts), receive, send, url)
@@ -140,9 +141,13 @@ class OwnerProxy:
         finally:
             PROXIED.reset(token)
 
-    async def _forward(self, base: str, scope: Scope, body: bytes, send: Send) -> bool:
+    async def _forward(
+        self, base: str, scope: Scope, body: bytes, receive: Receive, send: Send
+    ) -> bool:
         """Send the request to ``base`` and stream the answer; False when the owner cannot
-        be reached (nothing was sent to the caller then)."""
+        be reached (nothing was sent to the caller then). When the caller hangs up, the
+        request to the owner is closed, so the owner ends what it runs for it (a terminal's
+        program, a streamed command) as it would for a caller of its own."""
         path = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string", b"")
         target = base.rstrip("/") + path.decode("latin-1") + ("?" + query.decode() if query else "")
@@ -171,9 +176,7 @@ class OwnerProxy:
                             ],
                         }
                     )
-                    async for chunk in response.aiter_raw():
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await _relay(response, receive, send)
                 finally:
                     await response.aclose()
         except httpx.HTTPError as exc:
@@ -181,3 +184,27 @@ class OwnerProxy:
             return started  # once the answer began, the caller sees it cut short
         log.debug("proxied %s %s to %s", scope["method"], scope["path"], base)
         return True
+
+
+async def _relay(response: httpx.Response, receive: Receive, send: Send) -> None:
+    """Stream ``response`` 's body to the caller until it ends or the caller hangs up
+    (``http.disconnect``: the body was read before, so that is all ``receive`` can say)."""
+
+    async def body() -> None:
+        async for chunk in response.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def hang_up() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    relay, gone = asyncio.create_task(body()), asyncio.create_task(hang_up())
+    try:
+        await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (relay, gone):
+            task.cancel()
+        await asyncio.gather(relay, gone, return_exceptions=True)
+    if not relay.cancelled():
+        relay.result()  # its error, if it had one
