@@ -18,7 +18,7 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from torpor.config import check_name
 from torpor.errors import (
     EngineError,
     GuestError,
+    NotFound,
     OperationTimeout,
     PathNotFound,
     TemplateNotFound,
@@ -206,6 +207,8 @@ class FakeChannel:
         self.directory = directory
         self.closed = False
         self._closing = asyncio.Event()  # close() fails in-flight calls, as the real one does
+        #: open terminals: id -> (their on_data, the future of their exit code)
+        self.terminals: dict[str, tuple[Callable[[bytes], None], asyncio.Future[int]]] = {}
 
     def _proc(self) -> FakeProcess:
         proc = self.engine.world.processes.get(self.directory)
@@ -306,6 +309,54 @@ class FakeChannel:
 
     async def sync(self) -> None:
         self._proc()
+
+    async def pty_open(
+        self,
+        pty_id: str,
+        cmd: str,
+        on_data: Callable[[bytes], None],
+        *,
+        cols: int = 80,
+        rows: int = 24,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> tuple[int, asyncio.Task[int]]:
+        """A terminal that echoes what is typed on it until it is killed (exit 137) or the
+        channel closes (GuestError)."""
+        self._proc()
+        ended: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.terminals[pty_id] = (on_data, ended)
+
+        async def done() -> int:
+            try:
+                closing: asyncio.Future[Any] = asyncio.ensure_future(self._closing.wait())
+                await asyncio.wait({ended, closing}, return_when=asyncio.FIRST_COMPLETED)
+                closing.cancel()
+                if not ended.done():
+                    raise GuestError("the channel to the guest is closed")
+                return ended.result()
+            finally:
+                self.terminals.pop(pty_id, None)
+
+        return next(_pids), asyncio.ensure_future(done())
+
+    def _terminal(self, pty_id: str) -> tuple[Callable[[bytes], None], asyncio.Future[int]]:
+        self._proc()
+        found = self.terminals.get(pty_id)
+        if found is None:
+            raise NotFound(f"no open terminal {pty_id!r}", kind="pty", name=pty_id)
+        return found
+
+    async def pty_input(self, pty_id: str, data: bytes) -> None:
+        self._terminal(pty_id)[0](data)
+
+    async def pty_resize(self, pty_id: str, cols: int, rows: int) -> None:
+        self._terminal(pty_id)
+
+    async def pty_kill(self, pty_id: str) -> None:
+        ended = self._terminal(pty_id)[1]
+        if not ended.done():
+            ended.set_result(137)
 
     async def close(self) -> None:
         self.closed = True

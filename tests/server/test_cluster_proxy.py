@@ -190,3 +190,24 @@ def test_a_wake_whose_chosen_node_is_unreachable_happens_here(
         t2.join(60)
         k1.close()
         k2.close()
+
+
+def test_a_streamed_call_to_any_node_reaches_the_owner(two_nodes: tuple[str, str]) -> None:
+    """A streamed command or code run sent to a node that does not hold the sandbox is
+    proxied to its owner like any other call, not answered with the owner's Conflict in
+    the stream."""
+    n1, n2 = two_nodes
+    with torpor.Runtime(url=n1) as rt1, torpor.Runtime(url=n2) as rt2:
+        rt1.sandboxes.create(name="agent").interpreter.run("x = 7")
+        via_n2 = rt2.sandboxes.get("agent")
+        out: list[str] = []
+        assert via_n2.commands.run("echo hi", on_stdout=out.append).stdout == "hi\n"
+        run = via_n2.interpreter.run("x", on_stdout=out.append)
+        assert run.results[0].data["text/plain"] == "7"
+        # a terminal too: opened, typed on and killed through n2, it runs on n1
+        term = via_n2.pty.create(cmd="sh")
+        term.send_stdin("typed on n2")
+        assert term.wait_for("typed on n2", timeout=10)
+        term.resize(100, 30)
+        assert term.kill()
+        assert term.wait(10) == 137

@@ -40,7 +40,7 @@ from torpor.sandbox.requests import CodeSpec, CommandSpec, Spec
 from torpor.server.deps import Manager, Tenant
 from torpor.server.schema import NDJSONResponse
 
-__all__ = ["ndjson_events", "read_body", "router", "stream_ndjson"]
+__all__ = ["ndjson_events", "owned_here", "read_body", "router", "stream_ndjson"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,18 @@ def stream_ndjson(call: StreamedCall, what: str) -> StreamingResponse:
     return ndjson_events(work, what)
 
 
+async def owned_here(manager: Any, sandbox_id: str) -> None:
+    """Cluster mode: raise the Conflict a call on the sandbox would raise here (another node
+    runs it, or should wake it), before a streamed answer's status line goes out, so the
+    proxy (:mod:`torpor.server.proxy`) sends the request to that node as it does any call's;
+    inside the stream it would only be its last line. Nothing on one machine. Raises
+    Conflict, NoNodeAvailable."""
+    if getattr(manager, "cluster", None) is None:
+        return
+    await manager.take(sandbox_id)
+    await manager.give_back(sandbox_id)  # the call takes it again (a paused one: to wake it)
+
+
 async def _stream(
     manager: Any,
     run: Callable[..., Awaitable[BaseModel]],
@@ -131,8 +143,10 @@ async def _stream(
 ) -> StreamingResponse:
     """:func:`stream_ndjson` of the manager's ``run`` (``run_command`` / ``run_code``), once
     the sandbox is known to exist: a missing one is a plain 404 with the typed error body,
-    not a 200 whose stream says so."""
-    await manager.get(id_or_name, tenant=tenant)
+    not a 200 whose stream says so, and one another node runs is that node's to answer
+    (:func:`owned_here`)."""
+    info = await manager.get(id_or_name, tenant=tenant)
+    await owned_here(manager, info.id)
     return stream_ndjson(
         lambda out, err: run(id_or_name, body, on_stdout=out, on_stderr=err, tenant=tenant),
         f"{what} in {id_or_name}",

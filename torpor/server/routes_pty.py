@@ -27,9 +27,10 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from torpor.errors import NotFound
 from torpor.sandbox.requests import PtySize, PtySpec
 from torpor.server.deps import Manager, Tenant
-from torpor.server.routes_exec import ndjson_events, read_body
+from torpor.server.routes_exec import ndjson_events, owned_here, read_body
 from torpor.server.schema import NDJSONResponse
 
 __all__ = ["router"]
@@ -48,8 +49,10 @@ async def open_pty(
 ) -> StreamingResponse:
     """Start a program on a new terminal; its output streams as NDJSON (see the module
     docstring) until it exits. Hanging up kills it. A missing sandbox is a plain 404 with the
-    typed error body, not a 200 whose stream says so."""
-    await manager.get(id_or_name, tenant=tenant)
+    typed error body, not a 200 whose stream says so; one another node runs is that node's
+    to answer (:func:`~torpor.server.routes_exec.owned_here`)."""
+    info = await manager.get(id_or_name, tenant=tenant)
+    await owned_here(manager, info.id)
 
     async def work(emit: Callable[[dict[str, Any]], None]) -> None:
         def on_data(chunk: bytes) -> None:
@@ -67,13 +70,27 @@ async def open_pty(
     return ndjson_events(work, f"terminal in {id_or_name}")
 
 
+async def _elsewhere(manager: Any, id_or_name: str, tenant: str, exc: NotFound) -> None:
+    """Cluster mode: a terminal this node does not have may be open on the node that runs
+    its sandbox (opened through this one, proxied there): raise the Conflict naming that
+    node, so the proxy sends the request there too. Nothing when the sandbox is this
+    node's (or on one machine): the caller re-raises ``exc``."""
+    if exc.data.get("kind") == "pty" and getattr(manager, "cluster", None) is not None:
+        info = await manager.get(id_or_name, tenant=tenant)
+        await owned_here(manager, info.id)
+
+
 @router.post("/{pty_id}/input", status_code=204)
 async def pty_input(
     id_or_name: str, pty_id: str, request: Request, manager: Manager, tenant: Tenant
 ) -> Response:
     """Type the raw body on the terminal."""
     data = await read_body(request, MAX_INPUT_BYTES)
-    await manager.terminals.send_input(id_or_name, pty_id, data, tenant=tenant)
+    try:
+        await manager.terminals.send_input(id_or_name, pty_id, data, tenant=tenant)
+    except NotFound as exc:
+        await _elsewhere(manager, id_or_name, tenant, exc)
+        raise
     return Response(status_code=204)
 
 
@@ -82,12 +99,20 @@ async def pty_resize(
     id_or_name: str, pty_id: str, body: PtySize, manager: Manager, tenant: Tenant
 ) -> Response:
     """Set the terminal's window size (its program gets SIGWINCH)."""
-    await manager.terminals.resize(id_or_name, pty_id, body, tenant=tenant)
+    try:
+        await manager.terminals.resize(id_or_name, pty_id, body, tenant=tenant)
+    except NotFound as exc:
+        await _elsewhere(manager, id_or_name, tenant, exc)
+        raise
     return Response(status_code=204)
 
 
 @router.delete("/{pty_id}", status_code=204)
 async def pty_kill(id_or_name: str, pty_id: str, manager: Manager, tenant: Tenant) -> Response:
     """Kill the terminal's program and what it started."""
-    await manager.terminals.kill(id_or_name, pty_id, tenant=tenant)
+    try:
+        await manager.terminals.kill(id_or_name, pty_id, tenant=tenant)
+    except NotFound as exc:
+        await _elsewhere(manager, id_or_name, tenant, exc)
+        raise
     return Response(status_code=204)
