@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, cast
 
 import pytest
 from fastapi.testclient import TestClient
 
 from tests.server.fake_manager import FakeManager
 from torpor.errors import from_wire
+from torpor.server import routes_exec
 from torpor.server.app import create_app
 from torpor.server.auth import TokenStore
 
@@ -324,3 +326,38 @@ def test_server_fences_tenants_even_if_the_manager_leaks(tcp_app: tuple[FakeMana
         info = a.post("/v1/sandboxes", json={"name": "agent-y"}).json()
         assert b.get(f"/v1/sandboxes/{info['id']}").status_code == 404
         assert b.get("/v1/sandboxes").json() == []
+
+
+def test_a_stream_its_caller_does_not_read_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Output the caller does not take as fast as it comes (a terminal running ``yes``, read
+    over a slow link) is held only up to a bound: then what runs for the stream is stopped,
+    and its last line says why, instead of the server's memory growing for ever."""
+    monkeypatch.setattr(routes_exec, "MAX_BACKLOG", 1 << 20)
+    chunk = "y\n" * 32_768  # 64 KiB
+    emitted = 0
+    stopped = asyncio.Event()
+
+    async def work(emit: Callable[[dict[str, Any]], None]) -> None:
+        nonlocal emitted
+        try:
+            while True:
+                emit({"type": "output", "data": chunk})
+                emitted += 1
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+
+    async def main() -> list[str]:
+        response = routes_exec.ndjson_events(work, "test")
+        lines = cast(AsyncIterator[str], response.body_iterator)
+        got = [await anext(lines)]  # the caller reads one line, then nothing for a while
+        await asyncio.wait_for(stopped.wait(), 10)
+        got += [line async for line in lines]
+        return got
+
+    got = asyncio.run(main())
+    assert emitted * len(chunk) < 4 << 20
+    error = json.loads(got[-1])
+    assert error["type"] == "error" and error["error"]["type"] == "PayloadTooLarge", error
+    assert all(json.loads(line)["type"] == "output" for line in got[:-1])

@@ -40,7 +40,7 @@ from torpor.sandbox.requests import CodeSpec, CommandSpec, Spec
 from torpor.server.deps import Manager, Tenant
 from torpor.server.schema import NDJSONResponse
 
-__all__ = ["ndjson_events", "owned_here", "read_body", "router", "stream_ndjson"]
+__all__ = ["MAX_BACKLOG", "ndjson_events", "owned_here", "read_body", "router", "stream_ndjson"]
 
 log = logging.getLogger(__name__)
 
@@ -73,33 +73,71 @@ StreamedCall = Callable[
 EventSource = Callable[[Callable[[dict[str, Any]], None]], Awaitable[None]]
 
 
+#: the most a stream's lines may hold in the server while its caller has not taken them
+#: (bytes): twice the most output a command may print
+MAX_BACKLOG = 2 * LIMITS.max_output_bytes
+
+
 def ndjson_events(work: EventSource, what: str) -> StreamingResponse:
     """Stream the events ``work`` emits as NDJSON lines, then end the answer.
 
     An error arrives as the last line, ``{"type": "error", "error": {...}}``, since the status
     line has already gone out when ``work`` starts (so check what can be checked before: a
     missing sandbox is a plain 404, see :func:`_stream`). If the caller hangs up, ``work`` is
-    cancelled. Shared by the streamed commands and the terminals (:mod:`.routes_pty`).
+    cancelled; so it is when the lines waiting for the caller go over :data:`MAX_BACKLOG`
+    (a terminal printing faster than its caller reads), the last line then a
+    :class:`PayloadTooLarge`. Shared by the streamed commands and the terminals
+    (:mod:`.routes_pty`).
     """
-    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+    backlog = 0  # bytes of the lines in the queue
+    too_slow: PayloadTooLarge | None = None
+    running: list[asyncio.Task[None]] = []
+
+    def put(item: dict[str, Any]) -> None:
+        nonlocal backlog
+        line = json.dumps(item) + "\n"
+        backlog += len(line)
+        queue.put_nowait(line)
+
+    def emit(item: dict[str, Any]) -> None:
+        nonlocal too_slow
+        if too_slow is not None:
+            return
+        put(item)
+        if backlog > MAX_BACKLOG:  # the caller does not keep up: stop what runs for it
+            too_slow = PayloadTooLarge(
+                f"over {MAX_BACKLOG} bytes of {what}'s output wait for a caller that "
+                "does not read them as fast as they come",
+                size=backlog,
+                limit=MAX_BACKLOG,
+            )
+            running[0].cancel()
 
     async def run() -> None:
         try:
-            await work(queue.put_nowait)
+            await work(emit)
+        except asyncio.CancelledError:
+            if too_slow is None:
+                raise
+            put({"type": "error", "error": too_slow.to_wire()})
         except TorporError as exc:
-            queue.put_nowait({"type": "error", "error": exc.to_wire()})
+            put({"type": "error", "error": exc.to_wire()})
         except Exception as exc:  # a bug below us: log it, tell the caller something useful
             log.exception("streamed %s failed", what)
             wire = TorporError(f"internal server error: {type(exc).__name__}").to_wire()
-            queue.put_nowait({"type": "error", "error": wire})
+            put({"type": "error", "error": wire})
         finally:
             queue.put_nowait(None)
 
     async def lines() -> AsyncIterator[str]:
+        nonlocal backlog
         task = asyncio.create_task(run())
+        running.append(task)
         try:
-            while (item := await queue.get()) is not None:
-                yield json.dumps(item) + "\n"
+            while (line := await queue.get()) is not None:
+                backlog -= len(line)
+                yield line
         finally:
             if not task.done():  # the caller hung up: stop what runs for it
                 task.cancel()
