@@ -119,6 +119,32 @@ def test_revoke_sends_the_token_id_as_one_path_segment(
         assert sbx.info.state.value == "running"
 
 
+def test_an_answer_that_is_not_json_is_a_typed_error(
+    tcp_served: tuple[object, str], served: Served
+) -> None:
+    """A 200 that is no torpor answer (a captive portal's page, a cut line) raised json's own
+    ``JSONDecodeError``; the server's ``/docs`` page stands in for one."""
+    _, url = tcp_served
+    for rt in (Runtime(url=url, token="a" * 32), served.runtime):
+        with pytest.raises(ServerUnavailable, match="not JSON"):
+            rt.json("GET", "/docs")
+        with pytest.raises(ServerUnavailable, match="not JSON"):
+            rt.do(Call("GET", "/docs"))
+        with pytest.raises(ServerUnavailable), rt.stream_events("GET", "/docs") as events:
+            list(events)
+
+    async def main() -> None:
+        async with AsyncRuntime(url=url, token="a" * 32) as rt:
+            with pytest.raises(ServerUnavailable, match="not JSON"):
+                await rt.json("GET", "/docs")
+            with pytest.raises(ServerUnavailable, match="not JSON"):
+                await rt.do(Call("GET", "/docs"))
+
+    asyncio.run(main())
+    with pytest.raises(InvalidArgument):  # a URL would collapse ".." into another route
+        served.runtime.memory.scope(app="a").get("..")
+
+
 def test_a_redirect_is_an_error_not_an_answer(
     tcp_served: tuple[object, str], served: Served
 ) -> None:

@@ -31,7 +31,7 @@ import httpx
 from pydantic import BaseModel
 
 from torpor.client._local import ensure_local_server
-from torpor.client.calls import Call
+from torpor.client.calls import Call, decode
 from torpor.client.memory import (
     call_context,
     call_forget,
@@ -139,7 +139,7 @@ class AsyncRuntime:
 
     async def json(self, method: str, path: str, **kwargs: Any) -> Any:
         """:meth:`request`, returning the decoded JSON body."""
-        return (await self.request(method, path, **kwargs)).json()
+        return decode((await self.request(method, path, **kwargs)).content)
 
     async def do(self, call: Call[T]) -> T:
         """Send one :class:`~torpor.client.calls.Call` and read its answer (as
@@ -443,7 +443,7 @@ class AsyncRemoteScope:
             content=await asyncio.to_thread(import_body, src),
             headers={"content-type": "application/x-ndjson"},
         )
-        return int(response.json()["imported"])
+        return int(decode(response.content)["imported"])
 
     async def fork(self, **levels: str) -> AsyncRemoteScope:
         """As :meth:`ScopedMemory.fork <torpor.memory.ScopedMemory.fork>`."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
@@ -32,7 +31,7 @@ from pydantic import BaseModel
 from torpor.client import sandbox_calls as calls
 from torpor.client import storage_calls
 from torpor.client.aio_storage import AsyncResource
-from torpor.client.calls import Call
+from torpor.client.calls import Call, decode
 from torpor.client.processes import AsyncProcessHandle
 from torpor.client.processes import list_processes_async as list_processes
 from torpor.client.processes import start_async as start_process
@@ -97,7 +96,7 @@ async def _run(
     async with rt.stream_lines(call.method, calls.stream_path(call), **kwargs) as lines:
         async for line in lines:
             if line.strip():
-                result = calls.feed(json.loads(line), model, on_stdout, on_stderr)
+                result = calls.feed(decode(line), model, on_stdout, on_stderr)
                 if result is not None:
                     return result
     raise ServerUnavailable("the server closed the stream without a result")

@@ -24,7 +24,7 @@ from typing import Any, Generic, Literal, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from torpor.errors import InvalidArgument
+from torpor.errors import InvalidArgument, ServerUnavailable
 
 __all__ = ["DEFAULT", "Call", "encode"]
 
@@ -44,6 +44,19 @@ def _default(value: object) -> object:
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
     raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def decode(content: bytes | str) -> Any:
+    """An answer's JSON (a body, or one line of an NDJSON stream). Raises
+    :class:`ServerUnavailable` when it is not JSON: what answered is no torpor server (a
+    captive portal's or a proxy's page) or the answer was cut."""
+    try:
+        return json.loads(content)
+    except (ValueError, RecursionError) as exc:
+        shown = (
+            content[:200] if isinstance(content, str) else content[:200].decode(errors="replace")
+        )
+        raise ServerUnavailable(f"the server's answer is not JSON: {shown!r}", exc=exc) from None
 
 
 def encode(body: object) -> bytes:
@@ -104,7 +117,7 @@ class Call(Generic[T]):
         """The answer of a successful request from its body (and its content type, whose
         charset decodes a text answer; UTF-8 without one), parsed."""
         if self.answer == "json":
-            return self.parse(json.loads(content))
+            return self.parse(decode(content))
         if self.answer == "bytes":
             return self.parse(content)
         if self.answer == "text":

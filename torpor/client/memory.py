@@ -28,7 +28,7 @@ from typing import IO, Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter
 
-from torpor.client.calls import Call, encode
+from torpor.client.calls import Call, decode, encode
 from torpor.client.tokens import Connection, Tokens
 from torpor.errors import InvalidArgument
 from torpor.memory._lines import write_lines
@@ -207,7 +207,9 @@ def call_forget(path: str | None, record_id: str | None) -> Call[int]:
 
 
 def _id(record_id: object) -> str:
-    if not isinstance(record_id, str) or not record_id or "/" in record_id:
+    """``record_id`` as one path segment. Raises InvalidArgument for one that is none
+    (empty, with ``/``, ``.`` or ``..``: a URL would collapse it into another route)."""
+    if not isinstance(record_id, str) or record_id in ("", ".", "..") or "/" in record_id:
         raise InvalidArgument(f"a record id is a non-empty string, not {record_id!r}")
     return record_id
 
@@ -417,7 +419,7 @@ class RemoteScope:
             content=import_body(src),
             headers={"content-type": "application/x-ndjson"},
         )
-        return int(response.json()["imported"])
+        return int(decode(response.content)["imported"])
 
     def fork(self, **levels: str) -> RemoteScope:
         """As :meth:`ScopedMemory.fork <torpor.memory.ScopedMemory.fork>`."""

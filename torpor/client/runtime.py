@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import socket
@@ -34,7 +33,7 @@ import httpx
 
 from torpor.client._local import ensure_local_server
 from torpor.client._wire import Answer, SocketWire
-from torpor.client.calls import Call
+from torpor.client.calls import Call, decode
 from torpor.config import Paths, paths
 from torpor.errors import (
     InvalidArgument,
@@ -254,7 +253,7 @@ class Runtime:
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
         """:meth:`request`, returning the decoded JSON body."""
-        return self.request(method, path, **kwargs).json()
+        return decode(self.request(method, path, **kwargs).content)
 
     def do(self, call: Call[T]) -> T:
         """Send one :class:`~torpor.client.calls.Call` and read its answer (raises like
@@ -300,7 +299,7 @@ class Runtime:
         (nothing was sent then, so sending again is safe).
         """
         with self.stream_lines(method, path, **kwargs) as lines:
-            yield (json.loads(line) for line in lines if line.strip())
+            yield (decode(line) for line in lines if line.strip())
 
     @contextmanager
     def stream_lines(self, method: str, path: str, **kwargs: Any) -> Iterator[Iterator[str]]:
