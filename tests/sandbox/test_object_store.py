@@ -439,10 +439,16 @@ def test_default_store_is_the_local_directory(tmp_path: Path) -> None:
 
 _UPLOADER = """
 import sys
+import time
 from pathlib import Path
 from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
 store = open_chunk_store(sys.argv[1], Path(sys.argv[2]))
-store.workers = 1  # one chunk at a time: slow enough to be killed half-way
+store.workers = 1  # one chunk at a time
+write = store.backend.write
+def slow(digest, blob):  # a tenth of a second a chunk: killed half-way on a fast machine too
+    time.sleep(0.1)
+    return write(digest, blob)
+store.backend.write = slow
 store.put_file(Path(sys.argv[3]))
 print("finished", flush=True)
 """
