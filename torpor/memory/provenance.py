@@ -47,6 +47,7 @@ __all__ = [
     "check_public",
     "cite",
     "read_source",
+    "refusal",
     "register_resolver",
 ]
 
@@ -114,6 +115,23 @@ def check_public(url: str) -> None:
             raise AccessDenied(
                 f"{url}: {host} is not a public address ({address})", tenant="", scope=""
             )
+
+
+def refusal(ref: SourceRef) -> str | None:
+    """Why a caller with a token may not have ``ref`` read, or None when it may: a source this
+    process reads with its own rights (:data:`OWNER_ONLY`), or a URL whose host is not
+    public (:func:`check_public`)."""
+    kind = source_kind(ref)
+    if kind in OWNER_ONLY:
+        return (
+            f"a {kind} source ({ref.location}) is read with the server's own rights: only the "
+            "home's owner cites one, not a token"
+        )
+    try:
+        check_public(ref.url or "")
+    except AccessDenied as exc:
+        return exc.message
+    return None
 
 
 def _read_url(ref: SourceRef, public_only: bool = False) -> bytes:

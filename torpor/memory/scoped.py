@@ -16,7 +16,7 @@ from typing import IO, Any, Protocol
 
 from pydantic import BaseModel
 
-from torpor.errors import AccessDenied, Conflict, InvalidArgument, RecordNotFound
+from torpor.errors import Conflict, InvalidArgument, RecordNotFound
 from torpor.memory import _build, provenance, transfer
 from torpor.memory import _validate as check
 from torpor.memory._lines import write_lines
@@ -50,18 +50,6 @@ __all__ = ["PROFILE_TRIES", "Owner", "ScopedMemory"]
 #: how many times :meth:`ScopedMemory.set_profile` reads and writes again when another writer
 #: changed the profile between its read and its write
 PROFILE_TRIES = 100
-
-
-def _citable(ref: SourceRef) -> bool:
-    """Whether a token's call may have ``ref`` read (see :meth:`ScopedMemory._may_cite`): not
-    a source read with this process's own rights, not a URL of a host that is not public."""
-    if provenance.source_kind(ref) in provenance.OWNER_ONLY:
-        return False
-    try:
-        provenance.check_public(ref.url or "")
-    except AccessDenied:
-        return False
-    return True
 
 
 class Owner(Protocol):
@@ -116,21 +104,11 @@ class ScopedMemory:
         return self.memory.access.grants is not None
 
     def _may_cite(self, ref: SourceRef) -> None:
-        """For a caller with a token: refuse (:class:`AccessDenied`, audited) a source this
-        process reads with its own rights (a host file, a sandbox's or a volume's: on a server,
-        the home owner's, whatever the tenant), and a URL whose host is not public."""
-        kind = provenance.source_kind(ref)
-        if kind in provenance.OWNER_ONLY:
-            raise self.memory.access.deny(
-                "cite",
-                self.path,
-                f"a {kind} source ({ref.location}) is read with the server's own rights: only "
-                "the home's owner cites one, not a token",
-            )
-        try:
-            provenance.check_public(ref.url or "")
-        except AccessDenied as exc:
-            raise self.memory.access.deny("cite", self.path, exc.message) from None
+        """For a caller with a token: refuse (:class:`AccessDenied`, audited) a source it may
+        not have read (:func:`provenance.refusal`)."""
+        why = provenance.refusal(ref)
+        if why is not None:
+            raise self.memory.access.deny("cite", self.path, why)
 
     def _add(self, records: Sequence[AnyRecord]) -> list[AnyRecord]:
         """Store ``records`` with their vectors, in one transaction (all or none: over the
@@ -156,8 +134,8 @@ class ScopedMemory:
         :class:`InvalidArgument`, :class:`PayloadTooLarge`, :class:`AccessDenied`,
         :class:`StorageError`, :class:`Conflict` (the store's vectors come from another
         embedding model than this memory's), :class:`QuotaExceeded` (the tenant holds its
-        ``memory_records`` quota; nothing written). A host file ``source`` is the home
-        owner's: with a token, :class:`AccessDenied`.
+        ``memory_records`` quota; nothing written). With a token, a host, sandbox or volume
+        ``source``, or a URL that is not public, is :class:`AccessDenied`.
         """
         return self.remember_many(
             [
@@ -518,7 +496,9 @@ class ScopedMemory:
             facts = [f for f in self.memory.store.scan(flt, 1_000_000) if isinstance(f, Fact)]
         out = []
         for fact in facts:
-            if fact.source is None or (self._by_token and not _citable(fact.source)):
+            if fact.source is None or (
+                self._by_token and provenance.refusal(fact.source) is not None
+            ):
                 continue
             outcome = provenance.check(fact.source, public_only=self._by_token)
             stale = fact.source_hash is not None and outcome.sha256 != fact.source_hash
