@@ -109,17 +109,23 @@ def key(key: object) -> str | None:
     return key
 
 
+def storable(text: str) -> bool:
+    """True when both stores can keep ``text``: no NUL (PostgreSQL), valid UTF-8 (no lone
+    surrogate, which JSON can carry: SQLite stored it, and every answer naming it failed)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text
+
+
 def record_id(value: object) -> str | None:
     """``value`` as a record id to look up, or None for a string no record can have as its id
-    (a NUL or a lone surrogate: neither store can even be asked). Raises InvalidArgument for
+    (not :func:`storable`: neither store can even be asked). Raises InvalidArgument for
     anything but a string."""
     if not isinstance(value, str):
         raise InvalidArgument(f"a record id is a string, not {type(value).__name__}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return None
-    return None if "\x00" in value else value
+    return value if storable(value) else None
 
 
 def profile(

@@ -19,6 +19,7 @@ from datetime import datetime
 
 from torpor.config import check_name
 from torpor.errors import AccessDenied, InvalidArgument
+from torpor.memory import _validate as check
 from torpor.memory.backends.base import MemoryBackend
 from torpor.memory.models import (
     AuditEntry,
@@ -69,23 +70,13 @@ def _selector(labels: Mapping[str, str] | None) -> dict[str, str] | None:
     for k, v in labels.items():
         if not isinstance(k, str) or not isinstance(v, str) or not k or len(k) > 63 or len(v) > 255:
             raise InvalidArgument(f"a sandbox label selector needs short strings, not {k!r}={v!r}")
-        if not (_storable(k) and _storable(v)):  # no store keeps it, no label carries it
+        if not (check.storable(k) and check.storable(v)):  # no store keeps it, no label carries it
             raise InvalidArgument(
                 f"a sandbox label selector needs text without NUL or lone surrogates, "
                 f"not {k!r}={v!r}"
             )
         out[k] = v
     return out
-
-
-def _storable(text: str) -> bool:
-    """True when both stores can keep ``text``: no NUL (PostgreSQL), valid UTF-8 (no lone
-    surrogate, which JSON can carry: SQLite stored it and every answer naming it failed)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return "\x00" not in text
 
 
 class TokenManager:
@@ -117,7 +108,7 @@ class TokenManager:
         :class:`InvalidName`.
         """
         check_name(tenant, "tenant name")
-        if not isinstance(name, str) or len(name) > 200 or not _storable(name):
+        if not isinstance(name, str) or len(name) > 200 or not check.storable(name):
             raise InvalidArgument(
                 "a token name is a string of at most 200 characters, without NUL or lone surrogates"
             )
