@@ -376,26 +376,24 @@ class GuestChannel:
 
     def _refuse_call(self, call_id: int) -> None:
         """Answer call ``call_id`` with 429: :data:`MAX_CALLS` are being answered already."""
-        wire = QuotaExceeded(
+        error = QuotaExceeded(
             f"over {MAX_CALLS} memory calls from this sandbox at once", limit=MAX_CALLS
-        ).to_wire()
-        answer = {
-            "i": call_id,
-            "t": proto.ANSWER,
-            "status": QuotaExceeded.http_status,
-            "headers": {"content-type": "application/json"},
-        }
+        )
+        self._send_answer(call_id, error.http_status, _JSON, _error_body(error))
+
+    def _send_answer(self, call_id: int, status: int, headers: dict[str, str], body: bytes) -> None:
+        """Send the HTTP answer to the guest's call ``call_id`` (nothing once closed)."""
         if self._closed is None:
-            self._writer.write(proto.encode_frame(answer, json.dumps({"error": wire}).encode()))
+            answer = {"i": call_id, "t": proto.ANSWER, "status": status, "headers": headers}
+            self._writer.write(proto.encode_frame(answer, body))
 
     async def _answer(self, frame: proto.Frame) -> None:
         """Answer one ``call`` of the guest with :attr:`on_call` (503 without one)."""
         header = frame.header
-        status, headers, body = 503, {"content-type": "application/json"}, b""
+        status, headers, body = 503, _JSON, b""
         try:
             if self.on_call is None:
-                wire = TorporError("this sandbox has no memory endpoint").to_wire()
-                body = json.dumps({"error": wire}).encode()
+                body = _error_body(TorporError("this sandbox has no memory endpoint"))
             else:
                 raw = header.get("headers")
                 given = {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
@@ -406,20 +404,17 @@ class GuestChannel:
                     frame.payload,
                 )
             if len(body) > proto.MAX_PAYLOAD:
-                wire = PayloadTooLarge(
+                too_large = PayloadTooLarge(
                     f"an answer of {len(body)} bytes is over {proto.MAX_PAYLOAD}",
                     size=len(body),
                     limit=proto.MAX_PAYLOAD,
-                ).to_wire()
-                status, headers = 413, {"content-type": "application/json"}
-                body = json.dumps({"error": wire}).encode()
+                )
+                status, headers, body = 413, _JSON, _error_body(too_large)
         except Exception:  # the handler's bug: the guest gets a 500, the log the traceback
             log.exception("answering a guest call failed")
-            status, headers = 500, {"content-type": "application/json"}
-            body = json.dumps({"error": TorporError("internal server error").to_wire()}).encode()
-        if self._closed is None:
-            answer = {"i": frame.id, "t": proto.ANSWER, "status": status, "headers": headers}
-            self._writer.write(proto.encode_frame(answer, body))
+            status, headers = 500, _JSON
+            body = _error_body(TorporError("internal server error"))
+        self._send_answer(frame.id, status, headers, body)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -856,6 +851,15 @@ class _VersionMismatch(Exception):
             f"{proto.PROTOCOL_VERSION}: rebuild the template"
         )
         self.version = version
+
+
+#: the headers of an answer to a guest's call that is JSON
+_JSON = {"content-type": "application/json"}
+
+
+def _error_body(error: TorporError) -> bytes:
+    """The body of an answer to a guest's call that is ``error`` (the server's wire form)."""
+    return json.dumps({"error": error.to_wire()}).encode()
 
 
 #: names a guest's error data may not set on the error it becomes (they are the error's own:
