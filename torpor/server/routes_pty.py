@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -70,14 +71,19 @@ async def open_pty(
     return ndjson_events(work, f"terminal in {id_or_name}")
 
 
-async def _elsewhere(manager: Any, id_or_name: str, tenant: str, exc: NotFound) -> None:
-    """Cluster mode: a terminal this node does not have may be open on the node that runs
-    its sandbox (opened through this one, proxied there): raise the Conflict naming that
-    node, so the proxy sends the request there too. Nothing when the sandbox is this
-    node's (or on one machine): the caller re-raises ``exc``."""
-    if exc.data.get("kind") == "pty" and getattr(manager, "cluster", None) is not None:
-        info = await manager.get(id_or_name, tenant=tenant)
-        await owned_here(manager, info.id)
+@contextlib.asynccontextmanager
+async def _or_its_node(manager: Any, id_or_name: str, tenant: str) -> AsyncIterator[None]:
+    """Around a call on an open terminal. Cluster mode: a terminal this node does not have
+    may be open on the node that runs its sandbox (opened through this one, proxied there):
+    its NotFound becomes the Conflict naming that node, so the proxy sends the request there
+    too. The NotFound stays when the sandbox is this node's (or on one machine)."""
+    try:
+        yield
+    except NotFound as exc:
+        if exc.data.get("kind") == "pty" and getattr(manager, "cluster", None) is not None:
+            info = await manager.get(id_or_name, tenant=tenant)
+            await owned_here(manager, info.id)
+        raise
 
 
 @router.post("/{pty_id}/input", status_code=204)
@@ -86,11 +92,8 @@ async def pty_input(
 ) -> Response:
     """Type the raw body on the terminal."""
     data = await read_body(request, MAX_INPUT_BYTES)
-    try:
+    async with _or_its_node(manager, id_or_name, tenant):
         await manager.terminals.send_input(id_or_name, pty_id, data, tenant=tenant)
-    except NotFound as exc:
-        await _elsewhere(manager, id_or_name, tenant, exc)
-        raise
     return Response(status_code=204)
 
 
@@ -99,20 +102,14 @@ async def pty_resize(
     id_or_name: str, pty_id: str, body: PtySize, manager: Manager, tenant: Tenant
 ) -> Response:
     """Set the terminal's window size (its program gets SIGWINCH)."""
-    try:
+    async with _or_its_node(manager, id_or_name, tenant):
         await manager.terminals.resize(id_or_name, pty_id, body, tenant=tenant)
-    except NotFound as exc:
-        await _elsewhere(manager, id_or_name, tenant, exc)
-        raise
     return Response(status_code=204)
 
 
 @router.delete("/{pty_id}", status_code=204)
 async def pty_kill(id_or_name: str, pty_id: str, manager: Manager, tenant: Tenant) -> Response:
     """Kill the terminal's program and what it started."""
-    try:
+    async with _or_its_node(manager, id_or_name, tenant):
         await manager.terminals.kill(id_or_name, pty_id, tenant=tenant)
-    except NotFound as exc:
-        await _elsewhere(manager, id_or_name, tenant, exc)
-        raise
     return Response(status_code=204)
