@@ -24,6 +24,7 @@ from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.storage.chunks import ChunkStore, open_chunk_store
 from torpor.sandbox.storage.compaction import (
     MARKER,
+    Expansion,
     compact,
     expand,
     is_compacted,
@@ -548,6 +549,53 @@ def test_manager_crash_between_expand_and_wake_leaves_it_compacted(tmp_path: Pat
             assert not is_compacted(directory)  # the wake consumed the state: settled
         finally:
             await again.close(pause=False)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_wake_lets_its_ram_rebuild_end_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller's timeout cancels the wake of a compacted sandbox while its RAM is rebuilt in
+    a thread. The cancellation waits for that thread: left running, it went on writing the
+    RAM file while the next call settled the sandbox, dropped the manifest or began a second
+    rebuild of the same file, and then woke a guest on a RAM still being written."""
+    real_run = Expansion.run
+    gate, finished = threading.Event(), threading.Event()
+
+    def held_run(self: Expansion) -> object:
+        gate.wait(30)  # the first rebuild is slow; a test that lets it go sets the gate
+        try:
+            return real_run(self)
+        finally:
+            finished.set()
+
+    async def main() -> None:
+        engine = FakeEngine()
+        mgr = SandboxManager(paths(tmp_path / "home"), engine=engine)
+        try:
+            info = await mgr.create(name="agent")
+            await mgr.run_code("agent", "notes = [1, 2]")
+            await mgr.pause("agent")
+            directory = mgr.directory(info.id)
+            compact(directory, mgr.chunk_store, None)
+            monkeypatch.setattr(Expansion, "run", held_run)
+            woken = engine.calls.count("wake")
+            task = asyncio.ensure_future(mgr.resume("agent"))
+            while engine.calls.count("wake") == woken:  # until QEMU waits for the RAM
+                await asyncio.sleep(0.01)
+            task.cancel()
+            asyncio.get_running_loop().call_later(0.3, gate.set)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert finished.is_set()  # no thread writes the RAM file any more
+            monkeypatch.setattr(Expansion, "run", real_run)
+            run = await mgr.run_code("agent", "notes")
+            assert run.results[0].data["text/plain"] == "[1, 2]"
+            assert not is_compacted(directory)
+        finally:
+            gate.set()
+            await mgr.close(pause=False)
 
     asyncio.run(main())
 

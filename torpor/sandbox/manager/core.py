@@ -185,11 +185,18 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
 
 
+async def _outlast(task: asyncio.Future[Any]) -> None:
+    """Wait for ``task`` (a thread writing a sandbox's files, which must not outlive the call
+    that started it) to end, even if the waiter is cancelled meanwhile."""
+    while not task.done():
+        with suppress(asyncio.CancelledError):
+            await asyncio.wait([task])
+
+
 async def _settled(task: asyncio.Future[Any]) -> TorporError | None:
-    """Wait for ``task`` (a thread that must not outlive the wake that started it) and
-    return the TorporError it failed with, if any."""
-    with suppress(BaseException):
-        await asyncio.shield(task)
+    """Wait for ``task`` (see :func:`_outlast`) and return the TorporError it failed with,
+    if any."""
+    await _outlast(task)
     if task.cancelled():
         return None
     exc = task.exception()
@@ -686,7 +693,19 @@ class ManagerCore:
         # QEMU starts while the RAM file is filled; it loads the state once that is done
         rebuilt = None if job is None else asyncio.ensure_future(asyncio.to_thread(job.run))
         try:
-            await (machine.wake() if rebuilt is None else machine.wake(ram_ready=rebuilt))
+            # (shielded: a cancelled wake must not mark the thread's future done while the
+            # thread still writes)
+            await (
+                machine.wake()
+                if rebuilt is None
+                else machine.wake(ram_ready=asyncio.shield(rebuilt))
+            )
+        except asyncio.CancelledError:
+            # the caller gave up: the next call settles the sandbox from its files (see
+            # _current), so the thread writing its RAM file must have ended by then
+            if rebuilt is not None:
+                await _settled(rebuilt)
+            raise
         except Exception as exc:
             failed = None if rebuilt is None else await _settled(rebuilt)
             await self._quiet_kill(live, directory)
@@ -730,7 +749,12 @@ class ManagerCore:
         :meth:`begin_fetch_pause`."""
         fill = await self.begin_fetch_pause(rec)
         if fill is not None:
-            await asyncio.to_thread(fill.run)
+            filled = asyncio.ensure_future(asyncio.to_thread(fill.run))
+            try:
+                await asyncio.shield(filled)
+            except asyncio.CancelledError:
+                await _outlast(filled)  # (as a wake's rebuild: see wake_held)
+                raise
             await self._fetched(rec, fill)
 
     async def _fetched(self, rec: SandboxRecord, fill: RamFill) -> None:
