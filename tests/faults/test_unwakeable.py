@@ -124,3 +124,19 @@ def test_a_sandbox_whose_machine_died_is_still_read_from_its_kept_disk(qemu_home
             await mgr.close(pause=False)
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("length", [0x4006, 0x0611, 0x10603])
+def test_a_whole_state_whose_description_length_holds_the_marker_byte_is_whole(
+    tmp_path: Path, length: int
+) -> None:
+    """The description's 32-bit length follows its 0x06 marker: a length with a 0x06 byte
+    in it (1 in ~128 machines) must not make a whole state read as cut short (a failed wake
+    would then mark a healthy sandbox lost for good)."""
+    d = _machine(tmp_path / "m")
+    description = b'{"page_size": 4096, "devices": [' + b" " * (length - 34) + b"]}"
+    assert len(description) == length
+    (d / "state").write_bytes(
+        b"QEVM" + b"\0" * 100 + b"\x01\x06" + length.to_bytes(4, "big") + description
+    )
+    assert find_damage(d) is None

@@ -495,11 +495,19 @@ def _whole_state(path: Path) -> bool:
             return False
         f.seek(max(0, size - _STATE_TAIL))
         tail = f.read()
-    # the description is JSON (no 0x06 byte in it): its marker is the last 0x06 of the file
-    at = tail.rfind(_VM_DESCRIPTION)
-    if at >= 0 and len(tail) - at >= 5:
-        return at + 5 + int.from_bytes(tail[at + 1 : at + 5], "big") == len(tail)
-    return tail.endswith(_VM_EOF)
+    # the description is JSON (no 0x06 byte in it): its marker is the file's last 0x06, or,
+    # when its 32-bit length has 0x06 bytes, one of the (up to 4) 0x06 bytes before those
+    described, end = False, len(tail)
+    for _ in range(5):
+        at = tail.rfind(_VM_DESCRIPTION, 0, end)
+        if at < 0:
+            break
+        if len(tail) - at >= 5:
+            described = True
+            if at + 5 + int.from_bytes(tail[at + 1 : at + 5], "big") == len(tail):
+                return True
+        end = at
+    return not described and tail.endswith(_VM_EOF)
 
 
 def discard_state(directory: Path) -> None:
