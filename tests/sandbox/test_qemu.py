@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -208,6 +210,71 @@ def test_wake_without_state_is_an_invalid_state(tmp_path: Path) -> None:
         asyncio.run(machine.wake())
     with pytest.raises(InvalidState):
         asyncio.run(machine.hibernate())
+
+
+class _PlugRecorder:
+    """A stand-in for a running QEMU's QMP: what was plugged, and unplugged again."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.plugged: set[str] = set()
+        self.fail = fail
+
+    async def __call__(self, cmd: str, args: Any = None, timeout: float = 0) -> Any:
+        if cmd == self.fail:
+            raise EngineError(f"QMP {cmd} failed")
+        if cmd in ("device_add", "netdev_add"):
+            self.plugged.add(args["id"])
+        elif cmd == "netdev_del":
+            self.plugged.discard(args["id"])
+        return {}
+
+
+@pytest.mark.parametrize("kind", ["disk", "nic"])
+def test_a_hot_plug_whose_record_cannot_be_written_leaves_nothing_plugged_unrecorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A full disk failing machine.json's write after QEMU plugged the device raised a raw
+    OSError and left the device in the machine but not in its record (the attach's undo
+    then dropped the volume's attachment: a second writer could attach it; the next wake
+    lost the card)."""
+    import torpor.sandbox.vm.hotplug as hotplug_mod
+
+    d = tmp_path / "m"
+    _fake_hibernated(d)
+    machine = QemuMachine(d, _fake_template(tmp_path), MachineSpec())
+    qmp = _PlugRecorder()
+    monkeypatch.setattr(machine, "_require_running", lambda op: None)
+    monkeypatch.setattr(machine, "_qmp_exec", qmp)
+
+    def full(directory: Path, config: dict[str, Any]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hotplug_mod, "write_machine_json", full)
+    image = tmp_path / "vol.img"
+    image.write_bytes(b"")
+    with pytest.raises(EngineError):
+        if kind == "disk":
+            asyncio.run(machine.attach_disk(DiskSpec("vol1", image, format="raw")))
+        else:
+            asyncio.run(machine.attach_nic())
+    recorded = {dev["id"] for dev in read_machine_json(d)["devices"]}
+    assert qmp.plugged <= recorded
+
+
+@pytest.mark.parametrize("fail", ["blockdev-add", "device_add"])
+def test_a_hot_plug_qemu_refuses_is_not_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: str
+) -> None:
+    d = tmp_path / "m"
+    _fake_hibernated(d)
+    machine = QemuMachine(d, _fake_template(tmp_path), MachineSpec())
+    monkeypatch.setattr(machine, "_require_running", lambda op: None)
+    monkeypatch.setattr(machine, "_qmp_exec", _PlugRecorder(fail))
+    image = tmp_path / "vol.img"
+    image.write_bytes(b"")
+    with pytest.raises(EngineError):
+        asyncio.run(machine.attach_disk(DiskSpec("vol1", image, format="raw")))
+    assert read_machine_json(d)["devices"] == []
 
 
 # -- real QEMU -----------------------------------------------------------------------------------

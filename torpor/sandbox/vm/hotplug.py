@@ -2,8 +2,10 @@
 (virtio-9p), and their removal.
 
 :class:`HotPlug` is mixed into :class:`~torpor.sandbox.vm.machine.QemuMachine`; every change
-is recorded in the directory's ``machine.json`` once QEMU has it, so every later wake starts
-with the same devices.
+is recorded in the directory's ``machine.json``, so every later wake starts with the same
+devices. A device is recorded *before* QEMU gets it and its record dropped only once QEMU has
+let it go (or never got it): a device in the machine is always in its record (what the undo of
+a failed attach reads to decide whether to unplug).
 """
 
 from __future__ import annotations
@@ -68,14 +70,19 @@ class HotPlug:
                 prepare_path, self.directory / rec["path"], self.spec.jail, write=not disk.read_only
             )
         node, dev = disk_args(rec)
-        await self._qmp_exec("blockdev-add", node)
+        _record(self.directory, config)
+        try:
+            await self._qmp_exec("blockdev-add", node)
+        except BaseException:
+            _forget(self.directory, config, rec)
+            raise
         try:
             await self._qmp_exec("device_add", dev)
-        except EngineError:
-            with contextlib.suppress(EngineError):
+        except BaseException:
+            with contextlib.suppress(EngineError):  # still in use: keep the record
                 await self._qmp_exec("blockdev-del", {"node-name": node["node-name"]})
+                _forget(self.directory, config, rec)
             raise
-        write_machine_json(self.directory, config)
 
     async def attach_nic(self) -> None:
         """Hot-plug a network card on QEMU's user-mode network (see
@@ -86,14 +93,19 @@ class HotPlug:
         config = read_machine_json(self.directory)
         rec = add_nic(config)
         netdev, dev = nic_args(rec)
-        await self._qmp_exec("netdev_add", netdev)
+        _record(self.directory, config)
+        try:
+            await self._qmp_exec("netdev_add", netdev)
+        except BaseException:
+            _forget(self.directory, config, rec)
+            raise
         try:
             await self._qmp_exec("device_add", dev)
-        except EngineError:
-            with contextlib.suppress(EngineError):
+        except BaseException:
+            with contextlib.suppress(EngineError):  # still in use: keep the record
                 await self._qmp_exec("netdev_del", {"id": netdev["id"]})
+                _forget(self.directory, config, rec)
             raise
-        write_machine_json(self.directory, config)
 
     async def attach_share(self, share: ShareSpec) -> None:
         """Share a host directory into the running guest (virtio-9p, tag ``share.tag``).
@@ -110,8 +122,12 @@ class HotPlug:
         await self.hibernate(linger=False)  # (its QEMU is replaced at once)
         await self._wake(pending_shares=[rec])
         _fsdev, dev = share_args(rec)
-        await self._qmp_exec("device_add", dev)
-        write_machine_json(self.directory, config)
+        _record(self.directory, config)  # (after the wake: its command line has no device)
+        try:
+            await self._qmp_exec("device_add", dev)
+        except BaseException:
+            _forget(self.directory, config, rec)  # (the backend alone is no device)
+            raise
 
     async def detach(self, device_id: str, *, timeout: float = 30.0) -> None:
         """Unplug a hot-plugged disk or share (the guest must release it: unmount first) and
@@ -135,4 +151,21 @@ class HotPlug:
             with contextlib.suppress(EngineError):
                 await self._qmp_exec("blockdev-del", {"node-name": f"blk-{device_id}"})
         config["devices"] = [d for d in config["devices"] if d["id"] != device_id]
-        write_machine_json(self.directory, config)
+        _record(self.directory, config)
+
+
+def _record(directory: Path, config: dict[str, Any]) -> None:
+    """Save ``config`` as the machine.json of ``directory``. Raises EngineError."""
+    try:
+        write_machine_json(directory, config)
+    except OSError as exc:
+        raise EngineError(f"cannot record the devices of {directory}: {exc}", exc=exc) from exc
+
+
+def _forget(directory: Path, config: dict[str, Any], rec: dict[str, Any]) -> None:
+    """Drop the record ``rec`` of a device QEMU does not have from ``config`` and save it;
+    best effort (a record left of a device that is not there only plugs it at the next
+    wake, where the attachment's own record has it too)."""
+    config["devices"] = [d for d in config["devices"] if d is not rec]
+    with contextlib.suppress(EngineError):
+        _record(directory, config)
