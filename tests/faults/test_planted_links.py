@@ -220,3 +220,44 @@ def test_a_backing_file_of_the_homes_own_files_is_never_handed_to_qemu(open_home
             for f in {target, target.parent} - {p.home}  # (the home: opened for sb1)
         }
         assert after == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the jail hands files over only as root")
+def test_a_machine_json_naming_host_files_hands_none_of_them_to_qemu(
+    open_home: Path, tmp_path: Path
+) -> None:
+    """machine.json is in the sandbox directory QEMU's uid owns, so an escaped QEMU can
+    rewrite it: a kernel, initrd or device path naming a host file, the home's registry or a
+    volume's record had it opened to (or chowned to) that uid at the next start."""
+    p = paths(open_home).ensure()
+    host = tmp_path / "host-secret"
+    host.write_text("root only\n")
+    p.registry.write_text("every tenant's sandboxes\n")
+    p.volumes.mkdir(parents=True, exist_ok=True)
+    record = p.volumes / "vol-mine.json"
+    record.write_text('{"attachments": []}\n')
+    d = p.sandboxes / "sb1"
+    d.mkdir(parents=True)
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(d / "disk.qcow2"), "1M"], check=True
+    )
+    victims = (host, p.registry, record)
+    for f in victims:
+        f.chmod(0o600)
+
+    def device(kind: str, path: Path, read_only: bool) -> dict[str, object]:
+        rec = {"kind": kind, "id": "x", "path": str(path), "read_only": read_only, "slot": 8}
+        return rec | ({"format": "raw"} if kind == "disk" else {"tag": "x"})
+
+    for target in victims:
+        configs: list[dict[str, object]] = [{"kernel": str(target)}, {"initrd": str(target)}]
+        configs += [
+            {"devices": [device(kind, target, read_only)]}
+            for kind in ("disk", "share")
+            for read_only in (False, True)
+        ]
+        for config in configs:
+            with pytest.raises(EngineError):
+                jail_mod.prepare(d, Jail(QEMU_UID_BASE + 1), config)
+            st = target.stat()
+            assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o600), config

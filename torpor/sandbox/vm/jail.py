@@ -201,6 +201,10 @@ _MACHINE_DIRS = _HOME_DIRS | {"cache"}
 #: clone pool's (never another sandbox's directory, a volume's image or a drive's files,
 #: which are another tenant's as often as not)
 _BACKING_DIRS = frozenset({"templates", "snapshots", "cache"})
+#: where machine.json may name a device's file: a disk is a volume's image
+#: (``volumes/<id>.img``), a share a drive's directory (``drives/<id>/``); their neighbours
+#: there are the volumes' and drives' records and locks
+_DEVICE_FILES = {"disk": ("volumes", ".img"), "share": ("drives", "")}
 
 
 def _home_of(path: Path) -> Path | None:
@@ -261,7 +265,11 @@ def prepare(directory: Path, jail: Jail, config: dict[str, Any]) -> None:
         os.chmod(directory, 0o700)
         for key in ("kernel", "initrd"):
             if config.get(key):
-                prepare_path(Path(config[key]), jail, shared=True)
+                path = Path(config[key]).resolve()
+                templates = None if home is None else (home / "templates").resolve()
+                if templates is None or not path.is_relative_to(templates):
+                    raise EngineError(f"{directory}: its {key} {path} is not a template's ({home})")
+                prepare_path(path, jail, shared=True)
         # the home's disk layers only: the home itself also holds the registry, the tenants'
         # memory databases and the uid table; its sandboxes, volumes and drives hold other
         # tenants' machines and data
@@ -285,4 +293,27 @@ def prepare(directory: Path, jail: Jail, config: dict[str, Any]) -> None:
         raise EngineError(f"cannot prepare {directory} for QEMU uid {jail.uid}: {exc}") from exc
     for rec in config.get("devices", []):
         if "path" in rec:  # a disk or a share (a network card has no file)
-            prepare_path(directory / rec["path"], jail, write=not rec.get("read_only"))
+            path = _device_file(directory, home, rec)
+            prepare_path(path, jail, write=not rec.get("read_only"))
+
+
+def _device_file(directory: Path, home: Path | None, rec: dict[str, Any]) -> Path:
+    """The file of the device record ``rec`` of the machine in ``directory`` (machine.json,
+    which the jailed uid can rewrite), checked to be what such a device is: a volume's image
+    or a drive's directory of the ``home``. Raises EngineError."""
+    path = (directory / str(rec["path"])).resolve()
+    where, suffix = _DEVICE_FILES.get(str(rec.get("kind")), ("", "-"))
+    root = None if home is None or not where else (home / where).resolve()
+    is_dir = suffix == ""
+    if (
+        root is None
+        or path.parent != root
+        or path.name.startswith(".")
+        or not path.name.endswith(suffix)
+        or path.is_dir() != is_dir
+    ):
+        raise EngineError(
+            f"{directory}: its device {rec.get('id')!r} names {path}, not a "
+            f"{'drive' if is_dir else 'volume'} of {home}"
+        )
+    return path
