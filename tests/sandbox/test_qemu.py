@@ -277,6 +277,39 @@ def test_a_hot_plug_qemu_refuses_is_not_recorded(
     assert read_machine_json(d)["devices"] == []
 
 
+def test_a_hibernate_whose_state_cannot_be_synced_is_an_engine_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk failing the state file's fsync raised a raw OSError out of hibernate
+    (documented: EngineError, the guest resumed, no state written)."""
+    d = tmp_path / "m"
+    _fake_hibernated(d)
+    (d / "state").unlink()
+    machine = QemuMachine(d, _fake_template(tmp_path), MachineSpec())
+    sent: list[str] = []
+
+    async def qmp(cmd: str, args: Any = None, timeout: float = 0) -> Any:
+        sent.append(cmd)
+        return {"status": "completed"}
+
+    async def pass_fd(fd: int) -> None:
+        pass
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(machine, "_require_running", lambda op: None)
+    monkeypatch.setattr(machine, "is_running", lambda: True)
+    monkeypatch.setattr(machine, "_qmp_exec", qmp)
+    monkeypatch.setattr(machine, "_pass_fd", pass_fd)
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(EngineError):
+        asyncio.run(machine.hibernate())
+    monkeypatch.undo()
+    assert sent[-1] == "cont"
+    assert not (d / "state").exists() and not (d / "state.tmp").exists()
+
+
 # -- real QEMU -----------------------------------------------------------------------------------
 
 

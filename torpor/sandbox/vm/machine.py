@@ -383,7 +383,7 @@ class QemuMachine(HotPlug, Kept):
         self._require_running("hibernate")
         t0 = time.monotonic()
         tmp = self.directory / "state.tmp"
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # (one that stays: its open below fails)
             tmp.unlink()
         try:
             await self._set_ignore_shared()
@@ -398,12 +398,16 @@ class QemuMachine(HotPlug, Kept):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             if self.is_running():
                 with contextlib.suppress(Exception):
                     await self._qmp_exec("cont")
+            if isinstance(exc, OSError):  # the state file: opened, written by QEMU, synced
+                raise EngineError(
+                    f"cannot save the state of {self.directory}: {exc}", exc=exc
+                ) from exc
             raise
         try:
             os.replace(tmp, self.directory / "state")
