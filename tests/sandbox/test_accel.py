@@ -93,3 +93,21 @@ def test_a_kernel_that_does_not_boot_means_tcg(
     bogus.write_bytes(b"not a kernel")
     report = accel._probe_now(bogus, None)
     assert report.accel == "tcg"
+
+
+def test_a_cached_kvm_answer_is_dropped_once_kvm_is_unusable(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache key is the kernel and the QEMU binary, not the host: a "kvm" cached while
+    /dev/kvm worked (before a reboot without the module, a permission change, a home moved
+    to another host) made every boot fail on KVM instead of falling back to TCG."""
+    kernel = tmp_path / "vmlinuz"
+    kernel.write_bytes(b"kernel")
+    monkeypatch.setattr(accel, "kvm_usable", lambda: (True, "/dev/kvm is usable"))
+    monkeypatch.setattr(accel, "_boot_kvm", lambda k, i, d: (True, "a guest kernel booted"))
+    assert accel.probe(kernel=kernel).accel == "kvm"
+    monkeypatch.setattr(accel, "kvm_usable", lambda: (False, "/dev/kvm cannot be opened"))
+    report = accel.probe(kernel=kernel)
+    assert report.accel == "tcg" and "/dev/kvm cannot be opened" in report.reason
+    with pytest.raises(AccelerationUnavailable):
+        accel.probe(kernel=kernel, require="kvm")

@@ -4,7 +4,8 @@
 and accepts ioctls, yet a stock guest kernel never finishes booting. So :func:`probe` boots the
 guest kernel under KVM with a deadline and looks for the kernel's last boot message on the
 serial console. The answer is cached in ``paths().cache / "accel.json"``, keyed by the kernel
-and the QEMU binary (a change to either probes again). ``TORPOR_ACCEL=kvm|tcg`` overrides it.
+and the QEMU binary (a change to either probes again; a cached "kvm" also once /dev/kvm stops
+working). ``TORPOR_ACCEL=kvm|tcg`` overrides it.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ def probe(
     if not force:
         with contextlib.suppress(OSError, ValueError, KeyError):
             cached = json.loads(cache_file.read_text())
-            if cached["key"] == key:
+            # (the key names no host: a "kvm" is trusted only while /dev/kvm still works)
+            if cached["key"] == key and (cached["accel"] != "kvm" or kvm_usable()[0]):
                 report = AccelReport(cached["accel"], cached["reason"] + " (cached)")
     if report is None:
         report = _probe_now(kernel, initrd)
