@@ -206,3 +206,40 @@ def test_concurrent_snapshots_cannot_pass_the_quota_together(tmp_path: Path) -> 
     other.join()
     assert [type(e) for e in errors] == [QuotaExceeded]
     assert [s.name for s in store.list()] == ["one"]
+
+
+def test_concurrent_volume_creates_cannot_pass_the_quota_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The volume count and size were checked before the volumes' lock: a create that came
+    while another was making its image saw room for one, and both volumes were made."""
+    import subprocess
+    import threading
+
+    home = tmp_path / "home"
+    _quotas(home, {"*": {"volumes": 1}})
+    store = VolumeStore(paths(home).ensure())
+    errors: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            store.create("two", size_mib=16)
+        except BaseException as exc:
+            errors.append(exc)
+
+    other = threading.Thread(target=second)
+    real_run = subprocess.run
+
+    def slow_mkfs(*args: object, **kwargs: object) -> object:
+        if not other.is_alive() and not errors and threading.current_thread() is not other:
+            other.start()  # the second create comes while the first one makes its image
+            other.join(timeout=2)
+        return real_run(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "run", slow_mkfs)
+    store.create("one", size_mib=16)
+    monkeypatch.undo()
+    other.join()
+    assert [type(e) for e in errors] == [QuotaExceeded]
+    assert [v.name for v in store.list()] == ["one"]
+    assert len(list(paths(home).volumes.glob("*.img"))) == 1

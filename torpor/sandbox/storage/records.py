@@ -330,17 +330,27 @@ class RecordStore(Generic[InfoT]):
         """Remove what a failed create left of the resource's data. Never raises."""
         raise NotImplementedError
 
-    def _create(self, name: str, tenant: str, make: Callable[[str], InfoT]) -> InfoT:
-        """A new resource named ``name``, under the store's lock: ``make(id)`` builds its data
-        for a fresh ``<prefix>-<hex>`` id and returns the record, saved here. On any failure
-        :meth:`_discard` removes what was made. Raises Conflict (name taken in the tenant),
-        StorageError (an OSError), or what ``make`` raised."""
+    def _create(
+        self,
+        name: str,
+        tenant: str,
+        make: Callable[[str], InfoT],
+        admit: Callable[[builtins.list[InfoT]], None] | None = None,
+    ) -> InfoT:
+        """A new resource named ``name``, under the store's lock: ``admit(held)`` (the
+        tenant's resources, under the lock: a quota check) may refuse it, then ``make(id)``
+        builds its data for a fresh ``<prefix>-<hex>`` id and returns the record, saved here.
+        On any failure :meth:`_discard` removes what was made. Raises Conflict (name taken in
+        the tenant), StorageError (an OSError), or what ``admit`` or ``make`` raised."""
         rid = f"{self.prefix}-{uuid.uuid4().hex[:12]}"
         with self.records.lock():
-            if any(i.name == name for i in self.list(tenant=tenant)):
+            held = self.list(tenant=tenant)
+            if any(i.name == name for i in held):
                 raise Conflict(
                     f"a {self.kind} named {name!r} already exists", kind=self.kind, name=name
                 )
+            if admit is not None:
+                admit(held)
             try:
                 info = make(rid)
                 self._save(info)

@@ -110,14 +110,18 @@ class VolumeStore(RecordStore[VolumeInfo]):
         """Make an empty ext4 volume (sparse): a :class:`~torpor.sandbox.requests.VolumeSpec`,
         or its ``name`` and ``size_mib``.
 
-        Raises InvalidName, InvalidArgument (size), Conflict (name taken in the tenant),
-        EngineError (mkfs failed), StorageError. Nothing is left behind on failure.
+        Raises InvalidName, InvalidArgument (size, a bad quotas.json), Conflict (name taken in
+        the tenant), QuotaExceeded (checked under the volumes' lock), EngineError (mkfs
+        failed), StorageError. Nothing is left behind on failure.
         """
         want = VolumeSpec.of(spec, **fields)
         name, size_mib, labels = want.name, want.size_mib, dict(want.labels or {})
-        quotas, held = Quotas.of(self.paths, tenant), self.list(tenant=tenant)
-        quotas.check(tenant, "volumes", len(held))
-        quotas.check(tenant, "volume_mib", sum(v.size_mib for v in held), size_mib)
+        quotas = Quotas.of(self.paths, tenant)
+
+        def admit(held: list[VolumeInfo]) -> None:
+            # under the volumes' lock: two creates at once cannot both take the last room
+            quotas.check(tenant, "volumes", len(held))
+            quotas.check(tenant, "volume_mib", sum(v.size_mib for v in held), size_mib)
 
         def make(vid: str) -> VolumeInfo:
             image = self.image(vid)
@@ -155,7 +159,7 @@ class VolumeStore(RecordStore[VolumeInfo]):
                 node=self.records.node,
             )
 
-        info = self._create(name, tenant, make)
+        info = self._create(name, tenant, make, admit)
         log.info("created volume %s (%s, %d MiB)", info.id, name, size_mib)
         return info
 
