@@ -158,3 +158,40 @@ def test_journal_replayed_only_when_nobody_has_the_volume(
     # the sandbox is gone (killed): its stale attachment does not count, the journal is replayed
     assert read_volume_file(store, vol.id, "/a.txt", live=set()) == b"a\n"
     assert not needs_recovery(image)
+
+
+def test_a_read_holds_the_lock_the_records_are_kept_under(tmp_path: Path) -> None:
+    """The read took the volumes directory's own lock, not its records' (in a cluster: the
+    registry's lock every node's attach, detach and delete takes): a sandbox could attach
+    the volume while the read replayed its journal."""
+    import contextlib
+    import threading
+    from collections.abc import Iterator
+
+    from torpor.sandbox.storage.records import LocalRecords
+
+    class Medium(LocalRecords):
+        """Records whose lock is not the directory's flock (as the registry's)."""
+
+        mutex = threading.Lock()
+
+        def lock(self) -> contextlib.AbstractContextManager[None]:
+            @contextlib.contextmanager
+            def held() -> Iterator[None]:
+                with self.mutex:
+                    yield
+
+            return held()
+
+    p = paths(tmp_path / "home").ensure()
+    store = VolumeStore(p, Medium(p.volumes, "vol"))
+    vol = store.create("v", size_mib=16)
+    _fill(store, vol.id, tmp_path, {"/a.txt": b"a\n"})
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(read_volume_file(store, "v", "/a.txt")))
+    with store.records.lock():  # an attach in progress on another node
+        reader.start()
+        reader.join(timeout=1)
+        assert reader.is_alive() and not got  # the read waits for it
+    reader.join()
+    assert got == [b"a\n"]

@@ -43,7 +43,6 @@ from torpor.errors import (
     PayloadTooLarge,
     StorageError,
 )
-from torpor.sandbox.storage.records import locked
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import qemu_img
 
@@ -217,12 +216,13 @@ def read_volume_file(
 
     ``live``: the ids of sandboxes that still exist; attachments of any other sandbox are
     stale (it was killed) and do not count as in use. None: every attachment counts.
-    Holds the volume lock for the read, so the volume is not attached, detached or deleted
-    meanwhile. Raises :class:`VolumeNotFound`, :class:`InvalidArgument`,
+    Holds the volumes' lock (``store.records.lock()``, the one every attach, detach and delete
+    takes: in a cluster, the registry's) for the read, so the volume is not attached,
+    detached or deleted meanwhile. Raises :class:`VolumeNotFound`, :class:`InvalidArgument`,
     :class:`PathNotFound`, :class:`PayloadTooLarge`, :class:`EngineError`.
     """
     path = _normalize(path)
-    with locked(store.root):
+    with store.records.lock():
         info = store.get(id_or_name, tenant=tenant)
         image = store.image(info.id)
         users = [a for a in info.attachments if live is None or a.sandbox_id in live]
