@@ -340,3 +340,40 @@ def test_recover_and_gc_finish_a_capture_left_pending(tmp_path: Path) -> None:
         await m.close()
 
     asyncio.run(main())
+
+
+def test_a_sandbox_made_while_gc_runs_keeps_its_volume(tmp_path: Path) -> None:
+    """GC took the set of live sandboxes before it began and released attachments at its end:
+    a sandbox created while GC ran (swept chunks) lost its volume's attachment, so the volume
+    could be attached read-write again elsewhere, or deleted, under its guest."""
+    import asyncio
+
+    from tests.sandbox.fakes import FakeEngine
+    from torpor.config import paths
+    from torpor.sandbox.checkpoints import Checkpoints
+    from torpor.sandbox.manager import SandboxManager
+    from torpor.sandbox.storage import snapshots as snapmod
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
+        cp = Checkpoints(m)
+        vol = cp.volumes.create("v", size_mib=16)
+        loop = asyncio.get_running_loop()
+        made: list[str] = []
+
+        def failpoint(name: str) -> None:  # on GC's thread, while it runs
+            if name == "gc:attachments" and not made:
+                sbx = asyncio.run_coroutine_threadsafe(m.create(name="new"), loop).result()
+                cp.volumes.attach(vol.id, sbx.id, "/data")
+                made.append(sbx.id)
+
+        snapmod.failpoint = failpoint
+        try:
+            report = await cp.collect_garbage()
+        finally:
+            snapmod.failpoint = None
+        assert made and report.released_attachments == 0
+        assert [a.sandbox_id for a in cp.volumes.get("v").attachments] == made
+        await m.close()
+
+    asyncio.run(main())

@@ -177,7 +177,7 @@ def _delete_shared(
 ) -> Response:
     """Delete a volume or drive once attachments of killed sandboxes are dropped (they no
     longer hold it). Raises NotFound, Conflict while a live sandbox has it attached."""
-    store.release(keep=cp.attachments.live_ids())
+    store.release(keep=cp.attachments.live_ids)  # called under the store's lock
     store.delete(id_or_name, tenant=tenant)
     return Response(status_code=204)
 

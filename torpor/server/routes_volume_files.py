@@ -48,6 +48,6 @@ async def read_file(
         path,
         tenant=tenant,
         max_bytes=limit,
-        live=cp.attachments.live_ids(),
+        live=cp.attachments.live_ids,  # called under the volumes' lock
     )
     return Response(content=data, media_type="application/octet-stream")

@@ -127,7 +127,7 @@ class Attachments:
         """The running sandbox to attach a resource of ``store`` to at ``path``, once the
         attachments of killed sandboxes are dropped. Raises InvalidState, InvalidArgument
         (``path`` overlaps a mount)."""
-        store.release(keep=self.live_ids())
+        store.release(keep=self.live_ids)  # called under the store's lock
         rec = await self.running_channel(tenant, id_or_name)
         self.check_path_free(rec.id, path)
         return rec

@@ -798,7 +798,7 @@ class Checkpoints:
             collect_garbage,
             self.paths,
             now=datetime.fromtimestamp(now, UTC),
-            live_sandboxes=self.attachments.live_ids(),
+            live_sandboxes=self.attachments.live_ids,  # taken when attachments go
             dry_run=dry_run,
             store=self.snapshots,
         )

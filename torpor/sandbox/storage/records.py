@@ -41,11 +41,13 @@ from torpor.sandbox.vm.disk import write_atomic
 __all__ = [
     "SYSTEM_DIRS",
     "Attachment",
+    "LiveIds",
     "LocalRecords",
     "RecordMedium",
     "RecordStore",
     "check_attach",
     "check_mount_path",
+    "live_now",
     "locked",
     "read_records",
     "rewrite_prefix",
@@ -53,6 +55,16 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+#: the ids of the sandboxes that still exist: a set, or a function that gives it (called under
+#: the store's lock, so a sandbox made while the caller waited for the lock is in it)
+LiveIds = set[str] | Callable[[], set[str]]
+
+
+def live_now(live: LiveIds) -> set[str]:
+    """The set ``live`` is, or gives."""
+    return live() if callable(live) else live
 
 
 class Attachment(BaseModel):
@@ -419,11 +431,13 @@ class RecordStore(Generic[InfoT]):
             if a.sandbox_id == sandbox_id
         ]
 
-    def release(self, sandbox_ids: set[str] | None = None, *, keep: set[str] | None = None) -> int:
+    def release(self, sandbox_ids: set[str] | None = None, *, keep: LiveIds | None = None) -> int:
         """Drop attachments of the sandboxes in ``sandbox_ids`` (or of every sandbox not in
-        ``keep``). Returns how many were dropped. Used on kill and by GC."""
+        ``keep``, taken under the lock: see :data:`LiveIds`). Returns how many were dropped.
+        Used on kill and by GC."""
         dropped = 0
         with self.records.lock():
+            keep = None if keep is None else live_now(keep)
             for info in self._infos():
                 kept = [
                     a

@@ -46,6 +46,7 @@ from torpor.sandbox.storage.captures import drop_ram
 from torpor.sandbox.storage.chunks import ChunkStore, FileManifest, SweepReport
 from torpor.sandbox.storage.compaction import referenced_by_compacted
 from torpor.sandbox.storage.drives import DriveStore
+from torpor.sandbox.storage.records import LiveIds, live_now
 from torpor.sandbox.storage.snapshots import SnapshotStore, backing_chain, step
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import is_qcow2
@@ -227,28 +228,33 @@ def collect_garbage(
     paths: Paths,
     *,
     now: datetime | None = None,
-    live_sandboxes: set[str] | None = None,
+    live_sandboxes: LiveIds | None = None,
     dry_run: bool = False,
     store: SnapshotStore | None = None,
 ) -> GcReport:
     """Remove expired snapshots and unreferenced frozen dirs, chunks and attachments (of
     sandboxes that are gone, and those recorded but never plugged: a crash mid-attach).
 
-    ``live_sandboxes``: ids of sandboxes that still exist (default: the dirs under
-    ``sandboxes/``); attachments of any other sandbox are released. ``dry_run`` reports what
-    would go and removes nothing. ``store``: the home's snapshot store (default: its own,
-    local one; a cluster node's records its manifests in the registry, so an expired
-    snapshot goes for every node). Raises StorageError when the file system fails.
+    ``live_sandboxes``: ids of sandboxes that still exist, or a function that gives them
+    (default: the dirs under ``sandboxes/``), taken when the attachments are released (a
+    sandbox made while GC runs keeps its own); attachments of any other sandbox are
+    released. ``dry_run`` reports what would go and removes nothing. ``store``: the home's
+    snapshot store (default: its own, local one; a cluster node's records its manifests in
+    the registry, so an expired snapshot goes for every node). Raises StorageError when the
+    file system fails.
     """
     now = now or datetime.now(UTC)
     report = GcReport(dry_run=dry_run)
     store = store or SnapshotStore(paths)
     if live_sandboxes is None:
-        live_sandboxes = (
-            {d.name for d in paths.sandboxes.iterdir() if d.is_dir()}
-            if paths.sandboxes.is_dir()
-            else set()
-        )
+
+        def live_sandboxes() -> set[str]:
+            return (
+                {d.name for d in paths.sandboxes.iterdir() if d.is_dir()}
+                if paths.sandboxes.is_dir()
+                else set()
+            )
+
     try:
         with store.lock(exclusive=True):
             for info, _ in list(store.manifests()):
@@ -354,7 +360,7 @@ def collect_garbage(
                     lambda sid, rid: _plugged(paths, sid, rid), before=before
                 )
             report.restored_attachments = restore_unrecorded_drives(
-                paths, live_sandboxes, before=before
+                paths, live_now(live_sandboxes), before=before
             )
             # warm clones whose server died, half-made clones (a live server's are kept)
             ClonePool(paths.cache / "pool", 0).sweep()

@@ -43,6 +43,7 @@ from torpor.errors import (
     PayloadTooLarge,
     StorageError,
 )
+from torpor.sandbox.storage.records import LiveIds, live_now
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import qemu_img
 
@@ -209,13 +210,15 @@ def read_volume_file(
     *,
     tenant: str = "default",
     max_bytes: int = LIMITS.max_file_bytes,
-    live: set[str] | None = None,
+    live: LiveIds | None = None,
 ) -> bytes:
     """The bytes of ``path`` inside the volume ``id_or_name`` of ``tenant`` (see the module
     docstring for what a read sees while a sandbox has the volume attached).
 
-    ``live``: the ids of sandboxes that still exist; attachments of any other sandbox are
-    stale (it was killed) and do not count as in use. None: every attachment counts.
+    ``live``: the ids of sandboxes that still exist, or a function that gives them (called
+    under the lock: see :data:`~torpor.sandbox.storage.records.LiveIds`); attachments of any
+    other sandbox are stale (it was killed) and do not count as in use. None: every
+    attachment counts.
     Holds the volumes' lock (``store.records.lock()``, the one every attach, detach and delete
     takes: in a cluster, the registry's) for the read, so the volume is not attached,
     detached or deleted meanwhile. Raises :class:`VolumeNotFound`, :class:`InvalidArgument`,
@@ -225,7 +228,8 @@ def read_volume_file(
     with store.records.lock():
         info = store.get(id_or_name, tenant=tenant)
         image = store.image(info.id)
-        users = [a for a in info.attachments if live is None or a.sandbox_id in live]
+        alive = None if live is None else live_now(live)
+        users = [a for a in info.attachments if alive is None or a.sandbox_id in alive]
         if not users and needs_recovery(image):
             # Nobody has it mounted: the journal is safe to replay, and holds writes that a
             # killed sandbox committed but never wrote in place. The next attach would

@@ -22,6 +22,7 @@ from torpor.sandbox.registry.postgres import PostgresRegistry
 from torpor.sandbox.requests import VolumeSpec
 from torpor.sandbox.storage.chunks import FileManifest
 from torpor.sandbox.storage.drives import DriveInfo, DriveStore
+from torpor.sandbox.storage.records import LiveIds
 from torpor.sandbox.storage.volumes import VolumeInfo, VolumeStore
 
 __all__ = ["RECORD_LOCKS", "ClusterDriveStore", "ClusterVolumeStore", "RegistryRecords", "Volumes"]
@@ -268,7 +269,7 @@ class ClusterVolumeStore(VolumeStore):
         self._let_go([before])
         return info
 
-    def release(self, sandbox_ids: set[str] | None = None, *, keep: set[str] | None = None) -> int:
+    def release(self, sandbox_ids: set[str] | None = None, *, keep: LiveIds | None = None) -> int:
         before = [i for i in self._infos() if i.node == self.cluster.node]
         dropped = super().release(sandbox_ids, keep=keep)
         if dropped:
