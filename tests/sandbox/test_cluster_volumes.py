@@ -355,3 +355,40 @@ def test_a_pull_does_not_hold_the_cluster_wide_volumes_lock(
     finally:
         n1.registry.close()
         n2.registry.close()
+
+
+@pytest.mark.s3
+def test_a_volume_file_is_not_read_from_a_stale_copy(tmp_path: Path, dsn: str, store: str) -> None:
+    """A volume's file was read from this node's image whatever node had its latest: a node
+    that once pulled it answered with what the volume held then, silently."""
+    try:
+        from tests.sandbox.test_volume_files import _mkfs, _tree
+    except ImportError:  # pragma: no cover
+        from .test_volume_files import _mkfs, _tree
+    from torpor.sandbox.storage.volume_files import read_volume_file
+
+    def fill(image: Path, text: bytes) -> None:
+        tree = tmp_path / f"tree-{len(text)}"
+        _tree(tree, {"/facts.md": text})
+        _mkfs(image, tree)
+
+    n1, n2 = _node(tmp_path, dsn, store, "n1"), _node(tmp_path, dsn, store, "n2")
+    try:
+        v1, v2 = n1.volume_store(), n2.volume_store()
+        made = v1.create("data", size_mib=16)
+        fill(v1.image(made.id), b"old")
+        n1.push_volume(made.id)
+        v2.attach("data", "sbx-2", "/data")  # n2 pulls it, then lets go (pushed as it was)
+        v2.detach("data", "sbx-2")
+        assert read_volume_file(v2, "data", "/facts.md") == b"old"
+        v1.attach("data", "sbx-1", "/data")  # back on n1, which writes, then lets go
+        fill(v1.image(made.id), b"newer")
+        v1.detach("data", "sbx-1")
+        assert v2.get("data").node == "n1" and v2.image(made.id).exists()  # n2's copy: stale
+        assert read_volume_file(v1, "data", "/facts.md") == b"newer"
+        with pytest.raises(Conflict) as there:
+            read_volume_file(v2, "data", "/facts.md")
+        assert there.value.data["node"] == "n1"
+    finally:
+        n1.registry.close()
+        n2.registry.close()

@@ -37,7 +37,8 @@ async def read_file(
     tenant: Tenant,
 ) -> Response:
     """A file's bytes. Raises VolumeNotFound, PathNotFound, InvalidArgument (a directory or
-    link), PayloadTooLarge (over the server's file limit), EngineError."""
+    link), PayloadTooLarge (over the server's file limit), EngineError, Conflict (in a
+    cluster, the volume's latest image is on another node)."""
     cp = checkpoints_of(request, manager)
     limit = int(getattr(request.app.state, "max_file_bytes", LIMITS.max_file_bytes))
     # debugfs runs as a subprocess and the volume lock may wait: keep the event loop free.

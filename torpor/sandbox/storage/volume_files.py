@@ -37,6 +37,7 @@ from pathlib import Path
 
 from torpor.config import LIMITS
 from torpor.errors import (
+    Conflict,
     EngineError,
     InvalidArgument,
     PathNotFound,
@@ -222,11 +223,22 @@ def read_volume_file(
     Holds the volumes' lock (``store.records.lock()``, the one every attach, detach and delete
     takes: in a cluster, the registry's) for the read, so the volume is not attached,
     detached or deleted meanwhile. Raises :class:`VolumeNotFound`, :class:`InvalidArgument`,
-    :class:`PathNotFound`, :class:`PayloadTooLarge`, :class:`EngineError`.
+    :class:`PathNotFound`, :class:`PayloadTooLarge`, :class:`EngineError`, :class:`Conflict`
+    (a cluster's volume whose latest image is on another node: this node's copy, if any, is
+    stale; read it there).
     """
     path = _normalize(path)
     with store.records.lock():
         info = store.get(id_or_name, tenant=tenant)
+        here = store.records.node
+        if store.records.shared and info.node not in (None, here):
+            raise Conflict(
+                f"volume {info.name!r} ({info.id}) is on node {info.node}, not {here}: read "
+                "its files there",
+                kind="volume",
+                id=info.id,
+                node=info.node,
+            )
         image = store.image(info.id)
         alive = None if live is None else live_now(live)
         users = [a for a in info.attachments if alive is None or a.sandbox_id in alive]
