@@ -5,6 +5,7 @@ same calls from inside a real VM.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,6 +171,25 @@ def test_mcp_inside_the_sandbox(client: TestClient) -> None:
     status, answer = guest(client, sbx["id"], "/mcp", listed, MCP)
     names = {t["name"] for t in answer["result"]["tools"]}
     assert "recall" in names and not any(n.startswith("sandbox_") for n in names)
+
+
+def test_a_guest_opens_no_stream_that_never_ends(client: TestClient) -> None:
+    # A GET of /mcp opened an event stream the stateless endpoint never writes to nor ends:
+    # the host's answer task waited for ever (past a pause or a kill), one more per GET.
+    sbx = make(client, "agent-u-42", A, memory_scope=U42)
+    relay = client.app.state.guest_relay  # type: ignore[attr-defined]
+
+    async def ask(method: str) -> tuple[int, dict[str, str], bytes]:
+        headers = {"accept": "text/event-stream"}
+        answer: tuple[int, dict[str, str], bytes] = await asyncio.wait_for(
+            relay(sbx["id"], method, "/mcp", headers, b""), 10
+        )
+        return answer
+
+    assert client.portal is not None
+    for method in ("GET", "DELETE"):
+        status, _, _ = client.portal.call(ask, method)
+        assert status == 405
 
 
 def test_refusals(client: TestClient) -> None:

@@ -10,7 +10,8 @@ name levels below the scope (an ``agent``, a ``session``) but never another one.
 
 Inside the VM::
 
-    POST /mcp                     MCP (streamable HTTP, JSON): the memory tools
+    POST /mcp                     MCP (streamable HTTP, JSON): the memory tools (GET, which
+                                  would open an event stream, is 405)
     POST /v1/memory/<tool>        the same tools as plain JSON: ``{"text": ...}`` -> the result
                                   (200), or ``{"error": {type, message, data}}`` (4xx)
 
@@ -98,7 +99,9 @@ class GuestRelay:
         self.app = app
         self.server = build_server(_tool_context, sandbox_tools=False, name="torpor-sandbox")
         routes = [
-            Route("/mcp", Endpoint(self.server, _resolve), methods=["GET", "POST", "DELETE"]),
+            # POST only: a call is answered once, whole, and the endpoint is stateless, so a
+            # GET's event stream would carry nothing and never end (405, as MCP allows)
+            Route("/mcp", Endpoint(self.server, _resolve), methods=["POST"]),
             Route("/v1/memory/{tool}", self._rest, methods=["POST"]),
         ]
         self.asgi = Starlette(routes=routes)
