@@ -192,6 +192,19 @@ def test_a_guest_opens_no_stream_that_never_ends(client: TestClient) -> None:
         assert status == 405
 
 
+def test_a_deeply_nested_body_is_an_invalid_argument(client: TestClient) -> None:
+    # json.loads raises RecursionError (no ValueError) for it: it escaped the route, and the
+    # guest got a 500 while the host logged a traceback for each such call
+    sbx = make(client, "agent-u-42", A, memory_scope=U42)
+    relay = client.app.state.guest_relay  # type: ignore[attr-defined]
+    nested = b"[" * 100_000 + b"]" * 100_000
+    assert client.portal is not None
+    status, _, answer = client.portal.call(
+        relay, sbx["id"], "POST", "/v1/memory/recall", JSON, nested
+    )
+    assert (status, json.loads(answer)["error"]["type"]) == (400, "InvalidArgument")
+
+
 def test_refusals(client: TestClient) -> None:
     plain = make(client, "no-scope", A)
     assert plain["memory_scope"] is None

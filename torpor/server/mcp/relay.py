@@ -161,7 +161,7 @@ class GuestRelay:
         tool = request.path_params["tool"]
         try:
             args = json.loads(await request.body() or b"{}")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (nested too deep: RecursionError)
             return _error(InvalidArgument(f"the body is not JSON: {exc}"))
         if not isinstance(args, dict):
             return _error(InvalidArgument("the body must be a JSON object of the tool's arguments"))
