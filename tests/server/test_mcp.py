@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,10 @@ from tests.pg import MEMORY_BACKENDS, memory_spec
 from tests.sandbox.fakes import FakeEngine
 from tests.served import stop_server_and_vms
 from torpor.config import paths
-from torpor.errors import AccessDenied, Unauthenticated
+from torpor.errors import AccessDenied, InvalidArgument, Unauthenticated
 from torpor.memory import Memory
 from torpor.sandbox.manager import SandboxManager
+from torpor.sandbox.requests import CommandSpec, SandboxOptions
 from torpor.server.app import create_app
 from torpor.server.auth import TokenStore
 from torpor.server.mcp.tools import MEMORY_TOOLS, SANDBOX_TOOLS, ToolContext
@@ -365,6 +366,44 @@ def test_stdio_server_of_the_cli(tmp_path: Path) -> None:
     # the memory is the embedded store of that home, as torpor.Memory() sees it
     with Memory(home, embedder=None) as mem:
         assert [h.record.text for h in mem.scope(user="u-1").recall("tea")] == ["likes green tea"]
+
+
+class _Recorder:
+    """Stands for a Runtime: answers every request ``{}`` and notes the path sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        self.sent.append(
+            httpx.Client(base_url="http://torpor").build_request(method, path).url.path
+        )
+        return httpx.Response(200, content=b"{}")
+
+    def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        self.request(method, path)
+        return {}
+
+
+@pytest.mark.parametrize("ref", ["", ".", ".."])
+def test_the_stdio_sandbox_tools_send_no_ref_that_names_another_path(ref: str) -> None:
+    # "." was "/v1/sandboxes/./files", sent as "/v1/sandboxes/files": sandbox_read_file
+    # answered the record of a sandbox called "files" as the file's content
+    from torpor.server.mcp.sdk import RuntimeOps
+
+    runtime = _Recorder()
+    ops = RuntimeOps(runtime)  # type: ignore[arg-type]
+    calls: list[Callable[[], Coroutine[Any, Any, Any]]] = [
+        lambda: ops.read_file(ref, "/etc/hostname"),
+        lambda: ops.write_file(ref, "/tmp/x", b"x"),
+        lambda: ops.run_command(ref, CommandSpec.of(cmd="true")),
+        lambda: ops.pause(ref),
+        lambda: ops.get_or_create(ref, SandboxOptions.of()),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgument):
+            asyncio.run(call())
+    assert runtime.sent == []
 
 
 # -- the caller's binding --------------------------------------------------------------------

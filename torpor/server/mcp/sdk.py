@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import anyio.to_thread
 
 from torpor.client import Runtime
+from torpor.client.sandbox_calls import at, route
 from torpor.sandbox.models import CommandResult, Execution, SandboxInfo
 from torpor.sandbox.requests import CodeSpec, CommandSpec, ForkSpec, SandboxOptions, SnapshotSpec
 
@@ -23,7 +23,9 @@ __all__ = ["RuntimeOps"]
 
 
 def _sbx(ref: str, suffix: str = "") -> str:
-    return f"/v1/sandboxes/{quote(ref, safe='')}{suffix}"
+    """The API path of sandbox ``ref`` plus ``suffix``. Raises :class:`InvalidArgument` for a
+    ref that names no path segment (``""``, ``.``, ``..``: a client normalizes them away)."""
+    return route(ref, suffix)
 
 
 @dataclass
@@ -36,7 +38,7 @@ class RuntimeOps:
         return await anyio.to_thread.run_sync(lambda: self.runtime.json(method, path, **kwargs))
 
     async def get_or_create(self, name: str, options: SandboxOptions) -> SandboxInfo:
-        path = f"/v1/sandboxes/by-name/{quote(name, safe='')}"
+        path = at("/v1/sandboxes/by-name", name)
         return SandboxInfo.model_validate(await self._json("PUT", path, json=options.given()))
 
     async def run_command(self, sandbox: str, spec: CommandSpec) -> CommandResult:
