@@ -335,6 +335,14 @@ def test_other_methods_and_oversized_bodies_are_refused(url: str) -> None:
     assert r.status_code == 413
 
 
+def test_a_get_opens_no_stream_that_never_ends(url: str) -> None:
+    # the endpoint is stateless and answers each POST whole: a GET's event stream carried
+    # nothing and never ended, holding a server task per connection for as long as the
+    # client kept it open (past its token's revocation); MCP lets a server answer 405
+    r = httpx.get(url, headers={**MCP_HEADERS, **auth(ACME)}, timeout=10)
+    assert r.status_code == 405
+
+
 # -- stdio -----------------------------------------------------------------------------------
 
 

@@ -209,8 +209,10 @@ def mount(app: FastAPI) -> Callable[[], contextlib.AbstractAsyncContextManager[N
     engine = getattr(app.state.manager, "engine", None)
     if engine is not None and hasattr(engine, "guest_calls"):  # QEMU: sandboxes ask through it
         engine.guest_calls = guest
+    # POST only, as the guest relay: the endpoint is stateless and answers each call whole,
+    # so a GET's event stream would carry nothing and never end (405, as MCP allows)
     app.router.routes.append(
-        Route(PATH, endpoint=endpoint, methods=["GET", "POST", "DELETE"], include_in_schema=False)
+        Route(PATH, endpoint=endpoint, methods=["POST"], include_in_schema=False)
     )
 
     @contextlib.asynccontextmanager
