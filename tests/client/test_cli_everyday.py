@@ -406,3 +406,15 @@ def test_run_file_that_is_a_directory_is_refused(
     bad.write_bytes(b"x = '\xe9'\n")
     made = cli(capsys, "run", "a1", "--file", str(bad))
     assert made.code == 1 and made.err.startswith("error: InvalidArgument: cannot read")
+
+
+def test_labels_with_brackets_are_printed_as_written(
+    home: Home, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A label is the user's text, not rich markup: "[/]" ended `sandbox ls` with a
+    # MarkupError and "[pro]" vanished from the table.
+    Sandbox.create(name="b1", labels={"tier": "[pro]", "note": "[/]"})
+    for args in (["sandbox", "ls"], ["sandbox", "get", "b1"]):
+        r = cli(capsys, *args)
+        assert r.code == 0, (args, r.err)
+        assert "tier=[pro]" in r.out and "note=[/]" in r.out, args

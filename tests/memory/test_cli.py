@@ -78,3 +78,12 @@ def test_cli_errors_are_typed(tmp_path: Path) -> None:
     assert result.exit_code != 0 and isinstance(result.exception, InvalidArgument)
     result = runner.invoke(app, ["memory", "--home", str(tmp_path), "forget"])
     assert result.exit_code != 0
+
+
+def test_text_with_brackets_is_printed_as_written(tmp_path: Path) -> None:
+    # A table cell is the user's text, not rich markup: "[/]" ended the command with a
+    # MarkupError and "[x]" vanished from the listing.
+    home = tmp_path / "home"
+    run(home, "remember", "[x] call [/] back", "--key", "todo")
+    assert "[x] call [/] back" in run(home, "recall", "call back")
+    assert "[x] call [/] back" in run(home, "history", "todo")

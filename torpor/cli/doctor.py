@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from torpor.config import paths
@@ -28,8 +29,8 @@ def _qemu_version() -> str:
             [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
         ).stdout
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"[red]{binary} does not run: {exc}[/]"
-    return f"{out.splitlines()[0] if out else '?'} ({binary})"
+        return f"[red]{escape(f'{binary} does not run: {exc}')}[/]"
+    return escape(f"{out.splitlines()[0] if out else '?'} ({binary})")
 
 
 def doctor(
@@ -79,19 +80,22 @@ def doctor(
         )
         return
     table = Table(show_header=False, box=None)
-    table.add_row("home", str(paths().home))
+    table.add_row("home", escape(str(paths().home)))
     table.add_row("qemu", _qemu_version())
-    table.add_row("accel", f"[bold]{report.accel}[/] ({report.reason})")
+    table.add_row("accel", f"[bold]{escape(report.accel)}[/] ({escape(report.reason)})")
     for tool in ("debootstrap", "mkfs.ext4", "qemu-img"):
-        table.add_row(tool, shutil.which(tool) or "[red]missing[/]")
+        found = shutil.which(tool)
+        table.add_row(tool, escape(found) if found else "[red]missing[/]")
     built = templates.list_templates()
     rows = []
     for t in built:
         why = templates.stale_reason(t)
         stale = (
-            "" if why is None else f" [yellow]stale: {why}; run `torpor template build {t.name}`[/]"
+            ""
+            if why is None
+            else f" [yellow]{escape(f'stale: {why}; run `torpor template build {t.name}`')}[/]"
         )
-        rows.append(f"{t.name} ({t.build_id}, {t.accel}){stale}")
+        rows.append(escape(f"{t.name} ({t.build_id}, {t.accel})") + stale)
     table.add_row(
         "templates", "\n".join(rows) or "[yellow]none: run `torpor template build python`[/]"
     )
@@ -113,7 +117,7 @@ def _repair() -> None:
     finally:
         registry.close()
     for rec in made:
-        console.print(f"rebuilt {rec.id}: {rec.state.value}")
+        console.print(escape(f"rebuilt {rec.id}: {rec.state.value}"))
     console.print(f"{len(made)} sandbox row(s) rebuilt" if made else "nothing to repair")
 
 

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from torpor.errors import InvalidArgument
 from torpor.memory.models import SourceRef
@@ -216,7 +218,7 @@ def recall(
     )
     table = Table("score", "kind", "scope", "text", "id")
     for h in hits:
-        table.add_row(f"{h.score:.3f}", h.kind, h.scope or "/", h.text, h.id)
+        table.add_row(f"{h.score:.3f}", h.kind, Text(h.scope or "/"), Text(h.text), h.id)
     _emit(
         ctx,
         [{"score": h.score, "scores": h.scores, **h.record.model_dump(mode="json")} for h in hits],
@@ -254,7 +256,7 @@ def history(ctx: typer.Context, key: str) -> None:
     facts = _scope(ctx).history(key)
     table = Table("valid_from", "valid_to", "text", "id")
     for f in facts:
-        table.add_row(str(f.valid_from), str(f.valid_to or "current"), f.text, f.id)
+        table.add_row(str(f.valid_from), str(f.valid_to or "current"), Text(f.text), f.id)
     _emit(ctx, [f.model_dump(mode="json") for f in facts], table)
 
 
@@ -292,7 +294,7 @@ def export_(
     s = _scope(ctx)
     n = s.export(dest if dest is not None else sys.stdout)
     if dest is not None:
-        err_console.print(f"wrote {n} lines to {dest}")
+        err_console.print(f"wrote {n} lines to {escape(str(dest))}")
 
 
 @app.command("import")

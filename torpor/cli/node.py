@@ -18,7 +18,9 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from torpor.client.runtime import default_runtime
 
@@ -44,7 +46,7 @@ def nodes(
     for n in found:
         age = "" if n.heartbeat_age_seconds is None else f" ({n.heartbeat_age_seconds:.1f} s)"
         health = ("alive" if n.alive else "stale") + age + (", draining" if n.draining else "")
-        table.add_row(
+        cells = (
             n.name + (" *" if n.this else ""),
             n.url or "-",
             health,
@@ -53,6 +55,7 @@ def nodes(
             f"{n.capacity_mib / 1024:.1f} GiB, {n.vcpus} vCPUs",
             f"{n.sandboxes} sandboxes, {n.memory_mib} MiB",
         )
+        table.add_row(*(Text(cell) for cell in cells))
     console.print(table)
 
 
@@ -75,14 +78,13 @@ def drain(
     else:
         for s in report.moved:
             console.print(
-                f"moved {s.id} ({s.name}, tenant {s.tenant}): paused, durable {s.durable}"
+                escape(f"moved {s.id} ({s.name}, tenant {s.tenant}): paused, durable {s.durable}")
             )
         for s in report.failed:
             why = f" [drive {', '.join(s.drives)}]" if s.drives else ""
-            console.print(f"[red]kept {s.id} ({s.name}){why}: {s.error}[/red]")
-        console.print(
-            f"node {report.node} drained: {len(report.moved)} moved, {len(report.failed)} not"
-        )
+            console.print(escape(f"kept {s.id} ({s.name}){why}: {s.error}"), style="red")
+        moved, failed = len(report.moved), len(report.failed)
+        console.print(escape(f"node {report.node} drained: {moved} moved, {failed} not"))
     if report.failed:
         raise typer.Exit(1)
 

@@ -5,7 +5,10 @@ or a list for a listing) and, where it lists or makes things, ``-q`` (one id per
 may be given anywhere on the command line (see :mod:`torpor.cli.argv`).
 
 Tables never cut an id: id columns keep their full width and the other columns wrap on a
-narrow terminal; in a pipe or a file a table is as wide as its content (nothing wraps).
+narrow terminal; in a pipe or a file a table is as wide as its content (nothing wraps). A
+cell is printed as written, never read as rich markup (``[/]`` in a label would end the
+command, ``[x]`` would vanish); so is the data a command puts in a line of its own
+(:func:`rich.markup.escape`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import typer
 from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 __all__ = ["AsJson", "Quiet", "console", "emit", "human_bytes", "table", "to_json"]
 
@@ -44,7 +48,8 @@ def to_json(data: Any) -> Any:
 def table(
     columns: Sequence[str], rows: Iterable[Sequence[str]], *, ids: Sequence[str] = ()
 ) -> Table:
-    """A table whose ``ids`` columns are never cut or wrapped (the others fold)."""
+    """A table whose ``ids`` columns are never cut or wrapped (the others fold); a cell is
+    plain text (no markup)."""
     rows = [list(r) for r in rows]
     out = Table(*[], show_header=bool(columns))
     for i, name in enumerate(columns):
@@ -54,7 +59,7 @@ def table(
         else:
             out.add_column(name, overflow="fold")
     for row in rows:
-        out.add_row(*row)
+        out.add_row(*(Text(cell) for cell in row))
     return out
 
 

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["register"]
@@ -121,7 +122,7 @@ def status(
 
     pid = server_pid()
     if pid is None:
-        console.print(f"no torpor server owns {paths().home}")
+        console.print(escape(f"no torpor server owns {paths().home}"))
         raise typer.Exit(1)
     rt = Runtime(autostart=False)
     health = rt.health()
@@ -133,8 +134,8 @@ def status(
         return
     table = Table(show_header=False)
     table.add_row("pid", str(health["pid"]))
-    table.add_row("home", str(health["home"]))
-    table.add_row("socket", str(paths().socket))
+    table.add_row("home", escape(str(health["home"])))
+    table.add_row("socket", escape(str(paths().socket)))
     table.add_row("version", str(health["version"]))
     table.add_row("sandboxes", str(len(Sandbox.list(runtime=rt))))
     console.print(table)

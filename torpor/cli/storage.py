@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from torpor.cli.output import AsJson, Quiet, emit, table
 from torpor.client import Drive, Sandbox, Snapshot, Volume
@@ -147,7 +148,7 @@ def snapshot_fork(
 def snapshot_rm(snapshot: Annotated[str, typer.Argument(help="snapshot id or name")]) -> None:
     """Delete a snapshot (space comes back at the next gc). Example: torpor snapshot rm s1"""
     Snapshot.get(snapshot).delete()
-    console.print(f"deleted {snapshot}")
+    console.print(escape(f"deleted {snapshot}"))
 
 
 # -- volumes and drives ----------------------------------------------------------------------
@@ -215,7 +216,7 @@ def volume_ls(label: LabelFilter = None, as_json: AsJson = False, quiet: Quiet =
 def volume_rm(volume: Annotated[str, typer.Argument(help="volume id or name")]) -> None:
     """Delete a volume and its data. Example: torpor volume rm memory-u-42"""
     Volume.get(volume).delete()
-    console.print(f"deleted {volume}")
+    console.print(escape(f"deleted {volume}"))
 
 
 @drive_app.command("create")
@@ -266,7 +267,7 @@ def drive_ls(label: LabelFilter = None, as_json: AsJson = False, quiet: Quiet = 
 def drive_rm(drive: Annotated[str, typer.Argument(help="drive id or name")]) -> None:
     """Delete a drive and its files. Example: torpor drive rm research"""
     Drive.get(drive).delete()
-    console.print(f"deleted {drive}")
+    console.print(escape(f"deleted {drive}"))
 
 
 # -- gc --------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from torpor.cli.output import AsJson, Quiet, emit
 from torpor.sandbox import template as templates
@@ -55,15 +57,15 @@ def build(
         task = bar.add_task("starting", step="build")
 
         def progress(step: str, detail: str) -> None:
-            bar.update(task, description=detail, step=step)
-            bar.console.log(f"{step}: {detail}")
+            bar.update(task, description=escape(detail), step=escape(step))
+            bar.console.log(Text(f"{step}: {detail}"))
 
         # no --apt/--pip: the template's own recipe (a rebuild keeps what it was built with)
         info = templates.build(name, apt=apt, pip=pip, force=force, progress=progress)
-        bar.update(task, description=f"ready ({info.build_id})", step="done")
+        bar.update(task, description=escape(f"ready ({info.build_id})"), step="done")
     console.print(
-        f"template [bold]{info.name}[/] ready: accel {info.accel}, "
-        f"{info.memory_mib} MiB, snapshot {info.snapshot_dir}"
+        f"template [bold]{escape(info.name)}[/] ready: accel {escape(info.accel)}, "
+        f"{info.memory_mib} MiB, snapshot {escape(str(info.snapshot_dir))}"
     )
 
 
@@ -87,13 +89,18 @@ def ls(as_json: AsJson = False, quiet: Quiet = False) -> None:
     table = Table("name", "build", "accel", "memory", "apt", "pip", "created")
     for info in found:
         table.add_row(
-            info.name,
-            info.build_id,
-            info.accel,
-            f"{info.memory_mib} MiB",
-            " ".join(info.apt),
-            " ".join(info.pip),
-            info.created_at,
+            *(
+                Text(cell)
+                for cell in (
+                    info.name,
+                    info.build_id,
+                    info.accel,
+                    f"{info.memory_mib} MiB",
+                    " ".join(info.apt),
+                    " ".join(info.pip),
+                    info.created_at,
+                )
+            )
         )
     console.print(table)
 
@@ -107,7 +114,7 @@ def rm(name: Annotated[str, typer.Argument(help="template name")]) -> None:
         torpor template rm data
     """
     templates.remove(name)
-    console.print(f"removed template [bold]{name}[/]")
+    console.print(f"removed template [bold]{escape(name)}[/]")
 
 
 def register(app: typer.Typer) -> None:

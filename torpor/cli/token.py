@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:
     from torpor.client import Runtime
@@ -113,7 +114,8 @@ def ls(
             else ",".join(f"{k}={v}" for k, v in r.sandboxes.items()) or "all"
         )
         state = "revoked" if r.revoked else (f"until {r.expires_at}" if r.expires_at else "live")
-        table.add_row(r.id, r.tenant, r.name, grants, boxes, "yes" if r.admin else "", state)
+        cells = (r.id, r.tenant, r.name, grants, boxes, "yes" if r.admin else "", state)
+        table.add_row(*(Text(cell) for cell in cells))
     console.print(table)
 
 

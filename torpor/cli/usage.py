@@ -18,7 +18,9 @@ from typing import Annotated, TextIO
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from torpor.client import Sandbox, Snapshot
 from torpor.client.runtime import default_runtime
@@ -107,14 +109,14 @@ def _render(report: UsageReport) -> None:
         "snap. GB-mo",
         "volume GiB-h",
         "cost",
-        title=title,
+        title=escape(title),
     )
     for line in [*report.lines, report.total]:
         key = "TOTAL" if line is report.total else (line.key or "-")
         if line.name and line.name != key:
             key = f"{key} ({line.name})"
         table.add_row(
-            key,
+            Text(key),
             str(line.sandboxes),
             f"{line.cpu_hours:,.2f} / {line.vcpu_hours:,.2f}",
             f"{line.ram_gib_hours:,.2f}",
@@ -144,8 +146,8 @@ def _render(report: UsageReport) -> None:
         )
         for item in report.retention:
             kept.add_row(
-                item.kind,
-                item.name,
+                Text(item.kind),
+                Text(item.name),
                 f"{item.bytes / 1e9:,.3f}",
                 str(item.retention_days),
                 f"{item.expires_at:%Y-%m-%d %H:%M}",
@@ -192,7 +194,7 @@ def sandbox_retention(
     info = Sandbox.get(name).set_retention(days)
     when = "its next pause" if info.expires_at is None else f"{info.expires_at:%Y-%m-%d %H:%M} UTC"
     console.print(
-        f"{info.id} ({info.name}): pause kept {days} days; deleted at {when} unless woken"
+        escape(f"{info.id} ({info.name}): pause kept {days} days; deleted at {when} unless woken")
     )
 
 
@@ -206,7 +208,10 @@ def snapshot_retention(
     """
     info = Snapshot.get(snapshot).set_retention(days)
     console.print(
-        f"{info.id} ({info.name}): kept {days} days; expires {info.expires_at:%Y-%m-%d %H:%M} UTC"
+        escape(
+            f"{info.id} ({info.name}): kept {days} days; "
+            f"expires {info.expires_at:%Y-%m-%d %H:%M} UTC"
+        )
     )
 
 
