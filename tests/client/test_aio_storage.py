@@ -173,8 +173,8 @@ class _Files:
     async def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
-    async def read_text(self, path: str) -> str:
-        return Path(path).read_text()
+    async def read(self, path: str) -> bytes:
+        return Path(path).read_bytes()
 
 
 class LocalAsyncSandbox:

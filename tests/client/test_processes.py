@@ -34,8 +34,8 @@ class _Files:
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
-    def read_text(self, path: str) -> str:
-        return Path(path).read_text()
+    def read(self, path: str) -> bytes:
+        return Path(path).read_bytes()
 
 
 class LocalSandbox:
@@ -138,3 +138,10 @@ def test_what_other_guest_processes_leave_in_the_directory_is_no_raw_error(
         p.exit_code()
     with pytest.raises(GuestError):
         p.wait(timeout=10)
+
+
+def test_output_that_is_not_utf8_is_read_with_replacement_characters(sbx: Any) -> None:
+    # A guest program's output is any bytes: wait() and output() raised UnicodeDecodeError.
+    p = start(sbx, "printf 'a\\377b'; printf '\\303' >&2")
+    result = p.wait(timeout=10)
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "a\ufffdb", "\ufffd")

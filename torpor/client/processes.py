@@ -39,7 +39,7 @@ class _Commands(Protocol):
 class _Files(Protocol):
     def exists(self, path: str) -> bool: ...
 
-    def read_text(self, path: str) -> str: ...
+    def read(self, path: str) -> bytes: ...
 
 
 class Sandbox(Protocol):
@@ -59,7 +59,7 @@ class _AsyncCommands(Protocol):
 class _AsyncFiles(Protocol):
     async def exists(self, path: str) -> bool: ...
 
-    async def read_text(self, path: str) -> str: ...
+    async def read(self, path: str) -> bytes: ...
 
 
 class AsyncSandbox(Protocol):
@@ -217,9 +217,14 @@ class _Scripts:
     def forget(self) -> str:
         return f'rm -rf "$(readlink -f {self.dir})" {self.dir}'
 
-    def output(self, code: int | None, stdout: str, stderr: str) -> CommandResult:
+    def output(self, code: int | None, stdout: bytes, stderr: bytes) -> CommandResult:
+        """The result of the files' bytes (a program prints any bytes: what is not UTF-8
+        reads as U+FFFD, as in a command's output)."""
         return CommandResult(
-            exit_code=-1 if code is None else code, stdout=stdout, stderr=stderr, pid=self.pid
+            exit_code=-1 if code is None else code,
+            stdout=stdout.decode("utf-8", "replace"),
+            stderr=stderr.decode("utf-8", "replace"),
+            pid=self.pid,
         )
 
 
@@ -268,9 +273,7 @@ class ProcessHandle:
         self._check()
         code = self.exit_code()
         files, d = self._sbx.files, self._scripts.dir
-        return self._scripts.output(
-            code, files.read_text(f"{d}/stdout"), files.read_text(f"{d}/stderr")
-        )
+        return self._scripts.output(code, files.read(f"{d}/stdout"), files.read(f"{d}/stderr"))
 
     def wait(self, timeout: float | None = 60.0) -> CommandResult:
         """Wait until it exits; its whole output and exit code. Raises OperationTimeout after
@@ -346,7 +349,7 @@ class AsyncProcessHandle:
         code = await self.exit_code()
         files, d = self._sbx.files, self._scripts.dir
         return self._scripts.output(
-            code, await files.read_text(f"{d}/stdout"), await files.read_text(f"{d}/stderr")
+            code, await files.read(f"{d}/stdout"), await files.read(f"{d}/stderr")
         )
 
     async def wait(self, timeout: float | None = 60.0) -> CommandResult:
