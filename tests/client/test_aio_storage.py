@@ -206,6 +206,7 @@ def test_async_process_handle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             p.pid
         ]
         assert await p.read_from(4) == "hello $HOME\n"
+        assert await p.read_bytes_from(4, 5) == b"hello"
 
         slow = await processes.start_async(sbx, "sleep 300")
         with pytest.raises(OperationTimeout):

@@ -145,3 +145,26 @@ def test_output_that_is_not_utf8_is_read_with_replacement_characters(sbx: Any) -
     p = start(sbx, "printf 'a\\377b'; printf '\\303' >&2")
     result = p.wait(timeout=10)
     assert (result.exit_code, result.stdout, result.stderr) == (0, "a\ufffdb", "\ufffd")
+
+
+class _ReplacingCommands(_Commands):
+    """Output decoded as the server decodes it: bytes that are not UTF-8 become U+FFFD."""
+
+    def run(self, cmd: str, *, timeout: float | None = None) -> CommandResult:
+        done = subprocess.run(
+            ["sh", "-c", cmd], capture_output=True, text=True, errors="replace", timeout=timeout
+        )
+        return CommandResult(exit_code=done.returncode, stdout=done.stdout, stderr=done.stderr)
+
+
+def test_a_shell_session_loses_nothing_after_bytes_that_are_not_utf8(sbx: Any) -> None:
+    # Each invalid byte came back as U+FFFD (3 bytes in UTF-8): the session counted those
+    # and skipped as many bytes of what the shell printed next.
+    from torpor.cli.sandbox import shell_session
+
+    sbx.commands = _ReplacingCommands()
+    out: list[str] = []
+    lines = ["printf 'a\\377\\377\\377\\377\\303'", "sleep 1", "echo after-the-bytes"]
+    assert shell_session(sbx, lines, out.append, poll=0.05) == 0
+    text = "".join(out)
+    assert "after-the-bytes\n" in text and text.count("\ufffd") == 5

@@ -7,6 +7,7 @@ SDK's model as JSON) or ``-q`` (ids only). The JSON shapes are listed in ``docs/
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import shlex
@@ -39,6 +40,9 @@ Name = Annotated[str, typer.Argument(help="id or name")]
 TIMEOUT_EXIT = 124
 
 _FMT = "%Y-%m-%d %H:%M:%S"
+
+#: the most output :func:`shell_session` reads in one call
+_FOLLOW_CHUNK = 1 << 20
 
 
 def _labels(info: SandboxInfo) -> str:
@@ -352,21 +356,28 @@ def shell_session(
     sbx: Any, lines: Iterable[str], write: Callable[[str], object], *, poll: float = 0.2
 ) -> int:
     """Run ``sh -i`` in ``sbx`` as a background process: each of ``lines`` goes to its stdin,
-    its output (stdout and stderr together) to ``write`` as it comes. At the end of ``lines``
-    the shell gets ``exit``; returns its exit code."""
+    its output (stdout and stderr together) to ``write`` as it comes (what is not UTF-8 as
+    U+FFFD). At the end of ``lines`` the shell gets ``exit``; returns its exit code."""
     proc = start_process(sbx, "exec sh -i 2>&1")
-    seen = 0
     stop = threading.Event()
 
     def follow() -> None:
-        nonlocal seen
+        seen = 0  # bytes read: the offset of the next read
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
         while True:
             done = stop.is_set()
-            text = proc.read_from(seen)
-            if text:
-                seen += len(text.encode())
-                write(text)
+            while True:
+                chunk = proc.read_bytes_from(seen, _FOLLOW_CHUNK)
+                seen += len(chunk)
+                text = decoder.decode(chunk)
+                if text:
+                    write(text)
+                if len(chunk) < _FOLLOW_CHUNK:
+                    break
             if done:
+                rest = decoder.decode(b"", final=True)
+                if rest:
+                    write(rest)
                 return
             stop.wait(poll)
 

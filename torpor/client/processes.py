@@ -166,6 +166,15 @@ def _is_number(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+def _chunk(text: str) -> bytes:
+    """What :meth:`_Scripts.read_bytes_from` printed (base64) as bytes. Raises GuestError if
+    it is not base64."""
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except binascii.Error:
+        raise GuestError(f"the guest gave {text.strip()[:80]!r} for a chunk of output") from None
+
+
 def _number(text: str, what: str) -> int:
     """``text`` (what a guest script printed) as an int. Raises GuestError if it is none."""
     if not _is_number(text.strip()):
@@ -213,6 +222,9 @@ class _Scripts:
 
     def read_from(self, offset: int) -> str:
         return f"tail -c +{int(offset) + 1} {self.dir}/stdout"
+
+    def read_bytes_from(self, offset: int, limit: int) -> str:
+        return f"tail -c +{int(offset) + 1} {self.dir}/stdout | head -c {int(limit)} | base64"
 
     def forget(self) -> str:
         return f'rm -rf "$(readlink -f {self.dir})" {self.dir}'
@@ -299,6 +311,13 @@ class ProcessHandle:
         """What it wrote to stdout from byte ``offset`` on (for following its output)."""
         return self._sbx.commands.run(self._scripts.read_from(offset), timeout=_QUICK).stdout
 
+    def read_bytes_from(self, offset: int, limit: int = 1 << 20) -> bytes:
+        """At most ``limit`` bytes of its stdout from byte ``offset`` on, as written: to follow
+        output that may not be UTF-8 (:meth:`read_from` decodes it, so its length in bytes
+        says nothing of the offset to read from next). Raises GuestError."""
+        script = self._scripts.read_bytes_from(offset, limit)
+        return _chunk(self._sbx.commands.run(script, timeout=_QUICK).stdout)
+
     def forget(self) -> None:
         """Remove its files from the guest (kill it first if it should stop)."""
         self._sbx.commands.run(self._scripts.forget(), timeout=_QUICK)
@@ -377,6 +396,11 @@ class AsyncProcessHandle:
         return (
             await self._sbx.commands.run(self._scripts.read_from(offset), timeout=_QUICK)
         ).stdout
+
+    async def read_bytes_from(self, offset: int, limit: int = 1 << 20) -> bytes:
+        """As :meth:`ProcessHandle.read_bytes_from`."""
+        script = self._scripts.read_bytes_from(offset, limit)
+        return _chunk((await self._sbx.commands.run(script, timeout=_QUICK)).stdout)
 
     async def forget(self) -> None:
         """As :meth:`ProcessHandle.forget`."""
