@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 import threading
 import time
@@ -418,3 +419,28 @@ def test_labels_with_brackets_are_printed_as_written(
         r = cli(capsys, *args)
         assert r.code == 0, (args, r.err)
         assert "tier=[pro]" in r.out and "note=[/]" in r.out, args
+
+
+def test_server_status_shows_the_local_server_whatever_torpor_url_says(
+    home: Home,
+    tcp_served: tuple[object, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `server status` checked the local pid file but asked $TORPOR_URL's server the rest:
+    # one status of two servers (the remote's home, tenant and sandboxes under a local pid).
+    import fcntl
+
+    Sandbox.create(name="here")
+    pid_file = paths(home.path).server_pid
+    with open(pid_file, "w") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        held.write(f"{os.getpid()}\n")
+        held.flush()
+        monkeypatch.setenv("TORPOR_URL", tcp_served[1])
+        monkeypatch.setenv("TORPOR_TOKEN", "a" * 32)
+        r = cli(capsys, "server", "status", "--json")
+    assert r.code == 0, r.err
+    status = r.json()
+    assert isinstance(status, dict)
+    assert (status["home"], status["tenant"], status["sandboxes"]) == (str(home.path), "default", 1)

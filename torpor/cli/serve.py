@@ -111,9 +111,11 @@ def serve(
 
 @server_app.command("status")
 def status(
+    ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Show whether the local server runs, its pid, home and sandboxes.
+    """Show whether the local server runs, its pid, home and sandboxes (the server of
+    $TORPOR_HOME, whatever $TORPOR_URL says).
 
     Example: torpor server status
     """
@@ -124,7 +126,8 @@ def status(
     if pid is None:
         console.print(escape(f"no torpor server owns {paths().home}"))
         raise typer.Exit(1)
-    rt = Runtime(autostart=False)
+    rt = Runtime(home=paths().home, autostart=False)  # a home: not $TORPOR_URL's server
+    ctx.call_on_close(rt.close)
     health = rt.health()
     if as_json:
         from torpor.cli.output import emit
