@@ -444,3 +444,18 @@ def test_server_status_shows_the_local_server_whatever_torpor_url_says(
     status = r.json()
     assert isinstance(status, dict)
     assert (status["home"], status["tenant"], status["sandboxes"]) == (str(home.path), "default", 1)
+
+
+def test_token_commands_act_as_the_token_given_on_the_local_server(
+    home: Home, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without --url, --token (or $TORPOR_TOKEN) was dropped: the command ran as the home's
+    # owner, in tenant default, rather than as the (narrower) token it was given.
+    admin = home.runtime.tokens.create(tenant="acme", grants=[("write", "")], admin=True)
+    made = cli(capsys, "token", "create", "--write", "app/a", "--token", admin.token, "--json")
+    assert made.code == 0, made.err
+    new = made.json()
+    assert isinstance(new, dict) and new["info"]["tenant"] == "acme"
+    monkeypatch.setenv("TORPOR_TOKEN", admin.token)
+    listed = cli(capsys, "token", "ls", "--json").json()
+    assert isinstance(listed, list) and {t["tenant"] for t in listed} == {"acme"}

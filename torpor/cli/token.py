@@ -1,8 +1,9 @@
 """``torpor token create|ls|revoke``: the server's tokens, one identity for both layers.
 
 Each command is one call on :attr:`Runtime.tokens <torpor.client.Runtime.tokens>`: against the
-local server (the home's owner, who may manage any tenant's tokens) or, with ``--url`` and
-``--token`` (or ``$TORPOR_URL`` / ``$TORPOR_TOKEN``), a remote one with an admin token::
+local server (as the home's owner, who may manage any tenant's tokens, unless ``--token`` or
+``$TORPOR_TOKEN`` names an admin token to act as) or, with ``--url`` and ``--token`` (or
+``$TORPOR_URL`` / ``$TORPOR_TOKEN``), a remote one with an admin token::
 
     torpor token create --tenant acme --write app/support/user/u-42 --label user=u-42
     torpor token ls --tenant acme
@@ -40,9 +41,11 @@ AsJson = Annotated[bool, typer.Option("--json", help="print JSON")]
 
 
 def _runtime(url: str | None, token: str | None) -> Runtime:
+    """The server at ``url``, else the local one; as ``token`` when one is given (on the
+    local server too: the home's owner only without one)."""
     from torpor.client import Runtime
 
-    return Runtime(url=url, token=token) if url else Runtime()
+    return Runtime(url=url or None, token=token or None)
 
 
 @app.command("create")
