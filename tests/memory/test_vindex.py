@@ -73,3 +73,27 @@ def test_ivf_tail_filters_and_deletion(ivf_store: SQLiteTenantStore) -> None:
     got = ivf_store.vector_search(vecs[5].tolist(), _flt(), 3)
     assert recs[5].id not in {r.id for r, _ in got}
     assert ivf_store.vector_search(vecs[6].tolist(), _flt(), 1)[0][0].id == recs[6].id
+
+
+def test_a_record_forgotten_by_another_connection_mid_refresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process (its own connection) forgetting a record while the index reads the
+    new rows and then their vectors: the refresh sees one database state, no KeyError."""
+    mine = SQLiteTenantStore("t", tmp_path / "t.db")
+    other = SQLiteTenantStore("t", tmp_path / "t.db")
+    kept, gone = mine.add(_facts(2), [[1.0] + [0.0] * (DIM - 1), [0.0, 1.0] + [0.0] * (DIM - 2)])
+    load = VectorIndex._load_vectors
+
+    def forgetting_first(conn: object, rids: np.ndarray) -> np.ndarray:
+        other.forget([gone.id])  # committed between the index's two reads
+        return load(conn, rids)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(VectorIndex, "_load_vectors", staticmethod(forgetting_first))
+    query = [1.0] + [0.0] * (DIM - 1)
+    got = mine.vector_search(query, _flt(), 5)
+    assert got[0][0].id == kept.id
+    monkeypatch.setattr(VectorIndex, "_load_vectors", staticmethod(load))
+    assert [r.id for r, _ in mine.vector_search(query, _flt(), 5)] == [kept.id]
+    mine.close()
+    other.close()

@@ -150,6 +150,17 @@ class Conn:
                 raise translate(exc, self.path, what) from exc
 
     @contextmanager
+    def snapshot(self, what: str) -> Iterator[sqlite3.Connection]:
+        """As :meth:`read`, in one read transaction: every statement sees the same database
+        state, even while another connection (another process) commits writes."""
+        with self.read(what) as conn:
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                conn.execute("COMMIT")  # read only: it ends the transaction, nothing else
+
+    @contextmanager
     def write(self, what: str) -> Iterator[sqlite3.Connection]:
         with self.lock:
             conn = self._live()

@@ -488,7 +488,9 @@ class SQLiteTenantStore(TenantStore):
             return []
         where, params = schema.filter_sql(flt)
         want = limit * 2 + 8  # widened below when the SQL re-check drops candidates
-        with self._db.read("vector search") as conn:
+        # one database state: the index reads the rows, then their vectors, then the rows
+        # again; a record another process forgets in between must not be half-seen
+        with self._db.snapshot("vector search") as conn:
             token = (conn.execute("PRAGMA data_version").fetchone()[0], self._db.writes)
             while True:
                 cands = self._index.candidates(conn, token, vector, flt, want)
