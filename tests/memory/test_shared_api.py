@@ -162,6 +162,24 @@ def test_bad_input_is_typed_and_writes_nothing(api: Api, bad: Any) -> None:
     assert u.get_profile() == {}
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda u: u.recall("cat", session="\ud800"), id="surrogate-session"),
+        pytest.param(lambda u: u.recall("cat", session=["s"]), id="session-list"),
+        pytest.param(lambda u: u.recall("cat", min_similarity="high"), id="floor-text"),
+        pytest.param(lambda u: u.recall("cat", min_similarity=float("nan")), id="floor-nan"),
+    ],
+)
+def test_recalls_session_and_floor_are_checked(hapi: Api, bad: Any) -> None:
+    """A session or a vector floor recall cannot use is InvalidArgument (with vectors: the
+    floor is the vector side's), not a raw encoding or type error."""
+    u: Any = hapi.mem.scope(app="a", user="u")
+    u.remember("the cat sat on the mat")
+    with pytest.raises(InvalidArgument):
+        bad(u)
+
+
 def test_bad_scope_names(api: Api) -> None:
     m: Any = api.mem
     with pytest.raises(InvalidArgument):

@@ -8,6 +8,7 @@ written.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -231,7 +232,8 @@ class ScopedMemory:
 
         Current facts only, unless ``include_history`` or ``as_of`` (what was valid then).
         ``since``, ``until`` and ``as_of`` take a datetime or an ISO 8601 string; a time
-        without an offset (naive datetime, ``"2024-03-15"``) is UTC.
+        without an offset (naive datetime, ``"2024-03-15"``) is UTC. ``session``: that
+        session's turns only; ``min_similarity``: this query's vector floor (a finite number).
         Raises :class:`InvalidArgument`, :class:`AccessDenied`, :class:`StorageError`.
         """
         check.text(query, "query")
@@ -246,6 +248,12 @@ class ScopedMemory:
         )
         if not all(k in ("fact", "episode") for k in kinds):
             raise InvalidArgument(f"kind must be 'fact' or 'episode', not {kind!r}")
+        if min_similarity is not None and (
+            not isinstance(min_similarity, int | float)
+            or isinstance(min_similarity, bool)
+            or not math.isfinite(min_similarity)
+        ):
+            raise InvalidArgument(f"min_similarity must be a number, not {min_similarity!r}")
         flt = self._filter(
             now_us(),
             kinds=kinds,
@@ -254,7 +262,7 @@ class ScopedMemory:
             until=check.time(until, "until"),
             as_of=check.time(as_of, "as_of"),
             include_history=include_history,
-            session=session,
+            session=None if session is None else check.text(session, "session"),
         )
         return _recall(
             self.memory.store,
