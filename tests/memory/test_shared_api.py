@@ -147,6 +147,8 @@ def test_batched_writes(hapi: Api) -> None:
         pytest.param(lambda u: u.recall(""), id="query"),
         pytest.param(lambda u: u.recall("x", kind="note"), id="kind"),
         pytest.param(lambda u: u.recall("x", k=-1), id="k"),
+        pytest.param(lambda u: u.recall("x", k=10**30), id="k-huge"),
+        pytest.param(lambda u: u.context("x", k_facts=10**10), id="k-facts-huge"),
         pytest.param(lambda u: u.context("x", budget_tokens=0), id="budget"),
         pytest.param(lambda u: u.remember("bad \ud800 text"), id="lone-surrogate"),
         pytest.param(lambda u: u.recall("where \ud800"), id="surrogate-query"),

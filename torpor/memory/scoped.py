@@ -211,6 +211,10 @@ class ScopedMemory:
         return [e for e in self._add(episodes) if isinstance(e, Episode)]
 
     # -- reads ------------------------------------------------------------------------------
+    #: the most hits :meth:`recall` is asked for (as many as the default record quota holds;
+    #: each search reaches three times ``k`` deep, and PostgreSQL's limits are 32-bit)
+    MAX_K = 1_000_000
+
     def recall(
         self,
         query: str,
@@ -228,7 +232,8 @@ class ScopedMemory:
         """The ``k`` best records for ``query`` from this scope and its ancestors, as the
         memory's ranking orders them: by default most specific scope first, then relevance,
         then recency (see :mod:`torpor.memory.recall`). Each search reaches three times ``k``
-        deep (at least 30), so asking for more than 10 can also change the first few.
+        deep (at least 30), so asking for more than 10 can also change the first few; ``k``
+        is at most :attr:`MAX_K`.
 
         Current facts only, unless ``include_history`` or ``as_of`` (what was valid then).
         ``since``, ``until`` and ``as_of`` take a datetime or an ISO 8601 string; a time
@@ -237,8 +242,8 @@ class ScopedMemory:
         Raises :class:`InvalidArgument`, :class:`AccessDenied`, :class:`StorageError`.
         """
         check.text(query, "query")
-        if not isinstance(k, int) or k < 0:
-            raise InvalidArgument("k must be a non-negative integer")
+        if not isinstance(k, int) or not 0 <= k <= self.MAX_K:
+            raise InvalidArgument(f"k must be an integer from 0 to {self.MAX_K}, not {k!r}")
         if kind is not None and not isinstance(kind, str | list | tuple):
             raise InvalidArgument(f"kind must be 'fact', 'episode' or a list of them, not {kind!r}")
         kinds: tuple[Kind, ...] = (
