@@ -539,6 +539,28 @@ def test_closed_backend_and_unreachable_server_raise_storage_error(
         reopened.close()
 
 
+def test_an_open_refused_for_its_tenant_key_leaves_no_connection_open(
+    pg_cluster: PgCluster, pg_database: str
+) -> None:
+    PostgresBackend(pg_cluster.admin_dsn(pg_database)).close()  # migrated
+
+    def sessions() -> int:
+        with psycopg.connect(pg_cluster.admin_dsn(pg_database)) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid()"
+            ).fetchone()
+        return int(row[0]) if row else -1
+
+    before = sessions()
+    errors = []
+    for _ in range(3):  # the errors are kept, as a caller that logs them later would
+        with pytest.raises(StorageError, match="tenant proof") as caught:
+            PostgresBackend(pg_cluster.admin_dsn(pg_database), tenant_key="ab" * 128)
+        errors.append(caught.value)
+    assert sessions() == before
+
+
 def test_tokens_are_found_across_tenants_and_revoked_in_theirs(backend: PostgresBackend) -> None:
     from torpor.memory.models import Grant, TokenInfo
 

@@ -136,7 +136,11 @@ class PostgresBackend(MemoryBackend):
         self._check_app_role()
         self._keys = self._load_keys(tenant_key or os.environ.get(KEY_ENV) or None)
         self._pool: Pool | None = make_pool(dsn, pool_size)
-        self._check_proof()
+        try:
+            self._check_proof()
+        except BaseException:
+            self.close()  # nobody else can: the caller never gets this backend
+            raise
 
     # -- the tenant proof -----------------------------------------------------------------
     @property
