@@ -232,6 +232,36 @@ def test_import_keeps_ids_and_skips_existing(store: TenantStore) -> None:
     assert len(store.scan(flt(key="k"), 10)) == 1
 
 
+def test_the_same_import_twice_at_once_imports_each_record_once(store: TenantStore) -> None:
+    # e.g. a client that timed out retrying an import the server is still running
+    import threading
+
+    def twice(records: list[Episode]) -> tuple[list[int], list[Exception]]:
+        gate = threading.Barrier(2)
+        counts: list[int] = []
+        errors: list[Exception] = []
+
+        def run() -> None:
+            gate.wait()
+            try:
+                counts.append(store.import_records(records))
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return counts, errors
+
+    for _ in range(3):
+        counts, errors = twice([episode(f"turn {i}") for i in range(200)])
+        assert errors == [] and sum(counts) == 200
+    assert store.count(flt()) == 600
+    assert store.record_count() == 600
+
+
 def test_scan_matches_reference_filter(store: TenantStore) -> None:
     rnd = random.Random(7)
     scopes = ["", "app/a", U, "app/b", "app/a/user/v"]

@@ -209,8 +209,12 @@ class PostgresTenantStore(TenantStore):
                         rec = rec.model_copy(
                             update={"valid_to": from_us(int(row[1])), "superseded_by": row[0]}
                         )
-                self._insert(cur, [self._row(rec, None if vectors is None else vectors[i])])
-                inserted += 1
+                # a concurrent import of the same record wins: this one skips it, as above
+                cur.execute(
+                    schema.INSERT_SQL + " ON CONFLICT (tenant_id, id) DO NOTHING",
+                    self._row(rec, None if vectors is None else vectors[i]),
+                )
+                inserted += max(cur.rowcount, 0)
             self._check_quota(cur, quota, inserted)
         self._backend.note_dims(vectors)
         return inserted
