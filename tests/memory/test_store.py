@@ -120,6 +120,14 @@ def test_lexical_search_ranks_and_filters(store: TenantStore) -> None:
     assert store.lexical_search(['"', "OR", "NEAR("], flt(), 10) == []
 
 
+def test_lexical_search_takes_a_limit_past_any_count(store: TenantStore) -> None:
+    # recall(k=2**28) asks for 6k lexical matches; nothing bounds k but the store's size
+    store.add([fact("the cat sat on the mat"), episode("cat food order")])
+    for limit in (2**28, 2**29, 2**40):
+        hits = store.lexical_search(["cat"], flt(), limit)
+        assert sorted(r.text for r, _ in hits) == ["cat food order", "the cat sat on the mat"]
+
+
 def test_metadata_filters(store: TenantStore) -> None:
     store.add(
         [

@@ -38,6 +38,8 @@ __all__ = ["PostgresTenantStore", "Transactions", "vec_text"]
 _RCOLS = ", ".join(f"r.{c}" for c in schema.COLUMNS.split(", "))
 _T = schema.TENANT
 _PROFILE_COLS = "scope, data, json_schema, updated_at, version"
+#: the most candidates ``lexical_candidates()`` takes (its limit is an ``integer``)
+_MAX_CANDIDATES = 2**31 - 1
 
 
 def vec_text(vector: Vector) -> str:
@@ -364,7 +366,7 @@ class PostgresTenantStore(TenantStore):
         tsq = " || ".join(["plainto_tsquery('torpor.english', %s)"] * len(terms))
         where, params = schema.filter_sql(flt)
         scopes = list(flt.scopes)
-        want = limit * 4 + 16
+        want = min(limit * 4 + 16, _MAX_CANDIDATES)
         with self._tx("lexical search") as cur:
             # candidates come ranked from the GIN index (see _pg_schema v4); the filter may
             # drop some (superseded, expired, other kinds): widen until enough or exhausted
@@ -382,9 +384,9 @@ class PostgresTenantStore(TenantStore):
                     f"SELECT count(*) FROM torpor.lexical_candidates({tsq}, %s, %s)",
                     [*terms, scopes, want],
                 ).fetchone()
-                if found is None or int(found[0]) < want:
+                if found is None or int(found[0]) < want or want == _MAX_CANDIDATES:
                     break
-                want *= 4
+                want = min(want * 4, _MAX_CANDIDATES)
         return [(schema.row_to_record(r), float(r[-1])) for r in rows]
 
     def vector_search(
