@@ -295,7 +295,7 @@ def test_migrates_from_an_older_version_keeping_data(
     backend = PostgresBackend(dsn)
     try:
         store = backend.tenant("acme")
-        assert store.schema_version() == schema.LATEST == 9
+        assert store.schema_version() == schema.LATEST == 10
         assert store.record_count() == 1  # v8 counted the rows it found
         hits = store.lexical_search(["plan"], _flt(), 5)
         assert [h[0].id for h in hits] == ["old1"]

@@ -120,6 +120,17 @@ def test_lexical_search_ranks_and_filters(store: TenantStore) -> None:
     assert store.lexical_search(['"', "OR", "NEAR("], flt(), 10) == []
 
 
+def test_lexical_ties_go_to_the_newest_matches(store: TenantStore) -> None:
+    # many equally relevant matches ("ok", "thanks" in a chat log): the newest come first,
+    # however many older ones the store holds
+    t0 = now_us() - 1_000_000
+    turns = [episode("ok thanks", valid_from=from_us(t0 + i)) for i in range(120)]
+    store.add(turns)
+    hits = store.lexical_search(["thanks"], flt(), 5)
+    assert len({s for _, s in hits}) == 1  # a tie
+    assert [r.id for r, _ in hits] == [t.id for t in turns[::-1][:5]]
+
+
 def test_lexical_search_takes_a_limit_past_any_count(store: TenantStore) -> None:
     # recall(k=2**28) asks for 6k lexical matches; nothing bounds k but the store's size
     store.add([fact("the cat sat on the mat"), episode("cat food order")])

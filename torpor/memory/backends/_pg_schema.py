@@ -40,6 +40,9 @@ transaction, under an advisory lock so that concurrent openers serialize.
   keys in ``torpor.tenant_keys``, which ``torpor_app`` cannot read. The cross-tenant functions
   (tenant list, whole audit log) move from ``torpor_app`` to the new role ``torpor_admin``;
   ``audit_append`` accepts only the proven tenant (or none). See :mod:`.postgres`.
+* v10: ``lexical_candidates()`` cuts its matches of equal rank at the newest (``seq``), as
+  the search that joins them back orders them and as SQLite does: it had kept an arbitrary
+  few, so the newest of many equally relevant records could be missing from a search.
 """
 
 from __future__ import annotations
@@ -404,6 +407,26 @@ GRANT EXECUTE ON FUNCTION torpor.tenant_names(), torpor.audit_recent(integer) TO
 """
 )
 
+_V10 = """
+CREATE OR REPLACE FUNCTION torpor.lexical_candidates(q tsquery, scopes text[], lim integer)
+    RETURNS TABLE (id text, rank real) LANGUAGE plpgsql STABLE SECURITY DEFINER
+    SET search_path = pg_catalog, torpor
+    AS $fn$
+DECLARE
+    t text := torpor.bound_tenant();
+BEGIN
+    IF t IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY EXECUTE
+        'SELECT r.id, ts_rank_cd(r.tsv, $1, 1) FROM torpor.records r '
+        'WHERE r.tenant_id = $4 AND r.scope = ANY($2) AND r.tsv @@ $1 '
+        'ORDER BY 2 DESC, r.seq DESC LIMIT $3'
+        USING q, scopes, lim, t;
+END
+$fn$;
+"""
+
 #: Migration steps; version N is MIGRATIONS[N - 1]. Append only, never edit a shipped step.
 MIGRATIONS: list[tuple[str, str]] = [
     ("tables and row-level security", _V1 + "".join(_rls(t) for t in _TENANT_TABLES) + _GRANTS),
@@ -415,6 +438,7 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("one identity: tokens with sandbox rights, admin, expiry", _V7),
     ("a record count per tenant for the memory-records quota", _V8),
     ("the tenant bound by a proof (a keyed hash) that torpor_app cannot make", _V9),
+    ("lexical candidates of equal rank: the newest", _V10),
 ]
 LATEST = len(MIGRATIONS)
 
