@@ -476,3 +476,21 @@ def test_a_metadata_filter_on_an_object_compares_values(store: TenantStore) -> N
         assert [r.text for r in store.scan(flt(metadata=wanted), 10)] == ["alpha"]
         assert store.count(flt(metadata=wanted)) == 1
     assert store.count(flt(metadata={"loc": {"city": "Oslo"}})) == 0
+
+
+def test_a_metadata_filter_on_an_integer_past_64_bits(store: TenantStore) -> None:
+    """JSON has integers of any size (PostgreSQL's jsonb compares them); SQLite could not bind
+    one past 64 bits as a parameter and raised a raw OverflowError (a 500 from the server)."""
+    store.add(
+        [
+            fact("big number", metadata={"n": 2**64}),
+            fact("small number", metadata={"n": 1}),
+            fact("negative number", metadata={"n": -(2**70)}),
+        ]
+    )
+    cases = {2**64: ["big number"], -(2**70): ["negative number"], 2**63: [], 1: ["small number"]}
+    for wanted, texts in cases.items():
+        only = flt(metadata={"n": wanted})
+        assert [r.text for r in store.scan(only, 10)] == texts
+        assert store.count(only) == len(texts)
+        assert [r.text for r, _ in store.lexical_search(["number"], only, 5)] == texts

@@ -189,7 +189,8 @@ def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
                 f"json_type({a}.metadata, ?) IN ('integer', 'real') "
                 f"AND json_extract({a}.metadata, ?) = ?"
             )
-            params += [path, path, v]
+            # sqlite3 binds 64-bit integers only; SQLite reads a larger JSON one as a real
+            params += [path, path, v if -(2**63) <= v < 2**63 else float(v)]
         elif isinstance(v, str):
             parts.append(
                 f"json_type({a}.metadata, ?) = 'text' AND json_extract({a}.metadata, ?) = ?"
