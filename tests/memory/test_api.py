@@ -569,3 +569,27 @@ def test_a_profile_merged_past_one_calls_limit_forks_and_imports(mem: Memory) ->
     w = mem.scope(app="a", user="w")
     w.import_(list(u.export_lines()))
     assert w.get_profile() == u.get_profile()
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        pytest.param({"app": "a"}, {"app": "b", "agent": "g"}, id="level-out-of-order"),
+        pytest.param({"app": "a"}, {"app": "b", "user": "w"}, id="level-twice"),
+        pytest.param({}, {"app": "x"}, id="the-root-under-an-app"),
+    ],
+)
+def test_an_import_that_would_put_a_record_at_no_scope_writes_nothing(
+    mem: Memory, source: dict[str, str], target: dict[str, str]
+) -> None:
+    """Re-rooting ``app/a/user/v`` onto ``app/b/agent/g`` made ``app/b/agent/g/user/v``, a
+    path no scope has: the record was stored there, unreachable, and every later export of
+    the tenant failed to import (and every fork of its root failed)."""
+    mem.scope(app="a", user="v").remember("hello from v")
+    src, dst = mem.scope(**source), mem.scope(**target)
+    with pytest.raises(InvalidArgument):
+        dst.import_(list(src.export_lines()))
+    with pytest.raises(InvalidArgument):
+        src.fork(**target)
+    assert [r.scope for r, _ in mem.store.iter_records("")] == ["app/a/user/v"]
+    assert mem.scope().import_(list(mem.scope().export_lines())) == 0  # still a good backup

@@ -548,7 +548,8 @@ class ScopedMemory:
 
     def import_(self, src: str | Path | IO[str] | Iterable[str]) -> int:
         """Load an export into this scope (re-rooted here). All or nothing. Returns records
-        inserted. Raises :class:`InvalidArgument` for a malformed file, :class:`QuotaExceeded`
+        inserted. Raises :class:`InvalidArgument` for a malformed file or one holding a scope
+        that has no place here (``app/a/user/v`` onto ``app/b/user/w``), :class:`QuotaExceeded`
         (nothing inserted) when the records would take the tenant over its quota."""
         self.memory.access.require("write", self.path, "import")
         if isinstance(src, (str, Path)):
@@ -563,7 +564,9 @@ class ScopedMemory:
 
     def fork(self, **levels: str) -> ScopedMemory:
         """Copy this scope subtree (records with history, profiles, policies) to a new scope
-        of the same tenant, e.g. ``u.fork(user="u-43")``; returns the new scope."""
+        of the same tenant, e.g. ``u.fork(user="u-43")``; returns the new scope. Raises
+        :class:`InvalidArgument` (nothing copied) when a scope of the subtree has no place
+        under the new one."""
         self.memory.access.require("read", self.path, "fork")
         target = (
             ScopedMemory(self.memory, Scope(tenant=self.scope.tenant, **levels)) if levels else self

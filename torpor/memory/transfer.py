@@ -156,17 +156,28 @@ def _vector(value: object) -> list[float] | None:
 
 
 def _move(path: str, old: str, new: str) -> str:
+    """``path`` (at ``old`` or below) moved onto ``new``. Raises :class:`InvalidArgument`
+    when the result is no scope path (``app/a/user/v`` from ``app/a`` onto ``app/b/agent/g``
+    or ``app/b/user/w``: a level out of order or twice)."""
     if not old:
         rest = path
     elif path == old:
         rest = ""
     else:
         rest = path[len(old) + 1 :]
-    return "/".join(p for p in (new, rest) if p)
+    moved = "/".join(p for p in (new, rest) if p)
+    try:
+        return canonical_path(moved)
+    except InvalidArgument:
+        raise InvalidArgument(
+            f"scope {path!r} of the export (of {old!r}) has no place under {new!r}: "
+            f"it would be {moved!r}"
+        ) from None
 
 
 def reroot(bundle: Bundle, new_prefix: str) -> Bundle:
-    """The bundle moved from its scope onto ``new_prefix`` (new ids if the scope changes)."""
+    """The bundle moved from its scope onto ``new_prefix`` (new ids if the scope changes).
+    Raises :class:`InvalidArgument` when a scope of the bundle has no place there."""
     if bundle.scope == new_prefix:
         return bundle
     ids = {r.id: new_id() for r in bundle.records}
