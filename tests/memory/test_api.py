@@ -593,3 +593,35 @@ def test_an_import_that_would_put_a_record_at_no_scope_writes_nothing(
         src.fork(**target)
     assert [r.scope for r, _ in mem.store.iter_records("")] == ["app/a/user/v"]
     assert mem.scope().import_(list(mem.scope().export_lines())) == 0  # still a good backup
+
+
+@pytest.mark.parametrize("when", ["0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"])
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        (1, "created_at"),
+        (1, "valid_from"),
+        (1, "valid_to"),
+        (1, "expires_at"),
+        (2, "updated_at"),
+    ],
+)
+def test_an_import_of_a_time_past_the_calendar_writes_nothing(
+    mem: Memory, line: int, field: str, when: str
+) -> None:
+    """A time that is in years 1-9999 as written but not in UTC was stored, and every later
+    read of the record (or profile) failed with a raw OverflowError: ``get_all``, recall,
+    export. It is refused as ``log(at=...)`` refuses it."""
+    u = mem.scope(app="a", user="u")
+    u.remember("hello world")
+    u.set_profile({"plan": "pro"})
+    lines = list(u.export_lines())
+    obj = json.loads(lines[line])
+    obj["record" if line == 1 else "profile"][field] = when
+    if line == 1:
+        obj["record"]["id"] = "ffffffffffffff0000000001"
+    with pytest.raises(InvalidArgument):
+        u.import_([lines[0], json.dumps(obj)])
+    assert [f.text for f in u.get_all().items] == ["hello world"]
+    assert u.get_profile() == {"plan": "pro"}
+    assert len(list(u.export_lines())) == 3

@@ -107,6 +107,7 @@ def parse_lines(lines: Iterable[str]) -> Bundle:
             elif kind == "profile":
                 profile = Profile.model_validate(obj["profile"])
                 _scope(profile.scope, bundle.scope)
+                check.time(profile.updated_at, "updated_at")
                 with contextlib.suppress(PayloadTooLarge):  # merges grow past one call's limit
                     check.metadata(profile.data, "profile")
                 bundle.profiles.append(profile)
@@ -132,8 +133,11 @@ def _scope(path: object, within: str) -> str:
 
 
 def _record(rec: AnyRecord, within: str) -> AnyRecord:
-    """``rec`` if it passes what :meth:`remember` and :meth:`log` check of their input."""
+    """``rec`` if it passes what :meth:`remember` and :meth:`log` check of their input (its
+    times too: within years 1-9999 in UTC, or every later read of it would fail)."""
     _scope(rec.scope, within)
+    for name in ("created_at", "valid_from", "valid_to", "expires_at"):
+        check.time(getattr(rec, name), name)
     check.text(rec.text)
     check.metadata(rec.metadata)
     if isinstance(rec, Fact):
