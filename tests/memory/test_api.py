@@ -625,3 +625,35 @@ def test_an_import_of_a_time_past_the_calendar_writes_nothing(
     assert [f.text for f in u.get_all().items] == ["hello world"]
     assert u.get_profile() == {"plan": "pro"}
     assert len(list(u.export_lines())) == 3
+
+
+@pytest.mark.parametrize(
+    ("line", "change"),
+    [
+        pytest.param(1, {"id": "\ud800abc"}, id="id-lone-surrogate"),
+        pytest.param(1, {"id": "abc\x00"}, id="id-nul"),
+        pytest.param(1, {"id": ""}, id="id-empty"),
+        pytest.param(1, {"id": ".."}, id="id-dot-dot"),
+        pytest.param(1, {"id": "a/b"}, id="id-slash"),
+        pytest.param(1, {"source_hash": "\ud800"}, id="source-hash-lone-surrogate"),
+        pytest.param(1, {"source": {"url": "https://example.com/\x00"}}, id="source-url-nul"),
+        pytest.param(2, {"session": "\ud800"}, id="session-lone-surrogate"),
+        pytest.param(2, {"session": "s\x00"}, id="session-nul"),
+    ],
+)
+def test_an_import_of_a_string_no_store_keeps_is_invalid(
+    mem: Memory, line: int, change: dict[str, object]
+) -> None:
+    """An id, session or source that no store can keep (a lone surrogate: SQLite raised a raw
+    UnicodeEncodeError, a 500 over HTTP; a NUL: stored on SQLite, a raw error on PostgreSQL),
+    or an id no URL can name (the SDK refuses to get or forget it) is InvalidArgument, as the
+    same value is to ``log`` and ``get``; nothing is written."""
+    u = mem.scope(app="a", user="u")
+    u.remember("hello world")
+    u.log("user", "a turn", session="s1")
+    lines = list(u.export_lines())
+    obj = json.loads(lines[line])
+    obj["record"].update({"id": "ffffffffffffff0000000001", **change})
+    with pytest.raises(InvalidArgument):
+        u.import_([lines[0], json.dumps(obj)])
+    assert sorted(r.text for r in u.get_all().items) == ["a turn", "hello world"]

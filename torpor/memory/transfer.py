@@ -138,12 +138,19 @@ def _record(rec: AnyRecord, within: str) -> AnyRecord:
     _scope(rec.scope, within)
     for name in ("created_at", "valid_from", "valid_to", "expires_at"):
         check.time(getattr(rec, name), name)
+    if rec.id in ("", ".", "..") or "/" in rec.id or not check.storable(rec.id):
+        raise ValueError(f"record id {rec.id!r} is no id a store keeps and a URL names")
     check.text(rec.text)
     check.metadata(rec.metadata)
     if isinstance(rec, Fact):
         check.key(rec.key)
+        cited = () if rec.source is None else rec.source.model_dump().values()
+        if not all(check.storable(v) for v in (rec.source_hash, *cited) if isinstance(v, str)):
+            raise ValueError("source must be valid UTF-8 without NUL characters")
     else:
         check.text(rec.role, "role")
+        if rec.session is not None:
+            check.text(rec.session, "session")
     return rec
 
 
