@@ -657,3 +657,12 @@ def test_an_import_of_a_string_no_store_keeps_is_invalid(
     with pytest.raises(InvalidArgument):
         u.import_([lines[0], json.dumps(obj)])
     assert sorted(r.text for r in u.get_all().items) == ["a turn", "hello world"]
+
+
+def test_an_import_line_nested_too_deep_is_invalid(mem: Memory) -> None:
+    """A line of 100,000 nested brackets raised json's raw RecursionError (a 500 over HTTP)
+    instead of naming the bad line."""
+    u = mem.scope(app="a", user="u")
+    header = next(iter(u.export_lines()))
+    with pytest.raises(InvalidArgument, match="line 2"):
+        u.import_([header, "[" * 100_000 + "]" * 100_000])

@@ -44,6 +44,9 @@ __all__ = ["FORMAT_VERSION", "Bundle", "export_lines", "parse_lines", "reroot"]
 
 FORMAT_VERSION = 1
 
+#: what reading a bad line raises (RecursionError: a line nested too deep for json)
+_BAD_LINE = (ValueError, KeyError, TypeError, RecursionError, ValidationError, InvalidArgument)
+
 
 def export_lines(store: TenantStore, prefix: str, embedding_model: str | None) -> Iterator[str]:
     """The JSONL lines of everything at ``prefix`` or below (expired records included: an
@@ -117,7 +120,7 @@ def parse_lines(lines: Iterable[str]) -> Bundle:
                 )
             else:
                 raise ValueError(f"unknown line type {kind!r}")
-        except (ValueError, KeyError, TypeError, ValidationError, InvalidArgument) as exc:
+        except _BAD_LINE as exc:
             raise InvalidArgument(f"import line {n}: {exc}") from None
     if not header:
         raise InvalidArgument("not a torpor memory export (no header line)")
