@@ -666,3 +666,22 @@ def test_an_import_line_nested_too_deep_is_invalid(mem: Memory) -> None:
     header = next(iter(u.export_lines()))
     with pytest.raises(InvalidArgument, match="line 2"):
         u.import_([header, "[" * 100_000 + "]" * 100_000])
+
+
+@pytest.mark.parametrize("bad", ["a\x00b", "\ud800"], ids=["nul", "lone-surrogate"])
+def test_an_import_whose_profile_schema_no_store_keeps_writes_nothing(
+    mem: Memory, bad: str
+) -> None:
+    """A profile's JSON schema holding a NUL was refused by PostgreSQL only after the
+    records of the import had been written: the import failed and half of it stayed. It is
+    refused before any write now, on every backend alike (as a NUL in the data is)."""
+    u = mem.scope(app="a", user="u")
+    u.remember("hello world")
+    u.set_profile({"plan": "pro"})
+    header, fact, profile = (json.loads(line) for line in u.export_lines())
+    fact["record"]["id"] = "ffffffffffffff0000000001"
+    profile["profile"]["json_schema"] = {"type": "object", "description": bad}
+    with pytest.raises(InvalidArgument):
+        u.import_([json.dumps(x) for x in (header, fact, profile)])
+    assert u.get_all().total == 1  # the fact of the import is not there
+    assert mem.store.get_profile(u.path).json_schema is None  # type: ignore[union-attr]

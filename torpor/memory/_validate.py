@@ -21,7 +21,7 @@ from torpor.config import LIMITS
 from torpor.errors import InvalidArgument, PayloadTooLarge, SchemaViolation
 from torpor.memory.models import MAX_SECONDS, Durability, Policy, SourceRef, to_us
 
-__all__ = ["expiry", "key", "metadata", "profile", "source", "text", "time", "ttl"]
+__all__ = ["expiry", "key", "metadata", "profile", "source", "storable_json", "text", "time", "ttl"]
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
 #: how deep metadata and profiles may nest (a JSON document, not a recursion bomb)
@@ -55,10 +55,11 @@ def _encodable(value: str, what: str) -> None:
         ) from None
 
 
-def _strings(value: object, what: str) -> None:
+def _strings(value: object, what: str, max_depth: int | None = MAX_DEPTH) -> None:
     """Check every string in a JSON-like value (keys included) and its depth, without
     recursion: no NUL (checked on the values, not on their JSON text: a literal
-    backslash-u-0000 string is text), no lone surrogate, at most :data:`MAX_DEPTH` levels."""
+    backslash-u-0000 string is text), no lone surrogate, at most ``max_depth`` levels (None:
+    any)."""
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
@@ -68,8 +69,8 @@ def _strings(value: object, what: str) -> None:
             _encodable(item, what)
             continue
         if isinstance(item, Mapping | list | tuple):
-            if depth >= MAX_DEPTH:
-                raise InvalidArgument(f"{what} nests deeper than {MAX_DEPTH} levels")
+            if max_depth is not None and depth >= max_depth:
+                raise InvalidArgument(f"{what} nests deeper than {max_depth} levels")
             children = [*item.keys(), *item.values()] if isinstance(item, Mapping) else item
             stack.extend((child, depth + 1) for child in children)
 
@@ -95,6 +96,12 @@ def metadata(metadata: Mapping[str, Any] | None, what: str = "metadata") -> dict
             f"{what} is {size} characters of JSON", size=size, limit=LIMITS.max_memory_text_chars
         )
     return out
+
+
+def storable_json(value: object, what: str) -> None:
+    """Raise :class:`InvalidArgument` when a JSON-like value holds a string (a key too) that
+    no store keeps (a NUL: PostgreSQL's JSON cannot; a lone surrogate), at any depth."""
+    _strings(value, what, max_depth=None)
 
 
 def key(key: object) -> str | None:

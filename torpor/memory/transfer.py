@@ -111,6 +111,7 @@ def parse_lines(lines: Iterable[str]) -> Bundle:
                 profile = Profile.model_validate(obj["profile"])
                 _scope(profile.scope, bundle.scope)
                 check.time(profile.updated_at, "updated_at")
+                check.storable_json(profile.json_schema, "json_schema")
                 with contextlib.suppress(PayloadTooLarge):  # merges grow past one call's limit
                     check.metadata(profile.data, "profile")
                 bundle.profiles.append(profile)
