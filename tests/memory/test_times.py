@@ -67,3 +67,14 @@ def test_a_bad_at_string_writes_nothing(mem: Memory) -> None:
             ]
         )
     assert u.recall("first second", 5) == []
+
+
+def test_a_turn_logged_at_the_unix_epoch_keeps_its_time(mem: Memory) -> None:
+    """``at`` at 1970-01-01T00:00:00Z is 0 microseconds, which read as "no ``at``": the turn
+    was dated now, by ``log`` and ``log_many`` alike."""
+    u = mem.scope(app="a")
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    assert u.log("user", "the first turn", at="1970-01-01T00:00:00Z").at == epoch
+    (turn,) = u.log_many([{"role": "user", "text": "another", "at": epoch}])
+    assert turn.at == epoch
+    assert {e.valid_from for e in u.get_all(kind="episode").items} == {epoch}

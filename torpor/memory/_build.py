@@ -158,7 +158,7 @@ def episodes(
                     "text": text,
                     "metadata": meta,
                     "created_at": created,
-                    "valid_from": from_us(at) if at else created,  # as before: `at or now`
+                    "valid_from": created if at is None else from_us(at),  # 0 is 1970, not none
                     "valid_to": None,
                     "durability": durability,
                     "expires_at": None if life is None else from_us(t + life),
