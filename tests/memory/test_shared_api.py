@@ -8,6 +8,7 @@ has, except to build tokens (``Api.as_token``).
 from __future__ import annotations
 
 import io
+import json
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -281,6 +282,25 @@ def test_export_import_fork_roundtrip(hapi: Api, tmp_path: Path) -> None:
     u.export(buf)
     assert u.import_(io.StringIO(buf.getvalue())) == 0  # same scope, same ids: idempotent
     assert u.import_(buf.getvalue().splitlines()) == 0  # any iterable of lines
+
+
+def test_an_export_with_unicode_line_separators_in_its_text_imports_alike(
+    api: Api, tmp_path: Path
+) -> None:
+    """JSON may carry U+2028, U+2029 and U+0085 unescaped inside a string (an export written
+    again with ``ensure_ascii=False``, by jq or another language's encoder): the library read
+    such a line whole, the server cut it in two there (``str.splitlines``) and refused it."""
+    m: Any = api.mem
+    v = m.scope(app="a", user="v")
+    v.remember("one\u2028two\u2029three\x85four")
+    lines = [json.dumps(json.loads(line), ensure_ascii=False) for line in v.export_lines()]
+    assert m.scope(app="a", user="w").import_(lines) == 1
+    path = tmp_path / "v.jsonl"
+    path.write_text("\r\n".join(lines), encoding="utf-8")
+    assert m.scope(app="a", user="x").import_(path) == 1
+    for user in ("w", "x"):
+        (fact,) = m.scope(app="a", user=user).get_all().items
+        assert fact.text == "one\u2028two\u2029three\x85four"
 
 
 def test_export_is_streamed_in_order(api: Api) -> None:

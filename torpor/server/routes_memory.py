@@ -39,6 +39,7 @@ pool, and on a loaded machine each trip costs more than the rendering itself.
 from __future__ import annotations
 
 import functools
+import io
 import threading
 from collections.abc import Iterator
 from typing import Annotated, Any
@@ -534,7 +535,9 @@ async def import_(
         text = b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidArgument(f"an import is UTF-8 JSON lines: {exc}") from None
-    n = await run_in_threadpool(s.import_, text.splitlines())
+    # lines as a file's are read (universal newlines), not str.splitlines: JSON may carry
+    # U+2028, U+2029 and U+0085 unescaped inside a string
+    n = await run_in_threadpool(s.import_, io.StringIO(text, newline=None))
     return Imported(imported=n)
 
 
