@@ -177,7 +177,8 @@ def test_bad_input_is_typed_and_writes_nothing(api: Api, bad: Any) -> None:
 def test_recalls_session_and_floor_are_checked(hapi: Api, bad: Any) -> None:
     """A session or a vector floor recall cannot use is InvalidArgument (with vectors: the
     floor is the vector side's), not a raw encoding or type error."""
-    u: Any = hapi.mem.scope(app="a", user="u")
+    mem: Any = hapi.mem
+    u = mem.scope(app="a", user="u")
     u.remember("the cat sat on the mat")
     with pytest.raises(InvalidArgument):
         bad(u)
