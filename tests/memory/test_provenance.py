@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.memory.conftest import Api
@@ -198,22 +198,45 @@ def test_a_public_only_fetch_checks_every_redirect(monkeypatch: pytest.MonkeyPat
     secret = _serve({"/secret": (200, b"metadata token\n")}, secret_host)
     hop = _serve({"/": (302, b"", f"http://{secret_host}:{secret.server_port}/secret")})
 
-    def only_the_second_is_private(url: str) -> None:  # 127.0.0.1 stands for a public host
-        if httpx.URL(url).host == secret_host:
-            raise AccessDenied(f"{url} is not public", tenant="", scope="")
-
     ref = SourceRef(url=f"http://127.0.0.1:{hop.server_port}/")
     assert check(ref).verified  # followed as the owner's
-    monkeypatch.setattr(provenance, "check_public", only_the_second_is_private)
+    # 127.0.0.1 stands for a public host, the redirect's 127.0.0.2 for a private one
+    monkeypatch.setattr(provenance, "public_address", lambda a: a == "127.0.0.1")
     outcome = check(ref, public_only=True)
-    assert not outcome.verified and "not public" in (outcome.reason or "")
-    for host in ("127.0.0.1", "10.1.2.3", "169.254.169.254", "[::1]", "localhost", "192.168.0.1"):
+    assert not outcome.verified and "127.0.0.2 is not a public address" in (outcome.reason or "")
+    monkeypatch.undo()
+    hosts = ["127.0.0.1", "10.1.2.3", "169.254.169.254", "[::1]", "localhost", "192.168.0.1"]
+    # IPv6 forms of a private IPv4 address: IPv4-mapped and -compatible, NAT64, 6to4, Teredo
+    hosts += ["[::ffff:127.0.0.1]", "[::127.0.0.1]", "[64:ff9b::a9fe:a9fe]", "[2002:7f00:1::]"]
+    hosts += ["[2001:0:4136:e378:8000:63bf:80ff:fffe]"]  # Teredo's client: 127.0.0.1
+    for host in hosts:
         with pytest.raises(AccessDenied):
-            _real_check_public(f"http://{host}/x")
-    _real_check_public("http://8.8.8.8/x")  # a public address passes
+            provenance.check_public(f"http://{host}/x")
+    provenance.check_public("http://8.8.8.8/x")  # a public address passes
 
 
-_real_check_public = provenance.check_public
+def test_a_public_only_fetch_connects_to_the_address_it_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DNS rebinding: a name that resolves to a public address when it is checked and to a
+    loopback one when the HTTP client looks it up again. The fetch connects to the address
+    it checked, never to one looked up after."""
+    secret = _serve({"/": (200, b"metadata token\n")})
+    real = socket.getaddrinfo
+    lookups: list[str] = []
+
+    def rebinding(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host != "rebind.example":
+            return real(host, port, *args, **kw)
+        lookups.append(host)
+        address = "8.8.8.8" if len(lookups) == 1 else "127.0.0.1"
+        return real(address, port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    ref = SourceRef(url=f"http://rebind.example:{secret.server_port}/", quote="metadata")
+    outcome = check(ref, public_only=True)
+    assert not outcome.verified
+    secret.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ __all__ = [
     "check",
     "check_public",
     "cite",
+    "public_address",
     "read_source",
     "refusal",
     "register_resolver",
@@ -96,25 +97,54 @@ def _read_host(ref: SourceRef) -> bytes:
         ) from exc
 
 
-def check_public(url: str) -> None:
-    """Raise :class:`AccessDenied` when ``url``'s host is, or resolves to, an address that is
-    not public (loopback, private, link-local such as a cloud's metadata service...). A host
-    that does not resolve passes: fetching it fails on its own."""
+def public_address(address: str) -> bool:
+    """Whether the IP ``address`` is public: global, and so is any IPv4 address it carries
+    (IPv4-mapped or -compatible, NAT64, 6to4, Teredo), which would reach a private host."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if not ip.is_global:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address):
+        packed = ip.packed
+        carried = [ip.ipv4_mapped, ip.sixtofour, ip.teredo[1] if ip.teredo else None]
+        # IPv4-compatible (::a.b.c.d) and NAT64 carry it in the low 32 bits
+        if packed[:12] == bytes(12) or any(ip in net for net in _NAT64):
+            carried.append(ipaddress.IPv4Address(packed[12:]))
+        return all(v4 is None or v4.is_global for v4 in carried)
+    return True
+
+
+#: NAT64 prefixes (RFC 6052, RFC 8215): the IPv4 address is the low 32 bits
+_NAT64 = ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48")
+
+
+def _public_addresses(url: str) -> tuple[str, list[str]]:
+    """``url``'s host and the addresses it resolves to, all public. Raises
+    :class:`AccessDenied` when one is not (:func:`public_address`); no addresses when the
+    host does not resolve (fetching it fails on its own)."""
     import httpx
 
     try:
         host = httpx.URL(url).host
     except httpx.InvalidURL:
-        return
+        return "", []
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
-        return
+        return host, []
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     for address in addresses:
-        if not ipaddress.ip_address(str(address).split("%")[0]).is_global:
+        if not public_address(address):
             raise AccessDenied(
                 f"{url}: {host} is not a public address ({address})", tenant="", scope=""
             )
+    return host, addresses
+
+
+def check_public(url: str) -> None:
+    """Raise :class:`AccessDenied` when ``url``'s host is, or resolves to, an address that is
+    not public (loopback, private, link-local such as a cloud's metadata service...). A host
+    that does not resolve passes: fetching it fails on its own."""
+    _public_addresses(url)
 
 
 def refusal(ref: SourceRef) -> str | None:
@@ -141,12 +171,24 @@ def _read_url(ref: SourceRef, public_only: bool = False) -> bytes:
     try:
         with httpx.Client(timeout=5.0, follow_redirects=not public_only) as client:
             for _ in range(MAX_REDIRECTS + 1):
-                if public_only:
-                    check_public(url)
-                resp = client.get(url)
-                if not (public_only and resp.is_redirect and resp.next_request is not None):
+                if not public_only:
+                    resp = client.get(url)
                     break
-                url = str(resp.next_request.url)
+                # connect to the address checked, not to one the client would look up again
+                # (DNS rebinding): the host goes in the Host header and TLS's server name
+                host, addresses = _public_addresses(url)
+                target = httpx.URL(url)
+                if addresses:
+                    target = target.copy_with(host=addresses[0])
+                resp = client.get(
+                    target,
+                    headers={"Host": httpx.URL(url).netloc.decode("ascii")},
+                    extensions={"sni_hostname": host},
+                )
+                location = resp.headers.get("location")
+                if not (resp.is_redirect and location):
+                    break
+                url = str(httpx.URL(url).join(location))
     except AccessDenied as exc:
         raise NotFound(f"cannot fetch {ref.url}: {exc}", kind="url", name=ref.url) from exc
     except httpx.HTTPError as exc:
