@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.sandbox.fakes import FakeEngine, FakeMachine
+from tests.sandbox.fakes import FakeChannel, FakeEngine, FakeMachine
 from torpor.config import paths
 from torpor.errors import DriveNotFound, GuestError
 from torpor.sandbox.checkpoints import Checkpoints
@@ -201,6 +201,58 @@ def test_a_volume_attached_while_a_snapshot_waits_for_its_lease_is_refused(
             assert cp.list_snapshots() == []
         finally:
             await cp.settle()
+            await m.close(pause=False)
+
+    asyncio.run(main())
+
+
+def test_an_attach_waiting_for_the_volumes_lock_leaves_the_event_loop_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A volume file read holds the volumes' lock for as long as debugfs takes (minutes for
+    a big file), and an attach's journal replay runs e2fsck under it. The attach waited for
+    that lock, and replayed, on the server's event loop: every other request stood still.
+    Here another thread holds the lock until the loop has run something else."""
+    import threading
+
+    import torpor.sandbox.checkpoints.attach as attach_mod
+
+    async def disk_seen(channel: Any, serial: str, timeout: float = 20.0) -> str:
+        return "/dev/vdb"
+
+    async def mounted(self: Any, device: str, path: str, **kw: Any) -> None:
+        pass
+
+    monkeypatch.setattr(attach_mod, "find_guest_disk", disk_seen)
+    monkeypatch.setattr(FakeChannel, "mount", mounted, raising=False)
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=PlugEngine())
+        cp = Checkpoints(m)
+        try:
+            vol = cp.volumes.create("memory", size_mib=16)
+            a = await m.create(name="a")
+            held, loop_ran = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                with cp.volumes.records.lock():
+                    held.set()
+                    loop_ran.wait(10)  # let go once the loop ran, or after 10 s
+
+            holder = threading.Thread(target=hold)
+            holder.start()
+            held.wait(10)
+            attach = asyncio.ensure_future(
+                cp.attachments.attach_volume(a.id, volume=vol.id, path="/memory")
+            )
+            await asyncio.sleep(0.2)  # the attach is waiting for the lock
+            ran_while_held = holder.is_alive()
+            loop_ran.set()
+            await attach
+            holder.join(10)
+            assert ran_while_held
+            assert [x.sandbox_id for x in cp.volumes.get(vol.id).attachments] == [a.id]
+        finally:
             await m.close(pause=False)
 
     asyncio.run(main())

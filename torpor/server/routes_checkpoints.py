@@ -22,6 +22,7 @@ and drives is ``POST /v1/sandboxes`` (:mod:`torpor.server.routes_sandboxes`), li
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from typing import Annotated, Any
@@ -172,13 +173,20 @@ async def fork_snapshot(
 # -- volumes and drives ----------------------------------------------------------------------
 
 
-def _delete_shared(
+async def _delete_shared(
     cp: Checkpoints, store: RecordStore[Any], id_or_name: str, tenant: str
 ) -> Response:
     """Delete a volume or drive once attachments of killed sandboxes are dropped (they no
-    longer hold it). Raises NotFound, Conflict while a live sandbox has it attached."""
-    store.release(keep=cp.attachments.live_ids)  # called under the store's lock
-    store.delete(id_or_name, tenant=tenant)
+    longer hold it). Raises NotFound, Conflict while a live sandbox has it attached.
+
+    A store's calls run in a thread (here and in the creates): they wait for its lock, which
+    a volume file read holds for as long as it takes, and a create runs mkfs."""
+
+    def delete() -> None:
+        store.release(keep=cp.attachments.live_ids)  # (ids: under the store's lock)
+        store.delete(id_or_name, tenant=tenant)
+
+    await asyncio.to_thread(delete)
     return Response(status_code=204)
 
 
@@ -202,7 +210,7 @@ async def create_volume(
     body: VolumeSpec, tenant: Tenant, caller: CallerDep, identity: IdentityDep, cp: Cp
 ) -> VolumeInfo:
     body = within_selector(body, caller, identity, "POST /v1/volumes", body.name, "volume")
-    return cp.volumes.create(body, tenant=tenant)
+    return await asyncio.to_thread(functools.partial(cp.volumes.create, body, tenant=tenant))
 
 
 @router.get("/volumes")
@@ -221,7 +229,7 @@ async def get_volume(id_or_name: str, tenant: Tenant, cp: Cp) -> VolumeInfo:
 
 @router.delete("/volumes/{id_or_name}", status_code=204)
 async def delete_volume(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
-    return _delete_shared(cp, cp.volumes, id_or_name, tenant)
+    return await _delete_shared(cp, cp.volumes, id_or_name, tenant)
 
 
 @router.post("/drives", status_code=201)
@@ -229,7 +237,7 @@ async def create_drive(
     body: DriveSpec, tenant: Tenant, caller: CallerDep, identity: IdentityDep, cp: Cp
 ) -> DriveInfo:
     body = within_selector(body, caller, identity, "POST /v1/drives", body.name, "drive")
-    return cp.drives.create(body, tenant=tenant)
+    return await asyncio.to_thread(functools.partial(cp.drives.create, body, tenant=tenant))
 
 
 @router.get("/drives")
@@ -248,7 +256,7 @@ async def get_drive(id_or_name: str, tenant: Tenant, cp: Cp) -> DriveInfo:
 
 @router.delete("/drives/{id_or_name}", status_code=204)
 async def delete_drive(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
-    return _delete_shared(cp, cp.drives, id_or_name, tenant)
+    return await _delete_shared(cp, cp.drives, id_or_name, tenant)
 
 
 # -- retention -------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ of :class:`~torpor.sandbox.checkpoints.Checkpoints`, working on the manager thro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shlex
@@ -126,8 +128,9 @@ class Attachments:
     ) -> SandboxRecord:
         """The running sandbox to attach a resource of ``store`` to at ``path``, once the
         attachments of killed sandboxes are dropped. Raises InvalidState, InvalidArgument
-        (``path`` overlaps a mount)."""
-        store.release(keep=self.live_ids)  # called under the store's lock
+        (``path`` overlaps a mount). The store's calls run in a thread, as every one below:
+        they wait for its lock, which a volume file read holds for as long as it takes."""
+        await asyncio.to_thread(store.release, keep=self.live_ids)  # (ids: under the lock)
         rec = await self.running_channel(tenant, id_or_name)
         self.check_path_free(rec.id, path)
         return rec
@@ -177,7 +180,12 @@ class Attachments:
         spec = VolumeMount.of(mount, **fields)
         path, read_only = spec.path, spec.read_only
         rec = await self.attachable(self.volumes, tenant, id_or_name, path)
-        vol = self.volumes.attach(spec.volume, rec.id, path, read_only=read_only, tenant=tenant)
+        # (a journal left by a killed sandbox is replayed here: e2fsck)
+        vol = await asyncio.to_thread(
+            functools.partial(
+                self.volumes.attach, spec.volume, rec.id, path, read_only=read_only, tenant=tenant
+            )
+        )
 
         def drop() -> None:
             self.volumes.detach(vol.id, rec.id, tenant=tenant)
@@ -209,7 +217,7 @@ class Attachments:
                     raise
         except BaseException:
             if not undone:  # it failed before the machine was reached: nothing is plugged
-                drop()
+                await asyncio.to_thread(drop)
             raise
         log.info("volume %s mounted in %s at %s", vol.id, rec.id, path)
         return self.volumes.get(vol.id, tenant=tenant)
@@ -238,7 +246,7 @@ class Attachments:
                 )
                 return
         if drop is not None:
-            drop()
+            await asyncio.to_thread(drop)
 
     async def attach_drive(
         self,
@@ -295,7 +303,16 @@ class Attachments:
                 await self.after_wake(rec.id, live.channel)
             step("attach:plugged")
             try:  # the drive may have been deleted while the share was plugged
-                self.drives.attach(info.id, rec.id, path, read_only=read_only, tenant=tenant)
+                await asyncio.to_thread(
+                    functools.partial(
+                        self.drives.attach,
+                        info.id,
+                        rec.id,
+                        path,
+                        read_only=read_only,
+                        tenant=tenant,
+                    )
+                )
             except BaseException:
                 await self._unplug(machine, info.id, rec.id, None)
                 raise
