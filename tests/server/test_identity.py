@@ -229,6 +229,44 @@ def test_a_token_makes_no_token_that_holds_more_than_it_does(
     assert c.post("/v1/tokens", json={"sandboxes": {}}, headers=full).status_code == 201
 
 
+def test_a_token_lists_and_revokes_only_tokens_it_could_have_made(
+    served: tuple[FakeManager, Any, TestClient],
+) -> None:
+    """An admin token of one user's memory and sandboxes listed every token of its tenant
+    (other users' grants and selectors) and revoked any of them, the tenant's full-rights
+    tokens too: it manages only tokens that hold no more than it does."""
+    _, app, c = served
+    full = _auth(_issue(app, "acme", grants=[("write", "")], sandboxes={}, admin=True))
+    narrow = _auth(
+        _issue(
+            app,
+            "acme",
+            grants=[("write", "app/a/user/u-42")],
+            sandboxes={"user": "u-42"},
+            admin=True,
+        )
+    )
+    other = c.post(
+        "/v1/tokens", json={"grants": [{"mode": "read", "prefix": "app/a/user/u-43"}]}, headers=full
+    ).json()["info"]["id"]
+    mine = c.post(
+        "/v1/tokens",
+        json={"grants": [{"mode": "read", "prefix": "app/a/user/u-42"}]},
+        headers=narrow,
+    ).json()["info"]["id"]
+    everyone = {t["id"] for t in c.get("/v1/tokens", headers=full).json()}
+    seen = {t["id"] for t in c.get("/v1/tokens", headers=narrow).json()}
+    assert mine in seen and other not in seen and len(everyone) == 4 and len(seen) == 2
+    before = _denials(app, "acme")
+    for target in everyone - seen:
+        r = c.delete(f"/v1/tokens/{target}", headers=narrow)
+        assert (r.status_code, r.json()["error"]["type"]) == (403, "AccessDenied")
+    assert _denials(app, "acme") == before + 2
+    assert c.get("/v1/sandboxes", headers=full).status_code == 200  # still valid
+    assert c.delete(f"/v1/tokens/{mine}", headers=narrow).status_code == 204
+    assert c.delete(f"/v1/tokens/{other}", headers=full).status_code == 204  # a full admin may
+
+
 @pytest.mark.parametrize(
     "body",
     [

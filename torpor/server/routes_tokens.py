@@ -9,7 +9,8 @@
 Only an admin may manage tokens: the home's owner (the local socket), who may do so for any
 tenant (``?tenant=`` / ``TokenSpec.tenant``: this is how a tenant's first token is made), or a
 token created with ``admin``, within its own tenant; a token makes tokens that hold no more
-than it does (grants, sandbox rights, expiry). Every refusal is audited.
+than it does (grants, sandbox rights, expiry), and lists and revokes only such tokens. Every
+refusal is audited.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from torpor.errors import AccessDenied, InvalidArgument, NotFound
-from torpor.memory.models import NewToken, TokenSpec, TokenSummary, from_us, now_us
+from torpor.memory.models import Grant, NewToken, TokenSpec, TokenSummary, from_us, now_us
 from torpor.server.auth import Caller, Identity, labels_match
 from torpor.server.deps import CallerDep, IdentityDep
 
@@ -40,6 +41,24 @@ def _tenant(caller: Caller, identity: Identity, tenant: str | None, action: str)
     return tenant
 
 
+def _beyond(
+    caller: Caller,
+    identity: Identity,
+    grants: list[Grant],
+    sandboxes: dict[str, str] | None,
+) -> str | None:
+    """What a token of ``grants`` and ``sandboxes`` holds that ``caller`` does not (None:
+    nothing): a grant the caller's do not cover, sandbox rights outside its selector."""
+    access = caller.access(identity.backend)
+    for g in grants:
+        if not access.allows(g.mode, g.prefix):
+            return f"{g.mode} on {g.prefix or '/'!r}"
+    own = caller.sandboxes
+    if sandboxes is not None and (own is None or not labels_match(sandboxes, own)):
+        return f"sandboxes {sandboxes} are outside {own}"
+    return None
+
+
 def _within_own(
     caller: Caller, identity: Identity, body: TokenSpec, expires: datetime | None
 ) -> datetime | None:
@@ -53,13 +72,9 @@ def _within_own(
             caller, "token.create", "", f"a token may not grant more than it holds: {why}"
         )
 
-    access = caller.access(identity.backend)
-    for g in body.grants:
-        if not access.allows(g.mode, g.prefix):
-            raise deny(f"{g.mode} on {g.prefix or '/'!r}")
-    own = caller.sandboxes
-    if body.sandboxes is not None and (own is None or not labels_match(body.sandboxes, own)):
-        raise deny(f"sandboxes {body.sandboxes} are outside {own}")
+    beyond = _beyond(caller, identity, body.grants, body.sandboxes)
+    if beyond is not None:
+        raise deny(beyond)
     if caller.expires_at is not None:
         if expires is not None and expires > caller.expires_at:
             raise deny(f"it expires at {caller.expires_at.isoformat()}")
@@ -99,9 +114,14 @@ async def create_token(body: TokenSpec, caller: CallerDep, identity: IdentityDep
 async def list_tokens(
     caller: CallerDep, identity: IdentityDep, tenant: Annotated[str | None, Query()] = None
 ) -> list[TokenSummary]:
-    """The tenant's tokens (revoked and expired ones too), oldest first."""
+    """The tenant's tokens (revoked and expired ones too), oldest first: those the caller
+    could have made (all, for the home's owner)."""
     tenant = _tenant(caller, identity, tenant, "token.list")
-    return [TokenSummary.of(t) for t in identity.tokens.list(tenant)]
+    return [
+        TokenSummary.of(t)
+        for t in identity.tokens.list(tenant)
+        if caller.is_owner or _beyond(caller, identity, t.grants, t.sandboxes) is None
+    ]
 
 
 @router.delete("/{token_id}", status_code=204)
@@ -111,8 +131,16 @@ async def revoke_token(
     identity: IdentityDep,
     tenant: Annotated[str | None, Query()] = None,
 ) -> Response:
-    """Revoke a token by its id; refused from the next request on."""
+    """Revoke a token by its id; refused from the next request on. A token revokes only
+    tokens it could have made (AccessDenied, audited)."""
     tenant = _tenant(caller, identity, tenant, "token.revoke")
+    target = None if caller.is_owner else identity.tokens.find(tenant, token_id)
+    if target is not None:
+        beyond = _beyond(caller, identity, target.grants, target.sandboxes)
+        if beyond is not None:
+            raise identity.deny(
+                caller, "token.revoke", "", f"a token may not revoke one that holds more: {beyond}"
+            )
     if not identity.tokens.revoke_id(tenant, token_id, actor=caller.actor):
         raise NotFound(f"no token {token_id!r}", kind="token", name=token_id)
     return Response(status_code=204)
