@@ -195,3 +195,70 @@ def test_a_read_holds_the_lock_the_records_are_kept_under(tmp_path: Path) -> Non
         assert reader.is_alive() and not got  # the read waits for it
     reader.join()
     assert got == [b"a\n"]
+
+
+def _long_journal(image: Path, size_mib: int, journal_mib: int) -> None:
+    """Make ``image`` what a hostile guest can leave on its volume's device: a journal of
+    ``journal_mib`` full of committed transactions, each a descriptor of 510 blocks (holes:
+    nothing to store) bound for one block, so its replay writes that block ~256 times per
+    MiB of journal while the guest wrote 8 KiB per MiB."""
+    import re
+    import struct
+
+    with open(image, "wb") as f:
+        f.truncate(size_mib << 20)
+    mkfs = ["mkfs.ext4", "-q", "-F", "-J", f"size={journal_mib}", "-E", "lazy_journal_init=1"]
+    subprocess.run(
+        [*mkfs, str(image)],
+        check=True,
+        capture_output=True,
+    )
+    stat = subprocess.run(
+        ["debugfs", "-R", "stat <8>", str(image)], check=True, capture_output=True, text=True
+    ).stdout
+    where: list[int] = []  # the journal's blocks in order
+    for first, last, phys in re.findall(r"\((\d+)-(\d+)\):(\d+)-\d+", stat):
+        where += range(int(phys), int(phys) + int(last) - int(first) + 1)
+    bs, magic, per = 4096, 0xC03B3998, (4096 - 12) // 8
+    target = (size_mib << 8) - 10
+    with open(image, "r+b") as f:
+        f.seek(where[0] * bs + 24)
+        f.write(struct.pack(">II", 1, 1))  # s_sequence 1, s_start 1: a journal to replay
+        block, seq = 1, 1
+        while block + per + 1 < len(where):
+            desc = bytearray(bs)
+            struct.pack_into(">III", desc, 0, magic, 1, seq)
+            for i in range(per):  # same UUID, the last tag marked last
+                struct.pack_into(">IHH", desc, 12 + 8 * i, target, 0, 2 | (8 * (i == per - 1)))
+            f.seek(where[block] * bs)
+            f.write(desc)
+            f.seek(where[block + per + 1] * bs)
+            f.write(struct.pack(">III", magic, 2, seq))
+            block, seq = block + per + 2, seq + 1
+    _set_recover_flag(image)
+
+
+def test_a_journal_replay_is_bounded_in_time(
+    store: VolumeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guest sizes and fills its volume's journal: the host's replay (e2fsck, under the
+    volumes' lock every create, attach, detach and delete waits for) took as long as the
+    journal made it (~2.5 s per GiB here; a 1 TiB volume, most of an hour). Past the bound
+    the attach is refused, nothing recorded, the journal left to replay."""
+    import time
+
+    from torpor.errors import OperationTimeout
+    from torpor.sandbox.storage import volumes
+
+    vol = store.create("v", size_mib=16)
+    image = store.image(vol.id)
+    _long_journal(image, size_mib=4096, journal_mib=1024)
+    monkeypatch.setattr(volumes, "REPLAY_TIMEOUT", 0.2)
+    t0 = time.monotonic()
+    with pytest.raises(OperationTimeout):
+        store.attach(vol.id, "sbx-1", "/data")
+    assert time.monotonic() - t0 < 2
+    assert needs_recovery(image)  # still to replay (a replay is restartable)
+    assert store.get(vol.id).attachments == []
+    with pytest.raises(OperationTimeout):
+        read_volume_file(store, vol.id, "/x", live=set())

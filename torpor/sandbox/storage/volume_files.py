@@ -43,9 +43,10 @@ from torpor.errors import (
     PathNotFound,
     PayloadTooLarge,
     StorageError,
+    TorporError,
 )
 from torpor.sandbox.storage.records import LiveIds, live_now
-from torpor.sandbox.storage.volumes import VolumeStore
+from torpor.sandbox.storage.volumes import VolumeStore, replay_image_journal
 from torpor.sandbox.vm.disk import qemu_img
 
 __all__ = ["needs_recovery", "read_disk_file", "read_image_file", "read_volume_file"]
@@ -225,7 +226,7 @@ def read_volume_file(
     detached or deleted meanwhile. Raises :class:`VolumeNotFound`, :class:`InvalidArgument`,
     :class:`PathNotFound`, :class:`PayloadTooLarge`, :class:`EngineError`, :class:`Conflict`
     (a cluster's volume whose latest image is on another node: this node's copy, if any, is
-    stale; read it there).
+    stale; read it there), :class:`OperationTimeout` (its journal's replay took too long).
     """
     path = _normalize(path)
     with store.records.lock():
@@ -260,8 +261,9 @@ def read_disk_file(
     The chain is flattened into a private raw copy beside the disk (``rescue.raw``, made
     again when the disk is newer; it goes with the sandbox's directory) and its journal
     replayed there, so the read sees every write the guest had committed; the disk itself is
-    never modified. Raises as :func:`read_image_file`, and :class:`EngineError` when the disk
-    cannot be flattened or its file system needs more than a journal replay.
+    never modified. Raises as :func:`read_image_file`, :class:`EngineError` when the disk
+    cannot be flattened or its file system needs more than a journal replay, and
+    :class:`OperationTimeout` when the replay takes too long (the guest chose its journal).
     """
     disk = Path(disk)
     path = _normalize(path)
@@ -275,18 +277,10 @@ def read_disk_file(
         tmp.unlink(missing_ok=True)
         qemu_img("convert", "-U", "-f", "qcow2", "-O", "raw", str(disk), str(tmp))
         if needs_recovery(tmp):
-            proc = subprocess.run(
-                ["e2fsck", "-p", "-E", "journal_only", str(tmp)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if proc.returncode >= 4:
+            try:
+                replay_image_journal(tmp, f"the kept disk {disk}")
+            except TorporError:
                 tmp.unlink(missing_ok=True)
-                raise EngineError(
-                    f"the kept disk {disk} needs repair: {proc.stdout.strip()} "
-                    f"{proc.stderr.strip()}",
-                    exit_code=proc.returncode,
-                )
+                raise
         os.replace(tmp, raw)
     return read_image_file(raw, path, max_bytes=max_bytes)

@@ -38,6 +38,7 @@ from torpor.config import Paths, Quotas
 from torpor.errors import (
     EngineError,
     GuestError,
+    OperationTimeout,
     VolumeNotFound,
 )
 from torpor.sandbox.requests import MAX_VOLUME_MIB, VolumeSpec  # MAX_VOLUME_MIB: re-exported
@@ -56,9 +57,43 @@ __all__ = [
     "VolumeInfo",
     "VolumeStore",
     "check_mount_path",
+    "replay_image_journal",
 ]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a journal replay may take. A killed sandbox's journal replays in seconds, but the
+#: guest chooses its journal's size and contents (up to the whole volume), and a replay runs
+#: under the volumes' lock.
+REPLAY_TIMEOUT = 120.0
+
+
+def replay_image_journal(image: Path, what: str) -> None:
+    """Replay the ext4 journal of ``image`` (``what`` names it in errors) with e2fsck, in at
+    most :data:`REPLAY_TIMEOUT` seconds. A replay cut short leaves the journal marked for
+    replay (it is restartable: the next one redoes it whole). Raises OperationTimeout,
+    EngineError (e2fsck cannot run, or finds more than the journal to fix)."""
+    try:
+        proc = subprocess.run(
+            ["e2fsck", "-p", "-E", "journal_only", str(image)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=REPLAY_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise OperationTimeout(
+            f"replaying the journal of {what} took over {REPLAY_TIMEOUT:g} s",
+            seconds=REPLAY_TIMEOUT,
+            exc=exc,
+        ) from exc
+    except OSError as exc:
+        raise EngineError(f"cannot run e2fsck on {what}: {exc}", exc=exc) from exc
+    if proc.returncode >= 4:
+        raise EngineError(
+            f"{what} needs repair: {proc.stdout.strip()} {proc.stderr.strip()}",
+            exit_code=proc.returncode,
+        )
 
 
 class VolumeInfo(BaseModel):
@@ -172,19 +207,11 @@ class VolumeStore(RecordStore[VolumeInfo]):
 
         A sandbox killed with the volume mounted leaves a journal to replay; a guest mounting
         read-only cannot replay it (and without the replay would miss synced writes), so the
-        host does it here. Raises EngineError when e2fsck finds more than the journal to fix.
+        host does it here. Raises EngineError when e2fsck finds more than the journal to fix,
+        OperationTimeout when the replay takes over :data:`REPLAY_TIMEOUT` (the journal stays
+        to replay).
         """
-        proc = subprocess.run(
-            ["e2fsck", "-p", "-E", "journal_only", str(self.image(volume_id))],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode >= 4:
-            raise EngineError(
-                f"volume {volume_id} needs repair: {proc.stdout.strip()} {proc.stderr.strip()}",
-                exit_code=proc.returncode,
-            )
+        replay_image_journal(self.image(volume_id), f"volume {volume_id}")
 
 
 async def find_guest_disk(channel: Any, serial: str, timeout: float = 20.0) -> str:
