@@ -371,3 +371,37 @@ def test_a_publish_that_fails_leaves_the_template_as_it_was(
     assert now.build_id == first.build_id
     assert link.resolve() == now.snapshot_dir.resolve()
     assert [b.name for b in (first.directory / "builds").iterdir()] == [first.build_id]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(("raw", []), id="a-list"),
+        pytest.param(("raw", None), id="null"),
+        pytest.param(("raw", {}), id="empty"),
+        pytest.param(("raw", {"build_id": "b"}), id="fields-missing"),
+        pytest.param({"directory": 5}, id="path-a-number"),
+        pytest.param({"vcpus": "2"}, id="vcpus-a-string"),
+        pytest.param({"apt": "git"}, id="apt-a-string"),
+        pytest.param({"pip": [1]}, id="pip-not-strings"),
+        pytest.param({"memory_mib": True}, id="memory-a-bool"),
+    ],
+)
+def test_a_template_json_of_another_shape_is_a_typed_error(home: Path, body: Any) -> None:
+    """template.json of another shape (hand-edited, another version's) raised raw
+    AttributeError / TypeError from get() (every create and wake of the template: a 500),
+    from list_templates() (`torpor template ls`, `torpor doctor`) and from a rebuild."""
+    from dataclasses import replace
+
+    for name in ("good", "bad"):
+        (home / "templates" / name).mkdir(parents=True)
+    good = replace(_info(home / "templates" / "good"), name="good")
+    (good.directory / "template.json").write_text(json.dumps(good.to_json()))
+    whole = replace(_info(home / "templates" / "bad"), name="bad").to_json()
+    data = body[1] if isinstance(body, tuple) else {**whole, **body}  # raw, or fields changed
+    (home / "templates" / "bad" / "template.json").write_text(json.dumps(data))
+    with pytest.raises(StorageError):
+        templates.get("bad")
+    assert templates.list_templates() == [good]
+    with pytest.raises(StorageError):
+        templates.recipe("bad", None, None, None, None)

@@ -30,15 +30,22 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from torpor._tail import log_tail
 from torpor.config import check_name, paths
-from torpor.errors import EngineError, GuestError, StorageError, TemplateNotFound, TorporError
+from torpor.errors import (
+    CorruptData,
+    EngineError,
+    GuestError,
+    StorageError,
+    TemplateNotFound,
+    TorporError,
+)
 from torpor.sandbox.template import rootfs as _rootfs
 from torpor.sandbox.template.rootfs import Progress
 from torpor.sandbox.vm.machine_dir import KERNEL_APPEND
@@ -61,6 +68,16 @@ log = logging.getLogger(__name__)
 GUEST_DIR = Path(__file__).parent.parent / "guest"
 #: Seconds a cold boot gets until the agent answers (TCG boots take 10-30 s on 2 busy cores).
 AGENT_TIMEOUT = 300.0
+
+
+#: What a template.json field of each declared type may hold.
+_FIELD_TYPES: dict[str, Callable[[Any], bool]] = {
+    "str": lambda v: isinstance(v, str),
+    "Path": lambda v: isinstance(v, str) and v != "",
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+}
 
 
 @dataclass(frozen=True)
@@ -90,13 +107,25 @@ class TemplateInfo:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TemplateInfo:
-        paths_ = ("directory", "kernel", "initrd", "base_image", "snapshot_dir")
-        known: dict[str, Any] = {
-            k: (Path(v) if k in paths_ else v)
-            for k, v in data.items()
-            if k in cls.__dataclass_fields__
-        }
+    def from_json(cls, data: Any) -> TemplateInfo:
+        """The template ``data`` (a template.json) describes; unknown keys are ignored.
+        Raises CorruptData when it is not one (not an object, a field missing or of
+        another type)."""
+        if not isinstance(data, dict):
+            raise CorruptData(f"a template record is an object, not {type(data).__name__}")
+        known: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise CorruptData(f"a template record without {f.name!r}", field=f.name)
+                continue
+            value = data[f.name]
+            if not _FIELD_TYPES[str(f.type)](value):
+                raise CorruptData(
+                    f"a template record's {f.name!r} is not a {f.type}: {value!r}"[:300],
+                    field=f.name,
+                )
+            known[f.name] = Path(value) if f.type == "Path" else value
         return cls(**known)
 
     def moved_to(self, directory: Path) -> TemplateInfo:
@@ -128,7 +157,8 @@ def _template_dir(name: str) -> Path:
 
 
 def get(name: str) -> TemplateInfo:
-    """The built template ``name``. Raises InvalidName, TemplateNotFound."""
+    """The built template ``name``. Raises InvalidName, TemplateNotFound, StorageError (its
+    template.json cannot be read; CorruptData: it is not a template record)."""
     tj = _template_dir(name) / "template.json"
     try:
         data = json.loads(tj.read_text())
@@ -138,7 +168,10 @@ def get(name: str) -> TemplateInfo:
         ) from exc
     except (OSError, ValueError) as exc:
         raise StorageError(f"cannot read {tj}: {exc}", exc=exc) from exc
-    info = TemplateInfo.from_json(data)
+    try:
+        info = TemplateInfo.from_json(data)
+    except CorruptData as exc:
+        raise CorruptData(f"{tj}: {exc.message}", path=str(tj), exc=exc) from exc
     if info.directory.resolve() != tj.parent.resolve():
         # A copied or moved home (before the manager relocates it, see
         # torpor.sandbox.storage.relocate): the template's files are the ones beside this
