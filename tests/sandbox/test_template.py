@@ -405,3 +405,49 @@ def test_a_template_json_of_another_shape_is_a_typed_error(home: Path, body: Any
     assert templates.list_templates() == [good]
     with pytest.raises(StorageError):
         templates.recipe("bad", None, None, None, None)
+
+
+def test_a_prune_by_another_build_leaves_the_image_a_build_is_about_to_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two builds of different templates at once (no lock in common): one found its cached
+    image (old: its mtime is when it was made) and, before it linked the image's files into
+    its build, the other's prune kept the two newest images and deleted that one. The
+    build failed (StorageError, "cannot prepare") and left its half-made build directory."""
+    import os
+    import threading
+
+    monkeypatch.setenv("TORPOR_HOME", str(tmp_path / "home"))
+    cache = paths().ensure().cache
+    for i, key in enumerate(["mine", "other-1", "other-2", "theirs"]):
+        image = cache / "images" / key
+        image.mkdir(parents=True)
+        for name in ("base.qcow2", "vmlinuz", "initrd.img"):
+            (image / name).write_bytes(name.encode())
+        os.utime(image, (1000 + i, 1000 + i))
+    mine = cache / "images" / "mine"
+    pruners: list[threading.Thread] = []
+
+    def ensure_image(*a: Any, **kw: Any) -> Path:
+        # the other build (template "b") prunes meanwhile, keeping its own image
+        other = threading.Thread(
+            target=_rootfs.prune_images, args=(cache,), kwargs={"keep_also": mine.parent / "theirs"}
+        )
+        other.start()
+        other.join(timeout=1)
+        pruners.append(other)
+        return mine
+
+    monkeypatch.setattr(_rootfs, "ensure_rootfs", lambda *a, **kw: tmp_path / "rootfs")
+    monkeypatch.setattr(_rootfs, "ensure_image", ensure_image)
+
+    async def boot(info: templates.TemplateInfo, say: Any, *, lines: bool) -> str:
+        (info.snapshot_dir / "state").write_text("saved")
+        return "tcg"
+
+    monkeypatch.setattr(templates.templates, "_boot_and_snapshot", boot)
+    info = templates.build("a")
+    for t in pruners:
+        t.join()
+    assert info.base_image.read_bytes() == b"base.qcow2"
+    assert templates.get("a") == info

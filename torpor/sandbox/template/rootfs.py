@@ -13,6 +13,7 @@ leaves either nothing or a whole result, and running a step again is a no-op.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -21,7 +22,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from torpor.errors import EngineError, InvalidArgument
@@ -38,6 +39,8 @@ __all__ = [
     "guest_files",
     "guest_hash",
     "host_mirror",
+    "images_in_use",
+    "prune_images",
     "rootfs_key",
 ]
 
@@ -458,15 +461,32 @@ def ensure_image(
     return final
 
 
+@contextlib.contextmanager
+def images_in_use(cache: Path) -> Iterator[None]:
+    """Hold the cached images from :func:`prune_images` (a shared flock on the cache's
+    ``.images.lock``): a build takes it from :func:`ensure_image` until its own build links
+    the image's files, since the image it found may be the oldest. Raises OSError."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".images.lock", "w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_SH)
+        yield
+
+
 def prune_images(cache: Path, keep: int = 2, keep_also: Path | None = None) -> None:
     """Drop all but the ``keep`` newest cached images. Safe: template builds hold hard links
-    to their image files, and an image is rebuilt from its rootfs in seconds."""
-    images = (
-        [d for d in (cache / "images").glob("*") if d.is_dir() and not d.name.endswith(".tmp")]
-        if (cache / "images").is_dir()
-        else []
-    )
-    images.sort(key=lambda d: d.stat().st_mtime, reverse=True)
-    for old in images[keep:]:
-        if keep_also is None or old.resolve() != keep_also.resolve():
-            shutil.rmtree(old, ignore_errors=True)
+    to their image files, an image a build is about to link is held by
+    :func:`images_in_use` (this waits for it), and an image is rebuilt from its rootfs in
+    seconds. Raises OSError when the images' lock cannot be taken."""
+    if not (cache / "images").is_dir():
+        return
+    with open(cache / ".images.lock", "w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        images: list[tuple[float, Path]] = []
+        for d in (cache / "images").glob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                if d.is_dir() and not d.name.endswith(".tmp"):
+                    images.append((d.stat().st_mtime, d))
+        images.sort(reverse=True)
+        for _, old in images[keep:]:
+            if keep_also is None or old.resolve() != keep_also.resolve():
+                shutil.rmtree(old, ignore_errors=True)

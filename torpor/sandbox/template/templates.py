@@ -295,11 +295,16 @@ def build(
                     return cur
         try:
             rootfs = _rootfs.ensure_rootfs(p.cache, apt_l, pip_l, force=force, progress=say)
-            image = _rootfs.ensure_image(p.cache, rootfs, files, force=force, progress=say)
+            # another build's prune waits until this one has linked the image's files
+            with _rootfs.images_in_use(p.cache):
+                image = _rootfs.ensure_image(p.cache, rootfs, files, force=force, progress=say)
+                info = _new_build(name, image, rkey, ghash, apt_l, pip_l, vcpus, memory_mib)
         except OSError as exc:
             raise EngineError(f"building the image failed: {exc}", exc=exc) from exc
-        info = _new_build(name, image, rkey, ghash, apt_l, pip_l, vcpus, memory_mib)
-        _rootfs.prune_images(p.cache, keep_also=image)  # after the build linked its files
+        try:
+            _rootfs.prune_images(p.cache, keep_also=image)  # after the build linked its files
+        except OSError as exc:
+            log.warning("cannot prune the cached images: %s", exc)
         say("boot", "cold boot of the guest (TCG: up to a minute)")
         t0 = time.monotonic()
         try:
