@@ -451,3 +451,38 @@ def test_a_prune_by_another_build_leaves_the_image_a_build_is_about_to_link(
         t.join()
     assert info.base_image.read_bytes() == b"base.qcow2"
     assert templates.get("a") == info
+
+
+def test_a_build_whose_files_cannot_be_placed_leaves_no_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache on another file system than the templates (no hard link) and a disk too
+    full for the copy: the build failed with StorageError but left builds/<id>/ with what
+    it had copied (a base image of up to gigabytes), never used nor removed."""
+    import errno
+    import os
+
+    monkeypatch.setenv("TORPOR_HOME", str(tmp_path / "home"))
+    image = tmp_path / "image"
+    image.mkdir()
+    for name in ("base.qcow2", "vmlinuz", "initrd.img"):
+        (image / name).write_bytes(name.encode())
+    monkeypatch.setattr(_rootfs, "ensure_rootfs", lambda *a, **kw: tmp_path / "rootfs")
+    monkeypatch.setattr(_rootfs, "ensure_image", lambda *a, **kw: image)
+
+    def cross_device(*a: Any, **kw: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    real_copy = shutil.copyfile
+
+    def full(src: Any, dst: Any, **kw: Any) -> Any:
+        if Path(src).name == "vmlinuz":  # base.qcow2 was copied
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_copy(src, dst, **kw)
+
+    monkeypatch.setattr(os, "link", cross_device)
+    monkeypatch.setattr(shutil, "copyfile", full)
+    with pytest.raises(StorageError):
+        templates.build("python")
+    builds = tmp_path / "home" / "templates" / "python" / "builds"
+    assert not builds.exists() or list(builds.iterdir()) == []

@@ -340,7 +340,8 @@ def _new_build(
     vcpus: int,
     memory_mib: int,
 ) -> TemplateInfo:
-    """Make builds/<id>/ with hard links to the cached image files."""
+    """Make builds/<id>/ with hard links to the cached image files (copies where they
+    cannot be linked). Raises StorageError, leaving no builds/<id>/."""
     d = _template_dir(name)
     build_id = f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{rkey[:6]}-{ghash[:6]}"
     bdir = d / "builds" / build_id
@@ -353,6 +354,7 @@ def _new_build(
             except OSError:
                 shutil.copyfile(image / fname, bdir / fname)
     except OSError as exc:
+        shutil.rmtree(bdir, ignore_errors=True)  # what it had copied: nothing will use it
         raise StorageError(f"cannot prepare {bdir}: {exc}", exc=exc) from exc
     return TemplateInfo(
         name=name,
