@@ -486,3 +486,34 @@ def test_a_build_whose_files_cannot_be_placed_leaves_no_build(
         templates.build("python")
     builds = tmp_path / "home" / "templates" / "python" / "builds"
     assert not builds.exists() or list(builds.iterdir()) == []
+
+
+def test_an_image_that_fails_leaves_no_half_made_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversion that fails (the disk full) left ``images/<key>.tmp`` with the raw file
+    system mkfs had filled (the whole rootfs); prune skips ``.tmp`` and another guest's
+    build makes another key, so nothing ever removed it."""
+    from torpor.errors import EngineError
+
+    root = tmp_path / "rootfs-key" / "rootfs"
+    (root / "boot").mkdir(parents=True)
+    (root / "boot" / "vmlinuz-6").write_bytes(b"kernel")
+    (root / "boot" / "initrd.img-6").write_bytes(b"initrd")
+    guest = tmp_path / "guest"
+    guest.mkdir()
+    (guest / "init.sh").write_text("#!/bin/sh\n")
+
+    def run(cmd: list[str], what: str, **_: Any) -> str:
+        if cmd[0] == "mkfs.ext4":
+            Path(cmd[-1]).write_bytes(b"ext4" * 4096)
+            return ""
+        raise EngineError(f"{what} failed (exit 1): No space left on device")
+
+    monkeypatch.setattr(_rootfs, "_run", run)
+    monkeypatch.setattr(_rootfs, "_slim", lambda root: None)
+    monkeypatch.setattr(_rootfs, "DISK_SIZE_MIB", 1)
+    cache = tmp_path / "cache"
+    with pytest.raises(EngineError):
+        _rootfs.ensure_image(cache, root, _rootfs.guest_files(guest))
+    assert list((cache / "images").iterdir()) == []

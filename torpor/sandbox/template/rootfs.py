@@ -424,41 +424,49 @@ def ensure_image(
         tmp = final.with_name(key + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        _slim(rootfs)
-        opt = rootfs / "opt" / "torpor"
-        shutil.rmtree(opt, ignore_errors=True)
-        opt.mkdir(parents=True)
-        for name, src in files.items():
-            shutil.copyfile(src, opt / name)
-            (opt / name).chmod(0o755 if name.endswith(".sh") else 0o644)
-        kernel, initrd = _kernel_files(rootfs)
-        shutil.copyfile(kernel, tmp / "vmlinuz")
-        shutil.copyfile(initrd, tmp / "initrd.img")
-        raw = tmp / "root.raw"
-        with open(raw, "wb") as f:
-            f.truncate(DISK_SIZE_MIB * 1024 * 1024)
-        _run(
-            ["mkfs.ext4", "-q", "-F", "-L", "torpor-root", "-d", str(rootfs), str(raw)], "mkfs.ext4"
-        )
-        _run(
-            ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(tmp / "base.qcow2")],
-            "qemu-img convert",
-        )
-        raw.unlink()
-        (tmp / "image.json").write_text(
-            json.dumps(
-                {
-                    "rootfs": str(rootfs),
-                    "kernel": kernel.name,
-                    "initrd": initrd.name,
-                    "guest_files": sorted(files),
-                }
-            )
-        )
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            _make_image(tmp, rootfs, files)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # the raw file system: the whole rootfs
+            raise
     return final
+
+
+def _make_image(tmp: Path, rootfs: Path, files: dict[str, Path]) -> None:
+    """Write base.qcow2, vmlinuz, initrd.img and image.json into ``tmp`` (see
+    :func:`ensure_image`). Raises EngineError, OSError."""
+    _slim(rootfs)
+    opt = rootfs / "opt" / "torpor"
+    shutil.rmtree(opt, ignore_errors=True)
+    opt.mkdir(parents=True)
+    for name, src in files.items():
+        shutil.copyfile(src, opt / name)
+        (opt / name).chmod(0o755 if name.endswith(".sh") else 0o644)
+    kernel, initrd = _kernel_files(rootfs)
+    shutil.copyfile(kernel, tmp / "vmlinuz")
+    shutil.copyfile(initrd, tmp / "initrd.img")
+    raw = tmp / "root.raw"
+    with open(raw, "wb") as f:
+        f.truncate(DISK_SIZE_MIB * 1024 * 1024)
+    _run(["mkfs.ext4", "-q", "-F", "-L", "torpor-root", "-d", str(rootfs), str(raw)], "mkfs.ext4")
+    _run(
+        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(tmp / "base.qcow2")],
+        "qemu-img convert",
+    )
+    raw.unlink()
+    (tmp / "image.json").write_text(
+        json.dumps(
+            {
+                "rootfs": str(rootfs),
+                "kernel": kernel.name,
+                "initrd": initrd.name,
+                "guest_files": sorted(files),
+            }
+        )
+    )
 
 
 @contextlib.contextmanager
