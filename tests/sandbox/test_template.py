@@ -517,3 +517,31 @@ def test_an_image_that_fails_leaves_no_half_made_files(
     with pytest.raises(EngineError):
         _rootfs.ensure_image(cache, root, _rootfs.guest_files(guest))
     assert list((cache / "images").iterdir()) == []
+
+
+def test_a_rootfs_whose_packages_fail_leaves_no_half_made_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package apt or pip cannot install (a typo) left ``rootfs/<key>.tmp``: a copy of
+    the whole base tree. The build asked again with the right name has another key, so
+    nothing ever removed it."""
+    import os
+
+    from torpor.errors import EngineError
+
+    cache = tmp_path / "cache"
+    base = cache / "rootfs" / _rootfs.rootfs_key((), ()) / "rootfs"
+    (base / "usr" / "bin").mkdir(parents=True)
+    (base / "usr" / "bin" / "python3").write_text("")
+
+    def chroot(root: Path, cmd: list[str], what: str) -> None:
+        if "install" in cmd:
+            raise EngineError(f"{what} failed (exit 100): E: Unable to locate package gti")
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(_rootfs, "_copy_tree", lambda src, dst: shutil.copytree(src, dst))
+    monkeypatch.setattr(_rootfs, "_chroot", chroot)
+    with pytest.raises(EngineError, match="gti"):
+        _rootfs.ensure_rootfs(cache, ["gti"], [])
+    left = sorted(p.name for p in (cache / "rootfs").iterdir() if not p.name.startswith("."))
+    assert left == [_rootfs.rootfs_key((), ())]

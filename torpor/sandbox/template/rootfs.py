@@ -249,7 +249,7 @@ def ensure_rootfs(
 
     The plain base tree is built first (debootstrap) and reused by every package set: a
     template with extra packages copies it and installs them in a chroot.
-    Raises :class:`EngineError` if debootstrap, apt or pip fails.
+    Raises :class:`EngineError` if debootstrap, apt or pip fails (leaving no half-made tree).
     """
     say = progress or (lambda step, detail: None)
     key = rootfs_key(apt, pip)
@@ -278,74 +278,81 @@ def _build_rootfs(
     tmp = final.with_name(key + ".tmp")
     _remove_tree(tmp)
     tmp.mkdir()
-    if key != base_key:
-        base = ensure_rootfs(cache, (), (), progress=progress)
-        say("rootfs", "copying the base rootfs")
-        _copy_tree(base, tmp / "rootfs")
-    else:
-        mirror = host_mirror()
-        say("debootstrap", f"debootstrap {SUITE} from {mirror} (a few minutes)")
-        _run(
-            [
+    try:
+        if key != base_key:
+            base = ensure_rootfs(cache, (), (), progress=progress)
+            say("rootfs", "copying the base rootfs")
+            _copy_tree(base, tmp / "rootfs")
+        else:
+            mirror = host_mirror()
+            say("debootstrap", f"debootstrap {SUITE} from {mirror} (a few minutes)")
+            _run(
+                [
+                    "debootstrap",
+                    "--variant=minbase",
+                    "--include=" + ",".join(BASE_PACKAGES),
+                    SUITE,
+                    str(tmp / "rootfs"),
+                    mirror,
+                ],
                 "debootstrap",
-                "--variant=minbase",
-                "--include=" + ",".join(BASE_PACKAGES),
-                SUITE,
-                str(tmp / "rootfs"),
-                mirror,
-            ],
-            "debootstrap",
-        )
-        say("rootfs", "configuring the initramfs")
-        _configure_base(tmp / "rootfs")
-    root = tmp / "rootfs"
-    if apt:
-        say("apt", "installing " + " ".join(apt))
-        _chroot(root, ["apt-get", "update", "-q"], "apt-get update")
-        _chroot(
-            root,
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", *apt],
-            "apt-get install",
-        )
-    if pip:
-        say("pip", "installing " + " ".join(pip))
-        _chroot(root, ["apt-get", "update", "-q"], "apt-get update")
-        _chroot(
-            root,
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "python3-pip"],
-            "apt-get install python3-pip",
-        )
-        # Trust what the host trusts while downloading (a TLS-inspecting egress proxy's CA,
-        # say), without adding it to the guest's own store.
-        cert: list[str] = []
-        host_ca = Path("/etc/ssl/certs/ca-certificates.crt")
-        if host_ca.is_file():
-            shutil.copyfile(host_ca, root / "tmp" / "torpor-host-ca.crt")
-            cert = ["--cert", "/tmp/torpor-host-ca.crt"]
-        try:
+            )
+            say("rootfs", "configuring the initramfs")
+            _configure_base(tmp / "rootfs")
+        root = tmp / "rootfs"
+        if apt:
+            say("apt", "installing " + " ".join(apt))
+            _chroot(root, ["apt-get", "update", "-q"], "apt-get update")
             _chroot(
                 root,
-                [
-                    "python3",
-                    "-m",
-                    "pip",
-                    "install",
-                    "--no-cache-dir",
-                    "--break-system-packages",
-                    *cert,
-                    *pip,
-                ],
-                "pip install",
+                ["apt-get", "install", "-y", "-q", "--no-install-recommends", *apt],
+                "apt-get install",
             )
-        finally:
-            (root / "tmp" / "torpor-host-ca.crt").unlink(missing_ok=True)
-    _clean(root)
-    (tmp / "rootfs.json").write_text(
-        json.dumps({"suite": SUITE, "base": BASE_VERSION, "apt": list(apt), "pip": list(pip)})
-    )
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        if pip:
+            say("pip", "installing " + " ".join(pip))
+            _chroot(root, ["apt-get", "update", "-q"], "apt-get update")
+            _chroot(
+                root,
+                ["apt-get", "install", "-y", "-q", "--no-install-recommends", "python3-pip"],
+                "apt-get install python3-pip",
+            )
+            # Trust what the host trusts while downloading (a TLS-inspecting egress proxy's CA,
+            # say), without adding it to the guest's own store.
+            cert: list[str] = []
+            host_ca = Path("/etc/ssl/certs/ca-certificates.crt")
+            if host_ca.is_file():
+                shutil.copyfile(host_ca, root / "tmp" / "torpor-host-ca.crt")
+                cert = ["--cert", "/tmp/torpor-host-ca.crt"]
+            try:
+                _chroot(
+                    root,
+                    [
+                        "python3",
+                        "-m",
+                        "pip",
+                        "install",
+                        "--no-cache-dir",
+                        "--break-system-packages",
+                        *cert,
+                        *pip,
+                    ],
+                    "pip install",
+                )
+            finally:
+                (root / "tmp" / "torpor-host-ca.crt").unlink(missing_ok=True)
+        _clean(root)
+        (tmp / "rootfs.json").write_text(
+            json.dumps({"suite": SUITE, "base": BASE_VERSION, "apt": list(apt), "pip": list(pip)})
+        )
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        # a package that would not install (a typo) is asked for again under another key:
+        # nothing else would remove this copy of the whole tree
+        with contextlib.suppress(EngineError, OSError):
+            _remove_tree(tmp)
+        raise
     return final / "rootfs"
 
 
