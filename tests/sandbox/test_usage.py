@@ -348,3 +348,29 @@ def test_migration_from_v1_keeps_rows_and_backfills(tmp_path: Path) -> None:
     total = build(reg, tenant="default", since=T0, until=end, now=end).total
     assert total.vcpu_hours == pytest.approx(2.0) and total.cpu_hours == pytest.approx(2.0)
     assert total.ram_gib_hours == pytest.approx(2.0) and total.paused_gb_months == 0
+
+
+def test_a_clock_stepped_back_does_not_bill_a_killed_sandbox_for_ever(reg: Registry) -> None:
+    """A transition whose clock reads earlier than the one before (an NTP step back, another
+    node's clock) is logged at the previous instant: the report's seek by time then still
+    finds the last state, and a sandbox killed in the step is not billed as running after."""
+    reg.insert(
+        SandboxRecord(
+            id="sbx-c",
+            tenant="t",
+            name="c",
+            template="python",
+            state=S.CREATING,
+            vcpus=1,
+            memory_mib=1024,
+            created_at=T0,
+            last_active_at=T0,
+        )
+    )
+    reg.set_state("sbx-c", S.CREATING, S.RUNNING, at=T0 + 10)
+    reg.set_state("sbx-c", S.RUNNING, S.STOPPED, at=T0 + 8)  # the clock stepped back 2 s
+    for hours in (1, 100):
+        end = datetime.fromtimestamp(T0 + hours * HOUR, UTC)
+        total = build(reg, tenant="t", since=T0, until=end, now=end).total
+        assert total.vcpu_hours == pytest.approx(10 / HOUR)
+    assert [t.at for t in reg.transitions("sbx-c")] == [T0, T0 + 10, T0 + 10]

@@ -177,7 +177,9 @@ class SqlRegistry:
         owned_bytes: int | None = None,
     ) -> None:
         """Append a transition with its usage meters: the last row's plus what accrued since
-        (in the caller's transaction ``db``)."""
+        (in the caller's transaction ``db``). It is logged no earlier than the last row (a
+        clock stepped back, another node's clock): usage seeks a sandbox's rows by time, so
+        its log must not go back in time."""
         last = db.execute(
             self._sql(
                 f"SELECT {', '.join(METER_COLUMNS)} FROM {{transitions}} WHERE sandbox_id = ?"
@@ -185,6 +187,8 @@ class SqlRegistry:
             ),
             (sandbox_id,),
         ).fetchone()
+        if last is not None:
+            at = max(at, last[METER_COLUMNS.index("at")])
         spec = db.execute(self._sql("SELECT spec FROM {sandboxes} WHERE id = ?"), (sandbox_id,))
         spec_row = spec.fetchone()
         vcpus, memory_mib = spec_size(spec_row[0] if spec_row else None)
