@@ -267,6 +267,18 @@ def test_retention_cost_is_projected(reg: Registry) -> None:
     assert longer.retention[0].projected_cost > 10 * item.projected_cost
 
 
+def test_retention_cost_of_a_past_window_is_from_now(reg: Registry) -> None:
+    """A report over a window that ended before the sandbox paused still projects its pause
+    from now, with the bytes the pause owns (not the running row's none at the window's end)."""
+    simulate_user(reg, 7, random.Random(2), sessions=1, up_hours=1, paused_hours=1)
+    now = datetime.fromtimestamp(T0 + 5 * HOUR, UTC)  # paused since T0 + 1h
+    past = build(reg, tenant="acme", since=T0, until=T0 + HOUR / 2, now=now)
+    current = build(reg, tenant="acme", since=T0, until=now, now=now)
+    assert past.retention == current.retention
+    assert past.retention[0].bytes == 500_000_000
+    assert past.total.vcpu_hours == pytest.approx(1.0)  # the window's usage is still its own
+
+
 def test_rates_from_the_home(tmp_path: Path) -> None:
     home = Paths(tmp_path)
     assert RateCard.of(home) == RateCard()

@@ -149,7 +149,7 @@ def _lines_for(
     sums: dict[str | None, list[float]] = {}
     names: dict[str | None, str] = {}
     zero = Meters()
-    for rec, (start, end), _ in records:
+    for rec, (start, end, *_), _ in records:
         used = end - start
         if rec.created_at >= until or (used == zero and rec.state is SandboxState.STOPPED):
             continue
@@ -196,7 +196,7 @@ def _retention(
     now: float,
 ) -> list[RetentionCost]:
     out: list[RetentionCost] = []
-    for rec, _, last in records:
+    for rec, _, last in records:  # last: the sandbox's last row at ``now``
         ends = rec.expires_at
         if ends is None or ends <= now:
             continue
@@ -261,7 +261,10 @@ def build(
         rates = RateCard.of(paths) if paths is not None else RateCard()
     if paths is not None:
         sync_stored(registry, paths, now=now.timestamp(), snapshots=snapshots)
-    records = registry.meters_at((query.since.timestamp(), query.until.timestamp()), tenant=tenant)
+    instants: tuple[float, ...] = (query.since.timestamp(), query.until.timestamp())
+    if instants[1] < now.timestamp():  # a past window: what a retention costs is from now on
+        instants += (now.timestamp(),)
+    records = registry.meters_at(instants, tenant=tenant)
     stored = registry.stored(tenant=tenant)
     groups = _lines_for(records, stored, query)
     lines = [_line(group, rates) for group in groups]
