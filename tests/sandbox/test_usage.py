@@ -22,7 +22,7 @@ from torpor.sandbox.models import SandboxState as S
 from torpor.sandbox.registry import SCHEMA_VERSION, Registry, SandboxRecord
 from torpor.sandbox.registry.meters import MeterRow, Meters, accrue, interpolate
 from torpor.sandbox.registry.usage import RateCard, build, parse_query
-from torpor.sandbox.registry.usage.report import stored_in_window
+from torpor.sandbox.registry.usage.report import stored_in_window, sync_stored
 from torpor.sandbox.storage.volumes import VolumeStore
 
 HOUR = 3600.0
@@ -250,6 +250,31 @@ def test_a_labelled_volume_is_billed_to_its_label(tmp_path: Path) -> None:
     lines = {line.key: line for line in report.lines}
     assert lines["u-42"].volumes == 1 and lines[None].volumes == 1
     assert lines["u-42"].volume_gib_hours == pytest.approx(16 / 1024, rel=1e-3)
+
+
+def test_two_ledger_syncs_at_once_keep_a_new_volume_billed(tmp_path: Path) -> None:
+    """Two syncs of the ledger at once (the hourly GC, a usage report; two tenants' reports):
+    the one that listed the volumes before a volume was made must not end the row the other
+    entered for it since, or the volume is never billed again."""
+    home = paths(tmp_path / "home").ensure()
+    store = VolumeStore(home)
+    reg = Registry(home.registry)
+
+    class ListedEarlier:
+        """The volume store as a sync saw it before ``vol`` was made, while another sync
+        runs and enters it."""
+
+        def list_all(self) -> list[object]:
+            vol = store.create("vol", size_mib=16, tenant="t")
+            sync_stored(reg, home, volume_store=store)  # the other sync: enters it
+            assert [r["id"] for r in reg.stored(kind="volume", live=True)] == [vol.id]
+            return []
+
+    sync_stored(reg, home, volume_store=ListedEarlier())  # type: ignore[arg-type]
+    (row,) = reg.stored(kind="volume")
+    assert row["ended_at"] is None  # it still exists: billed on
+    sync_stored(reg, home, volume_store=store)
+    assert reg.stored(kind="volume", live=True) != []
 
 
 def test_retention_cost_is_projected(reg: Registry) -> None:

@@ -81,9 +81,16 @@ def sync_stored(
     end the ones that are gone. ``snapshots``: the snapshot store (default the home's own; a
     cluster node's sees every node's snapshots, while its volumes are its own: volumes other
     nodes hold are then not ended here). ``volume_store``: the volume store (default the home's own;
-    a cluster node's sees every node's volumes). Raises StorageError."""
+    a cluster node's sees every node's volumes). Raises StorageError.
+
+    Only rows the ledger held before the stores were listed are ended: a row another sync
+    (the GC's, another report's, another node's) entered meanwhile is for a thing made after
+    this listing, not a gone one."""
     now = time.time() if now is None else now
     store = snapshots or SnapshotStore(paths)
+    entered: dict[str, set[str]] = {"snapshot": set(), "volume": set()}
+    for row in registry.stored(live=True):
+        entered.setdefault(row["kind"], set()).add(row["id"])
     infos = [
         {
             "id": info.id,
@@ -111,7 +118,7 @@ def sync_stored(
         registry.record_stored(kind, items)
         if kind == "volume" and store.catalog.shared and volume_store is None:
             continue  # this node's volumes only: a deleted one was ended by its delete
-        gone = {r["id"] for r in registry.stored(kind=kind, live=True)} - {i["id"] for i in items}
+        gone = entered[kind] - {i["id"] for i in items}
         if gone:
             registry.end_stored(kind, gone, now)
 
