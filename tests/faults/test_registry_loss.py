@@ -4,6 +4,9 @@ sandbox directories, and ``torpor doctor --repair`` gives them their rows back."
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,8 @@ from torpor.config import paths
 from torpor.errors import CorruptData
 from torpor.sandbox.manager import SandboxManager
 from torpor.sandbox.models import SandboxState as S
+from torpor.sandbox.registry import Registry
+from torpor.sandbox.registry.repair import repair
 
 
 def _lose_registry(home: Path, how: str) -> None:
@@ -79,3 +84,24 @@ def test_a_lost_registry_refuses_to_start_then_is_repaired(
     asyncio.run(after())
     again = CliRunner().invoke(app, ["doctor", "--repair"])
     assert "nothing to repair" in again.output
+
+
+def test_a_rebuilt_pause_is_not_expired_by_the_lost_retention(tmp_path: Path) -> None:
+    """A rebuilt paused sandbox whose pause is older than the default retention (its lost row
+    kept it longer) is not expired at once: GC would delete the disk the repair saved."""
+    home = paths(tmp_path / "home").ensure()
+    directory = home.sandboxes / "sbx-0123456789ab"
+    directory.mkdir(parents=True)
+    (directory / "machine.json").write_text(json.dumps({"template": "python", "vcpus": 2}))
+    (directory / "ram").write_bytes(b"")
+    (directory / "state").write_bytes(b"QEVM")
+    paused = time.time() - 40 * 86400  # paused 40 days ago; the default retention is 30
+    os.utime(directory / "state", (paused, paused))
+    registry = Registry(home.registry)
+    try:
+        (made,) = repair(home, registry)
+        rec = registry.get(made.id)
+        assert rec.state is S.PAUSED and rec.paused_at == pytest.approx(paused)
+        assert rec.expires_at is not None and rec.expires_at > time.time()
+    finally:
+        registry.close()

@@ -12,7 +12,10 @@ the manager refuses to start while there are any; ``torpor doctor --repair`` cal
 * neither -> ``error`` (the RAM is gone; the disk is kept).
 
 What the directory cannot tell is lost and said so in the row's transition: the sandbox's name
-(it becomes its id), tenant (``default``), labels and idle pause.
+(it becomes its id), tenant (``default``), labels and idle pause. Its pause retention is lost
+too: a rebuilt row keeps its pause the longest a sandbox may
+(:data:`~torpor.sandbox.requests.MAX_RETENTION_DAYS`) from when it was paused, so GC deletes
+no pause the lost row may have kept.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from torpor.config import Paths
 from torpor.sandbox.models import SandboxState
 from torpor.sandbox.registry.sqlite import Registry, SandboxRecord
+from torpor.sandbox.requests import MAX_RETENTION_DAYS
 from torpor.sandbox.vm.machine_dir import inspect_dir
 
 __all__ = ["orphans", "repair"]
@@ -32,7 +36,10 @@ __all__ = ["orphans", "repair"]
 log = logging.getLogger(__name__)
 
 #: the note every rebuilt row carries in its first transition
-REBUILT = "rebuilt by torpor doctor --repair: name, tenant, labels and idle pause were lost"
+REBUILT = (
+    "rebuilt by torpor doctor --repair: name, tenant, labels, idle pause and pause retention "
+    "were lost"
+)
 
 
 def orphans(paths: Paths, registry: Registry) -> list[Path]:
@@ -81,6 +88,7 @@ def _record(directory: Path) -> SandboxRecord:
         labels={},
         vcpus=int(config.get("vcpus", 1)),
         memory_mib=int(config.get("memory_mib", 512)),
+        pause_retention_days=MAX_RETENTION_DAYS,
         created_at=started,
         last_active_at=now,
         paused_at=paused_at,
