@@ -105,3 +105,27 @@ def test_a_rebuilt_pause_is_not_expired_by_the_lost_retention(tmp_path: Path) ->
         assert rec.expires_at is not None and rec.expires_at > time.time()
     finally:
         registry.close()
+
+
+@pytest.mark.parametrize(
+    "machine_json",
+    ["[1, 2]", '{"vcpus": "two"}', '{"memory_mib": null}', '{"vcpus": -4}', '{"template": 3}'],
+)
+def test_repair_takes_a_machine_json_that_says_wrong_for_unknown(
+    tmp_path: Path, machine_json: str
+) -> None:
+    """A machine.json that reads as JSON but not as a machine (an escaped QEMU can rewrite
+    it) is one that says nothing: the row is rebuilt with the defaults, not a raw
+    AttributeError / ValueError that stops the repair and so the server's start."""
+    home = paths(tmp_path / "home").ensure()
+    directory = home.sandboxes / "sbx-0123456789ab"
+    directory.mkdir(parents=True)
+    (directory / "machine.json").write_text(machine_json)
+    registry = Registry(home.registry)
+    try:
+        (made,) = repair(home, registry)
+        rec = registry.get(made.id)
+        assert rec.state is S.ERROR and rec.template == "python"
+        assert (rec.vcpus, rec.memory_mib) == (1, 512)
+    finally:
+        registry.close()

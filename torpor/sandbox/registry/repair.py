@@ -64,11 +64,30 @@ def repair(paths: Paths, registry: Registry) -> list[SandboxRecord]:
     return made
 
 
-def _record(directory: Path) -> SandboxRecord:
+def _machine(directory: Path) -> tuple[str, int, int]:
+    """(template, vcpus, memory_mib) of the machine.json in ``directory``, the defaults for
+    what it does not say, or says wrong (a torn file; an escaped QEMU can rewrite it)."""
     try:
         config = json.loads((directory / "machine.json").read_text())
     except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict):
         config = {}
+
+    def size(key: str, default: int) -> int:
+        value = config.get(key)
+        return value if type(value) is int and value > 0 else default
+
+    template = config.get("template")
+    return (
+        template if isinstance(template, str) else "python",
+        size("vcpus", 1),
+        size("memory_mib", 512),
+    )
+
+
+def _record(directory: Path) -> SandboxRecord:
+    template, vcpus, memory_mib = _machine(directory)
     status = inspect_dir(directory)
     now = time.time()
     started = directory.stat().st_mtime
@@ -83,11 +102,11 @@ def _record(directory: Path) -> SandboxRecord:
         id=directory.name,
         tenant="default",
         name=directory.name,
-        template=str(config.get("template", "python")),
+        template=template,
         state=state,
         labels={},
-        vcpus=int(config.get("vcpus", 1)),
-        memory_mib=int(config.get("memory_mib", 512)),
+        vcpus=vcpus,
+        memory_mib=memory_mib,
         pause_retention_days=MAX_RETENTION_DAYS,
         created_at=started,
         last_active_at=now,
