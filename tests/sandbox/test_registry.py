@@ -92,6 +92,37 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
         Registry(tmp_path / "r.db")
 
 
+def test_two_processes_opening_a_new_registry_at_once_both_open(tmp_path: Path) -> None:
+    """Two openers (the server and a CLI command, just after an upgrade or on a new home)
+    that both read the old schema version before either migrated: the second one's migration
+    finds it done instead of failing ("table sandboxes already exists")."""
+    path = tmp_path / "registry.db"
+    holder = sqlite3.connect(path, isolation_level=None)  # holds the write lock while both
+    holder.execute("PRAGMA journal_mode=WAL")  # openers read version 0
+    holder.execute("BEGIN IMMEDIATE")
+    opened: list[Registry] = []
+    errors: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            opened.append(Registry(path))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_it) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    holder.execute("ROLLBACK")
+    holder.close()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(opened) == 2
+    assert all(reg.schema_version == SCHEMA_VERSION for reg in opened)
+    for reg in opened:
+        reg.close()
+
+
 def test_unopenable_path_is_storage_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(StorageError):

@@ -181,6 +181,10 @@ class Registry(SqlRegistry):
                 raise StorageError(f"registry error: {exc}", exc=exc, path=str(self.path)) from exc
 
     def _migrate(self) -> None:
+        """Bring the schema to :data:`SCHEMA_VERSION`, a version per transaction. Another
+        process opening the registry at the same time may migrate it first: each step reads
+        the version again once it holds the write lock, and skips what is done. Raises
+        StorageError for a schema newer than this torpor's, sqlite3.Error when one fails."""
         version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
         if version > SCHEMA_VERSION:
             raise StorageError(
@@ -189,19 +193,24 @@ class Registry(SqlRegistry):
                 path=str(self.path),
             )
         for target in range(version + 1, SCHEMA_VERSION + 1):
-            log.info("registry %s: migrating schema to version %d", self.path, target)
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                for statement in _MIGRATIONS[target].split(";"):
-                    if statement.strip():
-                        self._db.execute(statement)
-                if target in _BACKFILLS:
-                    _BACKFILLS[target](self._db)
-                self._db.execute(f"PRAGMA user_version={target}")
+                if int(self._db.execute("PRAGMA user_version").fetchone()[0]) < target:
+                    self._migrate_to(target)  # (else another process did meanwhile)
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def _migrate_to(self, target: int) -> None:
+        """Version ``target``'s script and backfill, in the caller's transaction."""
+        log.info("registry %s: migrating schema to version %d", self.path, target)
+        for statement in _MIGRATIONS[target].split(";"):
+            if statement.strip():
+                self._db.execute(statement)
+        if target in _BACKFILLS:
+            _BACKFILLS[target](self._db)
+        self._db.execute(f"PRAGMA user_version={target}")
 
     @property
     def schema_version(self) -> int:
