@@ -315,6 +315,54 @@ def test_start_reconciles_only_this_nodes_sandboxes(tmp_path: Path, dsn: str, st
     run(body)
 
 
+async def _cut_off_and_taken_over(
+    tmp_path: Path, dsn: str, store: str, engine: FakeEngine
+) -> tuple[SandboxManager, SandboxManager, Path]:
+    """n1 runs a sandbox when its heartbeat stalls past its lease (cut off from PostgreSQL,
+    its process and machine alive); n2 recovers the sandbox to its last durable pause and
+    wakes it; then n1 is back. Returns n1, n2 and n1's directory of the sandbox."""
+    n1 = node(tmp_path, dsn, store, "n1", engine=engine)
+    n2 = node(tmp_path, dsn, store, "n2")
+    await n1.start(supervise=False)
+    await n2.start(supervise=False)
+    sbx = await n1.create(name="agent", idle_pause_seconds=60)
+    await n1.run_code("agent", "x = 1")
+    await n1.pause("agent")
+    await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
+    await n1.run_code("agent", "x = 2")  # running on n1 when its heartbeat stalls
+    assert n1.cluster is not None and n1.cluster._heartbeat is not None
+    n1.cluster._heartbeat.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await n1.cluster._heartbeat
+    n1.cluster._heartbeat = None
+    await until(lambda: n2.get("agent"), lambda i: i.state is S.PAUSED, timeout=30)
+    with sent_here():
+        out = await n2.run_code("agent", "x")
+    assert out.results[0].data["text/plain"] == "1"  # n2 runs it now
+    directory = tmp_path / "n1" / "sandboxes" / sbx.id
+    assert directory in engine.world.processes  # n1's copy still runs
+    n1.cluster.start_heartbeat(n1.drop_stale)  # n1 is back
+    return n1, n2, directory
+
+
+def test_a_cut_off_node_does_not_idle_pause_a_sandbox_taken_over(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    """The idle sweep of a node whose sandbox another node took over (and runs) must not
+    pause its own stale copy over the registry row of the new owner's."""
+
+    async def body() -> None:
+        n1, n2, _ = await _cut_off_and_taken_over(tmp_path, dsn, store, FakeEngine())
+        assert await n1.idle_sweep(now=time.time() + 3600) == []  # not n1's to pause
+        assert (await n2.get("agent")).state is S.RUNNING
+        out = await n2.run_code("agent", "x")
+        assert out.results[0].data["text/plain"] == "1"
+        await n1.close()
+        await n2.close()
+
+    run(body)
+
+
 # -- the registry's pause records and recovery -------------------------------------------------
 
 

@@ -485,7 +485,8 @@ class SandboxManager(NodeOperations, SandboxCalls):
 
     async def idle_sweep(self, now: float | None = None) -> builtins.list[str]:
         """Pause every running sandbox idle for at least its ``idle_pause_seconds`` and with
-        no call in flight. Returns the ids paused; a failure is logged, not raised."""
+        no call in flight (in a cluster, that this node holds). Returns the ids paused; a
+        failure is logged, not raised."""
         now = time.time() if now is None else now
         paused: builtins.list[str] = []
         for rec in self.registry.list(states={S.RUNNING}):
@@ -504,6 +505,9 @@ class SandboxManager(NodeOperations, SandboxCalls):
                         and live.busy == 0
                         and now - rec.last_active_at >= (rec.idle_pause_seconds or 0)
                     ):
+                        # in a cluster, still this node's: a node cut off past its lease
+                        # may run a stale copy of a sandbox another node took over (Conflict)
+                        await self.take(rec.id, place=False)
                         await self.pause_held(rec, live, "idle")
                         paused.append(rec.id)
             except TorporError as exc:
