@@ -376,3 +376,32 @@ def test_a_durable_snapshots_local_chunks_go_to_the_bounded_cache(
         await n1.close()
 
     run(body)
+
+
+def test_a_restored_or_forked_child_is_held_by_the_node_that_runs_it(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    """A child of a restore or fork runs on the node that made it: the registry must say
+    so (its lease), or another node asked for it takes it, finds no machine and marks the
+    running child lost."""
+
+    async def body() -> None:
+        n1, n2 = node(tmp_path, dsn, store, "n1", lease=30), node(tmp_path, dsn, store, "n2")
+        c1, _ = await started(n1, n2)
+        await sandbox(n1, "agent")
+        await n1.run_code("agent", "notes = [1, 2]")
+        snap = await c1.snapshot("agent", name="before")
+        restored = await c1.restore(snap.id, name="again")
+        forked = await c1.fork("agent", count=1)
+        assert n1.cluster is not None
+        for child in (restored, *forked):
+            assert n1.cluster.registry.owner(child.id) == "n1"
+            with pytest.raises(Conflict) as elsewhere:  # n2 sends the caller to n1
+                await n2.run_code(child.id, "notes")
+            assert elsewhere.value.data["owner_node"] == "n1"
+            out = await n1.run_code(child.id, "notes")
+            assert out.results[0].data["text/plain"] == "[1, 2]"
+        await n1.close()
+        await n2.close()
+
+    run(body)

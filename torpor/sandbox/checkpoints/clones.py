@@ -222,6 +222,7 @@ class Cloner:
         recs: list[SandboxRecord] = []
         try:
             self._insert_rows(frozen, children, recs)
+            await self._hold(recs)
             # the last child takes the frozen RAM itself when no one else has a name for it
             # (a live freeze's or a restore's copy; the caller drops it after): one copy fewer
             own = (frozen / "ram").stat().st_nlink == 1 and take_ram
@@ -233,10 +234,22 @@ class Cloner:
                 *copies, asyncio.to_thread(clone_machine_dir, frozen, last, take_ram=own)
             )
         except BaseException as exc:
-            for rec in recs:
-                await m.abort_create(rec, m.live(rec.id), exc)
+            await self._abort(recs, exc)
             raise
         return recs
+
+    async def _hold(self, recs: list[SandboxRecord]) -> None:
+        """Cluster mode: hold the new children's leases, this node's before any of them runs
+        here (unheld, another node asked for one would take it, find no machine and mark it
+        lost). Raises StorageError."""
+        for rec in recs:
+            await self.manager.take(rec.id, place=False)
+
+    async def _abort(self, recs: list[SandboxRecord], exc: BaseException) -> None:
+        """Remove the children made so far and give their leases back."""
+        for rec in recs:
+            await self.manager.abort_create(rec, self.manager.live(rec.id), exc)
+            await self.manager.give_back(rec.id, held=True)
 
     def _insert_rows(self, frozen: Path, children: Children, recs: list[SandboxRecord]) -> None:
         """Check the quota and insert ``children``'s registry rows (``creating``, shaped as
@@ -297,6 +310,7 @@ class Cloner:
         ready: list[asyncio.Future[None] | None] = []
         try:
             self._insert_rows(frozen, children, recs)
+            await self._hold(recs)
             dirs = [m.directory(r.id) for r in recs]
 
             def make() -> None:
@@ -310,8 +324,7 @@ class Cloner:
 
             await asyncio.to_thread(make)
         except BaseException as exc:
-            for rec in recs:
-                await m.abort_create(rec, m.live(rec.id), exc)
+            await self._abort(recs, exc)
             raise
         waiting = [loop.create_future() for f in ready if f is not None]
         gates = iter(waiting)
@@ -380,6 +393,7 @@ class Cloner:
                 for rec, live in zip(recs, lives, strict=True):
                     with contextlib.suppress(TorporError):
                         await m.abort_create(rec, live, failed[0])
+                    await m.give_back(rec.id, held=True)
                 raise failed[0]
         log.info("%s: %d sandbox(es) %s", reason, len(rows), [r.id for r in rows])
         return [r.to_info() for r in rows]
