@@ -363,6 +363,28 @@ def test_a_cut_off_node_does_not_idle_pause_a_sandbox_taken_over(
     run(body)
 
 
+def test_a_cut_off_node_coming_back_stops_its_copy_of_a_sandbox_taken_over(
+    tmp_path: Path, dsn: str, store: str
+) -> None:
+    """A node whose process outlived its lease (cut off, not restarted) still runs the
+    machine of a sandbox another node took over and woke: its tidy-up stops that copy (two
+    live machines of one sandbox otherwise, the stale one for ever)."""
+
+    async def body() -> None:
+        engine = FakeEngine()
+        n1, n2, directory = await _cut_off_and_taken_over(tmp_path, dsn, store, engine)
+        sandbox_id = directory.name
+        assert await n1.drop_stale() == [sandbox_id]
+        assert directory not in engine.world.processes and not directory.exists()
+        assert n1.live(sandbox_id).machine is None
+        out = await n2.run_code("agent", "x")
+        assert out.results[0].data["text/plain"] == "1"
+        await n1.close()
+        await n2.close()
+
+    run(body)
+
+
 # -- the registry's pause records and recovery -------------------------------------------------
 
 

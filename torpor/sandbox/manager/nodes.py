@@ -161,8 +161,9 @@ class NodeOperations(Reconciler):
 
     async def drop_stale(self) -> builtins.list[str]:
         """Cluster mode: delete this node's sandbox directories that another node made stale
-        (the sandbox woke there since, or was killed); return their ids. A failure is
-        logged, not raised."""
+        (the sandbox woke there since, or was killed); return their ids. A machine still
+        running here whose sandbox another node took over (this node was cut off past its
+        lease) is stopped first. A failure is logged, not raised."""
         cluster = self.cluster
         dropped: builtins.list[str] = []
         if cluster is None or not self.paths.sandboxes.is_dir():
@@ -172,11 +173,18 @@ class NodeOperations(Reconciler):
             if not directory.is_dir() or not sandbox_id.startswith("sbx-"):
                 continue
             live = self.live(sandbox_id)
-            if live.lock.locked() or live.machine is not None:
+            if live.lock.locked():
                 continue
             try:
                 async with live.lock:
-                    if live.machine is None and await asyncio.to_thread(cluster.stale, sandbox_id):
+                    if live.machine is not None:
+                        if not await asyncio.to_thread(cluster.taken_over, sandbox_id):
+                            continue
+                        # this node outlived its lease (cut off) and another node took the
+                        # sandbox over: the copy still running here is stopped
+                        log.warning("sandbox %s was taken over: stopping its copy", sandbox_id)
+                        await self._quiet_kill(live, directory)
+                    if await asyncio.to_thread(cluster.stale, sandbox_id):
                         # a QEMU left from before this node was declared lost runs a machine
                         # another node has taken over: it goes with the files
                         with suppress(TorporError):

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 
-from torpor.errors import Conflict, NoNodeAvailable, TorporError
+from torpor.errors import Conflict, NoNodeAvailable, SandboxNotFound, TorporError
 from torpor.sandbox.manager.cluster.config import PROXIED
 from torpor.sandbox.manager.cluster.placement import Placement, compatible
 from torpor.sandbox.models import SandboxState as S
@@ -148,6 +148,16 @@ class Leases(Placement):
             return False
         pause = self.registry.pause_record(sandbox_id)
         return pause is None or pause.node != self.node
+
+    def taken_over(self, sandbox_id: str) -> bool:
+        """Whether a machine this node still runs for ``sandbox_id`` is no longer its own:
+        the registry names another node as its holder, or none (this node's lease lapsed,
+        say it was cut off from PostgreSQL, and another node recovered the sandbox; or it
+        was killed). Raises StorageError."""
+        try:
+            return self.registry.holder(sandbox_id) != self.node
+        except SandboxNotFound:
+            return False  # not a sandbox of this cluster: not ours to judge
 
     def pinned_to(self, sandbox_id: str) -> tuple[str, list[str]] | None:
         """The node a drive attached to ``sandbox_id`` is on, with the names of those

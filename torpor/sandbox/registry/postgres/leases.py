@@ -283,6 +283,17 @@ class Leases(PostgresCore):
         owner, until = rows[0]
         return str(owner) if owner is not None and until is not None and until >= now else None
 
+    def holder(self, sandbox_id: str) -> str | None:
+        """The node the row names as holding ``sandbox_id``, whatever its lease (None: no
+        node; a lapsed lease is still its holder's until another node recovers it). Raises
+        SandboxNotFound, StorageError."""
+        rows = self._query(
+            "SELECT owner_node FROM torpor_registry.sandboxes WHERE id = %s", (sandbox_id,)
+        )
+        if not rows:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", name=sandbox_id)
+        return None if rows[0][0] is None else str(rows[0][0])
+
     def lapsed(self, *, at: float | None = None) -> builtins.list[SandboxRecord]:
         """Sandboxes whose owner's lease ran out (the owner stopped heartbeating): another
         node must recover them. Raises StorageError."""
