@@ -565,3 +565,44 @@ def test_a_rebuild_begun_is_not_whole_until_its_ram_is_filled(tmp_path: Path) ->
     with pytest.raises(CorruptData, match="sbx-1"):
         again.run()
     assert not is_whole(dest)
+
+
+def test_a_lease_lapsing_during_an_acquire_is_recovered_not_taken_over(
+    tmp_path: Path, dsn: str, store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's acquire first recovers a sandbox whose owner's lease lapsed (back to its last
+    durable pause), then takes it. When the lease runs out between the two steps, the take
+    must not grab the running sandbox as it is (the node then finds no machine and marks it
+    lost, its durable pause ignored)."""
+
+    async def body() -> None:
+        n1, n2 = node(tmp_path, dsn, store, "n1"), node(tmp_path, dsn, store, "n2")
+        await n1.start(supervise=False)
+        await n2.start(supervise=False)
+        await n1.create(name="agent")
+        await n1.run_code("agent", "x = 1")
+        await n1.pause("agent")
+        await until(lambda: n1.get("agent"), lambda i: i.durable is not None, timeout=30)
+        await n1.run_code("agent", "x = 2")  # running on n1, its lease just renewed
+        die(n1, tmp_path / "n1")
+        assert n2.cluster is not None
+        assert n2.cluster._heartbeat is not None
+        n2.cluster._heartbeat.cancel()  # (its own recovery would get there first)
+        registry = n2.cluster.registry
+        recover = registry.recover
+
+        def late(sandbox_id: str, node: str, *, at: float | None = None) -> Any:
+            done = recover(sandbox_id, node, at=at)  # the lease still runs: nothing to do
+            time.sleep(3.5)  # ... and runs out now (lease: 3 s)
+            return done
+
+        monkeypatch.setattr(registry, "recover", late)
+        with sent_here(), contextlib.suppress(Conflict):  # (n1 still looked alive)
+            await n2.run_code("agent", "x")
+        monkeypatch.setattr(registry, "recover", recover)
+        with sent_here():
+            out = await n2.run_code("agent", "x")
+        assert out.results[0].data["text/plain"] == "1"  # its last durable pause
+        await n2.close()
+
+    run(body)

@@ -32,8 +32,11 @@ class Leases(Placement):
         if self._claimed(sandbox_id, place=place):
             return
         self.check_pins(sandbox_id)
-        # an owner that stopped heartbeating lost it: fall back to its last durable pause first
-        self.registry.recover(sandbox_id, self.node)
+        # an owner that stopped heartbeating lost it: fall back to its last durable pause first;
+        # the take below judges the lease at the same instant, so a lease running out between
+        # the two is not taken over with the sandbox still as its lost owner left it
+        now = time.time()
+        self.registry.recover(sandbox_id, self.node, at=now)
         if (
             place
             and self.draining
@@ -58,7 +61,12 @@ class Leases(Placement):
                     placed=why,
                 )
         try:
-            self.registry.acquire(sandbox_id, self.node, lease_seconds=self.config.lease_seconds)
+            self.registry.acquire(
+                sandbox_id,
+                self.node,
+                lease_seconds=self.config.lease_seconds + (time.time() - now),  # a full lease
+                at=now,
+            )
         except Conflict as exc:
             owner = str(exc.data.get("owner_node") or "")
             url = ""
