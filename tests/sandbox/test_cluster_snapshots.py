@@ -405,3 +405,35 @@ def test_a_restored_or_forked_child_is_held_by_the_node_that_runs_it(
         await n2.close()
 
     run(body)
+
+
+def test_a_draining_node_restores_no_snapshot(tmp_path: Path, dsn: str, store: str) -> None:
+    """A draining node takes no new sandbox: a restore or fork of a snapshot asked of it
+    goes to another node (a Conflict naming it, which the server proxies), as a create
+    does; made there, it would run on the node being emptied, after the drain's report."""
+
+    async def body() -> None:
+        n1, n2 = node(tmp_path, dsn, store, "n1"), node(tmp_path, dsn, store, "n2")
+        c1, c2 = await started(n1, n2)
+        await sandbox(n1, "agent")
+        await n1.run_code("agent", "notes = [1, 2]")
+        snap = await c1.snapshot("agent", name="before")
+        await until_snapshot(
+            lambda: c1.get_snapshot("before"), lambda i: i.durable is not None, timeout=30
+        )
+        report = await n1.drain_node("n1")
+        assert [s.name for s in report.moved] == ["agent"]
+        with pytest.raises(Conflict) as restore:
+            await c1.restore(snap.id, name="again")
+        assert restore.value.data["owner_node"] == "n2"
+        with pytest.raises(Conflict) as fork:
+            await c1.fork_snapshot(snap.id, count=1)
+        assert fork.value.data["owner_node"] == "n2"
+        assert [i.name for i in await n1.list()] == ["agent"]  # nothing made
+        again = await c2.restore(snap.id, name="again")  # where it was sent
+        out = await n2.run_code(again.id, "notes")
+        assert out.results[0].data["text/plain"] == "[1, 2]"
+        await n1.close()
+        await n2.close()
+
+    run(body)

@@ -523,7 +523,8 @@ class Checkpoints:
         ``pause_retention_days``) is a :class:`~torpor.sandbox.requests.RestoreSpec`.
 
         Raises SnapshotNotFound (deleted or expired), CorruptData (a chunk fails its hash),
-        Conflict (name taken), and leaves no half-made sandbox behind.
+        Conflict (name taken; in a cluster, another node's to do, as for a draining node: it
+        names that node), NoNodeAvailable, and leaves no half-made sandbox behind.
         """
         options = RestoreSpec.of(spec, **fields)
         names = None if options.name is None else [options.name]
@@ -563,6 +564,7 @@ class Checkpoints:
         if cluster is not None:  # not durable yet, or another accelerator: another node's
             origin = self.snapshots.origin(info.id, tenant=tenant)
             await asyncio.to_thread(cluster.check_restore, info, origin)
+            await asyncio.to_thread(cluster.accepting)  # a draining node: another node's too
         # the source's settings unless the caller gives its own (labels and envs: merged, as
         # for a fork)
         envs = {**self.snapshots.envs(info.id, tenant=tenant), **(options.envs or {})}
