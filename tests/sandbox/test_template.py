@@ -242,6 +242,40 @@ def test_cli_template_commands(home: Path) -> None:
     assert "torpor template build python" in result.output  # no templates in this home
 
 
+def test_cli_template_rm_refuses_a_template_sandboxes_rest_on(home: Path) -> None:
+    """`torpor template rm` deleted every build, the ones paused sandboxes' disks are
+    overlays on too: their disks stopped working, with no word of warning. It is refused
+    while anything of the home rests on the template, unless --force."""
+    import subprocess
+
+    import typer
+    from typer.testing import CliRunner
+
+    from torpor.cli import template as template_cli
+    from torpor.errors import Conflict
+
+    build = paths().templates / "data" / "builds" / "b1" / "snapshot"
+    build.mkdir(parents=True)
+    base = build / "disk.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "8M"], check=True)
+    (paths().templates / "data" / "snapshot").symlink_to(Path("builds") / "b1" / "snapshot")
+    (paths().templates / "data" / "template.json").write_text("{}")
+    sandbox = paths().sandboxes / "sbx-0123456789ab"
+    sandbox.mkdir(parents=True)
+    overlay = ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2"]
+    subprocess.run([*overlay, str(sandbox / "disk.qcow2")], check=True)
+    app = typer.Typer()
+    template_cli.register(app)
+    runner = CliRunner()
+    result = runner.invoke(app, ["template", "rm", "data"])
+    assert isinstance(result.exception, Conflict)
+    assert "sandboxes/sbx-0123456789ab" in str(result.exception)
+    assert base.is_file()  # nothing removed
+    result = runner.invoke(app, ["template", "rm", "data", "--force"])
+    assert result.exit_code == 0, result.output
+    assert not (paths().templates / "data").exists()
+
+
 def test_a_rebuild_without_options_keeps_the_templates_recipe(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

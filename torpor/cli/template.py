@@ -1,6 +1,7 @@
 """``torpor template build|ls|rm``: guest templates from the shell.
 
-Each command makes one :mod:`torpor.sandbox.template` call and renders its answer.
+Each command makes one :mod:`torpor.sandbox.template` call and renders its answer (``rm``
+first looks for what rests on the template).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from torpor.cli.output import AsJson, Quiet, emit
+from torpor.errors import Conflict
 from torpor.sandbox import template as templates
 
 __all__ = ["register"]
@@ -105,14 +107,50 @@ def ls(as_json: AsJson = False, quiet: Quiet = False) -> None:
     console.print(table)
 
 
+def _users(name: str) -> list[str]:
+    """What rests on template ``name`` in this home: the sandboxes and frozen snapshot dirs
+    whose disks are overlays on one of its builds, and the snapshots taken on it."""
+    from torpor.config import paths
+    from torpor.sandbox.storage.backing import resting_on
+    from torpor.sandbox.storage.snapshots import SnapshotStore
+
+    home = paths()
+    disks = resting_on(home.templates / name, [home.sandboxes, home.snapshots])
+    users = [str(d.parent.relative_to(home.home)) for d in disks]
+    users += [
+        f"snapshot {info.id} ({info.name}, tenant {info.tenant})"
+        for info, _ in SnapshotStore(home).manifests()
+        if info.template == name
+    ]
+    return users
+
+
 @template_app.command("rm")
-def rm(name: Annotated[str, typer.Argument(help="template name")]) -> None:
-    """Remove a template and all its builds (sandboxes cloned from it stop working).
+def rm(
+    name: Annotated[str, typer.Argument(help="template name")],
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="remove it even though sandboxes or snapshots rest on it"),
+    ] = False,
+) -> None:
+    """Remove a template and all its builds. Refused while sandboxes or snapshots of this
+    home rest on it (their disks are overlays on its builds: they would stop working),
+    unless --force.
 
     Example:
 
         torpor template rm data
     """
+    users = [] if force else _users(name)
+    if users:
+        shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
+        raise Conflict(
+            f"template {name!r} is in use by {shown}: kill or delete them first, or pass "
+            "--force (they stop working)",
+            kind="template",
+            name=name,
+            users=len(users),
+        )
     templates.remove(name)
     console.print(f"removed template [bold]{escape(name)}[/]")
 

@@ -8,12 +8,20 @@ copy a layer with the local layers under it folded in, so it rests on the templa
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 from torpor.errors import StorageError
 from torpor.sandbox.vm.disk import copy_sparse, rebase
 
-__all__ = ["backing_chain", "backing_file", "folded_copy", "is_under", "template_anchor"]
+__all__ = [
+    "backing_chain",
+    "backing_file",
+    "folded_copy",
+    "is_under",
+    "resting_on",
+    "template_anchor",
+]
 
 
 def backing_file(path: Path) -> Path | None:
@@ -68,3 +76,19 @@ def template_anchor(layer: Path, local_roots: tuple[Path, ...]) -> Path | None:
         if not any(b.resolve().is_relative_to(r.resolve()) for r in local_roots):
             return b
     return None
+
+
+def resting_on(root: Path, dirs: Iterable[Path]) -> list[Path]:
+    """The qcow2 disks below ``dirs`` whose backing chain reaches into ``root`` (a template's
+    directory): the disks that stop working without it. A disk whose header does not read
+    is left out."""
+    found: list[Path] = []
+    for d in dirs:
+        for disk in sorted(d.rglob("*.qcow2")) if d.is_dir() else []:
+            try:
+                chain = backing_chain(disk)
+            except StorageError:
+                continue
+            if any(is_under(b, root) for b in chain):
+                found.append(disk)
+    return found
