@@ -494,3 +494,14 @@ def test_a_metadata_filter_on_an_integer_past_64_bits(store: TenantStore) -> Non
         assert [r.text for r in store.scan(only, 10)] == texts
         assert store.count(only) == len(texts)
         assert [r.text for r, _ in store.lexical_search(["number"], only, 5)] == texts
+
+
+def test_a_metadata_filter_on_an_integer_past_a_float(store: TenantStore) -> None:
+    """An integer past what a float holds (JSON has them; PostgreSQL's jsonb compares them)
+    could not be bound as a real either: SQLite raised a raw OverflowError (a 500). SQLite
+    reads such a JSON integer as an infinite real, so the filter compares with that."""
+    store.add([fact("huge number", metadata={"n": 10**400}), fact("small", metadata={"n": 1})])
+    for wanted, texts in {10**400: ["huge number"], -(10**400): [], 1: ["small"]}.items():
+        only = flt(metadata={"n": wanted})
+        assert [r.text for r in store.scan(only, 10)] == texts
+        assert store.count(only) == len(texts)

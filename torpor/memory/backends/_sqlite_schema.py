@@ -11,6 +11,7 @@ along.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torpor.memory.backends._rows import RECORD_COLUMNS, record_from_row, record_to_row
@@ -190,7 +191,7 @@ def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
                 f"AND json_extract({a}.metadata, ?) = ?"
             )
             # sqlite3 binds 64-bit integers only; SQLite reads a larger JSON one as a real
-            params += [path, path, v if -(2**63) <= v < 2**63 else float(v)]
+            params += [path, path, v if -(2**63) <= v < 2**63 else _real(v)]
         elif isinstance(v, str):
             parts.append(
                 f"json_type({a}.metadata, ?) = 'text' AND json_extract({a}.metadata, ?) = ?"
@@ -203,3 +204,11 @@ def filter_sql(flt: RecordFilter, alias: str = "r") -> tuple[str, list[Any]]:
             )
             params += [path, path, canonical_json(v)]
     return " AND ".join(parts), params
+
+
+def _real(value: float) -> float:
+    """``value`` as SQLite reads a JSON number: a real, infinite past a float's range."""
+    try:
+        return float(value)
+    except OverflowError:  # an integer of over 308 digits
+        return math.inf if value > 0 else -math.inf
