@@ -389,6 +389,7 @@ def test_a_volume_file_is_not_read_from_a_stale_copy(tmp_path: Path, dsn: str, s
         with pytest.raises(Conflict) as there:
             read_volume_file(v2, "data", "/facts.md")
         assert there.value.data["node"] == "n1"
+        assert there.value.data["owner_url"] == "http://n1.test:8765"  # proxied there
     finally:
         n1.registry.close()
         n2.registry.close()

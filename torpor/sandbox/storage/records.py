@@ -197,6 +197,11 @@ class RecordMedium(Protocol):
         """When the record was last written (Unix time; None: not there)."""
         ...
 
+    def node_url(self, node: str) -> str | None:
+        """The URL another node of a shared medium answers at (None: unknown, or one
+        machine): where a request for a record's data on that node goes."""
+        ...
+
 
 class LocalRecords:
     """Records as files ``<root>/<prefix>-<hex>.json`` under ``<root>/.lock``."""
@@ -232,6 +237,9 @@ class LocalRecords:
             return self.path(rid).stat().st_mtime
         except FileNotFoundError:
             return None
+
+    def node_url(self, node: str) -> str | None:
+        return None
 
 
 class SharedInfo(Protocol):

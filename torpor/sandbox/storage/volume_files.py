@@ -239,6 +239,8 @@ def read_volume_file(
                 kind="volume",
                 id=info.id,
                 node=info.node,
+                owner_node=info.node,
+                owner_url=store.records.node_url(info.node),  # the server proxies it there
             )
         image = store.image(info.id)
         alive = None if live is None else live_now(live)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from torpor.errors import Conflict, CorruptData, StateLost, StorageError, TorporError
+from torpor.errors import Conflict, CorruptData, NotFound, StateLost, StorageError, TorporError
 from torpor.sandbox.manager.cluster.node import NodeBase
 from torpor.sandbox.registry.postgres import PostgresRegistry
 from torpor.sandbox.requests import VolumeSpec
@@ -346,6 +346,12 @@ class RegistryRecords:
 
     def written_at(self, rid: str) -> float | None:
         return self.registry.record_written_at(self.kind, rid)
+
+    def node_url(self, node: str) -> str | None:
+        try:
+            return self.registry.node(node).url or None
+        except NotFound:
+            return None
 
 
 def _manifest_key(manifest: dict[str, Any]) -> str:
