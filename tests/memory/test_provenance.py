@@ -215,6 +215,26 @@ def test_a_public_only_fetch_checks_every_redirect(monkeypatch: pytest.MonkeyPat
     provenance.check_public("http://8.8.8.8/x")  # a public address passes
 
 
+def test_a_public_only_fetch_tries_each_address_it_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name with two addresses, the first refusing connections (an IPv6 route that is
+    down, say): the fetch goes on to the next, as a client resolving it itself would."""
+    page = _serve({"/": (200, b"the public page\n")})
+    real = socket.getaddrinfo
+
+    def two(host: Any, port: Any, *args: Any, **kw: Any) -> Any:
+        if host != "two.example":
+            return real(host, port, *args, **kw)
+        return [*real("127.0.0.3", port, *args, **kw), *real("127.0.0.1", port, *args, **kw)]
+
+    monkeypatch.setattr(socket, "getaddrinfo", two)
+    monkeypatch.setattr(provenance, "public_address", lambda a: a in ("127.0.0.1", "127.0.0.3"))
+    ref = SourceRef(url=f"http://two.example:{page.server_port}/", quote="public page")
+    assert check(ref, public_only=True).verified
+    page.shutdown()
+
+
 def test_a_public_only_fetch_connects_to_the_address_it_checked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

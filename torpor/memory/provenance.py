@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torpor.errors import AccessDenied, NotFound, PathNotFound, TorporError
 from torpor.memory.models import SourceRef
@@ -177,14 +178,7 @@ def _read_url(ref: SourceRef, public_only: bool = False) -> bytes:
                 # connect to the address checked, not to one the client would look up again
                 # (DNS rebinding): the host goes in the Host header and TLS's server name
                 host, addresses = _public_addresses(url)
-                target = httpx.URL(url)
-                if addresses:
-                    target = target.copy_with(host=addresses[0])
-                resp = client.get(
-                    target,
-                    headers={"Host": httpx.URL(url).netloc.decode("ascii")},
-                    extensions={"sni_hostname": host},
-                )
+                resp = _get_pinned(client, httpx.URL(url), host, addresses)
                 location = resp.headers.get("location")
                 if not (resp.is_redirect and location):
                     break
@@ -196,6 +190,24 @@ def _read_url(ref: SourceRef, public_only: bool = False) -> bytes:
     if resp.status_code != 200:
         raise NotFound(f"{ref.url} answered {resp.status_code}", kind="url", name=ref.url)
     return resp.content
+
+
+def _get_pinned(client: Any, url: Any, host: str, addresses: list[str]) -> Any:
+    """GET ``url`` (an ``httpx.URL``) from the first of ``addresses`` (those ``host``
+    resolved to, checked) that takes the connection, the host in the ``Host`` header and the
+    TLS server name; no addresses: as it is (it fails on its own). Raises httpx's errors."""
+    import httpx
+
+    headers = {"Host": url.netloc.decode("ascii")}
+    for i, address in enumerate(addresses):
+        try:
+            return client.get(
+                url.copy_with(host=address), headers=headers, extensions={"sni_hostname": host}
+            )
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            if i == len(addresses) - 1:
+                raise
+    return client.get(url)
 
 
 def read_source(ref: SourceRef, *, public_only: bool = False) -> bytes:
