@@ -692,14 +692,13 @@ class ManagerCore:
         live.machine = machine
         # QEMU starts while the RAM file is filled; it loads the state once that is done
         rebuilt = None if job is None else asyncio.ensure_future(asyncio.to_thread(job.run))
+        # (shielded: a cancelled wake must not mark the thread's future done while the thread
+        # still writes; a wake that fails first never awaits it: _settled reads the error)
+        ready = None if rebuilt is None else asyncio.shield(rebuilt)
+        if ready is not None:
+            ready.add_done_callback(_retrieved)
         try:
-            # (shielded: a cancelled wake must not mark the thread's future done while the
-            # thread still writes)
-            await (
-                machine.wake()
-                if rebuilt is None
-                else machine.wake(ram_ready=asyncio.shield(rebuilt))
-            )
+            await (machine.wake() if ready is None else machine.wake(ram_ready=ready))
         except asyncio.CancelledError:
             # the caller gave up: the next call settles the sandbox from its files (see
             # _current), so the thread writing its RAM file must have ended by then
