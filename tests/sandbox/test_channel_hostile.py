@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
@@ -167,3 +167,95 @@ def test_calls_in_flight_at_once_are_bounded() -> None:
         assert {f.header["status"] for f in answered} == {200}
 
     with_guest(body, on_call=on_call)
+
+
+def _answered(
+    call: Callable[[GuestChannel], Coroutine[Any, Any, object]], result: object
+) -> object:
+    """What ``call`` returns (or raises) when the guest answers its request with ``result``."""
+
+    async def body(ch: GuestChannel, guest: FakeGuest) -> object:
+        task = asyncio.create_task(call(ch))
+        req = await guest.next_frame()
+        await guest.reply(req.id, ok=True, result=result)
+        try:
+            return await task
+        finally:
+            assert not ch.closed
+
+    return with_guest(body)
+
+
+@pytest.mark.parametrize(
+    ("call", "result"),
+    [
+        (lambda ch: ch.run_code("1"), {"results": [1]}),
+        (lambda ch: ch.run_code("1"), {"results": "ab"}),
+        (lambda ch: ch.run_code("1"), {"results": [{"data": 1}]}),
+        (lambda ch: ch.run_code("1"), {"error": [1]}),
+        (lambda ch: ch.run_code("1"), {"error": {"name": 1}}),
+        (lambda ch: ch.run_command("true"), {"exit_code": "x"}),
+        (lambda ch: ch.run_command("true"), {"exit_code": [1]}),
+        (lambda ch: ch.run_command("true"), {"exit_code": float("inf")}),
+        (lambda ch: ch.run_command("true"), {"exit_code": 0, "pid": "x"}),
+        (lambda ch: ch.list_dir("/"), {"entries": [1]}),
+        (lambda ch: ch.list_dir("/"), {"entries": 5}),
+        (lambda ch: ch.list_dir("/"), {"entries": [{"name": "a"}]}),
+    ],
+)
+def test_a_malformed_result_is_a_guest_error(
+    call: Callable[[GuestChannel], Coroutine[Any, Any, object]], result: object
+) -> None:
+    # The host built its models from the guest's JSON unchecked: a result of the wrong shape
+    # escaped as a raw TypeError / ValueError / pydantic ValidationError (a 500 over HTTP).
+    with pytest.raises(GuestError, match="malformed"):
+        _answered(call, result)
+
+
+def test_well_formed_results_still_parse() -> None:
+    execution = _answered(
+        lambda ch: ch.run_code("1"),
+        {
+            "results": [{"data": {"text/plain": "1"}, "extra": True}],
+            "error": {"name": "E", "value": "v", "traceback": "t"},
+        },
+    )
+    assert execution.text == "1" and execution.error.name == "E"  # type: ignore[attr-defined]
+    result = _answered(lambda ch: ch.run_command("true"), {"exit_code": None, "pid": 7})
+    assert (result.exit_code, result.pid) == (-1, 7)  # type: ignore[attr-defined]
+    entries = _answered(
+        lambda ch: ch.list_dir("/"),
+        {"entries": [{"name": "a", "path": "/a", "type": "file", "size": 1}]},
+    )
+    assert [e.name for e in entries] == ["a"]  # type: ignore[attr-defined]
+
+
+def test_a_terminal_whose_pid_is_no_number_fails_to_open_and_is_cancelled() -> None:
+    # int(pid) raised in the event handler (logged), and pty_open waited for the guest to end.
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        opened = asyncio.create_task(ch.pty_open("p1", "bash", lambda b: None))
+        req = await guest.next_frame()
+        await guest.send(
+            proto.encode_frame({"i": req.id, "t": proto.EVENT, "s": "started"}, b"\xffabc")
+        )
+        with pytest.raises(GuestError, match="malformed"):
+            await opened
+        assert (await guest.next_frame()).header == {"i": req.id, "t": proto.CANCEL}
+
+    with_guest(body)
+
+
+@pytest.mark.parametrize("code", ["x", [1], 1.5])
+def test_a_terminal_whose_exit_code_is_no_number_ends_with_a_guest_error(code: object) -> None:
+    # int(exit_code) raised a raw ValueError / TypeError out of the session's done task.
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        opened = asyncio.create_task(ch.pty_open("p1", "bash", lambda b: None))
+        req = await guest.next_frame()
+        await guest.send(proto.encode_frame({"i": req.id, "t": proto.EVENT, "s": "started"}, b"7"))
+        pid, done = await opened
+        assert pid == 7
+        await guest.reply(req.id, ok=True, result={"exit_code": code})
+        with pytest.raises(GuestError, match="malformed"):
+            await done
+
+    with_guest(body)

@@ -23,7 +23,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
 
 from torpor.config import LIMITS, Limits
 from torpor.errors import (
@@ -36,7 +38,7 @@ from torpor.errors import (
     from_wire,
 )
 from torpor.sandbox.guest import protocol as proto
-from torpor.sandbox.models import CommandResult, EntryInfo, Execution, ExecutionError, Result
+from torpor.sandbox.models import CommandResult, EntryInfo, Execution
 from torpor.sandbox.requests import CodeSpec, CommandSpec
 from torpor.types import OutputCallback
 
@@ -50,6 +52,8 @@ CallHandler = Callable[
 ]
 
 log = logging.getLogger(__name__)
+
+_M = TypeVar("_M")
 
 #: extra seconds the host waits past a command's own timeout (the guest enforces that one)
 TIMEOUT_GRACE = 15.0
@@ -561,11 +565,11 @@ class GuestChannel:
                 setattr(exc, stream, exc.data[stream])
             raise
         exit_code = result.get("exit_code")
-        return CommandResult(
-            exit_code=-1 if exit_code is None else int(exit_code),
-            stdout=got[0].text("stdout"),
-            stderr=got[0].text("stderr"),
-            pid=result.get("pid"),
+        fields = {"exit_code": -1 if exit_code is None else exit_code, "pid": result.get("pid")}
+        return _from_guest(
+            CommandResult.model_validate,
+            {**fields, "stdout": got[0].text("stdout"), "stderr": got[0].text("stderr")},
+            "run",
         )
 
     async def run_code(
@@ -607,12 +611,11 @@ class GuestChannel:
             stderr=on_stderr,
             pending_out=got,
         )
-        error = result.get("error")
-        return Execution(
-            results=[Result(**r) for r in result.get("results") or []],
-            stdout=got[0].text("stdout"),
-            stderr=got[0].text("stderr"),
-            error=None if not error else ExecutionError(**error),
+        fields = {"results": result.get("results") or [], "error": result.get("error") or None}
+        return _from_guest(
+            Execution.model_validate,
+            {**fields, "stdout": got[0].text("stdout"), "stderr": got[0].text("stderr")},
+            "run_code",
         )
 
     async def pty_open(
@@ -637,7 +640,10 @@ class GuestChannel:
             if stream == "pty":
                 on_data(chunk)
             elif stream == "started" and not started.done():
-                started.set_result(int(chunk.decode()))
+                try:
+                    started.set_result(_from_guest(_INT, chunk.decode("utf-8", "replace"), "pty"))
+                except GuestError as exc:
+                    started.set_exception(exc)
 
         args = {"id": pty_id, "cmd": cmd, "cols": cols, "rows": rows, "env": env or {}}
         if cwd is not None:
@@ -645,10 +651,14 @@ class GuestChannel:
 
         async def run() -> int:
             result = await self._request("pty", args, idle=None, raw=on_event)
-            return int(result.get("exit_code", -1))
+            return _from_guest(_INT, result.get("exit_code", -1), "pty")
 
         task = loop.create_task(run())
         await _until_started(started, task)
+        if started.done() and (bad := started.exception()) is not None:  # a pid, not a number
+            task.cancel()  # the guest ends the program it started for nobody
+            await asyncio.gather(task, return_exceptions=True)
+            raise bad
         if not started.done():  # it failed (or exited) before it said it started
             started.cancel()
             exc = task.exception()
@@ -696,7 +706,7 @@ class GuestChannel:
             result = await self._request(
                 "tunnel", {"id": tunnel_id, "port": port}, idle=None, raw=on_event
             )
-            return int(result.get("bytes", 0))
+            return _from_guest(_INT, result.get("bytes", 0), "tunnel")
 
         task = loop.create_task(run())
         await _until_started(started, task)
@@ -751,7 +761,7 @@ class GuestChannel:
     async def list_dir(self, path: str) -> list[EntryInfo]:
         """The entries of directory ``path``, sorted by name. Raises PathNotFound."""
         result = await self._request("list", {"path": path})
-        return [EntryInfo(**e) for e in result.get("entries", [])]
+        return _from_guest(_ENTRIES, result.get("entries", []), "list")
 
     async def exists(self, path: str) -> bool:
         """Whether ``path`` exists (a dangling symlink counts)."""
@@ -851,6 +861,21 @@ class _VersionMismatch(Exception):
             f"{proto.PROTOCOL_VERSION}: rebuild the template"
         )
         self.version = version
+
+
+#: a directory listing as the guest sends it, and a number it sends (a pid, an exit code)
+_ENTRIES = TypeAdapter(list[EntryInfo]).validate_python
+_INT = TypeAdapter(int).validate_python
+
+
+def _from_guest(validate: Callable[[Any], _M], value: Any, op: str) -> _M:
+    """``value``, part of the guest's answer to ``op``, read by ``validate`` (a model's
+    ``model_validate``, an adapter's ``validate_python``). The guest is not trusted: raises
+    GuestError when what it sent does not fit."""
+    try:
+        return validate(value)
+    except ValidationError as exc:
+        raise GuestError(f"the guest sent a malformed {op} result: {exc}", exc=exc) from None
 
 
 #: the headers of an answer to a guest's call that is JSON
