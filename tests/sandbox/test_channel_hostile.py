@@ -259,3 +259,40 @@ def test_a_terminal_whose_exit_code_is_no_number_ends_with_a_guest_error(code: o
             await done
 
     with_guest(body)
+
+
+@pytest.mark.parametrize("how", ["close", "hang_up"])
+def test_a_guest_call_being_answered_ends_with_its_channel(how: str) -> None:
+    # close() and a hang-up failed the host's requests but left the guest's calls running:
+    # a slow memory call went on for a guest that could never get its answer (past a pause,
+    # a kill, the manager's close) and was never awaited.
+    started = asyncio.Event()
+    ended: list[str] = []
+
+    async def on_call(
+        method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+        return 200, {}, b"ok"
+
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        await guest.send(proto.encode_frame({"i": 1, "t": proto.CALL, "method": "POST"}))
+        await started.wait()
+        if how == "close":
+            await ch.close()
+        else:
+            guest.writer.close()
+            while not ch.closed:
+                await asyncio.sleep(0.01)
+        for _ in range(100):
+            if ended:
+                break
+            await asyncio.sleep(0.01)
+        assert ended == ["cancelled"]
+
+    with_guest(body, on_call=on_call)

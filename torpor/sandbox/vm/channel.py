@@ -294,11 +294,13 @@ class GuestChannel:
         return self._closed is not None
 
     async def close(self) -> None:
-        """Disconnect; in-flight requests fail with :class:`GuestError`. Idempotent."""
+        """Disconnect; in-flight requests fail with :class:`GuestError`, the guest's calls
+        being answered are cancelled (and awaited). Idempotent."""
         self._fail_all(GuestError("the guest channel was closed"))
         self._read_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._read_task
+        await asyncio.gather(*self._calls, return_exceptions=True)
         self._writer.close()
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
@@ -310,11 +312,15 @@ class GuestChannel:
         await self.close()
 
     def _fail_all(self, error: GuestError) -> None:
+        """Fail every request in flight with ``error`` and cancel the guest's calls: none of
+        their answers could reach it any more."""
         if self._closed is None:
             self._closed = error
         for pending in self._pending.values():
             if not pending.future.done():
                 pending.future.set_exception(error)
+        for call in self._calls:
+            call.cancel()
 
     async def _read_loop(self) -> None:
         try:
