@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 #: where the listeners are bound
 BIND_HOST = "127.0.0.1"
+#: bytes from the guest's side that may wait on the host for a client reading slower than
+#: they come; past it the connection is dropped (the guest does not wait for the client)
+MAX_BACKLOG = 16 << 20
 
 
 @dataclass
@@ -113,9 +116,27 @@ class Forwards:
         self, fwd: Forward, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         tid = "tun-" + secrets.token_hex(6)
+        too_slow = asyncio.Event()
+
+        def downstream(data: bytes) -> None:
+            if too_slow.is_set():
+                return
+            if writer.transport.get_write_buffer_size() + len(data) > MAX_BACKLOG:
+                log.info(
+                    "connection to port %d of %s dropped: its client reads slower than the "
+                    "guest sends (over %d bytes waiting)",
+                    fwd.port,
+                    fwd.sandbox_id,
+                    MAX_BACKLOG,
+                )
+                too_slow.set()
+                writer.transport.abort()  # what waits for the client goes with it
+                return
+            writer.write(data)
+
         try:
             channel, done = await self.manager.open_tunnel(
-                fwd.sandbox_id, fwd.port, tid, writer.write, tenant=fwd.tenant
+                fwd.sandbox_id, fwd.port, tid, downstream, tenant=fwd.tenant
             )
         except TorporError as exc:  # nothing listens, the sandbox is gone: refuse the client
             log.info("connection to port %d of %s refused: %s", fwd.port, fwd.sandbox_id, exc)
@@ -129,15 +150,19 @@ class Forwards:
                 await channel.tunnel_close(tid)
 
         up = asyncio.create_task(upstream())
+        cut = asyncio.create_task(too_slow.wait())
         try:
-            with contextlib.suppress(TorporError):
-                await done
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
+            await asyncio.wait({done, cut}, return_when=asyncio.FIRST_COMPLETED)
+            if not too_slow.is_set():
+                with contextlib.suppress(TorporError):
+                    await done
+                with contextlib.suppress(ConnectionError):
+                    await writer.drain()
         finally:
             up.cancel()
+            cut.cancel()
             if not done.done():
-                done.cancel()
+                done.cancel()  # the guest drops its side
             writer.close()
 
     async def close_sandbox(self, sandbox_id: str) -> None:
