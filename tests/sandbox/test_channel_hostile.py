@@ -296,3 +296,25 @@ def test_a_guest_call_being_answered_ends_with_its_channel(how: str) -> None:
         assert ended == ["cancelled"]
 
     with_guest(body, on_call=on_call)
+
+
+def test_output_under_names_of_the_guests_choosing_is_not_kept() -> None:
+    # An event's stream name came from the guest's header and became a key of the request's
+    # decoders and streams; an empty payload counted nothing against the output limit, so a
+    # guest could keep up to 1 MiB of name per frame, without bound, while a command ran.
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        task = asyncio.create_task(ch.run_command("true"))
+        req = await guest.next_frame()
+        (pending,) = ch._pending.values()
+        for n in range(64):
+            name = f"{n}".ljust(256 * 1024, "x")
+            await guest.send(proto.encode_frame({"i": req.id, "t": proto.EVENT, "s": name}))
+        await guest.send(proto.encode_frame({"i": req.id, "t": proto.EVENT, "s": "x"}, b"hi"))
+        await guest.send(proto.encode_frame({"i": req.id, "t": proto.EVENT, "s": "stdout"}, b"out"))
+        await asyncio.sleep(0.05)
+        assert set(pending.decoders) | set(pending.streams) <= {"stdout", "stderr"}
+        await guest.reply(req.id, ok=True, result={"exit_code": 0})
+        result = await task
+        assert (result.stdout, result.stderr) == ("out", "")
+
+    with_guest(body)

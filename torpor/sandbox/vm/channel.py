@@ -74,6 +74,8 @@ INLINE_OPS = frozenset({"ping", "refresh"})
 OUTPUT_SLACK = 4 << 20
 #: calls of the guest (its memory relay) the host answers at once; more are refused (429)
 MAX_CALLS = 64
+#: the output streams of a request that is not a terminal or a tunnel (``raw``)
+_STREAMS = frozenset({"stdout", "stderr"})
 
 
 @dataclass
@@ -360,6 +362,8 @@ class GuestChannel:
                     pending.raw(stream, frame.payload)
                 except Exception:  # a user's callback must not break the channel
                     log.exception("%s event handler failed", pending.op)
+            elif stream not in _STREAMS:  # a name of the guest's choosing: nothing to keep
+                log.debug("dropping %s output on a stream the host does not know", pending.op)
             else:
                 pending.output_bytes += len(frame.payload)
                 if pending.output_bytes > pending.data_limit + OUTPUT_SLACK:
