@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import pytest
 
 from torpor.config import Limits
-from torpor.errors import GuestError, PathNotFound, PayloadTooLarge, TorporError
+from torpor.errors import GuestError, OperationTimeout, PathNotFound, PayloadTooLarge, TorporError
 from torpor.sandbox.guest import protocol as proto
 from torpor.sandbox.vm.channel import MAX_CALLS, GuestChannel
 
@@ -318,3 +318,18 @@ def test_output_under_names_of_the_guests_choosing_is_not_kept() -> None:
         assert (result.stdout, result.stderr) == ("out", "")
 
     with_guest(body)
+
+
+def test_close_does_not_wait_for_a_guest_that_stopped_reading() -> None:
+    # close() waited for the host's unsent bytes to reach the guest: a guest that stopped
+    # reading its port held a pause or a kill (which closes the channel before QEMU goes)
+    # for ever.
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        with pytest.raises(OperationTimeout):
+            await ch.write_file("/x", b"a" * (8 << 20))  # the guest reads none of it
+        try:
+            await asyncio.wait_for(ch.close(), 5)
+        finally:
+            guest.writer.close()  # (what ended the old close)
+
+    with_guest(body, op_timeout=0.5)

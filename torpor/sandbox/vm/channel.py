@@ -64,6 +64,9 @@ FIRST_PING_RETRY = 0.02
 #: to the first ping, so retries from 20 ms only queued 2-6 pings each for it to serve; a
 #: ping lost to the reconnect is sent again once the guest can have run its first steps
 CLONE_FIRST_PING_RETRY = 0.1
+#: seconds :meth:`GuestChannel.close` lets the guest take what the host still has to send
+#: before the connection is dropped with it
+CLOSE_GRACE = 1.0
 #: a refresh done by connect() stands in for a refresh() this soon after, nothing between
 FRESH_FOR = 2.0
 #: ops the agent serves on its read loop, in arrival order (its ``INLINE_OPS``): a cancel
@@ -297,15 +300,20 @@ class GuestChannel:
 
     async def close(self) -> None:
         """Disconnect; in-flight requests fail with :class:`GuestError`, the guest's calls
-        being answered are cancelled (and awaited). Idempotent."""
+        being answered are cancelled (and awaited), and what the guest has not read after
+        :data:`CLOSE_GRACE` seconds is dropped. Idempotent."""
         self._fail_all(GuestError("the guest channel was closed"))
         self._read_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._read_task
         await asyncio.gather(*self._calls, return_exceptions=True)
         self._writer.close()
+        # (a task: cancelling wait_closed() itself would cancel the stream's own close waiter)
+        closing = asyncio.ensure_future(self._writer.wait_closed())
+        if not (await asyncio.wait({closing}, timeout=CLOSE_GRACE))[0]:
+            self._writer.transport.abort()  # the guest stopped reading: drop what it did not
         with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
+            await asyncio.shield(closing)
 
     async def __aenter__(self) -> Self:
         return self
