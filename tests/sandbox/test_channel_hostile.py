@@ -333,3 +333,57 @@ def test_close_does_not_wait_for_a_guest_that_stopped_reading() -> None:
             guest.writer.close()  # (what ended the old close)
 
     with_guest(body, op_timeout=0.5)
+
+
+def _unread(ch: GuestChannel) -> int:
+    """Bytes the host has written for the guest that the guest has not read yet."""
+    transport = ch._writer.transport
+    return int(transport.get_write_buffer_size())
+
+
+def test_answers_a_guest_does_not_read_do_not_pile_up_on_the_host() -> None:
+    # Each call was answered and forgotten at once: a guest that sent calls (a few bytes
+    # each) without reading the answers (up to 1 MiB each) made the host buffer them all.
+    answer = b"r" * (64 * 1024)
+
+    async def on_call(
+        method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        return 200, {}, answer
+
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        for cid in range(400):  # 25 MiB of answers
+            await guest.send(proto.encode_frame({"i": cid, "t": proto.CALL, "method": "POST"}))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.2)
+        assert _unread(ch) <= MAX_CALLS * len(answer) + (4 << 20)
+        statuses = set()
+        while ch._calls:  # the guest reads at last: the held calls get their answers
+            statuses.add((await guest.next_frame()).header["status"])
+        assert 200 in statuses and statuses <= {200, 429}
+
+    with_guest(body, on_call=on_call)
+
+
+def test_refusals_a_guest_does_not_read_do_not_pile_up_on_the_host() -> None:
+    # Past MAX_CALLS each call frame (34 bytes) got a 429 answer of some 200 bytes written
+    # whether or not the guest read any: a guest that does not read grew host memory.
+    release = asyncio.Event()
+
+    async def on_call(
+        method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
+        await release.wait()
+        return 200, {}, b"ok"
+
+    async def body(ch: GuestChannel, guest: FakeGuest) -> None:
+        frames = b"".join(
+            proto.encode_frame({"i": cid, "t": proto.CALL}) for cid in range(40_000)
+        )  # 1.3 MiB of calls, 9 MiB of refusals
+        for at in range(0, len(frames), 1 << 16):
+            await guest.send(frames[at : at + (1 << 16)])
+        await asyncio.sleep(0.2)
+        assert _unread(ch) <= 6 << 20
+        release.set()
+
+    with_guest(body, on_call=on_call)

@@ -77,6 +77,9 @@ INLINE_OPS = frozenset({"ping", "refresh"})
 OUTPUT_SLACK = 4 << 20
 #: calls of the guest (its memory relay) the host answers at once; more are refused (429)
 MAX_CALLS = 64
+#: bytes the host may hold for a guest that does not read them before it stops refusing the
+#: guest's calls past :data:`MAX_CALLS` (each refusal would be more bytes it does not read)
+REFUSALS_BACKLOG = 4 << 20
 #: the output streams of a request that is not a terminal or a tunnel (``raw``)
 _STREAMS = frozenset({"stdout", "stderr"})
 
@@ -397,7 +400,12 @@ class GuestChannel:
         self._send_cancel(req_id)
 
     def _refuse_call(self, call_id: int) -> None:
-        """Answer call ``call_id`` with 429: :data:`MAX_CALLS` are being answered already."""
+        """Answer call ``call_id`` with 429: :data:`MAX_CALLS` are being answered already.
+        Not while the guest leaves over :data:`REFUSALS_BACKLOG` bytes unread: its relay's
+        own timeout answers the call."""
+        if self._writer.transport.get_write_buffer_size() > REFUSALS_BACKLOG:
+            log.debug("not refusing call %s: the guest does not read its answers", call_id)
+            return
         error = QuotaExceeded(
             f"over {MAX_CALLS} memory calls from this sandbox at once", limit=MAX_CALLS
         )
@@ -410,7 +418,8 @@ class GuestChannel:
             self._writer.write(proto.encode_frame(answer, body))
 
     async def _answer(self, frame: proto.Frame) -> None:
-        """Answer one ``call`` of the guest with :attr:`on_call` (503 without one)."""
+        """Answer one ``call`` of the guest with :attr:`on_call` (503 without one). The call
+        counts against :data:`MAX_CALLS` until the guest has taken its answer."""
         header = frame.header
         status, headers, body = 503, _JSON, b""
         try:
@@ -437,6 +446,8 @@ class GuestChannel:
             status, headers = 500, _JSON
             body = _error_body(TorporError("internal server error"))
         self._send_answer(frame.id, status, headers, body)
+        with contextlib.suppress(ConnectionError, OSError):
+            await self._writer.drain()
 
     # -- requests ------------------------------------------------------------------------
 
