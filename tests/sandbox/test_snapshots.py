@@ -362,6 +362,33 @@ def test_a_snapshot_deleted_while_capturing_is_not_stored(tmp_path: Path) -> Non
         store.get(info.id)
 
 
+def test_a_delete_after_a_crash_between_manifest_and_record_removes_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash after a capture wrote its manifest, before its pending record went, leaves
+    both. A delete then removed the record only and answered success: the manifest stayed,
+    so the deleted snapshot was still listed, restorable and billed."""
+    p = make_home(tmp_path)
+    m = make_machine(p, "sb1")
+    store = SnapshotStore(p)
+    info = store.begin(freeze(m, store.frozen_root), name="doomed")
+
+    def crash(name: str) -> None:
+        if name == "save:listed":
+            raise SystemExit("killed")
+
+    monkeypatch.setattr(snapmod, "failpoint", crash)
+    with pytest.raises(SystemExit):
+        store.complete(info.id)
+    monkeypatch.setattr(snapmod, "failpoint", None)
+    assert store.get(info.id).status == "stored"
+    store.delete(info.id)
+    assert store.list() == []
+    with pytest.raises(SnapshotNotFound):
+        store.get(info.id)
+    assert store.complete(info.id) is None
+
+
 def test_retention_set_while_capturing_is_kept_and_lists_nothing_half_made(
     tmp_path: Path,
 ) -> None:

@@ -687,8 +687,10 @@ class SnapshotStore(ManifestReader):
         info = self.get(id_or_name, tenant=tenant, include_expired=True)
         try:
             with self.lock(exclusive=True, name="names"):  # not while a capture completes
+                # both: a crash between a capture's manifest and its record's removal left
+                # the two (the manifest, kept, listed the deleted snapshot again)
                 pending = self.captures.remove(info.id)
-                if not pending and not self.catalog.remove(info.id):
+                if not self.catalog.remove(info.id) and not pending:
                     raise not_found(id_or_name)
             with self.captures.evicting() as free:
                 if free:
