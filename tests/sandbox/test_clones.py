@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -166,6 +168,60 @@ def test_a_restore_keeps_the_memory_scope_and_a_fork_of_a_snapshot_takes_the_one
             other = {"app": "support", "user": "u-42", "session": "s-1", "read_only": True}
             forked = await cp.fork_snapshot(snap.id, count=1, memory_scope=other)
             assert forked[0].memory_scope == other
+        finally:
+            await cp.settle()
+            await m.close(pause=False)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("operation", ["snapshot", "fork", "restore"])
+def test_a_checkpoint_waiting_for_the_store_lock_leaves_the_event_loop_free(
+    tmp_path: Path, operation: str
+) -> None:
+    """GC holds the snapshot store's lock for its whole pass (every manifest, every frozen
+    dir, the chunk sweep). A snapshot, fork or restore waited for that lock on the server's
+    event loop: every other request stood still until GC was done. Here another thread
+    holds the lock until the loop has run something else."""
+    import threading
+
+    from tests.sandbox.fakes import DiskEngine
+    from torpor.sandbox.checkpoints import Checkpoints
+    from torpor.sandbox.storage.snapshots import store_lock
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=DiskEngine())
+        cp = Checkpoints(m)
+        try:
+            src = await m.create(name="src")
+            snap = await cp.snapshot(src.id, name="before", wait=True)
+            held, loop_ran = threading.Event(), threading.Event()
+            seen: list[bool] = []
+
+            def hold() -> None:
+                with store_lock(m.paths, exclusive=True):
+                    held.set()
+                    seen.append(loop_ran.wait(5))  # let go once the loop ran, or after 5 s
+
+            holder = threading.Thread(target=hold)
+            holder.start()
+            held.wait(10)
+            work: Coroutine[Any, Any, Any]
+            if operation == "snapshot":
+                work = cp.snapshot(src.id, name="after")
+            elif operation == "fork":
+                work = cp.fork(src.id, count=1)
+            else:
+                work = cp.restore(snap.id)
+            job = asyncio.ensure_future(work)
+            await asyncio.sleep(0.2)  # it waits for the lock
+            loop_ran.set()
+            await job
+            holder.join(10)
+            assert seen == [True]  # the loop ran while the lock was held
+            assert len([r for r in m.registry.list() if r.state is S.RUNNING]) == (
+                1 if operation == "snapshot" else 2
+            )
         finally:
             await cp.settle()
             await m.close(pause=False)

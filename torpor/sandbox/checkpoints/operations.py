@@ -98,6 +98,7 @@ from torpor.sandbox.storage.snapshots import (
     SnapshotStore,
     freeze,
     freeze_live,
+    waited,
 )
 from torpor.sandbox.storage.volumes import VolumeStore
 from torpor.sandbox.vm.disk import virtual_size
@@ -265,7 +266,7 @@ class Checkpoints:
                         await asyncio.to_thread(
                             expand, directory, self.snapshots.chunks, sandbox_id=rec.id
                         )
-                    with self.snapshots.lock():
+                    async with waited(self.snapshots.lock()):
                         frozen = await asyncio.to_thread(
                             freeze, directory, self.snapshots.frozen_root, link_ram=link_ram
                         )
@@ -329,7 +330,7 @@ class Checkpoints:
                 for hook in inside:
                     hook(state)
 
-        with self.snapshots.lock():
+        async with waited(self.snapshots.lock()):
             frozen, downtime = await freeze_live(
                 self.held.directory(rec.id),
                 self.snapshots.frozen_root,
@@ -577,7 +578,7 @@ class Checkpoints:
             retention = carried.pause_retention_days
         # held until the children exist: until then no overlay names the frozen dir, and GC
         # (which takes this lock exclusively) must not take it for garbage
-        with self.snapshots.lock(), self.snapshots.captures.in_use():
+        async with waited(self.snapshots.lock()), waited(self.snapshots.captures.in_use()):
             frozen = self.snapshots.cached(info.id)  # local, never run, read-only: clone it
             own = frozen is None
             used: list[Path] = []

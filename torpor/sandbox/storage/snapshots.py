@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,6 +92,7 @@ __all__ = [
     "freeze",
     "freeze_live",
     "store_lock",
+    "waited",
 ]
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,29 @@ def store_lock(paths: Paths, *, exclusive: bool = False, name: str = "store") ->
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.asynccontextmanager
+async def waited(lock: contextlib.AbstractContextManager[Any]) -> AsyncIterator[None]:
+    """Hold the file lock ``lock`` (:func:`store_lock`, a cache's ``in_use``) for the block,
+    waiting for it in a thread: GC holds the store's lock for its whole pass, and a wait on
+    the event loop stood every other call still meanwhile. A caller cancelled while it waits
+    holds nothing: the lock is let go as soon as the thread has it."""
+    entering = asyncio.ensure_future(asyncio.to_thread(lock.__enter__))
+    try:
+        await asyncio.shield(entering)
+    except BaseException:
+
+        def let_go(done: asyncio.Future[Any]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                lock.__exit__(None, None, None)
+
+        entering.add_done_callback(let_go)
+        raise
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
 
 
 def freeze(machine_dir: Path, frozen_root: Path, *, link_ram: bool = False) -> Path:
