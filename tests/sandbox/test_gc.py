@@ -213,6 +213,47 @@ def test_expired_pauses_are_killed_and_fresh_ones_kept(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_pause_woken_or_extended_while_gc_kills_others_is_kept(tmp_path: Path) -> None:
+    """GC listed the expired pauses, then killed them one at a time (each kill awaits its
+    files' removal): a sandbox its user woke, or whose retention its user extended, while an
+    earlier one was being killed was killed anyway, from the list's stale record (a running
+    sandbox in use deleted as "expired", an extension answered and then ignored)."""
+    import asyncio
+    import time
+
+    from tests.sandbox.fakes import FakeEngine
+    from torpor.config import paths
+    from torpor.sandbox.checkpoints import Checkpoints
+    from torpor.sandbox.manager import SandboxManager
+    from torpor.sandbox.models import SandboxState
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=FakeEngine())
+        cp = Checkpoints(m)
+        first = await m.create(name="first", pause_retention_days=1)
+        woken = await m.create(name="woken", pause_retention_days=1)
+        extended = await m.create(name="extended", pause_retention_days=1)
+        for sbx in (first, woken, extended):
+            await m.pause(sbx.id)
+        kill = m.kill
+
+        async def kill_while_users_act(id_or_name: str, **kw: Any) -> Any:
+            if id_or_name == first.id:  # meanwhile, two users rescue theirs
+                await m.resume(woken.id)
+                await m.set_retention(extended.id, 30)
+            return await kill(id_or_name, **kw)
+
+        m.kill = kill_while_users_act  # type: ignore[method-assign]
+        report = await cp.collect_garbage(now=time.time() + 2 * 86400)
+        assert report.expired_sandboxes == [first.id]
+        assert (await m.get(first.id)).state is SandboxState.STOPPED
+        assert (await m.get(woken.id)).state is SandboxState.RUNNING
+        assert (await m.get(extended.id)).state is SandboxState.PAUSED
+        await m.close()
+
+    asyncio.run(main())
+
+
 def test_a_pause_shows_when_it_expires_and_warns_a_day_before(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -781,6 +781,14 @@ class Checkpoints:
         expired: list[str] = []
         for rec in self.manager.registry.list(states={S.PAUSED}):
             ends = rec.expires_at
+            if ends is not None and now > ends and not dry_run:
+                # as it is now: each kill before awaited, and meanwhile its user may have woken
+                # this one or extended its retention; one being woken (its lock held) is left
+                # to the next pass. No await from here until the kill holds its lock.
+                rec = self.manager.registry.get(rec.id)
+                ends = rec.expires_at
+                if self.held.live(rec.id).lock.locked():
+                    continue
             if ends is not None and now > ends:
                 expired.append(rec.id)
                 if not dry_run:
