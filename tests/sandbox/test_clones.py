@@ -227,3 +227,48 @@ def test_a_checkpoint_waiting_for_the_store_lock_leaves_the_event_loop_free(
             await m.close(pause=False)
 
     asyncio.run(main())
+
+
+def test_children_waiting_for_the_drives_lock_leave_the_event_loop_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The children of a fork or restore of a sandbox with a drive record their attachment
+    under the drives' lock, which a drive's delete holds while it removes the drive's files
+    (any number of them). They waited for it on the server's event loop: every other
+    request stood still. Here another thread holds the lock until the loop has run."""
+    import threading
+
+    import torpor.sandbox.checkpoints.clones as clones_mod
+
+    async def mounted(channel: Any, drive: Any, path: str, read_only: bool) -> None:
+        pass
+
+    monkeypatch.setattr(clones_mod, "mount_in_guest", mounted)
+
+    async def body(m: SandboxManager, engine: FakeEngine, cloner: Cloner) -> None:
+        drive = cloner.drives.create("handoff")
+        recs = await _children(m, engine, 2)
+        held, loop_ran = threading.Event(), threading.Event()
+        seen: list[bool] = []
+
+        def hold() -> None:
+            with cloner.drives.records.lock():
+                held.set()
+                seen.append(loop_ran.wait(5))  # let go once the loop ran, or after 5 s
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(10)
+        waking = asyncio.ensure_future(
+            cloner.wake_children(recs, [(drive, "/shared", False)], reason="forked")
+        )
+        await asyncio.sleep(0.2)  # the children wait for the lock
+        loop_ran.set()
+        made = await waking
+        holder.join(10)
+        assert seen == [True]  # the loop ran while the lock was held
+        assert [i.state for i in made] == [S.RUNNING] * 2
+        attached = cloner.drives.get(drive.id).attachments
+        assert sorted(a.sandbox_id for a in attached) == sorted(r.id for r in recs)
+
+    _run(tmp_path, body)

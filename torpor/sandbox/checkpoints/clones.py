@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -357,7 +358,17 @@ class Cloner:
         async def one(rec: SandboxRecord, live: Live, ready: Awaitable[object] | None) -> None:
             await m.boot(rec, live, ram_ready=ready, cold=True)
             for drive, path, ro in drives:
-                self.drives.attach(drive.id, rec.id, path, read_only=ro, tenant=drive.tenant)
+                # in a thread: a drive's delete holds the drives' lock while it removes its files
+                await asyncio.to_thread(
+                    functools.partial(
+                        self.drives.attach,
+                        drive.id,
+                        rec.id,
+                        path,
+                        read_only=ro,
+                        tenant=drive.tenant,
+                    )
+                )
                 await mount_in_guest(live.channel, drive, path, ro)
 
         # every child's lock is held until its row says running (or it is removed)
@@ -389,7 +400,7 @@ class Cloner:
                     else:
                         raise
             if failed:
-                self.drives.release({rec.id for rec in recs})
+                await asyncio.to_thread(self.drives.release, {rec.id for rec in recs})
                 for rec, live in zip(recs, lives, strict=True):
                     with contextlib.suppress(TorporError):
                         await m.abort_create(rec, live, failed[0])

@@ -745,8 +745,9 @@ class Checkpoints:
         except BaseException:
             with contextlib.suppress(TorporError):
                 await self.manager.kill(info.id, tenant=tenant)
-            self.volumes.release({info.id})
-            self.drives.release({info.id})
+            # in a thread: a volume file read holds the volumes' lock for as long as it takes
+            await asyncio.to_thread(self.volumes.release, {info.id})
+            await asyncio.to_thread(self.drives.release, {info.id})
             raise
         return await self.manager.get(info.id, tenant=tenant)
 
