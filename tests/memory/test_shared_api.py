@@ -447,3 +447,26 @@ def test_get_all_update_and_delete_all(api: Api) -> None:
     assert u.delete_all() == 233  # 230 notes, two plan versions, the turn
     assert u.get_all().total == 0
     assert other.get_all().total == 1  # another user's records are untouched
+
+
+def test_a_record_id_with_a_percent_sign_names_that_record(api: Api) -> None:
+    """An import keeps any id a store holds and a URL names, ``%`` included. The SDK put the
+    id in the path as it was, so the server read ``%41`` as ``A``: ``get("r%41")`` answered
+    record ``rA`` and ``forget("r%41")`` erased it, leaving ``r%41`` in place."""
+    m: Any = api.mem
+    u = m.scope(app="a", user="u")
+    u.remember("a record")
+    (line0, line1) = list(u.export_lines())
+    u.forget()
+    plain = json.loads(line1)
+
+    def named(rid: str, text: str) -> str:
+        return json.dumps({**plain, "record": {**plain["record"], "id": rid, "text": text}})
+
+    lines = [line0, named("rA", "the record rA"), named("r%41", "the record r%41")]
+    assert u.import_(lines) == 2
+    assert u.get("r%41").text == "the record r%41"
+    assert m.forget("r%41") == 1
+    assert u.get("rA").text == "the record rA"
+    with pytest.raises(RecordNotFound):
+        u.get("r%41")

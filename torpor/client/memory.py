@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any, TypeVar
+from urllib.parse import quote
 
 from pydantic import BaseModel, TypeAdapter
 
@@ -207,11 +208,12 @@ def call_forget(path: str | None, record_id: str | None) -> Call[int]:
 
 
 def _id(record_id: object) -> str:
-    """``record_id`` as one path segment. Raises InvalidArgument for one that is none
+    """``record_id`` as one path segment, quoted (a ``%`` in it is its own, not an escape
+    the server would decode into another id). Raises InvalidArgument for one that is none
     (empty, with ``/``, ``.`` or ``..``: a URL would collapse it into another route)."""
     if not isinstance(record_id, str) or record_id in ("", ".", "..") or "/" in record_id:
         raise InvalidArgument(f"a record id is a non-empty string, not {record_id!r}")
-    return record_id
+    return quote(record_id, safe="")
 
 
 # -- the sync client ------------------------------------------------------------------------------
