@@ -119,6 +119,42 @@ def test_revoke_sends_the_token_id_as_one_path_segment(
         assert sbx.info.state.value == "running"
 
 
+def test_text_a_url_cannot_carry_is_invalid_argument(
+    tcp_served: tuple[object, str], served: Served
+) -> None:
+    """A lone surrogate in an id, a name, a path or a scope cannot be encoded into a URL:
+    both clients raised a raw UnicodeEncodeError (from quote or the query's encoding)."""
+    _, url = tcp_served
+    for rt in (Runtime(url=url, token="a" * 32), served.runtime):
+        sbx = Sandbox.create(runtime=rt)
+        with pytest.raises(InvalidArgument):
+            Sandbox.get("\ud800", runtime=rt)
+        with pytest.raises(InvalidArgument):
+            sbx.files.read("/workspace/\ud800")
+        with pytest.raises(InvalidArgument):
+            rt.memory.scope_from_path("app/\ud800")
+        with pytest.raises(InvalidArgument):
+            rt.memory.forget("\ud800")
+
+    async def run() -> None:
+        for rt in (
+            AsyncRuntime(url=url, token="a" * 32),
+            AsyncRuntime(home=served.home, autostart=False),
+        ):
+            async with rt:
+                sbx = await rt.sandboxes.create()
+                with pytest.raises(InvalidArgument):
+                    await rt.sandboxes.get("\ud800")
+                with pytest.raises(InvalidArgument):
+                    await sbx.files.read("/workspace/\ud800")
+                with pytest.raises(InvalidArgument):
+                    await rt.memory.scope_from_path("app/\ud800")
+                with pytest.raises(InvalidArgument):
+                    await rt.memory.forget("\ud800")
+
+    asyncio.run(run())
+
+
 def test_an_answer_that_is_not_json_is_a_typed_error(
     tcp_served: tuple[object, str], served: Served
 ) -> None:

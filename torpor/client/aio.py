@@ -31,7 +31,7 @@ import httpx
 from pydantic import BaseModel
 
 from torpor.client._local import ensure_local_server
-from torpor.client.calls import Call, decode
+from torpor.client.calls import Call, decode, unsendable
 from torpor.client.memory import (
     call_context,
     call_forget,
@@ -116,6 +116,8 @@ class AsyncRuntime:
     async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             return await self._http.request(method, path, **kwargs)
+        except UnicodeEncodeError as exc:
+            raise unsendable(method, path, exc) from None
         except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
             raise ServerUnavailable(f"cannot reach {self._where()}: {exc}", exc=exc) from exc
         except httpx.TimeoutException as exc:
@@ -161,6 +163,8 @@ class AsyncRuntime:
                         stream = self._http.stream(method, path, **kwargs)
                         response = await stack.enter_async_context(stream)
                         break
+                    except UnicodeEncodeError as exc:
+                        raise unsendable(method, path, exc) from None
                     except httpx.ConnectError as exc:
                         if attempt == 2 or not self.autostart:
                             raise ServerUnavailable(

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from torpor.errors import InvalidArgument, ServerUnavailable
 
-__all__ = ["DEFAULT", "Call", "encode"]
+__all__ = ["DEFAULT", "Call", "encode", "unsendable", "url_text"]
 
 T = TypeVar("T")
 
@@ -57,6 +57,22 @@ def decode(content: bytes | str) -> Any:
             content[:200] if isinstance(content, str) else content[:200].decode(errors="replace")
         )
         raise ServerUnavailable(f"the server's answer is not JSON: {shown!r}", exc=exc) from None
+
+
+def url_text(value: str) -> bool:
+    """Whether ``value`` can go into a URL (a path segment, a query parameter): it encodes
+    as UTF-8 (no lone surrogate)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unsendable(method: str, path: str, exc: UnicodeEncodeError) -> InvalidArgument:
+    """The error of a request whose URL cannot be encoded (a parameter with a lone
+    surrogate)."""
+    return InvalidArgument(f"{method} {path}: a parameter is not UTF-8 text ({exc.reason})")
 
 
 def encode(body: object) -> bytes:

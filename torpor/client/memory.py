@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, TypeAdapter
 
-from torpor.client.calls import Call, decode, encode
+from torpor.client.calls import Call, decode, encode, url_text
 from torpor.client.tokens import Connection, Tokens
 from torpor.errors import InvalidArgument
 from torpor.memory._lines import write_lines
@@ -210,8 +210,14 @@ def call_forget(path: str | None, record_id: str | None) -> Call[int]:
 def _id(record_id: object) -> str:
     """``record_id`` as one path segment, quoted (a ``%`` in it is its own, not an escape
     the server would decode into another id). Raises InvalidArgument for one that is none
-    (empty, with ``/``, ``.`` or ``..``: a URL would collapse it into another route)."""
-    if not isinstance(record_id, str) or record_id in ("", ".", "..") or "/" in record_id:
+    (empty, with ``/``, ``.`` or ``..``: a URL would collapse it into another route; a lone
+    surrogate: no URL carries it)."""
+    if (
+        not isinstance(record_id, str)
+        or record_id in ("", ".", "..")
+        or "/" in record_id
+        or not url_text(record_id)
+    ):
         raise InvalidArgument(f"a record id is a non-empty string, not {record_id!r}")
     return quote(record_id, safe="")
 

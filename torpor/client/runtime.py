@@ -33,7 +33,7 @@ import httpx
 
 from torpor.client._local import ensure_local_server
 from torpor.client._wire import Answer, SocketWire
-from torpor.client.calls import Call, decode
+from torpor.client.calls import Call, decode, unsendable
 from torpor.config import Paths, paths
 from torpor.errors import (
     InvalidArgument,
@@ -218,6 +218,8 @@ class Runtime:
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             return self._http.request(method, path, **kwargs)
+        except UnicodeEncodeError as exc:
+            raise unsendable(method, path, exc) from None
         except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
             raise ServerUnavailable(f"cannot reach {self._where()}: {exc}", exc=exc) from exc
         except httpx.TimeoutException as exc:
@@ -280,6 +282,8 @@ class Runtime:
         method, path = call.method, call.path
         try:
             return self._wire.send(method, path, call.params, content, content_type, call.timeout)
+        except UnicodeEncodeError as exc:
+            raise unsendable(method, path, exc) from None
         except (httpcore.ConnectError, httpcore.RemoteProtocolError) as exc:
             raise ServerUnavailable(f"cannot reach {self._where()}: {exc}", exc=exc) from exc
         except httpcore.TimeoutException as exc:
@@ -310,6 +314,8 @@ class Runtime:
                 try:
                     response = stack.enter_context(self._http.stream(method, path, **kwargs))
                     break
+                except UnicodeEncodeError as exc:
+                    raise unsendable(method, path, exc) from None
                 except httpx.ConnectError as exc:
                     if attempt == 2 or not self.autostart:
                         raise ServerUnavailable(

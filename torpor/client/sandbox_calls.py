@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, TypeAdapter
 
-from torpor.client.calls import DEFAULT, Call
+from torpor.client.calls import DEFAULT, Call, url_text
 from torpor.errors import InvalidArgument, from_wire
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution, SandboxInfo
 from torpor.sandbox.registry.usage import RetentionSpec
@@ -63,9 +63,9 @@ def route(sandbox_id: str, suffix: str = "") -> str:
 
 def at(collection: str, id_or_name: str, suffix: str = "") -> str:
     """``<collection>/<id_or_name><suffix>``, the name quoted. An empty name, ``.`` or ``..``
-    would name the collection (or its parent) once a client normalizes the path:
-    :class:`InvalidArgument`."""
-    if not isinstance(id_or_name, str) or id_or_name in ("", ".", ".."):
+    would name the collection (or its parent) once a client normalizes the path, and a lone
+    surrogate goes into no URL: :class:`InvalidArgument`."""
+    if not isinstance(id_or_name, str) or id_or_name in ("", ".", "..") or not url_text(id_or_name):
         raise InvalidArgument(f"{id_or_name!r} is not an id or a name")
     return f"{collection}/{quote(id_or_name, safe='')}{suffix}"
 
