@@ -147,6 +147,8 @@ def test_batched_writes(hapi: Api) -> None:
         ),
         pytest.param(lambda u: u.recall(""), id="query"),
         pytest.param(lambda u: u.recall("x", kind="note"), id="kind"),
+        pytest.param(lambda u: u.recall("x", kind=3), id="kind-number"),
+        pytest.param(lambda u: u.recall("x", kind={"fact"}), id="kind-set"),
         pytest.param(lambda u: u.recall("x", k=-1), id="k"),
         pytest.param(lambda u: u.recall("x", k=10**30), id="k-huge"),
         pytest.param(lambda u: u.context("x", k_facts=10**10), id="k-facts-huge"),

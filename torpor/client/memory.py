@@ -104,8 +104,12 @@ def call_log(path: str, role: Any, text: Any, **fields: Any) -> Call[Episode]:
 
 
 def call_recall(path: str, query: Any, k: Any, **fields: Any) -> Call[list[Hit]]:
+    """Raises InvalidArgument for a ``kind`` that is not a kind or a list (or tuple) of them,
+    as the library does."""
     kind = fields.get("kind")
     if kind is not None and not isinstance(kind, str):
+        if not isinstance(kind, (list, tuple)):
+            raise InvalidArgument(f"kind must be 'fact', 'episode' or a list of them, not {kind!r}")
         fields["kind"] = list(kind)
     body = {"query": query, "k": k, **fields}
     return Call("POST", "/v1/memory/recall", scope_params(path), body, _HITS.validate_python)
