@@ -472,3 +472,15 @@ def test_a_record_id_with_a_percent_sign_names_that_record(api: Api) -> None:
     assert u.get("rA").text == "the record rA"
     with pytest.raises(RecordNotFound):
         u.get("r%41")
+
+
+def test_an_import_takes_lines_of_bytes_as_the_library_does(api: Api) -> None:
+    """A file opened in binary mode (or any iterable of bytes lines) imports embedded (json
+    reads bytes); the SDK joined the lines as text and raised a raw TypeError."""
+    m: Any = api.mem
+    v = m.scope(app="a", user="v")
+    v.remember("v's plan", key="plan")
+    lines = [line.encode() for line in v.export_lines()]
+    assert m.scope(app="a", user="w").import_(io.BytesIO(b"\n".join(lines))) == 1
+    assert m.scope(app="a", user="x").import_(lines) == 1
+    assert [f.text for f in m.scope(app="a", user="x").history("plan")] == ["v's plan"]

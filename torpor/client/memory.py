@@ -151,18 +151,28 @@ def call_fork(scope: Scope, levels: dict[str, str]) -> Call[Scope]:
     )
 
 
-def import_body(src: str | Path | IO[str] | Iterable[str]) -> bytes:
-    """The body of an import: a file's bytes, or the lines of a stream or iterable."""
+def import_body(src: str | Path | IO[str] | IO[bytes] | Iterable[str | bytes]) -> bytes:
+    """The body of an import: a file's bytes, or the lines of a stream or iterable (text, or
+    bytes as a binary file gives them, as the library reads them). Raises InvalidArgument
+    for a file that cannot be read and a line that is neither (or not UTF-8 text)."""
     if isinstance(src, (str, Path)):
         try:
             return Path(src).read_bytes()
         except OSError as exc:
             raise InvalidArgument(f"cannot read {src}: {exc}", exc=exc) from exc
-    parts = [line if line.endswith("\n") else line + "\n" for line in src]
-    try:
-        return "".join(parts).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidArgument(f"an import is UTF-8 JSON lines: {exc}") from None
+    parts: list[bytes] = []
+    for line in src:
+        if isinstance(line, str):
+            try:
+                raw = line.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidArgument(f"an import is UTF-8 JSON lines: {exc}") from None
+        elif isinstance(line, (bytes, bytearray, memoryview)):
+            raw = bytes(line)
+        else:
+            raise InvalidArgument(f"an import line is text or bytes, not {type(line).__name__}")
+        parts.append(raw if raw.endswith(b"\n") else raw + b"\n")
+    return b"".join(parts)
 
 
 def call_history(path: str, key: str) -> Call[list[Fact]]:
