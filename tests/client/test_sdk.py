@@ -395,3 +395,37 @@ def test_leaving_a_block_pauses_a_named_sandbox_and_kills_a_made_one(served: Ser
     with Sandbox.create(name="scratch", runtime=rt) as scratch:
         pass
     assert Sandbox.get(scratch.id, runtime=rt).info.state.value == "stopped"
+
+
+def test_a_terminal_that_starts_after_its_caller_gave_up_is_hung_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sbx.pty.create`` raised OperationTimeout when the program had not started in time,
+    but its thread kept the stream open: a program that started later ran on for nobody (no
+    handle was returned to kill it). The stream is hung up now, which kills it."""
+    import types
+
+    import torpor.client.pty
+    from tests.client.conftest import _run as serve
+    from tests.server.fake_manager import FakeManager
+    from torpor.errors import OperationTimeout
+    from torpor.server.app import create_app
+    from torpor.server.daemon import bind_unix_socket
+
+    hung_up = threading.Event()
+
+    class SlowTerminals(FakeManager):
+        async def open_pty(self, id_or_name: str, spec: object, on_data: object, **_: object):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(1.0)  # a wake that takes long
+            done = asyncio.get_running_loop().create_future()
+            done.add_done_callback(lambda f: hung_up.set() if f.cancelled() else None)
+            return types.SimpleNamespace(id="pty-1", pid=7, done=done)
+
+    monkeypatch.setattr(torpor.client.pty, "START_TIMEOUT", 0.3)
+    app = create_app(SlowTerminals(), supervise=False)
+    for _ in serve(app, bind_unix_socket(tmp_path / "server.sock")):
+        with Runtime(home=tmp_path, autostart=False) as rt:
+            sbx = Sandbox.create(runtime=rt)
+            with pytest.raises(OperationTimeout):
+                sbx.pty.create("bash")
+            assert hung_up.wait(10), "the terminal's stream was kept open after the timeout"

@@ -61,7 +61,7 @@ class PtyHandle:
         self._ended = threading.Event()
         self._exit_code: int | None = None
         self._error: TorporError | None = None
-        self._stream: Any = None
+        self._abandoned = False  # start() gave up waiting: a program that starts is hung up
 
     def __repr__(self) -> str:
         return f"<PtyHandle {self.id} pid={self.pid} in {self._sbx.id}>"
@@ -81,7 +81,11 @@ class PtyHandle:
                             with contextlib.suppress(Exception):
                                 self._on_data(chunk)
                     elif kind == "started":
-                        self.id, self.pid = str(event["id"]), int(event["pid"])
+                        with self._lock:
+                            if self._abandoned:  # nobody holds this terminal: hang up
+                                self._error = OperationTimeout("the terminal started too late")
+                                return
+                            self.id, self.pid = str(event["id"]), int(event["pid"])
                         self._started.set()
                     elif kind == "exit":
                         self._exit_code = int(event["exit_code"])
@@ -100,10 +104,14 @@ class PtyHandle:
 
     def start(self, body: dict[str, Any]) -> None:
         """Open the terminal (a :class:`PtySpec`'s fields) and return once its program runs
-        (:meth:`Pty.create` calls it). Raises as :meth:`Pty.create` does."""
+        (:meth:`Pty.create` calls it). Raises as :meth:`Pty.create` does; after
+        OperationTimeout the stream is hung up when the program starts (which kills it)."""
         threading.Thread(target=self._run, args=(body,), daemon=True, name="torpor-pty").start()
         if not self._started.wait(START_TIMEOUT):
-            raise OperationTimeout(f"the terminal did not start within {START_TIMEOUT:.0f} s")
+            with self._lock:
+                self._abandoned = not self.id
+            if self._abandoned:
+                raise OperationTimeout(f"the terminal did not start within {START_TIMEOUT:.0f} s")
         if not self.id:
             raise self._error or ServerUnavailable("the terminal ended before it started")
 
