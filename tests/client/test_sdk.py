@@ -98,7 +98,17 @@ def test_an_empty_or_dot_name_is_invalid_on_both_transports(
             Snapshot.get(name, runtime=rt)
 
 
-@pytest.mark.parametrize("kwargs", [{"expires_in_seconds": 0}, {"name": "x" * 201}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"expires_in_seconds": 0},
+        {"name": "x" * 201},
+        {"grants": [("read", 3)]},
+        {"grants": [("read", None)]},
+        {"sandboxes": ["user"]},
+        {"sandboxes": "user=u-42"},
+    ],
+)
 def test_a_bad_token_spec_is_invalid_argument(served: Served, kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidArgument):
         served.runtime.tokens.create(**kwargs)  # type: ignore[arg-type]

@@ -60,7 +60,9 @@ def parse_grant(grant: Grant | tuple[str, str] | str) -> Grant:
         if not sep:
             raise InvalidArgument(f"a grant is 'read:PREFIX' or 'write:PREFIX', not {grant!r}")
         grant = (mode, prefix)
-    if not (isinstance(grant, tuple) and len(grant) == 2):
+    if not (
+        isinstance(grant, tuple) and len(grant) == 2 and all(isinstance(g, str) for g in grant)
+    ):
         raise InvalidArgument(f"a grant is ('read'|'write', 'scope/prefix'), not {grant!r}")
     return Grant.model_validate({"mode": grant[0], "prefix": grant[1].strip("/")})
 
@@ -83,6 +85,8 @@ class Tokens:
     ) -> NewToken:
         """A new token (see :class:`~torpor.memory.models.TokenInfo` for the rights).
         Raises :class:`InvalidArgument`, :class:`AccessDenied` (not an admin)."""
+        if sandboxes is not None and not isinstance(sandboxes, Mapping):
+            raise InvalidArgument(f"sandboxes is a mapping of labels, not {sandboxes!r}")
         try:
             spec = TokenSpec(
                 tenant=tenant,
