@@ -145,6 +145,8 @@ def test_text_a_url_cannot_carry_is_invalid_argument(
             rt.memory.scope_from_path("app/\ud800")
         with pytest.raises(InvalidArgument):
             rt.memory.forget("\ud800")
+        with pytest.raises(InvalidArgument):  # unquoted, it collapsed into another path
+            rt.drain_node("..")
 
     async def run() -> None:
         for rt in (

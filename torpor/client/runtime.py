@@ -34,6 +34,7 @@ import httpx
 from torpor.client._local import ensure_local_server
 from torpor.client._wire import Answer, SocketWire
 from torpor.client.calls import Call, decode, unsendable
+from torpor.client.sandbox_calls import at
 from torpor.config import Paths, paths
 from torpor.errors import (
     InvalidArgument,
@@ -378,7 +379,7 @@ class Runtime:
         InvalidArgument (no cluster)."""
         body = self.json(
             "POST",
-            f"/v1/nodes/{name}/drain",
+            at("/v1/nodes", name, "/drain"),  # quoted: ".." would name another path
             params={"timeout": timeout},
             timeout=timeout + 60.0,
         )
