@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -193,6 +194,22 @@ def test_retention_caps_expiry(store: TenantStore) -> None:
     assert store.cap_expiry(U, 5_000_000) == 1
     got = store.get([f.id], 0)[0]
     assert to_us(got.expires_at) == to_us(f.created_at) + 5_000_000  # type: ignore[arg-type]
+
+
+def test_a_retention_past_the_calendars_end_leaves_the_records_readable(
+    store: TenantStore,
+) -> None:
+    """A record made late in year 9999 (an import keeps its times) in a scope given a
+    retention: created_at + retention passed the last datetime, so every read of the record
+    (get, scan, recall) failed with a raw OverflowError. It ends at the calendar's end."""
+    late = datetime(9999, 6, 1, tzinfo=UTC)
+    made = fact("made late").model_copy(update={"created_at": late, "valid_from": late})
+    f = store.add([made])[0]
+    assert store.cap_expiry(U, 2 * 365 * 86_400 * 1_000_000) == 1
+    got = store.get([f.id], now_us())[0]
+    assert got.expires_at == datetime.max.replace(tzinfo=UTC)
+    assert [r.id for r in store.scan(flt(), 10)] == [f.id]
+    assert store.cap_expiry(U, 2 * 365 * 86_400 * 1_000_000) == 0  # capped once
 
 
 def test_forget_scope_is_component_wise(store: TenantStore) -> None:

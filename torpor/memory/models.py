@@ -87,6 +87,11 @@ def from_us(us: int) -> datetime:
     return _EPOCH + timedelta(microseconds=us)
 
 
+#: the last microsecond a datetime holds (9999-12-31T23:59:59.999999 UTC): a stored time past
+#: it could not be read back (:func:`from_us` would overflow)
+LAST_US = to_us(datetime.max)
+
+
 def now_us() -> int:
     """The current time in microseconds, strictly increasing within this process.
 

@@ -31,7 +31,7 @@ from torpor.memory.backends.base import (
     profile_moved,
     successor,
 )
-from torpor.memory.models import Episode, Fact, Policy, Profile, from_us, to_us
+from torpor.memory.models import LAST_US, Episode, Fact, Policy, Profile, from_us, to_us
 
 __all__ = ["PostgresTenantStore", "Transactions", "vec_text"]
 
@@ -260,10 +260,10 @@ class PostgresTenantStore(TenantStore):
         with self._tx("retention") as cur:
             return int(
                 cur.execute(
-                    "UPDATE torpor.records SET expires_at = created_at + %s "
+                    "UPDATE torpor.records SET expires_at = least(created_at + %s, %s) "
                     f"WHERE tenant_id = {_T} AND scope = %s "
-                    "AND (expires_at IS NULL OR expires_at > created_at + %s)",
-                    (retention_us, scope, retention_us),
+                    "AND (expires_at IS NULL OR expires_at > least(created_at + %s, %s))",
+                    (retention_us, LAST_US, scope, retention_us, LAST_US),
                 ).rowcount
             )
 

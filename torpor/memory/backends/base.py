@@ -282,7 +282,8 @@ class TenantStore(abc.ABC):
     @abc.abstractmethod
     def cap_expiry(self, scope: str, retention_us: int) -> int:
         """Apply a retention period to the records of exactly ``scope``: each one's
-        ``expires_at`` becomes ``min(expires_at, created_at + retention_us)``. Returns how
+        ``expires_at`` becomes ``min(expires_at, created_at + retention_us, LAST_US)`` (a
+        time past :data:`~torpor.memory.models.LAST_US` could not be read back). Returns how
         many changed."""
 
     @abc.abstractmethod

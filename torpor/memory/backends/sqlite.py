@@ -51,6 +51,7 @@ from torpor.memory.backends.base import (
     successor,
 )
 from torpor.memory.models import (
+    LAST_US,
     AuditEntry,
     Episode,
     Fact,
@@ -270,9 +271,9 @@ class SQLiteTenantStore(TenantStore):
         with self._db.write("retention") as conn:
             return int(
                 conn.execute(
-                    "UPDATE records SET expires_at = created_at + ? WHERE scope = ? AND "
-                    "(expires_at IS NULL OR expires_at > created_at + ?)",
-                    (retention_us, scope, retention_us),
+                    "UPDATE records SET expires_at = min(created_at + ?, ?) WHERE scope = ? AND "
+                    "(expires_at IS NULL OR expires_at > min(created_at + ?, ?))",
+                    (retention_us, LAST_US, scope, retention_us, LAST_US),
                 ).rowcount
             )
 
