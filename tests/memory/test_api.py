@@ -261,6 +261,28 @@ def test_profile_schema(mem: Memory) -> None:
     assert v.set_profile({"tz": "UTC"}, merge=True).data == {"age": 3, "tz": "UTC"}
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "object", "description": "a\x00b"},
+        {"type": "object", "description": "a\udc00b"},
+        {"type": "object", "default": float("nan")},
+        {"type": "object", "default": object()},
+    ],
+    ids=["nul", "lone-surrogate", "nan", "not-json"],
+)
+def test_a_profile_schema_no_store_keeps_is_refused_alike(mem: Memory, bad: object) -> None:
+    """A JSON schema holding a NUL, a lone surrogate or NaN was stored by SQLite (then every
+    fork or import of the scope failed on it) and refused by PostgreSQL; one holding what is
+    not JSON at all raised a raw TypeError. Each is InvalidArgument now, nothing stored."""
+    u = mem.scope(app="a", user="u")
+    with pytest.raises(InvalidArgument):
+        u.set_profile({"plan": "pro"}, schema=bad)  # type: ignore[arg-type]
+    assert mem.store.get_profile(u.path) is None
+    u.set_profile({"plan": "pro"}, schema={"type": "object"})
+    u.fork(app="a", user="v")  # what is stored forks
+
+
 def test_remember_many_returns_what_its_own_later_items_superseded(mem: Memory) -> None:
     """Facts of one batch with the same key supersede one another in order; the batch's answer
     gave every one of them as current (``valid_to`` None), unlike ``get`` and ``history``."""
@@ -668,11 +690,13 @@ def test_an_import_line_nested_too_deep_is_invalid(mem: Memory) -> None:
         u.import_([header, "[" * 100_000 + "]" * 100_000])
 
 
-@pytest.mark.parametrize("bad", ["a\x00b", "\ud800"], ids=["nul", "lone-surrogate"])
+@pytest.mark.parametrize(
+    "bad", ["a\x00b", "\ud800", float("nan")], ids=["nul", "lone-surrogate", "nan"]
+)
 def test_an_import_whose_profile_schema_no_store_keeps_writes_nothing(
-    mem: Memory, bad: str
+    mem: Memory, bad: object
 ) -> None:
-    """A profile's JSON schema holding a NUL was refused by PostgreSQL only after the
+    """A profile's JSON schema holding a NUL (or NaN) was refused by PostgreSQL only after the
     records of the import had been written: the import failed and half of it stayed. It is
     refused before any write now, on every backend alike (as a NUL in the data is)."""
     u = mem.scope(app="a", user="u")

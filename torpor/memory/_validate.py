@@ -100,8 +100,13 @@ def metadata(metadata: Mapping[str, Any] | None, what: str = "metadata") -> dict
 
 def storable_json(value: object, what: str) -> None:
     """Raise :class:`InvalidArgument` when a JSON-like value holds a string (a key too) that
-    no store keeps (a NUL: PostgreSQL's JSON cannot; a lone surrogate), at any depth."""
+    no store keeps (a NUL: PostgreSQL's JSON cannot; a lone surrogate), at any depth, or is
+    not JSON (NaN, which PostgreSQL refuses and SQLite kept; an object json cannot write)."""
     _strings(value, what, max_depth=None)
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidArgument(f"{what} must be JSON: {exc}") from None
 
 
 def key(key: object) -> str | None:
@@ -154,6 +159,8 @@ def profile(
             raise SchemaViolation(f"profile breaks {schema.__name__}: {exc}") from None
     else:
         json_schema = dict(schema) if schema is not None else stored
+    if schema is not None:  # a new one: as every store keeps it, or not at all
+        storable_json(json_schema, "json_schema")
     if json_schema is not None:
         try:
             jsonschema.validate(doc, json_schema)
