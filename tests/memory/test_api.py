@@ -283,6 +283,23 @@ def test_a_profile_schema_no_store_keeps_is_refused_alike(mem: Memory, bad: obje
     u.fork(app="a", user="v")  # what is stored forks
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"$ref": "#/definitions/nowhere"},
+        {"properties": {"plan": {"$ref": "#/properties/plan"}}},
+    ],
+    ids=["missing", "itself"],
+)
+def test_a_profile_schema_whose_ref_leads_nowhere_is_invalid(mem: Memory, bad: object) -> None:
+    """A JSON schema whose ``$ref`` names nothing it holds, or only itself, raised jsonschema's
+    raw reference error or a RecursionError (a 500 over HTTP): it is InvalidArgument."""
+    u = mem.scope(app="a", user="u")
+    with pytest.raises(InvalidArgument, match="schema"):
+        u.set_profile({"plan": "pro"}, schema=bad)  # type: ignore[arg-type]
+    assert mem.store.get_profile(u.path) is None
+
+
 def test_remember_many_returns_what_its_own_later_items_superseded(mem: Memory) -> None:
     """Facts of one batch with the same key supersede one another in order; the batch's answer
     gave every one of them as current (``valid_to`` None), unlike ``get`` and ``history``."""

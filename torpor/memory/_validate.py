@@ -16,6 +16,7 @@ from typing import Any
 import jsonschema
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
+from referencing.exceptions import Unresolvable
 
 from torpor.config import LIMITS
 from torpor.errors import InvalidArgument, PayloadTooLarge, SchemaViolation
@@ -168,6 +169,8 @@ def profile(
             raise SchemaViolation(f"profile breaks its schema: {exc.message}") from None
         except jsonschema.SchemaError as exc:
             raise InvalidArgument(f"invalid JSON schema: {exc.message}") from None
+        except (Unresolvable, RecursionError) as exc:  # a $ref to nothing, or to itself
+            raise InvalidArgument(f"invalid JSON schema: {exc}") from None
     return json_schema
 
 
