@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import io
 import itertools
 import json
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -298,6 +300,41 @@ def test_a_profile_schema_whose_ref_leads_nowhere_is_invalid(mem: Memory, bad: o
     with pytest.raises(InvalidArgument, match="schema"):
         u.set_profile({"plan": "pro"}, schema=bad)  # type: ignore[arg-type]
     assert mem.store.get_profile(u.path) is None
+
+
+def test_a_profile_schema_fetches_no_url(mem: Memory) -> None:
+    """jsonschema fetched a ``$ref`` naming a URL (any address: loopback, 169.254.169.254)
+    and checked the profile against what it read, so a token that may write a profile made
+    the server GET an internal URL and learned its content from the SchemaViolation's
+    message. A schema is checked with what it holds and the standard meta-schemas only."""
+    asked: list[str] = []
+
+    class Internal(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            body = json.dumps({"properties": {"plan": {"const": "internal-secret"}}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Internal)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        u = mem.scope(app="a", user="u")
+        url = f"http://127.0.0.1:{server.server_port}/internal.json"
+        with pytest.raises(InvalidArgument, match="schema") as err:
+            u.set_profile({"plan": "x"}, schema={"$ref": url})
+        assert "internal-secret" not in str(err.value)
+        std = {"$ref": "https://json-schema.org/draft/2020-12/schema"}  # known offline
+        assert u.set_profile({"type": "object"}, schema=std).data == {"type": "object"}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asked == []
 
 
 def test_remember_many_returns_what_its_own_later_items_superseded(mem: Memory) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import jsonschema
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
+from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from torpor.config import LIMITS
@@ -150,7 +151,8 @@ def profile(
     schema; without one, the ``stored`` schema), once ``doc`` is checked against it.
 
     Raises :class:`~torpor.errors.SchemaViolation` for a document that breaks it and
-    :class:`InvalidArgument` for an invalid JSON schema."""
+    :class:`InvalidArgument` for an invalid JSON schema (one whose ``$ref`` names a URL too:
+    nothing is fetched)."""
     json_schema: dict[str, Any] | None
     if isinstance(schema, type) and issubclass(schema, BaseModel):
         json_schema = schema.model_json_schema()
@@ -164,7 +166,9 @@ def profile(
         storable_json(json_schema, "json_schema")
     if json_schema is not None:
         try:
-            jsonschema.validate(doc, json_schema)
+            # an empty registry: a $ref reaches what the schema holds and the standard
+            # meta-schemas, never a URL (jsonschema would fetch it, from any address)
+            jsonschema.validate(doc, json_schema, registry=Registry())
         except jsonschema.ValidationError as exc:
             raise SchemaViolation(f"profile breaks its schema: {exc.message}") from None
         except jsonschema.SchemaError as exc:
