@@ -401,6 +401,30 @@ def test_ttl_cache_retention_gc(mem: Memory) -> None:
     assert mem.store.get([short.id, keep.id, c.id], 0) == []
 
 
+@pytest.mark.parametrize("write", ["remember", "log"])
+def test_a_retention_set_while_a_write_embeds_caps_that_write(
+    mem: Memory, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """A write reads its scope's policy, embeds, then stores. A retention set in between
+    (another caller's ``set_policy``: it caps the records stored so far) missed the record
+    that write then stored, which so lived for ever in a scope that keeps records a minute."""
+    u = mem.scope(app="a", user="u")
+    admin = Memory.attach(mem.backend, mem.tenant)
+    embed = mem.embed
+
+    def embed_while_the_policy_changes(texts: list[str]) -> object:
+        admin.scope(app="a", user="u").set_policy(retention_seconds=60)
+        return embed(texts)
+
+    monkeypatch.setattr(mem, "embed", embed_while_the_policy_changes)
+    rec = u.remember("kept a minute") if write == "remember" else u.log("user", "a minute")
+    monkeypatch.undo()
+    got = u.get(rec.id)
+    assert got.expires_at is not None
+    assert to_us(got.expires_at) == to_us(got.created_at) + 60_000_000
+    assert rec.expires_at == got.expires_at  # the write answers what it stored
+
+
 def test_forget_record_and_scope(mem: Memory) -> None:
     u = mem.scope(app="a", user="u")
     v = mem.scope(app="a", user="v")

@@ -26,6 +26,7 @@ from torpor.memory.backends.base import AnyRecord, RecordFilter, TenantStore, Ve
 from torpor.memory.context import Context, build_context
 from torpor.memory.embeddings import Embedder, token_counter
 from torpor.memory.models import (
+    LAST_US,
     Durability,
     Episode,
     Fact,
@@ -39,6 +40,7 @@ from torpor.memory.models import (
     from_us,
     now_us,
     path_within,
+    to_us,
 )
 from torpor.memory.ranking import Ranker
 from torpor.memory.recall import recall as _recall
@@ -111,12 +113,28 @@ class ScopedMemory:
         if why is not None:
             raise self.memory.access.deny("cite", self.path, why)
 
-    def _add(self, records: Sequence[AnyRecord]) -> list[AnyRecord]:
-        """Store ``records`` with their vectors, in one transaction (all or none: over the
-        tenant's memory-records quota, :class:`QuotaExceeded` and nothing written)."""
+    def _add(self, records: Sequence[AnyRecord], policy: Policy) -> list[AnyRecord]:
+        """Store ``records`` (built under ``policy``) with their vectors, in one transaction
+        (all or none: over the tenant's memory-records quota, :class:`QuotaExceeded` and
+        nothing written). A shorter retention set meanwhile (its cap ran before these were
+        stored) caps them now."""
         quota = self.memory.record_quota()
         vectors = self.memory.embed([r.text for r in records])
-        return self.memory.store.add(records, vectors, quota=quota)
+        stored = self.memory.store.add(records, vectors, quota=quota)
+        retention = self._policy().retention_seconds
+        if retention is None or (
+            policy.retention_seconds is not None and policy.retention_seconds <= retention
+        ):
+            return stored
+        life = int(retention * 1e6)
+        self.memory.store.cap_expiry(self.path, life)
+        out: list[AnyRecord] = []
+        for rec in stored:  # as the cap left them
+            ends = min(to_us(rec.created_at) + life, LAST_US)
+            if rec.expires_at is None or to_us(rec.expires_at) > ends:
+                rec = rec.model_copy(update={"expires_at": from_us(ends)})
+            out.append(rec)
+        return out
 
     # -- writes -----------------------------------------------------------------------------
     def remember(
@@ -159,8 +177,9 @@ class ScopedMemory:
         say so). Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "remember")
         may_cite = self._may_cite if self._by_token else None
-        facts = _build.facts(items, self.path, self._policy(), may_cite)
-        stored = [f for f in self._add(facts) if isinstance(f, Fact)]
+        policy = self._policy()
+        facts = _build.facts(items, self.path, policy, may_cite)
+        stored = [f for f in self._add(facts, policy) if isinstance(f, Fact)]
         latest: dict[str, int] = {}  # a later item with the same key ended this one, as stored
         for i, fact in enumerate(stored):
             if fact.key is None:
@@ -207,8 +226,9 @@ class ScopedMemory:
         embedding batch. All or nothing: every turn is checked before anything is written.
         Raises as :meth:`remember` does."""
         self.memory.access.require("write", self.path, "log")
-        episodes = _build.episodes(turns, self.path, self._policy(), self.scope.session)
-        return [e for e in self._add(episodes) if isinstance(e, Episode)]
+        policy = self._policy()
+        episodes = _build.episodes(turns, self.path, policy, self.scope.session)
+        return [e for e in self._add(episodes, policy) if isinstance(e, Episode)]
 
     # -- reads ------------------------------------------------------------------------------
     #: the most hits :meth:`recall` is asked for (as many as the default record quota holds;
