@@ -658,6 +658,24 @@ def test_an_import_into_a_scope_with_retention_is_capped(mem: Memory) -> None:
         assert (rec.expires_at - rec.created_at).total_seconds() <= 60
 
 
+def test_an_imported_retention_caps_the_records_its_scope_already_holds(mem: Memory) -> None:
+    """An import sets the policies it carries; a retention it set on a scope where it brought
+    no records (an app whose records sit on its users) left that scope's own records
+    uncapped, living for ever under a policy that keeps them a minute (``set_policy`` caps
+    them at once)."""
+    src = mem.scope(app="src")
+    src.set_policy(retention_seconds=60)
+    mem.scope(app="src", user="u").remember("a user's fact")
+    lines = list(src.export_lines())
+    dst = mem.scope(app="dst")
+    own = dst.remember("the app's own fact")
+    dst.import_(lines)
+    assert mem.store.get_policy("app/dst") == Policy(retention_seconds=60)
+    got = dst.get(own.id)
+    assert got.expires_at is not None
+    assert to_us(got.expires_at) == to_us(got.created_at) + 60_000_000
+
+
 def test_a_profile_merged_past_one_calls_limit_forks_and_imports(mem: Memory) -> None:
     """Each merge is checked on its own, so a stored profile may be larger than one call
     may send; the import's checks must not refuse what the store holds."""

@@ -617,7 +617,9 @@ def _load_into(scope: ScopedMemory, bundle: transfer.Bundle, action: str) -> int
         store.put_profile(profile)
     for path, policy in bundle.policies:
         store.set_policy(path, policy)
-    for path in {r.scope for r in bundle.records}:  # a scope's retention caps what came in too
+    # a scope's retention caps what came in too, and a retention that came in caps the
+    # records its scope already held (as set_policy does)
+    for path in {r.scope for r in bundle.records} | {path for path, _ in bundle.policies}:
         retention = (store.get_policy(path) or Policy()).retention_seconds
         if retention is not None:
             store.cap_expiry(path, int(retention * 1e6))
