@@ -563,6 +563,31 @@ def test_interpreter_crash_recovers(agent: AgentProcess) -> None:
     run(agent, body)
 
 
+def test_a_child_forked_by_user_code_does_not_serve_later_cells(agent: AgentProcess) -> None:
+    # The usual `if os.fork() == 0: ...; sys.exit(0)`: the child's SystemExit came back to
+    # the kernel's loop, so two kernels read the next cells in turn, each with its own
+    # variables.
+    async def body(ch: GuestChannel) -> None:
+        ex = await ch.run_code(
+            "import os, sys\npid = os.fork()\nif pid == 0:\n    sys.exit(0)\npid"
+        )
+        assert ex.error is None and ex.text is not None  # the parent's answer, not the child's
+        child = int(ex.text)
+        for _ in range(200):
+            if not alive(child):
+                break
+            await asyncio.sleep(0.05)
+        assert not alive(child), "the forked child still runs"
+        kernel = (await ch.run_code("os.getpid()")).text
+        for n in range(10):
+            ex = await ch.run_code(
+                f"v{n} = {n}\nos.getpid(), sum(globals()['v%d' % m] for m in range({n + 1}))"
+            )
+            assert ex.text == f"({kernel}, {n * (n + 1) // 2})"
+
+    run(agent, body)
+
+
 def test_interpreter_output_over_the_limit(agent: AgentProcess) -> None:
     async def body(ch: GuestChannel) -> None:
         with pytest.raises(PayloadTooLarge):

@@ -104,6 +104,9 @@ class Kernel:
         self.ns["__builtins__"] = builtins
         self.count = 0
         self.executing = False
+        #: the kernel's own pid: a process user code forked (``os.fork()``) that comes back
+        #: from its cell is not the kernel and must not serve the next one
+        self.pid = os.getpid()
         self.results: list[dict[str, Any]] = []
         builtins.display = self.display  # type: ignore[attr-defined]
         signal.signal(signal.SIGINT, self._on_sigint)
@@ -123,6 +126,7 @@ class Kernel:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         self.results = []
         error = None
+        exit_code = 0  # of a forked child that comes back here
         try:
             tree = ast.parse(code, filename)
             last = None
@@ -141,6 +145,7 @@ class Kernel:
                 self.results.append({"data": mime_bundle(value), "is_main_result": True})
         # SystemExit too: user code must not end the kernel.
         except BaseException as exc:
+            exit_code = _exit_status(exc)
             error = {
                 "name": type(exc).__name__,
                 "value": str(exc),
@@ -151,6 +156,11 @@ class Kernel:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        if os.getpid() != self.pid:
+            # A child user code forked, back from the cell (its sys.exit() or no exit at
+            # all): it shares the kernel's pipes, so serving on would make two kernels take
+            # turns at the next cells, each with variables of its own.
+            os._exit(exit_code)
         return {"results": self.results, "error": error}
 
     def reseed(self, seed: bytes) -> None:
@@ -202,6 +212,15 @@ class Kernel:
                         {"i": frame.id, "t": proto.REPLY}, body, max_payload=_LOCAL_MAX
                     ),
                 )
+
+
+def _exit_status(exc: BaseException) -> int:
+    """The exit status ``exc`` would end a Python process with (``sys.exit(n)``: n)."""
+    if not isinstance(exc, SystemExit):
+        return 1
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    return 1
 
 
 def _user_frames(tb: Any) -> Any:
