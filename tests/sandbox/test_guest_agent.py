@@ -224,6 +224,30 @@ def test_missing_path_is_path_not_found(agent: AgentProcess, tmp_path: Path, op:
     assert info.value.data["name"] == missing
 
 
+def test_file_names_that_are_not_utf8(agent: AgentProcess, tmp_path: Path) -> None:
+    # Python names such a file with a lone surrogate (surrogateescape), which the frame
+    # header's UTF-8 could not carry: the listing failed as PayloadTooLarge ("header is not
+    # JSON-serialisable"), and so did a read, a write or a code error naming the file.
+    (tmp_path / "d").mkdir()
+    raw = os.fsencode(tmp_path / "d") + b"/caf\xe9.txt"
+    Path(os.fsdecode(raw)).write_bytes(b"latin-1 named")
+    name = os.fsdecode(b"caf\xe9.txt")
+
+    async def body(ch: GuestChannel) -> None:
+        assert [e.name for e in await ch.list_dir(str(tmp_path / "d"))] == [name]
+        assert await ch.read_file(os.fsdecode(raw)) == b"latin-1 named"
+        await ch.write_file(os.fsdecode(raw), b"rewritten")
+        ex = await ch.run_code(f"raise ValueError({name!r})")
+        assert ex.error is not None and ex.error.value == name
+
+        for call in (ch.read_file, ch.list_dir, lambda p: ch.write_file(p, b"x")):
+            with pytest.raises(InvalidArgument):  # no bytes decode to a lone \ud800
+                await call(str(tmp_path / "\ud800"))
+
+    run(agent, body)
+    assert Path(os.fsdecode(raw)).read_bytes() == b"rewritten"
+
+
 def test_read_a_directory_is_invalid(agent: AgentProcess, tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument):
         run(agent, lambda ch: ch.read_file(str(tmp_path)))

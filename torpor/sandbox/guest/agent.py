@@ -400,6 +400,9 @@ class Agent:
             header.update(ok=False, error=exc.wire())
         except OSError as exc:
             header.update(ok=False, error=ops.os_failure(exc, str(req.args.get("path", ""))).wire())
+        except UnicodeEncodeError as exc:
+            error = ops.unencodable(exc, str(req.args.get("path", "")))
+            header.update(ok=False, error=error.wire())
         except Exception as exc:
             log.exception("%s failed", req.op)
             header.update(

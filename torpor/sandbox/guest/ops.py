@@ -67,6 +67,12 @@ def os_failure(exc: OSError, path: str) -> Failure:
     return Failure("GuestError", f"{exc.strerror or exc}: {path}", path=path, errno=exc.errno)
 
 
+def unencodable(exc: UnicodeEncodeError, path: str) -> Failure:
+    """The error for a string no file name can be: a lone surrogate that is not one of the
+    bytes Python decodes a name that is not UTF-8 to (surrogateescape)."""
+    return Failure("InvalidArgument", f"{path!r} is no file name: {exc.reason}", path=path)
+
+
 class Upload:
     """The payload of a request arriving in chunks: into a temporary file (``write``) or into
     memory, refusing more than ``limit`` bytes."""
@@ -85,6 +91,8 @@ class Upload:
                 )
             except OSError as exc:
                 self.failure = os_failure(exc, target)
+            except UnicodeEncodeError as exc:  # a lone surrogate no file name can be
+                self.failure = unencodable(exc, target)
 
     def add(self, chunk: bytes) -> None:
         if self.failure is not None:

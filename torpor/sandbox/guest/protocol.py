@@ -119,9 +119,14 @@ def encode_frame(
 ) -> bytes:
     """Encode one frame. Raises :class:`ProtocolError` if the header or payload is too large."""
     try:
-        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"header is not JSON-serialisable: {exc}") from exc
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: a file name that is not UTF-8, as Python
+        # decodes one (surrogateescape); JSON's \u escapes carry it as it is
+        raw = json.dumps(header, separators=(",", ":")).encode("ascii")
     if len(raw) > MAX_HEADER:
         raise ProtocolError(
             f"frame header of {len(raw)} bytes is over {MAX_HEADER}",
