@@ -623,6 +623,30 @@ def test_interpreter_output_over_the_limit(agent: AgentProcess) -> None:
     run(agent, body, limits=Limits(max_output_bytes=1_000_000, max_code_bytes=2_000_000))
 
 
+def test_a_run_cut_for_its_output_ends_before_the_next(agent: AgentProcess) -> None:
+    # The agent answered PayloadTooLarge and left the run going: its last lines came out
+    # in the next run's stdout, and a run that ignored SIGINT printed on for ever, so every
+    # later run failed as PayloadTooLarge at once. It is stopped (or killed) first now.
+    async def body(ch: GuestChannel) -> None:
+        await ch.run_code("kept = 1")
+        for _ in range(5):
+            with pytest.raises(PayloadTooLarge) as info:
+                await ch.run_code("for i in range(10**6): print('x' * 100)", timeout=30)
+            assert info.value.data["kernel_alive"] is True
+            assert (await ch.run_code("print('ok'); kept")).stdout == "ok\n"
+        with pytest.raises(PayloadTooLarge) as info:
+            await ch.run_code(
+                "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                "while True: print('y' * 100)",
+                timeout=30,
+            )
+        assert info.value.data["kernel_alive"] is False
+        ex = await ch.run_code("print('ok'); 'kept' in globals()", timeout=10)
+        assert (ex.stdout, ex.text) == ("ok\n", "False")
+
+    run(agent, body, limits=Limits(max_output_bytes=1_000_000))
+
+
 def test_long_code_is_chunked(agent: AgentProcess) -> None:
     code = "s = 0\n" + "s += 1\n" * 40_000 + "s"
     assert run(agent, lambda ch: ch.run_code(code)).text == "40000"

@@ -343,7 +343,10 @@ class KernelClient:
         set_cancel: Callable[[Callable[[], None] | None], None],
     ) -> dict[str, Any]:
         """Run ``code``; stream its output with ``emit``. Returns ``{"reply": ...}``, or
-        ``{"timed_out": True, "kernel_alive": bool}``, or ``{"too_large": True, "size": n}``."""
+        ``{"timed_out": True, "kernel_alive": bool}``, or ``{"too_large": True, "size": n,
+        "kernel_alive": bool}``. A run stopped (timeout, cancel, too much output) has ended
+        when this returns: interrupted, or killed with its kernel after
+        :data:`INTERRUPT_GRACE` seconds, so nothing of it reaches the next run."""
         with self.lock:
             self._ensure()
             assert self.proc is not None
@@ -382,6 +385,9 @@ class KernelClient:
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         kill_at: float | None = None
         total = 0
+        #: the output's size once it went over ``limit``: the run is interrupted and what it
+        #: prints until it stops is dropped
+        over: int | None = None
         names = {self.fds[n]: n for n in ("reply", "stdout", "stderr")}
         while True:
             now = time.monotonic()
@@ -391,20 +397,30 @@ class KernelClient:
                 kill_at = now + INTERRUPT_GRACE
             if kill_at is not None and now > kill_at:
                 self._stop()  # it ignored SIGINT: variables are lost, the agent is not
+                if over is not None:
+                    return {"too_large": True, "size": over, "kernel_alive": False}
                 return {"timed_out": True, "kernel_alive": False}
             ready, _, _ = select.select(list(names), [], [], 0.05)
             for fd in ready:
                 chunk = _read_nonblocking(fd)
                 if names[fd] != "reply":
+                    if over is not None:
+                        continue
                     total += len(chunk)
                     if total > limit:
+                        # wait for the run to stop (or kill it): left running, it would
+                        # print into the next runs, and fill their output too
+                        over = total
+                        emit = _discard
                         self._interrupt(interrupted)
-                        return {"too_large": True, "size": total}
-                    if chunk:
+                    elif chunk:
                         emit(names[fd], chunk)
                     continue
                 if not chunk:
                     self._drain(emit)
+                    if over is not None:
+                        self._stop()
+                        return {"too_large": True, "size": over, "kernel_alive": False}
                     code = self.proc.wait()
                     self._stop()
                     return {
@@ -422,6 +438,8 @@ class KernelClient:
                     if frame.id != rid:
                         continue  # the reply to a reseed
                     self._drain(emit)
+                    if over is not None:
+                        return {"too_large": True, "size": over, "kernel_alive": True}
                     reply = dict(json.loads(frame.payload))
                     error = reply.get("error") or {}
                     if interrupted.is_set() and error.get("name") == "KeyboardInterrupt":
@@ -433,6 +451,10 @@ class KernelClient:
         for name in ("stdout", "stderr"):
             while chunk := _read_nonblocking(self.fds[name]):
                 emit(name, chunk)
+
+
+def _discard(stream: str, chunk: bytes) -> None:
+    """An ``emit`` that drops the output."""
 
 
 def _read_nonblocking(fd: int) -> bytes:

@@ -533,7 +533,11 @@ class Operations:
             )
         if outcome.get("too_large"):
             raise Failure(
-                "PayloadTooLarge", f"output over {limit} bytes", size=outcome["size"], limit=limit
+                "PayloadTooLarge",
+                f"output over {limit} bytes",
+                size=outcome["size"],
+                limit=limit,
+                kernel_alive=outcome["kernel_alive"],
             )
         return dict(outcome["reply"])
 
