@@ -612,6 +612,23 @@ def test_a_child_forked_by_user_code_does_not_serve_later_cells(agent: AgentProc
     run(agent, body)
 
 
+def test_a_kernel_that_dies_leaving_children_is_seen_to_die(agent: AgentProcess) -> None:
+    # A command user code started (os.system's `cmd &`, exec'd with the kernel's pipes) or a
+    # worker it forked held the kernel's reply pipe open, so the agent never saw the kernel
+    # exit: the run waited out its timeout (for ever with none) holding the interpreter.
+    async def body(ch: GuestChannel) -> None:
+        for start in (
+            "import os\nos.system('sleep 60 &')",
+            "import os, time\nif os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)",
+        ):
+            await ch.run_code(start)
+            ex = await asyncio.wait_for(ch.run_code("os._exit(3)"), 20)
+            assert ex.error is not None and ex.error.name == "KernelDied"
+            assert (await ch.run_code("1 + 1")).text == "2"
+
+    run(agent, body)
+
+
 def test_interpreter_output_over_the_limit(agent: AgentProcess) -> None:
     async def body(ch: GuestChannel) -> None:
         with pytest.raises(PayloadTooLarge):

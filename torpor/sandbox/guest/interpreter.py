@@ -235,6 +235,10 @@ def kernel_main(cmd_fd: int, reply_fd: int) -> None:
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
         sys.path[0] = ""
     sys.argv = [""]
+    # Not for the commands user code runs (os.system('server &')): one holding the reply
+    # pipe would keep the agent from seeing this kernel die.
+    os.set_inheritable(cmd_fd, False)
+    os.set_inheritable(reply_fd, False)
     # Whole lines, promptly (PYTHONUNBUFFERED would split every print in two writes).
     sys.stdout.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
@@ -401,6 +405,11 @@ class KernelClient:
                     return {"too_large": True, "size": over, "kernel_alive": False}
                 return {"timed_out": True, "kernel_alive": False}
             ready, _, _ = select.select(list(names), [], [], 0.05)
+            if not ready and self.proc.poll() is not None:
+                # The kernel is gone, but what it started may hold its reply pipe open (a
+                # forked worker, a command of an older kernel): no EOF would come, so read
+                # it as one
+                ready = [self.fds["reply"]]
             for fd in ready:
                 chunk = _read_nonblocking(fd)
                 if names[fd] != "reply":
