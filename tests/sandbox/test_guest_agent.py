@@ -629,6 +629,22 @@ def test_a_kernel_that_dies_leaving_children_is_seen_to_die(agent: AgentProcess)
     run(agent, body)
 
 
+def test_code_that_closes_its_output_does_not_spin_the_agent(agent: AgentProcess) -> None:
+    # With the kernel's fd 1 and 2 closed, their pipes read EOF: select found them ready at
+    # once, so the agent spun a CPU for as long as each later run lasted.
+    def cpu_seconds() -> float:
+        fields = Path(f"/proc/{agent.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    async def body(ch: GuestChannel) -> None:
+        await ch.run_code("import os, time\nos.close(1)\nos.close(2)")
+        before = cpu_seconds()
+        assert (await ch.run_code("time.sleep(3)\n5")).text == "5"
+        assert cpu_seconds() - before < 0.3
+
+    run(agent, body)
+
+
 def test_interpreter_output_over_the_limit(agent: AgentProcess) -> None:
     async def body(ch: GuestChannel) -> None:
         with pytest.raises(PayloadTooLarge):

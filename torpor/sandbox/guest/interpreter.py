@@ -413,6 +413,9 @@ class KernelClient:
             for fd in ready:
                 chunk = _read_nonblocking(fd)
                 if names[fd] != "reply":
+                    if not chunk:  # readable and empty: at EOF, user code closed its fd 1/2
+                        del names[fd]  # (else select finds it ready at once, for ever)
+                        continue
                     if over is not None:
                         continue
                     total += len(chunk)
