@@ -253,6 +253,19 @@ def test_read_a_directory_is_invalid(agent: AgentProcess, tmp_path: Path) -> Non
         run(agent, lambda ch: ch.read_file(str(tmp_path)))
 
 
+def test_reading_a_named_pipe_is_invalid(agent: AgentProcess, tmp_path: Path) -> None:
+    # Its open waited for a writer: never answered, and the request's thread stayed blocked
+    # in open() after the host gave up (a cancel cannot reach it).
+    os.mkfifo(tmp_path / "pipe")
+
+    async def body(ch: GuestChannel) -> None:
+        with pytest.raises(InvalidArgument, match="named pipe"):
+            await ch.read_file(str(tmp_path / "pipe"))
+        assert await ch.read_file(str(AGENT)) == AGENT.read_bytes()  # files read as before
+
+    run(agent, body, op_timeout=10)
+
+
 def test_fifty_megabytes_both_ways(agent: AgentProcess, tmp_path: Path) -> None:
     data = os.urandom(50 * 1024 * 1024)
     target = tmp_path / "big.bin"

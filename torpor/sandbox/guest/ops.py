@@ -433,11 +433,16 @@ class Operations:
     def op_read(self, req: Any, payload: bytes) -> dict[str, Any]:
         path = str(req.args["path"])
         limit = int(req.args.get("max_bytes") or DEFAULT_FILE_LIMIT)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: opening a named pipe would wait for a writer, for ever (no cancel
+        # reaches a thread blocked in open)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
                 raise Failure("InvalidArgument", f"{path} is a directory", path=path)
+            if stat.S_ISFIFO(st.st_mode):
+                raise Failure("InvalidArgument", f"{path} is a named pipe, not a file", path=path)
+            os.set_blocking(fd, True)
             if st.st_size > limit:
                 raise Failure(
                     "PayloadTooLarge",
