@@ -9,6 +9,7 @@ Run from the repository root (the data is not in this repository; see ``bench/RE
     python -m bench.conversations --set realtalk       # REALTALK: 10 chats between people
     python -m bench.conversations --dates session      # every turn dated by its session
     python -m bench.conversations --no-sessions        # the turns logged without sessions
+    python -m bench.conversations --query-adapter M.npy  # queries moved by M (bench.adapter)
 
 BEAM: long user/assistant chats, generated, evidence per probing question. REALTALK: 21 days
 of real messaging between two people (short turns, dated to the second), questions in three
@@ -259,10 +260,18 @@ class CachedEmbedder:
     The cache files are keyed by the model's name and the texts, so two models never share one.
     """
 
-    def __init__(self, cache_dir: Path, model: Path | None = None) -> None:
+    def __init__(
+        self, cache_dir: Path, model: Path | None = None, adapter: Path | None = None
+    ) -> None:
+        """``adapter``: a square ``.npy`` ``M`` (``bench.adapter``); every query's vector
+        becomes ``normalize(M q)``. Only texts not in the cache are queries: the turns are all
+        cached (:meth:`warm`) before torpor indexes them, so the turns' vectors never pass
+        through it (``adapted`` counts the vectors it moved, to check that)."""
         from bench.embedders import load_embedder
 
         self.model = load_embedder(model)
+        self.adapter = None if adapter is None else np.load(adapter).astype(np.float32)
+        self.adapted = 0
         self.name = self.model.name
         self.cache_dir = cache_dir
         self.cache: dict[str, npt.NDArray[np.float32]] = {}
@@ -293,10 +302,21 @@ class CachedEmbedder:
             self.cache[text] = vec
         return spent
 
+    def _as_query(self, texts: list[str]) -> npt.NDArray[np.float32]:
+        as_query = getattr(self.model, "embed_queries", self.model.embed)
+        vecs: npt.NDArray[np.float32] = as_query(texts)
+        if self.adapter is None:
+            return vecs
+        moved = vecs @ self.adapter.T
+        self.adapted += len(texts)
+        out: npt.NDArray[np.float32] = (
+            moved / np.linalg.norm(moved, axis=1, keepdims=True)
+        ).astype(np.float32)
+        return out
+
     def embed(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
         missing = [t for t in texts if t not in self.cache]
-        as_query = getattr(self.model, "embed_queries", self.model.embed)
-        fresh = as_query(missing) if missing else None
+        fresh = self._as_query(missing) if missing else None
         got = dict(zip(missing, fresh if fresh is not None else [], strict=True))
         self.queries.update(got)
         rows = [self.cache[t] if t in self.cache else got[t] for t in texts]
@@ -305,8 +325,7 @@ class CachedEmbedder:
     def query(self, text: str) -> npt.NDArray[np.float32]:
         """A query's vector (the one torpor's run computed, when there was one)."""
         if text not in self.queries:
-            as_query = getattr(self.model, "embed_queries", self.model.embed)
-            self.queries[text] = as_query([text])[0]
+            self.queries[text] = self._as_query([text])[0]
         return self.queries[text]
 
 
@@ -429,13 +448,16 @@ def run(
     ranking: Any = None,
     model: Path | None = None,
     rerankers: dict[str, Any] | None = None,
+    adapter: Path | None = None,
 ) -> dict[str, Tally]:
     """Every system on every conversation; returns their tallies (``model``: the embedder's
-    folder, default MiniLM; ``rerankers``: the ``rerank B`` systems' rerankers by name)."""
+    folder, default MiniLM; ``rerankers``: the ``rerank B`` systems' rerankers by name;
+    ``adapter``: see ``--query-adapter``)."""
     rerankers = rerankers or {}
     systems = [*systems, *rerankers]
     tallies = {s: Tally() for s in systems}
-    emb = CachedEmbedder(cache, model) if {"torpor", "dense", *rerankers} & set(systems) else None
+    wanted = {"torpor", "dense", *rerankers} & set(systems)
+    emb = CachedEmbedder(cache, model, adapter) if wanted else None
     if emb is not None:
         emb.model.embed(["load the model before anything is timed"])
     for n, conv in enumerate(convs, 1):
@@ -468,6 +490,11 @@ def run(
                     got = search(q.text, max(KS))
                     tally.search_s.append(time.perf_counter() - t0)
                     tally.add(q, got)
+    if emb is not None and emb.adapter is not None:
+        # one moved vector per question per system that embeds (torpor, the rerank rows and
+        # dense share the query cache): no turn went through the adapter
+        asked = sum(len(c.questions) for c in convs)
+        console.print(f"query adapter: {emb.adapted} vectors moved, {asked} questions asked")
     return tallies
 
 
@@ -618,6 +645,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-sessions", action="store_true", help="log the turns without their session ids"
     )
+    ap.add_argument(
+        "--query-adapter",
+        type=Path,
+        default=None,
+        help="a .npy matrix M (bench.adapter): queries' vectors become normalize(M q)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -644,13 +677,16 @@ def main(argv: list[str] | None = None) -> int:
         f"[bold]{label}[/]{' (' + args.ranker + ')' if args.ranker else ''}"
         f"{' with ' + args.model.name if args.model else ''}"
         f"{', turns dated by session' if args.dates == 'session' else ''}"
-        f"{', no sessions' if args.no_sessions else ''}: "
+        f"{', no sessions' if args.no_sessions else ''}"
+        f"{', query adapter ' + str(args.query_adapter) if args.query_adapter else ''}: "
         f"{len(convs)} conversations, "
         f"{sum(len(c.turns) for c in convs)} turns, {nq} questions with evidence"
     )
     t0 = time.perf_counter()
     rerankers = _rerankers(args) if args.rerank else {}
-    tallies = run(convs, systems, args.cache.expanduser(), ranking, args.model, rerankers)
+    tallies = run(
+        convs, systems, args.cache.expanduser(), ranking, args.model, rerankers, args.query_adapter
+    )
     tables = {s: t.table() for s, t in tallies.items()}
     print_tables(tables, tallies)
     if rerankers:
@@ -685,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
             "split": args.split,
             "dates": args.dates,
             "sessions": not args.no_sessions,
+            "query_adapter": str(args.query_adapter) if args.query_adapter else None,
             "conversations": len(convs),
         },
         "questions": nq,
