@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -147,3 +148,77 @@ def test_a_request_waiting_for_the_volumes_lock_leaves_other_requests_free(
     holder.join(10)
     assert answered_while_held
     assert statuses == [204 if method == "DELETE" else 201]
+
+
+def _held_while_answered(
+    client: TestClient, hold: Any, method: str, path: str, body: Any = None
+) -> tuple[bool, list[int]]:
+    """Run ``method path`` while another thread holds ``hold()`` (a context manager) until
+    another request was answered; return whether that request was answered while the lock
+    was still held, and the first request's status."""
+    import threading
+
+    held, answered = threading.Event(), threading.Event()
+
+    def holder_run() -> None:
+        with hold():
+            held.set()
+            answered.wait(10)
+
+    holder = threading.Thread(target=holder_run)
+    holder.start()
+    held.wait(10)
+    statuses: list[int] = []
+    waiting = threading.Thread(
+        target=lambda: statuses.append(
+            client.request(method, path, json=body, headers=A).status_code
+        )
+    )
+    waiting.start()
+    time.sleep(0.2)  # it waits for the lock
+    assert client.get("/v1/sandboxes", headers=A).status_code == 200
+    answered_while_held = holder.is_alive()
+    answered.set()
+    waiting.join(10)
+    holder.join(10)
+    return answered_while_held, statuses
+
+
+@pytest.fixture
+def snap_client(tmp_path: Path) -> Iterator[TestClient]:
+    """A client over a home with a template disk, where snapshots can be made without a VM."""
+    from tests.sandbox.storage_helpers import make_home
+
+    manager = SandboxManager(make_home(tmp_path), engine=FakeEngine())
+    tokens = TokenStore({"a" * 32: "acme"})
+    with TestClient(create_app(manager, tokens=tokens, supervise=False)) as c:
+        yield c
+
+
+def _stored_snapshot(client: TestClient, name: str) -> str:
+    from tests.sandbox.storage_helpers import make_machine
+    from torpor.sandbox.storage.snapshots import freeze
+
+    assert client.get("/v1/snapshots", headers=A).status_code == 200  # made the checkpoints
+    store = client.app.state.checkpoints.snapshots  # type: ignore[attr-defined]
+    machine = make_machine(store.paths, f"sbx-{name}")
+    info = store.save(freeze(machine, store.frozen_root), name=name, tenant="acme")
+    return str(info.id)
+
+
+def test_a_snapshot_delete_waiting_for_the_names_lock_leaves_other_requests_free(
+    snap_client: TestClient,
+) -> None:
+    """A snapshot delete waits for the store's ``names`` lock, which a capture holds while
+    it checks every chunk and writes its manifest; it waited on the server's event loop, so
+    every other request stood still."""
+    sid = _stored_snapshot(snap_client, "snap-1")
+    store = snap_client.app.state.checkpoints.snapshots  # type: ignore[attr-defined]
+    free, statuses = _held_while_answered(
+        snap_client,
+        lambda: store.lock(exclusive=True, name="names"),
+        "DELETE",
+        f"/v1/snapshots/{sid}",
+    )
+    assert free
+    assert statuses == [204]

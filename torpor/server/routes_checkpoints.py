@@ -140,7 +140,9 @@ async def get_snapshot(id_or_name: str, tenant: Tenant, cp: Cp) -> SnapshotInfo:
 
 @router.delete("/snapshots/{id_or_name}", status_code=204)
 async def delete_snapshot(id_or_name: str, tenant: Tenant, cp: Cp) -> Response:
-    cp.delete_snapshot(id_or_name, tenant=tenant)
+    # in a thread: it waits for the store's names lock, which a capture holds while it checks
+    # every chunk and writes its manifest, and it writes the usage ledger
+    await asyncio.to_thread(functools.partial(cp.delete_snapshot, id_or_name, tenant=tenant))
     return Response(status_code=204)
 
 
