@@ -186,24 +186,22 @@ def _held_while_answered(
 
 @pytest.fixture
 def snap_client(tmp_path: Path) -> Iterator[TestClient]:
-    """A client over a home with a template disk, where snapshots can be made without a VM."""
-    from tests.sandbox.storage_helpers import make_home
+    """A client over the fake engine whose machines have a real disk (qemu-img only, no
+    VM): what a snapshot, fork or restore needs."""
+    from tests.sandbox.fakes import DiskEngine
 
-    manager = SandboxManager(make_home(tmp_path), engine=FakeEngine())
+    manager = SandboxManager(paths(tmp_path), engine=DiskEngine())
     tokens = TokenStore({"a" * 32: "acme"})
     with TestClient(create_app(manager, tokens=tokens, supervise=False)) as c:
         yield c
 
 
 def _stored_snapshot(client: TestClient, name: str) -> str:
-    from tests.sandbox.storage_helpers import make_machine
-    from torpor.sandbox.storage.snapshots import freeze
-
-    assert client.get("/v1/snapshots", headers=A).status_code == 200  # made the checkpoints
-    store = client.app.state.checkpoints.snapshots  # type: ignore[attr-defined]
-    machine = make_machine(store.paths, f"sbx-{name}")
-    info = store.save(freeze(machine, store.frozen_root), name=name, tenant="acme")
-    return str(info.id)
+    """The id of a stored snapshot ``name`` of a new sandbox."""
+    sid = client.post("/v1/sandboxes", json={"name": f"src-{name}"}, headers=A).json()["id"]
+    r = client.post(f"/v1/sandboxes/{sid}/snapshots", json={"name": name, "wait": True}, headers=A)
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
 
 
 def test_a_snapshot_delete_waiting_for_the_names_lock_leaves_other_requests_free(
@@ -222,3 +220,28 @@ def test_a_snapshot_delete_waiting_for_the_names_lock_leaves_other_requests_free
     )
     assert free
     assert statuses == [204]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/snapshots/{snap}/restore", {}),
+        ("/v1/snapshots/{snap}/fork", {"count": 1}),
+        ("/v1/sandboxes/src-snap-1/snapshots", {"name": "snap-2"}),
+        ("/v1/sandboxes/src-snap-1/fork", {"count": 1}),
+    ],
+    ids=["restore", "fork-snapshot", "snapshot", "fork-sandbox"],
+)
+def test_a_restore_waiting_for_gc_leaves_other_requests_free(
+    snap_client: TestClient, path: str, body: dict[str, Any]
+) -> None:
+    """GC holds the snapshot store's lock exclusively for its whole sweep; a restore, fork or
+    snapshot waited for it on the server's event loop, so every other request stood still
+    until the sweep ended."""
+    snap = _stored_snapshot(snap_client, "snap-1")
+    store = snap_client.app.state.checkpoints.snapshots  # type: ignore[attr-defined]
+    free, statuses = _held_while_answered(
+        snap_client, lambda: store.lock(exclusive=True), "POST", path.format(snap=snap), body
+    )
+    assert free
+    assert statuses == [201]
