@@ -123,6 +123,9 @@ def test_none_means_not_given_unless_it_means_something() -> None:
             id="big-env",
         ),
         pytest.param(lambda: CodeSpec.of("x" * (17 << 20)), PayloadTooLarge, id="big-code"),
+        # JSON can carry a lone surrogate, UTF-8 cannot: the channel's encode was a raw
+        # UnicodeEncodeError (a 500 from the interpreter routes)
+        pytest.param(lambda: CodeSpec.of("x = '\ud800'"), InvalidArgument, id="code-surrogate"),
         # the guest's select() cannot wait that long: a raw OverflowError in the guest
         pytest.param(
             lambda: CommandSpec.of("true", timeout=float("inf")), InvalidArgument, id="inf-timeout"

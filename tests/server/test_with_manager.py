@@ -245,3 +245,17 @@ def test_a_restore_waiting_for_gc_leaves_other_requests_free(
     )
     assert free
     assert statuses == [201]
+
+
+@pytest.mark.parametrize("path", ["interpreter", "interpreter/stream"])
+def test_code_with_a_lone_surrogate_is_refused_not_a_500(client: TestClient, path: str) -> None:
+    """JSON can carry "\\ud800", which has no UTF-8 form: the code reached the guest channel,
+    whose encode raised a raw UnicodeEncodeError (a 500)."""
+    client.post("/v1/sandboxes", json={"name": "box"}, headers=A)
+    r = client.post(
+        f"/v1/sandboxes/box/{path}",
+        content=b'{"code": "x = \'\\ud800\'"}',
+        headers={**A, "content-type": "application/json"},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "InvalidArgument"

@@ -299,6 +299,22 @@ def _utf8(value: str) -> int:
     return len(value.encode("utf-8", "surrogatepass"))
 
 
+def _unicode(what: str) -> AfterValidator:
+    """Refuse a string with a lone surrogate (JSON can carry ``"\\ud800"``; it has no UTF-8
+    form, so it could never be sent to the guest) as a validation error."""
+
+    def check(value: str) -> str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{what} is not valid Unicode (a lone surrogate at position {exc.start})"
+            ) from None
+        return value
+
+    return AfterValidator(check)
+
+
 def _env_bytes(env: Mapping[str, str]) -> int:
     for key, value in env.items():  # each KEY=VALUE is one exec string
         n = _utf8(key) + 1 + _utf8(value)
@@ -614,7 +630,7 @@ class CodeSpec(Spec):
 
     _positional = "code"
 
-    code: Annotated[str, _max_bytes(LIMITS.max_code_bytes, "code", _utf8)]
+    code: Annotated[str, _unicode("code"), _max_bytes(LIMITS.max_code_bytes, "code", _utf8)]
     timeout: Timeout = None
 
 
