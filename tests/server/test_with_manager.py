@@ -259,3 +259,49 @@ def test_code_with_a_lone_surrogate_is_refused_not_a_500(client: TestClient, pat
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "InvalidArgument"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("GET", "/v1/snapshots", None, 200),
+        ("GET", "/v1/snapshots/snap-1", None, 200),
+        ("POST", "/v1/snapshots/snap-1/restore", {}, 201),
+        ("POST", "/v1/snapshots/snap-1/fork", {"count": 1}, 201),
+        ("POST", "/v1/sandboxes", {"snapshot": "snap-1"}, 201),
+        ("POST", "/v1/sandboxes/src-snap-1/snapshots", {"name": "snap-2"}, 201),
+    ],
+)
+def test_a_request_reading_the_snapshot_manifests_leaves_other_requests_free(
+    snap_client: TestClient, method: str, path: str, body: Any, status: int
+) -> None:
+    """A snapshot's list, its look-up by name, a restore's and a new snapshot's checks read
+    (and hash) every manifest of the home: with a hundred snapshots of gigabytes each, a
+    second or more, during which every other request stood still. Here the manifests are
+    read only once another request was answered."""
+    import threading
+
+    _stored_snapshot(snap_client, "snap-1")
+    catalog = snap_client.app.state.checkpoints.snapshots.catalog  # type: ignore[attr-defined]
+    entries, answered = catalog.entries, threading.Event()
+    waited: list[bool] = []
+
+    def slow_entries(snapshot_id: str | None = None) -> Any:
+        if snapshot_id is None and not waited:  # the first full read waits for the other
+            waited.append(answered.wait(5))
+        return entries(snapshot_id)
+
+    catalog.entries = slow_entries
+    statuses: list[int] = []
+    waiting = threading.Thread(
+        target=lambda: statuses.append(
+            snap_client.request(method, path, json=body, headers=A).status_code
+        )
+    )
+    waiting.start()
+    time.sleep(0.2)  # it reads the manifests
+    assert snap_client.get("/v1/sandboxes", headers=A).status_code == 200
+    answered.set()
+    waiting.join(10)
+    assert waited == [True]
+    assert statuses == [status]

@@ -166,7 +166,8 @@ async def visible_snapshot(request: Request, caller: Caller, target: str) -> Sna
     carried its labels. Raises :class:`~torpor.errors.SnapshotNotFound` (audited when the
     snapshot exists but is another's)."""
     cp = checkpoints_of(request, get_manager(request))
-    info = cp.get_snapshot(target, tenant=caller.tenant)
+    # on the thread pool: a look-up by name reads and hashes every manifest of the home
+    info = await run_in_threadpool(cp.get_snapshot, target, tenant=caller.tenant)
     if info.tenant != caller.tenant or (caller.restricted and not caller.sees(info.carried.labels)):
         get_identity(request).audit(
             caller,

@@ -377,8 +377,12 @@ class Checkpoints:
             suffix = f"-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
             name = rec.name[: 63 - len(suffix)].rstrip("-.") + suffix
         check_name(name, "snapshot name")
-        self.snapshots.check_name_free(name, tenant)  # fail before pausing anything
-        self.snapshots.check_room(tenant)
+
+        def check_free() -> None:  # (every manifest is read: in a thread, as every such read)
+            self.snapshots.check_name_free(name, tenant)  # fail before pausing anything
+            self.snapshots.check_room(tenant)
+
+        await asyncio.to_thread(check_free)
 
         cluster = self.manager.cluster
 
@@ -461,10 +465,10 @@ class Checkpoints:
         and return it; a capture that a crash interrupted is finished here. Raises
         SnapshotNotFound (also when it was deleted meanwhile), StorageError / EngineError
         (the capture failed; it is tried again at the next call)."""
-        info = self.snapshots.get(id_or_name, tenant=tenant)
+        info = await asyncio.to_thread(self.snapshots.get, id_or_name, tenant=tenant)
         if info.status == "capturing":
             await asyncio.shield(self._complete_later(info.id))
-        return self.snapshots.get(info.id, tenant=tenant)
+        return await asyncio.to_thread(self.snapshots.get, info.id, tenant=tenant)
 
     async def settle(self) -> None:
         """Wait for every capture and spare copy in flight (a server's shutdown; benches)."""
@@ -560,15 +564,17 @@ class Checkpoints:
     ) -> list[SandboxInfo]:
         """``count`` children of the snapshot: its carried settings unless ``options`` (or
         ``memory_scope``, None: the source's) give others."""
-        info = self.snapshots.get(snapshot, tenant=tenant)
+        # the manifests are read in a thread (a look-up by name reads and hashes every one)
+        info = await asyncio.to_thread(self.snapshots.get, snapshot, tenant=tenant)
         cluster = self.manager.cluster
         if cluster is not None:  # not durable yet, or another accelerator: another node's
-            origin = self.snapshots.origin(info.id, tenant=tenant)
+            origin = await asyncio.to_thread(self.snapshots.origin, info.id, tenant=tenant)
             await asyncio.to_thread(cluster.check_restore, info, origin)
             await asyncio.to_thread(cluster.accepting)  # a draining node: another node's too
         # the source's settings unless the caller gives its own (labels and envs: merged, as
         # for a fork)
-        envs = {**self.snapshots.envs(info.id, tenant=tenant), **(options.envs or {})}
+        kept = await asyncio.to_thread(self.snapshots.envs, info.id, tenant=tenant)
+        envs = {**kept, **(options.envs or {})}
         carried, given = info.carried, options.model_fields_set
         idle = options.idle_pause_seconds
         if "idle_pause_seconds" not in given:
