@@ -256,3 +256,62 @@ def test_an_attach_waiting_for_the_volumes_lock_leaves_the_event_loop_free(
             await m.close(pause=False)
 
     asyncio.run(main())
+
+
+def test_a_failed_create_with_a_volume_drops_its_attachments_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create whose volume fails to mount kills the new sandbox and drops its
+    attachments; that drop waited for the volumes' lock (which a volume file read holds for
+    as long as debugfs takes) on the server's event loop, so every other request stood
+    still. Here another thread takes the lock as the kill ends and holds it until the loop
+    has run something else."""
+    import threading
+
+    import torpor.sandbox.checkpoints.attach as attach_mod
+
+    async def no_disk(channel: Any, serial: str, timeout: float = 20.0) -> str:
+        raise GuestError(f"the guest did not see disk {serial} within {timeout} s")
+
+    monkeypatch.setattr(attach_mod, "find_guest_disk", no_disk)
+
+    async def main() -> None:
+        m = SandboxManager(paths(tmp_path / "home"), engine=PlugEngine())
+        cp = Checkpoints(m)
+        held, loop_ran = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with cp.volumes.records.lock():
+                held.set()
+                loop_ran.wait(10)  # let go once the loop ran, or after 10 s
+
+        holder = threading.Thread(target=hold)
+        kill = m.kill
+
+        async def kill_then_hold(*args: Any, **kwargs: Any) -> Any:
+            info = await kill(*args, **kwargs)
+            holder.start()
+            await asyncio.to_thread(held.wait, 10)
+            return info
+
+        monkeypatch.setattr(m, "kill", kill_then_hold)
+        try:
+            vol = cp.volumes.create("memory", size_mib=16)
+            create = asyncio.ensure_future(
+                cp.create(name="a", volumes=[{"volume": vol.id, "path": "/memory"}])
+            )
+            while not held.is_set():  # the create failed, and is dropping its attachments
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            ran_while_held = holder.is_alive()
+            loop_ran.set()
+            with pytest.raises(GuestError):
+                await create
+            holder.join(10)
+            assert ran_while_held
+            assert cp.volumes.get(vol.id).attachments == []
+        finally:
+            loop_ran.set()
+            await m.close(pause=False)
+
+    asyncio.run(main())
