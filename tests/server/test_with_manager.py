@@ -305,3 +305,20 @@ def test_a_request_reading_the_snapshot_manifests_leaves_other_requests_free(
     waiting.join(10)
     assert waited == [True]
     assert statuses == [status]
+
+
+def test_a_file_name_that_is_not_utf8_is_listed(client: TestClient) -> None:
+    """The guest sends a file name that is not UTF-8 as Python reads it (a lone surrogate per
+    bad byte). The listing's JSON failed to encode it: a 500. JSON carries it as a \\u
+    escape, which the SDK reads back as the same name."""
+    import json
+    import os
+
+    sid = client.post("/v1/sandboxes", json={}, headers=A).json()["id"]
+    manager = client.app.state.manager  # type: ignore[attr-defined]
+    disk = manager.directory(sid) / "disk" / "workspace"
+    disk.mkdir(parents=True, exist_ok=True)
+    (disk / os.fsdecode(b"caf\xe9.txt")).write_bytes(b"x")
+    r = client.get(f"/v1/sandboxes/{sid}/files/list", params={"path": "/workspace"}, headers=A)
+    assert r.status_code == 200, r.text
+    assert [e["name"] for e in json.loads(r.content)] == ["caf\udce9.txt"]

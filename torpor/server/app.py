@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import json
 import logging
 import os
 import shutil
@@ -50,6 +49,7 @@ from torpor.server.deps import CallerDep
 from torpor.server.fastpath import FastPath
 from torpor.server.limits import BodyLimit
 from torpor.server.mcp.http import mount as mount_mcp
+from torpor.server.schema import EscapedJSONResponse
 from torpor.server.schema import install as install_schema
 from torpor.server.timing import instrument
 
@@ -73,21 +73,10 @@ ROUTERS = [
 ]
 
 
-class _ErrorBody(JSONResponse):
-    """A typed error body. Its message or data may quote what the caller sent, and JSON lets a
-    string carry a lone surrogate (``"\\ud800"``), which UTF-8 cannot: such a body is written
-    with every non-ASCII character escaped instead of failing (a 500 for a bad name)."""
-
-    def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except UnicodeEncodeError:
-            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
-
-
 def error_response(exc: TorporError) -> JSONResponse:
-    """The HTTP form of a torpor error."""
-    return _ErrorBody(status_code=exc.http_status, content={"error": exc.to_wire()})
+    """The HTTP form of a torpor error (its message or data may quote what the caller sent,
+    a lone surrogate too: :class:`~torpor.server.schema.EscapedJSONResponse`)."""
+    return EscapedJSONResponse(status_code=exc.http_status, content={"error": exc.to_wire()})
 
 
 async def _torpor_error(request: Request, exc: Exception) -> JSONResponse:

@@ -38,7 +38,7 @@ from torpor.errors import PayloadTooLarge, TorporError
 from torpor.sandbox.models import CommandResult, EntryInfo, Execution
 from torpor.sandbox.requests import CodeSpec, CommandSpec, Spec
 from torpor.server.deps import Manager, Tenant
-from torpor.server.schema import NDJSONResponse
+from torpor.server.schema import EscapedJSONResponse, NDJSONResponse
 
 __all__ = ["MAX_BACKLOG", "ndjson_events", "owned_here", "read_body", "router", "stream_ndjson"]
 
@@ -250,13 +250,14 @@ async def remove(id_or_name: str, manager: Manager, tenant: Tenant, path: PathQu
     return Response(status_code=204)
 
 
-@router.get("/files/list")
+@router.get("/files/list", response_model=list[EntryInfo])
 async def list_dir(
     id_or_name: str, manager: Manager, tenant: Tenant, path: PathQuery
-) -> list[EntryInfo]:
-    """A directory's entries."""
+) -> EscapedJSONResponse:
+    """A directory's entries (a name that is not UTF-8 comes as a ``\\u`` escape of a lone
+    surrogate per bad byte, as Python reads it)."""
     entries: list[EntryInfo] = await manager.list_dir(id_or_name, path, tenant=tenant)
-    return entries
+    return EscapedJSONResponse([e.model_dump(mode="json") for e in entries])
 
 
 @router.get("/files/exists")

@@ -17,15 +17,17 @@ page. Any Swagger UI or Redoc a user has can be pointed at ``/openapi.json``.
 from __future__ import annotations
 
 import html
+import json
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 __all__ = [
     "ErrorBody",
+    "EscapedJSONResponse",
     "NDJSONResponse",
     "WireError",
     "docs_page",
@@ -49,6 +51,19 @@ class ErrorBody(BaseModel):
     """The body of every error answer."""
 
     error: WireError
+
+
+class EscapedJSONResponse(JSONResponse):
+    """JSON that may carry a lone surrogate: a file name that is not UTF-8 as Python reads it
+    (one per bad byte), or a caller's text quoted in an error. UTF-8 cannot encode one, JSON
+    can (``"\\udce9"``): such a body is written with every non-ASCII character escaped
+    instead of failing (a 500). A route returns one itself, past FastAPI's own encoding."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
 class NDJSONResponse(StreamingResponse):
