@@ -184,3 +184,30 @@ def test_a_bad_copy_in_the_shared_store_is_replaced_by_the_next_push(tmp_path: P
     a.put(data)  # the same data saved again on node a, and pushed
     a.backend.push(digest, lambda blob: a.check(digest, blob))
     assert b.get(digest) == data
+
+
+def test_a_scrub_that_finds_the_shared_copy_bad_keeps_the_good_copy_of_the_node(
+    tmp_path: Path,
+) -> None:
+    """Cluster mode: verify() (the scrub) reads the shared store itself; its copy of a chunk
+    was bad, but the node's own good copy was the one quarantined (reads take it first), so
+    the bad one stayed in the shared store and the only good copy went out of reach: every
+    read of the chunk, on this node too, was CorruptData from then on."""
+    from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
+    from torpor.sandbox.storage.tiered import TieredChunkBackend
+
+    shared = LocalChunkBackend(tmp_path / "shared")
+    tiered = TieredChunkBackend(LocalChunkBackend(tmp_path / "node"), shared)
+    store = ChunkStore(backend=tiered, chunk_size=CS)
+    data = os.urandom(CS)
+    digest, _ = store.put(data)
+    tiered.push(digest, lambda blob: store.check(digest, blob))
+    path = shared.path_of(digest)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+    assert not store.verify(digest)  # the shared copy is bad
+    assert store.get(digest) == data  # the node's copy is still read
+    assert not shared.exists(digest)  # the bad one is out of the way: a push sends it again
+    tiered.push(digest, lambda blob: store.check(digest, blob))
+    assert store.verify(digest)

@@ -81,8 +81,9 @@ class ChunkBackend(Protocol):
         stays and the answer is None."""
         ...
 
-    def quarantine(self, digest: str) -> None:
-        """Move a chunk that failed its check aside (kept for inspection, never read again)."""
+    def quarantine(self, digest: str, *, cached: bool = True) -> None:
+        """Move a chunk that failed its check aside (kept for inspection, never read again):
+        the copy :meth:`read` gave, with the same ``cached``."""
         ...
 
     def entries(self) -> Iterator[ChunkEntry]:
@@ -156,7 +157,7 @@ class LocalChunkBackend:
             raise StorageError(f"cannot remove chunk {digest[:12]}: {exc}", exc=exc) from exc
         return size
 
-    def quarantine(self, digest: str) -> None:
+    def quarantine(self, digest: str, *, cached: bool = True) -> None:
         bad = self.root / "quarantine" / f"{digest}.zst"
         try:
             bad.parent.mkdir(exist_ok=True)

@@ -305,11 +305,12 @@ class ChunkStore:
             return None
         return data if hashlib.sha256(data).hexdigest() == digest else None
 
-    def _quarantine(self, digest: str) -> None:
-        """Move a bad chunk aside, so a put of the same data rewrites it instead of trusting
-        it: one flipped byte must not poison every later snapshot."""
+    def _quarantine(self, digest: str, *, cached: bool = True) -> None:
+        """Move a bad chunk aside (the copy a read with ``cached`` gave), so a put of the same
+        data rewrites it instead of trusting it: one flipped byte must not poison every later
+        snapshot."""
         try:
-            self.backend.quarantine(digest)
+            self.backend.quarantine(digest, cached=cached)
         except StorageError as exc:
             log.error("cannot quarantine chunk %s: %s", digest[:12], exc)
             return
@@ -323,7 +324,7 @@ class ChunkStore:
         if blob is None:
             return False
         if self._decode(digest, blob) is None:
-            self._quarantine(digest)
+            self._quarantine(digest, cached=False)
             return False
         return True
 

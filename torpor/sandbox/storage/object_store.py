@@ -315,8 +315,8 @@ class S3ChunkBackend:
         )
         return int(head.get("ContentLength", 0))
 
-    def quarantine(self, digest: str) -> None:
-        key = self.key_of(digest)
+    def quarantine(self, digest: str, *, cached: bool = True) -> None:
+        key = self.key_of(digest)  # the cached copy is dropped either way
         bad = self.where.key("quarantine", f"{digest}.zst")
         self._forget(digest)
         copied = self._call(

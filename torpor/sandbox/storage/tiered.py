@@ -62,14 +62,18 @@ class TieredChunkBackend:
     def delete(self, digest: str, *, before: float | None = None) -> int | None:
         return self.local.delete(digest, before=before)
 
-    def quarantine(self, digest: str) -> None:
+    def quarantine(self, digest: str, *, cached: bool = True) -> None:
         """Move aside the copy the bad blob came from: this node's when it has one (reads
         take it first), else the shared store's, so the next push of the same data writes
-        it again instead of skipping it as there already."""
-        if self.local.exists(digest):
+        it again instead of skipping it as there already. ``cached=False``: the copy a read
+        of the store itself gave, the shared store's when it has one (a scrub of it must
+        not move aside this node's copy, maybe the only good one, and leave the bad)."""
+        if cached and self.local.exists(digest):
             self.local.quarantine(digest)
-        else:
+        elif cached or self.remote.exists(digest) or not self.local.exists(digest):
             self.remote.quarantine(digest)
+        else:
+            self.local.quarantine(digest)
 
     def entries(self) -> Iterator[ChunkEntry]:
         return self.local.entries()
