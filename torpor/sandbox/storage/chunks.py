@@ -397,9 +397,17 @@ class ChunkStore:
 
     # -- whole files --------------------------------------------------------------------------
 
-    def put_file(self, path: Path, *, stats: PutStats | None = None) -> FileManifest:
+    def put_file(
+        self, path: Path, *, stats: PutStats | None = None, known: set[str] | None = None
+    ) -> FileManifest:
         """Cut ``path`` into chunks, store the new ones, and return its manifest (``stats``:
         where the time went is added to it).
+
+        ``known``: the chunks the store holds until this file's manifest is recorded (those
+        of the manifest it replaces). When given, only those are skipped and every other
+        chunk is written without asking the store whether it has it: another node's sweep of
+        a shared store may remove one it has now (named by no manifest yet), whereas a chunk
+        written afresh is spared as young.
 
         Holes (SEEK_HOLE) and all-zero chunks are recorded as ``None`` and not stored.
         Raises StorageError when the file cannot be read or a chunk cannot be written.
@@ -428,7 +436,11 @@ class ChunkStore:
                     if stats is not None:
                         stats.add("read", t1 - t0)
                         stats.add("hash", time.perf_counter() - t1)
-                    return digest, self._put_known(digest, data, stats=stats)
+                    if known is not None and digest in known:
+                        if stats is not None:
+                            stats.count("known")
+                        return digest, 0
+                    return digest, self._put_known(digest, data, ask=known is None, stats=stats)
 
                 with ThreadPoolExecutor(self.workers) as pool:
                     results = list(pool.map(work, range(count)))

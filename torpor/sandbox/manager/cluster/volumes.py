@@ -46,7 +46,14 @@ class Volumes(NodeBase):
         StorageError."""
         started = time.perf_counter()
         image = self.paths.volumes / f"{volume_id}.img"
-        fm = self.chunks.put_file(image)
+        # the recorded image's chunks stay marked until this one replaces it: only they are
+        # skipped (one the store merely has may be swept before this image is recorded)
+        recorded = self.registry.volume_image(volume_id)
+        try:
+            known = set() if recorded is None else FileManifest.from_json(recorded).hashes()
+        except CorruptData:
+            known = set()
+        fm = self.chunks.put_file(image, known=known)
         self.chunks.sync_dirs()
         self.registry.record_volume_image(volume_id, self.node, fm.to_json())
         log.info(
