@@ -552,3 +552,20 @@ def test_a_sweep_spares_a_chunk_written_again_after_it_was_listed() -> None:
         report = ChunkStore(backend=backend, chunk_size=CS).sweep(set(), min_age_seconds=3600)
         stub.assert_no_pending_responses()
     assert (report.removed, report.kept, report.freed_bytes) == (0, 1, 0)
+
+
+def test_a_cache_write_cut_by_a_crash_leaves_no_file_for_ever(tmp_path: Path) -> None:
+    """A process killed while it wrote a chunk into the node's cache left its temporary file
+    there: never read, never counted against the budget, never removed (one per crash)."""
+    root = tmp_path / "cache"
+    digest = "ab" * 32
+    (root / "ab").mkdir(parents=True)
+    left = root / "ab" / f".{digest}.4242.1234.tmp"
+    left.write_bytes(os.urandom(4096))
+    old = time.time() - 2 * 3600
+    os.utime(left, (old, old))
+    fresh = root / "ab" / f".{digest}.4343.1234.tmp"  # another process writing it now
+    fresh.write_bytes(b"x")
+    ChunkCache(root, 1 << 20)
+    assert not left.exists()
+    assert fresh.exists()

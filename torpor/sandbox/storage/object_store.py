@@ -57,6 +57,8 @@ ATTEMPTS = 5
 BACKOFF_SECONDS = 0.2
 #: default size of a node's chunk cache
 DEFAULT_CACHE_BYTES = 2 * 1024**3
+#: a temporary file in a node's cache older than this was left by a write a crash cut short
+CACHE_LEFTOVER_SECONDS = 3600.0
 #: a sweep of a shared store keeps chunks younger than this: another node may be saving a
 #: snapshot whose manifest is not written yet
 SHARED_SWEEP_GRACE_SECONDS = 3600.0
@@ -114,6 +116,15 @@ class ChunkCache:
     def _load(self) -> None:
         found: list[tuple[float, str, int]] = []
         if self.root.is_dir():
+            # a write a crash cut short (one not older than this may be another process's)
+            for f in self.root.glob("*/.*.tmp"):
+                try:
+                    if time.time() - f.stat().st_mtime > CACHE_LEFTOVER_SECONDS:
+                        f.unlink()
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    log.warning("chunk cache %s: cannot remove %s: %s", self.root, f.name, exc)
             for f in self.root.glob("*/*.zst"):
                 if is_hash(f.stem):
                     try:
