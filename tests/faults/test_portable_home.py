@@ -238,3 +238,36 @@ def test_relocation_opens_no_fifo_and_leaves_what_agents_wrote_alone(tmp_path: P
     assert json.loads((new / "drives" / "d1.json").read_text())["path"] == str(
         new.resolve() / "drives" / "d1"
     )
+
+
+def test_a_relocation_tried_again_after_an_error_rewrites_each_path_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A home moved below its old place (``/srv/torpor`` to ``/srv/torpor/home``): a
+    relocation that failed half way (a file it could not rewrite; the next start tries
+    again) rewrote the paths it had moved already a second time (``.../home/home/...``), so
+    the sandboxes and templates pointed at files that do not exist."""
+    from torpor.errors import StorageError
+
+    old = _old_style_home(tmp_path)
+    assert relocate(paths(old)) is None  # opened once where it was: home.json says so
+    aside = tmp_path / "aside"
+    old.rename(aside)
+    old.mkdir()
+    new = old / "inner"
+    aside.rename(new)
+    p = paths(new)
+    real = SnapshotStore.rewrite_paths
+
+    def fails(self: SnapshotStore, o: str, n: str) -> int:
+        raise StorageError("cannot write a manifest")
+
+    monkeypatch.setattr(SnapshotStore, "rewrite_paths", fails)
+    with pytest.raises(StorageError):
+        relocate(p)
+    monkeypatch.setattr(SnapshotStore, "rewrite_paths", real)
+    relocate(p)  # the next start
+    machine = json.loads((p.sandboxes / "sbx-1" / "machine.json").read_text())
+    assert machine["kernel"] == str(new.resolve() / "templates" / "python" / "vmlinuz")
+    backing = backing_file(p.sandboxes / "sbx-1" / "disk.qcow2")
+    assert backing == new.resolve() / "templates" / "python" / "snapshot" / "disk.qcow2"

@@ -93,9 +93,11 @@ def write_record(
 
 
 def rewrite_prefix(value: Any, old: str, new: str) -> Any:
-    """``value`` (a JSON value) with every string under directory ``old`` moved under ``new``."""
+    """``value`` (a JSON value) with every string under directory ``old`` moved under ``new``.
+    When ``new`` lies under ``old``, a string under ``new`` is moved already (a rewrite that
+    failed half way and is tried again) and stays as it is."""
     if isinstance(value, str):
-        if value == old or value.startswith(old + "/"):
+        if _under(value, old) and not (_under(new, old) and _under(value, new)):
             return new + value[len(old) :]
         return value
     if isinstance(value, list):
@@ -103,6 +105,10 @@ def rewrite_prefix(value: Any, old: str, new: str) -> Any:
     if isinstance(value, dict):
         return {k: rewrite_prefix(v, old, new) for k, v in value.items()}
     return value
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory + "/")
 
 
 @contextlib.contextmanager

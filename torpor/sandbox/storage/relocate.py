@@ -123,10 +123,12 @@ def _rebase_disk(path: Path, old: str, new: str) -> bool:
         backing = backing_file(path)
     except StorageError:
         return False
-    if backing is None or not (str(backing) == old or str(backing).startswith(old + "/")):
+    if backing is None:
+        return False
+    target = rewrite_prefix(str(backing), old, new)
+    if target == str(backing):  # elsewhere, or moved already
         return False
     st = path.stat()
-    target = new + str(backing)[len(old) :]
     set_backing(path, Path(target))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     return True
