@@ -569,3 +569,33 @@ def test_a_cache_write_cut_by_a_crash_leaves_no_file_for_ever(tmp_path: Path) ->
     ChunkCache(root, 1 << 20)
     assert not left.exists()
     assert fresh.exists()
+
+
+@pytest.mark.s3
+def test_a_snapshot_push_during_a_sweep_keeps_the_old_chunks_it_names(
+    s3_bucket: str, client: CountingClient, tmp_path: Path
+) -> None:
+    """Cluster mode: a snapshot's push skipped every chunk the shared store had, old ones no
+    manifest named included (left by a deleted snapshot). A sweep that read its marks before
+    the snapshot was recorded deleted them after the push: the snapshot was durable with a
+    chunk gone, restorable on no other node once its node let its copy go."""
+    from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
+    from torpor.sandbox.storage.tiered import TieredChunkBackend
+
+    shared = _store(s3_bucket, client, tmp_path / "n0")
+    remote = shared.backend
+    assert isinstance(remote, S3ChunkBackend)
+    data = os.urandom(CS)
+    digest, _ = shared.put(data)  # in the store, named by nothing any more
+    time.sleep(2.5)
+    remote.gc_grace_seconds = 2.0  # so it is older than the sweep's grace
+    marked: set[str] = set()  # a sweep begins: its marks (the snapshot is not recorded yet)
+    started = time.time()
+    node = S3ChunkBackend(remote.location, client=client)
+    node.gc_grace_seconds = 2.0
+    tiered = TieredChunkBackend(LocalChunkBackend(tmp_path / "node"), node)
+    store = ChunkStore(backend=tiered, chunk_size=CS)
+    store.put(data)  # the node's capture holds the same data; recorded, then pushed
+    tiered.push(digest, lambda blob: store.check(digest, blob))
+    shared.sweep(marked, min_age_seconds=2.0, now=started)  # the sweep goes on
+    assert node.exists(digest)

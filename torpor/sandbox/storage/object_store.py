@@ -300,6 +300,34 @@ class S3ChunkBackend:
             at = self._written.get(digest)
         return at is not None and time.monotonic() - at < self.gc_grace_seconds / 2
 
+    def keep(self, digest: str) -> bool:
+        """Whether the store has chunk ``digest``, made young as a write would make it when
+        it is not (a copy onto itself, nothing sent): a sweep whose marks were read before a
+        manifest naming it was recorded may delete an old chunk, never a young one. False
+        when the store lacks it."""
+        key = self.key_of(digest)
+        head = self._call(
+            f"check chunk {digest[:12]}",
+            lambda: self.client.head_object(Bucket=self.where.bucket, Key=key),
+            missing_ok=True,
+        )
+        if head is None:
+            return False
+        written = head.get("LastModified")
+        if written is not None and time.time() - written.timestamp() < self.gc_grace_seconds / 2:
+            return True
+        copied = self._call(
+            f"keep chunk {digest[:12]}",
+            lambda: self.client.copy_object(
+                Bucket=self.where.bucket,
+                Key=key,
+                CopySource={"Bucket": self.where.bucket, "Key": key},
+                MetadataDirective="REPLACE",
+            ),
+            missing_ok=True,
+        )
+        return copied is not None  # None: a sweep took it meanwhile
+
     def _forget(self, digest: str) -> None:
         if self.cache is not None:
             self.cache.drop(digest)

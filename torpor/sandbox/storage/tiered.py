@@ -84,8 +84,12 @@ class TieredChunkBackend:
     def push(self, digest: str, check: Callable[[bytes], None]) -> int:
         """Copy chunk ``digest`` to the shared store unless it is there; ``check(blob)``
         raises CorruptData for a bad local copy before it could go. Returns the bytes sent.
-        Raises CorruptData (the chunk is in neither place), StorageError."""
-        if self.remote.exists(digest):
+        One there already is made young when the store can (``keep``): the snapshot naming
+        it was recorded before its push, but a sweep whose marks were read before that
+        deletes old chunks nothing else names. Raises CorruptData (the chunk is in neither
+        place), StorageError."""
+        keep = getattr(self.remote, "keep", None)
+        if keep(digest) if keep is not None else self.remote.exists(digest):
             return 0
         blob = self.local.read(digest)
         if blob is None:
