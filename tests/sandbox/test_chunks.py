@@ -211,3 +211,31 @@ def test_a_scrub_that_finds_the_shared_copy_bad_keeps_the_good_copy_of_the_node(
     assert not shared.exists(digest)  # the bad one is out of the way: a push sends it again
     tiered.push(digest, lambda blob: store.check(digest, blob))
     assert store.verify(digest)
+
+
+def test_a_bad_copy_on_the_node_read_whole_from_the_shared_store_is_replaced(
+    tmp_path: Path,
+) -> None:
+    """Cluster mode: a read that found the node's own copy of a chunk bad read the shared
+    store's instead and left the bad copy in place, though a failed read is what moves a bad
+    copy aside. A later capture of the same data took it as stored; once the shared copy
+    was swept (its snapshot deleted), that capture's push failed and its chunk was lost."""
+    from torpor.sandbox.storage.chunk_backends import LocalChunkBackend
+    from torpor.sandbox.storage.tiered import TieredChunkBackend
+
+    shared = LocalChunkBackend(tmp_path / "shared")
+    local = LocalChunkBackend(tmp_path / "node")
+    tiered = TieredChunkBackend(local, shared)
+    store = ChunkStore(backend=tiered, chunk_size=CS)
+    data = os.urandom(CS)
+    digest, _ = store.put(data)
+    tiered.push(digest, lambda blob: store.check(digest, blob))
+    path = local.path_of(digest)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+    assert store.get(digest) == data  # read whole from the shared store
+    shared.delete(digest)  # swept there: the snapshot naming it was deleted
+    store.put(data)  # a new capture of the same data on this node
+    tiered.push(digest, lambda blob: store.check(digest, blob))
+    assert store.verify(digest)

@@ -261,8 +261,15 @@ class ChunkStore:
             data = None if blob is None else self._decode(digest, blob)
             if data is None and self.backend.caches:
                 # a bad local copy is not a bad chunk: read the store itself before judging
+                bad = blob
                 blob = self.backend.read(digest, cached=False)
                 data = None if blob is None else self._decode(digest, blob)
+                repair = getattr(self.backend, "repair", None)
+                if bad is not None and data is not None and blob is not None and repair:
+                    try:  # the bad local copy, which a put would trust
+                        repair(digest, blob)
+                    except StorageError as exc:
+                        log.error("cannot replace the bad copy of chunk %s: %s", digest[:12], exc)
         except StorageError as exc:
             exc.data.setdefault("snapshot_id", snapshot_id)
             exc.data.setdefault("chunk", digest)

@@ -59,6 +59,12 @@ class TieredChunkBackend:
     def write(self, digest: str, blob: bytes) -> int:
         return self.local.write(digest, blob)
 
+    def repair(self, digest: str, blob: bytes) -> None:
+        """Replace this node's copy of chunk ``digest``, found bad, with ``blob``, the shared
+        store's copy found whole (else a save of the same data would skip it as stored)."""
+        if self.local.exists(digest):
+            self.local.write(digest, blob)
+
     def delete(self, digest: str, *, before: float | None = None) -> int | None:
         return self.local.delete(digest, before=before)
 
