@@ -341,6 +341,22 @@ def test_closed_store_raises(backend: MemoryBackend) -> None:
         s.scan(flt(), 10)
 
 
+def test_a_closed_backend_raises_and_opens_nothing_again(backend: MemoryBackend) -> None:
+    backend.tenant("t1").add([fact("x")])
+    backend.audit_log("t1", 1)
+    backend.close()
+    with pytest.raises(StorageError):
+        backend.tenant("t1").scan(flt(), 10)
+    with pytest.raises(StorageError):
+        backend.tenant("other").add([fact("y")])
+    with pytest.raises(StorageError):
+        backend.audit_log("t1", 10)
+    with pytest.raises(StorageError):
+        backend.append_audit(AuditEntry(at=from_us(now_us()), tenant="t1", actor="a", action="x"))
+    with pytest.raises(StorageError):
+        backend.get_token("h1")
+
+
 def test_bad_tenant_name(backend: MemoryBackend) -> None:
     with pytest.raises(InvalidName):
         backend.tenant("../etc")

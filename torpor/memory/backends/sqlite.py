@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from torpor.config import check_name
-from torpor.errors import InvalidArgument, RecordNotFound
+from torpor.errors import InvalidArgument, RecordNotFound, StorageError
 from torpor.memory.backends import _sqlite_schema as schema
 from torpor.memory.backends._rows import (
     TOKEN_COLUMNS,
@@ -648,9 +648,18 @@ class SQLiteBackend(MemoryBackend):
         self._lock = threading.Lock()
         self._stores: dict[str, SQLiteTenantStore] = {}
         self._system: Conn | None = None
+        self._closed = False
+
+    def _check_open(self) -> None:
+        """Raise :class:`StorageError` once closed (nothing is opened again); under ``_lock``."""
+        if self._closed:
+            raise StorageError(
+                f"memory backend {self.directory} is closed", path=str(self.directory)
+            )
 
     def _sys(self) -> Conn:
         with self._lock:
+            self._check_open()
             if self._system is None:
                 self._system = Conn(self.directory / "_system.db", schema.SYSTEM_MIGRATIONS)
             return self._system
@@ -658,6 +667,7 @@ class SQLiteBackend(MemoryBackend):
     def tenant(self, tenant: str) -> TenantStore:
         check_name(tenant, "tenant name")
         with self._lock:
+            self._check_open()
             store = self._stores.get(tenant)
             if store is None:
                 store = SQLiteTenantStore(tenant, self.directory / f"{tenant}.db")
@@ -732,6 +742,7 @@ class SQLiteBackend(MemoryBackend):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for store in self._stores.values():
                 store.close()
             self._stores.clear()
