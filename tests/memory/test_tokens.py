@@ -4,11 +4,13 @@ adopting a legacy token (tokens are the server's identity: tests/server/test_ide
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from torpor.errors import InvalidArgument
+from torpor.errors import AccessDenied, InvalidArgument
+from torpor.memory import Memory
 from torpor.memory.access import TokenManager, hash_token
 from torpor.memory.backends import MemoryBackend
 from torpor.memory.models import Grant
@@ -64,3 +66,13 @@ def test_adopt_keeps_a_revoked_token_revoked(backend: MemoryBackend) -> None:
     tm.revoke(legacy)
     assert not tm.adopt(legacy, "acme", name="file")
     assert tm.lookup(legacy) is None
+
+
+def test_a_token_holding_a_lone_surrogate_is_unknown(
+    backend: MemoryBackend, backend_spec: str, home: Path
+) -> None:
+    tm = TokenManager(backend)
+    assert tm.lookup("\ud800") is None and not tm.revoke("\ud800")
+    with pytest.raises(AccessDenied):
+        Memory(str(home), token="tk-\ud800", embedder=None, backend=backend_spec)
+    assert [e.allowed for e in backend.audit_log(None, 10)] == [False]

@@ -39,8 +39,8 @@ _PREFIX = "tpr_"
 
 
 def hash_token(token: str) -> str:
-    """The stored form of a token."""
-    return hashlib.sha256(token.encode()).hexdigest()
+    """The stored form of a token (one holding a lone surrogate hashes too: it is unknown)."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _grants(grants: Iterable[Grant | tuple[str, str]]) -> list[Grant]:
