@@ -440,6 +440,15 @@ def test_forget_record_and_scope(mem: Memory) -> None:
     assert any(e.action == "forget.scope" for e in mem.audit_log())
 
 
+def test_audit_log_limits_out_of_range_are_invalid(mem: Memory) -> None:
+    mem.forget(mem.scope(app="a"))
+    mem.forget(mem.scope(app="b"))
+    assert len(mem.audit_log(2**70)) == 2 and len(mem.audit_log(1)) == 1
+    for bad in (0, -1, 1.5, "3", True, None):
+        with pytest.raises(InvalidArgument):
+            mem.audit_log(bad)  # type: ignore[arg-type]
+
+
 def test_export_import_fork_roundtrip(hmem: Memory, tmp_path: Path) -> None:
     u = hmem.scope(app="a", user="u")
     u.set_profile({"plan": "pro"})

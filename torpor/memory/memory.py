@@ -299,8 +299,11 @@ class Memory:
         return n
 
     def audit_log(self, limit: int = 100) -> list[AuditEntry]:
-        """This tenant's newest audit entries."""
-        return self.backend.audit_log(self.tenant, limit)
+        """This tenant's newest audit entries, ``limit`` at most (a positive integer; one past
+        any count reads them all). Raises :class:`InvalidArgument`, :class:`StorageError`."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise InvalidArgument(f"limit must be a positive integer, not {limit!r}")
+        return self.backend.audit_log(self.tenant, min(limit, 2**63 - 1))
 
     def close(self) -> None:
         """Close the backend (later calls raise :class:`StorageError`)."""
