@@ -167,3 +167,15 @@ def test_random_scopes_never_leak(
     finally:
         for o in (*owners.values(), *([m] if m else [])):
             o.close()
+
+
+def test_a_refused_tenant_no_store_can_encode_is_audited(home: Path, backend_spec: str) -> None:
+    m = Memory(str(home), tenant="acme", embedder=None, backend=backend_spec)
+    for bad in ("x\ud800", "y\x00"):
+        with pytest.raises(AccessDenied):
+            m.scope(app="a", tenant=bad)
+        with pytest.raises(AccessDenied):
+            Memory(str(home), token="nope", tenant=bad, embedder=None, backend=backend_spec)
+    refused = [e for e in m.backend.audit_log(None, 10) if not e.allowed]
+    assert len(refused) == 4 and {e.action for e in refused} == {"scope", "connect"}
+    m.close()

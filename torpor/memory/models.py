@@ -26,7 +26,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from torpor.config import check_name
 from torpor.errors import InvalidArgument, InvalidName
@@ -560,3 +560,10 @@ class AuditEntry(BaseModel):
     scope: str = ""
     allowed: bool = True
     detail: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("tenant", "actor", "action", "scope")
+    @classmethod
+    def _storable(cls, value: str) -> str:
+        """What a caller named, in text every store keeps (a refusal of a tenant named with a
+        lone surrogate or NUL is audited too): those characters escaped."""
+        return value.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
