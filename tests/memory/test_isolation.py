@@ -56,6 +56,19 @@ def test_read_grant_cannot_write(home: Path, backend_spec: str) -> None:
     admin.close()
 
 
+def test_the_audit_log_needs_read_on_the_tenants_root(home: Path, backend_spec: str) -> None:
+    """As ``GET /v1/audit``: the log names every user's scopes and actions."""
+    admin = Memory(str(home), tenant="acme", embedder=None, backend=backend_spec)
+    admin.forget(admin.scope(app="y", user="other"))
+    tok = admin.tokens.issue("acme", grants=[("write", "app/x")])
+    m = Memory(str(home), token=tok, embedder=None, backend=backend_spec)
+    with pytest.raises(AccessDenied):
+        m.audit_log()
+    assert [e.action for e in admin.audit_log(1)] == ["audit"]  # the refusal, audited
+    m.close()
+    admin.close()
+
+
 def test_verify_by_id_needs_write_on_the_records_own_scope(home: Path, backend_spec: str) -> None:
     """``verify(id)`` from a writable scope reads an ancestor's fact; re-marking it is a write
     to that ancestor, which a token that may only read it cannot do."""

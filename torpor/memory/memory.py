@@ -300,9 +300,12 @@ class Memory:
 
     def audit_log(self, limit: int = 100) -> list[AuditEntry]:
         """This tenant's newest audit entries, ``limit`` at most (a positive integer; one past
-        any count reads them all). Raises :class:`InvalidArgument`, :class:`StorageError`."""
+        any count reads them all). Needs read on the tenant root: the log names every
+        scope's actions. Raises :class:`InvalidArgument`, :class:`AccessDenied` (audited),
+        :class:`StorageError`."""
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise InvalidArgument(f"limit must be a positive integer, not {limit!r}")
+        self.access.require("read", "", "audit")
         return self.backend.audit_log(self.tenant, min(limit, 2**63 - 1))
 
     def close(self) -> None:
