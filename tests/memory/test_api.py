@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 import torpor
 from torpor.errors import (
+    AccessDenied,
     InvalidArgument,
     PayloadTooLarge,
     RecordNotFound,
@@ -447,6 +448,24 @@ def test_audit_log_limits_out_of_range_are_invalid(mem: Memory) -> None:
     for bad in (0, -1, 1.5, "3", True, None):
         with pytest.raises(InvalidArgument):
             mem.audit_log(bad)  # type: ignore[arg-type]
+
+
+def test_a_memory_that_fails_to_open_closes_its_backend(backend_spec: str, home: Path) -> None:
+    """A refused token or a bad embedder leaves no connection, pool thread or file open."""
+    import os
+
+    Memory(str(home), embedder=None, backend=backend_spec).close()
+    threads = sorted(t.name for t in threading.enumerate())
+    fds = len(os.listdir("/proc/self/fd"))
+    kept = []
+    for _ in range(2):
+        with pytest.raises(AccessDenied) as denied:
+            Memory(str(home), token="nope", embedder=None, backend=backend_spec)
+        with pytest.raises(InvalidArgument) as invalid:
+            Memory(str(home), embedder="no-such-embedder", backend=backend_spec)
+        kept += [denied, invalid]  # their tracebacks hold the half-made Memory
+    assert sorted(t.name for t in threading.enumerate()) == threads
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_export_import_fork_roundtrip(hmem: Memory, tmp_path: Path) -> None:

@@ -76,6 +76,14 @@ class Memory:
         self.reranker = resolve_reranker(reranker)
         self.paths = paths(home)
         self.backend = open_backend(backend, self.paths.memory)
+        try:
+            self._open(token, tenant, embedder)
+        except BaseException:
+            self.backend.close()  # a refused token or a bad embedder keeps nothing open
+            raise
+
+    def _open(self, token: str | None, tenant: str | None, embedder: str | Embedder | None) -> None:
+        """The rest of :meth:`__init__`, once the backend is open."""
         self.tokens = TokenManager(self.backend)
         if token is not None:
             info = self.tokens.lookup(token)
