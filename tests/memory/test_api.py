@@ -18,12 +18,13 @@ from pydantic import BaseModel, ConfigDict
 import torpor
 from torpor.errors import (
     AccessDenied,
+    Conflict,
     InvalidArgument,
     PayloadTooLarge,
     RecordNotFound,
     SchemaViolation,
 )
-from torpor.memory import Memory, ScopedMemory
+from torpor.memory import HashEmbedder, Memory, ScopedMemory
 from torpor.memory.models import Episode, Policy, from_us, now_us, to_us
 
 _RT = itertools.count()
@@ -466,6 +467,29 @@ def test_a_memory_that_fails_to_open_closes_its_backend(backend_spec: str, home:
         kept += [denied, invalid]  # their tracebacks hold the half-made Memory
     assert sorted(t.name for t in threading.enumerate()) == threads
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_two_writers_of_other_models_never_both_claim_a_new_store(
+    backend_spec: str, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other process writes its first record between this one's look at the store's
+    model and its own first write: this one's vectors would be mixed with the other's."""
+    first = Memory(str(home), embedder=HashEmbedder(32), backend=backend_spec)
+    second = Memory(str(home), embedder=HashEmbedder(64), backend=backend_spec)
+    read = second.store.get_meta
+
+    def meanwhile(key: str) -> str | None:
+        found = read(key)
+        if key == "embedding_model" and found is None:
+            first.scope(app="a").remember("written by the other process first")
+        return found
+
+    monkeypatch.setattr(second.store, "get_meta", meanwhile)
+    with pytest.raises(Conflict):
+        second.scope(app="a").remember("written second")
+    assert read("embedding_model") == "hash:32" and read("embedding_dim") == "32"
+    first.close()
+    second.close()
 
 
 def test_export_import_fork_roundtrip(hmem: Memory, tmp_path: Path) -> None:

@@ -191,11 +191,12 @@ class Memory:
         if self.embedder is None:
             return None
         stored = self._stored_model()
-        if stored is None:
-            self.store.set_meta("embedding_model", self.embedder.name)
-            self.store.set_meta("embedding_dim", str(self.embedder.dim))
-            self._model, self._model_known = self.embedder.name, True
-        elif stored != self.embedder.name:
+        if stored is None:  # another process may claim the store for its model meanwhile
+            stored = self.store.claim_meta("embedding_model", self.embedder.name)
+            if stored == self.embedder.name:
+                self.store.set_meta("embedding_dim", str(self.embedder.dim))
+            self._model, self._model_known = stored, True
+        if stored != self.embedder.name:
             raise Conflict(
                 f"tenant {self.tenant!r} holds vectors of {stored}, not of this memory's "
                 f"embedder {self.embedder.name}: open it with that model, or with "

@@ -557,5 +557,16 @@ class PostgresTenantStore(TenantStore):
                 (key, value),
             )
 
+    def claim_meta(self, key: str, value: str) -> str:
+        with self._tx("set meta") as cur:
+            cur.execute(
+                f"INSERT INTO torpor.meta VALUES ({_T}, %s, %s) ON CONFLICT DO NOTHING",
+                (key, value),
+            )
+            row = cur.execute(
+                f"SELECT value FROM torpor.meta WHERE tenant_id = {_T} AND key = %s", (key,)
+            ).fetchone()
+        return value if row is None else str(row[0])
+
     def close(self) -> None:
         self._closed = True

@@ -427,6 +427,15 @@ class TenantStore(abc.ABC):
     def set_meta(self, key: str, value: str) -> None:
         """Set a tenant-level setting."""
 
+    def claim_meta(self, key: str, value: str) -> str:
+        """Set ``key`` to ``value`` unless it holds a value already; return what it holds
+        then. Backends make it one step, so two writers (two processes) never both set it."""
+        stored = self.get_meta(key)
+        if stored is None:
+            self.set_meta(key, value)
+            return value
+        return stored
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections. Later calls raise :class:`StorageError`."""

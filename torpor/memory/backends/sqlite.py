@@ -634,6 +634,11 @@ class SQLiteTenantStore(TenantStore):
         with self._db.write("set meta") as conn:
             conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
+    def claim_meta(self, key: str, value: str) -> str:
+        with self._db.write("set meta") as conn:
+            conn.execute("INSERT OR IGNORE INTO meta VALUES (?, ?)", (key, value))
+            return str(conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0])
+
     def close(self) -> None:
         self._db.close()
 
