@@ -322,3 +322,16 @@ def test_a_file_name_that_is_not_utf8_is_listed(client: TestClient) -> None:
     r = client.get(f"/v1/sandboxes/{sid}/files/list", params={"path": "/workspace"}, headers=A)
     assert r.status_code == 200, r.text
     assert [e["name"] for e in json.loads(r.content)] == ["caf\udce9.txt"]
+
+
+def test_a_result_holding_a_lone_surrogate_is_answered(client: TestClient) -> None:
+    """A result's text may hold a lone surrogate (user code's own repr, a file name that is
+    not UTF-8 in a message): FastAPI's JSON encoding refused it, a 500 for a run that
+    worked. JSON carries it as a \\u escape."""
+    import json
+
+    sid = client.post("/v1/sandboxes", json={}, headers=A).json()["id"]
+    code = "type('X', (), {'__repr__': lambda self: 'caf' + chr(0xDCE9)})()"
+    r = client.post(f"/v1/sandboxes/{sid}/interpreter", json={"code": code}, headers=A)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.content)["results"][0]["data"]["text/plain"] == "caf\udce9"

@@ -275,11 +275,14 @@ async def make_dir(id_or_name: str, manager: Manager, tenant: Tenant, path: Path
     return Response(status_code=204)
 
 
-@router.post("/interpreter")
-async def run_code(id_or_name: str, body: CodeSpec, manager: Manager, tenant: Tenant) -> Execution:
+@router.post("/interpreter", response_model=Execution)
+async def run_code(
+    id_or_name: str, body: CodeSpec, manager: Manager, tenant: Tenant
+) -> EscapedJSONResponse:
     """Run code in the sandbox's interpreter; variables persist between calls and pauses."""
     execution: Execution = await manager.run_code(id_or_name, body, tenant=tenant)
-    return execution
+    # (escaped: a result's text may hold a lone surrogate, which FastAPI's encoding refuses)
+    return EscapedJSONResponse(execution.model_dump(mode="json"))
 
 
 @router.post("/interpreter/stream", response_class=NDJSONResponse)
