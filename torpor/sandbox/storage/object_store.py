@@ -237,16 +237,18 @@ class S3ChunkBackend:
 
     # -- the backend interface ----------------------------------------------------------------
 
-    def exists(self, digest: str) -> bool:
+    def _head(self, digest: str) -> dict[str, Any] | None:
+        """The store's HEAD of chunk ``digest`` (None: it has none). Raises StorageError."""
         key = self.key_of(digest)
-        return (
-            self._call(
-                f"check chunk {digest[:12]}",
-                lambda: self.client.head_object(Bucket=self.where.bucket, Key=key),
-                missing_ok=True,
-            )
-            is not None
+        head: dict[str, Any] | None = self._call(
+            f"check chunk {digest[:12]}",
+            lambda: self.client.head_object(Bucket=self.where.bucket, Key=key),
+            missing_ok=True,
         )
+        return head
+
+    def exists(self, digest: str) -> bool:
+        return self._head(digest) is not None
 
     def read(self, digest: str, *, cached: bool = True) -> bytes | None:
         if self.cache is not None:
@@ -306,11 +308,7 @@ class S3ChunkBackend:
         manifest naming it was recorded may delete an old chunk, never a young one. False
         when the store lacks it."""
         key = self.key_of(digest)
-        head = self._call(
-            f"check chunk {digest[:12]}",
-            lambda: self.client.head_object(Bucket=self.where.bucket, Key=key),
-            missing_ok=True,
-        )
+        head = self._head(digest)
         if head is None:
             return False
         written = head.get("LastModified")
@@ -336,11 +334,7 @@ class S3ChunkBackend:
 
     def delete(self, digest: str, *, before: float | None = None) -> int | None:
         key = self.key_of(digest)
-        head = self._call(
-            f"check chunk {digest[:12]}",
-            lambda: self.client.head_object(Bucket=self.where.bucket, Key=key),
-            missing_ok=True,
-        )
+        head = self._head(digest)
         if head is None:
             self._forget(digest)
             return 0
