@@ -114,38 +114,16 @@ def test_a_request_waiting_for_the_volumes_lock_leaves_other_requests_free(
     drive create (mkfs too) or delete waited for it on the server's event loop, so every
     other request stood still. Here another thread holds the lock until another request
     was answered."""
-    import threading
-
     assert client.post("/v1/volumes", json={"name": "memory", "size_mib": 16}, headers=A)
     assert client.get("/v1/sandboxes", headers=A).status_code == 200  # made the checkpoints
     cp = client.app.state.checkpoints  # type: ignore[attr-defined]
     store = cp.drives if "drives" in path else cp.volumes
-    held, answered = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with store.records.lock():
-            held.set()
-            answered.wait(10)  # let go once the other request was answered, or after 10 s
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(10)
     body = {"name": "other", "size_mib": 16} if method == "POST" else None
     if path == "/v1/drives":
         body = {"name": "other"}
-    statuses: list[int] = []
-    waiting = threading.Thread(
-        target=lambda: statuses.append(
-            client.request(method, path, json=body, headers=A).status_code
-        )
+    answered_while_held, statuses = _held_while_answered(
+        client, store.records.lock, method, path, body
     )
-    waiting.start()
-    time.sleep(0.2)  # it waits for the lock
-    assert client.get("/v1/sandboxes", headers=A).status_code == 200
-    answered_while_held = holder.is_alive()
-    answered.set()
-    waiting.join(10)
-    holder.join(10)
     assert answered_while_held
     assert statuses == [204 if method == "DELETE" else 201]
 
